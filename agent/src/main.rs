@@ -1,0 +1,51 @@
+//! `rsb-agent`: the remote half of rsb. `serve` speaks the framed protocol on stdin/stdout;
+//! the other subcommands make the binary useful to a person logged into the host.
+
+mod exec;
+mod fs;
+mod hello;
+mod jobs;
+mod resources;
+mod serve;
+mod util;
+
+use std::process::ExitCode;
+
+fn usage() -> &'static str {
+    "usage: rsb-agent <command>\n\
+     \n\
+     commands:\n\
+     \x20 serve                 speak the rsb protocol on stdin/stdout (started by rsb)\n\
+     \x20 version               print version, protocol and binary hash\n\
+     \x20 resources [--json]    print CPU, memory, disk and GPU load of this host\n\
+     \x20 jobs [--json]         list background jobs started by rsb on this host\n\
+     \x20 hash FILE...          print the blake3 of files\n\
+     \x20 job-run ...           (internal) supervise one background job\n"
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let Some(cmd) = args.first().map(String::as_str) else {
+        eprint!("{}", usage());
+        return ExitCode::from(2);
+    };
+    let rest = &args[1..];
+    let code = match cmd {
+        "serve" => serve::main(),
+        "version" | "--version" | "-V" => hello::print_version(),
+        "resources" => resources::cli_main(rest),
+        "jobs" => jobs::cli_main(rest),
+        "job-run" => jobs::job_run_main(rest),
+        "hash" => util::hash_cli(rest),
+        "help" | "--help" | "-h" => {
+            print!("{}", usage());
+            0
+        }
+        other => {
+            eprintln!("rsb-agent: unknown command '{other}'\n");
+            eprint!("{}", usage());
+            2
+        }
+    };
+    ExitCode::from(code.clamp(0, 255) as u8)
+}

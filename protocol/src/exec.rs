@@ -1,0 +1,71 @@
+//! Running one command to completion with a timeout the agent enforces itself.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    /// Passed to `bash -c` as one argument, never spliced into another shell string.
+    pub command: String,
+    /// Working directory, taken as a path (a leading `~` or `~/` means the agent's `$HOME`).
+    pub cwd: Option<String>,
+    /// Extra environment, passed as data.
+    pub env: Vec<(String, String)>,
+    /// 0 means no timeout.
+    pub timeout_ms: u64,
+    /// After the timeout (or a cancel) the group gets SIGTERM, then SIGKILL after this grace.
+    pub kill_grace_ms: u64,
+    /// Caps on what the reply carries; output beyond them is counted, not kept.
+    pub max_stdout: u64,
+    pub max_stderr: u64,
+    /// Also send output as [`crate::Chunk`]s while the command runs (for live CLI output).
+    pub stream: bool,
+}
+
+impl ExecRequest {
+    pub fn new(command: impl Into<String>) -> Self {
+        Self {
+            command: command.into(),
+            cwd: None,
+            env: Vec::new(),
+            timeout_ms: 120_000,
+            kill_grace_ms: 2_000,
+            max_stdout: 1 << 20,
+            max_stderr: 1 << 20,
+            stream: false,
+        }
+    }
+}
+
+/// Output kept within a cap: the first half and the last half of the cap, so both the start
+/// of a log and the error at its end survive truncation.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Captured {
+    pub head: Vec<u8>,
+    pub tail: Vec<u8>,
+    /// Bytes the command wrote in all; `total > head.len() + tail.len()` means truncated.
+    pub total: u64,
+}
+
+impl Captured {
+    pub fn truncated(&self) -> bool {
+        self.total > (self.head.len() + self.tail.len()) as u64
+    }
+
+    /// Bytes dropped between head and tail.
+    pub fn omitted(&self) -> u64 {
+        self.total.saturating_sub((self.head.len() + self.tail.len()) as u64)
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecResult {
+    /// `None` when the process was ended by a signal.
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    /// True only when the agent's own timer fired; a command exiting 124 is not a timeout.
+    pub timed_out: bool,
+    pub cancelled: bool,
+    pub duration_ms: u64,
+    pub stdout: Captured,
+    pub stderr: Captured,
+}

@@ -1,0 +1,73 @@
+//! Background jobs supervised by the agent: started detached, recorded on disk, readable later
+//! from a new connection.
+
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobStartRequest {
+    /// `[A-Za-z0-9_-]{1,64}`; matched exactly.
+    pub name: String,
+    pub command: String,
+    pub cwd: Option<String>,
+    /// Absolute, or relative to `cwd` (or `$HOME` without one); `~` expanded by the agent.
+    pub log_file: String,
+    pub env: Vec<(String, String)>,
+    /// Use tmux when present (`true`), or force the setsid runner (`false`).
+    pub prefer_tmux: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobState {
+    Running,
+    /// Ended on its own; see `exit_code` / `signal`.
+    Exited,
+    /// Its supervisor vanished without recording an end (tmux session killed, host rebooted).
+    Lost,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobInfo {
+    pub name: String,
+    pub command: String,
+    pub cwd: String,
+    pub log_file: String,
+    pub runner: String,
+    pub pid: u32,
+    pub started_ms: u64,
+    pub state: JobState,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub ended_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobStatusRequest {
+    pub name: String,
+    /// Read this log instead of the job's recorded one (seed compatibility).
+    pub log_file: Option<String>,
+    /// Lines of log tail to return when `offset` is `None`.
+    pub last_n_lines: u32,
+    /// Byte cursor: return log bytes from here (up to `max_bytes`).
+    pub offset: Option<u64>,
+    pub max_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobStatusResult {
+    /// `None` when no job with this exact name is recorded.
+    pub info: Option<JobInfo>,
+    pub log_found: bool,
+    pub log: Vec<u8>,
+    /// Offset of `log[0]` in the file.
+    pub log_start: u64,
+    /// Where the next cursor read should start.
+    pub next_offset: u64,
+    pub log_size: u64,
+    pub log_truncated: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobKillRequest {
+    pub name: String,
+    pub grace_ms: u64,
+}

@@ -1,0 +1,228 @@
+//! Every message survives encode → decode unchanged, and hostile bytes give an error, never a panic.
+
+use rsb_protocol::*;
+
+fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
+    let exec = ExecRequest {
+        command: "echo 'hi'; exit 3".into(),
+        cwd: Some("/tmp/a b".into()),
+        env: vec![("K".into(), "v=1".into())],
+        timeout_ms: 2_000,
+        kill_grace_ms: 500,
+        max_stdout: 10,
+        max_stderr: 20,
+        stream: true,
+    };
+    let requests = vec![
+        Request::Ping { payload: vec![0, 1, 255] },
+        Request::Exec(exec),
+        Request::Stat(StatRequest { path: "~/x".into(), follow: true }),
+        Request::ListDir(ListDirRequest { path: ".".into(), recursive: true, max_entries: 5 }),
+        Request::ReadFile(ReadFileRequest { path: "f".into(), offset: 7, max_bytes: 9 }),
+        Request::Resources(ResourcesRequest { max_wait_ms: 300 }),
+        Request::JobStart(JobStartRequest {
+            name: "train-1".into(),
+            command: "python x.py".into(),
+            cwd: None,
+            log_file: ".codex_logs/train-1.log".into(),
+            env: vec![],
+            prefer_tmux: true,
+        }),
+        Request::JobStatus(JobStatusRequest {
+            name: "j".into(),
+            log_file: None,
+            last_n_lines: 50,
+            offset: Some(12),
+            max_bytes: 100,
+        }),
+        Request::JobKill(JobKillRequest { name: "j".into(), grace_ms: 1000 }),
+        Request::JobList,
+    ];
+    let mut to_agent: Vec<ToAgent> = requests
+        .into_iter()
+        .enumerate()
+        .map(|(i, body)| ToAgent::Request { id: i as u64 * 1_000_003, body })
+        .collect();
+    to_agent.push(ToAgent::Cancel { id: u64::MAX });
+
+    let job = JobInfo {
+        name: "j".into(),
+        command: "c".into(),
+        cwd: "/".into(),
+        log_file: "/l".into(),
+        runner: "tmux".into(),
+        pid: 42,
+        started_ms: 1,
+        state: JobState::Exited,
+        exit_code: Some(7),
+        signal: None,
+        ended_ms: Some(2),
+    };
+    let replies = vec![
+        Reply::Pong { payload: vec![9] },
+        Reply::Exec(ExecResult {
+            exit_code: None,
+            signal: Some(9),
+            timed_out: true,
+            cancelled: false,
+            duration_ms: 2001,
+            stdout: Captured { head: b"a".to_vec(), tail: b"z".to_vec(), total: 100 },
+            stderr: Captured::default(),
+        }),
+        Reply::Stat(FileStat {
+            path: "/x".into(),
+            kind: FileKind::Symlink,
+            size: 3,
+            mode: 0o777,
+            mtime_ns: -5,
+            symlink_target: Some("../y".into()),
+        }),
+        Reply::ListDir(ListDirResult {
+            root: "/r".into(),
+            entries: vec![DirEntry {
+                rel: "a/b".into(),
+                kind: FileKind::File,
+                size: 1,
+                mode: 0o644,
+                mtime_ns: 1_700_000_000_000_000_000,
+            }],
+            truncated: true,
+            errors: vec!["sub: permission denied".into()],
+        }),
+        Reply::ReadFile(ReadFileResult {
+            path: "/f".into(),
+            size: 10,
+            offset: 2,
+            data: vec![0xff, 0xfe],
+            truncated: true,
+        }),
+        Reply::Resources(ResourceSnapshot {
+            hostname: "h".into(),
+            cpu: CpuInfo { usage_pct: 12.5, count: 2, load_1m: 0.5, load_5m: 0.25, load_15m: 0.1, interval_ms: 1000 },
+            memory: MemoryInfo { total_bytes: 1, used_bytes: 1, available_bytes: 0, swap_total_bytes: 0, swap_used_bytes: 0 },
+            disk: Some(DiskInfo { path: "/root".into(), total_bytes: 10, free_bytes: 5 }),
+            uptime_s: 99,
+            gpu: GpuReport {
+                source: GpuSource::NvidiaSmi,
+                gpus: vec![GpuInfo { index: 0, name: "H200".into(), uuid: "GPU-1".into(), util_pct: None, mem_used_mib: Some(1), mem_total_mib: Some(2), temperature_c: Some(40.0), power_w: None }],
+                processes: vec![GpuProcess { pid: 1, gpu_uuid: "GPU-1".into(), used_mem_mib: Some(5) }],
+                note: Some("n".into()),
+                age_ms: 3,
+            },
+        }),
+        Reply::Job(job.clone()),
+        Reply::JobStatus(JobStatusResult {
+            info: Some(job.clone()),
+            log_found: true,
+            log: b"EXIT_CODE=7\n".to_vec(),
+            log_start: 0,
+            next_offset: 12,
+            log_size: 12,
+            log_truncated: false,
+        }),
+        Reply::JobList(vec![job]),
+        Reply::Error(AgentError::new(ErrorCode::NotFound, "nope")),
+    ];
+    let mut from_agent: Vec<FromAgent> = vec![FromAgent::Hello(Hello {
+        magic: MAGIC,
+        protocol_version: PROTOCOL_VERSION,
+        agent_version: "0.1.0".into(),
+        agent_hash: "ab".repeat(32),
+        os: "linux".into(),
+        arch: "x86_64".into(),
+        kernel: "6.1".into(),
+        hostname: "h".into(),
+        user: "u".into(),
+        uid: 1000,
+        home: "/home/u".into(),
+        pid: 7,
+        capabilities: Capabilities { bash: true, tmux: false, nvidia_smi: true, nvml: false },
+    })];
+    from_agent.extend(replies.into_iter().map(|body| FromAgent::Reply { id: 3, body }));
+    from_agent.push(FromAgent::Chunk { id: 4, chunk: Chunk::Stdout(b"out".to_vec()) });
+    from_agent.push(FromAgent::Chunk { id: 4, chunk: Chunk::Stderr(vec![0x80]) });
+    (to_agent, from_agent)
+}
+
+#[test]
+fn every_message_round_trips() {
+    let (to, from) = samples();
+    assert_eq!(to.len(), 11, "one sample per request kind plus cancel");
+    for m in &to {
+        let bytes = encode(m).unwrap();
+        assert_eq!(&decode::<ToAgent>(&bytes).unwrap(), m);
+    }
+    for m in &from {
+        let bytes = encode(m).unwrap();
+        assert_eq!(&decode::<FromAgent>(&bytes).unwrap(), m);
+    }
+}
+
+/// xorshift64: deterministic, dependency-free noise.
+struct Noise(u64);
+impl Noise {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+#[test]
+fn garbage_and_truncated_frames_are_errors_not_panics() {
+    let (to, from) = samples();
+    let mut frames: Vec<Vec<u8>> = to.iter().map(|m| encode(m).unwrap().to_vec()).collect();
+    frames.extend(from.iter().map(|m| encode(m).unwrap().to_vec()));
+    let mut noise = Noise(0x9e37_79b9_7f4a_7c15);
+    let mut errors = 0usize;
+    for f in &frames {
+        // Every strict prefix of a valid frame must fail to decode as a whole frame.
+        for cut in 0..f.len() {
+            if decode::<FromAgent>(&f[..cut]).is_err() && decode::<ToAgent>(&f[..cut]).is_err() {
+                errors += 1;
+            }
+        }
+        // Trailing junk is refused.
+        let mut longer = f.clone();
+        longer.push(0);
+        assert!(decode::<FromAgent>(&longer).is_err() || decode::<ToAgent>(&longer).is_err());
+        // Random bit flips: any result is fine as long as nothing panics.
+        for _ in 0..200 {
+            let mut g = f.clone();
+            let i = (noise.next() as usize) % g.len();
+            g[i] ^= 1 << (noise.next() % 8);
+            let _ = decode::<FromAgent>(&g);
+            let _ = decode::<ToAgent>(&g);
+        }
+    }
+    assert!(errors > 0);
+    // Pure noise, including huge claimed lengths inside the body.
+    for len in [0usize, 1, 2, 7, 64, 4096] {
+        for _ in 0..200 {
+            let g: Vec<u8> = (0..len).map(|_| noise.next() as u8).collect();
+            let _ = decode::<FromAgent>(&g);
+            let _ = decode::<ToAgent>(&g);
+        }
+    }
+    // A length prefix claiming more than the whole buffer must not allocate it.
+    let huge = [0xfcu8, 0xff, 0xff, 0xff, 0x7f, 0, 0, 0, 0];
+    assert!(decode::<Vec<u8>>(&huge).is_err());
+}
+
+#[test]
+fn oversized_frames_are_refused_at_the_sender() {
+    let big = ToAgent::Request { id: 1, body: Request::Ping { payload: vec![0; MAX_FRAME + 1] } };
+    assert!(matches!(encode(&big), Err(CodecError::Encode(_)) | Err(CodecError::TooLarge(_))));
+}
+
+#[tokio::test]
+async fn framing_rejects_a_length_over_the_limit() {
+    use futures::StreamExt;
+    use tokio_util::codec::FramedRead;
+    let mut raw = Vec::new();
+    raw.extend_from_slice(&((MAX_FRAME as u32) + 1).to_be_bytes());
+    raw.extend_from_slice(&[0u8; 16]);
+    let mut fr = FramedRead::new(&raw[..], frame_codec());
+    assert!(fr.next().await.unwrap().is_err());
+}

@@ -1,0 +1,1 @@
+//! Test bed for rsb (filled in by the fixture work).
