@@ -1,1 +1,13 @@
+//! rsb: remote machines over SSH as sandboxes for AI agents.
+//!
+//! Request flow: MCP tool / CLI → [`pool::Pool`] (one connection per sandbox) →
+//! [`client::AgentClient`] (framed, multiplexed) → `rsb-agent serve` on the host.
 
+pub mod client;
+pub mod config;
+pub mod connect;
+pub mod error;
+pub mod mcp;
+pub mod ops;
+pub mod pool;
+pub mod ssh;

@@ -1,1 +1,530 @@
-fn main() {}
+//! `rsb`: the MCP server (`rsb mcp`) and a human CLI over the same operations.
+
+use std::{io::Write, process::ExitCode, sync::Arc, time::Duration};
+
+use clap::{Parser, Subcommand};
+use rsb::{
+    config::Config,
+    error::RsbError,
+    ops::{exec, fs, jobs, sandboxes},
+    pool::Pool,
+};
+use rsb_protocol::Chunk;
+use serde_json::Value;
+
+#[derive(Parser)]
+#[command(
+    name = "rsb",
+    version,
+    about = "Remote machines over SSH as sandboxes for AI agents"
+)]
+struct Cli {
+    /// Print machine-readable JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Serve MCP on stdin/stdout (what MCP clients run).
+    Mcp,
+    /// List sandboxes and their health.
+    Sandboxes {
+        /// Also show CPU, memory and GPU load side by side.
+        #[arg(long)]
+        resources: bool,
+    },
+    /// Run a command on a sandbox, streaming its output; exits with its exit code.
+    Exec {
+        #[arg(long, short)]
+        sandbox: Option<String>,
+        /// Seconds before the command's process group is killed.
+        #[arg(long, short, default_value_t = 120)]
+        timeout: i64,
+        #[arg(long)]
+        cwd: Option<String>,
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
+    /// List a remote directory.
+    Ls {
+        #[arg(default_value = ".")]
+        path: String,
+        #[arg(long, short)]
+        recursive: bool,
+        #[arg(long, default_value_t = 200)]
+        max_entries: i64,
+        #[arg(long, short)]
+        sandbox: Option<String>,
+    },
+    /// Print a remote file.
+    Cat {
+        path: String,
+        #[arg(long, default_value_t = 8 * 1024 * 1024)]
+        max_bytes: i64,
+        #[arg(long, short)]
+        sandbox: Option<String>,
+    },
+    /// Background jobs supervised by the agent.
+    Jobs {
+        #[command(subcommand)]
+        cmd: JobsCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum JobsCmd {
+    /// Start a detached job.
+    Start {
+        #[arg(long, short)]
+        name: Option<String>,
+        #[arg(long)]
+        cwd: Option<String>,
+        #[arg(long)]
+        log: Option<String>,
+        #[arg(long, short)]
+        sandbox: Option<String>,
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
+    /// List jobs.
+    List {
+        #[arg(long, short)]
+        sandbox: Option<String>,
+    },
+    /// Show a job's log (follow with -f until it ends).
+    Logs {
+        name: String,
+        #[arg(long, short)]
+        follow: bool,
+        #[arg(long, short = 'n', default_value_t = 50)]
+        lines: i64,
+        #[arg(long, short)]
+        sandbox: Option<String>,
+    },
+    /// Stop a job: SIGTERM, then SIGKILL after the grace.
+    Kill {
+        name: String,
+        #[arg(long, default_value_t = 5.0)]
+        grace: f64,
+        #[arg(long, short)]
+        sandbox: Option<String>,
+    },
+}
+
+fn init_tracing() {
+    // stdout is the MCP channel: logs go to stderr only.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("RSB_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_env_filter(filter)
+        .init();
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("rsb: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let code = rt.block_on(run(cli));
+    // Do not wait for lingering tasks (idle SSH connections) on exit.
+    rt.shutdown_timeout(Duration::from_millis(200));
+    ExitCode::from(code)
+}
+
+fn print_error(json: bool, e: &RsbError) {
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"error": e.message, "hint": e.hint})
+        );
+    } else {
+        eprintln!("rsb: {}\n  hint: {}", e.message, e.hint);
+    }
+}
+
+fn print_value(json: bool, v: &Value) {
+    if json {
+        println!("{v}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    }
+}
+
+async fn run(cli: Cli) -> u8 {
+    let config = match Config::load() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("rsb: {e}\n  hint: {}", e.hint);
+            return 2;
+        }
+    };
+    for w in &config.warnings {
+        tracing::warn!("{w}");
+    }
+    if let Cmd::Mcp = cli.cmd {
+        return match rsb::mcp::serve(config).await {
+            Ok(()) => 0,
+            Err(e) => {
+                eprintln!("rsb mcp: {e}");
+                1
+            }
+        };
+    }
+    let pool = Arc::new(Pool::new(Arc::new(config)));
+    let json = cli.json;
+    let code = match cli.cmd {
+        Cmd::Mcp => unreachable!(),
+        Cmd::Sandboxes { resources } => {
+            let v = sandboxes::list(&pool, resources).await;
+            if json {
+                print_value(true, &v)
+            } else {
+                print_sandboxes(&v, resources)
+            }
+            0
+        }
+        Cmd::Exec {
+            sandbox,
+            timeout,
+            cwd,
+            command,
+        } => {
+            run_exec(
+                &pool,
+                json,
+                sandbox.as_deref().unwrap_or(""),
+                timeout,
+                cwd.as_deref(),
+                &command.join(" "),
+            )
+            .await
+        }
+        Cmd::Ls {
+            path,
+            recursive,
+            max_entries,
+            sandbox,
+        } => {
+            let r = async {
+                let req = fs::list_request(&path, recursive, max_entries)?;
+                let c = pool.client(sandbox.as_deref().unwrap_or("")).await?;
+                Ok::<_, RsbError>(fs::list_reply(&path, &c.list_dir(req).await?))
+            }
+            .await;
+            match r {
+                Ok(v) if json => {
+                    print_value(true, &v);
+                    0
+                }
+                Ok(v) => {
+                    for e in v["entries"].as_array().into_iter().flatten() {
+                        let d = if e["is_dir"].as_bool() == Some(true) {
+                            "/"
+                        } else {
+                            ""
+                        };
+                        println!("{:>12}  {}{d}", e["size"], e["path"].as_str().unwrap_or(""));
+                    }
+                    if v["truncated"].as_bool() == Some(true) {
+                        eprintln!("(truncated at {max_entries} entries)");
+                    }
+                    0
+                }
+                Err(e) => {
+                    print_error(json, &e);
+                    1
+                }
+            }
+        }
+        Cmd::Cat {
+            path,
+            max_bytes,
+            sandbox,
+        } => {
+            let r = async {
+                let req = fs::read_request(&path, max_bytes)?;
+                let c = pool.client(sandbox.as_deref().unwrap_or("")).await?;
+                c.read_file(req).await
+            }
+            .await;
+            match r {
+                Ok(f) if json => {
+                    print_value(true, &fs::read_reply(&f));
+                    0
+                }
+                Ok(f) => {
+                    let mut out = std::io::stdout().lock();
+                    let _ = out.write_all(&f.data);
+                    let _ = out.flush();
+                    if f.truncated {
+                        eprintln!(
+                            "rsb: output truncated at {} of {} bytes",
+                            f.data.len(),
+                            f.size
+                        );
+                    }
+                    0
+                }
+                Err(e) => {
+                    print_error(json, &e);
+                    1
+                }
+            }
+        }
+        Cmd::Jobs { cmd } => run_jobs(&pool, json, cmd).await,
+    };
+    pool.shutdown().await;
+    code
+}
+
+async fn run_exec(
+    pool: &Pool,
+    json: bool,
+    sandbox: &str,
+    timeout: i64,
+    cwd: Option<&str>,
+    command: &str,
+) -> u8 {
+    let mut req = match exec::build_request(command, cwd, timeout, 1 << 20) {
+        Ok(r) => r,
+        Err(e) => {
+            print_error(json, &e);
+            return 2;
+        }
+    };
+    let client = match pool.client(sandbox).await {
+        Ok(c) => c,
+        Err(e) => {
+            print_error(json, &e);
+            return 255;
+        }
+    };
+    if json {
+        return match client.exec(req).await {
+            Ok(r) => {
+                print_value(true, &exec::reply(&r, timeout));
+                r.exit_code
+                    .unwrap_or(if r.timed_out {
+                        124
+                    } else {
+                        128 + r.signal.unwrap_or(0)
+                    })
+                    .clamp(0, 255) as u8
+            }
+            Err(e) => {
+                print_error(true, &e);
+                255
+            }
+        };
+    }
+    req.stream = true;
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Chunk>(64);
+    let printer = tokio::spawn(async move {
+        while let Some(c) = rx.recv().await {
+            match c {
+                Chunk::Stdout(b) => {
+                    let mut o = std::io::stdout().lock();
+                    let _ = o.write_all(&b);
+                    let _ = o.flush();
+                }
+                Chunk::Stderr(b) => {
+                    let mut o = std::io::stderr().lock();
+                    let _ = o.write_all(&b);
+                    let _ = o.flush();
+                }
+            }
+        }
+    });
+    let res = tokio::select! {
+        r = client.exec_streaming(req, tx) => r,
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("\nrsb: interrupted; the remote command was stopped");
+            return 130;
+        }
+    };
+    let _ = printer.await;
+    match res {
+        Ok(r) => {
+            if r.timed_out {
+                eprintln!("rsb: timed out after {timeout}s; the remote process group was killed");
+                return 124;
+            }
+            match (r.exit_code, r.signal) {
+                (Some(c), _) => c.clamp(0, 255) as u8,
+                (None, Some(s)) => (128 + s).clamp(0, 255) as u8,
+                _ => 255,
+            }
+        }
+        Err(e) => {
+            print_error(false, &e);
+            255
+        }
+    }
+}
+
+async fn run_jobs(pool: &Pool, json: bool, cmd: JobsCmd) -> u8 {
+    let sandbox = match &cmd {
+        JobsCmd::Start { sandbox, .. }
+        | JobsCmd::List { sandbox }
+        | JobsCmd::Logs { sandbox, .. }
+        | JobsCmd::Kill { sandbox, .. } => sandbox.clone().unwrap_or_default(),
+    };
+    let client = match pool.client(&sandbox).await {
+        Ok(c) => c,
+        Err(e) => {
+            print_error(json, &e);
+            return 1;
+        }
+    };
+    let r: Result<Value, RsbError> = match cmd {
+        JobsCmd::Start {
+            name,
+            cwd,
+            log,
+            command,
+            ..
+        } => {
+            jobs::start(
+                &client,
+                &command.join(" "),
+                name.as_deref().unwrap_or(""),
+                log.as_deref().unwrap_or(""),
+                cwd.as_deref().unwrap_or(""),
+            )
+            .await
+        }
+        JobsCmd::List { .. } => jobs::list(&client).await,
+        JobsCmd::Kill { name, grace, .. } => jobs::kill(&client, &name, grace).await,
+        JobsCmd::Logs {
+            name,
+            follow,
+            lines,
+            ..
+        } => {
+            if !follow {
+                match jobs::status_request(&name, "", lines, None, 1) {
+                    Ok(req) => client
+                        .job_status(req)
+                        .await
+                        .and_then(|r| jobs::status_reply(&name, false, &r)),
+                    Err(e) => Err(e),
+                }
+            } else {
+                return follow_logs(&client, &name).await;
+            }
+        }
+    };
+    match r {
+        Ok(v) => {
+            if !json && let Some(t) = v.get("log_tail").and_then(Value::as_str) {
+                print!("{t}");
+            } else {
+                print_value(json, &v);
+            }
+            0
+        }
+        Err(e) => {
+            print_error(json, &e);
+            1
+        }
+    }
+}
+
+/// Print the log from the start, then every new byte, until the job ends (bounded polling).
+async fn follow_logs(client: &rsb::client::AgentClient, name: &str) -> u8 {
+    let mut offset = 0i64;
+    loop {
+        let req = match jobs::status_request(name, "", 1, Some(offset), jobs::MAX_CURSOR_BYTES) {
+            Ok(r) => r,
+            Err(e) => {
+                print_error(false, &e);
+                return 1;
+            }
+        };
+        let r = match client.job_status(req).await {
+            Ok(r) => r,
+            Err(e) => {
+                print_error(false, &e);
+                return 1;
+            }
+        };
+        let mut o = std::io::stdout().lock();
+        let _ = o.write_all(&r.log);
+        let _ = o.flush();
+        drop(o);
+        offset = r.next_offset as i64;
+        let running = r
+            .info
+            .as_ref()
+            .is_some_and(|i| i.state == rsb_protocol::JobState::Running);
+        if !running && !r.log_truncated {
+            return 0;
+        }
+        if !r.log_truncated {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+}
+
+fn print_sandboxes(v: &Value, resources: bool) {
+    let active = v["active_sandbox"].as_str().unwrap_or("");
+    println!(
+        "{:<2}{:<16} {:<28} {:<6} {}",
+        "",
+        "NAME",
+        "ADDRESS",
+        "ALIVE",
+        if resources {
+            "CPU%  MEM%  GPU  IDLE"
+        } else {
+            ""
+        }
+    );
+    for s in v["sandboxes"].as_array().into_iter().flatten() {
+        let name = s["name"].as_str().unwrap_or("");
+        let mark = if name == active { "*" } else { "" };
+        let addr = format!(
+            "{}@{}:{}",
+            s["user"].as_str().unwrap_or(""),
+            s["host"].as_str().unwrap_or(""),
+            s["port"]
+        );
+        let alive = if s["connection_alive"].as_bool() == Some(true) {
+            "yes"
+        } else {
+            "no"
+        };
+        let mut extra = String::new();
+        if resources {
+            let r = &s["resources"];
+            if let Some(e) = r.get("error").and_then(Value::as_str) {
+                extra = format!("error: {e}");
+            } else {
+                let gpus = r["gpu"].as_array().map(|g| g.len()).unwrap_or(0);
+                extra = format!(
+                    "{:>4.0}  {:>4.0}  {:>3}  {:.3}",
+                    r["cpu"]["usage_pct"].as_f64().unwrap_or(0.0),
+                    r["memory"]["used_pct"].as_f64().unwrap_or(0.0),
+                    gpus,
+                    r["idle_score"].as_f64().unwrap_or(0.0)
+                );
+            }
+        } else if let Some(e) = s.get("connection_error").and_then(Value::as_str) {
+            extra = e.to_string();
+        }
+        println!("{mark:<2}{name:<16} {addr:<28} {alive:<6} {extra}");
+    }
+}

@@ -41,7 +41,8 @@ pub fn frame_codec() -> LengthDelimitedCodec {
 
 /// Encode one message body (without the length prefix; the framing adds it).
 pub fn encode<T: Serialize>(msg: &T) -> Result<Bytes, CodecError> {
-    let v = bincode::serde::encode_to_vec(msg, CFG).map_err(|e| CodecError::Encode(e.to_string()))?;
+    let v =
+        bincode::serde::encode_to_vec(msg, CFG).map_err(|e| CodecError::Encode(e.to_string()))?;
     if v.len() > MAX_FRAME {
         return Err(CodecError::TooLarge(v.len()));
     }

@@ -26,7 +26,10 @@ pub struct AgentError {
 
 impl AgentError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
 
     /// Map an OS error on `path` to a code plus a message that names the path.

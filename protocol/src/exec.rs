@@ -53,7 +53,8 @@ impl Captured {
 
     /// Bytes dropped between head and tail.
     pub fn omitted(&self) -> u64 {
-        self.total.saturating_sub((self.head.len() + self.tail.len()) as u64)
+        self.total
+            .saturating_sub((self.head.len() + self.tail.len()) as u64)
     }
 }
 

@@ -14,11 +14,24 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         stream: true,
     };
     let requests = vec![
-        Request::Ping { payload: vec![0, 1, 255] },
+        Request::Ping {
+            payload: vec![0, 1, 255],
+        },
         Request::Exec(exec),
-        Request::Stat(StatRequest { path: "~/x".into(), follow: true }),
-        Request::ListDir(ListDirRequest { path: ".".into(), recursive: true, max_entries: 5 }),
-        Request::ReadFile(ReadFileRequest { path: "f".into(), offset: 7, max_bytes: 9 }),
+        Request::Stat(StatRequest {
+            path: "~/x".into(),
+            follow: true,
+        }),
+        Request::ListDir(ListDirRequest {
+            path: ".".into(),
+            recursive: true,
+            max_entries: 5,
+        }),
+        Request::ReadFile(ReadFileRequest {
+            path: "f".into(),
+            offset: 7,
+            max_bytes: 9,
+        }),
         Request::Resources(ResourcesRequest { max_wait_ms: 300 }),
         Request::JobStart(JobStartRequest {
             name: "train-1".into(),
@@ -35,13 +48,19 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             offset: Some(12),
             max_bytes: 100,
         }),
-        Request::JobKill(JobKillRequest { name: "j".into(), grace_ms: 1000 }),
+        Request::JobKill(JobKillRequest {
+            name: "j".into(),
+            grace_ms: 1000,
+        }),
         Request::JobList,
     ];
     let mut to_agent: Vec<ToAgent> = requests
         .into_iter()
         .enumerate()
-        .map(|(i, body)| ToAgent::Request { id: i as u64 * 1_000_003, body })
+        .map(|(i, body)| ToAgent::Request {
+            id: i as u64 * 1_000_003,
+            body,
+        })
         .collect();
     to_agent.push(ToAgent::Cancel { id: u64::MAX });
 
@@ -66,7 +85,11 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             timed_out: true,
             cancelled: false,
             duration_ms: 2001,
-            stdout: Captured { head: b"a".to_vec(), tail: b"z".to_vec(), total: 100 },
+            stdout: Captured {
+                head: b"a".to_vec(),
+                tail: b"z".to_vec(),
+                total: 100,
+            },
             stderr: Captured::default(),
         }),
         Reply::Stat(FileStat {
@@ -98,14 +121,44 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         }),
         Reply::Resources(ResourceSnapshot {
             hostname: "h".into(),
-            cpu: CpuInfo { usage_pct: 12.5, count: 2, load_1m: 0.5, load_5m: 0.25, load_15m: 0.1, interval_ms: 1000 },
-            memory: MemoryInfo { total_bytes: 1, used_bytes: 1, available_bytes: 0, swap_total_bytes: 0, swap_used_bytes: 0 },
-            disk: Some(DiskInfo { path: "/root".into(), total_bytes: 10, free_bytes: 5 }),
+            cpu: CpuInfo {
+                usage_pct: 12.5,
+                count: 2,
+                load_1m: 0.5,
+                load_5m: 0.25,
+                load_15m: 0.1,
+                interval_ms: 1000,
+            },
+            memory: MemoryInfo {
+                total_bytes: 1,
+                used_bytes: 1,
+                available_bytes: 0,
+                swap_total_bytes: 0,
+                swap_used_bytes: 0,
+            },
+            disk: Some(DiskInfo {
+                path: "/root".into(),
+                total_bytes: 10,
+                free_bytes: 5,
+            }),
             uptime_s: 99,
             gpu: GpuReport {
                 source: GpuSource::NvidiaSmi,
-                gpus: vec![GpuInfo { index: 0, name: "H200".into(), uuid: "GPU-1".into(), util_pct: None, mem_used_mib: Some(1), mem_total_mib: Some(2), temperature_c: Some(40.0), power_w: None }],
-                processes: vec![GpuProcess { pid: 1, gpu_uuid: "GPU-1".into(), used_mem_mib: Some(5) }],
+                gpus: vec![GpuInfo {
+                    index: 0,
+                    name: "H200".into(),
+                    uuid: "GPU-1".into(),
+                    util_pct: None,
+                    mem_used_mib: Some(1),
+                    mem_total_mib: Some(2),
+                    temperature_c: Some(40.0),
+                    power_w: None,
+                }],
+                processes: vec![GpuProcess {
+                    pid: 1,
+                    gpu_uuid: "GPU-1".into(),
+                    used_mem_mib: Some(5),
+                }],
                 note: Some("n".into()),
                 age_ms: 3,
             },
@@ -136,11 +189,26 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         uid: 1000,
         home: "/home/u".into(),
         pid: 7,
-        capabilities: Capabilities { bash: true, tmux: false, nvidia_smi: true, nvml: false },
+        capabilities: Capabilities {
+            bash: true,
+            tmux: false,
+            nvidia_smi: true,
+            nvml: false,
+        },
     })];
-    from_agent.extend(replies.into_iter().map(|body| FromAgent::Reply { id: 3, body }));
-    from_agent.push(FromAgent::Chunk { id: 4, chunk: Chunk::Stdout(b"out".to_vec()) });
-    from_agent.push(FromAgent::Chunk { id: 4, chunk: Chunk::Stderr(vec![0x80]) });
+    from_agent.extend(
+        replies
+            .into_iter()
+            .map(|body| FromAgent::Reply { id: 3, body }),
+    );
+    from_agent.push(FromAgent::Chunk {
+        id: 4,
+        chunk: Chunk::Stdout(b"out".to_vec()),
+    });
+    from_agent.push(FromAgent::Chunk {
+        id: 4,
+        chunk: Chunk::Stderr(vec![0x80]),
+    });
     (to_agent, from_agent)
 }
 
@@ -212,8 +280,16 @@ fn garbage_and_truncated_frames_are_errors_not_panics() {
 
 #[test]
 fn oversized_frames_are_refused_at_the_sender() {
-    let big = ToAgent::Request { id: 1, body: Request::Ping { payload: vec![0; MAX_FRAME + 1] } };
-    assert!(matches!(encode(&big), Err(CodecError::Encode(_)) | Err(CodecError::TooLarge(_))));
+    let big = ToAgent::Request {
+        id: 1,
+        body: Request::Ping {
+            payload: vec![0; MAX_FRAME + 1],
+        },
+    };
+    assert!(matches!(
+        encode(&big),
+        Err(CodecError::Encode(_)) | Err(CodecError::TooLarge(_))
+    ));
 }
 
 #[tokio::test]

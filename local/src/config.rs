@@ -1,0 +1,2093 @@
+//! Configuration: which sandboxes exist, how to reach them, and the server-wide knobs.
+//!
+//! rsb reads the Python `remote-sandbox-mcp` environment variables unchanged, so a user switches
+//! by changing only the command line. On top of them it reads an optional TOML file and resolves
+//! `~/.ssh/config` aliases.
+//!
+//! # Where the sandbox list comes from (first match wins, the rest is ignored with a warning)
+//! 1. `REMOTE_SANDBOX_LIST` (JSON array), when set and not blank.
+//! 2. `REMOTE_HOST` (+ `REMOTE_PORT`, `REMOTE_USER`, `REMOTE_PASSWORD`, `REMOTE_KEY_FILE`,
+//!    `REMOTE_KEY_PASSPHRASE`), when set and not blank.
+//! 3. The TOML file at [`config_file_path`] (`RSB_CONFIG` overrides), when it exists and has at
+//!    least one `[[sandbox]]`.
+//! 4. One built-in sandbox named `local` ([`Transport::Local`]).
+//!
+//! Server-wide settings (`REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS`, `REMOTE_SANDBOX_INLINE_SYNC_*`,
+//! `RSB_HOST_KEY_POLICY`, `RSB_STATE_DIR`) are read from the environment whatever the source.
+//!
+//! # Differences from the Python server (for the README)
+//! - A malformed `REMOTE_SANDBOX_LIST` never echoes characters of the value (the seed quoted 15
+//!   raw characters around the error, leaking passwords): errors give the JSON error kind plus
+//!   line/column, field names and indexes only.
+//! - A duplicate sandbox `name` is an error (the seed silently overwrote the first).
+//! - A sandbox with neither `password` nor `key_file` is not an error: it gets [`Auth::Auto`]
+//!   (`~/.ssh/config` IdentityFile(s), then ssh-agent, then `~/.ssh/id_ed25519|id_ecdsa|id_rsa`).
+//!   Same for the legacy variables (the seed required `REMOTE_PASSWORD` or `REMOTE_KEY_FILE`).
+//! - `port` may be a JSON number or a numeric string; anything else is an error naming the field.
+//! - `name`, `host`, `user` and `key_file` in `REMOTE_SANDBOX_LIST` are trimmed (the seed kept
+//!   whitespace, which made such names unselectable); `password`/`key_passphrase` are not.
+//!   The legacy variables are all trimmed, **including `REMOTE_PASSWORD`**, exactly as the seed.
+//! - Both `password` and `key_file`: the key is used, as in the seed; the password is ignored.
+//! - Inline sync limits default to 200 files / 64 MiB as the seed's README promises (its code
+//!   capped them at 10 / 1 MiB), and the variables can raise them as well as lower them. `0`
+//!   means "always background". A value that is not a non-negative integer falls back to the
+//!   default with a warning.
+//! - Extras: `ssh_config_host`, `host_key_policy`, `local`, `connect_timeout_s`, `password_env`,
+//!   `key_passphrase_env` per sandbox; unknown fields in `REMOTE_SANDBOX_LIST` are ignored with a
+//!   warning (the seed ignored them silently); unknown keys in the TOML file are errors.
+//! - Host keys are checked (accept-new by default) against `~/.ssh/known_hosts` and rsb's own
+//!   `<state_dir>/known_hosts`; the seed accepted any key.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde_json::{Map, Value};
+
+/// Inline sync limits the seed's README documents.
+pub const DEFAULT_INLINE_SYNC_MAX_FILES: u64 = 200;
+pub const DEFAULT_INLINE_SYNC_MAX_BYTES: u64 = 64 * 1024 * 1024;
+/// The seed's paramiko connect/auth/banner timeout.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+
+const LIST_VAR: &str = "REMOTE_SANDBOX_LIST";
+const TRUTHY: [&str; 4] = ["1", "true", "yes", "on"];
+const FALSY: [&str; 4] = ["0", "false", "no", "off"];
+/// Default keys for [`Auth::Auto`] (tried after the agent), in this order.
+const DEFAULT_KEY_NAMES: [&str; 3] = ["id_ed25519", "id_ecdsa", "id_rsa"];
+
+// ---------------------------------------------------------------------------------------------
+// Public types
+// ---------------------------------------------------------------------------------------------
+
+/// A credential. Never printed (Debug/Display show `***`), never serialized.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// How to authenticate to an SSH sandbox.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Auth {
+    Password(Secret),
+    KeyFile {
+        path: PathBuf,
+        passphrase: Option<Secret>,
+    },
+    /// ssh-agent only (`SSH_AUTH_SOCK`). Not produced by the config loader; for callers.
+    Agent,
+    /// No explicit credential. Try, in order: `identity_files` (from `~/.ssh/config`), the
+    /// ssh-agent (`SSH_AUTH_SOCK`), then `default_keys`. Keys that need a passphrase use
+    /// `passphrase` when given, and are skipped otherwise.
+    Auto {
+        /// IdentityFile entries of the `ssh_config_host` alias that exist, in file order.
+        identity_files: Vec<PathBuf>,
+        /// `~/.ssh/id_ed25519`, `id_ecdsa`, `id_rsa`: those that existed at load time.
+        default_keys: Vec<PathBuf>,
+        /// `key_passphrase` given without `key_file`.
+        passphrase: Option<Secret>,
+    },
+}
+
+/// What to do with a server host key.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HostKeyPolicy {
+    /// Record unknown keys in rsb's own known_hosts; refuse a changed key.
+    #[default]
+    AcceptNew,
+    /// Only keys already in a known_hosts file.
+    Strict,
+    /// No checking at all (the seed's behaviour).
+    Off,
+}
+
+impl HostKeyPolicy {
+    /// Accepts `accept-new` (`accept_new`), `strict` (`yes`), `off` (`no`), any case.
+    pub fn parse(s: &str) -> Option<HostKeyPolicy> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "accept-new" | "accept_new" | "acceptnew" => Some(HostKeyPolicy::AcceptNew),
+            "strict" | "yes" => Some(HostKeyPolicy::Strict),
+            "off" | "no" | "none" => Some(HostKeyPolicy::Off),
+            _ => None,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HostKeyPolicy::AcceptNew => "accept-new",
+            HostKeyPolicy::Strict => "strict",
+            HostKeyPolicy::Off => "off",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Transport {
+    /// The agent runs as a local subprocess, no SSH.
+    Local,
+    Ssh(SshTarget),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SshTarget {
+    /// Address to connect to (after `~/.ssh/config` HostName resolution).
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    pub auth: Auth,
+    /// `ProxyJump` from `~/.ssh/config`, comma-separated hops, verbatim.
+    pub proxy_jump: Option<String>,
+    pub host_key_policy: HostKeyPolicy,
+    /// Read all; new keys are written to the last one (rsb's own, in the state dir).
+    pub known_hosts: Vec<PathBuf>,
+    pub connect_timeout: Duration,
+}
+
+impl SshTarget {
+    /// `user@host:port`, for messages.
+    pub fn address(&self) -> String {
+        format!("{}@{}:{}", self.user, self.host, self.port)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SandboxConfig {
+    pub name: String,
+    pub transport: Transport,
+}
+
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// In configuration order; the first is the initially active sandbox. Never empty.
+    pub sandboxes: Vec<SandboxConfig>,
+    pub expose_advanced_tools: bool,
+    pub inline_sync_max_files: u64,
+    pub inline_sync_max_bytes: u64,
+    pub state_dir: PathBuf,
+    /// `REMOTE_SANDBOX_LIST` | `REMOTE_HOST` | `config file <path>` | `built-in local`.
+    pub source: String,
+    /// Non-fatal problems for the server to log (never contain secrets).
+    pub warnings: Vec<String>,
+}
+
+impl Config {
+    pub fn sandbox(&self, name: &str) -> Option<&SandboxConfig> {
+        self.sandboxes.iter().find(|s| s.name == name)
+    }
+    pub fn names(&self) -> Vec<&str> {
+        self.sandboxes.iter().map(|s| s.name.as_str()).collect()
+    }
+}
+
+/// A configuration error: one line of message plus a hint. Never contains a secret.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    pub message: String,
+    pub hint: String,
+}
+
+impl ConfigError {
+    fn new(message: impl Into<String>, hint: impl Into<String>) -> Self {
+        ConfigError {
+            message: one_line(message.into()),
+            hint: one_line(hint.into()),
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn one_line(s: String) -> String {
+    if s.contains(['\n', '\r']) {
+        s.replace(['\n', '\r'], " ")
+    } else {
+        s
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paths
+// ---------------------------------------------------------------------------------------------
+
+fn project_dirs() -> Option<directories::ProjectDirs> {
+    directories::ProjectDirs::from("", "", "rsb")
+}
+
+fn real_home() -> Option<PathBuf> {
+    directories::BaseDirs::new()
+        .map(|b| b.home_dir().to_path_buf())
+        .or_else(|| std::env::var_os("HOME").map(PathBuf::from))
+}
+
+fn real_env(key: &str) -> Option<String> {
+    std::env::var(key).ok()
+}
+
+/// `RSB_STATE_DIR`, else the platform data dir for "rsb", else `~/.local/share/rsb`. Pure.
+fn resolve_state_dir(env: &dyn Fn(&str) -> Option<String>, home: &Path) -> PathBuf {
+    if let Some(dir) = env("RSB_STATE_DIR").filter(|s| !s.trim().is_empty()) {
+        return expand_tilde(dir.trim(), home);
+    }
+    project_dirs()
+        .map(|p| p.data_dir().to_path_buf())
+        .unwrap_or_else(|| home.join(".local").join("share").join("rsb"))
+}
+
+/// Creates `dir` (and parents) and makes it 0700 on unix.
+fn ensure_private_dir(dir: &Path) -> std::io::Result<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
+        let mode = std::fs::metadata(dir)?.permissions().mode();
+        if mode & 0o077 != 0 {
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        }
+        Ok(())
+    }
+    #[cfg(not(unix))]
+    {
+        std::fs::create_dir_all(dir)
+    }
+}
+
+/// The platform data dir for rsb (`RSB_STATE_DIR` overrides), created with mode 0700.
+/// Creation errors are ignored here; [`Config::load`] reports them.
+pub fn state_dir() -> PathBuf {
+    let home = real_home().unwrap_or_else(|| PathBuf::from("."));
+    let dir = resolve_state_dir(&real_env, &home);
+    let _ = ensure_private_dir(&dir);
+    dir
+}
+
+/// `RSB_CONFIG`, else `<platform config dir>/rsb/config.toml`.
+pub fn config_file_path() -> PathBuf {
+    let home = real_home().unwrap_or_else(|| PathBuf::from("."));
+    if let Some(p) = real_env("RSB_CONFIG").filter(|s| !s.trim().is_empty()) {
+        return expand_tilde(p.trim(), &home);
+    }
+    project_dirs()
+        .map(|p| p.config_dir().to_path_buf())
+        .unwrap_or_else(|| home.join(".config").join("rsb"))
+        .join("config.toml")
+}
+
+/// Expands a leading `~` or `~/` against `home`; `~user` is left alone.
+fn expand_tilde(p: &str, home: &Path) -> PathBuf {
+    if p == "~" {
+        home.to_path_buf()
+    } else if let Some(rest) = p.strip_prefix("~/") {
+        home.join(rest)
+    } else {
+        PathBuf::from(p)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading
+// ---------------------------------------------------------------------------------------------
+
+impl Config {
+    /// Real environment, `config_file_path()`, `~/.ssh/config`; creates the state dir.
+    pub fn load() -> Result<Config, ConfigError> {
+        let home = real_home().ok_or_else(|| {
+            ConfigError::new(
+                "cannot determine the home directory",
+                "Set HOME to your home directory.",
+            )
+        })?;
+        let config_file = config_file_path();
+        if real_env("RSB_CONFIG").is_some_and(|s| !s.trim().is_empty()) && !config_file.exists() {
+            return Err(ConfigError::new(
+                format!(
+                    "RSB_CONFIG points to {}, which does not exist",
+                    config_file.display()
+                ),
+                "Create that file, or unset RSB_CONFIG to use the default location.",
+            ));
+        }
+        let ssh_config = home.join(".ssh").join("config");
+        let cfg = Config::from_sources(&real_env, Some(&config_file), Some(&ssh_config), &home)?;
+        ensure_private_dir(&cfg.state_dir).map_err(|e| {
+            ConfigError::new(
+                format!(
+                    "cannot create the state directory {}: {}",
+                    cfg.state_dir.display(),
+                    e.kind()
+                ),
+                "Set RSB_STATE_DIR to a writable directory.",
+            )
+        })?;
+        Ok(cfg)
+    }
+
+    /// Builds the configuration from injected sources; reads files but changes nothing.
+    /// `config_file`/`ssh_config` that do not exist are treated as absent (an `ssh_config_host`
+    /// then fails with a clear error).
+    pub fn from_sources(
+        env: &dyn Fn(&str) -> Option<String>,
+        config_file: Option<&Path>,
+        ssh_config: Option<&Path>,
+        home: &Path,
+    ) -> Result<Config, ConfigError> {
+        let mut warnings = Vec::new();
+        let state_dir = resolve_state_dir(env, home);
+
+        let expose_advanced_tools = parse_truthy(env, &mut warnings);
+        let inline_sync_max_files = parse_limit(
+            env,
+            "REMOTE_SANDBOX_INLINE_SYNC_MAX_FILES",
+            DEFAULT_INLINE_SYNC_MAX_FILES,
+            &mut warnings,
+        );
+        let inline_sync_max_bytes = parse_limit(
+            env,
+            "REMOTE_SANDBOX_INLINE_SYNC_MAX_BYTES",
+            DEFAULT_INLINE_SYNC_MAX_BYTES,
+            &mut warnings,
+        );
+
+        let env_policy = match env("RSB_HOST_KEY_POLICY").filter(|s| !s.trim().is_empty()) {
+            None => None,
+            Some(v) => Some(HostKeyPolicy::parse(&v).ok_or_else(|| {
+                ConfigError::new(
+                    "RSB_HOST_KEY_POLICY must be one of accept-new, strict, off",
+                    "accept-new records unknown host keys and refuses changed ones (default).",
+                )
+            })?),
+        };
+
+        let mut ctx = BuildCtx {
+            env,
+            home,
+            ssh_config_path: ssh_config,
+            ssh_config: None,
+            state_dir: &state_dir,
+            defaults: Defaults {
+                host_key_policy: env_policy.unwrap_or_default(),
+                connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            },
+            warnings: &mut warnings,
+        };
+
+        let list = env(LIST_VAR).filter(|s| !s.trim().is_empty());
+        let legacy_host = env("REMOTE_HOST").filter(|s| !s.trim().is_empty());
+        let file = config_file.filter(|p| p.is_file());
+
+        let (sandboxes, source) = if let Some(list) = list {
+            if legacy_host.is_some() {
+                ctx.warn("REMOTE_HOST is ignored because REMOTE_SANDBOX_LIST is set".into());
+            }
+            if let Some(f) = file {
+                ctx.warn(format!(
+                    "config file {} is ignored because REMOTE_SANDBOX_LIST is set",
+                    f.display()
+                ));
+            }
+            (parse_list(&list, &mut ctx)?, LIST_VAR.to_string())
+        } else if let Some(host) = legacy_host {
+            if let Some(f) = file {
+                ctx.warn(format!(
+                    "config file {} is ignored because REMOTE_HOST is set",
+                    f.display()
+                ));
+            }
+            (
+                vec![parse_legacy(&host, &mut ctx)?],
+                "REMOTE_HOST".to_string(),
+            )
+        } else if let Some(f) = file {
+            let sandboxes = parse_toml_file(f, env_policy, &mut ctx)?;
+            if sandboxes.is_empty() {
+                ctx.warn(format!(
+                    "config file {} defines no [[sandbox]]; serving the built-in local sandbox",
+                    f.display()
+                ));
+                (vec![builtin_local()], "built-in local".to_string())
+            } else {
+                (sandboxes, format!("config file {}", f.display()))
+            }
+        } else {
+            (vec![builtin_local()], "built-in local".to_string())
+        };
+
+        Ok(Config {
+            sandboxes,
+            expose_advanced_tools,
+            inline_sync_max_files,
+            inline_sync_max_bytes,
+            state_dir,
+            source,
+            warnings,
+        })
+    }
+}
+
+fn builtin_local() -> SandboxConfig {
+    SandboxConfig {
+        name: "local".to_string(),
+        transport: Transport::Local,
+    }
+}
+
+fn parse_truthy(env: &dyn Fn(&str) -> Option<String>, warnings: &mut Vec<String>) -> bool {
+    let key = "REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS";
+    let Some(raw) = env(key) else { return false };
+    let v = raw.trim().to_ascii_lowercase();
+    if TRUTHY.contains(&v.as_str()) {
+        return true;
+    }
+    if !v.is_empty() && !FALSY.contains(&v.as_str()) {
+        warnings.push(format!(
+            "{key} is not one of 1/true/yes/on or 0/false/no/off; advanced tools stay hidden"
+        ));
+    }
+    false
+}
+
+fn parse_limit(
+    env: &dyn Fn(&str) -> Option<String>,
+    key: &str,
+    default: u64,
+    warnings: &mut Vec<String>,
+) -> u64 {
+    let Some(raw) = env(key) else { return default };
+    let v = raw.trim();
+    if v.is_empty() {
+        return default;
+    }
+    match v.strip_prefix('+').unwrap_or(v).parse::<u64>() {
+        Ok(n) => n,
+        Err(_) => {
+            warnings.push(format!(
+                "{key} is not a non-negative integer; using the default {default}"
+            ));
+            default
+        }
+    }
+}
+
+struct Defaults {
+    host_key_policy: HostKeyPolicy,
+    connect_timeout: Duration,
+}
+
+struct BuildCtx<'a> {
+    env: &'a dyn Fn(&str) -> Option<String>,
+    home: &'a Path,
+    ssh_config_path: Option<&'a Path>,
+    /// Parsed lazily, once.
+    ssh_config: Option<ssh2_config::SshConfig>,
+    state_dir: &'a Path,
+    defaults: Defaults,
+    warnings: &'a mut Vec<String>,
+}
+
+impl BuildCtx<'_> {
+    fn warn(&mut self, w: String) {
+        self.warnings.push(w);
+    }
+
+    fn known_hosts(&self) -> Vec<PathBuf> {
+        vec![
+            self.home.join(".ssh").join("known_hosts"),
+            self.state_dir.join("known_hosts"),
+        ]
+    }
+
+    fn default_keys(&self) -> Vec<PathBuf> {
+        DEFAULT_KEY_NAMES
+            .iter()
+            .map(|n| self.home.join(".ssh").join(n))
+            .filter(|p| p.is_file())
+            .collect()
+    }
+
+    fn ssh_query(
+        &mut self,
+        alias: &str,
+        label: &str,
+    ) -> Result<ssh2_config::HostParams, ConfigError> {
+        if self.ssh_config.is_none() {
+            let path = self.ssh_config_path.filter(|p| p.is_file()).ok_or_else(|| {
+                let shown = self
+                    .ssh_config_path
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_else(|| "~/.ssh/config".to_string());
+                ConfigError::new(
+                    format!("{label} sets 'ssh_config_host' but {shown} does not exist"),
+                    "Create the ssh config with a matching Host block, or give 'host' and 'user' instead.",
+                )
+            })?;
+            let file = std::fs::File::open(path).map_err(|e| {
+                ConfigError::new(
+                    format!("cannot read {}: {}", path.display(), e.kind()),
+                    "Check the file's permissions.",
+                )
+            })?;
+            let mut reader = std::io::BufReader::new(file);
+            let rules = ssh2_config::ParseRule::ALLOW_UNKNOWN_FIELDS
+                | ssh2_config::ParseRule::ALLOW_UNSUPPORTED_FIELDS;
+            let parsed = ssh2_config::SshConfig::default()
+                .home_dir(self.home)
+                .parse(&mut reader, rules)
+                .map_err(|e| {
+                    ConfigError::new(
+                        format!("cannot parse ssh config {}: {}", path.display(), e),
+                        "Fix the ssh config (check it with `ssh -G <alias>`).",
+                    )
+                })?;
+            self.ssh_config = Some(parsed);
+        }
+        Ok(self.ssh_config.as_ref().expect("parsed above").query(alias))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One sandbox entry, from any source
+// ---------------------------------------------------------------------------------------------
+
+/// Fields of one sandbox entry after type checks, before resolution.
+#[derive(Default)]
+struct RawEntry {
+    name: Option<String>,
+    host: Option<String>,
+    port: Option<u16>,
+    user: Option<String>,
+    password: Option<Secret>,
+    key_file: Option<String>,
+    key_passphrase: Option<Secret>,
+    ssh_config_host: Option<String>,
+    host_key_policy: Option<HostKeyPolicy>,
+    local: bool,
+    connect_timeout: Option<Duration>,
+    /// Which secrets were given as literal values (for the TOML mode check).
+    literal_secrets: Vec<&'static str>,
+}
+
+const ENTRY_FIELDS: [&str; 13] = [
+    "name",
+    "host",
+    "port",
+    "user",
+    "password",
+    "password_env",
+    "key_file",
+    "key_passphrase",
+    "key_passphrase_env",
+    "ssh_config_host",
+    "host_key_policy",
+    "local",
+    "connect_timeout_s",
+];
+
+fn type_err(label: &str, field: &str, what: &str) -> ConfigError {
+    ConfigError::new(
+        format!("{label} field '{field}' must be {what}"),
+        "The value is not shown, to keep secrets out of logs.",
+    )
+}
+
+/// A string field: absent, null and "" (after trimming unless `raw`) are `None`.
+fn str_field(
+    map: &Map<String, Value>,
+    label: &str,
+    field: &str,
+    trim: bool,
+) -> Result<Option<String>, ConfigError> {
+    match map.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => {
+            let s = if trim {
+                s.trim().to_string()
+            } else {
+                s.clone()
+            };
+            Ok(if s.is_empty() { None } else { Some(s) })
+        }
+        Some(_) => Err(type_err(label, field, "a string")),
+    }
+}
+
+/// A secret given directly (`field`) or by env-var reference (`field_env`).
+fn secret_field(
+    map: &Map<String, Value>,
+    label: &str,
+    field: &'static str,
+    env: &dyn Fn(&str) -> Option<String>,
+    literal: &mut Vec<&'static str>,
+) -> Result<Option<Secret>, ConfigError> {
+    let env_field = format!("{field}_env");
+    let direct = str_field(map, label, field, false)?;
+    let by_env = str_field(map, label, &env_field, true)?;
+    match (direct, by_env) {
+        (Some(_), Some(_)) => Err(ConfigError::new(
+            format!("{label} sets both '{field}' and '{env_field}'"),
+            format!("Keep one: '{env_field}' names an environment variable holding the value."),
+        )),
+        (Some(v), None) => {
+            literal.push(field);
+            Ok(Some(Secret(v)))
+        }
+        (None, Some(var)) => match env(&var).filter(|v| !v.is_empty()) {
+            Some(v) => Ok(Some(Secret(v))),
+            None => Err(ConfigError::new(
+                format!(
+                    "{label} field '{env_field}' names the environment variable {var}, which is not set"
+                ),
+                format!(
+                    "Export {var} in the environment rsb starts with, or remove '{env_field}'."
+                ),
+            )),
+        },
+        (None, None) => Ok(None),
+    }
+}
+
+fn parse_port_value(v: &Value) -> Option<u16> {
+    let n: u64 = match v {
+        Value::Number(n) => n.as_u64().or_else(|| {
+            n.as_f64()
+                .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f <= 65535.0)
+                .map(|f| f as u64)
+        })?,
+        Value::String(s) => s
+            .trim()
+            .strip_prefix('+')
+            .unwrap_or(s.trim())
+            .parse()
+            .ok()?,
+        _ => return None,
+    };
+    u16::try_from(n).ok().filter(|p| *p != 0)
+}
+
+fn raw_entry(
+    map: &Map<String, Value>,
+    label: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<RawEntry, ConfigError> {
+    let mut e = RawEntry {
+        name: str_field(map, label, "name", true)?,
+        host: str_field(map, label, "host", true)?,
+        user: str_field(map, label, "user", true)?,
+        key_file: str_field(map, label, "key_file", true)?,
+        ssh_config_host: str_field(map, label, "ssh_config_host", true)?,
+        ..RawEntry::default()
+    };
+    e.password = secret_field(map, label, "password", env, &mut e.literal_secrets)?;
+    e.key_passphrase = secret_field(map, label, "key_passphrase", env, &mut e.literal_secrets)?;
+    match map.get("port") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) if s.trim().is_empty() => {}
+        Some(v) => {
+            e.port = Some(
+                parse_port_value(v)
+                    .ok_or_else(|| type_err(label, "port", "an integer between 1 and 65535"))?,
+            )
+        }
+    }
+    if let Some(p) = str_field(map, label, "host_key_policy", true)? {
+        e.host_key_policy =
+            Some(HostKeyPolicy::parse(&p).ok_or_else(|| {
+                type_err(label, "host_key_policy", "one of accept-new, strict, off")
+            })?);
+    }
+    match map.get("local") {
+        None | Some(Value::Null) => {}
+        Some(Value::Bool(b)) => e.local = *b,
+        Some(_) => return Err(type_err(label, "local", "true or false")),
+    }
+    if let Some(v) = map.get("connect_timeout_s").filter(|v| !v.is_null()) {
+        e.connect_timeout =
+            Some(parse_timeout(v).ok_or_else(|| {
+                type_err(label, "connect_timeout_s", "a positive number of seconds")
+            })?);
+    }
+    Ok(e)
+}
+
+fn parse_timeout(v: &Value) -> Option<Duration> {
+    let f = v
+        .as_f64()
+        .filter(|f| f.is_finite() && *f > 0.0 && *f <= 86_400.0)?;
+    Some(Duration::from_secs_f64(f))
+}
+
+/// Turns a checked entry into a sandbox: `~/.ssh/config` resolution, auth choice, defaults.
+fn build_sandbox(
+    e: RawEntry,
+    label: &str,
+    ctx: &mut BuildCtx<'_>,
+) -> Result<SandboxConfig, ConfigError> {
+    if e.local {
+        let remote_fields = [
+            ("host", e.host.is_some()),
+            ("port", e.port.is_some()),
+            ("user", e.user.is_some()),
+            ("password", e.password.is_some()),
+            ("key_file", e.key_file.is_some()),
+            ("key_passphrase", e.key_passphrase.is_some()),
+            ("ssh_config_host", e.ssh_config_host.is_some()),
+        ];
+        if let Some((field, _)) = remote_fields.iter().find(|(_, set)| *set) {
+            return Err(ConfigError::new(
+                format!("{label} has local = true and also sets '{field}'"),
+                "A local sandbox runs on this machine; drop the SSH fields or set local = false.",
+            ));
+        }
+        return Ok(SandboxConfig {
+            name: e.name.unwrap_or_else(|| "local".to_string()),
+            transport: Transport::Local,
+        });
+    }
+
+    let params = match &e.ssh_config_host {
+        Some(alias) => Some(ctx.ssh_query(alias, label)?),
+        None => None,
+    };
+    let alias = e.ssh_config_host.as_deref();
+
+    // host: explicit, else HostName (with %h), else the alias itself (as ssh does).
+    let host = e
+        .host
+        .clone()
+        .or_else(|| {
+            let hn = params.as_ref()?.host_name.clone()?;
+            Some(
+                hn.replace("%h", alias.unwrap_or_default())
+                    .replace("%%", "%"),
+            )
+        })
+        .or_else(|| alias.map(str::to_string))
+        .ok_or_else(|| missing(label, "host"))?;
+    let user = e
+        .user
+        .clone()
+        .or_else(|| params.as_ref()?.user.clone())
+        .ok_or_else(|| missing(label, "user"))?;
+    let port = e.port.or_else(|| params.as_ref()?.port).unwrap_or(22);
+    let name = e
+        .name
+        .clone()
+        .or_else(|| e.host.clone())
+        .or_else(|| alias.map(str::to_string))
+        .unwrap_or_else(|| host.clone());
+    let proxy_jump = params
+        .as_ref()
+        .and_then(|p| p.proxy_jump.clone())
+        .filter(|hops| !hops.is_empty() && !hops[0].eq_ignore_ascii_case("none"))
+        .map(|hops| hops.join(","));
+    let connect_timeout = e
+        .connect_timeout
+        .or_else(|| params.as_ref()?.connect_timeout)
+        .unwrap_or(ctx.defaults.connect_timeout);
+
+    let auth = if let Some(key) = &e.key_file {
+        let path = expand_tilde(key, ctx.home);
+        if !path.exists() {
+            ctx.warn(format!(
+                "{label}: key_file {} does not exist",
+                path.display()
+            ));
+        }
+        Auth::KeyFile {
+            path,
+            passphrase: e.key_passphrase.clone(),
+        }
+    } else if let Some(pw) = &e.password {
+        Auth::Password(pw.clone())
+    } else {
+        let listed = params
+            .as_ref()
+            .and_then(|p| p.identity_file.clone())
+            .unwrap_or_default();
+        let identity_files: Vec<PathBuf> = listed.iter().filter(|p| p.is_file()).cloned().collect();
+        if !listed.is_empty() && identity_files.is_empty() {
+            ctx.warn(format!(
+                "{label}: none of the IdentityFile entries in the ssh config exist"
+            ));
+        }
+        let default_keys = ctx.default_keys();
+        let agent = (ctx.env)("SSH_AUTH_SOCK").is_some_and(|s| !s.is_empty());
+        if identity_files.is_empty() && default_keys.is_empty() && !agent {
+            ctx.warn(format!(
+                "{label} ('{name}') has no password or key_file, no IdentityFile, no ssh-agent (SSH_AUTH_SOCK unset) and no ~/.ssh/id_* key; connecting will fail"
+            ));
+        }
+        Auth::Auto {
+            identity_files,
+            default_keys,
+            passphrase: e.key_passphrase.clone(),
+        }
+    };
+
+    Ok(SandboxConfig {
+        name,
+        transport: Transport::Ssh(SshTarget {
+            host,
+            port,
+            user,
+            auth,
+            proxy_jump,
+            host_key_policy: e.host_key_policy.unwrap_or(ctx.defaults.host_key_policy),
+            known_hosts: ctx.known_hosts(),
+            connect_timeout,
+        }),
+    })
+}
+
+/// An unknown key, quoted, when it looks like a field name; otherwise not shown (a stray key could
+/// be a mangled secret).
+fn key_name(k: &str) -> String {
+    let plain = !k.is_empty()
+        && k.len() <= 40
+        && k.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+    if plain {
+        format!("'{k}'")
+    } else {
+        "(name not shown: not a plain identifier)".to_string()
+    }
+}
+
+fn missing(label: &str, field: &str) -> ConfigError {
+    ConfigError::new(
+        format!("{label} missing required field: '{field}'"),
+        "Each sandbox needs 'host' and 'user', or 'ssh_config_host' naming a Host in ~/.ssh/config that sets them.",
+    )
+}
+
+fn check_names(sandboxes: &[SandboxConfig], labels: &[String]) -> Result<(), ConfigError> {
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    for (i, s) in sandboxes.iter().enumerate() {
+        if s.name.chars().any(char::is_control) {
+            return Err(ConfigError::new(
+                format!("{} has a 'name' containing control characters", labels[i]),
+                "Use a plain sandbox name such as gpu1.",
+            ));
+        }
+        if let Some(&j) = seen.get(s.name.as_str()) {
+            return Err(ConfigError::new(
+                format!(
+                    "{} duplicate sandbox name '{}' (already used by {})",
+                    labels[i], s.name, labels[j]
+                ),
+                "Give each sandbox a distinct 'name' (it defaults to 'host').",
+            ));
+        }
+        seen.insert(&s.name, i);
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// REMOTE_SANDBOX_LIST
+// ---------------------------------------------------------------------------------------------
+
+/// serde_json's fixed syntax-error descriptions; anything else is reported as "syntax error".
+const JSON_REASONS: [&str; 25] = [
+    "EOF while parsing a list",
+    "EOF while parsing an object",
+    "EOF while parsing a string",
+    "EOF while parsing a value",
+    "expected `:`",
+    "expected `,` or `]`",
+    "expected `,` or `}`",
+    "expected ident",
+    "expected value",
+    "expected `\"`",
+    "invalid escape",
+    "invalid number",
+    "number out of range",
+    "invalid unicode code point",
+    "control character (\\u0000-\\u001F) found while parsing a string",
+    "key must be a string",
+    "invalid value: expected key to be a number in quotes",
+    "float key must be finite (got NaN or +/-inf)",
+    "lone leading surrogate in hex escape",
+    "trailing comma",
+    "trailing characters",
+    "unexpected end of hex escape",
+    "recursion limit exceeded",
+    "syntax error",
+    "unexpected end of input",
+];
+
+/// `<reason> at line L column C`, with the reason taken only from serde_json's fixed list, so
+/// no character of the input can appear.
+fn json_error_text(err: &serde_json::Error) -> String {
+    let full = err.to_string();
+    let reason = full
+        .rsplit_once(" at line ")
+        .map(|(r, _)| r)
+        .unwrap_or(&full);
+    let reason = if JSON_REASONS.contains(&reason) {
+        reason
+    } else if err.is_eof() {
+        "unexpected end of input"
+    } else {
+        "syntax error"
+    };
+    format!("{reason} at line {} column {}", err.line(), err.column())
+}
+
+fn parse_list(raw: &str, ctx: &mut BuildCtx<'_>) -> Result<Vec<SandboxConfig>, ConfigError> {
+    let value: Value = serde_json::from_str(raw.trim()).map_err(|e| {
+        ConfigError::new(
+            format!("{LIST_VAR} is not valid JSON: {}", json_error_text(&e)),
+            "Check REMOTE_SANDBOX_LIST is valid JSON: [{\"name\": \"gpu1\", \"host\": \"10.0.0.5\", \"user\": \"me\", \"key_file\": \"~/.ssh/id_ed25519\"}] (the value is not shown, to keep secrets out of logs).",
+        )
+    })?;
+    let Value::Array(items) = value else {
+        return Err(ConfigError::new(
+            format!("{LIST_VAR} must be a JSON array"),
+            "Wrap the sandboxes in [ ... ], one JSON object per sandbox.",
+        ));
+    };
+    if items.is_empty() {
+        return Err(ConfigError::new(
+            format!("{LIST_VAR} must contain at least one sandbox"),
+            "Add a sandbox object, or unset REMOTE_SANDBOX_LIST to use REMOTE_HOST, the config file or the built-in local sandbox.",
+        ));
+    }
+    let mut out = Vec::with_capacity(items.len());
+    let mut labels = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let label = format!("{LIST_VAR}[{i}]");
+        let Value::Object(map) = item else {
+            return Err(ConfigError::new(
+                format!("{label} must be a JSON object"),
+                "Each element is an object such as {\"host\": \"10.0.0.5\", \"user\": \"me\", \"key_file\": \"~/.ssh/id_ed25519\"}.",
+            ));
+        };
+        let mut unknown: Vec<&str> = map
+            .keys()
+            .map(String::as_str)
+            .filter(|k| !ENTRY_FIELDS.contains(k))
+            .collect();
+        unknown.sort_unstable();
+        for k in unknown {
+            ctx.warn(format!("{label}: unknown field {} ignored", key_name(k)));
+        }
+        let entry = raw_entry(map, &label, ctx.env)?;
+        out.push(build_sandbox(entry, &label, ctx)?);
+        labels.push(label);
+    }
+    check_names(&out, &labels)?;
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Legacy single sandbox
+// ---------------------------------------------------------------------------------------------
+
+fn parse_legacy(host: &str, ctx: &mut BuildCtx<'_>) -> Result<SandboxConfig, ConfigError> {
+    let get = |k: &str| {
+        (ctx.env)(k)
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+    };
+    let user = get("REMOTE_USER").ok_or_else(|| {
+        ConfigError::new(
+            "REMOTE_USER is required when REMOTE_HOST is set",
+            "Set REMOTE_USER to the SSH login name.",
+        )
+    })?;
+    let port = match get("REMOTE_PORT") {
+        None => None,
+        Some(p) => Some(parse_port_value(&Value::String(p)).ok_or_else(|| {
+            ConfigError::new(
+                "REMOTE_PORT must be an integer between 1 and 65535",
+                "Set REMOTE_PORT to the SSH port (default 22).",
+            )
+        })?),
+    };
+    let entry = RawEntry {
+        name: None,
+        host: Some(host.trim().to_string()),
+        port,
+        user: Some(user),
+        // Stripped, like the seed (including the password).
+        password: get("REMOTE_PASSWORD").map(Secret),
+        key_file: get("REMOTE_KEY_FILE"),
+        key_passphrase: get("REMOTE_KEY_PASSPHRASE").map(Secret),
+        ..RawEntry::default()
+    };
+    build_sandbox(entry, "REMOTE_HOST", ctx)
+}
+
+// ---------------------------------------------------------------------------------------------
+// TOML file
+// ---------------------------------------------------------------------------------------------
+
+const TOP_LEVEL_FIELDS: [&str; 3] = ["host_key_policy", "connect_timeout_s", "sandbox"];
+
+fn toml_to_json(v: toml::Value) -> Value {
+    match v {
+        toml::Value::String(s) => Value::String(s),
+        toml::Value::Integer(i) => Value::from(i),
+        toml::Value::Float(f) => serde_json::Number::from_f64(f)
+            .map(Value::Number)
+            .unwrap_or(Value::Null),
+        toml::Value::Boolean(b) => Value::Bool(b),
+        toml::Value::Datetime(d) => Value::String(d.to_string()),
+        toml::Value::Array(a) => Value::Array(a.into_iter().map(toml_to_json).collect()),
+        toml::Value::Table(t) => {
+            Value::Object(t.into_iter().map(|(k, v)| (k, toml_to_json(v))).collect())
+        }
+    }
+}
+
+fn line_col(src: &str, offset: usize) -> (usize, usize) {
+    let offset = offset.min(src.len());
+    let before = src.get(..offset).unwrap_or(src);
+    let line = before.matches('\n').count() + 1;
+    let col = before
+        .rsplit('\n')
+        .next()
+        .map(|l| l.chars().count())
+        .unwrap_or(0)
+        + 1;
+    (line, col)
+}
+
+/// True when group/other have any permission bit on the file.
+#[cfg(unix)]
+fn readable_by_others(path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
+    (mode & 0o077 != 0).then_some(mode)
+}
+
+#[cfg(not(unix))]
+fn readable_by_others(_path: &Path) -> Option<u32> {
+    None
+}
+
+fn parse_toml_file(
+    path: &Path,
+    env_policy: Option<HostKeyPolicy>,
+    ctx: &mut BuildCtx<'_>,
+) -> Result<Vec<SandboxConfig>, ConfigError> {
+    let shown = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| {
+        ConfigError::new(
+            format!("cannot read config file {shown}: {}", e.kind()),
+            "Check the file's permissions, or set RSB_CONFIG to another file.",
+        )
+    })?;
+    let src = String::from_utf8(bytes).map_err(|e| {
+        let (line, col) = line_col(
+            &String::from_utf8_lossy(e.as_bytes()),
+            e.utf8_error().valid_up_to(),
+        );
+        ConfigError::new(
+            format!("config file {shown} is not valid UTF-8 (line {line}, column {col})"),
+            "Save the file as UTF-8.",
+        )
+    })?;
+    let table: toml::Table = src.parse().map_err(|e: toml::de::Error| {
+        let pos = match e.span() {
+            Some(span) => {
+                let (line, col) = line_col(&src, span.start);
+                format!(" (line {line}, column {col})")
+            }
+            None => String::new(),
+        };
+        ConfigError::new(
+            format!("config file {shown} is not valid TOML{pos}"),
+            "Fix the TOML syntax at that position (the text is not shown, to keep secrets out of logs).",
+        )
+    })?;
+    let top = match toml_to_json(toml::Value::Table(table)) {
+        Value::Object(m) => m,
+        _ => unreachable!("a table converts to an object"),
+    };
+    let file_label = format!("config file {shown}");
+    let mut keys: Vec<&String> = top.keys().collect();
+    keys.sort();
+    if let Some(k) = keys
+        .iter()
+        .find(|k| !TOP_LEVEL_FIELDS.contains(&k.as_str()))
+    {
+        return Err(ConfigError::new(
+            format!("{file_label}: unknown key {}", key_name(k)),
+            format!(
+                "Top-level keys are: {}; per sandbox: [[sandbox]] tables.",
+                TOP_LEVEL_FIELDS.join(", ")
+            ),
+        ));
+    }
+    if let Some(p) = str_field(&top, &file_label, "host_key_policy", true)? {
+        let p = HostKeyPolicy::parse(&p).ok_or_else(|| {
+            type_err(
+                &file_label,
+                "host_key_policy",
+                "one of accept-new, strict, off",
+            )
+        })?;
+        // RSB_HOST_KEY_POLICY (env) beats the file's default; a per-sandbox value beats both.
+        if env_policy.is_none() {
+            ctx.defaults.host_key_policy = p;
+        }
+    }
+    if let Some(v) = top.get("connect_timeout_s") {
+        ctx.defaults.connect_timeout = parse_timeout(v).ok_or_else(|| {
+            type_err(
+                &file_label,
+                "connect_timeout_s",
+                "a positive number of seconds",
+            )
+        })?;
+    }
+    let items = match top.get("sandbox") {
+        None => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a,
+        Some(_) => {
+            return Err(ConfigError::new(
+                format!("{file_label}: 'sandbox' must be an array of tables"),
+                "Write each sandbox as a [[sandbox]] table.",
+            ));
+        }
+    };
+    let open_to_others = readable_by_others(path);
+    let mut out = Vec::with_capacity(items.len());
+    let mut labels = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let label = format!("{file_label}: sandbox[{i}]");
+        let Value::Object(map) = item else {
+            return Err(ConfigError::new(
+                format!("{label} must be a table"),
+                "Write each sandbox as a [[sandbox]] table.",
+            ));
+        };
+        let mut keys: Vec<&String> = map.keys().collect();
+        keys.sort();
+        if let Some(k) = keys.iter().find(|k| !ENTRY_FIELDS.contains(&k.as_str())) {
+            return Err(ConfigError::new(
+                format!("{label} has unknown key {}", key_name(k)),
+                format!("Sandbox keys are: {}.", ENTRY_FIELDS.join(", ")),
+            ));
+        }
+        let entry = raw_entry(map, &label, ctx.env)?;
+        if let (Some(field), Some(mode)) = (entry.literal_secrets.first(), open_to_others) {
+            return Err(ConfigError::new(
+                format!(
+                    "{label} has a plaintext '{field}' but {shown} is readable by others (mode {mode:04o})"
+                ),
+                format!(
+                    "Run `chmod 600 {shown}`, or use {field}_env = \"VAR\" to read it from the environment."
+                ),
+            ));
+        }
+        out.push(build_sandbox(entry, &label, ctx)?);
+        labels.push(label);
+    }
+    check_names(&out, &labels)?;
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------------
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    const SECRET: &str = "S3cr3t-pw!";
+
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new() -> TempDir {
+            static N: AtomicUsize = AtomicUsize::new(0);
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos();
+            let dir = std::env::temp_dir().join(format!(
+                "rsb-config-test-{}-{}-{nanos}",
+                std::process::id(),
+                N.fetch_add(1, Ordering::Relaxed)
+            ));
+            std::fs::create_dir_all(dir.join(".ssh")).unwrap();
+            TempDir(dir)
+        }
+        fn path(&self) -> &Path {
+            &self.0
+        }
+        fn write(&self, rel: &str, content: &str) -> PathBuf {
+            let p = self.0.join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, content).unwrap();
+            p
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[cfg(unix)]
+    fn chmod(p: &Path, mode: u32) {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    /// Runs `from_sources` with the given env pairs; RSB_STATE_DIR points into the temp home.
+    fn load_with(
+        home: &TempDir,
+        vars: &[(&str, &str)],
+        config_file: Option<&Path>,
+        ssh_config: Option<&Path>,
+    ) -> Result<Config, ConfigError> {
+        let mut map: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        map.entry("RSB_STATE_DIR".into())
+            .or_insert_with(|| home.path().join("state").display().to_string());
+        let env = move |k: &str| map.get(k).cloned();
+        Config::from_sources(&env, config_file, ssh_config, home.path())
+    }
+
+    fn env_only(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let home = TempDir::new();
+        load_with(&home, vars, None, None)
+    }
+
+    fn err(vars: &[(&str, &str)]) -> ConfigError {
+        let e = env_only(vars).expect_err("expected a config error");
+        assert_no_secret_err(&e);
+        e
+    }
+
+    fn assert_no_secret_err(e: &ConfigError) {
+        for text in [&e.message, &e.hint, &format!("{e:?}"), &e.to_string()] {
+            assert!(!text.contains(SECRET), "secret leaked: {text}");
+            assert!(!text.contains("S3cr3t"), "partial secret leaked: {text}");
+            assert!(!text.contains('\n'), "multi-line: {text}");
+        }
+        assert!(!e.hint.is_empty());
+    }
+
+    fn assert_no_secret_cfg(c: &Config) {
+        let dbg = format!("{c:?}");
+        assert!(!dbg.contains(SECRET), "secret in Debug: {dbg}");
+        assert!(!dbg.contains("S3cr3t"), "partial secret in Debug: {dbg}");
+        for w in &c.warnings {
+            assert!(!w.contains("S3cr3t"), "secret in warning: {w}");
+        }
+    }
+
+    fn ssh(c: &Config, i: usize) -> &SshTarget {
+        match &c.sandboxes[i].transport {
+            Transport::Ssh(t) => t,
+            Transport::Local => panic!("sandbox {i} is local"),
+        }
+    }
+
+    #[test]
+    fn secret_never_prints() {
+        let s = Secret::new(SECRET);
+        assert_eq!(format!("{s}"), "***");
+        assert_eq!(format!("{s:?}"), "***");
+        assert_eq!(s.expose(), SECRET);
+        let a = Auth::KeyFile {
+            path: "/k".into(),
+            passphrase: Some(s),
+        };
+        assert!(!format!("{a:?}").contains(SECRET));
+    }
+
+    #[test]
+    fn nothing_configured_gives_local() {
+        let c = env_only(&[]).unwrap();
+        assert_eq!(c.sandboxes, vec![builtin_local()]);
+        assert_eq!(c.source, "built-in local");
+        assert!(!c.expose_advanced_tools);
+        assert_eq!(c.inline_sync_max_files, 200);
+        assert_eq!(c.inline_sync_max_bytes, 67_108_864);
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        // blank values count as unset, like the seed
+        let c = env_only(&[(LIST_VAR, "  "), ("REMOTE_HOST", " ")]).unwrap();
+        assert_eq!(c.source, "built-in local");
+        // a missing config file is just absent
+        let home = TempDir::new();
+        let c = load_with(&home, &[], Some(&home.path().join("nope.toml")), None).unwrap();
+        assert_eq!(c.source, "built-in local");
+    }
+
+    #[test]
+    fn list_happy_path_with_defaults_order_and_auth() {
+        let home = TempDir::new();
+        let key = home.write("keys/k1", "x");
+        let list = format!(
+            r#"[{{"name":"a","host":"h1","port":2222,"user":"u1","password":"{SECRET}"}},
+                {{"host":"h2","user":"u2","key_file":"~/keys/k1","key_passphrase":"{SECRET}"}},
+                {{"name":"c","host":"h3","port":"2200","user":"u3","password":"pw","key_file":"/abs/key"}}]"#
+        );
+        let c = load_with(&home, &[(LIST_VAR, &list)], None, None).unwrap();
+        assert_no_secret_cfg(&c);
+        assert_eq!(c.source, "REMOTE_SANDBOX_LIST");
+        assert_eq!(c.names(), vec!["a", "h2", "c"]);
+        let a = ssh(&c, 0);
+        assert_eq!(
+            (a.host.as_str(), a.port, a.user.as_str()),
+            ("h1", 2222, "u1")
+        );
+        assert_eq!(a.auth, Auth::Password(Secret::new(SECRET)));
+        assert_eq!(a.host_key_policy, HostKeyPolicy::AcceptNew);
+        assert_eq!(a.connect_timeout, DEFAULT_CONNECT_TIMEOUT);
+        assert_eq!(
+            a.known_hosts,
+            vec![
+                home.path().join(".ssh/known_hosts"),
+                home.path().join("state/known_hosts")
+            ]
+        );
+        let b = ssh(&c, 1);
+        assert_eq!(b.port, 22);
+        assert_eq!(
+            b.auth,
+            Auth::KeyFile {
+                path: key,
+                passphrase: Some(Secret::new(SECRET))
+            }
+        );
+        // both given: key wins, like the seed
+        assert!(
+            matches!(&ssh(&c, 2).auth, Auth::KeyFile { path, passphrase: None } if path == Path::new("/abs/key"))
+        );
+        assert_eq!(ssh(&c, 2).port, 2200);
+        // missing key file is a warning naming the path, not an error
+        assert!(
+            c.warnings.iter().any(|w| w.contains("/abs/key")),
+            "{:?}",
+            c.warnings
+        );
+    }
+
+    #[test]
+    fn list_wins_over_legacy_with_warning() {
+        let list = r#"[{"host":"h1","user":"u","password":"p"}]"#;
+        let c = env_only(&[
+            (LIST_VAR, list),
+            ("REMOTE_HOST", "legacy"),
+            ("REMOTE_USER", "u"),
+        ])
+        .unwrap();
+        assert_eq!(c.names(), vec!["h1"]);
+        assert!(
+            c.warnings
+                .iter()
+                .any(|w| w.contains("REMOTE_HOST is ignored"))
+        );
+    }
+
+    #[test]
+    fn list_not_json_never_echoes() {
+        // the seed leaked '123" "port":22}' from exactly this kind of input
+        let bad = format!(r#"[{{"host":"h","user":"u","password":"{SECRET}" "port":22}}]"#);
+        let e = err(&[(LIST_VAR, &bad)]);
+        assert!(
+            e.message.starts_with(
+                "REMOTE_SANDBOX_LIST is not valid JSON: expected `,` or `}` at line 1 column"
+            ),
+            "{}",
+            e.message
+        );
+        for bad in [
+            format!(r#"[{{"password":"{SECRET}"#),
+            format!(r#"[{{"password":"{SECRET}\q"}}]"#),
+            format!(r#"[{{"password":{SECRET}}}]"#),
+            format!("[{{\"password\":\"{SECRET}\u{1}\"}}]"),
+            format!(r#"[{{"host":"h"}}] {SECRET}"#),
+        ] {
+            let e = err(&[(LIST_VAR, &bad)]);
+            assert!(
+                e.message
+                    .starts_with("REMOTE_SANDBOX_LIST is not valid JSON: "),
+                "{}",
+                e.message
+            );
+            assert!(e.message.contains(" at line 1 column "), "{}", e.message);
+        }
+    }
+
+    #[test]
+    fn list_structure_errors_match_seed_wording() {
+        let e = err(&[(
+            LIST_VAR,
+            &format!(r#"{{"host":"h","password":"{SECRET}"}}"#),
+        )]);
+        assert_eq!(e.message, "REMOTE_SANDBOX_LIST must be a JSON array");
+        let e = err(&[(
+            LIST_VAR,
+            &format!(r#"[{{"host":"h","user":"u"}}, "{SECRET}"]"#),
+        )]);
+        assert_eq!(e.message, "REMOTE_SANDBOX_LIST[1] must be a JSON object");
+        let e = err(&[(
+            LIST_VAR,
+            &format!(r#"[{{"user":"u","password":"{SECRET}"}}]"#),
+        )]);
+        assert_eq!(
+            e.message,
+            "REMOTE_SANDBOX_LIST[0] missing required field: 'host'"
+        );
+        let e = err(&[(
+            LIST_VAR,
+            &format!(r#"[{{"host":"h","password":"{SECRET}"}}]"#),
+        )]);
+        assert_eq!(
+            e.message,
+            "REMOTE_SANDBOX_LIST[0] missing required field: 'user'"
+        );
+        let e = err(&[(LIST_VAR, r#"[{"host":"","user":"u"}]"#)]);
+        assert_eq!(
+            e.message,
+            "REMOTE_SANDBOX_LIST[0] missing required field: 'host'"
+        );
+        let e = err(&[(LIST_VAR, "[]")]);
+        assert!(e.message.contains("at least one sandbox"));
+    }
+
+    #[test]
+    fn list_bad_types_name_the_field_not_the_value() {
+        for (field, value) in [
+            ("port", format!(r#""{SECRET}""#)),
+            ("port", "70000".into()),
+            ("port", "0".into()),
+            ("port", "22.5".into()),
+            ("port", "true".into()),
+            ("password", format!(r#"["{SECRET}"]"#)),
+            ("password", "12345".into()),
+            ("key_passphrase", format!(r#"{{"v":"{SECRET}"}}"#)),
+            ("host", "5".into()),
+            ("host_key_policy", format!(r#""{SECRET}""#)),
+            ("local", r#""yes""#.into()),
+        ] {
+            let list = format!(r#"[{{"host":"h","user":"u","{field}":{value}}}]"#);
+            let e = err(&[(LIST_VAR, &list)]);
+            assert!(
+                e.message
+                    .starts_with(&format!("REMOTE_SANDBOX_LIST[0] field '{field}' must be ")),
+                "{field}={value}: {}",
+                e.message
+            );
+        }
+        // numeric strings and integral floats are fine for port
+        for port in [r#""2222""#, r#"" 2222 ""#, "2222.0"] {
+            let c = env_only(&[(
+                LIST_VAR,
+                &format!(r#"[{{"host":"h","user":"u","port":{port}}}]"#),
+            )])
+            .unwrap();
+            assert_eq!(ssh(&c, 0).port, 2222);
+        }
+    }
+
+    #[test]
+    fn list_duplicate_names_are_an_error() {
+        let list = format!(
+            r#"[{{"name":"a","host":"h1","user":"u","password":"{SECRET}"}},{{"host":"a","user":"u","password":"{SECRET}"}}]"#
+        );
+        let e = err(&[(LIST_VAR, &list)]);
+        assert_eq!(
+            e.message,
+            "REMOTE_SANDBOX_LIST[1] duplicate sandbox name 'a' (already used by REMOTE_SANDBOX_LIST[0])"
+        );
+    }
+
+    #[test]
+    fn list_unknown_fields_warn_and_no_credentials_is_auto() {
+        let home = TempDir::new();
+        let k = home.write(".ssh/id_rsa", "x");
+        let list = r#"[{"host":"h","user":"u","colour":"red","key_passphrase":"kp"}]"#;
+        let c = load_with(&home, &[(LIST_VAR, list)], None, None).unwrap();
+        assert!(
+            c.warnings
+                .iter()
+                .any(|w| w.contains("unknown field 'colour'"))
+        );
+        assert_eq!(
+            ssh(&c, 0).auth,
+            Auth::Auto {
+                identity_files: vec![],
+                default_keys: vec![k],
+                passphrase: Some(Secret::new("kp"))
+            }
+        );
+        // a default key exists, so no "connecting will fail" warning
+        assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+        // a stray key that is not a plain identifier is not echoed
+        let list = format!(r#"[{{"host":"h","user":"u","pw={SECRET}":1}}]"#);
+        let c = load_with(&home, &[(LIST_VAR, &list)], None, None).unwrap();
+        assert_no_secret_cfg(&c);
+        assert!(
+            c.warnings.iter().any(|w| w.contains("name not shown")),
+            "{:?}",
+            c.warnings
+        );
+        // nothing at all to authenticate with: still loads, with a warning
+        let c = env_only(&[(LIST_VAR, r#"[{"host":"h","user":"u"}]"#)]).unwrap();
+        assert!(
+            c.warnings
+                .iter()
+                .any(|w| w.contains("connecting will fail")),
+            "{:?}",
+            c.warnings
+        );
+        let c = env_only(&[
+            (LIST_VAR, r#"[{"host":"h","user":"u"}]"#),
+            ("SSH_AUTH_SOCK", "/tmp/agent"),
+        ])
+        .unwrap();
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+    }
+
+    #[test]
+    fn list_local_entry_and_policy() {
+        let list =
+            r#"[{"name":"box","local":true},{"host":"h","user":"u","host_key_policy":"Strict"}]"#;
+        let c = env_only(&[(LIST_VAR, list), ("RSB_HOST_KEY_POLICY", "off")]).unwrap();
+        assert_eq!(
+            c.sandboxes[0],
+            SandboxConfig {
+                name: "box".into(),
+                transport: Transport::Local
+            }
+        );
+        assert_eq!(ssh(&c, 1).host_key_policy, HostKeyPolicy::Strict);
+        let c = env_only(&[
+            (LIST_VAR, r#"[{"host":"h","user":"u"}]"#),
+            ("RSB_HOST_KEY_POLICY", "off"),
+        ])
+        .unwrap();
+        assert_eq!(ssh(&c, 0).host_key_policy, HostKeyPolicy::Off);
+        let e = err(&[(LIST_VAR, r#"[{"local":true,"host":"h"}]"#)]);
+        assert!(e.message.contains("local = true and also sets 'host'"));
+        let e = err(&[("RSB_HOST_KEY_POLICY", "maybe")]);
+        assert!(e.message.starts_with("RSB_HOST_KEY_POLICY must be one of"));
+    }
+
+    #[test]
+    fn legacy_env_password() {
+        let pw = format!("  {SECRET}  ");
+        let c = env_only(&[
+            ("REMOTE_HOST", " 10.0.0.5 "),
+            ("REMOTE_PORT", " 2022 "),
+            ("REMOTE_USER", " me "),
+            ("REMOTE_PASSWORD", &pw),
+        ])
+        .unwrap();
+        assert_no_secret_cfg(&c);
+        assert_eq!(c.source, "REMOTE_HOST");
+        assert_eq!(c.names(), vec!["10.0.0.5"]);
+        let t = ssh(&c, 0);
+        assert_eq!(
+            (t.host.as_str(), t.port, t.user.as_str()),
+            ("10.0.0.5", 2022, "me")
+        );
+        // stripped, like the seed
+        assert_eq!(t.auth, Auth::Password(Secret::new(SECRET)));
+    }
+
+    #[test]
+    fn legacy_env_key_and_errors() {
+        let home = TempDir::new();
+        let key = home.write(".ssh/work", "x");
+        let c = load_with(
+            &home,
+            &[
+                ("REMOTE_HOST", "h"),
+                ("REMOTE_USER", "me"),
+                ("REMOTE_KEY_FILE", "~/.ssh/work"),
+                ("REMOTE_KEY_PASSPHRASE", SECRET),
+                ("REMOTE_PASSWORD", SECRET),
+            ],
+            None,
+            None,
+        )
+        .unwrap();
+        assert_no_secret_cfg(&c);
+        let t = ssh(&c, 0);
+        assert_eq!(t.port, 22);
+        assert_eq!(
+            t.auth,
+            Auth::KeyFile {
+                path: key,
+                passphrase: Some(Secret::new(SECRET))
+            }
+        );
+        // empty passphrase means "no passphrase" (seed README: leave blank)
+        let c = env_only(&[
+            ("REMOTE_HOST", "h"),
+            ("REMOTE_USER", "me"),
+            ("REMOTE_KEY_FILE", "/k"),
+            ("REMOTE_KEY_PASSPHRASE", ""),
+        ])
+        .unwrap();
+        assert!(matches!(
+            &ssh(&c, 0).auth,
+            Auth::KeyFile {
+                passphrase: None,
+                ..
+            }
+        ));
+        let e = err(&[("REMOTE_HOST", "h"), ("REMOTE_PASSWORD", SECRET)]);
+        assert_eq!(e.message, "REMOTE_USER is required when REMOTE_HOST is set");
+        let e = err(&[
+            ("REMOTE_HOST", "h"),
+            ("REMOTE_USER", "u"),
+            ("REMOTE_PORT", SECRET),
+        ]);
+        assert_eq!(
+            e.message,
+            "REMOTE_PORT must be an integer between 1 and 65535"
+        );
+        // no password and no key: Auto (the seed refused)
+        let c = env_only(&[("REMOTE_HOST", "h"), ("REMOTE_USER", "u")]).unwrap();
+        assert!(matches!(ssh(&c, 0).auth, Auth::Auto { .. }));
+    }
+
+    #[test]
+    fn advanced_tools_truthiness() {
+        for (v, want) in [
+            ("1", true),
+            ("true", true),
+            ("TRUE", true),
+            (" yes ", true),
+            ("On", true),
+            ("0", false),
+            ("false", false),
+            ("no", false),
+            ("off", false),
+            ("", false),
+            ("2", false),
+            ("enable", false),
+        ] {
+            let c = env_only(&[("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", v)]).unwrap();
+            assert_eq!(c.expose_advanced_tools, want, "{v:?}");
+            let warned = !c.warnings.is_empty();
+            assert_eq!(warned, v == "2" || v == "enable", "{v:?}: {:?}", c.warnings);
+        }
+    }
+
+    #[test]
+    fn inline_sync_limits() {
+        let f = "REMOTE_SANDBOX_INLINE_SYNC_MAX_FILES";
+        let b = "REMOTE_SANDBOX_INLINE_SYNC_MAX_BYTES";
+        let c = env_only(&[(f, "5000"), (b, " 1048576 ")]).unwrap();
+        assert_eq!(
+            (c.inline_sync_max_files, c.inline_sync_max_bytes),
+            (5000, 1_048_576)
+        );
+        let c = env_only(&[(f, "0"), (b, "+10")]).unwrap();
+        assert_eq!((c.inline_sync_max_files, c.inline_sync_max_bytes), (0, 10));
+        assert!(c.warnings.is_empty());
+        let c = env_only(&[(f, "lots"), (b, "-5")]).unwrap();
+        assert_eq!(
+            (c.inline_sync_max_files, c.inline_sync_max_bytes),
+            (200, 67_108_864)
+        );
+        assert_eq!(c.warnings.len(), 2, "{:?}", c.warnings);
+        assert!(c.warnings[0].contains(f) && c.warnings[1].contains(b));
+        let c = env_only(&[(f, ""), (b, "  ")]).unwrap();
+        assert!(c.warnings.is_empty());
+    }
+
+    #[test]
+    fn state_dir_override() {
+        let home = TempDir::new();
+        let c = load_with(&home, &[("RSB_STATE_DIR", "~/st")], None, None).unwrap();
+        assert_eq!(c.state_dir, home.path().join("st"));
+        assert!(
+            !c.state_dir.exists(),
+            "from_sources must not create anything"
+        );
+        let c = load_with(&home, &[("RSB_STATE_DIR", "")], None, None).unwrap();
+        assert!(c.state_dir.ends_with("rsb"), "{}", c.state_dir.display());
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let d = home.path().join("a/b");
+            ensure_private_dir(&d).unwrap();
+            assert_eq!(
+                std::fs::metadata(&d).unwrap().permissions().mode() & 0o777,
+                0o700
+            );
+        }
+    }
+
+    const SSH_CONFIG: &str = "\
+Host gpu1
+    HostName 10.0.0.5
+    Port 2200
+    User alice
+    IdentityFile ~/.ssh/missing_key
+    IdentityFile ~/.ssh/gpu1_key
+    ProxyJump bastion.example.com,jump2
+    ConnectTimeout 7
+
+Host bare
+    User bob
+
+Host *.internal
+    HostName %h.example.org
+    User carol
+";
+
+    #[test]
+    fn ssh_config_alias_resolution() {
+        let home = TempDir::new();
+        let key = home.write(".ssh/gpu1_key", "x");
+        let cfg = home.write(".ssh/config", SSH_CONFIG);
+        let list = r#"[{"ssh_config_host":"gpu1"},{"ssh_config_host":"bare"},{"ssh_config_host":"db.internal"}]"#;
+        let c = load_with(&home, &[(LIST_VAR, list)], None, Some(&cfg)).unwrap();
+        assert_eq!(c.names(), vec!["gpu1", "bare", "db.internal"]);
+        let t = ssh(&c, 0);
+        assert_eq!(
+            (t.host.as_str(), t.port, t.user.as_str()),
+            ("10.0.0.5", 2200, "alice")
+        );
+        assert_eq!(t.proxy_jump.as_deref(), Some("bastion.example.com,jump2"));
+        assert_eq!(t.connect_timeout, Duration::from_secs(7));
+        assert_eq!(
+            t.auth,
+            Auth::Auto {
+                identity_files: vec![key],
+                default_keys: vec![],
+                passphrase: None
+            }
+        );
+        // no HostName: the alias itself is the host, like ssh
+        let t = ssh(&c, 1);
+        assert_eq!(
+            (t.host.as_str(), t.port, t.user.as_str()),
+            ("bare", 22, "bob")
+        );
+        assert_eq!(t.proxy_jump, None);
+        assert_eq!(ssh(&c, 2).host, "db.internal.example.org");
+    }
+
+    #[test]
+    fn ssh_config_explicit_fields_win() {
+        let home = TempDir::new();
+        home.write(".ssh/gpu1_key", "x");
+        let cfg = home.write(".ssh/config", SSH_CONFIG);
+        let list = format!(
+            r#"[{{"name":"g","ssh_config_host":"gpu1","host":"192.168.1.1","port":22,"user":"root","password":"{SECRET}","host_key_policy":"off"}}]"#
+        );
+        let c = load_with(&home, &[(LIST_VAR, &list)], None, Some(&cfg)).unwrap();
+        assert_no_secret_cfg(&c);
+        assert_eq!(c.names(), vec!["g"]);
+        let t = ssh(&c, 0);
+        assert_eq!(
+            (t.host.as_str(), t.port, t.user.as_str()),
+            ("192.168.1.1", 22, "root")
+        );
+        assert_eq!(t.auth, Auth::Password(Secret::new(SECRET)));
+        assert_eq!(t.host_key_policy, HostKeyPolicy::Off);
+        // ProxyJump still carried from the alias
+        assert_eq!(t.proxy_jump.as_deref(), Some("bastion.example.com,jump2"));
+    }
+
+    #[test]
+    fn ssh_config_missing_file_or_user() {
+        let home = TempDir::new();
+        let missing = home.path().join(".ssh/config");
+        let e = load_with(
+            &home,
+            &[(LIST_VAR, r#"[{"ssh_config_host":"gpu1"}]"#)],
+            None,
+            Some(&missing),
+        )
+        .unwrap_err();
+        assert!(
+            e.message.contains("sets 'ssh_config_host' but")
+                && e.message.contains("does not exist"),
+            "{}",
+            e.message
+        );
+        let cfg = home.write(".ssh/config", "Host nouser\n    HostName 1.2.3.4\n");
+        let e = load_with(
+            &home,
+            &[(LIST_VAR, r#"[{"ssh_config_host":"nouser"}]"#)],
+            None,
+            Some(&cfg),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.message,
+            "REMOTE_SANDBOX_LIST[0] missing required field: 'user'"
+        );
+    }
+
+    const TOML_OK: &str = r#"
+host_key_policy = "strict"
+connect_timeout_s = 5
+
+[[sandbox]]
+name = "gpu1"
+host = "10.0.0.5"
+port = 2222
+user = "me"
+key_file = "~/.ssh/id_ed25519"
+key_passphrase_env = "GPU1_PASSPHRASE"
+host_key_policy = "accept-new"
+
+[[sandbox]]
+name = "alias"
+ssh_config_host = "gpu1"
+
+[[sandbox]]
+name = "pw"
+host = "h"
+user = "u"
+password_env = "PW_VAR"
+
+[[sandbox]]
+name = "local"
+local = true
+"#;
+
+    #[test]
+    fn toml_happy_path() {
+        let home = TempDir::new();
+        let key = home.write(".ssh/id_ed25519", "x");
+        let cfg = home.write(".ssh/config", SSH_CONFIG);
+        let file = home.write("rsb/config.toml", TOML_OK);
+        #[cfg(unix)]
+        chmod(&file, 0o644); // no literal secrets, so any mode is fine
+        let c = load_with(
+            &home,
+            &[("GPU1_PASSPHRASE", SECRET), ("PW_VAR", SECRET)],
+            Some(&file),
+            Some(&cfg),
+        )
+        .unwrap();
+        assert_no_secret_cfg(&c);
+        assert_eq!(c.source, format!("config file {}", file.display()));
+        assert_eq!(c.names(), vec!["gpu1", "alias", "pw", "local"]);
+        let t = ssh(&c, 0);
+        assert_eq!((t.host.as_str(), t.port), ("10.0.0.5", 2222));
+        assert_eq!(t.host_key_policy, HostKeyPolicy::AcceptNew);
+        assert_eq!(t.connect_timeout, Duration::from_secs(5));
+        assert_eq!(
+            t.auth,
+            Auth::KeyFile {
+                path: key.clone(),
+                passphrase: Some(Secret::new(SECRET))
+            }
+        );
+        let t = ssh(&c, 1);
+        assert_eq!((t.host.as_str(), t.user.as_str()), ("10.0.0.5", "alice"));
+        assert_eq!(t.host_key_policy, HostKeyPolicy::Strict);
+        assert_eq!(
+            t.connect_timeout,
+            Duration::from_secs(7),
+            "ssh_config ConnectTimeout beats the file default"
+        );
+        assert_eq!(
+            t.auth,
+            Auth::Auto {
+                identity_files: vec![],
+                default_keys: vec![key.clone()],
+                passphrase: None
+            },
+            "gpu1_key does not exist in this home; id_ed25519 does"
+        );
+        assert_eq!(ssh(&c, 2).auth, Auth::Password(Secret::new(SECRET)));
+        assert_eq!(c.sandboxes[3].transport, Transport::Local);
+        // env vars win over the file
+        let c = load_with(
+            &home,
+            &[("REMOTE_HOST", "h"), ("REMOTE_USER", "u")],
+            Some(&file),
+            Some(&cfg),
+        )
+        .unwrap();
+        assert_eq!(c.source, "REMOTE_HOST");
+        assert!(
+            c.warnings
+                .iter()
+                .any(|w| w.contains("is ignored because REMOTE_HOST is set"))
+        );
+        // RSB_HOST_KEY_POLICY beats the file's default, not a sandbox's own
+        let c = load_with(
+            &home,
+            &[
+                ("GPU1_PASSPHRASE", "p"),
+                ("PW_VAR", "p"),
+                ("RSB_HOST_KEY_POLICY", "off"),
+            ],
+            Some(&file),
+            Some(&cfg),
+        )
+        .unwrap();
+        assert_eq!(ssh(&c, 0).host_key_policy, HostKeyPolicy::AcceptNew);
+        assert_eq!(ssh(&c, 1).host_key_policy, HostKeyPolicy::Off);
+    }
+
+    #[test]
+    fn toml_env_reference_unset() {
+        let home = TempDir::new();
+        let file = home.write(
+            "c.toml",
+            "[[sandbox]]\nhost = \"h\"\nuser = \"u\"\npassword_env = \"NOPE_VAR\"\n",
+        );
+        let e = load_with(&home, &[], Some(&file), None).unwrap_err();
+        assert_no_secret_err(&e);
+        assert!(
+            e.message.contains("NOPE_VAR") && e.message.contains("not set"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn toml_unknown_keys_are_errors() {
+        let home = TempDir::new();
+        let file = home.write(
+            "c.toml",
+            "[[sandbox]]\nhost = \"h\"\nuser = \"u\"\nhostname = \"x\"\n",
+        );
+        let e = load_with(&home, &[], Some(&file), None).unwrap_err();
+        assert!(
+            e.message.ends_with("sandbox[0] has unknown key 'hostname'"),
+            "{}",
+            e.message
+        );
+        assert!(e.hint.contains("ssh_config_host"));
+        let file = home.write("d.toml", "colour = 1\n");
+        let e = load_with(&home, &[], Some(&file), None).unwrap_err();
+        assert!(e.message.ends_with("unknown key 'colour'"), "{}", e.message);
+    }
+
+    #[test]
+    fn toml_malformed_gives_position_not_text() {
+        let home = TempDir::new();
+        let file = home.write(
+            "c.toml",
+            &format!("[[sandbox]]\nhost = \"h\"\npassword = \"{SECRET}\n"),
+        );
+        #[cfg(unix)]
+        chmod(&file, 0o600);
+        let e = load_with(&home, &[], Some(&file), None).unwrap_err();
+        assert_no_secret_err(&e);
+        assert!(
+            e.message.contains("is not valid TOML (line 3, column"),
+            "{}",
+            e.message
+        );
+        let file = home.write(
+            "d.toml",
+            &format!("[[sandbox]]\nport = \"{SECRET}\"\nhost=\"h\"\nuser=\"u\"\n"),
+        );
+        let e = load_with(&home, &[], Some(&file), None).unwrap_err();
+        assert_no_secret_err(&e);
+        assert!(
+            e.message
+                .ends_with("field 'port' must be an integer between 1 and 65535"),
+            "{}",
+            e.message
+        );
+        let file = home.write("e.toml", "[[sandbox]]\nname=\"a\"\nhost=\"h\"\nuser=\"u\"\n[[sandbox]]\nname=\"a\"\nlocal=true\n");
+        let e = load_with(&home, &[], Some(&file), None).unwrap_err();
+        assert!(
+            e.message.contains("duplicate sandbox name 'a'"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn toml_plaintext_secret_needs_0600() {
+        let home = TempDir::new();
+        let body = format!("[[sandbox]]\nhost = \"h\"\nuser = \"u\"\npassword = \"{SECRET}\"\n");
+        let file = home.write("c.toml", &body);
+        chmod(&file, 0o644);
+        let e = load_with(&home, &[], Some(&file), None).unwrap_err();
+        assert_no_secret_err(&e);
+        assert!(
+            e.message.contains("plaintext 'password'") && e.message.contains("0644"),
+            "{}",
+            e.message
+        );
+        assert!(
+            e.hint.contains("chmod 600") && e.hint.contains("password_env"),
+            "{}",
+            e.hint
+        );
+        chmod(&file, 0o600);
+        let c = load_with(&home, &[], Some(&file), None).unwrap();
+        assert_no_secret_cfg(&c);
+        assert_eq!(ssh(&c, 0).auth, Auth::Password(Secret::new(SECRET)));
+    }
+
+    #[test]
+    fn toml_without_sandboxes_falls_back_to_local() {
+        let home = TempDir::new();
+        let file = home.write("c.toml", "host_key_policy = \"off\"\n");
+        let c = load_with(&home, &[], Some(&file), None).unwrap();
+        assert_eq!(c.sandboxes, vec![builtin_local()]);
+        assert_eq!(c.warnings.len(), 1);
+    }
+
+    #[test]
+    fn json_reason_whitelist_covers_serde_messages() {
+        for bad in [
+            "[",
+            "[1,",
+            "{\"a\" 1}",
+            "[1 2]",
+            "\"\\q\"",
+            "tru",
+            "[1] x",
+            "[1,]",
+            "{1:2}",
+        ] {
+            let e = serde_json::from_str::<Value>(bad).unwrap_err();
+            let text = json_error_text(&e);
+            assert!(
+                !text.starts_with("syntax error"),
+                "{bad:?} -> {e} -> {text}"
+            );
+        }
+    }
+}

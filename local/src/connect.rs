@@ -1,0 +1,281 @@
+//! From a sandbox's config to a live agent channel: SSH connect, probe, reuse or deploy the
+//! agent, handshake. Also the local transport (agent as a child process, no SSH).
+
+use std::{path::PathBuf, process::Stdio, sync::Arc, time::Duration};
+
+use rsb_deploy::{AgentBinary, DeployError};
+use tokio::{io::AsyncBufReadExt, process::Command};
+
+use crate::{
+    client::{AgentClient, StartError},
+    config::{SandboxConfig, SshTarget, Transport},
+    error::{Kind, Result, RsbError},
+    ssh::SshSession,
+};
+
+/// A live agent channel plus how it came to be (tests and `rsb sandboxes` report it).
+pub struct Connection {
+    pub client: AgentClient,
+    pub ssh: Option<Arc<SshSession>>,
+    /// The agent binary was uploaded during this connect.
+    pub deployed: bool,
+    /// Where the agent runs on the host.
+    pub agent_path: String,
+}
+
+pub async fn connect(sandbox: &SandboxConfig, known_path: Option<&str>) -> Result<Connection> {
+    match &sandbox.transport {
+        Transport::Local => start_local(&sandbox.name).await,
+        Transport::Ssh(t) => connect_ssh(&sandbox.name, t, known_path).await,
+    }
+}
+
+fn deploy_err(sandbox: &str, e: DeployError) -> RsbError {
+    let hint = match &e {
+        DeployError::AgentMissing { .. } => {
+            "rebuild rsb with agents embedded, or set RSB_AGENT_DIR"
+        }
+        DeployError::UnsupportedPlatform { .. } => {
+            "rsb sandboxes must be Linux x86_64 or aarch64 hosts"
+        }
+        DeployError::NoExecDir { .. } => {
+            "make ~/.cache or /tmp writable and executable for this user"
+        }
+        DeployError::Verify { .. } | DeployError::Upload { .. } => {
+            "retry; check free disk space on the remote"
+        }
+        DeployError::Probe(_) => {
+            "make sure the remote login shell is a POSIX shell that runs commands"
+        }
+    };
+    RsbError::new(
+        Kind::Deploy,
+        format!("cannot start rsb-agent on sandbox '{sandbox}': {e}"),
+        hint,
+    )
+}
+
+async fn connect_ssh(sandbox: &str, t: &SshTarget, known_path: Option<&str>) -> Result<Connection> {
+    let ssh = SshSession::connect(sandbox, t).await?;
+    // Fast path for a reconnect: the agent we started last time is most likely still there.
+    if let Some(p) = known_path
+        && let Ok(client) = ssh.start_agent(sandbox, p).await
+    {
+        let expected = rsb_deploy::triple_for(&client.hello().os, &client.hello().arch)
+            .ok()
+            .and_then(|t| rsb_deploy::agent_for(t).ok())
+            .map(|a| a.hash);
+        if expected.as_deref() == Some(client.hello().agent_hash.as_str()) {
+            return Ok(Connection {
+                client,
+                ssh: Some(ssh),
+                deployed: false,
+                agent_path: p.to_string(),
+            });
+        }
+        client.close("agent hash mismatch");
+    }
+    let out = ssh
+        .exec_collect(rsb_deploy::PROBE_COMMAND, None)
+        .await
+        .map_err(|e| {
+            RsbError::new(
+                Kind::Connect,
+                format!("cannot probe sandbox '{sandbox}': {e}"),
+                "check the remote host",
+            )
+        })?;
+    let probe = rsb_deploy::parse_probe(&String::from_utf8_lossy(&out.stdout))
+        .map_err(|e| deploy_err(sandbox, e))?;
+    let triple =
+        rsb_deploy::triple_for(&probe.sys, &probe.machine).map_err(|e| deploy_err(sandbox, e))?;
+    let agent = rsb_deploy::agent_for(triple).map_err(|e| deploy_err(sandbox, e))?;
+    let mut tried = Vec::new();
+    for dir in rsb_deploy::install_dirs(&probe, &agent) {
+        let path = rsb_deploy::agent_path(&dir);
+        match start_verified(&ssh, sandbox, &path, &agent).await {
+            Ok(client) => {
+                return Ok(Connection {
+                    client,
+                    ssh: Some(ssh),
+                    deployed: false,
+                    agent_path: path,
+                });
+            }
+            Err(e) => tracing::debug!(sandbox, %path, "existing agent not usable: {e}"),
+        }
+        match rsb_deploy::install(ssh.as_ref(), &agent, &dir).await {
+            Ok(path) => {
+                tracing::info!(sandbox, %path, bytes = agent.bytes.len(), "deployed rsb-agent");
+                let client = start_verified(&ssh, sandbox, &path, &agent).await.map_err(|e| {
+                    RsbError::new(
+                        Kind::Deploy,
+                        format!("rsb-agent was installed at {path} on sandbox '{sandbox}' but does not start: {e}"),
+                        "the directory may be mounted noexec, or the host may lack a compatible kernel",
+                    )
+                })?;
+                let _ = ssh
+                    .exec_collect(&rsb_deploy::prune_command(&dir), None)
+                    .await;
+                return Ok(Connection {
+                    client,
+                    ssh: Some(ssh),
+                    deployed: true,
+                    agent_path: path,
+                });
+            }
+            Err(e @ DeployError::Upload { .. }) => tried.push(format!("{dir} ({e})")),
+            Err(e) => return Err(deploy_err(sandbox, e)),
+        }
+    }
+    Err(deploy_err(
+        sandbox,
+        DeployError::NoExecDir {
+            tried: tried.join("; "),
+        },
+    ))
+}
+
+/// Start the agent at `path` and insist that it is exactly the binary we ship.
+async fn start_verified(
+    ssh: &Arc<SshSession>,
+    sandbox: &str,
+    path: &str,
+    agent: &AgentBinary,
+) -> std::result::Result<AgentClient, String> {
+    let client = ssh
+        .start_agent(sandbox, path)
+        .await
+        .map_err(|e: StartError| e.to_string())?;
+    if client.hello().agent_hash != agent.hash {
+        let got = client.hello().agent_hash.clone();
+        client.close("agent hash mismatch");
+        return Err(format!(
+            "agent at {path} reports blake3 {got}, expected {}",
+            agent.hash
+        ));
+    }
+    Ok(client)
+}
+
+/// The agent binary for the built-in `local` sandbox: an explicit `RSB_LOCAL_AGENT`, else the
+/// `rsb-agent` built next to `rsb`, else the embedded static agent for this machine written
+/// (verified) into the state dir.
+pub fn local_agent_path() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("RSB_LOCAL_AGENT").map(PathBuf::from) {
+        return Ok(p);
+    }
+    if let Ok(exe) = std::env::current_exe()
+        && let Some(dir) = exe.parent()
+    {
+        for cand in [dir.join("rsb-agent"), dir.join("../rsb-agent")] {
+            if cand.is_file() {
+                return Ok(cand);
+            }
+        }
+    }
+    let triple = rsb_deploy::host_triple().ok_or_else(|| {
+        RsbError::new(
+            Kind::Deploy,
+            "no rsb-agent for the local sandbox on this platform",
+            "build it with `cargo build -p rsb-agent` and set RSB_LOCAL_AGENT to its path",
+        )
+    })?;
+    let agent = rsb_deploy::agent_for(triple).map_err(|e| deploy_err("local", e))?;
+    let dir = crate::config::state_dir()
+        .join("agent")
+        .join(agent.dir_name());
+    let path = dir.join("rsb-agent");
+    if let Ok(bytes) = std::fs::read(&path)
+        && blake3::hash(&bytes).to_hex().as_str() == agent.hash
+    {
+        return Ok(path);
+    }
+    materialize(&dir, &path, &agent).map_err(|e| {
+        RsbError::new(
+            Kind::Deploy,
+            format!("cannot write the local agent to {}: {e}", path.display()),
+            "check free space and permissions of the state dir",
+        )
+    })?;
+    Ok(path)
+}
+
+fn materialize(
+    dir: &std::path::Path,
+    path: &std::path::Path,
+    agent: &AgentBinary,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!("rsb-agent.tmp.{}", std::process::id()));
+    std::fs::write(&tmp, &**agent.bytes)?;
+    if blake3::hash(&std::fs::read(&tmp)?).to_hex().as_str() != agent.hash {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(std::io::Error::other(
+            "written agent does not match its hash",
+        ));
+    }
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o700))?;
+    std::fs::rename(&tmp, path)
+}
+
+pub async fn start_local(sandbox: &str) -> Result<Connection> {
+    let path = local_agent_path()?;
+    let client = start_local_with(sandbox, &path.to_string_lossy(), &[]).await?;
+    Ok(Connection {
+        client,
+        ssh: None,
+        deployed: false,
+        agent_path: path.display().to_string(),
+    })
+}
+
+/// Run `program [prefix_args…] serve` as a child and handshake with it. `prefix_args` lets a
+/// wrapper run the agent (`qemu-aarch64-static /path/rsb-agent`).
+pub async fn start_local_with(
+    sandbox: &str,
+    program: &str,
+    prefix_args: &[&str],
+) -> Result<AgentClient> {
+    let mut cmd = Command::new(program);
+    cmd.args(prefix_args)
+        .arg("serve")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().map_err(|e| {
+        RsbError::new(
+            Kind::Deploy,
+            format!("cannot start local agent {program}: {e}"),
+            "set RSB_LOCAL_AGENT to a built rsb-agent",
+        )
+    })?;
+    let stdin = child.stdin.take().expect("piped");
+    let stdout = child.stdout.take().expect("piped");
+    if let Some(err) = child.stderr.take() {
+        let name = sandbox.to_string();
+        tokio::spawn(async move {
+            let mut lines = tokio::io::BufReader::new(err).lines();
+            while let Ok(Some(l)) = lines.next_line().await {
+                tracing::warn!(sandbox = %name, "agent: {l}");
+            }
+        });
+    }
+    AgentClient::start(
+        sandbox,
+        stdout,
+        stdin,
+        Box::new(child),
+        Duration::from_secs(20),
+    )
+    .await
+    .map_err(|e| {
+        RsbError::new(
+            Kind::Deploy,
+            format!("local agent {program} did not start: {e}"),
+            "rebuild rsb-agent",
+        )
+    })
+}

@@ -1,0 +1,85 @@
+//! Remote file tools.
+
+use rmcp::{
+    handler::server::wrapper::Parameters, schemars, schemars::JsonSchema, tool, tool_router,
+};
+use serde::Deserialize;
+
+use super::{RsbServer, ToolResult, fail, reply};
+use crate::ops::fs;
+
+fn d_dot() -> String {
+    ".".into()
+}
+fn d_max_entries() -> i64 {
+    fs::DEFAULT_MAX_ENTRIES
+}
+fn d_max_bytes() -> i64 {
+    fs::DEFAULT_MAX_BYTES
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ListRemoteFilesParams {
+    #[serde(default = "d_dot")]
+    pub remote_path: String,
+    #[serde(default)]
+    pub recursive: bool,
+    /// Exact cap on entries returned.
+    #[serde(default = "d_max_entries")]
+    pub max_entries: i64,
+    #[serde(default)]
+    pub sandbox_name: String,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReadRemoteFileParams {
+    pub remote_path: String,
+    #[serde(default = "d_max_bytes")]
+    pub max_bytes: i64,
+    #[serde(default)]
+    pub sandbox_name: String,
+}
+
+#[tool_router(router = files_router, vis = "pub(super)")]
+impl RsbServer {
+    #[tool(description = "List files in a remote directory (symlinks not followed).")]
+    async fn list_remote_files(
+        &self,
+        Parameters(p): Parameters<ListRemoteFilesParams>,
+    ) -> ToolResult {
+        let req = match fs::list_request(&p.remote_path, p.recursive, p.max_entries) {
+            Ok(r) => r,
+            Err(e) => return fail(&e),
+        };
+        let client = match self.pool.client(&p.sandbox_name).await {
+            Ok(c) => c,
+            Err(e) => return fail(&e),
+        };
+        reply(
+            client
+                .list_dir(req)
+                .await
+                .map(|r| fs::list_reply(&p.remote_path, &r)),
+        )
+    }
+
+    #[tool(
+        description = "Read a remote file. size is the file's size; binary content comes back base64 with encoding=\"base64\"."
+    )]
+    async fn read_remote_file(
+        &self,
+        Parameters(p): Parameters<ReadRemoteFileParams>,
+    ) -> ToolResult {
+        let req = match fs::read_request(&p.remote_path, p.max_bytes) {
+            Ok(r) => r,
+            Err(e) => return fail(&e),
+        };
+        let client = match self.pool.client(&p.sandbox_name).await {
+            Ok(c) => c,
+            Err(e) => return fail(&e),
+        };
+        reply(client.read_file(req).await.map(|r| fs::read_reply(&r)))
+    }
+}

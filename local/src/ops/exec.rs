@@ -1,0 +1,124 @@
+//! `exec_bash`: validation, the request sent to the agent, and the seed-compatible reply.
+
+use rsb_protocol::{ExecRequest, ExecResult};
+use serde_json::{Map, Value, json};
+
+use crate::{
+    error::{Result, RsbError},
+    ops::output::render,
+};
+
+pub const DEFAULT_TIMEOUT_S: i64 = 120;
+pub const DEFAULT_MAX_OUTPUT_CHARS: i64 = 20_000;
+/// Keeps one reply inside a frame and inside what a model can use.
+pub const MAX_OUTPUT_CHARS: i64 = 4 * 1024 * 1024;
+/// One day; longer work belongs in a background job.
+pub const MAX_TIMEOUT_S: i64 = 86_400;
+/// After the timeout the process group gets SIGTERM, then SIGKILL after this grace.
+pub const KILL_GRACE_MS: u64 = 2_000;
+
+pub fn build_request(
+    command: &str,
+    cwd: Option<&str>,
+    timeout_s: i64,
+    max_output_chars: i64,
+) -> Result<ExecRequest> {
+    if command.trim().is_empty() {
+        return Err(RsbError::invalid(
+            "command cannot be empty",
+            "pass the bash command to run",
+        ));
+    }
+    if command.contains('\0') {
+        return Err(RsbError::invalid(
+            "command contains a NUL byte",
+            "remove the NUL byte",
+        ));
+    }
+    if timeout_s <= 0 || timeout_s > MAX_TIMEOUT_S {
+        return Err(RsbError::invalid(
+            format!("timeout_s must be between 1 and {MAX_TIMEOUT_S} (got {timeout_s})"),
+            "use exec_bash_background for longer work",
+        ));
+    }
+    if max_output_chars <= 0 || max_output_chars > MAX_OUTPUT_CHARS {
+        return Err(RsbError::invalid(
+            format!(
+                "max_output_chars must be between 1 and {MAX_OUTPUT_CHARS} (got {max_output_chars})"
+            ),
+            "ask for less output, or redirect it to a file and read it with read_remote_file",
+        ));
+    }
+    let cwd = match cwd {
+        None => None,
+        Some(c) if c.trim().is_empty() => None,
+        Some(c) if c.contains('\0') || c.contains('\n') => {
+            return Err(RsbError::invalid(
+                "cwd contains a NUL byte or newline",
+                "pass a plain directory path",
+            ));
+        }
+        Some(c) => Some(c.to_string()),
+    };
+    let mut req = ExecRequest::new(command);
+    req.cwd = cwd;
+    req.timeout_ms = timeout_s as u64 * 1000;
+    req.kill_grace_ms = KILL_GRACE_MS;
+    // Caps are in bytes; a char is at least one byte, so this never returns more chars than asked.
+    req.max_stdout = max_output_chars as u64;
+    req.max_stderr = max_output_chars as u64;
+    Ok(req)
+}
+
+/// The seed's reply keys (`exit_code`, `stdout`, `stderr`, `timed_out`), empty ones omitted,
+/// plus what the seed could not say: signal, truncation, invalid UTF-8, duration.
+pub fn reply(res: &ExecResult, timeout_s: i64) -> Value {
+    let mut m = Map::new();
+    let exit_code = match (res.exit_code, res.signal) {
+        (Some(c), _) => c,
+        (None, Some(s)) => 128 + s,
+        (None, None) => -1,
+    };
+    // A timeout reads as 124 like GNU timeout, but only `timed_out` says it was one.
+    let exit_code = if res.timed_out { 124 } else { exit_code };
+    m.insert("exit_code".into(), json!(exit_code));
+    let out = render(&res.stdout);
+    let mut err = render(&res.stderr);
+    if res.timed_out {
+        if !err.text.is_empty() && !err.text.ends_with('\n') {
+            err.text.push('\n');
+        }
+        err.text.push_str(&format!(
+            "[TIMEOUT] Remote process group killed by timeout after {timeout_s}s"
+        ));
+    }
+    if !out.text.is_empty() {
+        m.insert("stdout".into(), json!(out.text));
+    }
+    if !err.text.is_empty() {
+        m.insert("stderr".into(), json!(err.text));
+    }
+    if res.timed_out {
+        m.insert("timed_out".into(), json!(true));
+    }
+    if res.cancelled {
+        m.insert("cancelled".into(), json!(true));
+    }
+    if let Some(s) = res.signal {
+        m.insert("signal".into(), json!(s));
+    }
+    if out.truncated {
+        m.insert("stdout_truncated".into(), json!(true));
+    }
+    if err.truncated {
+        m.insert("stderr_truncated".into(), json!(true));
+    }
+    if out.lossy || err.lossy {
+        m.insert("invalid_utf8".into(), json!(true));
+    }
+    m.insert(
+        "duration_s".into(),
+        json!((res.duration_ms as f64 / 1000.0 * 1000.0).round() / 1000.0),
+    );
+    Value::Object(m)
+}

@@ -1,0 +1,244 @@
+//! Background jobs: `exec_bash_background`, `check_background_task`, `kill_background_task`,
+//! `list_background_tasks`. The agent supervises the job; this layer applies the seed's
+//! defaults and shapes its reply keys.
+
+use rsb_protocol::{
+    JobInfo, JobKillRequest, JobStartRequest, JobState, JobStatusRequest, JobStatusResult,
+};
+use serde_json::{Map, Value, json};
+
+use crate::{
+    client::AgentClient,
+    error::{Result, RsbError},
+};
+
+pub const DEFAULT_LAST_N_LINES: i64 = 50;
+/// A log tail never exceeds this, keeping the newest bytes (so `EXIT_CODE=` is never cut).
+pub const MAX_TAIL_BYTES: u64 = 20_000;
+pub const MAX_CURSOR_BYTES: i64 = 1024 * 1024;
+
+/// The seed named unnamed jobs `bg-<unix seconds>`, which collides for two starts in one
+/// second; a random suffix keeps the prefix and removes the collision.
+pub fn default_session_name() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    format!(
+        "bg-{}-{:04x}",
+        now.as_secs(),
+        (now.subsec_nanos() ^ std::process::id()) & 0xffff
+    )
+}
+
+pub async fn start(
+    client: &AgentClient,
+    command: &str,
+    session_name: &str,
+    log_file: &str,
+    cwd: &str,
+) -> Result<Value> {
+    if command.trim().is_empty() {
+        return Err(RsbError::invalid(
+            "command cannot be empty",
+            "pass the bash command to run in the background",
+        ));
+    }
+    let name = if session_name.trim().is_empty() {
+        default_session_name()
+    } else {
+        session_name.to_string()
+    };
+    let log = if log_file.trim().is_empty() {
+        format!(".codex_logs/{name}.log")
+    } else {
+        log_file.to_string()
+    };
+    let info = client
+        .job_start(JobStartRequest {
+            name: name.clone(),
+            command: command.to_string(),
+            cwd: (!cwd.trim().is_empty()).then(|| cwd.to_string()),
+            log_file: log,
+            env: Vec::new(),
+            prefer_tmux: true,
+        })
+        .await?;
+    Ok(json!({
+        "status": "started",
+        "tmux_session": info.name,
+        "log_file": info.log_file,
+        "sandbox": client.sandbox(),
+        "runner": info.runner,
+        "pid": info.pid,
+    }))
+}
+
+fn state_name(s: JobState) -> &'static str {
+    match s {
+        JobState::Running => "running",
+        JobState::Exited => "exited",
+        JobState::Lost => "lost",
+    }
+}
+
+fn info_fields(m: &mut Map<String, Value>, i: &JobInfo) {
+    m.insert("running".into(), json!(i.state == JobState::Running));
+    m.insert("state".into(), json!(state_name(i.state)));
+    if let Some(c) = i.exit_code {
+        m.insert("exit_code".into(), json!(c));
+    }
+    if let Some(s) = i.signal {
+        m.insert("signal".into(), json!(s));
+    }
+    let end = i.ended_ms.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(i.started_ms)
+    });
+    m.insert(
+        "duration_s".into(),
+        json!(end.saturating_sub(i.started_ms) as f64 / 1000.0),
+    );
+    if i.state == JobState::Lost {
+        m.insert(
+            "note".into(),
+            json!("the job's supervisor vanished without recording an exit (tmux session killed or host rebooted)"),
+        );
+    }
+}
+
+/// Exit code from the last `EXIT_CODE=` line, for logs of jobs rsb has no record of.
+fn parse_exit_code(tail: &str) -> Option<i32> {
+    tail.lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("EXIT_CODE="))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+pub fn status_request(
+    name: &str,
+    log_file: &str,
+    last_n_lines: i64,
+    offset: Option<i64>,
+    max_bytes: i64,
+) -> Result<JobStatusRequest> {
+    if name.trim().is_empty() {
+        return Err(RsbError::invalid(
+            "tmux_session cannot be empty",
+            "pass the name exec_bash_background returned",
+        ));
+    }
+    if last_n_lines <= 0 || last_n_lines > 100_000 {
+        return Err(RsbError::invalid(
+            "last_n_lines must be between 1 and 100000",
+            "ask for fewer lines",
+        ));
+    }
+    if let Some(o) = offset
+        && o < 0
+    {
+        return Err(RsbError::invalid(
+            "offset must be zero or positive",
+            "pass the next_offset of the previous call",
+        ));
+    }
+    if max_bytes <= 0 || max_bytes > MAX_CURSOR_BYTES {
+        return Err(RsbError::invalid(
+            format!("max_bytes must be between 1 and {MAX_CURSOR_BYTES}"),
+            "read in smaller pieces",
+        ));
+    }
+    Ok(JobStatusRequest {
+        name: name.to_string(),
+        log_file: (!log_file.trim().is_empty()).then(|| log_file.to_string()),
+        last_n_lines: last_n_lines as u32,
+        offset: offset.map(|o| o as u64),
+        max_bytes: if offset.is_some() {
+            max_bytes as u64
+        } else {
+            MAX_TAIL_BYTES
+        },
+    })
+}
+
+pub fn status_reply(name: &str, cursor: bool, r: &JobStatusResult) -> Result<Value> {
+    let mut m = Map::new();
+    m.insert("tmux_session".into(), json!(name));
+    let text = String::from_utf8_lossy(&r.log).into_owned();
+    match &r.info {
+        Some(i) => {
+            info_fields(&mut m, i);
+            m.insert("log_file".into(), json!(i.log_file));
+        }
+        None if r.log_found => {
+            // No record, but the caller named a log: report what the log says (seed behaviour).
+            m.insert("running".into(), json!(false));
+            m.insert("state".into(), json!("unknown"));
+            if let Some(c) = parse_exit_code(&text) {
+                m.insert("exit_code".into(), json!(c));
+            }
+        }
+        None => {
+            return Err(RsbError::new(
+                crate::error::Kind::Agent(rsb_protocol::ErrorCode::NotFound),
+                format!("no background task named '{name}' (names match exactly)"),
+                "list_background_tasks shows the tasks on this sandbox",
+            ));
+        }
+    }
+    if cursor {
+        m.insert("output".into(), json!(text));
+        m.insert("more".into(), json!(r.log_truncated));
+    } else if r.log_found {
+        m.insert("log_tail".into(), json!(text));
+    } else {
+        m.insert("log_tail".into(), json!("[log file not found]"));
+    }
+    m.insert("next_offset".into(), json!(r.next_offset));
+    Ok(Value::Object(m))
+}
+
+pub async fn kill(client: &AgentClient, name: &str, grace_s: f64) -> Result<Value> {
+    if name.trim().is_empty() {
+        return Err(RsbError::invalid(
+            "tmux_session cannot be empty",
+            "pass the task's name",
+        ));
+    }
+    if !(0.0..=300.0).contains(&grace_s) {
+        return Err(RsbError::invalid(
+            "grace_s must be between 0 and 300",
+            "SIGKILL follows SIGTERM after grace_s",
+        ));
+    }
+    let i = client
+        .job_kill(JobKillRequest {
+            name: name.into(),
+            grace_ms: (grace_s * 1000.0) as u64,
+        })
+        .await?;
+    let mut m = Map::new();
+    m.insert("tmux_session".into(), json!(i.name));
+    info_fields(&mut m, &i);
+    Ok(Value::Object(m))
+}
+
+pub async fn list(client: &AgentClient) -> Result<Value> {
+    let jobs = client.job_list().await?;
+    let v: Vec<Value> = jobs
+        .iter()
+        .map(|i| {
+            let mut m = Map::new();
+            m.insert("tmux_session".into(), json!(i.name));
+            info_fields(&mut m, i);
+            m.insert("log_file".into(), json!(i.log_file));
+            m.insert(
+                "command".into(),
+                json!(i.command.chars().take(120).collect::<String>()),
+            );
+            Value::Object(m)
+        })
+        .collect();
+    Ok(json!({"tasks": v}))
+}

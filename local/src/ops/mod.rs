@@ -1,0 +1,8 @@
+//! What each capability means to a user, independent of how it is asked for: the MCP tools and
+//! the CLI both call these, so validation, defaults and reply shapes exist once.
+
+pub mod exec;
+pub mod fs;
+pub mod jobs;
+pub mod output;
+pub mod sandboxes;

@@ -1,0 +1,97 @@
+//! Turning captured bytes into text a model can read, without hiding what was lost.
+
+use rsb_protocol::Captured;
+
+/// Rendered output: text, whether bytes were dropped, whether invalid UTF-8 was replaced.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rendered {
+    pub text: String,
+    pub truncated: bool,
+    pub lossy: bool,
+}
+
+/// Decode `c` lossily. When truncated, the head and tail are joined by a marker that says how
+/// many bytes were dropped; UTF-8 sequences cut by the cap are trimmed rather than reported
+/// as invalid output.
+pub fn render(c: &Captured) -> Rendered {
+    if !c.truncated() {
+        let mut bytes = c.head.clone();
+        bytes.extend_from_slice(&c.tail);
+        let lossy = std::str::from_utf8(&bytes).is_err();
+        return Rendered {
+            text: String::from_utf8_lossy(&bytes).into_owned(),
+            truncated: false,
+            lossy,
+        };
+    }
+    let head = trim_incomplete_end(&c.head);
+    let tail = trim_partial_start(&c.tail);
+    let lossy = std::str::from_utf8(head).is_err() || std::str::from_utf8(tail).is_err();
+    let mut text = String::from_utf8_lossy(head).into_owned();
+    text.push_str(&format!("\n...<truncated {} bytes>...\n", c.omitted()));
+    text.push_str(&String::from_utf8_lossy(tail));
+    Rendered {
+        text,
+        truncated: true,
+        lossy,
+    }
+}
+
+fn trim_incomplete_end(b: &[u8]) -> &[u8] {
+    match std::str::from_utf8(b) {
+        Err(e) if e.error_len().is_none() => &b[..e.valid_up_to()],
+        _ => b,
+    }
+}
+
+fn trim_partial_start(b: &[u8]) -> &[u8] {
+    let skip = b.iter().take(3).take_while(|&&x| x & 0xC0 == 0x80).count();
+    &b[skip..]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn whole_output_is_kept() {
+        let r = render(&Captured {
+            head: b"hi\n".to_vec(),
+            tail: vec![],
+            total: 3,
+        });
+        assert_eq!(
+            r,
+            Rendered {
+                text: "hi\n".into(),
+                truncated: false,
+                lossy: false
+            }
+        );
+    }
+
+    #[test]
+    fn invalid_utf8_is_flagged() {
+        let r = render(&Captured {
+            head: vec![b'a', 0xff, b'b'],
+            tail: vec![],
+            total: 3,
+        });
+        assert!(r.lossy);
+        assert_eq!(r.text, "a\u{fffd}b");
+    }
+
+    #[test]
+    fn cut_multibyte_chars_are_trimmed_not_flagged() {
+        let s = "ééé".as_bytes();
+        let r = render(&Captured {
+            head: s[..3].to_vec(),
+            tail: s[3..].to_vec(),
+            total: 100,
+        });
+        assert!(r.truncated);
+        assert!(!r.lossy, "{r:?}");
+        assert!(r.text.starts_with('é'));
+        assert!(r.text.contains("<truncated 94 bytes>"));
+    }
+}

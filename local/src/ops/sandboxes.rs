@@ -1,0 +1,293 @@
+//! `list_sandboxes`, `select_sandbox` (including `"auto"`), `get_active_sandbox`.
+//!
+//! Every sandbox is queried in parallel with its own deadline, so one dead host costs the
+//! caller at most that deadline, not the sum over hosts.
+
+use std::time::Duration;
+
+use futures::future::join_all;
+use rsb_protocol::{ResourceSnapshot, ResourcesRequest};
+use serde_json::{Map, Value, json};
+
+use crate::{
+    error::{Kind, Result, RsbError},
+    pool::Pool,
+};
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+/// Per-sandbox deadline for a liveness check (connect, deploy if needed, ping).
+fn health_deadline(pool: &Pool, name: &str) -> Duration {
+    let connect = pool
+        .sandbox_config(name)
+        .and_then(|c| match &c.transport {
+            crate::config::Transport::Ssh(t) => Some(t.connect_timeout),
+            crate::config::Transport::Local => None,
+        })
+        .unwrap_or(Duration::from_secs(10));
+    // Two connect phases (TCP+kex, auth) plus a possible first deploy.
+    connect * 2 + Duration::from_secs(10)
+}
+
+pub struct Probe {
+    pub name: String,
+    pub alive: bool,
+    pub error: Option<RsbError>,
+    pub resources: Option<std::result::Result<ResourceSnapshot, RsbError>>,
+}
+
+/// Check one sandbox, optionally sampling its resources, within its deadline.
+pub async fn probe(pool: &Pool, name: &str, with_resources: bool) -> Probe {
+    let deadline = health_deadline(pool, name);
+    let work = async {
+        let h = pool.health(name).await;
+        if !h.alive {
+            let e = h.error.clone();
+            return Probe {
+                name: name.into(),
+                alive: false,
+                error: e.clone(),
+                resources: e.map(Err).filter(|_| with_resources),
+            };
+        }
+        let resources = if with_resources {
+            Some(match pool.client(name).await {
+                Ok(c) => c.resources(ResourcesRequest { max_wait_ms: 1000 }).await,
+                Err(e) => Err(e),
+            })
+        } else {
+            None
+        };
+        Probe {
+            name: name.into(),
+            alive: true,
+            error: None,
+            resources,
+        }
+    };
+    match tokio::time::timeout(deadline, work).await {
+        Ok(p) => p,
+        Err(_) => {
+            let e = RsbError::new(
+                Kind::Timeout,
+                format!(
+                    "sandbox '{name}' did not answer within {}s",
+                    deadline.as_secs()
+                ),
+                "the host may be down or the network black-holed; other sandboxes are unaffected",
+            );
+            Probe {
+                name: name.into(),
+                alive: false,
+                error: Some(e.clone()),
+                resources: with_resources.then_some(Err(e)),
+            }
+        }
+    }
+}
+
+pub async fn probe_all(pool: &Pool, with_resources: bool) -> Vec<Probe> {
+    join_all(pool.names().iter().map(|n| probe(pool, n, with_resources))).await
+}
+
+/// The seed's idle score: 0 = fully busy, 1 = idle. CPU is real utilisation over the last
+/// sampling interval (the seed used load average / cores, which lags by minutes).
+pub fn idle_score(s: &ResourceSnapshot) -> f64 {
+    let cpu = (s.cpu.usage_pct as f64 / 100.0).clamp(0.0, 1.0);
+    let mem = mem_used_pct(s) / 100.0;
+    let utils: Vec<f64> = s
+        .gpu
+        .gpus
+        .iter()
+        .filter_map(|g| g.util_pct)
+        .map(|u| u as f64)
+        .collect();
+    let gpu = if utils.is_empty() {
+        0.0
+    } else {
+        (utils.iter().sum::<f64>() / utils.len() as f64 / 100.0).clamp(0.0, 1.0)
+    };
+    let score = (1.0 - cpu) * 0.4 + (1.0 - mem.clamp(0.0, 1.0)) * 0.4 + (1.0 - gpu) * 0.2;
+    (score * 1000.0).round() / 1000.0
+}
+
+fn mem_used_pct(s: &ResourceSnapshot) -> f64 {
+    let t = s.memory.total_bytes as f64;
+    if t <= 0.0 {
+        return 0.0;
+    }
+    let used = s
+        .memory
+        .total_bytes
+        .saturating_sub(s.memory.available_bytes) as f64;
+    ((used / t * 100.0) * 10.0).round() / 10.0
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+/// Seed keys (`cpu.load_*`, `memory.*_mb`, `gpu[]`, `idle_score`) plus real CPU %, swap,
+/// disk, GPU names/temperature/power/processes and where the GPU data came from.
+pub fn resources_json(s: &ResourceSnapshot) -> Value {
+    let total = s.memory.total_bytes;
+    let used = total.saturating_sub(s.memory.available_bytes);
+    let gpus: Vec<Value> = s
+        .gpu
+        .gpus
+        .iter()
+        .map(|g| {
+            let mem_pct = match (g.mem_used_mib, g.mem_total_mib) {
+                (Some(u), Some(t)) if t > 0 => json!(round1(u as f64 / t as f64 * 100.0)),
+                _ => Value::Null,
+            };
+            let procs: Vec<Value> = s
+                .gpu
+                .processes
+                .iter()
+                .filter(|p| p.gpu_uuid == g.uuid)
+                .map(|p| json!({"pid": p.pid, "mem_used_mb": p.used_mem_mib}))
+                .collect();
+            json!({
+                "index": g.index,
+                "name": g.name,
+                "util_pct": g.util_pct,
+                "mem_used_mb": g.mem_used_mib,
+                "mem_total_mb": g.mem_total_mib,
+                "mem_used_pct": mem_pct,
+                "temperature_c": g.temperature_c,
+                "power_w": g.power_w,
+                "processes": procs,
+            })
+        })
+        .collect();
+    let mut m = Map::new();
+    m.insert(
+        "cpu".into(),
+        json!({
+            "usage_pct": round1(s.cpu.usage_pct as f64),
+            "load_1m": s.cpu.load_1m, "load_5m": s.cpu.load_5m, "load_15m": s.cpu.load_15m,
+            "count": s.cpu.count,
+        }),
+    );
+    m.insert(
+        "memory".into(),
+        json!({
+            "total_mb": (total as f64 / MIB).round() as u64,
+            "used_mb": (used as f64 / MIB).round() as u64,
+            "free_mb": (s.memory.available_bytes as f64 / MIB).round() as u64,
+            "used_pct": mem_used_pct(s),
+            "swap_total_mb": (s.memory.swap_total_bytes as f64 / MIB).round() as u64,
+            "swap_used_mb": (s.memory.swap_used_bytes as f64 / MIB).round() as u64,
+        }),
+    );
+    if let Some(d) = &s.disk {
+        m.insert(
+            "disk".into(),
+            json!({"path": d.path, "total_gb": round1(d.total_bytes as f64 / 1e9), "free_gb": round1(d.free_bytes as f64 / 1e9)}),
+        );
+    }
+    m.insert("gpu".into(), Value::Array(gpus));
+    m.insert("gpu_source".into(), json!(s.gpu.source.as_str()));
+    if let Some(n) = &s.gpu.note {
+        m.insert("gpu_note".into(), json!(n));
+    }
+    m.insert("uptime_s".into(), json!(s.uptime_s));
+    m.insert("idle_score".into(), json!(idle_score(s)));
+    Value::Object(m)
+}
+
+fn err_json(e: &RsbError) -> Value {
+    json!({"error": e.message, "hint": e.hint})
+}
+
+pub async fn list(pool: &Pool, check_resources: bool) -> Value {
+    let active = pool.active();
+    let probes = probe_all(pool, check_resources).await;
+    let list: Vec<Value> = probes
+        .iter()
+        .map(|p| {
+            let (host, port, user) = pool.describe(&p.name);
+            let mut m = Map::new();
+            m.insert("name".into(), json!(p.name));
+            m.insert("host".into(), json!(host));
+            m.insert("port".into(), json!(port));
+            m.insert("user".into(), json!(user));
+            m.insert(
+                "is_active".into(),
+                json!(active.as_deref() == Some(p.name.as_str())),
+            );
+            m.insert("connection_alive".into(), json!(p.alive));
+            if let Some(e) = &p.error {
+                m.insert("connection_error".into(), json!(e.message));
+            }
+            if let Some(r) = &p.resources {
+                m.insert(
+                    "resources".into(),
+                    r.as_ref().map(resources_json).unwrap_or_else(err_json),
+                );
+            }
+            Value::Object(m)
+        })
+        .collect();
+    json!({"active_sandbox": active, "sandboxes": list})
+}
+
+/// `"auto"` picks the idlest reachable sandbox (unless a sandbox is literally named `auto`).
+pub async fn select(pool: &Pool, name: &str) -> Result<Value> {
+    if name == "auto" && pool.sandbox_config("auto").is_none() {
+        let probes = probe_all(pool, true).await;
+        let mut scored: Vec<(String, f64)> = Vec::new();
+        let mut others: Vec<String> = Vec::new();
+        for p in &probes {
+            match &p.resources {
+                Some(Ok(s)) => scored.push((p.name.clone(), idle_score(s))),
+                _ => others.push(format!("{} unreachable", p.name)),
+            }
+        }
+        scored.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let Some((best, score)) = scored.first().cloned() else {
+            return Err(RsbError::new(
+                Kind::Connect,
+                "select_sandbox(\"auto\"): no sandbox is reachable",
+                "list_sandboxes shows each sandbox's connection error",
+            ));
+        };
+        pool.select(&best)?;
+        let mut rest: Vec<String> = scored
+            .iter()
+            .skip(1)
+            .map(|(n, s)| format!("{n} {s}"))
+            .collect();
+        rest.extend(others);
+        return Ok(json!({
+            "active_sandbox": best,
+            "status": "selected",
+            "idle_score": score,
+            "reason": format!(
+                "idlest reachable sandbox (idle_score {score}{})",
+                if rest.is_empty() { String::new() } else { format!("; others: {}", rest.join(", ")) }
+            ),
+        }));
+    }
+    pool.select(name)?;
+    Ok(json!({"active_sandbox": name, "status": "selected"}))
+}
+
+pub async fn get_active(pool: &Pool) -> Value {
+    let Some(active) = pool.active() else {
+        return json!({"active_sandbox": Value::Null, "error": "No active sandbox configured"});
+    };
+    let p = probe(pool, &active, false).await;
+    let (host, port, user) = pool.describe(&active);
+    let mut m = Map::new();
+    m.insert("active_sandbox".into(), json!(active));
+    m.insert("host".into(), json!(host));
+    m.insert("port".into(), json!(port));
+    m.insert("user".into(), json!(user));
+    m.insert("connection_alive".into(), json!(p.alive));
+    if let Some(e) = p.error {
+        m.insert("connection_error".into(), json!(e.message));
+    }
+    Value::Object(m)
+}

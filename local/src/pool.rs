@@ -1,0 +1,189 @@
+//! The sandbox pool: one lazily opened connection and one agent channel per sandbox, the
+//! active sandbox, and name resolution with errors that list what exists.
+//!
+//! Each sandbox has its own async mutex held only while connecting, so concurrent callers on
+//! one sandbox share a single connect, and a slow sandbox never blocks another.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, RwLock},
+};
+
+use tokio::sync::Mutex;
+
+use crate::{
+    client::AgentClient,
+    config::{Config, SandboxConfig, Transport},
+    connect::{self, Connection},
+    error::{Kind, Result, RsbError},
+};
+
+struct Slot {
+    cfg: SandboxConfig,
+    conn: Mutex<Option<Connection>>,
+    /// Where the agent ran last time, to skip the probe on reconnect.
+    agent_path: std::sync::Mutex<Option<String>>,
+}
+
+pub struct Pool {
+    config: Arc<Config>,
+    order: Vec<String>,
+    slots: HashMap<String, Arc<Slot>>,
+    active: RwLock<Option<String>>,
+}
+
+/// Result of a liveness check for `list_sandboxes` / `get_active_sandbox`.
+#[derive(Debug, Clone)]
+pub struct Health {
+    pub alive: bool,
+    pub error: Option<RsbError>,
+}
+
+impl Pool {
+    pub fn new(config: Arc<Config>) -> Pool {
+        let order: Vec<String> = config.sandboxes.iter().map(|s| s.name.clone()).collect();
+        let slots = config
+            .sandboxes
+            .iter()
+            .map(|s| {
+                (
+                    s.name.clone(),
+                    Arc::new(Slot {
+                        cfg: s.clone(),
+                        conn: Mutex::new(None),
+                        agent_path: std::sync::Mutex::new(None),
+                    }),
+                )
+            })
+            .collect();
+        let active = RwLock::new(order.first().cloned());
+        Pool {
+            config,
+            order,
+            slots,
+            active,
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn names(&self) -> &[String] {
+        &self.order
+    }
+
+    pub fn active(&self) -> Option<String> {
+        self.active.read().unwrap().clone()
+    }
+
+    pub fn sandbox_config(&self, name: &str) -> Option<&SandboxConfig> {
+        self.slots.get(name).map(|s| &s.cfg)
+    }
+
+    /// `""` means the active sandbox; anything else must name a configured sandbox exactly.
+    pub fn resolve(&self, name: &str) -> Result<String> {
+        if name.is_empty() {
+            return self.active().ok_or_else(|| {
+                RsbError::new(
+                    Kind::Config,
+                    "no sandbox is configured",
+                    "set REMOTE_HOST or REMOTE_SANDBOX_LIST",
+                )
+            });
+        }
+        if self.slots.contains_key(name) {
+            Ok(name.to_string())
+        } else {
+            Err(self.unknown(name))
+        }
+    }
+
+    pub fn unknown(&self, name: &str) -> RsbError {
+        RsbError::new(
+            Kind::UnknownSandbox,
+            format!(
+                "unknown sandbox '{name}'; available: {}",
+                self.order.join(", ")
+            ),
+            "use one of the available names (list_sandboxes shows them)",
+        )
+    }
+
+    pub fn select(&self, name: &str) -> Result<()> {
+        if !self.slots.contains_key(name) {
+            return Err(self.unknown(name));
+        }
+        *self.active.write().unwrap() = Some(name.to_string());
+        Ok(())
+    }
+
+    /// A live agent client for `name` (`""` = active), connecting or reconnecting as needed.
+    pub async fn client(&self, name: &str) -> Result<AgentClient> {
+        let name = self.resolve(name)?;
+        let slot = self.slots[&name].clone();
+        let mut guard = slot.conn.lock().await;
+        if let Some(c) = guard.as_ref() {
+            let ssh_ok = c.ssh.as_ref().is_none_or(|s| !s.is_closed());
+            if c.client.is_alive() && ssh_ok {
+                return Ok(c.client.clone());
+            }
+            tracing::info!(sandbox = %name, "connection is gone; reconnecting");
+            c.client.close("reconnecting");
+            *guard = None;
+        }
+        let known = slot.agent_path.lock().unwrap().clone();
+        let conn = connect::connect(&slot.cfg, known.as_deref()).await?;
+        *slot.agent_path.lock().unwrap() = Some(conn.agent_path.clone());
+        let client = conn.client.clone();
+        *guard = Some(conn);
+        Ok(client)
+    }
+
+    /// Whether the last connect of `name` uploaded the agent (for tests and diagnostics).
+    pub async fn last_connect_deployed(&self, name: &str) -> Option<bool> {
+        let slot = self.slots.get(name)?;
+        slot.conn.lock().await.as_ref().map(|c| c.deployed)
+    }
+
+    /// Connect if needed and do one real round trip to the agent.
+    pub async fn health(&self, name: &str) -> Health {
+        let r = async {
+            let c = self.client(name).await?;
+            c.ping(Vec::new()).await?;
+            Ok::<_, RsbError>(())
+        }
+        .await;
+        match r {
+            Ok(()) => Health {
+                alive: true,
+                error: None,
+            },
+            Err(e) => Health {
+                alive: false,
+                error: Some(e),
+            },
+        }
+    }
+
+    /// Host, port and user for display; never credentials.
+    pub fn describe(&self, name: &str) -> (String, u16, String) {
+        match self.slots.get(name).map(|s| &s.cfg.transport) {
+            Some(Transport::Ssh(t)) => (t.host.clone(), t.port, t.user.clone()),
+            _ => (
+                "localhost".into(),
+                0,
+                std::env::var("USER").unwrap_or_default(),
+            ),
+        }
+    }
+
+    /// Drop every connection (agents see EOF and exit; jobs keep running).
+    pub async fn shutdown(&self) {
+        for slot in self.slots.values() {
+            if let Some(c) = slot.conn.lock().await.take() {
+                c.client.close("shutdown");
+            }
+        }
+    }
+}

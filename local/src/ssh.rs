@@ -1,0 +1,587 @@
+//! SSH transport (russh): connect, verify the host key, authenticate, run one-shot commands
+//! for the deploy step, and turn an exec channel into an agent channel.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use rsb_deploy::RemoteOutput;
+use russh::{
+    ChannelMsg, client,
+    keys::{self, PrivateKeyWithHashAlg, PublicKeyOrCertificate, known_hosts},
+};
+use tokio::io::AsyncWriteExt;
+
+use crate::{
+    client::{AgentClient, StartError},
+    config::{Auth, HostKeyPolicy, SshTarget},
+    error::{Kind, Result, RsbError},
+};
+
+/// How often an idle connection is probed, and how many unanswered probes mean "dead".
+/// Together they bound how long a black-holed link goes unnoticed (about 9–12 s).
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
+const KEEPALIVE_MAX: usize = 3;
+
+#[derive(Debug, thiserror::Error)]
+enum HandlerError {
+    #[error(transparent)]
+    Ssh(#[from] russh::Error),
+    #[error("{0}")]
+    HostKey(String),
+}
+
+struct Checker {
+    host: String,
+    port: u16,
+    policy: HostKeyPolicy,
+    files: Vec<PathBuf>,
+    /// Set when the key was rejected, so the connect error can say exactly why.
+    verdict: Arc<Mutex<Option<String>>>,
+}
+
+impl client::Handler for Checker {
+    type Error = HandlerError;
+
+    async fn check_server_key(&mut self, k: &PublicKeyOrCertificate) -> Result<bool, Self::Error> {
+        let key = match k {
+            PublicKeyOrCertificate::PublicKey { key, .. } => key,
+            _ => {
+                let msg = format!(
+                    "host [{}]:{} presented a certificate; rsb verifies plain host keys only",
+                    self.host, self.port
+                );
+                *self.verdict.lock().unwrap() = Some(msg.clone());
+                return Err(HandlerError::HostKey(msg));
+            }
+        };
+        if self.policy == HostKeyPolicy::Off {
+            return Ok(true);
+        }
+        for f in &self.files {
+            match known_hosts::check_known_hosts_path(&self.host, self.port, key, f) {
+                Ok(true) => return Ok(true),
+                Ok(false) => {}
+                Err(keys::Error::KeyChanged { line }) => {
+                    let msg = format!(
+                        "host key for [{}]:{} has CHANGED: it does not match {} line {line} ({} {})",
+                        self.host,
+                        self.port,
+                        f.display(),
+                        key.algorithm(),
+                        key.fingerprint(Default::default())
+                    );
+                    *self.verdict.lock().unwrap() = Some(msg.clone());
+                    return Err(HandlerError::HostKey(msg));
+                }
+                // An unreadable or malformed file must not silently turn into "unknown".
+                Err(e) if f.exists() => {
+                    let msg = format!("cannot read known_hosts file {}: {e}", f.display());
+                    *self.verdict.lock().unwrap() = Some(msg.clone());
+                    return Err(HandlerError::HostKey(msg));
+                }
+                Err(_) => {}
+            }
+        }
+        let fp = key.fingerprint(Default::default());
+        match self.policy {
+            HostKeyPolicy::Strict => {
+                let msg = format!(
+                    "host key for [{}]:{} is unknown ({} {fp}) and host_key_policy is strict",
+                    self.host,
+                    self.port,
+                    key.algorithm()
+                );
+                *self.verdict.lock().unwrap() = Some(msg.clone());
+                Err(HandlerError::HostKey(msg))
+            }
+            _ => {
+                let own = self
+                    .files
+                    .last()
+                    .cloned()
+                    .unwrap_or_else(|| crate::config::state_dir().join("known_hosts"));
+                if let Err(e) =
+                    known_hosts::learn_known_hosts_path(&self.host, self.port, key, &own)
+                {
+                    tracing::warn!("could not record host key in {}: {e}", own.display());
+                } else {
+                    tracing::info!(host = %self.host, port = self.port, %fp, file = %own.display(), "recorded new host key");
+                }
+                Ok(true)
+            }
+        }
+    }
+}
+
+/// One authenticated SSH connection.
+pub struct SshSession {
+    handle: client::Handle<Checker>,
+    pub target_desc: String,
+}
+
+impl SshSession {
+    pub async fn connect(sandbox: &str, t: &SshTarget) -> Result<Arc<SshSession>> {
+        if let Some(j) = &t.proxy_jump {
+            return Err(RsbError::new(
+                Kind::Config,
+                format!("sandbox '{sandbox}' needs ProxyJump {j}, which rsb does not support yet"),
+                "reach the host directly, or run rsb on the jump host",
+            ));
+        }
+        let desc = format!("{}@{}:{}", t.user, t.host, t.port);
+        let cfg = Arc::new(client::Config {
+            nodelay: true,
+            keepalive_interval: Some(KEEPALIVE_INTERVAL),
+            keepalive_max: KEEPALIVE_MAX,
+            inactivity_timeout: None,
+            ..Default::default()
+        });
+        let verdict = Arc::new(Mutex::new(None));
+        let checker = Checker {
+            host: t.host.clone(),
+            port: t.port,
+            policy: t.host_key_policy,
+            files: t.known_hosts.clone(),
+            verdict: verdict.clone(),
+        };
+        let timeout = t.connect_timeout;
+        let connect = client::connect(cfg, (t.host.as_str(), t.port), checker);
+        let mut handle = match tokio::time::timeout(timeout, connect).await {
+            Err(_) => {
+                return Err(RsbError::new(
+                    Kind::Connect,
+                    format!(
+                        "SSH connect to sandbox '{sandbox}' ({desc}) timed out after {}s",
+                        timeout.as_secs()
+                    ),
+                    "check that the host is up and reachable, and that sshd listens on that port",
+                ));
+            }
+            Ok(Err(e)) => {
+                if let Some(v) = verdict.lock().unwrap().take() {
+                    return Err(RsbError::new(
+                        Kind::HostKey,
+                        format!("refusing sandbox '{sandbox}': {v}"),
+                        "if the host was legitimately reinstalled, delete that known_hosts line and retry; otherwise the connection may be intercepted",
+                    ));
+                }
+                return Err(RsbError::new(
+                    Kind::Connect,
+                    format!(
+                        "SSH connect to sandbox '{sandbox}' ({desc}) failed: {}",
+                        one_line(&e.to_string())
+                    ),
+                    "check the host and port, and that sshd runs there",
+                ));
+            }
+            Ok(Ok(h)) => h,
+        };
+        let auth_res =
+            tokio::time::timeout(timeout, authenticate(&mut handle, &t.user, &t.auth)).await;
+        match auth_res {
+            Err(_) => {
+                return Err(RsbError::new(
+                    Kind::Auth,
+                    format!("SSH authentication for sandbox '{sandbox}' ({desc}) timed out"),
+                    "check the credentials and the server's auth settings",
+                ));
+            }
+            Ok(Err(e)) => return Err(e.with_context(sandbox, &desc)),
+            Ok(Ok(())) => {}
+        }
+        Ok(Arc::new(SshSession {
+            handle,
+            target_desc: desc,
+        }))
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.handle.is_closed()
+    }
+
+    /// Run one command to completion, optionally feeding `stdin`. Used by deploy only.
+    pub async fn exec_collect(
+        &self,
+        command: &str,
+        stdin: Option<&[u8]>,
+    ) -> std::result::Result<RemoteOutput, String> {
+        let ch = self
+            .handle
+            .channel_open_session()
+            .await
+            .map_err(|e| format!("cannot open channel: {e}"))?;
+        ch.exec(true, command)
+            .await
+            .map_err(|e| format!("exec failed: {e}"))?;
+        let (mut rd, wr) = ch.split();
+        let feeder = stdin.map(|data| {
+            let data = data.to_vec();
+            let mut w = wr.make_writer();
+            async move {
+                let r = w.write_all(&data).await;
+                let _ = w.shutdown().await;
+                r
+            }
+        });
+        let writer = async {
+            if let Some(f) = feeder {
+                f.await.map_err(|e| format!("stdin write failed: {e}"))?;
+            }
+            wr.eof().await.map_err(|e| format!("eof failed: {e}"))
+        };
+        let reader = async {
+            let mut out = RemoteOutput::default();
+            while let Some(msg) = rd.wait().await {
+                match msg {
+                    ChannelMsg::Data { data } => out.stdout.extend_from_slice(&data),
+                    ChannelMsg::ExtendedData { data, .. } => out.stderr.extend_from_slice(&data),
+                    ChannelMsg::ExitStatus { exit_status } => out.exit_code = Some(exit_status),
+                    _ => {}
+                }
+            }
+            out
+        };
+        let (w, out) = tokio::join!(writer, reader);
+        if let Err(e) = w
+            && out.exit_code.is_none()
+        {
+            return Err(e);
+        }
+        Ok(out)
+    }
+
+    /// Open an SFTP session, or `None` when the server has no sftp subsystem.
+    async fn sftp(&self) -> std::result::Result<Option<russh_sftp::client::SftpSession>, String> {
+        let ch = self
+            .handle
+            .channel_open_session()
+            .await
+            .map_err(|e| format!("cannot open channel: {e}"))?;
+        if ch.request_subsystem(true, "sftp").await.is_err() {
+            return Ok(None);
+        }
+        match tokio::time::timeout(
+            Duration::from_secs(10),
+            russh_sftp::client::SftpSession::new(ch.into_stream()),
+        )
+        .await
+        {
+            Ok(Ok(s)) => Ok(Some(s)),
+            // A refused subsystem shows up as a failed init on some servers.
+            Ok(Err(_)) | Err(_) => Ok(None),
+        }
+    }
+
+    /// Start `agent_path serve` on a fresh exec channel and complete the handshake.
+    pub async fn start_agent(
+        self: &Arc<Self>,
+        sandbox: &str,
+        agent_path: &str,
+    ) -> std::result::Result<AgentClient, StartError> {
+        let ch = self
+            .handle
+            .channel_open_session()
+            .await
+            .map_err(|e| StartError::NoHello(format!("cannot open channel: {e}")))?;
+        ch.exec(true, rsb_deploy::start_command(agent_path))
+            .await
+            .map_err(|e| StartError::NoHello(format!("exec failed: {e}")))?;
+        let (mut rd, wr) = ch.split();
+        let (mut pipe_in, pipe_out) = tokio::io::duplex(1 << 20);
+        let stderr_tail = Arc::new(Mutex::new(Vec::<u8>::new()));
+        let tail = stderr_tail.clone();
+        let name = sandbox.to_string();
+        tokio::spawn(async move {
+            while let Some(msg) = rd.wait().await {
+                match msg {
+                    ChannelMsg::Data { data } => {
+                        if pipe_in.write_all(&data).await.is_err() {
+                            break;
+                        }
+                    }
+                    ChannelMsg::ExtendedData { data, .. } => {
+                        let text = String::from_utf8_lossy(&data);
+                        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                            tracing::warn!(sandbox = %name, "agent: {line}");
+                        }
+                        let mut t = tail.lock().unwrap();
+                        t.extend_from_slice(&data);
+                        let excess = t.len().saturating_sub(2048);
+                        t.drain(..excess);
+                    }
+                    ChannelMsg::ExitStatus { exit_status } => {
+                        tracing::debug!(sandbox = %name, exit_status, "agent process exited");
+                    }
+                    _ => {}
+                }
+            }
+        });
+        let writer = wr.make_writer();
+        let keep: Box<dyn std::any::Any + Send> = Box::new((self.clone(), wr));
+        match AgentClient::start(sandbox, pipe_out, writer, keep, Duration::from_secs(20)).await {
+            Ok(c) => Ok(c),
+            Err(StartError::NoHello(m)) => {
+                // Give the stderr pump a moment to capture why (e.g. "No such file").
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                let err = String::from_utf8_lossy(&stderr_tail.lock().unwrap())
+                    .trim()
+                    .to_string();
+                Err(StartError::NoHello(if err.is_empty() {
+                    m
+                } else {
+                    format!("{m}: {}", one_line(&err))
+                }))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl rsb_deploy::Remote for SshSession {
+    async fn exec(
+        &self,
+        command: &str,
+        stdin: Option<&[u8]>,
+    ) -> std::result::Result<RemoteOutput, String> {
+        self.exec_collect(command, stdin).await
+    }
+
+    async fn sftp_write(&self, path: &str, data: &[u8]) -> std::result::Result<Option<()>, String> {
+        let Some(sftp) = self.sftp().await? else {
+            return Ok(None);
+        };
+        let mut f = sftp
+            .create(path)
+            .await
+            .map_err(|e| format!("sftp create {path}: {e}"))?;
+        f.write_all(data)
+            .await
+            .map_err(|e| format!("sftp write {path}: {e}"))?;
+        f.shutdown()
+            .await
+            .map_err(|e| format!("sftp close {path}: {e}"))?;
+        let _ = sftp.close().await;
+        Ok(Some(()))
+    }
+
+    async fn sftp_read(&self, path: &str) -> std::result::Result<Option<Vec<u8>>, String> {
+        let Some(sftp) = self.sftp().await? else {
+            return Ok(None);
+        };
+        let data = sftp
+            .read(path)
+            .await
+            .map_err(|e| format!("sftp read {path}: {e}"))?;
+        let _ = sftp.close().await;
+        Ok(Some(data))
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+struct AuthError {
+    method: String,
+    detail: String,
+    kind: Kind,
+    hint: String,
+}
+
+impl AuthError {
+    fn with_context(self, sandbox: &str, desc: &str) -> RsbError {
+        RsbError::new(
+            self.kind,
+            format!(
+                "SSH authentication failed for sandbox '{sandbox}' ({desc}) using {}: {}",
+                self.method, self.detail
+            ),
+            self.hint,
+        )
+    }
+}
+
+fn load_key(
+    path: &Path,
+    passphrase: Option<&str>,
+) -> std::result::Result<keys::PrivateKey, AuthError> {
+    let shown = path.display().to_string();
+    keys::load_secret_key(path, passphrase).map_err(|e| {
+        let (detail, hint) = match e {
+            keys::Error::KeyIsEncrypted => (
+                format!("key file {shown} is encrypted and no passphrase was given"),
+                "set key_passphrase (REMOTE_KEY_PASSPHRASE) or load the key into ssh-agent",
+            ),
+            keys::Error::IO(ref io) if io.kind() == std::io::ErrorKind::NotFound => (
+                format!("key file {shown} does not exist"),
+                "check key_file (REMOTE_KEY_FILE)",
+            ),
+            _ if passphrase.is_some() => (
+                format!("cannot decrypt key file {shown} (wrong passphrase?)"),
+                "check key_passphrase (REMOTE_KEY_PASSPHRASE)",
+            ),
+            other => (
+                format!(
+                    "cannot load key file {shown}: {}",
+                    one_line(&other.to_string())
+                ),
+                "check key_file",
+            ),
+        };
+        AuthError {
+            method: format!("key {shown}"),
+            detail,
+            kind: Kind::Auth,
+            hint: hint.into(),
+        }
+    })
+}
+
+async fn auth_with_key(
+    h: &mut client::Handle<Checker>,
+    user: &str,
+    key: keys::PrivateKey,
+) -> std::result::Result<bool, String> {
+    let hash = h
+        .best_supported_rsa_hash()
+        .await
+        .map_err(|e| e.to_string())?
+        .flatten();
+    let r = h
+        .authenticate_publickey(user, PrivateKeyWithHashAlg::new(Arc::new(key), hash))
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(r.success())
+}
+
+async fn auth_with_agent(
+    h: &mut client::Handle<Checker>,
+    user: &str,
+) -> std::result::Result<bool, String> {
+    let mut agent = keys::agent::client::AgentClient::connect_env()
+        .await
+        .map_err(|e| format!("cannot reach ssh-agent (SSH_AUTH_SOCK): {e}"))?;
+    let ids = agent
+        .request_identities()
+        .await
+        .map_err(|e| format!("ssh-agent: {e}"))?;
+    if ids.is_empty() {
+        return Err("ssh-agent holds no keys".into());
+    }
+    for id in ids {
+        let hash = h
+            .best_supported_rsa_hash()
+            .await
+            .map_err(|e| e.to_string())?
+            .flatten();
+        let r = h
+            .authenticate_publickey_with(user, id.public_key().into_owned(), hash, &mut agent)
+            .await
+            .map_err(|e| format!("ssh-agent signing failed: {e}"))?;
+        if r.success() {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+async fn authenticate(
+    h: &mut client::Handle<Checker>,
+    user: &str,
+    auth: &Auth,
+) -> std::result::Result<(), AuthError> {
+    let fail = |method: &str, detail: String, hint: &str| AuthError {
+        method: method.into(),
+        detail,
+        kind: Kind::Auth,
+        hint: hint.into(),
+    };
+    match auth {
+        Auth::Password(pw) => {
+            let r = h
+                .authenticate_password(user, pw.expose())
+                .await
+                .map_err(|e| fail("password", one_line(&e.to_string()), "check the server"))?;
+            if r.success() {
+                Ok(())
+            } else {
+                Err(fail(
+                    "password",
+                    "the server rejected the password".into(),
+                    "check password (REMOTE_PASSWORD) and the user name",
+                ))
+            }
+        }
+        Auth::KeyFile { path, passphrase } => {
+            let key = load_key(path, passphrase.as_ref().map(|p| p.expose()))?;
+            let method = format!("key {}", path.display());
+            match auth_with_key(h, user, key).await {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(fail(
+                    &method,
+                    "the server did not accept this key".into(),
+                    "add the public key to the remote ~/.ssh/authorized_keys, or check the user name",
+                )),
+                Err(e) => Err(fail(&method, e, "check the server")),
+            }
+        }
+        Auth::Agent => match auth_with_agent(h, user).await {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(fail(
+                "ssh-agent",
+                "the server accepted none of the agent's keys".into(),
+                "add one of `ssh-add -L` to the remote authorized_keys",
+            )),
+            Err(e) => Err(fail(
+                "ssh-agent",
+                e,
+                "start ssh-agent and `ssh-add` your key, or configure key_file",
+            )),
+        },
+        Auth::Auto {
+            identity_files,
+            default_keys,
+            passphrase,
+        } => {
+            let mut tried = Vec::new();
+            let pass = passphrase.as_ref().map(|p| p.expose());
+            for p in identity_files {
+                match keys::load_secret_key(p, pass) {
+                    Ok(k) => match auth_with_key(h, user, k).await {
+                        Ok(true) => return Ok(()),
+                        _ => tried.push(p.display().to_string()),
+                    },
+                    Err(_) => tried.push(format!("{} (encrypted or unreadable)", p.display())),
+                }
+            }
+            if std::env::var_os("SSH_AUTH_SOCK").is_some() {
+                match auth_with_agent(h, user).await {
+                    Ok(true) => return Ok(()),
+                    Ok(false) => tried.push("ssh-agent".to_string()),
+                    Err(e) => tried.push(format!("ssh-agent ({e})")),
+                }
+            }
+            for p in default_keys {
+                match keys::load_secret_key(p, pass) {
+                    Ok(k) => match auth_with_key(h, user, k).await {
+                        Ok(true) => return Ok(()),
+                        _ => tried.push(p.display().to_string()),
+                    },
+                    Err(_) => tried.push(format!("{} (encrypted or unreadable)", p.display())),
+                }
+            }
+            Err(fail(
+                "default credentials",
+                if tried.is_empty() {
+                    "no password, key_file, ssh-agent or ~/.ssh/id_* key available".into()
+                } else {
+                    format!("rejected: {}", tried.join(", "))
+                },
+                "configure password or key_file for this sandbox",
+            ))
+        }
+    }
+}
