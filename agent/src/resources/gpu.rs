@@ -1,0 +1,422 @@
+//! GPU load read by running `nvidia-smi` as a child process with a deadline.
+//!
+//! Why a child process and not NVML: the shipped agent is a static musl binary, and musl's static
+//! `dlopen` is a stub that always fails, so NVML can never load there (measured; crates.md §5).
+//! The optional `nvml` feature (glibc builds only) is deliberately not used either: a wedged
+//! driver can hang an NVML call inside our own process where nothing can interrupt it, whereas a
+//! hung `nvidia-smi` is simply killed at the deadline. One code path that works on every build is
+//! worth more than a slightly cheaper call on a build we do not ship.
+
+use std::ffi::OsStr;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use rsb_protocol::{GpuInfo, GpuProcess, GpuReport, GpuSource};
+
+pub(crate) const SMI: &str = "nvidia-smi";
+pub(crate) const GPU_QUERY: &str = "--query-gpu=index,name,uuid,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw";
+pub(crate) const APPS_QUERY: &str = "--query-compute-apps=pid,gpu_uuid,used_memory";
+pub(crate) const FORMAT: &str = "--format=csv,noheader,nounits";
+
+/// nvidia-smi prints a few hundred bytes per GPU; anything beyond this is not its normal output,
+/// and reading it all would only cost memory.
+const MAX_OUTPUT: u64 = 1 << 20;
+/// Longest note text taken from nvidia-smi's own output, so a chatty failure cannot bloat replies.
+const MAX_NOTE_LINE: usize = 200;
+
+/// `nvidia-smi` on the given PATH value. Empty PATH entries (which POSIX reads as "the current
+/// directory") are skipped: the agent's cwd is not a place to pick executables from.
+pub(crate) fn find_smi(path_var: Option<&OsStr>) -> Option<PathBuf> {
+    std::env::split_paths(path_var?)
+        .filter(|dir| dir.is_absolute())
+        .map(|dir| dir.join(SMI))
+        .find(|p| is_executable_file(p))
+}
+
+fn is_executable_file(p: &Path) -> bool {
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// One GPU pass. `age_ms` is left at 0; whoever hands the report out knows how old it is.
+///
+/// No nvidia-smi means "no NVIDIA GPU here", which is normal and carries no note. Any failure of
+/// the GPU query drops the whole report to `source: None` with a note, so nothing stale or partial
+/// is passed off as current; a failing process query keeps the fresh GPU list and says why the
+/// process list is empty.
+pub(crate) fn sample(path_var: Option<&OsStr>, timeout: Duration) -> GpuReport {
+    let Some(exe) = find_smi(path_var) else {
+        return GpuReport::default();
+    };
+    let text = match run(&exe, &[GPU_QUERY, FORMAT], timeout) {
+        Ok(text) => text,
+        Err(note) => {
+            return GpuReport {
+                note: Some(note),
+                ..GpuReport::default()
+            };
+        }
+    };
+    let (gpus, bad) = parse_gpus(&text);
+    let mut notes = Vec::new();
+    if bad > 0 {
+        notes.push(format!("skipped {bad} unreadable nvidia-smi line(s)"));
+    }
+    let processes = match run(&exe, &[APPS_QUERY, FORMAT], timeout) {
+        Ok(text) => parse_processes(&text),
+        Err(note) => {
+            notes.push(format!("GPU processes unavailable: {note}"));
+            Vec::new()
+        }
+    };
+    GpuReport {
+        source: GpuSource::NvidiaSmi,
+        gpus,
+        processes,
+        note: (!notes.is_empty()).then(|| notes.join("; ")),
+        age_ms: 0,
+    }
+}
+
+/// Runs `exe args` and returns its stdout, or a one-line note saying why there is none.
+///
+/// The child gets its own process group so that a deadline kills everything it started: a shell
+/// wrapper's `sleep` (or a helper of nvidia-smi) would otherwise keep the pipes open.
+pub(crate) fn run(exe: &Path, args: &[&str], timeout: Duration) -> Result<String, String> {
+    let deadline = Instant::now() + timeout;
+    let mut child = spawn(exe, args).map_err(|e| format!("cannot run {}: {e}", exe.display()))?;
+    let (tx, rx) = mpsc::channel::<(bool, Vec<u8>)>();
+    // Both pipes are drained on their own threads: reading one while the child blocks on the
+    // other (full pipe) would look like a hang.
+    for (is_stdout, pipe) in [
+        (
+            true,
+            child
+                .stdout
+                .take()
+                .map(|p| Box::new(p) as Box<dyn Read + Send>),
+        ),
+        (
+            false,
+            child
+                .stderr
+                .take()
+                .map(|p| Box::new(p) as Box<dyn Read + Send>),
+        ),
+    ] {
+        let tx = tx.clone();
+        let spawned = std::thread::Builder::new()
+            .name("rsb-smi-pipe".into())
+            .spawn(move || {
+                let mut buf = Vec::new();
+                if let Some(pipe) = pipe {
+                    let _ = pipe.take(MAX_OUTPUT).read_to_end(&mut buf);
+                }
+                let _ = tx.send((is_stdout, buf));
+            });
+        if let Err(e) = spawned {
+            kill_group_and_reap(&mut child);
+            return Err(format!("cannot start a reader thread: {e}"));
+        }
+    }
+    drop(tx);
+
+    let status = match wait_until(&mut child, deadline) {
+        Ok(Some(status)) => status,
+        Ok(None) => {
+            kill_group_and_reap(&mut child);
+            return Err(timed_out(timeout));
+        }
+        Err(e) => {
+            kill_group_and_reap(&mut child);
+            return Err(format!("waiting for {SMI} failed: {e}"));
+        }
+    };
+
+    let (mut stdout, mut stderr) = (None, None);
+    for _ in 0..2 {
+        // A little grace past the deadline: the child has exited, its pipes close right away.
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(200));
+        match rx.recv_timeout(wait) {
+            Ok((true, buf)) => stdout = Some(buf),
+            Ok((false, buf)) => stderr = Some(buf),
+            Err(_) => break,
+        }
+    }
+    let (Some(stdout), Some(stderr)) = (stdout, stderr) else {
+        // Something the child started still holds a pipe. The group still has that member, so
+        // its id cannot have been reused, and killing it frees the reader threads.
+        kill_group(child.id());
+        return Err(format!(
+            "{SMI} left its output open past the deadline ({} ms)",
+            timeout.as_millis()
+        ));
+    };
+    if status.success() {
+        return Ok(String::from_utf8_lossy(&stdout).into_owned());
+    }
+    Err(describe_failure(status, &stderr, &stdout))
+}
+
+pub(crate) fn timed_out(timeout: Duration) -> String {
+    format!("{SMI} timed out after {} ms", timeout.as_millis())
+}
+
+/// Spawns in a new process group. A freshly written executable can briefly fail with ETXTBSY
+/// while some other thread's fork still holds its write descriptor; that clears within
+/// milliseconds, so a few retries are cheaper than a missing sample.
+fn spawn(exe: &Path, args: &[&str]) -> std::io::Result<Child> {
+    let mut last = None;
+    for attempt in 0..3 {
+        if attempt > 0 {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let result = Command::new(exe)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .spawn();
+        match result {
+            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => last = Some(e),
+            other => return other,
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::other("spawn failed")))
+}
+
+/// Polls for exit until `deadline`; `Ok(None)` means it is still running. Sleeps at least 1 ms
+/// per round, so the round cap below is never the binding limit before the deadline is.
+fn wait_until(child: &mut Child, deadline: Instant) -> std::io::Result<Option<ExitStatus>> {
+    let budget_ms = deadline
+        .saturating_duration_since(Instant::now())
+        .as_millis();
+    let max_rounds = usize::try_from(budget_ms)
+        .unwrap_or(usize::MAX)
+        .saturating_add(2);
+    let mut pause = Duration::from_millis(1);
+    for _ in 0..max_rounds {
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some(status));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(None);
+        }
+        std::thread::sleep(pause.min(deadline - now).max(Duration::from_millis(1)));
+        pause = (pause * 2).min(Duration::from_millis(20));
+    }
+    child.try_wait()
+}
+
+/// Kills the child's whole group, then reaps the child. Safe against pid reuse because the child
+/// is not reaped before the kill, so its pid (which is the group id) is still reserved.
+fn kill_group_and_reap(child: &mut Child) {
+    kill_group(child.id());
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+fn kill_group(pid: u32) {
+    if let Ok(pid) = libc::pid_t::try_from(pid)
+        && pid > 0
+    {
+        // SAFETY: plain syscall on a group id we created (see callers for why it is still ours).
+        unsafe {
+            libc::kill(-pid, libc::SIGKILL);
+        }
+    }
+}
+
+fn describe_failure(status: ExitStatus, stderr: &[u8], stdout: &[u8]) -> String {
+    let what = match (status.code(), status.signal()) {
+        (Some(code), _) => format!("{SMI} exited with code {code}"),
+        (None, Some(sig)) => format!("{SMI} was killed by signal {sig}"),
+        (None, None) => format!("{SMI} failed ({status})"),
+    };
+    // nvidia-smi prints its "has failed because…" message on stdout, other tools use stderr.
+    match first_line(stderr).or_else(|| first_line(stdout)) {
+        Some(line) => format!("{what}: {line}"),
+        None => what,
+    }
+}
+
+fn first_line(bytes: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(bytes);
+    let line = text.lines().map(str::trim).find(|l| !l.is_empty())?;
+    Some(match line.char_indices().nth(MAX_NOTE_LINE) {
+        Some((cut, _)) => format!("{}…", &line[..cut]),
+        None => line.to_string(),
+    })
+}
+
+/// A CSV field, or `None` for the driver's placeholders (`[N/A]`, `[Not Supported]`,
+/// `[Unknown Error]`, …) and anything else that is not a number: a missing reading must not
+/// masquerade as zero load.
+fn field<T: std::str::FromStr>(raw: &str) -> Option<T> {
+    let s = raw.trim();
+    if s.is_empty() || s.starts_with('[') {
+        return None;
+    }
+    s.parse().ok()
+}
+
+fn field_f32(raw: &str) -> Option<f32> {
+    field::<f32>(raw).filter(|v| v.is_finite())
+}
+
+/// MiB counts are integers today; a fractional one is rounded rather than dropped.
+fn field_mib(raw: &str) -> Option<u64> {
+    field::<u64>(raw).or_else(|| {
+        field::<f64>(raw)
+            .filter(|v| v.is_finite() && *v >= 0.0 && *v < u64::MAX as f64)
+            .map(|v| v.round() as u64)
+    })
+}
+
+/// Parses `--query-gpu` output; returns the GPUs and how many non-empty lines were unreadable.
+///
+/// The name is the only free-text column, so it is taken as everything between the first field
+/// and the last six: a name with a comma in it still parses.
+pub(crate) fn parse_gpus(text: &str) -> (Vec<GpuInfo>, usize) {
+    let mut gpus = Vec::new();
+    let mut bad = 0;
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        let f: Vec<&str> = line.split(',').collect();
+        let n = f.len();
+        let index = if n >= 8 { field::<u32>(f[0]) } else { None };
+        let Some(index) = index else {
+            bad += 1;
+            continue;
+        };
+        gpus.push(GpuInfo {
+            index,
+            name: f[1..n - 6].join(",").trim().to_string(),
+            uuid: f[n - 6].trim().to_string(),
+            util_pct: field_f32(f[n - 5]),
+            mem_used_mib: field_mib(f[n - 4]),
+            mem_total_mib: field_mib(f[n - 3]),
+            temperature_c: field_f32(f[n - 2]),
+            power_w: field_f32(f[n - 1]),
+        });
+    }
+    (gpus, bad)
+}
+
+/// Parses `--query-compute-apps` output. Lines without a pid (some drivers print a
+/// "No running processes found" line) are not processes and are skipped.
+pub(crate) fn parse_processes(text: &str) -> Vec<GpuProcess> {
+    text.lines()
+        .filter_map(|line| {
+            let f: Vec<&str> = line.split(',').collect();
+            if f.len() != 3 {
+                return None;
+            }
+            Some(GpuProcess {
+                pid: field::<u32>(f[0])?,
+                gpu_uuid: f[1].trim().to_string(),
+                used_mem_mib: field_mib(f[2]),
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_lines_with_placeholders_spaces_and_commas() {
+        let text = "0, NVIDIA H200 NVL, GPU-aaaa, 37, 1024, 143771, 41, 123.45\n\
+                    1, NVIDIA A100-SXM4-80GB, GPU-bbbb, [N/A], 0, 81920, [Not Supported], \n\
+                    \n\
+                    2, Odd, Name, With Commas, GPU-cccc, 5, 1.5, 2, 30, [Unknown Error]\n\
+                    garbage line\n\
+                    x, a, b, c, d, e, f, g\n";
+        let (gpus, bad) = parse_gpus(text);
+        assert_eq!(bad, 2, "{gpus:?}");
+        assert_eq!(gpus.len(), 3);
+        assert_eq!(
+            gpus[0],
+            GpuInfo {
+                index: 0,
+                name: "NVIDIA H200 NVL".into(),
+                uuid: "GPU-aaaa".into(),
+                util_pct: Some(37.0),
+                mem_used_mib: Some(1024),
+                mem_total_mib: Some(143771),
+                temperature_c: Some(41.0),
+                power_w: Some(123.45),
+            }
+        );
+        assert_eq!(gpus[1].util_pct, None);
+        assert_eq!(gpus[1].mem_used_mib, Some(0), "a real zero stays zero");
+        assert_eq!(gpus[1].temperature_c, None);
+        assert_eq!(gpus[1].power_w, None, "an empty trailing field is None");
+        assert_eq!(gpus[2].name, "Odd, Name, With Commas");
+        assert_eq!(gpus[2].uuid, "GPU-cccc");
+        assert_eq!(gpus[2].mem_used_mib, Some(2), "1.5 MiB rounds");
+        assert_eq!(gpus[2].power_w, None);
+    }
+
+    #[test]
+    fn process_lines() {
+        let text = "1234, GPU-aaaa, 500\nNo running processes found\n77, GPU-bbbb, [N/A]\n";
+        let procs = parse_processes(text);
+        assert_eq!(
+            procs,
+            vec![
+                GpuProcess {
+                    pid: 1234,
+                    gpu_uuid: "GPU-aaaa".into(),
+                    used_mem_mib: Some(500)
+                },
+                GpuProcess {
+                    pid: 77,
+                    gpu_uuid: "GPU-bbbb".into(),
+                    used_mem_mib: None
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn failure_note_prefers_stderr_and_is_bounded() {
+        let status = ExitStatus::from_raw(9 << 8);
+        let note = describe_failure(status, b"\n  first err\nsecond", b"out");
+        assert_eq!(note, "nvidia-smi exited with code 9: first err");
+        let note = describe_failure(status, b"", b"NVIDIA-SMI has failed because x\n");
+        assert_eq!(
+            note,
+            "nvidia-smi exited with code 9: NVIDIA-SMI has failed because x"
+        );
+        let long = "é".repeat(1000);
+        let note = describe_failure(status, long.as_bytes(), b"");
+        assert!(note.chars().count() < 260, "{}", note.len());
+        let killed = ExitStatus::from_raw(libc::SIGKILL);
+        assert_eq!(
+            describe_failure(killed, b"", b""),
+            "nvidia-smi was killed by signal 9"
+        );
+    }
+
+    #[test]
+    fn path_lookup_skips_relative_and_non_executable() {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = dir.path().join(SMI);
+        std::fs::write(&exe, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let path = std::env::join_paths([Path::new("rel"), dir.path()]).unwrap();
+        assert_eq!(find_smi(Some(&path)), None, "not executable");
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(find_smi(Some(&path)), Some(exe));
+        assert_eq!(find_smi(None), None);
+    }
+}

@@ -1,0 +1,65 @@
+//! Helpers shared by the integration tests: sandbox configs pointing at a fixture sshd.
+#![allow(dead_code)]
+
+use std::{path::Path, sync::Arc, time::Duration};
+
+use rsb::{
+    config::{Auth, Config, HostKeyPolicy, SandboxConfig, Secret, SshTarget, Transport},
+    pool::Pool,
+};
+use rsb_tests::Sshd;
+
+pub fn target(sshd: &Sshd, port: u16, auth: Auth, known_hosts: &Path) -> SshTarget {
+    SshTarget {
+        host: "127.0.0.1".into(),
+        port,
+        user: sshd.user().to_string(),
+        auth,
+        proxy_jump: None,
+        host_key_policy: HostKeyPolicy::AcceptNew,
+        known_hosts: vec![known_hosts.to_path_buf()],
+        connect_timeout: Duration::from_secs(10),
+    }
+}
+
+pub fn key_auth(sshd: &Sshd) -> Auth {
+    Auth::KeyFile {
+        path: sshd.client_key().to_path_buf(),
+        passphrase: None,
+    }
+}
+
+pub fn sandbox(name: &str, t: SshTarget) -> SandboxConfig {
+    SandboxConfig {
+        name: name.into(),
+        transport: Transport::Ssh(t),
+    }
+}
+
+pub fn pool_of(sandboxes: Vec<SandboxConfig>, state: &Path) -> Pool {
+    let config = Config {
+        sandboxes,
+        expose_advanced_tools: false,
+        inline_sync_max_files: 200,
+        inline_sync_max_bytes: 64 << 20,
+        state_dir: state.to_path_buf(),
+        source: "test".into(),
+        warnings: vec![],
+    };
+    Pool::new(Arc::new(config))
+}
+
+/// A pool with one key-auth sandbox named `s` on `sshd`.
+pub fn key_pool(sshd: &Sshd, dir: &Path) -> Pool {
+    let t = target(sshd, sshd.port(), key_auth(sshd), &dir.join("known_hosts"));
+    pool_of(vec![sandbox("s", t)], dir)
+}
+
+pub fn secret(s: &str) -> Secret {
+    Secret::new(s)
+}
+
+/// Is any process of process group `pgid` alive on this machine (the sshd runs here)?
+pub fn group_alive(pgid: i32) -> bool {
+    unsafe { libc::kill(-pgid, 0) == 0 }
+}
