@@ -37,10 +37,10 @@ fn main() -> ExitCode {
         "jobs" => jobs::cli_main(rest),
         "job-run" => jobs::job_run_main(rest),
         "hash" => util::hash_cli(rest),
-        "help" | "--help" | "-h" => {
-            print!("{}", usage());
-            0
-        }
+        "help" | "--help" | "-h" => match util::write_stdout(usage()) {
+            Ok(()) => 0,
+            Err(_) => 1,
+        },
         other => {
             eprintln!("rsb-agent: unknown command '{other}'\n");
             eprint!("{}", usage());

@@ -1,0 +1,513 @@
+//! `exec`: run `bash -c CMD` to completion with a timeout the agent enforces itself.
+//!
+//! The command runs in its own process group so that a timeout or cancel can stop everything it
+//! started (`killpg`), not just bash. stdin is /dev/null so a command that reads input (`cat`)
+//! ends at once instead of hanging until its timeout. Output is kept within caps while being
+//! read, so a command printing gigabytes costs the agent no more memory than the caps.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::process::ExitStatusExt;
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use rsb_protocol::{
+    AgentError, Captured, Chunk, ErrorCode, ExecRequest, ExecResult, MAX_CHUNK, MAX_FRAME,
+};
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::process::Child;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::serve::Responder;
+use crate::util::{expand_home, find_on_path, path_string};
+
+/// After the main process ends, how long output may keep arriving before the reply goes out.
+/// Background children (`sleep 100 &`) inherit the pipes and would otherwise hold the reply
+/// until they exit.
+const DRAIN: Duration = Duration::from_millis(200);
+/// Most output taken from a pipe after the drain deadline: what was already buffered in it
+/// (64 KiB by default, 1 MiB at most for an unprivileged user). Bounded because a background
+/// process may keep writing.
+const SWEEP_MAX: usize = 1 << 20;
+/// Read size; also the largest streamed chunk, well under [`MAX_CHUNK`].
+const READ_BUF: usize = 64 * 1024;
+/// Per-stream cap, so that stdout and stderr at their caps still fit one reply frame.
+const MAX_CAP: u64 = (MAX_FRAME as u64 - 64 * 1024) / 2;
+/// Longest SIGTERM grace honoured. An agent shutting down (stdin EOF) waits for it, so an
+/// absurd value must not keep a dead session's agent alive for hours.
+const MAX_GRACE: Duration = Duration::from_secs(60);
+/// How long to wait for the group to vanish after SIGKILL before replying anyway.
+const KILL_VERIFY: Duration = Duration::from_secs(1);
+/// Poll interval while waiting for a process group to vanish.
+const POLL: Duration = Duration::from_millis(20);
+
+const _: () = assert!(READ_BUF <= MAX_CHUNK);
+
+/// Output within a cap: the first ⌈cap/2⌉ bytes and a ring of the last ⌊cap/2⌋. While the total
+/// fits the cap nothing is dropped, and [`Capture::finish`] joins the two into `head`.
+struct Capture {
+    head: Vec<u8>,
+    head_cap: usize,
+    tail: VecDeque<u8>,
+    tail_cap: usize,
+    total: u64,
+}
+
+impl Capture {
+    fn new(cap: u64) -> Self {
+        let cap = cap.min(MAX_CAP) as usize;
+        Self {
+            head: Vec::new(),
+            head_cap: cap.div_ceil(2),
+            tail: VecDeque::new(),
+            tail_cap: cap / 2,
+            total: 0,
+        }
+    }
+
+    fn push(&mut self, mut data: &[u8]) {
+        self.total += data.len() as u64;
+        let take = (self.head_cap - self.head.len()).min(data.len());
+        self.head.extend_from_slice(&data[..take]);
+        data = &data[take..];
+        if data.is_empty() || self.tail_cap == 0 {
+            return;
+        }
+        if data.len() >= self.tail_cap {
+            self.tail.clear();
+            self.tail.extend(&data[data.len() - self.tail_cap..]);
+        } else {
+            let excess = (self.tail.len() + data.len()).saturating_sub(self.tail_cap);
+            self.tail.drain(..excess);
+            self.tail.extend(data);
+        }
+    }
+
+    fn finish(self) -> Captured {
+        let mut head = self.head;
+        let tail: Vec<u8> = self.tail.into();
+        if self.total <= (self.head_cap + self.tail_cap) as u64 {
+            head.extend_from_slice(&tail);
+            Captured {
+                head,
+                tail: Vec::new(),
+                total: self.total,
+            }
+        } else {
+            Captured {
+                head,
+                tail,
+                total: self.total,
+            }
+        }
+    }
+}
+
+/// Read one pipe into a capture (and stream it) until EOF, or until [`DRAIN`] after `done`.
+///
+/// The drain deadline bounds only the wait for *new* output. A chunk already read is streamed
+/// even if the writer is backed up (the reply waits behind it anyway), and whatever already sits
+/// in the pipe when the deadline passes is swept up, so a slow client costs no output.
+async fn read_pipe<P: AsyncRead + AsRawFd + Unpin>(
+    pipe: Option<P>,
+    cap: u64,
+    mut stream: Option<&Responder>,
+    wrap: fn(Vec<u8>) -> Chunk,
+    done: &CancellationToken,
+) -> Captured {
+    let mut capture = Capture::new(cap);
+    let Some(mut pipe) = pipe else {
+        return capture.finish();
+    };
+    let stop = async {
+        done.cancelled().await;
+        tokio::time::sleep(DRAIN).await;
+    };
+    tokio::pin!(stop);
+    let mut buf = vec![0u8; READ_BUF];
+    let mut stopped = false;
+    loop {
+        let n = tokio::select! {
+            r = pipe.read(&mut buf) => match r {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            },
+            _ = &mut stop => {
+                stopped = true;
+                break;
+            }
+        };
+        capture.push(&buf[..n]);
+        forward(&mut stream, wrap, &buf[..n]).await;
+    }
+    if stopped {
+        set_nonblocking(pipe.as_raw_fd());
+        let mut swept = 0;
+        while swept < SWEEP_MAX {
+            let Some(n) = read_available(pipe.as_raw_fd(), &mut buf) else {
+                break;
+            };
+            capture.push(&buf[..n]);
+            forward(&mut stream, wrap, &buf[..n]).await;
+            swept += n;
+        }
+    }
+    capture.finish()
+}
+
+/// Stream a piece of output; once the channel is gone, stop trying (capturing goes on).
+async fn forward(stream: &mut Option<&Responder>, wrap: fn(Vec<u8>) -> Chunk, data: &[u8]) {
+    if let Some(s) = stream
+        && s.chunk(wrap(data.to_vec())).await.is_err()
+    {
+        *stream = None;
+    }
+}
+
+/// tokio already keeps child pipes non-blocking; the sweep must never block on a pipe that a
+/// background process holds open, so it does not rely on that.
+fn set_nonblocking(fd: RawFd) {
+    // SAFETY: fcntl on an fd owned by the pipe; failure leaves the flags unchanged.
+    unsafe {
+        let flags = libc::fcntl(fd, libc::F_GETFL);
+        if flags >= 0 && flags & libc::O_NONBLOCK == 0 {
+            libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+        }
+    }
+}
+
+/// One non-blocking read of bytes already in the pipe;
+/// `None` at EOF, when nothing is buffered, or on error.
+fn read_available(fd: RawFd, buf: &mut [u8]) -> Option<usize> {
+    // SAFETY: `buf` is valid for `buf.len()` bytes and `fd` is open (owned by the pipe).
+    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+    (n > 0).then_some(n as usize)
+}
+
+/// Why supervision ended.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Ending {
+    Exited,
+    TimedOut,
+    Cancelled,
+}
+
+fn killpg(pgid: i32, sig: i32) {
+    // SAFETY: plain syscall; a stale pgid only yields ESRCH.
+    unsafe {
+        libc::killpg(pgid, sig);
+    }
+}
+
+/// True while any process of the group is alive. Zombies do not count: on hosts whose init
+/// does not reap orphans they linger forever, yet they run nothing and hold no pipe.
+fn group_alive(pgid: i32) -> bool {
+    // SAFETY: signal 0 only checks for existence/permission.
+    if unsafe { libc::kill(-pgid, 0) } != 0
+        && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    {
+        return false;
+    }
+    has_live_member(pgid)
+}
+
+fn has_live_member(pgid: i32) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return true;
+    };
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid pgrp ...": comm may contain spaces and parens, so parse after
+        // the last ')'.
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        let mut fields = rest.split_whitespace();
+        let state = fields.next().unwrap_or("");
+        let pgrp = fields.nth(1).and_then(|f| f.parse::<i32>().ok());
+        if pgrp == Some(pgid) && state != "Z" && state != "X" {
+            return true;
+        }
+    }
+    false
+}
+
+async fn group_alive_async(pgid: i32) -> bool {
+    tokio::task::spawn_blocking(move || group_alive(pgid))
+        .await
+        .unwrap_or(true)
+}
+
+/// The leader's exit as far as it is known.
+struct Leader {
+    reaped: bool,
+    status: Option<ExitStatus>,
+}
+
+/// Reap the leader and wait until no live process is left in the group, up to `deadline`.
+async fn wait_group_gone(
+    child: &mut Child,
+    pgid: i32,
+    leader: &mut Leader,
+    deadline: Instant,
+) -> bool {
+    loop {
+        let tick = (Instant::now() + POLL).min(deadline);
+        if leader.reaped {
+            if !group_alive_async(pgid).await {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep_until(tick).await;
+        } else {
+            tokio::select! {
+                s = child.wait() => {
+                    leader.reaped = true;
+                    leader.status = s.ok();
+                }
+                _ = tokio::time::sleep_until(tick) => {
+                    if Instant::now() >= deadline {
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// SIGTERM the group, SIGKILL it after `grace`, and confirm it is gone (bounded).
+async fn terminate_group(child: &mut Child, pgid: i32, grace: Duration) -> Option<ExitStatus> {
+    let mut leader = Leader {
+        reaped: false,
+        status: None,
+    };
+    killpg(pgid, libc::SIGTERM);
+    if wait_group_gone(child, pgid, &mut leader, Instant::now() + grace).await {
+        return leader.status;
+    }
+    killpg(pgid, libc::SIGKILL);
+    if !wait_group_gone(child, pgid, &mut leader, Instant::now() + KILL_VERIFY).await {
+        eprintln!("rsb-agent: process group {pgid} still has live members after SIGKILL");
+    }
+    leader.status
+}
+
+/// Wait for the command's own end, the timeout, or a cancel; stop the group in the latter two.
+/// `done` fires once the main process is finished, which starts the bounded pipe drain.
+/// Returns when the command ended, so the pipe drain is not counted in its duration.
+async fn supervise(
+    child: &mut Child,
+    pgid: i32,
+    req: &ExecRequest,
+    cancel: &CancellationToken,
+    done: &CancellationToken,
+) -> (Option<ExitStatus>, Ending, Instant) {
+    let timer = async {
+        if req.timeout_ms == 0 {
+            std::future::pending::<()>().await
+        } else {
+            tokio::time::sleep(Duration::from_millis(req.timeout_ms)).await
+        }
+    };
+    let ending = tokio::select! {
+        s = child.wait() => {
+            done.cancel();
+            return (s.ok(), Ending::Exited, Instant::now());
+        }
+        _ = timer => Ending::TimedOut,
+        _ = cancel.cancelled() => Ending::Cancelled,
+    };
+    let grace = Duration::from_millis(req.kill_grace_ms).min(MAX_GRACE);
+    let status = terminate_group(child, pgid, grace).await;
+    done.cancel();
+    (status, ending, Instant::now())
+}
+
+/// Kills the group if the exec future is dropped before it finished (the agent is shutting
+/// down with the request still running); `kill_on_drop` alone would reach only bash.
+struct GroupGuard {
+    pgid: i32,
+    armed: bool,
+}
+
+impl Drop for GroupGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            killpg(self.pgid, libc::SIGKILL);
+        }
+    }
+}
+
+fn invalid(msg: impl Into<String>) -> AgentError {
+    AgentError::new(ErrorCode::InvalidArgument, msg)
+}
+
+fn check_env(env: &[(String, String)]) -> Result<(), AgentError> {
+    for (k, v) in env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') {
+            return Err(invalid(format!(
+                "exec: invalid environment variable name {k:?}"
+            )));
+        }
+        if v.contains('\0') {
+            return Err(invalid(format!(
+                "exec: the value of {k} contains a NUL byte"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Run one exec request. `stream` is given when the caller asked for live output.
+pub async fn run(
+    req: ExecRequest,
+    cancel: &CancellationToken,
+    stream: Option<&Responder>,
+) -> Result<ExecResult, AgentError> {
+    if req.command.contains('\0') {
+        return Err(invalid("exec: the command contains a NUL byte"));
+    }
+    check_env(&req.env)?;
+    let bash = find_on_path("bash").ok_or_else(|| {
+        AgentError::new(
+            ErrorCode::NotFound,
+            "exec: bash not found on this host (searched $PATH, /usr/local/bin, /usr/bin, /bin); install bash",
+        )
+    })?;
+
+    let mut cmd = tokio::process::Command::new(&bash);
+    cmd.arg("-c")
+        .arg(&req.command)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    if let Some(cwd) = &req.cwd {
+        let dir = expand_home(cwd);
+        let checked = dir.clone();
+        // The cwd is checked before spawning so a bad one is reported by name and the
+        // command never runs somewhere unintended.
+        tokio::task::spawn_blocking(move || crate::fs::require_dir(&checked, "cwd"))
+            .await
+            .map_err(|e| {
+                AgentError::new(ErrorCode::Internal, format!("exec: cwd check failed: {e}"))
+            })??;
+        cmd.current_dir(dir);
+    }
+    for (k, v) in &req.env {
+        cmd.env(k, v);
+    }
+
+    let start = Instant::now();
+    let mut child = cmd.spawn().map_err(|e| {
+        let mut err = AgentError::from_io(&e, "exec: cannot start", &path_string(&bash));
+        // The error may come from entering the cwd (no search permission), so name it too.
+        err.message = match &req.cwd {
+            Some(cwd) => format!("exec: cannot start {} in {cwd}: {e}", bash.display()),
+            None => format!("exec: cannot start {}: {e}", bash.display()),
+        };
+        err
+    })?;
+    let Some(pid) = child.id() else {
+        return Err(AgentError::new(
+            ErrorCode::Internal,
+            "exec: the child exited before it could be tracked",
+        ));
+    };
+    let pgid = pid as i32;
+    let mut guard = GroupGuard { pgid, armed: true };
+    let stdout = child.stdout.take();
+    let stderr = child.stderr.take();
+    let done = CancellationToken::new();
+
+    let ((status, ending, ran), out, err) = tokio::join!(
+        supervise(&mut child, pgid, &req, cancel, &done),
+        read_pipe(stdout, req.max_stdout, stream, Chunk::Stdout, &done),
+        read_pipe(stderr, req.max_stderr, stream, Chunk::Stderr, &done),
+    );
+    // Finished on its own terms: anything still running was started in the background on
+    // purpose (`server &`) and is left alone.
+    guard.armed = false;
+    let duration_ms = ran.duration_since(start).as_millis().min(u64::MAX as u128) as u64;
+
+    Ok(ExecResult {
+        exit_code: status.and_then(|s| s.code()),
+        signal: status.and_then(|s| s.signal()),
+        timed_out: ending == Ending::TimedOut,
+        cancelled: ending == Ending::Cancelled,
+        duration_ms,
+        stdout: out,
+        stderr: err,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn capture(cap: u64, pieces: &[&[u8]]) -> Captured {
+        let mut c = Capture::new(cap);
+        for p in pieces {
+            c.push(p);
+        }
+        c.finish()
+    }
+
+    #[test]
+    fn capture_keeps_everything_within_the_cap_in_head() {
+        let c = capture(10, &[b"abc", b"defg", b"hij"]);
+        assert_eq!(c.head, b"abcdefghij");
+        assert!(c.tail.is_empty());
+        assert_eq!(c.total, 10);
+        assert!(!c.truncated());
+    }
+
+    #[test]
+    fn capture_keeps_head_and_tail_beyond_the_cap() {
+        let c = capture(5, &[b"abc", b"defg", b"hij"]);
+        assert_eq!(c.head, b"abc");
+        assert_eq!(c.tail, b"ij");
+        assert_eq!(c.total, 10);
+        assert_eq!(c.omitted(), 5);
+        // A single large piece replaces the whole ring.
+        let c = capture(4, &[b"0123456789"]);
+        assert_eq!(
+            (c.head.as_slice(), c.tail.as_slice()),
+            (&b"01"[..], &b"89"[..])
+        );
+        // Many small pieces rotate the ring.
+        let bytes: Vec<u8> = (0..100u8).collect();
+        let pieces: Vec<&[u8]> = bytes.chunks(3).collect();
+        let c = capture(11, &pieces);
+        assert_eq!(c.head, (0..6u8).collect::<Vec<_>>());
+        assert_eq!(c.tail, (95..100u8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn capture_with_zero_cap_only_counts() {
+        let c = capture(0, &[b"abc"]);
+        assert!(c.head.is_empty() && c.tail.is_empty());
+        assert_eq!(c.total, 3);
+    }
+
+    #[test]
+    fn env_names_are_validated() {
+        assert!(check_env(&[("A".into(), "1".into())]).is_ok());
+        assert!(check_env(&[("".into(), "1".into())]).is_err());
+        assert!(check_env(&[("A=B".into(), "1".into())]).is_err());
+        assert!(check_env(&[("A".into(), "x\0y".into())]).is_err());
+    }
+}

@@ -1,0 +1,273 @@
+//! Read-only file system queries: `stat`, `list_dir`, `read_file`.
+//!
+//! These are blocking functions; `serve` runs them on tokio's blocking pool. Paths are data:
+//! only a leading `~` is expanded, nothing is handed to a shell.
+
+use std::fs::{File, Metadata};
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use rsb_protocol::{
+    AgentError, DirEntry, ErrorCode, FileKind, FileStat, ListDirRequest, ListDirResult, MAX_FRAME,
+    ReadFileRequest, ReadFileResult, StatRequest,
+};
+use tokio_util::sync::CancellationToken;
+
+use crate::util::{expand_home, path_string};
+
+/// Room left in a frame for everything that is not file data (envelope, path, lengths), so a
+/// maximal `read_file` reply still encodes within [`MAX_FRAME`].
+const FRAME_HEADROOM: u64 = 64 * 1024;
+/// Largest `read_file` payload; larger requests are clamped and come back `truncated`.
+pub const MAX_READ: u64 = MAX_FRAME as u64 - FRAME_HEADROOM;
+/// Rough encoded size of one [`DirEntry`] beyond its name (varints, kind, times).
+const ENTRY_OVERHEAD: usize = 40;
+
+fn kind_of(ft: std::fs::FileType) -> FileKind {
+    if ft.is_symlink() {
+        FileKind::Symlink
+    } else if ft.is_dir() {
+        FileKind::Dir
+    } else if ft.is_file() {
+        FileKind::File
+    } else if ft.is_fifo() {
+        FileKind::Fifo
+    } else if ft.is_socket() {
+        FileKind::Socket
+    } else if ft.is_block_device() {
+        FileKind::BlockDevice
+    } else if ft.is_char_device() {
+        FileKind::CharDevice
+    } else {
+        FileKind::Other
+    }
+}
+
+/// Permission bits only (including setuid/setgid/sticky): the file type travels as `kind`.
+fn mode_of(m: &Metadata) -> u32 {
+    m.mode() & 0o7777
+}
+
+fn mtime_ns(m: &Metadata) -> i64 {
+    m.mtime()
+        .saturating_mul(1_000_000_000)
+        .saturating_add(m.mtime_nsec())
+}
+
+fn cancelled() -> AgentError {
+    AgentError::new(ErrorCode::Cancelled, "request cancelled")
+}
+
+pub fn stat(req: &StatRequest) -> Result<FileStat, AgentError> {
+    let path = expand_home(&req.path);
+    let shown = path_string(&path);
+    let lmeta =
+        std::fs::symlink_metadata(&path).map_err(|e| AgentError::from_io(&e, "stat", &shown))?;
+    // The link target is reported even when following, so a caller sees both facts at once.
+    let symlink_target = if lmeta.file_type().is_symlink() {
+        std::fs::read_link(&path).ok().map(|t| path_string(&t))
+    } else {
+        None
+    };
+    let meta = if req.follow && lmeta.file_type().is_symlink() {
+        std::fs::metadata(&path).map_err(|e| AgentError::from_io(&e, "stat", &shown))?
+    } else {
+        lmeta
+    };
+    Ok(FileStat {
+        path: shown,
+        kind: kind_of(meta.file_type()),
+        size: meta.len(),
+        mode: mode_of(&meta),
+        mtime_ns: mtime_ns(&meta),
+        symlink_target,
+    })
+}
+
+/// One directory being walked: its sorted names and how far the walk has got.
+struct Level {
+    dir: PathBuf,
+    rel: String,
+    names: Vec<std::ffi::OsString>,
+    next: usize,
+}
+
+/// Depth-first, name-sorted walk that reads each directory only when the walk reaches it, so a
+/// listing capped at N entries costs about N lstat calls however large the tree is.
+struct Walk<'a> {
+    stack: Vec<Level>,
+    recursive: bool,
+    errors: &'a mut Vec<String>,
+}
+
+impl Walk<'_> {
+    fn read_level(dir: PathBuf, rel: String) -> std::io::Result<Level> {
+        let mut names = std::fs::read_dir(&dir)?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        // Byte order, not locale order: deterministic on every host.
+        names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+        Ok(Level {
+            dir,
+            rel,
+            names,
+            next: 0,
+        })
+    }
+
+    fn next_entry(&mut self) -> Option<DirEntry> {
+        loop {
+            let level = self.stack.last_mut()?;
+            let Some(name) = level.names.get(level.next).cloned() else {
+                self.stack.pop();
+                continue;
+            };
+            level.next += 1;
+            let path = level.dir.join(&name);
+            let name = name.to_string_lossy();
+            let rel = if level.rel.is_empty() {
+                name.into_owned()
+            } else {
+                format!("{}/{}", level.rel, name)
+            };
+            let meta = match std::fs::symlink_metadata(&path) {
+                Ok(m) => m,
+                Err(e) => {
+                    // Vanished between readdir and lstat (or unreadable): report, keep going.
+                    self.errors.push(format!("{rel}: {e}"));
+                    continue;
+                }
+            };
+            let kind = kind_of(meta.file_type());
+            // lstat never reports a symlink as a dir, so symlinked dirs are not descended.
+            if self.recursive && kind == FileKind::Dir {
+                match Self::read_level(path, rel.clone()) {
+                    Ok(l) => self.stack.push(l),
+                    Err(e) => self.errors.push(format!("{rel}: {e}")),
+                }
+            }
+            return Some(DirEntry {
+                rel,
+                kind,
+                size: meta.len(),
+                mode: mode_of(&meta),
+                mtime_ns: mtime_ns(&meta),
+            });
+        }
+    }
+}
+
+pub fn list_dir(
+    req: &ListDirRequest,
+    cancel: &CancellationToken,
+) -> Result<ListDirResult, AgentError> {
+    let root = expand_home(&req.path);
+    let shown = path_string(&root);
+    // The root itself may be a symlink to a directory (like `ls dir/`); entries below are not followed.
+    let meta = std::fs::metadata(&root).map_err(|e| AgentError::from_io(&e, "list_dir", &shown))?;
+    if !meta.is_dir() {
+        return Err(AgentError::new(
+            ErrorCode::NotADirectory,
+            format!("list_dir {shown}: not a directory"),
+        ));
+    }
+    let first = Walk::read_level(root, String::new())
+        .map_err(|e| AgentError::from_io(&e, "list_dir", &shown))?;
+    let mut errors = Vec::new();
+    let mut walk = Walk {
+        stack: vec![first],
+        recursive: req.recursive,
+        errors: &mut errors,
+    };
+    let mut entries = Vec::new();
+    let mut budget = MAX_FRAME - FRAME_HEADROOM as usize;
+    let mut truncated = false;
+    loop {
+        if cancel.is_cancelled() {
+            return Err(cancelled());
+        }
+        let Some(entry) = walk.next_entry() else {
+            break;
+        };
+        let cost = entry.rel.len() + ENTRY_OVERHEAD;
+        // Past `max_entries`, or past what one frame can carry: this entry proves there is more.
+        if entries.len() as u64 >= req.max_entries || cost > budget {
+            truncated = true;
+            break;
+        }
+        budget -= cost;
+        entries.push(entry);
+    }
+    // Errors are bounded too: a tree of unreadable dirs must not overflow the frame.
+    errors.truncate(1000);
+    Ok(ListDirResult {
+        root: shown,
+        entries,
+        truncated,
+        errors,
+    })
+}
+
+pub fn read_file(req: &ReadFileRequest) -> Result<ReadFileResult, AgentError> {
+    let path = expand_home(&req.path);
+    let shown = path_string(&path);
+    let io_err = |e: std::io::Error| AgentError::from_io(&e, "read_file", &shown);
+    // O_NONBLOCK so that opening a FIFO with no writer returns at once instead of hanging the
+    // request; the fstat below then refuses it. It has no effect on regular files.
+    let mut file = File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&path)
+        .map_err(io_err)?;
+    let meta = file.metadata().map_err(io_err)?;
+    let ft = meta.file_type();
+    if ft.is_dir() {
+        return Err(AgentError::new(
+            ErrorCode::IsADirectory,
+            format!("read_file {shown}: is a directory"),
+        ));
+    }
+    if !ft.is_file() {
+        let kind = format!("{:?}", kind_of(ft)).to_lowercase();
+        return Err(AgentError::new(
+            ErrorCode::InvalidArgument,
+            format!("read_file {shown}: not a regular file ({kind}); refusing to read it"),
+        ));
+    }
+    let size = meta.len();
+    let max = req.max_bytes.min(MAX_READ);
+    file.seek(SeekFrom::Start(req.offset)).map_err(io_err)?;
+    // One byte beyond `max` tells whether more follows, which `size` cannot for files such as
+    // /proc entries that report size 0 but have content.
+    let expected = size.saturating_sub(req.offset).min(max) + 1;
+    let mut data = Vec::with_capacity(expected as usize);
+    (&mut file)
+        .take(max + 1)
+        .read_to_end(&mut data)
+        .map_err(io_err)?;
+    let truncated = data.len() as u64 > max;
+    data.truncate(max as usize);
+    Ok(ReadFileResult {
+        path: shown,
+        size,
+        offset: req.offset,
+        data,
+        truncated,
+    })
+}
+
+/// The reason a path could not be used as a directory, for callers outside this module (exec's cwd).
+pub fn require_dir(path: &Path, what: &str) -> Result<(), AgentError> {
+    let shown = path_string(path);
+    let meta = std::fs::metadata(path).map_err(|e| AgentError::from_io(&e, what, &shown))?;
+    if meta.is_dir() {
+        Ok(())
+    } else {
+        Err(AgentError::new(
+            ErrorCode::NotADirectory,
+            format!("{what} {shown}: not a directory"),
+        ))
+    }
+}

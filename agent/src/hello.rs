@@ -1,0 +1,103 @@
+//! The handshake frame and `rsb-agent version`.
+
+use std::ffi::CStr;
+use std::sync::OnceLock;
+
+use rsb_protocol::{Capabilities, Hello, MAGIC, PROTOCOL_VERSION};
+
+use crate::util;
+
+/// blake3 of the running executable, computed once: the local side compares it with the bytes it
+/// deployed to decide whether this agent is the one it expects. An empty string (unreadable
+/// `/proc/self/exe`) never matches, which makes the local side redeploy rather than trust it.
+pub fn agent_hash() -> &'static str {
+    static HASH: OnceLock<String> = OnceLock::new();
+    HASH.get_or_init(|| {
+        util::hash_file(std::path::Path::new("/proc/self/exe")).unwrap_or_else(|e| {
+            eprintln!("rsb-agent: cannot hash /proc/self/exe: {e}");
+            String::new()
+        })
+    })
+}
+
+/// Kernel release and hostname from one `uname` call.
+fn uname() -> (String, String) {
+    // SAFETY: utsname is a plain C struct; zeroed is a valid initial value.
+    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
+    // SAFETY: `u` is a valid, writable utsname.
+    if unsafe { libc::uname(&mut u) } != 0 {
+        return (String::new(), String::new());
+    }
+    let field = |f: &[libc::c_char]| {
+        // SAFETY: uname NUL-terminates every field within its array.
+        unsafe { CStr::from_ptr(f.as_ptr()) }
+            .to_string_lossy()
+            .into_owned()
+    };
+    (field(&u.release), field(&u.nodename))
+}
+
+fn nvml_available() -> bool {
+    #[cfg(all(feature = "nvml", not(target_env = "musl")))]
+    {
+        nvml_wrapper::Nvml::init().is_ok()
+    }
+    #[cfg(not(all(feature = "nvml", not(target_env = "musl"))))]
+    {
+        false
+    }
+}
+
+/// What the host offers, probed once per agent start (PATH lookups only, no subprocesses).
+pub fn capabilities() -> Capabilities {
+    Capabilities {
+        bash: util::find_on_path("bash").is_some(),
+        tmux: util::find_on_path("tmux").is_some(),
+        nvidia_smi: util::find_on_path("nvidia-smi").is_some(),
+        nvml: nvml_available(),
+    }
+}
+
+pub fn hello() -> Hello {
+    let (kernel, hostname) = uname();
+    let pw = util::passwd_entry();
+    let user = match &pw {
+        Some(p) if !p.name.is_empty() => p.name.clone(),
+        _ => std::env::var("USER").unwrap_or_default(),
+    };
+    let home = match std::env::var_os("HOME") {
+        Some(h) if !h.is_empty() => h.to_string_lossy().into_owned(),
+        _ => pw.map(|p| util::path_string(&p.home)).unwrap_or_default(),
+    };
+    Hello {
+        magic: MAGIC,
+        protocol_version: PROTOCOL_VERSION,
+        agent_version: env!("CARGO_PKG_VERSION").to_string(),
+        agent_hash: agent_hash().to_string(),
+        os: std::env::consts::OS.to_string(),
+        arch: std::env::consts::ARCH.to_string(),
+        kernel,
+        hostname,
+        user,
+        // SAFETY: getuid has no preconditions.
+        uid: unsafe { libc::getuid() },
+        home,
+        pid: std::process::id(),
+        capabilities: capabilities(),
+    }
+}
+
+/// `rsb-agent version`: what a person on the host needs to match a binary with a deploy.
+pub fn print_version() -> i32 {
+    let line = format!(
+        "rsb-agent {} (protocol {}, blake3 {}, {})\n",
+        env!("CARGO_PKG_VERSION"),
+        PROTOCOL_VERSION,
+        agent_hash(),
+        std::env::consts::ARCH,
+    );
+    match util::write_stdout(&line) {
+        Ok(()) => 0,
+        Err(_) => 1,
+    }
+}

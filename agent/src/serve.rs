@@ -1,0 +1,418 @@
+//! `rsb-agent serve`: the protocol loop on stdin/stdout.
+//!
+//! One reader (this loop) decodes [`ToAgent`] frames and spawns one task per request, so a
+//! long exec never delays a ping. All output goes through one writer task, fed by two bounded
+//! lanes: small frames (replies, pongs, stats) overtake queued bulk frames (large replies and
+//! the whole stream of a streaming request), so a big transfer delays a small answer by at most
+//! the frame being written. Bounded lanes give back-pressure: a request whose output cannot be
+//! written waits instead of growing memory.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::{SinkExt, StreamExt};
+use rsb_protocol::{
+    AgentError, Chunk, ErrorCode, FromAgent, Reply, Request, RequestId, ToAgent, decode, encode,
+    frame_codec,
+};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tokio_util::codec::{FramedRead, FramedWrite};
+use tokio_util::sync::CancellationToken;
+
+use crate::{exec, fs, hello, jobs, resources};
+
+/// Frames up to this size take the control lane.
+const SMALL_FRAME: usize = 64 * 1024;
+/// Queued small frames; enough for many concurrent replies without waiting on each other.
+const CONTROL_LANE: usize = 64;
+/// Queued bulk frames; a bulk frame may be 16 MiB, so this also bounds memory held in the queue.
+const BULK_LANE: usize = 4;
+/// How long runtime shutdown waits for blocking work (a stuck NFS read, the stdin reader
+/// thread) before the process exits anyway.
+const SHUTDOWN_GRACE: Duration = Duration::from_millis(500);
+
+/// Exit status for a channel that stopped making sense (malformed frame, unreadable stdin).
+const EXIT_BROKEN_CHANNEL: i32 = 3;
+
+/// The writer's two input lanes. Cloning is cheap; the writer ends when every clone is gone.
+#[derive(Clone)]
+pub struct Outbox {
+    control: mpsc::Sender<Bytes>,
+    bulk: mpsc::Sender<Bytes>,
+}
+
+/// The writer is gone (stdout closed or failing); nothing more can be delivered.
+#[derive(Debug)]
+pub struct Closed;
+
+impl Outbox {
+    async fn send_frame(&self, frame: Bytes, bulk: bool) -> Result<(), Closed> {
+        let lane = if bulk || frame.len() > SMALL_FRAME {
+            &self.bulk
+        } else {
+            &self.control
+        };
+        lane.send(frame).await.map_err(|_| Closed)
+    }
+}
+
+/// Sends the frames of one request. Streaming requests send everything, final reply included,
+/// on the bulk lane: one lane is FIFO, so the reply can never overtake the request's chunks.
+pub struct Responder {
+    id: RequestId,
+    outbox: Outbox,
+    streaming: bool,
+    replied: bool,
+}
+
+impl Responder {
+    fn new(id: RequestId, outbox: Outbox) -> Self {
+        Self {
+            id,
+            outbox,
+            streaming: false,
+            replied: false,
+        }
+    }
+
+    /// Route this request's frames through the bulk lane. Called before the first chunk, since
+    /// lane order is what keeps the final reply behind the chunks.
+    fn set_streaming(&mut self) {
+        self.streaming = true;
+    }
+
+    /// Send streamed output. Waits while the writer is backed up (that is the back-pressure
+    /// that stops a fast producer); fails only when the channel is gone.
+    pub async fn chunk(&self, chunk: Chunk) -> Result<(), Closed> {
+        debug_assert!(
+            self.streaming,
+            "chunks must be announced with set_streaming"
+        );
+        let frame = encode(&FromAgent::Chunk { id: self.id, chunk }).map_err(|e| {
+            eprintln!("rsb-agent: request {}: cannot encode chunk: {e}", self.id);
+            Closed
+        })?;
+        self.outbox.send_frame(frame, true).await
+    }
+
+    async fn reply(mut self, body: Reply) {
+        self.replied = true;
+        let frame = match encode(&FromAgent::Reply { id: self.id, body }) {
+            Ok(f) => f,
+            Err(e) => {
+                let err =
+                    AgentError::new(ErrorCode::Internal, format!("cannot send the reply: {e}"));
+                match encode(&FromAgent::Reply {
+                    id: self.id,
+                    body: Reply::Error(err),
+                }) {
+                    Ok(f) => f,
+                    Err(_) => return,
+                }
+            }
+        };
+        // A closed channel means the agent is shutting down; the reply has nowhere to go.
+        let _ = self.outbox.send_frame(frame, self.streaming).await;
+    }
+}
+
+impl Drop for Responder {
+    /// A request task that ends without replying (a panic in a debug build) must still answer,
+    /// or its caller waits forever. Best effort: if the lane is full the frame is dropped.
+    fn drop(&mut self) {
+        if self.replied {
+            return;
+        }
+        let err = AgentError::new(
+            ErrorCode::Internal,
+            "the agent failed while handling this request",
+        );
+        if let Ok(frame) = encode(&FromAgent::Reply {
+            id: self.id,
+            body: Reply::Error(err),
+        }) {
+            let lane = if self.streaming {
+                &self.outbox.bulk
+            } else {
+                &self.outbox.control
+            };
+            let _ = lane.try_send(frame);
+        }
+    }
+}
+
+/// Cancellation handles of in-flight requests, by id.
+type Inflight = Arc<Mutex<HashMap<RequestId, CancellationToken>>>;
+
+/// Removes a request from the in-flight map however its task ends.
+struct InflightGuard {
+    map: Inflight,
+    id: RequestId,
+}
+
+impl Drop for InflightGuard {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.map.lock() {
+            m.remove(&self.id);
+        }
+    }
+}
+
+/// State shared by every request task of one channel.
+struct Shared {
+    sampler: Arc<resources::Sampler>,
+}
+
+fn cancelled_error() -> AgentError {
+    AgentError::new(ErrorCode::Cancelled, "request cancelled")
+}
+
+/// Run blocking work on the blocking pool; a cancel answers at once even if the work itself
+/// cannot be interrupted (it then finishes in the background and its result is dropped).
+async fn blocking<T, F>(cancel: &CancellationToken, f: F) -> Result<T, AgentError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, AgentError> + Send + 'static,
+{
+    let task = tokio::task::spawn_blocking(f);
+    tokio::select! {
+        r = task => r.unwrap_or_else(|e| Err(AgentError::new(ErrorCode::Internal, format!("worker failed: {e}")))),
+        _ = cancel.cancelled() => Err(cancelled_error()),
+    }
+}
+
+async fn cancellable<T>(
+    cancel: &CancellationToken,
+    fut: impl Future<Output = Result<T, AgentError>>,
+) -> Result<T, AgentError> {
+    tokio::select! {
+        r = fut => r,
+        _ = cancel.cancelled() => Err(cancelled_error()),
+    }
+}
+
+async fn handle(
+    body: Request,
+    cancel: CancellationToken,
+    shared: Arc<Shared>,
+    mut responder: Responder,
+) {
+    let result = match body {
+        Request::Ping { payload } => Ok(Reply::Pong { payload }),
+        Request::Exec(req) => {
+            if req.stream {
+                responder.set_streaming();
+            }
+            let stream = req.stream.then_some(&responder);
+            exec::run(req, &cancel, stream).await.map(Reply::Exec)
+        }
+        Request::Stat(req) => blocking(&cancel, move || fs::stat(&req))
+            .await
+            .map(Reply::Stat),
+        Request::ListDir(req) => {
+            let token = cancel.clone();
+            blocking(&cancel, move || fs::list_dir(&req, &token))
+                .await
+                .map(Reply::ListDir)
+        }
+        Request::ReadFile(req) => blocking(&cancel, move || fs::read_file(&req))
+            .await
+            .map(Reply::ReadFile),
+        Request::Resources(req) => cancellable(&cancel, shared.sampler.snapshot(req))
+            .await
+            .map(Reply::Resources),
+        Request::JobStart(req) => cancellable(&cancel, jobs::start(req)).await.map(Reply::Job),
+        Request::JobStatus(req) => cancellable(&cancel, jobs::status(req))
+            .await
+            .map(Reply::JobStatus),
+        Request::JobKill(req) => cancellable(&cancel, jobs::kill(req)).await.map(Reply::Job),
+        Request::JobList => cancellable(&cancel, jobs::list()).await.map(Reply::JobList),
+    };
+    responder.reply(result.unwrap_or_else(Reply::Error)).await;
+}
+
+/// Write frames until every sender is gone. Small frames go first; a burst of small frames is
+/// flushed once, when nothing else is queued.
+async fn write_frames<W: AsyncWrite + Unpin>(
+    output: W,
+    mut control: mpsc::Receiver<Bytes>,
+    mut bulk: mpsc::Receiver<Bytes>,
+) -> std::io::Result<()> {
+    let mut sink = FramedWrite::new(output, frame_codec());
+    loop {
+        let (frame, is_bulk) = tokio::select! {
+            biased;
+            Some(f) = control.recv() => (f, false),
+            Some(f) = bulk.recv() => (f, true),
+            else => break,
+        };
+        sink.feed(frame).await?;
+        // A bulk frame is written out before the next frame is taken: buffering it would let a
+        // second bulk frame leave its queue ahead of a control frame that arrives meanwhile.
+        if is_bulk || (control.is_empty() && bulk.is_empty()) {
+            SinkExt::<Bytes>::flush(&mut sink).await?;
+        }
+    }
+    SinkExt::<Bytes>::flush(&mut sink).await
+}
+
+/// Why the main loop stopped.
+enum End {
+    Eof,
+    Malformed,
+    OutputClosed,
+}
+
+/// Serve one channel until stdin ends, a frame is malformed, or stdout goes away. Returns the
+/// process exit status.
+/// Must run inside a [`tokio::task::LocalSet`].
+pub async fn run<R, W>(input: R, output: W, hello: rsb_protocol::Hello) -> i32
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let (control_tx, control_rx) = mpsc::channel(CONTROL_LANE);
+    let (bulk_tx, bulk_rx) = mpsc::channel(BULK_LANE);
+    let outbox = Outbox {
+        control: control_tx,
+        bulk: bulk_tx,
+    };
+    let output_closed = CancellationToken::new();
+    let writer = {
+        let output_closed = output_closed.clone();
+        tokio::spawn(async move {
+            let res = write_frames(output, control_rx, bulk_rx).await;
+            if let Err(e) = &res
+                && e.kind() != std::io::ErrorKind::BrokenPipe
+            {
+                eprintln!("rsb-agent: cannot write to stdout: {e}");
+            }
+            output_closed.cancel();
+            res
+        })
+    };
+
+    // Queued before anything is read, so Hello is always the first frame on the wire.
+    match encode(&FromAgent::Hello(hello)) {
+        Ok(frame) => {
+            let _ = outbox.send_frame(frame, false).await;
+        }
+        Err(e) => {
+            eprintln!("rsb-agent: cannot encode Hello: {e}");
+            return EXIT_BROKEN_CHANNEL;
+        }
+    }
+
+    let shared = Arc::new(Shared {
+        sampler: resources::Sampler::new(),
+    });
+    let shutdown = CancellationToken::new();
+    let inflight: Inflight = Arc::default();
+    let mut tasks = JoinSet::new();
+    let mut reader = FramedRead::new(input, frame_codec());
+
+    let end = loop {
+        tokio::select! {
+            frame = reader.next() => {
+                let buf = match frame {
+                    None => break End::Eof,
+                    Some(Ok(buf)) => buf,
+                    Some(Err(e)) => {
+                        eprintln!("rsb-agent: unreadable input, closing the channel: {e}");
+                        break End::Malformed;
+                    }
+                };
+                match decode::<ToAgent>(&buf) {
+                    Err(e) => {
+                        eprintln!("rsb-agent: {e}; closing the channel");
+                        break End::Malformed;
+                    }
+                    Ok(ToAgent::Cancel { id }) => {
+                        let token = inflight.lock().ok().and_then(|m| m.get(&id).cloned());
+                        // An unknown id is a request that just finished; its reply is on the way.
+                        if let Some(token) = token {
+                            token.cancel();
+                        }
+                    }
+                    Ok(ToAgent::Request { id, body }) => {
+                        let responder = Responder::new(id, outbox.clone());
+                        let token = shutdown.child_token();
+                        let fresh = match inflight.lock() {
+                            Ok(mut m) => match m.entry(id) {
+                                Entry::Occupied(_) => false,
+                                Entry::Vacant(v) => {
+                                    v.insert(token.clone());
+                                    true
+                                }
+                            },
+                            Err(_) => false,
+                        };
+                        if !fresh {
+                            let err = AgentError::new(
+                                ErrorCode::InvalidArgument,
+                                format!("request id {id} is already in flight; ids must be unique"),
+                            );
+                            tasks.spawn_local(responder.reply(Reply::Error(err)));
+                            continue;
+                        }
+                        let guard = InflightGuard { map: inflight.clone(), id };
+                        let shared = shared.clone();
+                        tasks.spawn_local(async move {
+                            let _guard = guard;
+                            handle(body, token, shared, responder).await;
+                        });
+                    }
+                }
+            }
+            _ = output_closed.cancelled() => break End::OutputClosed,
+            Some(res) = tasks.join_next(), if !tasks.is_empty() => {
+                if let Err(e) = res {
+                    eprintln!("rsb-agent: a request task failed: {e}");
+                }
+            }
+        }
+    };
+
+    // Whatever ended the loop, running commands must not outlive the channel: cancel every
+    // request (exec kills its process group) and wait for their final replies.
+    shutdown.cancel();
+    while let Some(res) = tasks.join_next().await {
+        if let Err(e) = res {
+            eprintln!("rsb-agent: a request task failed: {e}");
+        }
+    }
+    drop(outbox);
+    let _ = writer.await;
+    match end {
+        End::Eof | End::OutputClosed => 0,
+        End::Malformed => EXIT_BROKEN_CHANNEL,
+    }
+}
+
+/// `rsb-agent serve`.
+pub fn main() -> i32 {
+    // Before the runtime starts: hashing the binary is blocking, and Hello must carry it.
+    let hello = hello::hello();
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("rsb-agent: cannot start the runtime: {e}");
+            return 1;
+        }
+    };
+    // A LocalSet lets request futures (exec, resources, jobs) be !Send on this single thread.
+    let local = tokio::task::LocalSet::new();
+    let code = local.block_on(&rt, run(tokio::io::stdin(), tokio::io::stdout(), hello));
+    // The stdin reader thread may still sit in a blocking read (stdout closed first); do not
+    // wait for it.
+    rt.shutdown_timeout(SHUTDOWN_GRACE);
+    code
+}
