@@ -447,14 +447,14 @@ impl Drop for CancelOnDrop<'_> {
             return;
         }
         self.inner.pending.lock().unwrap().remove(&self.id);
-        if let Ok(frame) = encode(&ToAgent::Cancel { id: self.id }) {
-            if let Err(mpsc::error::TrySendError::Full(frame)) = self.inner.out.try_send(frame) {
-                let out = self.inner.out.clone();
-                if let Ok(h) = tokio::runtime::Handle::try_current() {
-                    h.spawn(async move {
-                        let _ = out.send(frame).await;
-                    });
-                }
+        if let Ok(frame) = encode(&ToAgent::Cancel { id: self.id })
+            && let Err(mpsc::error::TrySendError::Full(frame)) = self.inner.out.try_send(frame)
+        {
+            let out = self.inner.out.clone();
+            if let Ok(h) = tokio::runtime::Handle::try_current() {
+                h.spawn(async move {
+                    let _ = out.send(frame).await;
+                });
             }
         }
     }

@@ -297,11 +297,8 @@ impl SshSession {
         tokio::spawn(async move {
             while let Some(msg) = rd.wait().await {
                 match msg {
-                    ChannelMsg::Data { data } => {
-                        if pipe_in.write_all(&data).await.is_err() {
-                            break;
-                        }
-                    }
+                    ChannelMsg::Data { data } if pipe_in.write_all(&data).await.is_err() => break,
+                    ChannelMsg::Data { .. } => {}
                     ChannelMsg::ExtendedData { data, .. } => {
                         let text = String::from_utf8_lossy(&data);
                         for line in text.lines().filter(|l| !l.trim().is_empty()) {
