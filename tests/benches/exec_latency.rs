@@ -20,12 +20,19 @@ fn pct(v: &mut [Duration], p: f64) -> f64 {
 fn main() {
     let sshd = Sshd::start().expect("sshd");
     let dir = tempfile::tempdir().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
         let pool = common::key_pool(&sshd, dir.path());
         let t0 = Instant::now();
         let c = pool.client("s").await.expect("connect");
-        println!("first connect (connect+auth+probe+deploy+hello): {:.1} ms", t0.elapsed().as_secs_f64() * 1000.0);
+        println!(
+            "first connect (connect+auth+probe+deploy+hello): {:.1} ms",
+            t0.elapsed().as_secs_f64() * 1000.0
+        );
         let mut ping = Vec::new();
         let mut exec = Vec::new();
         for _ in 0..50 {
