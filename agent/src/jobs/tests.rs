@@ -1,0 +1,884 @@
+//! Jobs run for real here: each test gets its own `$HOME`, jobs root and tmux socket directory
+//! through a [`Ctx`], so tests run in parallel without touching the real `$HOME` or any
+//! process-global state. The wrapper is the `rsb-agent` binary Cargo builds next to this test
+//! binary (it does so for the crate's integration tests).
+
+use super::*;
+use std::os::unix::fs::PermissionsExt;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn agent_exe() -> PathBuf {
+    let me = std::env::current_exe().unwrap();
+    // target/debug/deps/rsb_agent-HASH -> target/debug/rsb-agent
+    let exe = me.parent().unwrap().parent().unwrap().join("rsb-agent");
+    assert!(
+        exe.exists(),
+        "{} missing: run the tests with `cargo test -p rsb-agent`",
+        exe.display()
+    );
+    exe
+}
+
+struct Fixture {
+    tmp: tempfile::TempDir,
+    ctx: Ctx,
+}
+
+/// A context whose `$HOME` and tmux socket directory live under `base`.
+fn ctx_under(base: &Path) -> Ctx {
+    let home = base.join("home");
+    let tmux_dir = base.join("tmux");
+    for d in [&home, &tmux_dir] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let mut env: Vec<(OsString, OsString)> = std::env::vars_os()
+        .filter(|(k, _)| {
+            !matches!(
+                k.to_str(),
+                Some("TMUX" | "TMUX_PANE" | "HOME" | "TMUX_TMPDIR")
+            )
+        })
+        .collect();
+    env.push(("HOME".into(), home.clone().into()));
+    env.push(("TMUX_TMPDIR".into(), tmux_dir.into()));
+    Ctx {
+        root: home.join(".cache/rsb/jobs"),
+        home,
+        exe: agent_exe(),
+        env,
+    }
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let tmp = tempfile::Builder::new().prefix("rsbj").tempdir().unwrap();
+        let ctx = ctx_under(tmp.path());
+        Fixture { tmp, ctx }
+    }
+
+    fn tmux(&self, args: &[&str]) -> std::process::Output {
+        Command::new("tmux")
+            .args(args)
+            .env_clear()
+            .envs(self.ctx.env.iter().map(|(k, v)| (k, v)))
+            .output()
+            .expect("tmux is required for these tests")
+    }
+
+    fn start(&self, name: &str, command: &str, tmux: bool) -> Result<JobInfo, AgentError> {
+        start_in(&self.ctx, req(name, command, tmux))
+    }
+
+    fn status(&self, name: &str) -> JobStatusResult {
+        status_in(&self.ctx, &tail_req(name, 50, 1 << 20)).unwrap()
+    }
+
+    fn wait_done(&self, name: &str) -> JobInfo {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let info = self.status(name).info.expect("job vanished");
+            if info.state != JobState::Running {
+                return info;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "job {name} still running after {WAIT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn log(&self, name: &str) -> String {
+        let info = self.status(name).info.unwrap();
+        String::from_utf8_lossy(&std::fs::read(&info.log_file).unwrap()).into_owned()
+    }
+
+    fn state(&self, name: &str) -> Record {
+        Record::read(&self.ctx.job_dir(name).join("state")).unwrap()
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        // Leave no processes behind, whatever the test did.
+        if let Ok(jobs) = list_in(&self.ctx) {
+            for j in jobs.iter().filter(|j| j.state == JobState::Running) {
+                let _ = kill_in(
+                    &self.ctx,
+                    &JobKillRequest {
+                        name: j.name.clone(),
+                        grace_ms: 0,
+                    },
+                );
+            }
+        }
+        let _ = self.tmux(&["kill-server"]);
+    }
+}
+
+fn req(name: &str, command: &str, tmux: bool) -> JobStartRequest {
+    JobStartRequest {
+        name: name.to_string(),
+        command: command.to_string(),
+        cwd: None,
+        log_file: String::new(),
+        env: Vec::new(),
+        prefer_tmux: tmux,
+    }
+}
+
+fn tail_req(name: &str, lines: u32, max: u64) -> JobStatusRequest {
+    JobStatusRequest {
+        name: name.to_string(),
+        log_file: None,
+        last_n_lines: lines,
+        offset: None,
+        max_bytes: max,
+    }
+}
+
+fn pid_alive(pid: u32) -> bool {
+    proc_stat(pid).is_some_and(|(s, _)| s != b'Z' && s != b'X')
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + WAIT;
+    while !f() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn exit_code_and_lines(tmux: bool) {
+    let f = Fixture::new();
+    let cmd = "for i in 1 2 3; do echo $i; sleep 1; done; exit 7";
+    let info = f.start("count", cmd, tmux).unwrap();
+    assert_eq!(info.state, JobState::Running);
+    assert_eq!(info.runner, if tmux { "tmux" } else { "setsid" });
+    assert!(info.pid > 0);
+    let running = f.status("count");
+    assert_eq!(running.info.as_ref().unwrap().exit_code, None);
+    let done = f.wait_done("count");
+    assert_eq!(
+        (done.state, done.exit_code, done.signal),
+        (JobState::Exited, Some(7), None)
+    );
+    assert!(done.ended_ms.unwrap() >= done.started_ms + 2500, "{done:?}");
+    let log = f.log("count");
+    let lines: Vec<&str> = log.lines().collect();
+    assert_eq!(lines[0], "== session: count");
+    assert!(
+        lines[1].starts_with("== started_at: 20") && lines[1].ends_with('Z'),
+        "{log}"
+    );
+    assert_eq!(lines[2], format!("== command: {cmd}"));
+    assert_eq!(&lines[3..], ["1", "2", "3", "EXIT_CODE=7"]);
+    let st = f.status("count");
+    assert_eq!(
+        String::from_utf8_lossy(&st.log),
+        log,
+        "a 50-line tail holds the whole short log"
+    );
+    assert_eq!(
+        (st.log_start, st.next_offset, st.log_size),
+        (0, log.len() as u64, log.len() as u64)
+    );
+    assert!(st.log_found && !st.log_truncated);
+    // Default log path, as the seed chose it.
+    assert_eq!(
+        done.log_file,
+        f.ctx
+            .home
+            .join(".codex_logs/count.log")
+            .display()
+            .to_string()
+    );
+    assert_eq!(done.cwd, f.ctx.home.display().to_string());
+}
+
+#[test]
+fn exit_code_and_output_setsid() {
+    exit_code_and_lines(false);
+}
+
+#[test]
+fn exit_code_and_output_tmux() {
+    exit_code_and_lines(true);
+}
+
+#[test]
+fn shell_errors_keep_their_exit_codes() {
+    let f = Fixture::new();
+    let direct = Command::new("bash")
+        .args(["-c", "set -u; echo $UNSET_VAR_X"])
+        .output()
+        .unwrap();
+    let unset_code = direct.status.code().unwrap();
+    assert_ne!(unset_code, 0);
+    f.start("sete", "set -e; false; echo no", false).unwrap();
+    f.start("setu", "set -u; echo $UNSET_VAR_X; echo no", true)
+        .unwrap();
+    f.start(
+        "pipe",
+        "yes | head -1 >/dev/null; echo \"ps=${PIPESTATUS[0]}\"",
+        false,
+    )
+    .unwrap();
+    f.start(
+        "multi",
+        "echo 'it'\"'\"'s'\necho \"$(echo sub)\"\n__RSMCP_BG__\nexit 5",
+        false,
+    )
+    .unwrap();
+    let e = f.wait_done("sete");
+    assert_eq!(e.exit_code, Some(1));
+    assert!(!f.log("sete").contains("\nno\n"), "{}", f.log("sete"));
+    assert!(f.log("sete").ends_with("EXIT_CODE=1\n"));
+    let u = f.wait_done("setu");
+    assert_eq!(u.exit_code, Some(unset_code));
+    assert!(
+        f.log("setu").contains("UNSET_VAR_X: unbound variable"),
+        "{}",
+        f.log("setu")
+    );
+    f.wait_done("pipe");
+    assert!(
+        f.log("pipe").contains("\nps=141\n"),
+        "SIGPIPE has its default action: {}",
+        f.log("pipe")
+    );
+    let m = f.wait_done("multi");
+    assert_eq!(
+        m.exit_code,
+        Some(5),
+        "the command runs verbatim, a heredoc marker line included"
+    );
+    let log = f.log("multi");
+    assert!(log.contains("it's\nsub\n"), "{log}");
+    assert!(
+        log.contains("== command: echo 'it'\"'\"'s' echo \"$(echo sub)\" __RSMCP_BG__ exit 5\n"),
+        "{log}"
+    );
+}
+
+#[test]
+fn five_megabytes_then_exit_three() {
+    let f = Fixture::new();
+    // No trailing newline: the wrapper still puts EXIT_CODE on a line of its own.
+    f.start(
+        "big",
+        "head -c 5000000 /dev/zero | tr '\\0' x; exit 3",
+        false,
+    )
+    .unwrap();
+    let done = f.wait_done("big");
+    assert_eq!(done.exit_code, Some(3));
+    let st = status_in(&f.ctx, &tail_req("big", 20, 20_000)).unwrap();
+    assert!(st.log_size > 5_000_000);
+    assert!(st.log_truncated, "the 5 MB line exceeds the cap");
+    assert!(st.log.len() <= 20_000);
+    assert!(
+        st.log.ends_with(b"\nEXIT_CODE=3\n") || st.log == b"EXIT_CODE=3\n",
+        "{:?}",
+        &st.log[st.log.len().saturating_sub(40)..]
+    );
+    assert_eq!(st.next_offset, st.log_size);
+    assert_eq!(st.log_start + st.log.len() as u64, st.log_size);
+}
+
+#[test]
+fn signals_are_reported() {
+    let f = Fixture::new();
+    f.start("selfkill", "echo before; kill -9 $$; echo after", false)
+        .unwrap();
+    let d = f.wait_done("selfkill");
+    assert_eq!(
+        (d.state, d.exit_code, d.signal),
+        (JobState::Exited, None, Some(9))
+    );
+    assert!(
+        f.log("selfkill").ends_with("before\nEXIT_CODE=137\n"),
+        "{}",
+        f.log("selfkill")
+    );
+
+    let info = f.start("term", "echo up; sleep 30", true).unwrap();
+    let t0 = Instant::now();
+    let k = kill_in(
+        &f.ctx,
+        &JobKillRequest {
+            name: "term".into(),
+            grace_ms: 5000,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        (k.state, k.exit_code, k.signal),
+        (JobState::Exited, None, Some(libc::SIGTERM)),
+        "{k:?}"
+    );
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "SIGTERM was enough: {:?}",
+        t0.elapsed()
+    );
+    assert!(!pid_alive(info.pid));
+    assert!(f.log("term").ends_with("EXIT_CODE=143\n"));
+    // Killing a finished job changes nothing.
+    assert_eq!(
+        kill_in(
+            &f.ctx,
+            &JobKillRequest {
+                name: "term".into(),
+                grace_ms: 0
+            }
+        )
+        .unwrap(),
+        k
+    );
+
+    // A job that ignores SIGTERM gets SIGKILL after the grace.
+    let info = f
+        .start(
+            "stubborn",
+            "trap '' TERM; echo up; sleep 30; echo never",
+            false,
+        )
+        .unwrap();
+    let t0 = Instant::now();
+    let k = kill_in(
+        &f.ctx,
+        &JobKillRequest {
+            name: "stubborn".into(),
+            grace_ms: 300,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        (k.state, k.signal),
+        (JobState::Exited, Some(libc::SIGKILL)),
+        "{k:?}"
+    );
+    assert!(t0.elapsed() >= Duration::from_millis(300));
+    assert!(!pid_alive(info.pid));
+
+    let e = kill_in(
+        &f.ctx,
+        &JobKillRequest {
+            name: "nope".into(),
+            grace_ms: 0,
+        },
+    )
+    .unwrap_err();
+    assert_eq!(e.code, ErrorCode::NotFound);
+}
+
+#[test]
+fn tmux_session_killed_from_outside_is_lost() {
+    let f = Fixture::new();
+    let info = f
+        .start("victim", "echo up; sleep 30; echo after-sleep", true)
+        .unwrap();
+    assert_eq!(info.runner, "tmux");
+    let out = f.tmux(&["kill-session", "-t", "=victim"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let d = f.wait_done("victim");
+    assert_eq!(d.state, JobState::Lost, "{d:?}");
+    assert_eq!(d.signal, Some(libc::SIGHUP));
+    assert!(!pid_alive(info.pid), "the job went down with its session");
+    let log = f.log("victim");
+    assert!(
+        log.ends_with("\nup\nEXIT_CODE=129\n") && !log.contains("\nafter-sleep"),
+        "{log}"
+    );
+}
+
+#[test]
+fn wrapper_killed_outright_is_lost_and_takes_the_job_along() {
+    let f = Fixture::new();
+    let info = f.start("orphan", "sleep 30", false).unwrap();
+    let wrapper: u32 = f.state("orphan").get_u64("wrapper_pid").unwrap() as u32;
+    unsafe { libc::kill(wrapper as libc::pid_t, libc::SIGKILL) };
+    wait_until("the wrapper to die", || !pid_alive(wrapper));
+    let s = f.status("orphan").info.unwrap();
+    assert_eq!(
+        (s.state, s.exit_code, s.ended_ms),
+        (JobState::Lost, None, None)
+    );
+    wait_until("the orphaned job to get its parent-death signal", || {
+        !pid_alive(info.pid)
+    });
+    // Lost is final: kill reports it unchanged, and the name can be reused.
+    assert_eq!(
+        kill_in(
+            &f.ctx,
+            &JobKillRequest {
+                name: "orphan".into(),
+                grace_ms: 0
+            }
+        )
+        .unwrap(),
+        s
+    );
+    f.start("orphan", "exit 0", false).unwrap();
+    assert_eq!(f.wait_done("orphan").exit_code, Some(0));
+}
+
+#[test]
+fn names_are_exact() {
+    let f = Fixture::new();
+    f.start("train-001", "sleep 5", true).unwrap();
+    let st = f.status("train");
+    assert_eq!(st.info, None);
+    assert!(!st.log_found);
+    assert_eq!(
+        status_in(&f.ctx, &tail_req("train-00", 5, 100))
+            .unwrap()
+            .info,
+        None
+    );
+    // `train` can start although tmux has `train-001`, and both are tracked apart.
+    f.start("train", "exit 2", true).unwrap();
+    assert_eq!(f.wait_done("train").exit_code, Some(2));
+    assert_eq!(f.status("train-001").info.unwrap().state, JobState::Running);
+}
+
+#[test]
+fn invalid_names_are_refused_with_the_rule() {
+    let f = Fixture::new();
+    let long = "a".repeat(65);
+    for bad in [
+        "a.b",
+        "a:b",
+        "a b",
+        "a;b",
+        "a/b",
+        "",
+        "../x",
+        long.as_str(),
+        "ü",
+    ] {
+        let e = f.start(bad, "true", false).unwrap_err();
+        assert_eq!(e.code, ErrorCode::InvalidArgument, "{bad:?}");
+        assert_eq!(
+            e.message,
+            format!("job name '{bad}' is invalid: {NAME_RULE}")
+        );
+        assert_eq!(
+            status_in(&f.ctx, &tail_req(bad, 1, 1)).unwrap_err().code,
+            ErrorCode::InvalidArgument
+        );
+        let k = kill_in(
+            &f.ctx,
+            &JobKillRequest {
+                name: bad.into(),
+                grace_ms: 0,
+            },
+        )
+        .unwrap_err();
+        assert_eq!(k.code, ErrorCode::InvalidArgument);
+    }
+    assert!(
+        !f.ctx.root.exists(),
+        "nothing was created for refused names"
+    );
+    validate_name(&"a".repeat(64)).unwrap();
+    validate_name("A-z_09").unwrap();
+}
+
+#[test]
+fn duplicate_running_name_is_refused_and_the_job_untouched() {
+    let f = Fixture::new();
+    let first = f
+        .start("dup", "echo first; sleep 2; echo done-first", true)
+        .unwrap();
+    let spec_before = std::fs::read(f.ctx.job_dir("dup").join("spec")).unwrap();
+    let state_before = std::fs::read(f.ctx.job_dir("dup").join("state")).unwrap();
+    for tmux in [true, false] {
+        let e = f.start("dup", "echo second; exit 9", tmux).unwrap_err();
+        assert_eq!(e.code, ErrorCode::AlreadyExists);
+        assert!(e.message.contains("already running"), "{}", e.message);
+    }
+    assert_eq!(
+        std::fs::read(f.ctx.job_dir("dup").join("spec")).unwrap(),
+        spec_before
+    );
+    assert_eq!(
+        std::fs::read(f.ctx.job_dir("dup").join("state")).unwrap(),
+        state_before
+    );
+    let d = f.wait_done("dup");
+    assert_eq!((d.exit_code, d.pid), (Some(0), first.pid));
+    let log = f.log("dup");
+    assert!(log.contains("first\ndone-first\nEXIT_CODE=0\n"), "{log}");
+    assert!(!log.contains("second"));
+}
+
+#[test]
+fn finished_names_are_reused_with_history() {
+    let f = Fixture::new();
+    for i in 1..=7 {
+        f.start("again", &format!("echo run {i}; exit {i}"), false)
+            .unwrap();
+        assert_eq!(f.wait_done("again").exit_code, Some(i));
+    }
+    let hist: Vec<_> = std::fs::read_dir(f.ctx.job_dir("again").join("history"))
+        .unwrap()
+        .collect();
+    assert_eq!(hist.len(), HISTORY_KEEP);
+    // The log is appended run after run, but a tail shows only the latest run.
+    let st = f.status("again");
+    let tail = String::from_utf8_lossy(&st.log);
+    assert!(tail.starts_with("== session: again\n"), "{tail}");
+    assert!(tail.ends_with("run 7\nEXIT_CODE=7\n"), "{tail}");
+    assert!(!tail.contains("EXIT_CODE=6"));
+    assert_eq!(f.log("again").matches("== session: again").count(), 7);
+    assert_eq!(list_in(&f.ctx).unwrap().len(), 1);
+}
+
+#[test]
+fn without_tmux_on_path_jobs_still_run() {
+    let f = Fixture::new();
+    let bin = f.tmp.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    for tool in ["bash", "sleep", "cat"] {
+        let real = find_in_path(tool, std::env::var_os("PATH").as_deref()).unwrap();
+        std::os::unix::fs::symlink(real, bin.join(tool)).unwrap();
+    }
+    let mut ctx = f.ctx.clone();
+    ctx.env.retain(|(k, _)| k != "PATH");
+    ctx.env.push(("PATH".into(), bin.clone().into()));
+    let info = start_in(&ctx, req("notmux", "sleep 1; echo \"$PATH\"; exit 4", true)).unwrap();
+    assert_eq!(info.runner, "setsid");
+    let deadline = Instant::now() + WAIT;
+    let done = loop {
+        let i = status_in(&ctx, &tail_req("notmux", 5, 1000))
+            .unwrap()
+            .info
+            .unwrap();
+        if i.state != JobState::Running {
+            break i;
+        }
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(done.exit_code, Some(4));
+    assert!(f.log("notmux").contains(&format!("{}\n", bin.display())));
+}
+
+#[test]
+fn a_foreign_tmux_session_with_the_name_falls_back_to_setsid() {
+    let f = Fixture::new();
+    let out = f.tmux(&["new-session", "-d", "-s", "occupied", "sleep", "30"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let info = f.start("occupied", "exit 6", true).unwrap();
+    assert_eq!(info.runner, "setsid");
+    assert_eq!(f.wait_done("occupied").exit_code, Some(6));
+    let wlog = std::fs::read_to_string(f.ctx.job_dir("occupied").join("wrapper.log")).unwrap();
+    assert!(
+        wlog.contains("duplicate session: occupied"),
+        "tmux's refusal is kept: {wlog}"
+    );
+    let out = f.tmux(&["has-session", "-t", "=occupied"]);
+    assert!(out.status.success(), "the user's own session is left alone");
+}
+
+#[test]
+fn a_job_that_cannot_start_is_an_error_and_recorded() {
+    let f = Fixture::new();
+    let empty = f.tmp.path().join("empty-bin");
+    std::fs::create_dir(&empty).unwrap();
+    let mut r = req("nobash", "true", false);
+    r.env = vec![("PATH".into(), empty.display().to_string())];
+    let e = start_in(&f.ctx, r).unwrap_err();
+    assert!(
+        e.message.contains("could not start: cannot start bash"),
+        "{}",
+        e.message
+    );
+    let info = f.status("nobash").info.unwrap();
+    assert_eq!((info.state, info.exit_code), (JobState::Exited, Some(127)));
+    assert!(f.log("nobash").ends_with("EXIT_CODE=127\n"));
+}
+
+#[test]
+fn cursor_reads_every_byte_exactly_once_while_the_job_writes() {
+    let f = Fixture::new();
+    let cmd = "for i in $(seq 1 400); do printf 'line %d %0200d\\n' $i 0; sleep 0.002; done; printf tail-no-newline";
+    f.start("stream", cmd, false).unwrap();
+    let mut got = Vec::new();
+    let mut offset = 0;
+    let mut reads = 0;
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let r = JobStatusRequest {
+            name: "stream".into(),
+            log_file: None,
+            last_n_lines: 0,
+            offset: Some(offset),
+            max_bytes: 3000,
+        };
+        let st = status_in(&f.ctx, &r).unwrap();
+        assert_eq!(st.log_start, offset);
+        assert_eq!(st.next_offset, offset + st.log.len() as u64);
+        got.extend_from_slice(&st.log);
+        offset = st.next_offset;
+        reads += 1;
+        if st.info.unwrap().state != JobState::Running && !st.log_truncated {
+            break;
+        }
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(3));
+    }
+    let file = std::fs::read(f.status("stream").info.unwrap().log_file).unwrap();
+    assert_eq!(got, file, "pieces concatenate to the log");
+    assert!(reads > 10, "the reads overlapped the writes ({reads})");
+    assert!(file.ends_with(b"tail-no-newline\nEXIT_CODE=0\n"));
+}
+
+#[test]
+fn jobs_survive_the_process_that_started_them() {
+    if std::env::var_os("RSB_JOBS_CHILD_ROOT").is_some() {
+        return; // the helper's own run; see `helper_start_and_exit`
+    }
+    let f = Fixture::new();
+    for (name, tmux) in [("survivor", false), ("survivor-t", true)] {
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "jobs::tests::helper_start_and_exit",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("RSB_JOBS_CHILD_ROOT", f.tmp.path())
+            .env("RSB_JOBS_CHILD_NAME", name)
+            .env("RSB_JOBS_CHILD_TMUX", if tmux { "1" } else { "0" })
+            .process_group(0)
+            .output()
+            .unwrap();
+        assert!(
+            child.status.success(),
+            "{}",
+            String::from_utf8_lossy(&child.stdout)
+        );
+        let info = f.status(name).info.unwrap();
+        assert_eq!(info.state, JobState::Running);
+        let st = f.state(name);
+        let wrapper = st.get_u64("wrapper_pid").unwrap() as libc::pid_t;
+        let (my_sid, wrapper_sid, job_sid) = unsafe {
+            (
+                libc::getsid(0),
+                libc::getsid(wrapper),
+                libc::getsid(info.pid as libc::pid_t),
+            )
+        };
+        assert!(
+            wrapper_sid > 0 && wrapper_sid != my_sid,
+            "wrapper in its own session"
+        );
+        assert_eq!(
+            job_sid, info.pid as libc::pid_t,
+            "job leads its own session and group"
+        );
+        assert_eq!(f.wait_done(name).exit_code, Some(4));
+    }
+}
+
+/// Run only by `jobs_survive_the_process_that_started_them` in a child process.
+#[test]
+#[ignore]
+fn helper_start_and_exit() {
+    let Some(root) = std::env::var_os("RSB_JOBS_CHILD_ROOT") else {
+        return;
+    };
+    let ctx = ctx_under(Path::new(&root));
+    let name = std::env::var("RSB_JOBS_CHILD_NAME").unwrap();
+    let tmux = std::env::var("RSB_JOBS_CHILD_TMUX").unwrap() == "1";
+    start_in(&ctx, req(&name, "sleep 2; exit 4", tmux)).unwrap();
+}
+
+#[test]
+fn bad_cwd_is_an_error_before_anything_launches() {
+    let f = Fixture::new();
+    let mut r = req("cwdless", "touch created", false);
+    r.cwd = Some("~/missing/dir".into());
+    let e = start_in(&f.ctx, r.clone()).unwrap_err();
+    assert_eq!(e.code, ErrorCode::NotFound, "{e:?}");
+    assert!(e.message.contains("missing/dir"), "{}", e.message);
+    assert!(
+        !f.ctx.home.join("missing").exists(),
+        "the seed created it; we must not"
+    );
+    assert!(!f.ctx.root.exists());
+    std::fs::write(f.ctx.home.join("file"), "x").unwrap();
+    r.cwd = Some("file".into());
+    assert_eq!(
+        start_in(&f.ctx, r.clone()).unwrap_err().code,
+        ErrorCode::NotADirectory
+    );
+    r.cwd = None;
+    r.command = "  ".into();
+    assert_eq!(
+        start_in(&f.ctx, r).unwrap_err().code,
+        ErrorCode::InvalidArgument
+    );
+}
+
+#[test]
+fn cwd_env_and_log_paths_are_honoured() {
+    let f = Fixture::new();
+    std::fs::create_dir_all(f.ctx.home.join("proj")).unwrap();
+    let mut r = req("where", "pwd; echo \"$GREETING\"; echo \"$HOME\"", false);
+    r.cwd = Some("proj".into());
+    r.log_file = "proj/logs/a.log".into();
+    r.env = vec![("GREETING".into(), "hello world\nsecond line".into())];
+    let info = start_in(&f.ctx, r).unwrap();
+    let proj = f.ctx.home.join("proj");
+    assert_eq!(info.cwd, proj.display().to_string());
+    assert_eq!(info.log_file, proj.join("logs/a.log").display().to_string());
+    f.wait_done("where");
+    let log = f.log("where");
+    assert!(
+        log.contains(&format!(
+            "\n{}\nhello world\nsecond line\n{}\n",
+            proj.display(),
+            f.ctx.home.display()
+        )),
+        "{log}"
+    );
+    // Reading another log by path (seed compatibility), relative to $HOME.
+    let st = status_in(
+        &f.ctx,
+        &JobStatusRequest {
+            name: "nojob".into(),
+            log_file: Some("proj/logs/a.log".into()),
+            last_n_lines: 1,
+            offset: None,
+            max_bytes: 100,
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        (st.info, st.log_found, st.log.as_slice()),
+        (None, true, b"EXIT_CODE=0\n".as_slice())
+    );
+}
+
+#[test]
+fn log_paths_follow_the_seed_rules() {
+    let home = Path::new("/home/u");
+    let cases = [
+        (None, "", "/home/u/.codex_logs/S.log"),
+        (Some("~/proj"), "", "/home/u/proj/.codex_logs/S.log"),
+        (Some("proj"), "proj/logs/a.log", "/home/u/proj/logs/a.log"),
+        (Some("/abs/proj"), "logs/a.log", "/abs/proj/logs/a.log"),
+        (None, "/var//log/../a.log", "/var/a.log"),
+        (Some("proj"), "~/logs/a.log", "/home/u/logs/a.log"),
+        (Some("/abs/proj"), "../other/a.log", "/abs/other/a.log"),
+        (Some("proj"), "projx/a.log", "/home/u/proj/projx/a.log"),
+        (Some("./proj/"), "proj/a.log", "/home/u/proj/a.log"),
+    ];
+    for (cwd, log, want) in cases {
+        let resolved_cwd = match cwd {
+            None => home.to_path_buf(),
+            Some(c) => normalize(&home.join(expand_tilde(c, home))),
+        };
+        assert_eq!(
+            resolve_log(log, "S", cwd, &resolved_cwd, home),
+            PathBuf::from(want),
+            "{cwd:?} {log:?}"
+        );
+    }
+}
+
+#[test]
+fn stale_launch_does_not_run() {
+    let f = Fixture::new();
+    let dir = f.ctx.job_dir("stale");
+    record::create_private_dir(&dir).unwrap();
+    let mut spec = Record::new();
+    spec.set("name", "stale");
+    spec.set("command", "touch ran");
+    spec.set("cwd", f.ctx.home.as_os_str().as_bytes());
+    spec.set(
+        "log_file",
+        f.ctx.home.join("stale.log").as_os_str().as_bytes(),
+    );
+    spec.set("launch", "new-launch");
+    spec.write_atomic(&dir.join("spec")).unwrap();
+    let out = Command::new(&f.ctx.exe)
+        .args(["job-run", "--root"])
+        .arg(&f.ctx.root)
+        .args(["--name", "stale", "--launch", "old-launch"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(!dir.join("state").exists());
+    assert!(!f.ctx.home.join("ran").exists());
+    let wlog = std::fs::read_to_string(dir.join("wrapper.log")).unwrap();
+    assert!(
+        wlog.contains("launch=old-launch error: the spec belongs to launch new-launch"),
+        "{wlog}"
+    );
+}
+
+#[test]
+fn job_dirs_are_private_and_list_is_newest_first() {
+    let f = Fixture::new();
+    f.start("older", "exit 0", false).unwrap();
+    f.wait_done("older");
+    std::thread::sleep(Duration::from_millis(5));
+    f.start("newer", "sleep 3", false).unwrap();
+    let jobs = list_in(&f.ctx).unwrap();
+    let names: Vec<&str> = jobs.iter().map(|j| j.name.as_str()).collect();
+    assert_eq!(names, ["newer", "older"]);
+    assert_eq!(jobs[0].state, JobState::Running);
+    for p in [f.ctx.root.clone(), f.ctx.job_dir("older")] {
+        assert_eq!(
+            std::fs::metadata(&p).unwrap().permissions().mode() & 0o777,
+            0o700,
+            "{}",
+            p.display()
+        );
+    }
+    for file in ["spec", "state"] {
+        let m = std::fs::metadata(f.ctx.job_dir("older").join(file)).unwrap();
+        assert_eq!(m.permissions().mode() & 0o777, 0o600);
+    }
+    let table = jobs_table(&jobs);
+    assert!(table.starts_with("NAME "), "{table}");
+    assert!(table.contains("newer  running  -"), "{table}");
+    let json = jobs_json(&jobs);
+    assert!(
+        json.contains(
+            "\"name\": \"older\", \"state\": \"exited\", \"exit_code\": 0, \"signal\": null"
+        ),
+        "{json}"
+    );
+    assert_eq!(jobs_json(&[]), "[]\n");
+}
+
+#[test]
+fn timestamps_and_quoting() {
+    assert_eq!(utc_timestamp(0), "1970-01-01T00:00:00Z");
+    assert_eq!(utc_timestamp(951_782_400_000), "2000-02-29T00:00:00Z");
+    assert_eq!(utc_timestamp(1_795_996_799_999), "2026-11-29T23:59:59Z");
+    assert_eq!(utc_timestamp(1_709_210_096_000), "2024-02-29T12:34:56Z");
+    let tricky = "/tmp/it's a \"dir\"/$(x) `y` \\z";
+    let line = [b"printf %s ".as_slice(), &sh_quote(tricky.as_bytes())].concat();
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(OsStr::from_bytes(&line))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), tricky);
+}

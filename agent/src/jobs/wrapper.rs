@@ -1,0 +1,504 @@
+//! `rsb-agent job-run`: the process a job runs under, in tmux or detached with setsid.
+//!
+//! It reads the spec `start` wrote, runs `bash -c CMD` as its child in a new session (so the
+//! job is its own process group and has no terminal), copies the child's output into the
+//! log, and records the end from `waitpid`. Because the exit status is the child's, the user's
+//! `exit`, `set -e`, `set -u` or a last line of any length cannot lose it.
+//!
+//! Signals: SIGTERM and SIGINT are forwarded to the job's group. SIGHUP is caught rather than
+//! fatal: under tmux it means the session was killed from outside, so the wrapper passes the
+//! hangup on to the job (as a terminal would have), keeps supervising until the job ends, and
+//! records `hangup=1`, which status reports as `Lost`: the job did not end on its own.
+//! Nothing else sends SIGHUP: the setsid runner has no terminal, and tmux keeps its panes
+//! when an SSH client disconnects.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::io::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::{Duration, Instant};
+
+use super::record::Record;
+use super::{hostname, now_ms, proc_stat, utc_timestamp, validate_name};
+
+/// How long output is still copied after the job's shell exits. Processes it left running in
+/// the background may hold the pipe open forever; their later output is not captured.
+pub const DRAIN: Duration = Duration::from_secs(1);
+
+struct Opts {
+    root: PathBuf,
+    name: String,
+    launch: String,
+    runner: String,
+    detach: bool,
+}
+
+fn parse(args: &[String]) -> Result<Opts, String> {
+    let (mut root, mut name, mut launch, mut runner, mut detach) = (None, None, None, None, false);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = || {
+            it.next()
+                .cloned()
+                .ok_or_else(|| format!("{a} needs a value"))
+        };
+        match a.as_str() {
+            "--root" => root = Some(PathBuf::from(value()?)),
+            "--name" => name = Some(value()?),
+            "--launch" => launch = Some(value()?),
+            "--runner" => runner = Some(value()?),
+            "--detach" => detach = true,
+            other => return Err(format!("unknown argument '{other}'")),
+        }
+    }
+    let opts = Opts {
+        root: root.ok_or("--root is required")?,
+        name: name.ok_or("--name is required")?,
+        launch: launch.ok_or("--launch is required")?,
+        runner: runner.unwrap_or_else(|| "setsid".to_string()),
+        detach,
+    };
+    validate_name(&opts.name).map_err(|e| e.message)?;
+    Ok(opts)
+}
+
+pub fn main(args: &[String]) -> i32 {
+    let opts = match parse(args) {
+        Ok(o) => o,
+        Err(e) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "rsb-agent job-run: {e}\nusage: rsb-agent job-run --root DIR --name NAME --launch ID \
+                 [--runner tmux|setsid] [--detach]\n(internal: started by the agent for background jobs)"
+            );
+            return 2;
+        }
+    };
+    if opts.detach {
+        // Still single-threaded here, so forking is safe. The parent exits at once and is
+        // reaped by whoever started it; the child is adopted by init and carries on.
+        // SAFETY: fork in a single-threaded process; setsid has no preconditions.
+        match unsafe { libc::fork() } {
+            -1 => {
+                let err = std::io::Error::last_os_error();
+                diag(&opts, &format!("fork failed: {err}"));
+                return 1;
+            }
+            0 => unsafe {
+                libc::setsid();
+            },
+            _ => return 0,
+        }
+    }
+    match run(&opts) {
+        Ok(code) => code,
+        Err(msg) => {
+            diag(&opts, &msg);
+            1
+        }
+    }
+}
+
+/// Append a line to the job's `wrapper.log`, which `start` reads to explain a failed launch.
+/// Under tmux the wrapper's stderr is a pane nobody watches, so it is not used.
+fn diag(opts: &Opts, msg: &str) {
+    let path = opts.root.join(&opts.name).join("wrapper.log");
+    let line = format!(
+        "{} launch={} error: {msg}\n",
+        utc_timestamp(now_ms()),
+        opts.launch
+    );
+    let written = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(&path)
+        .and_then(|mut f| f.write_all(line.as_bytes()));
+    if written.is_err() {
+        let _ = std::io::stderr().write_all(line.as_bytes());
+    }
+}
+
+/// Signals arrive on a self-pipe so the main loop can wait for output and signals in one
+/// `poll`, with no work done inside the handler.
+static SIGNAL_FD: AtomicI32 = AtomicI32::new(-1);
+
+extern "C" fn on_signal(sig: libc::c_int) {
+    let saved = errno::get();
+    let fd = SIGNAL_FD.load(Ordering::Relaxed);
+    if fd >= 0 {
+        let b = sig as u8;
+        // SAFETY: write(2) is async-signal-safe; the pipe is non-blocking so a full pipe drops
+        // the byte instead of deadlocking (a pending byte already wakes the loop).
+        unsafe { libc::write(fd, (&b as *const u8).cast(), 1) };
+    }
+    errno::set(saved);
+}
+
+mod errno {
+    pub fn get() -> i32 {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    }
+
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    pub fn set(v: i32) {
+        // SAFETY: errno is thread-local; the location is always valid.
+        unsafe { *libc::__errno_location() = v };
+    }
+
+    #[cfg(target_vendor = "apple")]
+    pub fn set(v: i32) {
+        // SAFETY: as above.
+        unsafe { *libc::__error() = v };
+    }
+
+    #[cfg(not(any(target_os = "linux", target_os = "android", target_vendor = "apple")))]
+    pub fn set(_v: i32) {}
+}
+
+/// A close-on-exec pipe, optionally non-blocking. Set with `fcntl` rather than `pipe2` so the
+/// agent still builds on macOS for development; the wrapper is single-threaded, so nothing can
+/// fork between the two calls.
+fn pipe(nonblocking: bool) -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0 as RawFd; 2];
+    // SAFETY: fds is a valid two-element array.
+    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: pipe just returned these two descriptors to us.
+    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    for fd in [&r, &w] {
+        // SAFETY: fcntl on descriptors we own.
+        unsafe {
+            libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC);
+            if nonblocking {
+                let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
+                libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
+            }
+        }
+    }
+    Ok((r, w))
+}
+
+fn install_signals() -> std::io::Result<OwnedFd> {
+    let (r, w) = pipe(true)?;
+    SIGNAL_FD.store(w.as_raw_fd(), Ordering::Relaxed);
+    // The write end must live for the whole process; the handler refers to it by number.
+    std::mem::forget(w);
+    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGCHLD] {
+        // SAFETY: a zeroed sigaction plus handler and flags is a valid argument; the handler
+        // only calls async-signal-safe functions. Handled (not ignored) signals revert to
+        // their defaults in the job at exec.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as *const () as usize;
+            sa.sa_flags = libc::SA_RESTART
+                | if sig == libc::SIGCHLD {
+                    libc::SA_NOCLDSTOP
+                } else {
+                    0
+                };
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(sig, &sa, std::ptr::null_mut()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+        }
+    }
+    Ok(r)
+}
+
+/// The log, plus what is needed to put `EXIT_CODE=` on a line of its own.
+struct Log {
+    file: File,
+    last: u8,
+    failed: Option<String>,
+}
+
+impl Log {
+    fn write(&mut self, data: &[u8]) {
+        if data.is_empty() || self.failed.is_some() {
+            return;
+        }
+        // A full disk must not stop the job: the pipe keeps being drained, the loss is noted.
+        match self.file.write_all(data) {
+            Ok(()) => self.last = data[data.len() - 1],
+            Err(e) => self.failed = Some(format!("writing the log failed: {e}")),
+        }
+    }
+
+    fn line_start(&mut self) {
+        if self.last != b'\n' {
+            self.write(b"\n");
+        }
+    }
+}
+
+/// The tmux pane, when there is one: output is echoed there for someone who attaches. It is
+/// non-blocking and best effort, so a stalled or vanished pane never holds up the job.
+struct Pane {
+    on: bool,
+}
+
+impl Pane {
+    fn open(runner: &str) -> Pane {
+        // SAFETY: isatty/fcntl on fd 1 have no memory-safety preconditions.
+        let on = runner == "tmux" && unsafe { libc::isatty(1) } == 1;
+        if on {
+            unsafe {
+                let fl = libc::fcntl(1, libc::F_GETFL);
+                libc::fcntl(1, libc::F_SETFL, fl | libc::O_NONBLOCK);
+            }
+        }
+        Pane { on }
+    }
+
+    fn write(&mut self, data: &[u8]) {
+        if !self.on {
+            return;
+        }
+        // SAFETY: data is a valid slice.
+        let n = unsafe { libc::write(1, data.as_ptr().cast(), data.len()) };
+        if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock {
+            self.on = false;
+        }
+    }
+}
+
+fn header(name: &str, started_ms: u64, command: &str) -> String {
+    let collapsed = command.split_whitespace().collect::<Vec<_>>().join(" ");
+    let preview: String = collapsed.chars().take(120).collect();
+    format!(
+        "== session: {name}\n== started_at: {}\n== command: {preview}\n",
+        utc_timestamp(started_ms)
+    )
+}
+
+fn spawn_job(spec: &Record, cwd: &Path, out: OwnedFd) -> std::io::Result<Child> {
+    let command = spec.get("command").unwrap_or_default();
+    let err = out.try_clone()?;
+    let mut cmd = Command::new("bash");
+    cmd.arg("-c").arg(command).current_dir(cwd).env_clear();
+    for kv in spec.get_all("env") {
+        if let Some(eq) = kv.iter().position(|&b| b == b'=') {
+            cmd.env(
+                std::ffi::OsStr::from_bytes(&kv[..eq]),
+                std::ffi::OsStr::from_bytes(&kv[eq + 1..]),
+            );
+        }
+    }
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err));
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            // Its own session: its own process group for kill, and no terminal, so a tmux
+            // pane closing or a shell job-control signal cannot reach it except through us.
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // If the wrapper is killed outright nobody would record the end, so the job
+            // would run unsupervised and be reported lost; end it too. (Survives bash's exec
+            // of a single command, so it usually reaches the real program.)
+            #[cfg(any(target_os = "linux", target_os = "android"))]
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong);
+            Ok(())
+        });
+    }
+    // Rust's Command resolves "bash" with the child's PATH, i.e. the job's environment.
+    cmd.spawn()
+}
+
+fn run(opts: &Opts) -> Result<i32, String> {
+    let dir = opts.root.join(&opts.name);
+    let spec =
+        Record::read(&dir.join("spec")).map_err(|e| format!("cannot read the job spec: {e}"))?;
+    if spec.get("launch") != Some(opts.launch.as_str()) {
+        // Superseded by a newer launch (or abandoned by a `start` that gave up): do nothing.
+        return Err(format!(
+            "the spec belongs to launch {}, not this one; not starting",
+            spec.get("launch").unwrap_or("?")
+        ));
+    }
+    if spec.get("name") != Some(opts.name.as_str()) {
+        return Err("the spec names another job".to_string());
+    }
+    let cwd = PathBuf::from(std::ffi::OsStr::from_bytes(
+        spec.get_bytes("cwd").unwrap_or(b"/"),
+    ));
+    let log_path = PathBuf::from(std::ffi::OsStr::from_bytes(
+        spec.get_bytes("log_file").unwrap_or_default(),
+    ));
+    let command = spec
+        .get("command")
+        .ok_or("the job spec has no command")?
+        .to_string();
+    // Hold no directory busy (an unmount of the caller's cwd must not be blocked by us).
+    let _ = std::env::set_current_dir("/");
+
+    let sig_r = install_signals().map_err(|e| format!("cannot install signal handlers: {e}"))?;
+    let file = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(&log_path)
+        .map_err(|e| format!("cannot open log {}: {e}", log_path.display()))?;
+    let log_offset = file.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut log = Log {
+        file,
+        last: b'\n',
+        failed: None,
+    };
+    let mut pane = Pane::open(&opts.runner);
+    let started_ms = now_ms();
+    let head = header(&opts.name, started_ms, &command);
+    log.write(head.as_bytes());
+    pane.write(head.as_bytes());
+
+    let mut state = Record::new();
+    state.set("name", &opts.name);
+    state.set("launch", &opts.launch);
+    state.set("host", hostname());
+    state.set("runner", &opts.runner);
+    state.set("wrapper_pid", std::process::id().to_string());
+    if let Some((_, start)) = proc_stat(std::process::id()) {
+        state.set("wrapper_start", start.to_string());
+    }
+    state.set("started_ms", started_ms.to_string());
+    state.set("log_offset", log_offset.to_string());
+    let state_path = dir.join("state");
+    let save = |st: &Record| {
+        st.write_atomic(&state_path)
+            .map_err(|e| format!("cannot write the job state: {e}"))
+    };
+
+    let (out_r, out_w) = pipe(false).map_err(|e| format!("cannot create a pipe: {e}"))?;
+    let mut child = match spawn_job(&spec, &cwd, out_w) {
+        Ok(c) => c,
+        Err(e) => {
+            // Recorded as an ended job (127, like a shell that cannot find a command) so the
+            // reason is in the log and the record, and `start` reports it as an error.
+            let msg = format!("cannot start bash in {}: {e}", cwd.display());
+            log.write(format!("rsb-agent: {msg}\nEXIT_CODE=127\n").as_bytes());
+            state.set("pid", "0");
+            state.set("pgid", "0");
+            state.set("error", &msg);
+            state.set("exit_code", "127");
+            state.set("ended_ms", now_ms().to_string());
+            save(&state)?;
+            return Ok(127);
+        }
+    };
+    let pgid = child.id();
+    state.set("pid", pgid.to_string());
+    state.set("pgid", pgid.to_string());
+    save(&state)?;
+
+    let mut hangup = false;
+    let mut exited: Option<std::process::ExitStatus> = None;
+    let mut drain_until: Option<Instant> = None;
+    let mut out_open = true;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        if exited.is_none()
+            && let Ok(Some(st)) = child.try_wait()
+        {
+            exited = Some(st);
+            drain_until = Some(Instant::now() + DRAIN);
+        }
+        if let Some(until) = drain_until
+            && (!out_open || Instant::now() >= until)
+        {
+            break;
+        }
+        let timeout = match drain_until {
+            Some(until) => until
+                .saturating_duration_since(Instant::now())
+                .as_millis()
+                .max(1) as libc::c_int,
+            None => -1,
+        };
+        let mut fds = [
+            libc::pollfd {
+                fd: sig_r.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            libc::pollfd {
+                fd: if out_open { out_r.as_raw_fd() } else { -1 },
+                events: libc::POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: fds is a valid array of two pollfd.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(format!("poll failed: {e}"));
+        }
+        if fds[0].revents != 0 {
+            let mut sigs = [0u8; 64];
+            // SAFETY: valid buffer; the pipe is non-blocking.
+            let got =
+                unsafe { libc::read(sig_r.as_raw_fd(), sigs.as_mut_ptr().cast(), sigs.len()) };
+            for &s in &sigs[..got.max(0) as usize] {
+                let s = libc::c_int::from(s);
+                if exited.is_some() || s == libc::SIGCHLD {
+                    continue;
+                }
+                if s == libc::SIGHUP {
+                    hangup = true;
+                    pane.on = false;
+                }
+                // SAFETY: plain syscalls on the job's own group.
+                unsafe {
+                    libc::killpg(pgid as libc::pid_t, s);
+                    libc::killpg(pgid as libc::pid_t, libc::SIGCONT);
+                }
+            }
+        }
+        if out_open && fds[1].revents != 0 {
+            // SAFETY: valid buffer and descriptor.
+            let got = unsafe { libc::read(out_r.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+            if got > 0 {
+                let data = &buf[..got as usize];
+                log.write(data);
+                pane.write(data);
+            } else if got == 0
+                || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted
+            {
+                out_open = false;
+            }
+        }
+    }
+    drop(out_r);
+
+    let status = exited.unwrap_or_else(|| std::process::ExitStatus::from_raw(0));
+    let (code, signal) = match (status.code(), status.signal()) {
+        (Some(c), _) => (c, None),
+        (None, Some(s)) => (128 + s, Some(s)),
+        (None, None) => (255, None),
+    };
+    log.line_start();
+    let tail = format!("EXIT_CODE={code}\n");
+    log.write(tail.as_bytes());
+    pane.write(tail.as_bytes());
+    match signal {
+        Some(s) => state.set("signal", s.to_string()),
+        None => state.set("exit_code", code.to_string()),
+    }
+    if hangup {
+        state.set("hangup", "1");
+    }
+    if let Some(e) = &log.failed {
+        state.set("log_error", e);
+    }
+    state.set("ended_ms", now_ms().to_string());
+    save(&state)?;
+    Ok(0)
+}
