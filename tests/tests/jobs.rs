@@ -1,0 +1,248 @@
+//! Background jobs over real SSH: exit codes survive `exit`/`set -e`, exact names, jobs outlive
+//! a cut connection and the process that started them, work without tmux, and cursor reads.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use rsb::ops::jobs;
+use rsb_protocol::{JobStartRequest, JobState, JobStatusRequest};
+use rsb_tests::{ChaosProxy, Sshd, SshdOptions};
+
+fn start_req(name: &str, cmd: &str) -> JobStartRequest {
+    JobStartRequest {
+        name: name.into(),
+        command: cmd.into(),
+        cwd: None,
+        log_file: format!(".codex_logs/{name}.log"),
+        env: vec![],
+        prefer_tmux: true,
+    }
+}
+
+fn status_req(name: &str) -> JobStatusRequest {
+    JobStatusRequest {
+        name: name.into(),
+        log_file: None,
+        last_n_lines: 50,
+        offset: None,
+        max_bytes: 20_000,
+    }
+}
+
+/// Poll until the job is no longer running (bounded).
+async fn wait_done(
+    c: &rsb::client::AgentClient,
+    name: &str,
+    limit: Duration,
+) -> rsb_protocol::JobStatusResult {
+    let t0 = Instant::now();
+    loop {
+        let r = c.job_status(status_req(name)).await.unwrap();
+        if r.info
+            .as_ref()
+            .is_some_and(|i| i.state != JobState::Running)
+            || t0.elapsed() > limit
+        {
+            return r;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exit_codes_are_never_lost() {
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let pool = key_pool(&sshd, dir.path());
+    let c = pool.client("s").await.unwrap();
+    let cases = [
+        (
+            "count",
+            "for i in 1 2 3; do echo $i; sleep 1; done; exit 7",
+            7,
+        ),
+        ("sete", "set -e; false; echo unreachable", 1),
+        // bash -c exits 127 on an unbound variable under set -u; the point is that it is recorded.
+        ("setu", "set -u; echo $NOT_SET_ANYWHERE", 127),
+        ("big", "head -c 5000000 /dev/zero | tr '\\0' y; exit 3", 3),
+    ];
+    for (name, cmd, _) in &cases {
+        c.job_start(start_req(name, cmd)).await.unwrap();
+    }
+    for (name, _, code) in &cases {
+        let r = wait_done(&c, name, Duration::from_secs(30)).await;
+        let info = r.info.unwrap();
+        assert_eq!(
+            (info.state, info.exit_code),
+            (JobState::Exited, Some(*code)),
+            "{name}"
+        );
+        let tail = String::from_utf8_lossy(&r.log);
+        assert!(
+            tail.trim_end().ends_with(&format!("EXIT_CODE={code}")),
+            "{name}: {tail}"
+        );
+        if *name == "count" {
+            assert!(tail.contains("1\n2\n3\n"), "{tail}");
+        }
+    }
+    pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_are_exact_validated_and_never_clobbered() {
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let pool = key_pool(&sshd, dir.path());
+    let c = pool.client("s").await.unwrap();
+    c.job_start(start_req("train-001", "sleep 20"))
+        .await
+        .unwrap();
+    let r = c.job_status(status_req("train")).await.unwrap();
+    assert!(r.info.is_none(), "prefix must not match");
+    let e = jobs::status_reply("train", false, &r).unwrap_err();
+    assert!(
+        e.message.contains("no background task named 'train'"),
+        "{e:?}"
+    );
+    for bad in ["a.b", "a:b", "a b", "a;b", "../x", ""] {
+        let e = c.job_start(start_req(bad, "true")).await.unwrap_err();
+        assert!(
+            e.message.contains("invalid") || e.message.contains("empty"),
+            "{bad}: {e:?}"
+        );
+    }
+    let log_before = sshd.ssh_run("cat ~/.codex_logs/train-001.log").unwrap();
+    let e = c
+        .job_start(start_req("train-001", "echo clobber"))
+        .await
+        .unwrap_err();
+    assert!(e.message.contains("train-001"), "{e:?}");
+    let info = c
+        .job_status(status_req("train-001"))
+        .await
+        .unwrap()
+        .info
+        .unwrap();
+    assert_eq!(info.state, JobState::Running);
+    assert_eq!(info.command, "sleep 20");
+    assert_eq!(
+        sshd.ssh_run("cat ~/.codex_logs/train-001.log").unwrap(),
+        log_before
+    );
+    let k = c
+        .job_kill(rsb_protocol::JobKillRequest {
+            name: "train-001".into(),
+            grace_ms: 1000,
+        })
+        .await
+        .unwrap();
+    assert_eq!((k.state, k.signal), (JobState::Exited, Some(15)));
+    pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_survives_a_cut_connection_and_a_new_process_reads_its_exit_code() {
+    let sshd = Sshd::start().unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(
+        &sshd,
+        proxy.port(),
+        key_auth(&sshd),
+        &dir.path().join("known_hosts"),
+    );
+    let pool = pool_of(vec![sandbox("s", t.clone())], dir.path());
+    let c = pool.client("s").await.unwrap();
+    c.job_start(start_req("survivor", "sleep 3; echo finished; exit 5"))
+        .await
+        .unwrap();
+    proxy.cut();
+    drop(pool); // the "server" that started the job is gone
+
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let pool2 = pool_of(vec![sandbox("s", t)], dir.path());
+    let c2 = pool2.client("s").await.unwrap();
+    let r = wait_done(&c2, "survivor", Duration::from_secs(20)).await;
+    let info = r.info.unwrap();
+    assert_eq!((info.state, info.exit_code), (JobState::Exited, Some(5)));
+    assert!(String::from_utf8_lossy(&r.log).contains("finished\nEXIT_CODE=5"));
+    pool2.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_run_without_tmux_and_report_a_killed_tmux_session_as_lost() {
+    // PATH without tmux (everything else of /usr/bin): the agent falls back to setsid.
+    let fake = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir("/usr/bin").unwrap().flatten() {
+        let name = entry.file_name();
+        if name != "tmux" {
+            std::os::unix::fs::symlink(entry.path(), fake.path().join(&name)).unwrap();
+        }
+    }
+    let opts = SshdOptions {
+        set_env: vec![("PATH".into(), fake.path().display().to_string())],
+        ..Default::default()
+    };
+    let sshd = Sshd::start_with(opts).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let pool = key_pool(&sshd, dir.path());
+    let c = pool.client("s").await.unwrap();
+    let info = c
+        .job_start(start_req("notmux", "sleep 1; exit 4"))
+        .await
+        .unwrap();
+    assert_eq!(info.runner, "setsid");
+    let r = wait_done(&c, "notmux", Duration::from_secs(20)).await;
+    assert_eq!(r.info.unwrap().exit_code, Some(4));
+    pool.shutdown().await;
+
+    // With tmux: killing the session from outside makes the job "lost".
+    let sshd = Sshd::start().unwrap();
+    let pool = key_pool(&sshd, dir.path());
+    let c = pool.client("s").await.unwrap();
+    let info = c.job_start(start_req("victim", "sleep 60")).await.unwrap();
+    assert_eq!(info.runner, "tmux");
+    sshd.ssh_run("tmux kill-session -t =victim").unwrap();
+    let r = wait_done(&c, "victim", Duration::from_secs(20)).await;
+    assert_eq!(r.info.unwrap().state, JobState::Lost);
+    pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cursor_reads_return_each_byte_exactly_once() {
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let pool = key_pool(&sshd, dir.path());
+    let c = pool.client("s").await.unwrap();
+    c.job_start(start_req(
+        "writer",
+        "for i in $(seq 1 200); do echo line-$i; sleep 0.01; done",
+    ))
+    .await
+    .unwrap();
+    let mut got = Vec::new();
+    let mut offset = 0u64;
+    let t0 = Instant::now();
+    loop {
+        let mut req = status_req("writer");
+        req.offset = Some(offset);
+        req.max_bytes = 97; // odd size: pieces end mid-line
+        let r = c.job_status(req).await.unwrap();
+        assert_eq!(r.log_start, offset);
+        got.extend_from_slice(&r.log);
+        offset = r.next_offset;
+        let done = r
+            .info
+            .as_ref()
+            .is_some_and(|i| i.state != JobState::Running);
+        if (done && !r.log_truncated) || t0.elapsed() > Duration::from_secs(30) {
+            break;
+        }
+    }
+    let whole = sshd.ssh_run("cat ~/.codex_logs/writer.log").unwrap();
+    assert_eq!(String::from_utf8(got).unwrap(), whole);
+    pool.shutdown().await;
+}
