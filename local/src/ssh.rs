@@ -302,7 +302,7 @@ impl SshSession {
                     ChannelMsg::ExtendedData { data, .. } => {
                         let text = String::from_utf8_lossy(&data);
                         for line in text.lines().filter(|l| !l.trim().is_empty()) {
-                            tracing::warn!(sandbox = %name, "agent: {line}");
+                            tracing::info!(sandbox = %name, "agent: {line}");
                         }
                         let mut t = tail.lock().unwrap();
                         t.extend_from_slice(&data);

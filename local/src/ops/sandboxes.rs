@@ -16,8 +16,9 @@ use crate::{
 
 const MIB: f64 = 1024.0 * 1024.0;
 
-/// Per-sandbox deadline for a liveness check (connect, deploy if needed, ping).
-fn health_deadline(pool: &Pool, name: &str) -> Duration {
+/// Deadline for getting a client: connect, authenticate and deploy if needed; instant when the
+/// pool already holds a connection.
+fn connect_deadline(pool: &Pool, name: &str) -> Duration {
     let connect = pool
         .sandbox_config(name)
         .and_then(|c| match &c.transport {
@@ -29,6 +30,19 @@ fn health_deadline(pool: &Pool, name: &str) -> Duration {
     connect * 2 + Duration::from_secs(10)
 }
 
+/// How long the ping plus (optionally) the resources request may take once a client is in hand.
+/// A live agent answers both in milliseconds; the agent caps a resources request's wait for its
+/// first CPU interval at [`RESOURCES_MAX_WAIT`], and the rest is room for a few slow round trips.
+/// Without this separate bound a warm connection whose link went silent (no FIN, no RST) held
+/// the whole listing until SSH keep-alives gave up (about 12 s), or the connect deadline.
+pub const ROUND_TRIP_DEADLINE: Duration = Duration::from_secs(3);
+const RESOURCES_MAX_WAIT: Duration = Duration::from_millis(1000);
+
+/// The longest one sandbox can hold up `list_sandboxes` / `select_sandbox("auto")`.
+pub fn probe_deadline(pool: &Pool, name: &str) -> Duration {
+    connect_deadline(pool, name) + ROUND_TRIP_DEADLINE
+}
+
 pub struct Probe {
     pub name: String,
     pub alive: bool,
@@ -36,53 +50,56 @@ pub struct Probe {
     pub resources: Option<std::result::Result<ResourceSnapshot, RsbError>>,
 }
 
-/// Check one sandbox, optionally sampling its resources, within its deadline.
+fn no_answer(name: &str, what: &str, after: Duration) -> RsbError {
+    RsbError::new(
+        Kind::Timeout,
+        format!(
+            "sandbox '{name}' did not {what} within {}s",
+            after.as_secs_f64()
+        ),
+        "the host may be down or the network black-holed; other sandboxes are unaffected",
+    )
+}
+
+/// Check one sandbox, optionally sampling its resources, within its deadlines: one for getting
+/// a client ([`connect_deadline`]), one for the round trips on it ([`ROUND_TRIP_DEADLINE`]).
 pub async fn probe(pool: &Pool, name: &str, with_resources: bool) -> Probe {
-    let deadline = health_deadline(pool, name);
-    let work = async {
-        let h = pool.health(name).await;
-        if !h.alive {
-            let e = h.error.clone();
-            return Probe {
-                name: name.into(),
-                alive: false,
-                error: e.clone(),
-                resources: e.map(Err).filter(|_| with_resources),
-            };
+    let dead = |e: RsbError| Probe {
+        name: name.into(),
+        alive: false,
+        error: Some(e.clone()),
+        resources: with_resources.then_some(Err(e)),
+    };
+    let connect = connect_deadline(pool, name);
+    let client = match tokio::time::timeout(connect, pool.client(name)).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return dead(e),
+        Err(_) => return dead(no_answer(name, "connect", connect)),
+    };
+    let round_trips = async {
+        client.ping(Vec::new()).await?;
+        if !with_resources {
+            return Ok(None);
         }
-        let resources = if with_resources {
-            Some(match pool.client(name).await {
-                Ok(c) => c.resources(ResourcesRequest { max_wait_ms: 1000 }).await,
-                Err(e) => Err(e),
-            })
-        } else {
-            None
-        };
-        Probe {
+        // A failed resources request on a live agent is that sandbox's resources error, not
+        // a dead connection.
+        Ok(Some(
+            client
+                .resources(ResourcesRequest {
+                    max_wait_ms: RESOURCES_MAX_WAIT.as_millis() as u64,
+                })
+                .await,
+        ))
+    };
+    match tokio::time::timeout(ROUND_TRIP_DEADLINE, round_trips).await {
+        Ok(Ok(resources)) => Probe {
             name: name.into(),
             alive: true,
             error: None,
             resources,
-        }
-    };
-    match tokio::time::timeout(deadline, work).await {
-        Ok(p) => p,
-        Err(_) => {
-            let e = RsbError::new(
-                Kind::Timeout,
-                format!(
-                    "sandbox '{name}' did not answer within {}s",
-                    deadline.as_secs()
-                ),
-                "the host may be down or the network black-holed; other sandboxes are unaffected",
-            );
-            Probe {
-                name: name.into(),
-                alive: false,
-                error: Some(e.clone()),
-                resources: with_resources.then_some(Err(e)),
-            }
-        }
+        },
+        Ok(Err(e)) => dead(e),
+        Err(_) => dead(no_answer(name, "answer", ROUND_TRIP_DEADLINE)),
     }
 }
 
@@ -127,6 +144,12 @@ fn round1(x: f64) -> f64 {
     (x * 10.0).round() / 10.0
 }
 
+/// The agent's GPU readings are f32; widened as they are, 123.45 W would print as
+/// 123.44999694824219.
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
 /// Seed keys (`cpu.load_*`, `memory.*_mb`, `gpu[]`, `idle_score`) plus real CPU %, swap,
 /// disk, GPU names/temperature/power/processes and where the GPU data came from.
 pub fn resources_json(s: &ResourceSnapshot) -> Value {
@@ -151,12 +174,12 @@ pub fn resources_json(s: &ResourceSnapshot) -> Value {
             json!({
                 "index": g.index,
                 "name": g.name,
-                "util_pct": g.util_pct,
+                "util_pct": g.util_pct.map(|v| round1(v as f64)),
                 "mem_used_mb": g.mem_used_mib,
                 "mem_total_mb": g.mem_total_mib,
                 "mem_used_pct": mem_pct,
-                "temperature_c": g.temperature_c,
-                "power_w": g.power_w,
+                "temperature_c": g.temperature_c.map(|v| round1(v as f64)),
+                "power_w": g.power_w.map(|v| round2(v as f64)),
                 "processes": procs,
             })
         })
@@ -242,6 +265,10 @@ pub async fn select(pool: &Pool, name: &str) -> Result<Value> {
         for p in &probes {
             match &p.resources {
                 Some(Ok(s)) => scored.push((p.name.clone(), idle_score(s))),
+                // Reachable, but its agent could not sample: not a candidate, and not "down".
+                Some(Err(e)) if p.alive => {
+                    others.push(format!("{} has no resource data ({})", p.name, e.message))
+                }
                 _ => others.push(format!("{} unreachable", p.name)),
             }
         }
