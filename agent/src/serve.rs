@@ -232,6 +232,11 @@ async fn handle(
             .map(Reply::JobStatus),
         Request::JobKill(req) => cancellable(&cancel, jobs::kill(req)).await.map(Reply::Job),
         Request::JobList => cancellable(&cancel, jobs::list()).await.map(Reply::JobList),
+        // Sync requests (wired by the sync work; until then a clear refusal).
+        other => Err(rsb_protocol::AgentError::new(
+            rsb_protocol::ErrorCode::Unsupported,
+            format!("{} is not supported by this agent", other.kind()),
+        )),
     };
     responder.reply(result.unwrap_or_else(Reply::Error)).await;
 }

@@ -168,6 +168,17 @@ async fn run(cli: Cli) -> u8 {
         Ok(c) => c,
         Err(e) => {
             eprintln!("rsb: {e}\n  hint: {}", e.hint);
+            // An MCP client shows a server that exits at start as a bare failure; serve the
+            // tools instead and reply to each call with the config error (as the seed did).
+            if let Cmd::Mcp = cli.cmd {
+                return match rsb::mcp::serve_config_error(e).await {
+                    Ok(()) => 0,
+                    Err(e) => {
+                        eprintln!("rsb mcp: {e}");
+                        1
+                    }
+                };
+            }
             return 2;
         }
     };
@@ -345,6 +356,7 @@ async fn run_exec(
                     let _ = o.write_all(&b);
                     let _ = o.flush();
                 }
+                Chunk::Manifest(_) => {}
             }
         }
     });

@@ -15,6 +15,7 @@ pub mod fs;
 pub mod hello;
 pub mod jobs;
 pub mod resources;
+pub mod sync;
 
 use serde::{Deserialize, Serialize};
 
@@ -28,6 +29,11 @@ pub use fs::{
 pub use hello::{Capabilities, Hello, MAGIC};
 pub use jobs::{
     JobInfo, JobKillRequest, JobStartRequest, JobState, JobStatusRequest, JobStatusResult,
+};
+pub use sync::{
+    ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyOpened, ApplyRequest, ApplyResult,
+    BlockHashesRequest, BlockHashesResult, ManifestEntry, ManifestRequest, ManifestSummary,
+    SyncRules,
 };
 pub use resources::{
     CpuInfo, DiskInfo, GpuInfo, GpuProcess, GpuReport, GpuSource, MemoryInfo, ResourceSnapshot,
@@ -75,6 +81,11 @@ pub enum Request {
     JobStatus(JobStatusRequest),
     JobKill(JobKillRequest),
     JobList,
+    Manifest(ManifestRequest),
+    BlockHashes(BlockHashesRequest),
+    ApplyOpen(ApplyOpenRequest),
+    Apply(ApplyRequest),
+    ApplyClose(ApplyCloseRequest),
 }
 
 impl Request {
@@ -91,6 +102,11 @@ impl Request {
             Request::JobStatus(_) => "job_status",
             Request::JobKill(_) => "job_kill",
             Request::JobList => "job_list",
+            Request::Manifest(_) => "manifest",
+            Request::BlockHashes(_) => "block_hashes",
+            Request::ApplyOpen(_) => "apply_open",
+            Request::Apply(_) => "apply",
+            Request::ApplyClose(_) => "apply_close",
         }
     }
 }
@@ -106,6 +122,12 @@ pub enum Reply {
     Job(JobInfo),
     JobStatus(JobStatusResult),
     JobList(Vec<JobInfo>),
+    /// Final reply to `Manifest`; the entries arrive before it as [`Chunk::Manifest`].
+    Manifest(ManifestSummary),
+    BlockHashes(BlockHashesResult),
+    ApplyOpened(ApplyOpened),
+    Applied(ApplyResult),
+    Done,
     Error(AgentError),
 }
 
@@ -114,4 +136,6 @@ pub enum Reply {
 pub enum Chunk {
     Stdout(Vec<u8>),
     Stderr(Vec<u8>),
+    /// A batch of manifest entries (a manifest can exceed one frame).
+    Manifest(Vec<ManifestEntry>),
 }

@@ -1,0 +1,134 @@
+//! Exact sync between two agents (the local side runs its own agent as a child process, so the
+//! same scanning and receiving code serves both directions).
+//!
+//! A sync is: both sides build a manifest (gitignore rules applied identically on both sides,
+//! hashes cached by inode identity), the orchestrator diffs them, reads what differs from the
+//! source with `ReadFile` (or only changed blocks, via `BlockHashes`), and streams it to the
+//! destination as `Apply` batches inside a staging session, where each file is verified and
+//! renamed into place. Nothing partial is ever visible under a final name.
+
+use serde::{Deserialize, Serialize};
+
+use crate::FileKind;
+
+/// Names always excluded by default, at any depth (gitignore syntax).
+pub const DEFAULT_EXCLUDES: &[&str] = &[".git/", ".idea/", ".vscode/", "__pycache__/", "*.pyc", "node_modules/"];
+
+/// Prefix of the per-session staging directory created inside a destination root; never
+/// listed in manifests and never synced.
+pub const STAGING_PREFIX: &str = ".rsb-sync-staging-";
+
+/// Exclusion rules with gitignore semantics: later lines win, `!` re-includes, a pattern
+/// without `/` matches at any depth, a trailing `/` matches directories only.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct SyncRules {
+    /// Prepend [`DEFAULT_EXCLUDES`].
+    pub default_excludes: bool,
+    /// `exclude_file` lines, then `excludes`, in order.
+    pub lines: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ManifestRequest {
+    /// `~`/`~/x` expanded by the agent.
+    pub root: String,
+    pub rules: SyncRules,
+    /// Compute blake3 for regular files (served from the hash cache when unchanged).
+    pub hash: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ManifestEntry {
+    /// Relative to the root, `/`-separated; `""` when the root itself is a file.
+    pub rel: String,
+    /// `File`, `Dir` or `Symlink` only; special files are skipped and counted.
+    pub kind: FileKind,
+    pub size: u64,
+    pub mtime_ns: i64,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    pub link_target: Option<String>,
+    pub hash: Option<[u8; 32]>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ManifestSummary {
+    /// The root after `~` expansion.
+    pub root: String,
+    /// `None` when the root does not exist.
+    pub root_kind: Option<FileKind>,
+    pub entries: u64,
+    /// FIFOs, sockets and devices (relative paths, at most 100 listed).
+    pub skipped_special: Vec<String>,
+    pub skipped_special_count: u64,
+    /// Bytes hashed afresh (0 when every hash came from the cache).
+    pub hashed_bytes: u64,
+    /// Unreadable entries, as `rel: reason` (at most 100).
+    pub errors: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BlockHashesRequest {
+    pub path: String,
+    pub block_size: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BlockHashesResult {
+    pub size: u64,
+    /// blake3 of each `block_size` block (the last may be short).
+    pub hashes: Vec<[u8; 32]>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApplyOpenRequest {
+    pub root: String,
+    /// Create the root (and parents) when missing.
+    pub create_root: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApplyOpened {
+    pub session: u64,
+    /// The root after `~` expansion.
+    pub root: String,
+    /// Leftover staging directories of killed syncs that were removed.
+    pub stale_cleaned: u32,
+}
+
+/// One change on the destination. `rel` is validated by the agent: no `..`, no absolute paths,
+/// no empty components, and no parent that is a symlink (which could escape the root).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ApplyOp {
+    Mkdir { rel: String, mode: u32 },
+    Symlink { rel: String, target: String },
+    /// Start the staged copy of `rel` from the destination's current file (for block deltas).
+    FileBase { rel: String },
+    /// Write bytes into the staged copy of `rel` (created empty on first use).
+    FileData { rel: String, offset: u64, data: Vec<u8> },
+    /// Truncate the staged copy to `size`, verify its blake3, set mode and mtime, and rename it
+    /// over `rel`.
+    FileCommit { rel: String, size: u64, mode: u32, mtime_ns: i64, hash: [u8; 32] },
+    /// Set mode and mtime of an existing entry whose content is already right.
+    SetAttr { rel: String, mode: Option<u32>, mtime_ns: Option<i64> },
+    /// Remove a file, symlink or empty directory.
+    Delete { rel: String },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApplyRequest {
+    pub session: u64,
+    pub ops: Vec<ApplyOp>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApplyResult {
+    pub applied: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApplyCloseRequest {
+    pub session: u64,
+    /// Directory mtimes to restore last (writing into a directory changes its mtime).
+    pub dir_mtimes: Vec<(String, i64)>,
+}
