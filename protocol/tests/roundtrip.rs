@@ -53,6 +53,58 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             grace_ms: 1000,
         }),
         Request::JobList,
+        Request::Manifest(ManifestRequest {
+            root: "~/proj".into(),
+            rules: SyncRules {
+                default_excludes: true,
+                lines: vec!["*.log".into(), "!keep.log".into()],
+            },
+            hash: true,
+        }),
+        Request::BlockHashes(BlockHashesRequest {
+            path: "big.bin".into(),
+            block_size: 262_144,
+        }),
+        Request::ApplyOpen(ApplyOpenRequest {
+            root: "/dst".into(),
+            create_root: true,
+        }),
+        Request::Apply(ApplyRequest {
+            session: 9,
+            ops: vec![
+                ApplyOp::Mkdir {
+                    rel: "a".into(),
+                    mode: 0o755,
+                },
+                ApplyOp::Symlink {
+                    rel: "a/l".into(),
+                    target: "../x".into(),
+                },
+                ApplyOp::FileBase { rel: "big".into() },
+                ApplyOp::FileData {
+                    rel: "big".into(),
+                    offset: 4096,
+                    data: vec![1, 2, 3],
+                },
+                ApplyOp::FileCommit {
+                    rel: "big".into(),
+                    size: 3,
+                    mode: 0o644,
+                    mtime_ns: -1,
+                    hash: [7; 32],
+                },
+                ApplyOp::SetAttr {
+                    rel: "a".into(),
+                    mode: None,
+                    mtime_ns: Some(5),
+                },
+                ApplyOp::Delete { rel: "old".into() },
+            ],
+        }),
+        Request::ApplyClose(ApplyCloseRequest {
+            session: 9,
+            dir_mtimes: vec![("a".into(), 1)],
+        }),
     ];
     let mut to_agent: Vec<ToAgent> = requests
         .into_iter()
@@ -174,6 +226,26 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             log_truncated: false,
         }),
         Reply::JobList(vec![job]),
+        Reply::Manifest(ManifestSummary {
+            root: "/r".into(),
+            root_kind: Some(FileKind::Dir),
+            entries: 2,
+            skipped_special: vec!["fifo".into()],
+            skipped_special_count: 1,
+            hashed_bytes: 0,
+            errors: vec![],
+        }),
+        Reply::BlockHashes(BlockHashesResult {
+            size: 5,
+            hashes: vec![[1; 32]],
+        }),
+        Reply::ApplyOpened(ApplyOpened {
+            session: 1,
+            root: "/r".into(),
+            stale_cleaned: 2,
+        }),
+        Reply::Applied(ApplyResult { applied: 7 }),
+        Reply::Done,
         Reply::Error(AgentError::new(ErrorCode::NotFound, "nope")),
     ];
     let mut from_agent: Vec<FromAgent> = vec![FromAgent::Hello(Hello {
@@ -215,7 +287,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
 #[test]
 fn every_message_round_trips() {
     let (to, from) = samples();
-    assert_eq!(to.len(), 11, "one sample per request kind plus cancel");
+    assert_eq!(to.len(), 16, "one sample per request kind plus cancel");
     for m in &to {
         let bytes = encode(m).unwrap();
         assert_eq!(&decode::<ToAgent>(&bytes).unwrap(), m);
