@@ -544,6 +544,7 @@ fn streamed_chunks_precede_the_reply_and_match_it() {
         match c {
             Chunk::Stdout(b) => out.extend(b),
             Chunk::Stderr(b) => err.extend(b),
+            other => panic!("exec streamed a non-output chunk: {other:?}"),
         }
     }
     assert_eq!(out, b"out1\nout2\nout3\n");
