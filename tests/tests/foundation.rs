@@ -435,3 +435,71 @@ fn which(name: &str) -> Option<String> {
         .map(|d| format!("{d}/{name}"))
         .find(|p| std::path::Path::new(p).is_file())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_noexec_home_falls_back_to_another_directory() {
+    let sshd = Sshd::start().unwrap();
+    let home = sshd.home().to_path_buf();
+    let mounted = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=16m,noexec,mode=755", "tmpfs"])
+        .arg(&home)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mounted {
+        eprintln!("note: cannot mount a noexec tmpfs here (not root?); skipping");
+        return;
+    }
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount")
+                .arg("-l")
+                .arg(&self.0)
+                .status();
+        }
+    }
+    let _guard = Unmount(home.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let pool = key_pool(&sshd, dir.path());
+    let c = pool
+        .client("s")
+        .await
+        .expect("falls back to a directory that allows exec");
+    assert_eq!(
+        out(&c.exec(exec("echo fallback", 5000)).await.unwrap().stdout),
+        "fallback\n"
+    );
+    let exe = std::fs::read_link(format!("/proc/{}/exe", c.hello().pid)).unwrap();
+    assert!(
+        !exe.starts_with(&home),
+        "agent runs from {exe:?}, inside the noexec home"
+    );
+    pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsupported_platform_is_a_clear_error() {
+    let fake = tempfile::tempdir().unwrap();
+    let uname = fake.path().join("uname");
+    std::fs::write(
+        &uname,
+        "#!/bin/sh\ncase \"$1\" in -s) echo Darwin;; -m) echo arm64;; *) echo Darwin;; esac\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&uname, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!("{}:/usr/local/bin:/usr/bin:/bin", fake.path().display());
+    let sshd = Sshd::start_with(rsb_tests::SshdOptions {
+        set_env: vec![("PATH".into(), path)],
+        ..Default::default()
+    })
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let pool = key_pool(&sshd, dir.path());
+    let e = pool.client("s").await.unwrap_err();
+    assert_eq!(e.kind, Kind::Deploy, "{e:?}");
+    assert!(
+        e.message.contains("unsupported platform Darwin arm64"),
+        "{e:?}"
+    );
+    assert!(!e.message.contains('\n'));
+}
