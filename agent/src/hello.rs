@@ -52,7 +52,9 @@ fn nvml_available() -> bool {
 pub fn capabilities() -> Capabilities {
     Capabilities {
         bash: util::find_on_path("bash").is_some(),
-        tmux: util::find_on_path("tmux").is_some(),
+        // PATH only (no fallback dirs): the job runner decides the same way, so the two agree.
+        tmux: std::env::var_os("PATH")
+            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("tmux").is_file())),
         nvidia_smi: util::find_on_path("nvidia-smi").is_some(),
         nvml: nvml_available(),
     }
