@@ -22,19 +22,49 @@ use rmcp::{
 };
 use serde_json::{Value, json};
 
-use crate::{config::Config, error::RsbError, pool::Pool};
+use crate::{
+    config::{Config, ConfigError},
+    error::RsbError,
+    pool::Pool,
+};
 
 #[derive(Clone)]
 pub struct RsbServer {
     pub(crate) pool: Arc<Pool>,
     tool_router: ToolRouter<RsbServer>,
+    /// Set when the configuration could not be loaded: the tools are still listed, and every
+    /// call replies with this error (as the seed did), so the client sees why.
+    config_error: Option<Arc<ConfigError>>,
 }
 
 impl RsbServer {
     pub fn new(config: Config) -> Self {
         let pool = Arc::new(Pool::new(Arc::new(config)));
-        let tool_router = Self::sandbox_router() + Self::jobs_router() + Self::files_router();
-        RsbServer { pool, tool_router }
+        let tool_router = Self::sandbox_router()
+            + Self::jobs_router()
+            + Self::files_router();
+        RsbServer {
+            pool,
+            tool_router,
+            config_error: None,
+        }
+    }
+
+    /// A server whose every tool call fails with `err` (a config error never holds a secret).
+    pub fn with_config_error(err: ConfigError) -> Self {
+        let config = Config {
+            sandboxes: Vec::new(),
+            expose_advanced_tools: false,
+            inline_sync_max_files: crate::config::DEFAULT_INLINE_SYNC_MAX_FILES,
+            inline_sync_max_bytes: crate::config::DEFAULT_INLINE_SYNC_MAX_BYTES,
+            state_dir: std::path::PathBuf::new(),
+            source: "invalid configuration".into(),
+            warnings: Vec::new(),
+        };
+        RsbServer {
+            config_error: Some(Arc::new(err)),
+            ..Self::new(config)
+        }
     }
 }
 
@@ -46,8 +76,26 @@ pub(crate) fn ok(v: Value) -> ToolResult {
     )]))
 }
 
+/// Control characters (a newline in a path, say) are escaped so an error is always one line.
+fn one_line(s: &str) -> std::borrow::Cow<'_, str> {
+    if s.chars().any(char::is_control) {
+        s.chars()
+            .map(|c| {
+                if c.is_control() {
+                    c.escape_default().to_string()
+                } else {
+                    c.to_string()
+                }
+            })
+            .collect::<String>()
+            .into()
+    } else {
+        s.into()
+    }
+}
+
 pub(crate) fn fail(e: &RsbError) -> ToolResult {
-    let mut v = json!({"error": e.message, "hint": e.hint});
+    let mut v = json!({"error": one_line(&e.message), "hint": one_line(&e.hint)});
     if e.is_connection_lost() {
         v["connection_error"] = json!(true);
     }
@@ -100,12 +148,107 @@ where
     }
 }
 
+/// Check call arguments against the tool's input schema (names, required, JSON types) so a bad
+/// call gets an error naming the parameter; serde's own message for a wrong type does not.
+/// Values are never echoed: they may hold anything.
+fn check_args(
+    schema: &serde_json::Map<String, Value>,
+    args: Option<&serde_json::Map<String, Value>>,
+) -> Result<(), RsbError> {
+    let empty = serde_json::Map::new();
+    let props = schema
+        .get("properties")
+        .and_then(Value::as_object)
+        .unwrap_or(&empty);
+    let args = args.unwrap_or(&empty);
+    for (k, v) in args {
+        let Some(p) = props.get(k) else {
+            let valid: Vec<&str> = props.keys().map(String::as_str).collect();
+            return Err(RsbError::invalid(
+                format!("unknown parameter '{k}'"),
+                if valid.is_empty() {
+                    "this tool takes no parameters".to_string()
+                } else {
+                    format!("valid parameters: {}", valid.join(", "))
+                },
+            ));
+        };
+        let types: Vec<&str> = match p.get("type") {
+            Some(Value::String(t)) => vec![t.as_str()],
+            Some(Value::Array(a)) => a.iter().filter_map(Value::as_str).collect(),
+            _ => continue,
+        };
+        let fits = |t: &str| match t {
+            // schemars marks i64 fields `format: int64`; a larger u64 would not fit.
+            "integer" => {
+                v.is_i64()
+                    || (v.is_u64() && p.get("format").and_then(Value::as_str) != Some("int64"))
+            }
+            "number" => v.is_number(),
+            "string" => v.is_string(),
+            "boolean" => v.is_boolean(),
+            "null" => v.is_null(),
+            "array" => v.is_array(),
+            "object" => v.is_object(),
+            _ => true,
+        };
+        if !types.iter().any(|t| fits(t)) {
+            let got = match v {
+                Value::Null => "null",
+                Value::Bool(_) => "a boolean",
+                Value::Number(n) if n.is_f64() => "a floating-point number",
+                Value::Number(_) if types.contains(&"integer") => "an out-of-range integer",
+                Value::Number(_) => "a number",
+                Value::String(_) => "a string",
+                Value::Array(_) => "an array",
+                Value::Object(_) => "an object",
+            };
+            return Err(RsbError::invalid(
+                format!("parameter '{k}' must be {}, got {got}", types.join(" or ")),
+                "fix the argument's JSON type (see the tool's input schema)",
+            ));
+        }
+    }
+    if let Some(req) = schema.get("required").and_then(Value::as_array) {
+        for r in req.iter().filter_map(Value::as_str) {
+            if !args.contains_key(r) {
+                return Err(RsbError::invalid(
+                    format!("missing required parameter '{r}'"),
+                    "pass every required parameter (see the tool's input schema)",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn ctx_name(id: &rmcp::model::RequestId) -> String {
     format!("request {id}")
 }
 
 #[tool_handler(router = self.tool_router)]
 impl ServerHandler for RsbServer {
+    async fn call_tool(
+        &self,
+        request: rmcp::model::CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<rmcp::model::CallToolResponse, ErrorData> {
+        if let Some(e) = &self.config_error {
+            let v = json!({
+                "error": format!("Sandbox configuration error: {}", e.message),
+                "hint": e.hint,
+            });
+            return Ok(CallToolResult::error(vec![ContentBlock::text(v.to_string())]).into());
+        }
+        if let Some(tool) = self.tool_router.get(&request.name)
+            && let Err(e) = check_args(&tool.input_schema, request.arguments.as_ref())
+        {
+            return fail(&e).map(Into::into);
+        }
+        let tcc = rmcp::handler::server::tool::ToolCallContext::new(self, request, context);
+        self.tool_router.call(tcc).await
+    }
+
     fn get_info(&self) -> ServerConfig {
         ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
             .with_server_info(Implementation::new(
@@ -122,7 +265,15 @@ impl ServerHandler for RsbServer {
 
 /// Serve MCP on stdin/stdout until the client closes the stream.
 pub async fn serve(config: Config) -> anyhow::Result<()> {
-    let server = RsbServer::new(config);
+    serve_server(RsbServer::new(config)).await
+}
+
+/// Serve MCP with a configuration that failed to load: every tool call replies with `err`.
+pub async fn serve_config_error(err: ConfigError) -> anyhow::Result<()> {
+    serve_server(RsbServer::with_config_error(err)).await
+}
+
+async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
     let pool = server.pool.clone();
     let running = match server.serve(rmcp::transport::stdio()).await {
         Ok(r) => r,
@@ -135,4 +286,71 @@ pub async fn serve(config: Config) -> anyhow::Result<()> {
     let _ = running.waiting().await;
     pool.shutdown().await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn schema() -> serde_json::Map<String, Value> {
+        json!({
+            "type": "object",
+            "properties": {
+                "command": {"type": "string"},
+                "cwd": {"type": ["string", "null"], "default": null},
+                "timeout_s": {"type": "integer", "format": "int64", "default": 120},
+                "flag": {"type": "boolean"},
+            },
+            "required": ["command"],
+        })
+        .as_object()
+        .unwrap()
+        .clone()
+    }
+
+    fn check(args: Value) -> Result<(), String> {
+        check_args(&schema(), args.as_object()).map_err(|e| e.message)
+    }
+
+    #[test]
+    fn arguments_are_checked_against_the_schema_by_name() {
+        assert_eq!(check(json!({"command": "x", "cwd": null})), Ok(()));
+        assert_eq!(
+            check(json!({"command": "x", "cwd": "/", "timeout_s": 5})),
+            Ok(())
+        );
+        assert_eq!(
+            check(json!({"command": "x", "bogus": 1})),
+            Err("unknown parameter 'bogus'".into())
+        );
+        assert_eq!(
+            check(json!({})),
+            Err("missing required parameter 'command'".into())
+        );
+        assert_eq!(
+            check(json!({"command": "x", "timeout_s": "abc"})),
+            Err("parameter 'timeout_s' must be integer, got a string".into())
+        );
+        assert_eq!(
+            check(json!({"command": "x", "timeout_s": 1.5})),
+            Err("parameter 'timeout_s' must be integer, got a floating-point number".into())
+        );
+        assert_eq!(
+            check(json!({"command": "x", "timeout_s": u64::MAX})),
+            Err("parameter 'timeout_s' must be integer, got an out-of-range integer".into())
+        );
+        assert_eq!(
+            check(json!({"command": "x", "flag": "yes"})),
+            Err("parameter 'flag' must be boolean, got a string".into())
+        );
+        // A secret passed in the wrong place is never echoed.
+        let e = check(json!({"command": "x", "timeout_s": "S3cr3t"})).unwrap_err();
+        assert!(!e.contains("S3cr3t"), "{e}");
+    }
+
+    #[test]
+    fn errors_are_one_line() {
+        assert_eq!(one_line("plain"), "plain");
+        assert_eq!(one_line("a\nb\tc\u{1b}"), "a\\nb\\tc\\u{1b}");
+    }
 }

@@ -1,0 +1,1423 @@
+//! MCP-level acceptance tests (issue 3): `rsb mcp` runs as a child process, driven by rmcp's
+//! own client over stdio, against real private sshd fixtures.
+//!
+//! Needs the `rsb` binary: `cargo build --workspace --bins` (the agents must have been built
+//! first with `scripts/build-agents.sh`, since `rsb` embeds them).
+
+use std::{
+    collections::BTreeSet,
+    path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use base64::Engine as _;
+use rmcp::{
+    ClientHandler, RoleClient, ServiceExt,
+    model::{CallToolRequest, CallToolRequestParams, ClientRequest, ProgressNotificationParam},
+    service::{NotificationContext, PeerRequestOptions, RunningService},
+    transport::TokioChildProcess,
+};
+use rsb_tests::{Sshd, workspace_root};
+use serde_json::{Value, json};
+
+// ---------------------------------------------------------------------------------------------
+// Harness
+// ---------------------------------------------------------------------------------------------
+
+/// The tools `rsb mcp` exposes by default (no advanced flag).
+/// The seed's twelve defaults plus rsb's `kill_background_task` and `list_background_tasks`.
+const DEFAULT_TOOLS: [&str; 14] = [
+    "list_sandboxes",
+    "select_sandbox",
+    "get_active_sandbox",
+    "exec_bash",
+    "exec_bash_background",
+    "check_background_task",
+    "kill_background_task",
+    "list_background_tasks",
+    "list_remote_files",
+    "read_remote_file",
+    "sync_local_to_remote",
+    "check_file_transfer_task",
+    "cancel_file_transfer_task",
+    "sync_remote_to_local",
+];
+
+/// The seed's twelve default tools take 9.2 KB of compact JSON; rsb's set must not be larger.
+const SCHEMA_BUDGET_BYTES: usize = 9_200;
+
+/// A password that must never appear in any reply or log line.
+const FAKE_SECRET: &str = "S3cr3t-pw!";
+
+fn rsb_bin() -> PathBuf {
+    let p = workspace_root().join("target/debug/rsb");
+    assert!(
+        p.exists(),
+        "{} does not exist: run `cargo build --workspace --bins` first",
+        p.display()
+    );
+    p
+}
+
+/// Counts progress notifications from the server.
+#[derive(Clone, Default)]
+struct Counter {
+    progress: Arc<AtomicUsize>,
+}
+
+impl ClientHandler for Counter {
+    fn on_progress(
+        &self,
+        _params: ProgressNotificationParam,
+        _context: NotificationContext<RoleClient>,
+    ) -> impl Future<Output = ()> + Send + '_ {
+        self.progress.fetch_add(1, Ordering::SeqCst);
+        std::future::ready(())
+    }
+}
+
+/// One tool reply: `isError`, the text block, and that text parsed as JSON (or `Null`).
+#[derive(Debug, Clone)]
+struct Reply {
+    is_error: bool,
+    text: String,
+    v: Value,
+}
+
+impl Reply {
+    fn s(&self, key: &str) -> &str {
+        self.v[key].as_str().unwrap_or_default()
+    }
+}
+
+struct Mcp {
+    svc: RunningService<RoleClient, Counter>,
+    progress: Arc<AtomicUsize>,
+    stderr_path: PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl Mcp {
+    /// `rsb mcp` with `REMOTE_SANDBOX_LIST=list` and an otherwise controlled environment: no
+    /// config file, no ssh config, no agent, state in a temp dir, debug logs to a file.
+    async fn start(list: &str) -> Mcp {
+        let tmp = tempfile::tempdir().unwrap();
+        let home = tmp.path().join("home");
+        std::fs::create_dir_all(&home).unwrap();
+        let stderr_path = tmp.path().join("rsb-mcp.stderr");
+        let stderr = std::fs::File::create(&stderr_path).unwrap();
+        let mut cmd = tokio::process::Command::new(rsb_bin());
+        cmd.arg("mcp")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &home)
+            .env("XDG_CONFIG_HOME", home.join(".config"))
+            .env("XDG_DATA_HOME", home.join(".local/share"))
+            .env("RSB_STATE_DIR", tmp.path().join("state"))
+            .env("RSB_LOG", "debug")
+            .env("REMOTE_SANDBOX_LIST", list);
+        let (transport, _) = TokioChildProcess::builder(cmd)
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn rsb mcp");
+        let counter = Counter::default();
+        let progress = counter.progress.clone();
+        let svc = tokio::time::timeout(Duration::from_secs(20), counter.serve(transport))
+            .await
+            .expect("MCP initialize timed out")
+            .unwrap_or_else(|e| {
+                panic!(
+                    "MCP initialize failed: {e}; server stderr:\n{}",
+                    std::fs::read_to_string(&stderr_path).unwrap_or_default()
+                )
+            });
+        Mcp {
+            svc,
+            progress,
+            stderr_path,
+            _tmp: tmp,
+        }
+    }
+
+    fn stderr(&self) -> String {
+        std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
+    }
+
+    /// A tool call; `Err` is a protocol-level error (not a tool result).
+    async fn try_call(&self, tool: &str, args: Value) -> Result<Reply, String> {
+        let Value::Object(args) = args else {
+            panic!("arguments must be an object")
+        };
+        let params = CallToolRequestParams::new(tool.to_string()).with_arguments(args);
+        let r = tokio::time::timeout(Duration::from_secs(90), self.svc.call_tool(params))
+            .await
+            .unwrap_or_else(|_| panic!("{tool} did not answer within 90 s"))
+            .map_err(|e| e.to_string())?;
+        let raw = serde_json::to_value(&r).unwrap();
+        let text = raw["content"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let v = serde_json::from_str(&text).unwrap_or(Value::Null);
+        Ok(Reply {
+            is_error: r.is_error == Some(true),
+            text,
+            v,
+        })
+    }
+
+    async fn call(&self, tool: &str, args: Value) -> Reply {
+        self.try_call(tool, args.clone())
+            .await
+            .unwrap_or_else(|e| panic!("{tool}({args}) failed at the protocol level: {e}"))
+    }
+
+    /// A call that must succeed (`isError` false).
+    async fn ok(&self, tool: &str, args: Value) -> Value {
+        let r = self.call(tool, args.clone()).await;
+        assert!(!r.is_error, "{tool}({args}) failed: {}", r.text);
+        r.v
+    }
+
+    /// A call that must fail with `isError: true` and a JSON `{"error", "hint"}` body.
+    async fn err(&self, tool: &str, args: Value) -> Reply {
+        let r = self.call(tool, args.clone()).await;
+        assert!(r.is_error, "{tool}({args}) should fail: {}", r.text);
+        r
+    }
+
+    async fn close(mut self) -> String {
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.svc.close()).await;
+        self.stderr()
+    }
+}
+
+fn key_entry(name: &str, sshd: &Sshd) -> Value {
+    json!({
+        "name": name, "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+        "key_file": sshd.client_key().display().to_string(),
+    })
+}
+
+fn pw_entry(name: &str, sshd: &Sshd, user: &str, password: &str) -> Value {
+    json!({"name": name, "host": sshd.host(), "port": sshd.port(), "user": user, "password": password})
+}
+
+/// A loopback port nobody listens on (bound, then released).
+fn closed_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+/// A sandbox on a closed port, with a password that must never leak.
+fn dead_entry(name: &str, port: u16) -> Value {
+    json!({"name": name, "host": "127.0.0.1", "port": port, "user": "nobody",
+           "password": FAKE_SECRET, "connect_timeout_s": 3})
+}
+
+fn list(entries: &[Value]) -> String {
+    Value::Array(entries.to_vec()).to_string()
+}
+
+fn unique(prefix: &str) -> String {
+    let n = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{prefix}-{}-{n}", std::process::id())
+}
+
+fn home(sshd: &Sshd) -> String {
+    sshd.home().display().to_string()
+}
+
+fn assert_no_secret(what: &str, text: &str, secrets: &[&str]) {
+    for s in secrets {
+        assert!(!text.contains(s), "a secret leaked into {what}:\n{text}");
+    }
+}
+
+/// Is any process of group `pgid` alive (the fixture's sessions run on this machine)?
+fn group_alive(pgid: i32) -> bool {
+    unsafe { libc::kill(-pgid, 0) == 0 }
+}
+
+async fn wait_for_file(p: &Path, within: Duration) -> String {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(s) = std::fs::read_to_string(p)
+            && s.ends_with('\n')
+        {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "{} never appeared", p.display());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn wait_group_gone(pgid: i32, within: Duration) -> Duration {
+    let start = Instant::now();
+    while group_alive(pgid) {
+        assert!(
+            start.elapsed() < within,
+            "process group {pgid} still alive {within:?} after the cancel"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    start.elapsed()
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. tools/list: names, parameters, defaults, schema budget
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_list_matches_the_seed_and_fits_the_budget() {
+    let mcp = Mcp::start(&list(&[dead_entry("dead", closed_port())])).await;
+    let tools = mcp.svc.list_all_tools().await.unwrap();
+    let arr = serde_json::to_value(&tools).unwrap();
+    let compact = serde_json::to_string(&arr).unwrap();
+    println!(
+        "tools/list: {} tools, {} bytes of compact JSON (budget {SCHEMA_BUDGET_BYTES})",
+        tools.len(),
+        compact.len()
+    );
+    for t in arr.as_array().unwrap() {
+        println!(
+            "  {:<24} {:>5} bytes",
+            t["name"].as_str().unwrap(),
+            serde_json::to_string(t).unwrap().len()
+        );
+    }
+    assert!(
+        compact.len() <= SCHEMA_BUDGET_BYTES,
+        "tools array is {} bytes, over the {SCHEMA_BUDGET_BYTES} budget",
+        compact.len()
+    );
+
+    let names: BTreeSet<&str> = arr
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, DEFAULT_TOOLS.into_iter().collect::<BTreeSet<_>>());
+
+    let tool = |n: &str| -> Value {
+        arr.as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["name"] == n)
+            .cloned()
+            .unwrap()
+    };
+    for n in DEFAULT_TOOLS {
+        let t = tool(n);
+        let d = t["description"].as_str().unwrap_or_default();
+        assert!(d.len() >= 20, "{n} needs a useful description: {d:?}");
+        assert!(t.get("outputSchema").is_none(), "{n} has an output schema");
+        assert_eq!(t["inputSchema"]["type"], "object", "{n}");
+    }
+
+    // (tool, required params, [(param, default)])
+    type Spec = (&'static str, Vec<&'static str>, Vec<(&'static str, Value)>);
+    let spec: Vec<Spec> = vec![
+        (
+            "list_sandboxes",
+            vec![],
+            vec![("check_resources", json!(false))],
+        ),
+        ("select_sandbox", vec!["sandbox_name"], vec![]),
+        ("get_active_sandbox", vec![], vec![]),
+        (
+            "exec_bash",
+            vec!["command"],
+            vec![
+                ("cwd", Value::Null),
+                ("timeout_s", json!(120)),
+                ("max_output_chars", json!(20000)),
+                ("sandbox_name", json!("")),
+            ],
+        ),
+        (
+            "exec_bash_background",
+            vec!["command"],
+            vec![
+                ("session_name", json!("")),
+                ("log_file", json!("")),
+                ("cwd", json!("")),
+                ("sandbox_name", json!("")),
+                ("watch", json!(true)),
+                ("ensure_watchdog", json!(true)),
+                ("run_id", json!("")),
+                ("watch_name", json!("")),
+                ("resume_command", json!("")),
+                ("resume_plan_json", json!("")),
+                ("checkpoint_path", json!("")),
+                ("checkpoint_format", json!("text")),
+                ("checkpoint_command", json!("")),
+                ("interval_s", json!(300)),
+                ("max_log_lines", json!(80)),
+                ("webhook_url", json!("")),
+                ("event_command", json!("")),
+                ("auto_resume", json!(false)),
+                ("max_resume_attempts", json!(1)),
+                ("metadata_json", json!("")),
+                ("notify_local", json!(true)),
+                ("alert_after_failures", json!(2)),
+                ("resume_delay_s", json!(300)),
+                ("codex_wakeup", json!(false)),
+                ("codex_command", json!("")),
+            ],
+        ),
+        (
+            "check_background_task",
+            vec![],
+            vec![
+                ("tmux_session", json!("")),
+                ("log_file", json!("")),
+                ("watch_id", json!(0)),
+                ("last_n_lines", json!(50)),
+                ("sandbox_name", json!("")),
+            ],
+        ),
+        (
+            "list_remote_files",
+            vec![],
+            vec![
+                ("remote_path", json!(".")),
+                ("recursive", json!(false)),
+                ("max_entries", json!(200)),
+                ("sandbox_name", json!("")),
+            ],
+        ),
+        (
+            "read_remote_file",
+            vec!["remote_path"],
+            vec![("max_bytes", json!(200000)), ("sandbox_name", json!(""))],
+        ),
+        (
+            "sync_local_to_remote",
+            vec![],
+            vec![
+                ("local_path", json!(".")),
+                ("remote_path", json!(".")),
+                ("delete_extras", json!(false)),
+                ("excludes", Value::Null),
+                ("exclude_file", Value::Null),
+                ("sandbox_name", json!("")),
+            ],
+        ),
+        (
+            "sync_remote_to_local",
+            vec![],
+            vec![
+                ("remote_path", json!(".")),
+                ("local_path", json!("./remote_mirror")),
+                ("excludes", Value::Null),
+                ("exclude_file", Value::Null),
+                ("sandbox_name", json!("")),
+            ],
+        ),
+        (
+            "check_file_transfer_task",
+            vec!["task_id"],
+            vec![("last_n_lines", json!(50))],
+        ),
+        (
+            "cancel_file_transfer_task",
+            vec!["task_id"],
+            vec![("force_kill_after_s", json!(5.0))],
+        ),
+    ];
+    for (name, required, defaults) in spec {
+        let schema = &tool(name)["inputSchema"];
+        let props = schema["properties"]
+            .as_object()
+            .cloned()
+            .unwrap_or_default();
+        let mut req: Vec<&str> = schema["required"]
+            .as_array()
+            .map(|a| a.iter().map(|v| v.as_str().unwrap()).collect())
+            .unwrap_or_default();
+        req.sort();
+        assert_eq!(req, required, "{name}: required parameters");
+        for r in &required {
+            assert!(props.contains_key(*r), "{name}: missing parameter {r}");
+        }
+        for (p, d) in &defaults {
+            let prop = props
+                .get(*p)
+                .unwrap_or_else(|| panic!("{name}: missing parameter {p}"));
+            assert_eq!(&prop["default"], d, "{name}.{p} default: {prop}");
+        }
+        if name == "get_active_sandbox" {
+            assert!(props.is_empty(), "{name} takes no parameters: {schema}");
+        }
+    }
+    // Integer parameters are integers, not strings.
+    for (t, p) in [
+        ("exec_bash", "timeout_s"),
+        ("exec_bash", "max_output_chars"),
+        ("list_remote_files", "max_entries"),
+        ("read_remote_file", "max_bytes"),
+        ("check_background_task", "last_n_lines"),
+    ] {
+        assert_eq!(
+            tool(t)["inputSchema"]["properties"][p]["type"],
+            "integer",
+            "{t}.{p}"
+        );
+    }
+    mcp.close().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Several sandboxes: key auth, password auth, unreachable
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandboxes_select_override_and_unreachable() {
+    let s1 = Sshd::start().unwrap();
+    let s2 = Sshd::start().unwrap();
+    let pw = s1.password_user();
+    let mut entries = vec![key_entry("a", &s1), key_entry("b", &s2)];
+    match &pw {
+        Some((u, p)) => entries.push(pw_entry("pw", &s1, u, p)),
+        None => eprintln!("NOTE: not root; skipping the password-auth sandbox"),
+    }
+    entries.push(dead_entry("dead", closed_port()));
+    let mcp = Mcp::start(&list(&entries)).await;
+    let mut secrets = vec![FAKE_SECRET.to_string()];
+    if let Some((_, p)) = &pw {
+        secrets.push(p.clone());
+    }
+    let secrets: Vec<&str> = secrets.iter().map(String::as_str).collect();
+    let mut replies = String::new();
+
+    let t = Instant::now();
+    let r = mcp.call("list_sandboxes", json!({})).await;
+    let took = t.elapsed();
+    println!("list_sandboxes (first connect + deploy to each) took {took:?}");
+    assert!(!r.is_error, "{}", r.text);
+    replies.push_str(&r.text);
+    assert!(
+        took < Duration::from_secs(30),
+        "list_sandboxes took {took:?}"
+    );
+    assert_eq!(r.v["active_sandbox"], "a");
+    let sbs = r.v["sandboxes"].as_array().unwrap();
+    assert_eq!(sbs.len(), entries.len());
+    for sb in sbs {
+        let name = sb["name"].as_str().unwrap();
+        assert_eq!(sb["is_active"], json!(name == "a"), "{sb}");
+        assert!(sb["host"].is_string() && sb["port"].is_u64() && sb["user"].is_string());
+        if name == "dead" {
+            assert_eq!(sb["connection_alive"], false, "{sb}");
+            let e = sb["connection_error"].as_str().unwrap();
+            assert!(!e.is_empty() && !e.contains('\n'), "{sb}");
+        } else {
+            assert_eq!(sb["connection_alive"], true, "{sb}");
+            assert!(sb.get("connection_error").is_none(), "{sb}");
+        }
+    }
+    // Warm now: the dead one must not slow the whole list down.
+    let t = Instant::now();
+    let r = mcp.call("list_sandboxes", json!({})).await;
+    println!("list_sandboxes (warm) took {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(5));
+    replies.push_str(&r.text);
+
+    // select → exec lands on the selected sandbox.
+    let v = mcp.ok("select_sandbox", json!({"sandbox_name": "b"})).await;
+    assert_eq!(v, json!({"active_sandbox": "b", "status": "selected"}));
+    let cmd = "hostname; echo $HOME";
+    let v = mcp.ok("exec_bash", json!({"command": cmd})).await;
+    let out = v["stdout"].as_str().unwrap();
+    assert_eq!(out.lines().nth(1), Some(home(&s2).as_str()), "{v}");
+
+    // A per-call override does not change the active sandbox.
+    let v = mcp
+        .ok("exec_bash", json!({"command": cmd, "sandbox_name": "a"}))
+        .await;
+    assert_eq!(
+        v["stdout"].as_str().unwrap().lines().nth(1),
+        Some(home(&s1).as_str())
+    );
+    let v = mcp.ok("get_active_sandbox", json!({})).await;
+    assert_eq!(v["active_sandbox"], "b", "{v}");
+    assert_eq!(v["connection_alive"], true, "{v}");
+    assert_eq!(v["port"], s2.port());
+    assert_eq!(v["user"], s2.user());
+    let v = mcp.ok("exec_bash", json!({"command": "echo $HOME"})).await;
+    assert_eq!(v["stdout"], format!("{}\n", home(&s2)));
+
+    // Password auth.
+    if let Some((user, _)) = &pw {
+        let v = mcp
+            .ok(
+                "exec_bash",
+                json!({"command": "id -un; echo $HOME", "sandbox_name": "pw"}),
+            )
+            .await;
+        let want = format!("{user}\n{}\n", s1.password_home().unwrap().display());
+        assert_eq!(v["stdout"], want, "{v}");
+        replies.push_str(&v.to_string());
+    }
+
+    // Unknown sandbox: an error that lists the available names.
+    for (tool, args) in [
+        ("select_sandbox", json!({"sandbox_name": "nope"})),
+        (
+            "exec_bash",
+            json!({"command": "true", "sandbox_name": "nope"}),
+        ),
+        ("list_remote_files", json!({"sandbox_name": "nope"})),
+    ] {
+        let r = mcp.err(tool, args).await;
+        assert!(r.s("error").contains("nope"), "{}", r.text);
+        for n in ["a", "b", "dead"] {
+            assert!(
+                r.text.contains(&format!("\"{n}\"")) || r.s("error").contains(n),
+                "{tool}: available names missing: {}",
+                r.text
+            );
+        }
+        replies.push_str(&r.text);
+    }
+    let v = mcp.ok("get_active_sandbox", json!({})).await;
+    assert_eq!(v["active_sandbox"], "b");
+
+    // The unreachable sandbox: a per-call error, active unchanged.
+    let r = mcp
+        .err(
+            "exec_bash",
+            json!({"command": "true", "sandbox_name": "dead"}),
+        )
+        .await;
+    assert!(
+        !r.s("error").is_empty() && !r.s("hint").is_empty(),
+        "{}",
+        r.text
+    );
+    replies.push_str(&r.text);
+    // select does not test the connection (seed); get_active_sandbox then reports it.
+    mcp.ok("select_sandbox", json!({"sandbox_name": "dead"}))
+        .await;
+    let v = mcp.ok("get_active_sandbox", json!({})).await;
+    assert_eq!(v["active_sandbox"], "dead");
+    assert_eq!(v["connection_alive"], false, "{v}");
+    assert!(v["connection_error"].is_string(), "{v}");
+    replies.push_str(&v.to_string());
+
+    assert_no_secret("replies", &replies, &secrets);
+    let log = mcp.close().await;
+    assert_no_secret("the server log", &log, &secrets);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. exec_bash semantics through MCP
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_bash_semantics() {
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "echo hi; echo err >&2; exit 3"}),
+        )
+        .await;
+    assert_eq!(v["exit_code"], 3);
+    assert_eq!(v["stdout"], "hi\n");
+    assert_eq!(v["stderr"], "err\n");
+    assert!(v.get("timed_out").is_none(), "{v}");
+
+    let v = mcp.ok("exec_bash", json!({"command": "true"})).await;
+    assert_eq!(v["exit_code"], 0);
+    assert!(
+        v.get("stdout").is_none() && v.get("stderr").is_none(),
+        "{v}"
+    );
+
+    // A real timeout: the whole group is killed, promptly.
+    let t = Instant::now();
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "sleep 29.5; echo never", "timeout_s": 2}),
+        )
+        .await;
+    let took = t.elapsed();
+    println!("timeout_s=2 on sleep took {took:?}");
+    assert_eq!(v["timed_out"], true, "{v}");
+    assert_eq!(v["exit_code"], 124, "{v}");
+    assert!(v["stderr"].as_str().unwrap().contains("[TIMEOUT]"), "{v}");
+    assert!(v.get("stdout").is_none(), "{v}");
+    assert!(took < Duration::from_secs(3), "timeout took {took:?}");
+    let left = sshd.ssh_run("pgrep -f 'sleep 2[9].5' || true").unwrap();
+    assert!(left.trim().is_empty(), "sleep survived the timeout: {left}");
+
+    // A command that ignores SIGTERM is SIGKILLed after the grace period (the seed left it).
+    let t = Instant::now();
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "trap '' TERM; sleep 28.5; echo never", "timeout_s": 1}),
+        )
+        .await;
+    let took = t.elapsed();
+    println!("timeout_s=1 on a TERM-ignoring sleep took {took:?}");
+    assert_eq!(v["timed_out"], true, "{v}");
+    assert!(took < Duration::from_secs(6), "took {took:?}");
+    let left = sshd.ssh_run("pgrep -f 'sleep 2[8].5' || true").unwrap();
+    assert!(left.trim().is_empty(), "sleep survived SIGKILL: {left}");
+
+    // `exit 124` is not a timeout.
+    let v = mcp.ok("exec_bash", json!({"command": "exit 124"})).await;
+    assert_eq!(v["exit_code"], 124);
+    assert!(v.get("timed_out").is_none(), "{v}");
+
+    // stdin is closed: `cat` returns at once.
+    let t = Instant::now();
+    let v = mcp
+        .ok("exec_bash", json!({"command": "cat", "timeout_s": 10}))
+        .await;
+    assert_eq!(v["exit_code"], 0, "{v}");
+    assert!(
+        t.elapsed() < Duration::from_secs(2),
+        "cat took {:?}",
+        t.elapsed()
+    );
+
+    // cwd: spaces, ~, and no injection.
+    let spaced = sshd.home().join("dir with space");
+    std::fs::create_dir_all(&spaced).unwrap();
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "pwd", "cwd": spaced.display().to_string()}),
+        )
+        .await;
+    assert_eq!(v["stdout"], format!("{}\n", spaced.display()));
+    let v = mcp
+        .ok("exec_bash", json!({"command": "pwd", "cwd": "~"}))
+        .await;
+    assert_eq!(v["stdout"], format!("{}\n", home(&sshd)));
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "pwd", "cwd": "~/dir with space"}),
+        )
+        .await;
+    assert_eq!(v["stdout"], format!("{}\n", spaced.display()));
+    let pwned = std::env::temp_dir().join(unique("pwned"));
+    let r = mcp
+        .err(
+            "exec_bash",
+            json!({"command": "echo ran", "cwd": format!("/tmp; touch {}", pwned.display())}),
+        )
+        .await;
+    assert!(!r.s("error").is_empty(), "{}", r.text);
+    assert!(!r.text.contains("ran\\n"), "{}", r.text);
+    assert!(!pwned.exists(), "cwd was interpreted by a shell");
+    let r = mcp
+        .err(
+            "exec_bash",
+            json!({"command": "echo ran", "cwd": "/nonexistent-dir-xyz"}),
+        )
+        .await;
+    assert!(r.s("error").contains("nonexistent-dir-xyz"), "{}", r.text);
+
+    // Output caps: max_output_chars is honoured, head and tail kept, flagged.
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "seq 1 200000", "max_output_chars": 1000}),
+        )
+        .await;
+    let out = v["stdout"].as_str().unwrap();
+    assert_eq!(v["stdout_truncated"], true, "{v}");
+    assert!(out.starts_with("1\n2\n3\n"), "{out}");
+    assert!(out.ends_with("199999\n200000\n"), "{out}");
+    assert!(out.contains("truncated"), "{out}");
+    let marker = out.lines().find(|l| l.contains("truncated")).unwrap().len() + 2;
+    assert!(
+        out.chars().count() <= 1000 + marker,
+        "{} chars for max_output_chars=1000",
+        out.chars().count()
+    );
+    // The default cap (20000) applies to a huge output.
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "seq 1 300000; seq 1 300000 >&2"}),
+        )
+        .await;
+    assert_eq!(v["stdout_truncated"], true);
+    assert_eq!(v["stderr_truncated"], true);
+    assert!(v["stdout"].as_str().unwrap().chars().count() <= 20_000 + 64);
+    assert!(v["stderr"].as_str().unwrap().chars().count() <= 20_000 + 64);
+    // Small outputs are not flagged.
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "printf 1234567890", "max_output_chars": 10}),
+        )
+        .await;
+    assert_eq!(v["stdout"], "1234567890");
+    assert!(v.get("stdout_truncated").is_none(), "{v}");
+
+    // Invalid UTF-8 is flagged, valid multi-byte text is not.
+    let v = mcp
+        .ok("exec_bash", json!({"command": r"printf 'a\xffb'"}))
+        .await;
+    assert_eq!(v["invalid_utf8"], true, "{v}");
+    assert_eq!(v["stdout"], "a\u{fffd}b");
+    let v = mcp
+        .ok("exec_bash", json!({"command": "printf 'wörld ✓'"}))
+        .await;
+    assert_eq!(v["stdout"], "wörld ✓");
+    assert!(v.get("invalid_utf8").is_none(), "{v}");
+
+    // Multi-line commands run as one script (no `cd X &&` guarding only line one).
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "x=1\necho $((x+1))", "cwd": "/"}),
+        )
+        .await;
+    assert_eq!(v["stdout"], "2\n");
+    mcp.close().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Concurrency
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_calls_across_two_sandboxes() {
+    let s1 = Sshd::start().unwrap();
+    let s2 = Sshd::start().unwrap();
+    let mcp = Arc::new(Mcp::start(&list(&[key_entry("a", &s1), key_entry("b", &s2)])).await);
+    // Warm both (connect + deploy) so the measurement is about execution.
+    for n in ["a", "b"] {
+        mcp.ok("exec_bash", json!({"command": "true", "sandbox_name": n}))
+            .await;
+    }
+
+    let t = Instant::now();
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let mcp = mcp.clone();
+        let sb = if i % 2 == 0 { "a" } else { "b" };
+        tasks.push(tokio::spawn(async move {
+            let v = mcp
+                .ok(
+                    "exec_bash",
+                    json!({"command": format!("sleep 1; echo {i}; echo $HOME"), "sandbox_name": sb}),
+                )
+                .await;
+            (i, sb, v)
+        }));
+    }
+    for task in tasks {
+        let (i, sb, v) = task.await.unwrap();
+        let h = if sb == "a" { home(&s1) } else { home(&s2) };
+        assert_eq!(v["stdout"], format!("{i}\n{h}\n"), "call {i}");
+    }
+    let took = t.elapsed();
+    println!("20 concurrent `sleep 1` calls across two sandboxes: {took:?}");
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+
+    // A slow call never blocks another one.
+    let slow = {
+        let mcp = mcp.clone();
+        tokio::spawn(async move { mcp.ok("exec_bash", json!({"command": "sleep 3"})).await })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = Instant::now();
+    mcp.ok("select_sandbox", json!({"sandbox_name": "a"})).await;
+    mcp.ok("exec_bash", json!({"command": "echo quick"})).await;
+    println!("select + exec while a 3 s exec runs: {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    slow.await.unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. Cancellation
+// ---------------------------------------------------------------------------------------------
+
+fn call_request(tool: &str, args: Value) -> ClientRequest {
+    let Value::Object(args) = args else {
+        unreachable!()
+    };
+    ClientRequest::CallToolRequest(CallToolRequest::new(
+        CallToolRequestParams::new(tool.to_string()).with_arguments(args),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelled_call_leaves_no_remote_process() {
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    mcp.ok("exec_bash", json!({"command": "true"})).await;
+
+    // (a) An explicit `notifications/cancelled` (RequestHandle::cancel).
+    let pidfile = sshd.home().join(unique("cancel-a"));
+    let cmd = format!("echo $$ > '{}'; sleep 60", pidfile.display());
+    let handle = mcp
+        .svc
+        .peer()
+        .send_cancellable_request(
+            call_request("exec_bash", json!({"command": cmd})),
+            PeerRequestOptions::no_options(),
+        )
+        .await
+        .unwrap();
+    let pgid: i32 = wait_for_file(&pidfile, Duration::from_secs(20))
+        .await
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(group_alive(pgid));
+    handle.cancel(Some("test cancels".into())).await.unwrap();
+    let gone = wait_group_gone(pgid, Duration::from_secs(5)).await;
+    println!("explicit cancel: process group gone after {gone:?}");
+
+    // (b) Dropping the call future (rmcp sends `notifications/cancelled` on drop).
+    let pidfile = sshd.home().join(unique("cancel-b"));
+    let cmd = format!("echo $$ > '{}'; sleep 60", pidfile.display());
+    let call = mcp.try_call("exec_bash", json!({"command": cmd}));
+    let waiter = wait_for_file(&pidfile, Duration::from_secs(20));
+    let pid = tokio::select! {
+        _ = call => panic!("the call returned before being cancelled"),
+        s = waiter => s,
+    };
+    let pgid: i32 = pid.trim().parse().unwrap();
+    let gone = wait_group_gone(pgid, Duration::from_secs(5)).await;
+    println!("dropped call: process group gone after {gone:?}");
+
+    // The server and the connection are still fine.
+    let v = mcp.ok("exec_bash", json!({"command": "echo ok"})).await;
+    assert_eq!(v["stdout"], "ok\n");
+    let left = sshd.ssh_run("pgrep -x sleep -a || true").unwrap();
+    assert!(!left.contains("sleep 60"), "{left}");
+    mcp.close().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. Progress
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_exec_sends_progress() {
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    // rmcp's client puts a progress token on every request it sends.
+    mcp.ok("exec_bash", json!({"command": "echo warm"})).await;
+    assert_eq!(
+        mcp.progress.load(Ordering::SeqCst),
+        0,
+        "a quick call sends no progress"
+    );
+    let v = mcp
+        .ok("exec_bash", json!({"command": "sleep 5; echo done"}))
+        .await;
+    assert_eq!(v["stdout"], "done\n");
+    let n = mcp.progress.load(Ordering::SeqCst);
+    println!("progress notifications during a 5 s exec: {n}");
+    assert!(n >= 1, "no progress notification during a 5 s exec");
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        mcp.progress.load(Ordering::SeqCst),
+        n,
+        "progress kept coming after the call finished"
+    );
+    mcp.close().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. read_remote_file
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_remote_file_text_binary_errors_and_limits() {
+    let sshd = Sshd::start().unwrap();
+    let h = sshd.home();
+    std::fs::write(h.join("text.txt"), "hello\nwörld\n").unwrap();
+    let bin: Vec<u8> = (0..=255u8).chain((0..=255u8).rev()).collect();
+    std::fs::write(h.join("bin.dat"), &bin).unwrap();
+    std::fs::write(h.join("a.txt"), "a\n").unwrap();
+    std::fs::write(h.join("ten.txt"), "0123456789").unwrap();
+    std::fs::write(h.join("e.txt"), "é").unwrap();
+    std::fs::write(h.join("empty.txt"), "").unwrap();
+    std::fs::create_dir_all(h.join("adir")).unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    let p = |n: &str| h.join(n).display().to_string();
+
+    let v = mcp
+        .ok("read_remote_file", json!({"remote_path": p("text.txt")}))
+        .await;
+    assert_eq!(v["content"], "hello\nwörld\n");
+    assert_eq!(v["size"], 13);
+    assert_eq!(v["truncated"], false);
+    assert!(v.get("encoding").is_none(), "{v}");
+    let v = mcp
+        .ok("read_remote_file", json!({"remote_path": "~/text.txt"}))
+        .await;
+    assert_eq!(v["content"], "hello\nwörld\n");
+
+    // Binary: base64, decodes to the exact bytes.
+    let v = mcp
+        .ok("read_remote_file", json!({"remote_path": p("bin.dat")}))
+        .await;
+    assert_eq!(v["encoding"], "base64", "{v}");
+    let got = base64::engine::general_purpose::STANDARD
+        .decode(v["content"].as_str().unwrap())
+        .unwrap();
+    assert_eq!(got, bin);
+    assert_eq!(v["size"], bin.len());
+    assert_eq!(v["truncated"], false);
+    let v = mcp
+        .ok(
+            "read_remote_file",
+            json!({"remote_path": p("bin.dat"), "max_bytes": 300}),
+        )
+        .await;
+    let got = base64::engine::general_purpose::STANDARD
+        .decode(v["content"].as_str().unwrap())
+        .unwrap();
+    assert_eq!(got, bin[..300]);
+    assert_eq!(v["truncated"], true);
+
+    // max_bytes is exact; size is the file's size.
+    let v = mcp
+        .ok(
+            "read_remote_file",
+            json!({"remote_path": p("a.txt"), "max_bytes": 1}),
+        )
+        .await;
+    assert_eq!(v["content"], "a");
+    assert_eq!(v["truncated"], true);
+    assert_eq!(v["size"], 2);
+    for (max, content, truncated) in [
+        (10, "0123456789", false),
+        (11, "0123456789", false),
+        (9, "012345678", true),
+    ] {
+        let v = mcp
+            .ok(
+                "read_remote_file",
+                json!({"remote_path": p("ten.txt"), "max_bytes": max}),
+            )
+            .await;
+        assert_eq!(v["content"], content, "max_bytes={max}");
+        assert_eq!(v["truncated"], truncated, "max_bytes={max}");
+        assert_eq!(v["size"], 10);
+    }
+    // A multi-byte char cut by max_bytes is dropped, not mangled or base64'd.
+    let v = mcp
+        .ok(
+            "read_remote_file",
+            json!({"remote_path": p("e.txt"), "max_bytes": 1}),
+        )
+        .await;
+    assert_eq!(v["content"], "", "{v}");
+    assert_eq!(v["truncated"], true);
+    assert!(v.get("encoding").is_none(), "{v}");
+    let v = mcp
+        .ok("read_remote_file", json!({"remote_path": p("empty.txt")}))
+        .await;
+    assert_eq!(v["size"], 0);
+    assert_eq!(v["truncated"], false);
+
+    // Clear errors, never a hang (a FIFO with no writer).
+    let st = std::process::Command::new("mkfifo")
+        .arg(h.join("fifo"))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let t = Instant::now();
+    let r = mcp
+        .err("read_remote_file", json!({"remote_path": p("fifo")}))
+        .await;
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert!(!r.s("error").is_empty(), "{}", r.text);
+    let r = mcp
+        .err("read_remote_file", json!({"remote_path": p("missing.txt")}))
+        .await;
+    assert!(r.s("error").contains("missing.txt"), "{}", r.text);
+    assert!(!r.s("hint").is_empty());
+    let r = mcp
+        .err("read_remote_file", json!({"remote_path": p("adir")}))
+        .await;
+    assert!(
+        r.s("error").to_lowercase().contains("directory"),
+        "{}",
+        r.text
+    );
+    mcp.close().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8. list_remote_files
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_remote_files_limits_and_paths() {
+    let sshd = Sshd::start().unwrap();
+    let h = sshd.home();
+    let deep = h.join("deep");
+    let mut d = deep.clone();
+    for i in 0..6 {
+        d = d.join(format!("d{i}"));
+        std::fs::create_dir_all(&d).unwrap();
+        std::fs::write(d.join("f.txt"), "x").unwrap();
+    }
+    let three = h.join("three");
+    std::fs::create_dir_all(three.join("sub")).unwrap();
+    std::fs::write(three.join("a.txt"), "ab").unwrap();
+    std::fs::write(three.join("b.txt"), "").unwrap();
+    std::fs::create_dir_all(h.join("emptydir")).unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    let ds = |p: &Path| p.display().to_string();
+
+    // Recursive: exactly max_entries of a deep tree (the seed returned 6 for 5).
+    let v = mcp
+        .ok(
+            "list_remote_files",
+            json!({"remote_path": ds(&deep), "recursive": true, "max_entries": 5}),
+        )
+        .await;
+    assert_eq!(v["entries"].as_array().unwrap().len(), 5, "{v}");
+    assert_eq!(v["truncated"], true);
+    let v = mcp
+        .ok(
+            "list_remote_files",
+            json!({"remote_path": ds(&deep), "recursive": true}),
+        )
+        .await;
+    assert_eq!(v["entries"].as_array().unwrap().len(), 12, "{v}");
+    assert_eq!(v["truncated"], false);
+
+    // Exactly N entries with max N: not truncated (the seed said truncated).
+    for recursive in [false, true] {
+        let v = mcp
+            .ok(
+                "list_remote_files",
+                json!({"remote_path": ds(&three), "recursive": recursive, "max_entries": 3}),
+            )
+            .await;
+        assert_eq!(v["entries"].as_array().unwrap().len(), 3, "{v}");
+        assert_eq!(v["truncated"], false, "recursive={recursive}: {v}");
+        let v = mcp
+            .ok(
+                "list_remote_files",
+                json!({"remote_path": ds(&three), "recursive": recursive, "max_entries": 2}),
+            )
+            .await;
+        assert_eq!(v["entries"].as_array().unwrap().len(), 2, "{v}");
+        assert_eq!(v["truncated"], true, "{v}");
+    }
+
+    // Entry shape and paths.
+    let v = mcp
+        .ok("list_remote_files", json!({"remote_path": ds(&three)}))
+        .await;
+    let entries = v["entries"].as_array().unwrap();
+    let a = entries
+        .iter()
+        .find(|e| e["path"] == format!("{}/a.txt", three.display()))
+        .unwrap_or_else(|| panic!("{v}"));
+    assert_eq!(a["is_dir"], false);
+    assert_eq!(a["size"], 2);
+    assert!(a["mtime"].is_i64() || a["mtime"].is_u64(), "{a}");
+    let sub = entries
+        .iter()
+        .find(|e| e["path"] == format!("{}/sub", three.display()))
+        .unwrap();
+    assert_eq!(sub["is_dir"], true);
+
+    // `~` and `~/x` list with absolute paths.
+    let v = mcp
+        .ok("list_remote_files", json!({"remote_path": "~"}))
+        .await;
+    let hs = home(&sshd);
+    let paths: Vec<&str> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    assert!(paths.contains(&format!("{hs}/three").as_str()), "{paths:?}");
+    assert!(
+        paths.iter().all(|p| p.starts_with(&format!("{hs}/"))),
+        "{paths:?}"
+    );
+    let v = mcp
+        .ok("list_remote_files", json!({"remote_path": "~/three"}))
+        .await;
+    assert!(
+        v["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["path"] == format!("{hs}/three/a.txt")),
+        "{v}"
+    );
+
+    let v = mcp
+        .ok(
+            "list_remote_files",
+            json!({"remote_path": ds(&h.join("emptydir"))}),
+        )
+        .await;
+    assert_eq!(v["truncated"], false);
+    assert!(
+        v.get("entries")
+            .is_none_or(|e| e.as_array().unwrap().is_empty()),
+        "{v}"
+    );
+    let r = mcp
+        .err(
+            "list_remote_files",
+            json!({"remote_path": ds(&h.join("nope"))}),
+        )
+        .await;
+    assert!(r.s("error").contains("nope"), "{}", r.text);
+    let r = mcp
+        .err(
+            "list_remote_files",
+            json!({"remote_path": ds(&three.join("a.txt"))}),
+        )
+        .await;
+    assert!(!r.s("error").is_empty(), "{}", r.text);
+    mcp.close().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 9. Hostile and malformed input
+// ---------------------------------------------------------------------------------------------
+
+/// What a row of the bad-input table must produce.
+enum Want {
+    /// `isError: true`, a one-line `error` containing this (case-insensitive).
+    Err(&'static str),
+    /// `isError: true` or a JSON-RPC error (e.g. an unknown tool name).
+    AnyErr,
+    /// A correct result: `key` equals `value`.
+    Ok(&'static str, Value),
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_table() {
+    let sshd = Sshd::start().unwrap();
+    let h = sshd.home();
+    std::fs::create_dir_all(h.join("d")).unwrap();
+    std::fs::write(h.join("b.txt"), "B").unwrap();
+    std::fs::write(h.join("q'\"x.txt"), "Q").unwrap();
+    let hs = home(&sshd);
+    let mut entries = vec![key_entry("s", &sshd), dead_entry("dead", closed_port())];
+    let pw = sshd.password_user();
+    if let Some((u, p)) = &pw {
+        entries.push(pw_entry("pw", &sshd, u, p));
+    }
+    let mcp = Mcp::start(&list(&entries)).await;
+    let mut secrets = vec![FAKE_SECRET.to_string()];
+    if let Some((_, p)) = &pw {
+        secrets.push(p.clone());
+    }
+    let secrets: Vec<&str> = secrets.iter().map(String::as_str).collect();
+    let e = |tool: &'static str, args: Value, want: &'static str| (tool, args, Want::Err(want));
+
+    #[rustfmt::skip]
+    let rows: Vec<(&str, Value, Want)> = vec![
+        // Limits: negative, zero, huge, wrong type.
+        e("exec_bash", json!({"command": "true", "timeout_s": -1}), "timeout_s"),
+        e("exec_bash", json!({"command": "true", "timeout_s": 0}), "timeout_s"),
+        e("exec_bash", json!({"command": "true", "timeout_s": 10_000_000_000i64}), "timeout_s"),
+        e("exec_bash", json!({"command": "true", "timeout_s": 1e30}), "timeout_s"),
+        e("exec_bash", json!({"command": "true", "timeout_s": u64::MAX}), "timeout_s"),
+        e("exec_bash", json!({"command": "true", "timeout_s": "abc"}), "timeout_s"),
+        e("exec_bash", json!({"command": "true", "max_output_chars": 0}), "max_output_chars"),
+        e("exec_bash", json!({"command": "true", "max_output_chars": -5}), "max_output_chars"),
+        e("exec_bash", json!({"command": "true", "max_output_chars": 1i64 << 40}), "max_output_chars"),
+        e("list_remote_files", json!({"remote_path": "~", "max_entries": 0}), "max_entries"),
+        e("list_remote_files", json!({"remote_path": "~", "max_entries": -1}), "max_entries"),
+        e("list_remote_files", json!({"remote_path": "~", "max_entries": 1i64 << 40}), "max_entries"),
+        e("read_remote_file", json!({"remote_path": "~/b.txt", "max_bytes": 0}), "max_bytes"),
+        e("read_remote_file", json!({"remote_path": "~/b.txt", "max_bytes": -1}), "max_bytes"),
+        e("read_remote_file", json!({"remote_path": "~/b.txt", "max_bytes": 1i64 << 50}), "max_bytes"),
+        e("check_background_task", json!({"tmux_session": "x", "last_n_lines": 0}), "last_n_lines"),
+        // Commands.
+        e("exec_bash", json!({"command": ""}), "command"),
+        e("exec_bash", json!({"command": " \n\t "}), "command"),
+        e("exec_bash", json!({"command": "echo a\u{0}b"}), "nul"),
+        e("exec_bash", json!({}), "command"),
+        e("exec_bash", json!({"command": 5}), "command"),
+        // Paths.
+        e("read_remote_file", json!({"remote_path": ""}), "remote_path"),
+        e("list_remote_files", json!({"remote_path": "  "}), "remote_path"),
+        e("read_remote_file", json!({"remote_path": "~/b\u{0}.txt"}), "nul"),
+        e("read_remote_file", json!({"remote_path": "~/no\nsuch\nfile"}), "no"),
+        e("read_remote_file", json!({"remote_path": "~/no'such\"file"}), "no"),
+        e("read_remote_file", json!({"remote_path": "~/d"}), "directory"),
+        e("read_remote_file", json!({"remote_path": "~/../../../../../../nonexistent-rsb/../x"}), "x"),
+        e("exec_bash", json!({"command": "pwd", "cwd": "/tmp\n/etc"}), "cwd"),
+        e("exec_bash", json!({"command": "pwd", "cwd": "/tmp'\"; id"}), "tmp"),
+        // Unknown/extra arguments, unknown names.
+        e("exec_bash", json!({"command": "true", "bogus": 1}), "bogus"),
+        e("list_sandboxes", json!({"check_resources": "yes"}), "check_resources"),
+        e("exec_bash", json!({"command": "true", "sandbox_name": "../s"}), "available"),
+        e("select_sandbox", json!({"sandbox_name": " s"}), "s"),
+        e("exec_bash", json!({"command": "true", "sandbox_name": "dead"}), ""),
+        // Jobs.
+        e("exec_bash_background", json!({"command": "true", "session_name": "a.b"}), "a.b"),
+        e("exec_bash_background", json!({"command": "   "}), "command"),
+        e("exec_bash_background", json!({"command": "true", "interval_s": 0}), "interval_s"),
+        e("exec_bash_background", json!({"command": "true", "metadata_json": "[1]"}), "metadata_json"),
+        e("check_background_task", json!({}), "tmux_session"),
+        e("check_background_task", json!({"watch_id": 99999}), "99999"),
+        e("kill_background_task", json!({"tmux_session": "x", "grace_s": -1}), "grace_s"),
+        e("check_file_transfer_task", json!({"task_id": "abc"}), "task_id"),
+        e("sync_local_to_remote", json!({"delete_extras": "yes"}), "delete_extras"),
+        ("no_such_tool", json!({}), Want::AnyErr),
+        // Legitimate but odd: a correct result, never a different file.
+        ("read_remote_file", json!({"remote_path": "~/d/../b.txt"}), Want::Ok("content", json!("B"))),
+        ("read_remote_file", json!({"remote_path": format!("{hs}/d/../d/../b.txt")}), Want::Ok("content", json!("B"))),
+        ("read_remote_file", json!({"remote_path": "~/q'\"x.txt"}), Want::Ok("content", json!("Q"))),
+        ("exec_bash", json!({"command": "pwd", "cwd": "~/d/.."}), Want::Ok("stdout", json!(format!("{hs}\n")))),
+        ("exec_bash", json!({"command": "echo \"$1\" '$(id)'"}), Want::Ok("stdout", json!(" $(id)\n"))),
+        ("list_remote_files", json!({"remote_path": "~/d/.."}), Want::Ok("truncated", json!(false))),
+    ];
+    let n_err = rows.iter().filter(|r| !matches!(r.2, Want::Ok(..))).count();
+    assert!(n_err >= 20, "the table needs at least 20 error rows");
+    println!("bad-input table: {} rows ({n_err} errors)", rows.len());
+
+    let mut all = String::new();
+    for (tool, args, want) in rows {
+        let r = mcp.try_call(tool, args.clone()).await;
+        let row = format!("{tool}({args})");
+        match (want, r) {
+            (Want::AnyErr, Err(e)) => {
+                println!("  ok  {row} -> protocol error: {e}");
+                all.push_str(&e);
+            }
+            (Want::AnyErr, Ok(r)) => {
+                assert!(r.is_error, "{row} should fail: {}", r.text);
+                all.push_str(&r.text);
+            }
+            (Want::Err(needle), r) => {
+                let r =
+                    r.unwrap_or_else(|e| panic!("{row}: protocol error instead of isError: {e}"));
+                assert!(r.is_error, "{row} should be isError: {}", r.text);
+                // Domain errors are JSON {"error","hint"}; argument errors from rmcp are text.
+                let msg = if r.v.is_object() {
+                    assert!(r.v["hint"].is_string(), "{row}: no hint: {}", r.text);
+                    r.s("error").to_string()
+                } else {
+                    r.text.clone()
+                };
+                assert!(!msg.trim().is_empty(), "{row}: empty error");
+                assert!(!msg.contains('\n'), "{row}: multi-line error: {msg:?}");
+                assert!(
+                    msg.to_lowercase().contains(&needle.to_lowercase()),
+                    "{row}: error should mention {needle:?}: {msg}"
+                );
+                println!("  ok  {row} -> {msg}");
+                all.push_str(&r.text);
+            }
+            (Want::Ok(key, value), r) => {
+                let r = r.unwrap_or_else(|e| panic!("{row}: protocol error: {e}"));
+                assert!(!r.is_error, "{row} should succeed: {}", r.text);
+                assert_eq!(r.v[key], value, "{row}: {}", r.text);
+                println!("  ok  {row} -> {key} = {value}");
+                all.push_str(&r.text);
+            }
+        }
+    }
+    // Nothing was created by the hostile cwd, and the server is healthy.
+    let v = mcp.ok("exec_bash", json!({"command": "echo alive"})).await;
+    assert_eq!(v["stdout"], "alive\n");
+    let v = mcp.ok("list_sandboxes", json!({})).await;
+    all.push_str(&v.to_string());
+    assert_no_secret("replies", &all, &secrets);
+    let log = mcp.close().await;
+    assert_no_secret("the server log", &log, &secrets);
+}
+
+/// A malformed `REMOTE_SANDBOX_LIST` holding a password: the server still starts, every tool
+/// replies `isError` with a config error, and the password appears nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_sandbox_list_never_leaks_the_password() {
+    let bad = format!(r#"[{{"name":"x","host":"h","user":"u","password":"{FAKE_SECRET}""#);
+    let also_bad = format!(
+        r#"[{{"name":"x","host":"h","user":"u","password":"{FAKE_SECRET}","port":"p{FAKE_SECRET}"}}]"#
+    );
+    for list in [bad, also_bad] {
+        let mcp = Mcp::start(&list).await;
+        let tools = mcp.svc.list_all_tools().await.unwrap();
+        assert_eq!(
+            tools.len(),
+            DEFAULT_TOOLS.len(),
+            "the tools are still listed"
+        );
+        let mut all = String::new();
+        // The config error comes before any argument check, so `{}` is enough.
+        for tool in DEFAULT_TOOLS {
+            let r = mcp.err(tool, json!({})).await;
+            let msg = r.s("error");
+            assert!(
+                msg.contains("REMOTE_SANDBOX_LIST") && !msg.contains('\n'),
+                "{tool}: {}",
+                r.text
+            );
+            all.push_str(&r.text);
+        }
+        let first = all.split("}{").next().unwrap_or_default();
+        println!("config error reply: {first}}}");
+        assert_no_secret("replies", &all, &[FAKE_SECRET]);
+        let log = mcp.close().await;
+        assert_no_secret("the server log", &log, &[FAKE_SECRET]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 10. Reconnect
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconnects_after_the_connection_is_dropped() {
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    let v = mcp.ok("exec_bash", json!({"command": "echo one"})).await;
+    assert_eq!(v["stdout"], "one\n");
+
+    sshd.kill_sessions();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let v = mcp.ok("exec_bash", json!({"command": "echo two"})).await;
+    assert_eq!(v["stdout"], "two\n");
+    let v = mcp.ok("get_active_sandbox", json!({})).await;
+    assert_eq!(v["connection_alive"], true, "{v}");
+
+    // Dropped mid-command: a clear connection error, then the next call works again.
+    let call = mcp.call("exec_bash", json!({"command": "echo before; sleep 5"}));
+    let kill = async {
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+        sshd.kill_sessions();
+    };
+    let (r, ()) = tokio::join!(call, kill);
+    assert!(r.is_error, "{}", r.text);
+    assert_eq!(r.v["connection_error"], true, "{}", r.text);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let v = mcp.ok("exec_bash", json!({"command": "echo three"})).await;
+    assert_eq!(v["stdout"], "three\n");
+    mcp.close().await;
+}
