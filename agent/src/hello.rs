@@ -74,6 +74,7 @@ pub fn hello() -> Hello {
     Hello {
         magic: MAGIC,
         protocol_version: PROTOCOL_VERSION,
+        protocol_fingerprint: rsb_protocol::PROTOCOL_FINGERPRINT.into(),
         agent_version: env!("CARGO_PKG_VERSION").to_string(),
         agent_hash: agent_hash().to_string(),
         os: std::env::consts::OS.to_string(),

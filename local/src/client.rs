@@ -156,6 +156,15 @@ impl AgentClient {
                 hello.agent_version, hello.protocol_version
             )));
         }
+        if hello.protocol_fingerprint != rsb_protocol::PROTOCOL_FINGERPRINT {
+            return Err(StartError::Incompatible(format!(
+                "agent {} was built from other protocol sources (fingerprint {}, this rsb {}); \
+                 rebuild the agents with scripts/build-agents.sh, then rsb",
+                hello.agent_version,
+                hello.protocol_fingerprint,
+                rsb_protocol::PROTOCOL_FINGERPRINT
+            )));
+        }
         let (out_tx, mut out_rx) = mpsc::channel::<Bytes>(256);
         let inner = Arc::new(Inner {
             sandbox: sandbox.to_string(),

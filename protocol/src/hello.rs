@@ -11,6 +11,8 @@ pub const MAGIC: [u8; 4] = *b"RSB\x01";
 pub struct Hello {
     pub magic: [u8; 4],
     pub protocol_version: u32,
+    /// [`crate::PROTOCOL_FINGERPRINT`] of the agent's build.
+    pub protocol_fingerprint: String,
     pub agent_version: String,
     /// blake3 (hex) of the agent's own executable, read from `/proc/self/exe`.
     pub agent_hash: String,

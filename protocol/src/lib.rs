@@ -30,18 +30,22 @@ pub use hello::{Capabilities, Hello, MAGIC};
 pub use jobs::{
     JobInfo, JobKillRequest, JobStartRequest, JobState, JobStatusRequest, JobStatusResult,
 };
+pub use resources::{
+    CpuInfo, DiskInfo, GpuInfo, GpuProcess, GpuReport, GpuSource, MemoryInfo, ResourceSnapshot,
+    ResourcesRequest,
+};
 pub use sync::{
     ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyOpened, ApplyRequest, ApplyResult,
     BlockHashesRequest, BlockHashesResult, ManifestEntry, ManifestRequest, ManifestSummary,
     SyncRules,
 };
-pub use resources::{
-    CpuInfo, DiskInfo, GpuInfo, GpuProcess, GpuReport, GpuSource, MemoryInfo, ResourceSnapshot,
-    ResourcesRequest,
-};
 
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
 pub const PROTOCOL_VERSION: u32 = 1;
+
+/// Hash of this crate's sources at build time: catches an agent and an `rsb` built from
+/// different protocol sources even when nobody bumped [`PROTOCOL_VERSION`].
+pub const PROTOCOL_FINGERPRINT: &str = env!("RSB_PROTOCOL_FINGERPRINT");
 
 /// Request identifier chosen by the local side; every reply and chunk names it so that
 /// many requests can be in flight on one channel and answered out of order.
@@ -113,7 +117,9 @@ impl Request {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Reply {
-    Pong { payload: Vec<u8> },
+    Pong {
+        payload: Vec<u8>,
+    },
     Exec(ExecResult),
     Stat(FileStat),
     ListDir(ListDirResult),

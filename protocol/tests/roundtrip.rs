@@ -251,6 +251,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
     let mut from_agent: Vec<FromAgent> = vec![FromAgent::Hello(Hello {
         magic: MAGIC,
         protocol_version: PROTOCOL_VERSION,
+        protocol_fingerprint: PROTOCOL_FINGERPRINT.into(),
         agent_version: "0.1.0".into(),
         agent_hash: "ab".repeat(32),
         os: "linux".into(),
