@@ -485,6 +485,26 @@ async fn auth_with_agent(
     Ok(false)
 }
 
+/// Try each key in turn; what was rejected goes into `tried` for the final error.
+async fn try_keys(
+    h: &mut client::Handle<Checker>,
+    user: &str,
+    keys_to_try: &[PathBuf],
+    passphrase: Option<&str>,
+    tried: &mut Vec<String>,
+) -> bool {
+    for p in keys_to_try {
+        match keys::load_secret_key(p, passphrase) {
+            Ok(k) => match auth_with_key(h, user, k).await {
+                Ok(true) => return true,
+                _ => tried.push(p.display().to_string()),
+            },
+            Err(_) => tried.push(format!("{} (encrypted or unreadable)", p.display())),
+        }
+    }
+    false
+}
+
 async fn authenticate(
     h: &mut client::Handle<Checker>,
     user: &str,
@@ -545,14 +565,8 @@ async fn authenticate(
         } => {
             let mut tried = Vec::new();
             let pass = passphrase.as_ref().map(|p| p.expose());
-            for p in identity_files {
-                match keys::load_secret_key(p, pass) {
-                    Ok(k) => match auth_with_key(h, user, k).await {
-                        Ok(true) => return Ok(()),
-                        _ => tried.push(p.display().to_string()),
-                    },
-                    Err(_) => tried.push(format!("{} (encrypted or unreadable)", p.display())),
-                }
+            if try_keys(h, user, identity_files, pass, &mut tried).await {
+                return Ok(());
             }
             if std::env::var_os("SSH_AUTH_SOCK").is_some() {
                 match auth_with_agent(h, user).await {
@@ -561,14 +575,8 @@ async fn authenticate(
                     Err(e) => tried.push(format!("ssh-agent ({e})")),
                 }
             }
-            for p in default_keys {
-                match keys::load_secret_key(p, pass) {
-                    Ok(k) => match auth_with_key(h, user, k).await {
-                        Ok(true) => return Ok(()),
-                        _ => tried.push(p.display().to_string()),
-                    },
-                    Err(_) => tried.push(format!("{} (encrypted or unreadable)", p.display())),
-                }
+            if try_keys(h, user, default_keys, pass, &mut tried).await {
+                return Ok(());
             }
             Err(fail(
                 "default credentials",

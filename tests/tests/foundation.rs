@@ -154,6 +154,35 @@ async fn auth_methods_and_one_line_errors() {
         "{e:?}"
     );
 
+    // No explicit credential: ssh_config IdentityFiles first, then default keys.
+    let auto = Auth::Auto {
+        identity_files: vec![stray.clone()],
+        default_keys: vec![sshd.client_key().to_path_buf()],
+        passphrase: None,
+    };
+    let p = pool_of(
+        vec![sandbox("auto", target(&sshd, sshd.port(), auto, &kh))],
+        dir.path(),
+    );
+    p.client("auto")
+        .await
+        .expect("auto auth falls through to a default key");
+    p.shutdown().await;
+    let auto = Auth::Auto {
+        identity_files: vec![stray.clone()],
+        default_keys: vec![],
+        passphrase: None,
+    };
+    let p = pool_of(
+        vec![sandbox("auto", target(&sshd, sshd.port(), auto, &kh))],
+        dir.path(),
+    );
+    let e = p.client("auto").await.unwrap_err();
+    assert!(
+        e.message.contains("rejected") && e.message.contains("stray"),
+        "{e:?}"
+    );
+
     // ssh-agent.
     let agent = SshAgentProc::start().unwrap();
     agent.add_key(sshd.client_key(), None).unwrap();
