@@ -7,6 +7,7 @@ mod hello;
 mod jobs;
 mod resources;
 mod serve;
+mod sync;
 mod util;
 
 use std::process::ExitCode;

@@ -24,7 +24,7 @@ use tokio::task::JoinSet;
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
-use crate::{exec, fs, hello, jobs, resources};
+use crate::{exec, fs, hello, jobs, resources, sync};
 
 /// Frames up to this size take the control lane.
 const SMALL_FRAME: usize = 64 * 1024;
@@ -232,11 +232,23 @@ async fn handle(
             .map(Reply::JobStatus),
         Request::JobKill(req) => cancellable(&cancel, jobs::kill(req)).await.map(Reply::Job),
         Request::JobList => cancellable(&cancel, jobs::list()).await.map(Reply::JobList),
-        // Sync requests (wired by the sync work; until then a clear refusal).
-        other => Err(rsb_protocol::AgentError::new(
-            rsb_protocol::ErrorCode::Unsupported,
-            format!("{} is not supported by this agent", other.kind()),
-        )),
+        Request::Manifest(req) => {
+            responder.set_streaming();
+            sync::manifest(req, &cancel, &responder)
+                .await
+                .map(Reply::Manifest)
+        }
+        Request::BlockHashes(req) => {
+            let token = cancel.clone();
+            blocking(&cancel, move || sync::block_hashes(&req, &token))
+                .await
+                .map(Reply::BlockHashes)
+        }
+        // Apply requests must reach the session's FIFO lock before anything else awaits (see
+        // `sync::apply`): that is what keeps pipelined batches in arrival order.
+        Request::ApplyOpen(req) => sync::apply_open(req, &cancel).await.map(Reply::ApplyOpened),
+        Request::Apply(req) => sync::apply(req, &cancel).await.map(Reply::Applied),
+        Request::ApplyClose(req) => sync::apply_close(req, &cancel).await.map(|()| Reply::Done),
     };
     responder.reply(result.unwrap_or_else(Reply::Error)).await;
 }
@@ -391,6 +403,8 @@ where
             eprintln!("rsb-agent: a request task failed: {e}");
         }
     }
+    // Sync sessions cannot outlive the channel either: their staging goes now.
+    sync::close_all().await;
     drop(outbox);
     let _ = writer.await;
     match end {

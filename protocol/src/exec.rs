@@ -40,7 +40,9 @@ impl ExecRequest {
 /// of a log and the error at its end survive truncation.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct Captured {
+    #[serde(with = "serde_bytes")]
     pub head: Vec<u8>,
+    #[serde(with = "serde_bytes")]
     pub tail: Vec<u8>,
     /// Bytes the command wrote in all; `total > head.len() + tail.len()` means truncated.
     pub total: u64,

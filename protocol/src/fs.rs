@@ -75,6 +75,7 @@ pub struct ReadFileResult {
     /// Size of the whole file, not of `data`.
     pub size: u64,
     pub offset: u64,
+    #[serde(with = "serde_bytes")]
     pub data: Vec<u8>,
     /// True when the file has bytes beyond `offset + data.len()`.
     pub truncated: bool,

@@ -57,6 +57,7 @@ pub struct JobStatusResult {
     /// `None` when no job with this exact name is recorded.
     pub info: Option<JobInfo>,
     pub log_found: bool,
+    #[serde(with = "serde_bytes")]
     pub log: Vec<u8>,
     /// Offset of `log[0]` in the file.
     pub log_start: u64,

@@ -75,7 +75,10 @@ pub enum FromAgent {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Request {
-    Ping { payload: Vec<u8> },
+    Ping {
+        #[serde(with = "serde_bytes")]
+        payload: Vec<u8>,
+    },
     Exec(ExecRequest),
     Stat(StatRequest),
     ListDir(ListDirRequest),
@@ -118,6 +121,7 @@ impl Request {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Reply {
     Pong {
+        #[serde(with = "serde_bytes")]
         payload: Vec<u8>,
     },
     Exec(ExecResult),
@@ -140,8 +144,8 @@ pub enum Reply {
 /// Streamed output of a running request.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Chunk {
-    Stdout(Vec<u8>),
-    Stderr(Vec<u8>),
+    Stdout(#[serde(with = "serde_bytes")] Vec<u8>),
+    Stderr(#[serde(with = "serde_bytes")] Vec<u8>),
     /// A batch of manifest entries (a manifest can exceed one frame).
     Manifest(Vec<ManifestEntry>),
 }

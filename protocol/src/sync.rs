@@ -12,7 +12,14 @@ use serde::{Deserialize, Serialize};
 use crate::FileKind;
 
 /// Names always excluded by default, at any depth (gitignore syntax).
-pub const DEFAULT_EXCLUDES: &[&str] = &[".git/", ".idea/", ".vscode/", "__pycache__/", "*.pyc", "node_modules/"];
+pub const DEFAULT_EXCLUDES: &[&str] = &[
+    ".git/",
+    ".idea/",
+    ".vscode/",
+    "__pycache__/",
+    "*.pyc",
+    "node_modules/",
+];
 
 /// Prefix of the per-session staging directory created inside a destination root; never
 /// listed in manifests and never synced.
@@ -100,19 +107,44 @@ pub struct ApplyOpened {
 /// no empty components, and no parent that is a symlink (which could escape the root).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ApplyOp {
-    Mkdir { rel: String, mode: u32 },
-    Symlink { rel: String, target: String },
+    Mkdir {
+        rel: String,
+        mode: u32,
+    },
+    Symlink {
+        rel: String,
+        target: String,
+    },
     /// Start the staged copy of `rel` from the destination's current file (for block deltas).
-    FileBase { rel: String },
+    FileBase {
+        rel: String,
+    },
     /// Write bytes into the staged copy of `rel` (created empty on first use).
-    FileData { rel: String, offset: u64, data: Vec<u8> },
+    FileData {
+        rel: String,
+        offset: u64,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
     /// Truncate the staged copy to `size`, verify its blake3, set mode and mtime, and rename it
     /// over `rel`.
-    FileCommit { rel: String, size: u64, mode: u32, mtime_ns: i64, hash: [u8; 32] },
+    FileCommit {
+        rel: String,
+        size: u64,
+        mode: u32,
+        mtime_ns: i64,
+        hash: [u8; 32],
+    },
     /// Set mode and mtime of an existing entry whose content is already right.
-    SetAttr { rel: String, mode: Option<u32>, mtime_ns: Option<i64> },
+    SetAttr {
+        rel: String,
+        mode: Option<u32>,
+        mtime_ns: Option<i64>,
+    },
     /// Remove a file, symlink or empty directory.
-    Delete { rel: String },
+    Delete {
+        rel: String,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -1,0 +1,159 @@
+//! Sync, agent side: manifests, block hashes and apply sessions.
+//!
+//! The same code serves both directions: rsb runs its own agent locally, so a sync is an
+//! orchestrator diffing two manifests and moving bytes from one agent to the other.
+//!
+//! - [`manifest`] walks a root with gitignore rules, streams the entries in batches and hashes
+//!   regular files with blake3, served from a per-root hash cache when the file is unchanged.
+//! - [`block_hashes`] hashes a file block by block, for block deltas of large files.
+//! - [`apply_open`] / [`apply`] / [`apply_close`] receive changes into a staging directory
+//!   inside the destination root; a file only appears under its final name after its size and
+//!   blake3 were verified, by an atomic rename.
+
+mod apply;
+mod blocks;
+mod cache;
+mod manifest;
+mod rules;
+
+use std::ffi::CString;
+use std::fs::{File, Metadata};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use rsb_protocol::{AgentError, ErrorCode, FileKind};
+use tokio_util::sync::CancellationToken;
+
+pub use apply::{apply, apply_close, apply_open, close_all};
+pub use blocks::block_hashes;
+pub use manifest::manifest;
+
+fn cancelled() -> AgentError {
+    AgentError::new(ErrorCode::Cancelled, "request cancelled")
+}
+
+fn internal(e: impl std::fmt::Display) -> AgentError {
+    AgentError::new(ErrorCode::Internal, format!("worker failed: {e}"))
+}
+
+/// Run blocking work on the blocking pool and answer a cancel at once; the work sees the same
+/// token and stops at its next check.
+async fn blocking<T, F>(cancel: &CancellationToken, f: F) -> Result<T, AgentError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, AgentError> + Send + 'static,
+{
+    let task = tokio::task::spawn_blocking(f);
+    tokio::select! {
+        r = task => r.unwrap_or_else(|e| Err(internal(e))),
+        _ = cancel.cancelled() => Err(cancelled()),
+    }
+}
+
+fn kind_of(ft: std::fs::FileType) -> FileKind {
+    use std::os::unix::fs::FileTypeExt;
+    if ft.is_symlink() {
+        FileKind::Symlink
+    } else if ft.is_dir() {
+        FileKind::Dir
+    } else if ft.is_file() {
+        FileKind::File
+    } else if ft.is_fifo() {
+        FileKind::Fifo
+    } else if ft.is_socket() {
+        FileKind::Socket
+    } else if ft.is_block_device() {
+        FileKind::BlockDevice
+    } else if ft.is_char_device() {
+        FileKind::CharDevice
+    } else {
+        FileKind::Other
+    }
+}
+
+fn mode_of(m: &Metadata) -> u32 {
+    m.mode() & 0o7777
+}
+
+fn mtime_ns(m: &Metadata) -> i64 {
+    m.mtime()
+        .saturating_mul(1_000_000_000)
+        .saturating_add(m.mtime_nsec())
+}
+
+fn ctime_ns(m: &Metadata) -> i64 {
+    m.ctime()
+        .saturating_mul(1_000_000_000)
+        .saturating_add(m.ctime_nsec())
+}
+
+/// The wall clock that file timestamps are taken from. On Linux that is the coarse clock (one
+/// tick, a few ms); a timestamp strictly below it was assigned before this call, so any later
+/// change gets a different one. That is what makes a cached hash trustworthy (see `cache`).
+fn fs_clock_ns() -> i64 {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    let clock = libc::CLOCK_REALTIME_COARSE;
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let clock = libc::CLOCK_REALTIME;
+    // SAFETY: an all-zero timespec is valid; clock_gettime writes into it.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    // SAFETY: `ts` is a valid, writable timespec.
+    if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
+        return 0;
+    }
+    (ts.tv_sec as i64)
+        .saturating_mul(1_000_000_000)
+        .saturating_add(ts.tv_nsec as i64)
+}
+
+fn timespec_of(ns: i64) -> libc::timespec {
+    // SAFETY: an all-zero timespec is valid (some targets have private padding fields).
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    ts.tv_sec = ns.div_euclid(1_000_000_000) as _;
+    ts.tv_nsec = ns.rem_euclid(1_000_000_000) as libc::c_long;
+    ts
+}
+
+fn omit_timespec() -> libc::timespec {
+    // SAFETY: as above.
+    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
+    ts.tv_nsec = libc::UTIME_OMIT;
+    ts
+}
+
+fn c_path(path: &Path) -> std::io::Result<CString> {
+    CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains NUL"))
+}
+
+/// Set the mtime of `path` (nanoseconds, atime untouched); `nofollow` sets it on a symlink itself.
+fn set_mtime(path: &Path, mtime_ns: i64, nofollow: bool) -> std::io::Result<()> {
+    let c = c_path(path)?;
+    let times = [omit_timespec(), timespec_of(mtime_ns)];
+    let flags = if nofollow {
+        libc::AT_SYMLINK_NOFOLLOW
+    } else {
+        0
+    };
+    // SAFETY: `c` is NUL-terminated and `times` holds two timespecs.
+    if unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), flags) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn set_file_mtime(file: &File, mtime_ns: i64) -> std::io::Result<()> {
+    let times = [omit_timespec(), timespec_of(mtime_ns)];
+    // SAFETY: the fd is open for the duration of the call and `times` holds two timespecs.
+    if unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The path made absolute (against the current directory) without resolving symlinks.
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}

@@ -1,0 +1,259 @@
+//! Per-root blake3 cache, keyed by inode identity: (dev, inode, size, mtime_ns, ctime_ns).
+//!
+//! A write to a file changes its ctime (which no one can set), so an unchanged key means
+//! unchanged content, with one hole: two changes within one timestamp tick share a ctime. An
+//! entry is therefore only stored when the file's ctime is strictly older than the clock read
+//! *before* its content was read ([`Key::settled`]): any later change then carries a later
+//! ctime. A file changed moments before the scan is hashed again next time, which is cheap.
+//!
+//! File: `$RSB_CACHE_DIR/hashcache/<16 hex of blake3(root)>`, else
+//! `$HOME/.cache/rsb/hashcache/…`. Format: magic, count, fixed 72-byte records, blake3 of all
+//! that. Written to a temporary name and renamed; anything unreadable is ignored and rebuilt.
+
+use std::collections::HashMap;
+use std::fs::{self, Metadata};
+use std::io::Write;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::{ctime_ns, mtime_ns};
+use crate::util::home_dir;
+
+const MAGIC: &[u8; 8] = b"RSBHC\x01\0\0";
+const RECORD: usize = 8 * 5 + 32;
+const HEADER: usize = 16;
+const TRAILER: usize = 32;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Key {
+    pub dev: u64,
+    pub ino: u64,
+    pub size: u64,
+    pub mtime_ns: i64,
+    pub ctime_ns: i64,
+}
+
+impl Key {
+    pub fn of(m: &Metadata) -> Key {
+        Key {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.len(),
+            mtime_ns: mtime_ns(m),
+            ctime_ns: ctime_ns(m),
+        }
+    }
+
+    /// Whether a hash read after `clock_ns` (see [`super::fs_clock_ns`]) can be cached under
+    /// this key. File systems with whole-second timestamps (no nanoseconds at all) get a
+    /// two-second margin.
+    pub fn settled(&self, clock_ns: i64) -> bool {
+        let coarse = self.ctime_ns % 1_000_000_000 == 0 && self.mtime_ns % 1_000_000_000 == 0;
+        let margin = if coarse { 2_000_000_000 } else { 0 };
+        self.ctime_ns.saturating_add(margin) < clock_ns
+    }
+}
+
+/// Where the hash caches live, if anywhere (no `$RSB_CACHE_DIR` and no home: no cache).
+pub fn cache_dir() -> Option<PathBuf> {
+    let base = match std::env::var_os("RSB_CACHE_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => home_dir()?.join(".cache").join("rsb"),
+    };
+    Some(base.join("hashcache"))
+}
+
+/// The cache file of one root: the root made absolute and, when it exists, canonical, so that
+/// `~/p`, `/home/u/p` and a path through a symlink share one cache.
+pub fn cache_file(root: &Path) -> Option<PathBuf> {
+    let canonical = fs::canonicalize(root).unwrap_or_else(|_| super::absolute(root));
+    let digest = blake3::hash(canonical.as_os_str().as_bytes());
+    Some(cache_dir()?.join(&digest.to_hex()[..16]))
+}
+
+pub struct HashCache {
+    file: Option<PathBuf>,
+    old: HashMap<Key, [u8; 32]>,
+    /// The entries seen in this scan; what gets written back.
+    new: HashMap<Key, [u8; 32]>,
+    inserted: bool,
+}
+
+impl HashCache {
+    pub fn disabled() -> HashCache {
+        HashCache {
+            file: None,
+            old: HashMap::new(),
+            new: HashMap::new(),
+            inserted: false,
+        }
+    }
+
+    pub fn load(root: &Path) -> HashCache {
+        let file = cache_file(root);
+        let old = file.as_deref().map(read_file).unwrap_or_default();
+        HashCache {
+            file,
+            old,
+            new: HashMap::new(),
+            inserted: false,
+        }
+    }
+
+    pub fn get(&mut self, key: &Key) -> Option<[u8; 32]> {
+        let hash = self.old.get(key).copied()?;
+        self.new.insert(*key, hash);
+        Some(hash)
+    }
+
+    pub fn insert(&mut self, key: Key, hash: [u8; 32]) {
+        self.new.insert(key, hash);
+        self.inserted = true;
+    }
+
+    /// Write back the entries seen in this scan (entries of files that are gone, or excluded
+    /// this time, drop out). Nothing is written when nothing changed.
+    pub fn save(self) {
+        let Some(file) = self.file else { return };
+        if !self.inserted && self.new.len() == self.old.len() {
+            return;
+        }
+        write_file(&file, &self.new);
+    }
+}
+
+/// Add entries to a root's cache, keeping what it holds (used after files were received).
+pub fn record(root: &Path, entries: &[(Key, [u8; 32])]) {
+    if entries.is_empty() {
+        return;
+    }
+    let Some(file) = cache_file(root) else { return };
+    let mut map = read_file(&file);
+    map.extend(entries.iter().copied());
+    write_file(&file, &map);
+}
+
+fn read_file(path: &Path) -> HashMap<Key, [u8; 32]> {
+    let Ok(buf) = fs::read(path) else {
+        return HashMap::new();
+    };
+    parse(&buf).unwrap_or_default()
+}
+
+fn parse(buf: &[u8]) -> Option<HashMap<Key, [u8; 32]>> {
+    if buf.len() < HEADER + TRAILER || &buf[..8] != MAGIC {
+        return None;
+    }
+    let count = u64::from_le_bytes(buf[8..16].try_into().ok()?) as usize;
+    let body_end = HEADER.checked_add(count.checked_mul(RECORD)?)?;
+    if buf.len() != body_end.checked_add(TRAILER)? {
+        return None;
+    }
+    if blake3::hash(&buf[..body_end]).as_bytes() != &buf[body_end..] {
+        return None;
+    }
+    let u = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap());
+    let mut map = HashMap::with_capacity(count);
+    for rec in buf[HEADER..body_end].chunks_exact(RECORD) {
+        let key = Key {
+            dev: u(&rec[0..8]),
+            ino: u(&rec[8..16]),
+            size: u(&rec[16..24]),
+            mtime_ns: u(&rec[24..32]) as i64,
+            ctime_ns: u(&rec[32..40]) as i64,
+        };
+        map.insert(key, rec[40..72].try_into().unwrap());
+    }
+    Some(map)
+}
+
+fn serialize(map: &HashMap<Key, [u8; 32]>) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(HEADER + map.len() * RECORD + TRAILER);
+    buf.extend_from_slice(MAGIC);
+    buf.extend_from_slice(&(map.len() as u64).to_le_bytes());
+    for (k, h) in map {
+        buf.extend_from_slice(&k.dev.to_le_bytes());
+        buf.extend_from_slice(&k.ino.to_le_bytes());
+        buf.extend_from_slice(&k.size.to_le_bytes());
+        buf.extend_from_slice(&k.mtime_ns.to_le_bytes());
+        buf.extend_from_slice(&k.ctime_ns.to_le_bytes());
+        buf.extend_from_slice(h);
+    }
+    let sum = blake3::hash(&buf);
+    buf.extend_from_slice(sum.as_bytes());
+    buf
+}
+
+/// Best effort: a cache that cannot be written only costs hashing next time.
+fn write_file(path: &Path, map: &HashMap<Key, [u8; 32]>) {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let Some(dir) = path.parent() else { return };
+    if fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .is_err()
+    {
+        return;
+    }
+    let tmp = dir.join(format!(
+        ".tmp-{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    ));
+    let ok = fs::File::create(&tmp)
+        .and_then(|mut f| f.write_all(&serialize(map)))
+        .and_then(|()| fs::rename(&tmp, path));
+    if ok.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u64) -> Key {
+        Key {
+            dev: 1,
+            ino: i,
+            size: i * 10,
+            mtime_ns: -5,
+            ctime_ns: 1_700_000_000_123_456_789,
+        }
+    }
+
+    #[test]
+    fn roundtrip_and_corruption() {
+        let mut map = HashMap::new();
+        for i in 0..100 {
+            map.insert(key(i), [i as u8; 32]);
+        }
+        let buf = serialize(&map);
+        assert_eq!(parse(&buf).unwrap(), map);
+        let mut bad = buf.clone();
+        bad[HEADER + 5] ^= 1;
+        assert!(parse(&bad).is_none());
+        assert!(parse(&buf[..buf.len() - 1]).is_none());
+        assert!(parse(b"garbage").is_none());
+        let mut huge = buf.clone();
+        huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(parse(&huge).is_none());
+    }
+
+    #[test]
+    fn settled_needs_a_ctime_before_the_clock() {
+        let k = key(1);
+        assert!(k.settled(k.ctime_ns + 1));
+        assert!(!k.settled(k.ctime_ns));
+        let whole = Key {
+            ctime_ns: 1_700_000_000_000_000_000,
+            mtime_ns: 1_700_000_000_000_000_000,
+            ..k
+        };
+        assert!(!whole.settled(whole.ctime_ns + 1_000_000_000));
+        assert!(whole.settled(whole.ctime_ns + 3_000_000_000));
+    }
+}

@@ -1,0 +1,535 @@
+//! `Manifest`: walk a root with the sync rules and stream its entries.
+//!
+//! The walk is depth-first in pre-order (a directory before its contents), names sorted by
+//! bytes at each level, symlinks never followed, excluded directories never entered. Regular
+//! files are hashed (blake3) unless the hash cache knows them; cache misses within a batch are
+//! hashed on several threads.
+
+use std::fs::{self, OpenOptions};
+use std::io::Read;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use rsb_protocol::sync::STAGING_PREFIX;
+use rsb_protocol::{
+    AgentError, Chunk, ErrorCode, FileKind, ManifestEntry, ManifestRequest, ManifestSummary,
+};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::cache::{self, HashCache, Key};
+use super::rules::Rules;
+use super::{cancelled, fs_clock_ns, internal, kind_of, mode_of, mtime_ns};
+use crate::serve::Responder;
+use crate::util::{expand_home, path_string};
+
+/// Entries per `Chunk::Manifest`.
+pub const BATCH_ENTRIES: usize = 2000;
+/// Rough encoded bytes per chunk (paths dominate); a batch closes once past this.
+pub const BATCH_BYTES: usize = 256 * 1024;
+/// Encoded size of an entry beyond its path and link target (varints, kind, hash).
+const ENTRY_OVERHEAD: usize = 64;
+/// Listed special files and errors (both are also capped so the summary stays small).
+const MAX_LISTED: usize = 100;
+/// Read buffer per hashing thread; large enough for blake3's widest SIMD.
+const HASH_BUF: usize = 512 * 1024;
+/// Attempts at hashing a file that keeps changing under the reader.
+const HASH_ATTEMPTS: usize = 3;
+
+/// Stream the manifest of `req.root` as `Chunk::Manifest` batches; return the summary.
+pub async fn manifest(
+    req: ManifestRequest,
+    cancel: &CancellationToken,
+    out: &Responder,
+) -> Result<ManifestSummary, AgentError> {
+    let (tx, mut rx) = mpsc::channel::<Vec<ManifestEntry>>(2);
+    let token = cancel.clone();
+    let job = tokio::task::spawn_blocking(move || {
+        scan(&req, &token, &mut |batch| tx.blocking_send(batch).is_ok())
+    });
+    loop {
+        let batch = tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return Err(cancelled()),
+            b = rx.recv() => b,
+        };
+        let Some(batch) = batch else { break };
+        tokio::select! {
+            biased;
+            _ = cancel.cancelled() => return Err(cancelled()),
+            r = out.chunk(Chunk::Manifest(batch)) => if r.is_err() {
+                return Err(AgentError::new(ErrorCode::Io, "the channel closed"));
+            },
+        }
+    }
+    job.await.unwrap_or_else(|e| Err(internal(e)))
+}
+
+/// The blocking scan; `emit` returns false when nobody listens any more.
+pub fn scan(
+    req: &ManifestRequest,
+    cancel: &CancellationToken,
+    emit: &mut dyn FnMut(Vec<ManifestEntry>) -> bool,
+) -> Result<ManifestSummary, AgentError> {
+    if req.root.is_empty() {
+        return Err(AgentError::new(
+            ErrorCode::InvalidArgument,
+            "manifest: empty root path",
+        ));
+    }
+    let root = expand_home(&req.root);
+    let shown = path_string(&root);
+    // Rules first: a bad pattern is an error even when the root does not exist.
+    let rules = Rules::new(&req.rules)?;
+    let summary = ManifestSummary {
+        root: shown.clone(),
+        ..Default::default()
+    };
+    let io_err = |e: &std::io::Error| AgentError::from_io(e, "manifest", &shown);
+    // The root itself is followed when it is a symlink (like `ls dir/`); nothing below is.
+    let meta = match fs::metadata(&root) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match fs::symlink_metadata(&root) {
+            Ok(l) if l.file_type().is_symlink() => {
+                // A dangling symlink as the root: describe the link.
+                let mut scan = Scanner::new(rules, false, HashCache::disabled(), cancel, emit);
+                scan.summary = summary;
+                scan.summary.root_kind = Some(FileKind::Symlink);
+                scan.push_symlink(&root, String::new(), &l)?;
+                return scan.finish();
+            }
+            _ => return Ok(summary),
+        },
+        Err(e) => return Err(io_err(&e)),
+    };
+    let cache = if req.hash {
+        HashCache::load(&root)
+    } else {
+        HashCache::disabled()
+    };
+    let mut scan = Scanner::new(rules, req.hash, cache, cancel, emit);
+    scan.summary = summary;
+    let kind = kind_of(meta.file_type());
+    scan.summary.root_kind = Some(kind);
+    match kind {
+        FileKind::Dir => {
+            let first = Level::read(root.clone(), String::new()).map_err(|e| io_err(&e))?;
+            scan.walk(first)?;
+        }
+        // Hashing opens with O_NOFOLLOW, so a root that is a symlink is resolved first.
+        FileKind::File => {
+            let real = fs::canonicalize(&root).unwrap_or_else(|_| root.clone());
+            scan.push_file(real, String::new(), &meta)?
+        }
+        _ => scan.special(""),
+    }
+    scan.finish()
+}
+
+/// One directory being walked: its sorted names and how far the walk has got.
+struct Level {
+    dir: PathBuf,
+    rel: String,
+    names: Vec<std::ffi::OsString>,
+    next: usize,
+}
+
+impl Level {
+    fn read(dir: PathBuf, rel: String) -> std::io::Result<Level> {
+        let mut names = fs::read_dir(&dir)?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect::<std::io::Result<Vec<_>>>()?;
+        names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+        Ok(Level {
+            dir,
+            rel,
+            names,
+            next: 0,
+        })
+    }
+}
+
+struct Pending {
+    idx: usize,
+    path: PathBuf,
+    key: Key,
+}
+
+struct Scanner<'a> {
+    rules: Rules,
+    hash: bool,
+    cache: HashCache,
+    cancel: &'a CancellationToken,
+    emit: &'a mut dyn FnMut(Vec<ManifestEntry>) -> bool,
+    summary: ManifestSummary,
+    /// The hash cache directory, never listed (it changes whenever a scan writes to it).
+    skip_dir: Option<(u64, u64)>,
+    entries: Vec<ManifestEntry>,
+    pending: Vec<Pending>,
+    bytes: usize,
+}
+
+impl<'a> Scanner<'a> {
+    fn new(
+        rules: Rules,
+        hash: bool,
+        cache: HashCache,
+        cancel: &'a CancellationToken,
+        emit: &'a mut dyn FnMut(Vec<ManifestEntry>) -> bool,
+    ) -> Self {
+        let skip_dir = cache::cache_dir()
+            .and_then(|d| fs::metadata(d).ok())
+            .map(|m| (m.dev(), m.ino()));
+        Scanner {
+            rules,
+            hash,
+            cache,
+            cancel,
+            emit,
+            summary: ManifestSummary::default(),
+            skip_dir,
+            entries: Vec::new(),
+            pending: Vec::new(),
+            bytes: 0,
+        }
+    }
+
+    fn error(&mut self, msg: String) {
+        if self.summary.errors.len() < MAX_LISTED {
+            self.summary.errors.push(msg);
+        }
+    }
+
+    fn special(&mut self, rel: &str) {
+        self.summary.skipped_special_count += 1;
+        if self.summary.skipped_special.len() < MAX_LISTED {
+            self.summary.skipped_special.push(rel.to_string());
+        }
+    }
+
+    fn walk(&mut self, first: Level) -> Result<(), AgentError> {
+        let mut stack = vec![first];
+        while let Some(level) = stack.last_mut() {
+            let Some(name) = level.names.get(level.next).cloned() else {
+                stack.pop();
+                continue;
+            };
+            level.next += 1;
+            if self.cancel.is_cancelled() {
+                return Err(cancelled());
+            }
+            if name.as_bytes().starts_with(STAGING_PREFIX.as_bytes()) {
+                continue;
+            }
+            let path = level.dir.join(&name);
+            let Some(name) = name.to_str() else {
+                let rel = join(&level.rel, &name.to_string_lossy());
+                self.error(format!("{rel}: name is not valid UTF-8; skipped"));
+                continue;
+            };
+            let rel = join(&level.rel, name);
+            let meta = match fs::symlink_metadata(&path) {
+                Ok(m) => m,
+                // Removed since the directory was read: it simply is not there any more.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => {
+                    self.error(format!("{rel}: {e}"));
+                    continue;
+                }
+            };
+            match kind_of(meta.file_type()) {
+                FileKind::Dir => {
+                    if self.rules.excluded(&rel, true)
+                        || self.skip_dir == Some((meta.dev(), meta.ino()))
+                    {
+                        continue;
+                    }
+                    self.push(dir_entry(rel.clone(), &meta), None)?;
+                    match Level::read(path, rel.clone()) {
+                        Ok(l) => stack.push(l),
+                        Err(e) => self.error(format!("{rel}: {e}")),
+                    }
+                }
+                FileKind::File => {
+                    if !self.rules.excluded(&rel, false) {
+                        self.push_file(path, rel, &meta)?;
+                    }
+                }
+                FileKind::Symlink => {
+                    if !self.rules.excluded(&rel, false) {
+                        self.push_symlink(&path, rel, &meta)?;
+                    }
+                }
+                _ => {
+                    if !self.rules.excluded(&rel, false) {
+                        self.special(&rel);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn push_file(
+        &mut self,
+        path: PathBuf,
+        rel: String,
+        meta: &fs::Metadata,
+    ) -> Result<(), AgentError> {
+        let entry = ManifestEntry {
+            rel,
+            kind: FileKind::File,
+            size: meta.len(),
+            mtime_ns: mtime_ns(meta),
+            mode: mode_of(meta),
+            link_target: None,
+            hash: None,
+        };
+        let pending = self.hash.then(|| (path, Key::of(meta)));
+        self.push(entry, pending)
+    }
+
+    fn push_symlink(
+        &mut self,
+        path: &Path,
+        rel: String,
+        meta: &fs::Metadata,
+    ) -> Result<(), AgentError> {
+        let target = match fs::read_link(path) {
+            Ok(t) => t,
+            Err(e) => {
+                self.error(format!("{rel}: {e}"));
+                return Ok(());
+            }
+        };
+        let Some(target) = target.to_str() else {
+            self.error(format!("{rel}: symlink target is not valid UTF-8; skipped"));
+            return Ok(());
+        };
+        let entry = ManifestEntry {
+            rel,
+            kind: FileKind::Symlink,
+            size: meta.len(),
+            mtime_ns: mtime_ns(meta),
+            mode: mode_of(meta),
+            link_target: Some(target.to_string()),
+            hash: None,
+        };
+        self.push(entry, None)
+    }
+
+    fn push(
+        &mut self,
+        entry: ManifestEntry,
+        hash: Option<(PathBuf, Key)>,
+    ) -> Result<(), AgentError> {
+        if self.entries.len() >= BATCH_ENTRIES || self.bytes >= BATCH_BYTES {
+            self.flush()?;
+        }
+        self.bytes +=
+            entry.rel.len() + entry.link_target.as_ref().map_or(0, String::len) + ENTRY_OVERHEAD;
+        if let Some((path, key)) = hash {
+            self.pending.push(Pending {
+                idx: self.entries.len(),
+                path,
+                key,
+            });
+        }
+        self.entries.push(entry);
+        Ok(())
+    }
+
+    /// Fill in the batch's hashes (cache, then hashing the misses) and send it.
+    fn flush(&mut self) -> Result<(), AgentError> {
+        if self.entries.is_empty() {
+            return Ok(());
+        }
+        let mut entries = std::mem::take(&mut self.entries);
+        self.bytes = 0;
+        let mut misses = Vec::new();
+        for p in std::mem::take(&mut self.pending) {
+            match self.cache.get(&p.key) {
+                Some(h) => entries[p.idx].hash = Some(h),
+                None => misses.push(p),
+            }
+        }
+        let paths: Vec<&Path> = misses.iter().map(|p| p.path.as_path()).collect();
+        let results = hash_files(&paths, self.cancel);
+        if self.cancel.is_cancelled() {
+            return Err(cancelled());
+        }
+        let mut vanished = Vec::new();
+        for (p, r) in misses.iter().zip(results) {
+            let e = &mut entries[p.idx];
+            match r {
+                Ok(h) => {
+                    e.hash = Some(h.hash);
+                    // What was hashed is described by the open file, not the earlier lstat.
+                    e.size = h.key.size;
+                    e.mtime_ns = h.key.mtime_ns;
+                    e.mode = h.mode;
+                    self.summary.hashed_bytes += h.key.size;
+                    if h.settled {
+                        self.cache.insert(h.key, h.hash);
+                    }
+                }
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => vanished.push(p.idx),
+                Err(err) => {
+                    let msg = format!("{}: {err}", e.rel);
+                    self.error(msg);
+                }
+            }
+        }
+        if !vanished.is_empty() {
+            let mut i = 0;
+            entries.retain(|_| {
+                i += 1;
+                !vanished.contains(&(i - 1))
+            });
+        }
+        self.summary.entries += entries.len() as u64;
+        if entries.is_empty() {
+            return Ok(());
+        }
+        if (self.emit)(entries) {
+            Ok(())
+        } else {
+            Err(cancelled())
+        }
+    }
+
+    fn finish(mut self) -> Result<ManifestSummary, AgentError> {
+        self.flush()?;
+        self.cache.save();
+        Ok(self.summary)
+    }
+}
+
+fn join(parent: &str, name: &str) -> String {
+    if parent.is_empty() {
+        name.to_string()
+    } else {
+        format!("{parent}/{name}")
+    }
+}
+
+fn dir_entry(rel: String, meta: &fs::Metadata) -> ManifestEntry {
+    ManifestEntry {
+        rel,
+        kind: FileKind::Dir,
+        size: 0,
+        mtime_ns: mtime_ns(meta),
+        mode: mode_of(meta),
+        link_target: None,
+        hash: None,
+    }
+}
+
+pub(super) fn hash_threads() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    *N.get_or_init(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .clamp(1, 8)
+    })
+}
+
+struct Hashed {
+    hash: [u8; 32],
+    /// The open file's identity before it was read (equal to the one after).
+    key: Key,
+    mode: u32,
+    /// Safe to cache (see [`Key::settled`]).
+    settled: bool,
+}
+
+/// Hash files on up to [`hash_threads`] threads; results in input order.
+fn hash_files(paths: &[&Path], cancel: &CancellationToken) -> Vec<std::io::Result<Hashed>> {
+    let workers = hash_threads().min(paths.len());
+    if workers <= 1 {
+        let mut buf = vec![0u8; HASH_BUF];
+        return paths
+            .iter()
+            .map(|p| hash_one(p, cancel, &mut buf))
+            .collect();
+    }
+    let next = AtomicUsize::new(0);
+    let mut results: Vec<Option<std::io::Result<Hashed>>> = Vec::new();
+    results.resize_with(paths.len(), || None);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..workers)
+            .map(|_| {
+                s.spawn(|| {
+                    let mut buf = vec![0u8; HASH_BUF];
+                    let mut done = Vec::new();
+                    loop {
+                        let i = next.fetch_add(1, Ordering::Relaxed);
+                        if i >= paths.len() || cancel.is_cancelled() {
+                            break;
+                        }
+                        done.push((i, hash_one(paths[i], cancel, &mut buf)));
+                    }
+                    done
+                })
+            })
+            .collect();
+        for h in handles {
+            // A panicking worker aborts the process (panic=abort) in the release build.
+            for (i, r) in h.join().unwrap_or_default() {
+                results[i] = Some(r);
+            }
+        }
+    });
+    results
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(std::io::Error::other("not hashed (cancelled)"))))
+        .collect()
+}
+
+fn hash_one(path: &Path, cancel: &CancellationToken, buf: &mut [u8]) -> std::io::Result<Hashed> {
+    for _ in 0..HASH_ATTEMPTS {
+        // Read before the content is: see `Key::settled`.
+        let clock = fs_clock_ns();
+        // O_NONBLOCK: a file swapped for a FIFO since the lstat must not hang the scan.
+        let mut file = OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+            .open(path)?;
+        let before = file.metadata()?;
+        if !before.is_file() {
+            return Err(std::io::Error::other("no longer a regular file"));
+        }
+        let mut hasher = blake3::Hasher::new();
+        let mut total = 0u64;
+        loop {
+            let n = match file.read(buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            hasher.update(&buf[..n]);
+            total += n as u64;
+            if cancel.is_cancelled() {
+                return Err(std::io::Error::other("cancelled"));
+            }
+        }
+        let after = file.metadata()?;
+        let key = Key::of(&before);
+        if key == Key::of(&after) && total == key.size {
+            return Ok(Hashed {
+                hash: *hasher.finalize().as_bytes(),
+                key,
+                mode: mode_of(&before),
+                settled: key.settled(clock),
+            });
+        }
+    }
+    Err(std::io::Error::other(format!(
+        "changed while being hashed ({HASH_ATTEMPTS} attempts); not hashed"
+    )))
+}
