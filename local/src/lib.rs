@@ -11,3 +11,5 @@ pub mod mcp;
 pub mod ops;
 pub mod pool;
 pub mod ssh;
+pub mod sync;
+pub mod transfers;

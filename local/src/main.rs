@@ -67,6 +67,25 @@ enum Cmd {
         #[arg(long, short)]
         sandbox: Option<String>,
     },
+    /// Sync files exactly: `rsb sync LOCAL SANDBOX:REMOTE` uploads, `rsb sync SANDBOX:REMOTE LOCAL`
+    /// downloads (`:REMOTE` = the active sandbox). Remote paths are relative to the remote $HOME.
+    Sync {
+        src: String,
+        dst: String,
+        /// Delete destination entries missing from the source (never excluded ones).
+        #[arg(long)]
+        delete: bool,
+        /// gitignore-style pattern to exclude (repeatable); .git, node_modules, … are excluded
+        /// by default.
+        #[arg(long = "exclude", value_name = "PAT")]
+        exclude: Vec<String>,
+        /// File of exclude patterns.
+        #[arg(long)]
+        exclude_file: Option<String>,
+        /// List what would change, one line per action; change nothing.
+        #[arg(long, short = 'n')]
+        dry_run: bool,
+    },
     /// Background jobs supervised by the agent.
     Jobs {
         #[command(subcommand)]
@@ -296,6 +315,22 @@ async fn run(cli: Cli) -> u8 {
             }
         }
         Cmd::Jobs { cmd } => run_jobs(&pool, json, cmd).await,
+        Cmd::Sync {
+            src,
+            dst,
+            delete,
+            exclude,
+            exclude_file,
+            dry_run,
+        } => {
+            let opts = SyncOpts {
+                delete,
+                exclude,
+                exclude_file,
+                dry_run,
+            };
+            run_sync(&pool, json, &src, &dst, opts).await
+        }
     };
     pool.shutdown().await;
     code
@@ -487,6 +522,172 @@ async fn follow_logs(client: &rsb::client::AgentClient, name: &str) -> u8 {
         }
         if !r.log_truncated {
             tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+}
+
+struct SyncOpts {
+    delete: bool,
+    exclude: Vec<String>,
+    exclude_file: Option<String>,
+    dry_run: bool,
+}
+
+/// `SANDBOX:PATH` (or `:PATH` for the active sandbox) when the prefix names a sandbox.
+fn split_remote<'a>(pool: &Pool, arg: &'a str) -> Option<(&'a str, &'a str)> {
+    let (name, path) = arg.split_once(':')?;
+    if name.contains('/') {
+        return None;
+    }
+    (name.is_empty() || pool.names().iter().any(|n| n == name)).then_some((name, path))
+}
+
+async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) -> u8 {
+    use rsb::sync::{Direction, Phase, Progress, SyncSpec};
+    use std::io::IsTerminal;
+    let (direction, sandbox, remote, local) = match (
+        split_remote(pool, src),
+        split_remote(pool, dst),
+    ) {
+        (None, Some((s, r))) => (Direction::Upload, s, r, src),
+        (Some((s, r)), None) => (Direction::Download, s, r, dst),
+        _ => {
+            print_error(
+                json,
+                &RsbError::invalid(
+                    "exactly one side must be SANDBOX:PATH",
+                    format!(
+                        "rsb sync LOCAL SANDBOX:REMOTE uploads, rsb sync SANDBOX:REMOTE LOCAL downloads; sandboxes: {}",
+                        pool.names().join(", ")
+                    ),
+                ),
+            );
+            return 2;
+        }
+    };
+    let prep = (|| {
+        let sandbox = pool.resolve(sandbox)?;
+        let local_path = rsb::ops::sync::expand_local(local)?;
+        if direction == Direction::Upload && !local_path.exists() {
+            return Err(RsbError::invalid(
+                format!("local_path does not exist: {}", local_path.display()),
+                "check the path",
+            ));
+        }
+        let rules = rsb::ops::sync::load_rules(&o.exclude, o.exclude_file.as_deref())?;
+        Ok::<_, RsbError>((
+            sandbox,
+            SyncSpec {
+                direction,
+                local_path,
+                remote_path: if remote.is_empty() {
+                    ".".into()
+                } else {
+                    remote.into()
+                },
+                delete_extras: o.delete,
+                rules,
+                dry_run: o.dry_run,
+            },
+        ))
+    })();
+    let (sandbox, spec) = match prep {
+        Ok(x) => x,
+        Err(e) => {
+            print_error(json, &e);
+            return 2;
+        }
+    };
+    let bar = (!json && !o.dry_run && std::io::stderr().is_terminal()).then(|| {
+        let b = indicatif::ProgressBar::new(0);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} {msg:32} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        b.enable_steady_tick(Duration::from_millis(120));
+        b
+    });
+    let progress: Option<rsb::sync::ProgressFn> = bar.clone().map(|b| {
+        Arc::new(move |p: &Progress| {
+            b.set_length(p.bytes_total);
+            b.set_position(p.bytes_done);
+            let msg = match p.phase {
+                Phase::Transferring | Phase::Deleting => {
+                    format!(
+                        "{} {}/{} files",
+                        p.phase.as_str(),
+                        p.files_done,
+                        p.files_total
+                    )
+                }
+                ph => ph.as_str().to_string(),
+            };
+            b.set_message(msg);
+        }) as rsb::sync::ProgressFn
+    });
+    let cancel = rsb::sync::CancellationToken::new();
+    let c2 = cancel.clone();
+    let ctrl_c = tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            c2.cancel();
+        }
+    });
+    let r = rsb::ops::sync::run(pool, &sandbox, &spec, progress, &cancel).await;
+    ctrl_c.abort();
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    match r {
+        Ok(rep) if json => {
+            print_value(true, &rep.to_json());
+            0
+        }
+        Ok(rep) => {
+            for a in &rep.actions {
+                println!("{a}");
+            }
+            for e in &rep.errors {
+                eprintln!("rsb: warning: {e}");
+            }
+            let verb = if rep.dry_run { "would send" } else { "sent" };
+            println!(
+                "{} {} -> {}: {verb} {} files ({} bytes), {} dirs created, {} unchanged, {} attrs, {} deleted, {} special skipped, {:.2}s",
+                rep.synced_type,
+                if direction == Direction::Upload {
+                    &rep.local_path
+                } else {
+                    &rep.remote_path
+                },
+                if direction == Direction::Upload {
+                    &rep.remote_path
+                } else {
+                    &rep.local_path
+                },
+                rep.files_transferred,
+                if rep.dry_run {
+                    rep.bytes_planned
+                } else {
+                    rep.bytes_sent
+                },
+                rep.dirs_created,
+                rep.skipped_files,
+                rep.attrs_updated,
+                rep.deleted_files + rep.deleted_dirs,
+                rep.skipped_special,
+                rep.duration_s
+            );
+            0
+        }
+        Err(e) if cancel.is_cancelled() => {
+            print_error(json, &e);
+            130
+        }
+        Err(e) => {
+            print_error(json, &e);
+            1
         }
     }
 }

@@ -30,6 +30,10 @@ pub struct Pool {
     order: Vec<String>,
     slots: HashMap<String, Arc<Slot>>,
     active: RwLock<Option<String>>,
+    /// rsb's own agent as a child process: the local end of every sync (started lazily).
+    local: Mutex<Option<Connection>>,
+    /// Background transfer tasks (opened lazily: SQLite in the state dir).
+    transfers: std::sync::Mutex<Option<Arc<crate::transfers::Transfers>>>,
 }
 
 /// Result of a liveness check for `list_sandboxes` / `get_active_sandbox`.
@@ -62,6 +66,8 @@ impl Pool {
             order,
             slots,
             active,
+            local: Mutex::new(None),
+            transfers: std::sync::Mutex::new(None),
         }
     }
 
@@ -140,6 +146,33 @@ impl Pool {
         Ok(client)
     }
 
+    /// The local agent (a child process), for the local end of syncs; restarted if it died.
+    pub async fn local_agent(&self) -> Result<AgentClient> {
+        let mut guard = self.local.lock().await;
+        if let Some(c) = guard.as_ref() {
+            if c.client.is_alive() {
+                return Ok(c.client.clone());
+            }
+            c.client.close("restarting");
+            *guard = None;
+        }
+        let conn = connect::start_local("local-sync").await?;
+        let client = conn.client.clone();
+        *guard = Some(conn);
+        Ok(client)
+    }
+
+    /// The background transfer registry (SQLite under the state dir), opened on first use.
+    pub fn transfers(&self) -> Result<Arc<crate::transfers::Transfers>> {
+        let mut g = self.transfers.lock().unwrap();
+        if let Some(t) = g.as_ref() {
+            return Ok(t.clone());
+        }
+        let t = Arc::new(crate::transfers::Transfers::open(&self.config.state_dir)?);
+        *g = Some(t.clone());
+        Ok(t)
+    }
+
     /// Whether the last connect of `name` uploaded the agent (for tests and diagnostics).
     pub async fn last_connect_deployed(&self, name: &str) -> Option<bool> {
         let slot = self.slots.get(name)?;
@@ -180,6 +213,9 @@ impl Pool {
 
     /// Drop every connection (agents see EOF and exit; jobs keep running).
     pub async fn shutdown(&self) {
+        if let Some(c) = self.local.lock().await.take() {
+            c.client.close("shutdown");
+        }
         for slot in self.slots.values() {
             if let Some(c) = slot.conn.lock().await.take() {
                 c.client.close("shutdown");

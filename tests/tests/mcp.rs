@@ -433,6 +433,39 @@ async fn tools_list_matches_the_seed_and_fits_the_budget() {
             vec!["task_id"],
             vec![("force_kill_after_s", json!(5.0))],
         ),
+        (
+            "sync_local_to_remote",
+            vec![],
+            vec![
+                ("local_path", json!(".")),
+                ("remote_path", json!(".")),
+                ("delete_extras", json!(false)),
+                ("excludes", Value::Null),
+                ("exclude_file", Value::Null),
+                ("sandbox_name", json!("")),
+            ],
+        ),
+        (
+            "sync_remote_to_local",
+            vec![],
+            vec![
+                ("remote_path", json!(".")),
+                ("local_path", json!("./remote_mirror")),
+                ("excludes", Value::Null),
+                ("exclude_file", Value::Null),
+                ("sandbox_name", json!("")),
+            ],
+        ),
+        (
+            "check_file_transfer_task",
+            vec!["task_id"],
+            vec![("last_n_lines", json!(50))],
+        ),
+        (
+            "cancel_file_transfer_task",
+            vec!["task_id"],
+            vec![("force_kill_after_s", json!(5.0))],
+        ),
     ];
     for (name, required, defaults) in spec {
         let schema = &tool(name)["inputSchema"];
@@ -466,6 +499,9 @@ async fn tools_list_matches_the_seed_and_fits_the_budget() {
         ("list_remote_files", "max_entries"),
         ("read_remote_file", "max_bytes"),
         ("check_background_task", "last_n_lines"),
+        ("check_file_transfer_task", "task_id"),
+        ("check_file_transfer_task", "last_n_lines"),
+        ("cancel_file_transfer_task", "task_id"),
     ] {
         assert_eq!(
             tool(t)["inputSchema"]["properties"][p]["type"],

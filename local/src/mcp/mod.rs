@@ -7,6 +7,7 @@
 mod files;
 mod jobs;
 mod sandboxes;
+mod sync;
 
 use std::{sync::Arc, time::Duration};
 
@@ -42,7 +43,8 @@ impl RsbServer {
         let pool = Arc::new(Pool::new(Arc::new(config)));
         let tool_router = Self::sandbox_router()
             + Self::jobs_router()
-            + Self::files_router();
+            + Self::files_router()
+            + Self::sync_router();
         RsbServer {
             pool,
             tool_router,

@@ -6,3 +6,4 @@ pub mod fs;
 pub mod jobs;
 pub mod output;
 pub mod sandboxes;
+pub mod sync;

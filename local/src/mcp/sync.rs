@@ -1,0 +1,243 @@
+//! Sync tools: `sync_local_to_remote`, `sync_remote_to_local`, `check_file_transfer_task`,
+//! `cancel_file_transfer_task` (seed names, parameters and defaults).
+
+use std::{
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use rmcp::{
+    RoleServer,
+    handler::server::wrapper::Parameters,
+    model::ProgressNotificationParam,
+    schemars::{self, JsonSchema},
+    service::RequestContext,
+    tool, tool_router,
+};
+use serde::Deserialize;
+use serde_json::Value;
+
+use super::{RsbServer, ToolResult, fail, reply};
+use crate::{
+    error::RsbError,
+    ops::sync::{self as ops, SyncArgs},
+    sync::{Progress, ProgressFn},
+};
+
+fn d_dot() -> String {
+    ".".into()
+}
+fn d_mirror() -> String {
+    "./remote_mirror".into()
+}
+fn d_50() -> i64 {
+    50
+}
+fn d_grace() -> f64 {
+    5.0
+}
+
+/// `excludes`: a list of patterns, null, or the list JSON-encoded in a string (seed quirk).
+fn excludes_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": ["array", "string", "null"],
+        "items": {"type": "string"},
+        "default": null
+    })
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SyncUpParams {
+    #[serde(default = "d_dot")]
+    pub local_path: String,
+    #[serde(default = "d_dot")]
+    pub remote_path: String,
+    #[serde(default)]
+    pub delete_extras: bool,
+    /// gitignore patterns.
+    #[serde(default)]
+    #[schemars(schema_with = "excludes_schema")]
+    pub excludes: Option<Value>,
+    #[serde(default)]
+    pub exclude_file: Option<String>,
+    #[serde(default)]
+    pub sandbox_name: String,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SyncDownParams {
+    #[serde(default = "d_dot")]
+    pub remote_path: String,
+    #[serde(default = "d_mirror")]
+    pub local_path: String,
+    #[serde(default)]
+    #[schemars(schema_with = "excludes_schema")]
+    pub excludes: Option<Value>,
+    #[serde(default)]
+    pub exclude_file: Option<String>,
+    #[serde(default)]
+    pub sandbox_name: String,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CheckTransferParams {
+    pub task_id: i64,
+    #[serde(default = "d_50")]
+    pub last_n_lines: i64,
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CancelTransferParams {
+    pub task_id: i64,
+    #[serde(default = "d_grace")]
+    pub force_kill_after_s: f64,
+}
+
+/// Run a sync, sending MCP progress notifications (files, bytes, rate) every 2 s when the
+/// client asked for them. A cancelled call stops the sync through its token, so the
+/// destination's staging session is closed properly.
+async fn with_sync_progress<F, Fut>(ctx: &RequestContext<RoleServer>, work: F) -> ToolResult
+where
+    F: FnOnce(Option<ProgressFn>) -> Fut,
+    Fut: std::future::Future<Output = crate::error::Result<Value>>,
+{
+    let latest: Arc<Mutex<Option<Progress>>> = Arc::new(Mutex::new(None));
+    let l2 = latest.clone();
+    let cb: ProgressFn = Arc::new(move |p: &Progress| {
+        *l2.lock().unwrap() = Some(p.clone());
+    });
+    let token = ctx.meta.get_progress_token();
+    let peer = ctx.peer.clone();
+    let ticker = async move {
+        let Some(token) = token else {
+            return std::future::pending::<()>().await;
+        };
+        let start = tokio::time::Instant::now();
+        let mut tick =
+            tokio::time::interval_at(start + Duration::from_secs(2), Duration::from_secs(2));
+        loop {
+            tick.tick().await;
+            let secs = start.elapsed().as_secs_f64().round();
+            let msg = match latest.lock().unwrap().clone() {
+                Some(p) => format!(
+                    "sync {}: {}/{} files, {}/{} bytes, {:.1} MB/s {}",
+                    p.phase.as_str(),
+                    p.files_done,
+                    p.files_total,
+                    p.bytes_done,
+                    p.bytes_total,
+                    p.rate_bps / 1e6,
+                    p.current_path
+                ),
+                None => format!("sync: running for {secs}s"),
+            };
+            let _ = peer
+                .notify_progress(
+                    ProgressNotificationParam::new(token.clone(), secs).with_message(msg),
+                )
+                .await;
+        }
+    };
+    tokio::select! {
+        r = work(Some(cb)) => reply(r),
+        _ = ticker => unreachable!(),
+    }
+}
+
+fn args_up(p: SyncUpParams) -> Result<SyncArgs, RsbError> {
+    Ok(SyncArgs {
+        local_path: p.local_path,
+        remote_path: p.remote_path,
+        delete_extras: p.delete_extras,
+        excludes: ops::parse_excludes(p.excludes.as_ref())?,
+        exclude_file: p.exclude_file,
+        sandbox: p.sandbox_name,
+    })
+}
+
+#[tool_router(router = sync_router, vis = "pub(super)")]
+impl RsbServer {
+    #[tool(
+        description = "Sync a local file/dir to the sandbox: exact (blake3), only changes, keeps modes and symlinks, atomic per file. gitignore-style excludes; defaults skip .git, node_modules, __pycache__, .idea, .vscode, *.pyc. Large syncs run in background (check_file_transfer_task)."
+    )]
+    async fn sync_local_to_remote(
+        &self,
+        Parameters(p): Parameters<SyncUpParams>,
+        ctx: RequestContext<RoleServer>,
+    ) -> ToolResult {
+        let args = match args_up(p) {
+            Ok(a) => a,
+            Err(e) => return fail(&e),
+        };
+        let pool = self.pool.clone();
+        let cancel = ctx.ct.clone();
+        with_sync_progress(&ctx, |cb| async move {
+            ops::sync_local_to_remote(&pool, args, cb, &cancel).await
+        })
+        .await
+    }
+
+    #[tool(
+        description = "Download a sandbox file/dir to a local path (same semantics as sync_local_to_remote)."
+    )]
+    async fn sync_remote_to_local(
+        &self,
+        Parameters(p): Parameters<SyncDownParams>,
+        ctx: RequestContext<RoleServer>,
+    ) -> ToolResult {
+        let excludes = match ops::parse_excludes(p.excludes.as_ref()) {
+            Ok(e) => e,
+            Err(e) => return fail(&e),
+        };
+        let args = SyncArgs {
+            local_path: p.local_path,
+            remote_path: p.remote_path,
+            delete_extras: false,
+            excludes,
+            exclude_file: p.exclude_file,
+            sandbox: p.sandbox_name,
+        };
+        let pool = self.pool.clone();
+        let cancel = ctx.ct.clone();
+        with_sync_progress(&ctx, |cb| async move {
+            ops::sync_remote_to_local(&pool, args, cb, &cancel).await
+        })
+        .await
+    }
+
+    #[tool(description = "Status, progress and log tail of a background file transfer.")]
+    async fn check_file_transfer_task(
+        &self,
+        Parameters(p): Parameters<CheckTransferParams>,
+    ) -> ToolResult {
+        reply(
+            self.pool
+                .transfers()
+                .and_then(|t| t.check(p.task_id, p.last_n_lines)),
+        )
+    }
+
+    #[tool(
+        description = "Cancel a background file transfer (stops within a second; no partial files)."
+    )]
+    async fn cancel_file_transfer_task(
+        &self,
+        Parameters(p): Parameters<CancelTransferParams>,
+    ) -> ToolResult {
+        if p.task_id <= 0 {
+            return fail(&RsbError::invalid(
+                "task_id must be positive",
+                "pass the task_id returned by sync_local_to_remote",
+            ));
+        }
+        let t = match self.pool.transfers() {
+            Ok(t) => t,
+            Err(e) => return fail(&e),
+        };
+        reply(t.cancel(p.task_id, p.force_kill_after_s).await)
+    }
+}

@@ -1,0 +1,367 @@
+//! The sync tools: argument handling with the seed's messages, the inline/background switch,
+//! and the glue from a pool to the engine ([`crate::sync`]).
+
+use std::{
+    path::{Component, Path, PathBuf},
+    sync::Arc,
+};
+
+use serde_json::Value;
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    error::{Result, RsbError},
+    pool::Pool,
+    sync::{self, Direction, ProgressFn, SyncReport, SyncRules, SyncSpec},
+};
+
+/// The tools' arguments after JSON decoding (`excludes` already a list).
+#[derive(Debug, Clone, Default)]
+pub struct SyncArgs {
+    pub local_path: String,
+    pub remote_path: String,
+    pub delete_extras: bool,
+    pub excludes: Vec<String>,
+    pub exclude_file: Option<String>,
+    pub sandbox: String,
+}
+
+/// `excludes` as the seed accepted it: a list of strings, null, or a JSON-encoded list in a
+/// string (a plain string that is not JSON is taken as one pattern).
+pub fn parse_excludes(v: Option<&Value>) -> Result<Vec<String>> {
+    let bad = || {
+        RsbError::invalid(
+            "excludes must be a list of strings",
+            "pass e.g. [\"*.log\", \"build/\"]",
+        )
+    };
+    let list = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => {
+            let t = s.trim();
+            if t.is_empty() {
+                return Ok(Vec::new());
+            }
+            match serde_json::from_str::<Value>(t) {
+                Ok(Value::Array(a)) => a,
+                Ok(Value::Null) => return Ok(Vec::new()),
+                Ok(Value::String(one)) => vec![Value::String(one)],
+                Ok(_) => return Err(bad()),
+                Err(_) => vec![Value::String(t.to_string())],
+            }
+        }
+        Some(Value::Array(a)) => a.clone(),
+        Some(_) => return Err(bad()),
+    };
+    list.into_iter()
+        .map(|x| match x {
+            Value::String(s) => Ok(s),
+            _ => Err(bad()),
+        })
+        .collect()
+}
+
+fn home() -> Option<PathBuf> {
+    std::env::var_os("HOME")
+        .filter(|h| !h.is_empty())
+        .map(PathBuf::from)
+}
+
+/// A local path as the user meant it: `~`/`~/x` expanded (the seed forgot this for downloads),
+/// relative to the server's cwd, `.`/`..` resolved lexically. A trailing `/` is kept.
+pub fn expand_local(raw: &str) -> Result<PathBuf> {
+    let raw = if raw.trim().is_empty() { "." } else { raw };
+    let expanded = if raw == "~" || raw.starts_with("~/") {
+        let h = home().ok_or_else(|| {
+            RsbError::invalid(
+                format!("cannot expand {raw}: HOME is not set"),
+                "pass an absolute path",
+            )
+        })?;
+        if raw == "~" { h } else { h.join(&raw[2..]) }
+    } else {
+        PathBuf::from(raw)
+    };
+    let abs = if expanded.is_absolute() {
+        expanded
+    } else {
+        std::env::current_dir()
+            .map_err(|e| {
+                RsbError::invalid(
+                    format!("cannot resolve {raw}: the current directory is unavailable ({e})"),
+                    "pass an absolute path",
+                )
+            })?
+            .join(expanded)
+    };
+    let mut out = PathBuf::new();
+    for c in abs.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir => {
+                out.pop();
+            }
+            other => out.push(other.as_os_str()),
+        }
+    }
+    if raw.ends_with('/') && out != Path::new("/") {
+        let mut s = out.into_os_string();
+        s.push("/");
+        out = PathBuf::from(s);
+    }
+    Ok(out)
+}
+
+/// Default excludes, then `exclude_file` lines (blank and `#` lines skipped), then `excludes`.
+pub fn load_rules(excludes: &[String], exclude_file: Option<&str>) -> Result<SyncRules> {
+    let mut lines = Vec::new();
+    if let Some(f) = exclude_file.filter(|f| !f.trim().is_empty()) {
+        let p = expand_local(f)?;
+        let shown = p.display().to_string();
+        let meta = std::fs::metadata(&p).map_err(|_| {
+            RsbError::invalid(
+                format!("exclude_file does not exist: {shown}"),
+                "pass an existing file of gitignore-style patterns (relative to the server's cwd)",
+            )
+        })?;
+        if !meta.is_file() {
+            return Err(RsbError::invalid(
+                format!("exclude_file must be a file: {shown}"),
+                "pass a file of gitignore-style patterns",
+            ));
+        }
+        let text = std::fs::read_to_string(&p).map_err(|e| {
+            RsbError::invalid(
+                format!("cannot read exclude_file {shown}: {e}"),
+                "check its permissions and that it is UTF-8 text",
+            )
+        })?;
+        for l in text.lines() {
+            let t = l.trim();
+            if !t.is_empty() && !t.starts_with('#') {
+                lines.push(t.replace('\\', "/"));
+            }
+        }
+    }
+    for e in excludes {
+        let t = e.trim();
+        if !t.is_empty() {
+            lines.push(t.replace('\\', "/"));
+        }
+    }
+    Ok(SyncSpec::rules(lines))
+}
+
+/// Connect both ends and run the engine.
+pub async fn run(
+    pool: &Pool,
+    sandbox: &str,
+    spec: &SyncSpec,
+    progress: Option<ProgressFn>,
+    cancel: &CancellationToken,
+) -> Result<SyncReport> {
+    let (remote, local) = tokio::try_join!(pool.client(sandbox), pool.local_agent())?;
+    sync::run(&local, &remote, spec, progress, cancel).await
+}
+
+/// Files and bytes under a local root (after excludes), for the inline/background decision.
+async fn estimate(pool: &Pool, path: &Path, rules: &SyncRules) -> Result<(u64, u64)> {
+    let meta = std::fs::metadata(path).map_err(|e| RsbError::invalid(e.to_string(), ""))?;
+    if meta.is_file() {
+        return Ok((1, meta.len()));
+    }
+    let local = pool.local_agent().await?;
+    let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+    let call = local.call_streaming(
+        rsb_protocol::Request::Manifest(rsb_protocol::ManifestRequest {
+            root: path.display().to_string(),
+            rules: rules.clone(),
+            hash: false,
+        }),
+        tx,
+    );
+    let count = async {
+        let (mut n, mut b) = (0u64, 0u64);
+        while let Some(c) = rx.recv().await {
+            if let rsb_protocol::Chunk::Manifest(es) = c {
+                for e in es {
+                    if e.kind == rsb_protocol::FileKind::File {
+                        n += 1;
+                        b += e.size;
+                    }
+                }
+            }
+        }
+        (n, b)
+    };
+    let (r, counts) = tokio::join!(call, count);
+    r?;
+    Ok(counts)
+}
+
+/// Validate a local source the way the seed did, with its messages.
+fn check_local_source(p: &Path) -> Result<std::fs::Metadata> {
+    let shown = p.display().to_string();
+    let shown = if shown.len() > 1 {
+        shown.trim_end_matches('/').to_string()
+    } else {
+        shown
+    };
+    let meta = std::fs::metadata(p).map_err(|_| {
+        RsbError::invalid(
+            format!("local_path does not exist: {shown}"),
+            "relative paths are relative to the MCP server's working directory; ~ is expanded",
+        )
+    })?;
+    if !meta.is_file() && !meta.is_dir() {
+        return Err(RsbError::invalid(
+            format!("local_path must be a file or directory: {shown}"),
+            "sync regular files and directories",
+        ));
+    }
+    Ok(meta)
+}
+
+/// `sync_local_to_remote`: inline below the limits, else a background task.
+pub async fn sync_local_to_remote(
+    pool: &Arc<Pool>,
+    args: SyncArgs,
+    progress: Option<ProgressFn>,
+    cancel: &CancellationToken,
+) -> Result<Value> {
+    let local = expand_local(&args.local_path)?;
+    let meta = check_local_source(&local)?;
+    let rules = load_rules(&args.excludes, args.exclude_file.as_deref())?;
+    if args.delete_extras && !meta.is_dir() {
+        return Err(RsbError::invalid(
+            "delete_extras is only supported when local_path is a directory",
+            "pass delete_extras=false to sync a single file",
+        ));
+    }
+    let sandbox = pool.resolve(&args.sandbox)?;
+    let remote_path = if args.remote_path.trim().is_empty() {
+        ".".to_string()
+    } else {
+        args.remote_path.clone()
+    };
+    let spec = SyncSpec {
+        direction: Direction::Upload,
+        local_path: local.clone(),
+        remote_path,
+        delete_extras: args.delete_extras,
+        rules: rules.clone(),
+        dry_run: false,
+    };
+    let cfg = pool.config();
+    let (files, bytes) = estimate(pool, &local, &rules).await?;
+    if files > cfg.inline_sync_max_files || bytes > cfg.inline_sync_max_bytes {
+        let exclude_file = args
+            .exclude_file
+            .as_deref()
+            .filter(|f| !f.trim().is_empty())
+            .map(|f| expand_local(f).map(|p| p.display().to_string()))
+            .transpose()?
+            .unwrap_or_default();
+        return pool
+            .transfers()?
+            .start(pool.clone(), sandbox, spec, &args.excludes, &exclude_file);
+    }
+    let report = run(pool, &sandbox, &spec, progress, cancel).await?;
+    Ok(report.to_json())
+}
+
+/// `sync_remote_to_local`: always inline (as the seed), with progress.
+pub async fn sync_remote_to_local(
+    pool: &Arc<Pool>,
+    args: SyncArgs,
+    progress: Option<ProgressFn>,
+    cancel: &CancellationToken,
+) -> Result<Value> {
+    let local_raw = if args.local_path.trim().is_empty() {
+        "./remote_mirror"
+    } else {
+        &args.local_path
+    };
+    let local = expand_local(local_raw)?;
+    let rules = load_rules(&args.excludes, args.exclude_file.as_deref())?;
+    let sandbox = pool.resolve(&args.sandbox)?;
+    let remote_path = if args.remote_path.trim().is_empty() {
+        ".".to_string()
+    } else {
+        args.remote_path.clone()
+    };
+    let spec = SyncSpec {
+        direction: Direction::Download,
+        local_path: local,
+        remote_path,
+        delete_extras: args.delete_extras,
+        rules,
+        dry_run: false,
+    };
+    let report = run(pool, &sandbox, &spec, progress, cancel).await?;
+    Ok(report.to_json())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn excludes_forms() {
+        assert_eq!(parse_excludes(None).unwrap(), Vec::<String>::new());
+        assert_eq!(
+            parse_excludes(Some(&json!(null))).unwrap(),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            parse_excludes(Some(&json!(["a", "b/"]))).unwrap(),
+            vec!["a", "b/"]
+        );
+        assert_eq!(
+            parse_excludes(Some(&json!("[\"*.md\"]"))).unwrap(),
+            vec!["*.md"]
+        );
+        assert_eq!(
+            parse_excludes(Some(&json!("*.log"))).unwrap(),
+            vec!["*.log"]
+        );
+        assert!(parse_excludes(Some(&json!([1]))).is_err());
+        assert!(parse_excludes(Some(&json!(3))).is_err());
+    }
+
+    #[test]
+    fn local_paths() {
+        let home = home().unwrap();
+        assert_eq!(expand_local("~/x/../y").unwrap(), home.join("y"));
+        assert_eq!(expand_local("~").unwrap(), home);
+        let cwd = std::env::current_dir().unwrap();
+        assert_eq!(expand_local("./a/./b").unwrap(), cwd.join("a/b"));
+        assert!(
+            expand_local("out/")
+                .unwrap()
+                .to_string_lossy()
+                .ends_with("/out/")
+        );
+        assert_eq!(expand_local("/").unwrap(), PathBuf::from("/"));
+    }
+
+    #[test]
+    fn rules_and_exclude_file_errors() {
+        let e = load_rules(&[], Some("/nonexistent/rsb-ex")).unwrap_err();
+        assert_eq!(
+            e.message,
+            "exclude_file does not exist: /nonexistent/rsb-ex"
+        );
+        let e = load_rules(&[], Some("/")).unwrap_err();
+        assert_eq!(e.message, "exclude_file must be a file: /");
+        let dir = std::env::temp_dir().join(format!("rsb-rules-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("ex");
+        std::fs::write(&f, "# c\n\nbuild/\n!keep.log\n*.log\n").unwrap();
+        let r = load_rules(&[" x ".into(), "".into()], Some(f.to_str().unwrap())).unwrap();
+        assert!(r.default_excludes);
+        assert_eq!(r.lines, vec!["build/", "!keep.log", "*.log", "x"]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}

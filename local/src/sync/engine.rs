@@ -1,0 +1,1095 @@
+//! Runs a sync between a source and a destination agent: scan both concurrently, plan, then
+//! stream the changes into a staging session on the destination.
+//!
+//! Ordering: the agent runs the requests of one apply session in arrival order, but this engine
+//! does not lean on that more than it must. Directories are created first (awaited), then small
+//! files (whole, data and commit in one request, many files per request), symlinks and
+//! attribute fixes stream through a window of requests while large files go one at a time,
+//! each with its own window of `FileData` requests; a large file's first request is awaited
+//! before the rest (it creates the staged file) and its `FileCommit` is sent only once every
+//! data request has been acknowledged. Deletes come last, deepest first, then `ApplyClose`
+//! restores directory mtimes. Source bytes are read with pipelined `ReadFile` requests (small
+//! files by a reader task that starts before the directories are created).
+//!
+//! A sync that fails, is cancelled or is dropped closes its session (the staging dir goes);
+//! files already committed stay, and nothing partial is ever visible.
+
+use std::{
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use futures::{StreamExt, stream::FuturesUnordered};
+use rsb_protocol::{
+    ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyRequest, BlockHashesRequest, Chunk,
+    ErrorCode, FileKind, ManifestEntry, ManifestRequest, ManifestSummary, ReadFileRequest, Reply,
+    Request, SyncRules,
+};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+use super::{
+    Direction, Phase, Progress, ProgressFn, SyncReport, SyncSpec, join_rel,
+    plan::{self, BLOCK_SIZE, FileXfer, Plan, PlanOptions},
+};
+use crate::{
+    client::AgentClient,
+    error::{Kind, Result, RsbError},
+};
+
+/// Files up to this size travel whole inside a batch (data and commit in one request).
+const SMALL_MAX: u64 = 1024 * 1024;
+/// A batch is sent once it holds this much file data…
+const BATCH_BYTES: usize = 1024 * 1024;
+/// …or this many ops.
+const BATCH_OPS: usize = 512;
+/// Apply requests in flight for small batches, and for one large file.
+const SMALL_WINDOW: usize = 8;
+const LARGE_WINDOW: usize = 8;
+/// Concurrent `ReadFile` requests for small files.
+const SMALL_READS: usize = 32;
+/// Concurrent `ReadFile` requests for one large file.
+const LARGE_READS: usize = 8;
+/// `FileData` chunks per request for large files (4 × 256 KiB = 1 MiB).
+const CHUNKS_PER_REQUEST: usize = 4;
+/// Ops per request for metadata-only batches (mkdir, delete).
+const META_OPS: usize = 2000;
+/// How long a failed or cancelled sync waits for `ApplyClose` (removes its staging dir).
+const CLEANUP_TIMEOUT: Duration = Duration::from_millis(500);
+/// Progress callbacks at most this often (plus every phase change and the end).
+const PROGRESS_EVERY: Duration = Duration::from_millis(50);
+
+pub fn cancelled_error() -> RsbError {
+    RsbError::new(
+        Kind::Agent(ErrorCode::Cancelled),
+        "sync cancelled",
+        "files already committed stay; nothing partial was left; run the sync again to finish",
+    )
+}
+
+fn unexpected(what: &str, r: &Reply) -> RsbError {
+    RsbError::internal(format!(
+        "agent answered {what} with an unexpected reply ({:?})",
+        std::mem::discriminant(r)
+    ))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Progress
+// ---------------------------------------------------------------------------------------------
+
+fn tmark(t: &Tracker, what: &str) {
+    if std::env::var_os("RSB_SYNC_TIMING").is_some() {
+        eprintln!(
+            "[sync timing] {what}: {:.1} ms",
+            t.start.elapsed().as_secs_f64() * 1000.0
+        );
+    }
+}
+
+struct Tracker {
+    cb: Option<ProgressFn>,
+    start: Instant,
+    state: Mutex<TrackState>,
+}
+
+struct TrackState {
+    p: Progress,
+    last_emit: Option<Instant>,
+    xfer_start: Option<Instant>,
+}
+
+impl Tracker {
+    fn new(cb: Option<ProgressFn>) -> Tracker {
+        Tracker {
+            cb,
+            start: Instant::now(),
+            state: Mutex::new(TrackState {
+                p: Progress::default(),
+                last_emit: None,
+                xfer_start: None,
+            }),
+        }
+    }
+
+    fn update(&self, force: bool, f: impl FnOnce(&mut Progress)) {
+        let snapshot = {
+            let mut st = self.state.lock().unwrap();
+            let before = st.p.phase;
+            f(&mut st.p);
+            let now = Instant::now();
+            if st.p.phase == Phase::Transferring && st.xfer_start.is_none() {
+                st.xfer_start = Some(now);
+            }
+            st.p.elapsed_s = self.start.elapsed().as_secs_f64();
+            if let Some(t) = st.xfer_start {
+                let secs = now.duration_since(t).as_secs_f64();
+                if secs > 0.0 {
+                    st.p.rate_bps = st.p.bytes_done as f64 / secs;
+                }
+            }
+            let due = force
+                || before != st.p.phase
+                || st
+                    .last_emit
+                    .is_none_or(|t| now.duration_since(t) >= PROGRESS_EVERY);
+            if !due || self.cb.is_none() {
+                return;
+            }
+            st.last_emit = Some(now);
+            st.p.clone()
+        };
+        if let Some(cb) = &self.cb {
+            cb(&snapshot);
+        }
+    }
+
+    fn phase(&self, ph: Phase) {
+        self.update(true, |p| p.phase = ph);
+    }
+
+    fn acked(&self, files: u64, bytes: u64, path: Option<&str>) {
+        self.update(false, |p| {
+            p.files_done += files;
+            p.bytes_done += bytes;
+            if let Some(path) = path {
+                p.current_path = path.to_string();
+            }
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Agent calls
+// ---------------------------------------------------------------------------------------------
+
+/// A directory or file manifest: the summary plus every entry (streamed as chunks).
+async fn manifest(
+    c: &AgentClient,
+    root: &str,
+    rules: &SyncRules,
+) -> Result<(ManifestSummary, Vec<ManifestEntry>)> {
+    let (tx, mut rx) = mpsc::channel::<Chunk>(64);
+    let call = c.call_streaming(
+        Request::Manifest(ManifestRequest {
+            root: root.to_string(),
+            rules: rules.clone(),
+            hash: true,
+        }),
+        tx,
+    );
+    let collect = async {
+        let mut v = Vec::new();
+        while let Some(ch) = rx.recv().await {
+            if let Chunk::Manifest(es) = ch {
+                v.extend(es);
+            }
+        }
+        v
+    };
+    let (r, entries) = tokio::join!(call, collect);
+    match r? {
+        Reply::Manifest(s) => Ok((s, entries)),
+        other => Err(unexpected("manifest", &other)),
+    }
+}
+
+/// `stat` that maps "not found" to `None`.
+async fn stat_opt(c: &AgentClient, path: &str) -> Result<Option<rsb_protocol::FileStat>> {
+    match c.stat(path, true).await {
+        Ok(s) => Ok(Some(s)),
+        Err(e) if e.kind == Kind::Agent(ErrorCode::NotFound) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+async fn apply(dst: &AgentClient, session: u64, ops: Vec<ApplyOp>) -> Result<u32> {
+    match dst
+        .call(Request::Apply(ApplyRequest { session, ops }))
+        .await?
+    {
+        Reply::Applied(a) => Ok(a.applied),
+        other => Err(unexpected("apply", &other)),
+    }
+}
+
+async fn apply_batch(
+    dst: AgentClient,
+    session: u64,
+    ops: Vec<ApplyOp>,
+    info: BatchInfo,
+) -> Result<BatchInfo> {
+    apply(&dst, session, ops).await?;
+    Ok(info)
+}
+
+async fn apply_bytes(dst: AgentClient, session: u64, ops: Vec<ApplyOp>, bytes: u64) -> Result<u64> {
+    apply(&dst, session, ops).await?;
+    Ok(bytes)
+}
+
+async fn close_session(
+    dst: &AgentClient,
+    session: u64,
+    dir_mtimes: Vec<(String, i64)>,
+) -> Result<Reply> {
+    dst.call(Request::ApplyClose(ApplyCloseRequest {
+        session,
+        dir_mtimes,
+    }))
+    .await
+}
+
+/// Read a whole small file (owned arguments: the future is `'static`).
+async fn read_small(src: AgentClient, path: String, f: FileXfer) -> Result<(FileXfer, Vec<u8>)> {
+    let data = read_range(&src, &path, 0, f.size, true).await?;
+    Ok((f, data))
+}
+
+async fn read_block(src: AgentClient, path: String, off: u64, len: u64) -> Result<(u64, Vec<u8>)> {
+    let d = read_range(&src, &path, off, len, false).await?;
+    Ok((off, d))
+}
+
+async fn block_hashes(c: &AgentClient, path: &str) -> Result<Vec<[u8; 32]>> {
+    match c
+        .call(Request::BlockHashes(BlockHashesRequest {
+            path: path.to_string(),
+            block_size: BLOCK_SIZE,
+        }))
+        .await?
+    {
+        Reply::BlockHashes(b) => Ok(b.hashes),
+        other => Err(unexpected("block_hashes", &other)),
+    }
+}
+
+/// Read `[offset, offset + len)`; with `to_eof`, keep reading while the file has more.
+async fn read_range(
+    src: &AgentClient,
+    path: &str,
+    offset: u64,
+    len: u64,
+    to_eof: bool,
+) -> Result<Vec<u8>> {
+    let mut data = Vec::new();
+    let mut off = offset;
+    loop {
+        let want = if to_eof {
+            (len.saturating_sub(data.len() as u64)).max(64 * 1024)
+        } else {
+            len - data.len() as u64
+        };
+        let r = src
+            .read_file(ReadFileRequest {
+                path: path.to_string(),
+                offset: off,
+                max_bytes: want,
+            })
+            .await?;
+        let n = r.data.len() as u64;
+        if data.is_empty() {
+            data = r.data;
+        } else {
+            data.extend_from_slice(&r.data);
+        }
+        off += n;
+        let done = if to_eof {
+            !r.truncated || n == 0
+        } else {
+            data.len() as u64 >= len || n == 0
+        };
+        if done {
+            return Ok(data);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry point
+// ---------------------------------------------------------------------------------------------
+
+/// Where things are on each side once resolved.
+struct Roots {
+    /// Source root (a directory), or the source file itself.
+    src: String,
+    /// The destination root the staging session opens (for a single file: its parent dir).
+    dst: String,
+    /// Single-file mode: every read goes to `src` itself.
+    single: bool,
+}
+
+impl Roots {
+    fn src_path(&self, rel: &str) -> String {
+        if self.single {
+            self.src.clone()
+        } else {
+            join_rel(&self.src, rel)
+        }
+    }
+    fn dst_path(&self, rel: &str) -> String {
+        join_rel(&self.dst, rel)
+    }
+}
+
+fn basename(p: &str) -> &str {
+    let t = p.trim_end_matches('/');
+    t.rsplit_once('/').map(|(_, b)| b).unwrap_or(t)
+}
+
+/// Parent directory and name of a file path (`x` → `.`, `/x` → `/`).
+fn split_parent(p: &str) -> (String, String) {
+    match p.rsplit_once('/') {
+        Some(("", name)) => ("/".into(), name.into()),
+        Some((dir, name)) => (dir.into(), name.into()),
+        None => (".".into(), p.into()),
+    }
+}
+
+/// Is a single file excluded by `rules`? Candidates as in the seed: the path as given (when
+/// relative), and its basename.
+pub fn single_file_excluded(rules: &SyncRules, given: &str) -> bool {
+    use ignore::gitignore::GitignoreBuilder;
+    let mut b = GitignoreBuilder::new("/");
+    if rules.default_excludes {
+        for l in rsb_protocol::sync::DEFAULT_EXCLUDES {
+            let _ = b.add_line(None, l);
+        }
+    }
+    for l in &rules.lines {
+        let _ = b.add_line(None, l);
+    }
+    let Ok(gi) = b.build() else {
+        return false;
+    };
+    let mut rel = given.trim();
+    while let Some(r) = rel.strip_prefix("./") {
+        rel = r;
+    }
+    let name = basename(rel);
+    if !name.is_empty() && gi.matched(name, false).is_ignore() {
+        return true;
+    }
+    let relative =
+        !rel.starts_with('/') && !rel.starts_with('~') && !rel.split('/').any(|c| c == "..");
+    relative && !rel.is_empty() && gi.matched_path_or_any_parents(rel, false).is_ignore()
+}
+
+/// Remote paths are relative to the remote `$HOME` (as the seed resolved them), not to
+/// wherever the agent process happens to run: `x` → `~/x`, `.` → `~`.
+pub fn anchor_home(p: &str) -> String {
+    let t = p.trim();
+    if t.is_empty() || t == "." || t == "./" {
+        return "~".into();
+    }
+    if t.starts_with('/') || t == "~" || t.starts_with("~/") {
+        return t.to_string();
+    }
+    let mut rel = t;
+    while let Some(r) = rel.strip_prefix("./") {
+        rel = r;
+    }
+    format!("~/{rel}")
+}
+
+/// Run one sync. `local` is the local agent, `remote` the sandbox's; `spec.direction` decides
+/// which is the source.
+pub async fn run(
+    local: &AgentClient,
+    remote: &AgentClient,
+    spec: &SyncSpec,
+    progress: Option<ProgressFn>,
+    cancel: &CancellationToken,
+) -> Result<SyncReport> {
+    let tracker = Arc::new(Tracker::new(progress));
+    let local_str = spec.local_path.to_string_lossy().into_owned();
+    let remote_str = anchor_home(&spec.remote_path);
+    let (src, dst, src_given, dst_given) = match spec.direction {
+        Direction::Upload => (local, remote, local_str.clone(), remote_str),
+        Direction::Download => (remote, local, remote_str, local_str.clone()),
+    };
+    // As the user wrote them, for messages.
+    let (src_shown, dst_shown) = match spec.direction {
+        Direction::Upload => (local_str.clone(), spec.remote_path.clone()),
+        Direction::Download => (spec.remote_path.clone(), local_str.clone()),
+    };
+    let mut report = SyncReport {
+        direction: Some(spec.direction),
+        local_path: local_str.clone(),
+        remote_path: spec.remote_path.clone(),
+        delete_extras: spec.delete_extras,
+        dry_run: spec.dry_run,
+        ..Default::default()
+    };
+    tracker.phase(Phase::Scanning);
+
+    let work = async {
+        let src_root_given = if src_given.len() > 1 {
+            src_given.trim_end_matches('/').to_string()
+        } else {
+            src_given.clone()
+        };
+        let (src_stat, dst_stat) =
+            tokio::try_join!(stat_opt(src, &src_root_given), stat_opt(dst, &dst_given))?;
+        let dst_kind = dst_stat.map(|s| s.kind);
+        let (what_src, what_dst) = match spec.direction {
+            Direction::Upload => ("local_path", "remote_path"),
+            Direction::Download => ("remote_path", "local_path"),
+        };
+        let src_stat = src_stat.ok_or_else(|| {
+            RsbError::new(
+                Kind::Agent(ErrorCode::NotFound),
+                format!("{what_src} does not exist: {src_shown}"),
+                "check the path (remote paths are relative to the remote $HOME; ~ is expanded)",
+            )
+        })?;
+        match src_stat.kind {
+            FileKind::Dir => {
+                report.synced_type = "directory";
+                if let Some(k) = dst_kind
+                    && k != FileKind::Dir
+                {
+                    return Err(RsbError::invalid(
+                        format!(
+                            "{what_dst} {dst_shown} is a file on the destination but a directory on the source; nothing was changed"
+                        ),
+                        "remove it or rename it, or choose another destination",
+                    ));
+                }
+                let dst_fut = async {
+                    if dst_kind.is_some() {
+                        manifest(dst, &dst_given, &spec.rules).await.map(Some)
+                    } else {
+                        Ok(None)
+                    }
+                };
+                let ((ssum, sents), dres) =
+                    tokio::try_join!(manifest(src, &src_root_given, &spec.rules), dst_fut)?;
+                let (dsum, dents) = dres.unwrap_or_default();
+                tracker.phase(Phase::Planning);
+                tmark(&tracker, "scanned");
+                let roots = Roots {
+                    src: ssum.root.clone(),
+                    dst: if dsum.root.is_empty() {
+                        dst_given.clone()
+                    } else {
+                        dsum.root.clone()
+                    },
+                    single: false,
+                };
+                set_paths(&mut report, spec.direction, &roots.src, &roots.dst);
+                report.skipped_special = ssum.skipped_special_count;
+                report
+                    .errors
+                    .extend(ssum.errors.iter().map(|e| format!("source {e}")));
+                report
+                    .errors
+                    .extend(dsum.errors.iter().map(|e| format!("destination {e}")));
+                let unreadable = ssum
+                    .errors
+                    .iter()
+                    .map(|e| e.split_once(": ").map(|(r, _)| r).unwrap_or(e).to_string())
+                    .collect();
+                let mut plan = plan::plan(
+                    &sents,
+                    &dents,
+                    &PlanOptions {
+                        delete_extras: spec.delete_extras,
+                        unreadable,
+                        dest_name: roots.dst.clone(),
+                    },
+                )?;
+                // The root's own mtime, when anything inside it changes (as rsync -a does).
+                if !plan.is_empty() {
+                    plan.dir_mtimes.push((String::new(), src_stat.mtime_ns));
+                }
+                execute(src, dst, spec, &roots, plan, &tracker, &mut report, cancel).await
+            }
+            FileKind::File | FileKind::Symlink => {
+                report.synced_type = "file";
+                if spec.delete_extras {
+                    return Err(RsbError::invalid(
+                        "delete_extras is only supported when local_path is a directory",
+                        "pass delete_extras=false to sync a single file",
+                    ));
+                }
+                if single_file_excluded(&spec.rules, &src_shown) {
+                    report.skipped_files = 1;
+                    return Ok(());
+                }
+                let name = basename(&src_root_given).to_string();
+                let into_dir = dst_kind == Some(FileKind::Dir)
+                    || dst_given.ends_with('/')
+                    || matches!(dst_given.as_str(), "." | "/" | "~" | "");
+                let base = dst_given.trim_end_matches('/');
+                let target = if !into_dir {
+                    dst_given.clone()
+                } else if base.is_empty() {
+                    format!("/{name}")
+                } else {
+                    join_rel(base, &name)
+                };
+                let ((ssum, sents), (dsum, dents)) = tokio::try_join!(
+                    manifest(src, &src_root_given, &spec.rules),
+                    manifest(dst, &target, &spec.rules)
+                )?;
+                tracker.phase(Phase::Planning);
+                tmark(&tracker, "scanned");
+                if dsum.root_kind == Some(FileKind::Dir) {
+                    return Err(RsbError::invalid(
+                        format!(
+                            "{what_dst} points to a directory, expected a file target: {target}"
+                        ),
+                        "pass the directory itself (or a path ending in /) to sync the file into it",
+                    ));
+                }
+                let (parent, fname) = split_parent(if dsum.root.is_empty() {
+                    &target
+                } else {
+                    &dsum.root
+                });
+                let roots = Roots {
+                    src: if ssum.root.is_empty() {
+                        src_root_given.clone()
+                    } else {
+                        ssum.root.clone()
+                    },
+                    dst: parent,
+                    single: true,
+                };
+                set_paths(
+                    &mut report,
+                    spec.direction,
+                    &roots.src,
+                    &roots.dst_path(&fname),
+                );
+                let rename = |v: Vec<ManifestEntry>| -> Vec<ManifestEntry> {
+                    v.into_iter()
+                        .filter(|e| e.rel.is_empty())
+                        .map(|mut e| {
+                            e.rel = fname.clone();
+                            e
+                        })
+                        .collect()
+                };
+                let sents = rename(sents);
+                if sents.is_empty() {
+                    // The agent excluded or skipped the root (a FIFO, say).
+                    report.skipped_files = 1;
+                    report.skipped_special = ssum.skipped_special_count;
+                    return Ok(());
+                }
+                let plan = plan::plan(&sents, &rename(dents), &PlanOptions::default())?;
+                execute(src, dst, spec, &roots, plan, &tracker, &mut report, cancel).await
+            }
+            other => Err(RsbError::invalid(
+                format!("{what_src} must be a file or directory: {src_shown} ({other:?})"),
+                "sync regular files, directories and symlinks only",
+            )),
+        }
+    };
+    let res = tokio::select! {
+        r = work => r,
+        _ = cancel.cancelled() => Err(cancelled_error()),
+    };
+    res?;
+    report.duration_s = tracker.start.elapsed().as_secs_f64();
+    tmark(&tracker, "closed");
+    tracker.phase(Phase::Complete);
+    Ok(report)
+}
+
+fn set_paths(report: &mut SyncReport, dir: Direction, src: &str, dst: &str) {
+    match dir {
+        Direction::Upload => {
+            report.local_path = src.to_string();
+            report.remote_path = dst.to_string();
+        }
+        Direction::Download => {
+            report.remote_path = src.to_string();
+            report.local_path = dst.to_string();
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn execute(
+    src: &AgentClient,
+    dst: &AgentClient,
+    spec: &SyncSpec,
+    roots: &Roots,
+    plan: Plan,
+    tracker: &Arc<Tracker>,
+    report: &mut SyncReport,
+    cancel: &CancellationToken,
+) -> Result<()> {
+    report.skipped_files += plan.unchanged;
+    report
+        .errors
+        .extend(plan.errors.iter().map(|e| format!("source {e}")));
+    report.dirs_created = plan.mkdirs.len() as u64;
+    report.files_transferred = (plan.files.len() + plan.symlinks.len()) as u64;
+    report.attrs_updated = plan.attrs.len() as u64;
+    report.deleted_files = plan.delete_files.len() as u64;
+    report.deleted_dirs = plan.delete_dirs.len() as u64;
+    report.delta_files = plan.files.iter().filter(|f| f.delta).count() as u64;
+    report.bytes_planned = plan.bytes_total();
+    if spec.dry_run {
+        report.actions = plan.actions();
+        return Ok(());
+    }
+    if plan.is_empty() {
+        return Ok(());
+    }
+    tracker.update(true, |p| {
+        p.phase = Phase::Transferring;
+        p.files_total = (plan.files.len() + plan.symlinks.len()) as u64;
+        p.bytes_total = plan.bytes_total();
+    });
+    let opened = match dst
+        .call(Request::ApplyOpen(ApplyOpenRequest {
+            root: roots.dst.clone(),
+            create_root: true,
+        }))
+        .await?
+    {
+        Reply::ApplyOpened(o) => o,
+        other => return Err(unexpected("apply_open", &other)),
+    };
+    let session = opened.session;
+    // Whatever happens from here (error, cancel, this future dropped), the session is closed
+    // so its staging dir goes; a session left open would keep its staging until the
+    // connection ends.
+    let mut guard = SessionGuard {
+        dst: dst.clone(),
+        session,
+        armed: true,
+    };
+    tmark(tracker, "opened");
+    // A destination root that did not exist was only known as given (`~/x`): show it expanded.
+    if !roots.single {
+        let shown = match spec.direction {
+            Direction::Upload => &mut report.remote_path,
+            Direction::Download => &mut report.local_path,
+        };
+        if *shown == roots.dst {
+            *shown = opened.root.clone();
+        }
+    }
+    let ctx = Ctx {
+        src,
+        dst,
+        session,
+        roots,
+        tracker: tracker.clone(),
+        bytes_sent: Mutex::new(0),
+    };
+    let res = tokio::select! {
+        r = ctx.transfer(&plan, report) => r,
+        _ = cancel.cancelled() => Err(cancelled_error()),
+    };
+    report.bytes_sent = *ctx.bytes_sent.lock().unwrap();
+    match res {
+        Ok(()) => {
+            tmark(tracker, "transferred");
+            guard.armed = false;
+            match close_session(dst, session, plan.dir_mtimes.clone()).await? {
+                Reply::Done => {}
+                other => return Err(unexpected("apply_close", &other)),
+            }
+            Ok(())
+        }
+        Err(e) => {
+            // Close now, waiting a little (the agent first stops the cancelled requests); if
+            // that takes longer, the close finishes in the background.
+            guard.armed = false;
+            if dst.is_alive() {
+                let d = dst.clone();
+                let h = tokio::spawn(async move { close_session(&d, session, Vec::new()).await });
+                let _ = tokio::time::timeout(CLEANUP_TIMEOUT, h).await;
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Aborts a helper task when the sync stops (or is dropped) before it finishes.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Closes an apply session (dropping what was staged) when the sync stops early.
+struct SessionGuard {
+    dst: AgentClient,
+    session: u64,
+    armed: bool,
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        if !self.armed || !self.dst.is_alive() {
+            return;
+        }
+        let d = self.dst.clone();
+        let session = self.session;
+        if let Ok(h) = tokio::runtime::Handle::try_current() {
+            h.spawn(async move {
+                let _ = close_session(&d, session, Vec::new()).await;
+            });
+        }
+    }
+}
+
+struct Ctx<'a> {
+    src: &'a AgentClient,
+    dst: &'a AgentClient,
+    session: u64,
+    roots: &'a Roots,
+    tracker: Arc<Tracker>,
+    bytes_sent: Mutex<u64>,
+}
+
+/// What one small batch carries, for progress once it is acknowledged.
+struct BatchInfo {
+    files: u64,
+    bytes: u64,
+    last: Option<String>,
+}
+
+impl Ctx<'_> {
+    fn sent(&self, n: u64) {
+        *self.bytes_sent.lock().unwrap() += n;
+    }
+
+    async fn transfer(&self, plan: &Plan, report: &mut SyncReport) -> Result<()> {
+        let (small, large): (Vec<&FileXfer>, Vec<&FileXfer>) =
+            plan.files.iter().partition(|f| f.size <= SMALL_MAX);
+        // Small files are read by a task of their own from the start, so reading overlaps with
+        // creating directories and with waiting for acknowledgements.
+        let (tx, rx) = mpsc::channel(SMALL_READS);
+        let jobs: Vec<(AgentClient, String, FileXfer)> = small
+            .into_iter()
+            .map(|f| (self.src.clone(), self.roots.src_path(&f.rel), f.clone()))
+            .collect();
+        let reader = AbortOnDrop(tokio::spawn(async move {
+            let mut reads = futures::stream::iter(jobs)
+                .map(|(c, p, f)| read_small(c, p, f))
+                .buffered(SMALL_READS);
+            while let Some(r) = reads.next().await {
+                let stop = r.is_err();
+                if tx.send(r).await.is_err() || stop {
+                    break;
+                }
+            }
+        }));
+        // 1. Directories, parents first, awaited.
+        for chunk in plan.mkdirs.chunks(META_OPS) {
+            let ops = chunk
+                .iter()
+                .map(|(rel, mode)| ApplyOp::Mkdir {
+                    rel: rel.clone(),
+                    mode: *mode,
+                })
+                .collect();
+            apply(self.dst, self.session, ops).await?;
+        }
+        tmark(&self.tracker, "mkdirs");
+        // 2. Small items stream alongside large files (one at a time).
+        let small_fut = self.send_small(plan, rx);
+        let large_fut = async {
+            for f in large {
+                self.send_large(f).await?;
+            }
+            Ok::<_, RsbError>(())
+        };
+        tokio::try_join!(small_fut, large_fut)?;
+        drop(reader);
+        // 3. Modes of new read-only directories, now that nothing more is written inside.
+        if !plan.final_attrs.is_empty() {
+            let ops = plan
+                .final_attrs
+                .iter()
+                .map(|(rel, mode, mtime)| ApplyOp::SetAttr {
+                    rel: rel.clone(),
+                    mode: *mode,
+                    mtime_ns: *mtime,
+                })
+                .collect();
+            apply(self.dst, self.session, ops).await?;
+        }
+        // 4. Deletes: files, then directories deepest first.
+        if !plan.delete_files.is_empty() || !plan.delete_dirs.is_empty() {
+            self.tracker.phase(Phase::Deleting);
+        }
+        for chunk in plan.delete_files.chunks(META_OPS) {
+            let ops = chunk
+                .iter()
+                .map(|rel| ApplyOp::Delete { rel: rel.clone() })
+                .collect();
+            apply(self.dst, self.session, ops).await?;
+        }
+        if !plan.delete_dirs.is_empty() {
+            let ops: Vec<ApplyOp> = plan
+                .delete_dirs
+                .iter()
+                .map(|rel| ApplyOp::Delete { rel: rel.clone() })
+                .collect();
+            if apply(self.dst, self.session, ops).await.is_err() {
+                // A directory that still holds excluded entries cannot be removed (and must
+                // not be): delete one by one and keep those.
+                let mut deleted = 0;
+                for rel in &plan.delete_dirs {
+                    match apply(
+                        self.dst,
+                        self.session,
+                        vec![ApplyOp::Delete { rel: rel.clone() }],
+                    )
+                    .await
+                    {
+                        Ok(_) => deleted += 1,
+                        Err(e) if e.kind == Kind::Agent(ErrorCode::NotFound) => deleted += 1,
+                        Err(e) if e.is_connection_lost() => return Err(e),
+                        Err(e) => tracing::debug!(%rel, "directory kept: {e}"),
+                    }
+                }
+                report.deleted_dirs = deleted;
+            }
+        }
+        Ok(())
+    }
+
+    /// Small files (whole), symlinks and attribute fixes, batched and pipelined.
+    async fn send_small(
+        &self,
+        plan: &Plan,
+        mut reads: mpsc::Receiver<Result<(FileXfer, Vec<u8>)>>,
+    ) -> Result<()> {
+        let mut inflight = FuturesUnordered::new();
+        let mut ops: Vec<ApplyOp> = Vec::new();
+        let mut info = BatchInfo {
+            files: 0,
+            bytes: 0,
+            last: None,
+        };
+        let mut data_bytes = 0usize;
+
+        macro_rules! flush {
+            () => {
+                if !ops.is_empty() {
+                    while inflight.len() >= SMALL_WINDOW {
+                        let r: Result<BatchInfo> = inflight.next().await.expect("non-empty");
+                        let b = r?;
+                        self.tracker.acked(b.files, b.bytes, b.last.as_deref());
+                    }
+                    let batch = std::mem::take(&mut ops);
+                    let bi = std::mem::replace(
+                        &mut info,
+                        BatchInfo {
+                            files: 0,
+                            bytes: 0,
+                            last: None,
+                        },
+                    );
+                    self.sent(bi.bytes);
+                    #[allow(unused_assignments)]
+                    {
+                        data_bytes = 0;
+                    }
+                    inflight.push(apply_batch(self.dst.clone(), self.session, batch, bi));
+                }
+            };
+        }
+
+        for (rel, target) in &plan.symlinks {
+            ops.push(ApplyOp::Symlink {
+                rel: rel.clone(),
+                target: target.clone(),
+            });
+            info.files += 1;
+            info.last = Some(rel.clone());
+            if ops.len() >= BATCH_OPS {
+                flush!();
+            }
+        }
+        for (rel, mode, mtime) in &plan.attrs {
+            ops.push(ApplyOp::SetAttr {
+                rel: rel.clone(),
+                mode: *mode,
+                mtime_ns: *mtime,
+            });
+            if ops.len() >= BATCH_OPS {
+                flush!();
+            }
+        }
+        loop {
+            // Reap acknowledgements as they come, so progress moves while reads continue.
+            while let Some(Some(r)) = futures::FutureExt::now_or_never(inflight.next()) {
+                let b = r?;
+                self.tracker.acked(b.files, b.bytes, b.last.as_deref());
+            }
+            let Some(r) = reads.recv().await else { break };
+            let (f, data) = r?;
+            // What is committed is exactly what was read: a file changed since the scan is
+            // sent as read (its hash taken here), never torn.
+            let hash = *blake3::hash(&data).as_bytes();
+            let size = data.len() as u64;
+            data_bytes += data.len();
+            info.files += 1;
+            info.bytes += size;
+            info.last = Some(f.rel.clone());
+            ops.push(ApplyOp::FileData {
+                rel: f.rel.clone(),
+                offset: 0,
+                data,
+            });
+            ops.push(ApplyOp::FileCommit {
+                rel: f.rel.clone(),
+                size,
+                mode: f.mode,
+                mtime_ns: f.mtime_ns,
+                hash,
+            });
+            if data_bytes >= BATCH_BYTES || ops.len() >= BATCH_OPS {
+                flush!();
+            }
+        }
+        flush!();
+        while let Some(r) = inflight.next().await {
+            let b = r?;
+            self.tracker.acked(b.files, b.bytes, b.last.as_deref());
+        }
+        Ok(())
+    }
+
+    /// One large file: whole, or only its changed blocks when the destination has a version.
+    async fn send_large(&self, f: &FileXfer) -> Result<()> {
+        let src_path = self.roots.src_path(&f.rel);
+        let nblocks = f.size.div_ceil(BLOCK_SIZE);
+        // Blocks to send, as (offset, len).
+        let mut blocks: Vec<(u64, u64)> = (0..nblocks)
+            .map(|i| (i * BLOCK_SIZE, BLOCK_SIZE.min(f.size - i * BLOCK_SIZE)))
+            .collect();
+        let mut first_awaited = false;
+        if f.delta {
+            let dst_path = self.roots.dst_path(&f.rel);
+            let (s, d) = tokio::try_join!(
+                block_hashes(self.src, &src_path),
+                block_hashes(self.dst, &dst_path)
+            )?;
+            blocks = blocks
+                .into_iter()
+                .enumerate()
+                .filter(|(i, _)| s.get(*i).is_none() || s.get(*i) != d.get(*i))
+                .map(|(_, b)| b)
+                .collect();
+            let send: u64 = blocks.iter().map(|b| b.1).sum();
+            self.tracker.update(false, |p| {
+                p.bytes_total = p.bytes_total.saturating_sub(f.size - send);
+                p.current_path = f.rel.clone();
+            });
+            apply(
+                self.dst,
+                self.session,
+                vec![ApplyOp::FileBase { rel: f.rel.clone() }],
+            )
+            .await?;
+            first_awaited = true;
+        }
+        let jobs: Vec<(AgentClient, String, u64, u64)> = blocks
+            .into_iter()
+            .map(|(off, len)| (self.src.clone(), src_path.clone(), off, len))
+            .collect();
+        let mut reads = futures::stream::iter(jobs)
+            .map(|(c, p, off, len)| read_block(c, p, off, len))
+            .buffered(LARGE_READS);
+        let mut hasher = (!f.delta).then(blake3::Hasher::new);
+        let mut total: u64 = 0;
+        let mut inflight = FuturesUnordered::new();
+        let mut pending: Vec<ApplyOp> = Vec::new();
+        let mut pending_bytes = 0u64;
+        let mut eof = false;
+        loop {
+            let next = if eof { None } else { reads.next().await };
+            let last = next.is_none();
+            if let Some(r) = next {
+                let (off, data) = r?;
+                if let Some(h) = hasher.as_mut() {
+                    if off != total {
+                        // The file shrank under us: stop at what was read.
+                        eof = true;
+                        continue;
+                    }
+                    h.update(&data);
+                }
+                let n = data.len() as u64;
+                total = off + n;
+                if !f.delta && n < BLOCK_SIZE.min(f.size - off.min(f.size)) {
+                    eof = true;
+                }
+                pending_bytes += n;
+                if n > 0 {
+                    pending.push(ApplyOp::FileData {
+                        rel: f.rel.clone(),
+                        offset: off,
+                        data,
+                    });
+                }
+            }
+            let full = pending.len() >= CHUNKS_PER_REQUEST;
+            if (full || last || !first_awaited) && (!pending.is_empty() || !first_awaited) {
+                let ops = if pending.is_empty() {
+                    // An empty first request still creates the staged file.
+                    vec![ApplyOp::FileData {
+                        rel: f.rel.clone(),
+                        offset: 0,
+                        data: Vec::new(),
+                    }]
+                } else {
+                    std::mem::take(&mut pending)
+                };
+                let bytes = std::mem::take(&mut pending_bytes);
+                self.sent(bytes);
+                if !first_awaited {
+                    apply(self.dst, self.session, ops).await?;
+                    self.tracker.acked(0, bytes, Some(&f.rel));
+                    first_awaited = true;
+                } else {
+                    while inflight.len() >= LARGE_WINDOW {
+                        let b: u64 = inflight.next().await.expect("non-empty")?;
+                        self.tracker.acked(0, b, Some(&f.rel));
+                    }
+                    inflight.push(apply_bytes(self.dst.clone(), self.session, ops, bytes));
+                }
+            }
+            if last {
+                break;
+            }
+        }
+        while let Some(r) = inflight.next().await {
+            let b = r?;
+            self.tracker.acked(0, b, Some(&f.rel));
+        }
+        let (size, hash) = match hasher {
+            Some(h) => (total, *h.finalize().as_bytes()),
+            None => (f.size, f.hash),
+        };
+        apply(
+            self.dst,
+            self.session,
+            vec![ApplyOp::FileCommit {
+                rel: f.rel.clone(),
+                size,
+                mode: f.mode,
+                mtime_ns: f.mtime_ns,
+                hash,
+            }],
+        )
+        .await?;
+        self.tracker.acked(1, 0, Some(&f.rel));
+        Ok(())
+    }
+}
