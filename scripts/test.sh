@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build-agents.sh
 cargo build --workspace --bins
-cargo test --workspace -- "$@"
+cargo test --workspace --no-fail-fast -- "$@"

@@ -943,7 +943,8 @@ async fn cancelled_call_leaves_no_remote_process() {
     // The server and the connection are still fine.
     let v = mcp.ok("exec_bash", json!({"command": "echo ok"})).await;
     assert_eq!(v["stdout"], "ok\n");
-    let left = sshd.ssh_run("pgrep -x sleep -a || true").unwrap();
+    // Only this test's processes: other tests on this machine may run their own `sleep 60`.
+    let left = sshd.ssh_run("pgrep -af 'cancel-[ab]' || true").unwrap();
     assert!(!left.contains("sleep 60"), "{left}");
     mcp.close().await;
 }
