@@ -119,7 +119,14 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(3);
-    let sshd = Sshd::start().expect("sshd");
+    // `RSB_SYNC_FSYNC=1 cargo bench …` measures both agents with per-file fsync (the local
+    // agent inherits it; the remote one gets it through sshd's SetEnv).
+    let mut opts = rsb_tests::SshdOptions::default();
+    if let Ok(v) = std::env::var("RSB_SYNC_FSYNC") {
+        println!("RSB_SYNC_FSYNC={v} for both agents");
+        opts.set_env.push(("RSB_SYNC_FSYNC".into(), v));
+    }
+    let sshd = Sshd::start_with(opts).expect("sshd");
     let tmp = tempfile::tempdir().unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -936,15 +936,16 @@ fn hash_staged(file: &File, size: u64) -> std::io::Result<blake3::Hash> {
     Ok(hasher.finalize())
 }
 
-/// Whether received files are fsynced before they are renamed into place (default: yes).
-/// `RSB_SYNC_FSYNC=0` in the agent's environment turns it off, like rsync without `--fsync`:
-/// a killed sync still never exposes a partial file (the rename is what makes a file visible),
-/// but after a power loss a just-received file may come back empty, which the next sync sees
-/// by its size. Measured on a VM's ext4: 2,000 small files apply in ~0.16 s without fsync and
-/// ~1.1-1.5 s with it, whatever the fsync parallelism (the disk's write rate is the limit).
+/// Whether received files are fsynced before they are renamed into place. Off by default, like
+/// rsync without `--fsync`: a killed sync or a cut link still never exposes a partial file (the
+/// rename after the blake3 check is what makes a file visible); only a power loss right after a
+/// sync can leave a just-received file empty, which the next sync sees by its hash.
+/// `RSB_SYNC_FSYNC=1` in the agent's environment buys that durability. Measured on a VM's ext4:
+/// 2,000 small files apply in ~0.16 s without fsync and ~1.1-1.5 s with it, and the 2,000-file
+/// first upload goes from 1.7x to 0.95x the time of `rsync -a`.
 fn fsync_enabled() -> bool {
     static ON: LazyLock<bool> =
-        LazyLock::new(|| std::env::var_os("RSB_SYNC_FSYNC").is_none_or(|v| v != "0"));
+        LazyLock::new(|| std::env::var_os("RSB_SYNC_FSYNC").is_some_and(|v| v == "1"));
     *ON
 }
 
