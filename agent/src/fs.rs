@@ -25,7 +25,7 @@ pub const MAX_READ: u64 = MAX_FRAME as u64 - FRAME_HEADROOM;
 /// Rough encoded size of one [`DirEntry`] beyond its name (varints, kind, times).
 const ENTRY_OVERHEAD: usize = 40;
 
-fn kind_of(ft: std::fs::FileType) -> FileKind {
+pub(crate) fn kind_of(ft: std::fs::FileType) -> FileKind {
     if ft.is_symlink() {
         FileKind::Symlink
     } else if ft.is_dir() {
@@ -46,11 +46,11 @@ fn kind_of(ft: std::fs::FileType) -> FileKind {
 }
 
 /// Permission bits only (including setuid/setgid/sticky): the file type travels as `kind`.
-fn mode_of(m: &Metadata) -> u32 {
+pub(crate) fn mode_of(m: &Metadata) -> u32 {
     m.mode() & 0o7777
 }
 
-fn mtime_ns(m: &Metadata) -> i64 {
+pub(crate) fn mtime_ns(m: &Metadata) -> i64 {
     m.mtime()
         .saturating_mul(1_000_000_000)
         .saturating_add(m.mtime_nsec())

@@ -23,7 +23,7 @@ use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use rsb_protocol::{AgentError, ErrorCode, FileKind};
+use rsb_protocol::{AgentError, ErrorCode};
 use tokio_util::sync::CancellationToken;
 
 pub use apply::{apply, apply_close, apply_open, close_all};
@@ -52,36 +52,7 @@ where
     }
 }
 
-fn kind_of(ft: std::fs::FileType) -> FileKind {
-    use std::os::unix::fs::FileTypeExt;
-    if ft.is_symlink() {
-        FileKind::Symlink
-    } else if ft.is_dir() {
-        FileKind::Dir
-    } else if ft.is_file() {
-        FileKind::File
-    } else if ft.is_fifo() {
-        FileKind::Fifo
-    } else if ft.is_socket() {
-        FileKind::Socket
-    } else if ft.is_block_device() {
-        FileKind::BlockDevice
-    } else if ft.is_char_device() {
-        FileKind::CharDevice
-    } else {
-        FileKind::Other
-    }
-}
-
-fn mode_of(m: &Metadata) -> u32 {
-    m.mode() & 0o7777
-}
-
-fn mtime_ns(m: &Metadata) -> i64 {
-    m.mtime()
-        .saturating_mul(1_000_000_000)
-        .saturating_add(m.mtime_nsec())
-}
+pub(crate) use crate::fs::{kind_of, mode_of, mtime_ns};
 
 fn ctime_ns(m: &Metadata) -> i64 {
     m.ctime()
