@@ -1373,3 +1373,31 @@ fn agent_side_timings() {
     agent.close(session, vec![]).unwrap();
     time("block delta of 1 MiB into the 200 MiB file", s);
 }
+
+#[test]
+fn stale_staging_is_cleaned_by_the_next_manifest_too() {
+    // A no-change sync only scans; it must still clear what a killed sync left behind.
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path();
+    let mut a = Agent::start();
+    let s = a.open(root, false).session;
+    a.apply(
+        s,
+        vec![ApplyOp::FileData {
+            rel: "half.bin".into(),
+            offset: 0,
+            data: vec![2; 10_000],
+        }],
+    )
+    .unwrap();
+    a.child.kill().unwrap();
+    a.child.wait().unwrap();
+    assert_eq!(staging_dirs(root).len(), 1);
+    let mut b = Agent::start();
+    b.manifest(root);
+    assert!(
+        staging_dirs(root).is_empty(),
+        "stale staging survived a manifest"
+    );
+    assert!(!root.join("half.bin").exists());
+}

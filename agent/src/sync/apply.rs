@@ -243,7 +243,7 @@ fn try_lock(f: &File) -> bool {
 }
 
 /// Remove the staging directories of dead syncs: those whose lock file nobody holds.
-fn clean_stale(root: &Path) -> u32 {
+pub(crate) fn clean_stale(root: &Path) -> u32 {
     let Ok(dir) = fs::read_dir(root) else {
         return 0;
     };

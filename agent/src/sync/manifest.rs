@@ -116,6 +116,9 @@ pub fn scan(
     scan.summary.root_kind = Some(kind);
     match kind {
         FileKind::Dir => {
+            // Every sync scans its destination, so staging left by a killed sync is removed at
+            // the next sync even when that sync has nothing to apply (live sessions hold a lock).
+            super::apply::clean_stale(&root);
             let first = Level::read(root.clone(), String::new()).map_err(|e| io_err(&e))?;
             scan.walk(first)?;
         }
