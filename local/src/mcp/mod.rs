@@ -113,6 +113,30 @@ pub(crate) fn reply(r: crate::error::Result<Value>) -> ToolResult {
     }
 }
 
+/// Every 2 s, a progress notification with `message(seconds elapsed)`, when the client sent a
+/// progress token; never completes (callers race it against their work).
+pub(crate) fn progress_ticker(
+    ctx: &RequestContext<RoleServer>,
+    message: impl Fn(f64) -> String + Send + 'static,
+) -> impl std::future::Future<Output = ()> + Send + 'static {
+    let token = ctx.meta.get_progress_token();
+    let peer = ctx.peer.clone();
+    async move {
+        let Some(token) = token else {
+            return std::future::pending::<()>().await;
+        };
+        let start = tokio::time::Instant::now();
+        let mut tick =
+            tokio::time::interval_at(start + Duration::from_secs(2), Duration::from_secs(2));
+        loop {
+            tick.tick().await;
+            let secs = start.elapsed().as_secs_f64().round();
+            let p = ProgressNotificationParam::new(token.clone(), secs).with_message(message(secs));
+            let _ = peer.notify_progress(p).await;
+        }
+    }
+}
+
 /// Run `work` unless the client cancels; while it runs longer than a few seconds and the
 /// client sent a progress token, send a progress notification every couple of seconds.
 pub(crate) async fn with_progress<F>(
@@ -123,24 +147,8 @@ pub(crate) async fn with_progress<F>(
 where
     F: std::future::Future<Output = ToolResult>,
 {
-    let token = ctx.meta.get_progress_token();
-    let peer = ctx.peer.clone();
     let what = what.to_string();
-    let ticker = async move {
-        let Some(token) = token else {
-            return std::future::pending::<()>().await;
-        };
-        let start = tokio::time::Instant::now();
-        let mut tick =
-            tokio::time::interval_at(start + Duration::from_secs(2), Duration::from_secs(2));
-        loop {
-            tick.tick().await;
-            let secs = start.elapsed().as_secs_f64().round();
-            let p = ProgressNotificationParam::new(token.clone(), secs)
-                .with_message(format!("{what}: running for {secs}s"));
-            let _ = peer.notify_progress(p).await;
-        }
-    };
+    let ticker = progress_ticker(ctx, move |secs| format!("{what}: running for {secs}s"));
     tokio::select! {
         r = work => r,
         _ = ctx.ct.cancelled() => fail(&RsbError::new(

@@ -1,15 +1,11 @@
 //! Sync tools: `sync_local_to_remote`, `sync_remote_to_local`, `check_file_transfer_task`,
 //! `cancel_file_transfer_task` (seed names, parameters and defaults).
 
-use std::{
-    sync::{Arc, Mutex},
-    time::Duration,
-};
+use std::sync::{Arc, Mutex};
 
 use rmcp::{
     RoleServer,
     handler::server::wrapper::Parameters,
-    model::ProgressNotificationParam,
     schemars::{self, JsonSchema},
     service::RequestContext,
     tool, tool_router,
@@ -110,38 +106,19 @@ where
     let cb: ProgressFn = Arc::new(move |p: &Progress| {
         *l2.lock().unwrap() = Some(p.clone());
     });
-    let token = ctx.meta.get_progress_token();
-    let peer = ctx.peer.clone();
-    let ticker = async move {
-        let Some(token) = token else {
-            return std::future::pending::<()>().await;
-        };
-        let start = tokio::time::Instant::now();
-        let mut tick =
-            tokio::time::interval_at(start + Duration::from_secs(2), Duration::from_secs(2));
-        loop {
-            tick.tick().await;
-            let secs = start.elapsed().as_secs_f64().round();
-            let msg = match latest.lock().unwrap().clone() {
-                Some(p) => format!(
-                    "sync {}: {}/{} files, {}/{} bytes, {:.1} MB/s {}",
-                    p.phase.as_str(),
-                    p.files_done,
-                    p.files_total,
-                    p.bytes_done,
-                    p.bytes_total,
-                    p.rate_bps / 1e6,
-                    p.current_path
-                ),
-                None => format!("sync: running for {secs}s"),
-            };
-            let _ = peer
-                .notify_progress(
-                    ProgressNotificationParam::new(token.clone(), secs).with_message(msg),
-                )
-                .await;
-        }
-    };
+    let ticker = super::progress_ticker(ctx, move |secs| match latest.lock().unwrap().clone() {
+        Some(p) => format!(
+            "sync {}: {}/{} files, {}/{} bytes, {:.1} MB/s {}",
+            p.phase.as_str(),
+            p.files_done,
+            p.files_total,
+            p.bytes_done,
+            p.bytes_total,
+            p.rate_bps / 1e6,
+            p.current_path
+        ),
+        None => format!("sync: running for {secs}s"),
+    });
     tokio::select! {
         r = work(Some(cb)) => reply(r),
         _ = ticker => unreachable!(),
