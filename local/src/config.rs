@@ -154,7 +154,8 @@ pub struct SshTarget {
     pub port: u16,
     pub user: String,
     pub auth: Auth,
-    /// `ProxyJump` from `~/.ssh/config`, comma-separated hops, verbatim.
+    /// `ProxyJump` from `~/.ssh/config`: comma-separated hops, each resolved to
+    /// `user@hostname:port` through its own Host block.
     pub proxy_jump: Option<String>,
     pub host_key_policy: HostKeyPolicy,
     /// Read all; new keys are written to the last one (rsb's own, in the state dir).
@@ -804,8 +805,17 @@ fn build_sandbox(
     let proxy_jump = params
         .as_ref()
         .and_then(|p| p.proxy_jump.clone())
-        .filter(|hops| !hops.is_empty() && !hops[0].eq_ignore_ascii_case("none"))
-        .map(|hops| hops.join(","));
+        .filter(|hops| !hops.is_empty() && !hops[0].eq_ignore_ascii_case("none"));
+    let proxy_jump = match proxy_jump {
+        None => None,
+        Some(hops) => {
+            let mut resolved = Vec::with_capacity(hops.len());
+            for hop in &hops {
+                resolved.push(resolve_hop(ctx, hop, &user, label)?);
+            }
+            Some(resolved.join(","))
+        }
+    };
     let connect_timeout = e
         .connect_timeout
         .or_else(|| params.as_ref()?.connect_timeout)
@@ -867,6 +877,46 @@ fn build_sandbox(
 
 /// An unknown key, quoted, when it looks like a field name; otherwise not shown (a stray key could
 /// be a mangled secret).
+/// One ProxyJump hop, `[user@]host[:port]`, with `host` looked up as an ssh_config alias the
+/// way `ssh` does (HostName, Port, User), resolved to `user@hostname:port`.
+fn resolve_hop(
+    ctx: &mut BuildCtx<'_>,
+    hop: &str,
+    default_user: &str,
+    label: &str,
+) -> Result<String, ConfigError> {
+    let hop = hop.trim();
+    let (user, rest) = match hop.rsplit_once('@') {
+        Some((u, r)) => (Some(u.to_string()), r),
+        None => (None, hop),
+    };
+    let (host, port) = match rest.rsplit_once(':') {
+        Some((h, p)) => (
+            h,
+            Some(p.parse::<u16>().map_err(|_| {
+                ConfigError::new(
+                    format!("{label}: ProxyJump hop has an invalid port"),
+                    "Write hops as [user@]host[:port].",
+                )
+            })?),
+        ),
+        None => (rest, None),
+    };
+    if host.is_empty() {
+        return Err(ConfigError::new(
+            format!("{label}: ProxyJump has an empty hop"),
+            "Write hops as [user@]host[:port], separated by commas.",
+        ));
+    }
+    let params = ctx.ssh_query(host, label)?;
+    let hostname = params.host_name.clone().unwrap_or_else(|| host.to_string());
+    let port = port.or(params.port).unwrap_or(22);
+    let user = user
+        .or(params.user.clone())
+        .unwrap_or_else(|| default_user.to_string());
+    Ok(format!("{user}@{hostname}:{port}"))
+}
+
 fn key_name(k: &str) -> String {
     let plain = !k.is_empty()
         && k.len() <= 40
@@ -1766,6 +1816,11 @@ Host gpu1
 Host bare
     User bob
 
+Host jump2
+    HostName 10.9.9.9
+    Port 2022
+    User jumper
+
 Host *.internal
     HostName %h.example.org
     User carol
@@ -1784,7 +1839,12 @@ Host *.internal
             (t.host.as_str(), t.port, t.user.as_str()),
             ("10.0.0.5", 2200, "alice")
         );
-        assert_eq!(t.proxy_jump.as_deref(), Some("bastion.example.com,jump2"));
+        // Hops are resolved like ssh does: aliases through their Host block, the user
+        // defaulting to the target's.
+        assert_eq!(
+            t.proxy_jump.as_deref(),
+            Some("alice@bastion.example.com:22,jumper@10.9.9.9:2022")
+        );
         assert_eq!(t.connect_timeout, Duration::from_secs(7));
         assert_eq!(
             t.auth,
@@ -1823,7 +1883,10 @@ Host *.internal
         assert_eq!(t.auth, Auth::Password(Secret::new(SECRET)));
         assert_eq!(t.host_key_policy, HostKeyPolicy::Off);
         // ProxyJump still carried from the alias
-        assert_eq!(t.proxy_jump.as_deref(), Some("bastion.example.com,jump2"));
+        assert_eq!(
+            t.proxy_jump.as_deref(),
+            Some("root@bastion.example.com:22,jumper@10.9.9.9:2022")
+        );
     }
 
     #[test]

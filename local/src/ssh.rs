@@ -145,83 +145,34 @@ fn preferred_algorithms() -> russh::Preferred {
 /// One authenticated SSH connection.
 pub struct SshSession {
     handle: client::Handle<Checker>,
+    /// Sessions to the ProxyJump hops, innermost last; they carry `handle`'s transport.
+    _jumps: Vec<client::Handle<Checker>>,
     pub target_desc: String,
 }
 
 impl SshSession {
+    /// Connect to `t`, through its ProxyJump hops when it has any: each hop is an SSH session
+    /// whose `direct-tcpip` channel carries the next one, with the same host-key policy and
+    /// credentials at every hop (as `ssh -J` uses the same identities).
     pub async fn connect(sandbox: &str, t: &SshTarget) -> Result<Arc<SshSession>> {
-        if let Some(j) = &t.proxy_jump {
-            return Err(RsbError::new(
-                Kind::Config,
-                format!("sandbox '{sandbox}' needs ProxyJump {j}, which rsb does not support yet"),
-                "reach the host directly, or run rsb on the jump host",
-            ));
+        let mut jumps: Vec<client::Handle<Checker>> = Vec::new();
+        for hop in t.proxy_jump.iter().flat_map(|j| j.split(',')) {
+            let (user, host, port) = parse_hop(hop, &t.user).ok_or_else(|| {
+                RsbError::new(
+                    Kind::Config,
+                    format!("sandbox '{sandbox}': ProxyJump hop {hop:?} is not [user@]host[:port]"),
+                    "fix the ProxyJump entry of this host in ~/.ssh/config",
+                )
+            })?;
+            let h =
+                open_session(sandbox, t, &user, &host, port, jumps.last(), "jump host ").await?;
+            jumps.push(h);
         }
-        let desc = format!("{}@{}:{}", t.user, t.host, t.port);
-        let cfg = Arc::new(client::Config {
-            nodelay: true,
-            preferred: preferred_algorithms(),
-            keepalive_interval: Some(KEEPALIVE_INTERVAL),
-            keepalive_max: KEEPALIVE_MAX,
-            inactivity_timeout: None,
-            ..Default::default()
-        });
-        let verdict = Arc::new(Mutex::new(None));
-        let checker = Checker {
-            host: t.host.clone(),
-            port: t.port,
-            policy: t.host_key_policy,
-            files: t.known_hosts.clone(),
-            verdict: verdict.clone(),
-        };
-        let timeout = t.connect_timeout;
-        let connect = client::connect(cfg, (t.host.as_str(), t.port), checker);
-        let mut handle = match tokio::time::timeout(timeout, connect).await {
-            Err(_) => {
-                return Err(RsbError::new(
-                    Kind::Connect,
-                    format!(
-                        "SSH connect to sandbox '{sandbox}' ({desc}) timed out after {}s",
-                        timeout.as_secs()
-                    ),
-                    "check that the host is up and reachable, and that sshd listens on that port",
-                ));
-            }
-            Ok(Err(e)) => {
-                if let Some(v) = verdict.lock().unwrap().take() {
-                    return Err(RsbError::new(
-                        Kind::HostKey,
-                        format!("refusing sandbox '{sandbox}': {v}"),
-                        "if the host was legitimately reinstalled, delete that known_hosts line and retry; otherwise the connection may be intercepted",
-                    ));
-                }
-                return Err(RsbError::new(
-                    Kind::Connect,
-                    format!(
-                        "SSH connect to sandbox '{sandbox}' ({desc}) failed: {}",
-                        one_line(&e.to_string())
-                    ),
-                    "check the host and port, and that sshd runs there",
-                ));
-            }
-            Ok(Ok(h)) => h,
-        };
-        let auth_res =
-            tokio::time::timeout(timeout, authenticate(&mut handle, &t.user, &t.auth)).await;
-        match auth_res {
-            Err(_) => {
-                return Err(RsbError::new(
-                    Kind::Auth,
-                    format!("SSH authentication for sandbox '{sandbox}' ({desc}) timed out"),
-                    "check the credentials and the server's auth settings",
-                ));
-            }
-            Ok(Err(e)) => return Err(e.with_context(sandbox, &desc)),
-            Ok(Ok(())) => {}
-        }
+        let handle = open_session(sandbox, t, &t.user, &t.host, t.port, jumps.last(), "").await?;
         Ok(Arc::new(SshSession {
             handle,
-            target_desc: desc,
+            _jumps: jumps,
+            target_desc: format!("{}@{}:{}", t.user, t.host, t.port),
         }))
     }
 
@@ -401,6 +352,103 @@ impl rsb_deploy::Remote for SshSession {
             .map_err(|e| format!("sftp read {path}: {e}"))?;
         let _ = sftp.close().await;
         Ok(Some(data))
+    }
+}
+
+/// `[user@]host[:port]` (the config layer has already resolved ssh_config aliases).
+fn parse_hop(hop: &str, default_user: &str) -> Option<(String, String, u16)> {
+    let hop = hop.trim();
+    let (user, rest) = match hop.rsplit_once('@') {
+        Some((u, r)) if !u.is_empty() => (u.to_string(), r),
+        Some(_) => return None,
+        None => (default_user.to_string(), hop),
+    };
+    let (host, port) = match rest.rsplit_once(':') {
+        Some((h, p)) => (h, p.parse().ok()?),
+        None => (rest, 22),
+    };
+    (!host.is_empty()).then(|| (user, host.to_string(), port))
+}
+
+/// TCP (or a `direct-tcpip` channel through `via`), key exchange with host-key check, and
+/// authentication, each bounded by the target's connect timeout.
+async fn open_session(
+    sandbox: &str,
+    t: &SshTarget,
+    user: &str,
+    host: &str,
+    port: u16,
+    via: Option<&client::Handle<Checker>>,
+    what: &str,
+) -> Result<client::Handle<Checker>> {
+    let desc = format!("{what}{user}@{host}:{port}");
+    let cfg = Arc::new(client::Config {
+        nodelay: true,
+        preferred: preferred_algorithms(),
+        keepalive_interval: Some(KEEPALIVE_INTERVAL),
+        keepalive_max: KEEPALIVE_MAX,
+        inactivity_timeout: None,
+        ..Default::default()
+    });
+    let verdict = Arc::new(Mutex::new(None));
+    let checker = Checker {
+        host: host.to_string(),
+        port,
+        policy: t.host_key_policy,
+        files: t.known_hosts.clone(),
+        verdict: verdict.clone(),
+    };
+    let timeout = t.connect_timeout;
+    let connect = async {
+        match via {
+            None => client::connect(cfg, (host, port), checker).await,
+            Some(j) => {
+                let ch = j
+                    .channel_open_direct_tcpip(host, port as u32, "127.0.0.1", 0)
+                    .await
+                    .map_err(HandlerError::Ssh)?;
+                client::connect_stream(cfg, ch.into_stream(), checker).await
+            }
+        }
+    };
+    let mut handle = match tokio::time::timeout(timeout, connect).await {
+        Err(_) => {
+            return Err(RsbError::new(
+                Kind::Connect,
+                format!(
+                    "SSH connect to sandbox '{sandbox}' ({desc}) timed out after {}s",
+                    timeout.as_secs()
+                ),
+                "check that the host is up and reachable, and that sshd listens on that port",
+            ));
+        }
+        Ok(Err(e)) => {
+            if let Some(v) = verdict.lock().unwrap().take() {
+                return Err(RsbError::new(
+                    Kind::HostKey,
+                    format!("refusing sandbox '{sandbox}': {v}"),
+                    "if the host was legitimately reinstalled, delete that known_hosts line and retry; otherwise the connection may be intercepted",
+                ));
+            }
+            return Err(RsbError::new(
+                Kind::Connect,
+                format!(
+                    "SSH connect to sandbox '{sandbox}' ({desc}) failed: {}",
+                    one_line(&e.to_string())
+                ),
+                "check the host and port, and that sshd runs there",
+            ));
+        }
+        Ok(Ok(h)) => h,
+    };
+    match tokio::time::timeout(timeout, authenticate(&mut handle, user, &t.auth)).await {
+        Err(_) => Err(RsbError::new(
+            Kind::Auth,
+            format!("SSH authentication for sandbox '{sandbox}' ({desc}) timed out"),
+            "check the credentials and the server's auth settings",
+        )),
+        Ok(Err(e)) => Err(e.with_context(sandbox, &desc)),
+        Ok(Ok(())) => Ok(handle),
     }
 }
 

@@ -532,3 +532,72 @@ async fn an_unsupported_platform_is_a_clear_error() {
     );
     assert!(!e.message.contains('\n'));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_jump_reaches_the_target_through_the_jump_host() {
+    let target_sshd = Sshd::start().unwrap();
+    let pubkey =
+        std::fs::read_to_string(format!("{}.pub", target_sshd.client_key().display())).unwrap();
+    let jump = Sshd::start_with(rsb_tests::SshdOptions {
+        extra_authorized_keys: vec![pubkey.trim().to_string()],
+        ..Default::default()
+    })
+    .unwrap();
+    // All traffic to the jump host passes this proxy, which proves the path taken.
+    let proxy = ChaosProxy::start(jump.addr()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut t = target(
+        &target_sshd,
+        target_sshd.port(),
+        key_auth(&target_sshd),
+        &dir.path().join("known_hosts"),
+    );
+    t.proxy_jump = Some(format!("{}@127.0.0.1:{}", jump.user(), proxy.port()));
+    let pool = pool_of(vec![sandbox("s", t)], dir.path());
+    let c = pool.client("s").await.unwrap();
+    assert_eq!(
+        c.hello().home,
+        target_sshd.home().display().to_string(),
+        "landed on the target"
+    );
+    let before = proxy.bytes_forwarded().0;
+    let r = c
+        .exec(exec("head -c 100000 /dev/zero | wc -c", 10_000))
+        .await
+        .unwrap();
+    assert_eq!(out(&r.stdout).trim(), "100000");
+    assert!(
+        proxy.bytes_forwarded().0 > before,
+        "the exec went through the jump host"
+    );
+    // Cutting the jump host's link takes the target session down with it, and the next call
+    // reconnects through the jump host again.
+    proxy.cut();
+    let e = c.exec(exec("sleep 5", 10_000)).await.unwrap_err();
+    assert!(e.is_connection_lost(), "{e:?}");
+    let c = pool.client("s").await.unwrap();
+    assert_eq!(
+        out(&c.exec(exec("echo again", 5000)).await.unwrap().stdout),
+        "again\n"
+    );
+    pool.shutdown().await;
+
+    // A jump host that refuses the key is a one-line error naming the jump host.
+    let mut t = target(
+        &target_sshd,
+        target_sshd.port(),
+        key_auth(&target_sshd),
+        &dir.path().join("known_hosts"),
+    );
+    t.proxy_jump = Some(format!(
+        "nobody-{}@127.0.0.1:{}",
+        std::process::id(),
+        jump.port()
+    ));
+    let pool = pool_of(vec![sandbox("s", t)], dir.path());
+    let e = pool.client("s").await.unwrap_err();
+    assert!(
+        e.message.contains("jump host") && !e.message.contains('\n'),
+        "{e:?}"
+    );
+}
