@@ -1418,6 +1418,18 @@ async fn malformed_sandbox_list_never_leaks_the_password() {
             );
             all.push_str(&r.text);
         }
+        // list_sandboxes also carries the seed's diagnostics (which variables are set).
+        let r = mcp.err("list_sandboxes", json!({}));
+        let r = r.await;
+        let v: Value = serde_json::from_str(&r.text).unwrap();
+        assert_eq!(
+            v["diagnostics"]["REMOTE_SANDBOX_LIST_set"], true,
+            "{}",
+            r.text
+        );
+        assert_eq!(v["diagnostics"]["REMOTE_HOST_set"], false, "{}", r.text);
+        assert_eq!(v["sandboxes"], json!([]), "{}", r.text);
+        all.push_str(&r.text);
         let first = all.split("}{").next().unwrap_or_default();
         println!("config error reply: {first}}}");
         assert_no_secret("replies", &all, &[FAKE_SECRET]);

@@ -244,10 +244,21 @@ impl ServerHandler for RsbServer {
         context: RequestContext<RoleServer>,
     ) -> Result<rmcp::model::CallToolResponse, ErrorData> {
         if let Some(e) = &self.config_error {
-            let v = json!({
+            let mut v = json!({
                 "error": format!("Sandbox configuration error: {}", e.message),
                 "hint": e.hint,
             });
+            if request.name == "list_sandboxes" {
+                // The seed's diagnostics: which variables are set (never their values).
+                let set = |k: &str| std::env::var_os(k).is_some_and(|v| !v.is_empty());
+                v["diagnostics"] = json!({
+                    "REMOTE_SANDBOX_LIST_set": set("REMOTE_SANDBOX_LIST"),
+                    "REMOTE_SANDBOX_LIST_length": std::env::var("REMOTE_SANDBOX_LIST").map(|s| s.len()).unwrap_or(0),
+                    "REMOTE_HOST_set": set("REMOTE_HOST"),
+                    "init_error": e.message,
+                });
+                v["sandboxes"] = json!([]);
+            }
             return Ok(CallToolResult::error(vec![ContentBlock::text(v.to_string())]).into());
         }
         if let Some(tool) = self.tool_router.get(&request.name)
