@@ -8,6 +8,7 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+use common::gen_bytes;
 
 use std::{
     path::Path,
@@ -22,19 +23,6 @@ use rsb::{
 use rsb_tests::Sshd;
 
 const MIB: usize = 1024 * 1024;
-
-fn gen_bytes(seed: u64, len: usize) -> Vec<u8> {
-    let mut out = vec![0u8; len];
-    let mut x = seed | 1;
-    for chunk in out.chunks_mut(8) {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        let v = x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
-        chunk.copy_from_slice(&v[..chunk.len()]);
-    }
-    out
-}
 
 /// 2,000 small files (30–300 bytes) in 100 nested directories.
 fn small_tree(root: &Path) {

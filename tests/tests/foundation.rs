@@ -337,14 +337,8 @@ async fn exec_semantics_over_ssh() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_link_fails_in_flight_calls_fast_and_the_next_call_reconnects() {
     let sshd = Sshd::start().unwrap();
-    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let t = target(
-        &sshd,
-        proxy.port(),
-        key_auth(&sshd),
-        &dir.path().join("known_hosts"),
-    );
+    let (proxy, t) = proxied_target(&sshd, dir.path());
     let pool = pool_of(vec![sandbox("s", t)], dir.path());
     let c = pool.client("s").await.unwrap();
     let call = tokio::spawn({
@@ -377,14 +371,8 @@ async fn a_cut_link_fails_in_flight_calls_fast_and_the_next_call_reconnects() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_black_holed_link_is_detected_by_keepalive() {
     let sshd = Sshd::start().unwrap();
-    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let t = target(
-        &sshd,
-        proxy.port(),
-        key_auth(&sshd),
-        &dir.path().join("known_hosts"),
-    );
+    let (proxy, t) = proxied_target(&sshd, dir.path());
     let pool = pool_of(vec![sandbox("s", t)], dir.path());
     let c = pool.client("s").await.unwrap();
     let call = tokio::spawn({

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use rsb::ops::jobs;
 use rsb_protocol::{JobStartRequest, JobState, JobStatusRequest};
-use rsb_tests::{ChaosProxy, Sshd, SshdOptions};
+use rsb_tests::{Sshd, SshdOptions};
 
 fn start_req(name: &str, cmd: &str) -> JobStartRequest {
     JobStartRequest {
@@ -146,14 +146,8 @@ async fn names_are_exact_validated_and_never_clobbered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_survives_a_cut_connection_and_a_new_process_reads_its_exit_code() {
     let sshd = Sshd::start().unwrap();
-    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let t = target(
-        &sshd,
-        proxy.port(),
-        key_auth(&sshd),
-        &dir.path().join("known_hosts"),
-    );
+    let (proxy, t) = proxied_target(&sshd, dir.path());
     let pool = pool_of(vec![sandbox("s", t.clone())], dir.path());
     let c = pool.client("s").await.unwrap();
     c.job_start(start_req("survivor", "sleep 3; echo finished; exit 5"))

@@ -39,20 +39,6 @@ fn chmod(p: &Path, mode: u32) {
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode)).unwrap();
 }
 
-/// Deterministic pseudo-random bytes (xorshift64*), fast enough for 200 MiB.
-fn gen_bytes(seed: u64, len: usize) -> Vec<u8> {
-    let mut out = vec![0u8; len];
-    let mut x = seed | 1;
-    for chunk in out.chunks_mut(8) {
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        let v = x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
-        chunk.copy_from_slice(&v[..chunk.len()]);
-    }
-    out
-}
-
 /// 2,000 small files in nested dirs, plus everything awkward: exec bits, symlinks (file, dir,
 /// dangling), a FIFO, nested node_modules and .git, unicode and space names, an empty dir.
 fn make_tree(root: &Path) {

@@ -63,3 +63,24 @@ pub fn secret(s: &str) -> Secret {
 pub fn group_alive(pgid: i32) -> bool {
     unsafe { libc::kill(-pgid, 0) == 0 }
 }
+
+/// Deterministic pseudo-random bytes (xorshift64*), fast enough for 200 MiB.
+pub fn gen_bytes(seed: u64, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    let mut x = seed | 1;
+    for chunk in out.chunks_mut(8) {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        let v = x.wrapping_mul(0x2545_f491_4f6c_dd1d).to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+    out
+}
+
+/// A key-auth target for `sshd` reached through a fresh chaos proxy, for fault tests.
+pub fn proxied_target(sshd: &Sshd, dir: &Path) -> (rsb_tests::ChaosProxy, SshTarget) {
+    let proxy = rsb_tests::ChaosProxy::start(sshd.addr()).unwrap();
+    let t = target(sshd, proxy.port(), key_auth(sshd), &dir.join("known_hosts"));
+    (proxy, t)
+}
