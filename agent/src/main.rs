@@ -1,16 +1,9 @@
 //! `rsb-agent`: the remote half of rsb. `serve` speaks the framed protocol on stdin/stdout;
 //! the other subcommands make the binary useful to a person logged into the host.
 
-mod exec;
-mod fs;
-mod hello;
-mod jobs;
-mod resources;
-mod serve;
-mod sync;
-mod util;
-
 use std::process::ExitCode;
+
+use rsb_agent::{hello, jobs, resources, serve, util};
 
 fn usage() -> &'static str {
     "usage: rsb-agent <command>\n\

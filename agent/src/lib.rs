@@ -1,0 +1,12 @@
+//! The remote half of rsb as a library: the binary (`main.rs`) is a thin dispatcher over these
+//! modules, and `rsb`'s tests drive [`serve`] in-process over an in-memory duplex stream
+//! instead of a child process, so client and sync-engine paths are tested fast and without sshd.
+
+pub mod exec;
+pub mod fs;
+pub mod hello;
+pub mod jobs;
+pub mod resources;
+pub mod serve;
+pub mod sync;
+pub mod util;
