@@ -37,7 +37,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::io::AsRawFd;
 use std::os::unix::process::CommandExt;
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -45,6 +45,7 @@ use rsb_protocol::{
     AgentError, ErrorCode, JobInfo, JobKillRequest, JobStartRequest, JobState, JobStatusRequest,
     JobStatusResult,
 };
+use rsb_rules::path::{expand_tilde, normalize};
 
 use record::Record;
 
@@ -217,34 +218,6 @@ fn validate_name(name: &str) -> Result<(), AgentError> {
             "job name '{name}' is invalid: {NAME_RULE}"
         )))
     }
-}
-
-fn expand_tilde(p: &str, home: &Path) -> PathBuf {
-    if p == "~" {
-        home.to_path_buf()
-    } else if let Some(rest) = p.strip_prefix("~/") {
-        home.join(rest)
-    } else {
-        PathBuf::from(p)
-    }
-}
-
-/// Lexical normalisation (`.` dropped, `..` pops), without touching the filesystem: the path
-/// may not exist yet, and resolving symlinks would report a different path than was asked for.
-fn normalize(p: &Path) -> PathBuf {
-    let mut out = PathBuf::new();
-    for c in p.components() {
-        match c {
-            Component::CurDir => {}
-            Component::ParentDir => {
-                if !out.pop() && !p.is_absolute() {
-                    out.push("..");
-                }
-            }
-            other => out.push(other.as_os_str()),
-        }
-    }
-    out
 }
 
 /// The job's working directory: `~` expanded, relative to `$HOME`, none means `$HOME`. It must

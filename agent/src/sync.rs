@@ -14,7 +14,6 @@ mod apply;
 mod blocks;
 mod cache;
 mod manifest;
-mod rules;
 
 use std::ffi::CString;
 use std::fs::{File, Metadata};

@@ -17,24 +17,15 @@ pub fn home_dir() -> Option<PathBuf> {
     }
 }
 
-/// Expand a leading `~` or `~/` to the home directory. Nothing else is interpreted (no `$VAR`,
-/// no `~user`): paths arrive as data from the local side and must never be re-parsed by a shell.
+/// [`rsb_rules::path::expand_tilde`] against this user's home, looked up only when the path
+/// needs it; without a known home the path is kept as given.
 pub fn expand_home(path: &str) -> PathBuf {
-    let rest = if path == "~" {
-        Some("")
-    } else {
-        path.strip_prefix("~/")
-    };
-    match (rest, home_dir()) {
-        (Some(rest), Some(home)) => {
-            let rest = rest.trim_start_matches('/');
-            if rest.is_empty() {
-                home
-            } else {
-                home.join(rest)
-            }
-        }
-        _ => PathBuf::from(path),
+    let home = rsb_rules::path::starts_with_tilde(path)
+        .then(home_dir)
+        .flatten();
+    match home {
+        Some(home) => rsb_rules::path::expand_tilde(path, &home),
+        None => PathBuf::from(path),
     }
 }
 

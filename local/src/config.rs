@@ -43,6 +43,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use rsb_rules::path::expand_tilde;
 use serde_json::{Map, Value};
 
 /// Inline sync limits the seed's README documents.
@@ -299,17 +300,6 @@ pub fn config_file_path() -> PathBuf {
         .map(|p| p.config_dir().to_path_buf())
         .unwrap_or_else(|| home.join(".config").join("rsb"))
         .join("config.toml")
-}
-
-/// Expands a leading `~` or `~/` against `home`; `~user` is left alone.
-fn expand_tilde(p: &str, home: &Path) -> PathBuf {
-    if p == "~" {
-        home.to_path_buf()
-    } else if let Some(rest) = p.strip_prefix("~/") {
-        home.join(rest)
-    } else {
-        PathBuf::from(p)
-    }
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -11,15 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::FileKind;
 
-/// Names always excluded by default, at any depth (gitignore syntax).
-pub const DEFAULT_EXCLUDES: &[&str] = &[
-    ".git/",
-    ".idea/",
-    ".vscode/",
-    "__pycache__/",
-    "*.pyc",
-    "node_modules/",
-];
+/// Names always excluded by default, at any depth; kept beside the engine that reads them.
+pub use rsb_rules::DEFAULT_EXCLUDES;
 
 /// Prefix of the per-session staging directory created inside a destination root; never
 /// listed in manifests and never synced.

@@ -17,11 +17,11 @@ use rsb_protocol::sync::STAGING_PREFIX;
 use rsb_protocol::{
     AgentError, Chunk, ErrorCode, FileKind, ManifestEntry, ManifestRequest, ManifestSummary,
 };
+use rsb_rules::Rules;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::cache::{self, HashCache, Key};
-use super::rules::Rules;
 use super::{cancelled, fs_clock_ns, internal, kind_of, mode_of, mtime_ns};
 use crate::serve::Responder;
 use crate::util::{expand_home, path_string};
@@ -83,7 +83,8 @@ pub fn scan(
     let root = expand_home(&req.root);
     let shown = path_string(&root);
     // Rules first: a bad pattern is an error even when the root does not exist.
-    let rules = Rules::new(&req.rules)?;
+    let rules = Rules::for_sync(req.rules.default_excludes, &req.rules.lines)
+        .map_err(|e| AgentError::new(ErrorCode::InvalidArgument, e.to_string()))?;
     let summary = ManifestSummary {
         root: shown.clone(),
         ..Default::default()

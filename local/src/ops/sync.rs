@@ -2,10 +2,11 @@
 //! and the glue from a pool to the engine ([`crate::sync`]).
 
 use std::{
-    path::{Component, Path, PathBuf},
+    path::{Path, PathBuf},
     sync::Arc,
 };
 
+use rsb_rules::path;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
@@ -71,14 +72,14 @@ fn home() -> Option<PathBuf> {
 /// relative to the server's cwd, `.`/`..` resolved lexically. A trailing `/` is kept.
 pub fn expand_local(raw: &str) -> Result<PathBuf> {
     let raw = if raw.trim().is_empty() { "." } else { raw };
-    let expanded = if raw == "~" || raw.starts_with("~/") {
+    let expanded = if path::starts_with_tilde(raw) {
         let h = home().ok_or_else(|| {
             RsbError::invalid(
                 format!("cannot expand {raw}: HOME is not set"),
                 "pass an absolute path",
             )
         })?;
-        if raw == "~" { h } else { h.join(&raw[2..]) }
+        path::expand_tilde(raw, &h)
     } else {
         PathBuf::from(raw)
     };
@@ -94,16 +95,7 @@ pub fn expand_local(raw: &str) -> Result<PathBuf> {
             })?
             .join(expanded)
     };
-    let mut out = PathBuf::new();
-    for c in abs.components() {
-        match c {
-            Component::CurDir => {}
-            Component::ParentDir => {
-                out.pop();
-            }
-            other => out.push(other.as_os_str()),
-        }
-    }
+    let mut out = path::normalize(&abs);
     if raw.ends_with('/') && out != Path::new("/") {
         let mut s = out.into_os_string();
         s.push("/");
@@ -137,19 +129,36 @@ pub fn load_rules(excludes: &[String], exclude_file: Option<&str>) -> Result<Syn
             )
         })?;
         for l in text.lines() {
-            let t = l.trim();
+            let t = trim_line(l);
             if !t.is_empty() && !t.starts_with('#') {
-                lines.push(t.replace('\\', "/"));
+                lines.push(t.to_string());
             }
         }
     }
     for e in excludes {
-        let t = e.trim();
+        let t = trim_line(e);
         if !t.is_empty() {
-            lines.push(t.replace('\\', "/"));
+            lines.push(t.to_string());
         }
     }
-    Ok(SyncSpec::rules(lines))
+    let rules = SyncSpec::rules(lines);
+    // Refused here, before anything connects, in the words an agent would use.
+    sync::engine::compile_rules(&rules)?;
+    Ok(rules)
+}
+
+/// Whitespace around a pattern goes, as the seed stripped it, except a trailing space escaped
+/// as `\ `: in gitignore syntax that space is part of the name. Backslashes are otherwise kept
+/// as they are: they are the engine's escapes (`\#x`, `foo\*bar`), not path separators.
+fn trim_line(l: &str) -> &str {
+    let start = l.trim_start();
+    let t = start.trim_end();
+    let escapes = t.bytes().rev().take_while(|&b| b == b'\\').count();
+    if escapes % 2 == 1 && start[t.len()..].starts_with(' ') {
+        &start[..t.len() + 1]
+    } else {
+        t
+    }
 }
 
 /// Connect both ends and run the engine.
@@ -328,6 +337,35 @@ mod tests {
         );
         assert!(parse_excludes(Some(&json!([1]))).is_err());
         assert!(parse_excludes(Some(&json!(3))).is_err());
+    }
+
+    #[test]
+    fn exclude_lines_keep_their_escapes() {
+        let lines = |ex: &[&str]| {
+            let ex: Vec<String> = ex.iter().map(|s| s.to_string()).collect();
+            load_rules(&ex, None).map(|r| r.lines)
+        };
+        assert_eq!(
+            lines(&[
+                "  \\#notes.txt ",
+                "foo\\*bar",
+                "a\\ ",
+                "b\\\\ ",
+                "\tc\t",
+                " "
+            ])
+            .unwrap(),
+            vec!["\\#notes.txt", "foo\\*bar", "a\\ ", "b\\\\", "c"]
+        );
+        let e = lines(&["ok", "[z-a]"]).unwrap_err();
+        assert_eq!(
+            e.message,
+            "invalid exclude pattern \"[z-a]\": invalid range in a character class (end before start)"
+        );
+        assert!(
+            lines(&["x\\"]).is_err(),
+            "a dangling backslash is no longer read as x/"
+        );
     }
 
     #[test]

@@ -346,51 +346,37 @@ fn split_parent(p: &str) -> (String, String) {
     }
 }
 
+/// `rules` in the engine the agents use for directories. A line it refuses is the same one-line
+/// error here as from an agent.
+pub fn compile_rules(rules: &SyncRules) -> Result<rsb_rules::Rules> {
+    rsb_rules::Rules::for_sync(rules.default_excludes, &rules.lines).map_err(|e| {
+        RsbError::invalid(
+            e.to_string(),
+            "patterns use gitignore syntax; write \\[ for a literal [ and \\\\ for a literal \\",
+        )
+    })
+}
+
 /// Is a single file excluded by `rules`? Candidates as in the seed: the path as given (when
-/// relative), and its basename.
-pub fn single_file_excluded(rules: &SyncRules, given: &str) -> bool {
-    use ignore::gitignore::GitignoreBuilder;
-    let mut b = GitignoreBuilder::new("/");
-    if rules.default_excludes {
-        for l in rsb_protocol::sync::DEFAULT_EXCLUDES {
-            let _ = b.add_line(None, l);
-        }
-    }
-    for l in &rules.lines {
-        let _ = b.add_line(None, l);
-    }
-    let Ok(gi) = b.build() else {
-        return false;
-    };
+/// relative, each parent as the directory walk would meet it), and its basename.
+pub fn single_file_excluded(rules: &SyncRules, given: &str) -> Result<bool> {
+    let rules = compile_rules(rules)?;
     let mut rel = given.trim();
     while let Some(r) = rel.strip_prefix("./") {
         rel = r;
     }
     let name = basename(rel);
-    if !name.is_empty() && gi.matched(name, false).is_ignore() {
-        return true;
+    if !name.is_empty() && rules.excluded(name, false) {
+        return Ok(true);
     }
     let relative =
         !rel.starts_with('/') && !rel.starts_with('~') && !rel.split('/').any(|c| c == "..");
-    relative && !rel.is_empty() && gi.matched_path_or_any_parents(rel, false).is_ignore()
+    Ok(relative && rules.excluded_path(rel, false))
 }
 
 /// Remote paths are relative to the remote `$HOME` (as the seed resolved them), not to
-/// wherever the agent process happens to run: `x` → `~/x`, `.` → `~`.
-pub fn anchor_home(p: &str) -> String {
-    let t = p.trim();
-    if t.is_empty() || t == "." || t == "./" {
-        return "~".into();
-    }
-    if t.starts_with('/') || t == "~" || t.starts_with("~/") {
-        return t.to_string();
-    }
-    let mut rel = t;
-    while let Some(r) = rel.strip_prefix("./") {
-        rel = r;
-    }
-    format!("~/{rel}")
-}
+/// wherever the agent process happens to run.
+pub use rsb_rules::path::anchor_home;
 
 /// Run one sync. `local` is the local agent, `remote` the sandbox's; `spec.direction` decides
 /// which is the source.
@@ -513,7 +499,7 @@ pub async fn run(
                         "pass delete_extras=false to sync a single file",
                     ));
                 }
-                if single_file_excluded(&spec.rules, &src_shown) {
+                if single_file_excluded(&spec.rules, &src_shown)? {
                     report.skipped_files = 1;
                     return Ok(());
                 }

@@ -13,9 +13,21 @@
 //! - A trailing `/` matches directories only.
 //! - Directories are matched as the walk reaches them and an excluded one is never entered,
 //!   so (as in git) nothing below an excluded directory can be re-included.
+//! - A line git would silently treat as "never matches" (a dangling `\`, an unclosed `[`, an
+//!   unknown `[:class:]`, a reversed range) is an error instead, so a typo cannot quietly sync
+//!   what the user meant to keep out.
 
-use rsb_protocol::sync::DEFAULT_EXCLUDES;
-use rsb_protocol::{AgentError, ErrorCode, SyncRules};
+use std::fmt;
+
+/// Names always excluded by default, at any depth, unless a sync turns the defaults off.
+pub const DEFAULT_EXCLUDES: &[&str] = &[
+    ".git/",
+    ".idea/",
+    ".vscode/",
+    "__pycache__/",
+    "*.pyc",
+    "node_modules/",
+];
 
 #[derive(Debug)]
 struct Pattern {
@@ -26,35 +38,64 @@ struct Pattern {
     basename: bool,
 }
 
+#[derive(Debug)]
 pub struct Rules {
     patterns: Vec<Pattern>,
 }
 
+/// A line the engine refuses, and why. Both ends show it as it is, so a directory sync (decided
+/// by an agent) and a single-file sync (decided by `rsb`) fail with the same words.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PatternError {
+    pub line: String,
+    pub reason: &'static str,
+}
+
+impl fmt::Display for PatternError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "invalid exclude pattern {:?}: {}",
+            self.line, self.reason
+        )
+    }
+}
+
+impl std::error::Error for PatternError {}
+
 impl Rules {
-    pub fn new(rules: &SyncRules) -> Result<Rules, AgentError> {
-        let defaults: &[&str] = if rules.default_excludes {
-            DEFAULT_EXCLUDES
-        } else {
-            &[]
-        };
-        let lines = defaults
-            .iter()
-            .copied()
-            .chain(rules.lines.iter().map(String::as_str));
+    /// Lines in order (defaults first, then the user's); blank lines and `#` comments are
+    /// skipped here, so callers pass lines as the user wrote them.
+    pub fn new<'a>(lines: impl IntoIterator<Item = &'a str>) -> Result<Rules, PatternError> {
         let mut patterns = Vec::new();
         for line in lines {
             match parse(line) {
                 Ok(Some(p)) => patterns.push(p),
                 Ok(None) => {}
-                Err(why) => {
-                    return Err(AgentError::new(
-                        ErrorCode::InvalidArgument,
-                        format!("invalid exclude pattern {line:?}: {why}"),
-                    ));
+                Err(reason) => {
+                    return Err(PatternError {
+                        line: line.to_string(),
+                        reason,
+                    });
                 }
             }
         }
         Ok(Rules { patterns })
+    }
+
+    /// A sync's rules: [`DEFAULT_EXCLUDES`] when `default_excludes`, then `lines`.
+    pub fn for_sync(default_excludes: bool, lines: &[String]) -> Result<Rules, PatternError> {
+        let defaults = if default_excludes {
+            DEFAULT_EXCLUDES
+        } else {
+            &[]
+        };
+        Rules::new(
+            defaults
+                .iter()
+                .copied()
+                .chain(lines.iter().map(String::as_str)),
+        )
     }
 
     /// `rel` is relative to the root, `/`-separated, never empty. Parents are not consulted:
@@ -79,6 +120,20 @@ impl Rules {
             }
         }
         false
+    }
+
+    /// Would a walk from the root leave `rel` out? As [`Rules::excluded`], but each parent
+    /// directory is consulted first, the way the walk reaches it: for an entry met without a
+    /// walk (a single-file sync).
+    pub fn excluded_path(&self, rel: &str, is_dir: bool) -> bool {
+        let rel = rel.trim_matches('/');
+        if rel.is_empty() {
+            return false;
+        }
+        rel.match_indices('/')
+            .map(|(i, _)| &rel[..i])
+            .any(|parent| self.excluded(parent, true))
+            || self.excluded(rel, is_dir)
     }
 }
 
@@ -470,11 +525,8 @@ mod tests {
     use super::*;
 
     fn rules(default_excludes: bool, lines: &[&str]) -> Rules {
-        Rules::new(&SyncRules {
-            default_excludes,
-            lines: lines.iter().map(|s| s.to_string()).collect(),
-        })
-        .unwrap()
+        let lines: Vec<String> = lines.iter().map(|s| s.to_string()).collect();
+        Rules::for_sync(default_excludes, &lines).unwrap()
     }
 
     /// Cases from git's t/t3070-wildmatch.sh: (text, pattern, wildmatch, pathmatch).
@@ -742,6 +794,31 @@ mod tests {
     }
 
     #[test]
+    fn a_path_met_without_a_walk_consults_its_parents() {
+        let r = rules(true, &["build/", "!build/keep.txt", "/top/", "foo\\*bar"]);
+        assert!(
+            r.excluded_path("build/keep.txt", false),
+            "nothing below an excluded dir"
+        );
+        assert!(r.excluded_path("a/build/x", false));
+        assert!(r.excluded_path("sub/.git/HEAD", false));
+        assert!(r.excluded_path("top/x", false));
+        assert!(!r.excluded_path("a/top/x", false));
+        assert!(
+            !r.excluded_path("build", false),
+            "`build/` is for directories only"
+        );
+        assert!(r.excluded_path("/build/", true));
+        assert!(!r.excluded_path("", false));
+        assert!(!r.excluded_path("src/a.rs", false));
+        // An escaped `*` is a literal star, at any depth.
+        assert!(r.excluded_path("foo*bar", false));
+        assert!(r.excluded_path("d/foo*bar", false));
+        assert!(!r.excluded_path("fooXbar", false));
+        assert!(!r.excluded_path("foo/bar", false));
+    }
+
+    #[test]
     fn bad_patterns_are_named() {
         for (bad, why) in [
             ("[a-z", "unclosed"),
@@ -752,15 +829,16 @@ mod tests {
             ("[[:nope:]]", "unknown [:class:]"),
             ("a\0b", "NUL"),
         ] {
-            let e = Rules::new(&SyncRules {
-                default_excludes: true,
-                lines: vec!["ok".into(), bad.into()],
-            })
-            .err()
-            .unwrap_or_else(|| panic!("{bad:?} accepted"));
-            assert_eq!(e.code, ErrorCode::InvalidArgument);
-            assert!(e.message.contains(&format!("{bad:?}")), "{}", e.message);
-            assert!(e.message.contains(why), "{}", e.message);
+            let e = Rules::for_sync(true, &["ok".into(), bad.into()])
+                .err()
+                .unwrap_or_else(|| panic!("{bad:?} accepted"));
+            assert_eq!(e.line, bad);
+            let message = e.to_string();
+            assert!(
+                message.starts_with(&format!("invalid exclude pattern {bad:?}: ")),
+                "{message}"
+            );
+            assert!(message.contains(why), "{message}");
         }
         // Odd but valid.
         for ok in [
@@ -779,14 +857,7 @@ mod tests {
             "[[:digit:]-z]",
             "[\\a-\\z]",
         ] {
-            assert!(
-                Rules::new(&SyncRules {
-                    default_excludes: false,
-                    lines: vec![ok.into()],
-                })
-                .is_ok(),
-                "{ok:?}"
-            );
+            assert!(Rules::new([ok]).is_ok(), "{ok:?}");
         }
     }
 }
