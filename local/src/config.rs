@@ -149,14 +149,16 @@ pub enum Transport {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SshTarget {
-    /// Address to connect to (after `~/.ssh/config` HostName resolution).
+    /// Address to connect to (after `~/.ssh/config` HostName resolution); an IPv6 literal is
+    /// kept without brackets, as sockets and known_hosts lookups want it.
     pub host: String,
     pub port: u16,
     pub user: String,
     pub auth: Auth,
-    /// `ProxyJump` from `~/.ssh/config`: comma-separated hops, each resolved to
-    /// `user@hostname:port` through its own Host block.
-    pub proxy_jump: Option<String>,
+    /// `ProxyJump` from `~/.ssh/config`, outermost first. Typed rather than a `user@host:port`
+    /// string so that each hop keeps what its own Host block says (identity, host keys) and an
+    /// IPv6 literal never has to survive a second parse.
+    pub proxy_jump: Vec<Hop>,
     pub host_key_policy: HostKeyPolicy,
     /// Read all; new keys are written to the last one (rsb's own, in the state dir).
     pub known_hosts: Vec<PathBuf>,
@@ -164,10 +166,62 @@ pub struct SshTarget {
 }
 
 impl SshTarget {
-    /// `user@host:port`, for messages.
+    /// `user@host:port` (`user@[::1]:22` for IPv6), for messages.
     pub fn address(&self) -> String {
-        format!("{}@{}:{}", self.user, self.host, self.port)
+        format!("{}@{}", self.user, host_port(&self.host, self.port))
     }
+
+    /// The target itself as the last hop of its chain.
+    pub fn as_hop(&self) -> Hop {
+        Hop {
+            host: self.host.clone(),
+            port: self.port,
+            user: self.user.clone(),
+            auth: self.auth.clone(),
+            host_key_policy: self.host_key_policy,
+            known_hosts: self.known_hosts.clone(),
+        }
+    }
+}
+
+/// One SSH server on the way to a sandbox: a ProxyJump hop, or the target itself
+/// ([`SshTarget::as_hop`]). Each hop authenticates and checks host keys on its own terms,
+/// as `ssh -J` does through each jump host's Host block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hop {
+    /// An IPv6 literal without brackets.
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    pub auth: Auth,
+    pub host_key_policy: HostKeyPolicy,
+    /// Read all; new keys are written to the last one.
+    pub known_hosts: Vec<PathBuf>,
+}
+
+impl Hop {
+    /// `user@host:port` (`user@[::1]:22` for IPv6), for messages.
+    pub fn address(&self) -> String {
+        format!("{}@{}", self.user, host_port(&self.host, self.port))
+    }
+}
+
+/// `host:port`, with an IPv6 literal in brackets so the port cannot be mistaken for part of it.
+pub fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// `[::1]` → `::1`; anything else unchanged. Users write IPv6 literals either way, while
+/// sockets and known_hosts lookups need them bare.
+fn unbracket(host: &str) -> &str {
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .filter(|h| h.contains(':'))
+        .unwrap_or(host)
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -790,6 +844,7 @@ fn build_sandbox(
         })
         .or_else(|| alias.map(str::to_string))
         .ok_or_else(|| missing(label, "host"))?;
+    let host = unbracket(&host).to_string();
     let user = e
         .user
         .clone()
@@ -802,20 +857,6 @@ fn build_sandbox(
         .or_else(|| e.host.clone())
         .or_else(|| alias.map(str::to_string))
         .unwrap_or_else(|| host.clone());
-    let proxy_jump = params
-        .as_ref()
-        .and_then(|p| p.proxy_jump.clone())
-        .filter(|hops| !hops.is_empty() && !hops[0].eq_ignore_ascii_case("none"));
-    let proxy_jump = match proxy_jump {
-        None => None,
-        Some(hops) => {
-            let mut resolved = Vec::with_capacity(hops.len());
-            for hop in &hops {
-                resolved.push(resolve_hop(ctx, hop, &user, label)?);
-            }
-            Some(resolved.join(","))
-        }
-    };
     let connect_timeout = e
         .connect_timeout
         .or_else(|| params.as_ref()?.connect_timeout)
@@ -860,63 +901,201 @@ fn build_sandbox(
         }
     };
 
+    let (block_policy, block_known_hosts) = match &params {
+        Some(p) => host_key_settings(p, label, ctx),
+        None => (None, None),
+    };
+    let host_key_policy = e
+        .host_key_policy
+        .or(block_policy)
+        .unwrap_or(ctx.defaults.host_key_policy);
+    let known_hosts = block_known_hosts.unwrap_or_else(|| ctx.known_hosts());
+    let mut target = SshTarget {
+        host,
+        port,
+        user,
+        auth,
+        proxy_jump: Vec::new(),
+        host_key_policy,
+        known_hosts,
+        connect_timeout,
+    };
+    let hops = params
+        .as_ref()
+        .and_then(|p| p.proxy_jump.clone())
+        .filter(|hops| !hops.is_empty() && !hops[0].trim().eq_ignore_ascii_case("none"))
+        .unwrap_or_default();
+    for (i, spec) in hops.iter().enumerate() {
+        let hop = resolve_hop(ctx, spec, i, &target, label)?;
+        target.proxy_jump.push(hop);
+    }
     Ok(SandboxConfig {
         name,
-        transport: Transport::Ssh(SshTarget {
-            host,
-            port,
-            user,
-            auth,
-            proxy_jump,
-            host_key_policy: e.host_key_policy.unwrap_or(ctx.defaults.host_key_policy),
-            known_hosts: ctx.known_hosts(),
-            connect_timeout,
-        }),
+        transport: Transport::Ssh(target),
+    })
+}
+
+/// A ProxyJump hop as written: `[user@]host[:port]`, where `host` may be a bracketed IPv6
+/// literal (`[::1]:2222`) or a bare one without a port (`::1`), optionally as
+/// `ssh://[user@]host[:port]` (both forms `ssh -J` accepts).
+#[derive(Debug, PartialEq, Eq)]
+struct HopSpec {
+    user: Option<String>,
+    host: String,
+    port: Option<u16>,
+}
+
+fn parse_hop_spec(spec: &str) -> Result<HopSpec, &'static str> {
+    let spec = spec.trim();
+    let spec = spec.strip_prefix("ssh://").unwrap_or(spec);
+    let (user, rest) = match spec.rsplit_once('@') {
+        Some(("", _)) => return Err("has an empty user name"),
+        Some((u, r)) => (Some(u.to_string()), r),
+        None => (None, spec),
+    };
+    let port_of = |p: &str| {
+        p.parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or("has a port that is not an integer between 1 and 65535")
+    };
+    let (host, port) = if let Some(inner) = rest.strip_prefix('[') {
+        let (host, after) = inner
+            .split_once(']')
+            .ok_or("has a '[' without its closing ']'")?;
+        let port = match after {
+            "" => None,
+            _ => Some(port_of(
+                after
+                    .strip_prefix(':')
+                    .ok_or("has text after ']' that is not :port")?,
+            )?),
+        };
+        (host, port)
+    } else if rest.matches(':').count() > 1 {
+        // A bare IPv6 literal: its colons are not a port separator.
+        (rest, None)
+    } else {
+        match rest.split_once(':') {
+            Some((h, p)) => (h, Some(port_of(p)?)),
+            None => (rest, None),
+        }
+    };
+    if host.is_empty() {
+        return Err("has an empty host");
+    }
+    if host.contains(['/', ' ', '\t']) {
+        return Err("has a host that is not a name or address");
+    }
+    Ok(HopSpec {
+        user,
+        host: host.to_string(),
+        port,
+    })
+}
+
+/// `StrictHostKeyChecking` and `UserKnownHostsFile` of a Host block. `no`/`off` is read as
+/// accept-new: only rsb's own `host_key_policy = off` turns checking off, so an old
+/// `Host *` line cannot silently disable it. Known-hosts files keep rsb's own file last, where
+/// new keys are recorded.
+fn host_key_settings(
+    params: &ssh2_config::HostParams,
+    label: &str,
+    ctx: &mut BuildCtx<'_>,
+) -> (Option<HostKeyPolicy>, Option<Vec<PathBuf>>) {
+    let first = |key: &str| {
+        params
+            .unsupported_fields
+            .get(key)
+            .and_then(|args| args.first())
+            .map(|a| a.trim().to_ascii_lowercase())
+    };
+    let policy = match first("stricthostkeychecking").as_deref() {
+        None => None,
+        Some("yes" | "ask") => Some(HostKeyPolicy::Strict),
+        Some("accept-new" | "no" | "off") => Some(HostKeyPolicy::AcceptNew),
+        Some(_) => {
+            ctx.warn(format!(
+                "{label}: StrictHostKeyChecking in the ssh config is not yes, ask, accept-new or no; ignored"
+            ));
+            None
+        }
+    };
+    let files = params
+        .unsupported_fields
+        .get("userknownhostsfile")
+        .map(|args| {
+            let mut files: Vec<PathBuf> = args
+                .iter()
+                .flat_map(|a| a.split_whitespace())
+                .filter(|f| !f.eq_ignore_ascii_case("none"))
+                .map(|f| expand_tilde(f, ctx.home))
+                .collect();
+            files.push(ctx.state_dir.join("known_hosts"));
+            files
+        });
+    (policy, files)
+}
+
+/// One ProxyJump hop, looked up as an ssh_config alias the way `ssh` does: HostName, Port and
+/// User, and the hop's own IdentityFile, StrictHostKeyChecking and UserKnownHostsFile. What
+/// the hop's block does not say comes from the target (its user, credentials and host-key
+/// settings), as before hops were typed.
+fn resolve_hop(
+    ctx: &mut BuildCtx<'_>,
+    raw: &str,
+    index: usize,
+    target: &SshTarget,
+    label: &str,
+) -> Result<Hop, ConfigError> {
+    let spec = parse_hop_spec(raw).map_err(|why| {
+        ConfigError::new(
+            format!("{label}: ProxyJump hop {} ('{}') {why}", index + 1, raw.trim()),
+            "Write hops as [user@]host[:port] separated by commas, IPv6 literals in brackets: admin@[::1]:2222.",
+        )
+    })?;
+    let params = ctx.ssh_query(&spec.host, label)?;
+    let host = params
+        .host_name
+        .as_deref()
+        .map(|hn| hn.replace("%h", &spec.host).replace("%%", "%"))
+        .unwrap_or_else(|| spec.host.clone());
+    let host = unbracket(&host).to_string();
+    let port = spec.port.or(params.port).unwrap_or(22);
+    let user = spec
+        .user
+        .or_else(|| params.user.clone())
+        .unwrap_or_else(|| target.user.clone());
+    let identity_files: Vec<PathBuf> = params
+        .identity_file
+        .iter()
+        .flatten()
+        .filter(|p| p.is_file())
+        .cloned()
+        .collect();
+    let auth = if identity_files.is_empty() {
+        target.auth.clone()
+    } else {
+        Auth::Auto {
+            identity_files,
+            default_keys: ctx.default_keys(),
+            passphrase: None,
+        }
+    };
+    let hop_label = format!("{label} ProxyJump hop {}", index + 1);
+    let (policy, known_hosts) = host_key_settings(&params, &hop_label, ctx);
+    Ok(Hop {
+        host,
+        port,
+        user,
+        auth,
+        host_key_policy: policy.unwrap_or(target.host_key_policy),
+        known_hosts: known_hosts.unwrap_or_else(|| target.known_hosts.clone()),
     })
 }
 
 /// An unknown key, quoted, when it looks like a field name; otherwise not shown (a stray key could
 /// be a mangled secret).
-/// One ProxyJump hop, `[user@]host[:port]`, with `host` looked up as an ssh_config alias the
-/// way `ssh` does (HostName, Port, User), resolved to `user@hostname:port`.
-fn resolve_hop(
-    ctx: &mut BuildCtx<'_>,
-    hop: &str,
-    default_user: &str,
-    label: &str,
-) -> Result<String, ConfigError> {
-    let hop = hop.trim();
-    let (user, rest) = match hop.rsplit_once('@') {
-        Some((u, r)) => (Some(u.to_string()), r),
-        None => (None, hop),
-    };
-    let (host, port) = match rest.rsplit_once(':') {
-        Some((h, p)) => (
-            h,
-            Some(p.parse::<u16>().map_err(|_| {
-                ConfigError::new(
-                    format!("{label}: ProxyJump hop has an invalid port"),
-                    "Write hops as [user@]host[:port].",
-                )
-            })?),
-        ),
-        None => (rest, None),
-    };
-    if host.is_empty() {
-        return Err(ConfigError::new(
-            format!("{label}: ProxyJump has an empty hop"),
-            "Write hops as [user@]host[:port], separated by commas.",
-        ));
-    }
-    let params = ctx.ssh_query(host, label)?;
-    let hostname = params.host_name.clone().unwrap_or_else(|| host.to_string());
-    let port = port.or(params.port).unwrap_or(22);
-    let user = user
-        .or(params.user.clone())
-        .unwrap_or_else(|| default_user.to_string());
-    Ok(format!("{user}@{hostname}:{port}"))
-}
-
 fn key_name(k: &str) -> String {
     let plain = !k.is_empty()
         && k.len() <= 40
@@ -1842,9 +2021,11 @@ Host *.internal
         // Hops are resolved like ssh does: aliases through their Host block, the user
         // defaulting to the target's.
         assert_eq!(
-            t.proxy_jump.as_deref(),
-            Some("alice@bastion.example.com:22,jumper@10.9.9.9:2022")
+            hops(t),
+            vec!["alice@bastion.example.com:22", "jumper@10.9.9.9:2022"]
         );
+        // Neither hop's block names an IdentityFile: they use the target's credentials.
+        assert!(t.proxy_jump.iter().all(|h| h.auth == t.auth));
         assert_eq!(t.connect_timeout, Duration::from_secs(7));
         assert_eq!(
             t.auth,
@@ -1860,8 +2041,154 @@ Host *.internal
             (t.host.as_str(), t.port, t.user.as_str()),
             ("bare", 22, "bob")
         );
-        assert_eq!(t.proxy_jump, None);
+        assert_eq!(t.proxy_jump, vec![]);
         assert_eq!(ssh(&c, 2).host, "db.internal.example.org");
+    }
+
+    fn hops(t: &SshTarget) -> Vec<String> {
+        t.proxy_jump.iter().map(Hop::address).collect()
+    }
+
+    #[test]
+    fn hop_specs_parse_like_ssh_j() {
+        let spec = |user: Option<&str>, host: &str, port: Option<u16>| HopSpec {
+            user: user.map(str::to_string),
+            host: host.to_string(),
+            port,
+        };
+        for (raw, want) in [
+            ("jump", spec(None, "jump", None)),
+            (" me@jump:2222 ", spec(Some("me"), "jump", Some(2222))),
+            ("[::1]:2222", spec(None, "::1", Some(2222))),
+            ("me@[::1]", spec(Some("me"), "::1", None)),
+            ("::1", spec(None, "::1", None)),
+            ("fe80::1:22", spec(None, "fe80::1:22", None)),
+            ("ssh://a@b:7", spec(Some("a"), "b", Some(7))),
+            ("a@b@host", spec(Some("a@b"), "host", None)),
+        ] {
+            assert_eq!(parse_hop_spec(raw), Ok(want), "{raw:?}");
+        }
+        for bad in [
+            "", "@h", "h:", "h:0", "h:x", "[::1", "[::1]x", "[::1]:", "[]:22", "a b",
+        ] {
+            assert!(parse_hop_spec(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(host_port("::1", 22), "[::1]:22");
+        assert_eq!(host_port("h", 22), "h:22");
+        assert_eq!(unbracket("[::1]"), "::1");
+        assert_eq!(unbracket("[x]"), "[x]");
+    }
+
+    #[test]
+    fn hops_keep_their_own_user_identity_and_host_keys() {
+        let home = TempDir::new();
+        let k1 = home.write(".ssh/k1", "x");
+        let k2 = home.write(".ssh/k2", "x");
+        let kt = home.write(".ssh/kt", "x");
+        let cfg = home.write(
+            ".ssh/config",
+            &format!(
+                "\
+Host target
+    HostName ::1
+    User t
+    IdentityFile {kt}
+    ProxyJump j1,u2@[::1]:2200,j3
+
+Host j1
+    HostName [fd00::5]
+    Port 2201
+    User one
+    IdentityFile {k1}
+    StrictHostKeyChecking yes
+    UserKnownHostsFile ~/.ssh/kh1 ~/.ssh/kh1b
+
+Host ::1
+    IdentityFile {k2}
+    StrictHostKeyChecking no
+
+Host j3
+    HostName 127.0.0.3
+",
+                kt = kt.display(),
+                k1 = k1.display(),
+                k2 = k2.display()
+            ),
+        );
+        let c = load_with(
+            &home,
+            &[(
+                LIST_VAR,
+                r#"[{"ssh_config_host":"target","host_key_policy":"off"}]"#,
+            )],
+            None,
+            Some(&cfg),
+        )
+        .unwrap();
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        let t = ssh(&c, 0);
+        assert_eq!(t.address(), "t@[::1]:22");
+        assert_eq!(
+            hops(t),
+            vec!["one@[fd00::5]:2201", "u2@[::1]:2200", "t@127.0.0.3:22"]
+        );
+        let auto = |k: &Path| Auth::Auto {
+            identity_files: vec![k.to_path_buf()],
+            default_keys: vec![],
+            passphrase: None,
+        };
+        let [h1, h2, h3] = &t.proxy_jump[..] else {
+            panic!("three hops: {:?}", t.proxy_jump)
+        };
+        assert_eq!(t.auth, auto(&kt));
+        assert_eq!(h1.auth, auto(&k1));
+        assert_eq!(h2.auth, auto(&k2));
+        assert_eq!(h3.auth, t.auth, "no IdentityFile: the target's credentials");
+        assert_eq!(h1.host_key_policy, HostKeyPolicy::Strict);
+        assert_eq!(
+            h2.host_key_policy,
+            HostKeyPolicy::AcceptNew,
+            "ssh_config's `no` never turns checking off"
+        );
+        assert_eq!(h3.host_key_policy, HostKeyPolicy::Off, "the sandbox's own");
+        assert_eq!(
+            h1.known_hosts,
+            vec![
+                home.path().join(".ssh/kh1"),
+                home.path().join(".ssh/kh1b"),
+                home.path().join("state/known_hosts")
+            ]
+        );
+        assert_eq!(h2.known_hosts, t.known_hosts);
+        // A hop that cannot be parsed names the hop, and the fix.
+        let cfg = home.write(
+            ".ssh/config",
+            "Host t\n    User u\n    ProxyJump ok,[::1:22\n",
+        );
+        let e = load_with(
+            &home,
+            &[(LIST_VAR, r#"[{"ssh_config_host":"t"}]"#)],
+            None,
+            Some(&cfg),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.message,
+            "REMOTE_SANDBOX_LIST[0]: ProxyJump hop 2 ('[::1:22') has a '[' without its closing ']'"
+        );
+        // IPv6 literals in the list's host field work bracketed or bare.
+        let c = load_with(
+            &home,
+            &[(
+                LIST_VAR,
+                r#"[{"host":"[::1]","user":"u","port":2222},{"name":"b","host":"::1","user":"u"}]"#,
+            )],
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(ssh(&c, 0).address(), "u@[::1]:2222");
+        assert_eq!(ssh(&c, 1).host, "::1");
     }
 
     #[test]
@@ -1884,8 +2211,13 @@ Host *.internal
         assert_eq!(t.host_key_policy, HostKeyPolicy::Off);
         // ProxyJump still carried from the alias
         assert_eq!(
-            t.proxy_jump.as_deref(),
-            Some("root@bastion.example.com:22,jumper@10.9.9.9:2022")
+            hops(&t),
+            vec!["root@bastion.example.com:22", "jumper@10.9.9.9:2022"]
+        );
+        assert!(
+            t.proxy_jump
+                .iter()
+                .all(|h| h.auth == t.auth && h.host_key_policy == HostKeyPolicy::Off)
         );
     }
 
