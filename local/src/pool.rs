@@ -4,10 +4,7 @@
 //! Each sandbox has its own async mutex held only while connecting, so concurrent callers on
 //! one sandbox share a single connect, and a slow sandbox never blocks another.
 
-use std::{
-    collections::HashMap,
-    sync::Arc,
-};
+use std::{collections::HashMap, sync::Arc};
 
 use parking_lot::RwLock;
 use tokio::sync::Mutex;
@@ -210,6 +207,18 @@ impl Pool {
                 std::env::var("USER").unwrap_or_default(),
             ),
         }
+    }
+
+    /// Test-only fault injection: panics while holding every sync lock of the pool and of
+    /// `name`'s slot, as a bug in a tool handler might. The next call must still work.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn panic_while_locked(&self, name: &str) {
+        let slot = self.slots.get(name).expect("a configured sandbox");
+        let _agent_path = slot.agent_path.lock();
+        let _active = self.active.write();
+        let _transfers = self.transfers.lock();
+        panic!("injected panic while holding the pool locks of sandbox '{name}'");
     }
 
     /// Drop every connection (agents see EOF and exit; jobs keep running).

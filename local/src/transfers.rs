@@ -288,11 +288,7 @@ impl Transfers {
     }
 
     fn exec(&self, sql: &str, p: impl rusqlite::Params) -> Result<()> {
-        self.db
-            .lock()
-            .execute(sql, p)
-            .map(|_| ())
-            .map_err(db_err)
+        self.db.lock().execute(sql, p).map(|_| ()).map_err(db_err)
     }
 
     fn unknown(id: i64) -> RsbError {
