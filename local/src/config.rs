@@ -37,6 +37,9 @@
 //!   warning (the seed ignored them silently); unknown keys in the TOML file are errors.
 //! - Host keys are checked (accept-new by default) against `~/.ssh/known_hosts` and rsb's own
 //!   `<state_dir>/known_hosts`; the seed accepted any key.
+//! - `ssh_config_host` also brings ProxyJump: each hop ([`Hop`]) is resolved through its own Host
+//!   block (User, Port, IdentityFile, StrictHostKeyChecking, UserKnownHostsFile); `host` and hops
+//!   accept IPv6 literals (`[::1]`, `admin@[::1]:2222`).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -2299,7 +2302,7 @@ Host j3
             &home,
             &[(
                 LIST_VAR,
-                r#"[{"ssh_config_host":"target","host_key_policy":"off"}]"#,
+                r#"[{"ssh_config_host":"target","host_key_policy":"off"},{"ssh_config_host":"j1"}]"#,
             )],
             None,
             Some(&cfg),
@@ -2340,6 +2343,10 @@ Host j3
             ]
         );
         assert_eq!(h2.known_hosts, t.known_hosts);
+        // The same Host block read for a target (no host_key_policy of its own) says the same.
+        let j1 = ssh(&c, 1);
+        assert_eq!(j1.host_key_policy, HostKeyPolicy::Strict);
+        assert_eq!(j1.known_hosts, h1.known_hosts);
         // A hop that cannot be parsed names the hop, and the fix.
         let cfg = home.write(
             ".ssh/config",
