@@ -37,6 +37,9 @@
 //!   warning (the seed ignored them silently); unknown keys in the TOML file are errors.
 //! - Host keys are checked (accept-new by default) against `~/.ssh/known_hosts` and rsb's own
 //!   `<state_dir>/known_hosts`; the seed accepted any key.
+//! - `ssh_config_host` also brings ProxyJump: each hop ([`Hop`]) is resolved through its own Host
+//!   block (User, Port, IdentityFile, StrictHostKeyChecking, UserKnownHostsFile); `host` and hops
+//!   accept IPv6 literals (`[::1]`, `admin@[::1]:2222`).
 
 use std::collections::HashMap;
 use std::fmt;
@@ -44,7 +47,11 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rsb_rules::path::expand_tilde;
-use serde_json::{Map, Value};
+use serde::{
+    Deserialize, Deserializer,
+    de::{self, DeserializeOwned},
+};
+use serde_json::Value;
 
 /// Inline sync limits the seed's README documents.
 pub const DEFAULT_INLINE_SYNC_MAX_FILES: u64 = 200;
@@ -150,14 +157,16 @@ pub enum Transport {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SshTarget {
-    /// Address to connect to (after `~/.ssh/config` HostName resolution).
+    /// Address to connect to (after `~/.ssh/config` HostName resolution); an IPv6 literal is
+    /// kept without brackets, as sockets and known_hosts lookups want it.
     pub host: String,
     pub port: u16,
     pub user: String,
     pub auth: Auth,
-    /// `ProxyJump` from `~/.ssh/config`: comma-separated hops, each resolved to
-    /// `user@hostname:port` through its own Host block.
-    pub proxy_jump: Option<String>,
+    /// `ProxyJump` from `~/.ssh/config`, outermost first. Typed rather than a `user@host:port`
+    /// string so that each hop keeps what its own Host block says (identity, host keys) and an
+    /// IPv6 literal never has to survive a second parse.
+    pub proxy_jump: Vec<Hop>,
     pub host_key_policy: HostKeyPolicy,
     /// Read all; new keys are written to the last one (rsb's own, in the state dir).
     pub known_hosts: Vec<PathBuf>,
@@ -165,10 +174,62 @@ pub struct SshTarget {
 }
 
 impl SshTarget {
-    /// `user@host:port`, for messages.
+    /// `user@host:port` (`user@[::1]:22` for IPv6), for messages.
     pub fn address(&self) -> String {
-        format!("{}@{}:{}", self.user, self.host, self.port)
+        format!("{}@{}", self.user, host_port(&self.host, self.port))
     }
+
+    /// The target itself as the last hop of its chain.
+    pub fn as_hop(&self) -> Hop {
+        Hop {
+            host: self.host.clone(),
+            port: self.port,
+            user: self.user.clone(),
+            auth: self.auth.clone(),
+            host_key_policy: self.host_key_policy,
+            known_hosts: self.known_hosts.clone(),
+        }
+    }
+}
+
+/// One SSH server on the way to a sandbox: a ProxyJump hop, or the target itself
+/// ([`SshTarget::as_hop`]). Each hop authenticates and checks host keys on its own terms,
+/// as `ssh -J` does through each jump host's Host block.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hop {
+    /// An IPv6 literal without brackets.
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    pub auth: Auth,
+    pub host_key_policy: HostKeyPolicy,
+    /// Read all; new keys are written to the last one.
+    pub known_hosts: Vec<PathBuf>,
+}
+
+impl Hop {
+    /// `user@host:port` (`user@[::1]:22` for IPv6), for messages.
+    pub fn address(&self) -> String {
+        format!("{}@{}", self.user, host_port(&self.host, self.port))
+    }
+}
+
+/// `host:port`, with an IPv6 literal in brackets so the port cannot be mistaken for part of it.
+pub fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// `[::1]` → `::1`; anything else unchanged. Users write IPv6 literals either way, while
+/// sockets and known_hosts lookups need them bare.
+fn unbracket(host: &str) -> &str {
+    host.strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .filter(|h| h.contains(':'))
+        .unwrap_or(host)
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -566,88 +627,347 @@ impl BuildCtx<'_> {
 // One sandbox entry, from any source
 // ---------------------------------------------------------------------------------------------
 
-/// Fields of one sandbox entry after type checks, before resolution.
-#[derive(Default)]
-struct RawEntry {
-    name: Option<String>,
-    host: Option<String>,
-    port: Option<u16>,
-    user: Option<String>,
-    password: Option<Secret>,
-    key_file: Option<String>,
-    key_passphrase: Option<Secret>,
-    ssh_config_host: Option<String>,
-    host_key_policy: Option<HostKeyPolicy>,
-    local: bool,
-    connect_timeout: Option<Duration>,
-    /// Which secrets were given as literal values (for the TOML mode check).
-    literal_secrets: Vec<&'static str>,
+/// One sandbox entry as written, from `REMOTE_SANDBOX_LIST`, a `[[sandbox]]` table or the legacy
+/// variables. serde checks the shape (and, for the TOML file, rejects unknown keys); each field's
+/// type checks its own value and says what it must be in words of its own, because serde's
+/// default messages quote the value (`invalid type: string "hunter2"`), which may be a secret.
+#[derive(Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+struct Entry {
+    name: Text,
+    host: Text,
+    port: Port,
+    user: Text,
+    password: SecretText,
+    password_env: Text,
+    key_file: Text,
+    key_passphrase: SecretText,
+    key_passphrase_env: Text,
+    ssh_config_host: Text,
+    host_key_policy: Policy,
+    local: Flag,
+    connect_timeout_s: Seconds,
 }
 
-const ENTRY_FIELDS: [&str; 13] = [
-    "name",
-    "host",
-    "port",
-    "user",
-    "password",
-    "password_env",
-    "key_file",
-    "key_passphrase",
-    "key_passphrase_env",
-    "ssh_config_host",
-    "host_key_policy",
-    "local",
-    "connect_timeout_s",
-];
-
-fn type_err(label: &str, field: &str, what: &str) -> ConfigError {
-    ConfigError::new(
-        format!("{label} field '{field}' must be {what}"),
-        "The value is not shown, to keep secrets out of logs.",
-    )
+/// The TOML file's top level.
+#[derive(Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+struct FileConfig {
+    host_key_policy: Policy,
+    connect_timeout_s: Seconds,
+    sandbox: Vec<Entry>,
 }
 
-/// A string field: absent, null and "" (after trimming unless `raw`) are `None`.
-fn str_field(
-    map: &Map<String, Value>,
-    label: &str,
-    field: &str,
-    trim: bool,
-) -> Result<Option<String>, ConfigError> {
-    match map.get(field) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => {
-            let s = if trim {
-                s.trim().to_string()
-            } else {
-                s.clone()
-            };
-            Ok(if s.is_empty() { None } else { Some(s) })
+/// What a field's value must be: the whole of a type error's text, so no character of the
+/// value can reach a message.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Want {
+    Text,
+    Port,
+    Policy,
+    Flag,
+    Seconds,
+}
+
+impl Want {
+    const ALL: [Want; 5] = [
+        Want::Text,
+        Want::Port,
+        Want::Policy,
+        Want::Flag,
+        Want::Seconds,
+    ];
+
+    fn what(self) -> &'static str {
+        match self {
+            Want::Text => "a string",
+            Want::Port => "an integer between 1 and 65535",
+            Want::Policy => "one of accept-new, strict, off",
+            Want::Flag => "true or false",
+            Want::Seconds => "a positive number of seconds",
         }
-        Some(_) => Err(type_err(label, field, "a string")),
+    }
+
+    fn error<E: de::Error>(self) -> E {
+        E::custom(self.what())
+    }
+
+    /// The `Want` whose [`Want::error`] produced `message`, if any.
+    fn of(message: &str) -> Option<Want> {
+        Want::ALL.into_iter().find(|w| w.what() == message)
     }
 }
 
-/// A secret given directly (`field`) or by env-var reference (`field_env`).
-fn secret_field(
-    map: &Map<String, Value>,
+/// Any value, reduced to what the field types need, without keeping text for errors.
+enum Loose {
+    Absent,
+    Bool(bool),
+    Int(i128),
+    Float(f64),
+    Str(String),
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Loose {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Loose, D::Error> {
+        struct V;
+        impl<'de> de::Visitor<'de> for V {
+            type Value = Loose;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a value")
+            }
+            fn visit_bool<E>(self, v: bool) -> Result<Loose, E> {
+                Ok(Loose::Bool(v))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<Loose, E> {
+                Ok(Loose::Int(v.into()))
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<Loose, E> {
+                Ok(Loose::Int(v.into()))
+            }
+            fn visit_f64<E>(self, v: f64) -> Result<Loose, E> {
+                Ok(Loose::Float(v))
+            }
+            fn visit_str<E>(self, v: &str) -> Result<Loose, E> {
+                Ok(Loose::Str(v.to_string()))
+            }
+            fn visit_string<E>(self, v: String) -> Result<Loose, E> {
+                Ok(Loose::Str(v))
+            }
+            fn visit_bytes<E>(self, _: &[u8]) -> Result<Loose, E> {
+                Ok(Loose::Other)
+            }
+            fn visit_none<E>(self) -> Result<Loose, E> {
+                Ok(Loose::Absent)
+            }
+            fn visit_unit<E>(self) -> Result<Loose, E> {
+                Ok(Loose::Absent)
+            }
+            fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Loose, D::Error> {
+                Loose::deserialize(d)
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut a: A) -> Result<Loose, A::Error> {
+                while a.next_element::<de::IgnoredAny>()?.is_some() {}
+                Ok(Loose::Other)
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, mut a: A) -> Result<Loose, A::Error> {
+                while a.next_entry::<de::IgnoredAny, de::IgnoredAny>()?.is_some() {}
+                Ok(Loose::Other)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A string, trimmed; absent, null and blank are `None`.
+#[derive(Default)]
+struct Text(Option<String>);
+
+impl<'de> Deserialize<'de> for Text {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Text, D::Error> {
+        match Loose::deserialize(d)? {
+            Loose::Absent => Ok(Text(None)),
+            Loose::Str(s) => Ok(Text(Some(s.trim().to_string()).filter(|s| !s.is_empty()))),
+            _ => Err(Want::Text.error()),
+        }
+    }
+}
+
+/// A secret given literally: kept exactly (not trimmed); empty is `None`.
+#[derive(Default)]
+struct SecretText(Option<Secret>);
+
+impl<'de> Deserialize<'de> for SecretText {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<SecretText, D::Error> {
+        match Loose::deserialize(d)? {
+            Loose::Absent => Ok(SecretText(None)),
+            Loose::Str(s) if s.is_empty() => Ok(SecretText(None)),
+            Loose::Str(s) => Ok(SecretText(Some(Secret(s)))),
+            _ => Err(Want::Text.error()),
+        }
+    }
+}
+
+/// A port: an integer, an integral float or a numeric string; blank is `None`.
+#[derive(Default)]
+struct Port(Option<u16>);
+
+impl<'de> Deserialize<'de> for Port {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Port, D::Error> {
+        let port = match Loose::deserialize(d)? {
+            Loose::Absent => return Ok(Port(None)),
+            Loose::Str(s) if s.trim().is_empty() => return Ok(Port(None)),
+            Loose::Str(s) => parse_port(&s),
+            Loose::Int(n) => u16::try_from(n).ok(),
+            Loose::Float(f) if f.fract() == 0.0 && (0.0..=65535.0).contains(&f) => Some(f as u16),
+            _ => None,
+        };
+        match port.filter(|p| *p != 0) {
+            Some(p) => Ok(Port(Some(p))),
+            None => Err(Want::Port.error()),
+        }
+    }
+}
+
+/// `2222`, ` +2222 `; not 0.
+fn parse_port(s: &str) -> Option<u16> {
+    let s = s.trim();
+    s.strip_prefix('+')
+        .unwrap_or(s)
+        .parse()
+        .ok()
+        .filter(|p| *p != 0)
+}
+
+#[derive(Default)]
+struct Policy(Option<HostKeyPolicy>);
+
+impl<'de> Deserialize<'de> for Policy {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Policy, D::Error> {
+        match Loose::deserialize(d)? {
+            Loose::Absent => Ok(Policy(None)),
+            Loose::Str(s) if s.trim().is_empty() => Ok(Policy(None)),
+            Loose::Str(s) => HostKeyPolicy::parse(&s)
+                .map(|p| Policy(Some(p)))
+                .ok_or_else(|| Want::Policy.error()),
+            _ => Err(Want::Policy.error()),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Flag(bool);
+
+impl<'de> Deserialize<'de> for Flag {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Flag, D::Error> {
+        match Loose::deserialize(d)? {
+            Loose::Absent => Ok(Flag(false)),
+            Loose::Bool(b) => Ok(Flag(b)),
+            _ => Err(Want::Flag.error()),
+        }
+    }
+}
+
+/// Seconds, integral or not, in (0, 1 day].
+#[derive(Default)]
+struct Seconds(Option<Duration>);
+
+impl<'de> Deserialize<'de> for Seconds {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Seconds, D::Error> {
+        let secs = match Loose::deserialize(d)? {
+            Loose::Absent => return Ok(Seconds(None)),
+            Loose::Int(n) => n as f64,
+            Loose::Float(f) => f,
+            _ => f64::NAN,
+        };
+        if secs.is_finite() && secs > 0.0 && secs <= 86_400.0 {
+            Ok(Seconds(Some(Duration::from_secs_f64(secs))))
+        } else {
+            Err(Want::Seconds.error())
+        }
+    }
+}
+
+/// The field names serde derived for `T`, read by asking `T` to deserialize itself from a
+/// deserializer that only records them: the struct stays the one list of valid keys.
+fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
+    struct Names<'a>(&'a mut &'static [&'static str]);
+    impl<'de> Deserializer<'de> for Names<'_> {
+        type Error = de::value::Error;
+        fn deserialize_any<V: de::Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+            Err(de::Error::custom("not a struct"))
+        }
+        fn deserialize_struct<V: de::Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            *self.0 = fields;
+            Err(de::Error::custom("field names recorded"))
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+    let mut fields: &'static [&'static str] = &[];
+    let _ = T::deserialize(Names(&mut fields));
+    fields
+}
+
+/// Where a deserialization failed (`sandbox[0]` and the field) and why, in words that never
+/// include a value: the field's [`Want`], an unknown key (named only when it looks like a
+/// name), or only the place. Returns the message and its hint; `keys_hint` lists valid keys.
+fn describe_de_error(
+    path: &serde_path_to_error::Path,
+    message: &str,
+    keys_hint: &str,
+) -> (String, String) {
+    use serde_path_to_error::Segment;
+    let segments: Vec<&Segment> = path.iter().collect();
+    let (field, parents) = match segments.split_last() {
+        Some((Segment::Map { key }, parents)) => (Some(key.as_str()), parents),
+        _ => (None, &segments[..]),
+    };
+    let mut place = String::new();
+    for seg in parents {
+        match seg {
+            Segment::Seq { index } => place.push_str(&format!("[{index}]")),
+            Segment::Map { key } => {
+                if !place.is_empty() {
+                    place.push('.');
+                }
+                place.push_str(key);
+            }
+            _ => {}
+        }
+    }
+    let at = |what: String| {
+        if place.is_empty() {
+            what
+        } else {
+            format!("{place} {what}")
+        }
+    };
+    let not_shown = "The value is not shown, to keep secrets out of logs.".to_string();
+    if let Some(key) = message
+        .strip_prefix("unknown field `")
+        .and_then(|rest| rest.split('`').next())
+    {
+        let what = format!("unknown key {}", key_name(key));
+        // The path ends at the unknown key itself, or at the table holding it.
+        let msg = match field {
+            Some(f) if f != key => at(format!("field '{f}' has {what}")),
+            _ if place.is_empty() => what,
+            _ => format!("{place} has {what}"),
+        };
+        return (msg, keys_hint.to_string());
+    }
+    let msg = match (field, Want::of(message)) {
+        (Some(f), Some(want)) => at(format!("field '{f}' must be {}", want.what())),
+        (Some(f), None) => at(format!("field '{f}' has a value of the wrong type")),
+        (None, _) => at("must be a table".to_string()),
+    };
+    (msg, not_shown)
+}
+
+/// A secret given literally (`direct`) or by naming an environment variable (`by_env`).
+fn resolve_secret(
+    direct: SecretText,
+    by_env: Text,
+    field: &str,
     label: &str,
-    field: &'static str,
     env: &dyn Fn(&str) -> Option<String>,
-    literal: &mut Vec<&'static str>,
 ) -> Result<Option<Secret>, ConfigError> {
     let env_field = format!("{field}_env");
-    let direct = str_field(map, label, field, false)?;
-    let by_env = str_field(map, label, &env_field, true)?;
-    match (direct, by_env) {
+    match (direct.0, by_env.0) {
         (Some(_), Some(_)) => Err(ConfigError::new(
             format!("{label} sets both '{field}' and '{env_field}'"),
             format!("Keep one: '{env_field}' names an environment variable holding the value."),
         )),
-        (Some(v), None) => {
-            literal.push(field);
-            Ok(Some(Secret(v)))
-        }
+        (Some(v), None) => Ok(Some(v)),
         (None, Some(var)) => match env(&var).filter(|v| !v.is_empty()) {
             Some(v) => Ok(Some(Secret(v))),
             None => Err(ConfigError::new(
@@ -663,91 +983,41 @@ fn secret_field(
     }
 }
 
-fn parse_port_value(v: &Value) -> Option<u16> {
-    let n: u64 = match v {
-        Value::Number(n) => n.as_u64().or_else(|| {
-            n.as_f64()
-                .filter(|f| f.fract() == 0.0 && *f >= 0.0 && *f <= 65535.0)
-                .map(|f| f as u64)
-        })?,
-        Value::String(s) => s
-            .trim()
-            .strip_prefix('+')
-            .unwrap_or(s.trim())
-            .parse()
-            .ok()?,
-        _ => return None,
-    };
-    u16::try_from(n).ok().filter(|p| *p != 0)
-}
-
-fn raw_entry(
-    map: &Map<String, Value>,
-    label: &str,
-    env: &dyn Fn(&str) -> Option<String>,
-) -> Result<RawEntry, ConfigError> {
-    let mut e = RawEntry {
-        name: str_field(map, label, "name", true)?,
-        host: str_field(map, label, "host", true)?,
-        user: str_field(map, label, "user", true)?,
-        key_file: str_field(map, label, "key_file", true)?,
-        ssh_config_host: str_field(map, label, "ssh_config_host", true)?,
-        ..RawEntry::default()
-    };
-    e.password = secret_field(map, label, "password", env, &mut e.literal_secrets)?;
-    e.key_passphrase = secret_field(map, label, "key_passphrase", env, &mut e.literal_secrets)?;
-    match map.get("port") {
-        None | Some(Value::Null) => {}
-        Some(Value::String(s)) if s.trim().is_empty() => {}
-        Some(v) => {
-            e.port = Some(
-                parse_port_value(v)
-                    .ok_or_else(|| type_err(label, "port", "an integer between 1 and 65535"))?,
-            )
-        }
-    }
-    if let Some(p) = str_field(map, label, "host_key_policy", true)? {
-        e.host_key_policy =
-            Some(HostKeyPolicy::parse(&p).ok_or_else(|| {
-                type_err(label, "host_key_policy", "one of accept-new, strict, off")
-            })?);
-    }
-    match map.get("local") {
-        None | Some(Value::Null) => {}
-        Some(Value::Bool(b)) => e.local = *b,
-        Some(_) => return Err(type_err(label, "local", "true or false")),
-    }
-    if let Some(v) = map.get("connect_timeout_s").filter(|v| !v.is_null()) {
-        e.connect_timeout =
-            Some(parse_timeout(v).ok_or_else(|| {
-                type_err(label, "connect_timeout_s", "a positive number of seconds")
-            })?);
-    }
-    Ok(e)
-}
-
-fn parse_timeout(v: &Value) -> Option<Duration> {
-    let f = v
-        .as_f64()
-        .filter(|f| f.is_finite() && *f > 0.0 && *f <= 86_400.0)?;
-    Some(Duration::from_secs_f64(f))
-}
-
 /// Turns a checked entry into a sandbox: `~/.ssh/config` resolution, auth choice, defaults.
 fn build_sandbox(
-    e: RawEntry,
+    e: Entry,
     label: &str,
     ctx: &mut BuildCtx<'_>,
 ) -> Result<SandboxConfig, ConfigError> {
-    if e.local {
+    let password = resolve_secret(e.password, e.password_env, "password", label, ctx.env)?;
+    let key_passphrase = resolve_secret(
+        e.key_passphrase,
+        e.key_passphrase_env,
+        "key_passphrase",
+        label,
+        ctx.env,
+    )?;
+    let Entry {
+        name: Text(name),
+        host: Text(explicit_host),
+        port: Port(explicit_port),
+        user: Text(explicit_user),
+        key_file: Text(key_file),
+        ssh_config_host: Text(ssh_config_host),
+        host_key_policy: Policy(explicit_policy),
+        local: Flag(local),
+        connect_timeout_s: Seconds(explicit_timeout),
+        ..
+    } = e;
+    if local {
         let remote_fields = [
-            ("host", e.host.is_some()),
-            ("port", e.port.is_some()),
-            ("user", e.user.is_some()),
-            ("password", e.password.is_some()),
-            ("key_file", e.key_file.is_some()),
-            ("key_passphrase", e.key_passphrase.is_some()),
-            ("ssh_config_host", e.ssh_config_host.is_some()),
+            ("host", explicit_host.is_some()),
+            ("port", explicit_port.is_some()),
+            ("user", explicit_user.is_some()),
+            ("password", password.is_some()),
+            ("key_file", key_file.is_some()),
+            ("key_passphrase", key_passphrase.is_some()),
+            ("ssh_config_host", ssh_config_host.is_some()),
         ];
         if let Some((field, _)) = remote_fields.iter().find(|(_, set)| *set) {
             return Err(ConfigError::new(
@@ -756,20 +1026,19 @@ fn build_sandbox(
             ));
         }
         return Ok(SandboxConfig {
-            name: e.name.unwrap_or_else(|| "local".to_string()),
+            name: name.unwrap_or_else(|| "local".to_string()),
             transport: Transport::Local,
         });
     }
 
-    let params = match &e.ssh_config_host {
+    let params = match &ssh_config_host {
         Some(alias) => Some(ctx.ssh_query(alias, label)?),
         None => None,
     };
-    let alias = e.ssh_config_host.as_deref();
+    let alias = ssh_config_host.as_deref();
 
     // host: explicit, else HostName (with %h), else the alias itself (as ssh does).
-    let host = e
-        .host
+    let host = explicit_host
         .clone()
         .or_else(|| {
             let hn = params.as_ref()?.host_name.clone()?;
@@ -780,38 +1049,22 @@ fn build_sandbox(
         })
         .or_else(|| alias.map(str::to_string))
         .ok_or_else(|| missing(label, "host"))?;
-    let user = e
-        .user
-        .clone()
+    let host = unbracket(&host).to_string();
+    let user = explicit_user
         .or_else(|| params.as_ref()?.user.clone())
         .ok_or_else(|| missing(label, "user"))?;
-    let port = e.port.or_else(|| params.as_ref()?.port).unwrap_or(22);
-    let name = e
-        .name
-        .clone()
-        .or_else(|| e.host.clone())
+    let port = explicit_port
+        .or_else(|| params.as_ref()?.port)
+        .unwrap_or(22);
+    let name = name
+        .or_else(|| explicit_host.clone())
         .or_else(|| alias.map(str::to_string))
         .unwrap_or_else(|| host.clone());
-    let proxy_jump = params
-        .as_ref()
-        .and_then(|p| p.proxy_jump.clone())
-        .filter(|hops| !hops.is_empty() && !hops[0].eq_ignore_ascii_case("none"));
-    let proxy_jump = match proxy_jump {
-        None => None,
-        Some(hops) => {
-            let mut resolved = Vec::with_capacity(hops.len());
-            for hop in &hops {
-                resolved.push(resolve_hop(ctx, hop, &user, label)?);
-            }
-            Some(resolved.join(","))
-        }
-    };
-    let connect_timeout = e
-        .connect_timeout
+    let connect_timeout = explicit_timeout
         .or_else(|| params.as_ref()?.connect_timeout)
         .unwrap_or(ctx.defaults.connect_timeout);
 
-    let auth = if let Some(key) = &e.key_file {
+    let auth = if let Some(key) = &key_file {
         let path = expand_tilde(key, ctx.home);
         if !path.exists() {
             ctx.warn(format!(
@@ -821,9 +1074,9 @@ fn build_sandbox(
         }
         Auth::KeyFile {
             path,
-            passphrase: e.key_passphrase.clone(),
+            passphrase: key_passphrase.clone(),
         }
-    } else if let Some(pw) = &e.password {
+    } else if let Some(pw) = &password {
         Auth::Password(pw.clone())
     } else {
         let listed = params
@@ -846,67 +1099,204 @@ fn build_sandbox(
         Auth::Auto {
             identity_files,
             default_keys,
-            passphrase: e.key_passphrase.clone(),
+            passphrase: key_passphrase.clone(),
         }
     };
 
+    let (block_policy, block_known_hosts) = match &params {
+        Some(p) => host_key_settings(p, label, ctx),
+        None => (None, None),
+    };
+    let host_key_policy = explicit_policy
+        .or(block_policy)
+        .unwrap_or(ctx.defaults.host_key_policy);
+    let known_hosts = block_known_hosts.unwrap_or_else(|| ctx.known_hosts());
+    let mut target = SshTarget {
+        host,
+        port,
+        user,
+        auth,
+        proxy_jump: Vec::new(),
+        host_key_policy,
+        known_hosts,
+        connect_timeout,
+    };
+    let hops = params
+        .as_ref()
+        .and_then(|p| p.proxy_jump.clone())
+        .filter(|hops| !hops.is_empty() && !hops[0].trim().eq_ignore_ascii_case("none"))
+        .unwrap_or_default();
+    for (i, spec) in hops.iter().enumerate() {
+        let hop = resolve_hop(ctx, spec, i, &target, label)?;
+        target.proxy_jump.push(hop);
+    }
     Ok(SandboxConfig {
         name,
-        transport: Transport::Ssh(SshTarget {
-            host,
-            port,
-            user,
-            auth,
-            proxy_jump,
-            host_key_policy: e.host_key_policy.unwrap_or(ctx.defaults.host_key_policy),
-            known_hosts: ctx.known_hosts(),
-            connect_timeout,
-        }),
+        transport: Transport::Ssh(target),
+    })
+}
+
+/// A ProxyJump hop as written: `[user@]host[:port]`, where `host` may be a bracketed IPv6
+/// literal (`[::1]:2222`) or a bare one without a port (`::1`), optionally as
+/// `ssh://[user@]host[:port]` (both forms `ssh -J` accepts).
+#[derive(Debug, PartialEq, Eq)]
+struct HopSpec {
+    user: Option<String>,
+    host: String,
+    port: Option<u16>,
+}
+
+fn parse_hop_spec(spec: &str) -> Result<HopSpec, &'static str> {
+    let spec = spec.trim();
+    let spec = spec.strip_prefix("ssh://").unwrap_or(spec);
+    let (user, rest) = match spec.rsplit_once('@') {
+        Some(("", _)) => return Err("has an empty user name"),
+        Some((u, r)) => (Some(u.to_string()), r),
+        None => (None, spec),
+    };
+    let port_of = |p: &str| {
+        p.parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or("has a port that is not an integer between 1 and 65535")
+    };
+    let (host, port) = if let Some(inner) = rest.strip_prefix('[') {
+        let (host, after) = inner
+            .split_once(']')
+            .ok_or("has a '[' without its closing ']'")?;
+        let port = match after {
+            "" => None,
+            _ => Some(port_of(
+                after
+                    .strip_prefix(':')
+                    .ok_or("has text after ']' that is not :port")?,
+            )?),
+        };
+        (host, port)
+    } else if rest.matches(':').count() > 1 {
+        // A bare IPv6 literal: its colons are not a port separator.
+        (rest, None)
+    } else {
+        match rest.split_once(':') {
+            Some((h, p)) => (h, Some(port_of(p)?)),
+            None => (rest, None),
+        }
+    };
+    if host.is_empty() {
+        return Err("has an empty host");
+    }
+    if host.contains(['/', ' ', '\t']) {
+        return Err("has a host that is not a name or address");
+    }
+    Ok(HopSpec {
+        user,
+        host: host.to_string(),
+        port,
+    })
+}
+
+/// `StrictHostKeyChecking` and `UserKnownHostsFile` of a Host block. `no`/`off` is read as
+/// accept-new: only rsb's own `host_key_policy = off` turns checking off, so an old
+/// `Host *` line cannot silently disable it. Known-hosts files keep rsb's own file last, where
+/// new keys are recorded.
+fn host_key_settings(
+    params: &ssh2_config::HostParams,
+    label: &str,
+    ctx: &mut BuildCtx<'_>,
+) -> (Option<HostKeyPolicy>, Option<Vec<PathBuf>>) {
+    let first = |key: &str| {
+        params
+            .unsupported_fields
+            .get(key)
+            .and_then(|args| args.first())
+            .map(|a| a.trim().to_ascii_lowercase())
+    };
+    let policy = match first("stricthostkeychecking").as_deref() {
+        None => None,
+        Some("yes" | "ask") => Some(HostKeyPolicy::Strict),
+        Some("accept-new" | "no" | "off") => Some(HostKeyPolicy::AcceptNew),
+        Some(_) => {
+            ctx.warn(format!(
+                "{label}: StrictHostKeyChecking in the ssh config is not yes, ask, accept-new or no; ignored"
+            ));
+            None
+        }
+    };
+    let files = params
+        .unsupported_fields
+        .get("userknownhostsfile")
+        .map(|args| {
+            let mut files: Vec<PathBuf> = args
+                .iter()
+                .flat_map(|a| a.split_whitespace())
+                .filter(|f| !f.eq_ignore_ascii_case("none"))
+                .map(|f| expand_tilde(f, ctx.home))
+                .collect();
+            files.push(ctx.state_dir.join("known_hosts"));
+            files
+        });
+    (policy, files)
+}
+
+/// One ProxyJump hop, looked up as an ssh_config alias the way `ssh` does: HostName, Port and
+/// User, and the hop's own IdentityFile, StrictHostKeyChecking and UserKnownHostsFile. What
+/// the hop's block does not say comes from the target (its user, credentials and host-key
+/// settings), as before hops were typed.
+fn resolve_hop(
+    ctx: &mut BuildCtx<'_>,
+    raw: &str,
+    index: usize,
+    target: &SshTarget,
+    label: &str,
+) -> Result<Hop, ConfigError> {
+    let spec = parse_hop_spec(raw).map_err(|why| {
+        ConfigError::new(
+            format!("{label}: ProxyJump hop {} ('{}') {why}", index + 1, raw.trim()),
+            "Write hops as [user@]host[:port] separated by commas, IPv6 literals in brackets: admin@[::1]:2222.",
+        )
+    })?;
+    let params = ctx.ssh_query(&spec.host, label)?;
+    let host = params
+        .host_name
+        .as_deref()
+        .map(|hn| hn.replace("%h", &spec.host).replace("%%", "%"))
+        .unwrap_or_else(|| spec.host.clone());
+    let host = unbracket(&host).to_string();
+    let port = spec.port.or(params.port).unwrap_or(22);
+    let user = spec
+        .user
+        .or_else(|| params.user.clone())
+        .unwrap_or_else(|| target.user.clone());
+    let identity_files: Vec<PathBuf> = params
+        .identity_file
+        .iter()
+        .flatten()
+        .filter(|p| p.is_file())
+        .cloned()
+        .collect();
+    let auth = if identity_files.is_empty() {
+        target.auth.clone()
+    } else {
+        Auth::Auto {
+            identity_files,
+            default_keys: ctx.default_keys(),
+            passphrase: None,
+        }
+    };
+    let hop_label = format!("{label} ProxyJump hop {}", index + 1);
+    let (policy, known_hosts) = host_key_settings(&params, &hop_label, ctx);
+    Ok(Hop {
+        host,
+        port,
+        user,
+        auth,
+        host_key_policy: policy.unwrap_or(target.host_key_policy),
+        known_hosts: known_hosts.unwrap_or_else(|| target.known_hosts.clone()),
     })
 }
 
 /// An unknown key, quoted, when it looks like a field name; otherwise not shown (a stray key could
 /// be a mangled secret).
-/// One ProxyJump hop, `[user@]host[:port]`, with `host` looked up as an ssh_config alias the
-/// way `ssh` does (HostName, Port, User), resolved to `user@hostname:port`.
-fn resolve_hop(
-    ctx: &mut BuildCtx<'_>,
-    hop: &str,
-    default_user: &str,
-    label: &str,
-) -> Result<String, ConfigError> {
-    let hop = hop.trim();
-    let (user, rest) = match hop.rsplit_once('@') {
-        Some((u, r)) => (Some(u.to_string()), r),
-        None => (None, hop),
-    };
-    let (host, port) = match rest.rsplit_once(':') {
-        Some((h, p)) => (
-            h,
-            Some(p.parse::<u16>().map_err(|_| {
-                ConfigError::new(
-                    format!("{label}: ProxyJump hop has an invalid port"),
-                    "Write hops as [user@]host[:port].",
-                )
-            })?),
-        ),
-        None => (rest, None),
-    };
-    if host.is_empty() {
-        return Err(ConfigError::new(
-            format!("{label}: ProxyJump has an empty hop"),
-            "Write hops as [user@]host[:port], separated by commas.",
-        ));
-    }
-    let params = ctx.ssh_query(host, label)?;
-    let hostname = params.host_name.clone().unwrap_or_else(|| host.to_string());
-    let port = port.or(params.port).unwrap_or(22);
-    let user = user
-        .or(params.user.clone())
-        .unwrap_or_else(|| default_user.to_string());
-    Ok(format!("{user}@{hostname}:{port}"))
-}
-
 fn key_name(k: &str) -> String {
     let plain = !k.is_empty()
         && k.len() <= 40
@@ -1021,24 +1411,31 @@ fn parse_list(raw: &str, ctx: &mut BuildCtx<'_>) -> Result<Vec<SandboxConfig>, C
     }
     let mut out = Vec::with_capacity(items.len());
     let mut labels = Vec::with_capacity(items.len());
-    for (i, item) in items.iter().enumerate() {
+    for (i, item) in items.into_iter().enumerate() {
         let label = format!("{LIST_VAR}[{i}]");
-        let Value::Object(map) = item else {
+        let Value::Object(mut map) = item else {
             return Err(ConfigError::new(
                 format!("{label} must be a JSON object"),
                 "Each element is an object such as {\"host\": \"10.0.0.5\", \"user\": \"me\", \"key_file\": \"~/.ssh/id_ed25519\"}.",
             ));
         };
-        let mut unknown: Vec<&str> = map
+        // Unknown fields are ignored with a warning here (the seed ignored them silently), so
+        // a list written for the seed keeps working; the TOML file, rsb's own, rejects them.
+        let known = field_names::<Entry>();
+        let mut unknown: Vec<String> = map
             .keys()
-            .map(String::as_str)
-            .filter(|k| !ENTRY_FIELDS.contains(k))
+            .filter(|k| !known.contains(&k.as_str()))
+            .cloned()
             .collect();
         unknown.sort_unstable();
         for k in unknown {
-            ctx.warn(format!("{label}: unknown field {} ignored", key_name(k)));
+            ctx.warn(format!("{label}: unknown field {} ignored", key_name(&k)));
+            map.remove(&k);
         }
-        let entry = raw_entry(map, &label, ctx.env)?;
+        let entry: Entry = serde_path_to_error::deserialize(Value::Object(map)).map_err(|e| {
+            let (what, hint) = describe_de_error(e.path(), &e.inner().to_string(), "");
+            ConfigError::new(format!("{label} {what}"), hint)
+        })?;
         out.push(build_sandbox(entry, &label, ctx)?);
         labels.push(label);
     }
@@ -1064,23 +1461,22 @@ fn parse_legacy(host: &str, ctx: &mut BuildCtx<'_>) -> Result<SandboxConfig, Con
     })?;
     let port = match get("REMOTE_PORT") {
         None => None,
-        Some(p) => Some(parse_port_value(&Value::String(p)).ok_or_else(|| {
+        Some(p) => Some(parse_port(&p).ok_or_else(|| {
             ConfigError::new(
                 "REMOTE_PORT must be an integer between 1 and 65535",
                 "Set REMOTE_PORT to the SSH port (default 22).",
             )
         })?),
     };
-    let entry = RawEntry {
-        name: None,
-        host: Some(host.trim().to_string()),
-        port,
-        user: Some(user),
+    let entry = Entry {
+        host: Text(Some(host.trim().to_string())),
+        port: Port(port),
+        user: Text(Some(user)),
         // Stripped, like the seed (including the password).
-        password: get("REMOTE_PASSWORD").map(Secret),
-        key_file: get("REMOTE_KEY_FILE"),
-        key_passphrase: get("REMOTE_KEY_PASSPHRASE").map(Secret),
-        ..RawEntry::default()
+        password: SecretText(get("REMOTE_PASSWORD").map(Secret)),
+        key_file: Text(get("REMOTE_KEY_FILE")),
+        key_passphrase: SecretText(get("REMOTE_KEY_PASSPHRASE").map(Secret)),
+        ..Entry::default()
     };
     build_sandbox(entry, "REMOTE_HOST", ctx)
 }
@@ -1088,24 +1484,6 @@ fn parse_legacy(host: &str, ctx: &mut BuildCtx<'_>) -> Result<SandboxConfig, Con
 // ---------------------------------------------------------------------------------------------
 // TOML file
 // ---------------------------------------------------------------------------------------------
-
-const TOP_LEVEL_FIELDS: [&str; 3] = ["host_key_policy", "connect_timeout_s", "sandbox"];
-
-fn toml_to_json(v: toml::Value) -> Value {
-    match v {
-        toml::Value::String(s) => Value::String(s),
-        toml::Value::Integer(i) => Value::from(i),
-        toml::Value::Float(f) => serde_json::Number::from_f64(f)
-            .map(Value::Number)
-            .unwrap_or(Value::Null),
-        toml::Value::Boolean(b) => Value::Bool(b),
-        toml::Value::Datetime(d) => Value::String(d.to_string()),
-        toml::Value::Array(a) => Value::Array(a.into_iter().map(toml_to_json).collect()),
-        toml::Value::Table(t) => {
-            Value::Object(t.into_iter().map(|(k, v)| (k, toml_to_json(v))).collect())
-        }
-    }
-}
 
 fn line_col(src: &str, offset: usize) -> (usize, usize) {
     let offset = offset.min(src.len());
@@ -1155,91 +1533,68 @@ fn parse_toml_file(
             "Save the file as UTF-8.",
         )
     })?;
-    let table: toml::Table = src.parse().map_err(|e: toml::de::Error| {
-        let pos = match e.span() {
-            Some(span) => {
-                let (line, col) = line_col(&src, span.start);
-                format!(" (line {line}, column {col})")
-            }
-            None => String::new(),
-        };
+    let position = |e: &toml::de::Error| match e.span() {
+        Some(span) => {
+            let (line, col) = line_col(&src, span.start);
+            format!(" (line {line}, column {col})")
+        }
+        None => String::new(),
+    };
+    let doc = toml::Deserializer::parse(&src).map_err(|e| {
         ConfigError::new(
-            format!("config file {shown} is not valid TOML{pos}"),
+            format!("config file {shown} is not valid TOML{}", position(&e)),
             "Fix the TOML syntax at that position (the text is not shown, to keep secrets out of logs).",
         )
     })?;
-    let top = match toml_to_json(toml::Value::Table(table)) {
-        Value::Object(m) => m,
-        _ => unreachable!("a table converts to an object"),
-    };
-    let file_label = format!("config file {shown}");
-    let mut keys: Vec<&String> = top.keys().collect();
-    keys.sort();
-    if let Some(k) = keys
-        .iter()
-        .find(|k| !TOP_LEVEL_FIELDS.contains(&k.as_str()))
-    {
-        return Err(ConfigError::new(
-            format!("{file_label}: unknown key {}", key_name(k)),
+    let file: FileConfig = serde_path_to_error::deserialize(doc).map_err(|e| {
+        let in_sandbox = matches!(
+            e.path().iter().collect::<Vec<_>>()[..],
+            [
+                serde_path_to_error::Segment::Map { .. },
+                serde_path_to_error::Segment::Seq { .. },
+                ..
+            ]
+        );
+        let keys = if in_sandbox {
+            format!("Sandbox keys are: {}.", field_names::<Entry>().join(", "))
+        } else {
             format!(
                 "Top-level keys are: {}; per sandbox: [[sandbox]] tables.",
-                TOP_LEVEL_FIELDS.join(", ")
-            ),
-        ));
-    }
-    if let Some(p) = str_field(&top, &file_label, "host_key_policy", true)? {
-        let p = HostKeyPolicy::parse(&p).ok_or_else(|| {
-            type_err(
-                &file_label,
-                "host_key_policy",
-                "one of accept-new, strict, off",
+                field_names::<FileConfig>().join(", ")
             )
-        })?;
-        // RSB_HOST_KEY_POLICY (env) beats the file's default; a per-sandbox value beats both.
-        if env_policy.is_none() {
-            ctx.defaults.host_key_policy = p;
-        }
-    }
-    if let Some(v) = top.get("connect_timeout_s") {
-        ctx.defaults.connect_timeout = parse_timeout(v).ok_or_else(|| {
-            type_err(
-                &file_label,
-                "connect_timeout_s",
-                "a positive number of seconds",
-            )
-        })?;
-    }
-    let items = match top.get("sandbox") {
-        None => return Ok(Vec::new()),
-        Some(Value::Array(a)) => a,
-        Some(_) => {
-            return Err(ConfigError::new(
-                format!("{file_label}: 'sandbox' must be an array of tables"),
-                "Write each sandbox as a [[sandbox]] table.",
-            ));
-        }
-    };
-    let open_to_others = readable_by_others(path);
-    let mut out = Vec::with_capacity(items.len());
-    let mut labels = Vec::with_capacity(items.len());
-    for (i, item) in items.iter().enumerate() {
-        let label = format!("{file_label}: sandbox[{i}]");
-        let Value::Object(map) = item else {
-            return Err(ConfigError::new(
-                format!("{label} must be a table"),
-                "Write each sandbox as a [[sandbox]] table.",
-            ));
         };
-        let mut keys: Vec<&String> = map.keys().collect();
-        keys.sort();
-        if let Some(k) = keys.iter().find(|k| !ENTRY_FIELDS.contains(&k.as_str())) {
-            return Err(ConfigError::new(
-                format!("{label} has unknown key {}", key_name(k)),
-                format!("Sandbox keys are: {}.", ENTRY_FIELDS.join(", ")),
-            ));
-        }
-        let entry = raw_entry(map, &label, ctx.env)?;
-        if let (Some(field), Some(mode)) = (entry.literal_secrets.first(), open_to_others) {
+        let (what, hint) = if e.path().to_string() == "sandbox" {
+            (
+                "'sandbox' must be an array of tables".to_string(),
+                "Write each sandbox as a [[sandbox]] table.".to_string(),
+            )
+        } else {
+            describe_de_error(e.path(), e.inner().message(), &keys)
+        };
+        ConfigError::new(
+            format!("config file {shown}{}: {what}", position(e.inner())),
+            hint,
+        )
+    })?;
+    // RSB_HOST_KEY_POLICY (env) beats the file's default; a per-sandbox value beats both.
+    if let (Some(p), None) = (file.host_key_policy.0, env_policy) {
+        ctx.defaults.host_key_policy = p;
+    }
+    if let Some(t) = file.connect_timeout_s.0 {
+        ctx.defaults.connect_timeout = t;
+    }
+    let open_to_others = readable_by_others(path);
+    let mut out = Vec::with_capacity(file.sandbox.len());
+    let mut labels = Vec::with_capacity(file.sandbox.len());
+    for (i, entry) in file.sandbox.into_iter().enumerate() {
+        let label = format!("config file {shown}: sandbox[{i}]");
+        let literal = [
+            ("password", entry.password.0.is_some()),
+            ("key_passphrase", entry.key_passphrase.0.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(field, set)| set.then_some(field));
+        if let (Some(field), Some(mode)) = (literal, open_to_others) {
             return Err(ConfigError::new(
                 format!(
                     "{label} has a plaintext '{field}' but {shown} is readable by others (mode {mode:04o})"
@@ -1549,6 +1904,13 @@ mod tests {
                 e.message
             );
         }
+        // null is the same as absent, for every field
+        let c = env_only(&[(
+            LIST_VAR,
+            r#"[{"host":"h","user":"u","port":null,"local":null,"password":null,"host_key_policy":null,"connect_timeout_s":null}]"#,
+        )])
+        .unwrap();
+        assert_eq!((ssh(&c, 0).port, c.sandboxes.len()), (22, 1));
         // numeric strings and integral floats are fine for port
         for port in [r#""2222""#, r#"" 2222 ""#, "2222.0"] {
             let c = env_only(&[(
@@ -1832,9 +2194,11 @@ Host *.internal
         // Hops are resolved like ssh does: aliases through their Host block, the user
         // defaulting to the target's.
         assert_eq!(
-            t.proxy_jump.as_deref(),
-            Some("alice@bastion.example.com:22,jumper@10.9.9.9:2022")
+            hops(t),
+            vec!["alice@bastion.example.com:22", "jumper@10.9.9.9:2022"]
         );
+        // Neither hop's block names an IdentityFile: they use the target's credentials.
+        assert!(t.proxy_jump.iter().all(|h| h.auth == t.auth));
         assert_eq!(t.connect_timeout, Duration::from_secs(7));
         assert_eq!(
             t.auth,
@@ -1850,8 +2214,158 @@ Host *.internal
             (t.host.as_str(), t.port, t.user.as_str()),
             ("bare", 22, "bob")
         );
-        assert_eq!(t.proxy_jump, None);
+        assert_eq!(t.proxy_jump, vec![]);
         assert_eq!(ssh(&c, 2).host, "db.internal.example.org");
+    }
+
+    fn hops(t: &SshTarget) -> Vec<String> {
+        t.proxy_jump.iter().map(Hop::address).collect()
+    }
+
+    #[test]
+    fn hop_specs_parse_like_ssh_j() {
+        let spec = |user: Option<&str>, host: &str, port: Option<u16>| HopSpec {
+            user: user.map(str::to_string),
+            host: host.to_string(),
+            port,
+        };
+        for (raw, want) in [
+            ("jump", spec(None, "jump", None)),
+            (" me@jump:2222 ", spec(Some("me"), "jump", Some(2222))),
+            ("[::1]:2222", spec(None, "::1", Some(2222))),
+            ("me@[::1]", spec(Some("me"), "::1", None)),
+            ("::1", spec(None, "::1", None)),
+            ("fe80::1:22", spec(None, "fe80::1:22", None)),
+            ("ssh://a@b:7", spec(Some("a"), "b", Some(7))),
+            ("a@b@host", spec(Some("a@b"), "host", None)),
+        ] {
+            assert_eq!(parse_hop_spec(raw), Ok(want), "{raw:?}");
+        }
+        for bad in [
+            "", "@h", "h:", "h:0", "h:x", "[::1", "[::1]x", "[::1]:", "[]:22", "a b",
+        ] {
+            assert!(parse_hop_spec(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(host_port("::1", 22), "[::1]:22");
+        assert_eq!(host_port("h", 22), "h:22");
+        assert_eq!(unbracket("[::1]"), "::1");
+        assert_eq!(unbracket("[x]"), "[x]");
+    }
+
+    #[test]
+    fn hops_keep_their_own_user_identity_and_host_keys() {
+        let home = TempDir::new();
+        let k1 = home.write(".ssh/k1", "x");
+        let k2 = home.write(".ssh/k2", "x");
+        let kt = home.write(".ssh/kt", "x");
+        let cfg = home.write(
+            ".ssh/config",
+            &format!(
+                "\
+Host target
+    HostName ::1
+    User t
+    IdentityFile {kt}
+    ProxyJump j1,u2@[::1]:2200,j3
+
+Host j1
+    HostName [fd00::5]
+    Port 2201
+    User one
+    IdentityFile {k1}
+    StrictHostKeyChecking yes
+    UserKnownHostsFile ~/.ssh/kh1 ~/.ssh/kh1b
+
+Host ::1
+    IdentityFile {k2}
+    StrictHostKeyChecking no
+
+Host j3
+    HostName 127.0.0.3
+",
+                kt = kt.display(),
+                k1 = k1.display(),
+                k2 = k2.display()
+            ),
+        );
+        let c = load_with(
+            &home,
+            &[(
+                LIST_VAR,
+                r#"[{"ssh_config_host":"target","host_key_policy":"off"},{"ssh_config_host":"j1"}]"#,
+            )],
+            None,
+            Some(&cfg),
+        )
+        .unwrap();
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        let t = ssh(&c, 0);
+        assert_eq!(t.address(), "t@[::1]:22");
+        assert_eq!(
+            hops(t),
+            vec!["one@[fd00::5]:2201", "u2@[::1]:2200", "t@127.0.0.3:22"]
+        );
+        let auto = |k: &Path| Auth::Auto {
+            identity_files: vec![k.to_path_buf()],
+            default_keys: vec![],
+            passphrase: None,
+        };
+        let [h1, h2, h3] = &t.proxy_jump[..] else {
+            panic!("three hops: {:?}", t.proxy_jump)
+        };
+        assert_eq!(t.auth, auto(&kt));
+        assert_eq!(h1.auth, auto(&k1));
+        assert_eq!(h2.auth, auto(&k2));
+        assert_eq!(h3.auth, t.auth, "no IdentityFile: the target's credentials");
+        assert_eq!(h1.host_key_policy, HostKeyPolicy::Strict);
+        assert_eq!(
+            h2.host_key_policy,
+            HostKeyPolicy::AcceptNew,
+            "ssh_config's `no` never turns checking off"
+        );
+        assert_eq!(h3.host_key_policy, HostKeyPolicy::Off, "the sandbox's own");
+        assert_eq!(
+            h1.known_hosts,
+            vec![
+                home.path().join(".ssh/kh1"),
+                home.path().join(".ssh/kh1b"),
+                home.path().join("state/known_hosts")
+            ]
+        );
+        assert_eq!(h2.known_hosts, t.known_hosts);
+        // The same Host block read for a target (no host_key_policy of its own) says the same.
+        let j1 = ssh(&c, 1);
+        assert_eq!(j1.host_key_policy, HostKeyPolicy::Strict);
+        assert_eq!(j1.known_hosts, h1.known_hosts);
+        // A hop that cannot be parsed names the hop, and the fix.
+        let cfg = home.write(
+            ".ssh/config",
+            "Host t\n    User u\n    ProxyJump ok,[::1:22\n",
+        );
+        let e = load_with(
+            &home,
+            &[(LIST_VAR, r#"[{"ssh_config_host":"t"}]"#)],
+            None,
+            Some(&cfg),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e.message,
+            "REMOTE_SANDBOX_LIST[0]: ProxyJump hop 2 ('[::1:22') has a '[' without its closing ']'"
+        );
+        // IPv6 literals in the list's host field work bracketed or bare.
+        let c = load_with(
+            &home,
+            &[(
+                LIST_VAR,
+                r#"[{"host":"[::1]","user":"u","port":2222},{"name":"b","host":"::1","user":"u"}]"#,
+            )],
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(ssh(&c, 0).address(), "u@[::1]:2222");
+        assert_eq!(ssh(&c, 1).host, "::1");
     }
 
     #[test]
@@ -1874,8 +2388,13 @@ Host *.internal
         assert_eq!(t.host_key_policy, HostKeyPolicy::Off);
         // ProxyJump still carried from the alias
         assert_eq!(
-            t.proxy_jump.as_deref(),
-            Some("root@bastion.example.com:22,jumper@10.9.9.9:2022")
+            hops(t),
+            vec!["root@bastion.example.com:22", "jumper@10.9.9.9:2022"]
+        );
+        assert!(
+            t.proxy_jump
+                .iter()
+                .all(|h| h.auth == t.auth && h.host_key_policy == HostKeyPolicy::Off)
         );
     }
 
@@ -2046,9 +2565,26 @@ local = true
             e.message
         );
         assert!(e.hint.contains("ssh_config_host"));
+        assert!(
+            e.message.contains("(line 4, column 1): sandbox[0]"),
+            "{}",
+            e.message
+        );
         let file = home.write("d.toml", "colour = 1\n");
         let e = load_with(&home, &[], Some(&file), None).unwrap_err();
         assert!(e.message.ends_with("unknown key 'colour'"), "{}", e.message);
+        assert!(e.hint.starts_with("Top-level keys are: host_key_policy"));
+        // A key that is not a plain name may be a mangled secret: not shown.
+        let file = home.write(
+            "e.toml",
+            &format!("[[sandbox]]\nhost = \"h\"\n\"pw={SECRET}\" = 1\n"),
+        );
+        let e = load_with(&home, &[], Some(&file), None).unwrap_err();
+        assert_no_secret_err(&e);
+        assert!(
+            e.message
+                .ends_with("(name not shown: not a plain identifier)")
+        );
     }
 
     #[test]
@@ -2079,6 +2615,46 @@ local = true
             "{}",
             e.message
         );
+        assert!(
+            e.message
+                .contains("(line 2, column 8): sandbox[0] field 'port'"),
+            "{}",
+            e.message
+        );
+        // Wrong shapes anywhere, with a secret as the value: the place and line, never the value.
+        for (body, want) in [
+            (
+                format!("[[sandbox]]\nhost='h'\n[[sandbox]]\npassword = [\"{SECRET}\"]\n"),
+                "(line 4, column 12): sandbox[1] field 'password' must be a string",
+            ),
+            (
+                format!("sandbox = \"{SECRET}\"\n"),
+                "(line 1, column 11): 'sandbox' must be an array of tables",
+            ),
+            (
+                format!("sandbox = [\"{SECRET}\"]\n"),
+                "(line 1, column 12): sandbox[0] must be a table",
+            ),
+            (
+                format!("host_key_policy = \"{SECRET}\"\n"),
+                "(line 1, column 19): field 'host_key_policy' must be one of accept-new, strict, off",
+            ),
+            (
+                format!("[[sandbox]]\nlocal = \"{SECRET}\"\n"),
+                "(line 2, column 9): sandbox[0] field 'local' must be true or false",
+            ),
+            (
+                "connect_timeout_s = 1979-05-27T07:32:00Z\n".to_string(),
+                "(line 1, column 21): field 'connect_timeout_s' must be a positive number of seconds",
+            ),
+        ] {
+            let file = home.write("w.toml", &body);
+            #[cfg(unix)]
+            chmod(&file, 0o600);
+            let e = load_with(&home, &[], Some(&file), None).unwrap_err();
+            assert_no_secret_err(&e);
+            assert!(e.message.ends_with(want), "{body:?}: {}", e.message);
+        }
         let file = home.write("e.toml", "[[sandbox]]\nname=\"a\"\nhost=\"h\"\nuser=\"u\"\n[[sandbox]]\nname=\"a\"\nlocal=true\n");
         let e = load_with(&home, &[], Some(&file), None).unwrap_err();
         assert!(

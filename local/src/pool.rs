@@ -4,11 +4,9 @@
 //! Each sandbox has its own async mutex held only while connecting, so concurrent callers on
 //! one sandbox share a single connect, and a slow sandbox never blocks another.
 
-use std::{
-    collections::HashMap,
-    sync::{Arc, RwLock},
-};
+use std::{collections::HashMap, sync::Arc};
 
+use parking_lot::RwLock;
 use tokio::sync::Mutex;
 
 use crate::{
@@ -22,7 +20,7 @@ struct Slot {
     cfg: SandboxConfig,
     conn: Mutex<Option<Connection>>,
     /// Where the agent ran last time, to skip the probe on reconnect.
-    agent_path: std::sync::Mutex<Option<String>>,
+    agent_path: parking_lot::Mutex<Option<String>>,
 }
 
 pub struct Pool {
@@ -33,7 +31,7 @@ pub struct Pool {
     /// rsb's own agent as a child process: the local end of every sync (started lazily).
     local: Mutex<Option<Connection>>,
     /// Background transfer tasks (opened lazily: SQLite in the state dir).
-    transfers: std::sync::Mutex<Option<Arc<crate::transfers::Transfers>>>,
+    transfers: parking_lot::Mutex<Option<Arc<crate::transfers::Transfers>>>,
 }
 
 /// Result of a liveness check for `list_sandboxes` / `get_active_sandbox`.
@@ -55,7 +53,7 @@ impl Pool {
                     Arc::new(Slot {
                         cfg: s.clone(),
                         conn: Mutex::new(None),
-                        agent_path: std::sync::Mutex::new(None),
+                        agent_path: parking_lot::Mutex::new(None),
                     }),
                 )
             })
@@ -67,7 +65,7 @@ impl Pool {
             slots,
             active,
             local: Mutex::new(None),
-            transfers: std::sync::Mutex::new(None),
+            transfers: parking_lot::Mutex::new(None),
         }
     }
 
@@ -80,7 +78,7 @@ impl Pool {
     }
 
     pub fn active(&self) -> Option<String> {
-        self.active.read().unwrap().clone()
+        self.active.read().clone()
     }
 
     pub fn sandbox_config(&self, name: &str) -> Option<&SandboxConfig> {
@@ -120,7 +118,7 @@ impl Pool {
         if !self.slots.contains_key(name) {
             return Err(self.unknown(name));
         }
-        *self.active.write().unwrap() = Some(name.to_string());
+        *self.active.write() = Some(name.to_string());
         Ok(())
     }
 
@@ -138,9 +136,9 @@ impl Pool {
             c.client.close("reconnecting");
             *guard = None;
         }
-        let known = slot.agent_path.lock().unwrap().clone();
+        let known = slot.agent_path.lock().clone();
         let conn = connect::connect(&slot.cfg, known.as_deref()).await?;
-        *slot.agent_path.lock().unwrap() = Some(conn.agent_path.clone());
+        *slot.agent_path.lock() = Some(conn.agent_path.clone());
         let client = conn.client.clone();
         *guard = Some(conn);
         Ok(client)
@@ -164,7 +162,7 @@ impl Pool {
 
     /// The background transfer registry (SQLite under the state dir), opened on first use.
     pub fn transfers(&self) -> Result<Arc<crate::transfers::Transfers>> {
-        let mut g = self.transfers.lock().unwrap();
+        let mut g = self.transfers.lock();
         if let Some(t) = g.as_ref() {
             return Ok(t.clone());
         }
@@ -209,6 +207,18 @@ impl Pool {
                 std::env::var("USER").unwrap_or_default(),
             ),
         }
+    }
+
+    /// Test-only fault injection: panics while holding every sync lock of the pool and of
+    /// `name`'s slot, as a bug in a tool handler might. The next call must still work.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn panic_while_locked(&self, name: &str) {
+        let slot = self.slots.get(name).expect("a configured sandbox");
+        let _agent_path = slot.agent_path.lock();
+        let _active = self.active.write();
+        let _transfers = self.transfers.lock();
+        panic!("injected panic while holding the pool locks of sandbox '{name}'");
     }
 
     /// Drop every connection (agents see EOF and exit; jobs keep running).

@@ -3,10 +3,11 @@
 
 use std::{
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::Arc,
     time::Duration,
 };
 
+use parking_lot::Mutex;
 use rsb_deploy::RemoteOutput;
 use russh::{
     ChannelMsg, client,
@@ -16,7 +17,7 @@ use tokio::io::AsyncWriteExt;
 
 use crate::{
     client::{AgentClient, StartError},
-    config::{Auth, HostKeyPolicy, SshTarget},
+    config::{Auth, Hop, HostKeyPolicy, SshTarget},
     error::{Kind, Result, RsbError},
 };
 
@@ -53,7 +54,7 @@ impl client::Handler for Checker {
                     "host [{}]:{} presented a certificate; rsb verifies plain host keys only",
                     self.host, self.port
                 );
-                *self.verdict.lock().unwrap() = Some(msg.clone());
+                *self.verdict.lock() = Some(msg.clone());
                 return Err(HandlerError::HostKey(msg));
             }
         };
@@ -73,13 +74,13 @@ impl client::Handler for Checker {
                         key.algorithm(),
                         key.fingerprint(Default::default())
                     );
-                    *self.verdict.lock().unwrap() = Some(msg.clone());
+                    *self.verdict.lock() = Some(msg.clone());
                     return Err(HandlerError::HostKey(msg));
                 }
                 // An unreadable or malformed file must not silently turn into "unknown".
                 Err(e) if f.exists() => {
                     let msg = format!("cannot read known_hosts file {}: {e}", f.display());
-                    *self.verdict.lock().unwrap() = Some(msg.clone());
+                    *self.verdict.lock() = Some(msg.clone());
                     return Err(HandlerError::HostKey(msg));
                 }
                 Err(_) => {}
@@ -94,7 +95,7 @@ impl client::Handler for Checker {
                     self.port,
                     key.algorithm()
                 );
-                *self.verdict.lock().unwrap() = Some(msg.clone());
+                *self.verdict.lock() = Some(msg.clone());
                 Err(HandlerError::HostKey(msg))
             }
             _ => {
@@ -152,27 +153,21 @@ pub struct SshSession {
 
 impl SshSession {
     /// Connect to `t`, through its ProxyJump hops when it has any: each hop is an SSH session
-    /// whose `direct-tcpip` channel carries the next one, with the same host-key policy and
-    /// credentials at every hop (as `ssh -J` uses the same identities).
+    /// whose `direct-tcpip` channel carries the next one. Every hop authenticates with its own
+    /// user and credentials and checks its host key under its own policy and known_hosts.
     pub async fn connect(sandbox: &str, t: &SshTarget) -> Result<Arc<SshSession>> {
         let mut jumps: Vec<client::Handle<Checker>> = Vec::new();
-        for hop in t.proxy_jump.iter().flat_map(|j| j.split(',')) {
-            let (user, host, port) = parse_hop(hop, &t.user).ok_or_else(|| {
-                RsbError::new(
-                    Kind::Config,
-                    format!("sandbox '{sandbox}': ProxyJump hop {hop:?} is not [user@]host[:port]"),
-                    "fix the ProxyJump entry of this host in ~/.ssh/config",
-                )
-            })?;
+        for hop in &t.proxy_jump {
             let h =
-                open_session(sandbox, t, &user, &host, port, jumps.last(), "jump host ").await?;
+                open_session(sandbox, hop, t.connect_timeout, jumps.last(), "jump host ").await?;
             jumps.push(h);
         }
-        let handle = open_session(sandbox, t, &t.user, &t.host, t.port, jumps.last(), "").await?;
+        let handle =
+            open_session(sandbox, &t.as_hop(), t.connect_timeout, jumps.last(), "").await?;
         Ok(Arc::new(SshSession {
             handle,
             _jumps: jumps,
-            target_desc: format!("{}@{}:{}", t.user, t.host, t.port),
+            target_desc: t.address(),
         }))
     }
 
@@ -282,7 +277,7 @@ impl SshSession {
                         for line in text.lines().filter(|l| !l.trim().is_empty()) {
                             tracing::info!(sandbox = %name, "agent: {line}");
                         }
-                        let mut t = tail.lock().unwrap();
+                        let mut t = tail.lock();
                         t.extend_from_slice(&data);
                         let excess = t.len().saturating_sub(2048);
                         t.drain(..excess);
@@ -301,7 +296,7 @@ impl SshSession {
             Err(StartError::NoHello(m)) => {
                 // Give the stderr pump a moment to capture why (e.g. "No such file").
                 tokio::time::sleep(Duration::from_millis(50)).await;
-                let err = String::from_utf8_lossy(&stderr_tail.lock().unwrap())
+                let err = String::from_utf8_lossy(&stderr_tail.lock())
                     .trim()
                     .to_string();
                 Err(StartError::NoHello(if err.is_empty() {
@@ -355,33 +350,17 @@ impl rsb_deploy::Remote for SshSession {
     }
 }
 
-/// `[user@]host[:port]` (the config layer has already resolved ssh_config aliases).
-fn parse_hop(hop: &str, default_user: &str) -> Option<(String, String, u16)> {
-    let hop = hop.trim();
-    let (user, rest) = match hop.rsplit_once('@') {
-        Some((u, r)) if !u.is_empty() => (u.to_string(), r),
-        Some(_) => return None,
-        None => (default_user.to_string(), hop),
-    };
-    let (host, port) = match rest.rsplit_once(':') {
-        Some((h, p)) => (h, p.parse().ok()?),
-        None => (rest, 22),
-    };
-    (!host.is_empty()).then(|| (user, host.to_string(), port))
-}
-
 /// TCP (or a `direct-tcpip` channel through `via`), key exchange with host-key check, and
 /// authentication, each bounded by the target's connect timeout.
 async fn open_session(
     sandbox: &str,
-    t: &SshTarget,
-    user: &str,
-    host: &str,
-    port: u16,
+    hop: &Hop,
+    timeout: Duration,
     via: Option<&client::Handle<Checker>>,
     what: &str,
 ) -> Result<client::Handle<Checker>> {
-    let desc = format!("{what}{user}@{host}:{port}");
+    let desc = format!("{what}{}", hop.address());
+    let (host, port) = (hop.host.as_str(), hop.port);
     let cfg = Arc::new(client::Config {
         nodelay: true,
         preferred: preferred_algorithms(),
@@ -394,11 +373,10 @@ async fn open_session(
     let checker = Checker {
         host: host.to_string(),
         port,
-        policy: t.host_key_policy,
-        files: t.known_hosts.clone(),
+        policy: hop.host_key_policy,
+        files: hop.known_hosts.clone(),
         verdict: verdict.clone(),
     };
-    let timeout = t.connect_timeout;
     let connect = async {
         match via {
             None => client::connect(cfg, (host, port), checker).await,
@@ -423,7 +401,7 @@ async fn open_session(
             ));
         }
         Ok(Err(e)) => {
-            if let Some(v) = verdict.lock().unwrap().take() {
+            if let Some(v) = verdict.lock().take() {
                 return Err(RsbError::new(
                     Kind::HostKey,
                     format!("refusing sandbox '{sandbox}': {v}"),
@@ -441,7 +419,7 @@ async fn open_session(
         }
         Ok(Ok(h)) => h,
     };
-    match tokio::time::timeout(timeout, authenticate(&mut handle, user, &t.auth)).await {
+    match tokio::time::timeout(timeout, authenticate(&mut handle, &hop.user, &hop.auth)).await {
         Err(_) => Err(RsbError::new(
             Kind::Auth,
             format!("SSH authentication for sandbox '{sandbox}' ({desc}) timed out"),

@@ -14,10 +14,11 @@ use std::{
     collections::HashMap,
     io::{Read, Seek, SeekFrom, Write},
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::Arc,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
 
+use parking_lot::Mutex;
 use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::{Value, json};
 use tokio::sync::watch;
@@ -263,7 +264,7 @@ impl Transfers {
     }
 
     fn row(&self, id: i64) -> Result<Option<Row>> {
-        let db = self.db.lock().unwrap();
+        let db = self.db.lock();
         db.query_row(
             "SELECT status, pid, owner_start, log_file, last_error, result_json, progress_json,
                     finished_ts, started_ts FROM transfer_tasks WHERE id = ?1",
@@ -287,12 +288,7 @@ impl Transfers {
     }
 
     fn exec(&self, sql: &str, p: impl rusqlite::Params) -> Result<()> {
-        self.db
-            .lock()
-            .unwrap()
-            .execute(sql, p)
-            .map(|_| ())
-            .map_err(db_err)
+        self.db.lock().execute(sql, p).map(|_| ()).map_err(db_err)
     }
 
     fn unknown(id: i64) -> RsbError {
@@ -315,7 +311,7 @@ impl Transfers {
         let pid = std::process::id() as i64;
         let local = spec.local_path.display().to_string();
         let id = {
-            let db = self.db.lock().unwrap();
+            let db = self.db.lock();
             db.execute(
                 "INSERT INTO transfer_tasks (direction, sandbox_name, local_path, remote_path,
                    delete_extras, excludes_json, exclude_file, status, pid, owner_start,
@@ -366,10 +362,10 @@ impl Transfers {
         let token = cancel.clone();
         let handle = tokio::spawn(async move {
             this.run_task(id, pool, sandbox, spec, token, log).await;
-            this.live.lock().unwrap().remove(&id);
+            this.live.lock().remove(&id);
             let _ = done_tx.send(true);
         });
-        self.live.lock().unwrap().insert(
+        self.live.lock().insert(
             id,
             Live {
                 cancel,
@@ -405,7 +401,7 @@ impl Transfers {
         let shared: Arc<Mutex<(Progress, u64)>> = Arc::new(Mutex::new((Progress::default(), 0)));
         let sh = shared.clone();
         let cb: crate::sync::ProgressFn = Arc::new(move |p: &Progress| {
-            let mut g = sh.lock().unwrap();
+            let mut g = sh.lock();
             g.0 = p.clone();
             g.1 += 1;
         });
@@ -423,7 +419,7 @@ impl Transfers {
                 let mut tick = tokio::time::interval(PROGRESS_WRITE_EVERY);
                 loop {
                     tick.tick().await;
-                    let (p, n) = shared.lock().unwrap().clone();
+                    let (p, n) = shared.lock().clone();
                     if n != seen {
                         seen = n;
                         let _ = this.exec(
@@ -450,7 +446,6 @@ impl Transfers {
                     let flagged = this
                         .db
                         .lock()
-                        .unwrap()
                         .query_row(
                             "SELECT cancel_requested FROM transfer_tasks WHERE id = ?1",
                             params![id],
@@ -466,7 +461,7 @@ impl Transfers {
         let res = crate::ops::sync::run(&pool, &sandbox, &spec, Some(cb), &cancel).await;
         writer.abort();
         let end = now();
-        let p = shared.lock().unwrap().0.clone();
+        let p = shared.lock().0.clone();
         match res {
             Ok(report) => {
                 let result = report.to_json();
@@ -509,7 +504,7 @@ impl Transfers {
     }
 
     fn is_live(&self, id: i64) -> bool {
-        self.live.lock().unwrap().contains_key(&id)
+        self.live.lock().contains_key(&id)
     }
 
     /// Mark a queued/running task whose owner is gone as `interrupted`; returns the new status.
@@ -592,7 +587,7 @@ impl Transfers {
     /// The task's status once it is no longer running (for tests and the CLI), or `None`
     /// after `timeout`.
     pub async fn wait(&self, id: i64, timeout: Duration) -> Option<String> {
-        let rx = self.live.lock().unwrap().get(&id).map(|l| l.done.clone());
+        let rx = self.live.lock().get(&id).map(|l| l.done.clone());
         if let Some(mut rx) = rx {
             let _ = tokio::time::timeout(timeout, rx.wait_for(|d| *d)).await;
         }
@@ -627,7 +622,6 @@ impl Transfers {
         let live = self
             .live
             .lock()
-            .unwrap()
             .get(&id)
             .map(|l| (l.cancel.clone(), l.done.clone(), l.abort.clone()));
         if let Some((token, mut done, abort)) = live {
@@ -639,7 +633,7 @@ impl Transfers {
             if !finished {
                 abort.abort();
                 force_killed = true;
-                self.live.lock().unwrap().remove(&id);
+                self.live.lock().remove(&id);
                 let ts = now();
                 let _ = self.exec(
                     "UPDATE transfer_tasks SET status = 'cancelled', finished_ts = ?1, updated_ts = ?1,
@@ -707,7 +701,6 @@ mod tests {
         let t = Transfers::open(&d).unwrap();
         let v: i64 =
             t.db.lock()
-                .unwrap()
                 .query_row("PRAGMA user_version", [], |r| r.get(0))
                 .unwrap();
         assert_eq!(v, MIGRATIONS.len() as i64);

@@ -157,7 +157,7 @@ async fn agent_bench(sshd: &Sshd, state: &std::path::Path) -> Stats {
             path: sshd.client_key().to_path_buf(),
             passphrase: None,
         },
-        proxy_jump: None,
+        proxy_jump: Vec::new(),
         host_key_policy: HostKeyPolicy::AcceptNew,
         known_hosts: vec![state.join("pool-known_hosts")],
         connect_timeout: Duration::from_secs(10),

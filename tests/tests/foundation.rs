@@ -540,7 +540,13 @@ async fn proxy_jump_reaches_the_target_through_the_jump_host() {
         key_auth(&target_sshd),
         &dir.path().join("known_hosts"),
     );
-    t.proxy_jump = Some(format!("{}@127.0.0.1:{}", jump.user(), proxy.port()));
+    t.proxy_jump = vec![hop(
+        &jump,
+        "127.0.0.1",
+        proxy.port(),
+        key_auth(&target_sshd),
+        &dir.path().join("known_hosts"),
+    )];
     let pool = pool_of(vec![sandbox("s", t)], dir.path());
     let c = pool.client("s").await.unwrap();
     assert_eq!(
@@ -577,11 +583,15 @@ async fn proxy_jump_reaches_the_target_through_the_jump_host() {
         key_auth(&target_sshd),
         &dir.path().join("known_hosts"),
     );
-    t.proxy_jump = Some(format!(
-        "nobody-{}@127.0.0.1:{}",
-        std::process::id(),
-        jump.port()
-    ));
+    let mut refused = hop(
+        &jump,
+        "127.0.0.1",
+        jump.port(),
+        key_auth(&target_sshd),
+        &dir.path().join("known_hosts"),
+    );
+    refused.user = format!("nobody-{}", std::process::id());
+    t.proxy_jump = vec![refused];
     let pool = pool_of(vec![sandbox("s", t)], dir.path());
     let e = pool.client("s").await.unwrap_err();
     assert!(

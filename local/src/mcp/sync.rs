@@ -1,8 +1,9 @@
 //! Sync tools: `sync_local_to_remote`, `sync_remote_to_local`, `check_file_transfer_task`,
 //! `cancel_file_transfer_task` (seed names, parameters and defaults).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
+use parking_lot::Mutex;
 use rmcp::{
     RoleServer,
     handler::server::wrapper::Parameters,
@@ -104,9 +105,9 @@ where
     let latest: Arc<Mutex<Option<Progress>>> = Arc::new(Mutex::new(None));
     let l2 = latest.clone();
     let cb: ProgressFn = Arc::new(move |p: &Progress| {
-        *l2.lock().unwrap() = Some(p.clone());
+        *l2.lock() = Some(p.clone());
     });
-    let ticker = super::progress_ticker(ctx, move |secs| match latest.lock().unwrap().clone() {
+    let ticker = super::progress_ticker(ctx, move |secs| match latest.lock().clone() {
         Some(p) => format!(
             "sync {}: {}/{} files, {}/{} bytes, {:.1} MB/s {}",
             p.phase.as_str(),

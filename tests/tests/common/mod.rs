@@ -4,7 +4,7 @@
 use std::{path::Path, sync::Arc, time::Duration};
 
 use rsb::{
-    config::{Auth, Config, HostKeyPolicy, SandboxConfig, Secret, SshTarget, Transport},
+    config::{Auth, Config, Hop, HostKeyPolicy, SandboxConfig, Secret, SshTarget, Transport},
     pool::Pool,
 };
 use rsb_tests::Sshd;
@@ -15,10 +15,22 @@ pub fn target(sshd: &Sshd, port: u16, auth: Auth, known_hosts: &Path) -> SshTarg
         port,
         user: sshd.user().to_string(),
         auth,
-        proxy_jump: None,
+        proxy_jump: Vec::new(),
         host_key_policy: HostKeyPolicy::AcceptNew,
         known_hosts: vec![known_hosts.to_path_buf()],
         connect_timeout: Duration::from_secs(10),
+    }
+}
+
+/// A ProxyJump hop to `sshd` (or whatever listens on `host:port` in front of it).
+pub fn hop(sshd: &Sshd, host: &str, port: u16, auth: Auth, known_hosts: &Path) -> Hop {
+    Hop {
+        host: host.into(),
+        port,
+        user: sshd.user().to_string(),
+        auth,
+        host_key_policy: HostKeyPolicy::AcceptNew,
+        known_hosts: vec![known_hosts.to_path_buf()],
     }
 }
 
