@@ -118,7 +118,9 @@ impl Stat {
     }
 }
 
-fn proc_mounted() -> bool {
+/// Whether /proc is there to read (always on Linux; not on the systems the agent is only
+/// developed on).
+pub fn proc_available() -> bool {
     static MOUNTED: OnceLock<bool> = OnceLock::new();
     *MOUNTED.get_or_init(|| Path::new("/proc/self/stat").exists())
 }
@@ -148,7 +150,7 @@ pub fn is_alive(pid: u32, started: Option<u64>) -> bool {
     };
     match Stat::read(pid) {
         Some(s) => !s.is_dead() && started.is_none_or(|t| t == s.start_ticks),
-        None if proc_mounted() => false,
+        None if proc_available() => false,
         None => !matches!(test_kill_process(p), Err(rustix::io::Errno::SRCH)),
     }
 }
