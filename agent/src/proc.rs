@@ -24,6 +24,10 @@ use rustix::process::{Pid, kill_process_group, test_kill_process, test_kill_proc
 
 /// Poll interval while waiting for a process or a group to go.
 const POLL: Duration = Duration::from_millis(20);
+/// How long a killed group may take to vanish before [`output_with_deadline`] moves on.
+const KILL_VERIFY: Duration = Duration::from_secs(1);
+/// How long an exited child's pipes may take to close once the deadline has passed.
+const PIPE_GRACE: Duration = Duration::from_millis(200);
 
 // ---------------------------------------------------------------------------------------------
 // PATH
@@ -235,6 +239,102 @@ pub fn kill_and_reap(child: &mut Child, verify: Duration) -> bool {
     let _ = child.kill();
     let _ = child.wait();
     group.is_none_or(|g| g.wait_gone(Instant::now() + verify, &mut || true))
+}
+
+/// Why [`output_with_deadline`] has no output to give.
+#[derive(Debug)]
+pub enum RunError {
+    /// The program could not be started.
+    Spawn(io::Error),
+    /// Waiting failed (or no thread could be started to read a pipe); the child was killed.
+    Wait(io::Error),
+    /// The deadline passed first; the child's group was killed and the child reaped.
+    TimedOut,
+    /// The child exited, but something it started still held its output open past the
+    /// deadline; that group member was killed.
+    OutputHeld(ExitStatus),
+}
+
+/// Runs `cmd` in a new process group with stdin closed and returns its output, taking at most
+/// `max_output` bytes of each stream and never more than `timeout` (plus a short grace for the
+/// pipes to close). On a timeout the whole group is killed, so a wrapper script's `sleep` or a
+/// helper the program forked cannot keep running, or keep the pipes open, after we gave up.
+pub fn output_with_deadline(
+    cmd: &mut Command,
+    timeout: Duration,
+    max_output: u64,
+) -> Result<std::process::Output, RunError> {
+    use std::io::Read;
+    use std::process::Stdio;
+
+    let deadline = Instant::now() + timeout;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = spawn(new_group(cmd)).map_err(RunError::Spawn)?;
+    let (tx, rx) = std::sync::mpsc::channel::<(bool, Vec<u8>)>();
+    // Both pipes are drained on their own threads: reading one while the child blocks on the
+    // other (full pipe) would look like a hang.
+    let pipes: [(bool, Option<Box<dyn Read + Send>>); 2] = [
+        (true, child.stdout.take().map(|p| Box::new(p) as _)),
+        (false, child.stderr.take().map(|p| Box::new(p) as _)),
+    ];
+    for (is_stdout, pipe) in pipes {
+        let tx = tx.clone();
+        let spawned = std::thread::Builder::new()
+            .name("rsb-child-pipe".into())
+            .spawn(move || {
+                let mut buf = Vec::new();
+                if let Some(pipe) = pipe {
+                    let _ = pipe.take(max_output).read_to_end(&mut buf);
+                }
+                let _ = tx.send((is_stdout, buf));
+            });
+        if let Err(e) = spawned {
+            kill_and_reap(&mut child, KILL_VERIFY);
+            return Err(RunError::Wait(e));
+        }
+    }
+    drop(tx);
+
+    let status = match wait_deadline(&mut child, deadline) {
+        Ok(Some(status)) => status,
+        Ok(None) => {
+            kill_and_reap(&mut child, KILL_VERIFY);
+            return Err(RunError::TimedOut);
+        }
+        Err(e) => {
+            kill_and_reap(&mut child, KILL_VERIFY);
+            return Err(RunError::Wait(e));
+        }
+    };
+    let (mut stdout, mut stderr) = (None, None);
+    for _ in 0..2 {
+        // A little grace past the deadline: the child has exited, its pipes close right away.
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .max(PIPE_GRACE);
+        match rx.recv_timeout(wait) {
+            Ok((true, buf)) => stdout = Some(buf),
+            Ok((false, buf)) => stderr = Some(buf),
+            Err(_) => break,
+        }
+    }
+    match (stdout, stderr) {
+        (Some(stdout), Some(stderr)) => Ok(std::process::Output {
+            status,
+            stdout,
+            stderr,
+        }),
+        _ => {
+            // A member of the child's group still holds a pipe, so the group id cannot have
+            // been reused, and killing the group frees the reader threads.
+            if let Some(group) = Group::new(child.id()) {
+                group.signal(Signal::KILL);
+            }
+            Err(RunError::OutputHeld(status))
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -659,6 +759,55 @@ mod tests {
         let mut quick = spawn(&mut sh("exit 3")).unwrap();
         let status = wait_deadline(&mut quick, Instant::now() + PATIENCE).unwrap();
         assert_eq!(status.and_then(|s| s.code()), Some(3));
+    }
+
+    #[test]
+    fn output_with_deadline_captures_caps_and_kills_on_timeout() {
+        let out = output_with_deadline(
+            &mut sh_piped("printf out; printf err >&2; exit 2"),
+            PATIENCE,
+            1024,
+        )
+        .unwrap();
+        assert_eq!(
+            (out.stdout.as_slice(), out.stderr.as_slice()),
+            (&b"out"[..], &b"err"[..])
+        );
+        assert_eq!(out.status.code(), Some(2));
+        let out =
+            output_with_deadline(&mut sh_piped("head -c 100000 /dev/zero"), PATIENCE, 10).unwrap();
+        assert_eq!(out.stdout.len(), 10, "capped");
+
+        let dir = tempfile::tempdir().unwrap();
+        let bg = dir.path().join("bg.pid");
+        let script = format!("sleep 30 & echo $! > '{}'; sleep 30", bg.display());
+        let t = Instant::now();
+        let r = output_with_deadline(&mut sh_piped(&script), Duration::from_millis(500), 1024);
+        assert!(matches!(r, Err(RunError::TimedOut)), "{r:?}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(
+            !is_alive(read_pid(&bg), None),
+            "the background sleep outlived the timeout"
+        );
+
+        // The shell exits at once, but its background child keeps stdout open.
+        let script = format!("sleep 30 & echo $! > '{}'", bg.display());
+        let r = output_with_deadline(&mut sh_piped(&script), Duration::from_millis(300), 1024);
+        assert!(
+            matches!(r, Err(RunError::OutputHeld(s)) if s.success()),
+            "{r:?}"
+        );
+        let held = read_pid(&bg);
+        wait_for("the pipe holder to be killed", || !is_alive(held, None));
+
+        let r = output_with_deadline(&mut Command::new("/nonexistent/x"), PATIENCE, 1);
+        assert!(matches!(r, Err(RunError::Spawn(_))), "{r:?}");
+    }
+
+    fn sh_piped(script: &str) -> Command {
+        let mut cmd = Command::new("/bin/sh");
+        cmd.arg("-c").arg(script);
+        cmd
     }
 
     #[test]

@@ -8,16 +8,14 @@
 //! worth more than a slightly cheaper call on a build we do not ship.
 
 use std::ffi::OsStr;
-use std::io::Read;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::{Command, ExitStatus};
+use std::time::Duration;
 
 use rsb_protocol::{GpuInfo, GpuProcess, GpuReport, GpuSource};
 
-use crate::proc::{self, Group, Signal};
+use crate::proc::{self, RunError};
 
 pub(crate) const SMI: &str = "nvidia-smi";
 pub(crate) const GPU_QUERY: &str = "--query-gpu=index,name,uuid,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw";
@@ -27,8 +25,6 @@ pub(crate) const FORMAT: &str = "--format=csv,noheader,nounits";
 /// nvidia-smi prints a few hundred bytes per GPU; anything beyond this is not its normal output,
 /// and reading it all would only cost memory.
 const MAX_OUTPUT: u64 = 1 << 20;
-/// How long a killed nvidia-smi's process group may take to vanish before the pass moves on.
-const KILL_VERIFY: Duration = Duration::from_secs(1);
 /// Longest note text taken from nvidia-smi's own output, so a chatty failure cannot bloat replies.
 const MAX_NOTE_LINE: usize = 200;
 
@@ -82,89 +78,20 @@ pub(crate) fn sample(path_var: Option<&OsStr>, timeout: Duration) -> GpuReport {
 /// The child gets its own process group so that a deadline kills everything it started: a shell
 /// wrapper's `sleep` (or a helper of nvidia-smi) would otherwise keep the pipes open.
 pub(crate) fn run(exe: &Path, args: &[&str], timeout: Duration) -> Result<String, String> {
-    let deadline = Instant::now() + timeout;
-    let mut cmd = Command::new(exe);
-    cmd.args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = proc::spawn(proc::new_group(&mut cmd))
-        .map_err(|e| format!("cannot run {}: {e}", exe.display()))?;
-    let (tx, rx) = mpsc::channel::<(bool, Vec<u8>)>();
-    // Both pipes are drained on their own threads: reading one while the child blocks on the
-    // other (full pipe) would look like a hang.
-    for (is_stdout, pipe) in [
-        (
-            true,
-            child
-                .stdout
-                .take()
-                .map(|p| Box::new(p) as Box<dyn Read + Send>),
-        ),
-        (
-            false,
-            child
-                .stderr
-                .take()
-                .map(|p| Box::new(p) as Box<dyn Read + Send>),
-        ),
-    ] {
-        let tx = tx.clone();
-        let spawned = std::thread::Builder::new()
-            .name("rsb-smi-pipe".into())
-            .spawn(move || {
-                let mut buf = Vec::new();
-                if let Some(pipe) = pipe {
-                    let _ = pipe.take(MAX_OUTPUT).read_to_end(&mut buf);
-                }
-                let _ = tx.send((is_stdout, buf));
-            });
-        if let Err(e) = spawned {
-            proc::kill_and_reap(&mut child, KILL_VERIFY);
-            return Err(format!("cannot start a reader thread: {e}"));
-        }
+    let out = proc::output_with_deadline(Command::new(exe).args(args), timeout, MAX_OUTPUT)
+        .map_err(|e| match e {
+            RunError::Spawn(e) => format!("cannot run {}: {e}", exe.display()),
+            RunError::Wait(e) => format!("waiting for {SMI} failed: {e}"),
+            RunError::TimedOut => timed_out(timeout),
+            RunError::OutputHeld(_) => format!(
+                "{SMI} left its output open past the deadline ({} ms)",
+                timeout.as_millis()
+            ),
+        })?;
+    if out.status.success() {
+        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
     }
-    drop(tx);
-
-    let status = match proc::wait_deadline(&mut child, deadline) {
-        Ok(Some(status)) => status,
-        Ok(None) => {
-            proc::kill_and_reap(&mut child, KILL_VERIFY);
-            return Err(timed_out(timeout));
-        }
-        Err(e) => {
-            proc::kill_and_reap(&mut child, KILL_VERIFY);
-            return Err(format!("waiting for {SMI} failed: {e}"));
-        }
-    };
-
-    let (mut stdout, mut stderr) = (None, None);
-    for _ in 0..2 {
-        // A little grace past the deadline: the child has exited, its pipes close right away.
-        let wait = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(200));
-        match rx.recv_timeout(wait) {
-            Ok((true, buf)) => stdout = Some(buf),
-            Ok((false, buf)) => stderr = Some(buf),
-            Err(_) => break,
-        }
-    }
-    let (Some(stdout), Some(stderr)) = (stdout, stderr) else {
-        // Something the child started still holds a pipe. The group still has that member, so
-        // its id cannot have been reused, and killing it frees the reader threads.
-        if let Some(group) = Group::new(child.id()) {
-            group.signal(Signal::KILL);
-        }
-        return Err(format!(
-            "{SMI} left its output open past the deadline ({} ms)",
-            timeout.as_millis()
-        ));
-    };
-    if status.success() {
-        return Ok(String::from_utf8_lossy(&stdout).into_owned());
-    }
-    Err(describe_failure(status, &stderr, &stdout))
+    Err(describe_failure(out.status, &out.stderr, &out.stdout))
 }
 
 pub(crate) fn timed_out(timeout: Duration) -> String {
