@@ -442,12 +442,11 @@ fn wrapper_alive(st: &Record) -> bool {
         // Existence is all that can be known here.
         return true;
     }
-    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+    let Some(args) = proc::args(pid) else {
         return false;
     };
-    let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
     let name = st.get_bytes("name").unwrap_or_default();
-    args.contains(&b"job-run".as_slice())
+    args.iter().any(|a| a == b"job-run")
         && args.windows(2).any(|w| w[0] == b"--name" && w[1] == name)
 }
 

@@ -129,6 +129,13 @@ pub fn proc_available() -> bool {
     *MOUNTED.get_or_init(|| Path::new("/proc/self/stat").exists())
 }
 
+/// The argument vector of a process, from `/proc/<pid>/cmdline`; `None` when it is gone.
+pub fn args(pid: u32) -> Option<Vec<Vec<u8>>> {
+    let data = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let data = data.strip_suffix(b"\0").unwrap_or(&data);
+    Some(data.split(|&b| b == 0).map(<[u8]>::to_vec).collect())
+}
+
 /// A pid as the kernel's signed type; `None` for 0 and for values no process can have.
 fn pid_of(pid: u32) -> Option<Pid> {
     Pid::from_raw(i32::try_from(pid).ok()?)
@@ -692,6 +699,11 @@ mod tests {
         );
         assert_eq!(Stat::parse(b"1 (x) Z 0 1 1"), None, "truncated");
         assert_eq!(Stat::parse(b"no parenthesis"), None);
+        let mut child = spawn(&mut sh("sleep 30")).unwrap();
+        let argv = args(child.id()).unwrap();
+        assert_eq!(argv, [&b"/bin/sh"[..], b"-c", b"sleep 30"]);
+        child.kill().unwrap();
+        child.wait().unwrap();
         let me = Stat::read(std::process::id()).unwrap();
         assert!(!me.is_dead());
         assert_eq!(Some(me.start_ticks), start_ticks(std::process::id()));
