@@ -68,13 +68,13 @@ pub fn passwd_entry() -> Option<Passwd> {
         if rc != 0 || result.is_null() {
             return None;
         }
-        // SAFETY: on success the string fields point into `buf`, NUL-terminated, or are null.
         let field = |p: *const libc::c_char| -> OsString {
             if p.is_null() {
-                OsString::new()
-            } else {
-                OsStr::from_bytes(unsafe { CStr::from_ptr(p) }.to_bytes()).to_owned()
+                return OsString::new();
             }
+            // SAFETY: on success the string fields point into `buf`, NUL-terminated.
+            let text = unsafe { CStr::from_ptr(p) };
+            OsStr::from_bytes(text.to_bytes()).to_owned()
         };
         return Some(Passwd {
             name: field(pwd.pw_name).to_string_lossy().into_owned(),
