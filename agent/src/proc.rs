@@ -3,9 +3,10 @@
 //! telling a live process from a zombie or from a stranger that was given a reused pid.
 //!
 //! exec, jobs, the GPU sampler and `rsb`'s durable transfer records all need these. Separate
-//! copies had drifted apart: one PATH lookup took directories only, another took any file, a
-//! third fell back to system directories; one liveness check counted zombies as alive; one group
-//! kill never checked that the group was gone. One module gives them one set of rules.
+//! copies had drifted apart: the Hello's tmux check took any file, exec's bash lookup fell back
+//! to directories the job runner never searched, and the job runner took relative PATH entries
+//! the GPU sampler refused; the /proc parsers disagreed about dying (`X`) processes; only exec
+//! confirmed that a killed group was gone. One module gives them one set of rules.
 //!
 //! Everything here blocks (it is called from plain threads or `spawn_blocking`) except
 //! [`terminate`], which must reap a tokio child while it waits.
@@ -129,7 +130,8 @@ pub fn proc_available() -> bool {
     *MOUNTED.get_or_init(|| Path::new("/proc/self/stat").exists())
 }
 
-/// The argument vector of a process, from `/proc/<pid>/cmdline`; `None` when it is gone.
+/// The argument vector of a process, from `/proc/<pid>/cmdline`; `None` when it is gone. A
+/// zombie, or a process in the middle of an exec, has an empty one (`[[]]`).
 pub fn args(pid: u32) -> Option<Vec<Vec<u8>>> {
     let data = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
     let data = data.strip_suffix(b"\0").unwrap_or(&data);
@@ -149,7 +151,7 @@ pub fn start_ticks(pid: u32) -> Option<u64> {
         .map(|s| s.start_ticks)
 }
 
-/// Whether `pid` is a live process and, when `start_ticks` is given, still the one that started
+/// Whether `pid` is a live process and, when `started` is given, still the one that started
 /// at that time. A pid alone is not enough: after a reboot or a long uptime the number is handed
 /// to another process, which would make a dead owner look alive forever. Zombies are not alive.
 ///
@@ -699,9 +701,16 @@ mod tests {
         );
         assert_eq!(Stat::parse(b"1 (x) Z 0 1 1"), None, "truncated");
         assert_eq!(Stat::parse(b"no parenthesis"), None);
-        let mut child = spawn(&mut sh("sleep 30")).unwrap();
-        let argv = args(child.id()).unwrap();
-        assert_eq!(argv, [&b"/bin/sh"[..], b"-c", b"sleep 30"]);
+        // spawn returns once the exec has begun, and a read in the middle of an exec sees an
+        // empty command line (the new argument pages are not set up yet): wait for it.
+        // (`; :` keeps sh from exec'ing sleep, which would change the command line again.)
+        let mut child = spawn(Command::new("/bin/sh").args(["-c", "sleep 30; :", "a b"])).unwrap();
+        let mut argv = Vec::new();
+        wait_for("the command line", || {
+            argv = args(child.id()).unwrap();
+            argv != [Vec::<u8>::new()]
+        });
+        assert_eq!(argv, [&b"/bin/sh"[..], b"-c", b"sleep 30; :", b"a b"]);
         child.kill().unwrap();
         child.wait().unwrap();
         let me = Stat::read(std::process::id()).unwrap();
