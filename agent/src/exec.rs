@@ -6,7 +6,7 @@
 //! read, so a command printing gigabytes costs the agent no more memory than the caps.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::process::ExitStatusExt;
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
@@ -19,8 +19,9 @@ use tokio::process::Child;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+use crate::proc::{self, Group, KillOnDrop, Stopped};
 use crate::serve::Responder;
-use crate::util::{expand_home, find_on_path, path_string};
+use crate::util::{expand_home, path_string};
 
 /// After the main process ends, how long output may keep arriving before the reply goes out.
 /// Background children (`sleep 100 &`) inherit the pipes and would otherwise hold the reply
@@ -39,8 +40,6 @@ const MAX_CAP: u64 = (MAX_FRAME as u64 - 64 * 1024) / 2;
 const MAX_GRACE: Duration = Duration::from_secs(60);
 /// How long to wait for the group to vanish after SIGKILL before replying anyway.
 const KILL_VERIFY: Duration = Duration::from_secs(1);
-/// Poll interval while waiting for a process group to vanish.
-const POLL: Duration = Duration::from_millis(20);
 
 const _: () = assert!(READ_BUF <= MAX_CHUNK);
 
@@ -109,7 +108,7 @@ impl Capture {
 /// The drain deadline bounds only the wait for *new* output. A chunk already read is streamed
 /// even if the writer is backed up (the reply waits behind it anyway), and whatever already sits
 /// in the pipe when the deadline passes is swept up, so a slow client costs no output.
-async fn read_pipe<P: AsyncRead + AsRawFd + Unpin>(
+async fn read_pipe<P: AsyncRead + AsFd + Unpin>(
     pipe: Option<P>,
     cap: u64,
     mut stream: Option<&Responder>,
@@ -142,10 +141,10 @@ async fn read_pipe<P: AsyncRead + AsRawFd + Unpin>(
         forward(&mut stream, wrap, &buf[..n]).await;
     }
     if stopped {
-        set_nonblocking(pipe.as_raw_fd());
+        set_nonblocking(pipe.as_fd());
         let mut swept = 0;
         while swept < SWEEP_MAX {
-            let Some(n) = read_available(pipe.as_raw_fd(), &mut buf) else {
+            let Some(n) = read_available(pipe.as_fd(), &mut buf) else {
                 break;
             };
             capture.push(&buf[..n]);
@@ -167,22 +166,19 @@ async fn forward(stream: &mut Option<&Responder>, wrap: fn(Vec<u8>) -> Chunk, da
 
 /// tokio already keeps child pipes non-blocking; the sweep must never block on a pipe that a
 /// background process holds open, so it does not rely on that.
-fn set_nonblocking(fd: RawFd) {
-    // SAFETY: fcntl on an fd owned by the pipe; failure leaves the flags unchanged.
-    unsafe {
-        let flags = libc::fcntl(fd, libc::F_GETFL);
-        if flags >= 0 && flags & libc::O_NONBLOCK == 0 {
-            libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
-        }
+fn set_nonblocking(fd: BorrowedFd<'_>) {
+    use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+    if let Ok(flags) = fcntl_getfl(fd)
+        && !flags.contains(OFlags::NONBLOCK)
+    {
+        let _ = fcntl_setfl(fd, flags | OFlags::NONBLOCK);
     }
 }
 
 /// One non-blocking read of bytes already in the pipe;
 /// `None` at EOF, when nothing is buffered, or on error.
-fn read_available(fd: RawFd, buf: &mut [u8]) -> Option<usize> {
-    // SAFETY: `buf` is valid for `buf.len()` bytes and `fd` is open (owned by the pipe).
-    let n = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
-    (n > 0).then_some(n as usize)
+fn read_available(fd: BorrowedFd<'_>, buf: &mut [u8]) -> Option<usize> {
+    rustix::io::read(fd, buf).ok().filter(|&n| n > 0)
 }
 
 /// Why supervision ended.
@@ -193,123 +189,12 @@ enum Ending {
     Cancelled,
 }
 
-fn killpg(pgid: i32, sig: i32) {
-    // SAFETY: plain syscall; a stale pgid only yields ESRCH.
-    unsafe {
-        libc::killpg(pgid, sig);
-    }
-}
-
-/// True while any process of the group is alive. Zombies do not count: on hosts whose init
-/// does not reap orphans they linger forever, yet they run nothing and hold no pipe.
-fn group_alive(pgid: i32) -> bool {
-    // SAFETY: signal 0 only checks for existence/permission.
-    if unsafe { libc::kill(-pgid, 0) } != 0
-        && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
-    {
-        return false;
-    }
-    has_live_member(pgid)
-}
-
-fn has_live_member(pgid: i32) -> bool {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return true;
-    };
-    for entry in dir.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name
-            .to_str()
-            .filter(|s| s.bytes().all(|b| b.is_ascii_digit()))
-        else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // "pid (comm) state ppid pgrp ...": comm may contain spaces and parens, so parse after
-        // the last ')'.
-        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
-            continue;
-        };
-        let mut fields = rest.split_whitespace();
-        let state = fields.next().unwrap_or("");
-        let pgrp = fields.nth(1).and_then(|f| f.parse::<i32>().ok());
-        if pgrp == Some(pgid) && state != "Z" && state != "X" {
-            return true;
-        }
-    }
-    false
-}
-
-async fn group_alive_async(pgid: i32) -> bool {
-    tokio::task::spawn_blocking(move || group_alive(pgid))
-        .await
-        .unwrap_or(true)
-}
-
-/// The leader's exit as far as it is known.
-struct Leader {
-    reaped: bool,
-    status: Option<ExitStatus>,
-}
-
-/// Reap the leader and wait until no live process is left in the group, up to `deadline`.
-async fn wait_group_gone(
-    child: &mut Child,
-    pgid: i32,
-    leader: &mut Leader,
-    deadline: Instant,
-) -> bool {
-    loop {
-        let tick = (Instant::now() + POLL).min(deadline);
-        if leader.reaped {
-            if !group_alive_async(pgid).await {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            tokio::time::sleep_until(tick).await;
-        } else {
-            tokio::select! {
-                s = child.wait() => {
-                    leader.reaped = true;
-                    leader.status = s.ok();
-                }
-                _ = tokio::time::sleep_until(tick) => {
-                    if Instant::now() >= deadline {
-                        return false;
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// SIGTERM the group, SIGKILL it after `grace`, and confirm it is gone (bounded).
-async fn terminate_group(child: &mut Child, pgid: i32, grace: Duration) -> Option<ExitStatus> {
-    let mut leader = Leader {
-        reaped: false,
-        status: None,
-    };
-    killpg(pgid, libc::SIGTERM);
-    if wait_group_gone(child, pgid, &mut leader, Instant::now() + grace).await {
-        return leader.status;
-    }
-    killpg(pgid, libc::SIGKILL);
-    if !wait_group_gone(child, pgid, &mut leader, Instant::now() + KILL_VERIFY).await {
-        eprintln!("rsb-agent: process group {pgid} still has live members after SIGKILL");
-    }
-    leader.status
-}
-
 /// Wait for the command's own end, the timeout, or a cancel; stop the group in the latter two.
 /// `done` fires once the main process is finished, which starts the bounded pipe drain.
 /// Returns when the command ended, so the pipe drain is not counted in its duration.
 async fn supervise(
     child: &mut Child,
-    pgid: i32,
+    group: Group,
     req: &ExecRequest,
     cancel: &CancellationToken,
     done: &CancellationToken,
@@ -330,24 +215,15 @@ async fn supervise(
         _ = cancel.cancelled() => Ending::Cancelled,
     };
     let grace = Duration::from_millis(req.kill_grace_ms).min(MAX_GRACE);
-    let status = terminate_group(child, pgid, grace).await;
+    let (status, stopped) = proc::terminate(child, group, grace, KILL_VERIFY).await;
+    if stopped == Stopped::Unconfirmed {
+        eprintln!(
+            "rsb-agent: process group {} still has live members after SIGKILL",
+            group.id()
+        );
+    }
     done.cancel();
     (status, ending, Instant::now())
-}
-
-/// Kills the group if the exec future is dropped before it finished (the agent is shutting
-/// down with the request still running); `kill_on_drop` alone would reach only bash.
-struct GroupGuard {
-    pgid: i32,
-    armed: bool,
-}
-
-impl Drop for GroupGuard {
-    fn drop(&mut self) {
-        if self.armed {
-            killpg(self.pgid, libc::SIGKILL);
-        }
-    }
 }
 
 fn invalid(msg: impl Into<String>) -> AgentError {
@@ -380,10 +256,14 @@ pub async fn run(
         return Err(invalid("exec: the command contains a NUL byte"));
     }
     check_env(&req.env)?;
-    let bash = find_on_path("bash").ok_or_else(|| {
+    let bash = proc::find_on_path("bash").ok_or_else(|| {
         AgentError::new(
             ErrorCode::NotFound,
-            "exec: bash not found on this host (searched $PATH, /usr/local/bin, /usr/bin, /bin); install bash",
+            format!(
+                "exec: bash not found on the agent's PATH ({}); install bash or fix PATH",
+                std::env::var("PATH")
+                    .unwrap_or_else(|_| format!("unset, so {}", proc::DEFAULT_PATH))
+            ),
         )
     })?;
 
@@ -393,8 +273,8 @@ pub async fn run(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .process_group(0)
         .kill_on_drop(true);
+    proc::new_group(cmd.as_std_mut());
     if let Some(cwd) = &req.cwd {
         let dir = expand_home(cwd);
         let checked = dir.clone();
@@ -421,26 +301,26 @@ pub async fn run(
         };
         err
     })?;
-    let Some(pid) = child.id() else {
+    let Some(group) = child.id().and_then(Group::new) else {
         return Err(AgentError::new(
             ErrorCode::Internal,
             "exec: the child exited before it could be tracked",
         ));
     };
-    let pgid = pid as i32;
-    let mut guard = GroupGuard { pgid, armed: true };
+    // Dropped mid-flight (the agent shutting down with the request running): kill the group.
+    let mut guard = KillOnDrop::new(group);
     let stdout = child.stdout.take();
     let stderr = child.stderr.take();
     let done = CancellationToken::new();
 
     let ((status, ending, ran), out, err) = tokio::join!(
-        supervise(&mut child, pgid, &req, cancel, &done),
+        supervise(&mut child, group, &req, cancel, &done),
         read_pipe(stdout, req.max_stdout, stream, Chunk::Stdout, &done),
         read_pipe(stderr, req.max_stderr, stream, Chunk::Stderr, &done),
     );
     // Finished on its own terms: anything still running was started in the background on
     // purpose (`server &`) and is left alone.
-    guard.armed = false;
+    guard.disarm();
     let duration_ms = ran.duration_since(start).as_millis().min(u64::MAX as u128) as u64;
 
     Ok(ExecResult {

@@ -86,28 +86,23 @@ pub fn stat(req: &StatRequest) -> Result<FileStat, AgentError> {
     })
 }
 
-/// One directory being walked: its sorted names and how far the walk has got.
-struct Level {
-    dir: PathBuf,
-    rel: String,
+/// One directory of a depth-first walk: its names in byte order (not locale order, so every
+/// host walks alike) and how far the walk has got. A walk reads each directory only when it
+/// reaches it, so one stopped after N entries costs about N lstat calls however large the tree.
+/// Listings here and sync manifests walk with it.
+pub(crate) struct Level {
+    pub dir: PathBuf,
+    /// The directory relative to the walk's root (`""` for the root itself).
+    pub rel: String,
     names: Vec<std::ffi::OsString>,
     next: usize,
 }
 
-/// Depth-first, name-sorted walk that reads each directory only when the walk reaches it, so a
-/// listing capped at N entries costs about N lstat calls however large the tree is.
-struct Walk<'a> {
-    stack: Vec<Level>,
-    recursive: bool,
-    errors: &'a mut Vec<String>,
-}
-
-impl Walk<'_> {
-    fn read_level(dir: PathBuf, rel: String) -> std::io::Result<Level> {
+impl Level {
+    pub fn read(dir: PathBuf, rel: String) -> std::io::Result<Level> {
         let mut names = std::fs::read_dir(&dir)?
             .map(|e| e.map(|e| e.file_name()))
             .collect::<std::io::Result<Vec<_>>>()?;
-        // Byte order, not locale order: deterministic on every host.
         names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
         Ok(Level {
             dir,
@@ -117,14 +112,29 @@ impl Walk<'_> {
         })
     }
 
+    /// The next name in order; `None` once this directory is done.
+    pub fn next_name(&mut self) -> Option<std::ffi::OsString> {
+        let name = self.names.get_mut(self.next).map(std::mem::take)?;
+        self.next += 1;
+        Some(name)
+    }
+}
+
+/// Depth-first, name-sorted listing (see [`Level`]).
+struct Walk<'a> {
+    stack: Vec<Level>,
+    recursive: bool,
+    errors: &'a mut Vec<String>,
+}
+
+impl Walk<'_> {
     fn next_entry(&mut self) -> Option<DirEntry> {
         loop {
             let level = self.stack.last_mut()?;
-            let Some(name) = level.names.get(level.next).cloned() else {
+            let Some(name) = level.next_name() else {
                 self.stack.pop();
                 continue;
             };
-            level.next += 1;
             let path = level.dir.join(&name);
             let name = name.to_string_lossy();
             let rel = if level.rel.is_empty() {
@@ -143,7 +153,7 @@ impl Walk<'_> {
             let kind = kind_of(meta.file_type());
             // lstat never reports a symlink as a dir, so symlinked dirs are not descended.
             if self.recursive && kind == FileKind::Dir {
-                match Self::read_level(path, rel.clone()) {
+                match Level::read(path, rel.clone()) {
                     Ok(l) => self.stack.push(l),
                     Err(e) => self.errors.push(format!("{rel}: {e}")),
                 }
@@ -173,7 +183,7 @@ pub fn list_dir(
             format!("list_dir {shown}: not a directory"),
         ));
     }
-    let first = Walk::read_level(root, String::new())
+    let first = Level::read(root, String::new())
         .map_err(|e| AgentError::from_io(&e, "list_dir", &shown))?;
     let mut errors = Vec::new();
     let mut walk = Walk {

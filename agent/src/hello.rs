@@ -1,11 +1,10 @@
 //! The handshake frame and `rsb-agent version`.
 
-use std::ffi::CStr;
 use std::sync::OnceLock;
 
 use rsb_protocol::{Capabilities, Hello, MAGIC, PROTOCOL_VERSION};
 
-use crate::util;
+use crate::{proc, util};
 
 /// blake3 of the running executable, computed once: the local side compares it with the bytes it
 /// deployed to decide whether this agent is the one it expects. An empty string (unreadable
@@ -22,19 +21,9 @@ pub fn agent_hash() -> &'static str {
 
 /// Kernel release and hostname from one `uname` call.
 fn uname() -> (String, String) {
-    // SAFETY: utsname is a plain C struct; zeroed is a valid initial value.
-    let mut u: libc::utsname = unsafe { std::mem::zeroed() };
-    // SAFETY: `u` is a valid, writable utsname.
-    if unsafe { libc::uname(&mut u) } != 0 {
-        return (String::new(), String::new());
-    }
-    let field = |f: &[libc::c_char]| {
-        // SAFETY: uname NUL-terminates every field within its array.
-        unsafe { CStr::from_ptr(f.as_ptr()) }
-            .to_string_lossy()
-            .into_owned()
-    };
-    (field(&u.release), field(&u.nodename))
+    let u = rustix::system::uname();
+    let text = |f: &std::ffi::CStr| f.to_string_lossy().into_owned();
+    (text(u.release()), text(u.nodename()))
 }
 
 fn nvml_available() -> bool {
@@ -51,11 +40,11 @@ fn nvml_available() -> bool {
 /// What the host offers, probed once per agent start (PATH lookups only, no subprocesses).
 pub fn capabilities() -> Capabilities {
     Capabilities {
-        bash: util::find_on_path("bash").is_some(),
-        // PATH only (no fallback dirs): the job runner decides the same way, so the two agree.
-        tmux: std::env::var_os("PATH")
-            .is_some_and(|p| std::env::split_paths(&p).any(|d| d.join("tmux").is_file())),
-        nvidia_smi: util::find_on_path("nvidia-smi").is_some(),
+        // One PATH policy (proc.rs) for all three: the job runner and the GPU sampler look
+        // programs up the same way, so what the Hello promises is what they find.
+        bash: proc::find_on_path("bash").is_some(),
+        tmux: proc::find_on_path("tmux").is_some(),
+        nvidia_smi: proc::find_on_path("nvidia-smi").is_some(),
         nvml: nvml_available(),
     }
 }
@@ -82,8 +71,7 @@ pub fn hello() -> Hello {
         kernel,
         hostname,
         user,
-        // SAFETY: getuid has no preconditions.
-        uid: unsafe { libc::getuid() },
+        uid: rustix::process::getuid().as_raw(),
         home,
         pid: std::process::id(),
         capabilities: capabilities(),

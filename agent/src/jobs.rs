@@ -31,12 +31,10 @@ mod wrapper;
 mod tests;
 
 use std::ffi::{OsStr, OsString};
-use std::fs::File;
+use std::fs::{File, TryLockError};
 use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::OpenOptionsExt;
-use std::os::unix::io::AsRawFd;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -48,6 +46,10 @@ use rsb_protocol::{
 use rsb_rules::path::{expand_tilde, normalize};
 
 use record::Record;
+use rustix::io::Errno;
+
+use crate::proc;
+use crate::util::{self, json_string};
 
 /// Appended to every name error so the caller can fix the name without reading docs.
 const NAME_RULE: &str = "use 1-64 characters from A-Z a-z 0-9 _ -";
@@ -60,6 +62,8 @@ const START_TIMEOUT: Duration = Duration::from_secs(10);
 const KILL_SETTLE: Duration = Duration::from_secs(5);
 /// Longest grace `kill` honours, so a typo cannot park a request for days.
 const MAX_GRACE: Duration = Duration::from_secs(600);
+/// How long a launcher that overran [`START_TIMEOUT`] may take to vanish after SIGKILL.
+const KILL_VERIFY: Duration = Duration::from_secs(1);
 /// Finished records kept per name.
 const HISTORY_KEEP: usize = 5;
 /// Largest log slice one status reply carries; well under the 16 MiB frame limit.
@@ -290,24 +294,6 @@ fn prepare_log(log: &Path) -> Result<(), AgentError> {
         .map_err(|e| AgentError::from_io(&e, "log file", &shown))
 }
 
-fn find_in_path(prog: &str, path: Option<&OsStr>) -> Option<PathBuf> {
-    use std::os::unix::fs::PermissionsExt;
-    let path = path?;
-    for dir in std::env::split_paths(path) {
-        if dir.as_os_str().is_empty() {
-            continue;
-        }
-        let cand = dir.join(prog);
-        if let Ok(m) = std::fs::metadata(&cand)
-            && m.is_file()
-            && m.permissions().mode() & 0o111 != 0
-        {
-            return Some(cand);
-        }
-    }
-    None
-}
-
 // ---------------------------------------------------------------------------------------------
 // Records
 
@@ -400,33 +386,16 @@ pub(crate) fn now_ms() -> u64 {
 }
 
 pub(crate) fn hostname() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates when it fits.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    if rc != 0 {
-        return String::new();
-    }
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    String::from_utf8_lossy(&buf[..end]).into_owned()
-}
-
-/// `(state letter, start time in clock ticks since boot)` from `/proc/<pid>/stat`.
-pub(crate) fn proc_stat(pid: u32) -> Option<(u8, u64)> {
-    let data = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
-    // The command name (field 2) may contain spaces and parentheses; it ends at the last ')'.
-    let close = data.iter().rposition(|&b| b == b')')?;
-    let rest = std::str::from_utf8(&data[close + 1..]).ok()?;
-    let mut fields = rest.split_ascii_whitespace();
-    let state = fields.next()?.bytes().next()?;
-    // After the state (field 3), starttime is field 22.
-    let start = fields.nth(18)?.parse().ok()?;
-    Some((state, start))
+    rustix::system::uname()
+        .nodename()
+        .to_string_lossy()
+        .into_owned()
 }
 
 /// Is the recorded wrapper still that same wrapper? A pid alone is not enough: after a reboot
 /// or a long time the number is reused, which would make a dead job look alive forever. The
-/// kernel start time recorded by the wrapper pins the exact process; the command line check
-/// covers systems where the start time was not available.
+/// kernel start time recorded by the wrapper pins the exact process (see [`proc::is_alive`]);
+/// the command line check covers records written where the start time was not available.
 fn wrapper_alive(st: &Record) -> bool {
     if st.get("host").is_some_and(|h| h != hostname()) {
         // Recorded on another host sharing this $HOME (NFS): nothing here can tell, and
@@ -435,33 +404,22 @@ fn wrapper_alive(st: &Record) -> bool {
     }
     let Some(pid) = st
         .get_u64("wrapper_pid")
-        .filter(|&p| p > 0 && p <= i32::MAX as u64)
+        .and_then(|p| u32::try_from(p).ok())
     else {
         return false;
     };
-    let pid = pid as u32;
-    if !Path::new("/proc/self/stat").exists() {
-        // SAFETY: signal 0 only checks for existence and permission.
-        let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
-        return rc == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    if !proc::is_alive(pid, st.get_u64("wrapper_start")) {
+        return false;
     }
-    let Some((letter, start)) = proc_stat(pid) else {
+    if !proc::proc_available() {
+        // Existence is all that can be known here.
+        return true;
+    }
+    let Some(args) = proc::args(pid) else {
         return false;
     };
-    if letter == b'Z' || letter == b'X' {
-        return false;
-    }
-    if let Some(recorded) = st.get_u64("wrapper_start")
-        && recorded != start
-    {
-        return false;
-    }
-    let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-        return false;
-    };
-    let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
     let name = st.get_bytes("name").unwrap_or_default();
-    args.contains(&b"job-run".as_slice())
+    args.iter().any(|a| a == b"job-run")
         && args.windows(2).any(|w| w[0] == b"--name" && w[1] == name)
 }
 
@@ -483,23 +441,23 @@ impl DirLock {
             .map_err(|e| AgentError::from_io(&e, "job lock", &path.display().to_string()))?;
         let deadline = Instant::now() + timeout;
         loop {
-            // SAFETY: flock on a descriptor we own.
-            if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-                return Ok(DirLock { _file: file });
-            }
-            let err = std::io::Error::last_os_error();
-            match err.raw_os_error() {
-                Some(libc::EWOULDBLOCK) | Some(libc::EINTR) => {}
-                // Some network filesystems have no lock daemon; the running-job check below
-                // still refuses duplicates, only the narrow race between two starts remains.
-                Some(libc::ENOLCK) | Some(libc::EOPNOTSUPP) => return Ok(DirLock { _file: file }),
-                _ => {
-                    return Err(AgentError::from_io(
-                        &err,
-                        "job lock",
-                        &path.display().to_string(),
-                    ));
-                }
+            match file.try_lock() {
+                Ok(()) => return Ok(DirLock { _file: file }),
+                Err(TryLockError::WouldBlock) => {}
+                Err(TryLockError::Error(err)) => match Errno::from_io_error(&err) {
+                    Some(Errno::INTR) => {}
+                    // Some network filesystems have no lock daemon; the running-job check
+                    // below still refuses duplicates, only the narrow race between two starts
+                    // remains.
+                    Some(Errno::NOLCK | Errno::OPNOTSUPP) => return Ok(DirLock { _file: file }),
+                    _ => {
+                        return Err(AgentError::from_io(
+                            &err,
+                            "job lock",
+                            &path.display().to_string(),
+                        ));
+                    }
+                },
             }
             if Instant::now() >= deadline {
                 return Err(AgentError::new(
@@ -640,7 +598,7 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
 
     let launch = format!("{}-{}", now_ms(), std::process::id());
     let tmux = if req.prefer_tmux {
-        find_in_path("tmux", ctx.env_var("PATH"))
+        proc::find_executable("tmux", ctx.env_var("PATH"))
     } else {
         None
     };
@@ -692,20 +650,6 @@ fn wrapper_args(ctx: &Ctx, name: &str, id: &str, runner: &str) -> Vec<OsString> 
     v
 }
 
-/// POSIX single quoting, for tmux older than 3.0, which runs its command through a shell.
-fn sh_quote(s: &[u8]) -> Vec<u8> {
-    let mut out = vec![b'\''];
-    for &b in s {
-        if b == b'\'' {
-            out.extend_from_slice(b"'\\''");
-        } else {
-            out.push(b);
-        }
-    }
-    out.push(b'\'');
-    out
-}
-
 /// tmux 3.0 and later exec a multi-word command directly; older ones join it into a shell
 /// string. The version decides whether the wrapper's argv must be quoted.
 fn tmux_takes_argv(tmux: &Path, env: &[(OsString, OsString)]) -> bool {
@@ -744,7 +688,8 @@ fn launch_tmux(ctx: &Ctx, dir: &Path, tmux: &Path, name: &str, id: &str) -> Resu
         let mut line = b"exec".to_vec();
         for a in &argv {
             line.push(b' ');
-            line.extend_from_slice(&sh_quote(a.as_bytes()));
+            // tmux before 3.0 runs its command through a shell.
+            line.extend_from_slice(&util::shell_quote(a.as_bytes()));
         }
         cmd.arg(OsStr::from_bytes(&line));
     }
@@ -774,18 +719,9 @@ fn launch_setsid(ctx: &Ctx, dir: &Path, name: &str, id: &str) -> Result<(), Stri
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(stderr);
-    // SAFETY: setsid is async-signal-safe and touches no memory of the parent.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::setsid() < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let child = cmd
-        .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", ctx.exe.display()))?;
+    proc::new_session(&mut cmd, None);
+    let child =
+        proc::spawn(&mut cmd).map_err(|e| format!("cannot run {}: {e}", ctx.exe.display()))?;
     match wait_launcher(child, "the job wrapper")? {
         s if s.success() => Ok(()),
         s => Err(format!(
@@ -828,20 +764,18 @@ fn wait_launcher(
     mut child: std::process::Child,
     what: &str,
 ) -> Result<std::process::ExitStatus, String> {
-    let deadline = Instant::now() + START_TIMEOUT;
-    loop {
-        match child.try_wait() {
-            Ok(Some(status)) => return Ok(status),
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(POLL),
-            Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!(
-                    "{what} did not return within {} s",
-                    START_TIMEOUT.as_secs()
-                ));
-            }
-            Err(e) => return Err(format!("waiting for {what}: {e}")),
+    match proc::wait_deadline(&mut child, Instant::now() + START_TIMEOUT) {
+        Ok(Some(status)) => Ok(status),
+        Ok(None) => {
+            proc::kill_and_reap(&mut child, KILL_VERIFY);
+            Err(format!(
+                "{what} did not return within {} s",
+                START_TIMEOUT.as_secs()
+            ))
+        }
+        Err(e) => {
+            proc::kill_and_reap(&mut child, KILL_VERIFY);
+            Err(format!("waiting for {what}: {e}"))
         }
     }
 }
@@ -958,32 +892,6 @@ pub(crate) fn status_in(ctx: &Ctx, req: &JobStatusRequest) -> Result<JobStatusRe
     })
 }
 
-fn signal_group(pgid: u64, sig: libc::c_int) {
-    if pgid > 1 && pgid <= i32::MAX as u64 {
-        // SAFETY: plain syscall; a group that is already gone gives ESRCH, which is fine.
-        unsafe { libc::killpg(pgid as libc::pid_t, sig) };
-    }
-}
-
-/// Poll until the job is no longer running or the deadline passes.
-fn wait_not_running(
-    ctx: &Ctx,
-    name: &str,
-    deadline: Instant,
-) -> Result<Option<JobInfo>, AgentError> {
-    loop {
-        let info = load(ctx, name)?.and_then(|j| j.info());
-        match info {
-            Some(i) if i.state == JobState::Running => {}
-            other => return Ok(other),
-        }
-        if Instant::now() >= deadline {
-            return Ok(None);
-        }
-        std::thread::sleep(POLL);
-    }
-}
-
 pub(crate) fn kill_in(ctx: &Ctx, req: &JobKillRequest) -> Result<JobInfo, AgentError> {
     validate_name(&req.name)?;
     let not_found = || AgentError::new(ErrorCode::NotFound, format!("no job named '{}'", req.name));
@@ -1000,23 +908,41 @@ pub(crate) fn kill_in(ctx: &Ctx, req: &JobKillRequest) -> Result<JobInfo, AgentE
         ));
     }
     let pgid = st.get_u64("pgid").unwrap_or(0);
+    let group = u32::try_from(pgid)
+        .ok()
+        .and_then(proc::Group::new)
+        .ok_or_else(|| {
+            internal(format!(
+                "job '{}' is running but its record names no process group ({pgid})",
+                req.name
+            ))
+        })?;
     // The job is signalled directly, not through the wrapper: the wrapper then sees its child
-    // end by this signal and records it. SIGCONT wakes a stopped job so it can act on SIGTERM.
-    signal_group(pgid, libc::SIGTERM);
-    signal_group(pgid, libc::SIGCONT);
+    // end by this signal and records it. Done means both: no member of the group runs (a
+    // background process that ignores SIGTERM gets SIGKILL too) and the end is on record.
     let grace = Duration::from_millis(req.grace_ms).min(MAX_GRACE);
-    if let Some(done) = wait_not_running(ctx, &req.name, Instant::now() + grace)? {
-        return Ok(done);
+    let mut last = Ok(None);
+    let stopped = group.terminate_blocking(grace, KILL_SETTLE, || {
+        last = load(ctx, &req.name).map(|j| j.and_then(|j| j.info()));
+        match &last {
+            Ok(Some(i)) => i.state != JobState::Running,
+            Ok(None) => false,
+            Err(_) => true,
+        }
+    });
+    match (stopped, last?) {
+        (proc::Stopped::ByTerm | proc::Stopped::ByKill, Some(done)) => Ok(done),
+        (_, Some(done)) if done.state != JobState::Running => Err(internal(format!(
+            "job '{}' ended, but its process group {pgid} still has live members {} s after SIGKILL",
+            req.name,
+            KILL_SETTLE.as_secs()
+        ))),
+        _ => Err(internal(format!(
+            "job '{}' (process group {pgid}) was sent SIGKILL but its wrapper has not recorded an end after {} s",
+            req.name,
+            KILL_SETTLE.as_secs()
+        ))),
     }
-    signal_group(pgid, libc::SIGKILL);
-    if let Some(done) = wait_not_running(ctx, &req.name, Instant::now() + KILL_SETTLE)? {
-        return Ok(done);
-    }
-    Err(internal(format!(
-        "job '{}' (process group {pgid}) was sent SIGKILL but its wrapper has not recorded an end after {} s",
-        req.name,
-        KILL_SETTLE.as_secs()
-    )))
 }
 
 pub(crate) fn list_in(ctx: &Ctx) -> Result<Vec<JobInfo>, AgentError> {
@@ -1135,22 +1061,6 @@ fn jobs_table(jobs: &[JobInfo]) -> String {
     out
 }
 
-fn json_str(s: &str, out: &mut String) {
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-}
-
 fn json_opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map_or_else(|| "null".to_string(), |v| v.to_string())
 }
@@ -1162,21 +1072,21 @@ fn jobs_json(jobs: &[JobInfo]) -> String {
             out.push(',');
         }
         out.push_str("\n  {\"name\": ");
-        json_str(&j.name, &mut out);
+        out.push_str(&json_string(&j.name));
         out.push_str(&format!(", \"state\": \"{}\"", state_word(j.state)));
         out.push_str(&format!(", \"exit_code\": {}", json_opt(j.exit_code)));
         out.push_str(&format!(", \"signal\": {}", json_opt(j.signal)));
         out.push_str(", \"runner\": ");
-        json_str(&j.runner, &mut out);
+        out.push_str(&json_string(&j.runner));
         out.push_str(&format!(", \"pid\": {}", j.pid));
         out.push_str(&format!(", \"started_ms\": {}", j.started_ms));
         out.push_str(&format!(", \"ended_ms\": {}", json_opt(j.ended_ms)));
         out.push_str(", \"cwd\": ");
-        json_str(&j.cwd, &mut out);
+        out.push_str(&json_string(&j.cwd));
         out.push_str(", \"log_file\": ");
-        json_str(&j.log_file, &mut out);
+        out.push_str(&json_string(&j.log_file));
         out.push_str(", \"command\": ");
-        json_str(&j.command, &mut out);
+        out.push_str(&json_string(&j.command));
         out.push('}');
     }
     out.push_str(if jobs.is_empty() { "]\n" } else { "\n]\n" });

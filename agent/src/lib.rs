@@ -6,6 +6,7 @@ pub mod exec;
 pub mod fs;
 pub mod hello;
 pub mod jobs;
+pub mod proc;
 pub mod resources;
 pub mod serve;
 pub mod sync;

@@ -14,9 +14,8 @@
 mod gpu;
 mod json;
 
-use std::ffi::{CString, OsString};
+use std::ffi::OsString;
 use std::io::Write;
-use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -351,28 +350,17 @@ fn read_host(sys: &System, interval: Option<Duration>) -> HostSample {
 
 /// Size and space of the filesystem holding `path`. "Free" is what an unprivileged user can
 /// still write (`f_bavail`), not the root-reserved total, since that is what a job will get.
-#[allow(
-    clippy::unnecessary_cast,
-    clippy::useless_conversion,
-    reason = "statvfs field widths differ between targets"
-)]
 fn disk_of(path: &Path) -> Option<DiskInfo> {
-    let c_path = CString::new(path.as_os_str().as_bytes()).ok()?;
-    // SAFETY: statvfs is plain old data, for which all-zero bytes are a valid value.
-    let mut vfs: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: `c_path` is NUL-terminated and outlives the call; `vfs` is a valid out-pointer.
-    if unsafe { libc::statvfs(c_path.as_ptr(), &mut vfs) } != 0 {
-        return None;
-    }
+    let vfs = rustix::fs::statvfs(path).ok()?;
     let unit = if vfs.f_frsize > 0 {
-        vfs.f_frsize as u64
+        vfs.f_frsize
     } else {
-        vfs.f_bsize as u64
+        vfs.f_bsize
     };
     Some(DiskInfo {
         path: path.to_string_lossy().into_owned(),
-        total_bytes: (vfs.f_blocks as u64).saturating_mul(unit),
-        free_bytes: (vfs.f_bavail as u64).saturating_mul(unit),
+        total_bytes: vfs.f_blocks.saturating_mul(unit),
+        free_bytes: vfs.f_bavail.saturating_mul(unit),
     })
 }
 
@@ -853,13 +841,12 @@ esac"#,
             Some("nvidia-smi timed out after 1000 ms")
         );
         let pid_file = dir.path().join("nvidia-smi.pid");
-        let pid: i32 = std::fs::read_to_string(pid_file)
+        let pid: u32 = std::fs::read_to_string(pid_file)
             .unwrap()
             .trim()
             .parse()
             .unwrap();
-        // SAFETY: signal 0 only probes; the script was our child and has been reaped.
-        let alive = unsafe { libc::kill(pid, 0) } == 0;
+        let alive = crate::proc::is_alive(pid, None);
         assert!(!alive, "the hung nvidia-smi is still running");
     }
 

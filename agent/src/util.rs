@@ -3,7 +3,6 @@
 use std::ffi::{CStr, OsStr, OsString};
 use std::io::{self, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 /// The invoking user's home: `$HOME` first (what a login shell would use), then the passwd
@@ -43,8 +42,7 @@ pub struct Passwd {
 /// Looks up the current uid. A static musl build reads `/etc/passwd` only (no NSS), so users
 /// from LDAP/SSSD are not found here; callers fall back to the environment.
 pub fn passwd_entry() -> Option<Passwd> {
-    // SAFETY: getuid has no preconditions.
-    let uid = unsafe { libc::getuid() };
+    let uid = rustix::process::getuid().as_raw();
     let mut buf = vec![0 as libc::c_char; 4096];
     loop {
         // SAFETY: an all-zero passwd is a valid value for this plain C struct.
@@ -61,13 +59,13 @@ pub fn passwd_entry() -> Option<Passwd> {
         if rc != 0 || result.is_null() {
             return None;
         }
-        // SAFETY: on success the string fields point into `buf`, NUL-terminated, or are null.
         let field = |p: *const libc::c_char| -> OsString {
             if p.is_null() {
-                OsString::new()
-            } else {
-                OsStr::from_bytes(unsafe { CStr::from_ptr(p) }.to_bytes()).to_owned()
+                return OsString::new();
             }
+            // SAFETY: on success the string fields point into `buf`, NUL-terminated.
+            let text = unsafe { CStr::from_ptr(p) };
+            OsStr::from_bytes(text.to_bytes()).to_owned()
         };
         return Some(Passwd {
             name: field(pwd.pw_name).to_string_lossy().into_owned(),
@@ -76,20 +74,43 @@ pub fn passwd_entry() -> Option<Passwd> {
     }
 }
 
-/// Find an executable on `$PATH` (plus the standard system directories, since a non-login
-/// `ssh host cmd` often gets a minimal PATH that still has bash in /bin).
-pub fn find_on_path(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let fallback = ["/usr/local/bin", "/usr/bin", "/bin"];
-    std::env::split_paths(&path)
-        .filter(|d| !d.as_os_str().is_empty())
-        .chain(fallback.iter().map(PathBuf::from))
-        .map(|d| d.join(name))
-        .find(|p| is_executable_file(p))
+/// A JSON string literal. One policy for every JSON the agent writes by hand (it carries no
+/// serde_json, to stay small): quotes and backslashes escaped, `\n` `\r` `\t` as such, and every
+/// other control character (C0, DEL and C1, i.e. Unicode category Cc) as `\u00XX`, so the text
+/// stays safe to print on a terminal whatever a job name or an nvidia-smi message held.
+pub fn json_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c.is_control() => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
-fn is_executable_file(p: &Path) -> bool {
-    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+/// One POSIX shell word: single-quoted, with each `'` written as `'\''`. Only for strings the
+/// agent must hand to a shell it does not control (tmux before 3.0 runs its command that way);
+/// everything else is passed as argv.
+pub fn shell_quote(s: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(s.len() + 2);
+    out.push(b'\'');
+    for &b in s {
+        if b == b'\'' {
+            out.extend_from_slice(b"'\\''");
+        } else {
+            out.push(b);
+        }
+    }
+    out.push(b'\'');
+    out
 }
 
 /// blake3 of a file, streamed (the agent never holds a whole file in memory to hash it).
@@ -152,8 +173,32 @@ mod tests {
     }
 
     #[test]
-    fn find_on_path_finds_sh_and_not_nonsense() {
-        assert!(find_on_path("sh").is_some());
-        assert!(find_on_path("rsb-no-such-tool-4f1c").is_none());
+    fn json_strings_escape_every_control_character() {
+        assert_eq!(json_string("plain é ✓"), "\"plain é ✓\"");
+        assert_eq!(json_string("q\"b\\"), r#""q\"b\\""#);
+        assert_eq!(json_string("\n\r\t"), r#""\n\r\t""#);
+        // NUL, ESC, unit separator, DEL and two C1 controls (NEL, CSI).
+        assert_eq!(
+            json_string("a\u{0}b\u{1b}\u{1f}\u{7f}\u{85}\u{9b}z"),
+            r#""a\u0000b\u001b\u001f\u007f\u0085\u009bz""#
+        );
+        // U+00A0 (no-break space) is not a control character and stays as it is.
+        assert_eq!(json_string("\u{a0}"), "\"\u{a0}\"");
+        for c in (0u32..0x20).chain(0x7f..0xa0) {
+            let s = char::from_u32(c).unwrap().to_string();
+            let quoted = json_string(&s);
+            assert!(quoted.is_ascii(), "{c:#x} left raw: {quoted:?}");
+            let back: String = serde_json::from_str(&quoted).unwrap();
+            assert_eq!(back, s, "{c:#x} does not read back");
+        }
+    }
+
+    #[test]
+    fn shell_quote_makes_one_inert_word() {
+        assert_eq!(shell_quote(b"a b"), b"'a b'");
+        assert_eq!(shell_quote(b"it's"), b"'it'\\''s'");
+        assert_eq!(shell_quote(b"$(x);`y`"), b"'$(x);`y`'");
+        assert_eq!(shell_quote(b""), b"''");
+        assert_eq!(shell_quote(b"\xff\n"), b"'\xff\n'");
     }
 }

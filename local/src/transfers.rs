@@ -82,36 +82,29 @@ fn is_terminal(status: &str) -> bool {
     matches!(status, "completed" | "failed" | "cancelled" | "interrupted")
 }
 
-/// Start time of a process (clock ticks since boot, from /proc), to tell a live owner from a
-/// reused pid. Empty where /proc is unavailable.
+/// Start time of a process (clock ticks since boot), recorded next to its pid so a live owner
+/// can be told from a reused pid. Empty where /proc is unavailable.
 fn process_start(pid: u32) -> String {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            let rest = s.rsplit_once(')')?.1;
-            // Fields after the comm: state is field 3; starttime is field 22.
-            rest.split_whitespace().nth(19).map(str::to_string)
-        })
+    rsb_agent::proc::start_ticks(pid)
+        .map(|t| t.to_string())
         .unwrap_or_default()
 }
 
+/// Whether the recorded owner is still that process, by the agent's one identity check
+/// (`rsb_agent::proc::is_alive`): a zombie is not a live owner, and neither is a process with
+/// another start time that was given the same pid.
 fn pid_alive(pid: i64, start: &str) -> bool {
-    if pid <= 0 || pid > i32::MAX as i64 {
+    let Ok(pid) = u32::try_from(pid) else {
         return false;
-    }
-    let r = unsafe { libc::kill(pid as i32, 0) };
-    let alive = r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
-    if !alive {
-        return false;
-    }
-    // A zombie is not a live owner; a different start time is another process.
-    if let Ok(s) = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        && let Some(rest) = s.rsplit_once(')').map(|x| x.1)
-        && rest.split_whitespace().next() == Some("Z")
-    {
-        return false;
-    }
-    start.is_empty() || process_start(pid as u32) == start
+    };
+    let started = match start {
+        "" => None,
+        s => match s.parse() {
+            Ok(t) => Some(t),
+            Err(_) => return false,
+        },
+    };
+    rsb_agent::proc::is_alive(pid, started)
 }
 
 /// `YYYY-MM-DDTHH:MM:SSZ` (UTC).
@@ -735,6 +728,38 @@ mod tests {
         assert_eq!(v["status"], "interrupted", "{v}");
         assert!(v["hint"].as_str().unwrap().contains("again"));
         let _ = std::fs::remove_dir_all(&d);
+    }
+
+    #[test]
+    fn owner_liveness_checks_identity() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = child.id();
+        let start = process_start(pid);
+        assert!(!start.is_empty(), "/proc is readable on Linux");
+        assert!(pid_alive(pid.into(), &start));
+        assert!(
+            pid_alive(pid.into(), ""),
+            "no start recorded: the pid decides"
+        );
+        let other: u64 = start.parse::<u64>().unwrap() + 1;
+        assert!(!pid_alive(pid.into(), &other.to_string()), "a reused pid");
+        assert!(!pid_alive(pid.into(), "garbage"));
+        assert!(!pid_alive(0, ""));
+        assert!(!pid_alive(-1, ""));
+        child.kill().unwrap();
+        // Killed but not reaped: a zombie owns nothing.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while pid_alive(pid.into(), &start) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "still alive after SIGKILL"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        child.wait().unwrap();
     }
 
     fn tempfile_dir() -> PathBuf {

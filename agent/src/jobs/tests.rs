@@ -4,7 +4,9 @@
 //! binary (it does so for the crate's integration tests).
 
 use super::*;
+use crate::proc::Stat;
 use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -139,7 +141,7 @@ fn tail_req(name: &str, lines: u32, max: u64) -> JobStatusRequest {
 }
 
 fn pid_alive(pid: u32) -> bool {
-    proc_stat(pid).is_some_and(|(s, _)| s != b'Z' && s != b'X')
+    crate::proc::is_alive(pid, None)
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
@@ -403,7 +405,8 @@ fn wrapper_killed_outright_is_lost_and_takes_the_job_along() {
     let f = Fixture::new();
     let info = f.start("orphan", "sleep 30", false).unwrap();
     let wrapper: u32 = f.state("orphan").get_u64("wrapper_pid").unwrap() as u32;
-    unsafe { libc::kill(wrapper as libc::pid_t, libc::SIGKILL) };
+    let pid = rustix::process::Pid::from_raw(wrapper as i32).unwrap();
+    rustix::process::kill_process(pid, crate::proc::Signal::KILL).unwrap();
     wait_until("the wrapper to die", || !pid_alive(wrapper));
     let s = f.status("orphan").info.unwrap();
     assert_eq!(
@@ -547,7 +550,7 @@ fn without_tmux_on_path_jobs_still_run() {
     let bin = f.tmp.path().join("bin");
     std::fs::create_dir(&bin).unwrap();
     for tool in ["bash", "sleep", "cat"] {
-        let real = find_in_path(tool, std::env::var_os("PATH").as_deref()).unwrap();
+        let real = crate::proc::find_on_path(tool).unwrap();
         std::os::unix::fs::symlink(real, bin.join(tool)).unwrap();
     }
     let mut ctx = f.ctx.clone();
@@ -673,20 +676,15 @@ fn jobs_survive_the_process_that_started_them() {
         let info = f.status(name).info.unwrap();
         assert_eq!(info.state, JobState::Running);
         let st = f.state(name);
-        let wrapper = st.get_u64("wrapper_pid").unwrap() as libc::pid_t;
-        let (my_sid, wrapper_sid, job_sid) = unsafe {
-            (
-                libc::getsid(0),
-                libc::getsid(wrapper),
-                libc::getsid(info.pid as libc::pid_t),
-            )
-        };
+        let wrapper = st.get_u64("wrapper_pid").unwrap() as u32;
+        let sid = |pid: u32| Stat::read(pid).unwrap().session;
+        let (my_sid, wrapper_sid, job_sid) = (sid(std::process::id()), sid(wrapper), sid(info.pid));
         assert!(
             wrapper_sid > 0 && wrapper_sid != my_sid,
             "wrapper in its own session"
         );
         assert_eq!(
-            job_sid, info.pid as libc::pid_t,
+            job_sid, info.pid as i32,
             "job leads its own session and group"
         );
         assert_eq!(f.wait_done(name).exit_code, Some(4));
@@ -874,7 +872,11 @@ fn timestamps_and_quoting() {
     assert_eq!(utc_timestamp(1_795_996_799_999), "2026-11-29T23:59:59Z");
     assert_eq!(utc_timestamp(1_709_210_096_000), "2024-02-29T12:34:56Z");
     let tricky = "/tmp/it's a \"dir\"/$(x) `y` \\z";
-    let line = [b"printf %s ".as_slice(), &sh_quote(tricky.as_bytes())].concat();
+    let line = [
+        b"printf %s ".as_slice(),
+        &crate::util::shell_quote(tricky.as_bytes()),
+    ]
+    .concat();
     let out = Command::new("sh")
         .arg("-c")
         .arg(OsStr::from_bytes(&line))

@@ -13,17 +13,21 @@
 //! when an SSH client disconnects.
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::io::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::io::{AsRawFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::{Duration, Instant};
 
+use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::io::Errno;
+
 use super::record::Record;
-use super::{hostname, now_ms, proc_stat, utc_timestamp, validate_name};
+use super::{hostname, now_ms, utc_timestamp, validate_name};
+use crate::proc::{self, Group, Signal};
 
 /// How long output is still copied after the job's shell exits. Processes it left running in
 /// the background may hold the pipe open forever; their later output is not captured.
@@ -81,16 +85,18 @@ pub fn main(args: &[String]) -> i32 {
     if opts.detach {
         // Still single-threaded here, so forking is safe. The parent exits at once and is
         // reaped by whoever started it; the child is adopted by init and carries on.
-        // SAFETY: fork in a single-threaded process; setsid has no preconditions.
+        // SAFETY: the process is single-threaded here (nothing has spawned a thread yet), so
+        // the child may go on running arbitrary code after fork.
         match unsafe { libc::fork() } {
             -1 => {
                 let err = std::io::Error::last_os_error();
                 diag(&opts, &format!("fork failed: {err}"));
                 return 1;
             }
-            0 => unsafe {
-                libc::setsid();
-            },
+            0 => {
+                // Cannot fail: the fresh child of a fork is never a group leader.
+                let _ = rustix::process::setsid();
+            }
             _ => return 0,
         }
     }
@@ -163,21 +169,13 @@ mod errno {
 /// agent still builds on macOS for development; the wrapper is single-threaded, so nothing can
 /// fork between the two calls.
 fn pipe(nonblocking: bool) -> std::io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0 as RawFd; 2];
-    // SAFETY: fds is a valid two-element array.
-    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: pipe just returned these two descriptors to us.
-    let (r, w) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+    use rustix::io::{FdFlags, fcntl_setfd};
+    let (r, w) = rustix::pipe::pipe()?;
     for fd in [&r, &w] {
-        // SAFETY: fcntl on descriptors we own.
-        unsafe {
-            libc::fcntl(fd.as_raw_fd(), libc::F_SETFD, libc::FD_CLOEXEC);
-            if nonblocking {
-                let fl = libc::fcntl(fd.as_raw_fd(), libc::F_GETFL);
-                libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, fl | libc::O_NONBLOCK);
-            }
+        fcntl_setfd(fd, FdFlags::CLOEXEC)?;
+        if nonblocking {
+            fcntl_setfl(fd, fcntl_getfl(fd)? | OFlags::NONBLOCK)?;
         }
     }
     Ok((r, w))
@@ -244,12 +242,12 @@ struct Pane {
 
 impl Pane {
     fn open(runner: &str) -> Pane {
-        // SAFETY: isatty/fcntl on fd 1 have no memory-safety preconditions.
-        let on = runner == "tmux" && unsafe { libc::isatty(1) } == 1;
+        let out = std::io::stdout();
+        let on = runner == "tmux" && out.is_terminal();
         if on {
-            unsafe {
-                let fl = libc::fcntl(1, libc::F_GETFL);
-                libc::fcntl(1, libc::F_SETFL, fl | libc::O_NONBLOCK);
+            use rustix::fs::{OFlags, fcntl_getfl, fcntl_setfl};
+            if let Ok(fl) = fcntl_getfl(&out) {
+                let _ = fcntl_setfl(&out, fl | OFlags::NONBLOCK);
             }
         }
         Pane { on }
@@ -259,9 +257,11 @@ impl Pane {
         if !self.on {
             return;
         }
-        // SAFETY: data is a valid slice.
-        let n = unsafe { libc::write(1, data.as_ptr().cast(), data.len()) };
-        if n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock {
+        // Straight to fd 1, past std's line buffer, so a partial write is never retried
+        // into a pane that stopped reading.
+        if let Err(e) = rustix::io::write(std::io::stdout(), data)
+            && e != Errno::AGAIN
+        {
             self.on = false;
         }
     }
@@ -278,38 +278,52 @@ fn header(name: &str, started_ms: u64, command: &str) -> String {
 
 fn spawn_job(spec: &Record, cwd: &Path, out: OwnedFd) -> std::io::Result<Child> {
     let command = spec.get("command").unwrap_or_default();
-    let err = out.try_clone()?;
-    let mut cmd = Command::new("bash");
-    cmd.arg("-c").arg(command).current_dir(cwd).env_clear();
-    for kv in spec.get_all("env") {
-        if let Some(eq) = kv.iter().position(|&b| b == b'=') {
-            cmd.env(
+    let env: Vec<(&std::ffi::OsStr, &std::ffi::OsStr)> = spec
+        .get_all("env")
+        .filter_map(|kv| {
+            let eq = kv.iter().position(|&b| b == b'=')?;
+            Some((
                 std::ffi::OsStr::from_bytes(&kv[..eq]),
                 std::ffi::OsStr::from_bytes(&kv[eq + 1..]),
-            );
-        }
-    }
-    cmd.stdin(Stdio::null())
+            ))
+        })
+        .collect();
+    // bash is looked up on the job's own PATH, by the agent's one PATH policy.
+    let path = env
+        .iter()
+        .rev()
+        .find(|(k, _)| *k == "PATH")
+        .map(|(_, v)| *v);
+    let bash = proc::find_executable("bash", path).ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!(
+                "bash not found on the job's PATH ({})",
+                path.map_or_else(
+                    || format!("unset, so {}", proc::DEFAULT_PATH),
+                    |p| p.to_string_lossy().into_owned()
+                )
+            ),
+        )
+    })?;
+    let err = out.try_clone()?;
+    let mut cmd = Command::new(bash);
+    cmd.arg0("bash")
+        .arg("-c")
+        .arg(command)
+        .current_dir(cwd)
+        .env_clear()
+        .envs(env)
+        .stdin(Stdio::null())
         .stdout(Stdio::from(out))
         .stderr(Stdio::from(err));
-    // SAFETY: only async-signal-safe calls between fork and exec.
-    unsafe {
-        cmd.pre_exec(|| {
-            // Its own session: its own process group for kill, and no terminal, so a tmux
-            // pane closing or a shell job-control signal cannot reach it except through us.
-            if libc::setsid() < 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            // If the wrapper is killed outright nobody would record the end, so the job
-            // would run unsupervised and be reported lost; end it too. (Survives bash's exec
-            // of a single command, so it usually reaches the real program.)
-            #[cfg(any(target_os = "linux", target_os = "android"))]
-            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM as libc::c_ulong);
-            Ok(())
-        });
-    }
-    // Rust's Command resolves "bash" with the child's PATH, i.e. the job's environment.
-    cmd.spawn()
+    // Its own session: its own process group for kill, and no terminal, so a tmux pane
+    // closing or a shell job-control signal cannot reach it except through us. If the wrapper
+    // is killed outright nobody would record the end, so the job would run unsupervised and be
+    // reported lost; SIGTERM ends it too. (It survives bash's exec of a single command, so it
+    // usually reaches the real program.)
+    proc::new_session(&mut cmd, Some(Signal::TERM));
+    proc::spawn(&mut cmd)
 }
 
 fn run(opts: &Opts) -> Result<i32, String> {
@@ -363,7 +377,7 @@ fn run(opts: &Opts) -> Result<i32, String> {
     state.set("host", hostname());
     state.set("runner", &opts.runner);
     state.set("wrapper_pid", std::process::id().to_string());
-    if let Some((_, start)) = proc_stat(std::process::id()) {
+    if let Some(start) = proc::start_ticks(std::process::id()) {
         state.set("wrapper_start", start.to_string());
     }
     state.set("started_ms", started_ms.to_string());
@@ -392,6 +406,7 @@ fn run(opts: &Opts) -> Result<i32, String> {
         }
     };
     let pgid = child.id();
+    let group = Group::new(pgid);
     state.set("pid", pgid.to_string());
     state.set("pgid", pgid.to_string());
     save(&state)?;
@@ -413,66 +428,59 @@ fn run(opts: &Opts) -> Result<i32, String> {
         {
             break;
         }
-        let timeout = match drain_until {
-            Some(until) => until
+        let timeout = drain_until.map(|until| {
+            let left = until
                 .saturating_duration_since(Instant::now())
-                .as_millis()
-                .max(1) as libc::c_int,
-            None => -1,
-        };
+                .max(Duration::from_millis(1));
+            Timespec::try_from(left).unwrap_or(Timespec {
+                tv_sec: 1,
+                tv_nsec: 0,
+            })
+        });
         let mut fds = [
-            libc::pollfd {
-                fd: sig_r.as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            },
-            libc::pollfd {
-                fd: if out_open { out_r.as_raw_fd() } else { -1 },
-                events: libc::POLLIN,
-                revents: 0,
-            },
+            PollFd::new(&sig_r, PollFlags::IN),
+            PollFd::new(&out_r, PollFlags::IN),
         ];
-        // SAFETY: fds is a valid array of two pollfd.
-        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(format!("poll failed: {e}"));
+        // A closed output pipe is left out of the set.
+        let watched = if out_open { 2 } else { 1 };
+        match rustix::event::poll(&mut fds[..watched], timeout.as_ref()) {
+            Ok(_) => {}
+            Err(Errno::INTR) => continue,
+            Err(e) => return Err(format!("poll failed: {e}")),
         }
-        if fds[0].revents != 0 {
+        let sig_ready = !fds[0].revents().is_empty();
+        let out_ready = out_open && !fds[1].revents().is_empty();
+        if sig_ready {
             let mut sigs = [0u8; 64];
-            // SAFETY: valid buffer; the pipe is non-blocking.
-            let got =
-                unsafe { libc::read(sig_r.as_raw_fd(), sigs.as_mut_ptr().cast(), sigs.len()) };
-            for &s in &sigs[..got.max(0) as usize] {
-                let s = libc::c_int::from(s);
-                if exited.is_some() || s == libc::SIGCHLD {
+            let got = rustix::io::read(&sig_r, &mut sigs).unwrap_or(0);
+            for &s in &sigs[..got] {
+                let Some(sig) = Signal::from_named_raw(i32::from(s)) else {
+                    continue;
+                };
+                if exited.is_some() || sig == Signal::CHILD {
                     continue;
                 }
-                if s == libc::SIGHUP {
+                if sig == Signal::HUP {
                     hangup = true;
                     pane.on = false;
                 }
-                // SAFETY: plain syscalls on the job's own group.
-                unsafe {
-                    libc::killpg(pgid as libc::pid_t, s);
-                    libc::killpg(pgid as libc::pid_t, libc::SIGCONT);
+                // SIGCONT after it, so a stopped job can act on what it was sent.
+                if let Some(g) = group {
+                    g.signal(sig);
+                    g.signal(Signal::CONT);
                 }
             }
         }
-        if out_open && fds[1].revents != 0 {
-            // SAFETY: valid buffer and descriptor.
-            let got = unsafe { libc::read(out_r.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-            if got > 0 {
-                let data = &buf[..got as usize];
-                log.write(data);
-                pane.write(data);
-            } else if got == 0
-                || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted
-            {
-                out_open = false;
+        if out_ready {
+            match rustix::io::read(&out_r, &mut buf) {
+                Ok(0) => out_open = false,
+                Ok(got) => {
+                    let data = &buf[..got];
+                    log.write(data);
+                    pane.write(data);
+                }
+                Err(Errno::INTR) => {}
+                Err(_) => out_open = false,
             }
         }
     }

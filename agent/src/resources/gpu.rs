@@ -8,15 +8,14 @@
 //! worth more than a slightly cheaper call on a build we do not ship.
 
 use std::ffi::OsStr;
-use std::io::Read;
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::process::{Command, ExitStatus};
+use std::time::Duration;
 
 use rsb_protocol::{GpuInfo, GpuProcess, GpuReport, GpuSource};
+
+use crate::proc::{self, RunError};
 
 pub(crate) const SMI: &str = "nvidia-smi";
 pub(crate) const GPU_QUERY: &str = "--query-gpu=index,name,uuid,utilization.gpu,memory.used,memory.total,temperature.gpu,power.draw";
@@ -29,17 +28,9 @@ const MAX_OUTPUT: u64 = 1 << 20;
 /// Longest note text taken from nvidia-smi's own output, so a chatty failure cannot bloat replies.
 const MAX_NOTE_LINE: usize = 200;
 
-/// `nvidia-smi` on the given PATH value. Empty PATH entries (which POSIX reads as "the current
-/// directory") are skipped: the agent's cwd is not a place to pick executables from.
+/// `nvidia-smi` on the given PATH value, by the agent's one PATH policy ([`proc::find_executable`]).
 pub(crate) fn find_smi(path_var: Option<&OsStr>) -> Option<PathBuf> {
-    std::env::split_paths(path_var?)
-        .filter(|dir| dir.is_absolute())
-        .map(|dir| dir.join(SMI))
-        .find(|p| is_executable_file(p))
-}
-
-fn is_executable_file(p: &Path) -> bool {
-    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    proc::find_executable(SMI, path_var)
 }
 
 /// One GPU pass. `age_ms` is left at 0; whoever hands the report out knows how old it is.
@@ -87,152 +78,24 @@ pub(crate) fn sample(path_var: Option<&OsStr>, timeout: Duration) -> GpuReport {
 /// The child gets its own process group so that a deadline kills everything it started: a shell
 /// wrapper's `sleep` (or a helper of nvidia-smi) would otherwise keep the pipes open.
 pub(crate) fn run(exe: &Path, args: &[&str], timeout: Duration) -> Result<String, String> {
-    let deadline = Instant::now() + timeout;
-    let mut child = spawn(exe, args).map_err(|e| format!("cannot run {}: {e}", exe.display()))?;
-    let (tx, rx) = mpsc::channel::<(bool, Vec<u8>)>();
-    // Both pipes are drained on their own threads: reading one while the child blocks on the
-    // other (full pipe) would look like a hang.
-    for (is_stdout, pipe) in [
-        (
-            true,
-            child
-                .stdout
-                .take()
-                .map(|p| Box::new(p) as Box<dyn Read + Send>),
-        ),
-        (
-            false,
-            child
-                .stderr
-                .take()
-                .map(|p| Box::new(p) as Box<dyn Read + Send>),
-        ),
-    ] {
-        let tx = tx.clone();
-        let spawned = std::thread::Builder::new()
-            .name("rsb-smi-pipe".into())
-            .spawn(move || {
-                let mut buf = Vec::new();
-                if let Some(pipe) = pipe {
-                    let _ = pipe.take(MAX_OUTPUT).read_to_end(&mut buf);
-                }
-                let _ = tx.send((is_stdout, buf));
-            });
-        if let Err(e) = spawned {
-            kill_group_and_reap(&mut child);
-            return Err(format!("cannot start a reader thread: {e}"));
-        }
+    let out = proc::output_with_deadline(Command::new(exe).args(args), timeout, MAX_OUTPUT)
+        .map_err(|e| match e {
+            RunError::Spawn(e) => format!("cannot run {}: {e}", exe.display()),
+            RunError::Wait(e) => format!("waiting for {SMI} failed: {e}"),
+            RunError::TimedOut => timed_out(timeout),
+            RunError::OutputHeld(_) => format!(
+                "{SMI} left its output open past the deadline ({} ms)",
+                timeout.as_millis()
+            ),
+        })?;
+    if out.status.success() {
+        return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
     }
-    drop(tx);
-
-    let status = match wait_until(&mut child, deadline) {
-        Ok(Some(status)) => status,
-        Ok(None) => {
-            kill_group_and_reap(&mut child);
-            return Err(timed_out(timeout));
-        }
-        Err(e) => {
-            kill_group_and_reap(&mut child);
-            return Err(format!("waiting for {SMI} failed: {e}"));
-        }
-    };
-
-    let (mut stdout, mut stderr) = (None, None);
-    for _ in 0..2 {
-        // A little grace past the deadline: the child has exited, its pipes close right away.
-        let wait = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(200));
-        match rx.recv_timeout(wait) {
-            Ok((true, buf)) => stdout = Some(buf),
-            Ok((false, buf)) => stderr = Some(buf),
-            Err(_) => break,
-        }
-    }
-    let (Some(stdout), Some(stderr)) = (stdout, stderr) else {
-        // Something the child started still holds a pipe. The group still has that member, so
-        // its id cannot have been reused, and killing it frees the reader threads.
-        kill_group(child.id());
-        return Err(format!(
-            "{SMI} left its output open past the deadline ({} ms)",
-            timeout.as_millis()
-        ));
-    };
-    if status.success() {
-        return Ok(String::from_utf8_lossy(&stdout).into_owned());
-    }
-    Err(describe_failure(status, &stderr, &stdout))
+    Err(describe_failure(out.status, &out.stderr, &out.stdout))
 }
 
 pub(crate) fn timed_out(timeout: Duration) -> String {
     format!("{SMI} timed out after {} ms", timeout.as_millis())
-}
-
-/// Spawns in a new process group. A freshly written executable can briefly fail with ETXTBSY
-/// while some other thread's fork still holds its write descriptor; that clears within
-/// milliseconds, so a few retries are cheaper than a missing sample.
-fn spawn(exe: &Path, args: &[&str]) -> std::io::Result<Child> {
-    let mut last = None;
-    for attempt in 0..3 {
-        if attempt > 0 {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let result = Command::new(exe)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn();
-        match result {
-            Err(e) if e.raw_os_error() == Some(libc::ETXTBSY) => last = Some(e),
-            other => return other,
-        }
-    }
-    Err(last.unwrap_or_else(|| std::io::Error::other("spawn failed")))
-}
-
-/// Polls for exit until `deadline`; `Ok(None)` means it is still running. Sleeps at least 1 ms
-/// per round, so the round cap below is never the binding limit before the deadline is.
-fn wait_until(child: &mut Child, deadline: Instant) -> std::io::Result<Option<ExitStatus>> {
-    let budget_ms = deadline
-        .saturating_duration_since(Instant::now())
-        .as_millis();
-    let max_rounds = usize::try_from(budget_ms)
-        .unwrap_or(usize::MAX)
-        .saturating_add(2);
-    let mut pause = Duration::from_millis(1);
-    for _ in 0..max_rounds {
-        if let Some(status) = child.try_wait()? {
-            return Ok(Some(status));
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return Ok(None);
-        }
-        std::thread::sleep(pause.min(deadline - now).max(Duration::from_millis(1)));
-        pause = (pause * 2).min(Duration::from_millis(20));
-    }
-    child.try_wait()
-}
-
-/// Kills the child's whole group, then reaps the child. Safe against pid reuse because the child
-/// is not reaped before the kill, so its pid (which is the group id) is still reserved.
-fn kill_group_and_reap(child: &mut Child) {
-    kill_group(child.id());
-    let _ = child.kill();
-    let _ = child.wait();
-}
-
-fn kill_group(pid: u32) {
-    if let Ok(pid) = libc::pid_t::try_from(pid)
-        && pid > 0
-    {
-        // SAFETY: plain syscall on a group id we created (see callers for why it is still ours).
-        unsafe {
-            libc::kill(-pid, libc::SIGKILL);
-        }
-    }
 }
 
 fn describe_failure(status: ExitStatus, stderr: &[u8], stdout: &[u8]) -> String {
@@ -409,6 +272,7 @@ mod tests {
 
     #[test]
     fn path_lookup_skips_relative_and_non_executable() {
+        use std::os::unix::fs::PermissionsExt;
         let dir = tempfile::tempdir().unwrap();
         let exe = dir.path().join(SMI);
         std::fs::write(&exe, "#!/bin/sh\n").unwrap();
@@ -417,6 +281,5 @@ mod tests {
         assert_eq!(find_smi(Some(&path)), None, "not executable");
         std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
         assert_eq!(find_smi(Some(&path)), Some(exe));
-        assert_eq!(find_smi(None), None);
     }
 }

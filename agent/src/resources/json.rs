@@ -6,6 +6,8 @@
 
 use rsb_protocol::{GpuInfo, GpuProcess, GpuReport, GpuSource, ResourceSnapshot};
 
+use crate::util::json_string;
+
 pub(crate) fn snapshot(s: &ResourceSnapshot) -> String {
     let cpu = obj(&[
         ("usage_pct", f32_req(s.cpu.usage_pct)),
@@ -25,14 +27,14 @@ pub(crate) fn snapshot(s: &ResourceSnapshot) -> String {
     ]);
     let disk = match &s.disk {
         Some(d) => obj(&[
-            ("path", string(&d.path)),
+            ("path", json_string(&d.path)),
             ("total_bytes", d.total_bytes.to_string()),
             ("free_bytes", d.free_bytes.to_string()),
         ]),
         None => "null".into(),
     };
     obj(&[
-        ("hostname", string(&s.hostname)),
+        ("hostname", json_string(&s.hostname)),
         ("cpu", cpu),
         ("memory", memory),
         ("disk", disk),
@@ -48,12 +50,12 @@ fn gpu_report(g: &GpuReport) -> String {
         GpuSource::None => "None",
     };
     obj(&[
-        ("source", string(source)),
+        ("source", json_string(source)),
         ("gpus", arr(g.gpus.iter().map(gpu))),
         ("processes", arr(g.processes.iter().map(process))),
         (
             "note",
-            g.note.as_deref().map_or_else(|| "null".into(), string),
+            g.note.as_deref().map_or_else(|| "null".into(), json_string),
         ),
         ("age_ms", g.age_ms.to_string()),
     ])
@@ -62,8 +64,8 @@ fn gpu_report(g: &GpuReport) -> String {
 fn gpu(g: &GpuInfo) -> String {
     obj(&[
         ("index", g.index.to_string()),
-        ("name", string(&g.name)),
-        ("uuid", string(&g.uuid)),
+        ("name", json_string(&g.name)),
+        ("uuid", json_string(&g.uuid)),
         ("util_pct", f32_opt(g.util_pct)),
         ("mem_used_mib", u64_opt(g.mem_used_mib)),
         ("mem_total_mib", u64_opt(g.mem_total_mib)),
@@ -75,7 +77,7 @@ fn gpu(g: &GpuInfo) -> String {
 fn process(p: &GpuProcess) -> String {
     obj(&[
         ("pid", p.pid.to_string()),
-        ("gpu_uuid", string(&p.gpu_uuid)),
+        ("gpu_uuid", json_string(&p.gpu_uuid)),
         ("used_mem_mib", u64_opt(p.used_mem_mib)),
     ])
 }
@@ -83,35 +85,13 @@ fn process(p: &GpuProcess) -> String {
 fn obj(fields: &[(&str, String)]) -> String {
     let body: Vec<String> = fields
         .iter()
-        .map(|(k, v)| format!("{}:{v}", string(k)))
+        .map(|(k, v)| format!("{}:{v}", json_string(k)))
         .collect();
     format!("{{{}}}", body.join(","))
 }
 
 fn arr(items: impl Iterator<Item = String>) -> String {
     format!("[{}]", items.collect::<Vec<_>>().join(","))
-}
-
-/// A JSON string literal. Rust strings are valid UTF-8, so only quotes, backslashes and control
-/// characters need escaping.
-pub(crate) fn string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if (c as u32) < 0x20 || c == '\u{7f}' => {
-                out.push_str(&format!("\\u{:04x}", c as u32))
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 /// Rust's float `Display` never uses exponents, so finite values are valid JSON numbers as-is
@@ -219,10 +199,5 @@ mod tests {
         assert_eq!(back.gpu.gpus[0].power_w, None);
         assert_eq!(back.disk, None);
         assert_eq!(back.gpu.source, GpuSource::None);
-    }
-
-    #[test]
-    fn escapes_control_characters() {
-        assert_eq!(string("a\u{0}b\u{1f}\u{7f}"), "\"a\\u0000b\\u001f\\u007f\"");
     }
 }

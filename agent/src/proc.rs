@@ -1,0 +1,848 @@
+//! Process control in one place: finding a program on PATH, spawning it in its own process group
+//! or session, waiting with a deadline, stopping the whole group and confirming it is gone, and
+//! telling a live process from a zombie or from a stranger that was given a reused pid.
+//!
+//! exec, jobs, the GPU sampler and `rsb`'s durable transfer records all need these. Separate
+//! copies had drifted apart: the Hello's tmux check took any file, exec's bash lookup fell back
+//! to directories the job runner never searched, and the job runner took relative PATH entries
+//! the GPU sampler refused; the /proc parsers disagreed about dying (`X`) processes; only exec
+//! confirmed that a killed group was gone. One module gives them one set of rules.
+//!
+//! Everything here blocks (it is called from plain threads or `spawn_blocking`) except
+//! [`terminate`], which must reap a tokio child while it waits.
+
+use std::ffi::OsStr;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+pub use rustix::process::Signal;
+use rustix::process::{Pid, kill_process_group, test_kill_process, test_kill_process_group};
+
+/// Poll interval while waiting for a process or a group to go.
+const POLL: Duration = Duration::from_millis(20);
+/// How long a killed group may take to vanish before [`output_with_deadline`] moves on.
+const KILL_VERIFY: Duration = Duration::from_secs(1);
+/// How long an exited child's pipes may take to close once the deadline has passed.
+const PIPE_GRACE: Duration = Duration::from_millis(200);
+
+// ---------------------------------------------------------------------------------------------
+// PATH
+
+/// The search path when `PATH` is unset, which happens to an agent started by `ssh host cmd`
+/// with an empty environment. It is what musl's `execvp` uses in that case.
+pub const DEFAULT_PATH: &str = "/usr/local/bin:/usr/bin:/bin";
+
+/// Find `name` the way every part of the agent does (one policy, so the Hello's capabilities,
+/// the job runner and the GPU sampler never disagree about what is installed):
+/// - `name` must be a bare program name: one with a `/` would be resolved against the cwd;
+/// - `path_var` is the PATH to search; unset (`None`) means [`DEFAULT_PATH`]. A set PATH is
+///   authoritative: a caller who took a program off PATH does not get it back from elsewhere;
+/// - empty and relative entries are skipped: POSIX reads them as the current directory, and the
+///   agent's cwd is not a place to pick programs from;
+/// - a candidate must be a regular file (after following symlinks) that this process may
+///   execute (`access(X_OK)`), so directories and files without an execute bit for us are
+///   passed over, as `execvp` would pass them over.
+pub fn find_executable(name: &str, path_var: Option<&OsStr>) -> Option<PathBuf> {
+    if name.is_empty() || name.contains('/') || name == "." || name == ".." {
+        return None;
+    }
+    search_dirs(path_var)
+        .map(|dir| dir.join(name))
+        .find(|p| is_executable_file(p))
+}
+
+/// [`find_executable`] on the agent's own PATH.
+pub fn find_on_path(name: &str) -> Option<PathBuf> {
+    find_executable(name, std::env::var_os("PATH").as_deref())
+}
+
+/// The directories [`find_executable`] looks in, in order.
+fn search_dirs(path_var: Option<&OsStr>) -> impl Iterator<Item = PathBuf> + '_ {
+    let var = path_var.unwrap_or(OsStr::new(DEFAULT_PATH));
+    std::env::split_paths(var).filter(|d| d.is_absolute())
+}
+
+fn is_executable_file(p: &Path) -> bool {
+    std::fs::metadata(p).is_ok_and(|m| m.is_file())
+        && rustix::fs::access(p, rustix::fs::Access::EXEC_OK).is_ok()
+}
+
+// ---------------------------------------------------------------------------------------------
+// /proc/<pid>/stat
+
+/// The fields of `/proc/<pid>/stat` that process control needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stat {
+    /// `R`, `S`, `D`, `T`, `Z` (zombie), `X` (dead), …
+    pub state: u8,
+    pub ppid: u32,
+    pub pgrp: i32,
+    pub session: i32,
+    /// When the process started, in clock ticks since boot. With the pid it names one process
+    /// for the life of the system: a reused pid has a later start time.
+    pub start_ticks: u64,
+}
+
+impl Stat {
+    /// Parses the text of `/proc/<pid>/stat`. The command name (field 2) may hold spaces and
+    /// parentheses, so the fields are counted from its last `)`.
+    pub fn parse(data: &[u8]) -> Option<Stat> {
+        let close = data.iter().rposition(|&b| b == b')')?;
+        let rest = std::str::from_utf8(&data[close + 1..]).ok()?;
+        let mut f = rest.split_ascii_whitespace();
+        let state = *f.next()?.as_bytes().first()?;
+        let ppid = f.next()?.parse().ok()?;
+        let pgrp = f.next()?.parse().ok()?;
+        let session = f.next()?.parse().ok()?;
+        // Fields 7 to 21 (tty … itrealvalue) are skipped; starttime is field 22.
+        let start_ticks = f.nth(15)?.parse().ok()?;
+        Some(Stat {
+            state,
+            ppid,
+            pgrp,
+            session,
+            start_ticks,
+        })
+    }
+
+    /// `None` when the process does not exist (or /proc is not mounted).
+    pub fn read(pid: u32) -> Option<Stat> {
+        Stat::parse(&std::fs::read(format!("/proc/{pid}/stat")).ok()?)
+    }
+
+    /// Exited but not yet reaped (`Z`), or being torn down (`X`). Such a process runs nothing and
+    /// holds no pipe; on a host whose init does not reap orphans it stays like this forever, so
+    /// it must never count as alive.
+    pub fn is_dead(&self) -> bool {
+        matches!(self.state, b'Z' | b'X')
+    }
+}
+
+/// Whether /proc is there to read (always on Linux; not on the systems the agent is only
+/// developed on).
+pub fn proc_available() -> bool {
+    static MOUNTED: OnceLock<bool> = OnceLock::new();
+    *MOUNTED.get_or_init(|| Path::new("/proc/self/stat").exists())
+}
+
+/// The argument vector of a process, from `/proc/<pid>/cmdline`; `None` when it is gone. A
+/// zombie, or a process in the middle of an exec, has an empty one (`[[]]`).
+pub fn args(pid: u32) -> Option<Vec<Vec<u8>>> {
+    let data = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let data = data.strip_suffix(b"\0").unwrap_or(&data);
+    Some(data.split(|&b| b == 0).map(<[u8]>::to_vec).collect())
+}
+
+/// A pid as the kernel's signed type; `None` for 0 and for values no process can have.
+fn pid_of(pid: u32) -> Option<Pid> {
+    Pid::from_raw(i32::try_from(pid).ok()?)
+}
+
+/// The start time of a live process, for recording next to its pid (see [`is_alive`]).
+/// `None` when it is gone, a zombie, or /proc is unavailable.
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    Stat::read(pid)
+        .filter(|s| !s.is_dead())
+        .map(|s| s.start_ticks)
+}
+
+/// Whether `pid` is a live process and, when `started` is given, still the one that started
+/// at that time. A pid alone is not enough: after a reboot or a long uptime the number is handed
+/// to another process, which would make a dead owner look alive forever. Zombies are not alive.
+///
+/// Without /proc (development builds on other systems) neither identity nor zombies can be
+/// told; existence alone (signal 0, where "not permitted" still means it exists) decides.
+pub fn is_alive(pid: u32, started: Option<u64>) -> bool {
+    let Some(p) = pid_of(pid) else {
+        return false;
+    };
+    match Stat::read(pid) {
+        Some(s) => !s.is_dead() && started.is_none_or(|t| t == s.start_ticks),
+        None if proc_available() => false,
+        None => !matches!(test_kill_process(p), Err(rustix::io::Errno::SRCH)),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Spawning
+
+/// Put the child in a new process group of its own, so [`Group`] can signal everything it
+/// starts (a shell's pipeline, a wrapper's helpers) and nothing else.
+pub fn new_group(cmd: &mut Command) -> &mut Command {
+    cmd.process_group(0)
+}
+
+/// Make the child the leader of a new session, hence of a new process group, with no
+/// controlling terminal: neither a closing SSH connection nor a terminal's job control reaches
+/// it. `parent_death` (Linux only) is sent to the child when the thread that spawned it exits,
+/// so a supervisor killed outright does not leave its work running unsupervised.
+pub fn new_session(cmd: &mut Command, parent_death: Option<Signal>) -> &mut Command {
+    // SAFETY: the closure runs between fork and exec and makes only the setsid and prctl
+    // system calls (rustix issues them directly), which are async-signal-safe; it allocates
+    // nothing and touches no lock or memory shared with the parent.
+    unsafe {
+        cmd.pre_exec(move || {
+            rustix::process::setsid()?;
+            #[cfg(any(target_os = "linux", target_os = "android"))]
+            if let Some(sig) = parent_death {
+                rustix::process::set_parent_process_death_signal(Some(sig))?;
+            }
+            #[cfg(not(any(target_os = "linux", target_os = "android")))]
+            let _ = parent_death;
+            Ok(())
+        })
+    }
+}
+
+/// Spawns `cmd`, retrying a few times on ETXTBSY: an executable written a moment ago can
+/// briefly fail that way while another thread's fork still holds its write descriptor. That
+/// clears within milliseconds, so a retry is cheaper than a spurious failure.
+pub fn spawn(cmd: &mut Command) -> io::Result<Child> {
+    let mut attempt = 0;
+    loop {
+        match cmd.spawn() {
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::TXTBSY.raw_os_error()) => {
+                attempt += 1;
+                if attempt == 3 {
+                    return Err(e);
+                }
+                std::thread::sleep(POLL);
+            }
+            other => return other,
+        }
+    }
+}
+
+/// Waits for the child to exit until `deadline`; `Ok(None)` means it is still running (it is
+/// neither signalled nor reaped). Polls with a backoff from 1 ms to [`POLL`], so a quick child
+/// costs about a millisecond and a slow one little CPU.
+pub fn wait_deadline(child: &mut Child, deadline: Instant) -> io::Result<Option<ExitStatus>> {
+    let mut pause = Duration::from_millis(1);
+    loop {
+        if let Some(status) = child.try_wait()? {
+            return Ok(Some(status));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(None);
+        }
+        std::thread::sleep(pause.min(deadline - now));
+        pause = (pause * 2).min(POLL);
+    }
+}
+
+/// SIGKILLs the child's group (when it leads one) and the child, then reaps it. Safe against
+/// pid reuse because the child is not reaped before the kill, so its pid, which is also the
+/// group id, cannot belong to anyone else yet. Returns whether the group was seen gone within
+/// `verify` (members other than the child may take a moment to die).
+pub fn kill_and_reap(child: &mut Child, verify: Duration) -> bool {
+    let group = Group::new(child.id());
+    if let Some(g) = group {
+        g.signal(Signal::KILL);
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    group.is_none_or(|g| g.wait_gone(Instant::now() + verify, &mut || true))
+}
+
+/// Why [`output_with_deadline`] has no output to give.
+#[derive(Debug)]
+pub enum RunError {
+    /// The program could not be started.
+    Spawn(io::Error),
+    /// Waiting failed (or no thread could be started to read a pipe); the child was killed.
+    Wait(io::Error),
+    /// The deadline passed first; the child's group was killed and the child reaped.
+    TimedOut,
+    /// The child exited, but something it started still held its output open past the
+    /// deadline; that group member was killed.
+    OutputHeld(ExitStatus),
+}
+
+/// Runs `cmd` in a new process group with stdin closed and returns its output, taking at most
+/// `max_output` bytes of each stream and never more than `timeout` (plus a short grace for the
+/// pipes to close). On a timeout the whole group is killed, so a wrapper script's `sleep` or a
+/// helper the program forked cannot keep running, or keep the pipes open, after we gave up.
+pub fn output_with_deadline(
+    cmd: &mut Command,
+    timeout: Duration,
+    max_output: u64,
+) -> Result<std::process::Output, RunError> {
+    use std::io::Read;
+    use std::process::Stdio;
+
+    let deadline = Instant::now() + timeout;
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = spawn(new_group(cmd)).map_err(RunError::Spawn)?;
+    let (tx, rx) = std::sync::mpsc::channel::<(bool, Vec<u8>)>();
+    // Both pipes are drained on their own threads: reading one while the child blocks on the
+    // other (full pipe) would look like a hang.
+    let pipes: [(bool, Option<Box<dyn Read + Send>>); 2] = [
+        (true, child.stdout.take().map(|p| Box::new(p) as _)),
+        (false, child.stderr.take().map(|p| Box::new(p) as _)),
+    ];
+    for (is_stdout, pipe) in pipes {
+        let tx = tx.clone();
+        let spawned = std::thread::Builder::new()
+            .name("rsb-child-pipe".into())
+            .spawn(move || {
+                let mut buf = Vec::new();
+                if let Some(pipe) = pipe {
+                    let _ = pipe.take(max_output).read_to_end(&mut buf);
+                }
+                let _ = tx.send((is_stdout, buf));
+            });
+        if let Err(e) = spawned {
+            kill_and_reap(&mut child, KILL_VERIFY);
+            return Err(RunError::Wait(e));
+        }
+    }
+    drop(tx);
+
+    let status = match wait_deadline(&mut child, deadline) {
+        Ok(Some(status)) => status,
+        Ok(None) => {
+            kill_and_reap(&mut child, KILL_VERIFY);
+            return Err(RunError::TimedOut);
+        }
+        Err(e) => {
+            kill_and_reap(&mut child, KILL_VERIFY);
+            return Err(RunError::Wait(e));
+        }
+    };
+    let (mut stdout, mut stderr) = (None, None);
+    for _ in 0..2 {
+        // A little grace past the deadline: the child has exited, its pipes close right away.
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .max(PIPE_GRACE);
+        match rx.recv_timeout(wait) {
+            Ok((true, buf)) => stdout = Some(buf),
+            Ok((false, buf)) => stderr = Some(buf),
+            Err(_) => break,
+        }
+    }
+    match (stdout, stderr) {
+        (Some(stdout), Some(stderr)) => Ok(std::process::Output {
+            status,
+            stdout,
+            stderr,
+        }),
+        _ => {
+            // A member of the child's group still holds a pipe, so the group id cannot have
+            // been reused, and killing the group frees the reader threads.
+            if let Some(group) = Group::new(child.id()) {
+                group.signal(Signal::KILL);
+            }
+            Err(RunError::OutputHeld(status))
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Process groups
+
+/// A process group, named by its leader's pid. Ids 0 and 1 are refused: signalling "group 0"
+/// means the caller's own group, and group 1 is init's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Group(Pid);
+
+/// How [`Group::terminate_blocking`] or [`terminate`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stopped {
+    /// Everything was gone within the grace after SIGTERM.
+    ByTerm,
+    /// SIGKILL was needed, and afterwards everything was gone.
+    ByKill,
+    /// Something was still alive when the time after SIGKILL ran out.
+    Unconfirmed,
+}
+
+impl Group {
+    pub fn new(pgid: u32) -> Option<Group> {
+        (pgid > 1).then(|| pid_of(pgid)).flatten().map(Group)
+    }
+
+    pub fn id(self) -> u32 {
+        self.0.as_raw_nonzero().get() as u32
+    }
+
+    /// Signal every member. A group that is already gone is not an error: there is nothing
+    /// left to signal, which is what the caller wanted.
+    pub fn signal(self, sig: Signal) {
+        let _ = kill_process_group(self.0, sig);
+    }
+
+    /// True while any member still runs. Zombies do not count (see [`Stat::is_dead`]); without
+    /// /proc only the kernel's "no such group" answer counts as gone.
+    pub fn is_alive(self) -> bool {
+        if let Err(rustix::io::Errno::SRCH) = test_kill_process_group(self.0) {
+            return false;
+        }
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return true;
+        };
+        let pgid = self.0.as_raw_nonzero().get();
+        dir.flatten().any(|entry| {
+            let name = entry.file_name();
+            let Some(pid) = std::str::from_utf8(name.as_bytes())
+                .ok()
+                .and_then(|s| s.parse::<u32>().ok())
+            else {
+                return false;
+            };
+            Stat::read(pid).is_some_and(|s| s.pgrp == pgid && !s.is_dead())
+        })
+    }
+
+    /// Polls until no member runs and `settled()` holds, or `deadline` passes.
+    fn wait_gone(self, deadline: Instant, settled: &mut dyn FnMut() -> bool) -> bool {
+        loop {
+            if !self.is_alive() && settled() {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            std::thread::sleep(POLL.min(deadline - now));
+        }
+    }
+
+    /// SIGTERM the group (with SIGCONT, so a stopped member can act on it), wait up to `grace`
+    /// for it to go, SIGKILL what is left, and wait up to `verify` to see it gone. `settled` is
+    /// the caller's own part of "gone" (jobs wait for the wrapper to record the end); it is
+    /// polled together with the group. For a group whose leader is not our child: a child of
+    /// ours must be reaped meanwhile, which is what [`terminate`] does.
+    pub fn terminate_blocking(
+        self,
+        grace: Duration,
+        verify: Duration,
+        mut settled: impl FnMut() -> bool,
+    ) -> Stopped {
+        self.signal(Signal::TERM);
+        self.signal(Signal::CONT);
+        if self.wait_gone(Instant::now() + grace, &mut settled) {
+            return Stopped::ByTerm;
+        }
+        self.signal(Signal::KILL);
+        if self.wait_gone(Instant::now() + verify, &mut settled) {
+            Stopped::ByKill
+        } else {
+            Stopped::Unconfirmed
+        }
+    }
+}
+
+async fn group_alive(group: Group) -> bool {
+    tokio::task::spawn_blocking(move || group.is_alive())
+        .await
+        .unwrap_or(true)
+}
+
+/// Reaps the leader (a tokio child) and waits for the whole group to go, up to `deadline`.
+/// `status` keeps the leader's exit once it has been collected.
+async fn wait_group_gone(
+    leader: &mut tokio::process::Child,
+    group: Group,
+    status: &mut Option<Option<ExitStatus>>,
+    deadline: tokio::time::Instant,
+) -> bool {
+    loop {
+        let tick = (tokio::time::Instant::now() + POLL).min(deadline);
+        if status.is_some() {
+            if !group_alive(group).await {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep_until(tick).await;
+        } else {
+            tokio::select! {
+                s = leader.wait() => *status = Some(s.ok()),
+                _ = tokio::time::sleep_until(tick) => {
+                    if tokio::time::Instant::now() >= deadline {
+                        return false;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// [`Group::terminate_blocking`] for a group led by a tokio child of this process, which is
+/// reaped while waiting (an unreaped leader would be a zombie, and its exit status is wanted).
+/// Returns the leader's exit status when it was collected in time, and how the group ended.
+pub async fn terminate(
+    leader: &mut tokio::process::Child,
+    group: Group,
+    grace: Duration,
+    verify: Duration,
+) -> (Option<ExitStatus>, Stopped) {
+    let mut status = None;
+    group.signal(Signal::TERM);
+    group.signal(Signal::CONT);
+    let now = tokio::time::Instant::now;
+    let stopped = if wait_group_gone(leader, group, &mut status, now() + grace).await {
+        Stopped::ByTerm
+    } else {
+        group.signal(Signal::KILL);
+        if wait_group_gone(leader, group, &mut status, now() + verify).await {
+            Stopped::ByKill
+        } else {
+            Stopped::Unconfirmed
+        }
+    };
+    (status.flatten(), stopped)
+}
+
+/// SIGKILLs a group when dropped while armed: a future dropped mid-flight (the agent shutting
+/// down with a request running) must not leave the group behind, and `kill_on_drop` alone
+/// reaches only the leader.
+pub struct KillOnDrop {
+    group: Group,
+    armed: bool,
+}
+
+impl KillOnDrop {
+    pub fn new(group: Group) -> Self {
+        KillOnDrop { group, armed: true }
+    }
+
+    /// The group finished on its own terms: leave whatever it still runs alone.
+    pub fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if self.armed {
+            self.group.signal(Signal::KILL);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::Stdio;
+
+    const PATIENCE: Duration = Duration::from_secs(10);
+
+    fn sh(script: &str) -> Command {
+        let mut cmd = Command::new("/bin/sh");
+        cmd.arg("-c")
+            .arg(script)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        cmd
+    }
+
+    fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+        let deadline = Instant::now() + PATIENCE;
+        while !f() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(POLL);
+        }
+    }
+
+    fn read_pid(path: &Path) -> u32 {
+        let mut pid = None;
+        wait_for("the pid file", || {
+            pid = std::fs::read_to_string(path)
+                .ok()
+                .and_then(|s| s.trim().parse().ok());
+            pid.is_some()
+        });
+        pid.unwrap()
+    }
+
+    #[test]
+    fn a_group_ignoring_sigterm_is_killed_after_the_grace_and_seen_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let bg = dir.path().join("bg.pid");
+        // The ignored TERM is inherited by both sleeps; the background one also outlives the
+        // leader's view, so only a group-wide SIGKILL ends it.
+        let script = format!(
+            "trap '' TERM; sleep 30 & echo $! > '{}'; sleep 30",
+            bg.display()
+        );
+        let mut child = spawn(new_group(&mut sh(&script))).unwrap();
+        let group = Group::new(child.id()).unwrap();
+        let bg_pid = read_pid(&bg);
+        assert!(group.is_alive());
+        let grace = Duration::from_millis(300);
+        let t = Instant::now();
+        let stopped = group.terminate_blocking(grace, Duration::from_secs(5), || true);
+        assert_eq!(stopped, Stopped::ByKill);
+        assert!(
+            t.elapsed() >= grace,
+            "SIGKILL before the grace: {:?}",
+            t.elapsed()
+        );
+        // Verified gone although the leader is still an unreaped zombie of ours.
+        assert!(!group.is_alive());
+        assert!(!is_alive(bg_pid, None), "the background member survived");
+        let status = child.wait().unwrap();
+        assert_eq!(status.signal(), Some(Signal::KILL.as_raw()));
+    }
+
+    #[test]
+    fn a_group_that_obeys_sigterm_stops_within_the_grace() {
+        let mut child = spawn(new_group(&mut sh("sleep 30"))).unwrap();
+        let group = Group::new(child.id()).unwrap();
+        let stopped = group.terminate_blocking(PATIENCE, Duration::from_secs(1), || true);
+        assert_eq!(stopped, Stopped::ByTerm);
+        assert_eq!(child.wait().unwrap().signal(), Some(Signal::TERM.as_raw()));
+    }
+
+    #[test]
+    fn terminate_reaps_a_tokio_leader_and_reports_its_status() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ready = dir.path().join("ready");
+        rt.block_on(async {
+            let mut cmd = tokio::process::Command::new("/bin/sh");
+            // The marker is written after the trap, so SIGTERM cannot arrive before it is set.
+            let script = format!("trap '' TERM; echo $$ > '{}'; sleep 30", ready.display());
+            cmd.args(["-c", &script])
+                .stdin(Stdio::null())
+                .kill_on_drop(true);
+            new_group(cmd.as_std_mut());
+            let mut child = cmd.spawn().unwrap();
+            let group = Group::new(child.id().unwrap()).unwrap();
+            read_pid(&ready);
+            let mut guard = KillOnDrop::new(group);
+            let (status, stopped) = terminate(
+                &mut child,
+                group,
+                Duration::from_millis(200),
+                Duration::from_secs(5),
+            )
+            .await;
+            guard.disarm();
+            assert_eq!(stopped, Stopped::ByKill);
+            assert_eq!(status.and_then(|s| s.signal()), Some(Signal::KILL.as_raw()));
+            assert!(!group.is_alive());
+        });
+    }
+
+    #[test]
+    fn kill_on_drop_kills_the_group() {
+        let mut child = spawn(new_group(&mut sh("sleep 30"))).unwrap();
+        let group = Group::new(child.id()).unwrap();
+        drop(KillOnDrop::new(group));
+        assert_eq!(child.wait().unwrap().signal(), Some(Signal::KILL.as_raw()));
+        let mut disarmed = KillOnDrop::new(group);
+        disarmed.disarm();
+    }
+
+    #[test]
+    fn groups_that_would_address_others_are_refused() {
+        assert_eq!(Group::new(0), None);
+        assert_eq!(Group::new(1), None);
+        assert_eq!(Group::new(u32::MAX), None);
+        assert_eq!(Group::new(4242).map(Group::id), Some(4242));
+    }
+
+    #[test]
+    fn identity_rejects_a_reused_pid_and_a_zombie() {
+        let me = std::process::id();
+        let start = start_ticks(me).expect("/proc/self/stat is readable");
+        assert!(is_alive(me, None));
+        assert!(is_alive(me, Some(start)));
+        // Same pid, another start time: the recorded process is gone and the pid reused.
+        assert!(!is_alive(me, Some(start + 1)));
+        assert!(!is_alive(0, None));
+        assert!(!is_alive(u32::MAX, None));
+
+        // A child that exited but is not reaped yet is a zombie: not alive, whatever its start.
+        let mut child = spawn(&mut sh("exit 0")).unwrap();
+        let pid = child.id();
+        let recorded = Stat::read(pid).map(|s| s.start_ticks);
+        wait_for("the child to become a zombie", || {
+            Stat::read(pid).is_some_and(|s| s.is_dead())
+        });
+        assert!(!is_alive(pid, None));
+        assert!(!is_alive(pid, recorded));
+        assert_eq!(start_ticks(pid), None);
+        child.wait().unwrap();
+        assert!(!is_alive(pid, None), "reaped");
+    }
+
+    #[test]
+    fn stat_parsing_survives_awkward_command_names() {
+        let line =
+            b"4242 (a) b (c) d) S 1 4242 4242 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 0 0";
+        assert_eq!(
+            Stat::parse(line),
+            Some(Stat {
+                state: b'S',
+                ppid: 1,
+                pgrp: 4242,
+                session: 4242,
+                start_ticks: 987654,
+            })
+        );
+        assert_eq!(Stat::parse(b"1 (x) Z 0 1 1"), None, "truncated");
+        assert_eq!(Stat::parse(b"no parenthesis"), None);
+        // spawn returns once the exec has begun, and a read in the middle of an exec sees an
+        // empty command line (the new argument pages are not set up yet): wait for it.
+        // (`; :` keeps sh from exec'ing sleep, which would change the command line again.)
+        let mut child = spawn(Command::new("/bin/sh").args(["-c", "sleep 30; :", "a b"])).unwrap();
+        let mut argv = Vec::new();
+        wait_for("the command line", || {
+            argv = args(child.id()).unwrap();
+            argv != [Vec::<u8>::new()]
+        });
+        assert_eq!(argv, [&b"/bin/sh"[..], b"-c", b"sleep 30; :", b"a b"]);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let me = Stat::read(std::process::id()).unwrap();
+        assert!(!me.is_dead());
+        assert_eq!(Some(me.start_ticks), start_ticks(std::process::id()));
+    }
+
+    fn write_file(path: &Path, mode: u32) {
+        std::fs::write(path, "#!/bin/sh\nexit 0\n").unwrap();
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+
+    #[test]
+    fn path_policy() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (a, b, c) = (
+            tmp.path().join("a"),
+            tmp.path().join("b"),
+            tmp.path().join("c"),
+        );
+        for d in [&a, &b, &c] {
+            std::fs::create_dir(d).unwrap();
+        }
+        write_file(&a.join("tool"), 0o644); // not executable
+        std::fs::create_dir(b.join("tool")).unwrap(); // a directory, though it has x bits
+        write_file(&c.join("tool"), 0o755);
+        let path = std::env::join_paths([&a, &b, &c]).unwrap();
+        assert_eq!(find_executable("tool", Some(&path)), Some(c.join("tool")));
+        let only_bad = std::env::join_paths([&a, &b]).unwrap();
+        assert_eq!(find_executable("tool", Some(&only_bad)), None);
+
+        // Empty and relative entries are never searched (they would mean the cwd).
+        let mut messy = b"::rel/dir:.:".to_vec();
+        messy.extend_from_slice(c.as_os_str().as_bytes());
+        messy.push(b':');
+        let messy = OsStr::from_bytes(&messy);
+        let dirs: Vec<PathBuf> = search_dirs(Some(messy)).collect();
+        assert_eq!(dirs, vec![c.clone()]);
+        assert_eq!(find_executable("tool", Some(messy)), Some(c.join("tool")));
+
+        // A set PATH is authoritative, even when empty; an unset one means the default.
+        assert_eq!(find_executable("sh", Some(OsStr::new(""))), None);
+        let sh = find_executable("sh", None).expect("sh in the default PATH");
+        assert!(sh.starts_with("/usr") || sh.starts_with("/bin"), "{sh:?}");
+        let default: Vec<PathBuf> = search_dirs(None).collect();
+        assert_eq!(
+            default,
+            ["/usr/local/bin", "/usr/bin", "/bin"].map(PathBuf::from)
+        );
+
+        // Only bare names: anything with a slash would be resolved against the cwd.
+        for bad in ["", ".", "..", "c/tool", "/bin/sh"] {
+            assert_eq!(find_executable(bad, Some(&path)), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn wait_deadline_returns_none_while_running_and_kill_and_reap_ends_it() {
+        let mut child = spawn(new_group(&mut sh("sleep 30"))).unwrap();
+        let t = Instant::now();
+        let r = wait_deadline(&mut child, t + Duration::from_millis(100)).unwrap();
+        assert!(r.is_none());
+        assert!(t.elapsed() >= Duration::from_millis(100));
+        let group = Group::new(child.id()).unwrap();
+        assert!(kill_and_reap(&mut child, Duration::from_secs(5)));
+        assert!(!group.is_alive());
+        let mut quick = spawn(&mut sh("exit 3")).unwrap();
+        let status = wait_deadline(&mut quick, Instant::now() + PATIENCE).unwrap();
+        assert_eq!(status.and_then(|s| s.code()), Some(3));
+    }
+
+    #[test]
+    fn output_with_deadline_captures_caps_and_kills_on_timeout() {
+        let out = output_with_deadline(
+            &mut sh_piped("printf out; printf err >&2; exit 2"),
+            PATIENCE,
+            1024,
+        )
+        .unwrap();
+        assert_eq!(
+            (out.stdout.as_slice(), out.stderr.as_slice()),
+            (&b"out"[..], &b"err"[..])
+        );
+        assert_eq!(out.status.code(), Some(2));
+        let out =
+            output_with_deadline(&mut sh_piped("head -c 100000 /dev/zero"), PATIENCE, 10).unwrap();
+        assert_eq!(out.stdout.len(), 10, "capped");
+
+        let dir = tempfile::tempdir().unwrap();
+        let bg = dir.path().join("bg.pid");
+        let script = format!("sleep 30 & echo $! > '{}'; sleep 30", bg.display());
+        let t = Instant::now();
+        let r = output_with_deadline(&mut sh_piped(&script), Duration::from_millis(500), 1024);
+        assert!(matches!(r, Err(RunError::TimedOut)), "{r:?}");
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(
+            !is_alive(read_pid(&bg), None),
+            "the background sleep outlived the timeout"
+        );
+
+        // The shell exits at once, but its background child keeps stdout open.
+        let script = format!("sleep 30 & echo $! > '{}'", bg.display());
+        let r = output_with_deadline(&mut sh_piped(&script), Duration::from_millis(300), 1024);
+        assert!(
+            matches!(r, Err(RunError::OutputHeld(s)) if s.success()),
+            "{r:?}"
+        );
+        let held = read_pid(&bg);
+        wait_for("the pipe holder to be killed", || !is_alive(held, None));
+
+        let r = output_with_deadline(&mut Command::new("/nonexistent/x"), PATIENCE, 1);
+        assert!(matches!(r, Err(RunError::Spawn(_))), "{r:?}");
+    }
+
+    fn sh_piped(script: &str) -> Command {
+        let mut cmd = Command::new("/bin/sh");
+        cmd.arg("-c").arg(script);
+        cmd
+    }
+
+    #[test]
+    fn new_session_makes_a_session_leader() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("sid");
+        let mut cmd = sh(&format!("sleep 30 & echo $! > '{}'; wait", out.display()));
+        let mut child = spawn(new_session(&mut cmd, Some(Signal::TERM))).unwrap();
+        let pid = child.id();
+        let bg = read_pid(&out);
+        let stat = Stat::read(pid).unwrap();
+        assert_eq!((stat.session, stat.pgrp), (pid as i32, pid as i32));
+        assert_eq!(Stat::read(bg).map(|s| s.session), Some(pid as i32));
+        assert!(kill_and_reap(&mut child, Duration::from_secs(5)));
+        assert!(!is_alive(bg, None));
+    }
+}
