@@ -49,7 +49,7 @@ use record::Record;
 use rustix::io::Errno;
 
 use crate::proc;
-use crate::util::{self, json_string};
+use crate::util::json_string;
 
 /// Appended to every name error so the caller can fix the name without reading docs.
 const NAME_RULE: &str = "use 1-64 characters from A-Z a-z 0-9 _ -";
@@ -689,7 +689,7 @@ fn launch_tmux(ctx: &Ctx, dir: &Path, tmux: &Path, name: &str, id: &str) -> Resu
         for a in &argv {
             line.push(b' ');
             // tmux before 3.0 runs its command through a shell.
-            line.extend_from_slice(&util::shell_quote(a.as_bytes()));
+            line.extend_from_slice(&rsb_rules::shell::quote(a.as_bytes()));
         }
         cmd.arg(OsStr::from_bytes(&line));
     }

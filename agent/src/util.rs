@@ -96,23 +96,6 @@ pub fn json_string(s: &str) -> String {
     out
 }
 
-/// One POSIX shell word: single-quoted, with each `'` written as `'\''`. Only for strings the
-/// agent must hand to a shell it does not control (tmux before 3.0 runs its command that way);
-/// everything else is passed as argv.
-pub fn shell_quote(s: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(s.len() + 2);
-    out.push(b'\'');
-    for &b in s {
-        if b == b'\'' {
-            out.extend_from_slice(b"'\\''");
-        } else {
-            out.push(b);
-        }
-    }
-    out.push(b'\'');
-    out
-}
-
 /// blake3 of a file, streamed (the agent never holds a whole file in memory to hash it).
 pub fn hash_file(path: &Path) -> io::Result<String> {
     let file = std::fs::File::open(path)?;
@@ -191,14 +174,5 @@ mod tests {
             let back: String = serde_json::from_str(&quoted).unwrap();
             assert_eq!(back, s, "{c:#x} does not read back");
         }
-    }
-
-    #[test]
-    fn shell_quote_makes_one_inert_word() {
-        assert_eq!(shell_quote(b"a b"), b"'a b'");
-        assert_eq!(shell_quote(b"it's"), b"'it'\\''s'");
-        assert_eq!(shell_quote(b"$(x);`y`"), b"'$(x);`y`'");
-        assert_eq!(shell_quote(b""), b"''");
-        assert_eq!(shell_quote(b"\xff\n"), b"'\xff\n'");
     }
 }

@@ -152,21 +152,8 @@ pub fn embedded_triples() -> Vec<&'static str> {
     EMBEDDED.iter().map(|(t, _)| *t).collect()
 }
 
-/// Quote `s` as one word for a POSIX shell. Used only for paths we must hand to the login
-/// shell that sshd runs (the agent itself receives everything else as data).
-pub fn shell_quote(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('\'');
-    for c in s.chars() {
-        if c == '\'' {
-            out.push_str("'\\''");
-        } else {
-            out.push(c);
-        }
-    }
-    out.push('\'');
-    out
-}
+/// Paths handed to the login shell that sshd runs go through the one shell quoter.
+pub use rsb_rules::shell::quote_str as shell_quote;
 
 /// Facts about the remote needed to choose and place an agent.
 #[derive(Debug, Clone, PartialEq)]

@@ -874,7 +874,7 @@ fn timestamps_and_quoting() {
     let tricky = "/tmp/it's a \"dir\"/$(x) `y` \\z";
     let line = [
         b"printf %s ".as_slice(),
-        &crate::util::shell_quote(tricky.as_bytes()),
+        &rsb_rules::shell::quote(tricky.as_bytes()),
     ]
     .concat();
     let out = Command::new("sh")

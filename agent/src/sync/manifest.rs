@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use crate::fs::Level;
 use rsb_protocol::sync::STAGING_PREFIX;
 use rsb_protocol::{
     AgentError, Chunk, ErrorCode, FileKind, ManifestEntry, ManifestRequest, ManifestSummary,
@@ -133,29 +134,6 @@ pub fn scan(
     scan.finish()
 }
 
-/// One directory being walked: its sorted names and how far the walk has got.
-struct Level {
-    dir: PathBuf,
-    rel: String,
-    names: Vec<std::ffi::OsString>,
-    next: usize,
-}
-
-impl Level {
-    fn read(dir: PathBuf, rel: String) -> std::io::Result<Level> {
-        let mut names = fs::read_dir(&dir)?
-            .map(|e| e.map(|e| e.file_name()))
-            .collect::<std::io::Result<Vec<_>>>()?;
-        names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
-        Ok(Level {
-            dir,
-            rel,
-            names,
-            next: 0,
-        })
-    }
-}
-
 struct Pending {
     idx: usize,
     path: PathBuf,
@@ -217,11 +195,10 @@ impl<'a> Scanner<'a> {
     fn walk(&mut self, first: Level) -> Result<(), AgentError> {
         let mut stack = vec![first];
         while let Some(level) = stack.last_mut() {
-            let Some(name) = level.names.get(level.next).cloned() else {
+            let Some(name) = level.next_name() else {
                 stack.pop();
                 continue;
             };
-            level.next += 1;
             if self.cancel.is_cancelled() {
                 return Err(cancelled());
             }
