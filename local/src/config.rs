@@ -249,10 +249,14 @@ fn real_env(key: &str) -> Option<String> {
     std::env::var(key).ok()
 }
 
-/// `RSB_STATE_DIR`, else the platform data dir for "rsb", else `~/.local/share/rsb`. Pure.
+/// `RSB_STATE_DIR`, else the seed's `REMOTE_SANDBOX_MCP_HOME` (so a user moving from the Python
+/// server keeps one place for state; rsb's files there do not collide with the seed's), else the
+/// platform data dir for "rsb", else `~/.local/share/rsb`. Pure.
 fn resolve_state_dir(env: &dyn Fn(&str) -> Option<String>, home: &Path) -> PathBuf {
-    if let Some(dir) = env("RSB_STATE_DIR").filter(|s| !s.trim().is_empty()) {
-        return expand_tilde(dir.trim(), home);
+    for var in ["RSB_STATE_DIR", "REMOTE_SANDBOX_MCP_HOME"] {
+        if let Some(dir) = env(var).filter(|s| !s.trim().is_empty()) {
+            return expand_tilde(dir.trim(), home);
+        }
     }
     project_dirs()
         .map(|p| p.data_dir().to_path_buf())
@@ -1099,7 +1103,14 @@ fn parse_legacy(host: &str, ctx: &mut BuildCtx<'_>) -> Result<SandboxConfig, Con
 // TOML file
 // ---------------------------------------------------------------------------------------------
 
-const TOP_LEVEL_FIELDS: [&str; 3] = ["host_key_policy", "connect_timeout_s", "sandbox"];
+/// `watchdog` is read by `crate::watchdog::settings` (alert hooks the user allows in their own
+/// file), not here.
+const TOP_LEVEL_FIELDS: [&str; 4] = [
+    "host_key_policy",
+    "connect_timeout_s",
+    "sandbox",
+    "watchdog",
+];
 
 fn toml_to_json(v: toml::Value) -> Value {
     match v {
@@ -1791,6 +1802,26 @@ mod tests {
         );
         let c = load_with(&home, &[("RSB_STATE_DIR", "")], None, None).unwrap();
         assert!(c.state_dir.ends_with("rsb"), "{}", c.state_dir.display());
+        // The seed's variable is honoured; RSB_STATE_DIR still wins.
+        let c = load_with(
+            &home,
+            &[("REMOTE_SANDBOX_MCP_HOME", "~/seed"), ("RSB_STATE_DIR", "")],
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.state_dir, home.path().join("seed"));
+        let c = load_with(
+            &home,
+            &[
+                ("REMOTE_SANDBOX_MCP_HOME", "~/seed"),
+                ("RSB_STATE_DIR", "/x"),
+            ],
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.state_dir, PathBuf::from("/x"));
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;

@@ -11,5 +11,6 @@ pub mod mcp;
 pub mod ops;
 pub mod pool;
 pub mod ssh;
+pub mod store;
 pub mod sync;
 pub mod transfers;
