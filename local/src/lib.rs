@@ -14,3 +14,4 @@ pub mod ssh;
 pub mod store;
 pub mod sync;
 pub mod transfers;
+pub mod watchdog;
