@@ -91,6 +91,16 @@ enum Cmd {
         #[command(subcommand)]
         cmd: JobsCmd,
     },
+    /// The local daemon that watches long jobs: run, install, uninstall, status.
+    Watchdog {
+        #[command(subcommand)]
+        cmd: rsb::watchdog::cli::WatchdogCmd,
+    },
+    /// Watches of long jobs: list, show, events, cancel.
+    Watch {
+        #[command(subcommand)]
+        cmd: rsb::watchdog::cli::WatchCmd,
+    },
 }
 
 #[derive(Subcommand)]
@@ -183,6 +193,16 @@ fn print_value(json: bool, v: &Value) {
 }
 
 async fn run(cli: Cli) -> u8 {
+    // The watchdog needs only the state dir (it reads persisted, secret-free sandboxes).
+    match cli.cmd {
+        Cmd::Watchdog { cmd } => {
+            return rsb::watchdog::cli::watchdog(cmd, cli.json, &rsb::config::state_dir()).await;
+        }
+        Cmd::Watch { cmd } => {
+            return rsb::watchdog::cli::watch(cmd, cli.json, &rsb::config::state_dir()).await;
+        }
+        _ => {}
+    }
     let config = match Config::load() {
         Ok(c) => c,
         Err(e) => {
@@ -216,7 +236,7 @@ async fn run(cli: Cli) -> u8 {
     let pool = Arc::new(Pool::new(Arc::new(config)));
     let json = cli.json;
     let code = match cli.cmd {
-        Cmd::Mcp => unreachable!(),
+        Cmd::Mcp | Cmd::Watchdog { .. } | Cmd::Watch { .. } => unreachable!(),
         Cmd::Sandboxes { resources } => {
             let v = sandboxes::list(&pool, resources).await;
             if json {
