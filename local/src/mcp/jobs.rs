@@ -56,23 +56,23 @@ pub struct ExecBackgroundParams {
     pub cwd: String,
     #[serde(default)]
     pub sandbox_name: String,
-    /// Register a local watchdog watch (returns watch_id).
+    /// Watchdog watch (returns watch_id).
     #[serde(default = "d_true")]
     pub watch: bool,
-    /// Start the watchdog daemon if none runs.
+    /// Start the watchdog if needed.
     #[serde(default = "d_true")]
     pub ensure_watchdog: bool,
     #[serde(default)]
     pub run_id: String,
     #[serde(default)]
     pub watch_name: String,
-    /// Run by auto_resume after an interruption.
+    /// For auto_resume.
     #[serde(default)]
     pub resume_command: String,
-    /// JSON object: resume_command, checkpoint_path, cwd.
+    /// JSON: resume_command, checkpoint_path, cwd.
     #[serde(default)]
     pub resume_plan_json: String,
-    /// File the job writes progress to; given to resumes as RSB_CHECKPOINT.
+    /// Progress file; resumes get it as RSB_CHECKPOINT.
     #[serde(default)]
     pub checkpoint_path: String,
     /// text or json.
@@ -89,10 +89,10 @@ pub struct ExecBackgroundParams {
     /// Needs RSB_ALLOW_WATCH_HOOKS=1.
     #[serde(default)]
     pub webhook_url: String,
-    /// Local command per event; needs RSB_ALLOW_WATCH_HOOKS=1.
+    /// Local command per event (RSB_ALLOW_WATCH_HOOKS=1).
     #[serde(default)]
     pub event_command: String,
-    /// Run resume_command when the job is interrupted (never after an exit).
+    /// Rerun on interruption, never after an exit.
     #[serde(default)]
     pub auto_resume: bool,
     #[serde(default = "d_1")]
@@ -107,12 +107,12 @@ pub struct ExecBackgroundParams {
     pub alert_after_failures: i64,
     #[serde(default = "d_300")]
     pub resume_delay_s: i64,
-    /// Run codex on events; needs RSB_ALLOW_WATCH_HOOKS=1.
+    /// Needs RSB_ALLOW_WATCH_HOOKS=1.
     #[serde(default)]
     pub codex_wakeup: bool,
     #[serde(default)]
     pub codex_command: String,
-    /// Event when the log stops growing this long; 0 = off.
+    /// Seconds without log growth before a stalled event; 0=off.
     #[serde(default)]
     pub stall_after_s: i64,
 }
