@@ -860,7 +860,6 @@ impl Mcp {
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("HOME", home)
             .env("XDG_CONFIG_HOME", home.join(".config"))
-            .env("RSB_CONFIG", home.join("rsb.toml"))
             .env("RSB_STATE_DIR", state)
             .env("REMOTE_SANDBOX_LIST", list)
             .env("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "yes");
