@@ -63,7 +63,14 @@ fn args(interval_s: i64) -> wops::WatchArgs {
     }
 }
 
-async fn watch_job(pool: &Pool, state: &Path, sb: &str, name: &str, cmd: &str, interval_s: i64) -> i64 {
+async fn watch_job(
+    pool: &Pool,
+    state: &Path,
+    sb: &str,
+    name: &str,
+    cmd: &str,
+    interval_s: i64,
+) -> i64 {
     let mut nw = wops::prepare(&args(interval_s), true, true).unwrap();
     let c = pool.client(sb).await.unwrap();
     let v = jobs::start(&c, cmd, name, "", "").await.unwrap();
@@ -112,7 +119,14 @@ async fn completed_lag_ms(pool: &Pool, state: &Path, sb: &str, name: &str, inter
             .ok();
         if let Some(created) = ev {
             let req = jobs::status_request(name, "", 1, None, 1).unwrap();
-            let ended = c.job_status(req).await.unwrap().info.unwrap().ended_ms.unwrap() as i64;
+            let ended = c
+                .job_status(req)
+                .await
+                .unwrap()
+                .info
+                .unwrap()
+                .ended_ms
+                .unwrap() as i64;
             return created - ended;
         }
         assert!(t0.elapsed() < Duration::from_secs(60), "no completed event");
@@ -153,7 +167,10 @@ async fn main() {
         let sb = format!("sb{}", i % SANDBOXES);
         watch_job(&pool, &state, &sb, &format!("w{i}"), "sleep 3600", 5).await;
     }
-    println!("started and registered {WATCHES} jobs in {:.1}s", t0.elapsed().as_secs_f64());
+    println!(
+        "started and registered {WATCHES} jobs in {:.1}s",
+        t0.elapsed().as_secs_f64()
+    );
 
     let log = std::fs::File::create(tmp.path().join("daemon.log")).unwrap();
     let mut child = Command::new(&bin)
@@ -184,10 +201,16 @@ async fn main() {
         if n as usize >= WATCHES {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(120), "only {n} watches checked");
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "only {n} watches checked"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    println!("warm-up: all {WATCHES} watches checked after {:.1}s", t0.elapsed().as_secs_f64());
+    println!(
+        "warm-up: all {WATCHES} watches checked after {:.1}s",
+        t0.elapsed().as_secs_f64()
+    );
     tokio::time::sleep(Duration::from_secs(5)).await;
     let (c0, w0) = (cpu_ticks(pid), Instant::now());
     let mut rss_max = 0;

@@ -60,7 +60,8 @@ impl Daemon {
         let log = home.join(format!("daemon-{}.log", unique_n()));
         let f = std::fs::File::create(&log).unwrap();
         let mut cmd = Command::new(rsb_bin());
-        cmd.args(["watchdog", "run", "--loop-sleep", "1"]).args(extra);
+        cmd.args(["watchdog", "run", "--loop-sleep", "1"])
+            .args(extra);
         base_env(&mut cmd, home, state);
         cmd.stdin(Stdio::null())
             .stdout(f.try_clone().unwrap())
@@ -253,12 +254,22 @@ async fn exits_complete_interruptions_resume_with_their_checkpoint() {
 
     let daemon = Daemon::start(tmp.path(), &state, &[]);
 
-    let e = wait_events(&state, exit3, Duration::from_secs(20), "completed", has("completed")).await;
+    let e = wait_events(
+        &state,
+        exit3,
+        Duration::from_secs(20),
+        "completed",
+        has("completed"),
+    )
+    .await;
     assert_eq!(types(&e), ["completed"]);
     assert_eq!(e[0].payload["exit_code"], 3);
     assert_eq!(e[0].payload["watch"]["status"], "completed");
     assert!(
-        e[0].payload["log_tail"].as_str().unwrap().contains("EXIT_CODE=3"),
+        e[0].payload["log_tail"]
+            .as_str()
+            .unwrap()
+            .contains("EXIT_CODE=3"),
         "{}",
         e[0].payload
     );
@@ -269,16 +280,30 @@ async fn exits_complete_interruptions_resume_with_their_checkpoint() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let file: Value = serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
-    for k in ["id", "watch_id", "event_type", "summary", "created_ts", "payload"] {
+    for k in [
+        "id",
+        "watch_id",
+        "event_type",
+        "summary",
+        "created_ts",
+        "payload",
+    ] {
         assert!(file.get(k).is_some(), "{k} missing in {file}");
     }
     use std::os::unix::fs::PermissionsExt;
-    assert_eq!(std::fs::metadata(&f).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(
+        std::fs::metadata(&f).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
 
     // Running first, then the tmux session killed from outside: interrupted, resumed.
-    wait_events(&state, victim, Duration::from_secs(20), "first check", |_| {
-        watch(&state, victim).last_state == "running"
-    })
+    wait_events(
+        &state,
+        victim,
+        Duration::from_secs(20),
+        "first check",
+        |_| watch(&state, victim).last_state == "running",
+    )
     .await;
     sshd.ssh_run("tmux kill-session -t =victim").unwrap();
     let e = wait_events(
@@ -306,7 +331,14 @@ async fn exits_complete_interruptions_resume_with_their_checkpoint() {
     assert_eq!(w.last_checkpoint_text, "{\"step\": 3}");
 
     // Exit 0 with auto_resume on: completed, never resumed.
-    let e = wait_events(&state, clean, Duration::from_secs(20), "completed", has("completed")).await;
+    let e = wait_events(
+        &state,
+        clean,
+        Duration::from_secs(20),
+        "completed",
+        has("completed"),
+    )
+    .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(types(&events_of(&state, clean)), ["completed"]);
     assert_eq!(e[0].payload["exit_code"], 0);
@@ -314,7 +346,14 @@ async fn exits_complete_interruptions_resume_with_their_checkpoint() {
     assert_eq!(watch(&state, clean).resume_attempts, 0);
 
     // A quiet log: one `stalled`, not one per tick.
-    wait_events(&state, stall, Duration::from_secs(20), "stalled", has("stalled")).await;
+    wait_events(
+        &state,
+        stall,
+        Duration::from_secs(20),
+        "stalled",
+        has("stalled"),
+    )
+    .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(types(&events_of(&state, stall)), ["stalled"]);
 
@@ -357,9 +396,13 @@ async fn an_outage_alerts_once_and_recovers() {
     assert!(w.consecutive_ssh_failures >= 2, "{w:?}");
     // Several more failed checks: still one event.
     let n = w.consecutive_ssh_failures;
-    wait_events(&state, id, Duration::from_secs(40), "more failed checks", |_| {
-        watch(&state, id).consecutive_ssh_failures >= n + 3
-    })
+    wait_events(
+        &state,
+        id,
+        Duration::from_secs(40),
+        "more failed checks",
+        |_| watch(&state, id).consecutive_ssh_failures >= n + 3,
+    )
     .await;
     assert_eq!(types(&events_of(&state, id)), ["ssh_unreachable"]);
 
@@ -374,7 +417,10 @@ async fn an_outage_alerts_once_and_recovers() {
     .await;
     assert_eq!(types(&e), ["ssh_unreachable", "running_restored"]);
     let w = watch(&state, id);
-    assert_eq!((w.status.as_str(), w.last_state.as_str()), ("active", "running"));
+    assert_eq!(
+        (w.status.as_str(), w.last_state.as_str()),
+        ("active", "running")
+    );
     assert_eq!(w.consecutive_ssh_failures, 0);
     // It carries on: still checked every second.
     let checked = w.last_checked_ts;
@@ -394,16 +440,20 @@ async fn ten_watches_on_a_dead_host_do_not_delay_a_live_one() {
     // The dead host answers nothing at all (black hole): every connect runs to its timeout.
     let (proxy, mut dead) = proxied_target(&sshd, tmp.path());
     dead.connect_timeout = Duration::from_secs(3);
-    let live = target(&sshd, sshd.port(), key_auth(&sshd), &tmp.path().join("known_hosts"));
+    let live = target(
+        &sshd,
+        sshd.port(),
+        key_auth(&sshd),
+        &tmp.path().join("known_hosts"),
+    );
     let pool = pool_of(
         vec![sandbox("live", live), sandbox("dead", dead)],
         tmp.path(),
     );
     let mut dead_ids = Vec::new();
     for i in 0..10 {
-        dead_ids.push(
-            watch_job(&pool, &state, "dead", &format!("d{i}"), "sleep 300", args()).await,
-        );
+        dead_ids
+            .push(watch_job(&pool, &state, "dead", &format!("d{i}"), "sleep 300", args()).await);
     }
     pool.shutdown().await;
     proxy.blackhole(true);
@@ -412,9 +462,23 @@ async fn ten_watches_on_a_dead_host_do_not_delay_a_live_one() {
     let c = pool.client("live").await.unwrap();
 
     let daemon = Daemon::start(tmp.path(), &state, &[]);
-    let e = wait_events(&state, live_id, Duration::from_secs(30), "completed", has("completed")).await;
+    let e = wait_events(
+        &state,
+        live_id,
+        Duration::from_secs(30),
+        "completed",
+        has("completed"),
+    )
+    .await;
     let req = jobs::status_request("quick", "", 1, None, 1).unwrap();
-    let ended_ms = c.job_status(req).await.unwrap().info.unwrap().ended_ms.unwrap() as i64;
+    let ended_ms = c
+        .job_status(req)
+        .await
+        .unwrap()
+        .info
+        .unwrap()
+        .ended_ms
+        .unwrap() as i64;
     let c2 = rsb::store::open(&state).unwrap();
     let created_ms: i64 = c2
         .query_row(
@@ -428,9 +492,13 @@ async fn ten_watches_on_a_dead_host_do_not_delay_a_live_one() {
     // One check interval plus slack; a dead connect alone takes 3 s + the daemon's 5 s margin.
     assert!(lag < 3_000, "the live watch waited {lag} ms");
     // Meanwhile the dead watches are failing, each on its own deadline.
-    wait_events(&state, dead_ids[9], Duration::from_secs(40), "dead failures", |_| {
-        watch(&state, dead_ids[9]).consecutive_ssh_failures >= 1
-    })
+    wait_events(
+        &state,
+        dead_ids[9],
+        Duration::from_secs(40),
+        "dead failures",
+        |_| watch(&state, dead_ids[9]).consecutive_ssh_failures >= 1,
+    )
     .await;
     drop(daemon);
     sshd.ssh_run("for s in d0 d1 d2 d3 d4 d5 d6 d7 d8 d9; do tmux kill-session -t =$s; done")
@@ -441,8 +509,11 @@ async fn ten_watches_on_a_dead_host_do_not_delay_a_live_one() {
 // ---------------------------------------------------------------------------------------------
 // 3. Alerts: a webhook receives the JSON; a bad URL and a hanging command are recorded
 
-/// A one-thread HTTP server on 127.0.0.1 recording (headers, body) of each request.
-fn http_server() -> (u16, Arc<Mutex<Vec<(String, String)>>>) {
+/// (request head, body) of each request the test server received.
+type Requests = Arc<Mutex<Vec<(String, String)>>>;
+
+/// A one-thread HTTP server on 127.0.0.1 recording each request.
+fn http_server() -> (u16, Requests) {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();
     let got = Arc::new(Mutex::new(Vec::new()));
@@ -532,7 +603,14 @@ async fn webhooks_deliver_and_bad_hooks_are_recorded_without_stalling_the_loop()
         .unwrap();
 
     let daemon = Daemon::start(tmp.path(), &state, &["--hook-timeout", "8"]);
-    let e = wait_events(&state, hooked, Duration::from_secs(20), "completed", has("completed")).await;
+    let e = wait_events(
+        &state,
+        hooked,
+        Duration::from_secs(20),
+        "completed",
+        has("completed"),
+    )
+    .await;
     let t0 = Instant::now();
     while got.lock().unwrap().is_empty() && t0.elapsed() < Duration::from_secs(10) {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -550,10 +628,24 @@ async fn webhooks_deliver_and_bad_hooks_are_recorded_without_stalling_the_loop()
 
     // While the hanging command waits for its 8 s deadline, a new job's completion is
     // recorded within its interval: the hook runs off the loop.
-    wait_events(&state, hanging, Duration::from_secs(20), "completed", has("completed")).await;
+    wait_events(
+        &state,
+        hanging,
+        Duration::from_secs(20),
+        "completed",
+        has("completed"),
+    )
+    .await;
     let hung_at = Instant::now();
     let later = watch_job(&pool, &state, "s", "later", "exit 4", args()).await;
-    wait_events(&state, later, Duration::from_secs(5), "completed", has("completed")).await;
+    wait_events(
+        &state,
+        later,
+        Duration::from_secs(5),
+        "completed",
+        has("completed"),
+    )
+    .await;
     assert!(
         hung_at.elapsed() < Duration::from_secs(5),
         "the loop waited for the hook"
@@ -611,7 +703,14 @@ async fn sigkill_mid_tick_loses_nothing_and_repeats_nothing() {
     }
     let daemon = Daemon::start(tmp.path(), &state, &[]);
     for (i, id) in ids.iter().enumerate() {
-        let e = wait_events(&state, *id, Duration::from_secs(30), "completed", has("completed")).await;
+        let e = wait_events(
+            &state,
+            *id,
+            Duration::from_secs(30),
+            "completed",
+            has("completed"),
+        )
+        .await;
         assert_eq!(types(&e), ["completed"], "watch {id} (k{i})");
         assert_eq!(e[0].payload["exit_code"], i as i64);
         assert_eq!(watch(&state, *id).status, "completed");
@@ -630,7 +729,10 @@ async fn sigkill_mid_tick_loses_nothing_and_repeats_nothing() {
         if pending == 0 {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(10), "{pending} undelivered");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{pending} undelivered"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let all = events_of(&state, 0);
@@ -692,11 +794,22 @@ async fn one_daemon_per_state_dir_cli_tables_and_needs_credentials() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
-        err.contains(&format!("already running for {} (pid {})", state.display(), daemon.pid())),
+        err.contains(&format!(
+            "already running for {} (pid {})",
+            state.display(),
+            daemon.pid()
+        )),
         "{err}"
     );
 
-    wait_events(&state, id, Duration::from_secs(20), "completed", has("completed")).await;
+    wait_events(
+        &state,
+        id,
+        Duration::from_secs(20),
+        "completed",
+        has("completed"),
+    )
+    .await;
     let e = wait_events(
         &state,
         pw_id,
@@ -705,7 +818,11 @@ async fn one_daemon_per_state_dir_cli_tables_and_needs_credentials() {
         has("needs_credentials"),
     )
     .await;
-    assert!(e[0].summary.contains("RSB_WATCHDOG_STORE_PASSWORDS"), "{}", e[0].summary);
+    assert!(
+        e[0].summary.contains("RSB_WATCHDOG_STORE_PASSWORDS"),
+        "{}",
+        e[0].summary
+    );
     assert!(!e[0].summary.contains('\n'));
     assert_eq!(watch(&state, pw_id).last_state, "needs_credentials");
 
@@ -758,7 +875,10 @@ fn the_systemd_unit_and_the_launchd_plist_are_valid() {
     std::fs::write(&unit_path, &unit).unwrap();
     assert!(unit.contains("Restart=on-failure"));
     assert!(unit.contains("loginctl enable-linger"));
-    assert!(unit.contains(&format!("ExecStart=\"{}\" watchdog run --mode service", bin.display())));
+    assert!(unit.contains(&format!(
+        "ExecStart=\"{}\" watchdog run --mode service",
+        bin.display()
+    )));
     match Command::new("systemd-analyze")
         .args(["verify", "--man=no"])
         .arg(&unit_path)
@@ -770,8 +890,14 @@ fn the_systemd_unit_and_the_launchd_plist_are_valid() {
                 String::from_utf8_lossy(&o.stdout),
                 String::from_utf8_lossy(&o.stderr)
             );
-            assert!(o.status.success(), "systemd-analyze verify:\n{text}\n{unit}");
-            assert!(!text.contains("rsb-watchdog.service:"), "warnings about the unit:\n{text}");
+            assert!(
+                o.status.success(),
+                "systemd-analyze verify:\n{text}\n{unit}"
+            );
+            assert!(
+                !text.contains("rsb-watchdog.service:"),
+                "warnings about the unit:\n{text}"
+            );
         }
         Err(e) => eprintln!("skipping systemd-analyze verify: not available ({e})"),
     }
@@ -816,9 +942,19 @@ fn the_systemd_unit_and_the_launchd_plist_are_valid() {
         .collect();
     assert_eq!(
         env,
-        ["PATH", "/usr/bin:/bin", "RSB_STATE_DIR", &state.display().to_string()]
+        [
+            "PATH",
+            "/usr/bin:/bin",
+            "RSB_STATE_DIR",
+            &state.display().to_string()
+        ]
     );
-    assert!(value("StandardErrorPath").text().unwrap().ends_with("watchdog.log"));
+    assert!(
+        value("StandardErrorPath")
+            .text()
+            .unwrap()
+            .ends_with("watchdog.log")
+    );
 }
 
 #[test]
@@ -950,8 +1086,17 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
     ] {
         assert!(tools.iter().any(|x| x.name == t), "{t} missing");
     }
-    let install = tools.iter().find(|t| t.name == "install_macos_watchdog").unwrap();
-    assert!(install.description.as_deref().unwrap_or("").contains("systemd"));
+    let install = tools
+        .iter()
+        .find(|t| t.name == "install_macos_watchdog")
+        .unwrap();
+    assert!(
+        install
+            .description
+            .as_deref()
+            .unwrap_or("")
+            .contains("systemd")
+    );
     let (err, v) = mcp
         .call(
             "exec_bash_background",
@@ -959,14 +1104,23 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
         )
         .await;
     assert!(err, "{v}");
-    assert!(v["error"].as_str().unwrap().contains("RSB_ALLOW_WATCH_HOOKS=1"), "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("RSB_ALLOW_WATCH_HOOKS=1"),
+        "{v}"
+    );
     let (err, v) = mcp
         .call(
             "watch_background_task",
             json!({"tmux_session": "x", "log_file": "x.log", "webhook_url": "http://127.0.0.1:9/"}),
         )
         .await;
-    assert!(err && v["error"].as_str().unwrap().contains("webhook_url"), "{v}");
+    assert!(
+        err && v["error"].as_str().unwrap().contains("webhook_url"),
+        "{v}"
+    );
     let v = mcp.ok("list_background_tasks", json!({})).await;
     assert_eq!(v["tasks"], json!([]), "nothing started");
     let (err, v) = mcp
@@ -974,9 +1128,15 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
         .await;
     assert!(err && v["error"] == "limit must be positive", "{v}");
     let (err, v) = mcp
-        .call("watch_background_task", json!({"tmux_session": "x", "log_file": "x.log", "metadata_json": "[1]"}))
+        .call(
+            "watch_background_task",
+            json!({"tmux_session": "x", "log_file": "x.log", "metadata_json": "[1]"}),
+        )
         .await;
-    assert!(err && v["error"] == "metadata_json must decode to a JSON object", "{v}");
+    assert!(
+        err && v["error"] == "metadata_json must decode to a JSON object",
+        "{v}"
+    );
     let _ = mcp.svc.cancel().await;
 
     // With it: the watch runs the command with the seed's variables, through a daemon the
@@ -989,10 +1149,17 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
                    "notify_local": false, "event_command": hook}),
         )
         .await;
-    let watch_id = v["watch_id"].as_i64().unwrap_or_else(|| panic!("no watch_id: {v}"));
+    let watch_id = v["watch_id"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("no watch_id: {v}"));
     let setup = &v["watchdog_setup"];
     assert_eq!(setup["action"], "spawned_detached", "{v}");
-    assert!(setup["install_hint"].as_str().unwrap().contains("rsb watchdog install"));
+    assert!(
+        setup["install_hint"]
+            .as_str()
+            .unwrap()
+            .contains("rsb watchdog install")
+    );
     let pid = setup["pid"].as_i64().unwrap();
     let result = async {
         let t0 = Instant::now();
@@ -1002,7 +1169,10 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
             {
                 break s;
             }
-            assert!(t0.elapsed() < Duration::from_secs(30), "the event_command never ran");
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the event_command never ran"
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
         };
         for k in [
@@ -1023,24 +1193,51 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
         assert_eq!(st["daemon"]["mode"], "detached");
         assert_eq!(st["heartbeat_stale"], false);
         assert_eq!(st["launchd"]["loaded"], false);
-        let c = mcp.ok("check_background_task", json!({"watch_id": watch_id})).await;
-        assert_eq!((c["exit_code"].as_i64(), c["watch_id"].as_i64()), (Some(6), Some(watch_id)));
-        let w = mcp.ok("get_background_watch", json!({"watch_id": watch_id})).await;
+        let c = mcp
+            .ok("check_background_task", json!({"watch_id": watch_id}))
+            .await;
+        assert_eq!(
+            (c["exit_code"].as_i64(), c["watch_id"].as_i64()),
+            (Some(6), Some(watch_id))
+        );
+        let w = mcp
+            .ok("get_background_watch", json!({"watch_id": watch_id}))
+            .await;
         assert_eq!(w["watch"]["status"], "completed");
         assert!(w["watch"]["metadata"].is_object() && w["watch"]["resume_plan"].is_object());
         let ev = mcp
-            .ok("list_background_watch_events", json!({"watch_id": watch_id}))
+            .ok(
+                "list_background_watch_events",
+                json!({"watch_id": watch_id}),
+            )
             .await;
         assert_eq!(ev["events"][0]["event_type"], "completed");
         assert_eq!(ev["events"][0]["payload"]["exit_code"], 6);
         let (err, v) = mcp
-            .call("read_background_watch_checkpoint", json!({"watch_id": watch_id}))
+            .call(
+                "read_background_watch_checkpoint",
+                json!({"watch_id": watch_id}),
+            )
             .await;
-        assert!(err && v["error"].as_str().unwrap().contains("does not define checkpoint_path"));
+        assert!(
+            err && v["error"]
+                .as_str()
+                .unwrap()
+                .contains("does not define checkpoint_path")
+        );
         let log = mcp
-            .ok("read_background_watch_log", json!({"watch_id": watch_id, "last_n_lines": 5}))
+            .ok(
+                "read_background_watch_log",
+                json!({"watch_id": watch_id, "last_n_lines": 5}),
+            )
             .await;
-        assert!(log["log"]["log_tail"].as_str().unwrap().contains("EXIT_CODE=6"), "{log}");
+        assert!(
+            log["log"]["log_tail"]
+                .as_str()
+                .unwrap()
+                .contains("EXIT_CODE=6"),
+            "{log}"
+        );
 
         // A watched job killed on purpose is not an interruption: its watch is cancelled first.
         std::fs::write(sshd.home().join("ck.txt"), "epoch 2").unwrap();
@@ -1059,14 +1256,21 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
         assert_eq!(p["live"]["task"]["running"], true, "{p}");
         assert_eq!(p["live"]["checkpoint"]["raw"], "epoch 2", "{p}");
         let k = mcp
-            .ok("kill_background_task", json!({"tmux_session": "victim", "grace_s": 1}))
+            .ok(
+                "kill_background_task",
+                json!({"tmux_session": "victim", "grace_s": 1}),
+            )
             .await;
         assert_eq!(k["cancelled_watches"], json!([vid]), "{k}");
         tokio::time::sleep(Duration::from_secs(3)).await;
         let ev = mcp
             .ok("list_background_watch_events", json!({"watch_id": vid}))
             .await;
-        assert_eq!(ev["events"], json!([]), "no interrupted/resume for a deliberate kill");
+        assert_eq!(
+            ev["events"],
+            json!([]),
+            "no interrupted/resume for a deliberate kill"
+        );
         let l = mcp
             .ok("list_background_watches", json!({"status": "cancelled"}))
             .await;
