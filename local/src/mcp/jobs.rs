@@ -46,33 +46,35 @@ fn d_grace() -> f64 {
 #[serde(deny_unknown_fields)]
 pub struct ExecBackgroundParams {
     pub command: String,
-    /// Job name [A-Za-z0-9_-]{1,64}; "" = bg-<time>.
+    /// [A-Za-z0-9_-]{1,64}; ""=bg-<time>.
     #[serde(default)]
     pub session_name: String,
-    /// "" = .codex_logs/<name>.log under cwd (or $HOME).
+    /// ""=.codex_logs/<name>.log under cwd/$HOME.
     #[serde(default)]
     pub log_file: String,
     #[serde(default)]
     pub cwd: String,
     #[serde(default)]
     pub sandbox_name: String,
-    /// Watchdog watch (returns watch_id).
+    /// Register a watch (watch_id).
     #[serde(default = "d_true")]
     pub watch: bool,
-    /// Start the watchdog if needed.
+    /// Start the watchdog.
     #[serde(default = "d_true")]
     pub ensure_watchdog: bool,
+    /// Run label.
     #[serde(default)]
     pub run_id: String,
+    /// Watch label.
     #[serde(default)]
     pub watch_name: String,
     /// For auto_resume.
     #[serde(default)]
     pub resume_command: String,
-    /// JSON: resume_command, checkpoint_path, cwd.
+    /// JSON resume plan.
     #[serde(default)]
     pub resume_plan_json: String,
-    /// Progress file; resumes get it as RSB_CHECKPOINT.
+    /// Resumes get it as RSB_CHECKPOINT.
     #[serde(default)]
     pub checkpoint_path: String,
     /// text or json.
@@ -81,38 +83,43 @@ pub struct ExecBackgroundParams {
     /// Prints the checkpoint.
     #[serde(default)]
     pub checkpoint_command: String,
-    /// Seconds between checks.
+    /// Check period (s).
     #[serde(default = "d_300")]
     pub interval_s: i64,
+    /// Log lines per event.
     #[serde(default = "d_80")]
     pub max_log_lines: i64,
     /// Needs RSB_ALLOW_WATCH_HOOKS=1.
     #[serde(default)]
     pub webhook_url: String,
-    /// Local command per event (RSB_ALLOW_WATCH_HOOKS=1).
+    /// Local command per event (opt-in).
     #[serde(default)]
     pub event_command: String,
-    /// Rerun on interruption, never after an exit.
+    /// Resume on interruption only.
     #[serde(default)]
     pub auto_resume: bool,
+    /// Resume limit.
     #[serde(default = "d_1")]
     pub max_resume_attempts: i64,
+    /// JSON object kept.
     #[serde(default)]
     pub metadata_json: String,
     /// Desktop notifications.
     #[serde(default = "d_true")]
     pub notify_local: bool,
-    /// Failed checks before ssh_unreachable.
+    /// Failures before ssh_unreachable.
     #[serde(default = "d_2")]
     pub alert_after_failures: i64,
+    /// Wait (s) before resuming.
     #[serde(default = "d_300")]
     pub resume_delay_s: i64,
     /// Needs RSB_ALLOW_WATCH_HOOKS=1.
     #[serde(default)]
     pub codex_wakeup: bool,
+    /// codex binary.
     #[serde(default)]
     pub codex_command: String,
-    /// Seconds without log growth before a stalled event; 0=off.
+    /// Log silence (s) before a stalled event; 0=off.
     #[serde(default)]
     pub stall_after_s: i64,
 }
@@ -192,7 +199,7 @@ pub struct ListBackgroundParams {
 #[tool_router(router = jobs_router, vis = "pub(super)")]
 impl RsbServer {
     #[tool(
-        description = "Start a long command detached (survives disconnects). Output and a final EXIT_CODE=<n> line go to log_file. Poll with check_background_task."
+        description = "Start a long command detached; output and EXIT_CODE=<n> go to log_file. Poll check_background_task."
     )]
     async fn exec_bash_background(
         &self,
