@@ -143,10 +143,10 @@ enum JobsCmd {
     },
 }
 
-fn init_tracing() {
+fn init_tracing(default: &str) {
     // stdout is the MCP channel: logs go to stderr only.
     let filter = tracing_subscriber::EnvFilter::try_from_env("RSB_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(false)
@@ -156,7 +156,14 @@ fn init_tracing() {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing();
+    // The watchdog's log (a file or the journal) should say when it started and why it stopped.
+    let daemon = matches!(
+        cli.cmd,
+        Cmd::Watchdog {
+            cmd: rsb::watchdog::cli::WatchdogCmd::Run { .. }
+        }
+    );
+    init_tracing(if daemon { "info" } else { "warn" });
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

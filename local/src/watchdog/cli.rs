@@ -104,6 +104,17 @@ pub async fn watchdog(cmd: WatchdogCmd, json: bool, state_dir: &Path) -> u8 {
                 );
                 return 2;
             }
+            // A service finding another daemon at work exits cleanly, so its manager does not
+            // restart it in a loop (`Restart=on-failure`).
+            if mode == "service"
+                && let Some(pid) = daemon::lock_holder(state_dir)
+            {
+                eprintln!(
+                    "rsb watchdog: pid {pid} already watches {}; this service instance exits",
+                    state_dir.display()
+                );
+                return 0;
+            }
             let mut o = daemon::Options::new(state_dir.to_path_buf());
             o.tick = Duration::from_secs_f64(loop_sleep);
             o.idle_exit = idle_exit
