@@ -1086,6 +1086,84 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
     ] {
         assert!(tools.iter().any(|x| x.name == t), "{t} missing");
     }
+    // The seed's parameters and defaults (inventory §1.2), plus rsb's stall_after_s.
+    let spec: [(&str, &[&str], Value); 12] = [
+        (
+            "install_macos_watchdog",
+            &[],
+            json!({"start_now": true, "persist_current_sandboxes": true}),
+        ),
+        ("uninstall_macos_watchdog", &[], json!({})),
+        ("get_watchdog_status", &[], json!({})),
+        (
+            "watch_background_task",
+            &["tmux_session", "log_file"],
+            json!({"sandbox_name": "", "run_id": "", "name": "", "cwd": "", "launch_command": "",
+                   "resume_command": "", "resume_plan_json": "", "checkpoint_path": "",
+                   "checkpoint_format": "text", "checkpoint_command": "", "interval_s": 300,
+                   "max_log_lines": 80, "webhook_url": "", "event_command": "", "auto_resume": false,
+                   "max_resume_attempts": 1, "metadata_json": "", "ensure_watchdog": true,
+                   "notify_local": true, "alert_after_failures": 2, "resume_delay_s": 300,
+                   "stall_after_s": 0}),
+        ),
+        (
+            "exec_bash_background_watch",
+            &["command"],
+            json!({"session_name": "", "log_file": "", "cwd": "", "sandbox_name": "", "run_id": "",
+                   "watch_name": "", "resume_command": "", "resume_plan_json": "",
+                   "checkpoint_path": "", "checkpoint_format": "text", "checkpoint_command": "",
+                   "interval_s": 300, "max_log_lines": 80, "webhook_url": "", "event_command": "",
+                   "auto_resume": false, "max_resume_attempts": 1, "metadata_json": "",
+                   "ensure_watchdog": true, "notify_local": true, "alert_after_failures": 2,
+                   "resume_delay_s": 300, "codex_wakeup": false, "codex_command": "",
+                   "stall_after_s": 0}),
+        ),
+        ("list_background_watches", &[], json!({"status": ""})),
+        ("get_background_watch", &["watch_id"], json!({})),
+        (
+            "get_background_watch_progress",
+            &["watch_id"],
+            json!({"refresh_live": true, "log_lines": 80, "checkpoint_max_bytes": 20000}),
+        ),
+        (
+            "read_background_watch_log",
+            &["watch_id"],
+            json!({"last_n_lines": 200}),
+        ),
+        (
+            "read_background_watch_checkpoint",
+            &["watch_id"],
+            json!({"max_bytes": 20000}),
+        ),
+        ("cancel_background_watch", &["watch_id"], json!({})),
+        (
+            "list_background_watch_events",
+            &[],
+            json!({"watch_id": 0, "limit": 20}),
+        ),
+    ];
+    for (name, required, defaults) in spec {
+        let t = tools.iter().find(|t| t.name == name).unwrap();
+        let schema = Value::Object((*t.input_schema).clone());
+        let mut req: Vec<&str> = schema["required"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        req.sort();
+        let mut want = required.to_vec();
+        want.sort();
+        assert_eq!(req, want, "{name} required");
+        let props = schema["properties"].as_object().cloned().unwrap_or_default();
+        assert_eq!(
+            props.len(),
+            required.len() + defaults.as_object().unwrap().len(),
+            "{name} parameters: {:?}",
+            props.keys().collect::<Vec<_>>()
+        );
+        for (k, d) in defaults.as_object().unwrap() {
+            assert_eq!(&props[k]["default"], d, "{name}.{k}");
+        }
+    }
     let install = tools
         .iter()
         .find(|t| t.name == "install_macos_watchdog")
