@@ -1153,7 +1153,10 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
         let mut want = required.to_vec();
         want.sort();
         assert_eq!(req, want, "{name} required");
-        let props = schema["properties"].as_object().cloned().unwrap_or_default();
+        let props = schema["properties"]
+            .as_object()
+            .cloned()
+            .unwrap_or_default();
         assert_eq!(
             props.len(),
             required.len() + defaults.as_object().unwrap().len(),
