@@ -311,10 +311,14 @@ fn real_env(key: &str) -> Option<String> {
     std::env::var(key).ok()
 }
 
-/// `RSB_STATE_DIR`, else the platform data dir for "rsb", else `~/.local/share/rsb`. Pure.
+/// `RSB_STATE_DIR`, else the seed's `REMOTE_SANDBOX_MCP_HOME` (so a user moving from the Python
+/// server keeps one place for state; rsb's files there do not collide with the seed's), else the
+/// platform data dir for "rsb", else `~/.local/share/rsb`. Pure.
 fn resolve_state_dir(env: &dyn Fn(&str) -> Option<String>, home: &Path) -> PathBuf {
-    if let Some(dir) = env("RSB_STATE_DIR").filter(|s| !s.trim().is_empty()) {
-        return expand_tilde(dir.trim(), home);
+    for var in ["RSB_STATE_DIR", "REMOTE_SANDBOX_MCP_HOME"] {
+        if let Some(dir) = env(var).filter(|s| !s.trim().is_empty()) {
+            return expand_tilde(dir.trim(), home);
+        }
     }
     project_dirs()
         .map(|p| p.data_dir().to_path_buf())
@@ -656,6 +660,10 @@ struct FileConfig {
     host_key_policy: Policy,
     connect_timeout_s: Seconds,
     sandbox: Vec<Entry>,
+    /// Read and checked by `crate::watchdog::settings` (alert hooks the user allows in their
+    /// own file); accepted here so the rest of the file parses.
+    #[allow(dead_code)]
+    watchdog: Option<toml::Value>,
 }
 
 /// What a field's value must be: the whole of a type error's text, so no character of the
@@ -2143,6 +2151,26 @@ mod tests {
         );
         let c = load_with(&home, &[("RSB_STATE_DIR", "")], None, None).unwrap();
         assert!(c.state_dir.ends_with("rsb"), "{}", c.state_dir.display());
+        // The seed's variable is honoured; RSB_STATE_DIR still wins.
+        let c = load_with(
+            &home,
+            &[("REMOTE_SANDBOX_MCP_HOME", "~/seed"), ("RSB_STATE_DIR", "")],
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.state_dir, home.path().join("seed"));
+        let c = load_with(
+            &home,
+            &[
+                ("REMOTE_SANDBOX_MCP_HOME", "~/seed"),
+                ("RSB_STATE_DIR", "/x"),
+            ],
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.state_dir, PathBuf::from("/x"));
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;

@@ -11,5 +11,7 @@ pub mod mcp;
 pub mod ops;
 pub mod pool;
 pub mod ssh;
+pub mod store;
 pub mod sync;
 pub mod transfers;
+pub mod watchdog;

@@ -91,6 +91,16 @@ enum Cmd {
         #[command(subcommand)]
         cmd: JobsCmd,
     },
+    /// The local daemon that watches long jobs: run, install, uninstall, status.
+    Watchdog {
+        #[command(subcommand)]
+        cmd: rsb::watchdog::cli::WatchdogCmd,
+    },
+    /// Watches of long jobs: list, show, events, cancel.
+    Watch {
+        #[command(subcommand)]
+        cmd: rsb::watchdog::cli::WatchCmd,
+    },
 }
 
 #[derive(Subcommand)]
@@ -133,10 +143,10 @@ enum JobsCmd {
     },
 }
 
-fn init_tracing() {
+fn init_tracing(default: &str) {
     // stdout is the MCP channel: logs go to stderr only.
     let filter = tracing_subscriber::EnvFilter::try_from_env("RSB_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(false)
@@ -146,7 +156,14 @@ fn init_tracing() {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing();
+    // The watchdog's log (a file or the journal) should say when it started and why it stopped.
+    let daemon = matches!(
+        cli.cmd,
+        Cmd::Watchdog {
+            cmd: rsb::watchdog::cli::WatchdogCmd::Run { .. }
+        }
+    );
+    init_tracing(if daemon { "info" } else { "warn" });
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -183,6 +200,16 @@ fn print_value(json: bool, v: &Value) {
 }
 
 async fn run(cli: Cli) -> u8 {
+    // The watchdog needs only the state dir (it reads persisted, secret-free sandboxes).
+    match cli.cmd {
+        Cmd::Watchdog { cmd } => {
+            return rsb::watchdog::cli::watchdog(cmd, cli.json, &rsb::config::state_dir()).await;
+        }
+        Cmd::Watch { cmd } => {
+            return rsb::watchdog::cli::watch(cmd, cli.json, &rsb::config::state_dir()).await;
+        }
+        _ => {}
+    }
     let config = match Config::load() {
         Ok(c) => c,
         Err(e) => {
@@ -216,7 +243,7 @@ async fn run(cli: Cli) -> u8 {
     let pool = Arc::new(Pool::new(Arc::new(config)));
     let json = cli.json;
     let code = match cli.cmd {
-        Cmd::Mcp => unreachable!(),
+        Cmd::Mcp | Cmd::Watchdog { .. } | Cmd::Watch { .. } => unreachable!(),
         Cmd::Sandboxes { resources } => {
             let v = sandboxes::list(&pool, resources).await;
             if json {

@@ -8,7 +8,7 @@
 //! died is reported as `interrupted` instead of `running` forever. A task owned by another
 //! live rsb server sharing the state dir is cancelled through a flag that its owner polls.
 //!
-//! Schema migrations go through `PRAGMA user_version`; [`MIGRATIONS`] only ever grows.
+//! The table lives in the shared store ([`crate::store`]), which owns the schema and migrations.
 
 use std::{
     collections::HashMap,
@@ -30,38 +30,13 @@ use crate::{
     sync::{Progress, SyncSpec},
 };
 
-pub const DB_FILE: &str = "rsb.sqlite3";
+pub use crate::store::DB_FILE;
 /// Progress is written to the database at most this often (plus a final write).
 const PROGRESS_WRITE_EVERY: Duration = Duration::from_millis(500);
 /// A progress line goes to the task log at most this often while bytes move.
 const LOG_PROGRESS_EVERY: Duration = Duration::from_secs(5);
 const LOG_TAIL_READ: u64 = 80_000;
 const LOG_TAIL_MAX_CHARS: usize = 20_000;
-
-/// Schema versions, in order; entry `i` moves `user_version` from `i` to `i + 1`.
-const MIGRATIONS: &[&str] = &["CREATE TABLE IF NOT EXISTS transfer_tasks (
-        id INTEGER PRIMARY KEY AUTOINCREMENT,
-        direction TEXT NOT NULL,
-        sandbox_name TEXT NOT NULL,
-        local_path TEXT NOT NULL,
-        remote_path TEXT NOT NULL,
-        delete_extras INTEGER NOT NULL DEFAULT 0,
-        excludes_json TEXT NOT NULL DEFAULT '[]',
-        exclude_file TEXT NOT NULL DEFAULT '',
-        status TEXT NOT NULL DEFAULT 'queued',
-        pid INTEGER NOT NULL DEFAULT 0,
-        owner_start TEXT NOT NULL DEFAULT '',
-        cancel_requested INTEGER NOT NULL DEFAULT 0,
-        log_file TEXT NOT NULL DEFAULT '',
-        started_ts REAL NOT NULL DEFAULT 0,
-        finished_ts REAL NOT NULL DEFAULT 0,
-        last_error TEXT NOT NULL DEFAULT '',
-        result_json TEXT NOT NULL DEFAULT '{}',
-        progress_json TEXT NOT NULL DEFAULT '{}',
-        created_ts REAL NOT NULL,
-        updated_ts REAL NOT NULL
-    );
-    CREATE INDEX IF NOT EXISTS idx_transfer_tasks_status ON transfer_tasks(status, id DESC);"];
 
 fn now() -> f64 {
     SystemTime::now()
@@ -210,40 +185,8 @@ pub struct Transfers {
 impl Transfers {
     /// Open (creating, 0600) and migrate `<state_dir>/rsb.sqlite3`.
     pub fn open(state_dir: &Path) -> Result<Transfers> {
-        std::fs::create_dir_all(state_dir).map_err(db_err)?;
-        let path = state_dir.join(DB_FILE);
-        {
-            use std::os::unix::fs::OpenOptionsExt;
-            let _ = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .mode(0o600)
-                .open(&path);
-        }
-        let conn = Connection::open(&path).map_err(db_err)?;
-        conn.busy_timeout(Duration::from_secs(5)).map_err(db_err)?;
-        let _: String = conn
-            .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
-            .map_err(db_err)?;
-        let version: i64 = conn
-            .query_row("PRAGMA user_version", [], |r| r.get(0))
-            .map_err(db_err)?;
-        for (i, sql) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {
-            conn.execute_batch(&format!(
-                "BEGIN; {sql}; PRAGMA user_version = {}; COMMIT;",
-                i + 1
-            ))
-            .map_err(db_err)?;
-        }
-        {
-            use std::os::unix::fs::PermissionsExt;
-            for suffix in ["", "-wal", "-shm"] {
-                let p = PathBuf::from(format!("{}{suffix}", path.display()));
-                if p.exists() {
-                    let _ = std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600));
-                }
-            }
-        }
+        // The schema, its migrations and the file modes live in the shared store.
+        let conn = crate::store::open(state_dir)?;
         Ok(Transfers {
             state_dir: state_dir.to_path_buf(),
             db: Mutex::new(conn),
@@ -696,7 +639,7 @@ mod tests {
             t.db.lock()
                 .query_row("PRAGMA user_version", [], |r| r.get(0))
                 .unwrap();
-        assert_eq!(v, MIGRATIONS.len() as i64);
+        assert_eq!(v, crate::store::SCHEMA_VERSION);
         use std::os::unix::fs::PermissionsExt;
         let m = std::fs::metadata(t.db_path()).unwrap().permissions().mode();
         assert_eq!(m & 0o777, 0o600);

@@ -1,6 +1,6 @@
-//! Background job tools. The watch-related parameters of the seed are accepted and validated
-//! so existing callers keep working; rsb's agent supervises the job itself, and the reply says
-//! plainly that no local watch was registered.
+//! Background job tools. `exec_bash_background(watch=true)` (the seed's default) also registers
+//! a watchdog watch and returns its `watch_id`; every watch parameter is validated before the
+//! job starts, so a bad call starts nothing.
 
 use rmcp::{
     handler::server::wrapper::Parameters, schemars, schemars::JsonSchema, tool, tool_router,
@@ -8,7 +8,11 @@ use rmcp::{
 use serde::Deserialize;
 
 use super::{RsbServer, ToolResult, fail, reply};
-use crate::{error::RsbError, ops::jobs};
+use crate::{
+    error::RsbError,
+    ops::{jobs, watchdog as wops},
+    watchdog::settings,
+};
 
 fn d_true() -> bool {
     true
@@ -40,104 +44,115 @@ fn d_grace() -> f64 {
 
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
-#[allow(dead_code)] // The watch fields are accepted for seed compatibility; rsb has no local watchdog yet.
 pub struct ExecBackgroundParams {
     pub command: String,
-    /// Job name [A-Za-z0-9_-]{1,64}; "" = bg-<time>.
+    /// [A-Za-z0-9_-]{1,64}; ""=bg-<time>.
     #[serde(default)]
     pub session_name: String,
-    /// "" = .codex_logs/<name>.log under cwd (or $HOME).
+    /// ""=.codex_logs/<name>.log under cwd/$HOME.
     #[serde(default)]
     pub log_file: String,
     #[serde(default)]
     pub cwd: String,
     #[serde(default)]
     pub sandbox_name: String,
+    /// Register a watch (watch_id).
     #[serde(default = "d_true")]
     pub watch: bool,
+    /// Start the watchdog.
     #[serde(default = "d_true")]
     pub ensure_watchdog: bool,
+    /// Run label.
     #[serde(default)]
     pub run_id: String,
+    /// Watch label.
     #[serde(default)]
     pub watch_name: String,
+    /// For auto_resume.
     #[serde(default)]
     pub resume_command: String,
+    /// JSON resume plan.
     #[serde(default)]
     pub resume_plan_json: String,
+    /// Resumes get it as RSB_CHECKPOINT.
     #[serde(default)]
     pub checkpoint_path: String,
+    /// text or json.
     #[serde(default = "d_text")]
     pub checkpoint_format: String,
+    /// Prints the checkpoint.
     #[serde(default)]
     pub checkpoint_command: String,
+    /// Check period (s).
     #[serde(default = "d_300")]
     pub interval_s: i64,
+    /// Log lines per event.
     #[serde(default = "d_80")]
     pub max_log_lines: i64,
+    /// Needs RSB_ALLOW_WATCH_HOOKS=1.
     #[serde(default)]
     pub webhook_url: String,
+    /// Local command per event (opt-in).
     #[serde(default)]
     pub event_command: String,
+    /// Resume on interruption only.
     #[serde(default)]
     pub auto_resume: bool,
+    /// Resume limit.
     #[serde(default = "d_1")]
     pub max_resume_attempts: i64,
+    /// JSON object kept.
     #[serde(default)]
     pub metadata_json: String,
+    /// Desktop notifications.
     #[serde(default = "d_true")]
     pub notify_local: bool,
+    /// Failures before ssh_unreachable.
     #[serde(default = "d_2")]
     pub alert_after_failures: i64,
+    /// Wait (s) before resuming.
     #[serde(default = "d_300")]
     pub resume_delay_s: i64,
+    /// Needs RSB_ALLOW_WATCH_HOOKS=1.
     #[serde(default)]
     pub codex_wakeup: bool,
+    /// codex binary.
     #[serde(default)]
     pub codex_command: String,
+    /// Log silence (s) before a stalled event; 0=off.
+    #[serde(default)]
+    pub stall_after_s: i64,
 }
 
 impl ExecBackgroundParams {
-    /// The seed's pre-launch checks, so a bad call fails before anything starts.
-    fn validate(&self) -> Result<(), RsbError> {
-        let pos = |v: i64, n: &str| {
-            (v > 0).then_some(()).ok_or_else(|| {
-                RsbError::invalid(format!("{n} must be positive"), "pass a value >= 1")
-            })
-        };
-        let nonneg = |v: i64, n: &str| {
-            (v >= 0).then_some(()).ok_or_else(|| {
-                RsbError::invalid(format!("{n} must be zero or positive"), "pass a value >= 0")
-            })
-        };
-        pos(self.interval_s, "interval_s")?;
-        pos(self.max_log_lines, "max_log_lines")?;
-        nonneg(self.max_resume_attempts, "max_resume_attempts")?;
-        pos(self.alert_after_failures, "alert_after_failures")?;
-        nonneg(self.resume_delay_s, "resume_delay_s")?;
-        for (v, n) in [
-            (&self.metadata_json, "metadata_json"),
-            (&self.resume_plan_json, "resume_plan_json"),
-        ] {
-            if !v.trim().is_empty() {
-                match serde_json::from_str::<serde_json::Value>(v) {
-                    Ok(serde_json::Value::Object(_)) => {}
-                    Ok(_) => {
-                        return Err(RsbError::invalid(
-                            format!("{n} must decode to a JSON object"),
-                            "pass {\"key\": ...}",
-                        ));
-                    }
-                    Err(e) => {
-                        return Err(RsbError::invalid(
-                            format!("{n} is not valid JSON: {e}"),
-                            "pass a JSON object",
-                        ));
-                    }
-                }
-            }
+    pub(super) fn watch_args(&self) -> wops::WatchArgs {
+        wops::WatchArgs {
+            tmux_session: String::new(),
+            log_file: String::new(),
+            sandbox_name: self.sandbox_name.clone(),
+            run_id: self.run_id.clone(),
+            name: self.watch_name.clone(),
+            cwd: self.cwd.clone(),
+            launch_command: self.command.clone(),
+            resume_command: self.resume_command.clone(),
+            resume_plan_json: self.resume_plan_json.clone(),
+            checkpoint_path: self.checkpoint_path.clone(),
+            checkpoint_format: self.checkpoint_format.clone(),
+            checkpoint_command: self.checkpoint_command.clone(),
+            interval_s: self.interval_s,
+            max_log_lines: self.max_log_lines,
+            webhook_url: self.webhook_url.clone(),
+            event_command: self.event_command.clone(),
+            auto_resume: self.auto_resume,
+            max_resume_attempts: self.max_resume_attempts,
+            metadata_json: self.metadata_json.clone(),
+            notify_local: self.notify_local,
+            alert_after_failures: self.alert_after_failures,
+            resume_delay_s: self.resume_delay_s,
+            codex_wakeup: self.codex_wakeup,
+            codex_command: self.codex_command.clone(),
+            stall_after_s: self.stall_after_s,
         }
-        Ok(())
     }
 }
 
@@ -184,28 +199,13 @@ pub struct ListBackgroundParams {
 #[tool_router(router = jobs_router, vis = "pub(super)")]
 impl RsbServer {
     #[tool(
-        description = "Start a long command detached (survives disconnects). Output and a final EXIT_CODE=<n> line go to log_file. Poll with check_background_task."
+        description = "Start a long command detached; output and EXIT_CODE=<n> go to log_file. Poll check_background_task."
     )]
     async fn exec_bash_background(
         &self,
         Parameters(p): Parameters<ExecBackgroundParams>,
     ) -> ToolResult {
-        if let Err(e) = p.validate() {
-            return fail(&e);
-        }
-        let client = match self.pool.client(&p.sandbox_name).await {
-            Ok(c) => c,
-            Err(e) => return fail(&e),
-        };
-        let mut r = jobs::start(&client, &p.command, &p.session_name, &p.log_file, &p.cwd).await;
-        if let Ok(v) = &mut r
-            && p.watch
-        {
-            v["watch_note"] = serde_json::json!(
-                "no local watch registered: rsb's agent records the exit code itself; poll check_background_task"
-            );
-        }
-        reply(r)
+        reply(self.start_background(p).await)
     }
 
     #[tool(
@@ -215,17 +215,23 @@ impl RsbServer {
         &self,
         Parameters(p): Parameters<CheckBackgroundParams>,
     ) -> ToolResult {
-        if p.watch_id > 0 && p.tmux_session.is_empty() {
-            return fail(&RsbError::invalid(
-                format!(
-                    "Unknown watch id: {} (rsb has no local watches)",
-                    p.watch_id
-                ),
-                "pass tmux_session, the name exec_bash_background returned",
-            ));
+        let (mut session, mut sandbox) = (p.tmux_session.clone(), p.sandbox_name.clone());
+        if p.watch_id > 0 {
+            // The watch names the job and its sandbox; explicit arguments override (seed).
+            match wops::get(&self.pool.config().state_dir, p.watch_id) {
+                Ok(w) => {
+                    if session.is_empty() {
+                        session = w.watch.tmux_session;
+                    }
+                    if sandbox.is_empty() {
+                        sandbox = w.watch.sandbox_name;
+                    }
+                }
+                Err(e) => return fail(&e),
+            }
         }
         let req = match jobs::status_request(
-            &p.tmux_session,
+            &session,
             &p.log_file,
             p.last_n_lines,
             p.offset,
@@ -234,17 +240,21 @@ impl RsbServer {
             Ok(r) => r,
             Err(e) => return fail(&e),
         };
-        let client = match self.pool.client(&p.sandbox_name).await {
+        let client = match self.pool.client(&sandbox).await {
             Ok(c) => c,
             Err(e) => return fail(&e),
         };
         let cursor = p.offset.is_some();
-        reply(
-            client
-                .job_status(req)
-                .await
-                .and_then(|r| jobs::status_reply(&p.tmux_session, cursor, &r)),
-        )
+        let mut r = client
+            .job_status(req)
+            .await
+            .and_then(|r| jobs::status_reply(&session, cursor, &r));
+        if let Ok(v) = &mut r
+            && p.watch_id > 0
+        {
+            v["watch_id"] = serde_json::json!(p.watch_id);
+        }
+        reply(r)
     }
 
     #[tool(description = "Stop a background task (SIGTERM, then SIGKILL) and report how it ended.")]
@@ -256,7 +266,16 @@ impl RsbServer {
             Ok(c) => c,
             Err(e) => return fail(&e),
         };
-        reply(jobs::kill(&client, &p.tmux_session, p.grace_s).await)
+        // A deliberate kill is not an interruption: stop watching first, so the watchdog
+        // neither alerts nor resumes it.
+        let cancelled = self.cancel_watches_of(client.sandbox(), &p.tmux_session);
+        let mut r = jobs::kill(&client, &p.tmux_session, p.grace_s).await;
+        if let Ok(v) = &mut r
+            && !cancelled.is_empty()
+        {
+            v["cancelled_watches"] = serde_json::json!(cancelled);
+        }
+        reply(r)
     }
 
     #[tool(description = "List background tasks on a sandbox.")]
@@ -269,5 +288,82 @@ impl RsbServer {
             Err(e) => return fail(&e),
         };
         reply(jobs::list(&client).await)
+    }
+}
+
+impl RsbServer {
+    /// Start a background job and, with `watch`, register its watch: validation first (nothing
+    /// starts on a bad call), then the launch, then the registration.
+    pub(super) async fn start_background(
+        &self,
+        p: ExecBackgroundParams,
+    ) -> Result<serde_json::Value, RsbError> {
+        let hooks = !p.watch || settings::hooks_allowed();
+        let prepared = wops::prepare(&p.watch_args(), hooks, true)?;
+        let sandbox = self.pool.resolve(&p.sandbox_name)?;
+        let client = self.pool.client(&sandbox).await?;
+        let mut v = jobs::start(&client, &p.command, &p.session_name, &p.log_file, &p.cwd).await?;
+        if !p.watch {
+            return Ok(v);
+        }
+        let name = v["tmux_session"].as_str().unwrap_or_default().to_string();
+        let log = v["log_file"].as_str().unwrap_or_default().to_string();
+        // The job's resolved cwd (where a relative checkpoint_path lives).
+        let cwd = match jobs::status_request(&name, "", 1, None, 1) {
+            Ok(req) => client
+                .job_status(req)
+                .await
+                .ok()
+                .and_then(|r| r.info)
+                .map(|i| i.cwd)
+                .unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        let mut nw = prepared;
+        wops::fill_from_job(&mut nw, &name, &log, &cwd);
+        nw.sandbox_name = sandbox;
+        let state_dir = self.pool.config().state_dir.clone();
+        let configured = self.pool.config().sandboxes.clone();
+        let ensure = p.ensure_watchdog;
+        let r = tokio::task::spawn_blocking(move || {
+            wops::register(&state_dir, &configured, nw, ensure)
+        })
+        .await
+        .unwrap_or_else(|e| {
+            Err(RsbError::internal(format!(
+                "watch registration failed: {e}"
+            )))
+        });
+        match r {
+            Ok(reg) => {
+                v["watch_id"] = serde_json::json!(reg.watch_id);
+                if let Some(s) = reg.watchdog_setup {
+                    v["watchdog_setup"] = serde_json::to_value(s).unwrap_or_default();
+                }
+                if let Some(w) = reg.watch_warning {
+                    v["watch_warning"] = serde_json::json!(w);
+                }
+            }
+            // The job runs; say plainly that it is not watched (the seed swallowed this).
+            Err(e) => v["watch_error"] = serde_json::json!(format!("{} ({})", e.message, e.hint)),
+        }
+        Ok(v)
+    }
+
+    /// Cancel the active watches of a job, if the store exists; never fails the caller.
+    pub(super) fn cancel_watches_of(&self, sandbox: &str, session: &str) -> Vec<i64> {
+        let state_dir = &self.pool.config().state_dir;
+        if !crate::store::db_path(state_dir).exists() {
+            return Vec::new();
+        }
+        match wops::open(state_dir)
+            .and_then(|c| crate::watchdog::db::cancel_for_job(&c, sandbox, session))
+        {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!("cannot cancel the watches of {session}: {}", e.message);
+                Vec::new()
+            }
+        }
     }
 }

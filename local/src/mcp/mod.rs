@@ -8,6 +8,7 @@ mod files;
 mod jobs;
 mod sandboxes;
 mod sync;
+mod watchdog;
 
 use std::{sync::Arc, time::Duration};
 
@@ -40,11 +41,15 @@ pub struct RsbServer {
 
 impl RsbServer {
     pub fn new(config: Config) -> Self {
+        let advanced = config.expose_advanced_tools;
         let pool = Arc::new(Pool::new(Arc::new(config)));
-        let tool_router = Self::sandbox_router()
+        let mut tool_router = Self::sandbox_router()
             + Self::jobs_router()
             + Self::files_router()
             + Self::sync_router();
+        if advanced {
+            tool_router += Self::watchdog_router();
+        }
         RsbServer {
             pool,
             tool_router,

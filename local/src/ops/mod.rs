@@ -7,3 +7,4 @@ pub mod jobs;
 pub mod output;
 pub mod sandboxes;
 pub mod sync;
+pub mod watchdog;

@@ -1,0 +1,474 @@
+//! Alerts for one event: a desktop notification, a webhook and an `event_command`. Each runs
+//! off the daemon's loop with its own deadline, so a slow hook delays nothing else (the seed
+//! blocked its whole loop for up to 300 s on one `event_command`, and died on a bad URL).
+//!
+//! The webhook is a minimal HTTP/1.1 POST written here for `http://` URLs only: rsb has no TLS
+//! client, and pulling one in (rustls, roots, an HTTP stack) for one optional hook would cost
+//! more build time and surface than it is worth. `https://` is refused with a clear error; an
+//! `event_command` in the user's config (`curl -d "$RSMCP_EVENT_JSON" https://…`) covers it.
+
+use std::{path::Path, process::Stdio, time::Duration};
+
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use super::{Watch, WatchEvent, event, settings::FileSettings};
+
+const NOTIFY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The hooks one event goes to: the watch's own, then the config file's.
+pub struct Targets {
+    pub webhooks: Vec<String>,
+    pub commands: Vec<String>,
+    pub notify: bool,
+    pub timeout: Duration,
+}
+
+impl Targets {
+    pub fn for_watch(w: &Watch, file: &FileSettings, timeout: Duration) -> Targets {
+        let mut webhooks = Vec::new();
+        let mut commands = Vec::new();
+        for (list, own, global) in [
+            (&mut webhooks, &w.webhook_url, &file.webhook_url),
+            (&mut commands, &w.event_command, &file.event_command),
+        ] {
+            for s in [own, global] {
+                if !s.trim().is_empty() && !list.contains(s) {
+                    list.push(s.clone());
+                }
+            }
+        }
+        Targets {
+            webhooks,
+            commands,
+            notify: w.notify_local && file.notify_local != Some(false),
+            timeout: file.hook_timeout().unwrap_or(timeout),
+        }
+    }
+}
+
+/// Send one event everywhere it should go; returns the failures, one line each.
+pub async fn dispatch(t: &Targets, e: &WatchEvent, event_file: &Path) -> Vec<String> {
+    let body = serde_json::to_string(&json!(e)).unwrap_or_default();
+    let mut jobs: Vec<futures::future::BoxFuture<'_, Option<String>>> = Vec::new();
+    for url in &t.webhooks {
+        let body = body.clone();
+        jobs.push(Box::pin(async move {
+            post_json(url, &body, t.timeout)
+                .await
+                .err()
+                .map(|err| format!("webhook failed: {err}"))
+        }));
+    }
+    for cmd in &t.commands {
+        let body = body.clone();
+        jobs.push(Box::pin(async move {
+            run_event_command(cmd, e, &body, event_file, t.timeout)
+                .await
+                .err()
+                .map(|err| format!("event_command failed: {err}"))
+        }));
+    }
+    if t.notify && notify_worthy(&e.event_type) {
+        jobs.push(Box::pin(async move {
+            if let Err(err) = notify(e).await {
+                // Not a watch error: a headless box without a notification daemon is normal.
+                tracing::info!(event = e.id, "desktop notification not shown: {err}");
+            }
+            None
+        }));
+    }
+    futures::future::join_all(jobs)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+fn notify_worthy(t: &str) -> bool {
+    !matches!(t, event::RUNNING_RESTORED | event::RESUME_STARTED)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Webhook
+
+#[derive(Debug)]
+struct Url {
+    host: String,
+    port: u16,
+    path: String,
+}
+
+fn parse_http_url(url: &str) -> Result<Url, String> {
+    let url = url.trim();
+    let rest = if let Some(r) = url.strip_prefix("http://") {
+        r
+    } else if url.starts_with("https://") {
+        return Err(
+            "https webhooks are not supported (rsb has no TLS client): use an http:// endpoint, \
+             or set event_command = 'curl -sd \"$RSMCP_EVENT_JSON\" https://…' in the [watchdog] \
+             table of your config file"
+                .into(),
+        );
+    } else {
+        return Err("invalid webhook_url: it must start with http://".into());
+    };
+    let (authority, path) = match rest.find(['/', '?']) {
+        Some(i) if rest.as_bytes()[i] == b'/' => (&rest[..i], &rest[i..]),
+        Some(i) => (&rest[..i], &rest[i..]),
+        None => (rest, "/"),
+    };
+    let path = if path.starts_with('?') {
+        format!("/{path}")
+    } else {
+        path.to_string()
+    };
+    if authority.contains('@') {
+        return Err("invalid webhook_url: credentials in the URL are not supported".into());
+    }
+    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+        let (h, after) = v6
+            .split_once(']')
+            .ok_or("invalid webhook_url: unclosed [ in the host")?;
+        (h.to_string(), after.strip_prefix(':'))
+    } else {
+        match authority.rsplit_once(':') {
+            Some((h, p)) => (h.to_string(), Some(p)),
+            None => (authority.to_string(), None),
+        }
+    };
+    let port = match port {
+        None | Some("") => 80,
+        Some(p) => p
+            .parse::<u16>()
+            .map_err(|_| "invalid webhook_url: bad port".to_string())?,
+    };
+    let host_ok = !host.is_empty()
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '_'));
+    if !host_ok || path.chars().any(|c| c.is_control() || c == ' ') {
+        return Err("invalid webhook_url: bad host or path".into());
+    }
+    Ok(Url { host, port, path })
+}
+
+/// Checks a webhook URL the way the daemon will use it (for registration errors up front).
+pub fn check_webhook_url(url: &str) -> Result<(), String> {
+    parse_http_url(url).map(|_| ())
+}
+
+/// POST `body` as JSON; Ok(status) for a 2xx answer.
+pub async fn post_json(url: &str, body: &str, timeout: Duration) -> Result<u16, String> {
+    let u = parse_http_url(url)?;
+    let work = async {
+        let mut s = tokio::net::TcpStream::connect((u.host.as_str(), u.port))
+            .await
+            .map_err(|e| format!("cannot connect to {}:{}: {e}", u.host, u.port))?;
+        let host_header = if u.host.contains(':') {
+            format!("[{}]:{}", u.host, u.port)
+        } else {
+            format!("{}:{}", u.host, u.port)
+        };
+        let req = format!(
+            "POST {} HTTP/1.1\r\nHost: {host_header}\r\nUser-Agent: rsb-watchdog/{}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            u.path,
+            env!("CARGO_PKG_VERSION"),
+            body.len()
+        );
+        s.write_all(req.as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
+        s.write_all(body.as_bytes())
+            .await
+            .map_err(|e| e.to_string())?;
+        // The status line is all we need; read a bounded head of the answer.
+        let mut head = Vec::with_capacity(256);
+        let mut buf = [0u8; 256];
+        while !head.contains(&b'\n') && head.len() < 4096 {
+            let n = s.read(&mut buf).await.map_err(|e| e.to_string())?;
+            if n == 0 {
+                break;
+            }
+            head.extend_from_slice(&buf[..n]);
+        }
+        let line = String::from_utf8_lossy(&head);
+        let code = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse::<u16>().ok())
+            .ok_or_else(|| "the server sent no HTTP status line".to_string())?;
+        if (200..300).contains(&code) {
+            Ok(code)
+        } else {
+            Err(format!("the server answered HTTP {code}"))
+        }
+    };
+    tokio::time::timeout(timeout, work)
+        .await
+        .unwrap_or_else(|_| Err(format!("no answer within {}s", timeout.as_secs())))
+}
+
+// ---------------------------------------------------------------------------------------------
+// event_command
+
+/// Variables an `event_command` does not inherit: rsb's own configuration and anything that
+/// looks like a credential.
+fn withheld(key: &str) -> bool {
+    let k = key.to_ascii_uppercase();
+    k.starts_with("REMOTE_")
+        || k.starts_with("RSB_")
+        || ["PASSWORD", "PASSPHRASE", "SECRET", "TOKEN"]
+            .iter()
+            .any(|w| k.contains(w))
+}
+
+/// `sh -c CMD` with the seed's `RSMCP_*` variables, in its own process group, killed (the whole
+/// group) at the deadline.
+pub async fn run_event_command(
+    cmd: &str,
+    e: &WatchEvent,
+    event_json: &str,
+    event_file: &Path,
+    timeout: Duration,
+) -> Result<(), String> {
+    let w = &e.payload["watch"];
+    let s = |k: &str| w[k].as_str().unwrap_or_default().to_string();
+    let mut c = tokio::process::Command::new("/bin/sh");
+    c.arg("-c").arg(cmd).env_clear();
+    for (k, v) in std::env::vars_os() {
+        if !withheld(&k.to_string_lossy()) {
+            c.env(k, v);
+        }
+    }
+    c.env("RSMCP_EVENT_FILE", event_file)
+        .env("RSMCP_EVENT_JSON", event_json)
+        .env("RSMCP_EVENT_TYPE", &e.event_type)
+        .env("RSMCP_WATCH_ID", e.watch_id.to_string())
+        .env("RSMCP_SANDBOX_NAME", s("sandbox_name"))
+        .env("RSMCP_TMUX_SESSION", s("tmux_session"))
+        .env("RSMCP_LOG_FILE", s("log_file"))
+        .env(
+            "RSMCP_SUGGESTED_PROMPT",
+            e.payload["suggested_codex_prompt"]
+                .as_str()
+                .unwrap_or_default(),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    let child = c
+        .spawn()
+        .map_err(|err| format!("cannot start /bin/sh: {err}"))?;
+    let pid = child.id();
+    match tokio::time::timeout(timeout, child.wait_with_output()).await {
+        Ok(Ok(out)) if out.status.success() => Ok(()),
+        Ok(Ok(out)) => {
+            let text = String::from_utf8_lossy(if out.stderr.is_empty() {
+                &out.stdout
+            } else {
+                &out.stderr
+            })
+            .into_owned();
+            Err(format!(
+                "exit {}: {}",
+                out.status
+                    .code()
+                    .map(|c| c.to_string())
+                    .unwrap_or_else(|| "by signal".into()),
+                super::one_line(&super::clip_tail(&text, 300))
+            ))
+        }
+        Ok(Err(err)) => Err(err.to_string()),
+        Err(_) => {
+            if let Some(pid) = pid {
+                // SAFETY: plain syscall on the group we created; ESRCH is fine.
+                unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+            }
+            Err(format!(
+                "did not finish within {}s; its process group was killed",
+                timeout.as_secs()
+            ))
+        }
+    }
+}
+
+/// The seed's codex wake-up hook as an `event_command`.
+pub fn codex_event_command(codex_command: &str) -> String {
+    let bin = if codex_command.trim().is_empty() {
+        "codex"
+    } else {
+        codex_command.trim()
+    };
+    format!(
+        "case \"$RSMCP_EVENT_TYPE\" in ssh_unreachable|interrupted|resume_failed|completed|config_missing) {} exec \"$RSMCP_SUGGESTED_PROMPT\" ;; esac",
+        rsb_deploy::shell_quote(bin)
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Desktop notification
+
+fn on_path(bin: &str) -> bool {
+    std::env::var_os("PATH").is_some_and(|p| {
+        std::env::split_paths(&p).any(|d| {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::metadata(d.join(bin))
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+        })
+    })
+}
+
+async fn notify(e: &WatchEvent) -> Result<(), String> {
+    let title = "rsb watchdog";
+    let w = &e.payload["watch"];
+    let label = [&w["name"], &w["run_id"], &w["tmux_session"]]
+        .into_iter()
+        .filter_map(|v| v.as_str())
+        .find(|s| !s.is_empty())
+        .unwrap_or("");
+    let subtitle: String = format!("watch {} · {label}", e.watch_id)
+        .chars()
+        .take(120)
+        .collect();
+    let msg: String = super::one_line(&format!("{}: {}", e.event_type, e.summary))
+        .chars()
+        .take(240)
+        .collect();
+    let mut c = if cfg!(target_os = "macos") {
+        let q = |s: &str| serde_json::to_string(s).unwrap_or_default();
+        let mut c = tokio::process::Command::new("/usr/bin/osascript");
+        c.arg("-e").arg(format!(
+            "display notification {} with title {} subtitle {}",
+            q(&msg),
+            q(title),
+            q(&subtitle)
+        ));
+        c
+    } else if on_path("notify-send") {
+        let mut c = tokio::process::Command::new("notify-send");
+        c.arg("--app-name=rsb")
+            .arg(format!("{title}: {subtitle}"))
+            .arg(&msg);
+        c
+    } else {
+        return Err("no notify-send on PATH".into());
+    };
+    c.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true);
+    let child = c.spawn().map_err(|e| e.to_string())?;
+    match tokio::time::timeout(NOTIFY_TIMEOUT, child.wait_with_output()).await {
+        Ok(Ok(o)) if o.status.success() => Ok(()),
+        Ok(Ok(o)) => Err(super::one_line(&String::from_utf8_lossy(&o.stderr))),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("timed out".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_parsed_and_https_is_refused_clearly() {
+        let u = parse_http_url("http://127.0.0.1:8080/hook?x=1").unwrap();
+        assert_eq!(
+            (u.host.as_str(), u.port, u.path.as_str()),
+            ("127.0.0.1", 8080, "/hook?x=1")
+        );
+        let u = parse_http_url("http://[::1]/").unwrap();
+        assert_eq!((u.host.as_str(), u.port), ("::1", 80));
+        let u = parse_http_url("http://example.org").unwrap();
+        assert_eq!(u.path, "/");
+        assert!(
+            parse_http_url("https://x")
+                .unwrap_err()
+                .contains("https webhooks are not supported")
+        );
+        assert!(
+            parse_http_url("notaurl")
+                .unwrap_err()
+                .contains("must start with http://")
+        );
+        assert!(parse_http_url("http://u:p@h/").is_err());
+        assert!(parse_http_url("http://h:99999/").is_err());
+        assert!(parse_http_url("http://h/a b").is_err());
+    }
+
+    #[test]
+    fn secrets_and_rsb_config_are_withheld_from_hooks() {
+        for k in [
+            "REMOTE_PASSWORD",
+            "REMOTE_SANDBOX_LIST",
+            "RSB_STATE_DIR",
+            "GITHUB_TOKEN",
+            "my_secret",
+        ] {
+            assert!(withheld(k), "{k}");
+        }
+        for k in ["PATH", "HOME", "DISPLAY"] {
+            assert!(!withheld(k), "{k}");
+        }
+    }
+
+    #[test]
+    fn codex_command_is_quoted() {
+        let c = codex_event_command("/opt/my codex");
+        assert!(c.contains("'/opt/my codex' exec"), "{c}");
+        assert!(codex_event_command("").contains("'codex' exec"));
+    }
+
+    #[tokio::test]
+    async fn a_hanging_command_is_killed_at_its_deadline() {
+        let e = WatchEvent {
+            id: 1,
+            watch_id: 2,
+            event_type: "completed".into(),
+            summary: "s".into(),
+            created_ts: 0,
+            payload: json!({"watch": {"sandbox_name": "s"}}),
+        };
+        let t0 = std::time::Instant::now();
+        let r = run_event_command(
+            "sleep 30",
+            &e,
+            "{}",
+            Path::new("/x"),
+            Duration::from_millis(300),
+        )
+        .await;
+        assert!(r.unwrap_err().contains("did not finish"), "");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        let r = run_event_command(
+            "echo nope >&2; exit 3",
+            &e,
+            "{}",
+            Path::new("/x"),
+            Duration::from_secs(5),
+        )
+        .await;
+        assert_eq!(r.unwrap_err(), "exit 3: nope");
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("env");
+        let cmd = format!("env | grep ^RSMCP_ | sort > {}", out.display());
+        run_event_command(
+            &cmd,
+            &e,
+            "{\"a\":1}",
+            Path::new("/x/event-1.json"),
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        let env = std::fs::read_to_string(out).unwrap();
+        assert_eq!(env.lines().count(), 8, "{env}");
+        assert!(
+            env.contains("RSMCP_WATCH_ID=2\n") && env.contains("RSMCP_EVENT_FILE=/x/event-1.json")
+        );
+    }
+}

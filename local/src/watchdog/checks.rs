@@ -1,0 +1,698 @@
+//! The state machine of one watch: what a check observed → the watch's new state, the events
+//! to record, and whether to start a resume. Pure (no I/O, time passed in), so every
+//! transition is unit-tested here and the daemon only gathers observations and commits.
+//!
+//! What is decided from what (never from a log line):
+//! - the agent's record says `Exited` with an exit code → `completed` (any code, as the seed);
+//!   such a job is never resumed;
+//! - `Lost` (tmux session killed, host rebooted), no record at all, or `Exited` by a signal →
+//!   `interrupted`, then a resume when `auto_resume` allows and `resume_delay_s` has passed;
+//! - `Running` → `running` (and `running_restored` after an announced outage or interruption;
+//!   `stalled` once when the log has not grown for `stall_after_s`);
+//! - no connection → one `ssh_unreachable` after `alert_after_failures` failed checks.
+
+use rsb_protocol::JobState;
+use serde_json::{Map, Value, json};
+
+use super::{MAX_TEXT_CHARS, Watch, clip_tail, event, one_line};
+
+/// What one check found out.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Observed {
+    /// The watch names a sandbox with no persisted definition.
+    ConfigMissing,
+    /// The sandbox needs a secret the user did not allow rsb to store (one line).
+    NeedsCredentials(String),
+    /// No connection, or no answer within the deadline (one line).
+    Unreachable(String),
+    /// The agent answered with an error (one line).
+    Error(String),
+    Job(JobSeen),
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct JobSeen {
+    /// `None`: the agent has no record of a job with this name.
+    pub state: Option<JobState>,
+    pub exit_code: Option<i32>,
+    pub signal: Option<i32>,
+    pub started_ms: u64,
+    pub log_size: u64,
+    /// The log tail, when it was fetched (the daemon fetches it only for an event).
+    pub log_tail: Option<String>,
+    /// The checkpoint text, when one is configured and was read; `None` keeps the stored one
+    /// (a failed read never erases it).
+    pub checkpoint: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEvent {
+    pub event_type: &'static str,
+    pub summary: String,
+    /// Keys added to the payload after the seed's common ones.
+    pub extra: Map<String, Value>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub after: Watch,
+    pub events: Vec<NewEvent>,
+    /// Start a resume now (the daemon records the intent first, then starts it).
+    pub resume: bool,
+}
+
+fn digest(s: &str) -> String {
+    blake3::hash(s.as_bytes()).to_hex()[..16].to_string()
+}
+
+fn ev(event_type: &'static str, summary: &str, extra: Value) -> NewEvent {
+    NewEvent {
+        event_type,
+        summary: summary.to_string(),
+        extra: match extra {
+            Value::Object(m) => m,
+            _ => Map::new(),
+        },
+    }
+}
+
+/// The common bookkeeping of every check, then the transition for what was observed.
+pub fn decide(w: &Watch, obs: &Observed, now_ms: i64) -> Outcome {
+    let now = now_ms / 1000;
+    let mut a = w.clone();
+    let mut events = Vec::new();
+    let mut resume = false;
+    a.last_checked_ts = now;
+    a.updated_ts = now;
+    a.next_check_ms = now_ms + a.interval_s.max(1) * 1000;
+    a.next_check_ts = a.next_check_ms / 1000;
+    let prev = w.last_state.as_str();
+    match obs {
+        Observed::ConfigMissing => {
+            a.last_state = "config_missing".into();
+            a.last_summary = format!(
+                "Sandbox '{}' is missing from persisted config",
+                w.sandbox_name
+            );
+            a.last_error = "persisted sandbox config missing".into();
+            if prev != "config_missing" {
+                events.push(ev(event::CONFIG_MISSING, &a.last_summary, json!({})));
+            }
+        }
+        Observed::NeedsCredentials(msg) => {
+            a.last_state = "needs_credentials".into();
+            a.last_summary = one_line(msg);
+            a.last_error = a.last_summary.clone();
+            if prev != "needs_credentials" {
+                events.push(ev(event::NEEDS_CREDENTIALS, &a.last_summary, json!({})));
+            }
+        }
+        Observed::Unreachable(msg) => {
+            let n = w.consecutive_ssh_failures + 1;
+            let after = w.alert_after_failures.max(1);
+            let alert = n >= after && !w.ssh_alert_sent;
+            let tail = if alert || w.ssh_alert_sent {
+                format!("(failed {n} consecutive checks; user notification sent)")
+            } else {
+                format!("(failed {n} consecutive checks; alert after {after})")
+            };
+            a.consecutive_ssh_failures = n;
+            a.ssh_alert_sent = w.ssh_alert_sent || alert;
+            a.last_state = "ssh_unreachable".into();
+            a.last_summary = format!("{} {tail}", one_line(msg));
+            a.last_error = a.last_summary.clone();
+            if alert {
+                events.push(ev(
+                    event::SSH_UNREACHABLE,
+                    &a.last_summary,
+                    json!({"consecutive_failures": n}),
+                ));
+            }
+        }
+        Observed::Error(msg) => {
+            a.last_state = "error".into();
+            a.last_summary = one_line(msg);
+            a.last_error = a.last_summary.clone();
+        }
+        Observed::Job(seen) => {
+            job(w, &mut a, seen, now, &mut events, &mut resume);
+        }
+    }
+    Outcome {
+        after: a,
+        events,
+        resume,
+    }
+}
+
+fn job(
+    w: &Watch,
+    a: &mut Watch,
+    seen: &JobSeen,
+    now: i64,
+    events: &mut Vec<NewEvent>,
+    resume: &mut bool,
+) {
+    let announced_outage = w.last_state == "ssh_unreachable" && w.ssh_alert_sent;
+    a.consecutive_ssh_failures = 0;
+    a.ssh_alert_sent = false;
+    if seen.log_size as i64 != w.last_log_size {
+        a.last_log_size = seen.log_size as i64;
+        a.log_changed_ts = now;
+        a.stall_alert_sent = false;
+    }
+    if let Some(tail) = &seen.log_tail {
+        a.last_log_tail = clip_tail(tail, MAX_TEXT_CHARS);
+        a.last_log_digest = digest(&a.last_log_tail);
+    }
+    if let Some(text) = &seen.checkpoint {
+        let text = clip_tail(text, MAX_TEXT_CHARS);
+        let d = digest(&text);
+        if d != w.last_checkpoint_digest && !text.is_empty() {
+            a.checkpoint_updated_ts = now;
+        }
+        a.last_checkpoint_text = text;
+        a.last_checkpoint_digest = d;
+    }
+
+    // A resume was being started when the daemon stopped: did it start?
+    if w.resume_intent_ms > 0 {
+        a.resume_intent_ms = 0;
+        let started = matches!(seen.state, Some(JobState::Running | JobState::Exited))
+            && seen.started_ms as i64 + 1000 >= w.resume_intent_ms;
+        if started {
+            let s = format!(
+                "Started resume attempt {} in session {}",
+                w.resume_attempts, w.tmux_session
+            );
+            events.push(ev(
+                event::RESUME_STARTED,
+                &s,
+                json!({"resume_attempt": w.resume_attempts}),
+            ));
+            a.interrupted_ts = 0;
+            a.resume_due_ts = 0;
+            a.last_state = "running".into();
+        } else {
+            let s = format!(
+                "Resume attempt {} did not start (the watchdog stopped while starting it)",
+                w.resume_attempts
+            );
+            a.last_error = s.clone();
+            a.resume_due_ts = now + w.interval_s.max(w.resume_delay_s);
+            events.push(ev(
+                event::RESUME_FAILED,
+                &s,
+                json!({"resume_attempt": w.resume_attempts}),
+            ));
+        }
+    }
+    let prev = a.last_state.clone();
+
+    match (seen.state, seen.exit_code) {
+        (Some(JobState::Running), _) => {
+            a.last_state = "running".into();
+            a.last_error = String::new();
+            a.interrupted_ts = 0;
+            a.resume_due_ts = 0;
+            let restored = announced_outage
+                || matches!(
+                    prev.as_str(),
+                    "interrupted" | "config_missing" | "needs_credentials" | "error"
+                );
+            let stalled_for = now - a.log_changed_ts;
+            if w.stall_after_s > 0 && !a.stall_alert_sent && stalled_for >= w.stall_after_s {
+                a.stall_alert_sent = true;
+                a.last_summary = format!("The log has not grown for {stalled_for}s");
+                events.push(ev(
+                    event::STALLED,
+                    &a.last_summary,
+                    json!({"stalled_for_s": stalled_for, "log_size": seen.log_size}),
+                ));
+            } else if !a.stall_alert_sent {
+                a.last_summary = "Background task is still running".into();
+            }
+            if restored {
+                events.push(ev(
+                    event::RUNNING_RESTORED,
+                    "Background task is running again",
+                    json!({"previous_state": prev}),
+                ));
+            }
+        }
+        (Some(JobState::Exited), Some(code)) => {
+            a.status = "completed".into();
+            a.last_state = "completed".into();
+            a.last_summary = format!("Background task completed with exit code {code}");
+            a.last_error = String::new();
+            a.last_exit_code = Some(code as i64);
+            a.last_signal = None;
+            a.interrupted_ts = 0;
+            a.resume_due_ts = 0;
+            a.next_check_ms = 0;
+            a.next_check_ts = 0;
+            events.push(ev(
+                event::COMPLETED,
+                &a.last_summary,
+                json!({"exit_code": code}),
+            ));
+        }
+        (state, _) => {
+            let (reason, kind) = match (state, seen.signal) {
+                (Some(JobState::Exited), Some(sig)) => {
+                    (format!("was killed by signal {sig}"), "signal")
+                }
+                (Some(JobState::Exited), None) => ("ended without an exit code".into(), "lost"),
+                (Some(_), _) => (
+                    "was lost before it recorded an exit (tmux session killed or host rebooted)"
+                        .into(),
+                    "lost",
+                ),
+                (None, _) => (
+                    "has no record on the sandbox (it never started, or its records were removed)"
+                        .into(),
+                    "missing",
+                ),
+            };
+            let first = w.interrupted_ts == 0;
+            a.interrupted_ts = if first { now } else { w.interrupted_ts };
+            if a.resume_due_ts == 0 {
+                a.resume_due_ts = a.interrupted_ts + w.resume_delay_s.max(0);
+            }
+            a.last_exit_code = None;
+            a.last_signal = seen.signal.map(i64::from);
+            let cmd = w.resume_command_to_run();
+            let can_resume = w.auto_resume
+                && !cmd.trim().is_empty()
+                && w.resume_attempts < w.max_resume_attempts;
+            let base = format!("Job '{}' {reason}", w.tmux_session);
+            a.last_summary = if can_resume && a.resume_due_ts > now {
+                format!(
+                    "{base}; waiting {}s before resume check",
+                    a.resume_due_ts - now
+                )
+            } else {
+                base
+            };
+            a.last_state = "interrupted".into();
+            a.last_error = a.last_summary.clone();
+            if first {
+                let mut extra = json!({"job_state": kind});
+                if let Some(sig) = seen.signal {
+                    extra["signal"] = json!(sig);
+                }
+                events.push(ev(event::INTERRUPTED, &a.last_summary, extra));
+            }
+            *resume = can_resume && now >= a.resume_due_ts;
+        }
+    }
+}
+
+/// Before a resume starts: count the attempt and mark the intent, so a daemon killed while
+/// starting it can tell, after restarting, whether it ran.
+pub fn resume_intent(w: &Watch, now_ms: i64) -> Watch {
+    let mut a = w.clone();
+    a.resume_attempts += 1;
+    a.resume_intent_ms = now_ms;
+    a.last_state = "resuming".into();
+    a.updated_ts = now_ms / 1000;
+    a
+}
+
+/// After the resume's start: `Ok(session)` or the error, as the watch's new state and event.
+pub fn resume_result(
+    w: &Watch,
+    r: Result<&str, &str>,
+    checkpoint: &str,
+    now_ms: i64,
+) -> (Watch, NewEvent) {
+    let now = now_ms / 1000;
+    let mut a = w.clone();
+    a.resume_intent_ms = 0;
+    a.updated_ts = now;
+    let n = w.resume_attempts;
+    match r {
+        Ok(session) => {
+            a.tmux_session = session.to_string();
+            a.last_state = "running".into();
+            a.last_summary = format!("Started resume attempt {n} in session {session}");
+            a.last_error = String::new();
+            a.interrupted_ts = 0;
+            a.resume_due_ts = 0;
+            a.last_log_size = -1;
+            a.stall_alert_sent = false;
+            a.next_check_ms = now_ms + w.interval_s.max(1) * 1000;
+            a.next_check_ts = a.next_check_ms / 1000;
+            let e = ev(
+                event::RESUME_STARTED,
+                &a.last_summary,
+                json!({"resume_attempt": n, "tmux_session": session, "checkpoint": checkpoint}),
+            );
+            (a, e)
+        }
+        Err(err) => {
+            a.last_state = "interrupted".into();
+            a.last_summary = format!("Resume attempt {n} failed to start");
+            a.last_error = one_line(err);
+            a.resume_due_ts = now + w.interval_s.max(w.resume_delay_s);
+            let e = ev(
+                event::RESUME_FAILED,
+                &a.last_summary,
+                json!({"resume_attempt": n, "error": one_line(err)}),
+            );
+            (a, e)
+        }
+    }
+}
+
+/// The seed's `suggested_codex_prompt`, for event payloads and `RSMCP_SUGGESTED_PROMPT`.
+pub fn suggested_prompt(w: &Watch, event_type: &str, summary: &str) -> String {
+    let mut l = vec![
+        "Inspect the remote sandbox long-running task and decide how to resume it.".to_string(),
+        format!("Run id: {}", w.run_id),
+        format!("Watch id: {}", w.id),
+        format!("Sandbox: {}", w.sandbox_name),
+        format!("tmux session: {}", w.tmux_session),
+        format!("log file: {}", w.log_file),
+        format!("Current event: {event_type}"),
+        format!("Summary: {summary}"),
+    ];
+    if !w.checkpoint_path.is_empty() {
+        l.push(format!("Checkpoint path: {}", w.checkpoint_path));
+    }
+    let rc = w.resume_command_to_run();
+    if !w.resume_command.is_empty() || w.resume_plan.contains_key("resume_command") {
+        l.push(format!("Suggested resume command: {rc}"));
+    }
+    if w.resume_plan.is_empty() {
+        l.push(format!("Original launch command: {}", w.launch_command));
+    } else {
+        l.push(format!(
+            "Resume plan JSON:\n{}",
+            Value::Object(w.resume_plan.clone())
+        ));
+    }
+    if !w.last_log_tail.is_empty() {
+        l.push(format!("Latest log tail:\n{}", w.last_log_tail));
+    }
+    if !w.last_checkpoint_text.is_empty() {
+        l.push(format!("Latest checkpoint:\n{}", w.last_checkpoint_text));
+    }
+    l.join("\n")
+}
+
+/// The seed's payload: `watch` snapshot, `summary`, `log_tail`, `checkpoint_text`,
+/// `suggested_codex_prompt`, then the event's own keys.
+pub fn payload(w: &Watch, e: &NewEvent) -> Value {
+    let no_tail = matches!(
+        e.event_type,
+        event::SSH_UNREACHABLE | event::CONFIG_MISSING | event::NEEDS_CREDENTIALS
+    );
+    let mut m = Map::new();
+    m.insert("watch".into(), w.payload_snapshot());
+    m.insert("summary".into(), json!(e.summary));
+    m.insert(
+        "log_tail".into(),
+        json!(if no_tail { "" } else { &w.last_log_tail }),
+    );
+    m.insert("checkpoint_text".into(), json!(w.last_checkpoint_text));
+    m.insert(
+        "suggested_codex_prompt".into(),
+        json!(suggested_prompt(w, e.event_type, &e.summary)),
+    );
+    for (k, v) in &e.extra {
+        m.insert(k.clone(), v.clone());
+    }
+    Value::Object(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn watch() -> Watch {
+        Watch {
+            id: 7,
+            run_id: "r".into(),
+            name: String::new(),
+            sandbox_name: "s".into(),
+            tmux_session: "train".into(),
+            log_file: "/h/train.log".into(),
+            cwd: "/h".into(),
+            launch_command: "python train.py".into(),
+            resume_command: "python train.py --resume".into(),
+            resume_plan: Map::new(),
+            checkpoint_path: "/h/ck.json".into(),
+            checkpoint_format: "json".into(),
+            checkpoint_command: String::new(),
+            interval_s: 1,
+            max_log_lines: 80,
+            status: "active".into(),
+            last_state: String::new(),
+            last_summary: String::new(),
+            last_error: String::new(),
+            last_exit_code: None,
+            last_log_digest: String::new(),
+            last_log_tail: String::new(),
+            last_checkpoint_text: String::new(),
+            last_checkpoint_digest: String::new(),
+            checkpoint_updated_ts: 0,
+            webhook_url: String::new(),
+            event_command: String::new(),
+            auto_resume: true,
+            resume_attempts: 0,
+            max_resume_attempts: 1,
+            alert_after_failures: 2,
+            consecutive_ssh_failures: 0,
+            ssh_alert_sent: false,
+            notify_local: true,
+            resume_delay_s: 0,
+            interrupted_ts: 0,
+            resume_due_ts: 0,
+            metadata: Map::new(),
+            created_ts: 0,
+            updated_ts: 0,
+            last_checked_ts: 0,
+            next_check_ts: 0,
+            last_event_ts: 0,
+            last_signal: None,
+            stall_after_s: 0,
+            last_log_size: -1,
+            log_changed_ts: 0,
+            stall_alert_sent: false,
+            last_alert_error: String::new(),
+            next_check_ms: 0,
+            resume_intent_ms: 0,
+            rev: 0,
+        }
+    }
+
+    fn seen(state: Option<JobState>, code: Option<i32>, signal: Option<i32>) -> Observed {
+        Observed::Job(JobSeen {
+            state,
+            exit_code: code,
+            signal,
+            started_ms: 1_000_000,
+            log_size: 10,
+            ..Default::default()
+        })
+    }
+
+    fn types(o: &Outcome) -> Vec<&str> {
+        o.events.iter().map(|e| e.event_type).collect()
+    }
+
+    #[test]
+    fn an_exit_code_completes_and_is_never_resumed() {
+        for code in [0, 3, 137] {
+            let o = decide(
+                &watch(),
+                &seen(Some(JobState::Exited), Some(code), None),
+                5_000,
+            );
+            assert_eq!(types(&o), ["completed"]);
+            assert_eq!(o.events[0].extra["exit_code"], code);
+            assert!(!o.resume);
+            assert_eq!(o.after.status, "completed");
+            assert_eq!(o.after.last_exit_code, Some(code as i64));
+            assert_eq!(o.after.next_check_ms, 0);
+        }
+    }
+
+    #[test]
+    fn a_lost_job_is_interrupted_once_and_resumed_when_due() {
+        let mut w = watch();
+        w.resume_delay_s = 10;
+        let o = decide(&w, &seen(Some(JobState::Lost), None, None), 100_000);
+        assert_eq!(types(&o), ["interrupted"]);
+        assert!(!o.resume);
+        assert!(
+            o.after.last_summary.contains("waiting 10s"),
+            "{}",
+            o.after.last_summary
+        );
+        let o2 = decide(&o.after, &seen(Some(JobState::Lost), None, None), 105_000);
+        assert!(o2.events.is_empty() && !o2.resume);
+        let o3 = decide(&o2.after, &seen(Some(JobState::Lost), None, None), 110_000);
+        assert!(o3.events.is_empty() && o3.resume);
+        // Intent, start, result.
+        let i = resume_intent(&o3.after, 110_500);
+        assert_eq!((i.resume_attempts, i.last_state.as_str()), (1, "resuming"));
+        let (r, e) = resume_result(&i, Ok("train"), "{\"step\": 3}", 111_000);
+        assert_eq!(e.event_type, "resume_started");
+        assert_eq!(e.extra["resume_attempt"], 1);
+        assert_eq!((r.interrupted_ts, r.resume_intent_ms), (0, 0));
+        // Lost again: a new interruption, but no attempt left.
+        let o4 = decide(&r, &seen(Some(JobState::Lost), None, None), 120_000);
+        assert_eq!(types(&o4), ["interrupted"]);
+        assert!(!o4.resume);
+    }
+
+    #[test]
+    fn a_signal_or_a_missing_record_is_an_interruption() {
+        let o = decide(
+            &watch(),
+            &seen(Some(JobState::Exited), None, Some(9)),
+            1_000,
+        );
+        assert_eq!(types(&o), ["interrupted"]);
+        assert_eq!(o.events[0].extra["signal"], 9);
+        assert!(o.resume, "resume_delay_s 0: resumed in the same check");
+        let o = decide(&watch(), &seen(None, None, None), 1_000);
+        assert_eq!(o.events[0].extra["job_state"], "missing");
+        let mut w = watch();
+        w.auto_resume = false;
+        let o = decide(&w, &seen(Some(JobState::Lost), None, None), 1_000);
+        assert!(!o.resume);
+    }
+
+    #[test]
+    fn unreachable_alerts_once_after_n_failures_then_restores() {
+        let mut w = watch();
+        w.last_state = "running".into();
+        let down = Observed::Unreachable("connect refused".into());
+        let o1 = decide(&w, &down, 1_000);
+        assert!(o1.events.is_empty());
+        assert!(
+            o1.after
+                .last_summary
+                .ends_with("(failed 1 consecutive checks; alert after 2)")
+        );
+        let o2 = decide(&o1.after, &down, 2_000);
+        assert_eq!(types(&o2), ["ssh_unreachable"]);
+        let o3 = decide(&o2.after, &down, 3_000);
+        assert!(o3.events.is_empty());
+        let o4 = decide(&o3.after, &seen(Some(JobState::Running), None, None), 4_000);
+        assert_eq!(types(&o4), ["running_restored"]);
+        assert_eq!(o4.after.consecutive_ssh_failures, 0);
+        // A blip below the threshold restores quietly.
+        let o5 = decide(&o4.after, &down, 5_000);
+        let o6 = decide(&o5.after, &seen(Some(JobState::Running), None, None), 6_000);
+        assert!(o6.events.is_empty());
+    }
+
+    #[test]
+    fn stalled_fires_once_per_stall() {
+        let mut w = watch();
+        w.stall_after_s = 5;
+        w.last_state = "running".into();
+        let run = |size| {
+            Observed::Job(JobSeen {
+                state: Some(JobState::Running),
+                log_size: size,
+                ..Default::default()
+            })
+        };
+        let o = decide(&w, &run(10), 0);
+        let o = decide(&o.after, &run(10), 4_000);
+        assert!(o.events.is_empty());
+        let o = decide(&o.after, &run(10), 6_000);
+        assert_eq!(types(&o), ["stalled"]);
+        let o = decide(&o.after, &run(10), 9_000);
+        assert!(o.events.is_empty());
+        let o = decide(&o.after, &run(11), 10_000);
+        assert!(o.events.is_empty() && !o.after.stall_alert_sent);
+    }
+
+    #[test]
+    fn a_failed_checkpoint_read_keeps_the_stored_one() {
+        let mut w = watch();
+        w.last_checkpoint_text = "{\"step\": 2}".into();
+        let o = decide(&w, &seen(Some(JobState::Running), None, None), 1_000);
+        assert_eq!(o.after.last_checkpoint_text, "{\"step\": 2}");
+        let o = decide(
+            &w,
+            &Observed::Job(JobSeen {
+                state: Some(JobState::Running),
+                checkpoint: Some("{\"step\": 3}".into()),
+                ..Default::default()
+            }),
+            2_000,
+        );
+        assert_eq!(o.after.last_checkpoint_text, "{\"step\": 3}");
+        assert_eq!(o.after.checkpoint_updated_ts, 2);
+    }
+
+    #[test]
+    fn a_resume_cut_by_a_crash_is_settled_without_repeating() {
+        let mut w = watch();
+        w.resume_attempts = 1;
+        w.resume_intent_ms = 1_000_000;
+        w.last_state = "resuming".into();
+        w.interrupted_ts = 900;
+        let started = Observed::Job(JobSeen {
+            state: Some(JobState::Running),
+            started_ms: 1_000_200,
+            ..Default::default()
+        });
+        let o = decide(&w, &started, 1_002_000);
+        assert_eq!(types(&o), ["resume_started"]);
+        assert_eq!(o.after.resume_intent_ms, 0);
+        let o = decide(&w, &seen(Some(JobState::Lost), None, None), 1_002_000);
+        assert_eq!(types(&o), ["resume_failed"]);
+        assert!(!o.resume, "no attempt left");
+    }
+
+    #[test]
+    fn config_and_credentials_problems_are_reported_once() {
+        let o = decide(&watch(), &Observed::ConfigMissing, 1_000);
+        assert_eq!(types(&o), ["config_missing"]);
+        assert_eq!(o.after.last_error, "persisted sandbox config missing");
+        assert!(
+            decide(&o.after, &Observed::ConfigMissing, 2_000)
+                .events
+                .is_empty()
+        );
+        let o = decide(
+            &watch(),
+            &Observed::NeedsCredentials("needs credentials: x\ny".into()),
+            1,
+        );
+        assert_eq!(types(&o), ["needs_credentials"]);
+        assert!(!o.after.last_error.contains('\n'));
+    }
+
+    #[test]
+    fn payload_has_the_seed_keys() {
+        let w = watch();
+        let e = ev(event::COMPLETED, "done", json!({"exit_code": 0}));
+        let p = payload(&w, &e);
+        for k in [
+            "watch",
+            "summary",
+            "log_tail",
+            "checkpoint_text",
+            "suggested_codex_prompt",
+            "exit_code",
+        ] {
+            assert!(p.get(k).is_some(), "{k}");
+        }
+        assert_eq!(p["watch"]["tmux_session"], "train");
+        assert!(
+            p["suggested_codex_prompt"]
+                .as_str()
+                .unwrap()
+                .contains("Watch id: 7")
+        );
+    }
+}

@@ -1,0 +1,710 @@
+//! `rsb watchdog run`: the loop.
+//!
+//! One daemon per state dir (an `flock` on `watchdog.lock`, which also holds its pid). Every
+//! tick (1 s by default) it beats its heartbeat and starts a check for each due watch that is
+//! not already being checked; checks run concurrently as tasks, each network step under its
+//! own deadline, so a dead host or a slow hook never delays another watch. Connections are one
+//! pool per sandbox, kept between ticks; concurrent checks of one sandbox share a single
+//! connect attempt (ten watches on a dead host cost one timeout per tick, not ten). A panic in
+//! a check is caught and recorded as that watch's error.
+//!
+//! Crash safety: a check's outcome and its events are one transaction; event files and alerts
+//! follow the commit, and an event is marked delivered only after them, so a daemon killed
+//! between the two finishes the delivery when it starts again. Nothing is ever recorded twice.
+
+use std::{
+    collections::{HashMap, HashSet},
+    fs::File,
+    io::{Read, Seek, Write},
+    os::fd::AsRawFd,
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use parking_lot::Mutex;
+use rsb_protocol::{ExecRequest, JobStartRequest, JobStatusRequest, ReadFileRequest};
+use rusqlite::Connection;
+use serde_json::json;
+
+use super::{
+    MAX_TEXT_CHARS, Watch, WatchEvent, alerts,
+    checks::{self, JobSeen, Observed},
+    db, sandboxes,
+    settings::{DEFAULT_HOOK_TIMEOUT, FileSettings},
+};
+use crate::{
+    client::AgentClient,
+    config::{Config, SandboxConfig},
+    error::{Kind, Result, RsbError},
+    pool::Pool,
+    store::{self, now_ms},
+};
+
+pub const LOCK_FILE: &str = "watchdog.lock";
+const STATUS_DEADLINE: Duration = Duration::from_secs(10);
+const CHECKPOINT_DEADLINE: Duration = Duration::from_secs(15);
+const RESUME_DEADLINE: Duration = Duration::from_secs(30);
+/// An undelivered event older than this gets its file but no alert (a daemon restarted after
+/// a long stop should not replay stale alarms).
+const REPLAY_ALERTS_WITHIN_MS: i64 = 3_600_000;
+/// Due watches started per tick (the rest wait for the next tick).
+const MAX_STARTS_PER_TICK: i64 = 500;
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub state_dir: PathBuf,
+    pub tick: Duration,
+    /// `service`, `detached` or `foreground` (reported by `get_watchdog_status`).
+    pub mode: String,
+    pub hook_timeout: Duration,
+    /// Exit after this long without active watches (detached daemons).
+    pub idle_exit: Option<Duration>,
+}
+
+impl Options {
+    pub fn new(state_dir: PathBuf) -> Options {
+        Options {
+            state_dir,
+            tick: Duration::from_secs(1),
+            mode: "foreground".into(),
+            hook_timeout: DEFAULT_HOOK_TIMEOUT,
+            idle_exit: None,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The lock
+
+/// The held lock; released when dropped (or when the process dies, however it dies).
+pub struct Lock(#[allow(dead_code)] File);
+
+fn open_lock_file(state_dir: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(state_dir.join(LOCK_FILE))
+}
+
+fn read_pid(f: &mut File) -> Option<i64> {
+    let mut s = String::new();
+    f.rewind().ok()?;
+    f.read_to_string(&mut s).ok()?;
+    s.trim().parse().ok()
+}
+
+/// Take the daemon lock, retrying briefly (a status probe may hold it for an instant);
+/// `Err` names the pid that holds it.
+pub fn acquire_lock(state_dir: &Path) -> Result<Lock> {
+    store::ensure_private_dir(state_dir).map_err(|e| {
+        RsbError::new(
+            Kind::Config,
+            format!("cannot create {}: {}", state_dir.display(), e.kind()),
+            "set RSB_STATE_DIR to a writable directory",
+        )
+    })?;
+    let mut f = open_lock_file(state_dir).map_err(store::db_err)?;
+    let deadline = Instant::now() + Duration::from_secs(2);
+    loop {
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
+            f.set_len(0).map_err(store::db_err)?;
+            f.rewind().map_err(store::db_err)?;
+            write!(f, "{}", std::process::id()).map_err(store::db_err)?;
+            f.flush().map_err(store::db_err)?;
+            return Ok(Lock(f));
+        }
+        if Instant::now() >= deadline {
+            let pid = read_pid(&mut f)
+                .map(|p| p.to_string())
+                .unwrap_or_else(|| "unknown".into());
+            return Err(RsbError::new(
+                Kind::Config,
+                format!(
+                    "a watchdog is already running for {} (pid {pid})",
+                    state_dir.display()
+                ),
+                "only one runs per state dir; stop it first, or set RSB_STATE_DIR to another directory",
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The pid of the daemon holding the lock of `state_dir`, if one does.
+pub fn lock_holder(state_dir: &Path) -> Option<i64> {
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .open(state_dir.join(LOCK_FILE))
+        .ok()?;
+    // SAFETY: flock on a descriptor we own; a shared probe fails only under the daemon's lock.
+    let held = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } != 0;
+    if !held {
+        unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+        return None;
+    }
+    Some(read_pid(&mut f).unwrap_or(0))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hosts: one pool per sandbox, kept between ticks
+
+struct Host {
+    cfg: SandboxConfig,
+    pool: Pool,
+    /// The last failed connect, shared by the checks waiting for it.
+    gate: tokio::sync::Mutex<Option<(Instant, RsbError)>>,
+}
+
+impl Host {
+    fn new(cfg: SandboxConfig, state_dir: &Path) -> Host {
+        let config = Config {
+            sandboxes: vec![cfg.clone()],
+            expose_advanced_tools: false,
+            inline_sync_max_files: crate::config::DEFAULT_INLINE_SYNC_MAX_FILES,
+            inline_sync_max_bytes: crate::config::DEFAULT_INLINE_SYNC_MAX_BYTES,
+            state_dir: state_dir.to_path_buf(),
+            source: "watchdog".into(),
+            warnings: Vec::new(),
+        };
+        Host {
+            cfg,
+            pool: Pool::new(Arc::new(config)),
+            gate: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    fn connect_deadline(&self) -> Duration {
+        match &self.cfg.transport {
+            crate::config::Transport::Ssh(t) => {
+                (t.connect_timeout + Duration::from_secs(5)).min(Duration::from_secs(60))
+            }
+            crate::config::Transport::Local => Duration::from_secs(15),
+        }
+    }
+
+    /// A live client; a connect that failed after `since` is reused instead of retried.
+    async fn client(&self, since: Instant) -> Result<AgentClient> {
+        let mut g = self.gate.lock().await;
+        if let Some((at, e)) = g.as_ref()
+            && *at >= since
+        {
+            return Err(e.clone());
+        }
+        let deadline = self.connect_deadline();
+        let r = match tokio::time::timeout(deadline, self.pool.client(&self.cfg.name)).await {
+            Ok(r) => r,
+            Err(_) => Err(RsbError::new(
+                Kind::Timeout,
+                format!(
+                    "SSH unreachable: no connection to sandbox '{}' within {}s",
+                    self.cfg.name,
+                    deadline.as_secs()
+                ),
+                "check the host and the network",
+            )),
+        };
+        match r {
+            Ok(c) => {
+                *g = None;
+                Ok(c)
+            }
+            Err(e) => {
+                *g = Some((Instant::now(), e.clone()));
+                Err(e)
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The daemon
+
+pub struct Daemon {
+    state_dir: PathBuf,
+    conn: Mutex<Connection>,
+    hosts: Mutex<HashMap<String, Arc<Host>>>,
+    inflight: Mutex<HashSet<i64>>,
+    settings: FileSettings,
+    hook_timeout: Duration,
+}
+
+/// Run until SIGTERM/SIGINT, the state dir vanishing, or (detached) a long idle spell.
+pub async fn run(opts: Options) -> Result<()> {
+    let _lock = acquire_lock(&opts.state_dir)?;
+    let conn = store::open(&opts.state_dir)?;
+    let settings = match FileSettings::load() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("{e}; the config file's hooks are ignored");
+            FileSettings::default()
+        }
+    };
+    let d = Arc::new(Daemon {
+        state_dir: opts.state_dir.clone(),
+        conn: Mutex::new(conn),
+        hosts: Mutex::new(HashMap::new()),
+        inflight: Mutex::new(HashSet::new()),
+        settings,
+        hook_timeout: opts.hook_timeout,
+    });
+    let started = store::now_s();
+    db::meta_set(
+        &d.conn.lock(),
+        "daemon",
+        &json!({
+            "pid": std::process::id(),
+            "mode": opts.mode,
+            "started_ts": started,
+            "version": env!("CARGO_PKG_VERSION"),
+            "state_dir": opts.state_dir.display().to_string(),
+        }),
+    )?;
+    tracing::info!(
+        state_dir = %opts.state_dir.display(),
+        mode = %opts.mode,
+        "[watchdog] started (pid {})",
+        std::process::id()
+    );
+    d.redeliver().await;
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| RsbError::internal(format!("cannot watch SIGTERM: {e}")))?;
+    let mut idle_since = Instant::now();
+    let db_file = store::db_path(&opts.state_dir);
+    loop {
+        if !db_file.exists() {
+            tracing::info!("[watchdog] the state store is gone; exiting");
+            break;
+        }
+        let active = d.tick(&opts).unwrap_or_else(|e| {
+            tracing::warn!("[watchdog] tick failed: {}", e.message);
+            1
+        });
+        if active > 0 || !d.inflight.lock().is_empty() {
+            idle_since = Instant::now();
+        } else if let Some(idle) = opts.idle_exit
+            && idle_since.elapsed() >= idle
+        {
+            tracing::info!(
+                "[watchdog] no active watches for {}s; exiting",
+                idle.as_secs()
+            );
+            break;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(opts.tick) => {}
+            _ = term.recv() => { tracing::info!("[watchdog] SIGTERM; exiting"); break; }
+            _ = tokio::signal::ctrl_c() => { tracing::info!("[watchdog] interrupted; exiting"); break; }
+        }
+    }
+    let hosts: Vec<Arc<Host>> = d.hosts.lock().values().cloned().collect();
+    for h in hosts {
+        h.pool.shutdown().await;
+    }
+    Ok(())
+}
+
+/// Run `fut` as its own task; a panic inside it becomes `Err(message)` instead of taking the
+/// loop down.
+pub async fn supervise<F>(fut: F) -> std::result::Result<(), String>
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    match tokio::spawn(fut).await {
+        Ok(()) => Ok(()),
+        Err(e) if e.is_panic() => {
+            let p = e.into_panic();
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(format!("the check panicked: {msg}"))
+        }
+        Err(e) => Err(format!("the check was cancelled: {e}")),
+    }
+}
+
+impl Daemon {
+    /// One tick: heartbeat, then a check task for every due watch. Returns the number of
+    /// active watches.
+    fn tick(self: &Arc<Self>, opts: &Options) -> Result<i64> {
+        let ms = now_ms();
+        let (due, active) = {
+            let c = self.conn.lock();
+            db::meta_set(
+                &c,
+                "heartbeat",
+                &json!({
+                    "ts": ms / 1000,
+                    "stale_after_s": super::HEARTBEAT_STALE_S,
+                    "db_path": store::db_path(&self.state_dir).display().to_string(),
+                    "config_path": crate::config::config_file_path().display().to_string(),
+                    "pid": std::process::id(),
+                    "mode": opts.mode,
+                }),
+            )?;
+            let due = db::due(&c, ms, MAX_STARTS_PER_TICK)?;
+            let active = db::counts(&c)?.get("active").copied().unwrap_or(0);
+            (due, active)
+        };
+        let mut started = 0;
+        for id in due {
+            if !self.inflight.lock().insert(id) {
+                continue;
+            }
+            started += 1;
+            let d = self.clone();
+            tokio::spawn(async move {
+                let d2 = d.clone();
+                if let Err(msg) = supervise(async move { d2.check(id).await }).await {
+                    tracing::error!(watch = id, "[watchdog] {msg}");
+                    let c = d.conn.lock();
+                    let interval = db::get(&c, id)
+                        .ok()
+                        .flatten()
+                        .map(|w| w.interval_s)
+                        .unwrap_or(60);
+                    let _ = db::record_failed_check(&c, id, &msg, interval);
+                }
+                d.inflight.lock().remove(&id);
+            });
+        }
+        if started > 0 {
+            let _ = db::meta_set(
+                &self.conn.lock(),
+                "last_scan",
+                &json!({"ts": ms / 1000, "due_watch_count": started}),
+            );
+        }
+        Ok(active)
+    }
+
+    fn host(&self, cfg: SandboxConfig) -> Arc<Host> {
+        let mut hosts = self.hosts.lock();
+        if let Some(h) = hosts.get(&cfg.name)
+            && h.cfg == cfg
+        {
+            return h.clone();
+        }
+        let h = Arc::new(Host::new(cfg.clone(), &self.state_dir));
+        if let Some(old) = hosts.insert(cfg.name.clone(), h.clone()) {
+            // The definition changed: drop the old connection off the loop.
+            tokio::spawn(async move { old.pool.shutdown().await });
+        }
+        h
+    }
+
+    async fn check(self: Arc<Self>, id: i64) {
+        let w = match db::get(&self.conn.lock(), id) {
+            Ok(Some(w)) if w.status == "active" => w,
+            Ok(_) => return,
+            Err(e) => {
+                tracing::warn!(
+                    watch = id,
+                    "[watchdog] cannot read the watch: {}",
+                    e.message
+                );
+                return;
+            }
+        };
+        let since = Instant::now();
+        let (obs, client) = self.observe(&w, since).await;
+        let mut out = checks::decide(&w, &obs, now_ms());
+        // Events carry the log tail; fetch it only when there is an event to carry it.
+        if let (Observed::Job(seen), Some(c)) = (&obs, &client)
+            && !out.events.is_empty()
+            && seen.log_tail.is_none()
+            && let Some(tail) = fetch_tail(c, &w).await
+        {
+            let mut seen = seen.clone();
+            seen.log_tail = Some(tail);
+            out = checks::decide(&w, &Observed::Job(seen), now_ms());
+        }
+        let Some(after) = self.commit(&w, out.after, &out.events) else {
+            return;
+        };
+        if out.resume
+            && let Some(c) = client
+        {
+            self.resume(after, c).await;
+        }
+    }
+
+    /// Commit and deliver; the new row (with its revision) or `None` if the watch changed.
+    fn commit(
+        &self,
+        before: &Watch,
+        mut after: Watch,
+        events: &[checks::NewEvent],
+    ) -> Option<Watch> {
+        let r = db::commit(&mut self.conn.lock(), before.rev, &after, events);
+        match r {
+            Ok(Some(evs)) => {
+                after.rev = before.rev + 1;
+                for e in evs {
+                    self.deliver(after.clone(), e);
+                }
+                Some(after)
+            }
+            Ok(None) => None,
+            Err(e) => {
+                tracing::warn!(
+                    watch = before.id,
+                    "[watchdog] cannot record a check: {}",
+                    e.message
+                );
+                None
+            }
+        }
+    }
+
+    /// Gather what the watch's sandbox says about the job (never parsing its log).
+    async fn observe(&self, w: &Watch, since: Instant) -> (Observed, Option<AgentClient>) {
+        let def = match sandboxes::load(&self.conn.lock(), &w.sandbox_name) {
+            Ok(Some(d)) => d,
+            Ok(None) => return (Observed::ConfigMissing, None),
+            Err(e) => return (Observed::Error(e.message), None),
+        };
+        let secrets = sandboxes::read_secrets(&self.state_dir);
+        let cfg = match def.to_config(secrets.get(&w.sandbox_name)) {
+            Ok(c) => c,
+            Err(msg) => return (Observed::NeedsCredentials(msg), None),
+        };
+        let host = self.host(cfg);
+        let client = match host.client(since).await {
+            Ok(c) => c,
+            Err(e) => return (Observed::Unreachable(e.message), None),
+        };
+        let req = JobStatusRequest {
+            name: w.tmux_session.clone(),
+            log_file: None,
+            last_n_lines: 0,
+            offset: None,
+            max_bytes: 1,
+        };
+        let r = match tokio::time::timeout(STATUS_DEADLINE, client.job_status(req)).await {
+            Err(_) => {
+                // A silent link: drop it, so the next check reconnects instead of waiting again.
+                client.close("no answer within the watchdog's deadline");
+                return (
+                    Observed::Unreachable(format!(
+                        "SSH unreachable: no answer from sandbox '{}' within {}s",
+                        w.sandbox_name,
+                        STATUS_DEADLINE.as_secs()
+                    )),
+                    None,
+                );
+            }
+            Ok(Err(e))
+                if matches!(e.kind, Kind::ConnectionLost | Kind::Connect | Kind::Timeout) =>
+            {
+                return (Observed::Unreachable(e.message), None);
+            }
+            Ok(Err(e)) => return (Observed::Error(e.message), Some(client)),
+            Ok(Ok(r)) => r,
+        };
+        let checkpoint = read_checkpoint(&client, w).await.ok();
+        let info = r.info.as_ref();
+        let seen = JobSeen {
+            state: info.map(|i| i.state),
+            exit_code: info.and_then(|i| i.exit_code),
+            signal: info.and_then(|i| i.signal),
+            started_ms: info.map(|i| i.started_ms).unwrap_or(0),
+            log_size: r.log_size,
+            log_tail: None,
+            checkpoint,
+        };
+        (Observed::Job(seen), Some(client))
+    }
+
+    /// Record the attempt, start the resume command as a new background job with the
+    /// checkpoint in `RSB_CHECKPOINT`, and record how that went.
+    async fn resume(&self, w: Watch, client: AgentClient) {
+        let intent = checks::resume_intent(&w, now_ms());
+        let Some(w) = self.commit(&w, intent, &[]) else {
+            return;
+        };
+        let session = w.resume_session();
+        let cwd = w.resume_cwd();
+        let checkpoint = w.last_checkpoint_text.clone();
+        let req = JobStartRequest {
+            name: session.clone(),
+            command: w.resume_command_to_run(),
+            cwd: (!cwd.trim().is_empty()).then_some(cwd),
+            log_file: w.log_file.clone(),
+            env: vec![
+                ("RSB_CHECKPOINT".into(), checkpoint.clone()),
+                ("RSB_RESUME_ATTEMPT".into(), w.resume_attempts.to_string()),
+                ("RSB_WATCH_ID".into(), w.id.to_string()),
+            ],
+            prefer_tmux: true,
+        };
+        let r = match tokio::time::timeout(RESUME_DEADLINE, client.job_start(req)).await {
+            Ok(Ok(info)) => Ok(info.name),
+            Ok(Err(e)) => Err(e.message),
+            Err(_) => Err(format!(
+                "the resume did not start within {}s",
+                RESUME_DEADLINE.as_secs()
+            )),
+        };
+        let (after, e) = checks::resume_result(
+            &w,
+            r.as_deref().map_err(String::as_str),
+            &checkpoint,
+            now_ms(),
+        );
+        self.commit(&w, after, &[e]);
+    }
+
+    /// Event file, then alerts (off the loop), then `delivered`.
+    fn deliver(&self, w: Watch, e: WatchEvent) {
+        let state_dir = self.state_dir.clone();
+        let targets = alerts::Targets::for_watch(&w, &self.settings, self.hook_timeout);
+        let db_path = state_dir.clone();
+        tokio::spawn(async move {
+            deliver_one(&state_dir, &db_path, &targets, &e, true).await;
+        });
+    }
+
+    /// Finish deliveries a previous daemon committed but did not complete.
+    async fn redeliver(&self) {
+        let pending = match db::undelivered(&self.conn.lock()) {
+            Ok(p) => p,
+            Err(e) => {
+                tracing::warn!("[watchdog] cannot read undelivered events: {}", e.message);
+                return;
+            }
+        };
+        for (e, created_ms) in pending {
+            let w = db::get(&self.conn.lock(), e.watch_id).ok().flatten();
+            let Some(w) = w else { continue };
+            let targets = alerts::Targets::for_watch(&w, &self.settings, self.hook_timeout);
+            let alert = now_ms() - created_ms < REPLAY_ALERTS_WITHIN_MS;
+            deliver_one(&self.state_dir, &self.state_dir, &targets, &e, alert).await;
+        }
+    }
+}
+
+async fn deliver_one(
+    state_dir: &Path,
+    db_dir: &Path,
+    targets: &alerts::Targets,
+    e: &WatchEvent,
+    alert: bool,
+) {
+    let file = match db::write_event_file(state_dir, e) {
+        Ok(f) => f,
+        Err(err) => {
+            tracing::warn!(
+                event = e.id,
+                "[watchdog] cannot write the event file: {err}"
+            );
+            state_dir
+                .join("events")
+                .join(format!("event-{}.json", e.id))
+        }
+    };
+    let errors = if alert {
+        alerts::dispatch(targets, e, &file).await
+    } else {
+        Vec::new()
+    };
+    for err in &errors {
+        tracing::warn!(watch = e.watch_id, event = e.id, "[watchdog] {err}");
+    }
+    // A fresh connection: delivery runs off the loop and must not wait on the daemon's.
+    if let Ok(c) = store::open(db_dir) {
+        if !targets.webhooks.is_empty() || !targets.commands.is_empty() {
+            let _ = db::record_error(&c, e.watch_id, "last_alert_error", &errors.join("; "));
+        }
+        let _ = db::mark_delivered(&c, e.id);
+    }
+}
+
+async fn fetch_tail(c: &AgentClient, w: &Watch) -> Option<String> {
+    let req = JobStatusRequest {
+        name: w.tmux_session.clone(),
+        log_file: None,
+        last_n_lines: w.max_log_lines.clamp(1, 10_000) as u32,
+        offset: None,
+        max_bytes: MAX_TEXT_CHARS as u64,
+    };
+    match tokio::time::timeout(STATUS_DEADLINE, c.job_status(req)).await {
+        Ok(Ok(r)) => Some(String::from_utf8_lossy(&r.log).into_owned()),
+        _ => None,
+    }
+}
+
+/// The checkpoint's text: `checkpoint_command`'s output (run in the watch's cwd), else the
+/// file at `checkpoint_path`. `Err` when neither is set or the read failed.
+pub async fn read_checkpoint(c: &AgentClient, w: &Watch) -> std::result::Result<String, String> {
+    let cmd = w.checkpoint_command_to_run();
+    if !cmd.trim().is_empty() {
+        let mut req = ExecRequest::new(cmd);
+        req.cwd = (!w.cwd.trim().is_empty()).then(|| w.cwd.clone());
+        req.timeout_ms = CHECKPOINT_DEADLINE.as_millis() as u64;
+        req.max_stdout = MAX_TEXT_CHARS as u64;
+        req.max_stderr = 2_000;
+        let r = tokio::time::timeout(CHECKPOINT_DEADLINE + Duration::from_secs(5), c.exec(req))
+            .await
+            .map_err(|_| "checkpoint_command timed out".to_string())?
+            .map_err(|e| e.message)?;
+        let mut out = r.stdout.head;
+        out.extend_from_slice(&r.stdout.tail);
+        return Ok(String::from_utf8_lossy(&out).into_owned());
+    }
+    if w.checkpoint_path.trim().is_empty() {
+        return Err("no checkpoint configured".into());
+    }
+    let req = ReadFileRequest {
+        path: w.checkpoint_path.clone(),
+        offset: 0,
+        max_bytes: MAX_TEXT_CHARS as u64,
+    };
+    let r = tokio::time::timeout(CHECKPOINT_DEADLINE, c.read_file(req))
+        .await
+        .map_err(|_| "checkpoint read timed out".to_string())?
+        .map_err(|e| e.message)?;
+    Ok(String::from_utf8_lossy(&r.data).into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_panicking_check_is_reported_not_fatal() {
+        let r = supervise(async { panic!("boom in watch 3") }).await;
+        assert_eq!(r.unwrap_err(), "the check panicked: boom in watch 3");
+        assert!(supervise(async {}).await.is_ok());
+    }
+
+    #[test]
+    fn one_daemon_per_state_dir_and_the_second_names_the_first() {
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(lock_holder(d.path()), None);
+        let l = acquire_lock(d.path()).unwrap();
+        assert_eq!(lock_holder(d.path()), Some(std::process::id() as i64));
+        // flock is per open file description: a second open in this process conflicts too.
+        let e = acquire_lock(d.path()).err().unwrap();
+        assert!(
+            e.message.contains(&format!(
+                "already running for {} (pid {})",
+                d.path().display(),
+                std::process::id()
+            )),
+            "{}",
+            e.message
+        );
+        drop(l);
+        assert_eq!(lock_holder(d.path()), None);
+        drop(acquire_lock(d.path()).unwrap());
+    }
+}

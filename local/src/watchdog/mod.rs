@@ -1,0 +1,72 @@
+//! The watchdog: a local daemon that keeps watching long background jobs after the agent's
+//! session has ended, records what happens to them as events, alerts, and resumes interrupted
+//! jobs from their checkpoints.
+//!
+//! - [`model`]: a watch and an event as stored and as replied (the seed's keys plus rsb's).
+//! - [`db`]: registration, queries and the one transaction that records a check's outcome and
+//!   its events together (so a daemon killed at any instant neither loses nor repeats one).
+//! - [`sandboxes`]: the secret-free sandbox definitions the daemon connects with.
+//! - [`checks`]: the state machine, a pure function from (watch, what the agent said) to
+//!   (updates, events, resume).
+//! - [`daemon`]: `rsb watchdog run`, the loop: lock, heartbeat, concurrent checks with
+//!   deadlines, connections reused between ticks.
+//! - [`alerts`]: desktop notification, webhook, `event_command`, each off the loop with a
+//!   timeout.
+//! - [`service`]: systemd --user unit / launchd agent, and `ensure_watchdog`.
+//! - [`settings`]: the opt-ins (environment) and the `[watchdog]` table of the user's config.
+//! - [`cli`]: `rsb watchdog …` and `rsb watch …`.
+
+pub mod alerts;
+pub mod checks;
+pub mod cli;
+pub mod daemon;
+pub mod db;
+pub mod model;
+pub mod sandboxes;
+pub mod service;
+pub mod settings;
+
+pub use model::{Watch, WatchEvent};
+
+/// The seed's defaults (`DEFAULT_WATCH_INTERVAL_S`, `DEFAULT_MAX_LOG_LINES`, …).
+pub const DEFAULT_INTERVAL_S: i64 = 300;
+pub const DEFAULT_MAX_LOG_LINES: i64 = 80;
+pub const DEFAULT_ALERT_AFTER_FAILURES: i64 = 2;
+pub const DEFAULT_RESUME_DELAY_S: i64 = 300;
+/// A daemon whose heartbeat is older than this is taken for dead. The loop beats every tick
+/// (1 s by default), so this leaves room for a slow disk without the seed's 180 s blindness.
+pub const HEARTBEAT_STALE_S: i64 = 30;
+/// Checkpoint text and log tails kept per watch (the seed's 20,000 characters).
+pub const MAX_TEXT_CHARS: usize = 20_000;
+
+/// The event types: the seed's, plus `stalled` and `needs_credentials`.
+pub mod event {
+    pub const COMPLETED: &str = "completed";
+    pub const INTERRUPTED: &str = "interrupted";
+    pub const RESUME_STARTED: &str = "resume_started";
+    pub const RESUME_FAILED: &str = "resume_failed";
+    pub const SSH_UNREACHABLE: &str = "ssh_unreachable";
+    pub const RUNNING_RESTORED: &str = "running_restored";
+    pub const CONFIG_MISSING: &str = "config_missing";
+    pub const STALLED: &str = "stalled";
+    pub const NEEDS_CREDENTIALS: &str = "needs_credentials";
+}
+
+/// Keeps the last `max` characters (the end of a log or checkpoint is what matters).
+pub(crate) fn clip_tail(s: &str, max: usize) -> String {
+    let n = s.chars().count();
+    if n <= max {
+        s.to_string()
+    } else {
+        s.chars().skip(n - max).collect()
+    }
+}
+
+/// One line: newlines and other control characters become spaces (summaries, errors).
+pub(crate) fn one_line(s: &str) -> String {
+    s.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect::<String>()
+        .trim()
+        .to_string()
+}

@@ -1,0 +1,428 @@
+//! The sandbox definitions the daemon connects with, persisted by the server that registers a
+//! watch. They hold no secret: addresses, users, ports, key file *paths*, ssh_config-resolved
+//! identity files, jump hosts, host-key policy and known_hosts files. The daemon then reaches
+//! a host with what needs no stored secret (key files, the ssh-agent).
+//!
+//! A password (or a key passphrase) is stored only when the user opted in with
+//! `RSB_WATCHDOG_STORE_PASSWORDS=1` in the server's environment: then it goes to
+//! `<state_dir>/watchdog-secrets.json` (0600, written atomically), never into the database.
+//! Without it, a watch on a password-only sandbox says `needs credentials` in one line.
+//!
+//! [`Persisted`] is rsb's own serialisable form, mapped from [`SandboxConfig`] in exactly one
+//! place ([`Persisted::from_config`]) and back in [`Persisted::to_config`].
+
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+    time::Duration,
+};
+
+use rusqlite::{Connection, OptionalExtension, params};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    config::{Auth, Hop, HostKeyPolicy, SandboxConfig, Secret, SshTarget, Transport},
+    error::Result,
+    store::{db_err, now_ms},
+};
+
+pub const SECRETS_FILE: &str = "watchdog-secrets.json";
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Persisted {
+    pub name: String,
+    /// `local` or `ssh`.
+    pub transport: String,
+    #[serde(default)]
+    pub host: String,
+    #[serde(default)]
+    pub port: u16,
+    #[serde(default)]
+    pub user: String,
+    #[serde(flatten)]
+    pub auth: PersistedAuth,
+    /// Jump hosts in order, each with its own user, identity and host-key settings.
+    #[serde(default)]
+    pub proxy_jump: Vec<PersistedHop>,
+    #[serde(default)]
+    pub host_key_policy: String,
+    #[serde(default)]
+    pub known_hosts: Vec<PathBuf>,
+    #[serde(default)]
+    pub connect_timeout_ms: u64,
+}
+
+/// How a target or a hop authenticates, without the secret itself.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PersistedAuth {
+    /// `password`, `key_file`, `agent` or `auto`.
+    #[serde(default)]
+    pub auth: String,
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    /// The key (or the `auto` keys) needs a passphrase the definition does not hold.
+    #[serde(default)]
+    pub needs_passphrase: bool,
+    #[serde(default)]
+    pub identity_files: Vec<PathBuf>,
+    #[serde(default)]
+    pub default_keys: Vec<PathBuf>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PersistedHop {
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    #[serde(flatten)]
+    pub auth: PersistedAuth,
+    #[serde(default)]
+    pub host_key_policy: String,
+    #[serde(default)]
+    pub known_hosts: Vec<PathBuf>,
+}
+
+/// What a definition needs that is not stored (the password, a passphrase).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredSecret {
+    #[serde(default)]
+    pub password: Option<String>,
+    #[serde(default)]
+    pub key_passphrase: Option<String>,
+    /// The jump hosts' own secrets, by hop index.
+    #[serde(default)]
+    pub hops: Vec<StoredSecret>,
+}
+
+impl StoredSecret {
+    fn is_empty(&self) -> bool {
+        self.password.is_none()
+            && self.key_passphrase.is_none()
+            && self.hops.iter().all(StoredSecret::is_empty)
+    }
+}
+
+impl PersistedAuth {
+    /// Split an [`Auth`] into what may be stored and the secret it holds.
+    fn split(auth: &Auth) -> (PersistedAuth, StoredSecret) {
+        let mut p = PersistedAuth::default();
+        let mut secret = StoredSecret::default();
+        match auth {
+            Auth::Password(pw) => {
+                p.auth = "password".into();
+                secret.password = Some(pw.expose().to_string());
+            }
+            Auth::KeyFile { path, passphrase } => {
+                p.auth = "key_file".into();
+                p.key_file = Some(path.clone());
+                p.needs_passphrase = passphrase.is_some();
+                secret.key_passphrase = passphrase.as_ref().map(|s| s.expose().to_string());
+            }
+            Auth::Agent => p.auth = "agent".into(),
+            Auth::Auto {
+                identity_files,
+                default_keys,
+                passphrase,
+            } => {
+                p.auth = "auto".into();
+                p.identity_files = identity_files.clone();
+                p.default_keys = default_keys.clone();
+                p.needs_passphrase = passphrase.is_some();
+                secret.key_passphrase = passphrase.as_ref().map(|s| s.expose().to_string());
+            }
+        }
+        (p, secret)
+    }
+
+    /// Back to an [`Auth`], or `Err(what is missing)` ("password", "key passphrase").
+    fn join(&self, secret: Option<&StoredSecret>) -> Result<Auth, &'static str> {
+        let passphrase = || {
+            secret
+                .and_then(|s| s.key_passphrase.clone())
+                .map(Secret::new)
+        };
+        Ok(match self.auth.as_str() {
+            "password" => match secret.and_then(|s| s.password.clone()) {
+                Some(pw) => Auth::Password(Secret::new(pw)),
+                None => return Err("password"),
+            },
+            "key_file" => {
+                let pp = passphrase();
+                if self.needs_passphrase && pp.is_none() {
+                    return Err("key passphrase");
+                }
+                Auth::KeyFile {
+                    path: self.key_file.clone().unwrap_or_default(),
+                    passphrase: pp,
+                }
+            }
+            "agent" => Auth::Agent,
+            // `auto` without its passphrase still has the agent and unencrypted keys.
+            _ => Auth::Auto {
+                identity_files: self.identity_files.clone(),
+                default_keys: self.default_keys.clone(),
+                passphrase: passphrase(),
+            },
+        })
+    }
+}
+
+impl Persisted {
+    /// The one mapping from a configured sandbox (and the secrets it holds, which are
+    /// returned apart so the caller decides whether they may be stored).
+    pub fn from_config(s: &SandboxConfig) -> (Persisted, StoredSecret) {
+        let mut p = Persisted {
+            name: s.name.clone(),
+            transport: "local".into(),
+            host: String::new(),
+            port: 0,
+            user: String::new(),
+            auth: PersistedAuth::default(),
+            proxy_jump: Vec::new(),
+            host_key_policy: String::new(),
+            known_hosts: Vec::new(),
+            connect_timeout_ms: 0,
+        };
+        let mut secret = StoredSecret::default();
+        if let Transport::Ssh(t) = &s.transport {
+            p.transport = "ssh".into();
+            p.host = t.host.clone();
+            p.port = t.port;
+            p.user = t.user.clone();
+            p.host_key_policy = t.host_key_policy.as_str().into();
+            p.known_hosts = t.known_hosts.clone();
+            p.connect_timeout_ms = t.connect_timeout.as_millis() as u64;
+            (p.auth, secret) = PersistedAuth::split(&t.auth);
+            for hop in &t.proxy_jump {
+                let (auth, hop_secret) = PersistedAuth::split(&hop.auth);
+                p.proxy_jump.push(PersistedHop {
+                    host: hop.host.clone(),
+                    port: hop.port,
+                    user: hop.user.clone(),
+                    auth,
+                    host_key_policy: hop.host_key_policy.as_str().into(),
+                    known_hosts: hop.known_hosts.clone(),
+                });
+                secret.hops.push(hop_secret);
+            }
+            if secret.hops.iter().all(StoredSecret::is_empty) {
+                secret.hops.clear();
+            }
+        }
+        (p, secret)
+    }
+
+    /// Back to a sandbox the pool can connect, or the one-line reason it cannot be.
+    pub fn to_config(&self, secret: Option<&StoredSecret>) -> Result<SandboxConfig, String> {
+        if self.transport == "local" {
+            return Ok(SandboxConfig {
+                name: self.name.clone(),
+                transport: Transport::Local,
+            });
+        }
+        let needs = |what: &str, whose: String| {
+            format!(
+                "needs credentials: {whose} uses a {what}, which rsb does not store unless \
+                 the server runs with RSB_WATCHDOG_STORE_PASSWORDS=1 (or use a key without one)"
+            )
+        };
+        let auth = self
+            .auth
+            .join(secret)
+            .map_err(|what| needs(what, format!("sandbox '{}'", self.name)))?;
+        let mut proxy_jump = Vec::with_capacity(self.proxy_jump.len());
+        for (i, hop) in self.proxy_jump.iter().enumerate() {
+            let hop_secret = secret.and_then(|s| s.hops.get(i));
+            let auth = hop.auth.join(hop_secret).map_err(|what| {
+                needs(
+                    what,
+                    format!(
+                        "jump host {}@{} of sandbox '{}'",
+                        hop.user, hop.host, self.name
+                    ),
+                )
+            })?;
+            proxy_jump.push(Hop {
+                host: hop.host.clone(),
+                port: hop.port,
+                user: hop.user.clone(),
+                auth,
+                host_key_policy: HostKeyPolicy::parse(&hop.host_key_policy).unwrap_or_default(),
+                known_hosts: hop.known_hosts.clone(),
+            });
+        }
+        Ok(SandboxConfig {
+            name: self.name.clone(),
+            transport: Transport::Ssh(SshTarget {
+                host: self.host.clone(),
+                port: self.port,
+                user: self.user.clone(),
+                auth,
+                proxy_jump,
+                host_key_policy: HostKeyPolicy::parse(&self.host_key_policy).unwrap_or_default(),
+                known_hosts: self.known_hosts.clone(),
+                connect_timeout: Duration::from_millis(if self.connect_timeout_ms == 0 {
+                    15_000
+                } else {
+                    self.connect_timeout_ms
+                }),
+            }),
+        })
+    }
+
+    /// Whether the daemon could connect with what is stored (for the registration reply).
+    pub fn missing_credentials(&self, secret: Option<&StoredSecret>) -> Option<String> {
+        self.to_config(secret).err()
+    }
+}
+
+/// Upsert the definitions of `sandboxes`; secrets go to the secrets file only when
+/// `store_secrets` (the user's opt-in), and are removed from it otherwise.
+pub fn persist(
+    conn: &Connection,
+    state_dir: &Path,
+    sandboxes: &[SandboxConfig],
+    store_secrets: bool,
+) -> Result<usize> {
+    let mut secrets = read_secrets(state_dir);
+    let before = secrets.clone();
+    let ts = now_ms() / 1000;
+    for s in sandboxes {
+        let (p, secret) = Persisted::from_config(s);
+        let json = serde_json::to_string(&p).map_err(db_err)?;
+        conn.execute(
+            "INSERT INTO sandboxes (name, def_json, updated_ts) VALUES (?1, ?2, ?3)
+             ON CONFLICT(name) DO UPDATE SET def_json = excluded.def_json,
+               updated_ts = excluded.updated_ts",
+            params![p.name, json, ts],
+        )
+        .map_err(db_err)?;
+        if store_secrets && !secret.is_empty() {
+            secrets.insert(p.name.clone(), secret);
+        } else {
+            secrets.remove(&p.name);
+        }
+    }
+    if secrets != before {
+        write_secrets(state_dir, &secrets).map_err(db_err)?;
+    }
+    Ok(sandboxes.len())
+}
+
+pub fn load(conn: &Connection, name: &str) -> Result<Option<Persisted>> {
+    let json: Option<String> = conn
+        .query_row(
+            "SELECT def_json FROM sandboxes WHERE name = ?1",
+            params![name],
+            |r| r.get(0),
+        )
+        .optional()
+        .map_err(db_err)?;
+    Ok(json.and_then(|j| serde_json::from_str(&j).ok()))
+}
+
+pub fn count(conn: &Connection) -> Result<i64> {
+    conn.query_row("SELECT COUNT(*) FROM sandboxes", [], |r| r.get(0))
+        .map_err(db_err)
+}
+
+pub fn read_secrets(state_dir: &Path) -> BTreeMap<String, StoredSecret> {
+    std::fs::read(state_dir.join(SECRETS_FILE))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
+}
+
+fn write_secrets(state_dir: &Path, m: &BTreeMap<String, StoredSecret>) -> std::io::Result<()> {
+    let path = state_dir.join(SECRETS_FILE);
+    if m.is_empty() {
+        return match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
+            _ => Ok(()),
+        };
+    }
+    let body = serde_json::to_vec_pretty(m).unwrap_or_default();
+    crate::store::write_private(&path, &body)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ssh(auth: Auth) -> SandboxConfig {
+        SandboxConfig {
+            name: "gpu".into(),
+            transport: Transport::Ssh(SshTarget {
+                host: "10.0.0.5".into(),
+                port: 2222,
+                user: "me".into(),
+                auth,
+                proxy_jump: vec![Hop {
+                    host: "bastion".into(),
+                    port: 22,
+                    user: "jump".into(),
+                    auth: Auth::KeyFile {
+                        path: "/keys/jump".into(),
+                        passphrase: None,
+                    },
+                    host_key_policy: HostKeyPolicy::AcceptNew,
+                    known_hosts: vec!["/k2".into()],
+                }],
+                host_key_policy: HostKeyPolicy::Strict,
+                known_hosts: vec!["/k".into()],
+                connect_timeout: Duration::from_secs(7),
+            }),
+        }
+    }
+
+    #[test]
+    fn key_sandboxes_round_trip_without_secrets() {
+        let c = ssh(Auth::KeyFile {
+            path: "/keys/id".into(),
+            passphrase: None,
+        });
+        let (p, s) = Persisted::from_config(&c);
+        assert_eq!(s, StoredSecret::default());
+        assert_eq!(p.to_config(None).unwrap(), c);
+        let local = SandboxConfig {
+            name: "local".into(),
+            transport: Transport::Local,
+        };
+        assert_eq!(
+            Persisted::from_config(&local).0.to_config(None).unwrap(),
+            local
+        );
+    }
+
+    #[test]
+    fn passwords_are_stored_only_on_opt_in_and_never_in_the_database() {
+        let d = tempfile::tempdir().unwrap();
+        let conn = crate::store::open(d.path()).unwrap();
+        let c = ssh(Auth::Password(Secret::new("S3cr3t-pw!")));
+        persist(&conn, d.path(), std::slice::from_ref(&c), false).unwrap();
+        let p = load(&conn, "gpu").unwrap().unwrap();
+        let e = p.to_config(read_secrets(d.path()).get("gpu")).unwrap_err();
+        assert!(e.starts_with("needs credentials"), "{e}");
+        assert!(!d.path().join(SECRETS_FILE).exists());
+        persist(&conn, d.path(), std::slice::from_ref(&c), true).unwrap();
+        let secrets = read_secrets(d.path());
+        assert_eq!(p.to_config(secrets.get("gpu")).unwrap(), c);
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(d.path().join(SECRETS_FILE))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        drop(conn);
+        let db = std::fs::read(crate::store::db_path(d.path())).unwrap();
+        let wal = std::fs::read(format!("{}-wal", crate::store::db_path(d.path()).display()))
+            .unwrap_or_default();
+        for bytes in [db, wal] {
+            assert!(!bytes.windows(10).any(|w| w == b"S3cr3t-pw!"));
+        }
+        // Opting out again removes the stored secret.
+        let conn = crate::store::open(d.path()).unwrap();
+        persist(&conn, d.path(), &[c], false).unwrap();
+        assert!(!d.path().join(SECRETS_FILE).exists());
+    }
+}

@@ -1,0 +1,129 @@
+//! What the user allows, as opposed to what a model asks for.
+//!
+//! `event_command` and `codex_command` run on the user's own machine, and `webhook_url` sends
+//! log tails and checkpoints wherever it points: from a tool call they are local code execution
+//! and data exfiltration. A tool call may set them only when the server was started with
+//! `RSB_ALLOW_WATCH_HOOKS=1`. The user's own config file may always set them, in its
+//! `[watchdog]` table; those apply to every watch:
+//!
+//! ```toml
+//! [watchdog]
+//! webhook_url = "http://127.0.0.1:8080/rsb"   # every event, as JSON
+//! event_command = "notify-me \"$RSMCP_EVENT_TYPE\""
+//! hook_timeout_s = 30                          # webhook and event_command deadline
+//! notify_local = true                          # desktop notifications (default on)
+//! ```
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+pub const ALLOW_HOOKS_VAR: &str = "RSB_ALLOW_WATCH_HOOKS";
+pub const STORE_PASSWORDS_VAR: &str = "RSB_WATCHDOG_STORE_PASSWORDS";
+pub const DEFAULT_HOOK_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `1/true/yes/on`, any case (the seed's truthiness).
+pub fn env_truthy(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| {
+        matches!(
+            v.trim().to_ascii_lowercase().as_str(),
+            "1" | "true" | "yes" | "on"
+        )
+    })
+}
+
+pub fn hooks_allowed() -> bool {
+    env_truthy(ALLOW_HOOKS_VAR)
+}
+
+pub fn store_passwords() -> bool {
+    env_truthy(STORE_PASSWORDS_VAR)
+}
+
+/// The `[watchdog]` table of the user's config file.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FileSettings {
+    #[serde(default)]
+    pub webhook_url: String,
+    #[serde(default)]
+    pub event_command: String,
+    #[serde(default)]
+    pub hook_timeout_s: Option<u64>,
+    #[serde(default)]
+    pub notify_local: Option<bool>,
+}
+
+#[derive(Deserialize)]
+struct Top {
+    #[serde(default)]
+    watchdog: Option<FileSettings>,
+}
+
+impl FileSettings {
+    /// The table from `crate::config::config_file_path()`; absent file or table = defaults.
+    /// Errors name the file and line, never the text (it may hold secrets).
+    pub fn load() -> Result<FileSettings, String> {
+        Self::load_from(&crate::config::config_file_path())
+    }
+
+    pub fn load_from(path: &std::path::Path) -> Result<FileSettings, String> {
+        let src = match std::fs::read_to_string(path) {
+            Ok(s) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Self::default()),
+            Err(e) => return Err(format!("cannot read {}: {}", path.display(), e.kind())),
+        };
+        match toml::from_str::<Top>(&src) {
+            Ok(t) => Ok(t.watchdog.unwrap_or_default()),
+            Err(e) => {
+                let line = e
+                    .span()
+                    .map(|s| {
+                        src.as_bytes()[..s.start.min(src.len())]
+                            .iter()
+                            .filter(|b| **b == b'\n')
+                            .count()
+                            + 1
+                    })
+                    .unwrap_or(0);
+                Err(format!(
+                    "config file {}: the [watchdog] table is invalid (line {line}); its keys are \
+                     webhook_url, event_command, hook_timeout_s, notify_local",
+                    path.display()
+                ))
+            }
+        }
+    }
+
+    pub fn hook_timeout(&self) -> Option<Duration> {
+        self.hook_timeout_s
+            .filter(|s| *s > 0)
+            .map(|s| Duration::from_secs(s.min(3600)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_watchdog_table_is_read_and_checked() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("config.toml");
+        assert_eq!(
+            FileSettings::load_from(&p).unwrap(),
+            FileSettings::default()
+        );
+        std::fs::write(
+            &p,
+            "host_key_policy = \"strict\"\n[watchdog]\nwebhook_url = \"http://127.0.0.1:1/x\"\nhook_timeout_s = 2\n",
+        )
+        .unwrap();
+        let s = FileSettings::load_from(&p).unwrap();
+        assert_eq!(s.webhook_url, "http://127.0.0.1:1/x");
+        assert_eq!(s.hook_timeout(), Some(Duration::from_secs(2)));
+        std::fs::write(&p, "[watchdog]\npassword = \"S3cr3t\"\n").unwrap();
+        let e = FileSettings::load_from(&p).unwrap_err();
+        assert!(e.contains("(line ") && !e.contains("S3cr3t"), "{e}");
+    }
+}

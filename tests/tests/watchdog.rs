@@ -1,0 +1,1367 @@
+//! The watchdog against real things (issue 9): a real `rsb watchdog run` process at a 1 s
+//! interval, real jobs on the private sshd fixture, faults through the chaos proxy, a webhook
+//! into a local HTTP server, and `rsb mcp` driven by rmcp's client.
+//!
+//! Needs the `rsb` binary: `cargo build --workspace --bins` (agents built first).
+
+mod common;
+
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use common::*;
+use rmcp::{ServiceExt, model::CallToolRequestParams, transport::TokioChildProcess};
+use rsb::{
+    ops::{jobs, watchdog as wops},
+    pool::Pool,
+    watchdog::{WatchEvent, db},
+};
+use rsb_tests::{Sshd, workspace_root};
+use serde_json::{Value, json};
+
+// ---------------------------------------------------------------------------------------------
+// Harness
+
+fn rsb_bin() -> PathBuf {
+    let p = workspace_root().join("target/debug/rsb");
+    assert!(
+        p.exists(),
+        "{} does not exist: run `cargo build --workspace --bins` first",
+        p.display()
+    );
+    p
+}
+
+/// A real `rsb watchdog run`, SIGKILLed (and reaped, bounded) when dropped.
+struct Daemon {
+    child: Option<Child>,
+    log: PathBuf,
+}
+
+/// The environment every rsb child gets: nothing of the developer's (config, agent, keys).
+fn base_env(cmd: &mut Command, home: &Path, state: &Path) {
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", home)
+        .env("XDG_CONFIG_HOME", home.join(".config"))
+        .env("XDG_DATA_HOME", home.join(".local/share"))
+        .env("RSB_CONFIG", home.join("rsb.toml"))
+        .env("RSB_STATE_DIR", state)
+        .env("RSB_LOG", "info");
+}
+
+impl Daemon {
+    fn start(home: &Path, state: &Path, extra: &[&str]) -> Daemon {
+        let log = home.join(format!("daemon-{}.log", unique_n()));
+        let f = std::fs::File::create(&log).unwrap();
+        let mut cmd = Command::new(rsb_bin());
+        cmd.args(["watchdog", "run", "--loop-sleep", "1"])
+            .args(extra);
+        base_env(&mut cmd, home, state);
+        cmd.stdin(Stdio::null())
+            .stdout(f.try_clone().unwrap())
+            .stderr(f);
+        let child = cmd.spawn().expect("spawn rsb watchdog run");
+        let d = Daemon {
+            child: Some(child),
+            log,
+        };
+        // Bounded wait for its lock: then it is up.
+        let t0 = Instant::now();
+        while rsb::watchdog::daemon::lock_holder(state).is_none() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(15),
+                "the daemon did not start:\n{}",
+                d.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        d
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.as_ref().unwrap().id()
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_secs(10) {
+                if c.try_wait().ok().flatten().is_some() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn unique_n() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+/// Default watch arguments at the test's pace: checked every second.
+fn args() -> wops::WatchArgs {
+    wops::WatchArgs {
+        checkpoint_format: "text".into(),
+        interval_s: 1,
+        max_log_lines: 80,
+        max_resume_attempts: 1,
+        notify_local: false,
+        alert_after_failures: 2,
+        resume_delay_s: 0,
+        ..Default::default()
+    }
+}
+
+/// Start `cmd` as job `name` on `sandbox` and register its watch (as exec_bash_background does).
+async fn watch_job(
+    pool: &Pool,
+    state: &Path,
+    sandbox: &str,
+    name: &str,
+    cmd: &str,
+    a: wops::WatchArgs,
+) -> i64 {
+    let mut nw = wops::prepare(&a, true, true).unwrap();
+    let c = pool.client(sandbox).await.unwrap();
+    let v = jobs::start(&c, cmd, name, "", "").await.unwrap();
+    let req = jobs::status_request(name, "", 1, None, 1).unwrap();
+    let cwd = c.job_status(req).await.unwrap().info.unwrap().cwd;
+    wops::fill_from_job(&mut nw, name, v["log_file"].as_str().unwrap(), &cwd);
+    nw.launch_command = cmd.into();
+    nw.sandbox_name = sandbox.into();
+    let cfgs = pool.config().sandboxes.clone();
+    wops::register(state, &cfgs, nw, false).unwrap().watch_id
+}
+
+fn events_of(state: &Path, watch_id: i64) -> Vec<WatchEvent> {
+    let c = rsb::store::open(state).unwrap();
+    let mut e = db::events(&c, watch_id, 1000).unwrap();
+    e.reverse();
+    e
+}
+
+fn types(es: &[WatchEvent]) -> Vec<String> {
+    es.iter().map(|e| e.event_type.clone()).collect()
+}
+
+fn watch(state: &Path, id: i64) -> rsb::watchdog::Watch {
+    db::require(&rsb::store::open(state).unwrap(), id).unwrap()
+}
+
+/// Poll (bounded) until `pred` holds for the watch's events; returns them.
+async fn wait_events(
+    state: &Path,
+    id: i64,
+    within: Duration,
+    what: &str,
+    pred: impl Fn(&[WatchEvent]) -> bool,
+) -> Vec<WatchEvent> {
+    let t0 = Instant::now();
+    loop {
+        let e = events_of(state, id);
+        if pred(&e) {
+            return e;
+        }
+        assert!(
+            t0.elapsed() < within,
+            "watch {id}: {what} did not happen within {within:?}; events {:?}; watch {:?}",
+            types(&e),
+            watch(state, id).last_summary
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn has(t: &str) -> impl Fn(&[WatchEvent]) -> bool + '_ {
+    move |e| e.iter().any(|e| e.event_type == t)
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Exit codes, an interruption resumed from its checkpoint, no resume after an exit
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exits_complete_interruptions_resume_with_their_checkpoint() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let pool = key_pool(&sshd, tmp.path());
+
+    let exit3 = watch_job(&pool, &state, "s", "exit3", "sleep 1; exit 3", args()).await;
+    std::fs::write(sshd.home().join("ck.json"), "{\"step\": 3}").unwrap();
+    let resumed_file = sshd.home().join("resumed.txt");
+    let victim = watch_job(
+        &pool,
+        &state,
+        "s",
+        "victim",
+        "echo started; sleep 120",
+        wops::WatchArgs {
+            auto_resume: true,
+            resume_command: "printf '%s' \"$RSB_CHECKPOINT\" > resumed.txt; echo resumed".into(),
+            checkpoint_path: "ck.json".into(),
+            checkpoint_format: "json".into(),
+            ..args()
+        },
+    )
+    .await;
+    let clean = watch_job(
+        &pool,
+        &state,
+        "s",
+        "clean",
+        "sleep 1; exit 0",
+        wops::WatchArgs {
+            auto_resume: true,
+            resume_command: "touch should-not-exist".into(),
+            checkpoint_path: "ck.json".into(),
+            ..args()
+        },
+    )
+    .await;
+    let stall = watch_job(
+        &pool,
+        &state,
+        "s",
+        "quiet",
+        "echo once; sleep 120",
+        wops::WatchArgs {
+            stall_after_s: 2,
+            ..args()
+        },
+    )
+    .await;
+
+    let daemon = Daemon::start(tmp.path(), &state, &[]);
+
+    let e = wait_events(
+        &state,
+        exit3,
+        Duration::from_secs(20),
+        "completed",
+        has("completed"),
+    )
+    .await;
+    assert_eq!(types(&e), ["completed"]);
+    assert_eq!(e[0].payload["exit_code"], 3);
+    assert_eq!(e[0].payload["watch"]["status"], "completed");
+    assert!(
+        e[0].payload["log_tail"]
+            .as_str()
+            .unwrap()
+            .contains("EXIT_CODE=3"),
+        "{}",
+        e[0].payload
+    );
+    // The event file is the seed's: the row, indented, 0600.
+    let f = state.join(format!("events/event-{}.json", e[0].id));
+    let t0 = Instant::now();
+    while !f.exists() && t0.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let file: Value = serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
+    for k in [
+        "id",
+        "watch_id",
+        "event_type",
+        "summary",
+        "created_ts",
+        "payload",
+    ] {
+        assert!(file.get(k).is_some(), "{k} missing in {file}");
+    }
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&f).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+
+    // Running first, then the tmux session killed from outside: interrupted, resumed.
+    wait_events(
+        &state,
+        victim,
+        Duration::from_secs(20),
+        "first check",
+        |_| watch(&state, victim).last_state == "running",
+    )
+    .await;
+    sshd.ssh_run("tmux kill-session -t =victim").unwrap();
+    let e = wait_events(
+        &state,
+        victim,
+        Duration::from_secs(30),
+        "interrupted, resume_started, completed",
+        has("completed"),
+    )
+    .await;
+    assert_eq!(
+        types(&e),
+        ["interrupted", "resume_started", "completed"],
+        "{e:#?}"
+    );
+    assert_eq!(e[1].payload["resume_attempt"], 1);
+    assert_eq!(e[1].payload["checkpoint"], "{\"step\": 3}");
+    assert_eq!(
+        std::fs::read_to_string(&resumed_file).unwrap(),
+        "{\"step\": 3}",
+        "the resume command ran with the checkpoint it read"
+    );
+    let w = watch(&state, victim);
+    assert_eq!((w.resume_attempts, w.status.as_str()), (1, "completed"));
+    assert_eq!(w.last_checkpoint_text, "{\"step\": 3}");
+
+    // Exit 0 with auto_resume on: completed, never resumed.
+    let e = wait_events(
+        &state,
+        clean,
+        Duration::from_secs(20),
+        "completed",
+        has("completed"),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(types(&events_of(&state, clean)), ["completed"]);
+    assert_eq!(e[0].payload["exit_code"], 0);
+    assert!(!sshd.home().join("should-not-exist").exists());
+    assert_eq!(watch(&state, clean).resume_attempts, 0);
+
+    // A quiet log: one `stalled`, not one per tick.
+    wait_events(
+        &state,
+        stall,
+        Duration::from_secs(20),
+        "stalled",
+        has("stalled"),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(types(&events_of(&state, stall)), ["stalled"]);
+
+    drop(daemon);
+    pool.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. An outage: one ssh_unreachable, then running_restored; dead hosts do not delay live ones
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_alerts_once_and_recovers() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let (proxy, mut t) = proxied_target(&sshd, tmp.path());
+    t.connect_timeout = Duration::from_secs(3);
+    let pool = pool_of(vec![sandbox("flaky", t)], tmp.path());
+    let id = watch_job(&pool, &state, "flaky", "longrun", "sleep 300", args()).await;
+    pool.shutdown().await;
+
+    let daemon = Daemon::start(tmp.path(), &state, &[]);
+    wait_events(&state, id, Duration::from_secs(20), "running", |_| {
+        watch(&state, id).last_state == "running"
+    })
+    .await;
+    // The host goes away: established connections die, new ones are refused.
+    proxy.refuse(true);
+    proxy.cut();
+    let e = wait_events(
+        &state,
+        id,
+        Duration::from_secs(40),
+        "ssh_unreachable",
+        has("ssh_unreachable"),
+    )
+    .await;
+    assert_eq!(types(&e), ["ssh_unreachable"]);
+    let w = watch(&state, id);
+    assert!(w.consecutive_ssh_failures >= 2, "{w:?}");
+    // Several more failed checks: still one event.
+    let n = w.consecutive_ssh_failures;
+    wait_events(
+        &state,
+        id,
+        Duration::from_secs(40),
+        "more failed checks",
+        |_| watch(&state, id).consecutive_ssh_failures >= n + 3,
+    )
+    .await;
+    assert_eq!(types(&events_of(&state, id)), ["ssh_unreachable"]);
+
+    proxy.refuse(false);
+    let e = wait_events(
+        &state,
+        id,
+        Duration::from_secs(40),
+        "running_restored",
+        has("running_restored"),
+    )
+    .await;
+    assert_eq!(types(&e), ["ssh_unreachable", "running_restored"]);
+    let w = watch(&state, id);
+    assert_eq!(
+        (w.status.as_str(), w.last_state.as_str()),
+        ("active", "running")
+    );
+    assert_eq!(w.consecutive_ssh_failures, 0);
+    // It carries on: still checked every second.
+    let checked = w.last_checked_ts;
+    wait_events(&state, id, Duration::from_secs(10), "another check", |_| {
+        watch(&state, id).last_checked_ts > checked
+    })
+    .await;
+    drop(daemon);
+    sshd.ssh_run("tmux kill-session -t =longrun").ok();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_watches_on_a_dead_host_do_not_delay_a_live_one() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    // The dead host answers nothing at all (black hole): every connect runs to its timeout.
+    let (proxy, mut dead) = proxied_target(&sshd, tmp.path());
+    dead.connect_timeout = Duration::from_secs(3);
+    let live = target(
+        &sshd,
+        sshd.port(),
+        key_auth(&sshd),
+        &tmp.path().join("known_hosts"),
+    );
+    let pool = pool_of(
+        vec![sandbox("live", live), sandbox("dead", dead)],
+        tmp.path(),
+    );
+    let mut dead_ids = Vec::new();
+    for i in 0..10 {
+        dead_ids
+            .push(watch_job(&pool, &state, "dead", &format!("d{i}"), "sleep 300", args()).await);
+    }
+    pool.shutdown().await;
+    proxy.blackhole(true);
+    proxy.cut();
+    let live_id = watch_job(&pool, &state, "live", "quick", "sleep 4; exit 7", args()).await;
+    let c = pool.client("live").await.unwrap();
+
+    let daemon = Daemon::start(tmp.path(), &state, &[]);
+    let e = wait_events(
+        &state,
+        live_id,
+        Duration::from_secs(30),
+        "completed",
+        has("completed"),
+    )
+    .await;
+    let req = jobs::status_request("quick", "", 1, None, 1).unwrap();
+    let ended_ms = c
+        .job_status(req)
+        .await
+        .unwrap()
+        .info
+        .unwrap()
+        .ended_ms
+        .unwrap() as i64;
+    let c2 = rsb::store::open(&state).unwrap();
+    let created_ms: i64 = c2
+        .query_row(
+            "SELECT created_ms FROM watch_events WHERE id = ?1",
+            [e[0].id],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let lag = created_ms - ended_ms;
+    println!("live job exit -> completed event: {lag} ms, with 10 watches on a black-holed host");
+    // One check interval plus slack; a dead connect alone takes 3 s + the daemon's 5 s margin.
+    assert!(lag < 3_000, "the live watch waited {lag} ms");
+    // Meanwhile the dead watches are failing, each on its own deadline.
+    wait_events(
+        &state,
+        dead_ids[9],
+        Duration::from_secs(40),
+        "dead failures",
+        |_| watch(&state, dead_ids[9]).consecutive_ssh_failures >= 1,
+    )
+    .await;
+    drop(daemon);
+    sshd.ssh_run("for s in d0 d1 d2 d3 d4 d5 d6 d7 d8 d9; do tmux kill-session -t =$s; done")
+        .ok();
+    pool.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Alerts: a webhook receives the JSON; a bad URL and a hanging command are recorded
+
+/// (request head, body) of each request the test server received.
+type Requests = Arc<Mutex<Vec<(String, String)>>>;
+
+/// A one-thread HTTP server on 127.0.0.1 recording each request.
+fn http_server() -> (u16, Requests) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let g = got.clone();
+    std::thread::spawn(move || {
+        for s in l.incoming().flatten().take(100) {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            let mut head = String::new();
+            let mut len = 0usize;
+            loop {
+                let mut line = String::new();
+                if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                    len = v.trim().parse().unwrap_or(0);
+                }
+                head.push_str(&line);
+            }
+            let mut body = vec![0u8; len];
+            let _ = r.read_exact(&mut body);
+            g.lock()
+                .unwrap()
+                .push((head, String::from_utf8_lossy(&body).into_owned()));
+            let mut s = s;
+            let _ = s.write_all(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n");
+        }
+    });
+    (port, got)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhooks_deliver_and_bad_hooks_are_recorded_without_stalling_the_loop() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let pool = key_pool(&sshd, tmp.path());
+    let (port, got) = http_server();
+
+    let hooked = watch_job(
+        &pool,
+        &state,
+        "s",
+        "hooked",
+        "sleep 1; exit 2",
+        wops::WatchArgs {
+            webhook_url: format!("http://127.0.0.1:{port}/rsb"),
+            ..args()
+        },
+    )
+    .await;
+    let hanging = watch_job(
+        &pool,
+        &state,
+        "s",
+        "hanging",
+        "exit 0",
+        wops::WatchArgs {
+            event_command: "sleep 600".into(),
+            ..args()
+        },
+    )
+    .await;
+    // A bad URL is refused at registration; a row that has one anyway (an older rsb, a hand
+    // edit) must not stop the daemon.
+    assert!(
+        wops::prepare(
+            &wops::WatchArgs {
+                webhook_url: "notaurl".into(),
+                ..args()
+            },
+            true,
+            true
+        )
+        .unwrap_err()
+        .message
+        .contains("http://")
+    );
+    let bad = watch_job(&pool, &state, "s", "badurl", "exit 0", args()).await;
+    rsb::store::open(&state)
+        .unwrap()
+        .execute(
+            "UPDATE watches SET webhook_url = 'notaurl' WHERE id = ?1",
+            [bad],
+        )
+        .unwrap();
+
+    let daemon = Daemon::start(tmp.path(), &state, &["--hook-timeout", "8"]);
+    let e = wait_events(
+        &state,
+        hooked,
+        Duration::from_secs(20),
+        "completed",
+        has("completed"),
+    )
+    .await;
+    let t0 = Instant::now();
+    while got.lock().unwrap().is_empty() && t0.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (head, body) = got.lock().unwrap()[0].clone();
+    assert!(head.starts_with("POST /rsb HTTP/1.1"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{head}"
+    );
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v, json!(e[0]), "the body is the event row");
+    assert_eq!(v["payload"]["exit_code"], 2);
+
+    // While the hanging command waits for its 8 s deadline, a new job's completion is
+    // recorded within its interval: the hook runs off the loop.
+    wait_events(
+        &state,
+        hanging,
+        Duration::from_secs(20),
+        "completed",
+        has("completed"),
+    )
+    .await;
+    let hung_at = Instant::now();
+    let later = watch_job(&pool, &state, "s", "later", "exit 4", args()).await;
+    wait_events(
+        &state,
+        later,
+        Duration::from_secs(5),
+        "completed",
+        has("completed"),
+    )
+    .await;
+    assert!(
+        hung_at.elapsed() < Duration::from_secs(5),
+        "the loop waited for the hook"
+    );
+    let t0 = Instant::now();
+    loop {
+        let err = watch(&state, hanging).last_alert_error;
+        if err.contains("did not finish within 8s") {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "hanging event_command not recorded: {err:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let t0 = Instant::now();
+    loop {
+        let err = watch(&state, bad).last_alert_error;
+        if err.contains("invalid webhook_url") {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "bad webhook not recorded: {err:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(daemon.log_text().contains("invalid webhook_url"));
+    drop(daemon);
+    pool.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. SIGKILL mid-tick: no watch lost, no event repeated
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_mid_tick_loses_nothing_and_repeats_nothing() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let pool = key_pool(&sshd, tmp.path());
+    let mut ids = Vec::new();
+    for i in 0..12 {
+        let cmd = format!("sleep {}.{}; exit {i}", i / 3, i % 10);
+        ids.push(watch_job(&pool, &state, "s", &format!("k{i}"), &cmd, args()).await);
+    }
+    // Kill the daemon repeatedly while checks are in flight, then let one finish the work.
+    for round in 0..4 {
+        let mut d = Daemon::start(tmp.path(), &state, &[]);
+        tokio::time::sleep(Duration::from_millis(700 + 250 * round)).await;
+        // SAFETY: kill of our own child.
+        unsafe { libc::kill(d.pid() as i32, libc::SIGKILL) };
+        d.kill();
+    }
+    let daemon = Daemon::start(tmp.path(), &state, &[]);
+    for (i, id) in ids.iter().enumerate() {
+        let e = wait_events(
+            &state,
+            *id,
+            Duration::from_secs(30),
+            "completed",
+            has("completed"),
+        )
+        .await;
+        assert_eq!(types(&e), ["completed"], "watch {id} (k{i})");
+        assert_eq!(e[0].payload["exit_code"], i as i64);
+        assert_eq!(watch(&state, *id).status, "completed");
+    }
+    // Every event also got its file (a delivery cut by the kill is finished on restart).
+    let t0 = Instant::now();
+    loop {
+        let pending: i64 = rsb::store::open(&state)
+            .unwrap()
+            .query_row(
+                "SELECT COUNT(*) FROM watch_events WHERE delivered = 0",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        if pending == 0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{pending} undelivered"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let all = events_of(&state, 0);
+    assert_eq!(all.len(), ids.len(), "{:?}", types(&all));
+    for e in &all {
+        assert!(state.join(format!("events/event-{}.json", e.id)).exists());
+    }
+    drop(daemon);
+    pool.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. One daemon per state dir; the CLI; credentials that are not stored
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_daemon_per_state_dir_cli_tables_and_needs_credentials() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let pool = key_pool(&sshd, tmp.path());
+    let id = watch_job(&pool, &state, "s", "clitest", "sleep 1; exit 0", args()).await;
+    // A password-only sandbox, persisted without its password (no opt-in).
+    let mut pw = target(
+        &sshd,
+        sshd.port(),
+        rsb::config::Auth::Password(secret("S3cr3t-pw!")),
+        &tmp.path().join("known_hosts"),
+    );
+    pw.user = "nobody".into();
+    let pw_cfg = vec![sandbox("pw", pw)];
+    let mut nw = wops::prepare(
+        &wops::WatchArgs {
+            tmux_session: "x".into(),
+            log_file: "x.log".into(),
+            ..args()
+        },
+        false,
+        false,
+    )
+    .unwrap();
+    nw.sandbox_name = "pw".into();
+    let reg = wops::register(&state, &pw_cfg, nw, false).unwrap();
+    assert!(
+        reg.watch_warning
+            .as_deref()
+            .unwrap_or("")
+            .starts_with("needs credentials"),
+        "{:?}",
+        reg.watch_warning
+    );
+    let pw_id = reg.watch_id;
+
+    let daemon = Daemon::start(tmp.path(), &state, &[]);
+    // A second daemon on the same state dir refuses, naming the first.
+    let mut cmd = Command::new(rsb_bin());
+    cmd.args(["watchdog", "run"]);
+    base_env(&mut cmd, tmp.path(), &state);
+    let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(20)).unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains(&format!(
+            "already running for {} (pid {})",
+            state.display(),
+            daemon.pid()
+        )),
+        "{err}"
+    );
+
+    wait_events(
+        &state,
+        id,
+        Duration::from_secs(20),
+        "completed",
+        has("completed"),
+    )
+    .await;
+    let e = wait_events(
+        &state,
+        pw_id,
+        Duration::from_secs(20),
+        "needs_credentials",
+        has("needs_credentials"),
+    )
+    .await;
+    assert!(
+        e[0].summary.contains("RSB_WATCHDOG_STORE_PASSWORDS"),
+        "{}",
+        e[0].summary
+    );
+    assert!(!e[0].summary.contains('\n'));
+    assert_eq!(watch(&state, pw_id).last_state, "needs_credentials");
+
+    let cli = |a: &[&str]| {
+        let mut cmd = Command::new(rsb_bin());
+        cmd.args(a);
+        base_env(&mut cmd, tmp.path(), &state);
+        let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(20)).unwrap();
+        assert!(
+            out.status.success(),
+            "rsb {a:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let t = cli(&["watch", "list"]);
+    assert!(t.lines().next().unwrap().contains("STATUS"), "{t}");
+    assert!(t.contains("clitest") && t.contains("completed"), "{t}");
+    let j: Value = serde_json::from_str(&cli(&["--json", "watch", "list"])).unwrap();
+    assert_eq!(j["watches"].as_array().unwrap().len(), 2);
+    let t = cli(&["watch", "events", &id.to_string()]);
+    assert!(t.contains("completed"), "{t}");
+    let t = cli(&["watch", "show", &pw_id.to_string()]);
+    assert!(t.contains("last_state: needs_credentials"), "{t}");
+    let t = cli(&["watch", "cancel", &pw_id.to_string()]);
+    assert!(t.contains("cancelled"), "{t}");
+    let s: Value = serde_json::from_str(&cli(&["--json", "watchdog", "status"])).unwrap();
+    assert_eq!(s["daemon"]["running"], true);
+    assert_eq!(s["daemon"]["pid"], daemon.pid() as i64);
+    assert_eq!(s["daemon"]["mode"], "foreground");
+    assert_eq!(s["watch_counts"]["cancelled"], 1);
+    assert!(s["daemon"]["heartbeat_age_s"].as_i64().unwrap() <= 5);
+    // The secret never reached the store.
+    drop(daemon);
+    let db = std::fs::read(rsb::store::db_path(&state)).unwrap();
+    assert!(!db.windows(10).any(|w| w == b"S3cr3t-pw!"));
+    pool.shutdown().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. Service files
+
+#[test]
+fn the_systemd_unit_and_the_launchd_plist_are_valid() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bin = rsb_bin();
+    let state = tmp.path().join("state dir");
+    let unit = rsb::watchdog::service::unit_text(&bin, &state, "/usr/bin:/bin");
+    let unit_path = tmp.path().join("rsb-watchdog.service");
+    std::fs::write(&unit_path, &unit).unwrap();
+    assert!(unit.contains("Restart=on-failure"));
+    assert!(unit.contains("loginctl enable-linger"));
+    assert!(unit.contains(&format!(
+        "ExecStart=\"{}\" watchdog run --mode service",
+        bin.display()
+    )));
+    match Command::new("systemd-analyze")
+        .args(["verify", "--man=no"])
+        .arg(&unit_path)
+        .output()
+    {
+        Ok(o) => {
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&o.stdout),
+                String::from_utf8_lossy(&o.stderr)
+            );
+            assert!(
+                o.status.success(),
+                "systemd-analyze verify:\n{text}\n{unit}"
+            );
+            assert!(
+                !text.contains("rsb-watchdog.service:"),
+                "warnings about the unit:\n{text}"
+            );
+        }
+        Err(e) => eprintln!("skipping systemd-analyze verify: not available ({e})"),
+    }
+
+    let plist = rsb::watchdog::service::plist_text(&bin, &state, "/usr/bin:/bin");
+    let doc = roxmltree::Document::parse_with_options(
+        &plist,
+        roxmltree::ParsingOptions {
+            allow_dtd: true,
+            ..Default::default()
+        },
+    )
+    .expect("the plist is well-formed XML");
+    let dict = doc
+        .root_element()
+        .children()
+        .find(|n| n.has_tag_name("dict"))
+        .unwrap();
+    let elems: Vec<roxmltree::Node> = dict.children().filter(|n| n.is_element()).collect();
+    let value = |key: &str| -> roxmltree::Node {
+        let i = elems
+            .iter()
+            .position(|n| n.has_tag_name("key") && n.text() == Some(key))
+            .unwrap_or_else(|| panic!("no {key} in the plist"));
+        elems[i + 1]
+    };
+    assert_eq!(value("Label").text(), Some("com.rsb.watchdog"));
+    assert!(value("KeepAlive").has_tag_name("true"));
+    assert!(value("RunAtLoad").has_tag_name("true"));
+    let args: Vec<&str> = value("ProgramArguments")
+        .children()
+        .filter(|n| n.has_tag_name("string"))
+        .filter_map(|n| n.text())
+        .collect();
+    assert_eq!(args[0], bin.display().to_string());
+    assert!(Path::new(args[0]).is_absolute());
+    assert_eq!(&args[1..], ["watchdog", "run", "--mode", "service"]);
+    let env: Vec<&str> = value("EnvironmentVariables")
+        .children()
+        .filter(|n| n.is_element())
+        .filter_map(|n| n.text())
+        .collect();
+    assert_eq!(
+        env,
+        [
+            "PATH",
+            "/usr/bin:/bin",
+            "RSB_STATE_DIR",
+            &state.display().to_string()
+        ]
+    );
+    assert!(
+        value("StandardErrorPath")
+            .text()
+            .unwrap()
+            .ends_with("watchdog.log")
+    );
+}
+
+#[test]
+fn install_without_a_user_service_manager_says_so_in_one_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let mut probe = Command::new("systemctl");
+    probe.args(["--user", "show-environment"]);
+    base_env(&mut probe, tmp.path(), &state);
+    if probe.output().is_ok_and(|o| o.status.success()) {
+        eprintln!("skipping: this machine has a user systemd; `install` would really install");
+        return;
+    }
+    let mut cmd = Command::new(rsb_bin());
+    cmd.args(["watchdog", "install"]);
+    base_env(&mut cmd, tmp.path(), &state);
+    let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(30)).unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    let lines: Vec<&str> = err.lines().collect();
+    assert_eq!(lines.len(), 2, "message + hint: {err}");
+    assert!(lines[0].contains("no user service manager"), "{err}");
+    assert!(lines[1].contains("rsb watchdog run"), "{err}");
+    assert!(!tmp.path().join(".config/systemd").exists());
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. Through MCP: the opt-in for hooks, the advanced tools, a detached daemon
+
+struct Mcp {
+    svc: rmcp::service::RunningService<rmcp::RoleClient, ()>,
+}
+
+impl Mcp {
+    async fn start(home: &Path, state: &Path, list: &str, hooks: bool) -> Mcp {
+        let mut cmd = tokio::process::Command::new(rsb_bin());
+        cmd.arg("mcp")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", home)
+            .env("XDG_CONFIG_HOME", home.join(".config"))
+            .env("RSB_STATE_DIR", state)
+            .env("REMOTE_SANDBOX_LIST", list)
+            .env("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "yes");
+        if hooks {
+            cmd.env("RSB_ALLOW_WATCH_HOOKS", "1");
+        }
+        let (transport, _) = TokioChildProcess::builder(cmd)
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let svc = tokio::time::timeout(Duration::from_secs(20), ().serve(transport))
+            .await
+            .unwrap()
+            .unwrap();
+        Mcp { svc }
+    }
+
+    async fn call(&self, tool: &str, args: Value) -> (bool, Value) {
+        let Value::Object(a) = args else { panic!() };
+        let r = tokio::time::timeout(
+            Duration::from_secs(60),
+            self.svc
+                .call_tool(CallToolRequestParams::new(tool.to_string()).with_arguments(a)),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        let raw = serde_json::to_value(&r).unwrap();
+        let text = raw["content"][0]["text"].as_str().unwrap_or_default();
+        (
+            r.is_error == Some(true),
+            serde_json::from_str(text).unwrap_or(Value::Null),
+        )
+    }
+
+    async fn ok(&self, tool: &str, args: Value) -> Value {
+        let (err, v) = self.call(tool, args.clone()).await;
+        assert!(!err, "{tool}({args}) failed: {v}");
+        v
+    }
+}
+
+/// SIGKILL a detached daemon the test made the server spawn (bounded wait for it to go).
+fn kill_pid(pid: i64) {
+    if pid <= 1 {
+        return;
+    }
+    // SAFETY: a pid the server reported for the daemon it spawned for this test.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let t0 = Instant::now();
+    while unsafe { libc::kill(pid as i32, 0) } == 0 && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let state = tmp.path().join("state");
+    let list = json!([{
+        "name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+        "key_file": sshd.client_key().display().to_string(),
+    }])
+    .to_string();
+    let env_file = sshd.home().join("hook-env.txt");
+    let hook = format!("env | grep ^RSMCP_ | sort > {}", env_file.display());
+
+    // Without the opt-in: refused before anything starts.
+    let mcp = Mcp::start(&home, &state, &list, false).await;
+    let tools = mcp.svc.list_all_tools().await.unwrap();
+    assert_eq!(tools.len(), 26, "14 default + 12 advanced");
+    for t in [
+        "install_macos_watchdog",
+        "uninstall_macos_watchdog",
+        "get_watchdog_status",
+        "watch_background_task",
+        "exec_bash_background_watch",
+        "list_background_watches",
+        "get_background_watch",
+        "get_background_watch_progress",
+        "read_background_watch_log",
+        "read_background_watch_checkpoint",
+        "cancel_background_watch",
+        "list_background_watch_events",
+    ] {
+        assert!(tools.iter().any(|x| x.name == t), "{t} missing");
+    }
+    // The seed's parameters and defaults (inventory §1.2), plus rsb's stall_after_s.
+    let spec: [(&str, &[&str], Value); 12] = [
+        (
+            "install_macos_watchdog",
+            &[],
+            json!({"start_now": true, "persist_current_sandboxes": true}),
+        ),
+        ("uninstall_macos_watchdog", &[], json!({})),
+        ("get_watchdog_status", &[], json!({})),
+        (
+            "watch_background_task",
+            &["tmux_session", "log_file"],
+            json!({"sandbox_name": "", "run_id": "", "name": "", "cwd": "", "launch_command": "",
+                   "resume_command": "", "resume_plan_json": "", "checkpoint_path": "",
+                   "checkpoint_format": "text", "checkpoint_command": "", "interval_s": 300,
+                   "max_log_lines": 80, "webhook_url": "", "event_command": "", "auto_resume": false,
+                   "max_resume_attempts": 1, "metadata_json": "", "ensure_watchdog": true,
+                   "notify_local": true, "alert_after_failures": 2, "resume_delay_s": 300,
+                   "stall_after_s": 0}),
+        ),
+        (
+            "exec_bash_background_watch",
+            &["command"],
+            json!({"session_name": "", "log_file": "", "cwd": "", "sandbox_name": "", "run_id": "",
+                   "watch_name": "", "resume_command": "", "resume_plan_json": "",
+                   "checkpoint_path": "", "checkpoint_format": "text", "checkpoint_command": "",
+                   "interval_s": 300, "max_log_lines": 80, "webhook_url": "", "event_command": "",
+                   "auto_resume": false, "max_resume_attempts": 1, "metadata_json": "",
+                   "ensure_watchdog": true, "notify_local": true, "alert_after_failures": 2,
+                   "resume_delay_s": 300, "codex_wakeup": false, "codex_command": "",
+                   "stall_after_s": 0}),
+        ),
+        ("list_background_watches", &[], json!({"status": ""})),
+        ("get_background_watch", &["watch_id"], json!({})),
+        (
+            "get_background_watch_progress",
+            &["watch_id"],
+            json!({"refresh_live": true, "log_lines": 80, "checkpoint_max_bytes": 20000}),
+        ),
+        (
+            "read_background_watch_log",
+            &["watch_id"],
+            json!({"last_n_lines": 200}),
+        ),
+        (
+            "read_background_watch_checkpoint",
+            &["watch_id"],
+            json!({"max_bytes": 20000}),
+        ),
+        ("cancel_background_watch", &["watch_id"], json!({})),
+        (
+            "list_background_watch_events",
+            &[],
+            json!({"watch_id": 0, "limit": 20}),
+        ),
+    ];
+    for (name, required, defaults) in spec {
+        let t = tools.iter().find(|t| t.name == name).unwrap();
+        let schema = Value::Object((*t.input_schema).clone());
+        let mut req: Vec<&str> = schema["required"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        req.sort();
+        let mut want = required.to_vec();
+        want.sort();
+        assert_eq!(req, want, "{name} required");
+        let props = schema["properties"]
+            .as_object()
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(
+            props.len(),
+            required.len() + defaults.as_object().unwrap().len(),
+            "{name} parameters: {:?}",
+            props.keys().collect::<Vec<_>>()
+        );
+        for (k, d) in defaults.as_object().unwrap() {
+            assert_eq!(&props[k]["default"], d, "{name}.{k}");
+        }
+    }
+    let install = tools
+        .iter()
+        .find(|t| t.name == "install_macos_watchdog")
+        .unwrap();
+    assert!(
+        install
+            .description
+            .as_deref()
+            .unwrap_or("")
+            .contains("systemd")
+    );
+    let (err, v) = mcp
+        .call(
+            "exec_bash_background",
+            json!({"command": "touch started-anyway", "session_name": "refused", "event_command": hook}),
+        )
+        .await;
+    assert!(err, "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("RSB_ALLOW_WATCH_HOOKS=1"),
+        "{v}"
+    );
+    let (err, v) = mcp
+        .call(
+            "watch_background_task",
+            json!({"tmux_session": "x", "log_file": "x.log", "webhook_url": "http://127.0.0.1:9/"}),
+        )
+        .await;
+    assert!(
+        err && v["error"].as_str().unwrap().contains("webhook_url"),
+        "{v}"
+    );
+    let v = mcp.ok("list_background_tasks", json!({})).await;
+    assert_eq!(v["tasks"], json!([]), "nothing started");
+    let (err, v) = mcp
+        .call("list_background_watch_events", json!({"limit": 0}))
+        .await;
+    assert!(err && v["error"] == "limit must be positive", "{v}");
+    let (err, v) = mcp
+        .call(
+            "watch_background_task",
+            json!({"tmux_session": "x", "log_file": "x.log", "metadata_json": "[1]"}),
+        )
+        .await;
+    assert!(
+        err && v["error"] == "metadata_json must decode to a JSON object",
+        "{v}"
+    );
+    let _ = mcp.svc.cancel().await;
+
+    // With it: the watch runs the command with the seed's variables, through a daemon the
+    // server spawned (detached, in its own session).
+    let mcp = Mcp::start(&home, &state, &list, true).await;
+    let v = mcp
+        .ok(
+            "exec_bash_background",
+            json!({"command": "sleep 1; exit 6", "session_name": "hooked", "interval_s": 1,
+                   "notify_local": false, "event_command": hook}),
+        )
+        .await;
+    let watch_id = v["watch_id"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("no watch_id: {v}"));
+    let setup = &v["watchdog_setup"];
+    assert_eq!(setup["action"], "spawned_detached", "{v}");
+    assert!(
+        setup["install_hint"]
+            .as_str()
+            .unwrap()
+            .contains("rsb watchdog install")
+    );
+    let pid = setup["pid"].as_i64().unwrap();
+    let result = async {
+        let t0 = Instant::now();
+        let env = loop {
+            if let Ok(s) = std::fs::read_to_string(&env_file)
+                && s.lines().count() >= 8
+            {
+                break s;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "the event_command never ran"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        for k in [
+            "RSMCP_EVENT_FILE=",
+            "RSMCP_EVENT_JSON=",
+            "RSMCP_EVENT_TYPE=completed",
+            &format!("RSMCP_WATCH_ID={watch_id}"),
+            "RSMCP_SANDBOX_NAME=s",
+            "RSMCP_TMUX_SESSION=hooked",
+            "RSMCP_LOG_FILE=",
+            "RSMCP_SUGGESTED_PROMPT=",
+        ] {
+            assert!(env.contains(k), "{k} missing in\n{env}");
+        }
+
+        let st = mcp.ok("get_watchdog_status", json!({})).await;
+        assert_eq!(st["daemon"]["running"], true, "{st}");
+        assert_eq!(st["daemon"]["mode"], "detached");
+        assert_eq!(st["heartbeat_stale"], false);
+        assert_eq!(st["launchd"]["loaded"], false);
+        let c = mcp
+            .ok("check_background_task", json!({"watch_id": watch_id}))
+            .await;
+        assert_eq!(
+            (c["exit_code"].as_i64(), c["watch_id"].as_i64()),
+            (Some(6), Some(watch_id))
+        );
+        let w = mcp
+            .ok("get_background_watch", json!({"watch_id": watch_id}))
+            .await;
+        assert_eq!(w["watch"]["status"], "completed");
+        assert!(w["watch"]["metadata"].is_object() && w["watch"]["resume_plan"].is_object());
+        let ev = mcp
+            .ok(
+                "list_background_watch_events",
+                json!({"watch_id": watch_id}),
+            )
+            .await;
+        assert_eq!(ev["events"][0]["event_type"], "completed");
+        assert_eq!(ev["events"][0]["payload"]["exit_code"], 6);
+        let (err, v) = mcp
+            .call(
+                "read_background_watch_checkpoint",
+                json!({"watch_id": watch_id}),
+            )
+            .await;
+        assert!(
+            err && v["error"]
+                .as_str()
+                .unwrap()
+                .contains("does not define checkpoint_path")
+        );
+        let log = mcp
+            .ok(
+                "read_background_watch_log",
+                json!({"watch_id": watch_id, "last_n_lines": 5}),
+            )
+            .await;
+        assert!(
+            log["log"]["log_tail"]
+                .as_str()
+                .unwrap()
+                .contains("EXIT_CODE=6"),
+            "{log}"
+        );
+
+        // A watched job killed on purpose is not an interruption: its watch is cancelled first.
+        std::fs::write(sshd.home().join("ck.txt"), "epoch 2").unwrap();
+        let v = mcp
+            .ok(
+                "exec_bash_background_watch",
+                json!({"command": "sleep 300", "session_name": "victim", "interval_s": 1,
+                       "notify_local": false, "checkpoint_path": "ck.txt"}),
+            )
+            .await;
+        let vid = v["watch_id"].as_i64().unwrap();
+        assert_eq!(v["watchdog_setup"]["action"], "already_running", "{v}");
+        let p = mcp
+            .ok("get_background_watch_progress", json!({"watch_id": vid}))
+            .await;
+        assert_eq!(p["live"]["task"]["running"], true, "{p}");
+        assert_eq!(p["live"]["checkpoint"]["raw"], "epoch 2", "{p}");
+        let k = mcp
+            .ok(
+                "kill_background_task",
+                json!({"tmux_session": "victim", "grace_s": 1}),
+            )
+            .await;
+        assert_eq!(k["cancelled_watches"], json!([vid]), "{k}");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let ev = mcp
+            .ok("list_background_watch_events", json!({"watch_id": vid}))
+            .await;
+        assert_eq!(
+            ev["events"],
+            json!([]),
+            "no interrupted/resume for a deliberate kill"
+        );
+        let l = mcp
+            .ok("list_background_watches", json!({"status": "cancelled"}))
+            .await;
+        assert_eq!(l["watches"][0]["id"], vid);
+    };
+    // Whatever happens, the detached daemon goes.
+    let r = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(result)).await;
+    kill_pid(pid);
+    let _ = mcp.svc.cancel().await;
+    if let Err(p) = r {
+        std::panic::resume_unwind(p);
+    }
+}
