@@ -239,7 +239,9 @@ pub async fn start_local_with(
     prefix_args: &[&str],
 ) -> Result<AgentClient> {
     let mut cmd = Command::new(program);
-    cmd.args(prefix_args)
+    cmd.env_clear()
+        .envs(child_env())
+        .args(prefix_args)
         .arg("serve")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -278,4 +280,89 @@ pub async fn start_local_with(
             "rebuild rsb-agent",
         )
     })
+}
+
+/// Variables the agent itself reads; a user who sets them for rsb means them for the agent.
+const AGENT_VARS: [&str; 3] = [
+    "RSB_CACHE_DIR",
+    "RSB_NVIDIA_SMI_TIMEOUT_MS",
+    "RSB_SYNC_FSYNC",
+];
+
+/// rsb's configuration variables (the seed's names) and the askpass hooks that would hand a
+/// child a way to ask for credentials.
+const WITHHELD_VARS: [&str; 8] = [
+    "REMOTE_HOST",
+    "REMOTE_PORT",
+    "REMOTE_USER",
+    "REMOTE_PASSWORD",
+    "REMOTE_KEY_FILE",
+    "REMOTE_KEY_PASSPHRASE",
+    "SSH_ASKPASS",
+    "SSH_ASKPASS_REQUIRE",
+];
+
+/// The environment of every child rsb starts on this machine (the `local` sandbox's agent, the
+/// local sync agent, and through them every command and job): rsb's own environment without
+/// its secrets and configuration, so `exec_bash("env")` on the local sandbox cannot print a
+/// password into a transcript.
+///
+/// Withheld: `REMOTE_SANDBOX_*`, `RSB_*` (except the agent's own [`AGENT_VARS`]), the legacy
+/// `REMOTE_*` variables and `SSH_ASKPASS*`; every variable the configuration loader reads
+/// (which covers the names given in `password_env` / `key_passphrase_env`); and any variable
+/// whose value is one of the configured secrets, however it got there.
+pub fn child_env() -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    let (read_by_config, secrets) = config_vars_and_secrets();
+    std::env::vars_os()
+        .filter(|(k, v)| {
+            let name = k.to_string_lossy();
+            let value = v.to_string_lossy();
+            let withheld = (name.starts_with("RSB_") && !AGENT_VARS.contains(&name.as_ref()))
+                || name.starts_with("REMOTE_SANDBOX_")
+                || WITHHELD_VARS.contains(&name.as_ref())
+                || read_by_config.iter().any(|r| *r == name)
+                || secrets.iter().any(|s| s.as_str() == value.trim());
+            // A child without PATH or HOME could not run anything; no config names them.
+            !withheld || name == "PATH" || name == "HOME"
+        })
+        .collect()
+}
+
+/// Which variables loading the configuration reads, and the secrets it yields. The loader is
+/// run (reading files only) with an environment that records each lookup, so the rule cannot
+/// drift from what the loader actually consults.
+fn config_vars_and_secrets() -> (Vec<String>, Vec<String>) {
+    let read = parking_lot::Mutex::new(Vec::<String>::new());
+    let env = |key: &str| {
+        read.lock().push(key.to_string());
+        std::env::var(key).ok()
+    };
+    let home = directories::BaseDirs::new()
+        .map(|b| b.home_dir().to_path_buf())
+        .or_else(|| std::env::var_os("HOME").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("."));
+    let loaded = crate::config::Config::from_sources(
+        &env,
+        Some(&crate::config::config_file_path()),
+        Some(&home.join(".ssh").join("config")),
+        &home,
+    );
+    let mut secrets = Vec::new();
+    if let Ok(cfg) = &loaded {
+        for sb in &cfg.sandboxes {
+            if let Transport::Ssh(t) = &sb.transport {
+                for auth in std::iter::once(&t.auth).chain(t.proxy_jump.iter().map(|h| &h.auth)) {
+                    let secret = match auth {
+                        crate::config::Auth::Password(s) => Some(s),
+                        crate::config::Auth::KeyFile { passphrase, .. }
+                        | crate::config::Auth::Auto { passphrase, .. } => passphrase.as_ref(),
+                        crate::config::Auth::Agent => None,
+                    };
+                    secrets.extend(secret.map(|s| s.expose().trim().to_string()));
+                }
+            }
+        }
+    }
+    secrets.retain(|s| !s.is_empty());
+    (read.into_inner(), secrets)
 }
