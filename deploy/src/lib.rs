@@ -267,40 +267,46 @@ pub fn agent_path(dir: &str) -> String {
 
 /// Shell functions every snippet below starts with (POSIX sh; needs `stat -c`, which GNU
 /// coreutils and BusyBox both have). `u` is the login user's uid; a failed check leaves the
-/// reason in `rsb_why`.
+/// reason in `rsb_why`. One `stat` call covers a whole chain, so a check costs two forks.
+/// Their variables start with `rsb_k` so they never clobber a caller's.
 ///
-/// - `rsb_chain DIR N`: DIR is a physical path; its N lowest components must be owned by `u`
-///   and not group/world-writable; every component above them must be owned by `u` or root and
-///   not group/world-writable unless sticky.
-/// - `rsb_file F`: F is a regular file (not a symlink) owned by `u`, not group/world-writable.
-/// - `rsb_id F`: F's identity (device, inode, size, mtime, ctime); any replacement or write
-///   changes it, so a verified identity stands for verified content.
+/// - `rsb_check P N`: P is a physical path; its N lowest components (P itself first) must be
+///   owned by `u` and not group/world-writable; every component above them must be owned by
+///   `u` or root and not group/world-writable unless sticky. Sets `rsb_id` to P's identity
+///   (device, inode, size, mtime, ctime): any replacement or write changes it, so a verified
+///   identity stands for verified content.
+/// - `rsb_file F N`: F is a regular file (not a symlink), checked with its N - 1 lowest
+///   directories as by `rsb_check F N`.
 pub const CHECKS: &str = r#"u=$(id -u) || exit 1
-rsb_chain() {
-  rsb_c=$1; rsb_n=$2
+rsb_check() {
+  rsb_kc=$1; rsb_kn=$2; set --
   while :; do
-    rsb_s=$(stat -c '%u %a' -- "$rsb_c" 2>/dev/null) || { rsb_why="cannot stat $rsb_c (is stat installed?)"; return 1; }
-    rsb_o=${rsb_s%% *}; rsb_m=$((0${rsb_s#* }))
-    if [ "$rsb_n" -gt 0 ]; then
-      [ "$rsb_o" = "$u" ] || { rsb_why="$rsb_c is owned by uid $rsb_o, not by $u"; return 1; }
-      [ $((rsb_m & 18)) -eq 0 ] || { rsb_why="$rsb_c is writable by group or others (mode ${rsb_s#* })"; return 1; }
-      rsb_n=$((rsb_n - 1))
-    else
-      [ "$rsb_o" = "$u" ] || [ "$rsb_o" = 0 ] || { rsb_why="$rsb_c is owned by uid $rsb_o, neither $u nor root"; return 1; }
-      [ $((rsb_m & 18)) -eq 0 ] || [ $((rsb_m & 512)) -ne 0 ] || { rsb_why="$rsb_c is writable by group or others (mode ${rsb_s#* })"; return 1; }
-    fi
-    [ "$rsb_c" = / ] && return 0
-    rsb_c=${rsb_c%/*}; [ -n "$rsb_c" ] || rsb_c=/
+    set -- "$@" "$rsb_kc"
+    [ "$rsb_kc" = / ] && break
+    rsb_kc=${rsb_kc%/*}; [ -n "$rsb_kc" ] || rsb_kc=/
   done
+  rsb_ks=$(stat -c '%u %a %d:%i:%s:%Y:%Z %n' -- "$@" 2>/dev/null) || { rsb_why="cannot stat $1 or a directory above it (is stat installed?)"; return 1; }
+  rsb_id=
+  while read -r rsb_ko rsb_km rsb_ki rsb_kp; do
+    [ -n "$rsb_id" ] || rsb_id=$rsb_ki
+    rsb_kb=$((0$rsb_km))
+    if [ "$rsb_kn" -gt 0 ]; then
+      [ "$rsb_ko" = "$u" ] || { rsb_why="$rsb_kp is owned by uid $rsb_ko, not by $u"; return 1; }
+      [ $((rsb_kb & 18)) -eq 0 ] || { rsb_why="$rsb_kp is writable by group or others (mode $rsb_km)"; return 1; }
+      rsb_kn=$((rsb_kn - 1))
+    else
+      [ "$rsb_ko" = "$u" ] || [ "$rsb_ko" = 0 ] || { rsb_why="$rsb_kp is owned by uid $rsb_ko, neither $u nor root"; return 1; }
+      [ $((rsb_kb & 18)) -eq 0 ] || [ $((rsb_kb & 512)) -ne 0 ] || { rsb_why="$rsb_kp is writable by group or others (mode $rsb_km)"; return 1; }
+    fi
+  done <<RSB_EOF
+$rsb_ks
+RSB_EOF
+  [ -n "$rsb_id" ] || { rsb_why="cannot stat $1"; return 1; }
 }
 rsb_file() {
   if [ -L "$1" ] || [ ! -f "$1" ]; then rsb_why="$1 is not a regular file"; return 1; fi
-  rsb_s=$(stat -c '%u %a' -- "$1" 2>/dev/null) || { rsb_why="cannot stat $1"; return 1; }
-  rsb_o=${rsb_s%% *}; rsb_m=$((0${rsb_s#* }))
-  [ "$rsb_o" = "$u" ] || { rsb_why="$1 is owned by uid $rsb_o, not by $u"; return 1; }
-  [ $((rsb_m & 18)) -eq 0 ] || { rsb_why="$1 is writable by group or others (mode ${rsb_s#* })"; return 1; }
+  rsb_check "$1" "$2"
 }
-rsb_id() { stat -c '%d:%i:%s:%Y:%Z' -- "$1"; }
 "#;
 
 /// How many components of an agent directory (`<root>/agent/<name>`) must belong to the user.
@@ -313,7 +319,7 @@ const LOCATE_FNS: &str = r#"umask 077
 rsb_try() {
   mkdir -p -- "$2" 2>/dev/null
   rsb_p=$(cd -P -- "$2" 2>/dev/null && pwd -P) || { echo "RSB-SKIP $1 cannot enter $2"; return 1; }
-  rsb_chain "$rsb_p" 0 || { echo "RSB-SKIP $1 $rsb_why"; return 1; }
+  rsb_check "$rsb_p" 0 || { echo "RSB-SKIP $1 $rsb_why"; return 1; }
   [ "$rsb_p" = / ] && rsb_p=
   rsb_r=$rsb_p/$3
   mkdir -- "$rsb_r" 2>/dev/null
@@ -324,7 +330,7 @@ rsb_try() {
 rsb_in() {
   mkdir -p -- "$2/$3" 2>/dev/null
   rsb_d=$(cd -P -- "$2/$3" 2>/dev/null && pwd -P) || { echo "RSB-SKIP $1 cannot create $2/$3"; return 1; }
-  rsb_chain "$rsb_d" OWNED_DEPTH || { echo "RSB-SKIP $1 $rsb_why"; return 1; }
+  rsb_check "$rsb_d" OWNED_DEPTH || { echo "RSB-SKIP $1 $rsb_why"; return 1; }
   rsb_t=$rsb_d/.exec-check.$$
   if ! { printf '#!/bin/sh\nexit 0\n' > "$rsb_t" && chmod 700 -- "$rsb_t" && "$rsb_t"; }; then
     rm -f -- "$rsb_t"; echo "RSB-SKIP $1 $rsb_d does not allow executing programs (mounted noexec?)"; return 1
@@ -333,7 +339,7 @@ rsb_in() {
   echo "RSB-DIR $1 $rsb_d"
   rsb_f=$rsb_d/rsb-agent
   if [ -e "$rsb_f" ] || [ -L "$rsb_f" ]; then
-    if rsb_file "$rsb_f"; then echo "RSB-FILE $1 $(rsb_id "$rsb_f")"; else echo "RSB-BADFILE $1 $rsb_why"; fi
+    if rsb_file "$rsb_f" FILE_DEPTH; then echo "RSB-FILE $1 $rsb_id"; else echo "RSB-BADFILE $1 $rsb_why"; fi
   fi
   return 0
 }
@@ -371,7 +377,9 @@ pub fn locate_command(roots: &[InstallRoot], from: usize, agent: &AgentBinary) -
     tries.push(format!("rsb_private {PRIVATE_LABEL} {sub}"));
     format!(
         "{CHECKS}{}{}\n",
-        LOCATE_FNS.replace("OWNED_DEPTH", &OWNED_DEPTH.to_string()),
+        LOCATE_FNS
+            .replace("OWNED_DEPTH", &OWNED_DEPTH.to_string())
+            .replace("FILE_DEPTH", &(OWNED_DEPTH + 1).to_string()),
         tries.join(" || ")
     )
 }
@@ -427,8 +435,9 @@ pub fn parse_locate(stdout: &str) -> Located {
 /// with `content`, the file itself, so the caller can hash exactly what will run.
 pub fn verify_command(path: &str, content: bool) -> String {
     format!(
-        "{CHECKS}f={}\nif rsb_chain \"${{f%/*}}\" {OWNED_DEPTH} && rsb_file \"$f\"; then echo \"RSB-FILE $(rsb_id \"$f\")\"{}; else echo \"RSB-BAD $rsb_why\"; fi\n",
+        "{CHECKS}f={}\nif rsb_file \"$f\" {}; then echo \"RSB-FILE $rsb_id\"{}; else echo \"RSB-BAD $rsb_why\"; fi\n",
         shell_quote(path),
+        OWNED_DEPTH + 1,
         if content { " && cat -- \"$f\"" } else { "" }
     )
 }
@@ -465,8 +474,9 @@ pub fn parse_verify(stdout: &[u8]) -> Result<(String, Vec<u8>), String> {
 /// umask here: the agent's commands keep the login shell's.)
 pub fn start_command(agent_path: &str) -> String {
     format!(
-        "{CHECKS}f={}\nif rsb_chain \"${{f%/*}}\" {OWNED_DEPTH} && rsb_file \"$f\"; then exec \"$f\" serve; fi\necho \"rsb: refusing to start $f: $rsb_why\" >&2\nexit 126\n",
-        shell_quote(agent_path)
+        "{CHECKS}f={}\nif rsb_file \"$f\" {}; then exec \"$f\" serve; fi\necho \"rsb: refusing to start $f: $rsb_why\" >&2\nexit 126\n",
+        shell_quote(agent_path),
+        OWNED_DEPTH + 1
     )
 }
 
@@ -576,7 +586,7 @@ pub async fn install<R: Remote>(
     // The identity before and after the rename: the same inode means the final name holds
     // our verified upload, not a concurrent deploy's (identical bytes, but not ones we read).
     let fin = format!(
-        "{CHECKS}t={t}; f={f}\nchmod 700 -- \"$t\" && a=$(rsb_id \"$t\") && mv -f -- \"$t\" \"$f\" && echo \"RSB-MOVED $a $(rsb_id \"$f\")\"\n",
+        "t={t}; f={f}; i='%d:%i:%s:%Y:%Z'\nchmod 700 -- \"$t\" && a=$(stat -c \"$i\" -- \"$t\") && mv -f -- \"$t\" \"$f\" && echo \"RSB-MOVED $a $(stat -c \"$i\" -- \"$f\")\"\n",
         t = shell_quote(&tmp),
         f = shell_quote(&final_path)
     );
@@ -698,6 +708,13 @@ mod tests {
         let tmp = std::env::temp_dir().join(format!("rsb-deploy-test-{}", std::process::id()));
         std::fs::create_dir(&tmp).unwrap();
         std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o700)).unwrap();
+        struct Remove(std::path::PathBuf);
+        impl Drop for Remove {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+        let _remove = Remove(tmp.clone());
         let tmp = tmp.canonicalize().unwrap();
         let root = tmp.join("root");
         let agent = AgentBinary::new(
@@ -778,8 +795,23 @@ mod tests {
             std::os::unix::fs::symlink("/bin/true", &path).unwrap();
             let l = parse_locate(&run(&locate_command(&roots, 0, &agent)));
             assert!(matches!(l.dir.unwrap().2, AgentFile::Unsafe(_)), "{shell}");
+
+            // An ancestor others may write to (not sticky) makes the whole root unusable.
+            std::fs::remove_file(&path).unwrap();
+            std::fs::write(&path, &**agent.bytes).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).unwrap();
+            assert!(run(&start_command(&path)).contains("hi"), "{shell}");
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o777)).unwrap();
+            let out = run(&start_command(&path));
+            assert!(out.contains("(mode 777)"), "{shell}: {out}");
+            let l = parse_locate(&run(&locate_command(&roots, 0, &agent)));
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o700)).unwrap();
+            assert!(l.skipped[0].1.contains("(mode 777)"), "{shell}: {l:?}");
+            let private = l.dir.unwrap().1;
+            let _ = std::fs::remove_dir_all(
+                private.trim_end_matches(&format!("/{}", agent_subdir(&agent))),
+            );
         }
-        std::fs::remove_dir_all(&tmp).unwrap();
     }
 
     #[test]
