@@ -58,14 +58,20 @@ fn deploy_err(sandbox: &str, e: DeployError) -> RsbError {
     )
 }
 
-/// Agents this process has hashed, by `address \0 path`: the file identity (device, inode, size,
+/// Agents this process has hashed, by [`verified_key`]: the file identity (device, inode, size,
 /// times) that was verified and the blake3 it had. A start whose identity still matches needs no
 /// second read-back; any replacement or write changes the identity.
 static VERIFIED: std::sync::LazyLock<parking_lot::Mutex<HashMap<String, (String, String)>>> =
     std::sync::LazyLock::new(Default::default);
 
+/// The host as reached (jump hosts included, since one `user@host:port` may name different
+/// machines behind different bastions) plus the agent path.
 fn verified_key(t: &SshTarget, path: &str) -> String {
-    format!("{}\0{path}", t.address())
+    let mut key: String = t.proxy_jump.iter().map(|h| h.address() + " -> ").collect();
+    key.push_str(&t.address());
+    key.push('\0');
+    key.push_str(path);
+    key
 }
 
 async fn connect_ssh(sandbox: &str, t: &SshTarget, known_path: Option<&str>) -> Result<Connection> {
