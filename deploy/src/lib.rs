@@ -6,6 +6,15 @@
 //!
 //! Install paths are content-addressed (`<version>-<hash12>`), so two processes deploying at
 //! once write identical bytes to the same final name and the rename race is harmless.
+//!
+//! Another local user must never be able to choose what runs as you. Every shell snippet that
+//! places, verifies or starts the agent first checks the directory chain it works in (see
+//! [`CHECKS`]): the agent's directory and the two above it (`<root>/agent/<name>`) are owned by
+//! the login user and not writable by group or others, and every directory above those is owned
+//! by that user or root and not writable by others unless sticky (like `/tmp`). Nobody else can
+//! then replace anything between the check and the `exec` that follows in the same snippet.
+//! A root that fails the check is skipped with the reason; if none passes, a fresh private
+//! `mktemp -d` directory in /tmp is used (and found again by later connects).
 
 use std::{borrow::Cow, future::Future, path::PathBuf, sync::Arc};
 
@@ -27,7 +36,9 @@ pub enum DeployError {
     AgentMissing { triple: String, how: String },
     #[error("could not probe the remote host: {0}")]
     Probe(String),
-    #[error("no writable directory that allows executing programs on the remote (tried {tried})")]
+    #[error(
+        "no directory on the remote is private to the login user, writable and allows executing programs (tried {tried})"
+    )]
     NoExecDir { tried: String },
     #[error("uploaded agent is corrupt at {path}: blake3 {got} != {want}")]
     Verify {
@@ -195,30 +206,265 @@ pub fn parse_probe(stdout: &str) -> Result<Probe, DeployError> {
     })
 }
 
-/// Candidate install directories in order of preference. A `noexec` home falls through to
-/// the runtime dir, then to a per-user directory in /tmp.
-pub fn install_dirs(probe: &Probe, agent: &AgentBinary) -> Vec<String> {
-    let name = agent.dir_name();
-    let mut v = vec![format!(
-        "{}/.cache/rsb/agent/{name}",
-        probe.home.trim_end_matches('/')
-    )];
+/// A directory rsb may own on the remote: `<parent>/<name>`, with the agent installed at
+/// `<parent>/<name>/agent/<version>-<hash12>/rsb-agent`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InstallRoot {
+    pub parent: String,
+    pub name: String,
+}
+
+impl InstallRoot {
+    pub fn path(&self) -> String {
+        format!("{}/{}", self.parent.trim_end_matches('/'), self.name)
+    }
+}
+
+/// Install roots in order of preference: `~/.cache/rsb`, then `$XDG_RUNTIME_DIR/rsb` (a
+/// `noexec` home falls through to it), then `/tmp/rsb-<uid>`. [`locate_command`] adds a private
+/// `mktemp -d` root when none of these is usable.
+pub fn install_roots(probe: &Probe) -> Vec<InstallRoot> {
+    let mut v = vec![InstallRoot {
+        parent: format!("{}/.cache", probe.home.trim_end_matches('/')),
+        name: "rsb".into(),
+    }];
     if let Some(x) = &probe.xdg_runtime_dir {
-        v.push(format!("{}/rsb/agent/{name}", x.trim_end_matches('/')));
+        v.push(InstallRoot {
+            parent: x.trim_end_matches('/').to_string(),
+            name: "rsb".into(),
+        });
     }
     if !probe.uid.is_empty() && probe.uid.bytes().all(|b| b.is_ascii_digit()) {
-        v.push(format!("/tmp/rsb-{}/agent/{name}", probe.uid));
+        v.push(InstallRoot {
+            parent: "/tmp".into(),
+            name: format!("rsb-{}", probe.uid),
+        });
     }
     v
+}
+
+/// The agent's directory below an install root.
+pub fn agent_subdir(agent: &AgentBinary) -> String {
+    format!("agent/{}", agent.dir_name())
 }
 
 pub fn agent_path(dir: &str) -> String {
     format!("{dir}/rsb-agent")
 }
 
-/// The command that turns an exec channel into an agent channel.
+/// Shell functions every snippet below starts with (POSIX sh; needs `stat -c`, which GNU
+/// coreutils and BusyBox both have). `u` is the login user's uid; a failed check leaves the
+/// reason in `rsb_why`. One `stat` call covers a whole chain, so a check costs two forks.
+/// Their variables start with `rsb_k` so they never clobber a caller's.
+///
+/// - `rsb_check P N`: P is a physical path; its N lowest components (P itself first) must be
+///   owned by `u` and not group/world-writable; every component above them must be owned by
+///   `u` or root and not group/world-writable unless sticky. Sets `rsb_id` to P's identity
+///   (device, inode, size, mtime, ctime): any replacement or write changes it, so a verified
+///   identity stands for verified content.
+/// - `rsb_file F N`: F is a regular file (not a symlink), checked with its N - 1 lowest
+///   directories as by `rsb_check F N`.
+pub const CHECKS: &str = r#"u=$(id -u) || exit 1
+rsb_check() {
+  rsb_kc=$1; rsb_kn=$2; set --
+  while :; do
+    set -- "$@" "$rsb_kc"
+    [ "$rsb_kc" = / ] && break
+    rsb_kc=${rsb_kc%/*}; [ -n "$rsb_kc" ] || rsb_kc=/
+  done
+  rsb_ks=$(stat -c '%u %a %d:%i:%s:%Y:%Z %n' -- "$@" 2>/dev/null) || { rsb_why="cannot stat $1 or a directory above it (is stat installed?)"; return 1; }
+  rsb_id=
+  while read -r rsb_ko rsb_km rsb_ki rsb_kp; do
+    [ -n "$rsb_id" ] || rsb_id=$rsb_ki
+    rsb_kb=$((0$rsb_km))
+    if [ "$rsb_kn" -gt 0 ]; then
+      [ "$rsb_ko" = "$u" ] || { rsb_why="$rsb_kp is owned by uid $rsb_ko, not by $u"; return 1; }
+      [ $((rsb_kb & 18)) -eq 0 ] || { rsb_why="$rsb_kp is writable by group or others (mode $rsb_km)"; return 1; }
+      rsb_kn=$((rsb_kn - 1))
+    else
+      [ "$rsb_ko" = "$u" ] || [ "$rsb_ko" = 0 ] || { rsb_why="$rsb_kp is owned by uid $rsb_ko, neither $u nor root"; return 1; }
+      [ $((rsb_kb & 18)) -eq 0 ] || [ $((rsb_kb & 512)) -ne 0 ] || { rsb_why="$rsb_kp is writable by group or others (mode $rsb_km)"; return 1; }
+    fi
+  done <<RSB_EOF
+$rsb_ks
+RSB_EOF
+  [ -n "$rsb_id" ] || { rsb_why="cannot stat $1"; return 1; }
+}
+rsb_file() {
+  if [ -L "$1" ] || [ ! -f "$1" ]; then rsb_why="$1 is not a regular file"; return 1; fi
+  rsb_check "$1" "$2"
+}
+"#;
+
+/// How many components of an agent directory (`<root>/agent/<name>`) must belong to the user.
+const OWNED_DEPTH: u32 = 3;
+
+/// Candidate handling for [`locate_command`]: create what is missing (umask 077) without ever
+/// creating anything inside a directory another user owns, check the chain, check that
+/// programs may run there, and report the agent file if one is present.
+const LOCATE_FNS: &str = r#"umask 077
+rsb_try() {
+  mkdir -p -- "$2" 2>/dev/null
+  rsb_p=$(cd -P -- "$2" 2>/dev/null && pwd -P) || { echo "RSB-SKIP $1 cannot enter $2"; return 1; }
+  rsb_check "$rsb_p" 0 || { echo "RSB-SKIP $1 $rsb_why"; return 1; }
+  [ "$rsb_p" = / ] && rsb_p=
+  rsb_r=$rsb_p/$3
+  mkdir -- "$rsb_r" 2>/dev/null
+  rsb_s=$(stat -c %u -- "$rsb_r" 2>/dev/null) || { echo "RSB-SKIP $1 cannot create $rsb_r"; return 1; }
+  [ "$rsb_s" = "$u" ] || { echo "RSB-SKIP $1 $rsb_r is owned by uid $rsb_s, not by $u"; return 1; }
+  rsb_in "$1" "$rsb_r" "$4"
+}
+rsb_in() {
+  mkdir -p -- "$2/$3" 2>/dev/null
+  rsb_d=$(cd -P -- "$2/$3" 2>/dev/null && pwd -P) || { echo "RSB-SKIP $1 cannot create $2/$3"; return 1; }
+  rsb_check "$rsb_d" OWNED_DEPTH || { echo "RSB-SKIP $1 $rsb_why"; return 1; }
+  rsb_t=$rsb_d/.exec-check.$$
+  if ! { printf '#!/bin/sh\nexit 0\n' > "$rsb_t" && chmod 700 -- "$rsb_t" && "$rsb_t"; }; then
+    rm -f -- "$rsb_t"; echo "RSB-SKIP $1 $rsb_d does not allow executing programs (mounted noexec?)"; return 1
+  fi
+  rm -f -- "$rsb_t"
+  echo "RSB-DIR $1 $rsb_d"
+  rsb_f=$rsb_d/rsb-agent
+  if [ -e "$rsb_f" ] || [ -L "$rsb_f" ]; then
+    if rsb_file "$rsb_f" FILE_DEPTH; then echo "RSB-FILE $1 $rsb_id"; else echo "RSB-BADFILE $1 $rsb_why"; fi
+  fi
+  return 0
+}
+rsb_private() {
+  for rsb_q in /tmp/rsb-"$u".*; do
+    [ -d "$rsb_q" ] && [ ! -L "$rsb_q" ] || continue
+    [ "$(stat -c %u -- "$rsb_q" 2>/dev/null)" = "$u" ] || continue
+    rsb_in "$1" "$rsb_q" "$2" && return 0
+  done
+  rsb_q=$(mktemp -d "/tmp/rsb-$u.XXXXXXXX") || { echo "RSB-SKIP $1 mktemp -d in /tmp failed"; return 1; }
+  rsb_in "$1" "$rsb_q" "$2"
+}
+"#;
+
+/// The label [`parse_locate`] reports for the private fallback root.
+pub const PRIVATE_LABEL: &str = "private";
+
+/// One exec that picks the first usable install directory among `roots[from..]`, falling back
+/// to a private `/tmp/rsb-<uid>.XXXXXXXX`. Every path is passed single-quoted; the output is
+/// read by [`parse_locate`].
+pub fn locate_command(roots: &[InstallRoot], from: usize, agent: &AgentBinary) -> String {
+    let sub = shell_quote(&agent_subdir(agent));
+    let mut tries: Vec<String> = roots
+        .iter()
+        .enumerate()
+        .skip(from)
+        .map(|(i, r)| {
+            format!(
+                "rsb_try {i} {} {} {sub}",
+                shell_quote(&r.parent),
+                shell_quote(&r.name)
+            )
+        })
+        .collect();
+    tries.push(format!("rsb_private {PRIVATE_LABEL} {sub}"));
+    format!(
+        "{CHECKS}{}{}\n",
+        LOCATE_FNS
+            .replace("OWNED_DEPTH", &OWNED_DEPTH.to_string())
+            .replace("FILE_DEPTH", &(OWNED_DEPTH + 1).to_string()),
+        tries.join(" || ")
+    )
+}
+
+/// What is in a usable agent directory.
+#[derive(Debug, Clone, PartialEq)]
+pub enum AgentFile {
+    Absent,
+    /// Present and safe by owner and mode; the identity from `rsb_id`.
+    Present(String),
+    /// Present but not safe to run (a symlink, another owner, writable by others): replace it.
+    Unsafe(String),
+}
+
+/// The outcome of [`locate_command`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Located {
+    /// `(label, reason)` for each root that was refused: a root index or [`PRIVATE_LABEL`].
+    pub skipped: Vec<(String, String)>,
+    /// The chosen directory (physical path) with its label, and what it holds.
+    pub dir: Option<(String, String, AgentFile)>,
+}
+
+pub fn parse_locate(stdout: &str) -> Located {
+    let mut loc = Located::default();
+    for line in stdout.lines() {
+        let Some((tag, rest)) = line.split_once(' ') else {
+            continue;
+        };
+        let (label, value) = rest.split_once(' ').unwrap_or((rest, ""));
+        let (label, value) = (label.to_string(), value.to_string());
+        match tag {
+            "RSB-SKIP" => loc.skipped.push((label, value)),
+            "RSB-DIR" => loc.dir = Some((label, value, AgentFile::Absent)),
+            "RSB-FILE" | "RSB-BADFILE" => {
+                if let Some((l, _, f)) = &mut loc.dir
+                    && *l == label
+                {
+                    *f = if tag == "RSB-FILE" {
+                        AgentFile::Present(value)
+                    } else {
+                        AgentFile::Unsafe(value)
+                    };
+                }
+            }
+            _ => {}
+        }
+    }
+    loc
+}
+
+/// Check the agent at `path` (its directory chain, owner and mode) and print its identity, then,
+/// with `content`, the file itself, so the caller can hash exactly what will run.
+pub fn verify_command(path: &str, content: bool) -> String {
+    format!(
+        "{CHECKS}f={}\nif rsb_file \"$f\" {}; then echo \"RSB-FILE $rsb_id\"{}; else echo \"RSB-BAD $rsb_why\"; fi\n",
+        shell_quote(path),
+        OWNED_DEPTH + 1,
+        if content { " && cat -- \"$f\"" } else { "" }
+    )
+}
+
+/// The output of [`verify_command`]: the identity and, when asked for, the file's bytes.
+pub fn parse_verify(stdout: &[u8]) -> Result<(String, Vec<u8>), String> {
+    let mut at = 0;
+    while at < stdout.len() {
+        let end = stdout[at..]
+            .iter()
+            .position(|b| *b == b'\n')
+            .map_or(stdout.len(), |i| at + i);
+        let line = String::from_utf8_lossy(&stdout[at..end]);
+        if let Some(id) = line.strip_prefix("RSB-FILE ") {
+            let rest = &stdout[(end + 1).min(stdout.len())..];
+            let size: usize = id
+                .split(':')
+                .nth(2)
+                .and_then(|s| s.parse().ok())
+                .ok_or_else(|| format!("unreadable file identity {id:?}"))?;
+            let body = rest.get(..size).unwrap_or(rest).to_vec();
+            return Ok((id.to_string(), body));
+        }
+        if let Some(why) = line.strip_prefix("RSB-BAD ") {
+            return Err(why.to_string());
+        }
+        at = end + 1;
+    }
+    Err("no answer from the verification (is the login shell a POSIX shell?)".into())
+}
+
+/// The command that turns an exec channel into an agent channel: the same checks as
+/// [`verify_command`], then `exec` in the same shell, so nothing can change in between. (No
+/// umask here: the agent's commands keep the login shell's.)
 pub fn start_command(agent_path: &str) -> String {
-    format!("exec {} serve", shell_quote(agent_path))
+    format!(
+        "{CHECKS}f={}\nif rsb_file \"$f\" {}; then exec \"$f\" serve; fi\necho \"rsb: refusing to start $f: $rsb_why\" >&2\nexit 126\n",
+        shell_quote(agent_path),
+        OWNED_DEPTH + 1
+    )
 }
 
 /// Output of one remote command.
@@ -261,35 +507,28 @@ pub trait Remote: Sync {
     -> impl Future<Output = Result<Option<Vec<u8>>, String>> + Send;
 }
 
-/// Upload `agent` into `dir` and return the installed path. Every step is checked: the bytes
-/// that landed are read back and hashed before the file becomes executable and visible under
-/// its final name, so a truncated upload can never be started.
+/// An agent that landed: where, and (when the rename provably moved our own upload) the
+/// identity of the file under its final name, which stands for the verified content.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Installed {
+    pub path: String,
+    pub id: Option<String>,
+}
+
+/// Upload `agent` into `dir` (a directory [`locate_command`] chose and checked) and return the
+/// installed path. Every step is checked: the bytes that landed are read back and hashed
+/// before the file becomes executable and visible under its final name, so a truncated upload
+/// can never be started.
 pub async fn install<R: Remote>(
     remote: &R,
     agent: &AgentBinary,
     dir: &str,
-) -> Result<String, DeployError> {
+) -> Result<Installed, DeployError> {
     let final_path = agent_path(dir);
     let upload_err = |reason: String| DeployError::Upload {
         path: final_path.clone(),
         reason,
     };
-    let qdir = shell_quote(dir);
-    // Creating the dir and probing that it is writable and executable in one round trip.
-    let prep = format!(
-        "umask 077 && mkdir -p -- {qdir} && t={qdir}/.exec-check.$$ && printf '#!/bin/sh\\nexit 0\\n' > \"$t\" && chmod 700 \"$t\" && \"$t\"; rc=$?; rm -f \"$t\"; exit $rc"
-    );
-    let out = remote.exec(&prep, None).await.map_err(upload_err)?;
-    if !out.ok() {
-        return Err(upload_err(format!(
-            "directory not writable or mounted noexec (exit {:?}{})",
-            out.exit_code,
-            match out.stderr_line() {
-                l if l.is_empty() => String::new(),
-                l => format!(": {l}"),
-            }
-        )));
-    }
     let nonce = format!("{:x}", std::process::id() as u64 ^ now_nanos());
     let tmp = format!("{dir}/rsb-agent.tmp.{nonce}");
     let bytes: &[u8] = &agent.bytes;
@@ -331,8 +570,10 @@ pub async fn install<R: Remote>(
             want: agent.hash.clone(),
         });
     }
+    // The identity before and after the rename: the same inode means the final name holds
+    // our verified upload, not a concurrent deploy's (identical bytes, but not ones we read).
     let fin = format!(
-        "chmod 700 -- {t} && mv -f -- {t} {f}",
+        "t={t}; f={f}; i='%d:%i:%s:%Y:%Z'\nchmod 700 -- \"$t\" && a=$(stat -c \"$i\" -- \"$t\") && mv -f -- \"$t\" \"$f\" && echo \"RSB-MOVED $a $(stat -c \"$i\" -- \"$f\")\"\n",
         t = shell_quote(&tmp),
         f = shell_quote(&final_path)
     );
@@ -343,7 +584,18 @@ pub async fn install<R: Remote>(
             .await;
         return Err(upload_err(format!("rename failed: {}", out.stderr_line())));
     }
-    Ok(final_path)
+    let id = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("RSB-MOVED ").map(str::to_string))
+        .and_then(|ids| {
+            let (before, after) = ids.split_once(' ')?;
+            let same_inode = before.split(':').take(2).eq(after.split(':').take(2));
+            same_inode.then(|| after.to_string())
+        });
+    Ok(Installed {
+        path: final_path,
+        id,
+    })
 }
 
 /// Keep the newest three agent versions next to `dir` (best effort; never touches `dir`).
@@ -394,8 +646,7 @@ mod tests {
     }
 
     #[test]
-    fn install_dirs_are_content_addressed() {
-        let agent = AgentBinary::new(TRIPLE_X86_64, Cow::Borrowed(b"abc"), "t".into());
+    fn install_roots_in_order() {
         let p = Probe {
             sys: "Linux".into(),
             machine: "x86_64".into(),
@@ -403,11 +654,151 @@ mod tests {
             uid: "7".into(),
             xdg_runtime_dir: Some("/run/user/7".into()),
         };
-        let d = install_dirs(&p, &agent);
-        assert_eq!(d.len(), 3);
-        assert!(d[0].starts_with("/h/.cache/rsb/agent/"));
-        assert!(d[0].ends_with(&agent.hash[..12]));
-        assert!(d[2].starts_with("/tmp/rsb-7/agent/"));
+        let d = install_roots(&p);
+        assert_eq!(
+            d.iter().map(InstallRoot::path).collect::<Vec<_>>(),
+            ["/h/.cache/rsb", "/run/user/7/rsb", "/tmp/rsb-7"]
+        );
+        let agent = AgentBinary::new(TRIPLE_X86_64, Cow::Borrowed(b"abc"), "t".into());
+        assert!(agent_subdir(&agent).ends_with(&agent.hash[..12]));
+    }
+
+    #[test]
+    fn locate_output_is_parsed() {
+        let out = "noise\nRSB-SKIP 0 /h/.cache is owned by uid 5, neither 7 nor root\n\
+                   RSB-DIR 2 /tmp/rsb-7/agent/v-x y\nRSB-FILE 2 1:2:3:4:5\n";
+        let l = parse_locate(out);
+        assert_eq!(l.skipped.len(), 1);
+        assert_eq!(
+            l.dir,
+            Some((
+                "2".into(),
+                "/tmp/rsb-7/agent/v-x y".into(),
+                AgentFile::Present("1:2:3:4:5".into())
+            ))
+        );
+    }
+
+    #[test]
+    fn verify_output_is_parsed() {
+        let (id, body) = parse_verify(b"motd\nRSB-FILE 1:2:3:4:5\nabc").unwrap();
+        assert_eq!((id.as_str(), body.as_slice()), ("1:2:3:4:5", &b"abc"[..]));
+        let e = parse_verify(b"RSB-BAD /x is owned by uid 9, not by 7\n").unwrap_err();
+        assert!(e.contains("owned by uid 9"), "{e}");
+        assert!(parse_verify(b"").is_err());
+    }
+
+    /// The snippets run under the shells a remote login may have, and refuse what they must.
+    #[test]
+    fn snippets_check_the_chain_in_real_shells() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = std::env::temp_dir().join(format!("rsb-deploy-test-{}", std::process::id()));
+        std::fs::create_dir(&tmp).unwrap();
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o700)).unwrap();
+        struct Remove(std::path::PathBuf);
+        impl Drop for Remove {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+        let _remove = Remove(tmp.clone());
+        let tmp = tmp.canonicalize().unwrap();
+        let root = tmp.join("root");
+        let agent = AgentBinary::new(
+            TRIPLE_X86_64,
+            Cow::Borrowed(b"#!/bin/sh\necho hi\n"),
+            "t".into(),
+        );
+        let roots = [InstallRoot {
+            parent: tmp.display().to_string(),
+            name: "root".into(),
+        }];
+        for shell in ["sh", "bash", "dash", "busybox"] {
+            let mut cmd = std::process::Command::new(shell);
+            if shell == "busybox" {
+                cmd.arg("sh");
+            }
+            if cmd.arg("-c").arg("true").output().is_err() {
+                eprintln!("note: {shell} is not installed; not testing the snippets under it");
+                continue;
+            }
+            let run = |script: &str| {
+                let mut cmd = std::process::Command::new(shell);
+                if shell == "busybox" {
+                    cmd.arg("sh");
+                }
+                let out = cmd.arg("-c").arg(script).output().unwrap();
+                String::from_utf8_lossy(&out.stdout).into_owned()
+                    + &String::from_utf8_lossy(&out.stderr)
+            };
+            let _ = std::fs::remove_dir_all(&root);
+            let l = parse_locate(&run(&locate_command(&roots, 0, &agent)));
+            let (label, dir, file) = l.dir.clone().unwrap_or_else(|| panic!("{shell}: {l:?}"));
+            assert_eq!(
+                (label.as_str(), &file),
+                ("0", &AgentFile::Absent),
+                "{shell}"
+            );
+            assert!(dir.ends_with(&agent_subdir(&agent)), "{shell}: {dir}");
+            let mode = std::fs::metadata(&root).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o700, "{shell}");
+            let path = agent_path(&dir);
+            std::fs::write(&path, &**agent.bytes).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).unwrap();
+            let (_, body) = parse_verify(run(&verify_command(&path, true)).as_bytes()).unwrap();
+            assert_eq!(body, &**agent.bytes, "{shell}");
+            assert!(run(&start_command(&path)).contains("hi"), "{shell}");
+
+            // Group-writable: refused by verify and start, skipped by locate.
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o770)).unwrap();
+            let e = parse_verify(run(&verify_command(&path, false)).as_bytes()).unwrap_err();
+            assert!(
+                e.contains("writable by group or others (mode 770)"),
+                "{shell}: {e}"
+            );
+            let out = run(&start_command(&path));
+            assert!(
+                out.contains("refusing to start") && !out.contains("hi"),
+                "{shell}: {out}"
+            );
+            let l = parse_locate(&run(&locate_command(&roots, 0, &agent)));
+            assert!(
+                l.skipped[0].1.contains("writable by group"),
+                "{shell}: {l:?}"
+            );
+            assert_eq!(l.dir.as_ref().unwrap().0, PRIVATE_LABEL, "{shell}: {l:?}");
+            let private = l.dir.unwrap().1;
+            assert!(private.starts_with("/tmp/rsb-"), "{shell}: {private}");
+            // A later locate finds the same private directory again.
+            let again = parse_locate(&run(&locate_command(&roots, 0, &agent)));
+            assert_eq!(again.dir.unwrap().1, private, "{shell}");
+            let _ = std::fs::remove_dir_all(
+                private.trim_end_matches(&format!("/{}", agent_subdir(&agent))),
+            );
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+
+            // A symlink in place of the agent is reported, not followed.
+            std::fs::remove_file(&path).unwrap();
+            std::os::unix::fs::symlink("/bin/true", &path).unwrap();
+            let l = parse_locate(&run(&locate_command(&roots, 0, &agent)));
+            assert!(matches!(l.dir.unwrap().2, AgentFile::Unsafe(_)), "{shell}");
+
+            // An ancestor others may write to (not sticky) makes the whole root unusable.
+            std::fs::remove_file(&path).unwrap();
+            std::fs::write(&path, &**agent.bytes).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o700)).unwrap();
+            assert!(run(&start_command(&path)).contains("hi"), "{shell}");
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o777)).unwrap();
+            let out = run(&start_command(&path));
+            assert!(out.contains("(mode 777)"), "{shell}: {out}");
+            let l = parse_locate(&run(&locate_command(&roots, 0, &agent)));
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o700)).unwrap();
+            assert!(l.skipped[0].1.contains("(mode 777)"), "{shell}: {l:?}");
+            let private = l.dir.unwrap().1;
+            let _ = std::fs::remove_dir_all(
+                private.trim_end_matches(&format!("/{}", agent_subdir(&agent))),
+            );
+        }
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! From a sandbox's config to a live agent channel: SSH connect, probe, reuse or deploy the
 //! agent, handshake. Also the local transport (agent as a child process, no SSH).
 
-use std::{path::PathBuf, process::Stdio, sync::Arc, time::Duration};
+use std::{collections::HashMap, path::PathBuf, process::Stdio, sync::Arc, time::Duration};
 
 use rsb_deploy::{AgentBinary, DeployError};
 use tokio::{io::AsyncBufReadExt, process::Command};
@@ -21,6 +21,9 @@ pub struct Connection {
     pub deployed: bool,
     /// Where the agent runs on the host.
     pub agent_path: String,
+    /// Install directories refused on the way (another owner, writable by others, noexec),
+    /// each with its reason; also logged as warnings.
+    pub notices: Vec<String>,
 }
 
 pub async fn connect(sandbox: &SandboxConfig, known_path: Option<&str>) -> Result<Connection> {
@@ -39,7 +42,7 @@ fn deploy_err(sandbox: &str, e: DeployError) -> RsbError {
             "rsb sandboxes must be Linux x86_64 or aarch64 hosts"
         }
         DeployError::NoExecDir { .. } => {
-            "make ~/.cache or /tmp writable and executable for this user"
+            "make ~/.cache yours alone (chmod go-w), writable and executable, or free /tmp for this user"
         }
         DeployError::Verify { .. } | DeployError::Upload { .. } => {
             "retry; check free disk space on the remote"
@@ -55,25 +58,49 @@ fn deploy_err(sandbox: &str, e: DeployError) -> RsbError {
     )
 }
 
+/// Agents this process has hashed, by [`verified_key`]: the file identity (device, inode, size,
+/// times) that was verified and the blake3 it had. A start whose identity still matches needs no
+/// second read-back; any replacement or write changes the identity.
+static VERIFIED: std::sync::LazyLock<parking_lot::Mutex<HashMap<String, (String, String)>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// The host as reached (jump hosts included, since one `user@host:port` may name different
+/// machines behind different bastions) plus the agent path.
+fn verified_key(t: &SshTarget, path: &str) -> String {
+    let mut key: String = t.proxy_jump.iter().map(|h| h.address() + " -> ").collect();
+    key.push_str(&t.address());
+    key.push('\0');
+    key.push_str(path);
+    key
+}
+
 async fn connect_ssh(sandbox: &str, t: &SshTarget, known_path: Option<&str>) -> Result<Connection> {
     let ssh = SshSession::connect(sandbox, t).await?;
-    // Fast path for a reconnect: the agent we started last time is most likely still there.
-    if let Some(p) = known_path
-        && let Ok(client) = ssh.start_agent(sandbox, p).await
-    {
-        let expected = rsb_deploy::triple_for(&client.hello().os, &client.hello().arch)
+    // Fast path for a reconnect: the agent we verified and started last time is most likely
+    // still there, unchanged.
+    let cached = known_path.and_then(|p| {
+        let entry = VERIFIED.lock().get(&verified_key(t, p)).cloned();
+        entry.map(|e| (p, e))
+    });
+    if let Some((p, (id, hash))) = cached {
+        let same = ssh
+            .exec_collect(&rsb_deploy::verify_command(p, false), None)
+            .await
             .ok()
-            .and_then(|t| rsb_deploy::agent_for(t).ok())
-            .map(|a| a.hash);
-        if expected.as_deref() == Some(client.hello().agent_hash.as_str()) {
-            return Ok(Connection {
-                client,
-                ssh: Some(ssh),
-                deployed: false,
-                agent_path: p.to_string(),
-            });
+            .and_then(|out| rsb_deploy::parse_verify(&out.stdout).ok())
+            .is_some_and(|(now, _)| now == id);
+        if same && let Ok(client) = ssh.start_agent(sandbox, p).await {
+            if client.hello().agent_hash == hash {
+                return Ok(Connection {
+                    client,
+                    ssh: Some(ssh),
+                    deployed: false,
+                    agent_path: p.to_string(),
+                    notices: Vec::new(),
+                });
+            }
+            client.close("agent hash mismatch");
         }
-        client.close("agent hash mismatch");
     }
     let out = ssh
         .exec_collect(rsb_deploy::PROBE_COMMAND, None)
@@ -90,27 +117,79 @@ async fn connect_ssh(sandbox: &str, t: &SshTarget, known_path: Option<&str>) -> 
     let triple =
         rsb_deploy::triple_for(&probe.sys, &probe.machine).map_err(|e| deploy_err(sandbox, e))?;
     let agent = rsb_deploy::agent_for(triple).map_err(|e| deploy_err(sandbox, e))?;
+    let roots = rsb_deploy::install_roots(&probe);
+    let mut notices = Vec::new();
     let mut tried = Vec::new();
-    for dir in rsb_deploy::install_dirs(&probe, &agent) {
+    let mut from = 0;
+    // Each round locates the first usable directory from `from` on; a failed upload there moves
+    // on to the next root (the private fallback is always last).
+    while from <= roots.len() {
+        let out = ssh
+            .exec_collect(&rsb_deploy::locate_command(&roots, from, &agent), None)
+            .await
+            .map_err(|e| {
+                RsbError::new(
+                    Kind::Connect,
+                    format!("cannot prepare the agent directory on sandbox '{sandbox}': {e}"),
+                    "check the remote host",
+                )
+            })?;
+        let located = rsb_deploy::parse_locate(&String::from_utf8_lossy(&out.stdout));
+        for (label, reason) in &located.skipped {
+            let root = root_name(&roots, label, &probe);
+            let notice = format!("not using {root} for rsb-agent: {reason}");
+            tracing::warn!(sandbox, "{notice}");
+            tried.push(format!("{root} ({reason})"));
+            notices.push(notice);
+        }
+        let Some((label, dir, file)) = located.dir else {
+            break;
+        };
         let path = rsb_deploy::agent_path(&dir);
-        match start_verified(&ssh, sandbox, &path, &agent).await {
-            Ok(client) => {
-                return Ok(Connection {
-                    client,
-                    ssh: Some(ssh),
-                    deployed: false,
-                    agent_path: path,
-                });
+        match file {
+            rsb_deploy::AgentFile::Present(id) => {
+                match verify_and_start(&ssh, t, sandbox, &path, &id, &agent).await {
+                    Ok(client) => {
+                        return Ok(Connection {
+                            client,
+                            ssh: Some(ssh),
+                            deployed: false,
+                            agent_path: path,
+                            notices,
+                        });
+                    }
+                    Err(e) => {
+                        tracing::info!(sandbox, %path, "installed agent not usable, replacing it: {e}")
+                    }
+                }
             }
-            Err(e) => tracing::debug!(sandbox, %path, "existing agent not usable: {e}"),
+            rsb_deploy::AgentFile::Unsafe(why) => {
+                let notice = format!("replacing {path}: {why}");
+                tracing::warn!(sandbox, "{notice}");
+                notices.push(notice);
+            }
+            rsb_deploy::AgentFile::Absent => {}
         }
         match rsb_deploy::install(ssh.as_ref(), &agent, &dir).await {
-            Ok(path) => {
-                tracing::info!(sandbox, %path, bytes = agent.bytes.len(), "deployed rsb-agent");
-                let client = start_verified(&ssh, sandbox, &path, &agent).await.map_err(|e| {
+            Ok(installed) => {
+                tracing::info!(sandbox, path = %installed.path, bytes = agent.bytes.len(), "deployed rsb-agent");
+                if let Some(id) = &installed.id {
+                    VERIFIED.lock().insert(
+                        verified_key(t, &installed.path),
+                        (id.clone(), agent.hash.clone()),
+                    );
+                }
+                let client = match &installed.id {
+                    Some(_) => start_verified(&ssh, sandbox, &installed.path, &agent).await,
+                    // A concurrent deploy renamed its copy over ours: hash what is there.
+                    None => {
+                        verify_and_start(&ssh, t, sandbox, &installed.path, "", &agent).await
+                    }
+                }
+                .map_err(|e| {
                     RsbError::new(
                         Kind::Deploy,
-                        format!("rsb-agent was installed at {path} on sandbox '{sandbox}' but does not start: {e}"),
+                        format!("rsb-agent was installed at {} on sandbox '{sandbox}' but does not start: {e}", installed.path),
                         "the directory may be mounted noexec, or the host may lack a compatible kernel",
                     )
                 })?;
@@ -121,10 +200,17 @@ async fn connect_ssh(sandbox: &str, t: &SshTarget, known_path: Option<&str>) -> 
                     client,
                     ssh: Some(ssh),
                     deployed: true,
-                    agent_path: path,
+                    agent_path: installed.path,
+                    notices,
                 });
             }
-            Err(e @ DeployError::Upload { .. }) => tried.push(format!("{dir} ({e})")),
+            Err(e @ DeployError::Upload { .. }) => {
+                tried.push(format!("{dir} ({e})"));
+                from = match label.parse::<usize>() {
+                    Ok(i) => i + 1,
+                    Err(_) => break,
+                };
+            }
             Err(e) => return Err(deploy_err(sandbox, e)),
         }
     }
@@ -134,6 +220,44 @@ async fn connect_ssh(sandbox: &str, t: &SshTarget, known_path: Option<&str>) -> 
             tried: tried.join("; "),
         },
     ))
+}
+
+/// The install root a locate label stands for, for messages.
+fn root_name(roots: &[rsb_deploy::InstallRoot], label: &str, probe: &rsb_deploy::Probe) -> String {
+    match label.parse::<usize>().ok().and_then(|i| roots.get(i)) {
+        Some(r) => r.path(),
+        None => format!("a private /tmp/rsb-{}.* directory", probe.uid),
+    }
+}
+
+/// Hash the agent at `path` unless this process already verified that very file (`id`), then
+/// start it: the read-back and the start both check the directory chain, which only the login
+/// user can change, so what was hashed is what runs.
+async fn verify_and_start(
+    ssh: &Arc<SshSession>,
+    t: &SshTarget,
+    sandbox: &str,
+    path: &str,
+    id: &str,
+    agent: &AgentBinary,
+) -> std::result::Result<AgentClient, String> {
+    let key = verified_key(t, path);
+    let known = VERIFIED.lock().get(&key).cloned();
+    if known != Some((id.to_string(), agent.hash.clone())) {
+        let out = ssh
+            .exec_collect(&rsb_deploy::verify_command(path, true), None)
+            .await?;
+        let (id, body) = rsb_deploy::parse_verify(&out.stdout)?;
+        let got = blake3::hash(&body).to_hex().to_string();
+        if got != agent.hash {
+            return Err(format!(
+                "{path} has blake3 {got}, expected {} (not started)",
+                agent.hash
+            ));
+        }
+        VERIFIED.lock().insert(key, (id, agent.hash.clone()));
+    }
+    start_verified(ssh, sandbox, path, agent).await
 }
 
 /// Start the agent at `path` and insist that it is exactly the binary we ship.
@@ -228,6 +352,7 @@ pub async fn start_local(sandbox: &str) -> Result<Connection> {
         ssh: None,
         deployed: false,
         agent_path: path.display().to_string(),
+        notices: Vec::new(),
     })
 }
 
@@ -239,7 +364,9 @@ pub async fn start_local_with(
     prefix_args: &[&str],
 ) -> Result<AgentClient> {
     let mut cmd = Command::new(program);
-    cmd.args(prefix_args)
+    cmd.env_clear()
+        .envs(child_env())
+        .args(prefix_args)
         .arg("serve")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -278,4 +405,89 @@ pub async fn start_local_with(
             "rebuild rsb-agent",
         )
     })
+}
+
+/// Variables the agent itself reads; a user who sets them for rsb means them for the agent.
+const AGENT_VARS: [&str; 3] = [
+    "RSB_CACHE_DIR",
+    "RSB_NVIDIA_SMI_TIMEOUT_MS",
+    "RSB_SYNC_FSYNC",
+];
+
+/// rsb's configuration variables (the seed's names) and the askpass hooks that would hand a
+/// child a way to ask for credentials.
+const WITHHELD_VARS: [&str; 8] = [
+    "REMOTE_HOST",
+    "REMOTE_PORT",
+    "REMOTE_USER",
+    "REMOTE_PASSWORD",
+    "REMOTE_KEY_FILE",
+    "REMOTE_KEY_PASSPHRASE",
+    "SSH_ASKPASS",
+    "SSH_ASKPASS_REQUIRE",
+];
+
+/// The environment of every child rsb starts on this machine (the `local` sandbox's agent, the
+/// local sync agent, and through them every command and job): rsb's own environment without
+/// its secrets and configuration, so `exec_bash("env")` on the local sandbox cannot print a
+/// password into a transcript.
+///
+/// Withheld: `REMOTE_SANDBOX_*`, `RSB_*` (except the agent's own [`AGENT_VARS`]), the legacy
+/// `REMOTE_*` variables and `SSH_ASKPASS*`; every variable the configuration loader reads
+/// (which covers the names given in `password_env` / `key_passphrase_env`); and any variable
+/// whose value is one of the configured secrets, however it got there.
+pub fn child_env() -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    let (read_by_config, secrets) = config_vars_and_secrets();
+    std::env::vars_os()
+        .filter(|(k, v)| {
+            let name = k.to_string_lossy();
+            let value = v.to_string_lossy();
+            let withheld = (name.starts_with("RSB_") && !AGENT_VARS.contains(&name.as_ref()))
+                || name.starts_with("REMOTE_SANDBOX_")
+                || WITHHELD_VARS.contains(&name.as_ref())
+                || read_by_config.iter().any(|r| *r == name)
+                || secrets.iter().any(|s| s.as_str() == value.trim());
+            // A child without PATH or HOME could not run anything; no config names them.
+            !withheld || name == "PATH" || name == "HOME"
+        })
+        .collect()
+}
+
+/// Which variables loading the configuration reads, and the secrets it yields. The loader is
+/// run (reading files only) with an environment that records each lookup, so the rule cannot
+/// drift from what the loader actually consults.
+fn config_vars_and_secrets() -> (Vec<String>, Vec<String>) {
+    let read = parking_lot::Mutex::new(Vec::<String>::new());
+    let env = |key: &str| {
+        read.lock().push(key.to_string());
+        std::env::var(key).ok()
+    };
+    let home = directories::BaseDirs::new()
+        .map(|b| b.home_dir().to_path_buf())
+        .or_else(|| std::env::var_os("HOME").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("."));
+    let loaded = crate::config::Config::from_sources(
+        &env,
+        Some(&crate::config::config_file_path()),
+        Some(&home.join(".ssh").join("config")),
+        &home,
+    );
+    let mut secrets = Vec::new();
+    if let Ok(cfg) = &loaded {
+        for sb in &cfg.sandboxes {
+            if let Transport::Ssh(t) = &sb.transport {
+                for auth in std::iter::once(&t.auth).chain(t.proxy_jump.iter().map(|h| &h.auth)) {
+                    let secret = match auth {
+                        crate::config::Auth::Password(s) => Some(s),
+                        crate::config::Auth::KeyFile { passphrase, .. }
+                        | crate::config::Auth::Auto { passphrase, .. } => passphrase.as_ref(),
+                        crate::config::Auth::Agent => None,
+                    };
+                    secrets.extend(secret.map(|s| s.expose().trim().to_string()));
+                }
+            }
+        }
+    }
+    secrets.retain(|s| !s.is_empty());
+    (read.into_inner(), secrets)
 }

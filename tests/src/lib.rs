@@ -16,7 +16,7 @@ use std::path::PathBuf;
 
 pub use agent::SshAgentProc;
 pub use chaos::ChaosProxy;
-pub use sshd::{Sshd, SshdOptions};
+pub use sshd::{LocalUser, Sshd, SshdOptions, other_local_user};
 
 /// Root of the rsb workspace, so tests can locate sibling crates' artefacts
 /// (built agents, scripts) regardless of the directory cargo runs them from.

@@ -263,6 +263,11 @@ impl Sshd {
             .map(|u| (u.name.clone(), u.password.clone()))
     }
 
+    /// `(uid, gid)` of [`Sshd::password_user`].
+    pub fn password_user_ids(&self) -> Option<(u32, u32)> {
+        self.password_user.map(|u| (u.uid, u.gid))
+    }
+
     pub fn client_key(&self) -> &Path {
         &self.client_key
     }
@@ -1028,7 +1033,40 @@ struct PasswordUser {
 }
 
 static PASSWORD_USER: OnceLock<Option<PasswordUser>> = OnceLock::new();
-static PASSWORD_USER_CLEANUP: OnceLock<(String, u32)> = OnceLock::new();
+static OTHER_USER: OnceLock<Option<LocalUser>> = OnceLock::new();
+/// Accounts this process created, removed at exit; with the pid of the creator.
+static USERS_TO_REMOVE: std::sync::Mutex<(u32, Vec<String>)> =
+    std::sync::Mutex::new((0, Vec::new()));
+
+/// A throwaway local account (no password, no login) for tests that need a second, hostile
+/// user on the machine: files it owns are what another user could plant.
+#[derive(Debug, Clone)]
+pub struct LocalUser {
+    pub name: String,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Another local user besides the one running the tests and the fixtures' password user,
+/// shared by the whole test process and removed at exit. `None` unless running as root (the
+/// reason is printed once).
+pub fn other_local_user() -> Option<&'static LocalUser> {
+    OTHER_USER
+        .get_or_init(|| {
+            if !is_root() {
+                eprintln!("rsb-tests: not root, so no second local user can be created");
+                return None;
+            }
+            match create_local_user() {
+                Ok(u) => Some(u),
+                Err(e) => {
+                    eprintln!("rsb-tests: no second local user: {e:#}");
+                    None
+                }
+            }
+        })
+        .as_ref()
+}
 
 fn password_user_global() -> Option<&'static PasswordUser> {
     PASSWORD_USER
@@ -1069,36 +1107,10 @@ fn boot_id() -> String {
 /// parallel test processes (nextest, several `cargo test`s) would otherwise
 /// keep resetting each other's password mid-test.
 fn create_password_user() -> Result<PasswordUser> {
-    remove_stale_password_users();
-    let gecos = gecos_for_this_process();
-    let mut name = None;
-    let mut last_err = String::new();
-    for attempt in 0..6u64 {
-        let candidate = format!("{PW_USER_PREFIX}{}", random_lower(6));
-        let out = output_with_timeout(
-            Command::new("useradd")
-                .args(["-m", "-s", "/bin/bash", "-c", &gecos])
-                .arg(&candidate),
-            Duration::from_secs(20),
-        )?;
-        if out.status.success() {
-            name = Some(candidate);
-            break;
-        }
-        // Name clashes and /etc/passwd lock contention with a parallel
-        // process are both worth another try.
-        last_err = String::from_utf8_lossy(&out.stderr).into_owned();
-        std::thread::sleep(Duration::from_millis(100 * (attempt + 1)));
-    }
-    let name = name.ok_or_else(|| anyhow!("useradd failed: {last_err}"))?;
-    let _ = PASSWORD_USER_CLEANUP.set((name.clone(), std::process::id()));
-    // SAFETY: registering a plain extern "C" fn.
-    unsafe {
-        libc::atexit(remove_password_user_at_exit);
-    }
-
+    let LocalUser { name, uid, gid } = create_local_user()?;
     let password = random_alnum(20);
     let mut ok = false;
+    let mut last_err = String::new();
     for attempt in 0..5u64 {
         let mut child = Command::new("chpasswd")
             .stdin(Stdio::piped())
@@ -1120,13 +1132,53 @@ fn create_password_user() -> Result<PasswordUser> {
     if !ok {
         bail!("chpasswd for {name} failed: {last_err}");
     }
-    let (uid, gid) = lookup_ids(&name).ok_or_else(|| anyhow!("{name} missing after useradd"))?;
     Ok(PasswordUser {
         name,
         password,
         uid,
         gid,
     })
+}
+
+/// A fresh `rsbtest*` account tagged with this process (see [`gecos_for_this_process`]),
+/// removed at exit or, if this process dies first, by a later one.
+fn create_local_user() -> Result<LocalUser> {
+    static STALE_REMOVED: std::sync::Once = std::sync::Once::new();
+    STALE_REMOVED.call_once(remove_stale_password_users);
+    let gecos = gecos_for_this_process();
+    let mut name = None;
+    let mut last_err = String::new();
+    for attempt in 0..6u64 {
+        let candidate = format!("{PW_USER_PREFIX}{}", random_lower(6));
+        let out = output_with_timeout(
+            Command::new("useradd")
+                .args(["-m", "-s", "/bin/bash", "-c", &gecos])
+                .arg(&candidate),
+            Duration::from_secs(20),
+        )?;
+        if out.status.success() {
+            name = Some(candidate);
+            break;
+        }
+        // Name clashes and /etc/passwd lock contention with a parallel
+        // process are both worth another try.
+        last_err = String::from_utf8_lossy(&out.stderr).into_owned();
+        std::thread::sleep(Duration::from_millis(100 * (attempt + 1)));
+    }
+    let name = name.ok_or_else(|| anyhow!("useradd failed: {last_err}"))?;
+    {
+        let mut users = USERS_TO_REMOVE.lock().unwrap_or_else(|e| e.into_inner());
+        if users.1.is_empty() {
+            users.0 = std::process::id();
+            // SAFETY: registering a plain extern "C" fn, once per process.
+            unsafe {
+                libc::atexit(remove_password_user_at_exit);
+            }
+        }
+        users.1.push(name.clone());
+    }
+    let (uid, gid) = lookup_ids(&name).ok_or_else(|| anyhow!("{name} missing after useradd"))?;
+    Ok(LocalUser { name, uid, gid })
 }
 
 fn random_lower(n: usize) -> String {
@@ -1141,9 +1193,10 @@ fn random_lower(n: usize) -> String {
 /// what [`remove_stale_password_users`] is for.
 extern "C" fn remove_password_user_at_exit() {
     let _ = std::panic::catch_unwind(|| {
-        if let Some((name, owner)) = PASSWORD_USER_CLEANUP.get() {
-            // Forked children inherit atexit handlers; only the creator acts.
-            if *owner == std::process::id() {
+        let users = USERS_TO_REMOVE.lock().unwrap_or_else(|e| e.into_inner());
+        // Forked children inherit atexit handlers; only the creator acts.
+        if users.0 == std::process::id() {
+            for name in &users.1 {
                 delete_user(name);
             }
         }

@@ -7,6 +7,7 @@
 mod files;
 mod jobs;
 mod sandboxes;
+mod stdio;
 mod sync;
 mod watchdog;
 
@@ -301,16 +302,22 @@ pub async fn serve_config_error(err: ConfigError) -> anyhow::Result<()> {
 
 async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
     let pool = server.pool.clone();
-    let running = match server.serve(rmcp::transport::stdio()).await {
-        Ok(r) => r,
-        // A client that closes stdin before initializing is not an error worth a stack trace.
-        Err(e) => {
-            tracing::info!("MCP session ended before initialization: {e}");
-            return Ok(());
+    let (transport, writer) = stdio::transport(
+        tokio::io::stdin(),
+        tokio::io::stdout(),
+        stdio::MAX_LINE_BYTES,
+    );
+    match server.serve(transport).await {
+        Ok(running) => {
+            let _ = running.waiting().await;
         }
-    };
-    let _ = running.waiting().await;
+        // A client that closes stdin before initializing is not an error worth a stack trace.
+        Err(e) => tracing::info!("MCP session ended before initialization: {e}"),
+    }
     pool.shutdown().await;
+    // The transport is gone with the service; what it queued (a last error reply) is flushed
+    // before the process exits. Bounded, since a client that stopped reading blocks the write.
+    let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
     Ok(())
 }
 

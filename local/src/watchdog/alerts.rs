@@ -213,17 +213,6 @@ pub async fn post_json(url: &str, body: &str, timeout: Duration) -> Result<u16, 
 // ---------------------------------------------------------------------------------------------
 // event_command
 
-/// Variables an `event_command` does not inherit: rsb's own configuration and anything that
-/// looks like a credential.
-fn withheld(key: &str) -> bool {
-    let k = key.to_ascii_uppercase();
-    k.starts_with("REMOTE_")
-        || k.starts_with("RSB_")
-        || ["PASSWORD", "PASSPHRASE", "SECRET", "TOKEN"]
-            .iter()
-            .any(|w| k.contains(w))
-}
-
 /// `sh -c CMD` with the seed's `RSMCP_*` variables, in its own process group, killed (the whole
 /// group) at the deadline.
 pub async fn run_event_command(
@@ -236,12 +225,12 @@ pub async fn run_event_command(
     let w = &e.payload["watch"];
     let s = |k: &str| w[k].as_str().unwrap_or_default().to_string();
     let mut c = tokio::process::Command::new("/bin/sh");
-    c.arg("-c").arg(cmd).env_clear();
-    for (k, v) in std::env::vars_os() {
-        if !withheld(&k.to_string_lossy()) {
-            c.env(k, v);
-        }
-    }
+    // The same environment every local child of rsb gets: the user's own variables (a hook
+    // may need its Slack token), never rsb's configuration or secrets.
+    c.arg("-c")
+        .arg(cmd)
+        .env_clear()
+        .envs(crate::connect::child_env());
     c.env("RSMCP_EVENT_FILE", event_file)
         .env("RSMCP_EVENT_JSON", event_json)
         .env("RSMCP_EVENT_TYPE", &e.event_type)
@@ -398,22 +387,6 @@ mod tests {
         assert!(parse_http_url("http://u:p@h/").is_err());
         assert!(parse_http_url("http://h:99999/").is_err());
         assert!(parse_http_url("http://h/a b").is_err());
-    }
-
-    #[test]
-    fn secrets_and_rsb_config_are_withheld_from_hooks() {
-        for k in [
-            "REMOTE_PASSWORD",
-            "REMOTE_SANDBOX_LIST",
-            "RSB_STATE_DIR",
-            "GITHUB_TOKEN",
-            "my_secret",
-        ] {
-            assert!(withheld(k), "{k}");
-        }
-        for k in ["PATH", "HOME", "DISPLAY"] {
-            assert!(!withheld(k), "{k}");
-        }
     }
 
     #[test]

@@ -1,0 +1,679 @@
+//! Hostile neighbours and hostile input (issue 14): another local user planting an agent in
+//! rsb's install path, secrets reaching the `local` sandbox's commands, and malformed JSON-RPC
+//! on `rsb mcp`'s stdin.
+//!
+//! Needs the `rsb` binary (`cargo build --workspace --bins`). The planted-agent tests need root
+//! (to create a second local user); they print why they skip otherwise.
+
+mod common;
+
+use std::{
+    os::unix::fs::{PermissionsExt, chown},
+    path::{Path, PathBuf},
+    process::Stdio,
+    time::Duration,
+};
+
+use common::*;
+use rmcp::{
+    ServiceExt,
+    model::CallToolRequestParams,
+    service::{RoleClient, RunningService},
+    transport::TokioChildProcess,
+};
+use rsb::{
+    config::{Auth, SandboxConfig},
+    connect::Connection,
+};
+use rsb_tests::{Sshd, SshdOptions, other_local_user, workspace_root};
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+fn rsb_bin() -> PathBuf {
+    let p = workspace_root().join("target/debug/rsb");
+    assert!(
+        p.exists(),
+        "{} does not exist: run `cargo build --workspace --bins` first",
+        p.display()
+    );
+    p
+}
+
+/// `rsb mcp` with a controlled environment (no config file, state in `tmp`) plus `env`.
+fn rsb_mcp_command(tmp: &Path, env: &[(&str, &str)]) -> tokio::process::Command {
+    let home = tmp.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let mut cmd = tokio::process::Command::new(rsb_bin());
+    cmd.arg("mcp")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", &home)
+        .env("XDG_CONFIG_HOME", home.join(".config"))
+        .env("XDG_DATA_HOME", home.join(".local/share"))
+        .env("RSB_STATE_DIR", tmp.join("state"))
+        .env("RSB_LOG", "debug");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd
+}
+
+async fn call(svc: &RunningService<RoleClient, ()>, tool: &str, args: Value) -> Value {
+    let Value::Object(args) = args else {
+        panic!("arguments must be an object")
+    };
+    let params = CallToolRequestParams::new(tool.to_string()).with_arguments(args);
+    let r = tokio::time::timeout(Duration::from_secs(90), svc.call_tool(params))
+        .await
+        .unwrap_or_else(|_| panic!("{tool} did not answer within 90 s"))
+        .unwrap_or_else(|e| panic!("{tool} failed at the protocol level: {e}"));
+    assert_ne!(r.is_error, Some(true), "{tool} failed: {r:?}");
+    let raw = serde_json::to_value(&r).unwrap();
+    serde_json::from_str(raw["content"][0]["text"].as_str().unwrap_or_default()).unwrap()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Secrets stay in the server
+// ---------------------------------------------------------------------------------------------
+
+const LIST_SECRET: &str = "list-S3cr3t-pw";
+const ENV_SECRET: &str = "env-S3cr3t-pw";
+const LEGACY_SECRET: &str = "legacy-S3cr3t-pw";
+const PASSPHRASE_SECRET: &str = "legacy-S3cr3t-passphrase";
+
+/// `exec_bash("env")` on a local sandbox, and the environment of every agent `rsb mcp` started
+/// (the sandbox's and the sync engine's), hold neither rsb's secrets nor its variable names.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_children_never_see_rsb_secrets_or_configuration() {
+    let tmp = tempfile::tempdir().unwrap();
+    let list = json!([
+        {"name": "box", "local": true},
+        {"name": "pw", "host": "127.0.0.1", "user": "nobody", "password": LIST_SECRET},
+        {"name": "pe", "host": "127.0.0.1", "user": "nobody", "password_env": "MY_BOX_PW"},
+    ])
+    .to_string();
+    let cmd = rsb_mcp_command(
+        tmp.path(),
+        &[
+            ("REMOTE_SANDBOX_LIST", &list),
+            ("MY_BOX_PW", ENV_SECRET),
+            ("REMOTE_PASSWORD", LEGACY_SECRET),
+            ("REMOTE_KEY_PASSPHRASE", PASSPHRASE_SECRET),
+            ("RSB_HOST_KEY_POLICY", "accept-new"),
+            ("SSH_ASKPASS", "/bin/false"),
+            ("COPY_OF_PW", ENV_SECRET),
+            ("MY_INNOCENT_VAR", "still-here"),
+            ("RSB_SYNC_FSYNC", "0"),
+        ],
+    );
+    let stderr = std::fs::File::create(tmp.path().join("stderr")).unwrap();
+    let (transport, _) = TokioChildProcess::builder(cmd)
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let svc = tokio::time::timeout(Duration::from_secs(20), ().serve(transport))
+        .await
+        .expect("initialize timed out")
+        .expect("initialize");
+
+    // Start the local sync agent too: a one-file upload into the local sandbox.
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("f.txt"), "x").unwrap();
+    let dst = tmp.path().join("dst");
+    call(
+        &svc,
+        "sync_local_to_remote",
+        json!({"local_path": src, "remote_path": dst, "sandbox_name": "box"}),
+    )
+    .await;
+    assert!(dst.join("f.txt").exists());
+
+    let env = call(&svc, "exec_bash", json!({"command": "env"})).await;
+    let env = env["stdout"].as_str().unwrap().to_string();
+    assert!(env.contains("MY_INNOCENT_VAR=still-here"), "{env}");
+    assert!(
+        env.contains("RSB_SYNC_FSYNC=0"),
+        "the agent's own variables pass: {env}"
+    );
+
+    // Every child of `rsb mcp` (this sandbox's agent is our parent; its parent is rsb mcp).
+    let dump = r#"m=$(awk '{print $4}' /proc/$PPID/stat); n=0
+for s in /proc/[0-9]*/stat; do
+  read -r pid _ _ pp _ < "$s" 2>/dev/null || continue
+  [ "$pp" = "$m" ] || continue
+  n=$((n+1)); echo "== child $pid: $(tr '\0' ' ' < /proc/$pid/cmdline)"
+  tr '\0' '\n' < /proc/$pid/environ
+done; echo "children=$n""#;
+    let children = call(&svc, "exec_bash", json!({"command": dump})).await;
+    let children = children["stdout"].as_str().unwrap().to_string();
+    assert!(
+        children.contains("children=2"),
+        "the sandbox agent and the sync agent: {children}"
+    );
+    for text in [&env, &children] {
+        for needle in [
+            LIST_SECRET,
+            ENV_SECRET,
+            LEGACY_SECRET,
+            PASSPHRASE_SECRET,
+            "REMOTE_SANDBOX_LIST",
+            "REMOTE_PASSWORD",
+            "REMOTE_KEY_PASSPHRASE",
+            "MY_BOX_PW",
+            "COPY_OF_PW",
+            "RSB_HOST_KEY_POLICY",
+            "RSB_STATE_DIR",
+            "RSB_LOG",
+            "SSH_ASKPASS",
+        ] {
+            assert!(!text.contains(needle), "{needle} reached a child:\n{text}");
+        }
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(10), svc.cancel()).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Malformed JSON-RPC
+// ---------------------------------------------------------------------------------------------
+
+struct Raw {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    stdout: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+}
+
+impl Raw {
+    async fn send(&mut self, bytes: &[u8]) {
+        self.stdin.write_all(bytes).await.unwrap();
+        self.stdin.flush().await.unwrap();
+    }
+
+    /// The next line `rsb mcp` writes, as JSON; a missing reply fails within 20 s.
+    async fn reply(&mut self, after: &str) -> Value {
+        let line = tokio::time::timeout(Duration::from_secs(20), self.stdout.next_line())
+            .await
+            .unwrap_or_else(|_| panic!("no reply within 20 s after {after}"))
+            .unwrap()
+            .unwrap_or_else(|| panic!("rsb mcp closed stdout after {after}"));
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"))
+    }
+
+    async fn expect_error(&mut self, bytes: &[u8], what: &str, code: i64) {
+        self.send(bytes).await;
+        let v = self.reply(what).await;
+        assert_eq!(v["jsonrpc"], "2.0", "{what}: {v}");
+        assert_eq!(v["id"], Value::Null, "{what}: {v}");
+        assert_eq!(v["error"]["code"], code, "{what}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{what}: {v}"
+        );
+        assert!(
+            self.child.try_wait().unwrap().is_none(),
+            "rsb mcp exited after {what}"
+        );
+    }
+
+    fn peak_rss_kib(&self) -> u64 {
+        let pid = self.child.id().unwrap();
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap()
+    }
+}
+
+/// Deep nesting, invalid UTF-8, a truncated object, a bare number and a 100 MB line each get a
+/// JSON-RPC error (id null), memory stays bounded, and a valid request still works afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_malformed_line_gets_a_json_rpc_error_and_serving_goes_on() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cmd = rsb_mcp_command(tmp.path(), &[]);
+    cmd.stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(std::fs::File::create(tmp.path().join("stderr")).unwrap())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().unwrap();
+    let stdin = child.stdin.take().unwrap();
+    let stdout = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut raw = Raw {
+        child,
+        stdin,
+        stdout,
+    };
+
+    let deep = format!("{}{}\n", "[".repeat(100_000), "]".repeat(100_000));
+    raw.expect_error(deep.as_bytes(), "nesting before initialize", -32700)
+        .await;
+
+    raw.send(
+        concat!(
+            r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","#,
+            r#""capabilities":{},"clientInfo":{"name":"raw","version":"0"}}}"#,
+            "\n"
+        )
+        .as_bytes(),
+    )
+    .await;
+    let init = raw.reply("initialize").await;
+    assert_eq!(init["id"], 1, "{init}");
+    assert!(init["result"]["serverInfo"].is_object(), "{init}");
+    raw.send(b"{\"jsonrpc\":\"2.0\",\"method\":\"notifications/initialized\"}\n")
+        .await;
+    let baseline_kib = raw.peak_rss_kib();
+
+    let obj_deep = format!("{}1{}\n", "{\"a\":".repeat(100_000), "}".repeat(100_000));
+    raw.expect_error(obj_deep.as_bytes(), "objects nested 100,000 deep", -32700)
+        .await;
+    raw.expect_error(deep.as_bytes(), "arrays nested 100,000 deep", -32700)
+        .await;
+    raw.expect_error(
+        b"{\"jsonrpc\":\"2.0\",\"id\":2,\"method\":\"tools/list\xff\xfe\"}\n",
+        "invalid UTF-8",
+        -32700,
+    )
+    .await;
+    raw.expect_error(
+        b"{\"jsonrpc\":\"2.0\",\"id\":3,\"method\":\"tools/li\n",
+        "a truncated object",
+        -32700,
+    )
+    .await;
+    raw.expect_error(b"42\n", "a bare number", -32600).await;
+    raw.expect_error(
+        b"{\"hello\":\"world\"}\n",
+        "an object that is no request",
+        -32600,
+    )
+    .await;
+
+    // A 100 MB line: answered, and never buffered whole.
+    let chunk = vec![b'x'; 1 << 20];
+    raw.send(b"{\"jsonrpc\":\"2.0\",\"id\":4,\"method\":\"ping\",\"params\":{\"pad\":\"")
+        .await;
+    for _ in 0..100 {
+        raw.send(&chunk).await;
+    }
+    raw.send(b"\"}}\n").await;
+    let v = raw.reply("a 100 MB line").await;
+    assert_eq!(v["error"]["code"], -32600, "{v}");
+    assert_eq!(v["id"], Value::Null, "{v}");
+    let peak_kib = raw.peak_rss_kib();
+    eprintln!(
+        "rsb mcp peak RSS: {baseline_kib} KiB after initialize, {peak_kib} KiB after a 100 MB line"
+    );
+    assert!(
+        peak_kib < baseline_kib + 64 * 1024,
+        "a 100 MB line grew rsb mcp from {baseline_kib} KiB to {peak_kib} KiB"
+    );
+
+    raw.send(b"{\"jsonrpc\":\"2.0\",\"id\":5,\"method\":\"tools/list\"}\n")
+        .await;
+    let v = raw.reply("tools/list").await;
+    assert_eq!(v["id"], 5, "{v}");
+    assert!(
+        v["result"]["tools"]
+            .as_array()
+            .is_some_and(|t| !t.is_empty()),
+        "{v}"
+    );
+
+    // Closing stdin ends the server cleanly.
+    drop(raw.stdin);
+    let status = tokio::time::timeout(Duration::from_secs(20), raw.child.wait())
+        .await
+        .expect("rsb mcp did not exit after stdin closed")
+        .unwrap();
+    assert!(status.success(), "{status}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Agent install directories that only their owner controls
+// ---------------------------------------------------------------------------------------------
+
+fn shipped_agent() -> rsb_deploy::AgentBinary {
+    rsb_deploy::agent_for(rsb_deploy::host_triple().expect("a Linux x86_64/aarch64 host"))
+        .expect("rsb built with its agents (scripts/build-agents.sh)")
+}
+
+/// A directory anyone may write a marker into (sticky, like /tmp).
+fn marker_dir() -> tempfile::TempDir {
+    let d = tempfile::Builder::new()
+        .prefix("rsb-hostile-")
+        .tempdir()
+        .unwrap();
+    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o1777)).unwrap();
+    d
+}
+
+/// What another user plants: `<root>/agent/<ver>-<hash>/rsb-agent`, a wrapper that records
+/// that it ran and then runs the real agent (so the Hello hash is right), owned by `owner`.
+fn plant_wrapper(root: &Path, owner: Option<(u32, u32)>, mode: u32, marker: &Path) -> PathBuf {
+    let agent = shipped_agent();
+    let dir = root.join("agent").join(agent.dir_name());
+    std::fs::create_dir_all(&dir).unwrap();
+    let real = dir.join("real-agent");
+    let _ = std::fs::remove_file(&real);
+    std::fs::write(&real, &**agent.bytes).unwrap();
+    let wrapper = dir.join("rsb-agent.planted");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\necho \"planted wrapper ran as uid $(id -u)\" >> '{}'\nexec '{}' \"$@\"\n",
+            marker.display(),
+            real.display()
+        ),
+    )
+    .unwrap();
+    for f in [&real, &wrapper] {
+        std::fs::set_permissions(f, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    std::fs::rename(&wrapper, dir.join("rsb-agent")).unwrap();
+    if let Some((uid, gid)) = owner {
+        for p in [
+            root.to_path_buf(),
+            root.join("agent"),
+            dir.clone(),
+            real,
+            dir.join("rsb-agent"),
+        ] {
+            chown(&p, Some(uid), Some(gid)).unwrap();
+        }
+    }
+    for p in [root.to_path_buf(), root.join("agent"), dir.clone()] {
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+    }
+    dir.join("rsb-agent")
+}
+
+fn exe_of(conn: &Connection) -> PathBuf {
+    std::fs::read_link(format!("/proc/{}/exe", conn.client.hello().pid)).unwrap()
+}
+
+async fn echo(conn: &Connection) -> String {
+    let mut r = rsb_protocol::ExecRequest::new("echo ok");
+    r.timeout_ms = 10_000;
+    let out = conn.client.exec(r).await.unwrap();
+    String::from_utf8_lossy(&out.stdout.head).into_owned()
+}
+
+fn owner_and_mode(p: &Path) -> (u32, u32) {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(p).unwrap();
+    (m.uid(), m.mode() & 0o7777)
+}
+
+/// Removes `/tmp/rsb-<uid>` and the private `/tmp/rsb-<uid>.*` directories of the victim
+/// (a per-process test account, so nobody else's) before and after each scenario.
+struct TmpRoots(u32);
+
+impl TmpRoots {
+    fn clear(&self) {
+        let prefix = format!("rsb-{}", self.0);
+        for e in std::fs::read_dir("/tmp").unwrap().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if name == prefix || name.starts_with(&format!("{prefix}.")) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+}
+
+impl Drop for TmpRoots {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+/// The scenarios share the victim's `/tmp/rsb-<uid>`, so they run one at a time.
+static VICTIM_TMP: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+struct Victim {
+    sshd: Sshd,
+    sandbox: SandboxConfig,
+    uid: u32,
+    _kh: tempfile::TempDir,
+}
+
+/// The fixture's password user as the victim, with `~/.cache` unusable (a file) and no
+/// `$XDG_RUNTIME_DIR`, so rsb must fall back to /tmp. `None` (with the reason printed) when
+/// not root.
+fn victim(test: &str) -> Option<Victim> {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("{test}: skipped, creating a second local user needs root (CI runs as root)");
+        return None;
+    }
+    let sshd = Sshd::start_with(SshdOptions {
+        set_env: vec![("XDG_RUNTIME_DIR".into(), String::new())],
+        ..Default::default()
+    })
+    .unwrap();
+    let Some((user, password)) = sshd.password_user() else {
+        eprintln!("{test}: skipped, the fixture has no password user (see stderr)");
+        return None;
+    };
+    let (uid, _) = sshd.password_user_ids().unwrap();
+    let home = sshd.password_home().unwrap().to_path_buf();
+    std::fs::write(home.join(".cache"), "not a directory").unwrap();
+    let kh = tempfile::tempdir().unwrap();
+    let mut t = target(
+        &sshd,
+        sshd.port(),
+        Auth::Password(secret(&password)),
+        &kh.path().join("known_hosts"),
+    );
+    t.user = user;
+    Some(Victim {
+        sshd,
+        sandbox: sandbox("victim", t),
+        uid,
+        _kh: kh,
+    })
+}
+
+/// Issue 14, case 2: another user pre-creates `/tmp/rsb-<uid>/agent/<ver>-<hash>/rsb-agent` as
+/// a wrapper. rsb must refuse that directory (naming the owner), never run the wrapper, and
+/// deploy into a private directory instead, which later connects find again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrapper_planted_by_another_user_in_tmp_never_runs() {
+    let Some(v) = victim("a_wrapper_planted_by_another_user_in_tmp_never_runs") else {
+        return;
+    };
+    let Some(attacker) = other_local_user() else {
+        eprintln!("skipped: no second local user (see above)");
+        return;
+    };
+    let _one = VICTIM_TMP.lock().await;
+    let roots = TmpRoots(v.uid);
+    roots.clear();
+    let markers = marker_dir();
+    let marker = markers.path().join("ran");
+    let planted_root = PathBuf::from(format!("/tmp/rsb-{}", v.uid));
+    plant_wrapper(
+        &planted_root,
+        Some((attacker.uid, attacker.gid)),
+        0o777,
+        &marker,
+    );
+
+    let conn = rsb::connect::connect(&v.sandbox, None)
+        .await
+        .unwrap_or_else(|e| panic!("deploy must still succeed somewhere safe: {e:?}"));
+    assert_eq!(echo(&conn).await, "ok\n");
+    assert!(
+        !marker.exists(),
+        "the planted wrapper ran: {}",
+        std::fs::read_to_string(&marker).unwrap_or_default()
+    );
+    let private_prefix = format!("/tmp/rsb-{}.", v.uid);
+    assert!(
+        conn.agent_path.starts_with(&private_prefix),
+        "{}",
+        conn.agent_path
+    );
+    assert_eq!(exe_of(&conn), PathBuf::from(&conn.agent_path));
+    let private_root: PathBuf = Path::new(&conn.agent_path)
+        .ancestors()
+        .nth(3)
+        .unwrap()
+        .into();
+    assert_eq!(owner_and_mode(&private_root), (v.uid, 0o700));
+    let notices = conn.notices.join("\n");
+    assert!(
+        notices.contains(&format!(
+            "not using /tmp/rsb-{}/agent/{} for rsb-agent",
+            v.uid,
+            shipped_agent().dir_name()
+        )) || notices.contains(&format!("not using /tmp/rsb-{} for rsb-agent", v.uid)),
+        "{notices}"
+    );
+    assert!(
+        notices.contains(&format!("owned by uid {}", attacker.uid)),
+        "the notice names the other owner: {notices}"
+    );
+    conn.client.close("done");
+
+    // A fresh connect (nothing cached for the path) reuses the private directory.
+    let again = rsb::connect::connect(&v.sandbox, None).await.unwrap();
+    assert_eq!(again.agent_path, conn.agent_path);
+    assert!(!again.deployed, "the private directory is found again");
+    assert_eq!(echo(&again).await, "ok\n");
+    // And the reconnect fast path, with the path known.
+    let fast = rsb::connect::connect(&v.sandbox, Some(&again.agent_path))
+        .await
+        .unwrap();
+    assert_eq!(echo(&fast).await, "ok\n");
+    assert!(!marker.exists(), "the planted wrapper ran");
+    again.client.close("done");
+    fast.client.close("done");
+    drop(v.sshd);
+}
+
+/// Issue 14, case 2, denial of service: another user pre-creates `/tmp/rsb-<uid>` with mode 755,
+/// which once made every deploy fail. rsb says why it skips it and deploys privately.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tmp_dir_taken_by_another_user_does_not_stop_the_deploy() {
+    let Some(v) = victim("a_tmp_dir_taken_by_another_user_does_not_stop_the_deploy") else {
+        return;
+    };
+    let Some(attacker) = other_local_user() else {
+        eprintln!("skipped: no second local user (see above)");
+        return;
+    };
+    let _one = VICTIM_TMP.lock().await;
+    let roots = TmpRoots(v.uid);
+    roots.clear();
+    let taken = PathBuf::from(format!("/tmp/rsb-{}", v.uid));
+    std::fs::create_dir(&taken).unwrap();
+    chown(&taken, Some(attacker.uid), Some(attacker.gid)).unwrap();
+    std::fs::set_permissions(&taken, std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    let conn = rsb::connect::connect(&v.sandbox, None)
+        .await
+        .unwrap_or_else(|e| panic!("a taken /tmp/rsb-<uid> must not stop the deploy: {e:?}"));
+    assert!(conn.deployed);
+    assert_eq!(echo(&conn).await, "ok\n");
+    assert!(
+        conn.agent_path.starts_with(&format!("/tmp/rsb-{}.", v.uid)),
+        "{}",
+        conn.agent_path
+    );
+    let notices = conn.notices.join("\n");
+    assert!(
+        notices.contains(&format!(
+            "not using /tmp/rsb-{} for rsb-agent: /tmp/rsb-{} is owned by uid {}, not by {}",
+            v.uid, v.uid, attacker.uid, v.uid
+        )),
+        "{notices}"
+    );
+    assert!(
+        std::fs::read_dir(&taken).unwrap().next().is_none(),
+        "nothing was created inside the other user's directory"
+    );
+    conn.client.close("done");
+}
+
+/// An agent directory that others may write to is refused, even when it is the user's own
+/// (`~/.cache/rsb/agent/<v>` made 777); a wrapper planted there never runs, and rsb deploys in
+/// the next root. Runs as any user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_writable_agent_directory_is_refused_and_its_agent_never_runs() {
+    let xdg = tempfile::tempdir().unwrap();
+    let sshd = Sshd::start_with(SshdOptions {
+        set_env: vec![("XDG_RUNTIME_DIR".into(), xdg.path().display().to_string())],
+        ..Default::default()
+    })
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(&sshd, sshd.port(), key_auth(&sshd), &dir.path().join("kh"));
+    let sb = sandbox("s", t);
+    let first = rsb::connect::connect(&sb, None).await.unwrap();
+    let cache_root = sshd.home().join(".cache/rsb");
+    assert!(
+        first
+            .agent_path
+            .starts_with(&cache_root.display().to_string()),
+        "{}",
+        first.agent_path
+    );
+    first.client.close("done");
+
+    let markers = marker_dir();
+    let marker = markers.path().join("ran");
+    plant_wrapper(&cache_root, None, 0o777, &marker);
+    let conn = rsb::connect::connect(&sb, None).await.unwrap();
+    assert_eq!(echo(&conn).await, "ok\n");
+    assert!(
+        !marker.exists(),
+        "the wrapper in a world-writable directory ran"
+    );
+    assert!(
+        conn.agent_path
+            .starts_with(&xdg.path().canonicalize().unwrap().display().to_string()),
+        "{}",
+        conn.agent_path
+    );
+    let notices = conn.notices.join("\n");
+    assert!(
+        notices.contains("is writable by group or others (mode 777)"),
+        "{notices}"
+    );
+    conn.client.close("done");
+}
+
+/// The agent file is hashed before it runs, not only trusted to report its own hash: a
+/// same-owner, mode-700 wrapper that ends up running the real agent is replaced, never run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_agent_is_hashed_before_it_runs() {
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let t = target(&sshd, sshd.port(), key_auth(&sshd), &dir.path().join("kh"));
+    let sb = sandbox("s", t);
+    let first = rsb::connect::connect(&sb, None).await.unwrap();
+    first.client.close("done");
+    let cache_root = sshd.home().join(".cache/rsb");
+    let markers = marker_dir();
+    let marker = markers.path().join("ran");
+    let planted = plant_wrapper(&cache_root, None, 0o700, &marker);
+    assert_eq!(planted, PathBuf::from(&first.agent_path));
+
+    for known in [None, Some(first.agent_path.as_str())] {
+        let conn = rsb::connect::connect(&sb, known).await.unwrap();
+        assert_eq!(echo(&conn).await, "ok\n");
+        assert!(
+            !marker.exists(),
+            "the wrapper ran (known path {known:?}): {}",
+            std::fs::read_to_string(&marker).unwrap_or_default()
+        );
+        assert_eq!(exe_of(&conn), planted);
+        assert!(conn.deployed || known.is_some(), "the wrapper is replaced");
+        conn.client.close("done");
+        // Plant it again for the fast path (a known agent path).
+        plant_wrapper(&cache_root, None, 0o700, &marker);
+    }
+}
