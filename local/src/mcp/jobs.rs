@@ -241,7 +241,7 @@ impl RsbServer {
         let cursor = p.offset.is_some();
         reply(
             client
-                .job_status(req)
+                .call(req)
                 .await
                 .and_then(|r| jobs::status_reply(&p.tmux_session, cursor, &r)),
         )
