@@ -17,13 +17,14 @@
 
 use std::{
     sync::{
-        Arc, Mutex,
+        Arc,
         atomic::{AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
 
 use futures::{StreamExt, stream::FuturesUnordered};
+use parking_lot::Mutex;
 use rsb_protocol::{
     ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyRequest,
     BlockHashesRequest, Chunk, ErrorCode, FileKind, ManifestEntry, ManifestRequest,
@@ -111,7 +112,7 @@ impl Tracker {
 
     fn update(&self, force: bool, f: impl FnOnce(&mut Progress)) {
         let snapshot = {
-            let mut st = self.state.lock().unwrap();
+            let mut st = self.state.lock();
             let before = st.p.phase;
             f(&mut st.p);
             let now = Instant::now();
@@ -698,7 +699,7 @@ async fn execute(
         r = ctx.transfer(&plan, report) => r,
         _ = cancel.cancelled() => Err(cancelled_error()),
     };
-    report.bytes_sent = *ctx.bytes_sent.lock().unwrap();
+    report.bytes_sent = *ctx.bytes_sent.lock();
     match res {
         Ok(()) => {
             tmark(tracker, "transferred");
@@ -762,7 +763,7 @@ struct BatchInfo {
 
 impl Ctx<'_> {
     fn sent(&self, n: u64) {
-        *self.bytes_sent.lock().unwrap() += n;
+        *self.bytes_sent.lock() += n;
     }
 
     async fn transfer(&self, plan: &Plan, report: &mut SyncReport) -> Result<()> {
