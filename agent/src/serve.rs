@@ -15,8 +15,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use rsb_protocol::{
-    AgentError, Chunk, ErrorCode, FromAgent, Reply, Request, RequestId, ToAgent, decode, encode,
-    frame_codec,
+    AgentError, ApplyAbortRequest, ApplyCloseRequest, ApplyOpenRequest, ApplyRequest,
+    BlockHashesRequest, Call, Chunk, ErrorCode, ExecRequest, FromAgent, JobKillRequest,
+    JobListRequest, JobStartRequest, JobStatusRequest, ListDirRequest, ManifestRequest,
+    PingRequest, ReadFileRequest, Reply, Request, RequestId, ResourcesRequest, StatRequest,
+    ToAgent, decode, encode, frame_codec,
 };
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
@@ -163,9 +166,12 @@ impl Drop for InflightGuard {
     }
 }
 
-/// State shared by every request task of one channel.
+/// State shared by every request task of one channel, and only by them: two channels (two
+/// `rsb` processes on one host, or two in-process tests) never see each other's state.
 struct Shared {
     sampler: Arc<resources::Sampler>,
+    /// Ended with the channel: their staging goes when it closes.
+    sessions: sync::Sessions,
 }
 
 fn cancelled_error() -> AgentError {
@@ -202,53 +208,70 @@ async fn handle(
     shared: Arc<Shared>,
     mut responder: Responder,
 ) {
+    // Each answer is wrapped by its request type's `Call` impl, so no arm can answer with
+    // another request's reply.
     let result = match body {
-        Request::Ping { payload } => Ok(Reply::Pong { payload }),
+        Request::Ping(req) => Ok(PingRequest::into_reply(req.payload)),
         Request::Exec(req) => {
             if req.stream {
                 responder.set_streaming();
             }
             let stream = req.stream.then_some(&responder);
-            exec::run(req, &cancel, stream).await.map(Reply::Exec)
+            exec::run(req, &cancel, stream)
+                .await
+                .map(ExecRequest::into_reply)
         }
         Request::Stat(req) => blocking(&cancel, move || fs::stat(&req))
             .await
-            .map(Reply::Stat),
+            .map(StatRequest::into_reply),
         Request::ListDir(req) => {
             let token = cancel.clone();
             blocking(&cancel, move || fs::list_dir(&req, &token))
                 .await
-                .map(Reply::ListDir)
+                .map(ListDirRequest::into_reply)
         }
         Request::ReadFile(req) => blocking(&cancel, move || fs::read_file(&req))
             .await
-            .map(Reply::ReadFile),
+            .map(ReadFileRequest::into_reply),
         Request::Resources(req) => cancellable(&cancel, shared.sampler.snapshot(req))
             .await
-            .map(Reply::Resources),
-        Request::JobStart(req) => cancellable(&cancel, jobs::start(req)).await.map(Reply::Job),
+            .map(ResourcesRequest::into_reply),
+        Request::JobStart(req) => cancellable(&cancel, jobs::start(req))
+            .await
+            .map(JobStartRequest::into_reply),
         Request::JobStatus(req) => cancellable(&cancel, jobs::status(req))
             .await
-            .map(Reply::JobStatus),
-        Request::JobKill(req) => cancellable(&cancel, jobs::kill(req)).await.map(Reply::Job),
-        Request::JobList => cancellable(&cancel, jobs::list()).await.map(Reply::JobList),
+            .map(JobStatusRequest::into_reply),
+        Request::JobKill(req) => cancellable(&cancel, jobs::kill(req))
+            .await
+            .map(JobKillRequest::into_reply),
+        Request::JobList(JobListRequest) => cancellable(&cancel, jobs::list())
+            .await
+            .map(JobListRequest::into_reply),
         Request::Manifest(req) => {
             responder.set_streaming();
             sync::manifest(req, &cancel, &responder)
                 .await
-                .map(Reply::Manifest)
+                .map(ManifestRequest::into_reply)
         }
         Request::BlockHashes(req) => {
             let token = cancel.clone();
             blocking(&cancel, move || sync::block_hashes(&req, &token))
                 .await
-                .map(Reply::BlockHashes)
+                .map(BlockHashesRequest::into_reply)
         }
-        // Apply requests must reach the session's FIFO lock before anything else awaits (see
-        // `sync::apply`): that is what keeps pipelined batches in arrival order.
-        Request::ApplyOpen(req) => sync::apply_open(req, &cancel).await.map(Reply::ApplyOpened),
-        Request::Apply(req) => sync::apply(req, &cancel).await.map(Reply::Applied),
-        Request::ApplyClose(req) => sync::apply_close(req, &cancel).await.map(|()| Reply::Done),
+        Request::ApplyOpen(req) => sync::apply_open(&shared.sessions, req, &cancel)
+            .await
+            .map(ApplyOpenRequest::into_reply),
+        Request::Apply(req) => sync::apply(&shared.sessions, req, &cancel)
+            .await
+            .map(ApplyRequest::into_reply),
+        Request::ApplyClose(req) => sync::apply_close(&shared.sessions, req, &cancel)
+            .await
+            .map(ApplyCloseRequest::into_reply),
+        Request::ApplyAbort(req) => sync::apply_abort(&shared.sessions, req, &cancel)
+            .await
+            .map(ApplyAbortRequest::into_reply),
     };
     responder.reply(result.unwrap_or_else(Reply::Error)).await;
 }
@@ -327,6 +350,7 @@ where
 
     let shared = Arc::new(Shared {
         sampler: resources::Sampler::new(),
+        sessions: sync::Sessions::default(),
     });
     let shutdown = CancellationToken::new();
     let inflight: Inflight = Arc::default();
@@ -404,7 +428,7 @@ where
         }
     }
     // Sync sessions cannot outlive the channel either: their staging goes now.
-    sync::close_all().await;
+    shared.sessions.close_all().await;
     drop(outbox);
     let _ = writer.await;
     match end {

@@ -8,7 +8,8 @@
 //! - [`block_hashes`] hashes a file block by block, for block deltas of large files.
 //! - [`apply_open`] / [`apply`] / [`apply_close`] receive changes into a staging directory
 //!   inside the destination root; a file only appears under its final name after its size and
-//!   blake3 were verified, by an atomic rename.
+//!   blake3 were verified, by an atomic rename. Sessions belong to one channel ([`Sessions`]);
+//!   their requests run in the order of their `seq`, and [`apply_abort`] gives one up.
 
 mod apply;
 mod blocks;
@@ -25,7 +26,7 @@ use std::path::{Path, PathBuf};
 use rsb_protocol::{AgentError, ErrorCode};
 use tokio_util::sync::CancellationToken;
 
-pub use apply::{apply, apply_close, apply_open, close_all};
+pub use apply::{GAP_WAIT, Sessions, apply, apply_abort, apply_close, apply_open};
 pub use blocks::block_hashes;
 pub use manifest::manifest;
 

@@ -393,7 +393,7 @@ fn job_outlives_the_agent_that_started_it(with_tmux: bool) {
     );
     let log = String::from_utf8_lossy(&st.log);
     assert!(log.ends_with("start\ndone\nEXIT_CODE=7\n"), "{log}");
-    match second.call(Request::JobList) {
+    match second.call(Request::JobList(rsb_protocol::JobListRequest)) {
         Reply::JobList(jobs) => assert_eq!(jobs, vec![done.clone()]),
         other => panic!("list: {other:?}"),
     }

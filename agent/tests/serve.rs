@@ -347,10 +347,10 @@ fn version_and_hash_subcommands() {
 fn ping_echoes_its_payload() {
     let mut agent = Agent::start();
     let payload: Vec<u8> = (0..=255u8).cycle().take(1 << 20).collect();
-    match agent.call(Request::Ping {
+    match agent.call(Request::Ping(rsb_protocol::PingRequest {
         payload: payload.clone(),
-    }) {
-        Reply::Pong { payload: p } => assert_eq!(p, payload),
+    })) {
+        Reply::Pong(p) => assert_eq!(p, payload),
         other => panic!("{other:?}"),
     }
 }
@@ -552,8 +552,10 @@ fn streamed_chunks_precede_the_reply_and_match_it() {
     assert_eq!(r.stdout.head, out);
     assert_eq!(r.stderr.head, err);
     // Nothing for this request may arrive after its reply.
-    let pong = agent.call(Request::Ping { payload: vec![1] });
-    assert_eq!(pong, Reply::Pong { payload: vec![1] });
+    let pong = agent.call(Request::Ping(rsb_protocol::PingRequest {
+        payload: vec![1],
+    }));
+    assert_eq!(pong, Reply::Pong(vec![1]));
     assert!(
         agent
             .stash
@@ -607,8 +609,8 @@ fn cancel_stops_a_running_exec() {
     // The channel is still usable, and cancelling a finished request is harmless.
     agent.send(&ToAgent::Cancel { id });
     assert_eq!(
-        agent.call(Request::Ping { payload: vec![] }),
-        Reply::Pong { payload: vec![] }
+        agent.call(Request::Ping(rsb_protocol::PingRequest { payload: vec![] })),
+        Reply::Pong(vec![])
     );
 }
 
@@ -945,7 +947,7 @@ fn requests_with_a_duplicate_id_are_refused() {
     });
     agent.send(&ToAgent::Request {
         id: 77,
-        body: Request::Ping { payload: vec![] },
+        body: Request::Ping(rsb_protocol::PingRequest { payload: vec![] }),
     });
     let (_, reply) = agent.wait_reply(77, PATIENCE);
     let e = expect_error(reply, ErrorCode::InvalidArgument);
@@ -989,12 +991,10 @@ fn aarch64_agent_under_qemu() {
         .to_string();
     assert_eq!(agent.hello.agent_hash, hash);
     assert_eq!(
-        agent.call(Request::Ping {
+        agent.call(Request::Ping(rsb_protocol::PingRequest {
             payload: b"arm".to_vec()
-        }),
-        Reply::Pong {
-            payload: b"arm".to_vec()
-        }
+        })),
+        Reply::Pong(b"arm".to_vec())
     );
     let r = agent.exec(exec_req("echo hi"));
     assert_eq!((text(&r.stdout).as_str(), r.exit_code), ("hi\n", Some(0)));
@@ -1067,7 +1067,7 @@ fn a_small_reply_overtakes_queued_bulk_replies() {
     std::thread::sleep(Duration::from_millis(500));
     let ping = ToAgent::Request {
         id: 99,
-        body: Request::Ping { payload: vec![7] },
+        body: Request::Ping(rsb_protocol::PingRequest { payload: vec![7] }),
     };
     write_frame(&mut stdin, &encode(&ping).unwrap()).unwrap();
     std::thread::sleep(Duration::from_millis(200));

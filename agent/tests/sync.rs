@@ -4,7 +4,7 @@
 //! Every agent gets its own `RSB_CACHE_DIR`, so hash-cache assertions never see another test's
 //! cache.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
@@ -47,6 +47,8 @@ struct Agent {
     frames: Receiver<FromAgent>,
     stash: Vec<FromAgent>,
     next_id: u64,
+    /// The next `seq` of each apply session.
+    seqs: HashMap<u64, u64>,
     _cache: tempfile::TempDir,
 }
 
@@ -84,6 +86,7 @@ impl Agent {
             frames,
             stash: Vec::new(),
             next_id: 1,
+            seqs: HashMap::new(),
             _cache: cache,
         }
     }
@@ -174,8 +177,21 @@ impl Agent {
         }
     }
 
+    fn next_seq(&mut self, session: u64) -> u64 {
+        let n = self.seqs.entry(session).or_default();
+        *n += 1;
+        *n - 1
+    }
+
+    /// Send the session's next numbered batch without waiting for its reply.
+    fn request_apply(&mut self, session: u64, ops: Vec<ApplyOp>) -> u64 {
+        let seq = self.next_seq(session);
+        self.request(Request::Apply(ApplyRequest { session, seq, ops }))
+    }
+
     fn apply(&mut self, session: u64, ops: Vec<ApplyOp>) -> Result<u32, AgentError> {
-        match self.call(Request::Apply(ApplyRequest { session, ops })) {
+        let id = self.request_apply(session, ops);
+        match self.wait_reply(id).1 {
             Reply::Applied(r) => Ok(r.applied),
             Reply::Error(e) => Err(e),
             other => panic!("expected Applied, got {other:?}"),
@@ -183,8 +199,10 @@ impl Agent {
     }
 
     fn close(&mut self, session: u64, dir_mtimes: Vec<(String, i64)>) -> Result<(), AgentError> {
+        let seq = self.next_seq(session);
         match self.call(Request::ApplyClose(ApplyCloseRequest {
             session,
+            seq,
             dir_mtimes,
         })) {
             Reply::Done => Ok(()),
@@ -1041,12 +1059,7 @@ fn pipelined_batches_apply_in_order() {
     // One op per request, all sent before any reply is read.
     let ids: Vec<u64> = file_ops("f.bin", &data, 0o644, 7)
         .into_iter()
-        .map(|op| {
-            agent.request(Request::Apply(ApplyRequest {
-                session: s,
-                ops: vec![op],
-            }))
-        })
+        .map(|op| agent.request_apply(s, vec![op]))
         .collect();
     assert!(ids.len() > 30);
     for id in ids {
@@ -1055,8 +1068,10 @@ fn pipelined_batches_apply_in_order() {
             other => panic!("{other:?}"),
         }
     }
+    let seq = agent.next_seq(s);
     let id = agent.request(Request::ApplyClose(ApplyCloseRequest {
         session: s,
+        seq,
         dir_mtimes: vec![],
     }));
     assert_eq!(agent.wait_reply(id).1, Reply::Done);
@@ -1144,6 +1159,7 @@ fn apply_open_checks_the_root() {
     }
     match agent.call(Request::Apply(ApplyRequest {
         session: 12345,
+        seq: 0,
         ops: vec![],
     })) {
         Reply::Error(e) => assert_eq!(e.code, ErrorCode::NotFound),
@@ -1222,8 +1238,10 @@ fn a_manifest_can_be_cancelled() {
     }
     // The agent is still healthy.
     assert!(matches!(
-        agent.call(Request::Ping { payload: vec![1] }),
-        Reply::Pong { .. }
+        agent.call(Request::Ping(rsb_protocol::PingRequest {
+            payload: vec![1]
+        })),
+        Reply::Pong(_)
     ));
 }
 
@@ -1296,14 +1314,11 @@ fn agent_side_timings() {
         bytes += data.len();
         ops.extend(file_ops(rel, data, 0o644, 1_000_000_000));
         if bytes > 4 << 20 {
-            ids.push(agent.request(Request::Apply(ApplyRequest {
-                session,
-                ops: std::mem::take(&mut ops),
-            })));
+            ids.push(agent.request_apply(session, std::mem::take(&mut ops)));
             bytes = 0;
         }
     }
-    ids.push(agent.request(Request::Apply(ApplyRequest { session, ops })));
+    ids.push(agent.request_apply(session, ops));
     for id in ids {
         assert!(matches!(agent.wait_reply(id).1, Reply::Applied(_)));
     }
@@ -1329,7 +1344,7 @@ fn agent_side_timings() {
                 hash: b3(&big),
             });
         }
-        ids.push(agent.request(Request::Apply(ApplyRequest { session, ops })));
+        ids.push(agent.request_apply(session, ops));
     }
     for id in ids {
         assert!(matches!(agent.wait_reply(id).1, Reply::Applied(_)));

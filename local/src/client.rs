@@ -5,12 +5,15 @@
 //! failed at once with `connection lost` instead of sitting out its own timeout. Dropping a
 //! call's future before it completes sends a `Cancel` for it, so an abandoned exec is killed
 //! on the remote rather than left running.
+//!
+//! [`AgentClient::call`] is the only way to send a request: the request type names its reply
+//! type ([`Call`]), so a reply of the wrong variant is one error, made here.
 
 use std::{
     any::Any,
     collections::HashMap,
     sync::{
-        Arc, Mutex,
+        Arc,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Duration,
@@ -18,11 +21,10 @@ use std::{
 
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
+use parking_lot::Mutex;
 use rsb_protocol::{
-    Chunk, ExecRequest, ExecResult, FileStat, FromAgent, Hello, JobInfo, JobKillRequest,
-    JobStartRequest, JobStatusRequest, JobStatusResult, ListDirRequest, ListDirResult, MAGIC,
-    PROTOCOL_VERSION, ReadFileRequest, ReadFileResult, Reply, Request, ResourceSnapshot,
-    ResourcesRequest, StatRequest, ToAgent, decode, encode, frame_codec,
+    Call, Chunk, FromAgent, Hello, MAGIC, PROTOCOL_VERSION, Reply, Request, ToAgent, decode,
+    encode, frame_codec,
 };
 use tokio::{
     io::{AsyncRead, AsyncWrite},
@@ -55,18 +57,12 @@ impl Inner {
     fn fail_all(&self, reason: &str) {
         self.closed.store(true, Ordering::SeqCst);
         {
-            let mut r = self.close_reason.lock().unwrap();
+            let mut r = self.close_reason.lock();
             if r.is_none() {
                 *r = Some(reason.to_string());
             }
         }
-        let drained: Vec<Pending> = self
-            .pending
-            .lock()
-            .unwrap()
-            .drain()
-            .map(|(_, p)| p)
-            .collect();
+        let drained: Vec<Pending> = self.pending.lock().drain().map(|(_, p)| p).collect();
         for p in drained {
             let _ = p
                 .reply
@@ -220,18 +216,13 @@ impl AgentClient {
                 };
                 match msg {
                     FromAgent::Reply { id, body } => {
-                        let p = inner.pending.lock().unwrap().remove(&id);
+                        let p = inner.pending.lock().remove(&id);
                         if let Some(p) = p {
                             let _ = p.reply.send(Ok(body));
                         }
                     }
                     FromAgent::Chunk { id, chunk } => {
-                        let tx = inner
-                            .pending
-                            .lock()
-                            .unwrap()
-                            .get(&id)
-                            .and_then(|p| p.chunks.clone());
+                        let tx = inner.pending.lock().get(&id).and_then(|p| p.chunks.clone());
                         if let Some(tx) = tx {
                             // A slow consumer slows this channel; consumers only print or count.
                             let _ = tx.send(chunk).await;
@@ -264,40 +255,68 @@ impl AgentClient {
     /// Tear the channel down; in-flight calls fail with `connection lost`.
     pub fn close(&self, reason: &str) {
         self.inner.fail_all(reason);
-        self.inner._keep.lock().unwrap().take();
+        self.inner._keep.lock().take();
     }
 
-    pub async fn call(&self, body: Request) -> Result<Reply> {
-        self.call_inner(body, None).await
+    /// Send `req` and wait for its answer. Dropping the future cancels the request remotely.
+    pub async fn call<C: Call>(&self, req: C) -> Result<C::Reply> {
+        self.call_with(|| req).await
     }
 
-    /// Like [`call`](Self::call), forwarding streamed chunks to `chunks` as they arrive.
-    pub async fn call_streaming(
+    /// Like [`call`](Self::call), building the request only once its frame has a place in the
+    /// channel's queue: requests numbered inside `make` reach the agent in number order (the
+    /// `seq` of apply sessions), however the callers' futures are polled.
+    pub async fn call_with<C: Call>(&self, make: impl FnOnce() -> C) -> Result<C::Reply> {
+        let reply = self.call_inner(C::NAME, || make().into(), None).await?;
+        C::from_reply(reply).map_err(|other| self.wrong_reply(C::NAME, &other))
+    }
+
+    /// Like [`call`](Self::call), forwarding streamed chunks to `chunks` as they arrive (exec
+    /// with `stream: true`, manifests). `chunks` closes when the call ends.
+    pub async fn call_streaming<C: Call>(
         &self,
-        body: Request,
+        req: C,
         chunks: mpsc::Sender<Chunk>,
-    ) -> Result<Reply> {
-        self.call_inner(body, Some(chunks)).await
+    ) -> Result<C::Reply> {
+        let reply = self
+            .call_inner(C::NAME, || req.into(), Some(chunks))
+            .await?;
+        C::from_reply(reply).map_err(|other| self.wrong_reply(C::NAME, &other))
+    }
+
+    fn wrong_reply(&self, what: &str, got: &Reply) -> RsbError {
+        RsbError::new(
+            Kind::Internal,
+            format!(
+                "agent on {} answered {what} with a {} reply",
+                self.inner.sandbox,
+                got.kind()
+            ),
+            "the agent and rsb disagree on the protocol; reconnecting redeploys the agent",
+        )
     }
 
     async fn call_inner(
         &self,
-        body: Request,
+        kind: &'static str,
+        make: impl FnOnce() -> Request,
         chunks: Option<mpsc::Sender<Chunk>>,
     ) -> Result<Reply> {
+        let lost = |reason: &str| RsbError::connection_lost(&self.inner.sandbox, reason);
         if !self.is_alive() {
-            let reason = self
-                .inner
-                .close_reason
-                .lock()
-                .unwrap()
-                .clone()
-                .unwrap_or_else(|| "closed".into());
-            return Err(RsbError::connection_lost(&self.inner.sandbox, &reason));
+            let reason = self.inner.close_reason.lock().clone();
+            return Err(lost(reason.as_deref().unwrap_or("closed")));
         }
+        // The place in the queue first: the frame is built and queued in one step after it, so
+        // frames leave in the order their requests were built.
+        let permit = self
+            .inner
+            .out
+            .reserve()
+            .await
+            .map_err(|_| lost("writer stopped"))?;
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let kind = body.kind();
-        let frame = encode(&ToAgent::Request { id, body }).map_err(|e| {
+        let frame = encode(&ToAgent::Request { id, body: make() }).map_err(|e| {
             RsbError::invalid(
                 format!("{kind} request too large: {e}"),
                 "send less data per call",
@@ -307,24 +326,16 @@ impl AgentClient {
         self.inner
             .pending
             .lock()
-            .unwrap()
             .insert(id, Pending { reply: tx, chunks });
         let mut guard = CancelOnDrop {
             inner: &self.inner,
             id,
             armed: true,
         };
-        if self.inner.out.send(frame).await.is_err() {
-            guard.armed = false;
-            self.inner.pending.lock().unwrap().remove(&id);
-            return Err(RsbError::connection_lost(
-                &self.inner.sandbox,
-                "writer stopped",
-            ));
-        }
+        permit.send(frame);
         // A close that raced with the insert above must not leave us waiting forever.
         if self.inner.closed.load(Ordering::SeqCst)
-            && let Some(p) = self.inner.pending.lock().unwrap().remove(&id)
+            && let Some(p) = self.inner.pending.lock().remove(&id)
         {
             let _ = p.reply.send(Err(RsbError::connection_lost(
                 &self.inner.sandbox,
@@ -342,105 +353,6 @@ impl AgentClient {
             )),
         }
     }
-
-    pub async fn ping(&self, payload: Vec<u8>) -> Result<Vec<u8>> {
-        match self.call(Request::Ping { payload }).await? {
-            Reply::Pong { payload } => Ok(payload),
-            other => Err(unexpected("ping", &other)),
-        }
-    }
-
-    pub async fn exec(&self, req: ExecRequest) -> Result<ExecResult> {
-        expect_exec(self.call(Request::Exec(req)).await?)
-    }
-
-    pub async fn exec_streaming(
-        &self,
-        req: ExecRequest,
-        chunks: mpsc::Sender<Chunk>,
-    ) -> Result<ExecResult> {
-        expect_exec(self.call_streaming(Request::Exec(req), chunks).await?)
-    }
-
-    pub async fn stat(&self, path: &str, follow: bool) -> Result<FileStat> {
-        match self
-            .call(Request::Stat(StatRequest {
-                path: path.into(),
-                follow,
-            }))
-            .await?
-        {
-            Reply::Stat(s) => Ok(s),
-            other => Err(unexpected("stat", &other)),
-        }
-    }
-
-    pub async fn list_dir(&self, req: ListDirRequest) -> Result<ListDirResult> {
-        match self.call(Request::ListDir(req)).await? {
-            Reply::ListDir(s) => Ok(s),
-            other => Err(unexpected("list_dir", &other)),
-        }
-    }
-
-    pub async fn read_file(&self, req: ReadFileRequest) -> Result<ReadFileResult> {
-        match self.call(Request::ReadFile(req)).await? {
-            Reply::ReadFile(s) => Ok(s),
-            other => Err(unexpected("read_file", &other)),
-        }
-    }
-
-    pub async fn resources(&self, req: ResourcesRequest) -> Result<ResourceSnapshot> {
-        match self.call(Request::Resources(req)).await? {
-            Reply::Resources(s) => Ok(s),
-            other => Err(unexpected("resources", &other)),
-        }
-    }
-
-    pub async fn job_start(&self, req: JobStartRequest) -> Result<JobInfo> {
-        match self.call(Request::JobStart(req)).await? {
-            Reply::Job(j) => Ok(j),
-            other => Err(unexpected("job_start", &other)),
-        }
-    }
-
-    pub async fn job_status(&self, req: JobStatusRequest) -> Result<JobStatusResult> {
-        match self.call(Request::JobStatus(req)).await? {
-            Reply::JobStatus(j) => Ok(j),
-            other => Err(unexpected("job_status", &other)),
-        }
-    }
-
-    pub async fn job_kill(&self, req: JobKillRequest) -> Result<JobInfo> {
-        match self.call(Request::JobKill(req)).await? {
-            Reply::Job(j) => Ok(j),
-            other => Err(unexpected("job_kill", &other)),
-        }
-    }
-
-    pub async fn job_list(&self) -> Result<Vec<JobInfo>> {
-        match self.call(Request::JobList).await? {
-            Reply::JobList(j) => Ok(j),
-            other => Err(unexpected("job_list", &other)),
-        }
-    }
-}
-
-fn expect_exec(r: Reply) -> Result<ExecResult> {
-    match r {
-        Reply::Exec(e) => Ok(e),
-        other => Err(unexpected("exec", &other)),
-    }
-}
-
-fn unexpected(what: &str, r: &Reply) -> RsbError {
-    RsbError::new(
-        Kind::Internal,
-        format!(
-            "agent answered {what} with an unexpected reply ({:?})",
-            std::mem::discriminant(r)
-        ),
-        "the agent and rsb disagree on the protocol; reconnecting redeploys the agent",
-    )
 }
 
 /// Sends `Cancel` for a request whose caller went away before the reply.
@@ -455,7 +367,7 @@ impl Drop for CancelOnDrop<'_> {
         if !self.armed {
             return;
         }
-        self.inner.pending.lock().unwrap().remove(&self.id);
+        self.inner.pending.lock().remove(&self.id);
         if let Ok(frame) = encode(&ToAgent::Cancel { id: self.id })
             && let Err(mpsc::error::TrySendError::Full(frame)) = self.inner.out.try_send(frame)
         {

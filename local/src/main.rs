@@ -278,7 +278,7 @@ async fn run(cli: Cli) -> u8 {
             let r = async {
                 let req = fs::list_request(&path, recursive, max_entries)?;
                 let c = pool.client(sandbox.as_deref().unwrap_or("")).await?;
-                Ok::<_, RsbError>(fs::list_reply(&path, &c.list_dir(req).await?))
+                Ok::<_, RsbError>(fs::list_reply(&path, &c.call(req).await?))
             }
             .await;
             match r {
@@ -314,7 +314,7 @@ async fn run(cli: Cli) -> u8 {
             let r = async {
                 let req = fs::read_request(&path, max_bytes)?;
                 let c = pool.client(sandbox.as_deref().unwrap_or("")).await?;
-                c.read_file(req).await
+                c.call(req).await
             }
             .await;
             match r {
@@ -386,7 +386,7 @@ async fn run_exec(
         }
     };
     if json {
-        return match client.exec(req).await {
+        return match client.call(req).await {
             Ok(r) => {
                 print_value(true, &exec::reply(&r, timeout));
                 r.exit_code
@@ -423,7 +423,7 @@ async fn run_exec(
         }
     });
     let res = tokio::select! {
-        r = client.exec_streaming(req, tx) => r,
+        r = client.call_streaming(req, tx) => r,
         _ = tokio::signal::ctrl_c() => {
             eprintln!("\nrsb: interrupted; the remote command was stopped");
             return 130;
@@ -491,7 +491,7 @@ async fn run_jobs(pool: &Pool, json: bool, cmd: JobsCmd) -> u8 {
             if !follow {
                 match jobs::status_request(&name, "", lines, None, 1) {
                     Ok(req) => client
-                        .job_status(req)
+                        .call(req)
                         .await
                         .and_then(|r| jobs::status_reply(&name, false, &r)),
                     Err(e) => Err(e),
@@ -528,7 +528,7 @@ async fn follow_logs(client: &rsb::client::AgentClient, name: &str) -> u8 {
                 return 1;
             }
         };
-        let r = match client.job_status(req).await {
+        let r = match client.call(req).await {
             Ok(r) => r,
             Err(e) => {
                 print_error(false, &e);

@@ -181,7 +181,10 @@ impl Pool {
     pub async fn health(&self, name: &str) -> Health {
         let r = async {
             let c = self.client(name).await?;
-            c.ping(Vec::new()).await?;
+            c.call(rsb_protocol::PingRequest {
+                payload: Vec::new(),
+            })
+            .await?;
             Ok::<_, RsbError>(())
         }
         .await;

@@ -72,3 +72,7 @@ pub struct JobKillRequest {
     pub name: String,
     pub grace_ms: u64,
 }
+
+/// Every job recorded on the host, running or ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobListRequest;

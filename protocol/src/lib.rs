@@ -28,20 +28,21 @@ pub use fs::{
 };
 pub use hello::{Capabilities, Hello, MAGIC};
 pub use jobs::{
-    JobInfo, JobKillRequest, JobStartRequest, JobState, JobStatusRequest, JobStatusResult,
+    JobInfo, JobKillRequest, JobListRequest, JobStartRequest, JobState, JobStatusRequest,
+    JobStatusResult,
 };
 pub use resources::{
     CpuInfo, DiskInfo, GpuInfo, GpuProcess, GpuReport, GpuSource, MemoryInfo, ResourceSnapshot,
     ResourcesRequest,
 };
 pub use sync::{
-    ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyOpened, ApplyRequest, ApplyResult,
-    BlockHashesRequest, BlockHashesResult, ManifestEntry, ManifestRequest, ManifestSummary,
-    SyncRules,
+    ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyOpened, ApplyRequest,
+    ApplyResult, BlockHashesRequest, BlockHashesResult, ManifestEntry, ManifestRequest,
+    ManifestSummary, SyncRules,
 };
 
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Hash of this crate's sources at build time: catches an agent and an `rsb` built from
 /// different protocol sources even when nobody bumped [`PROTOCOL_VERSION`].
@@ -73,12 +74,95 @@ pub enum FromAgent {
     Chunk { id: RequestId, chunk: Chunk },
 }
 
+/// A request type and the answer it gets, so that neither end matches replies by hand: the
+/// local side calls `client.call(req)` and gets `C::Reply`, the agent answers with
+/// [`Call::into_reply`], and a reply of another variant is refused in one place.
+///
+/// The enums [`Request`] and [`Reply`] stay the wire format; this trait only ties their
+/// variants together (in the spirit of lsp-types' `Request { Params; Result; METHOD }`).
+pub trait Call: Into<Request> + Send + 'static {
+    /// What a successful answer carries.
+    type Reply: Send + 'static;
+    /// Short name for logs and error messages (equal to [`Request::kind`]).
+    const NAME: &'static str;
+    /// The wire form of a successful answer (agent side).
+    fn into_reply(reply: Self::Reply) -> Reply;
+    /// The answer, or the reply itself when it is another variant (local side).
+    fn from_reply(reply: Reply) -> Result<Self::Reply, Box<Reply>>;
+}
+
+/// Ties a request struct to its [`Request`] variant and its [`Reply`] variant.
+macro_rules! call {
+    ($req:ty, $variant:ident, $name:literal => $reply:ident($out:ty)) => {
+        impl From<$req> for Request {
+            fn from(r: $req) -> Request {
+                Request::$variant(r)
+            }
+        }
+        impl Call for $req {
+            type Reply = $out;
+            const NAME: &'static str = $name;
+            fn into_reply(reply: $out) -> Reply {
+                Reply::$reply(reply)
+            }
+            fn from_reply(reply: Reply) -> Result<$out, Box<Reply>> {
+                match reply {
+                    Reply::$reply(r) => Ok(r),
+                    other => Err(Box::new(other)),
+                }
+            }
+        }
+    };
+    ($req:ty, $variant:ident, $name:literal => $reply:ident) => {
+        impl From<$req> for Request {
+            fn from(r: $req) -> Request {
+                Request::$variant(r)
+            }
+        }
+        impl Call for $req {
+            type Reply = ();
+            const NAME: &'static str = $name;
+            fn into_reply((): ()) -> Reply {
+                Reply::$reply
+            }
+            fn from_reply(reply: Reply) -> Result<(), Box<Reply>> {
+                match reply {
+                    Reply::$reply => Ok(()),
+                    other => Err(Box::new(other)),
+                }
+            }
+        }
+    };
+}
+
+call!(PingRequest, Ping, "ping" => Pong(Vec<u8>));
+call!(ExecRequest, Exec, "exec" => Exec(ExecResult));
+call!(StatRequest, Stat, "stat" => Stat(FileStat));
+call!(ListDirRequest, ListDir, "list_dir" => ListDir(ListDirResult));
+call!(ReadFileRequest, ReadFile, "read_file" => ReadFile(ReadFileResult));
+call!(ResourcesRequest, Resources, "resources" => Resources(ResourceSnapshot));
+call!(JobStartRequest, JobStart, "job_start" => Job(JobInfo));
+call!(JobStatusRequest, JobStatus, "job_status" => JobStatus(JobStatusResult));
+call!(JobKillRequest, JobKill, "job_kill" => Job(JobInfo));
+call!(JobListRequest, JobList, "job_list" => JobList(Vec<JobInfo>));
+call!(ManifestRequest, Manifest, "manifest" => Manifest(ManifestSummary));
+call!(BlockHashesRequest, BlockHashes, "block_hashes" => BlockHashes(BlockHashesResult));
+call!(ApplyOpenRequest, ApplyOpen, "apply_open" => ApplyOpened(ApplyOpened));
+call!(ApplyRequest, Apply, "apply" => Applied(ApplyResult));
+call!(ApplyCloseRequest, ApplyClose, "apply_close" => Done);
+call!(ApplyAbortRequest, ApplyAbort, "apply_abort" => Done);
+
+/// Echoed back unchanged: a round trip through the agent's loop (liveness, latency).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PingRequest {
+    #[serde(with = "serde_bytes")]
+    pub payload: Vec<u8>,
+}
+
+/// Every variant holds a struct implementing [`Call`]; [`Request::kind`] is its `NAME`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Request {
-    Ping {
-        #[serde(with = "serde_bytes")]
-        payload: Vec<u8>,
-    },
+    Ping(PingRequest),
     Exec(ExecRequest),
     Stat(StatRequest),
     ListDir(ListDirRequest),
@@ -87,43 +171,63 @@ pub enum Request {
     JobStart(JobStartRequest),
     JobStatus(JobStatusRequest),
     JobKill(JobKillRequest),
-    JobList,
+    JobList(JobListRequest),
     Manifest(ManifestRequest),
     BlockHashes(BlockHashesRequest),
     ApplyOpen(ApplyOpenRequest),
     Apply(ApplyRequest),
     ApplyClose(ApplyCloseRequest),
+    ApplyAbort(ApplyAbortRequest),
 }
 
 impl Request {
+    /// Every request name, in wire order (for tests that must cover each kind).
+    pub const KINDS: &[&str] = &[
+        PingRequest::NAME,
+        ExecRequest::NAME,
+        StatRequest::NAME,
+        ListDirRequest::NAME,
+        ReadFileRequest::NAME,
+        ResourcesRequest::NAME,
+        JobStartRequest::NAME,
+        JobStatusRequest::NAME,
+        JobKillRequest::NAME,
+        JobListRequest::NAME,
+        ManifestRequest::NAME,
+        BlockHashesRequest::NAME,
+        ApplyOpenRequest::NAME,
+        ApplyRequest::NAME,
+        ApplyCloseRequest::NAME,
+        ApplyAbortRequest::NAME,
+    ];
+
     /// Short name for logs and error messages.
     pub fn kind(&self) -> &'static str {
         match self {
-            Request::Ping { .. } => "ping",
-            Request::Exec(_) => "exec",
-            Request::Stat(_) => "stat",
-            Request::ListDir(_) => "list_dir",
-            Request::ReadFile(_) => "read_file",
-            Request::Resources(_) => "resources",
-            Request::JobStart(_) => "job_start",
-            Request::JobStatus(_) => "job_status",
-            Request::JobKill(_) => "job_kill",
-            Request::JobList => "job_list",
-            Request::Manifest(_) => "manifest",
-            Request::BlockHashes(_) => "block_hashes",
-            Request::ApplyOpen(_) => "apply_open",
-            Request::Apply(_) => "apply",
-            Request::ApplyClose(_) => "apply_close",
+            Request::Ping(_) => PingRequest::NAME,
+            Request::Exec(_) => ExecRequest::NAME,
+            Request::Stat(_) => StatRequest::NAME,
+            Request::ListDir(_) => ListDirRequest::NAME,
+            Request::ReadFile(_) => ReadFileRequest::NAME,
+            Request::Resources(_) => ResourcesRequest::NAME,
+            Request::JobStart(_) => JobStartRequest::NAME,
+            Request::JobStatus(_) => JobStatusRequest::NAME,
+            Request::JobKill(_) => JobKillRequest::NAME,
+            Request::JobList(_) => JobListRequest::NAME,
+            Request::Manifest(_) => ManifestRequest::NAME,
+            Request::BlockHashes(_) => BlockHashesRequest::NAME,
+            Request::ApplyOpen(_) => ApplyOpenRequest::NAME,
+            Request::Apply(_) => ApplyRequest::NAME,
+            Request::ApplyClose(_) => ApplyCloseRequest::NAME,
+            Request::ApplyAbort(_) => ApplyAbortRequest::NAME,
         }
     }
 }
 
+/// The final answer to a request; which variant answers which request is fixed by [`Call`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Reply {
-    Pong {
-        #[serde(with = "serde_bytes")]
-        payload: Vec<u8>,
-    },
+    Pong(#[serde(with = "serde_bytes")] Vec<u8>),
     Exec(ExecResult),
     Stat(FileStat),
     ListDir(ListDirResult),
@@ -138,7 +242,31 @@ pub enum Reply {
     ApplyOpened(ApplyOpened),
     Applied(ApplyResult),
     Done,
+    /// Any request can fail with this instead of its own reply.
     Error(AgentError),
+}
+
+impl Reply {
+    /// Short name for error messages (a reply's contents can be large; its name is enough).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Reply::Pong(_) => "pong",
+            Reply::Exec(_) => "exec",
+            Reply::Stat(_) => "stat",
+            Reply::ListDir(_) => "list_dir",
+            Reply::ReadFile(_) => "read_file",
+            Reply::Resources(_) => "resources",
+            Reply::Job(_) => "job",
+            Reply::JobStatus(_) => "job_status",
+            Reply::JobList(_) => "job_list",
+            Reply::Manifest(_) => "manifest",
+            Reply::BlockHashes(_) => "block_hashes",
+            Reply::ApplyOpened(_) => "apply_opened",
+            Reply::Applied(_) => "applied",
+            Reply::Done => "done",
+            Reply::Error(_) => "error",
+        }
+    }
 }
 
 /// Streamed output of a running request.

@@ -4,8 +4,8 @@
 //! A sync is: both sides build a manifest (gitignore rules applied identically on both sides,
 //! hashes cached by inode identity), the orchestrator diffs them, reads what differs from the
 //! source with `ReadFile` (or only changed blocks, via `BlockHashes`), and streams it to the
-//! destination as `Apply` batches inside a staging session, where each file is verified and
-//! renamed into place. Nothing partial is ever visible under a final name.
+//! destination as numbered `Apply` batches inside a staging session, where each file is verified
+//! and renamed into place. Nothing partial is ever visible under a final name.
 
 use serde::{Deserialize, Serialize};
 
@@ -140,9 +140,16 @@ pub enum ApplyOp {
     },
 }
 
+/// One batch of changes. The batches of a session are numbered: the orchestrator pipelines
+/// them (many in flight), and the agent runs them strictly in `seq` order, whatever order its
+/// request tasks happen to be scheduled in.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ApplyRequest {
     pub session: u64,
+    /// 0 for the first request after `ApplyOpen`, then one more per `Apply`/`ApplyClose`.
+    /// A number already used is refused; a missing one makes its successors wait (briefly)
+    /// and then fail, and the session accepts nothing but `ApplyAbort` after that.
+    pub seq: u64,
     pub ops: Vec<ApplyOp>,
 }
 
@@ -151,9 +158,21 @@ pub struct ApplyResult {
     pub applied: u32,
 }
 
+/// Finish a session after its last `Apply`: restore directory modes and mtimes, remove the
+/// staging directory.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ApplyCloseRequest {
     pub session: u64,
+    /// Numbered like [`ApplyRequest::seq`], so the close runs after every batch before it.
+    pub seq: u64,
     /// Directory mtimes to restore last (writing into a directory changes its mtime).
     pub dir_mtimes: Vec<(String, i64)>,
+}
+
+/// Give up a session at once, outside the `seq` order (a failed or cancelled sync): batches
+/// still waiting for their turn fail, the one running finishes, the staging directory goes.
+/// Files already committed stay.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApplyAbortRequest {
+    pub session: u64,
 }

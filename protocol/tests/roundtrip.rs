@@ -14,9 +14,9 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         stream: true,
     };
     let requests = vec![
-        Request::Ping {
+        Request::Ping(PingRequest {
             payload: vec![0, 1, 255],
-        },
+        }),
         Request::Exec(exec),
         Request::Stat(StatRequest {
             path: "~/x".into(),
@@ -52,7 +52,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             name: "j".into(),
             grace_ms: 1000,
         }),
-        Request::JobList,
+        Request::JobList(JobListRequest),
         Request::Manifest(ManifestRequest {
             root: "~/proj".into(),
             rules: SyncRules {
@@ -71,6 +71,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         }),
         Request::Apply(ApplyRequest {
             session: 9,
+            seq: 3,
             ops: vec![
                 ApplyOp::Mkdir {
                     rel: "a".into(),
@@ -103,8 +104,10 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         }),
         Request::ApplyClose(ApplyCloseRequest {
             session: 9,
+            seq: 4,
             dir_mtimes: vec![("a".into(), 1)],
         }),
+        Request::ApplyAbort(ApplyAbortRequest { session: 9 }),
     ];
     let mut to_agent: Vec<ToAgent> = requests
         .into_iter()
@@ -130,7 +133,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         ended_ms: Some(2),
     };
     let replies = vec![
-        Reply::Pong { payload: vec![9] },
+        Reply::Pong(vec![9]),
         Reply::Exec(ExecResult {
             exit_code: None,
             signal: Some(9),
@@ -288,7 +291,18 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
 #[test]
 fn every_message_round_trips() {
     let (to, from) = samples();
-    assert_eq!(to.len(), 16, "one sample per request kind plus cancel");
+    let kinds: Vec<&str> = to
+        .iter()
+        .filter_map(|m| match m {
+            ToAgent::Request { body, .. } => Some(body.kind()),
+            ToAgent::Cancel { .. } => None,
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        Request::KINDS,
+        "one sample per request kind, in wire order"
+    );
     for m in &to {
         let bytes = encode(m).unwrap();
         assert_eq!(&decode::<ToAgent>(&bytes).unwrap(), m);
@@ -310,24 +324,63 @@ impl Noise {
     }
 }
 
+/// Every strict prefix of a frame and the frame with any trailing byte must fail to decode as
+/// its own type: a decoder that accepted either would let a cut or a run-on frame through.
+fn assert_exact<T>(name: &str, frame: &[u8])
+where
+    T: serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    for cut in 0..frame.len() {
+        if let Ok(v) = decode::<T>(&frame[..cut]) {
+            panic!(
+                "{name}: the {cut}-byte prefix of a {}-byte frame decoded as {v:?}",
+                frame.len()
+            );
+        }
+    }
+    for extra in [0u8, 1, 0x7f, 0xff] {
+        let mut longer = frame.to_vec();
+        longer.push(extra);
+        assert!(
+            decode::<T>(&longer).is_err(),
+            "{name}: a trailing {extra:#04x} was accepted"
+        );
+    }
+    let mut doubled = frame.to_vec();
+    doubled.extend_from_slice(frame);
+    assert!(
+        decode::<T>(&doubled).is_err(),
+        "{name}: two frames back to back were accepted as one"
+    );
+}
+
 #[test]
-fn garbage_and_truncated_frames_are_errors_not_panics() {
+fn every_strict_prefix_and_any_trailing_bytes_fail() {
+    let (to, from) = samples();
+    for m in &to {
+        let name = match m {
+            ToAgent::Request { body, .. } => body.kind(),
+            ToAgent::Cancel { .. } => "cancel",
+        };
+        assert_exact::<ToAgent>(name, &encode(m).unwrap());
+    }
+    for m in &from {
+        let name = match m {
+            FromAgent::Hello(_) => "hello",
+            FromAgent::Reply { body, .. } => body.kind(),
+            FromAgent::Chunk { .. } => "chunk",
+        };
+        assert_exact::<FromAgent>(name, &encode(m).unwrap());
+    }
+}
+
+#[test]
+fn garbage_frames_are_errors_not_panics() {
     let (to, from) = samples();
     let mut frames: Vec<Vec<u8>> = to.iter().map(|m| encode(m).unwrap().to_vec()).collect();
     frames.extend(from.iter().map(|m| encode(m).unwrap().to_vec()));
     let mut noise = Noise(0x9e37_79b9_7f4a_7c15);
-    let mut errors = 0usize;
     for f in &frames {
-        // Every strict prefix of a valid frame must fail to decode as a whole frame.
-        for cut in 0..f.len() {
-            if decode::<FromAgent>(&f[..cut]).is_err() && decode::<ToAgent>(&f[..cut]).is_err() {
-                errors += 1;
-            }
-        }
-        // Trailing junk is refused.
-        let mut longer = f.clone();
-        longer.push(0);
-        assert!(decode::<FromAgent>(&longer).is_err() || decode::<ToAgent>(&longer).is_err());
         // Random bit flips: any result is fine as long as nothing panics.
         for _ in 0..200 {
             let mut g = f.clone();
@@ -337,7 +390,6 @@ fn garbage_and_truncated_frames_are_errors_not_panics() {
             let _ = decode::<ToAgent>(&g);
         }
     }
-    assert!(errors > 0);
     // Pure noise, including huge claimed lengths inside the body.
     for len in [0usize, 1, 2, 7, 64, 4096] {
         for _ in 0..200 {
@@ -355,9 +407,9 @@ fn garbage_and_truncated_frames_are_errors_not_panics() {
 fn oversized_frames_are_refused_at_the_sender() {
     let big = ToAgent::Request {
         id: 1,
-        body: Request::Ping {
+        body: Request::Ping(PingRequest {
             payload: vec![0; MAX_FRAME + 1],
-        },
+        }),
     };
     assert!(matches!(
         encode(&big),
@@ -374,4 +426,88 @@ async fn framing_rejects_a_length_over_the_limit() {
     raw.extend_from_slice(&[0u8; 16]);
     let mut fr = FramedRead::new(&raw[..], frame_codec());
     assert!(fr.next().await.unwrap().is_err());
+}
+
+/// `Call` ties each request to one reply variant: the agent's wrapping and the client's
+/// unwrapping agree, the name is the request's kind, and any other reply is handed back.
+#[test]
+fn each_call_unwraps_only_its_own_reply() {
+    fn check<C: Call>(req: C, reply: C::Reply)
+    where
+        C::Reply: Clone + PartialEq + std::fmt::Debug,
+    {
+        let wire_req: Request = req.into();
+        assert_eq!(wire_req.kind(), C::NAME);
+        let wire = C::into_reply(reply.clone());
+        assert_eq!(C::from_reply(wire.clone()), Ok(reply));
+        let err = Reply::Error(AgentError::new(ErrorCode::Io, "x"));
+        assert_eq!(C::from_reply(err.clone()), Err(Box::new(err)));
+        // A reply of another variant is returned as is, not misread.
+        let other = if matches!(wire, Reply::Done) {
+            Reply::Pong(vec![1])
+        } else {
+            Reply::Done
+        };
+        assert_eq!(C::from_reply(other.clone()), Err(Box::new(other)));
+    }
+    let (to, from) = samples();
+    let reqs: Vec<Request> = to
+        .into_iter()
+        .filter_map(|m| match m {
+            ToAgent::Request { body, .. } => Some(body),
+            ToAgent::Cancel { .. } => None,
+        })
+        .collect();
+    let replies: Vec<Reply> = from
+        .into_iter()
+        .filter_map(|m| match m {
+            FromAgent::Reply { body, .. } => Some(body),
+            _ => None,
+        })
+        .collect();
+    let reply = |kind: &str| {
+        replies
+            .iter()
+            .find(|r| r.kind() == kind)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {kind} reply sample"))
+    };
+    let mut checked = 0;
+    for r in reqs {
+        checked += 1;
+        match r {
+            Request::Ping(q) => check(q, vec![9]),
+            Request::Exec(q) => check(q, ExecRequest::from_reply(reply("exec")).unwrap()),
+            Request::Stat(q) => check(q, StatRequest::from_reply(reply("stat")).unwrap()),
+            Request::ListDir(q) => check(q, ListDirRequest::from_reply(reply("list_dir")).unwrap()),
+            Request::ReadFile(q) => {
+                check(q, ReadFileRequest::from_reply(reply("read_file")).unwrap())
+            }
+            Request::Resources(q) => {
+                check(q, ResourcesRequest::from_reply(reply("resources")).unwrap())
+            }
+            Request::JobStart(q) => check(q, JobStartRequest::from_reply(reply("job")).unwrap()),
+            Request::JobStatus(q) => check(
+                q,
+                JobStatusRequest::from_reply(reply("job_status")).unwrap(),
+            ),
+            Request::JobKill(q) => check(q, JobKillRequest::from_reply(reply("job")).unwrap()),
+            Request::JobList(q) => check(q, JobListRequest::from_reply(reply("job_list")).unwrap()),
+            Request::Manifest(q) => {
+                check(q, ManifestRequest::from_reply(reply("manifest")).unwrap())
+            }
+            Request::BlockHashes(q) => check(
+                q,
+                BlockHashesRequest::from_reply(reply("block_hashes")).unwrap(),
+            ),
+            Request::ApplyOpen(q) => check(
+                q,
+                ApplyOpenRequest::from_reply(reply("apply_opened")).unwrap(),
+            ),
+            Request::Apply(q) => check(q, ApplyRequest::from_reply(reply("applied")).unwrap()),
+            Request::ApplyClose(q) => check(q, ()),
+            Request::ApplyAbort(q) => check(q, ()),
+        }
+    }
+    assert_eq!(checked, Request::KINDS.len());
 }

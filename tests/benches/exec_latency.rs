@@ -8,7 +8,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use rsb_protocol::ExecRequest;
+use rsb_protocol::{ExecRequest, PingRequest};
 use rsb_tests::Sshd;
 
 fn pct(v: &mut [Duration], p: f64) -> f64 {
@@ -36,17 +36,17 @@ fn main() {
         let mut ping = Vec::new();
         let mut exec = Vec::new();
         for _ in 0..50 {
-            c.ping(vec![]).await.unwrap();
-            c.exec(ExecRequest::new("true")).await.unwrap();
+            c.call(PingRequest { payload: vec![] }).await.unwrap();
+            c.call(ExecRequest::new("true")).await.unwrap();
         }
         for _ in 0..500 {
             let t = Instant::now();
-            c.ping(vec![]).await.unwrap();
+            c.call(PingRequest { payload: vec![] }).await.unwrap();
             ping.push(t.elapsed());
         }
         for _ in 0..300 {
             let t = Instant::now();
-            let r = c.exec(ExecRequest::new("echo hi")).await.unwrap();
+            let r = c.call(ExecRequest::new("echo hi")).await.unwrap();
             exec.push(t.elapsed());
             assert_eq!(r.stdout.head, b"hi\n");
         }

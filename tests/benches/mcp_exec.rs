@@ -179,12 +179,12 @@ async fn agent_bench(sshd: &Sshd, state: &std::path::Path) -> Stats {
     // Exactly the request exec_bash sends.
     let req = || rsb::ops::exec::build_request("echo hi", None, 120, 20_000).unwrap();
     for _ in 0..WARMUP {
-        client.exec(req()).await.unwrap();
+        client.call(req()).await.unwrap();
     }
     let mut samples = Vec::with_capacity(AGENT_N);
     for _ in 0..AGENT_N {
         let t = Instant::now();
-        let r = client.exec(req()).await.unwrap();
+        let r = client.call(req()).await.unwrap();
         samples.push(ms(t.elapsed()));
         assert_eq!(r.stdout.head, b"hi\n");
     }

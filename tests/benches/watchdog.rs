@@ -119,14 +119,7 @@ async fn completed_lag_ms(pool: &Pool, state: &Path, sb: &str, name: &str, inter
             .ok();
         if let Some(created) = ev {
             let req = jobs::status_request(name, "", 1, None, 1).unwrap();
-            let ended = c
-                .job_status(req)
-                .await
-                .unwrap()
-                .info
-                .unwrap()
-                .ended_ms
-                .unwrap() as i64;
+            let ended = c.call(req).await.unwrap().info.unwrap().ended_ms.unwrap() as i64;
             return created - ended;
         }
         assert!(t0.elapsed() < Duration::from_secs(60), "no completed event");

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use rsb::{config::Auth, error::Kind};
-use rsb_protocol::ExecRequest;
+use rsb_protocol::{ExecRequest, PingRequest};
 use rsb_tests::{ChaosProxy, SshAgentProc, Sshd};
 
 fn exec(cmd: &str, timeout_ms: u64) -> ExecRequest {
@@ -51,7 +51,14 @@ async fn deploys_once_reuses_and_replaces_a_corrupt_agent() {
         Some(false),
         "second connect reuses the agent"
     );
-    assert_eq!(c2.ping(b"x".to_vec()).await.unwrap(), b"x");
+    assert_eq!(
+        c2.call(PingRequest {
+            payload: b"x".to_vec()
+        })
+        .await
+        .unwrap(),
+        b"x"
+    );
     pool2.shutdown().await;
 
     // Corrupt the installed agent (flip bytes in the middle), then connect again.
@@ -67,7 +74,7 @@ async fn deploys_once_reuses_and_replaces_a_corrupt_agent() {
         Some(true),
         "a corrupt agent is replaced"
     );
-    let r = c3.exec(exec("echo ok", 5000)).await.unwrap();
+    let r = c3.call(exec("echo ok", 5000)).await.unwrap();
     assert_eq!(out(&r.stdout), "ok\n");
     pool3.shutdown().await;
 }
@@ -81,11 +88,11 @@ async fn two_simultaneous_first_connects_both_succeed() {
     let (ra, rb) = tokio::join!(a.client("s"), b.client("s"));
     let (ca, cb) = (ra.unwrap(), rb.unwrap());
     assert_eq!(
-        ca.exec(exec("echo a", 5000)).await.unwrap().stdout.head,
+        ca.call(exec("echo a", 5000)).await.unwrap().stdout.head,
         b"a\n"
     );
     assert_eq!(
-        cb.exec(exec("echo b", 5000)).await.unwrap().stdout.head,
+        cb.call(exec("echo b", 5000)).await.unwrap().stdout.head,
         b"b\n"
     );
     let leftovers = sshd.ssh_run("ls -a ~/.cache/rsb/agent/*/").unwrap();
@@ -262,7 +269,7 @@ async fn fifty_concurrent_execs_on_one_channel() {
                 "for j in 1 2 3; do echo line-{i}-$j; done; echo err-{i} >&2; exit {}",
                 i % 7
             );
-            (i, c.exec(exec(&cmd, 20_000)).await.unwrap())
+            (i, c.call(exec(&cmd, 20_000)).await.unwrap())
         }
     });
     for (i, r) in futures::future::join_all(futs).await {
@@ -285,7 +292,7 @@ async fn exec_semantics_over_ssh() {
 
     // Timeout: returns promptly, flagged, and the whole process group is gone.
     let t0 = Instant::now();
-    let r = c.exec(exec("echo $$; sleep 30", 2000)).await.unwrap();
+    let r = c.call(exec("echo $$; sleep 30", 2000)).await.unwrap();
     assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
     assert!(r.timed_out);
     let pgid: i32 = out(&r.stdout).trim().parse().unwrap();
@@ -295,18 +302,18 @@ async fn exec_semantics_over_ssh() {
     );
 
     // A command that exits 124 by itself is not a timeout.
-    let r = c.exec(exec("exit 124", 5000)).await.unwrap();
+    let r = c.call(exec("exit 124", 5000)).await.unwrap();
     assert_eq!((r.exit_code, r.timed_out), (Some(124), false));
 
     // cwd is data: spaces work, shell syntax is just a (missing) path.
     std::fs::create_dir_all("/tmp/a b").unwrap();
     let mut req = exec("pwd", 5000);
     req.cwd = Some("/tmp/a b".into());
-    assert_eq!(out(&c.exec(req).await.unwrap().stdout), "/tmp/a b\n");
+    assert_eq!(out(&c.call(req).await.unwrap().stdout), "/tmp/a b\n");
     let marker = format!("/tmp/pwned-{}", std::process::id());
     let mut req = exec("true", 5000);
     req.cwd = Some(format!("/tmp; touch {marker}"));
-    let e = c.exec(req).await.unwrap_err();
+    let e = c.call(req).await.unwrap_err();
     assert!(e.message.contains("/tmp; touch"), "{e:?}");
     assert!(
         !std::path::Path::new(&marker).exists(),
@@ -315,19 +322,19 @@ async fn exec_semantics_over_ssh() {
 
     // stdin is closed.
     let t0 = Instant::now();
-    let r = c.exec(exec("cat", 10_000)).await.unwrap();
+    let r = c.call(exec("cat", 10_000)).await.unwrap();
     assert_eq!(r.exit_code, Some(0));
     assert!(t0.elapsed() < Duration::from_secs(2));
 
     // 10 MB of output is capped as asked.
     let mut req = exec("head -c 10000000 /dev/zero | tr '\\0' x", 30_000);
     req.max_stdout = 1000;
-    let r = c.exec(req).await.unwrap();
+    let r = c.call(req).await.unwrap();
     assert_eq!(r.stdout.total, 10_000_000);
     assert_eq!(r.stdout.head.len() + r.stdout.tail.len(), 1000);
 
     // Invalid UTF-8 comes back byte-exact (the MCP layer flags it).
-    let r = c.exec(exec("printf 'a\\377b'", 5000)).await.unwrap();
+    let r = c.call(exec("printf 'a\\377b'", 5000)).await.unwrap();
     assert_eq!(r.stdout.head, b"a\xffb");
     let rendered = rsb::ops::output::render(&r.stdout);
     assert!(rendered.lossy && rendered.text == "a\u{fffd}b");
@@ -343,7 +350,7 @@ async fn a_cut_link_fails_in_flight_calls_fast_and_the_next_call_reconnects() {
     let c = pool.client("s").await.unwrap();
     let call = tokio::spawn({
         let c = c.clone();
-        async move { c.exec(exec("sleep 20", 60_000)).await }
+        async move { c.call(exec("sleep 20", 60_000)).await }
     });
     tokio::time::sleep(Duration::from_millis(500)).await;
     let t0 = Instant::now();
@@ -362,7 +369,7 @@ async fn a_cut_link_fails_in_flight_calls_fast_and_the_next_call_reconnects() {
     // The next request reconnects transparently.
     let c = pool.client("s").await.unwrap();
     assert_eq!(
-        out(&c.exec(exec("echo back", 5000)).await.unwrap().stdout),
+        out(&c.call(exec("echo back", 5000)).await.unwrap().stdout),
         "back\n"
     );
     pool.shutdown().await;
@@ -377,7 +384,7 @@ async fn a_black_holed_link_is_detected_by_keepalive() {
     let c = pool.client("s").await.unwrap();
     let call = tokio::spawn({
         let c = c.clone();
-        async move { c.exec(exec("sleep 60", 120_000)).await }
+        async move { c.call(exec("sleep 60", 120_000)).await }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     let t0 = Instant::now();
@@ -392,7 +399,7 @@ async fn a_black_holed_link_is_detected_by_keepalive() {
     proxy.reset();
     let c = pool.client("s").await.unwrap();
     assert_eq!(
-        out(&c.exec(exec("echo ok", 5000)).await.unwrap().stdout),
+        out(&c.call(exec("echo ok", 5000)).await.unwrap().stdout),
         "ok\n"
     );
     pool.shutdown().await;
@@ -410,7 +417,7 @@ async fn sftp_less_server_gets_the_agent_by_cat() {
     let c = pool.client("s").await.unwrap();
     assert_eq!(pool.last_connect_deployed("s").await, Some(true));
     assert_eq!(
-        out(&c.exec(exec("echo via-cat", 5000)).await.unwrap().stdout),
+        out(&c.call(exec("echo via-cat", 5000)).await.unwrap().stdout),
         "via-cat\n"
     );
     pool.shutdown().await;
@@ -439,8 +446,15 @@ async fn aarch64_agent_runs_under_qemu_through_the_local_transport() {
         .await
         .unwrap();
     assert_eq!(c.hello().arch, "aarch64");
-    assert_eq!(c.ping(b"p".to_vec()).await.unwrap(), b"p");
-    let r = c.exec(exec("echo hi; exit 5", 20_000)).await.unwrap();
+    assert_eq!(
+        c.call(PingRequest {
+            payload: b"p".to_vec()
+        })
+        .await
+        .unwrap(),
+        b"p"
+    );
+    let r = c.call(exec("echo hi; exit 5", 20_000)).await.unwrap();
     assert_eq!((out(&r.stdout).as_str(), r.exit_code), ("hi\n", Some(5)));
     c.close("done");
 }
@@ -483,7 +497,7 @@ async fn a_noexec_home_falls_back_to_another_directory() {
         .await
         .expect("falls back to a directory that allows exec");
     assert_eq!(
-        out(&c.exec(exec("echo fallback", 5000)).await.unwrap().stdout),
+        out(&c.call(exec("echo fallback", 5000)).await.unwrap().stdout),
         "fallback\n"
     );
     let exe = std::fs::read_link(format!("/proc/{}/exe", c.hello().pid)).unwrap();
@@ -556,7 +570,7 @@ async fn proxy_jump_reaches_the_target_through_the_jump_host() {
     );
     let before = proxy.bytes_forwarded().0;
     let r = c
-        .exec(exec("head -c 100000 /dev/zero | wc -c", 10_000))
+        .call(exec("head -c 100000 /dev/zero | wc -c", 10_000))
         .await
         .unwrap();
     assert_eq!(out(&r.stdout).trim(), "100000");
@@ -567,11 +581,11 @@ async fn proxy_jump_reaches_the_target_through_the_jump_host() {
     // Cutting the jump host's link takes the target session down with it, and the next call
     // reconnects through the jump host again.
     proxy.cut();
-    let e = c.exec(exec("sleep 5", 10_000)).await.unwrap_err();
+    let e = c.call(exec("sleep 5", 10_000)).await.unwrap_err();
     assert!(e.is_connection_lost(), "{e:?}");
     let c = pool.client("s").await.unwrap();
     assert_eq!(
-        out(&c.exec(exec("echo again", 5000)).await.unwrap().stdout),
+        out(&c.call(exec("echo again", 5000)).await.unwrap().stdout),
         "again\n"
     );
     pool.shutdown().await;

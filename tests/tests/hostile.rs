@@ -398,7 +398,7 @@ fn exe_of(conn: &Connection) -> PathBuf {
 async fn echo(conn: &Connection) -> String {
     let mut r = rsb_protocol::ExecRequest::new("echo ok");
     r.timeout_ms = 10_000;
-    let out = conn.client.exec(r).await.unwrap();
+    let out = conn.client.call(r).await.unwrap();
     String::from_utf8_lossy(&out.stdout.head).into_owned()
 }
 

@@ -39,7 +39,7 @@ async fn wait_done(
 ) -> rsb_protocol::JobStatusResult {
     let t0 = Instant::now();
     loop {
-        let r = c.job_status(status_req(name)).await.unwrap();
+        let r = c.call(status_req(name)).await.unwrap();
         if r.info
             .as_ref()
             .is_some_and(|i| i.state != JobState::Running)
@@ -69,7 +69,7 @@ async fn exit_codes_are_never_lost() {
         ("big", "head -c 5000000 /dev/zero | tr '\\0' y; exit 3", 3),
     ];
     for (name, cmd, _) in &cases {
-        c.job_start(start_req(name, cmd)).await.unwrap();
+        c.call(start_req(name, cmd)).await.unwrap();
     }
     for (name, _, code) in &cases {
         let r = wait_done(&c, name, Duration::from_secs(30)).await;
@@ -97,10 +97,8 @@ async fn names_are_exact_validated_and_never_clobbered() {
     let dir = tempfile::tempdir().unwrap();
     let pool = key_pool(&sshd, dir.path());
     let c = pool.client("s").await.unwrap();
-    c.job_start(start_req("train-001", "sleep 20"))
-        .await
-        .unwrap();
-    let r = c.job_status(status_req("train")).await.unwrap();
+    c.call(start_req("train-001", "sleep 20")).await.unwrap();
+    let r = c.call(status_req("train")).await.unwrap();
     assert!(r.info.is_none(), "prefix must not match");
     let e = jobs::status_reply("train", false, &r).unwrap_err();
     assert!(
@@ -108,7 +106,7 @@ async fn names_are_exact_validated_and_never_clobbered() {
         "{e:?}"
     );
     for bad in ["a.b", "a:b", "a b", "a;b", "../x", ""] {
-        let e = c.job_start(start_req(bad, "true")).await.unwrap_err();
+        let e = c.call(start_req(bad, "true")).await.unwrap_err();
         assert!(
             e.message.contains("invalid") || e.message.contains("empty"),
             "{bad}: {e:?}"
@@ -116,16 +114,11 @@ async fn names_are_exact_validated_and_never_clobbered() {
     }
     let log_before = sshd.ssh_run("cat ~/.codex_logs/train-001.log").unwrap();
     let e = c
-        .job_start(start_req("train-001", "echo clobber"))
+        .call(start_req("train-001", "echo clobber"))
         .await
         .unwrap_err();
     assert!(e.message.contains("train-001"), "{e:?}");
-    let info = c
-        .job_status(status_req("train-001"))
-        .await
-        .unwrap()
-        .info
-        .unwrap();
+    let info = c.call(status_req("train-001")).await.unwrap().info.unwrap();
     assert_eq!(info.state, JobState::Running);
     assert_eq!(info.command, "sleep 20");
     assert_eq!(
@@ -133,7 +126,7 @@ async fn names_are_exact_validated_and_never_clobbered() {
         log_before
     );
     let k = c
-        .job_kill(rsb_protocol::JobKillRequest {
+        .call(rsb_protocol::JobKillRequest {
             name: "train-001".into(),
             grace_ms: 1000,
         })
@@ -150,7 +143,7 @@ async fn a_job_survives_a_cut_connection_and_a_new_process_reads_its_exit_code()
     let (proxy, t) = proxied_target(&sshd, dir.path());
     let pool = pool_of(vec![sandbox("s", t.clone())], dir.path());
     let c = pool.client("s").await.unwrap();
-    c.job_start(start_req("survivor", "sleep 3; echo finished; exit 5"))
+    c.call(start_req("survivor", "sleep 3; echo finished; exit 5"))
         .await
         .unwrap();
     proxy.cut();
@@ -185,7 +178,7 @@ async fn jobs_run_without_tmux_and_report_a_killed_tmux_session_as_lost() {
     let pool = key_pool(&sshd, dir.path());
     let c = pool.client("s").await.unwrap();
     let info = c
-        .job_start(start_req("notmux", "sleep 1; exit 4"))
+        .call(start_req("notmux", "sleep 1; exit 4"))
         .await
         .unwrap();
     assert_eq!(info.runner, "setsid");
@@ -197,7 +190,7 @@ async fn jobs_run_without_tmux_and_report_a_killed_tmux_session_as_lost() {
     let sshd = Sshd::start().unwrap();
     let pool = key_pool(&sshd, dir.path());
     let c = pool.client("s").await.unwrap();
-    let info = c.job_start(start_req("victim", "sleep 60")).await.unwrap();
+    let info = c.call(start_req("victim", "sleep 60")).await.unwrap();
     assert_eq!(info.runner, "tmux");
     sshd.ssh_run("tmux kill-session -t =victim").unwrap();
     let r = wait_done(&c, "victim", Duration::from_secs(20)).await;
@@ -211,7 +204,7 @@ async fn cursor_reads_return_each_byte_exactly_once() {
     let dir = tempfile::tempdir().unwrap();
     let pool = key_pool(&sshd, dir.path());
     let c = pool.client("s").await.unwrap();
-    c.job_start(start_req(
+    c.call(start_req(
         "writer",
         "for i in $(seq 1 200); do echo line-$i; sleep 0.01; done",
     ))
@@ -224,7 +217,7 @@ async fn cursor_reads_return_each_byte_exactly_once() {
         let mut req = status_req("writer");
         req.offset = Some(offset);
         req.max_bytes = 97; // odd size: pieces end mid-line
-        let r = c.job_status(req).await.unwrap();
+        let r = c.call(req).await.unwrap();
         assert_eq!(r.log_start, offset);
         got.extend_from_slice(&r.log);
         offset = r.next_offset;

@@ -28,7 +28,7 @@ async fn a_panic_while_a_pool_lock_is_held_leaves_the_sandbox_usable() {
     let mut last = None;
     // The first call may still see the old link die; the next one reconnects.
     for _ in 0..3 {
-        let r = async { pool.client("s").await?.exec(req.clone()).await }.await;
+        let r = async { pool.client("s").await?.call(req.clone()).await }.await;
         match r {
             Ok(r) => {
                 last = Some(String::from_utf8_lossy(&r.stdout.head).into_owned());

@@ -109,7 +109,7 @@ Host rsb-j2
     );
     let c = pool.client("s").await.expect("connects through both hops");
     assert_eq!(c.hello().home, target.home().display().to_string());
-    let r = c.exec(exec("echo via-two-hops")).await.unwrap();
+    let r = c.call(exec("echo via-two-hops")).await.unwrap();
     assert_eq!(stdout(&r.stdout), "via-two-hops\n");
     assert!(accepted(&j1, &j1_user), "{}", j1.log_contents());
     assert!(accepted(&j2, &me), "{}", j2.log_contents());
@@ -178,7 +178,7 @@ Host ::1
         .client("s")
         .await
         .expect("connects through the IPv6 hop");
-    let r = c.exec(exec("echo via-v6")).await.unwrap();
+    let r = c.call(exec("echo via-v6")).await.unwrap();
     assert_eq!(stdout(&r.stdout), "via-v6\n");
     assert!(
         jump.log_contents()

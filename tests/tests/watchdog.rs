@@ -146,7 +146,7 @@ async fn watch_job(
     let c = pool.client(sandbox).await.unwrap();
     let v = jobs::start(&c, cmd, name, "", "").await.unwrap();
     let req = jobs::status_request(name, "", 1, None, 1).unwrap();
-    let cwd = c.job_status(req).await.unwrap().info.unwrap().cwd;
+    let cwd = c.call(req).await.unwrap().info.unwrap().cwd;
     wops::fill_from_job(&mut nw, name, v["log_file"].as_str().unwrap(), &cwd);
     nw.launch_command = cmd.into();
     nw.sandbox_name = sandbox.into();
@@ -471,14 +471,7 @@ async fn ten_watches_on_a_dead_host_do_not_delay_a_live_one() {
     )
     .await;
     let req = jobs::status_request("quick", "", 1, None, 1).unwrap();
-    let ended_ms = c
-        .job_status(req)
-        .await
-        .unwrap()
-        .info
-        .unwrap()
-        .ended_ms
-        .unwrap() as i64;
+    let ended_ms = c.call(req).await.unwrap().info.unwrap().ended_ms.unwrap() as i64;
     let c2 = rsb::store::open(&state).unwrap();
     let created_ms: i64 = c2
         .query_row(

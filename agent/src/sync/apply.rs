@@ -7,15 +7,20 @@
 //! - `Apply` runs its ops in order and stops at the first failure; every op is atomic on its
 //!   own, so the ops before the failing one stay applied and nothing of the failing one is
 //!   visible.
-//! - Requests on one session run strictly in arrival order (the session's lock is a FIFO tokio
-//!   mutex, first polled before the request task awaits anything else), so the orchestrator
-//!   may pipeline `Apply` requests without waiting for each reply.
+//! - Sessions belong to one channel ([`Sessions`] lives in the channel's shared state): another
+//!   channel, even in the same process, cannot see them, and they end with their channel.
+//! - Requests on one session run strictly in `seq` order, so the orchestrator may pipeline
+//!   `Apply` requests without waiting for each reply. A request waits for its predecessors:
+//!   without limit for one that has arrived (it runs, or waits in turn), at most [`GAP_WAIT`]
+//!   for one that has not. A number already used is refused; a gap that does not fill in time
+//!   ends the session, which then accepts only `ApplyAbort`. A request cancelled while it waits
+//!   gives up its turn, so its successors are not held up.
 //! - Verified files wait in a small queue: their fsyncs run in parallel and their renames follow
 //!   in op order, before any op that could observe them and before the reply. Observably this
 //!   is the same as committing each file on its own, but it costs one fsync round per batch
 //!   instead of one per file.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::{self, File, OpenOptions, Permissions};
 use std::io::ErrorKind;
 use std::os::unix::ffi::OsStrExt;
@@ -23,14 +28,15 @@ use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt, Per
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use rsb_protocol::sync::STAGING_PREFIX;
 use rsb_protocol::{
-    AgentError, ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyOpened, ApplyRequest,
-    ApplyResult, ErrorCode,
+    AgentError, ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyOpened,
+    ApplyRequest, ApplyResult, ErrorCode,
 };
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::cache::{self, Key};
@@ -49,22 +55,199 @@ const MAX_OPEN: usize = 64;
 const MAX_PENDING: usize = 256;
 /// Read size when verifying a staged file.
 const VERIFY_BUF: usize = 1024 * 1024;
+/// How long a request waits for a predecessor that has not arrived. Requests are read in the
+/// order they were sent and first run in that order, so a missing one is normally never coming
+/// (the orchestrator gave up on it); this only absorbs scheduling jitter.
+pub const GAP_WAIT: Duration = Duration::from_secs(2);
+/// How far ahead of the next expected number a request may be; the orchestrator keeps a few
+/// dozen in flight.
+const MAX_AHEAD: u64 = 4096;
+/// How long closing a channel waits for a session's running batch before removing its staging.
+const SHUTDOWN_WAIT: Duration = Duration::from_secs(1);
 
-type SessionRef = Arc<tokio::sync::Mutex<Session>>;
-
-static SESSIONS: LazyLock<Mutex<HashMap<u64, SessionRef>>> = LazyLock::new(Mutex::default);
-
-fn sessions() -> std::sync::MutexGuard<'static, HashMap<u64, SessionRef>> {
-    SESSIONS.lock().unwrap_or_else(|p| p.into_inner())
+/// The apply sessions of one channel.
+#[derive(Default)]
+pub struct Sessions {
+    map: Mutex<HashMap<u64, Arc<Entry>>>,
 }
 
-fn lookup(id: u64) -> Result<SessionRef, AgentError> {
-    sessions().get(&id).cloned().ok_or_else(|| {
-        AgentError::new(
+/// One session: its turn order, and its state (locked by the request whose turn it is).
+struct Entry {
+    id: u64,
+    order: watch::Sender<Order>,
+    state: Arc<tokio::sync::Mutex<Session>>,
+}
+
+#[derive(Default)]
+struct Order {
+    /// The number whose turn it is.
+    next: u64,
+    /// Numbers above `next` whose requests have arrived and not finished.
+    arrived: BTreeSet<u64>,
+    /// Numbers above `next` given up before their turn (cancelled while waiting).
+    skipped: BTreeSet<u64>,
+    /// Why the session takes no more requests (closed, aborted, a gap).
+    ended: Option<String>,
+}
+
+impl Sessions {
+    fn map(&self) -> MutexGuard<'_, HashMap<u64, Arc<Entry>>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn lookup(&self, id: u64) -> Result<Arc<Entry>, AgentError> {
+        self.map().get(&id).cloned().ok_or_else(|| {
+            AgentError::new(
+                ErrorCode::NotFound,
+                format!("unknown sync session {id} (closed, or opened on another channel)"),
+            )
+        })
+    }
+
+    /// On channel end: remove the staging of every session still open (best effort; what is
+    /// left is cleaned by the next `ApplyOpen` on that root).
+    pub async fn close_all(&self) {
+        let open: Vec<Arc<Entry>> = self.map().drain().map(|(_, e)| e).collect();
+        for e in open {
+            e.end("the channel closed");
+            let Ok(guard) = tokio::time::timeout(SHUTDOWN_WAIT, e.state.clone().lock_owned()).await
+            else {
+                continue;
+            };
+            let _ = tokio::task::spawn_blocking(move || {
+                let mut s = guard;
+                s.abandon();
+            })
+            .await;
+        }
+    }
+}
+
+impl Entry {
+    /// Refuse every request still waiting, and every later one.
+    fn end(&self, why: &str) {
+        self.order.send_modify(|o| {
+            if o.ended.is_none() {
+                o.ended = Some(why.to_string());
+            }
+        });
+    }
+
+    fn ended_error(&self, why: &str) -> AgentError {
+        err(
             ErrorCode::NotFound,
-            format!("unknown sync session {id} (closed, or opened by another agent process)"),
+            format!("sync session {} is over: {why}", self.id),
         )
-    })
+    }
+
+    /// Wait until every request numbered below `seq` has run (or was given up). The returned
+    /// turn passes to `seq + 1` when dropped, however the request ends.
+    async fn turn(&self, seq: u64, cancel: &CancellationToken) -> Result<Turn<'_>, AgentError> {
+        let mut refused = None;
+        self.order.send_if_modified(|o| {
+            refused = if let Some(why) = &o.ended {
+                Some(self.ended_error(why))
+            } else if seq < o.next || o.arrived.contains(&seq) || o.skipped.contains(&seq) {
+                Some(err(
+                    ErrorCode::InvalidArgument,
+                    format!(
+                        "apply request {seq} of sync session {} was already received                          (next expected: {})",
+                        self.id, o.next
+                    ),
+                ))
+            } else if seq - o.next > MAX_AHEAD {
+                Some(err(
+                    ErrorCode::InvalidArgument,
+                    format!(
+                        "apply request {seq} of sync session {} is too far ahead                          (next expected: {}, at most {MAX_AHEAD} may be pending)",
+                        self.id, o.next
+                    ),
+                ))
+            } else {
+                None
+            };
+            if refused.is_some() {
+                return false;
+            }
+            o.arrived.insert(seq);
+            true
+        });
+        if let Some(e) = refused {
+            return Err(e);
+        }
+        let turn = Turn { entry: self, seq };
+        let mut rx = self.order.subscribe();
+        let mut gap: Option<(u64, tokio::time::Instant)> = None;
+        loop {
+            {
+                let o = rx.borrow_and_update();
+                if let Some(why) = &o.ended {
+                    return Err(self.ended_error(why));
+                }
+                if o.next == seq {
+                    return Ok(turn);
+                }
+                let missing =
+                    (o.next..seq).find(|k| !o.arrived.contains(k) && !o.skipped.contains(k));
+                gap = match (missing, gap) {
+                    (None, _) => None,
+                    (Some(k), Some((g, since))) if g == k => Some((g, since)),
+                    (Some(k), _) => Some((k, tokio::time::Instant::now())),
+                };
+            }
+            let deadline = gap.map(|(_, since)| since + GAP_WAIT);
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return Err(cancelled()),
+                r = rx.changed() => {
+                    if r.is_err() {
+                        return Err(self.ended_error("the channel closed"));
+                    }
+                }
+                _ = sleep_until(deadline) => {
+                    let (k, _) = gap.expect("a deadline means a gap");
+                    let why = format!(
+                        "apply request {k} never arrived (request {seq} waited {GAP_WAIT:?} for                          it); requests must be numbered 0, 1, 2, … without gaps"
+                    );
+                    self.end(&why);
+                    return Err(err(
+                        ErrorCode::InvalidArgument,
+                        format!("sync session {}: {why}", self.id),
+                    ));
+                }
+            }
+        }
+    }
+}
+
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A request's place in its session's order; dropping it lets the next number go.
+struct Turn<'a> {
+    entry: &'a Entry,
+    seq: u64,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        let seq = self.seq;
+        self.entry.order.send_modify(|o| {
+            o.arrived.remove(&seq);
+            if o.next == seq {
+                o.next += 1;
+                while o.skipped.remove(&o.next) {
+                    o.next += 1;
+                }
+            } else if seq > o.next {
+                o.skipped.insert(seq);
+            }
+        });
+    }
 }
 
 fn err(code: ErrorCode, msg: impl Into<String>) -> AgentError {
@@ -85,22 +268,37 @@ fn at_op(mut e: AgentError, i: usize, n: usize) -> AgentError {
 // Requests
 
 pub async fn apply_open(
+    sessions: &Sessions,
     req: ApplyOpenRequest,
     cancel: &CancellationToken,
 ) -> Result<ApplyOpened, AgentError> {
-    blocking(cancel, move || open(&req)).await
+    let session = blocking(cancel, move || open(&req)).await?;
+    let opened = ApplyOpened {
+        session: session.id,
+        root: path_string(&session.root),
+        stale_cleaned: session.stale_cleaned,
+    };
+    let (order, _) = watch::channel(Order::default());
+    let entry = Entry {
+        id: session.id,
+        order,
+        state: Arc::new(tokio::sync::Mutex::new(session)),
+    };
+    sessions.map().insert(opened.session, Arc::new(entry));
+    Ok(opened)
 }
 
 pub async fn apply(
+    sessions: &Sessions,
     req: ApplyRequest,
     cancel: &CancellationToken,
 ) -> Result<ApplyResult, AgentError> {
-    let session = lookup(req.session)?;
-    // Nothing may await before this lock is first polled: that poll is what queues this request
-    // behind the session's earlier ones (request tasks are first polled in arrival order).
+    let entry = sessions.lookup(req.session)?;
+    let _turn = entry.turn(req.seq, cancel).await?;
+    // Only the request whose turn it is takes the lock (or an abort, which waits for it).
     let guard = tokio::select! {
         biased;
-        g = session.lock_owned() => g,
+        g = entry.state.clone().lock_owned() => g,
         _ = cancel.cancelled() => return Err(cancelled()),
     };
     let token = cancel.clone();
@@ -112,15 +310,21 @@ pub async fn apply(
 }
 
 pub async fn apply_close(
+    sessions: &Sessions,
     req: ApplyCloseRequest,
     cancel: &CancellationToken,
 ) -> Result<(), AgentError> {
-    let session = lookup(req.session)?;
+    let entry = sessions.lookup(req.session)?;
+    let turn = entry.turn(req.seq, cancel).await?;
     let guard = tokio::select! {
         biased;
-        g = session.lock_owned() => g,
+        g = entry.state.clone().lock_owned() => g,
         _ = cancel.cancelled() => return Err(cancelled()),
     };
+    // Requests numbered after the close can never run.
+    entry.end("closed");
+    drop(turn);
+    sessions.map().remove(&entry.id);
     blocking(cancel, move || {
         let mut s = guard;
         s.close(&req.dir_mtimes)
@@ -128,26 +332,33 @@ pub async fn apply_close(
     .await
 }
 
-/// On agent shutdown: remove the staging of every session still open (best effort; what is
-/// left is cleaned by the next `ApplyOpen` on that root).
-pub async fn close_all() {
-    let open: Vec<SessionRef> = sessions().drain().map(|(_, s)| s).collect();
-    for s in open {
-        let Ok(guard) = tokio::time::timeout(Duration::from_secs(1), s.lock_owned()).await else {
-            continue;
-        };
-        let _ = tokio::task::spawn_blocking(move || {
-            let mut s = guard;
-            s.abandon();
-        })
-        .await;
-    }
+/// Out of order: refuse what waits, let the running batch finish, drop the staging.
+pub async fn apply_abort(
+    sessions: &Sessions,
+    req: ApplyAbortRequest,
+    cancel: &CancellationToken,
+) -> Result<(), AgentError> {
+    let entry = sessions.lookup(req.session)?;
+    entry.end("aborted");
+    let guard = tokio::select! {
+        biased;
+        g = entry.state.clone().lock_owned() => g,
+        // Still in the map: the channel's end removes its staging.
+        _ = cancel.cancelled() => return Err(cancelled()),
+    };
+    sessions.map().remove(&entry.id);
+    blocking(cancel, move || {
+        let mut s = guard;
+        s.abort();
+        Ok(())
+    })
+    .await
 }
 
 // ---------------------------------------------------------------------------------------------
 // Opening
 
-fn open(req: &ApplyOpenRequest) -> Result<ApplyOpened, AgentError> {
+fn open(req: &ApplyOpenRequest) -> Result<Session, AgentError> {
     if req.root.is_empty() {
         return Err(err(
             ErrorCode::InvalidArgument,
@@ -196,8 +407,9 @@ fn open(req: &ApplyOpenRequest) -> Result<ApplyOpened, AgentError> {
         if !try_lock(&lock) || lock.metadata().map(|m| m.nlink()).unwrap_or(0) == 0 {
             continue;
         }
-        let session = Session {
+        return Ok(Session {
             id,
+            stale_cleaned,
             root: root.clone(),
             staging,
             lock: Some(lock),
@@ -208,12 +420,6 @@ fn open(req: &ApplyOpenRequest) -> Result<ApplyOpened, AgentError> {
             pending: Vec::new(),
             deferred_modes: HashMap::new(),
             committed: Vec::new(),
-        };
-        sessions().insert(id, Arc::new(tokio::sync::Mutex::new(session)));
-        return Ok(ApplyOpened {
-            session: id,
-            root: shown,
-            stale_cleaned,
         });
     }
     Err(err(
@@ -313,6 +519,8 @@ struct Commit {
 
 struct Session {
     id: u64,
+    /// Leftover staging directories removed when this session opened.
+    stale_cleaned: u32,
     root: PathBuf,
     staging: PathBuf,
     lock: Option<File>,
@@ -866,7 +1074,6 @@ impl Session {
             }
         }
         cache::record(&self.root, &std::mem::take(&mut self.committed));
-        sessions().remove(&self.id);
         match errors.len() {
             0 => Ok(()),
             1 => Err(err(ErrorCode::Io, errors.remove(0))),
@@ -875,6 +1082,15 @@ impl Session {
                 format!("{} (and {} more errors)", errors[0], k - 1),
             )),
         }
+    }
+
+    /// Give up: what was committed stays (and its hashes are cached), the staging goes.
+    fn abort(&mut self) {
+        if self.closed {
+            return;
+        }
+        self.abandon();
+        cache::record(&self.root, &std::mem::take(&mut self.committed));
     }
 
     /// Drop everything staged and remove the staging directory (its lock goes last).

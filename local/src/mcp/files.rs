@@ -59,7 +59,7 @@ impl RsbServer {
         };
         reply(
             client
-                .list_dir(req)
+                .call(req)
                 .await
                 .map(|r| fs::list_reply(&p.remote_path, &r)),
         )
@@ -80,6 +80,6 @@ impl RsbServer {
             Ok(c) => c,
             Err(e) => return fail(&e),
         };
-        reply(client.read_file(req).await.map(|r| fs::read_reply(&r)))
+        reply(client.call(req).await.map(|r| fs::read_reply(&r)))
     }
 }

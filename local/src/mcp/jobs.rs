@@ -246,7 +246,7 @@ impl RsbServer {
         };
         let cursor = p.offset.is_some();
         let mut r = client
-            .job_status(req)
+            .call(req)
             .await
             .and_then(|r| jobs::status_reply(&session, cursor, &r));
         if let Ok(v) = &mut r
@@ -311,7 +311,7 @@ impl RsbServer {
         // The job's resolved cwd (where a relative checkpoint_path lives).
         let cwd = match jobs::status_request(&name, "", 1, None, 1) {
             Ok(req) => client
-                .job_status(req)
+                .call(req)
                 .await
                 .ok()
                 .and_then(|r| r.info)

@@ -109,7 +109,7 @@ impl RsbServer {
                 Ok(c) => c,
                 Err(e) => return fail(&e),
             };
-            reply(client.exec(req).await.map(|r| exec::reply(&r, p.timeout_s)))
+            reply(client.call(req).await.map(|r| exec::reply(&r, p.timeout_s)))
         };
         with_progress(&ctx, "exec_bash", work).await
     }

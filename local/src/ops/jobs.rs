@@ -3,7 +3,8 @@
 //! defaults and shapes its reply keys.
 
 use rsb_protocol::{
-    JobInfo, JobKillRequest, JobStartRequest, JobState, JobStatusRequest, JobStatusResult,
+    JobInfo, JobKillRequest, JobListRequest, JobStartRequest, JobState, JobStatusRequest,
+    JobStatusResult,
 };
 use serde_json::{Map, Value, json};
 
@@ -54,7 +55,7 @@ pub async fn start(
         log_file.to_string()
     };
     let info = client
-        .job_start(JobStartRequest {
+        .call(JobStartRequest {
             name: name.clone(),
             command: command.to_string(),
             cwd: (!cwd.trim().is_empty()).then(|| cwd.to_string()),
@@ -213,7 +214,7 @@ pub async fn kill(client: &AgentClient, name: &str, grace_s: f64) -> Result<Valu
         ));
     }
     let i = client
-        .job_kill(JobKillRequest {
+        .call(JobKillRequest {
             name: name.into(),
             grace_ms: (grace_s * 1000.0) as u64,
         })
@@ -225,7 +226,7 @@ pub async fn kill(client: &AgentClient, name: &str, grace_s: f64) -> Result<Valu
 }
 
 pub async fn list(client: &AgentClient) -> Result<Value> {
-    let jobs = client.job_list().await?;
+    let jobs = client.call(JobListRequest).await?;
     let v: Vec<Value> = jobs
         .iter()
         .map(|i| {

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use futures::future::join_all;
-use rsb_protocol::{ResourceSnapshot, ResourcesRequest};
+use rsb_protocol::{PingRequest, ResourceSnapshot, ResourcesRequest};
 use serde_json::{Map, Value, json};
 
 use crate::{
@@ -77,7 +77,11 @@ pub async fn probe(pool: &Pool, name: &str, with_resources: bool) -> Probe {
         Err(_) => return dead(no_answer(name, "connect", connect)),
     };
     let round_trips = async {
-        client.ping(Vec::new()).await?;
+        client
+            .call(PingRequest {
+                payload: Vec::new(),
+            })
+            .await?;
         if !with_resources {
             return Ok(None);
         }
@@ -85,7 +89,7 @@ pub async fn probe(pool: &Pool, name: &str, with_resources: bool) -> Probe {
         // a dead connection.
         Ok(Some(
             client
-                .resources(ResourcesRequest {
+                .call(ResourcesRequest {
                     max_wait_ms: RESOURCES_MAX_WAIT.as_millis() as u64,
                 })
                 .await,

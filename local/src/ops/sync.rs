@@ -182,11 +182,11 @@ async fn estimate(pool: &Pool, path: &Path, rules: &SyncRules) -> Result<(u64, u
     let local = pool.local_agent().await?;
     let (tx, mut rx) = tokio::sync::mpsc::channel(64);
     let call = local.call_streaming(
-        rsb_protocol::Request::Manifest(rsb_protocol::ManifestRequest {
+        rsb_protocol::ManifestRequest {
             root: path.display().to_string(),
             rules: rules.clone(),
             hash: false,
-        }),
+        },
         tx,
     );
     let count = async {

@@ -501,7 +501,7 @@ pub async fn check_task(
     last_n_lines: i64,
 ) -> Result<Value> {
     let req = jobs::status_request(job, log_file, last_n_lines, None, 1)?;
-    let r = c.job_status(req).await?;
+    let r = c.call(req).await?;
     jobs::status_reply(job, false, &r)
 }
 
@@ -534,7 +534,7 @@ pub async fn read_checkpoint(c: &AgentClient, w: Watch, max_bytes: i64) -> Resul
     if !cmd.trim().is_empty() {
         let cwd = (!w.cwd.is_empty()).then_some(w.cwd.as_str());
         let req = exec::build_request(&cmd, cwd, 30, max_bytes.min(exec::MAX_OUTPUT_CHARS))?;
-        let r = c.exec(req).await?;
+        let r = c.call(req).await?;
         let reply = exec::reply(&r, 30);
         let raw = reply["stdout"].as_str().unwrap_or("").to_string();
         return Ok(CheckpointRead {
@@ -548,7 +548,7 @@ pub async fn read_checkpoint(c: &AgentClient, w: Watch, max_bytes: i64) -> Resul
         return Err(no_checkpoint(w.id));
     }
     let req = fs::read_request(&w.checkpoint_path, max_bytes)?;
-    let r = c.read_file(req).await?;
+    let r = c.call(req).await?;
     let reply = fs::read_reply(&r);
     let raw = reply["content"].as_str().unwrap_or("").to_string();
     Ok(CheckpointRead {

@@ -1,8 +1,9 @@
 //! Runs a sync between a source and a destination agent: scan both concurrently, plan, then
 //! stream the changes into a staging session on the destination.
 //!
-//! Ordering: the agent runs the requests of one apply session in arrival order, but this engine
-//! does not lean on that more than it must. Directories are created first (awaited), then small
+//! Ordering: every request of an apply session carries a sequence number, taken when the request
+//! is sent, and the agent runs them in that order; still, this engine does not lean on that more
+//! than it must. Directories are created first (awaited), then small
 //! files (whole, data and commit in one request, many files per request), symlinks and
 //! attribute fixes stream through a window of requests while large files go one at a time,
 //! each with its own window of `FileData` requests; a large file's first request is awaited
@@ -11,19 +12,23 @@
 //! restores directory mtimes. Source bytes are read with pipelined `ReadFile` requests (small
 //! files by a reader task that starts before the directories are created).
 //!
-//! A sync that fails, is cancelled or is dropped closes its session (the staging dir goes);
+//! A sync that fails, is cancelled or is dropped aborts its session (the staging dir goes);
 //! files already committed stay, and nothing partial is ever visible.
 
 use std::{
-    sync::{Arc, Mutex},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant},
 };
 
 use futures::{StreamExt, stream::FuturesUnordered};
+use parking_lot::Mutex;
 use rsb_protocol::{
-    ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyRequest, BlockHashesRequest, Chunk,
-    ErrorCode, FileKind, ManifestEntry, ManifestRequest, ManifestSummary, ReadFileRequest, Reply,
-    Request, SyncRules,
+    ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyRequest,
+    BlockHashesRequest, Chunk, ErrorCode, FileKind, ManifestEntry, ManifestRequest,
+    ManifestSummary, ReadFileRequest, StatRequest, SyncRules,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -54,7 +59,7 @@ const LARGE_READS: usize = 8;
 const CHUNKS_PER_REQUEST: usize = 4;
 /// Ops per request for metadata-only batches (mkdir, delete).
 const META_OPS: usize = 2000;
-/// How long a failed or cancelled sync waits for `ApplyClose` (removes its staging dir).
+/// How long a failed or cancelled sync waits for `ApplyAbort` (removes its staging dir).
 const CLEANUP_TIMEOUT: Duration = Duration::from_millis(500);
 /// Progress callbacks at most this often (plus every phase change and the end).
 const PROGRESS_EVERY: Duration = Duration::from_millis(50);
@@ -65,13 +70,6 @@ pub fn cancelled_error() -> RsbError {
         "sync cancelled",
         "files already committed stay; nothing partial was left; run the sync again to finish",
     )
-}
-
-fn unexpected(what: &str, r: &Reply) -> RsbError {
-    RsbError::internal(format!(
-        "agent answered {what} with an unexpected reply ({:?})",
-        std::mem::discriminant(r)
-    ))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -114,7 +112,7 @@ impl Tracker {
 
     fn update(&self, force: bool, f: impl FnOnce(&mut Progress)) {
         let snapshot = {
-            let mut st = self.state.lock().unwrap();
+            let mut st = self.state.lock();
             let before = st.p.phase;
             f(&mut st.p);
             let now = Instant::now();
@@ -171,11 +169,11 @@ async fn manifest(
 ) -> Result<(ManifestSummary, Vec<ManifestEntry>)> {
     let (tx, mut rx) = mpsc::channel::<Chunk>(64);
     let call = c.call_streaming(
-        Request::Manifest(ManifestRequest {
+        ManifestRequest {
             root: root.to_string(),
             rules: rules.clone(),
             hash: true,
-        }),
+        },
         tx,
     );
     let collect = async {
@@ -188,56 +186,79 @@ async fn manifest(
         v
     };
     let (r, entries) = tokio::join!(call, collect);
-    match r? {
-        Reply::Manifest(s) => Ok((s, entries)),
-        other => Err(unexpected("manifest", &other)),
-    }
+    Ok((r?, entries))
 }
 
 /// `stat` that maps "not found" to `None`.
 async fn stat_opt(c: &AgentClient, path: &str) -> Result<Option<rsb_protocol::FileStat>> {
-    match c.stat(path, true).await {
+    let req = StatRequest {
+        path: path.into(),
+        follow: true,
+    };
+    match c.call(req).await {
         Ok(s) => Ok(Some(s)),
         Err(e) if e.kind == Kind::Agent(ErrorCode::NotFound) => Ok(None),
         Err(e) => Err(e),
     }
 }
 
-async fn apply(dst: &AgentClient, session: u64, ops: Vec<ApplyOp>) -> Result<u32> {
-    match dst
-        .call(Request::Apply(ApplyRequest { session, ops }))
-        .await?
-    {
-        Reply::Applied(a) => Ok(a.applied),
-        other => Err(unexpected("apply", &other)),
+/// An open apply session on the destination.
+///
+/// Its requests are numbered at the moment the client queues their frames, so they reach the
+/// agent in number order, and the agent runs them in that order: pipelined batches cannot
+/// overtake each other, however their futures or the agent's tasks are scheduled.
+struct Session {
+    dst: AgentClient,
+    id: u64,
+    next_seq: AtomicU64,
+}
+
+impl Session {
+    fn new(dst: &AgentClient, id: u64) -> Session {
+        Session {
+            dst: dst.clone(),
+            id,
+            next_seq: AtomicU64::new(0),
+        }
+    }
+
+    fn seq(&self) -> u64 {
+        self.next_seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    async fn apply(&self, ops: Vec<ApplyOp>) -> Result<u32> {
+        let req = || ApplyRequest {
+            session: self.id,
+            seq: self.seq(),
+            ops,
+        };
+        Ok(self.dst.call_with(req).await?.applied)
+    }
+
+    async fn apply_batch(&self, ops: Vec<ApplyOp>, info: BatchInfo) -> Result<BatchInfo> {
+        self.apply(ops).await?;
+        Ok(info)
+    }
+
+    async fn apply_bytes(&self, ops: Vec<ApplyOp>, bytes: u64) -> Result<u64> {
+        self.apply(ops).await?;
+        Ok(bytes)
+    }
+
+    /// Finish the session after every batch (directory mtimes last).
+    async fn close(&self, dir_mtimes: Vec<(String, i64)>) -> Result<()> {
+        let req = || ApplyCloseRequest {
+            session: self.id,
+            seq: self.seq(),
+            dir_mtimes,
+        };
+        self.dst.call_with(req).await
     }
 }
 
-async fn apply_batch(
-    dst: AgentClient,
-    session: u64,
-    ops: Vec<ApplyOp>,
-    info: BatchInfo,
-) -> Result<BatchInfo> {
-    apply(&dst, session, ops).await?;
-    Ok(info)
-}
-
-async fn apply_bytes(dst: AgentClient, session: u64, ops: Vec<ApplyOp>, bytes: u64) -> Result<u64> {
-    apply(&dst, session, ops).await?;
-    Ok(bytes)
-}
-
-async fn close_session(
-    dst: &AgentClient,
-    session: u64,
-    dir_mtimes: Vec<(String, i64)>,
-) -> Result<Reply> {
-    dst.call(Request::ApplyClose(ApplyCloseRequest {
-        session,
-        dir_mtimes,
-    }))
-    .await
+/// Give up a session out of order: batches not yet run fail, the staging dir goes.
+async fn abort(dst: AgentClient, session: u64) -> Result<()> {
+    dst.call(ApplyAbortRequest { session }).await
 }
 
 /// Read a whole small file (owned arguments: the future is `'static`).
@@ -252,16 +273,11 @@ async fn read_block(src: AgentClient, path: String, off: u64, len: u64) -> Resul
 }
 
 async fn block_hashes(c: &AgentClient, path: &str) -> Result<Vec<[u8; 32]>> {
-    match c
-        .call(Request::BlockHashes(BlockHashesRequest {
-            path: path.to_string(),
-            block_size: BLOCK_SIZE,
-        }))
-        .await?
-    {
-        Reply::BlockHashes(b) => Ok(b.hashes),
-        other => Err(unexpected("block_hashes", &other)),
-    }
+    let req = BlockHashesRequest {
+        path: path.to_string(),
+        block_size: BLOCK_SIZE,
+    };
+    Ok(c.call(req).await?.hashes)
 }
 
 /// Read `[offset, offset + len)`; with `to_eof`, keep reading while the file has more.
@@ -281,7 +297,7 @@ async fn read_range(
             len - data.len() as u64
         };
         let r = src
-            .read_file(ReadFileRequest {
+            .call(ReadFileRequest {
                 path: path.to_string(),
                 offset: off,
                 max_bytes: want,
@@ -632,23 +648,19 @@ async fn execute(
         p.files_total = (plan.files.len() + plan.symlinks.len()) as u64;
         p.bytes_total = plan.bytes_total();
     });
-    let opened = match dst
-        .call(Request::ApplyOpen(ApplyOpenRequest {
+    let opened = dst
+        .call(ApplyOpenRequest {
             root: roots.dst.clone(),
             create_root: true,
-        }))
-        .await?
-    {
-        Reply::ApplyOpened(o) => o,
-        other => return Err(unexpected("apply_open", &other)),
-    };
-    let session = opened.session;
-    // Whatever happens from here (error, cancel, this future dropped), the session is closed
+        })
+        .await?;
+    let session = Session::new(dst, opened.session);
+    // Whatever happens from here (error, cancel, this future dropped), the session is aborted
     // so its staging dir goes; a session left open would keep its staging until the
     // connection ends.
     let mut guard = SessionGuard {
         dst: dst.clone(),
-        session,
+        session: opened.session,
         armed: true,
     };
     tmark(tracker, "opened");
@@ -664,8 +676,7 @@ async fn execute(
     }
     let ctx = Ctx {
         src,
-        dst,
-        session,
+        session: &session,
         roots,
         tracker: tracker.clone(),
         bytes_sent: Mutex::new(0),
@@ -674,24 +685,19 @@ async fn execute(
         r = ctx.transfer(&plan, report) => r,
         _ = cancel.cancelled() => Err(cancelled_error()),
     };
-    report.bytes_sent = *ctx.bytes_sent.lock().unwrap();
+    report.bytes_sent = *ctx.bytes_sent.lock();
     match res {
         Ok(()) => {
             tmark(tracker, "transferred");
             guard.armed = false;
-            match close_session(dst, session, plan.dir_mtimes.clone()).await? {
-                Reply::Done => {}
-                other => return Err(unexpected("apply_close", &other)),
-            }
-            Ok(())
+            session.close(plan.dir_mtimes.clone()).await
         }
         Err(e) => {
-            // Close now, waiting a little (the agent first stops the cancelled requests); if
-            // that takes longer, the close finishes in the background.
+            // Abort now, waiting a little (the agent lets the running batch finish); if that
+            // takes longer, the abort finishes in the background.
             guard.armed = false;
             if dst.is_alive() {
-                let d = dst.clone();
-                let h = tokio::spawn(async move { close_session(&d, session, Vec::new()).await });
+                let h = tokio::spawn(abort(dst.clone(), session.id));
                 let _ = tokio::time::timeout(CLEANUP_TIMEOUT, h).await;
             }
             Err(e)
@@ -708,7 +714,7 @@ impl<T> Drop for AbortOnDrop<T> {
     }
 }
 
-/// Closes an apply session (dropping what was staged) when the sync stops early.
+/// Aborts an apply session (dropping what was staged) when the sync stops early.
 struct SessionGuard {
     dst: AgentClient,
     session: u64,
@@ -720,20 +726,15 @@ impl Drop for SessionGuard {
         if !self.armed || !self.dst.is_alive() {
             return;
         }
-        let d = self.dst.clone();
-        let session = self.session;
         if let Ok(h) = tokio::runtime::Handle::try_current() {
-            h.spawn(async move {
-                let _ = close_session(&d, session, Vec::new()).await;
-            });
+            h.spawn(abort(self.dst.clone(), self.session));
         }
     }
 }
 
 struct Ctx<'a> {
     src: &'a AgentClient,
-    dst: &'a AgentClient,
-    session: u64,
+    session: &'a Session,
     roots: &'a Roots,
     tracker: Arc<Tracker>,
     bytes_sent: Mutex<u64>,
@@ -748,7 +749,7 @@ struct BatchInfo {
 
 impl Ctx<'_> {
     fn sent(&self, n: u64) {
-        *self.bytes_sent.lock().unwrap() += n;
+        *self.bytes_sent.lock() += n;
     }
 
     async fn transfer(&self, plan: &Plan, report: &mut SyncReport) -> Result<()> {
@@ -781,7 +782,7 @@ impl Ctx<'_> {
                     mode: *mode,
                 })
                 .collect();
-            apply(self.dst, self.session, ops).await?;
+            self.session.apply(ops).await?;
         }
         tmark(&self.tracker, "mkdirs");
         // 2. Small items stream alongside large files (one at a time).
@@ -805,7 +806,7 @@ impl Ctx<'_> {
                     mtime_ns: *mtime,
                 })
                 .collect();
-            apply(self.dst, self.session, ops).await?;
+            self.session.apply(ops).await?;
         }
         // 4. Deletes: files, then directories deepest first.
         if !plan.delete_files.is_empty() || !plan.delete_dirs.is_empty() {
@@ -816,7 +817,7 @@ impl Ctx<'_> {
                 .iter()
                 .map(|rel| ApplyOp::Delete { rel: rel.clone() })
                 .collect();
-            apply(self.dst, self.session, ops).await?;
+            self.session.apply(ops).await?;
         }
         if !plan.delete_dirs.is_empty() {
             let ops: Vec<ApplyOp> = plan
@@ -824,17 +825,15 @@ impl Ctx<'_> {
                 .iter()
                 .map(|rel| ApplyOp::Delete { rel: rel.clone() })
                 .collect();
-            if apply(self.dst, self.session, ops).await.is_err() {
+            if self.session.apply(ops).await.is_err() {
                 // A directory that still holds excluded entries cannot be removed (and must
                 // not be): delete one by one and keep those.
                 let mut deleted = 0;
                 for rel in &plan.delete_dirs {
-                    match apply(
-                        self.dst,
-                        self.session,
-                        vec![ApplyOp::Delete { rel: rel.clone() }],
-                    )
-                    .await
+                    match self
+                        .session
+                        .apply(vec![ApplyOp::Delete { rel: rel.clone() }])
+                        .await
                     {
                         Ok(_) => deleted += 1,
                         Err(e) if e.kind == Kind::Agent(ErrorCode::NotFound) => deleted += 1,
@@ -885,7 +884,7 @@ impl Ctx<'_> {
                     {
                         data_bytes = 0;
                     }
-                    inflight.push(apply_batch(self.dst.clone(), self.session, batch, bi));
+                    inflight.push(self.session.apply_batch(batch, bi));
                 }
             };
         }
@@ -964,7 +963,7 @@ impl Ctx<'_> {
             let dst_path = self.roots.dst_path(&f.rel);
             let (s, d) = tokio::try_join!(
                 block_hashes(self.src, &src_path),
-                block_hashes(self.dst, &dst_path)
+                block_hashes(&self.session.dst, &dst_path)
             )?;
             blocks = blocks
                 .into_iter()
@@ -977,12 +976,9 @@ impl Ctx<'_> {
                 p.bytes_total = p.bytes_total.saturating_sub(f.size - send);
                 p.current_path = f.rel.clone();
             });
-            apply(
-                self.dst,
-                self.session,
-                vec![ApplyOp::FileBase { rel: f.rel.clone() }],
-            )
-            .await?;
+            self.session
+                .apply(vec![ApplyOp::FileBase { rel: f.rel.clone() }])
+                .await?;
             first_awaited = true;
         }
         let jobs: Vec<(AgentClient, String, u64, u64)> = blocks
@@ -1040,7 +1036,7 @@ impl Ctx<'_> {
                 let bytes = std::mem::take(&mut pending_bytes);
                 self.sent(bytes);
                 if !first_awaited {
-                    apply(self.dst, self.session, ops).await?;
+                    self.session.apply(ops).await?;
                     self.tracker.acked(0, bytes, Some(&f.rel));
                     first_awaited = true;
                 } else {
@@ -1048,7 +1044,7 @@ impl Ctx<'_> {
                         let b: u64 = inflight.next().await.expect("non-empty")?;
                         self.tracker.acked(0, b, Some(&f.rel));
                     }
-                    inflight.push(apply_bytes(self.dst.clone(), self.session, ops, bytes));
+                    inflight.push(self.session.apply_bytes(ops, bytes));
                 }
             }
             if last {
@@ -1063,18 +1059,15 @@ impl Ctx<'_> {
             Some(h) => (total, *h.finalize().as_bytes()),
             None => (f.size, f.hash),
         };
-        apply(
-            self.dst,
-            self.session,
-            vec![ApplyOp::FileCommit {
+        self.session
+            .apply(vec![ApplyOp::FileCommit {
                 rel: f.rel.clone(),
                 size,
                 mode: f.mode,
                 mtime_ns: f.mtime_ns,
                 hash,
-            }],
-        )
-        .await?;
+            }])
+            .await?;
         self.tracker.acked(1, 0, Some(&f.rel));
         Ok(())
     }

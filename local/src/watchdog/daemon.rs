@@ -489,7 +489,7 @@ impl Daemon {
             offset: None,
             max_bytes: 1,
         };
-        let r = match tokio::time::timeout(STATUS_DEADLINE, client.job_status(req)).await {
+        let r = match tokio::time::timeout(STATUS_DEADLINE, client.call(req)).await {
             Err(_) => {
                 // A silent link: drop it, so the next check reconnects instead of waiting again.
                 client.close("no answer within the watchdog's deadline");
@@ -546,7 +546,7 @@ impl Daemon {
             ],
             prefer_tmux: true,
         };
-        let r = match tokio::time::timeout(RESUME_DEADLINE, client.job_start(req)).await {
+        let r = match tokio::time::timeout(RESUME_DEADLINE, client.call(req)).await {
             Ok(Ok(info)) => Ok(info.name),
             Ok(Err(e)) => Err(e.message),
             Err(_) => Err(format!(
@@ -636,7 +636,7 @@ async fn fetch_tail(c: &AgentClient, w: &Watch) -> Option<String> {
         offset: None,
         max_bytes: MAX_TEXT_CHARS as u64,
     };
-    match tokio::time::timeout(STATUS_DEADLINE, c.job_status(req)).await {
+    match tokio::time::timeout(STATUS_DEADLINE, c.call(req)).await {
         Ok(Ok(r)) => Some(String::from_utf8_lossy(&r.log).into_owned()),
         _ => None,
     }
@@ -652,7 +652,7 @@ pub async fn read_checkpoint(c: &AgentClient, w: &Watch) -> std::result::Result<
         req.timeout_ms = CHECKPOINT_DEADLINE.as_millis() as u64;
         req.max_stdout = MAX_TEXT_CHARS as u64;
         req.max_stderr = 2_000;
-        let r = tokio::time::timeout(CHECKPOINT_DEADLINE + Duration::from_secs(5), c.exec(req))
+        let r = tokio::time::timeout(CHECKPOINT_DEADLINE + Duration::from_secs(5), c.call(req))
             .await
             .map_err(|_| "checkpoint_command timed out".to_string())?
             .map_err(|e| e.message)?;
@@ -668,7 +668,7 @@ pub async fn read_checkpoint(c: &AgentClient, w: &Watch) -> std::result::Result<
         offset: 0,
         max_bytes: MAX_TEXT_CHARS as u64,
     };
-    let r = tokio::time::timeout(CHECKPOINT_DEADLINE, c.read_file(req))
+    let r = tokio::time::timeout(CHECKPOINT_DEADLINE, c.call(req))
         .await
         .map_err(|_| "checkpoint read timed out".to_string())?
         .map_err(|e| e.message)?;
