@@ -5,6 +5,7 @@
 //! concurrently; a cancelled call's future is dropped, which cancels its agent request.
 
 mod files;
+mod forward;
 mod jobs;
 mod sandboxes;
 mod sync;
@@ -32,6 +33,8 @@ use crate::{
 #[derive(Clone)]
 pub struct RsbServer {
     pub(crate) pool: Arc<Pool>,
+    /// Port forwards started by `forward_port`; stopped when the server ends.
+    pub(crate) forwards: Arc<crate::ops::forward::Forwards>,
     tool_router: ToolRouter<RsbServer>,
     /// Set when the configuration could not be loaded: the tools are still listed, and every
     /// call replies with this error (as the seed did), so the client sees why.
@@ -40,13 +43,20 @@ pub struct RsbServer {
 
 impl RsbServer {
     pub fn new(config: Config) -> Self {
+        let advanced = config.expose_advanced_tools;
         let pool = Arc::new(Pool::new(Arc::new(config)));
-        let tool_router = Self::sandbox_router()
+        let mut tool_router = Self::sandbox_router()
             + Self::jobs_router()
             + Self::files_router()
             + Self::sync_router();
+        // Advanced tools stay out of the default list: every listed byte is context the
+        // client pays on each session.
+        if advanced {
+            tool_router += Self::forward_router();
+        }
         RsbServer {
             pool,
+            forwards: Default::default(),
             tool_router,
             config_error: None,
         }
@@ -296,6 +306,7 @@ pub async fn serve_config_error(err: ConfigError) -> anyhow::Result<()> {
 
 async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
     let pool = server.pool.clone();
+    let forwards = server.forwards.clone();
     let running = match server.serve(rmcp::transport::stdio()).await {
         Ok(r) => r,
         // A client that closes stdin before initializing is not an error worth a stack trace.
@@ -305,6 +316,7 @@ async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
         }
     };
     let _ = running.waiting().await;
+    forwards.stop_all().await;
     pool.shutdown().await;
     Ok(())
 }
