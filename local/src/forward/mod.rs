@@ -215,6 +215,7 @@ impl Forward {
             stats: Stats::default(),
             events,
             link: Mutex::new(LinkState::default()),
+            connecting: tokio::sync::Mutex::new(()),
         });
         let cancel = CancellationToken::new();
         let task = tokio::spawn(accept_loop(listener, shared.clone(), cancel.clone()));
@@ -261,7 +262,10 @@ impl Forward {
 
 #[derive(Default)]
 struct LinkState {
+    /// Consecutive failures, for the backoff.
     failures: u32,
+    /// Every failure ever, so a waiter can tell that an attempt failed while it waited.
+    attempts_failed: u64,
     /// No reconnect attempt before this instant.
     not_before: Option<Instant>,
     /// The session used last, to notice (and report) that the pool replaced it.
@@ -277,6 +281,8 @@ struct Shared {
     stats: Stats,
     events: Option<EventSink>,
     link: Mutex<LinkState>,
+    /// Held while asking the pool for a session (see [`Shared::open`]).
+    connecting: tokio::sync::Mutex<()>,
 }
 
 impl Shared {
@@ -290,6 +296,7 @@ impl Shared {
         let retry_in = {
             let mut l = self.link.lock();
             l.failures = l.failures.saturating_add(1);
+            l.attempts_failed += 1;
             let wait = BACKOFF_FIRST
                 .saturating_mul(1u32 << (l.failures - 1).min(8))
                 .min(BACKOFF_MAX);
@@ -335,7 +342,8 @@ impl Shared {
         }
         let deadline = tokio::time::Instant::now() + OPEN_DEADLINE;
         let mut last = String::from("no attempt finished in time");
-        // Bounded in count as well as time: every failed attempt backs off at least 200 ms.
+        // Bounded in count as well as time: a failed attempt backs off at least 200 ms, and a
+        // stale session is replaced by the pool on the next turn.
         for _ in 0..32 {
             let wait = self.link.lock().not_before;
             if let Some(t) = wait {
@@ -344,16 +352,28 @@ impl Shared {
                 }
                 tokio::time::sleep_until(tokio::time::Instant::from_std(t)).await;
             }
-            let ssh = match tokio::time::timeout_at(deadline, self.pool.ssh_session(&self.sandbox))
-                .await
-            {
-                Err(_) => break,
-                Ok(Ok(Some(s))) => s,
-                Ok(Ok(None)) => return Err("the sandbox has no SSH connection".into()),
-                Ok(Err(e)) => {
-                    last = e.message;
-                    self.link_failed(&last);
+            let ssh = {
+                // One reconnect attempt at a time: connections that waited behind a failed
+                // attempt share its outcome and go back to the backoff instead of each
+                // paying a connect timeout of their own.
+                let seen = self.link.lock().attempts_failed;
+                let Ok(_one) = tokio::time::timeout_at(deadline, self.connecting.lock()).await
+                else {
+                    break;
+                };
+                if self.link.lock().attempts_failed != seen {
                     continue;
+                }
+                match tokio::time::timeout_at(deadline, self.pool.ssh_session(&self.sandbox)).await
+                {
+                    Err(_) => break,
+                    Ok(Ok(Some(s))) => s,
+                    Ok(Ok(None)) => return Err("the sandbox has no SSH connection".into()),
+                    Ok(Err(e)) => {
+                        last = e.message;
+                        self.link_failed(&last);
+                        continue;
+                    }
                 }
             };
             let open = async {
@@ -371,17 +391,22 @@ impl Shared {
                     self.link_ok(&ssh);
                     return Err(format!("{}: {why}", self.target));
                 }
+                // The session died under us; the pool notices and reconnects on the next turn.
+                Ok(Err(ChannelOpenError::Link(why))) if ssh.is_closed() => {
+                    last = format!("connection lost: {why}");
+                }
                 Ok(Err(ChannelOpenError::Link(why))) => {
                     last = format!("connection lost: {why}");
+                    self.link_failed(&last);
                 }
                 Err(_) => {
                     last = format!(
                         "no answer to the channel open within {}s",
                         CHANNEL_OPEN_TIMEOUT.as_secs()
                     );
+                    self.link_failed(&last);
                 }
             }
-            self.link_failed(&last);
         }
         Err(format!("cannot reach sandbox '{}': {last}", self.sandbox))
     }
