@@ -583,12 +583,25 @@ async fn echo<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(mut s: S)
     }
 }
 
-fn req(sandbox: &str, target: Target) -> ForwardRequest {
-    ForwardRequest {
+/// Start a forward in-process (any free local port on loopback).
+async fn start(
+    pool: &Arc<rsb::pool::Pool>,
+    sandbox: &str,
+    target: Target,
+) -> Arc<rsb::forward::Forward> {
+    let req = ForwardRequest {
         sandbox: sandbox.into(),
         target,
         bind: "127.0.0.1".parse().unwrap(),
         local_port: LocalPort::Any,
+    };
+    ops_fwd::start(pool, &req, None).await.unwrap()
+}
+
+fn loopback(port: u16) -> Target {
+    Target::Tcp {
+        host: "127.0.0.1".into(),
+        port,
     }
 }
 
@@ -604,31 +617,15 @@ async fn the_local_sandbox_relays_tcp_and_unix_without_ssh() {
     let sock = dir.path().join("echo.sock");
     unix_echo(&sock).await;
 
-    let tcp = ops_fwd::start(
+    let tcp = start(&pool, "", loopback(echo_addr.port())).await;
+    let unix = start(
         &pool,
-        &req(
-            "",
-            Target::Tcp {
-                host: "127.0.0.1".into(),
-                port: echo_addr.port(),
-            },
-        ),
-        None,
+        "local",
+        Target::Unix {
+            path: sock.display().to_string(),
+        },
     )
-    .await
-    .unwrap();
-    let unix = ops_fwd::start(
-        &pool,
-        &req(
-            "local",
-            Target::Unix {
-                path: sock.display().to_string(),
-            },
-        ),
-        None,
-    )
-    .await
-    .unwrap();
+    .await;
     // 1 MiB each way, so the relay's half-close and counting are exercised, not just a line.
     let payload = "x".repeat(MIB);
     assert_eq!(
@@ -645,19 +642,7 @@ async fn the_local_sandbox_relays_tcp_and_unix_without_ssh() {
     assert!(pool.ssh_session("local").await.unwrap().is_none());
 
     // Nothing listens on the target: the client is closed, the failure counted.
-    let gone = ops_fwd::start(
-        &pool,
-        &req(
-            "local",
-            Target::Tcp {
-                host: "127.0.0.1".into(),
-                port: free_port(),
-            },
-        ),
-        None,
-    )
-    .await
-    .unwrap();
+    let gone = start(&pool, "local", loopback(free_port())).await;
     let r = roundtrip(gone.local_addr, "x").await;
     assert!(matches!(&r, Ok(s) if s.is_empty()) || r.is_err(), "{r:?}");
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -689,19 +674,7 @@ async fn forwarding_goes_through_a_proxyjump_chain() {
     let pool = Arc::new(pool_of(vec![sandbox("s", t)], dir.path()));
     let echo_addr = tcp_echo().await;
 
-    let f = ops_fwd::start(
-        &pool,
-        &req(
-            "s",
-            Target::Tcp {
-                host: "127.0.0.1".into(),
-                port: echo_addr.port(),
-            },
-        ),
-        None,
-    )
-    .await
-    .unwrap();
+    let f = start(&pool, "s", loopback(echo_addr.port())).await;
     let tasks: Vec<_> = (0..20)
         .map(|i| {
             let a = f.local_addr;

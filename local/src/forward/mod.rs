@@ -179,7 +179,8 @@ pub struct StatsSnapshot {
     pub last_error: Option<String>,
 }
 
-/// A running forward. Dropping it does not stop it; [`Forward::stop`] does.
+/// A running forward. [`Forward::stop`] returns once the port is free; dropping it stops it
+/// too, without waiting.
 pub struct Forward {
     pub sandbox: String,
     pub target: Target,
@@ -257,6 +258,12 @@ impl Forward {
         if let Some(t) = self.task.lock().await.take() {
             let _ = t.await;
         }
+    }
+}
+
+impl Drop for Forward {
+    fn drop(&mut self) {
+        self.cancel.cancel();
     }
 }
 

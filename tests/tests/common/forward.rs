@@ -44,9 +44,24 @@ pub fn entry(name: &str, sshd: &Sshd, port: u16) -> Value {
     })
 }
 
+/// `target/release/rsb` when it exists (benchmarks), else the debug build.
+pub fn rsb_bin_release_if_built() -> PathBuf {
+    let release = workspace_root().join("target/release/rsb");
+    if release.exists() {
+        release
+    } else {
+        eprintln!(
+            "note: {} is missing; using the debug build, whose numbers are not representative",
+            release.display()
+        );
+        rsb_bin()
+    }
+}
+
 /// Environment for `rsb` children: no config file, no ssh config, no agent, private state.
 pub struct RsbEnv {
     pub list: String,
+    pub bin: PathBuf,
     pub dir: tempfile::TempDir,
 }
 
@@ -54,6 +69,7 @@ impl RsbEnv {
     pub fn new(entries: &[Value]) -> RsbEnv {
         RsbEnv {
             list: Value::Array(entries.to_vec()).to_string(),
+            bin: rsb_bin(),
             dir: tempfile::tempdir().unwrap(),
         }
     }
@@ -61,7 +77,7 @@ impl RsbEnv {
     pub fn command(&self) -> Command {
         let home = self.dir.path().join("home");
         std::fs::create_dir_all(&home).unwrap();
-        let mut c = Command::new(rsb_bin());
+        let mut c = Command::new(&self.bin);
         c.env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("HOME", &home)
