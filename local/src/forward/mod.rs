@@ -311,7 +311,10 @@ impl Shared {
             wait
         };
         *self.stats.last_error.lock() = Some(error.to_string());
-        tracing::warn!(sandbox = %self.sandbox, "forward: sandbox unreachable: {error}");
+        // A foreground forward prints this as an event line already; say it once.
+        if self.events.is_none() {
+            tracing::warn!(sandbox = %self.sandbox, "forward: sandbox unreachable: {error}");
+        }
         self.emit(Event::LinkDown {
             error: error.to_string(),
             retry_in_s: retry_in.as_secs_f64(),
