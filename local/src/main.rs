@@ -90,6 +90,7 @@ enum Cmd {
     /// does: SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock (`:PORT` = the active
     /// sandbox). Runs until Ctrl-C, printing a line per connection; survives reconnects.
     Forward {
+        /// SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock, as the sandbox sees it.
         target: String,
         /// Local port: default the remote port when free (else any), 0 = any free port.
         local_port: Option<i64>,
