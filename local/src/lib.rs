@@ -7,6 +7,7 @@ pub mod client;
 pub mod config;
 pub mod connect;
 pub mod error;
+pub mod forward;
 pub mod mcp;
 pub mod ops;
 pub mod pool;

@@ -86,6 +86,18 @@ enum Cmd {
         #[arg(long, short = 'n')]
         dry_run: bool,
     },
+    /// Forward a local port to a service on a sandbox over its SSH connection, as `ssh -L`
+    /// does: SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock (`:PORT` = the active
+    /// sandbox). Runs until Ctrl-C, printing a line per connection; survives reconnects.
+    Forward {
+        /// SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock, as the sandbox sees it.
+        target: String,
+        /// Local port: default the remote port when free (else any), 0 = any free port.
+        local_port: Option<i64>,
+        /// Local address to listen on; anything but loopback lets other machines in.
+        #[arg(long, default_value = "127.0.0.1")]
+        bind: String,
+    },
     /// Background jobs supervised by the agent.
     Jobs {
         #[command(subcommand)]
@@ -342,6 +354,11 @@ async fn run(cli: Cli) -> u8 {
             }
         }
         Cmd::Jobs { cmd } => run_jobs(&pool, json, cmd).await,
+        Cmd::Forward {
+            target,
+            local_port,
+            bind,
+        } => rsb::forward::cli::run(pool.clone(), &target, local_port, &bind, json).await,
         Cmd::Sync {
             src,
             dst,

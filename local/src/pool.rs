@@ -144,6 +144,19 @@ impl Pool {
         Ok(client)
     }
 
+    /// The pooled SSH session of `name` (`""` = active), connecting or reconnecting exactly as
+    /// [`Pool::client`] does, so forwarded channels share the agent's connection and its
+    /// ProxyJump chain. `None` for a sandbox without SSH (`local`); nothing is started for it.
+    pub async fn ssh_session(&self, name: &str) -> Result<Option<Arc<crate::ssh::SshSession>>> {
+        let name = self.resolve(name)?;
+        let slot = self.slots[&name].clone();
+        if slot.cfg.transport == Transport::Local {
+            return Ok(None);
+        }
+        self.client(&name).await?;
+        Ok(slot.conn.lock().await.as_ref().and_then(|c| c.ssh.clone()))
+    }
+
     /// The local agent (a child process), for the local end of syncs; restarted if it died.
     pub async fn local_agent(&self) -> Result<AgentClient> {
         let mut guard = self.local.lock().await;

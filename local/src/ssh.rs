@@ -143,6 +143,33 @@ fn preferred_algorithms() -> russh::Preferred {
     p
 }
 
+/// Why a forwarding channel did not open. The two cases call for different reactions: a
+/// refusal comes from a live server (nothing listens there, or forwarding is disabled), so
+/// retrying on a new connection would not help; anything else means the link is gone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChannelOpenError {
+    Refused(String),
+    Link(String),
+}
+
+impl From<russh::Error> for ChannelOpenError {
+    fn from(e: russh::Error) -> Self {
+        use russh::ChannelOpenFailure as F;
+        match e {
+            russh::Error::ChannelOpenFailure(f) => ChannelOpenError::Refused(match f {
+                F::ConnectFailed => "the sandbox could not connect to it (is anything listening?)".into(),
+                F::AdministrativelyProhibited => {
+                    "the SSH server does not allow forwarding (AllowTcpForwarding / AllowStreamLocalForwarding)".into()
+                }
+                F::UnknownChannelType => "the SSH server does not support this kind of forwarding".into(),
+                F::ResourceShortage => "the SSH server is out of resources".into(),
+                F::Other { code, reason } => format!("refused by the SSH server ({code}): {}", one_line(&reason)),
+            }),
+            other => ChannelOpenError::Link(one_line(&other.to_string())),
+        }
+    }
+}
+
 /// One authenticated SSH connection.
 pub struct SshSession {
     handle: client::Handle<Checker>,
@@ -173,6 +200,36 @@ impl SshSession {
 
     pub fn is_closed(&self) -> bool {
         self.handle.is_closed()
+    }
+
+    /// A channel to `host:port` as the sandbox host sees it (what `ssh -L` opens). It rides
+    /// this session, so it goes through the ProxyJump chain the session was built on.
+    pub async fn open_direct_tcpip(
+        &self,
+        host: &str,
+        port: u16,
+        originator: std::net::SocketAddr,
+    ) -> std::result::Result<russh::Channel<client::Msg>, ChannelOpenError> {
+        self.handle
+            .channel_open_direct_tcpip(
+                host,
+                u32::from(port),
+                originator.ip().to_string(),
+                u32::from(originator.port()),
+            )
+            .await
+            .map_err(ChannelOpenError::from)
+    }
+
+    /// A channel to a Unix socket on the sandbox host (`direct-streamlocal@openssh.com`).
+    pub async fn open_direct_streamlocal(
+        &self,
+        path: &str,
+    ) -> std::result::Result<russh::Channel<client::Msg>, ChannelOpenError> {
+        self.handle
+            .channel_open_direct_streamlocal(path)
+            .await
+            .map_err(ChannelOpenError::from)
     }
 
     /// Run one command to completion, optionally feeding `stdin`. Used by deploy only.

@@ -5,6 +5,7 @@
 //! concurrently; a cancelled call's future is dropped, which cancels its agent request.
 
 mod files;
+mod forward;
 mod jobs;
 mod sandboxes;
 mod stdio;
@@ -34,6 +35,8 @@ use crate::{
 #[derive(Clone)]
 pub struct RsbServer {
     pub(crate) pool: Arc<Pool>,
+    /// Port forwards started by `forward_port`; stopped when the server ends.
+    pub(crate) forwards: Arc<crate::ops::forward::Forwards>,
     tool_router: ToolRouter<RsbServer>,
     /// Set when the configuration could not be loaded: the tools are still listed, and every
     /// call replies with this error (as the seed did), so the client sees why.
@@ -48,11 +51,15 @@ impl RsbServer {
             + Self::jobs_router()
             + Self::files_router()
             + Self::sync_router();
+        // Advanced tools stay out of the default list: every listed byte is context the
+        // client pays on each session.
         if advanced {
             tool_router += Self::watchdog_router();
+            tool_router += Self::forward_router();
         }
         RsbServer {
             pool,
+            forwards: Default::default(),
             tool_router,
             config_error: None,
         }
@@ -302,6 +309,7 @@ pub async fn serve_config_error(err: ConfigError) -> anyhow::Result<()> {
 
 async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
     let pool = server.pool.clone();
+    let forwards = server.forwards.clone();
     let (transport, writer) = stdio::transport(
         tokio::io::stdin(),
         tokio::io::stdout(),
@@ -314,6 +322,7 @@ async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
         // A client that closes stdin before initializing is not an error worth a stack trace.
         Err(e) => tracing::info!("MCP session ended before initialization: {e}"),
     }
+    forwards.stop_all().await;
     pool.shutdown().await;
     // The transport is gone with the service; what it queued (a last error reply) is flushed
     // before the process exits. Bounded, since a client that stopped reading blocks the write.

@@ -2,6 +2,7 @@
 //! the CLI both call these, so validation, defaults and reply shapes exist once.
 
 pub mod exec;
+pub mod forward;
 pub mod fs;
 pub mod jobs;
 pub mod output;

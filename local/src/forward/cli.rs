@@ -1,0 +1,141 @@
+//! `rsb forward SANDBOX:TARGET [LOCAL_PORT]`: forward in the foreground until Ctrl-C, one line
+//! per connection (JSON lines with `--json`).
+
+use std::{io::Write, sync::Arc};
+
+use crate::{
+    error::RsbError,
+    forward::{Event, EventSink},
+    ops::forward::{self, ForwardInfo},
+    pool::Pool,
+};
+
+/// Exit code: 0 after Ctrl-C, 2 for bad arguments, 1 when the forward cannot start.
+pub async fn run(
+    pool: Arc<Pool>,
+    spec: &str,
+    local_port: Option<i64>,
+    bind: &str,
+    json: bool,
+) -> u8 {
+    let req = match forward::cli_request(pool.names(), spec, local_port, bind) {
+        Ok(r) => r,
+        Err(e) => {
+            print_error(json, &e);
+            return 2;
+        }
+    };
+    let sink: EventSink = Arc::new(move |e: &Event| print_event(json, e));
+    let fwd = match forward::start(&pool, &req, Some(sink)).await {
+        Ok(f) => f,
+        Err(e) => {
+            print_error(json, &e);
+            return 1;
+        }
+    };
+    let info = ForwardInfo::of(1, &fwd);
+    if json {
+        let mut v = serde_json::to_value(&info).unwrap_or_default();
+        v["event"] = "listening".into();
+        println!("{v}");
+    } else {
+        println!(
+            "forwarding {} -> {}:{} (Ctrl-C stops)",
+            info.local_url, info.sandbox, info.target
+        );
+        if let Some(w) = &info.warning {
+            eprintln!("rsb: warning: {w}");
+        }
+    }
+    let _ = std::io::stdout().flush();
+    let _ = tokio::signal::ctrl_c().await;
+    fwd.stop().await;
+    let s = fwd.stats();
+    if json {
+        let mut v = serde_json::to_value(ForwardInfo::of(1, &fwd)).unwrap_or_default();
+        v["event"] = "stopped".into();
+        println!("{v}");
+    } else {
+        println!(
+            "stopped: {} connections ({} failed), sent {}, received {}",
+            s.connections_total,
+            s.connections_failed,
+            human_bytes(s.bytes_sent),
+            human_bytes(s.bytes_received)
+        );
+    }
+    0
+}
+
+fn print_error(json: bool, e: &RsbError) {
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({"event": "error", "error": e.message, "hint": e.hint})
+        );
+    } else {
+        eprintln!("rsb: {}\n  hint: {}", e.message, e.hint);
+    }
+}
+
+fn print_event(json: bool, e: &Event) {
+    let line = if json {
+        serde_json::to_string(e).unwrap_or_default()
+    } else {
+        match e {
+            Event::Open { conn, peer } => format!("#{conn} open  {peer}"),
+            Event::Close {
+                conn,
+                peer,
+                bytes_sent,
+                bytes_received,
+                duration_s,
+                error,
+            } => {
+                let what = if error.is_some() { "error" } else { "close" };
+                let mut l = format!(
+                    "#{conn} {what} {peer}  sent {}, received {}, {duration_s:.2}s",
+                    human_bytes(*bytes_sent),
+                    human_bytes(*bytes_received)
+                );
+                if let Some(err) = error {
+                    l.push_str(": ");
+                    l.push_str(err);
+                }
+                l
+            }
+            Event::LinkDown { error, retry_in_s } => {
+                format!("link down: {error}; retrying in {retry_in_s:.1}s")
+            }
+            Event::Reconnected { sandbox } => format!("reconnected to sandbox '{sandbox}'"),
+        }
+    };
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn byte_counts_read_like_a_human_wrote_them() {
+        assert_eq!(super::human_bytes(0), "0 B");
+        assert_eq!(super::human_bytes(1023), "1023 B");
+        assert_eq!(super::human_bytes(1536), "1.5 KiB");
+        assert_eq!(super::human_bytes(100 << 20), "100.0 MiB");
+    }
+}

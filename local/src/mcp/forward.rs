@@ -1,0 +1,114 @@
+//! Port forwarding tools. Listed only with REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS, so the default
+//! `tools/list` keeps its size; a forward lives as long as the server.
+
+use rmcp::{
+    handler::server::wrapper::Parameters, schemars, schemars::JsonSchema, tool, tool_router,
+};
+use serde::Deserialize;
+
+use super::{RsbServer, ToolResult, fail, ok};
+use crate::{
+    error::RsbError,
+    ops::forward::{self, DEFAULT_REMOTE_HOST, ForwardRequest},
+};
+
+fn d_host() -> String {
+    DEFAULT_REMOTE_HOST.into()
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ForwardPortParams {
+    #[serde(default)]
+    pub remote_port: Option<i64>,
+    #[serde(default = "d_host")]
+    pub remote_host: String,
+    /// Unix socket on the sandbox, instead of a port.
+    #[serde(default)]
+    pub socket_path: String,
+    /// 0 = the remote port if free, else any.
+    #[serde(default)]
+    pub local_port: i64,
+    /// Non-loopback is reachable from other machines.
+    #[serde(default)]
+    pub bind: String,
+    #[serde(default)]
+    pub sandbox_name: String,
+}
+
+impl ForwardPortParams {
+    fn request(&self) -> Result<ForwardRequest, RsbError> {
+        let target = match (self.socket_path.is_empty(), self.remote_port) {
+            (false, None) => forward::unix_target(&self.socket_path)?,
+            (true, Some(p)) => forward::tcp_target(
+                &self.remote_host,
+                u16::try_from(p).map_err(|_| {
+                    RsbError::invalid(
+                        format!("remote_port {p} is not a port"),
+                        "ports are 1-65535",
+                    )
+                })?,
+            )?,
+            _ => {
+                return Err(RsbError::invalid(
+                    "pass exactly one of remote_port and socket_path",
+                    "remote_port (with remote_host, default localhost) for TCP, socket_path for a Unix socket",
+                ));
+            }
+        };
+        let local = (self.local_port != 0).then_some(self.local_port);
+        Ok(ForwardRequest {
+            sandbox: self.sandbox_name.clone(),
+            local_port: forward::local_port(local, &target)?,
+            bind: forward::parse_bind(&self.bind)?,
+            target,
+        })
+    }
+}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ListForwardsParams {}
+
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct StopForwardParams {
+    pub forward_id: u64,
+}
+
+fn json<T: serde::Serialize>(v: &T) -> ToolResult {
+    match serde_json::to_value(v) {
+        Ok(v) => ok(v),
+        Err(e) => fail(&RsbError::internal(format!("cannot encode reply: {e}"))),
+    }
+}
+
+#[tool_router(router = forward_router, vis = "pub(super)")]
+impl RsbServer {
+    #[tool(
+        description = "Forward a local port to a sandbox port or Unix socket over SSH (like ssh -L); returns local_url."
+    )]
+    async fn forward_port(&self, Parameters(p): Parameters<ForwardPortParams>) -> ToolResult {
+        let req = match p.request() {
+            Ok(r) => r,
+            Err(e) => return fail(&e),
+        };
+        match forward::start(&self.pool, &req, None).await {
+            Ok(f) => json(&self.forwards.add(f)),
+            Err(e) => fail(&e),
+        }
+    }
+
+    #[tool(description = "List running port forwards with connection and byte counts.")]
+    async fn list_forwards(&self, Parameters(_): Parameters<ListForwardsParams>) -> ToolResult {
+        json(&self.forwards.list())
+    }
+
+    #[tool(description = "Stop a port forward and free its local port.")]
+    async fn stop_forward(&self, Parameters(p): Parameters<StopForwardParams>) -> ToolResult {
+        match self.forwards.stop(p.forward_id).await {
+            Ok(info) => json(&info),
+            Err(e) => fail(&e),
+        }
+    }
+}

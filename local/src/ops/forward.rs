@@ -1,0 +1,419 @@
+//! Forwarding as a user asks for it: the `SANDBOX:PORT` / `SANDBOX:HOST:PORT` /
+//! `SANDBOX:/path.sock` syntax, the bind address and local port rules, the typed replies the
+//! CLI and the MCP tools both print, and the registry of forwards an MCP server keeps.
+
+use std::{
+    collections::BTreeMap,
+    net::{IpAddr, Ipv4Addr},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+};
+
+use parking_lot::Mutex;
+use serde::Serialize;
+
+use crate::{
+    error::{Result, RsbError},
+    forward::{EventSink, Forward, LocalPort, StatsSnapshot, Target},
+    pool::Pool,
+};
+
+/// The host a bare port means, as in `ssh -L 8888:localhost:8888`; the SSH server tries each
+/// address it resolves to, so a service bound to 127.0.0.1 or ::1 is found either way.
+pub const DEFAULT_REMOTE_HOST: &str = "localhost";
+
+/// A validated forward request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ForwardRequest {
+    /// `""` = the active sandbox.
+    pub sandbox: String,
+    pub target: Target,
+    pub bind: IpAddr,
+    pub local_port: LocalPort,
+}
+
+/// What a forward is and how it is doing; the reply of `forward_port`, one element of
+/// `list_forwards`, and the first line of `rsb forward --json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct ForwardInfo {
+    pub forward_id: u64,
+    pub sandbox: String,
+    /// What the sandbox connects to: `host:port` or a Unix socket path.
+    pub target: String,
+    pub local_address: String,
+    pub local_url: String,
+    pub running: bool,
+    /// Unix time the forward started.
+    pub started_at: u64,
+    #[serde(flatten)]
+    pub stats: StatsSnapshot,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
+}
+
+impl ForwardInfo {
+    pub fn of(id: u64, f: &Forward) -> Self {
+        ForwardInfo {
+            forward_id: id,
+            sandbox: f.sandbox.clone(),
+            target: f.target.to_string(),
+            local_address: f.local_addr.to_string(),
+            local_url: f.url(),
+            running: f.is_running(),
+            started_at: f
+                .started
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            stats: f.stats(),
+            warning: exposure_warning(f.local_addr.ip()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ForwardList {
+    pub forwards: Vec<ForwardInfo>,
+}
+
+fn exposure_warning(ip: IpAddr) -> Option<String> {
+    (!ip.is_loopback()).then(|| {
+        format!("listening on {ip}: other machines that can reach this address can use the forward")
+    })
+}
+
+/// Split `SANDBOX:REST`. Sandbox names may themselves contain `:` (a name defaults to its
+/// host, which can be an IPv6 literal), so the longest configured name followed by `:` wins;
+/// otherwise a leading `:` means the active sandbox.
+pub fn split_sandbox<'a>(names: &[String], spec: &'a str) -> Result<(&'a str, &'a str)> {
+    let best = names
+        .iter()
+        .filter(|n| {
+            spec.len() > n.len() && spec.starts_with(n.as_str()) && spec[n.len()..].starts_with(':')
+        })
+        .max_by_key(|n| n.len());
+    if let Some(n) = best {
+        return Ok((&spec[..n.len()], &spec[n.len() + 1..]));
+    }
+    if let Some(rest) = spec.strip_prefix(':') {
+        return Ok(("", rest));
+    }
+    let hint = format!(
+        "write SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock (:PORT = the active sandbox); sandboxes: {}",
+        names.join(", ")
+    );
+    match spec.split_once(':') {
+        Some((name, _)) => Err(RsbError::invalid(
+            format!("unknown sandbox '{name}' in '{spec}'"),
+            hint,
+        )),
+        None => Err(RsbError::invalid(
+            format!("'{spec}' names no sandbox"),
+            hint,
+        )),
+    }
+}
+
+/// `PORT`, `HOST:PORT`, `[V6]:PORT` or an absolute Unix socket path, as the sandbox sees it.
+pub fn parse_target(s: &str) -> Result<Target> {
+    let hint = "write PORT, HOST:PORT, [IPv6]:PORT or /absolute/path/to.sock";
+    if s.starts_with('/') {
+        return unix_target(s);
+    }
+    if s.starts_with('~') || s.contains('/') {
+        return Err(RsbError::invalid(
+            format!("Unix socket path '{s}' is not absolute"),
+            "give the full path; the SSH server does not expand ~ or relative paths",
+        ));
+    }
+    let (host, port) = if let Some(rest) = s.strip_prefix('[') {
+        let (h, p) = rest
+            .split_once("]:")
+            .ok_or_else(|| RsbError::invalid(format!("cannot read target '{s}'"), hint))?;
+        (h, p)
+    } else {
+        match s.rsplit_once(':') {
+            Some((h, _)) if h.contains(':') => {
+                return Err(RsbError::invalid(
+                    format!("cannot read target '{s}'"),
+                    "put an IPv6 address in brackets: [::1]:8888",
+                ));
+            }
+            Some((h, p)) => (h, p),
+            None => (DEFAULT_REMOTE_HOST, s),
+        }
+    };
+    tcp_target(host, port_number(port, "remote port")?)
+}
+
+/// A TCP target from separate host and port (the MCP tool's parameters).
+pub fn tcp_target(host: &str, port: u16) -> Result<Target> {
+    let host = host.trim();
+    if host.is_empty() || host.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(RsbError::invalid(
+            "the remote host is empty or contains spaces or control characters",
+            "give a host name or address as the sandbox sees it, e.g. localhost",
+        ));
+    }
+    if port == 0 {
+        return Err(RsbError::invalid(
+            "remote port 0 is not a port",
+            "give the port the service listens on (1-65535)",
+        ));
+    }
+    Ok(Target::Tcp {
+        host: host.to_string(),
+        port,
+    })
+}
+
+pub fn unix_target(path: &str) -> Result<Target> {
+    if !path.starts_with('/') {
+        return Err(RsbError::invalid(
+            format!("Unix socket path '{path}' is not absolute"),
+            "give the full path; the SSH server does not expand ~ or relative paths",
+        ));
+    }
+    if path.chars().any(char::is_control) {
+        return Err(RsbError::invalid(
+            "the Unix socket path contains control characters",
+            "give the socket's path as a plain string",
+        ));
+    }
+    Ok(Target::Unix {
+        path: path.to_string(),
+    })
+}
+
+fn port_number(s: &str, what: &str) -> Result<u16> {
+    match s.parse::<u32>() {
+        Ok(p) if (1..=65535).contains(&p) => Ok(p as u16),
+        _ => Err(RsbError::invalid(
+            format!("{what} '{s}' is not a port number"),
+            "ports are 1-65535",
+        )),
+    }
+}
+
+/// `""` is loopback; `localhost` is accepted as 127.0.0.1 (resolving names would make the
+/// listening address depend on /etc/hosts).
+pub fn parse_bind(s: &str) -> Result<IpAddr> {
+    match s.trim() {
+        "" | "localhost" => Ok(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+        "*" => Ok(IpAddr::V4(Ipv4Addr::UNSPECIFIED)),
+        t => t
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse()
+            .map_err(|_| {
+                RsbError::invalid(
+                    format!("bind address '{t}' is not an IP address"),
+                    "use 127.0.0.1 (the default), ::1, 0.0.0.0 or one of this machine's addresses",
+                )
+            }),
+    }
+}
+
+/// The local port rule: `None` = the remote port number when free (any port for a socket),
+/// `0` = any, otherwise exactly that port.
+pub fn local_port(requested: Option<i64>, target: &Target) -> Result<LocalPort> {
+    match requested {
+        None => Ok(match target {
+            Target::Tcp { port, .. } => LocalPort::Prefer(*port),
+            Target::Unix { .. } => LocalPort::Any,
+        }),
+        Some(0) => Ok(LocalPort::Any),
+        Some(p) if (1..=65535).contains(&p) => Ok(LocalPort::Exact(p as u16)),
+        Some(p) => Err(RsbError::invalid(
+            format!("local port {p} is not a port number"),
+            "ports are 1-65535; 0 picks any free port",
+        )),
+    }
+}
+
+/// Parse the CLI's `SANDBOX:TARGET [LOCAL_PORT] [--bind ADDR]`.
+pub fn cli_request(
+    names: &[String],
+    spec: &str,
+    local: Option<i64>,
+    bind: &str,
+) -> Result<ForwardRequest> {
+    let (sandbox, rest) = split_sandbox(names, spec)?;
+    let target = parse_target(rest)?;
+    Ok(ForwardRequest {
+        sandbox: sandbox.to_string(),
+        local_port: local_port(local, &target)?,
+        bind: parse_bind(bind)?,
+        target,
+    })
+}
+
+/// Resolve the sandbox, connect it now (so a bad host or key fails here, not on the first
+/// browser request), bind, and start serving.
+pub async fn start(
+    pool: &Arc<Pool>,
+    req: &ForwardRequest,
+    events: Option<EventSink>,
+) -> Result<Arc<Forward>> {
+    let sandbox = pool.resolve(&req.sandbox)?;
+    pool.ssh_session(&sandbox).await?;
+    let listener = crate::forward::bind(req.bind, req.local_port).await?;
+    Forward::start(pool.clone(), sandbox, req.target.clone(), listener, events)
+}
+
+/// The forwards an MCP server started; they live as long as the server.
+#[derive(Default)]
+pub struct Forwards {
+    next_id: AtomicU64,
+    map: Mutex<BTreeMap<u64, Arc<Forward>>>,
+}
+
+impl Forwards {
+    pub fn add(&self, f: Arc<Forward>) -> ForwardInfo {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let info = ForwardInfo::of(id, &f);
+        self.map.lock().insert(id, f);
+        info
+    }
+
+    pub fn list(&self) -> ForwardList {
+        ForwardList {
+            forwards: self
+                .map
+                .lock()
+                .iter()
+                .map(|(id, f)| ForwardInfo::of(*id, f))
+                .collect(),
+        }
+    }
+
+    /// Stop one forward; its port is free when this returns.
+    pub async fn stop(&self, id: u64) -> Result<ForwardInfo> {
+        let f = self.map.lock().remove(&id);
+        let Some(f) = f else {
+            let ids: Vec<String> = self.map.lock().keys().map(u64::to_string).collect();
+            return Err(RsbError::invalid(
+                format!("no forward with id {id}"),
+                if ids.is_empty() {
+                    "no forwards are running".to_string()
+                } else {
+                    format!("running forwards: {} (list_forwards)", ids.join(", "))
+                },
+            ));
+        };
+        f.stop().await;
+        Ok(ForwardInfo::of(id, &f))
+    }
+
+    pub async fn stop_all(&self) {
+        let all: Vec<Arc<Forward>> = std::mem::take(&mut *self.map.lock())
+            .into_values()
+            .collect();
+        for f in all {
+            f.stop().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::Ipv6Addr;
+
+    fn names() -> Vec<String> {
+        vec!["gpu".into(), "::1".into(), "gpu:2".into()]
+    }
+
+    fn tcp(h: &str, p: u16) -> Target {
+        Target::Tcp {
+            host: h.into(),
+            port: p,
+        }
+    }
+
+    #[test]
+    fn specs_name_a_sandbox_and_a_target() {
+        let r = cli_request(&names(), "gpu:8888", None, "").unwrap();
+        assert_eq!(r.sandbox, "gpu");
+        assert_eq!(r.target, tcp("localhost", 8888));
+        assert_eq!(r.local_port, LocalPort::Prefer(8888));
+        assert_eq!(r.bind, IpAddr::V4(Ipv4Addr::LOCALHOST));
+
+        let r = cli_request(&names(), "gpu:10.0.0.2:80", Some(9000), "0.0.0.0").unwrap();
+        assert_eq!(r.target, tcp("10.0.0.2", 80));
+        assert_eq!(r.local_port, LocalPort::Exact(9000));
+        assert_eq!(r.bind, IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+
+        let r = cli_request(&names(), "gpu:[::1]:80", Some(0), "::1").unwrap();
+        assert_eq!(r.target, tcp("::1", 80));
+        assert_eq!(r.target.to_string(), "[::1]:80");
+        assert_eq!(r.local_port, LocalPort::Any);
+        assert_eq!(r.bind, IpAddr::V6(Ipv6Addr::LOCALHOST));
+
+        let r = cli_request(&names(), "gpu:/run/app.sock", None, "").unwrap();
+        assert_eq!(
+            r.target,
+            Target::Unix {
+                path: "/run/app.sock".into()
+            }
+        );
+        assert_eq!(r.local_port, LocalPort::Any);
+
+        // The active sandbox, and names that contain ':' themselves.
+        assert_eq!(cli_request(&names(), ":22", None, "").unwrap().sandbox, "");
+        assert_eq!(
+            cli_request(&names(), "::1:22", None, "").unwrap().sandbox,
+            "::1"
+        );
+        let r = cli_request(&names(), "gpu:2:22", None, "").unwrap();
+        assert_eq!(
+            (r.sandbox.as_str(), r.target),
+            ("gpu:2", tcp("localhost", 22))
+        );
+    }
+
+    #[test]
+    fn bad_specs_get_one_line_errors_with_hints() {
+        let e = |spec: &str, local: Option<i64>, bind: &str| {
+            cli_request(&names(), spec, local, bind).unwrap_err()
+        };
+        assert!(
+            e("nope:80", None, "")
+                .message
+                .contains("unknown sandbox 'nope'")
+        );
+        assert!(e("nope:80", None, "").hint.contains("gpu"));
+        assert!(e("8888", None, "").message.contains("names no sandbox"));
+        assert!(e("gpu:0", None, "").message.contains("not a port"));
+        assert!(e("gpu:70000", None, "").message.contains("not a port"));
+        assert!(e("gpu:http", None, "").message.contains("not a port"));
+        assert!(e("gpu:host:", None, "").message.contains("not a port"));
+        assert!(e("gpu::1:80", None, "").hint.contains("brackets"));
+        assert!(e("gpu:~/x.sock", None, "").message.contains("not absolute"));
+        assert!(
+            e("gpu:run/x.sock", None, "")
+                .message
+                .contains("not absolute")
+        );
+        assert!(e("gpu: :80", None, "").message.contains("remote host"));
+        assert!(e("gpu:80", Some(70000), "").message.contains("local port"));
+        assert!(e("gpu:80", Some(-1), "").message.contains("local port"));
+        assert!(
+            e("gpu:80", None, "example.org")
+                .message
+                .contains("bind address")
+        );
+        for err in [e("gpu:x\ny:80", None, ""), e("gpu:/a\nb", None, "")] {
+            assert!(!err.message.contains('\n'), "{}", err.message);
+        }
+    }
+
+    #[test]
+    fn only_non_loopback_binds_warn() {
+        assert!(exposure_warning(IpAddr::V4(Ipv4Addr::LOCALHOST)).is_none());
+        assert!(exposure_warning(IpAddr::V6(Ipv6Addr::LOCALHOST)).is_none());
+        assert!(exposure_warning(IpAddr::V4(Ipv4Addr::UNSPECIFIED)).is_some());
+    }
+}
