@@ -325,33 +325,12 @@ fn resolve_state_dir(env: &dyn Fn(&str) -> Option<String>, home: &Path) -> PathB
         .unwrap_or_else(|| home.join(".local").join("share").join("rsb"))
 }
 
-/// Creates `dir` (and parents) and makes it 0700 on unix.
-fn ensure_private_dir(dir: &Path) -> std::io::Result<()> {
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)?;
-        let mode = std::fs::metadata(dir)?.permissions().mode();
-        if mode & 0o077 != 0 {
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-        }
-        Ok(())
-    }
-    #[cfg(not(unix))]
-    {
-        std::fs::create_dir_all(dir)
-    }
-}
-
 /// The platform data dir for rsb (`RSB_STATE_DIR` overrides), created with mode 0700.
 /// Creation errors are ignored here; [`Config::load`] reports them.
 pub fn state_dir() -> PathBuf {
     let home = real_home().unwrap_or_else(|| PathBuf::from("."));
     let dir = resolve_state_dir(&real_env, &home);
-    let _ = ensure_private_dir(&dir);
+    let _ = crate::store::ensure_private_dir(&dir);
     dir
 }
 
@@ -392,7 +371,7 @@ impl Config {
         }
         let ssh_config = home.join(".ssh").join("config");
         let cfg = Config::from_sources(&real_env, Some(&config_file), Some(&ssh_config), &home)?;
-        ensure_private_dir(&cfg.state_dir).map_err(|e| {
+        crate::store::ensure_private_dir(&cfg.state_dir).map_err(|e| {
             ConfigError::new(
                 format!(
                     "cannot create the state directory {}: {}",
@@ -2175,7 +2154,7 @@ mod tests {
         {
             use std::os::unix::fs::PermissionsExt;
             let d = home.path().join("a/b");
-            ensure_private_dir(&d).unwrap();
+            crate::store::ensure_private_dir(&d).unwrap();
             assert_eq!(
                 std::fs::metadata(&d).unwrap().permissions().mode() & 0o777,
                 0o700
