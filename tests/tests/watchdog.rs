@@ -1062,7 +1062,11 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
     // Without the opt-in: refused before anything starts.
     let mcp = Mcp::start(&home, &state, &list, false).await;
     let tools = mcp.svc.list_all_tools().await.unwrap();
-    assert_eq!(tools.len(), 26, "14 default + 12 advanced");
+    assert_eq!(
+        tools.len(),
+        29,
+        "14 default + 12 watchdog + 3 forwarding advanced tools"
+    );
     for t in [
         "install_macos_watchdog",
         "uninstall_macos_watchdog",
