@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use rsb_protocol::{PingRequest, ResourceSnapshot, ResourcesRequest};
+use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use crate::{
@@ -156,108 +157,197 @@ fn round2(x: f64) -> f64 {
 
 /// Seed keys (`cpu.load_*`, `memory.*_mb`, `gpu[]`, `idle_score`) plus real CPU %, swap,
 /// disk, GPU names/temperature/power/processes and where the GPU data came from.
-pub fn resources_json(s: &ResourceSnapshot) -> Value {
+#[derive(Debug, Clone, Serialize)]
+pub struct Resources {
+    pub cpu: Cpu,
+    pub memory: Memory,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk: Option<Disk>,
+    pub gpu: Vec<Gpu>,
+    pub gpu_source: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_note: Option<String>,
+    pub uptime_s: u64,
+    /// 0 = fully busy, 1 = idle.
+    pub idle_score: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Cpu {
+    pub usage_pct: f64,
+    pub load_1m: f64,
+    pub load_5m: f64,
+    pub load_15m: f64,
+    pub count: u32,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Memory {
+    pub total_mb: u64,
+    pub used_mb: u64,
+    pub free_mb: u64,
+    pub used_pct: f64,
+    pub swap_total_mb: u64,
+    pub swap_used_mb: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Disk {
+    pub path: String,
+    pub total_gb: f64,
+    pub free_gb: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Gpu {
+    pub index: u32,
+    pub name: String,
+    pub util_pct: Option<f64>,
+    pub mem_used_mb: Option<u64>,
+    pub mem_total_mb: Option<u64>,
+    pub mem_used_pct: Option<f64>,
+    pub temperature_c: Option<f64>,
+    pub power_w: Option<f64>,
+    pub processes: Vec<GpuProcess>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct GpuProcess {
+    pub pid: u32,
+    pub mem_used_mb: Option<u64>,
+}
+
+pub fn resources(s: &ResourceSnapshot) -> Resources {
     let total = s.memory.total_bytes;
     let used = total.saturating_sub(s.memory.available_bytes);
-    let gpus: Vec<Value> = s
+    let gpu = s
         .gpu
         .gpus
         .iter()
-        .map(|g| {
-            let mem_pct = match (g.mem_used_mib, g.mem_total_mib) {
-                (Some(u), Some(t)) if t > 0 => json!(round1(u as f64 / t as f64 * 100.0)),
-                _ => Value::Null,
-            };
-            let procs: Vec<Value> = s
+        .map(|g| Gpu {
+            index: g.index,
+            name: g.name.clone(),
+            util_pct: g.util_pct.map(|v| round1(v as f64)),
+            mem_used_mb: g.mem_used_mib,
+            mem_total_mb: g.mem_total_mib,
+            mem_used_pct: match (g.mem_used_mib, g.mem_total_mib) {
+                (Some(u), Some(t)) if t > 0 => Some(round1(u as f64 / t as f64 * 100.0)),
+                _ => None,
+            },
+            temperature_c: g.temperature_c.map(|v| round1(v as f64)),
+            power_w: g.power_w.map(|v| round2(v as f64)),
+            processes: s
                 .gpu
                 .processes
                 .iter()
                 .filter(|p| p.gpu_uuid == g.uuid)
-                .map(|p| json!({"pid": p.pid, "mem_used_mb": p.used_mem_mib}))
-                .collect();
-            json!({
-                "index": g.index,
-                "name": g.name,
-                "util_pct": g.util_pct.map(|v| round1(v as f64)),
-                "mem_used_mb": g.mem_used_mib,
-                "mem_total_mb": g.mem_total_mib,
-                "mem_used_pct": mem_pct,
-                "temperature_c": g.temperature_c.map(|v| round1(v as f64)),
-                "power_w": g.power_w.map(|v| round2(v as f64)),
-                "processes": procs,
-            })
+                .map(|p| GpuProcess {
+                    pid: p.pid,
+                    mem_used_mb: p.used_mem_mib,
+                })
+                .collect(),
         })
         .collect();
-    let mut m = Map::new();
-    m.insert(
-        "cpu".into(),
-        json!({
-            "usage_pct": round1(s.cpu.usage_pct as f64),
-            "load_1m": s.cpu.load_1m, "load_5m": s.cpu.load_5m, "load_15m": s.cpu.load_15m,
-            "count": s.cpu.count,
+    Resources {
+        cpu: Cpu {
+            usage_pct: round1(s.cpu.usage_pct as f64),
+            load_1m: s.cpu.load_1m,
+            load_5m: s.cpu.load_5m,
+            load_15m: s.cpu.load_15m,
+            count: s.cpu.count,
+        },
+        memory: Memory {
+            total_mb: (total as f64 / MIB).round() as u64,
+            used_mb: (used as f64 / MIB).round() as u64,
+            free_mb: (s.memory.available_bytes as f64 / MIB).round() as u64,
+            used_pct: mem_used_pct(s),
+            swap_total_mb: (s.memory.swap_total_bytes as f64 / MIB).round() as u64,
+            swap_used_mb: (s.memory.swap_used_bytes as f64 / MIB).round() as u64,
+        },
+        disk: s.disk.as_ref().map(|d| Disk {
+            path: d.path.clone(),
+            total_gb: round1(d.total_bytes as f64 / 1e9),
+            free_gb: round1(d.free_bytes as f64 / 1e9),
         }),
-    );
-    m.insert(
-        "memory".into(),
-        json!({
-            "total_mb": (total as f64 / MIB).round() as u64,
-            "used_mb": (used as f64 / MIB).round() as u64,
-            "free_mb": (s.memory.available_bytes as f64 / MIB).round() as u64,
-            "used_pct": mem_used_pct(s),
-            "swap_total_mb": (s.memory.swap_total_bytes as f64 / MIB).round() as u64,
-            "swap_used_mb": (s.memory.swap_used_bytes as f64 / MIB).round() as u64,
-        }),
-    );
-    if let Some(d) = &s.disk {
-        m.insert(
-            "disk".into(),
-            json!({"path": d.path, "total_gb": round1(d.total_bytes as f64 / 1e9), "free_gb": round1(d.free_bytes as f64 / 1e9)}),
-        );
+        gpu,
+        gpu_source: s.gpu.source.as_str(),
+        gpu_note: s.gpu.note.clone(),
+        uptime_s: s.uptime_s,
+        idle_score: idle_score(s),
     }
-    m.insert("gpu".into(), Value::Array(gpus));
-    m.insert("gpu_source".into(), json!(s.gpu.source.as_str()));
-    if let Some(n) = &s.gpu.note {
-        m.insert("gpu_note".into(), json!(n));
-    }
-    m.insert("uptime_s".into(), json!(s.uptime_s));
-    m.insert("idle_score".into(), json!(idle_score(s)));
-    Value::Object(m)
 }
 
-fn err_json(e: &RsbError) -> Value {
-    json!({"error": e.message, "hint": e.hint})
+/// A failure as MCP replies carry it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ErrorReply {
+    pub error: String,
+    pub hint: String,
 }
 
-pub async fn list(pool: &Pool, check_resources: bool) -> Value {
+impl From<&RsbError> for ErrorReply {
+    fn from(e: &RsbError) -> Self {
+        ErrorReply {
+            error: e.message.clone(),
+            hint: e.hint.clone(),
+        }
+    }
+}
+
+/// A sandbox's resources, or why they could not be sampled.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum ResourcesOrError {
+    Ok(Box<Resources>),
+    Err(ErrorReply),
+}
+
+/// One row of `list_sandboxes` / `rsb sandboxes`.
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxStatus {
+    pub name: String,
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    pub is_active: bool,
+    pub connection_alive: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub connection_error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourcesOrError>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxList {
+    pub active_sandbox: Option<String>,
+    pub sandboxes: Vec<SandboxStatus>,
+}
+
+pub async fn list(pool: &Pool, check_resources: bool) -> SandboxList {
     let active = pool.active();
     let probes = probe_all(pool, check_resources).await;
-    let list: Vec<Value> = probes
+    let sandboxes = probes
         .iter()
         .map(|p| {
             let (host, port, user) = pool.describe(&p.name);
-            let mut m = Map::new();
-            m.insert("name".into(), json!(p.name));
-            m.insert("host".into(), json!(host));
-            m.insert("port".into(), json!(port));
-            m.insert("user".into(), json!(user));
-            m.insert(
-                "is_active".into(),
-                json!(active.as_deref() == Some(p.name.as_str())),
-            );
-            m.insert("connection_alive".into(), json!(p.alive));
-            if let Some(e) = &p.error {
-                m.insert("connection_error".into(), json!(e.message));
+            SandboxStatus {
+                name: p.name.clone(),
+                host,
+                port,
+                user,
+                is_active: active.as_deref() == Some(p.name.as_str()),
+                connection_alive: p.alive,
+                connection_error: p.error.as_ref().map(|e| e.message.clone()),
+                resources: p.resources.as_ref().map(|r| match r {
+                    Ok(s) => ResourcesOrError::Ok(Box::new(resources(s))),
+                    Err(e) => ResourcesOrError::Err(e.into()),
+                }),
             }
-            if let Some(r) = &p.resources {
-                m.insert(
-                    "resources".into(),
-                    r.as_ref().map(resources_json).unwrap_or_else(err_json),
-                );
-            }
-            Value::Object(m)
         })
         .collect();
-    json!({"active_sandbox": active, "sandboxes": list})
+    SandboxList {
+        active_sandbox: active,
+        sandboxes,
+    }
 }
 
 /// `"auto"` picks the idlest reachable sandbox (unless a sandbox is literally named `auto`).
