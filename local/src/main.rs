@@ -302,6 +302,11 @@ async fn run(cli: Cli) -> u8 {
                 exclude_file,
                 dry_run,
             };
+            let used: Vec<&str> = [&src, &dst]
+                .iter()
+                .filter_map(|a| a.split_once(':').map(|(n, _)| n))
+                .collect();
+            ctx.warnings_for(&used);
             run_sync(&ctx.pool, json, &src, &dst, opts).await
         }
     };
@@ -325,6 +330,19 @@ fn split_remote<'a>(pool: &Pool, arg: &'a str) -> Option<(&'a str, &'a str)> {
     (name.is_empty() || pool.names().iter().any(|n| n == name)).then_some((name, path))
 }
 
+/// `uxl:foo` where `uxl` names no sandbox (and no local `uxl:foo` exists): the user meant a
+/// sandbox, so say which name is unknown rather than that no side is remote.
+fn unknown_prefix(pool: &Pool, args: [&str; 2]) -> Option<RsbError> {
+    args.into_iter().find_map(|a| {
+        let (name, _) = a.split_once(':')?;
+        let plausible = !name.is_empty()
+            && !name.contains('/')
+            && !pool.names().iter().any(|n| n == name)
+            && !std::path::Path::new(a).exists();
+        plausible.then(|| cli::unknown_sandbox(pool, name))
+    })
+}
+
 async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) -> u8 {
     use rsb::sync::{Direction, Phase, Progress, SyncSpec};
     use std::io::IsTerminal;
@@ -335,6 +353,9 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
         (None, Some((s, r))) => (Direction::Upload, s, r, src),
         (Some((s, r)), None) => (Direction::Download, s, r, dst),
         _ => {
+            if let Some(e) = unknown_prefix(pool, [src, dst]) {
+                return print_error_code(json, &e);
+            }
             print_error(
                 json,
                 &RsbError::invalid(
@@ -345,7 +366,7 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
                     ),
                 ),
             );
-            return 2;
+            return exit::USAGE;
         }
     };
     let prep = (|| {
@@ -376,10 +397,7 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
     })();
     let (sandbox, spec) = match prep {
         Ok(x) => x,
-        Err(e) => {
-            print_error(json, &e);
-            return 2;
-        }
+        Err(e) => return print_error_code(json, &e),
     };
     let bar = (!json && !o.dry_run && std::io::stderr().is_terminal()).then(|| {
         let b = indicatif::ProgressBar::new(0);
@@ -468,9 +486,6 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
             print_error(json, &e);
             130
         }
-        Err(e) => {
-            print_error(json, &e);
-            1
-        }
+        Err(e) => print_error_code(json, &e),
     }
 }
