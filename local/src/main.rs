@@ -1,15 +1,13 @@
-//! `rsb`: the MCP server (`rsb mcp`) and a human CLI over the same operations.
+//! `rsb`: the MCP server (`rsb mcp`) and a human CLI over the same operations. This file is
+//! the clap entry and the dispatch; each command lives in `cli/<capability>.rs`.
 
-use std::{io::Write, process::ExitCode, sync::Arc, time::Duration};
+mod cli;
 
-use clap::{Parser, Subcommand};
-use rsb::{
-    config::Config,
-    error::RsbError,
-    ops::{exec, fs, jobs, sandboxes},
-    pool::Pool,
-};
-use rsb_protocol::Chunk;
+use std::{process::ExitCode, sync::Arc, time::Duration};
+
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+use cli::{Ctx, exit, fail as print_error_code};
+use rsb::{config::Config, error::RsbError, pool::Pool};
 use serde_json::Value;
 
 #[derive(Parser)]
@@ -19,9 +17,18 @@ use serde_json::Value;
     about = "Remote machines over SSH as sandboxes for AI agents"
 )]
 struct Cli {
-    /// Print machine-readable JSON instead of text.
+    /// Print machine-readable JSON instead of tables and text.
     #[arg(long, global = true)]
     json: bool,
+    /// The sandbox to use (default: the first configured one).
+    #[arg(
+        long,
+        short,
+        global = true,
+        env = "RSB_SANDBOX",
+        value_name = "SANDBOX"
+    )]
+    sandbox: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -36,36 +43,25 @@ enum Cmd {
         #[arg(long)]
         resources: bool,
     },
-    /// Run a command on a sandbox, streaming its output; exits with its exit code.
-    Exec {
-        #[arg(long, short)]
-        sandbox: Option<String>,
-        /// Seconds before the command's process group is killed.
-        #[arg(long, short, default_value_t = 120)]
-        timeout: i64,
-        #[arg(long)]
-        cwd: Option<String>,
-        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
-        command: Vec<String>,
-    },
+    /// Run a command on a sandbox, like `ssh host cmd`; exits with its exit code.
+    Exec(cli::exec::ExecArgs),
     /// List a remote directory.
     Ls {
+        /// Remote path, relative to the remote $HOME (~ allowed).
         #[arg(default_value = ".")]
         path: String,
         #[arg(long, short)]
         recursive: bool,
         #[arg(long, default_value_t = 200)]
         max_entries: i64,
-        #[arg(long, short)]
-        sandbox: Option<String>,
     },
-    /// Print a remote file.
+    /// Print a remote file (the whole file, streamed).
     Cat {
+        /// Remote path, relative to the remote $HOME (~ allowed).
         path: String,
-        #[arg(long, default_value_t = 8 * 1024 * 1024)]
+        /// With --json: bytes to return (the reply of the read_remote_file tool).
+        #[arg(long, default_value_t = rsb::ops::fs::DEFAULT_MAX_BYTES)]
         max_bytes: i64,
-        #[arg(long, short)]
-        sandbox: Option<String>,
     },
     /// Sync files exactly: `rsb sync LOCAL SANDBOX:REMOTE` uploads, `rsb sync SANDBOX:REMOTE LOCAL`
     /// downloads (`:REMOTE` = the active sandbox). Remote paths are relative to the remote $HOME.
@@ -94,7 +90,7 @@ enum Cmd {
     /// Background jobs supervised by the agent.
     Jobs {
         #[command(subcommand)]
-        cmd: JobsCmd,
+        cmd: cli::jobs::JobsCmd,
     },
     /// The local daemon that watches long jobs: run, install, uninstall, status.
     Watchdog {
@@ -106,46 +102,19 @@ enum Cmd {
         #[command(subcommand)]
         cmd: rsb::watchdog::cli::WatchCmd,
     },
-}
-
-#[derive(Subcommand)]
-enum JobsCmd {
-    /// Start a detached job.
-    Start {
-        #[arg(long, short)]
-        name: Option<String>,
-        #[arg(long)]
-        cwd: Option<String>,
-        #[arg(long)]
-        log: Option<String>,
-        #[arg(long, short)]
-        sandbox: Option<String>,
-        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
-        command: Vec<String>,
+    /// Where the configuration file is, and whether it loads.
+    Config {
+        #[command(subcommand)]
+        cmd: cli::config::ConfigCmd,
     },
-    /// List jobs.
-    List {
-        #[arg(long, short)]
-        sandbox: Option<String>,
-    },
-    /// Show a job's log (follow with -f until it ends).
-    Logs {
-        name: String,
-        #[arg(long, short)]
-        follow: bool,
-        #[arg(long, short = 'n', default_value_t = 50)]
-        lines: i64,
-        #[arg(long, short)]
-        sandbox: Option<String>,
-    },
-    /// Stop a job: SIGTERM, then SIGKILL after the grace.
-    Kill {
-        name: String,
-        #[arg(long, default_value_t = 5.0)]
-        grace: f64,
-        #[arg(long, short)]
-        sandbox: Option<String>,
-    },
+    /// Check the configuration, keys and every sandbox, one verdict per line.
+    Doctor,
+    /// Print a shell completion script: `source <(rsb completions bash)`.
+    Completions { shell: clap_complete::Shell },
+    /// Print the man page (roff): `rsb man | man -l -`.
+    Man,
+    /// Print rsb's version and the agents embedded in it.
+    Version,
 }
 
 fn init_tracing(default: &str) {
@@ -159,8 +128,36 @@ fn init_tracing(default: &str) {
         .init();
 }
 
+/// The clap command with the exit-code table and the config path in `--help`.
+fn command() -> clap::Command {
+    Cli::command().after_help(format!(
+        "Configuration: {} (RSB_CONFIG overrides; REMOTE_SANDBOX_LIST and REMOTE_HOST take \
+         precedence). Without any, rsb uses the built-in `local` sandbox (this machine).\n\n{}",
+        rsb::config::config_file_path().display(),
+        exit::TABLE
+    ))
+}
+
+fn parse() -> Result<Cli, u8> {
+    let parsed = command()
+        .try_get_matches()
+        .and_then(|m| Cli::from_arg_matches(&m));
+    parsed.map_err(|e| {
+        let _ = e.print();
+        match e.kind() {
+            clap::error::ErrorKind::DisplayHelp
+            | clap::error::ErrorKind::DisplayVersion
+            | clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => exit::OK,
+            _ => exit::USAGE,
+        }
+    })
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match parse() {
+        Ok(c) => c,
+        Err(code) => return ExitCode::from(code),
+    };
     // The watchdog's log (a file or the journal) should say when it started and why it stopped.
     let daemon = matches!(
         cli.cmd,
@@ -176,7 +173,7 @@ fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("rsb: cannot start the runtime: {e}");
-            return ExitCode::from(1);
+            return ExitCode::from(exit::INTERNAL);
         }
     };
     let code = rt.block_on(run(cli));
@@ -186,14 +183,7 @@ fn main() -> ExitCode {
 }
 
 fn print_error(json: bool, e: &RsbError) {
-    if json {
-        println!(
-            "{}",
-            serde_json::json!({"error": e.message, "hint": e.hint})
-        );
-    } else {
-        eprintln!("rsb: {}\n  hint: {}", e.message, e.hint);
-    }
+    print_error_code(json, e);
 }
 
 fn print_value(json: bool, v: &Value) {
@@ -205,23 +195,28 @@ fn print_value(json: bool, v: &Value) {
 }
 
 async fn run(cli: Cli) -> u8 {
-    // The watchdog needs only the state dir (it reads persisted, secret-free sandboxes).
+    let json = cli.json;
+    // Commands that need no sandbox configuration.
     match cli.cmd {
         Cmd::Watchdog { cmd } => {
-            return rsb::watchdog::cli::watchdog(cmd, cli.json, &rsb::config::state_dir()).await;
+            return rsb::watchdog::cli::watchdog(cmd, json, &rsb::config::state_dir()).await;
         }
         Cmd::Watch { cmd } => {
-            return rsb::watchdog::cli::watch(cmd, cli.json, &rsb::config::state_dir()).await;
+            return rsb::watchdog::cli::watch(cmd, json, &rsb::config::state_dir()).await;
         }
+        Cmd::Config { cmd } => return cli::config::run(cmd, json),
+        Cmd::Completions { shell } => return cli::meta::completions(&mut command(), shell),
+        Cmd::Man => return cli::meta::man(command()),
+        Cmd::Version => return cli::meta::version(json),
         _ => {}
     }
     let config = match Config::load() {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("rsb: {e}\n  hint: {}", e.hint);
             // An MCP client shows a server that exits at start as a bare failure; serve the
             // tools instead and reply to each call with the config error (as the seed did).
             if let Cmd::Mcp = cli.cmd {
+                eprintln!("rsb: {e}\n  hint: {}", e.hint);
                 return match rsb::mcp::serve_config_error(e).await {
                     Ok(()) => 0,
                     Err(e) => {
@@ -230,13 +225,21 @@ async fn run(cli: Cli) -> u8 {
                     }
                 };
             }
-            return 2;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({"error": e.message, "hint": e.hint})
+                );
+            } else {
+                eprintln!("rsb: {e}\n  hint: {}", e.hint);
+            }
+            return exit::CONFIG;
         }
     };
-    for w in &config.warnings {
-        tracing::warn!("{w}");
-    }
     if let Cmd::Mcp = cli.cmd {
+        for w in &config.warnings {
+            tracing::warn!("{w}");
+        }
         return match rsb::mcp::serve(config).await {
             Ok(()) => 0,
             Err(e) => {
@@ -245,109 +248,35 @@ async fn run(cli: Cli) -> u8 {
             }
         };
     }
-    let pool = Arc::new(Pool::new(Arc::new(config)));
-    let json = cli.json;
+    cli::fallback_notice(&config);
+    let ctx = Ctx::new(config, json, cli.sandbox);
     let code = match cli.cmd {
-        Cmd::Mcp | Cmd::Watchdog { .. } | Cmd::Watch { .. } => unreachable!(),
-        Cmd::Sandboxes { resources } => {
-            let v = sandboxes::list(&pool, resources).await;
-            if json {
-                print_value(true, &v)
-            } else {
-                print_sandboxes(&v, resources)
-            }
-            0
-        }
-        Cmd::Exec {
-            sandbox,
-            timeout,
-            cwd,
-            command,
-        } => {
-            run_exec(
-                &pool,
-                json,
-                sandbox.as_deref().unwrap_or(""),
-                timeout,
-                cwd.as_deref(),
-                &command.join(" "),
-            )
-            .await
-        }
+        Cmd::Mcp
+        | Cmd::Watchdog { .. }
+        | Cmd::Watch { .. }
+        | Cmd::Config { .. }
+        | Cmd::Completions { .. }
+        | Cmd::Man
+        | Cmd::Version => unreachable!(),
+        Cmd::Sandboxes { resources } => cli::sandboxes::run(&ctx, resources).await,
+        Cmd::Exec(a) => cli::exec::run(&ctx, a).await,
         Cmd::Ls {
             path,
             recursive,
             max_entries,
-            sandbox,
-        } => {
-            let r = async {
-                let req = fs::list_request(&path, recursive, max_entries)?;
-                let c = pool.client(sandbox.as_deref().unwrap_or("")).await?;
-                Ok::<_, RsbError>(fs::list_reply(&path, &c.call(req).await?))
-            }
-            .await;
-            match r {
-                Ok(v) if json => {
-                    print_value(true, &v);
-                    0
-                }
-                Ok(v) => {
-                    for e in v["entries"].as_array().into_iter().flatten() {
-                        let d = if e["is_dir"].as_bool() == Some(true) {
-                            "/"
-                        } else {
-                            ""
-                        };
-                        println!("{:>12}  {}{d}", e["size"], e["path"].as_str().unwrap_or(""));
-                    }
-                    if v["truncated"].as_bool() == Some(true) {
-                        eprintln!("(truncated at {max_entries} entries)");
-                    }
-                    0
-                }
-                Err(e) => {
-                    print_error(json, &e);
-                    1
-                }
+        } => cli::fs::ls(&ctx, &path, recursive, max_entries).await,
+        Cmd::Cat { path, max_bytes } => cli::fs::cat(&ctx, &path, max_bytes).await,
+        Cmd::Jobs { cmd } => cli::jobs::run(&ctx, cmd).await,
+        Cmd::Doctor => cli::doctor::run(&ctx).await,
+        Cmd::Forward(a) => {
+            ctx.warnings_for(&[]);
+            // forward/cli.rs says 2 for a bad argument and 1 when it cannot start.
+            match rsb::forward::cli::main(ctx.pool.clone(), a, json).await {
+                2 => exit::USAGE,
+                1 => exit::CONNECTION,
+                c => c,
             }
         }
-        Cmd::Cat {
-            path,
-            max_bytes,
-            sandbox,
-        } => {
-            let r = async {
-                let req = fs::read_request(&path, max_bytes)?;
-                let c = pool.client(sandbox.as_deref().unwrap_or("")).await?;
-                c.call(req).await
-            }
-            .await;
-            match r {
-                Ok(f) if json => {
-                    print_value(true, &fs::read_reply(&f));
-                    0
-                }
-                Ok(f) => {
-                    let mut out = std::io::stdout().lock();
-                    let _ = out.write_all(&f.data);
-                    let _ = out.flush();
-                    if f.truncated {
-                        eprintln!(
-                            "rsb: output truncated at {} of {} bytes",
-                            f.data.len(),
-                            f.size
-                        );
-                    }
-                    0
-                }
-                Err(e) => {
-                    print_error(json, &e);
-                    1
-                }
-            }
-        }
-        Cmd::Jobs { cmd } => run_jobs(&pool, json, cmd).await,
-        Cmd::Forward(a) => rsb::forward::cli::main(pool.clone(), a, json).await,
         Cmd::Sync {
             src,
             dst,
@@ -362,201 +291,16 @@ async fn run(cli: Cli) -> u8 {
                 exclude_file,
                 dry_run,
             };
-            run_sync(&pool, json, &src, &dst, opts).await
+            let used: Vec<&str> = [&src, &dst]
+                .iter()
+                .filter_map(|a| a.split_once(':').map(|(n, _)| n))
+                .collect();
+            ctx.warnings_for(&used);
+            run_sync(&ctx.pool, json, &src, &dst, opts).await
         }
     };
-    pool.shutdown().await;
+    ctx.pool.shutdown().await;
     code
-}
-
-async fn run_exec(
-    pool: &Pool,
-    json: bool,
-    sandbox: &str,
-    timeout: i64,
-    cwd: Option<&str>,
-    command: &str,
-) -> u8 {
-    let mut req = match exec::build_request(command, cwd, timeout, 1 << 20) {
-        Ok(r) => r,
-        Err(e) => {
-            print_error(json, &e);
-            return 2;
-        }
-    };
-    let client = match pool.client(sandbox).await {
-        Ok(c) => c,
-        Err(e) => {
-            print_error(json, &e);
-            return 255;
-        }
-    };
-    if json {
-        return match client.call(req).await {
-            Ok(r) => {
-                print_value(true, &exec::reply(&r, timeout));
-                r.exit_code
-                    .unwrap_or(if r.timed_out {
-                        124
-                    } else {
-                        128 + r.signal.unwrap_or(0)
-                    })
-                    .clamp(0, 255) as u8
-            }
-            Err(e) => {
-                print_error(true, &e);
-                255
-            }
-        };
-    }
-    req.stream = true;
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Chunk>(64);
-    let printer = tokio::spawn(async move {
-        while let Some(c) = rx.recv().await {
-            match c {
-                Chunk::Stdout(b) => {
-                    let mut o = std::io::stdout().lock();
-                    let _ = o.write_all(&b);
-                    let _ = o.flush();
-                }
-                Chunk::Stderr(b) => {
-                    let mut o = std::io::stderr().lock();
-                    let _ = o.write_all(&b);
-                    let _ = o.flush();
-                }
-                Chunk::Manifest(_) => {}
-            }
-        }
-    });
-    let res = tokio::select! {
-        r = client.call_streaming(req, tx) => r,
-        _ = tokio::signal::ctrl_c() => {
-            eprintln!("\nrsb: interrupted; the remote command was stopped");
-            return 130;
-        }
-    };
-    let _ = printer.await;
-    match res {
-        Ok(r) => {
-            if r.timed_out {
-                eprintln!("rsb: timed out after {timeout}s; the remote process group was killed");
-                return 124;
-            }
-            match (r.exit_code, r.signal) {
-                (Some(c), _) => c.clamp(0, 255) as u8,
-                (None, Some(s)) => (128 + s).clamp(0, 255) as u8,
-                _ => 255,
-            }
-        }
-        Err(e) => {
-            print_error(false, &e);
-            255
-        }
-    }
-}
-
-async fn run_jobs(pool: &Pool, json: bool, cmd: JobsCmd) -> u8 {
-    let sandbox = match &cmd {
-        JobsCmd::Start { sandbox, .. }
-        | JobsCmd::List { sandbox }
-        | JobsCmd::Logs { sandbox, .. }
-        | JobsCmd::Kill { sandbox, .. } => sandbox.clone().unwrap_or_default(),
-    };
-    let client = match pool.client(&sandbox).await {
-        Ok(c) => c,
-        Err(e) => {
-            print_error(json, &e);
-            return 1;
-        }
-    };
-    let r: Result<Value, RsbError> = match cmd {
-        JobsCmd::Start {
-            name,
-            cwd,
-            log,
-            command,
-            ..
-        } => {
-            jobs::start(
-                &client,
-                &command.join(" "),
-                name.as_deref().unwrap_or(""),
-                log.as_deref().unwrap_or(""),
-                cwd.as_deref().unwrap_or(""),
-            )
-            .await
-        }
-        JobsCmd::List { .. } => jobs::list(&client).await,
-        JobsCmd::Kill { name, grace, .. } => jobs::kill(&client, &name, grace).await,
-        JobsCmd::Logs {
-            name,
-            follow,
-            lines,
-            ..
-        } => {
-            if !follow {
-                match jobs::status_request(&name, "", lines, None, 1) {
-                    Ok(req) => client
-                        .call(req)
-                        .await
-                        .and_then(|r| jobs::status_reply(&name, false, &r)),
-                    Err(e) => Err(e),
-                }
-            } else {
-                return follow_logs(&client, &name).await;
-            }
-        }
-    };
-    match r {
-        Ok(v) => {
-            if !json && let Some(t) = v.get("log_tail").and_then(Value::as_str) {
-                print!("{t}");
-            } else {
-                print_value(json, &v);
-            }
-            0
-        }
-        Err(e) => {
-            print_error(json, &e);
-            1
-        }
-    }
-}
-
-/// Print the log from the start, then every new byte, until the job ends (bounded polling).
-async fn follow_logs(client: &rsb::client::AgentClient, name: &str) -> u8 {
-    let mut offset = 0i64;
-    loop {
-        let req = match jobs::status_request(name, "", 1, Some(offset), jobs::MAX_CURSOR_BYTES) {
-            Ok(r) => r,
-            Err(e) => {
-                print_error(false, &e);
-                return 1;
-            }
-        };
-        let r = match client.call(req).await {
-            Ok(r) => r,
-            Err(e) => {
-                print_error(false, &e);
-                return 1;
-            }
-        };
-        let mut o = std::io::stdout().lock();
-        let _ = o.write_all(&r.log);
-        let _ = o.flush();
-        drop(o);
-        offset = r.next_offset as i64;
-        let running = r
-            .info
-            .as_ref()
-            .is_some_and(|i| i.state == rsb_protocol::JobState::Running);
-        if !running && !r.log_truncated {
-            return 0;
-        }
-        if !r.log_truncated {
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
 }
 
 struct SyncOpts {
@@ -575,6 +319,19 @@ fn split_remote<'a>(pool: &Pool, arg: &'a str) -> Option<(&'a str, &'a str)> {
     (name.is_empty() || pool.names().iter().any(|n| n == name)).then_some((name, path))
 }
 
+/// `uxl:foo` where `uxl` names no sandbox (and no local `uxl:foo` exists): the user meant a
+/// sandbox, so say which name is unknown rather than that no side is remote.
+fn unknown_prefix(pool: &Pool, args: [&str; 2]) -> Option<RsbError> {
+    args.into_iter().find_map(|a| {
+        let (name, _) = a.split_once(':')?;
+        let plausible = !name.is_empty()
+            && !name.contains('/')
+            && !pool.names().iter().any(|n| n == name)
+            && !std::path::Path::new(a).exists();
+        plausible.then(|| cli::unknown_sandbox(pool, name))
+    })
+}
+
 async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) -> u8 {
     use rsb::sync::{Direction, Phase, Progress, SyncSpec};
     use std::io::IsTerminal;
@@ -585,6 +342,9 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
         (None, Some((s, r))) => (Direction::Upload, s, r, src),
         (Some((s, r)), None) => (Direction::Download, s, r, dst),
         _ => {
+            if let Some(e) = unknown_prefix(pool, [src, dst]) {
+                return print_error_code(json, &e);
+            }
             print_error(
                 json,
                 &RsbError::invalid(
@@ -595,7 +355,7 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
                     ),
                 ),
             );
-            return 2;
+            return exit::USAGE;
         }
     };
     let prep = (|| {
@@ -626,10 +386,7 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
     })();
     let (sandbox, spec) = match prep {
         Ok(x) => x,
-        Err(e) => {
-            print_error(json, &e);
-            return 2;
-        }
+        Err(e) => return print_error_code(json, &e),
     };
     let bar = (!json && !o.dry_run && std::io::stderr().is_terminal()).then(|| {
         let b = indicatif::ProgressBar::new(0);
@@ -718,59 +475,6 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
             print_error(json, &e);
             130
         }
-        Err(e) => {
-            print_error(json, &e);
-            1
-        }
-    }
-}
-
-fn print_sandboxes(v: &Value, resources: bool) {
-    let active = v["active_sandbox"].as_str().unwrap_or("");
-    println!(
-        "{:<2}{:<16} {:<28} {:<6} {}",
-        "",
-        "NAME",
-        "ADDRESS",
-        "ALIVE",
-        if resources {
-            "CPU%  MEM%  GPU  IDLE"
-        } else {
-            ""
-        }
-    );
-    for s in v["sandboxes"].as_array().into_iter().flatten() {
-        let name = s["name"].as_str().unwrap_or("");
-        let mark = if name == active { "*" } else { "" };
-        let addr = format!(
-            "{}@{}:{}",
-            s["user"].as_str().unwrap_or(""),
-            s["host"].as_str().unwrap_or(""),
-            s["port"]
-        );
-        let alive = if s["connection_alive"].as_bool() == Some(true) {
-            "yes"
-        } else {
-            "no"
-        };
-        let mut extra = String::new();
-        if resources {
-            let r = &s["resources"];
-            if let Some(e) = r.get("error").and_then(Value::as_str) {
-                extra = format!("error: {e}");
-            } else {
-                let gpus = r["gpu"].as_array().map(|g| g.len()).unwrap_or(0);
-                extra = format!(
-                    "{:>4.0}  {:>4.0}  {:>3}  {:.3}",
-                    r["cpu"]["usage_pct"].as_f64().unwrap_or(0.0),
-                    r["memory"]["used_pct"].as_f64().unwrap_or(0.0),
-                    gpus,
-                    r["idle_score"].as_f64().unwrap_or(0.0)
-                );
-            }
-        } else if let Some(e) = s.get("connection_error").and_then(Value::as_str) {
-            extra = e.to_string();
-        }
-        println!("{mark:<2}{name:<16} {addr:<28} {alive:<6} {extra}");
+        Err(e) => print_error_code(json, &e),
     }
 }

@@ -87,7 +87,7 @@ fn check_all(v: &Value, n: usize) {
 
 async fn timed_list(pool: &Pool, resources: bool) -> (Value, Duration) {
     let t = Instant::now();
-    let v = sandboxes::list(pool, resources).await;
+    let v = serde_json::to_value(sandboxes::list(pool, resources).await).unwrap();
     (v, t.elapsed())
 }
 

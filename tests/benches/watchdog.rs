@@ -74,7 +74,7 @@ async fn watch_job(
     let mut nw = wops::prepare(&args(interval_s), true, true).unwrap();
     let c = pool.client(sb).await.unwrap();
     let v = jobs::start(&c, cmd, name, "", "").await.unwrap();
-    wops::fill_from_job(&mut nw, name, v["log_file"].as_str().unwrap(), "");
+    wops::fill_from_job(&mut nw, name, &v.log_file, "");
     nw.sandbox_name = sb.into();
     let cfgs = pool.config().sandboxes.clone();
     wops::register(state, &cfgs, nw, false).unwrap().watch_id

@@ -376,7 +376,11 @@ async fn rsb_forward_rejects_bad_arguments_with_hints() {
         )
         .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "usage (exit table): {args:?}: {err}"
+        );
         assert!(err.contains(want), "{args:?}: {err}");
         assert!(err.contains("hint:"), "{args:?}: {err}");
     }
@@ -389,7 +393,7 @@ async fn rsb_forward_rejects_bad_arguments_with_hints() {
     )
     .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(out.status.code(), Some(1), "usage (exit table): {err}");
     assert!(
         err.contains("cannot listen on") && err.contains("hint:"),
         "{err}"

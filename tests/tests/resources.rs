@@ -224,7 +224,7 @@ fn assert_seed_keys(r: &Value) {
 
 async fn list_timed(pool: &Pool) -> (Value, Duration) {
     let t0 = Instant::now();
-    let v = sandboxes::list(pool, true).await;
+    let v = serde_json::to_value(sandboxes::list(pool, true).await).unwrap();
     (v, t0.elapsed())
 }
 
@@ -682,7 +682,7 @@ async fn select_auto_picks_the_idlest_reachable() {
         );
 
         // The listing agrees: busy's GPU is at 100 %, idle's at 0 %.
-        let v = sandboxes::list(&pool, true).await;
+        let v = serde_json::to_value(sandboxes::list(&pool, true).await).unwrap();
         assert_eq!(f(&resources(&v, "busy")["gpu"][0]["util_pct"]), 100.0);
         assert_eq!(f(&resources(&v, "idle")["gpu"][0]["util_pct"]), 0.0);
         assert_eq!(v["active_sandbox"], "idle");

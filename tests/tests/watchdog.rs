@@ -147,7 +147,7 @@ async fn watch_job(
     let v = jobs::start(&c, cmd, name, "", "").await.unwrap();
     let req = jobs::status_request(name, "", 1, None, 1).unwrap();
     let cwd = c.call(req).await.unwrap().info.unwrap().cwd;
-    wops::fill_from_job(&mut nw, name, v["log_file"].as_str().unwrap(), &cwd);
+    wops::fill_from_job(&mut nw, name, &v.log_file, &cwd);
     nw.launch_command = cmd.into();
     nw.sandbox_name = sandbox.into();
     let cfgs = pool.config().sandboxes.clone();

@@ -50,7 +50,7 @@ pub async fn main(pool: Arc<Pool>, a: ForwardArgs, json: bool) -> u8 {
             }
             Err(e) => {
                 print_error(json, &e);
-                1
+                failure_code(&e)
             }
         };
     }
@@ -70,7 +70,7 @@ pub async fn main(pool: Arc<Pool>, a: ForwardArgs, json: bool) -> u8 {
             }
             Err(e) => {
                 print_error(json, &e);
-                1
+                failure_code(&e)
             }
         };
     }
@@ -122,8 +122,17 @@ async fn detach(
         }
         Err(e) => {
             print_error(json, &e);
-            1
+            failure_code(&e)
         }
+    }
+}
+
+/// 2 for what the user asked wrong (a taken port, an unknown id), 1 for what failed on the way.
+fn failure_code(e: &RsbError) -> u8 {
+    if e.kind == crate::error::Kind::InvalidArgument {
+        2
+    } else {
+        1
     }
 }
 
@@ -155,7 +164,8 @@ fn print_table(list: &[ForwardInfo]) {
     }
 }
 
-/// Exit code: 0 after Ctrl-C, 2 for bad arguments, 1 when the forward cannot start.
+/// Exit code: 0 after Ctrl-C, 2 for bad arguments (a taken port too), 1 when the forward cannot
+/// start.
 pub async fn run(
     pool: Arc<Pool>,
     spec: &str,
@@ -175,7 +185,7 @@ pub async fn run(
         Ok(f) => f,
         Err(e) => {
             print_error(json, &e);
-            return 1;
+            return failure_code(&e);
         }
     };
     let info = ForwardInfo::of(1, &fwd);

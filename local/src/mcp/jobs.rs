@@ -269,7 +269,9 @@ impl RsbServer {
         // A deliberate kill is not an interruption: stop watching first, so the watchdog
         // neither alerts nor resumes it.
         let cancelled = self.cancel_watches_of(client.sandbox(), &p.tmux_session);
-        let mut r = jobs::kill(&client, &p.tmux_session, p.grace_s).await;
+        let mut r = jobs::kill(&client, &p.tmux_session, p.grace_s)
+            .await
+            .map(|k| serde_json::to_value(k).unwrap_or_default());
         if let Ok(v) = &mut r
             && !cancelled.is_empty()
         {
@@ -302,12 +304,13 @@ impl RsbServer {
         let prepared = wops::prepare(&p.watch_args(), hooks, true)?;
         let sandbox = self.pool.resolve(&p.sandbox_name)?;
         let client = self.pool.client(&sandbox).await?;
-        let mut v = jobs::start(&client, &p.command, &p.session_name, &p.log_file, &p.cwd).await?;
+        let started =
+            jobs::start(&client, &p.command, &p.session_name, &p.log_file, &p.cwd).await?;
+        let mut v = serde_json::to_value(&started).unwrap_or_default();
         if !p.watch {
             return Ok(v);
         }
-        let name = v["tmux_session"].as_str().unwrap_or_default().to_string();
-        let log = v["log_file"].as_str().unwrap_or_default().to_string();
+        let (name, log) = (started.tmux_session, started.log_file);
         // The job's resolved cwd (where a relative checkpoint_path lives).
         let cwd = match jobs::status_request(&name, "", 1, None, 1) {
             Ok(req) => client

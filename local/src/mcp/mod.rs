@@ -4,6 +4,7 @@
 //! `tools/list`). Domain errors are `isError: true` with `{"error", "hint"}`. Calls run
 //! concurrently; a cancelled call's future is dropped, which cancels its agent request.
 
+mod exec;
 mod files;
 mod forward;
 mod jobs;
@@ -48,6 +49,7 @@ impl RsbServer {
         let advanced = config.expose_advanced_tools;
         let pool = Arc::new(Pool::new(Arc::new(config)));
         let mut tool_router = Self::sandbox_router()
+            + Self::exec_router()
             + Self::jobs_router()
             + Self::files_router()
             + Self::sync_router();
@@ -85,10 +87,12 @@ impl RsbServer {
 
 pub(crate) type ToolResult = Result<CallToolResult, ErrorData>;
 
-pub(crate) fn ok(v: Value) -> ToolResult {
-    Ok(CallToolResult::success(vec![ContentBlock::text(
-        v.to_string(),
-    )]))
+/// A typed `ops` result (or a `Value`) as the reply's one JSON text block.
+pub(crate) fn ok<T: serde::Serialize>(v: T) -> ToolResult {
+    match serde_json::to_string(&v) {
+        Ok(text) => Ok(CallToolResult::success(vec![ContentBlock::text(text)])),
+        Err(e) => fail(&RsbError::internal(format!("cannot encode the reply: {e}"))),
+    }
 }
 
 /// Control characters (a newline in a path, say) are escaped so an error is always one line.
@@ -119,7 +123,7 @@ pub(crate) fn fail(e: &RsbError) -> ToolResult {
     )]))
 }
 
-pub(crate) fn reply(r: crate::error::Result<Value>) -> ToolResult {
+pub(crate) fn reply<T: serde::Serialize>(r: crate::error::Result<T>) -> ToolResult {
     match r {
         Ok(v) => ok(v),
         Err(e) => fail(&e),

@@ -1,13 +1,12 @@
-//! Sandbox selection and command execution tools.
+//! Sandbox listing and selection tools.
 
 use rmcp::{
-    RoleServer, handler::server::wrapper::Parameters, schemars, schemars::JsonSchema,
-    service::RequestContext, tool, tool_router,
+    handler::server::wrapper::Parameters, schemars, schemars::JsonSchema, tool, tool_router,
 };
 use serde::Deserialize;
 
-use super::{RsbServer, ToolResult, fail, ok, reply, with_progress};
-use crate::ops::{exec, sandboxes};
+use super::{RsbServer, ToolResult, fail, ok};
+use crate::ops::sandboxes;
 
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -27,31 +26,6 @@ pub struct SelectSandboxParams {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct NoParams {}
-
-fn d_timeout() -> i64 {
-    exec::DEFAULT_TIMEOUT_S
-}
-fn d_max_chars() -> i64 {
-    exec::DEFAULT_MAX_OUTPUT_CHARS
-}
-
-#[derive(Debug, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ExecBashParams {
-    pub command: String,
-    /// Working directory (~ allowed).
-    #[serde(default)]
-    pub cwd: Option<String>,
-    /// Then SIGTERM, SIGKILL to the whole process group.
-    #[serde(default = "d_timeout")]
-    pub timeout_s: i64,
-    /// Per stream; head and tail are kept.
-    #[serde(default = "d_max_chars")]
-    pub max_output_chars: i64,
-    /// Override the active sandbox for this call.
-    #[serde(default)]
-    pub sandbox_name: String,
-}
 
 #[tool_router(router = sandbox_router, vis = "pub(super)")]
 impl RsbServer {
@@ -85,32 +59,5 @@ impl RsbServer {
     #[tool(description = "Active sandbox and its live connection health.")]
     async fn get_active_sandbox(&self, Parameters(_p): Parameters<NoParams>) -> ToolResult {
         ok(sandboxes::get_active(&self.pool).await)
-    }
-
-    #[tool(
-        description = "Run a bash command on the sandbox (stdin closed). Returns exit_code, stdout, stderr; timed_out=true only when the timeout killed it."
-    )]
-    async fn exec_bash(
-        &self,
-        Parameters(p): Parameters<ExecBashParams>,
-        ctx: RequestContext<RoleServer>,
-    ) -> ToolResult {
-        let req = match exec::build_request(
-            &p.command,
-            p.cwd.as_deref(),
-            p.timeout_s,
-            p.max_output_chars,
-        ) {
-            Ok(r) => r,
-            Err(e) => return fail(&e),
-        };
-        let work = async {
-            let client = match self.pool.client(&p.sandbox_name).await {
-                Ok(c) => c,
-                Err(e) => return fail(&e),
-            };
-            reply(client.call(req).await.map(|r| exec::reply(&r, p.timeout_s)))
-        };
-        with_progress(&ctx, "exec_bash", work).await
     }
 }

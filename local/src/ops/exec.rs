@@ -1,7 +1,7 @@
 //! `exec_bash`: validation, the request sent to the agent, and the seed-compatible reply.
 
 use rsb_protocol::{ExecRequest, ExecResult};
-use serde_json::{Map, Value, json};
+use serde::Serialize;
 
 use crate::{
     error::{Result, RsbError},
@@ -41,6 +41,29 @@ pub fn build_request(
             "use exec_bash_background for longer work",
         ));
     }
+    build_request_ms(command, cwd, timeout_s as u64 * 1000, max_output_chars)
+}
+
+/// Like [`build_request`] with the timeout in ms, where 0 means none (the CLI's default, as
+/// with `ssh host cmd`); the MCP tool always has one.
+pub fn build_request_ms(
+    command: &str,
+    cwd: Option<&str>,
+    timeout_ms: u64,
+    max_output_chars: i64,
+) -> Result<ExecRequest> {
+    if command.trim().is_empty() {
+        return Err(RsbError::invalid(
+            "command cannot be empty",
+            "pass the bash command to run",
+        ));
+    }
+    if command.contains('\0') {
+        return Err(RsbError::invalid(
+            "command contains a NUL byte",
+            "remove the NUL byte",
+        ));
+    }
     if max_output_chars <= 0 || max_output_chars > MAX_OUTPUT_CHARS {
         return Err(RsbError::invalid(
             format!(
@@ -62,7 +85,7 @@ pub fn build_request(
     };
     let mut req = ExecRequest::new(command);
     req.cwd = cwd;
-    req.timeout_ms = timeout_s as u64 * 1000;
+    req.timeout_ms = timeout_ms;
     req.kill_grace_ms = KILL_GRACE_MS;
     // Caps are in bytes; a char is at least one byte, so this never returns more chars than asked.
     req.max_stdout = max_output_chars as u64;
@@ -70,18 +93,47 @@ pub fn build_request(
     Ok(req)
 }
 
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
 /// The seed's reply keys (`exit_code`, `stdout`, `stderr`, `timed_out`), empty ones omitted,
 /// plus what the seed could not say: signal, truncation, invalid UTF-8, duration.
-pub fn reply(res: &ExecResult, timeout_s: i64) -> Value {
-    let mut m = Map::new();
-    let exit_code = match (res.exit_code, res.signal) {
+#[derive(Debug, Clone, Serialize)]
+pub struct ExecReply {
+    /// The command's code, 128+signal, or 124 after a timeout (like GNU timeout).
+    pub exit_code: i32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stdout: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stderr: Option<String>,
+    #[serde(skip_serializing_if = "is_false")]
+    pub timed_out: bool,
+    #[serde(skip_serializing_if = "is_false")]
+    pub cancelled: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    #[serde(skip_serializing_if = "is_false")]
+    pub stdout_truncated: bool,
+    #[serde(skip_serializing_if = "is_false")]
+    pub stderr_truncated: bool,
+    #[serde(skip_serializing_if = "is_false")]
+    pub invalid_utf8: bool,
+    pub duration_s: f64,
+}
+
+/// The exit status a caller of `exec` sees: the command's code, else 128+signal, else -1.
+pub fn exit_status(res: &ExecResult) -> i32 {
+    match (res.exit_code, res.signal) {
         (Some(c), _) => c,
         (None, Some(s)) => 128 + s,
         (None, None) => -1,
-    };
+    }
+}
+
+pub fn reply(res: &ExecResult, timeout_s: i64) -> ExecReply {
     // A timeout reads as 124 like GNU timeout, but only `timed_out` says it was one.
-    let exit_code = if res.timed_out { 124 } else { exit_code };
-    m.insert("exit_code".into(), json!(exit_code));
+    let exit_code = if res.timed_out { 124 } else { exit_status(res) };
     let out = render(&res.stdout);
     let mut err = render(&res.stderr);
     if res.timed_out {
@@ -92,33 +144,16 @@ pub fn reply(res: &ExecResult, timeout_s: i64) -> Value {
             "[TIMEOUT] Remote process group killed by timeout after {timeout_s}s"
         ));
     }
-    if !out.text.is_empty() {
-        m.insert("stdout".into(), json!(out.text));
+    ExecReply {
+        exit_code,
+        invalid_utf8: out.lossy || err.lossy,
+        stdout_truncated: out.truncated,
+        stderr_truncated: err.truncated,
+        stdout: (!out.text.is_empty()).then_some(out.text),
+        stderr: (!err.text.is_empty()).then_some(err.text),
+        timed_out: res.timed_out,
+        cancelled: res.cancelled,
+        signal: res.signal,
+        duration_s: (res.duration_ms as f64 / 1000.0 * 1000.0).round() / 1000.0,
     }
-    if !err.text.is_empty() {
-        m.insert("stderr".into(), json!(err.text));
-    }
-    if res.timed_out {
-        m.insert("timed_out".into(), json!(true));
-    }
-    if res.cancelled {
-        m.insert("cancelled".into(), json!(true));
-    }
-    if let Some(s) = res.signal {
-        m.insert("signal".into(), json!(s));
-    }
-    if out.truncated {
-        m.insert("stdout_truncated".into(), json!(true));
-    }
-    if err.truncated {
-        m.insert("stderr_truncated".into(), json!(true));
-    }
-    if out.lossy || err.lossy {
-        m.insert("invalid_utf8".into(), json!(true));
-    }
-    m.insert(
-        "duration_s".into(),
-        json!((res.duration_ms as f64 / 1000.0 * 1000.0).round() / 1000.0),
-    );
-    Value::Object(m)
 }

@@ -2,7 +2,7 @@
 
 use base64::Engine;
 use rsb_protocol::{FileKind, ListDirRequest, ListDirResult, ReadFileRequest, ReadFileResult};
-use serde_json::{Map, Value, json};
+use serde::Serialize;
 
 use crate::error::{Result, RsbError};
 
@@ -47,9 +47,30 @@ pub fn list_request(
     })
 }
 
+/// One entry of a listing. `type` appears only for what is neither a file nor a directory.
+#[derive(Debug, Clone, Serialize)]
+pub struct Entry {
+    pub path: String,
+    pub is_dir: bool,
+    pub size: u64,
+    /// Seconds since the epoch.
+    pub mtime: i64,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Listing {
+    pub truncated: bool,
+    pub entries: Vec<Entry>,
+    /// Paths the walk could not read (with why).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub unreadable: Vec<String>,
+}
+
 /// Entry paths are the listed directory joined with the relative name: `./x` for `.`,
 /// absolute under the remote home for `~`, as the seed did.
-pub fn list_reply(remote_path: &str, res: &ListDirResult) -> Value {
+pub fn list_reply(remote_path: &str, res: &ListDirResult) -> Listing {
     let base = if remote_path == "~" || remote_path.starts_with("~/") {
         res.root.trim_end_matches('/').to_string()
     } else if remote_path == "/" {
@@ -57,28 +78,22 @@ pub fn list_reply(remote_path: &str, res: &ListDirResult) -> Value {
     } else {
         remote_path.trim_end_matches('/').to_string()
     };
-    let entries: Vec<Value> = res
+    let entries = res
         .entries
         .iter()
-        .map(|e| {
-            let mut m = Map::new();
-            m.insert("path".into(), json!(format!("{base}/{}", e.rel)));
-            m.insert("is_dir".into(), json!(e.kind == FileKind::Dir));
-            m.insert("size".into(), json!(e.size));
-            m.insert("mtime".into(), json!(e.mtime_ns.div_euclid(1_000_000_000)));
-            if !matches!(e.kind, FileKind::File | FileKind::Dir) {
-                m.insert("type".into(), json!(kind_name(e.kind)));
-            }
-            Value::Object(m)
+        .map(|e| Entry {
+            path: format!("{base}/{}", e.rel),
+            is_dir: e.kind == FileKind::Dir,
+            size: e.size,
+            mtime: e.mtime_ns.div_euclid(1_000_000_000),
+            kind: (!matches!(e.kind, FileKind::File | FileKind::Dir)).then(|| kind_name(e.kind)),
         })
         .collect();
-    let mut m = Map::new();
-    m.insert("truncated".into(), json!(res.truncated));
-    m.insert("entries".into(), Value::Array(entries));
-    if !res.errors.is_empty() {
-        m.insert("unreadable".into(), json!(res.errors));
+    Listing {
+        truncated: res.truncated,
+        entries,
+        unreadable: res.errors.clone(),
     }
-    Value::Object(m)
 }
 
 pub fn kind_name(k: FileKind) -> &'static str {
@@ -109,14 +124,22 @@ pub fn read_request(remote_path: &str, max_bytes: i64) -> Result<ReadFileRequest
     })
 }
 
-/// Text when the bytes are UTF-8 (a multibyte char cut by `max_bytes` is dropped, not
-/// mangled); otherwise base64 with `encoding: "base64"`, so binary content is never silently
-/// corrupted.
-pub fn read_reply(res: &ReadFileResult) -> Value {
-    let mut m = Map::new();
-    m.insert("size".into(), json!(res.size));
-    m.insert("returned_bytes".into(), json!(res.data.len()));
-    m.insert("truncated".into(), json!(res.truncated));
+/// `read_remote_file`'s reply. `content` is text, or base64 when `encoding` says so.
+#[derive(Debug, Clone, Serialize)]
+pub struct FileContent {
+    /// The file's size on the host.
+    pub size: u64,
+    pub returned_bytes: usize,
+    pub truncated: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub encoding: Option<&'static str>,
+    pub content: String,
+}
+
+/// Text when the bytes are UTF-8 without NUL bytes (a multibyte char cut by `max_bytes` is
+/// dropped, not mangled); otherwise base64 with `encoding: "base64"`, so binary content is
+/// never silently corrupted, and a model is never handed NULs as text.
+pub fn read_reply(res: &ReadFileResult) -> FileContent {
     let data = &res.data[..];
     let text = match std::str::from_utf8(data) {
         Ok(s) => Some(s),
@@ -124,21 +147,22 @@ pub fn read_reply(res: &ReadFileResult) -> Value {
             std::str::from_utf8(&data[..e.valid_up_to()]).ok()
         }
         Err(_) => None,
-    };
-    match text {
-        Some(s) => {
-            if s.len() != data.len() {
-                m.insert("returned_bytes".into(), json!(s.len()));
-            }
-            m.insert("content".into(), json!(s));
-        }
-        None => {
-            m.insert("encoding".into(), json!("base64"));
-            m.insert(
-                "content".into(),
-                json!(base64::engine::general_purpose::STANDARD.encode(data)),
-            );
-        }
     }
-    Value::Object(m)
+    .filter(|s| !s.contains('\0'));
+    match text {
+        Some(s) => FileContent {
+            size: res.size,
+            returned_bytes: s.len(),
+            truncated: res.truncated,
+            encoding: None,
+            content: s.to_string(),
+        },
+        None => FileContent {
+            size: res.size,
+            returned_bytes: data.len(),
+            truncated: res.truncated,
+            encoding: Some("base64"),
+            content: base64::engine::general_purpose::STANDARD.encode(data),
+        },
+    }
 }

@@ -6,6 +6,7 @@ use rsb_protocol::{
     JobInfo, JobKillRequest, JobListRequest, JobStartRequest, JobState, JobStatusRequest,
     JobStatusResult,
 };
+use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use crate::{
@@ -31,13 +32,25 @@ pub fn default_session_name() -> String {
     )
 }
 
+/// `exec_bash_background`'s reply (before any watch fields).
+#[derive(Debug, Clone, Serialize)]
+pub struct Started {
+    pub status: &'static str,
+    /// The job's name (the seed's word for it).
+    pub tmux_session: String,
+    pub log_file: String,
+    pub sandbox: String,
+    pub runner: String,
+    pub pid: u32,
+}
+
 pub async fn start(
     client: &AgentClient,
     command: &str,
     session_name: &str,
     log_file: &str,
     cwd: &str,
-) -> Result<Value> {
+) -> Result<Started> {
     if command.trim().is_empty() {
         return Err(RsbError::invalid(
             "command cannot be empty",
@@ -64,14 +77,64 @@ pub async fn start(
             prefer_tmux: true,
         })
         .await?;
-    Ok(json!({
-        "status": "started",
-        "tmux_session": info.name,
-        "log_file": info.log_file,
-        "sandbox": client.sandbox(),
-        "runner": info.runner,
-        "pid": info.pid,
-    }))
+    Ok(Started {
+        status: "started",
+        tmux_session: info.name,
+        log_file: info.log_file,
+        sandbox: client.sandbox().to_string(),
+        runner: info.runner,
+        pid: info.pid,
+    })
+}
+
+/// How a job stands, as `list_background_tasks` and `kill_background_task` report it.
+#[derive(Debug, Clone, Serialize)]
+pub struct JobSummary {
+    pub tmux_session: String,
+    pub running: bool,
+    pub state: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    pub duration_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_file: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    /// When it ended (ms since the epoch); for `rsb jobs prune`, not in MCP replies.
+    #[serde(skip)]
+    pub ended_ms: Option<u64>,
+    #[serde(skip)]
+    pub started_ms: u64,
+}
+
+const LOST_NOTE: &str = "the job's supervisor vanished without recording an exit (tmux session killed or host rebooted)";
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+pub fn summary(i: &JobInfo) -> JobSummary {
+    let end = i.ended_ms.unwrap_or_else(|| now_ms().max(i.started_ms));
+    JobSummary {
+        tmux_session: i.name.clone(),
+        running: i.state == JobState::Running,
+        state: state_name(i.state),
+        exit_code: i.exit_code,
+        signal: i.signal,
+        duration_s: end.saturating_sub(i.started_ms) as f64 / 1000.0,
+        note: (i.state == JobState::Lost).then_some(LOST_NOTE),
+        log_file: None,
+        command: None,
+        ended_ms: i.ended_ms,
+        started_ms: i.started_ms,
+    }
 }
 
 fn state_name(s: JobState) -> &'static str {
@@ -83,29 +146,8 @@ fn state_name(s: JobState) -> &'static str {
 }
 
 fn info_fields(m: &mut Map<String, Value>, i: &JobInfo) {
-    m.insert("running".into(), json!(i.state == JobState::Running));
-    m.insert("state".into(), json!(state_name(i.state)));
-    if let Some(c) = i.exit_code {
-        m.insert("exit_code".into(), json!(c));
-    }
-    if let Some(s) = i.signal {
-        m.insert("signal".into(), json!(s));
-    }
-    let end = i.ended_ms.unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(i.started_ms)
-    });
-    m.insert(
-        "duration_s".into(),
-        json!(end.saturating_sub(i.started_ms) as f64 / 1000.0),
-    );
-    if i.state == JobState::Lost {
-        m.insert(
-            "note".into(),
-            json!("the job's supervisor vanished without recording an exit (tmux session killed or host rebooted)"),
-        );
+    if let Value::Object(o) = serde_json::to_value(summary(i)).unwrap_or_default() {
+        m.extend(o);
     }
 }
 
@@ -200,7 +242,7 @@ pub fn status_reply(name: &str, cursor: bool, r: &JobStatusResult) -> Result<Val
     Ok(Value::Object(m))
 }
 
-pub async fn kill(client: &AgentClient, name: &str, grace_s: f64) -> Result<Value> {
+pub async fn kill(client: &AgentClient, name: &str, grace_s: f64) -> Result<JobSummary> {
     if name.trim().is_empty() {
         return Err(RsbError::invalid(
             "tmux_session cannot be empty",
@@ -219,27 +261,24 @@ pub async fn kill(client: &AgentClient, name: &str, grace_s: f64) -> Result<Valu
             grace_ms: (grace_s * 1000.0) as u64,
         })
         .await?;
-    let mut m = Map::new();
-    m.insert("tmux_session".into(), json!(i.name));
-    info_fields(&mut m, &i);
-    Ok(Value::Object(m))
+    Ok(summary(&i))
 }
 
-pub async fn list(client: &AgentClient) -> Result<Value> {
+#[derive(Debug, Clone, Serialize)]
+pub struct JobList {
+    pub tasks: Vec<JobSummary>,
+}
+
+pub async fn list(client: &AgentClient) -> Result<JobList> {
     let jobs = client.call(JobListRequest).await?;
-    let v: Vec<Value> = jobs
-        .iter()
-        .map(|i| {
-            let mut m = Map::new();
-            m.insert("tmux_session".into(), json!(i.name));
-            info_fields(&mut m, i);
-            m.insert("log_file".into(), json!(i.log_file));
-            m.insert(
-                "command".into(),
-                json!(i.command.chars().take(120).collect::<String>()),
-            );
-            Value::Object(m)
-        })
-        .collect();
-    Ok(json!({"tasks": v}))
+    Ok(JobList {
+        tasks: jobs
+            .iter()
+            .map(|i| JobSummary {
+                log_file: Some(i.log_file.clone()),
+                command: Some(i.command.chars().take(120).collect()),
+                ..summary(i)
+            })
+            .collect(),
+    })
 }

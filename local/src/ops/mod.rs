@@ -6,6 +6,7 @@ pub mod forward;
 pub mod fs;
 pub mod jobs;
 pub mod output;
+pub mod resources;
 pub mod sandboxes;
 pub mod sync;
 pub mod watchdog;

@@ -7,14 +7,14 @@ use std::time::Duration;
 
 use futures::future::join_all;
 use rsb_protocol::{PingRequest, ResourceSnapshot, ResourcesRequest};
+use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use crate::{
     error::{Kind, Result, RsbError},
+    ops::resources::{Resources, idle_score, resources},
     pool::Pool,
 };
-
-const MIB: f64 = 1024.0 * 1024.0;
 
 /// Deadline for getting a client: connect, authenticate and deploy if needed; instant when the
 /// pool already holds a connection.
@@ -111,153 +111,77 @@ pub async fn probe_all(pool: &Pool, with_resources: bool) -> Vec<Probe> {
     join_all(pool.names().iter().map(|n| probe(pool, n, with_resources))).await
 }
 
-/// The seed's idle score: 0 = fully busy, 1 = idle. CPU is real utilisation over the last
-/// sampling interval (the seed used load average / cores, which lags by minutes).
-pub fn idle_score(s: &ResourceSnapshot) -> f64 {
-    let cpu = (s.cpu.usage_pct as f64 / 100.0).clamp(0.0, 1.0);
-    let mem = mem_used_pct(s) / 100.0;
-    let utils: Vec<f64> = s
-        .gpu
-        .gpus
-        .iter()
-        .filter_map(|g| g.util_pct)
-        .map(|u| u as f64)
-        .collect();
-    let gpu = if utils.is_empty() {
-        0.0
-    } else {
-        (utils.iter().sum::<f64>() / utils.len() as f64 / 100.0).clamp(0.0, 1.0)
-    };
-    let score = (1.0 - cpu) * 0.4 + (1.0 - mem.clamp(0.0, 1.0)) * 0.4 + (1.0 - gpu) * 0.2;
-    (score * 1000.0).round() / 1000.0
+/// A failure as MCP replies carry it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ErrorReply {
+    pub error: String,
+    pub hint: String,
 }
 
-fn mem_used_pct(s: &ResourceSnapshot) -> f64 {
-    let t = s.memory.total_bytes as f64;
-    if t <= 0.0 {
-        return 0.0;
+impl From<&RsbError> for ErrorReply {
+    fn from(e: &RsbError) -> Self {
+        ErrorReply {
+            error: e.message.clone(),
+            hint: e.hint.clone(),
+        }
     }
-    let used = s
-        .memory
-        .total_bytes
-        .saturating_sub(s.memory.available_bytes) as f64;
-    ((used / t * 100.0) * 10.0).round() / 10.0
 }
 
-fn round1(x: f64) -> f64 {
-    (x * 10.0).round() / 10.0
+/// A sandbox's resources, or why they could not be sampled.
+#[derive(Debug, Clone, Serialize)]
+#[serde(untagged)]
+pub enum ResourcesOrError {
+    Ok(Box<Resources>),
+    Err(ErrorReply),
 }
 
-/// The agent's GPU readings are f32; widened as they are, 123.45 W would print as
-/// 123.44999694824219.
-fn round2(x: f64) -> f64 {
-    (x * 100.0).round() / 100.0
+/// One row of `list_sandboxes` / `rsb sandboxes`.
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxStatus {
+    pub name: String,
+    pub host: String,
+    pub port: u16,
+    pub user: String,
+    pub is_active: bool,
+    pub connection_alive: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub connection_error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourcesOrError>,
 }
 
-/// Seed keys (`cpu.load_*`, `memory.*_mb`, `gpu[]`, `idle_score`) plus real CPU %, swap,
-/// disk, GPU names/temperature/power/processes and where the GPU data came from.
-pub fn resources_json(s: &ResourceSnapshot) -> Value {
-    let total = s.memory.total_bytes;
-    let used = total.saturating_sub(s.memory.available_bytes);
-    let gpus: Vec<Value> = s
-        .gpu
-        .gpus
-        .iter()
-        .map(|g| {
-            let mem_pct = match (g.mem_used_mib, g.mem_total_mib) {
-                (Some(u), Some(t)) if t > 0 => json!(round1(u as f64 / t as f64 * 100.0)),
-                _ => Value::Null,
-            };
-            let procs: Vec<Value> = s
-                .gpu
-                .processes
-                .iter()
-                .filter(|p| p.gpu_uuid == g.uuid)
-                .map(|p| json!({"pid": p.pid, "mem_used_mb": p.used_mem_mib}))
-                .collect();
-            json!({
-                "index": g.index,
-                "name": g.name,
-                "util_pct": g.util_pct.map(|v| round1(v as f64)),
-                "mem_used_mb": g.mem_used_mib,
-                "mem_total_mb": g.mem_total_mib,
-                "mem_used_pct": mem_pct,
-                "temperature_c": g.temperature_c.map(|v| round1(v as f64)),
-                "power_w": g.power_w.map(|v| round2(v as f64)),
-                "processes": procs,
-            })
-        })
-        .collect();
-    let mut m = Map::new();
-    m.insert(
-        "cpu".into(),
-        json!({
-            "usage_pct": round1(s.cpu.usage_pct as f64),
-            "load_1m": s.cpu.load_1m, "load_5m": s.cpu.load_5m, "load_15m": s.cpu.load_15m,
-            "count": s.cpu.count,
-        }),
-    );
-    m.insert(
-        "memory".into(),
-        json!({
-            "total_mb": (total as f64 / MIB).round() as u64,
-            "used_mb": (used as f64 / MIB).round() as u64,
-            "free_mb": (s.memory.available_bytes as f64 / MIB).round() as u64,
-            "used_pct": mem_used_pct(s),
-            "swap_total_mb": (s.memory.swap_total_bytes as f64 / MIB).round() as u64,
-            "swap_used_mb": (s.memory.swap_used_bytes as f64 / MIB).round() as u64,
-        }),
-    );
-    if let Some(d) = &s.disk {
-        m.insert(
-            "disk".into(),
-            json!({"path": d.path, "total_gb": round1(d.total_bytes as f64 / 1e9), "free_gb": round1(d.free_bytes as f64 / 1e9)}),
-        );
-    }
-    m.insert("gpu".into(), Value::Array(gpus));
-    m.insert("gpu_source".into(), json!(s.gpu.source.as_str()));
-    if let Some(n) = &s.gpu.note {
-        m.insert("gpu_note".into(), json!(n));
-    }
-    m.insert("uptime_s".into(), json!(s.uptime_s));
-    m.insert("idle_score".into(), json!(idle_score(s)));
-    Value::Object(m)
+#[derive(Debug, Clone, Serialize)]
+pub struct SandboxList {
+    pub active_sandbox: Option<String>,
+    pub sandboxes: Vec<SandboxStatus>,
 }
 
-fn err_json(e: &RsbError) -> Value {
-    json!({"error": e.message, "hint": e.hint})
-}
-
-pub async fn list(pool: &Pool, check_resources: bool) -> Value {
+pub async fn list(pool: &Pool, check_resources: bool) -> SandboxList {
     let active = pool.active();
     let probes = probe_all(pool, check_resources).await;
-    let list: Vec<Value> = probes
+    let sandboxes = probes
         .iter()
         .map(|p| {
             let (host, port, user) = pool.describe(&p.name);
-            let mut m = Map::new();
-            m.insert("name".into(), json!(p.name));
-            m.insert("host".into(), json!(host));
-            m.insert("port".into(), json!(port));
-            m.insert("user".into(), json!(user));
-            m.insert(
-                "is_active".into(),
-                json!(active.as_deref() == Some(p.name.as_str())),
-            );
-            m.insert("connection_alive".into(), json!(p.alive));
-            if let Some(e) = &p.error {
-                m.insert("connection_error".into(), json!(e.message));
+            SandboxStatus {
+                name: p.name.clone(),
+                host,
+                port,
+                user,
+                is_active: active.as_deref() == Some(p.name.as_str()),
+                connection_alive: p.alive,
+                connection_error: p.error.as_ref().map(|e| e.message.clone()),
+                resources: p.resources.as_ref().map(|r| match r {
+                    Ok(s) => ResourcesOrError::Ok(Box::new(resources(s))),
+                    Err(e) => ResourcesOrError::Err(e.into()),
+                }),
             }
-            if let Some(r) = &p.resources {
-                m.insert(
-                    "resources".into(),
-                    r.as_ref().map(resources_json).unwrap_or_else(err_json),
-                );
-            }
-            Value::Object(m)
         })
         .collect();
-    json!({"active_sandbox": active, "sandboxes": list})
+    SandboxList {
+        active_sandbox: active,
+        sandboxes,
+    }
 }
 
 /// `"auto"` picks the idlest reachable sandbox (unless a sandbox is literally named `auto`).

@@ -536,7 +536,8 @@ pub async fn read_checkpoint(c: &AgentClient, w: Watch, max_bytes: i64) -> Resul
         let req = exec::build_request(&cmd, cwd, 30, max_bytes.min(exec::MAX_OUTPUT_CHARS))?;
         let r = c.call(req).await?;
         let reply = exec::reply(&r, 30);
-        let raw = reply["stdout"].as_str().unwrap_or("").to_string();
+        let raw = reply.stdout.clone().unwrap_or_default();
+        let reply = serde_json::to_value(reply).unwrap_or_default();
         return Ok(CheckpointRead {
             checkpoint: checkpoint_of(raw, &w.checkpoint_format),
             watch: w,
@@ -550,7 +551,8 @@ pub async fn read_checkpoint(c: &AgentClient, w: Watch, max_bytes: i64) -> Resul
     let req = fs::read_request(&w.checkpoint_path, max_bytes)?;
     let r = c.call(req).await?;
     let reply = fs::read_reply(&r);
-    let raw = reply["content"].as_str().unwrap_or("").to_string();
+    let raw = reply.content.clone();
+    let reply = serde_json::to_value(reply).unwrap_or_default();
     Ok(CheckpointRead {
         checkpoint: checkpoint_of(raw, &w.checkpoint_format),
         watch: w,

@@ -1,0 +1,320 @@
+//! `rsb jobs start|list|logs|kill|rm|prune`: background jobs supervised by the agent.
+
+use std::{io::Write, time::Duration};
+
+use clap::Subcommand;
+use rsb::{
+    client::AgentClient,
+    error::{Kind, RsbError},
+    ops::{exec, jobs},
+};
+use rsb_protocol::{ErrorCode, JobListRequest, JobState};
+
+use super::{Ctx, exit, fail, print_json, print_table};
+
+#[derive(Debug, Subcommand)]
+pub enum JobsCmd {
+    /// Start a detached job; prints its name.
+    Start {
+        /// Job name, [A-Za-z0-9_-]{1,64} (default bg-<time>-<random>).
+        #[arg(long, short)]
+        name: Option<String>,
+        /// Remote working directory (default the remote $HOME).
+        #[arg(long)]
+        cwd: Option<String>,
+        /// Log file (default .codex_logs/NAME.log under the working directory).
+        #[arg(long)]
+        log: Option<String>,
+        /// One argument is a bash command line; several are words, boundaries kept.
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
+    /// List jobs, newest first.
+    #[command(visible_alias = "ls")]
+    List,
+    /// Show a job's log; with -f, follow it until the job ends and exit with its code.
+    Logs {
+        name: String,
+        #[arg(long, short)]
+        follow: bool,
+        /// Lines of log tail to show (without -f).
+        #[arg(long, short = 'n', default_value_t = 50)]
+        lines: i64,
+    },
+    /// Stop a job: SIGTERM, then SIGKILL after the grace.
+    Kill {
+        name: String,
+        /// Seconds between SIGTERM and SIGKILL.
+        #[arg(long, default_value_t = 5.0)]
+        grace: f64,
+    },
+    /// Forget an ended job (its record; the log file stays).
+    Rm { name: String },
+    /// Forget every ended job (optionally only those ended longer ago than DUR).
+    Prune {
+        /// Like 30s, 10m, 2h, 7d.
+        #[arg(long, value_name = "DUR", value_parser = parse_duration)]
+        older_than: Option<Duration>,
+    },
+}
+
+/// `30s`, `10m`, `2h`, `7d`, or plain seconds.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (num, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a duration like 30s, 10m, 2h or 7d"))?;
+    let mult = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("unknown unit `{unit}` (use s, m, h or d)")),
+    };
+    Ok(Duration::from_secs(n.saturating_mul(mult)))
+}
+
+fn no_such_job(name: &str) -> RsbError {
+    RsbError::new(
+        Kind::Agent(ErrorCode::NotFound),
+        format!("no job named `{name}` on this sandbox (names match exactly)"),
+        "`rsb jobs list` shows the jobs on this sandbox",
+    )
+}
+
+/// The agent's "not found" for a job names the job, not a path.
+fn job_error(name: &str, e: RsbError) -> RsbError {
+    if e.kind == Kind::Agent(ErrorCode::NotFound) {
+        no_such_job(name)
+    } else {
+        e
+    }
+}
+
+pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
+    let client = match ctx.client().await {
+        Ok(c) => c,
+        Err(e) => return fail(ctx.json, &e),
+    };
+    let json = ctx.json;
+    match cmd {
+        JobsCmd::Start {
+            name,
+            cwd,
+            log,
+            command,
+        } => {
+            let r = jobs::start(
+                &client,
+                &super::command_line(&command),
+                name.as_deref().unwrap_or(""),
+                log.as_deref().unwrap_or(""),
+                cwd.as_deref().unwrap_or(""),
+            )
+            .await;
+            match r {
+                Ok(s) if json => {
+                    print_json(&s);
+                    exit::OK
+                }
+                Ok(s) => {
+                    println!("{}", s.tmux_session);
+                    eprintln!(
+                        "rsb: started on {} ({}, pid {}); log: {}",
+                        s.sandbox, s.runner, s.pid, s.log_file
+                    );
+                    exit::OK
+                }
+                Err(e) => fail(json, &e),
+            }
+        }
+        JobsCmd::List => match jobs::list(&client).await {
+            Ok(l) if json => {
+                print_json(&l);
+                exit::OK
+            }
+            Ok(l) => {
+                let rows: Vec<Vec<String>> = l
+                    .tasks
+                    .iter()
+                    .map(|t| {
+                        vec![
+                            t.tmux_session.clone(),
+                            t.state.to_string(),
+                            outcome(t),
+                            format!("{:.0}s", t.duration_s),
+                            t.command.clone().unwrap_or_default(),
+                        ]
+                    })
+                    .collect();
+                print_table(&["NAME", "STATE", "EXIT", "DURATION", "COMMAND"], &rows);
+                exit::OK
+            }
+            Err(e) => fail(json, &e),
+        },
+        JobsCmd::Kill { name, grace } => match jobs::kill(&client, &name, grace).await {
+            Ok(k) if json => {
+                print_json(&k);
+                exit::OK
+            }
+            Ok(k) => {
+                println!("{}  {}  {}", k.tmux_session, k.state, outcome(&k));
+                exit::OK
+            }
+            Err(e) => fail(json, &job_error(&name, e)),
+        },
+        JobsCmd::Logs {
+            name, follow: true, ..
+        } => follow_logs(&client, &name).await,
+        JobsCmd::Logs { name, lines, .. } => {
+            let r = match jobs::status_request(&name, "", lines, None, 1) {
+                Ok(req) => client.call(req).await.map_err(|e| job_error(&name, e)),
+                Err(e) => Err(e),
+            };
+            match r {
+                Ok(r) if r.info.is_none() => fail(json, &no_such_job(&name)),
+                Ok(r) if json => match jobs::status_reply(&name, false, &r) {
+                    Ok(v) => {
+                        print_json(&v);
+                        exit::OK
+                    }
+                    Err(e) => fail(true, &e),
+                },
+                Ok(r) => {
+                    let mut o = std::io::stdout().lock();
+                    let _ = o.write_all(&r.log);
+                    let _ = o.flush();
+                    exit::OK
+                }
+                Err(e) => fail(json, &e),
+            }
+        }
+        JobsCmd::Rm { name } => match remove(&client, &name).await {
+            Ok(()) if json => {
+                print_json(&serde_json::json!({"removed": [name]}));
+                exit::OK
+            }
+            Ok(()) => {
+                println!("{name}");
+                exit::OK
+            }
+            Err(e) => fail(json, &e),
+        },
+        JobsCmd::Prune { older_than } => prune(&client, json, older_than).await,
+    }
+}
+
+/// `exit 0`, `signal 9`, `lost`, or `-` while running.
+fn outcome(t: &jobs::JobSummary) -> String {
+    match (t.exit_code, t.signal) {
+        (Some(c), _) => c.to_string(),
+        (None, Some(s)) => format!("signal {s}"),
+        _ if t.state == "lost" => "lost".into(),
+        _ => "-".into(),
+    }
+}
+
+/// Delete an ended job's record on the host. The job name travels as an environment variable,
+/// never spliced into the command line; a running job is refused.
+async fn remove(client: &AgentClient, name: &str) -> Result<(), RsbError> {
+    let req = jobs::status_request(name, "", 1, None, 1)?;
+    let st = client.call(req).await.map_err(|e| job_error(name, e))?;
+    let Some(info) = st.info else {
+        return Err(no_such_job(name));
+    };
+    if info.state == JobState::Running {
+        return Err(RsbError::invalid(
+            format!("job `{name}` is still running"),
+            format!("stop it first with `rsb jobs kill {name}`"),
+        ));
+    }
+    let mut req = exec::build_request_ms(
+        r#"rm -rf -- "$HOME/.cache/rsb/jobs/$RSB_JOB_NAME""#,
+        None,
+        30_000,
+        4096,
+    )?;
+    req.env.push(("RSB_JOB_NAME".into(), info.name.clone()));
+    let r = client.call(req).await?;
+    if r.exit_code != Some(0) {
+        return Err(RsbError::new(
+            Kind::Agent(ErrorCode::Io),
+            format!(
+                "cannot remove job `{name}`: {}",
+                String::from_utf8_lossy(&r.stderr.head).trim()
+            ),
+            "check the permissions of ~/.cache/rsb/jobs on the sandbox",
+        ));
+    }
+    Ok(())
+}
+
+async fn prune(client: &AgentClient, json: bool, older_than: Option<Duration>) -> u8 {
+    let all = match client.call(JobListRequest).await {
+        Ok(j) => j,
+        Err(e) => return fail(json, &e),
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let min_age = older_than.map(|d| d.as_millis() as u64).unwrap_or(0);
+    let mut removed = Vec::new();
+    for j in all.iter().filter(|j| j.state != JobState::Running) {
+        let ended = j.ended_ms.unwrap_or(j.started_ms);
+        if now.saturating_sub(ended) < min_age {
+            continue;
+        }
+        if let Err(e) = remove(client, &j.name).await {
+            return fail(json, &e);
+        }
+        removed.push(j.name.clone());
+    }
+    if json {
+        print_json(&serde_json::json!({ "removed": removed }));
+    } else {
+        for n in &removed {
+            println!("{n}");
+        }
+        eprintln!("rsb: removed {} ended job(s)", removed.len());
+    }
+    exit::OK
+}
+
+/// Print the log from the start, then every new byte, until the job ends (polling every
+/// 0.5 s); exit with the job's code, or 128+signal.
+async fn follow_logs(client: &AgentClient, name: &str) -> u8 {
+    let mut offset = 0i64;
+    loop {
+        let req = match jobs::status_request(name, "", 1, Some(offset), jobs::MAX_CURSOR_BYTES) {
+            Ok(r) => r,
+            Err(e) => return fail(false, &e),
+        };
+        let r = match client.call(req).await {
+            Ok(r) => r,
+            Err(e) => return fail(false, &job_error(name, e)),
+        };
+        let Some(info) = r.info.as_ref() else {
+            return fail(false, &no_such_job(name));
+        };
+        let mut o = std::io::stdout().lock();
+        let _ = o.write_all(&r.log);
+        let _ = o.flush();
+        drop(o);
+        offset = r.next_offset as i64;
+        if info.state != JobState::Running && !r.log_truncated {
+            return match (info.exit_code, info.signal) {
+                (Some(c), _) => c.clamp(0, 255) as u8,
+                (None, Some(s)) => (128 + s).clamp(0, 255) as u8,
+                _ => {
+                    super::warn(&format!("job `{name}` ended without an exit record (lost)"));
+                    exit::REMOTE
+                }
+            };
+        }
+        if !r.log_truncated {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+}

@@ -1,0 +1,270 @@
+//! The human CLI: each `cli/<cap>.rs` renders the typed results of `ops/<cap>.rs` as tables
+//! (or `--json`), speaking in commands and flags rather than MCP tool and parameter names.
+//! Exit codes come from one table ([`exit`]), shown in `rsb --help` and the README.
+
+pub mod config;
+pub mod doctor;
+pub mod exec;
+pub mod fs;
+pub mod jobs;
+pub mod meta;
+pub mod sandboxes;
+
+use std::sync::Arc;
+
+use rsb::{
+    config::Config,
+    error::{Kind, RsbError},
+    pool::Pool,
+};
+
+/// The exit codes of every `rsb` command (besides `rsb exec` and `rsb jobs logs -f`, which
+/// pass the remote command's own code through).
+pub mod exit {
+    pub const OK: u8 = 0;
+    /// A bad flag, argument or name (unknown sandbox or subcommand).
+    pub const USAGE: u8 = 1;
+    /// The configuration is missing or invalid.
+    pub const CONFIG: u8 = 2;
+    /// Cannot connect, authenticate, verify the host key or deploy the agent; or the link
+    /// dropped.
+    pub const CONNECTION: u8 = 3;
+    /// The operation failed on the sandbox (no such file or job, permission denied, …).
+    pub const REMOTE: u8 = 4;
+    /// A bug in rsb.
+    pub const INTERNAL: u8 = 5;
+    /// `rsb exec --timeout` expired; the remote process group was killed.
+    pub const TIMEOUT: u8 = 124;
+    /// Interrupted by Ctrl-C.
+    pub const INTERRUPTED: u8 = 130;
+
+    /// The table, for `--help` and the README.
+    pub const TABLE: &str = "\
+Exit codes:
+  0    success
+  N    rsb exec: the remote command's exit code, or 128+SIGNAL if a signal killed it;
+       rsb jobs logs -f: the job's exit code, likewise
+  1    usage: a bad flag, argument, sandbox or command name
+  2    configuration missing or invalid (see `rsb config check`)
+  3    connection: cannot connect, authenticate, verify the host key, deploy the agent,
+       or the link dropped (see `rsb doctor`)
+  4    the operation failed on the sandbox (no such file or job, permission denied, ...)
+  5    internal error (a bug in rsb)
+  124  rsb exec --timeout expired (the remote process group was killed)
+  130  interrupted (Ctrl-C)";
+}
+
+/// The exit code for an error of this kind.
+pub fn code_of(e: &RsbError) -> u8 {
+    match e.kind {
+        Kind::UnknownSandbox | Kind::InvalidArgument => exit::USAGE,
+        Kind::Config => exit::CONFIG,
+        Kind::Connect
+        | Kind::Auth
+        | Kind::HostKey
+        | Kind::ConnectionLost
+        | Kind::Deploy
+        | Kind::Timeout => exit::CONNECTION,
+        Kind::Agent(_) => exit::REMOTE,
+        Kind::Internal => exit::INTERNAL,
+    }
+}
+
+/// MCP tool and parameter names in `ops` messages, and what a CLI user types instead.
+/// Longest first, so `exec_bash_background` is not read as `exec_bash`.
+const CLI_WORDS: &[(&str, &str)] = &[
+    (
+        "list_sandboxes(check_resources=true)",
+        "`rsb sandboxes --resources`",
+    ),
+    ("exec_bash_background", "`rsb jobs start`"),
+    ("check_background_task", "`rsb jobs logs`"),
+    ("kill_background_task", "`rsb jobs kill`"),
+    ("list_background_tasks", "`rsb jobs list`"),
+    ("sync_remote_to_local", "`rsb sync SANDBOX:PATH LOCAL`"),
+    ("sync_local_to_remote", "`rsb sync LOCAL SANDBOX:PATH`"),
+    ("list_remote_files", "`rsb ls`"),
+    ("read_remote_file", "`rsb cat`"),
+    ("list_sandboxes", "`rsb sandboxes`"),
+    ("select_sandbox", "`-s SANDBOX`"),
+    ("exec_bash", "`rsb exec`"),
+    ("max_output_chars", "the output cap"),
+    ("max_entries", "--max-entries"),
+    ("last_n_lines", "--lines"),
+    ("session_name", "--name"),
+    ("tmux_session", "the job name"),
+    ("local_path", "the local path"),
+    ("remote_path", "the remote path"),
+    ("timeout_s", "--timeout"),
+    ("grace_s", "--grace"),
+];
+
+pub fn cli_words(s: &str) -> String {
+    let mut s = s.to_string();
+    for (mcp, cli) in CLI_WORDS {
+        if s.contains(mcp) {
+            s = s.replace(mcp, cli);
+        }
+    }
+    s
+}
+
+/// Print an error (one line plus a hint) in CLI words and return its exit code.
+pub fn fail(json: bool, e: &RsbError) -> u8 {
+    let (message, hint) = (cli_words(&e.message), cli_words(&e.hint));
+    if json {
+        println!("{}", serde_json::json!({"error": message, "hint": hint}));
+    } else {
+        eprintln!("rsb: {message}\n  hint: {hint}");
+    }
+    code_of(e)
+}
+
+pub fn warn(msg: &str) {
+    eprintln!("rsb: warning: {msg}");
+}
+
+pub fn print_json<T: serde::Serialize>(v: &T) {
+    match serde_json::to_string(v) {
+        Ok(s) => println!("{s}"),
+        Err(e) => eprintln!("rsb: cannot encode the reply: {e}"),
+    }
+}
+
+/// Left-aligned columns sized to their widest cell; the last column is not padded.
+pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
+    let mut w: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            if i < w.len() {
+                w[i] = w[i].max(c.chars().count());
+            }
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let n = cells.len();
+        let mut s = String::new();
+        for (i, c) in cells.into_iter().enumerate() {
+            if i + 1 == n {
+                s.push_str(c);
+            } else {
+                s.push_str(&format!("{c:<width$}  ", width = w[i]));
+            }
+        }
+        println!("{}", s.trim_end());
+    };
+    line(header.to_vec());
+    for r in rows {
+        line(r.iter().map(String::as_str).collect());
+    }
+}
+
+/// The closest of `names` to `name`, if close enough to be a likely typo.
+pub fn did_you_mean<'a>(name: &str, names: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    names
+        .into_iter()
+        .map(|n| (strsim::jaro_winkler(name, n), n))
+        .filter(|(s, _)| *s > 0.7)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, n)| n)
+}
+
+/// "unknown sandbox `x`" with the nearest name and the list.
+pub fn unknown_sandbox(pool: &Pool, name: &str) -> RsbError {
+    let names: Vec<&str> = pool.names().iter().map(String::as_str).collect();
+    let hint = match did_you_mean(name, names.iter().copied()) {
+        Some(n) => format!("did you mean `{n}`? configured: {}", names.join(", ")),
+        None => format!(
+            "configured sandboxes: {} (`rsb sandboxes` lists them)",
+            names.join(", ")
+        ),
+    };
+    RsbError::new(
+        Kind::UnknownSandbox,
+        format!("unknown sandbox `{name}`"),
+        hint,
+    )
+}
+
+/// What every sandbox-using command shares: the pool, `--json`, and the `-s` choice.
+pub struct Ctx {
+    pub pool: Arc<Pool>,
+    pub json: bool,
+    /// `-s`/`RSB_SANDBOX`; `""` = the first configured sandbox.
+    pub sandbox: String,
+}
+
+impl Ctx {
+    pub fn new(config: Config, json: bool, sandbox: Option<String>) -> Ctx {
+        Ctx {
+            pool: Arc::new(Pool::new(Arc::new(config))),
+            json,
+            sandbox: sandbox.unwrap_or_default(),
+        }
+    }
+
+    /// The sandbox this command runs on, checked by name (with a suggestion), after
+    /// printing the configuration warnings that concern it.
+    pub fn resolve(&self) -> Result<String, RsbError> {
+        let name = if self.sandbox.is_empty() {
+            self.pool.resolve("")?
+        } else if self.pool.names().iter().any(|n| *n == self.sandbox) {
+            self.sandbox.clone()
+        } else {
+            return Err(unknown_sandbox(&self.pool, &self.sandbox));
+        };
+        self.warnings_for(&[name.as_str()]);
+        Ok(name)
+    }
+
+    /// Print the configuration warnings about these sandboxes, and those about no sandbox in
+    /// particular, as `rsb: warning: …` lines.
+    pub fn warnings_for(&self, used: &[&str]) {
+        let config = self.pool.config();
+        for w in &config.warnings {
+            match warning_subject(config, w) {
+                Some(n) if !used.contains(&n) => {}
+                _ => warn(w),
+            }
+        }
+    }
+
+    pub async fn client(&self) -> Result<rsb::client::AgentClient, RsbError> {
+        let name = self.resolve()?;
+        self.pool.client(&name).await
+    }
+}
+
+/// The sandbox a configuration warning is about: its label names an entry by position
+/// (`REMOTE_SANDBOX_LIST[1]`, `config file …: sandbox[1]`).
+pub(crate) fn warning_subject<'a>(config: &'a Config, w: &str) -> Option<&'a str> {
+    let (_, rest) = w.split_once('[')?;
+    let (idx, _) = rest.split_once(']')?;
+    let i: usize = idx.parse().ok()?;
+    config.sandboxes.get(i).map(|s| s.name.as_str())
+}
+
+/// Without any configuration rsb runs on this machine; say so once, naming where the
+/// configuration would go.
+pub fn fallback_notice(config: &Config) {
+    if config.source == "built-in local" {
+        eprintln!(
+            "rsb: note: no sandboxes configured ({} not found); using the built-in `local` sandbox (this machine)",
+            rsb::config::config_file_path().display()
+        );
+    }
+}
+
+/// One remote command from argv: a single argument is a bash command line as typed
+/// (`rsb exec 'make | tee log'`); several are words whose boundaries are kept
+/// (`rsb exec -- printf '%s\n' "a b"`), as if typed quoted.
+pub fn command_line(argv: &[String]) -> String {
+    match argv {
+        [one] => one.clone(),
+        words => words
+            .iter()
+            .map(|w| rsb_rules::shell::quote_str(w))
+            .collect::<Vec<_>>()
+            .join(" "),
+    }
+}
