@@ -25,6 +25,10 @@ use crate::{
 /// Together they bound how long a black-holed link goes unnoticed (about 9–12 s).
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
 const KEEPALIVE_MAX: usize = 3;
+/// The session dies after this long without any packet moving either way. russh awaits the
+/// socket flush under this timer only, so without it a black-holed link with a full send
+/// buffer (a rate-limited upload) froze every call for as long as the fault lasted.
+pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(15);
 
 #[derive(Debug, thiserror::Error)]
 enum HandlerError {
@@ -324,8 +328,12 @@ impl SshSession {
         let stderr_tail = Arc::new(Mutex::new(Vec::<u8>::new()));
         let tail = stderr_tail.clone();
         let name = sandbox.to_string();
+        let heard = crate::client::Heard::default();
+        let touch = heard.clone();
         tokio::spawn(async move {
             while let Some(msg) = rd.wait().await {
+                // Window updates count: during an upload they are all that comes back.
+                touch.touch();
                 match msg {
                     ChannelMsg::Data { data } if pipe_in.write_all(&data).await.is_err() => break,
                     ChannelMsg::Data { .. } => {}
@@ -348,7 +356,16 @@ impl SshSession {
         });
         let writer = wr.make_writer();
         let keep: Box<dyn std::any::Any + Send> = Box::new((self.clone(), wr));
-        match AgentClient::start(sandbox, pipe_out, writer, keep, Duration::from_secs(20)).await {
+        match AgentClient::start_watched(
+            sandbox,
+            pipe_out,
+            writer,
+            keep,
+            Duration::from_secs(20),
+            heard,
+        )
+        .await
+        {
             Ok(c) => Ok(c),
             Err(StartError::NoHello(m)) => {
                 // Give the stderr pump a moment to capture why (e.g. "No such file").
@@ -423,7 +440,7 @@ async fn open_session(
         preferred: preferred_algorithms(),
         keepalive_interval: Some(KEEPALIVE_INTERVAL),
         keepalive_max: KEEPALIVE_MAX,
-        inactivity_timeout: None,
+        inactivity_timeout: Some(LIVENESS_TIMEOUT),
         ..Default::default()
     });
     let verdict = Arc::new(Mutex::new(None));
@@ -436,7 +453,10 @@ async fn open_session(
     };
     let connect = async {
         match via {
-            None => client::connect(cfg, (host, port), checker).await,
+            None => {
+                let tcp = tcp_connect(host, port).await?;
+                client::connect_stream(cfg, tcp, checker).await
+            }
             Some(j) => {
                 let ch = j
                     .channel_open_direct_tcpip(host, port as u32, "127.0.0.1", 0)
@@ -485,6 +505,22 @@ async fn open_session(
         Ok(Err(e)) => Err(e.with_context(sandbox, &desc)),
         Ok(Ok(())) => Ok(handle),
     }
+}
+
+/// A TCP connection whose unacknowledged data (including zero-window probes) fails the socket
+/// after [`LIVENESS_TIMEOUT`], so the kernel too gives up on a black-holed peer.
+async fn tcp_connect(
+    host: &str,
+    port: u16,
+) -> std::result::Result<tokio::net::TcpStream, HandlerError> {
+    let tcp = tokio::net::TcpStream::connect((host, port))
+        .await
+        .map_err(|e| HandlerError::Ssh(russh::Error::IO(e)))?;
+    let _ = tcp.set_nodelay(true);
+    if let Err(e) = socket2::SockRef::from(&tcp).set_tcp_user_timeout(Some(LIVENESS_TIMEOUT)) {
+        tracing::debug!("cannot set TCP_USER_TIMEOUT: {e}");
+    }
+    Ok(tcp)
 }
 
 fn one_line(s: &str) -> String {
