@@ -58,15 +58,24 @@ const BULK_LANE: usize = 8;
 /// When anything last arrived from the far end. The transport touches it for messages that are
 /// not agent frames (SSH window updates during an upload), so a slow but moving link is alive.
 #[derive(Clone)]
-pub struct Heard(Arc<(Instant, AtomicU64)>);
+pub struct Heard(Arc<(Instant, AtomicU64, Mutex<Option<String>>)>);
 
 impl Default for Heard {
     fn default() -> Self {
-        Heard(Arc::new((Instant::now(), AtomicU64::new(0))))
+        Heard(Arc::new((
+            Instant::now(),
+            AtomicU64::new(0),
+            Mutex::new(None),
+        )))
     }
 }
 
 impl Heard {
+    /// Why the transport ended, when it knows better than "channel closed" (a dead link).
+    pub fn set_reason(&self, why: String) {
+        *self.0.2.lock() = Some(why);
+    }
+
     pub fn touch(&self) {
         let ms = u64::try_from(self.0.0.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.0.1.fetch_max(ms, Ordering::Relaxed);
@@ -271,11 +280,16 @@ impl AgentClient {
         tokio::spawn(async move {
             let reason = loop {
                 let Some(frame) = frames.next().await else {
-                    break "agent channel closed".to_string();
+                    let why = r_inner.upgrade().and_then(|i| i.heard.0.2.lock().clone());
+                    break why.unwrap_or_else(|| "agent channel closed".to_string());
                 };
                 let buf = match frame {
                     Ok(b) => b,
-                    Err(e) => break format!("read failed: {e}"),
+                    Err(e) => {
+                        // A frame cut short by a dead transport: the transport's reason is the news.
+                        let why = r_inner.upgrade().and_then(|i| i.heard.0.2.lock().clone());
+                        break why.unwrap_or_else(|| format!("read failed: {e}"));
+                    }
                 };
                 let msg = match decode::<FromAgent>(&buf) {
                     Ok(m) => m,

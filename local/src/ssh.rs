@@ -45,10 +45,43 @@ struct Checker {
     files: Vec<PathBuf>,
     /// Set when the key was rejected, so the connect error can say exactly why.
     verdict: Arc<Mutex<Option<String>>>,
+    /// Why the session ended, in words, once it has: the agent channel's error quotes it.
+    ended: Arc<Mutex<Option<String>>>,
 }
 
 impl client::Handler for Checker {
     type Error = HandlerError;
+
+    async fn disconnected(
+        &mut self,
+        reason: client::DisconnectReason<Self::Error>,
+    ) -> Result<(), Self::Error> {
+        let (why, res) = match reason {
+            client::DisconnectReason::ReceivedDisconnect(info) => (
+                format!(
+                    "the server closed the connection ({})",
+                    one_line(&info.message)
+                ),
+                Ok(()),
+            ),
+            client::DisconnectReason::Error(e) => {
+                let why = match &e {
+                    HandlerError::Ssh(russh::Error::InactivityTimeout) => format!(
+                        "nothing moved on the link for {}s (the link is dead or black-holed)",
+                        LIVENESS_TIMEOUT.as_secs()
+                    ),
+                    HandlerError::Ssh(russh::Error::KeepaliveTimeout) => {
+                        "the server stopped answering keepalives (the link is dead or black-holed)"
+                            .to_string()
+                    }
+                    other => format!("SSH session ended: {}", one_line(&other.to_string())),
+                };
+                (why, Err(e))
+            }
+        };
+        *self.ended.lock() = Some(why);
+        res
+    }
 
     async fn check_server_key(&mut self, k: &PublicKeyOrCertificate) -> Result<bool, Self::Error> {
         let key = match k {
@@ -177,6 +210,8 @@ impl From<russh::Error> for ChannelOpenError {
 /// One authenticated SSH connection.
 pub struct SshSession {
     handle: client::Handle<Checker>,
+    /// Why the session ended (see [`Checker::ended`]).
+    ended: Arc<Mutex<Option<String>>>,
     /// Sessions to the ProxyJump hops, innermost last; they carry `handle`'s transport.
     _jumps: Vec<client::Handle<Checker>>,
     pub target_desc: String,
@@ -189,14 +224,30 @@ impl SshSession {
     pub async fn connect(sandbox: &str, t: &SshTarget) -> Result<Arc<SshSession>> {
         let mut jumps: Vec<client::Handle<Checker>> = Vec::new();
         for hop in &t.proxy_jump {
-            let h =
-                open_session(sandbox, hop, t.connect_timeout, jumps.last(), "jump host ").await?;
+            let h = open_session(
+                sandbox,
+                hop,
+                t.connect_timeout,
+                jumps.last(),
+                "jump host ",
+                Arc::default(),
+            )
+            .await?;
             jumps.push(h);
         }
-        let handle =
-            open_session(sandbox, &t.as_hop(), t.connect_timeout, jumps.last(), "").await?;
+        let ended = Arc::new(Mutex::new(None));
+        let handle = open_session(
+            sandbox,
+            &t.as_hop(),
+            t.connect_timeout,
+            jumps.last(),
+            "",
+            ended.clone(),
+        )
+        .await?;
         Ok(Arc::new(SshSession {
             handle,
+            ended,
             _jumps: jumps,
             target_desc: t.address(),
         }))
@@ -330,6 +381,7 @@ impl SshSession {
         let name = sandbox.to_string();
         let heard = crate::client::Heard::default();
         let touch = heard.clone();
+        let session = Arc::downgrade(self);
         tokio::spawn(async move {
             while let Some(msg) = rd.wait().await {
                 // Window updates count: during an upload they are all that comes back.
@@ -353,6 +405,21 @@ impl SshSession {
                     _ => {}
                 }
             }
+            // The whole session went down: say why in the channel's error (the handler records
+            // it as the session task ends, at about the same time as the channel).
+            if let Some(s) = session.upgrade() {
+                for _ in 0..20 {
+                    if let Some(why) = s.ended.lock().clone() {
+                        touch.set_reason(why);
+                        break;
+                    }
+                    if !s.is_closed() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            drop(pipe_in);
         });
         let writer = wr.make_writer();
         let keep: Box<dyn std::any::Any + Send> = Box::new((self.clone(), wr));
@@ -432,6 +499,7 @@ async fn open_session(
     timeout: Duration,
     via: Option<&client::Handle<Checker>>,
     what: &str,
+    ended: Arc<Mutex<Option<String>>>,
 ) -> Result<client::Handle<Checker>> {
     let desc = format!("{what}{}", hop.address());
     let (host, port) = (hop.host.as_str(), hop.port);
@@ -450,6 +518,7 @@ async fn open_session(
         policy: hop.host_key_policy,
         files: hop.known_hosts.clone(),
         verdict: verdict.clone(),
+        ended,
     };
     let connect = async {
         match via {

@@ -223,10 +223,16 @@ async fn sweep(sshd: &Sshd) {
     let alive = |v: &Value| {
         v["sandboxes"]
             .as_array()
-            .map(|a| a.iter().filter(|s| s["alive"] == true).count())
+            .map(|a| a.iter().filter(|s| s["connection_alive"] == true).count())
             .unwrap_or(0)
     };
     let cold_alive = alive(&v);
+    if let Some(e) = v["sandboxes"]
+        .as_array()
+        .and_then(|a| a.iter().find_map(|s| s["connection_error"].as_str()))
+    {
+        println!("sweep: first connection error: {e}");
+    }
     let mut warm = Vec::new();
     let mut warm_alive = 0;
     for _ in 0..5 {
