@@ -457,7 +457,12 @@ async fn link_fault_mid_deploy(mbit: u64, fault: Fault) {
         ))
         .unwrap();
     for f in found.lines() {
-        assert_eq!(sha256_remote(&sshd, f), want, "partial agent at {f}");
+        // Another test's sshd home under /tmp can drop its agent between `find` and the hash;
+        // a file that is gone is not a partial agent.
+        let got = sha256_remote(&sshd, f);
+        if got != "none" {
+            assert_eq!(got, want, "partial agent at {f}");
+        }
     }
     next_call_works(&pool).await;
     pool.shutdown().await;
