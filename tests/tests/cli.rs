@@ -275,6 +275,7 @@ fn cli_table() {
         rsb(&["exec", "--cwd", "~/dir", "--", "ls"]).out_eq("a.txt\nsub\n"),
         // Usage errors and did-you-mean.
         rsb(&["exce", "ls"]).code(1).err("'exec'"),
+        rsb(&[]).code(1).err("Usage: rsb"),
         rsb(&["-s", "gpu2", "exec", "true"])
             .code(1)
             .err("unknown sandbox `gpu2`")

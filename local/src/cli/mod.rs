@@ -208,7 +208,7 @@ impl Ctx {
     pub fn resolve(&self) -> Result<String, RsbError> {
         let name = if self.sandbox.is_empty() {
             self.pool.resolve("")?
-        } else if self.pool.names().iter().any(|n| *n == self.sandbox) {
+        } else if self.pool.names().contains(&self.sandbox) {
             self.sandbox.clone()
         } else {
             return Err(unknown_sandbox(&self.pool, &self.sandbox));
@@ -266,5 +266,32 @@ pub fn command_line(argv: &[String]) -> String {
             .map(|w| rsb_rules::shell::quote_str(w))
             .collect::<Vec<_>>()
             .join(" "),
+    }
+}
+
+/// Log events in CLI commands read as `rsb: warning: …` lines, like rsb's own messages, not as
+/// timestamped log records (those are for `rsb mcp` and the watchdog daemon).
+pub struct CliLogFormat;
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for CliLogFormat
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut w: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        let level = match *event.metadata().level() {
+            tracing::Level::ERROR => "error",
+            tracing::Level::WARN => "warning",
+            tracing::Level::INFO => "info",
+            _ => "debug",
+        };
+        write!(w, "rsb: {level}: ")?;
+        ctx.field_format().format_fields(w.by_ref(), event)?;
+        writeln!(w)
     }
 }
