@@ -295,3 +295,70 @@ where
         writeln!(w)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hints_speak_cli_not_mcp() {
+        assert_eq!(
+            cli_words("list_background_tasks shows the tasks; use exec_bash_background"),
+            "`rsb jobs list` shows the tasks; use `rsb jobs start`"
+        );
+        assert_eq!(
+            cli_words("local_path does not exist"),
+            "the local path does not exist"
+        );
+        assert_eq!(
+            cli_words("timeout_s must be between 1 and 5"),
+            "--timeout must be between 1 and 5"
+        );
+    }
+
+    #[test]
+    fn typos_get_a_suggestion_and_strangers_do_not() {
+        assert_eq!(did_you_mean("gpu2", ["gpu1", "dead"]), Some("gpu1"));
+        assert_eq!(did_you_mean("lcoal", ["local"]), Some("local"));
+        assert_eq!(did_you_mean("zzz", ["gpu1", "dead"]), None);
+    }
+
+    #[test]
+    fn argv_words_keep_their_boundaries() {
+        let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(command_line(&v(&["ls | wc -l"])), "ls | wc -l");
+        assert_eq!(
+            command_line(&v(&["printf", "%s\\n", "a b"])),
+            "'printf' '%s\\n' 'a b'"
+        );
+        assert_eq!(command_line(&v(&["echo", "it's"])), "'echo' 'it'\\''s'");
+    }
+
+    #[test]
+    fn every_error_kind_has_its_exit_code() {
+        let code = |k| code_of(&RsbError::new(k, "m", "h"));
+        assert_eq!(code(Kind::InvalidArgument), exit::USAGE);
+        assert_eq!(code(Kind::UnknownSandbox), exit::USAGE);
+        assert_eq!(code(Kind::Config), exit::CONFIG);
+        assert_eq!(code(Kind::HostKey), exit::CONNECTION);
+        assert_eq!(code(Kind::ConnectionLost), exit::CONNECTION);
+        assert_eq!(
+            code(Kind::Agent(rsb_protocol::ErrorCode::NotFound)),
+            exit::REMOTE
+        );
+        assert_eq!(code(Kind::Internal), exit::INTERNAL);
+    }
+
+    #[test]
+    fn durations_parse() {
+        use std::time::Duration;
+        let p = jobs::parse_duration;
+        assert_eq!(p("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(p("10m"), Ok(Duration::from_secs(600)));
+        assert_eq!(p("2h"), Ok(Duration::from_secs(7200)));
+        assert_eq!(p("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(p("45"), Ok(Duration::from_secs(45)));
+        assert!(p("5x").is_err());
+        assert!(p("h").is_err());
+    }
+}
