@@ -387,13 +387,17 @@ fn cli_table() {
         rsb(&["completions", "zsh"]).out("#compdef rsb"),
         // Doctor: a verdict per line, healthy vs broken host.
         rsb(&["doctor", "-s", "gpu1"])
+            .out("ok    gpu1: keys: key file")
             .out("ok    gpu1: reachable")
+            .out("ok    gpu1: host key: verified")
+            .out("ok    gpu1: auth")
             .out("ok    gpu1: agent")
             .out("gpu1: clock")
             .no_out("FAIL"),
         rsb(&["doctor", "-s", "dead"])
             .code(3)
             .out("warn  dead: config: REMOTE_SANDBOX_LIST[1]: key_file")
+            .out("FAIL  dead: keys: key file /nonexistent/rsb-test-key does not exist")
             .out("FAIL  dead: reachable"),
     ];
     assert!(rows.len() >= 30, "{} rows", rows.len());
