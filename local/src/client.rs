@@ -8,23 +8,33 @@
 //!
 //! [`AgentClient::call`] is the only way to send a request: the request type names its reply
 //! type ([`Call`]), so a reply of the wrong variant is one error, made here.
+//!
+//! Control traffic first: the writer has two lanes, and the bulk lane (the apply requests that
+//! carry sync data) only gets the channel when no control frame waits, so an exec or a ping
+//! waits behind at most one bulk frame, not a whole window of them.
+//!
+//! Liveness: a heartbeat pings the agent whenever nothing has been heard for a while, and when
+//! nothing at all (frame, or any channel message the transport reports through [`Heard`]) has
+//! arrived for [`DEAD_AFTER`], the channel is failed with one clear line and its transport
+//! dropped, so the pool reconnects on the next call instead of waiting on a dead link.
 
 use std::{
     any::Any,
     collections::HashMap,
     sync::{
-        Arc,
+        Arc, Weak,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use parking_lot::Mutex;
 use rsb_protocol::{
-    Call, Chunk, FromAgent, Hello, MAGIC, PROTOCOL_VERSION, Reply, Request, ToAgent, decode,
-    encode, frame_codec,
+    ApplyAbortRequest, ApplyCloseRequest, ApplyOpenRequest, ApplyRequest, Call, Chunk, FromAgent,
+    Hello, MAGIC, PROTOCOL_VERSION, PingRequest, Reply, Request, ToAgent, decode, encode,
+    frame_codec,
 };
 use tokio::{
     io::{AsyncRead, AsyncWrite},
@@ -36,6 +46,59 @@ use crate::error::{Kind, Result, RsbError};
 
 type ReplyTx = oneshot::Sender<Result<Reply>>;
 
+/// A ping goes out when nothing has been heard from the agent for this long.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(3);
+/// Nothing heard for this long (pings unanswered, no data, no window updates): the link or the
+/// agent is dead, and the channel is failed.
+pub const DEAD_AFTER: Duration = Duration::from_secs(15);
+/// Queued bulk frames (about 1 MiB each): enough to keep a link busy, few enough that memory
+/// and the wait they impose on a cancel stay small.
+const BULK_LANE: usize = 8;
+
+/// When anything last arrived from the far end. The transport touches it for messages that are
+/// not agent frames (SSH window updates during an upload), so a slow but moving link is alive.
+#[derive(Clone)]
+pub struct Heard(Arc<(Instant, AtomicU64, Mutex<Option<String>>)>);
+
+impl Default for Heard {
+    fn default() -> Self {
+        Heard(Arc::new((
+            Instant::now(),
+            AtomicU64::new(0),
+            Mutex::new(None),
+        )))
+    }
+}
+
+impl Heard {
+    /// Why the transport ended, when it knows better than "channel closed" (a dead link).
+    pub fn set_reason(&self, why: String) {
+        *self.0.2.lock() = Some(why);
+    }
+
+    pub fn touch(&self) {
+        let ms = u64::try_from(self.0.0.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.0.1.fetch_max(ms, Ordering::Relaxed);
+    }
+
+    /// How long since anything arrived.
+    pub fn quiet(&self) -> Duration {
+        self.0
+            .0
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.0.1.load(Ordering::Relaxed)))
+    }
+}
+
+/// Sync data rides the bulk lane; everything else (exec, ping, reads, job calls) overtakes it.
+/// By kind, not size: one apply session's requests must stay in order on one FIFO lane.
+fn is_bulk(kind: &str) -> bool {
+    kind == ApplyRequest::NAME
+        || kind == ApplyOpenRequest::NAME
+        || kind == ApplyCloseRequest::NAME
+        || kind == ApplyAbortRequest::NAME
+}
+
 struct Pending {
     reply: ReplyTx,
     chunks: Option<mpsc::Sender<Chunk>>,
@@ -45,6 +108,8 @@ struct Inner {
     sandbox: String,
     hello: Hello,
     out: mpsc::Sender<Bytes>,
+    bulk_out: mpsc::Sender<Bytes>,
+    heard: Heard,
     pending: Mutex<HashMap<u64, Pending>>,
     next_id: AtomicU64,
     closed: AtomicBool,
@@ -115,6 +180,30 @@ impl AgentClient {
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
     {
+        Self::start_watched(
+            sandbox,
+            reader,
+            writer,
+            keep,
+            hello_timeout,
+            Heard::default(),
+        )
+        .await
+    }
+
+    /// Like [`start`](Self::start), with `heard` also touched by the transport.
+    pub async fn start_watched<R, W>(
+        sandbox: &str,
+        reader: R,
+        writer: W,
+        keep: Box<dyn Any + Send>,
+        hello_timeout: Duration,
+        heard: Heard,
+    ) -> std::result::Result<AgentClient, StartError>
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
         let mut frames = FramedRead::new(reader, frame_codec());
         let first = tokio::time::timeout(hello_timeout, frames.next())
             .await
@@ -161,11 +250,15 @@ impl AgentClient {
                 rsb_protocol::PROTOCOL_FINGERPRINT
             )));
         }
-        let (out_tx, mut out_rx) = mpsc::channel::<Bytes>(256);
+        let (out_tx, out_rx) = mpsc::channel::<Bytes>(256);
+        let (bulk_tx, bulk_rx) = mpsc::channel::<Bytes>(BULK_LANE);
+        heard.touch();
         let inner = Arc::new(Inner {
             sandbox: sandbox.to_string(),
             hello,
             out: out_tx,
+            bulk_out: bulk_tx,
+            heard,
             pending: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
@@ -175,37 +268,28 @@ impl AgentClient {
 
         let w_inner = Arc::downgrade(&inner);
         tokio::spawn(async move {
-            let mut sink = FramedWrite::new(writer, frame_codec());
-            while let Some(frame) = out_rx.recv().await {
-                // Batch whatever else is queued into one flush.
-                let mut res = sink.feed(frame).await;
-                while res.is_ok() {
-                    match out_rx.try_recv() {
-                        Ok(f) => res = sink.feed(f).await,
-                        Err(_) => break,
-                    }
-                }
-                if res.is_ok() {
-                    res = SinkExt::<Bytes>::flush(&mut sink).await;
-                }
-                if let Err(e) = res {
-                    if let Some(i) = w_inner.upgrade() {
-                        i.fail_all(&format!("write failed: {e}"));
-                    }
-                    return;
-                }
+            if let Err(e) = write_frames(writer, out_rx, bulk_rx).await
+                && let Some(i) = w_inner.upgrade()
+            {
+                i.fail_all(&format!("write failed: {e}"));
             }
         });
+        tokio::spawn(heartbeat(Arc::downgrade(&inner)));
 
         let r_inner = Arc::downgrade(&inner);
         tokio::spawn(async move {
             let reason = loop {
                 let Some(frame) = frames.next().await else {
-                    break "agent channel closed".to_string();
+                    let why = r_inner.upgrade().and_then(|i| i.heard.0.2.lock().clone());
+                    break why.unwrap_or_else(|| "agent channel closed".to_string());
                 };
                 let buf = match frame {
                     Ok(b) => b,
-                    Err(e) => break format!("read failed: {e}"),
+                    Err(e) => {
+                        // A frame cut short by a dead transport: the transport's reason is the news.
+                        let why = r_inner.upgrade().and_then(|i| i.heard.0.2.lock().clone());
+                        break why.unwrap_or_else(|| format!("read failed: {e}"));
+                    }
                 };
                 let msg = match decode::<FromAgent>(&buf) {
                     Ok(m) => m,
@@ -214,6 +298,7 @@ impl AgentClient {
                 let Some(inner) = r_inner.upgrade() else {
                     return;
                 };
+                inner.heard.touch();
                 match msg {
                     FromAgent::Reply { id, body } => {
                         let p = inner.pending.lock().remove(&id);
@@ -309,12 +394,13 @@ impl AgentClient {
         }
         // The place in the queue first: the frame is built and queued in one step after it, so
         // frames leave in the order their requests were built.
-        let permit = self
-            .inner
-            .out
-            .reserve()
-            .await
-            .map_err(|_| lost("writer stopped"))?;
+        let bulk = is_bulk(kind);
+        let lane = if bulk {
+            &self.inner.bulk_out
+        } else {
+            &self.inner.out
+        };
+        let permit = lane.reserve().await.map_err(|_| lost("writer stopped"))?;
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let frame = encode(&ToAgent::Request { id, body: make() }).map_err(|e| {
             RsbError::invalid(
@@ -330,6 +416,7 @@ impl AgentClient {
         let mut guard = CancelOnDrop {
             inner: &self.inner,
             id,
+            bulk,
             armed: true,
         };
         permit.send(frame);
@@ -359,6 +446,8 @@ impl AgentClient {
 struct CancelOnDrop<'a> {
     inner: &'a Arc<Inner>,
     id: u64,
+    /// The lane the request went on: a cancel must not overtake its request.
+    bulk: bool,
     armed: bool,
 }
 
@@ -368,15 +457,81 @@ impl Drop for CancelOnDrop<'_> {
             return;
         }
         self.inner.pending.lock().remove(&self.id);
+        let lane = if self.bulk {
+            &self.inner.bulk_out
+        } else {
+            &self.inner.out
+        };
         if let Ok(frame) = encode(&ToAgent::Cancel { id: self.id })
-            && let Err(mpsc::error::TrySendError::Full(frame)) = self.inner.out.try_send(frame)
+            && let Err(mpsc::error::TrySendError::Full(frame)) = lane.try_send(frame)
         {
-            let out = self.inner.out.clone();
+            let out = lane.clone();
             if let Ok(h) = tokio::runtime::Handle::try_current() {
                 h.spawn(async move {
                     let _ = out.send(frame).await;
                 });
             }
+        }
+    }
+}
+
+/// Write frames until both lanes close. Control frames go first; a burst of them is flushed
+/// once, when nothing else waits; a bulk frame is flushed on its own so a control frame that
+/// arrives meanwhile is next.
+async fn write_frames<W: AsyncWrite + Unpin>(
+    writer: W,
+    mut control: mpsc::Receiver<Bytes>,
+    mut bulk: mpsc::Receiver<Bytes>,
+) -> std::io::Result<()> {
+    let mut sink = FramedWrite::new(writer, frame_codec());
+    loop {
+        let (frame, is_bulk) = tokio::select! {
+            biased;
+            Some(f) = control.recv() => (f, false),
+            Some(f) = bulk.recv() => (f, true),
+            else => break,
+        };
+        sink.feed(frame).await?;
+        if is_bulk || (control.is_empty() && bulk.is_empty()) {
+            SinkExt::<Bytes>::flush(&mut sink).await?;
+        }
+    }
+    SinkExt::<Bytes>::flush(&mut sink).await
+}
+
+/// Pings the agent when the channel has been quiet for [`HEARTBEAT_EVERY`], and fails the
+/// channel (dropping its transport) once nothing has been heard for [`DEAD_AFTER`]. Holds only
+/// a weak reference: a client nobody uses any more is not kept alive by its heartbeat.
+async fn heartbeat(inner: Weak<Inner>) {
+    let pinging = Arc::new(AtomicBool::new(false));
+    loop {
+        tokio::time::sleep(HEARTBEAT_EVERY / 3).await;
+        let Some(i) = inner.upgrade() else { return };
+        if i.closed.load(Ordering::SeqCst) {
+            return;
+        }
+        let quiet = i.heard.quiet();
+        if quiet >= DEAD_AFTER {
+            let client = AgentClient { inner: i };
+            client.close(&format!(
+                "nothing heard from the sandbox for {}s (the link or the agent is dead)",
+                quiet.as_secs()
+            ));
+            return;
+        }
+        if quiet >= HEARTBEAT_EVERY && !pinging.swap(true, Ordering::SeqCst) {
+            let client = AgentClient { inner: i };
+            let flag = pinging.clone();
+            tokio::spawn(async move {
+                let _ = tokio::time::timeout(
+                    DEAD_AFTER,
+                    client.call(PingRequest {
+                        payload: Vec::new(),
+                    }),
+                )
+                .await;
+                flag.store(false, Ordering::SeqCst);
+            });
         }
     }
 }

@@ -85,15 +85,8 @@ enum Cmd {
     /// Forward a local port to a service on a sandbox over its SSH connection, as `ssh -L`
     /// does: SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock (`:PORT` = the active
     /// sandbox). Runs until Ctrl-C, printing a line per connection; survives reconnects.
-    Forward {
-        /// SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock, as the sandbox sees it.
-        target: String,
-        /// Local port: default the remote port when free (else any), 0 = any free port.
-        local_port: Option<i64>,
-        /// Local address to listen on; anything but loopback lets other machines in.
-        #[arg(long, default_value = "127.0.0.1")]
-        bind: String,
-    },
+    /// `--detach` lets the watchdog daemon serve it instead.
+    Forward(rsb::forward::cli::ForwardArgs),
     /// Background jobs supervised by the agent.
     Jobs {
         #[command(subcommand)]
@@ -281,14 +274,10 @@ async fn run(cli: Cli) -> u8 {
         Cmd::Cat { path, max_bytes } => cli::fs::cat(&ctx, &path, max_bytes).await,
         Cmd::Jobs { cmd } => cli::jobs::run(&ctx, cmd).await,
         Cmd::Doctor => cli::doctor::run(&ctx).await,
-        Cmd::Forward {
-            target,
-            local_port,
-            bind,
-        } => {
+        Cmd::Forward(a) => {
             ctx.warnings_for(&[]);
             // forward/cli.rs says 2 for a bad argument and 1 when it cannot start.
-            match rsb::forward::cli::run(ctx.pool.clone(), &target, local_port, &bind, json).await {
+            match rsb::forward::cli::main(ctx.pool.clone(), a, json).await {
                 2 => exit::USAGE,
                 1 => exit::CONNECTION,
                 c => c,

@@ -25,6 +25,10 @@ use crate::{
 /// Together they bound how long a black-holed link goes unnoticed (about 9–12 s).
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
 const KEEPALIVE_MAX: usize = 3;
+/// The session dies after this long without any packet moving either way. russh awaits the
+/// socket flush under this timer only, so without it a black-holed link with a full send
+/// buffer (a rate-limited upload) froze every call for as long as the fault lasted.
+pub const LIVENESS_TIMEOUT: Duration = Duration::from_secs(15);
 
 #[derive(Debug, thiserror::Error)]
 enum HandlerError {
@@ -41,10 +45,43 @@ struct Checker {
     files: Vec<PathBuf>,
     /// Set when the key was rejected, so the connect error can say exactly why.
     verdict: Arc<Mutex<Option<String>>>,
+    /// Why the session ended, in words, once it has: the agent channel's error quotes it.
+    ended: Arc<Mutex<Option<String>>>,
 }
 
 impl client::Handler for Checker {
     type Error = HandlerError;
+
+    async fn disconnected(
+        &mut self,
+        reason: client::DisconnectReason<Self::Error>,
+    ) -> Result<(), Self::Error> {
+        let (why, res) = match reason {
+            client::DisconnectReason::ReceivedDisconnect(info) => (
+                format!(
+                    "the server closed the connection ({})",
+                    one_line(&info.message)
+                ),
+                Ok(()),
+            ),
+            client::DisconnectReason::Error(e) => {
+                let why = match &e {
+                    HandlerError::Ssh(russh::Error::InactivityTimeout) => format!(
+                        "nothing moved on the link for {}s (the link is dead or black-holed)",
+                        LIVENESS_TIMEOUT.as_secs()
+                    ),
+                    HandlerError::Ssh(russh::Error::KeepaliveTimeout) => {
+                        "the server stopped answering keepalives (the link is dead or black-holed)"
+                            .to_string()
+                    }
+                    other => format!("SSH session ended: {}", one_line(&other.to_string())),
+                };
+                (why, Err(e))
+            }
+        };
+        *self.ended.lock() = Some(why);
+        res
+    }
 
     async fn check_server_key(&mut self, k: &PublicKeyOrCertificate) -> Result<bool, Self::Error> {
         let key = match k {
@@ -173,6 +210,8 @@ impl From<russh::Error> for ChannelOpenError {
 /// One authenticated SSH connection.
 pub struct SshSession {
     handle: client::Handle<Checker>,
+    /// Why the session ended (see [`Checker::ended`]).
+    ended: Arc<Mutex<Option<String>>>,
     /// Sessions to the ProxyJump hops, innermost last; they carry `handle`'s transport.
     _jumps: Vec<client::Handle<Checker>>,
     pub target_desc: String,
@@ -185,14 +224,30 @@ impl SshSession {
     pub async fn connect(sandbox: &str, t: &SshTarget) -> Result<Arc<SshSession>> {
         let mut jumps: Vec<client::Handle<Checker>> = Vec::new();
         for hop in &t.proxy_jump {
-            let h =
-                open_session(sandbox, hop, t.connect_timeout, jumps.last(), "jump host ").await?;
+            let h = open_session(
+                sandbox,
+                hop,
+                t.connect_timeout,
+                jumps.last(),
+                "jump host ",
+                Arc::default(),
+            )
+            .await?;
             jumps.push(h);
         }
-        let handle =
-            open_session(sandbox, &t.as_hop(), t.connect_timeout, jumps.last(), "").await?;
+        let ended = Arc::new(Mutex::new(None));
+        let handle = open_session(
+            sandbox,
+            &t.as_hop(),
+            t.connect_timeout,
+            jumps.last(),
+            "",
+            ended.clone(),
+        )
+        .await?;
         Ok(Arc::new(SshSession {
             handle,
+            ended,
             _jumps: jumps,
             target_desc: t.address(),
         }))
@@ -324,8 +379,13 @@ impl SshSession {
         let stderr_tail = Arc::new(Mutex::new(Vec::<u8>::new()));
         let tail = stderr_tail.clone();
         let name = sandbox.to_string();
+        let heard = crate::client::Heard::default();
+        let touch = heard.clone();
+        let session = Arc::downgrade(self);
         tokio::spawn(async move {
             while let Some(msg) = rd.wait().await {
+                // Window updates count: during an upload they are all that comes back.
+                touch.touch();
                 match msg {
                     ChannelMsg::Data { data } if pipe_in.write_all(&data).await.is_err() => break,
                     ChannelMsg::Data { .. } => {}
@@ -345,10 +405,34 @@ impl SshSession {
                     _ => {}
                 }
             }
+            // The whole session went down: say why in the channel's error (the handler records
+            // it as the session task ends, at about the same time as the channel).
+            if let Some(s) = session.upgrade() {
+                for _ in 0..20 {
+                    if let Some(why) = s.ended.lock().clone() {
+                        touch.set_reason(why);
+                        break;
+                    }
+                    if !s.is_closed() {
+                        break;
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            }
+            drop(pipe_in);
         });
         let writer = wr.make_writer();
         let keep: Box<dyn std::any::Any + Send> = Box::new((self.clone(), wr));
-        match AgentClient::start(sandbox, pipe_out, writer, keep, Duration::from_secs(20)).await {
+        match AgentClient::start_watched(
+            sandbox,
+            pipe_out,
+            writer,
+            keep,
+            Duration::from_secs(20),
+            heard,
+        )
+        .await
+        {
             Ok(c) => Ok(c),
             Err(StartError::NoHello(m)) => {
                 // Give the stderr pump a moment to capture why (e.g. "No such file").
@@ -415,6 +499,7 @@ async fn open_session(
     timeout: Duration,
     via: Option<&client::Handle<Checker>>,
     what: &str,
+    ended: Arc<Mutex<Option<String>>>,
 ) -> Result<client::Handle<Checker>> {
     let desc = format!("{what}{}", hop.address());
     let (host, port) = (hop.host.as_str(), hop.port);
@@ -423,7 +508,7 @@ async fn open_session(
         preferred: preferred_algorithms(),
         keepalive_interval: Some(KEEPALIVE_INTERVAL),
         keepalive_max: KEEPALIVE_MAX,
-        inactivity_timeout: None,
+        inactivity_timeout: Some(LIVENESS_TIMEOUT),
         ..Default::default()
     });
     let verdict = Arc::new(Mutex::new(None));
@@ -433,10 +518,14 @@ async fn open_session(
         policy: hop.host_key_policy,
         files: hop.known_hosts.clone(),
         verdict: verdict.clone(),
+        ended,
     };
     let connect = async {
         match via {
-            None => client::connect(cfg, (host, port), checker).await,
+            None => {
+                let tcp = tcp_connect(host, port).await?;
+                client::connect_stream(cfg, tcp, checker).await
+            }
             Some(j) => {
                 let ch = j
                     .channel_open_direct_tcpip(host, port as u32, "127.0.0.1", 0)
@@ -485,6 +574,22 @@ async fn open_session(
         Ok(Err(e)) => Err(e.with_context(sandbox, &desc)),
         Ok(Ok(())) => Ok(handle),
     }
+}
+
+/// A TCP connection whose unacknowledged data (including zero-window probes) fails the socket
+/// after [`LIVENESS_TIMEOUT`], so the kernel too gives up on a black-holed peer.
+async fn tcp_connect(
+    host: &str,
+    port: u16,
+) -> std::result::Result<tokio::net::TcpStream, HandlerError> {
+    let tcp = tokio::net::TcpStream::connect((host, port))
+        .await
+        .map_err(|e| HandlerError::Ssh(russh::Error::IO(e)))?;
+    let _ = tcp.set_nodelay(true);
+    if let Err(e) = socket2::SockRef::from(&tcp).set_tcp_user_timeout(Some(LIVENESS_TIMEOUT)) {
+        tracing::debug!("cannot set TCP_USER_TIMEOUT: {e}");
+    }
+    Ok(tcp)
 }
 
 fn one_line(s: &str) -> String {

@@ -42,6 +42,8 @@ pub struct ChaosProxy {
 struct Shared {
     upstream: SocketAddr,
     delay_ns: AtomicU64,
+    /// Bytes per second per connection and direction; 0 is unlimited.
+    rate: AtomicU64,
     refuse: AtomicBool,
     /// `true` while blackholed; pumps wait on it instead of polling.
     blackhole: watch::Sender<bool>,
@@ -79,6 +81,7 @@ impl ChaosProxy {
         let shared = Arc::new(Shared {
             upstream,
             delay_ns: AtomicU64::new(0),
+            rate: AtomicU64::new(0),
             refuse: AtomicBool::new(false),
             blackhole: watch::Sender::new(false),
             cut_gen: watch::Sender::new(0),
@@ -143,6 +146,20 @@ impl ChaosProxy {
         self.shared.delay_ns.store(ns, Ordering::Relaxed);
     }
 
+    /// Caps each direction of each connection at `bytes_per_sec` (`None`: unlimited), as a
+    /// thin link would. The kernel buffers in front of the proxy fill up, so a fast sender sees
+    /// the same full send buffer it would on a real slow link.
+    pub fn set_rate(&self, bytes_per_sec: Option<u64>) {
+        self.shared
+            .rate
+            .store(bytes_per_sec.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// [`set_rate`](Self::set_rate) in megabits per second.
+    pub fn set_rate_mbit(&self, mbit: u64) {
+        self.set_rate(Some(mbit * 1_000_000 / 8));
+    }
+
     /// Closes every current connection on both sides (FIN; RST if the
     /// kernel still holds unread data). New connections are unaffected.
     /// Returns once the cut connections are gone (bounded wait).
@@ -188,6 +205,7 @@ impl ChaosProxy {
     /// Turns every fault off (does not reopen cut connections).
     pub fn reset(&self) {
         self.set_delay(Duration::ZERO);
+        self.set_rate(None);
         self.refuse(false);
         self.blackhole(false);
     }
@@ -304,6 +322,8 @@ async fn pump(
     counter: &AtomicU64,
 ) {
     let mut buf = vec![0u8; CHUNK];
+    // When the rate-limited pipe is next free: a token bucket without burst.
+    let mut next_free = tokio::time::Instant::now();
     loop {
         // While blackholed, do not even read: the bytes stay in the kernel
         // buffers and the sender eventually sees a zero window, as on a
@@ -338,6 +358,17 @@ async fn pump(
             r = wr.write_all(&buf[..n]) => if r.is_err() { return },
         }
         counter.fetch_add(n as u64, Ordering::Relaxed);
+        let rate = shared.rate.load(Ordering::Relaxed);
+        if rate > 0 {
+            let now = tokio::time::Instant::now();
+            next_free = next_free.max(now) + Duration::from_nanos(n as u64 * 1_000_000_000 / rate);
+            tokio::select! {
+                _ = cut.changed() => return,
+                _ = tokio::time::sleep_until(next_free) => {}
+            }
+        } else {
+            next_free = tokio::time::Instant::now();
+        }
     }
 }
 

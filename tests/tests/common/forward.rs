@@ -140,8 +140,12 @@ impl<'a> Job<'a> {
         let deadline = Instant::now() + within;
         loop {
             let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-            if let Some(l) = text.lines().find(|l| l.contains(needle)) {
-                return l.to_string();
+            // Whole lines only: a line still being written can hold half of what we parse.
+            if let Some(l) = text
+                .split_inclusive('\n')
+                .find(|l| l.ends_with('\n') && l.contains(needle))
+            {
+                return l.trim_end().to_string();
             }
             assert!(
                 Instant::now() < deadline,
