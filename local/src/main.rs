@@ -117,15 +117,20 @@ enum Cmd {
     Version,
 }
 
-fn init_tracing(default: &str) {
+/// `log_records`: timestamped records (for `rsb mcp` and the watchdog daemon); else CLI lines.
+fn init_tracing(default: &str, log_records: bool) {
     // stdout is the MCP channel: logs go to stderr only.
     let filter = tracing_subscriber::EnvFilter::try_from_env("RSB_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt()
+    let fmt = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(false)
-        .with_env_filter(filter)
-        .init();
+        .with_env_filter(filter);
+    if log_records {
+        fmt.init();
+    } else {
+        fmt.event_format(cli::CliLogFormat).init();
+    }
 }
 
 /// The clap command with the exit-code table and the config path in `--help`.
@@ -145,9 +150,9 @@ fn parse() -> Result<Cli, u8> {
     parsed.map_err(|e| {
         let _ = e.print();
         match e.kind() {
-            clap::error::ErrorKind::DisplayHelp
-            | clap::error::ErrorKind::DisplayVersion
-            | clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => exit::OK,
+            clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
+                exit::OK
+            }
             _ => exit::USAGE,
         }
     })
@@ -165,7 +170,8 @@ fn main() -> ExitCode {
             cmd: rsb::watchdog::cli::WatchdogCmd::Run { .. }
         }
     );
-    init_tracing(if daemon { "info" } else { "warn" });
+    let records = daemon || matches!(cli.cmd, Cmd::Mcp | Cmd::Watchdog { .. });
+    init_tracing(if daemon { "info" } else { "warn" }, records);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

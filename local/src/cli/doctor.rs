@@ -4,6 +4,7 @@
 
 use futures::future::join_all;
 use rsb::{
+    config::{Auth, Transport},
     error::Kind,
     ops::{exec, sandboxes},
 };
@@ -45,19 +46,31 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
     for w in own {
         out.push(line(name, "config", "warn", w.clone()));
     }
+    let ssh = match ctx.pool.sandbox_config(name).map(|c| &c.transport) {
+        Some(Transport::Ssh(t)) => Some(t.clone()),
+        _ => None,
+    };
+    if let Some(t) = &ssh {
+        out.push(keys(name, &t.auth));
+    }
     let deadline = sandboxes::probe_deadline(&ctx.pool, name);
+    // The stages of a connection, in order: a failure names its stage, the ones before passed.
+    const STAGES: [&str; 4] = ["reachable", "host key", "auth", "agent"];
     let client = match tokio::time::timeout(deadline, ctx.pool.client(name)).await {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => {
-            let check = match e.kind {
-                Kind::HostKey => "host key",
-                Kind::Auth => "auth",
-                Kind::Deploy => "agent",
-                _ => "reachable",
+            let failed = match e.kind {
+                Kind::HostKey => 1,
+                Kind::Auth => 2,
+                Kind::Deploy => 3,
+                _ => 0,
             };
+            for stage in &STAGES[..failed] {
+                out.push(line(name, stage, "ok", "passed".into()));
+            }
             out.push(line(
                 name,
-                check,
+                STAGES[failed],
                 "FAIL",
                 format!("{} ({})", e.message, e.hint),
             ));
@@ -73,17 +86,24 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
             return out;
         }
     };
-    let (host, port, user) = ctx.pool.describe(name);
-    out.push(line(
-        name,
-        "reachable",
-        "ok",
-        if port == 0 {
-            "this machine (local sandbox)".into()
-        } else {
-            format!("{user}@{host}:{port}, host key verified, authenticated")
-        },
-    ));
+    match &ssh {
+        Some(t) => {
+            out.push(line(name, "reachable", "ok", t.address()));
+            out.push(line(
+                name,
+                "host key",
+                "ok",
+                format!("verified (policy {})", t.host_key_policy.as_str()),
+            ));
+            out.push(line(name, "auth", "ok", format!("logged in as {}", t.user)));
+        }
+        None => out.push(line(
+            name,
+            "reachable",
+            "ok",
+            "this machine (local sandbox)".into(),
+        )),
+    }
     let h = client.hello();
     let embedded = rsb_deploy::triple_for(&h.os, &h.arch)
         .ok()
@@ -120,6 +140,54 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
     });
     out.push(clock(name, &client).await);
     out
+}
+
+/// Which credential will be tried; a key file that is missing is a failure before connecting.
+fn keys(name: &str, auth: &Auth) -> Check {
+    match auth {
+        Auth::Password(_) => line(
+            name,
+            "keys",
+            "ok",
+            "password (from the configuration)".into(),
+        ),
+        Auth::KeyFile { path, .. } if path.is_file() => {
+            line(name, "keys", "ok", format!("key file {}", path.display()))
+        }
+        Auth::KeyFile { path, .. } => line(
+            name,
+            "keys",
+            "FAIL",
+            format!("key file {} does not exist", path.display()),
+        ),
+        Auth::Agent => line(name, "keys", "ok", "ssh-agent".into()),
+        Auth::Auto {
+            identity_files,
+            default_keys,
+            ..
+        } => {
+            let agent = std::env::var_os("SSH_AUTH_SOCK").is_some();
+            let n = identity_files.len() + default_keys.len();
+            if n == 0 && !agent {
+                line(
+                    name,
+                    "keys",
+                    "FAIL",
+                    "no key_file, IdentityFile, ~/.ssh/id_* key or ssh-agent".into(),
+                )
+            } else {
+                line(
+                    name,
+                    "keys",
+                    "ok",
+                    format!(
+                        "{n} key file(s){}",
+                        if agent { " and ssh-agent" } else { "" }
+                    ),
+                )
+            }
+        }
+    }
 }
 
 /// Remote clock minus the local one at the midpoint of the round trip.

@@ -208,7 +208,7 @@ impl Ctx {
     pub fn resolve(&self) -> Result<String, RsbError> {
         let name = if self.sandbox.is_empty() {
             self.pool.resolve("")?
-        } else if self.pool.names().iter().any(|n| *n == self.sandbox) {
+        } else if self.pool.names().contains(&self.sandbox) {
             self.sandbox.clone()
         } else {
             return Err(unknown_sandbox(&self.pool, &self.sandbox));
@@ -266,5 +266,99 @@ pub fn command_line(argv: &[String]) -> String {
             .map(|w| rsb_rules::shell::quote_str(w))
             .collect::<Vec<_>>()
             .join(" "),
+    }
+}
+
+/// Log events in CLI commands read as `rsb: warning: …` lines, like rsb's own messages, not as
+/// timestamped log records (those are for `rsb mcp` and the watchdog daemon).
+pub struct CliLogFormat;
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for CliLogFormat
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut w: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        let level = match *event.metadata().level() {
+            tracing::Level::ERROR => "error",
+            tracing::Level::WARN => "warning",
+            tracing::Level::INFO => "info",
+            _ => "debug",
+        };
+        write!(w, "rsb: {level}: ")?;
+        ctx.field_format().format_fields(w.by_ref(), event)?;
+        writeln!(w)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hints_speak_cli_not_mcp() {
+        assert_eq!(
+            cli_words("list_background_tasks shows the tasks; use exec_bash_background"),
+            "`rsb jobs list` shows the tasks; use `rsb jobs start`"
+        );
+        assert_eq!(
+            cli_words("local_path does not exist"),
+            "the local path does not exist"
+        );
+        assert_eq!(
+            cli_words("timeout_s must be between 1 and 5"),
+            "--timeout must be between 1 and 5"
+        );
+    }
+
+    #[test]
+    fn typos_get_a_suggestion_and_strangers_do_not() {
+        assert_eq!(did_you_mean("gpu2", ["gpu1", "dead"]), Some("gpu1"));
+        assert_eq!(did_you_mean("lcoal", ["local"]), Some("local"));
+        assert_eq!(did_you_mean("zzz", ["gpu1", "dead"]), None);
+    }
+
+    #[test]
+    fn argv_words_keep_their_boundaries() {
+        let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(command_line(&v(&["ls | wc -l"])), "ls | wc -l");
+        assert_eq!(
+            command_line(&v(&["printf", "%s\\n", "a b"])),
+            "'printf' '%s\\n' 'a b'"
+        );
+        assert_eq!(command_line(&v(&["echo", "it's"])), "'echo' 'it'\\''s'");
+    }
+
+    #[test]
+    fn every_error_kind_has_its_exit_code() {
+        let code = |k| code_of(&RsbError::new(k, "m", "h"));
+        assert_eq!(code(Kind::InvalidArgument), exit::USAGE);
+        assert_eq!(code(Kind::UnknownSandbox), exit::USAGE);
+        assert_eq!(code(Kind::Config), exit::CONFIG);
+        assert_eq!(code(Kind::HostKey), exit::CONNECTION);
+        assert_eq!(code(Kind::ConnectionLost), exit::CONNECTION);
+        assert_eq!(
+            code(Kind::Agent(rsb_protocol::ErrorCode::NotFound)),
+            exit::REMOTE
+        );
+        assert_eq!(code(Kind::Internal), exit::INTERNAL);
+    }
+
+    #[test]
+    fn durations_parse() {
+        use std::time::Duration;
+        let p = jobs::parse_duration;
+        assert_eq!(p("30s"), Ok(Duration::from_secs(30)));
+        assert_eq!(p("10m"), Ok(Duration::from_secs(600)));
+        assert_eq!(p("2h"), Ok(Duration::from_secs(7200)));
+        assert_eq!(p("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(p("45"), Ok(Duration::from_secs(45)));
+        assert!(p("5x").is_err());
+        assert!(p("h").is_err());
     }
 }

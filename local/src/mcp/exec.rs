@@ -19,6 +19,7 @@ fn d_max_chars() -> i64 {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecBashParams {
+    /// Run by bash -c.
     pub command: String,
     /// Working directory (~ allowed).
     #[serde(default)]
@@ -29,7 +30,7 @@ pub struct ExecBashParams {
     /// Per stream; head and tail are kept.
     #[serde(default = "d_max_chars")]
     pub max_output_chars: i64,
-    /// Override the active sandbox for this call.
+    /// ""=active sandbox.
     #[serde(default)]
     pub sandbox_name: String,
 }
@@ -37,6 +38,7 @@ pub struct ExecBashParams {
 #[tool_router(router = exec_router, vis = "pub(super)")]
 impl RsbServer {
     #[tool(
+        annotations(destructive_hint = true, open_world_hint = true),
         description = "Run a bash command on the sandbox (stdin closed). Returns exit_code, stdout, stderr; timed_out=true only when the timeout killed it."
     )]
     async fn exec_bash(

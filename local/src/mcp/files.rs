@@ -21,13 +21,16 @@ fn d_max_bytes() -> i64 {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListRemoteFilesParams {
+    /// Relative to remote $HOME; ~ ok.
     #[serde(default = "d_dot")]
     pub remote_path: String,
+    /// Include subdirectories.
     #[serde(default)]
     pub recursive: bool,
     /// Exact cap on entries returned.
     #[serde(default = "d_max_entries")]
     pub max_entries: i64,
+    /// ""=active sandbox.
     #[serde(default)]
     pub sandbox_name: String,
 }
@@ -35,16 +38,22 @@ pub struct ListRemoteFilesParams {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReadRemoteFileParams {
+    /// Relative to remote $HOME; ~ ok.
     pub remote_path: String,
+    /// Bytes from the start.
     #[serde(default = "d_max_bytes")]
     pub max_bytes: i64,
+    /// ""=active sandbox.
     #[serde(default)]
     pub sandbox_name: String,
 }
 
 #[tool_router(router = files_router, vis = "pub(super)")]
 impl RsbServer {
-    #[tool(description = "List files in a remote directory (symlinks not followed).")]
+    #[tool(
+        annotations(read_only_hint = true, open_world_hint = false),
+        description = "List files in a remote directory (symlinks not followed)."
+    )]
     async fn list_remote_files(
         &self,
         Parameters(p): Parameters<ListRemoteFilesParams>,
@@ -66,6 +75,7 @@ impl RsbServer {
     }
 
     #[tool(
+        annotations(read_only_hint = true, open_world_hint = false),
         description = "Read a remote file. size is the file's size; binary content comes back base64 with encoding=\"base64\"."
     )]
     async fn read_remote_file(

@@ -45,6 +45,7 @@ fn d_grace() -> f64 {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecBackgroundParams {
+    /// Run by bash -c.
     pub command: String,
     /// [A-Za-z0-9_-]{1,64}; ""=bg-<time>.
     #[serde(default)]
@@ -52,8 +53,10 @@ pub struct ExecBackgroundParams {
     /// ""=.codex_logs/<name>.log under cwd/$HOME.
     #[serde(default)]
     pub log_file: String,
+    /// ~ ok; ""=$HOME.
     #[serde(default)]
     pub cwd: String,
+    /// ""=active sandbox.
     #[serde(default)]
     pub sandbox_name: String,
     /// Register a watch (watch_id).
@@ -159,13 +162,16 @@ impl ExecBackgroundParams {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CheckBackgroundParams {
+    /// Job name.
     #[serde(default)]
     pub tmux_session: String,
     /// Read this log instead of the task's own.
     #[serde(default)]
     pub log_file: String,
+    /// Or a watch naming the job.
     #[serde(default)]
     pub watch_id: i64,
+    /// Lines of log_tail.
     #[serde(default = "d_last_n")]
     pub last_n_lines: i64,
     /// Byte cursor: return output from here (pass back next_offset) instead of log_tail.
@@ -174,6 +180,7 @@ pub struct CheckBackgroundParams {
     /// Cap for cursor reads.
     #[serde(default = "d_cursor_bytes")]
     pub max_bytes: i64,
+    /// ""=active sandbox.
     #[serde(default)]
     pub sandbox_name: String,
 }
@@ -181,10 +188,12 @@ pub struct CheckBackgroundParams {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct KillBackgroundParams {
+    /// Job name.
     pub tmux_session: String,
     /// SIGTERM, then SIGKILL after this many seconds.
     #[serde(default = "d_grace")]
     pub grace_s: f64,
+    /// ""=active sandbox.
     #[serde(default)]
     pub sandbox_name: String,
 }
@@ -192,6 +201,7 @@ pub struct KillBackgroundParams {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListBackgroundParams {
+    /// ""=active sandbox.
     #[serde(default)]
     pub sandbox_name: String,
 }
@@ -199,6 +209,7 @@ pub struct ListBackgroundParams {
 #[tool_router(router = jobs_router, vis = "pub(super)")]
 impl RsbServer {
     #[tool(
+        annotations(destructive_hint = true, open_world_hint = true),
         description = "Start a long command detached; output and EXIT_CODE=<n> go to log_file. Poll check_background_task."
     )]
     async fn exec_bash_background(
@@ -209,6 +220,7 @@ impl RsbServer {
     }
 
     #[tool(
+        annotations(read_only_hint = true, open_world_hint = false),
         description = "Status of a background task: running, exit_code, log_tail (or output from byte offset)."
     )]
     async fn check_background_task(
@@ -257,7 +269,14 @@ impl RsbServer {
         reply(r)
     }
 
-    #[tool(description = "Stop a background task (SIGTERM, then SIGKILL) and report how it ended.")]
+    #[tool(
+        annotations(
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        ),
+        description = "Stop a background task (SIGTERM, then SIGKILL) and report how it ended."
+    )]
     async fn kill_background_task(
         &self,
         Parameters(p): Parameters<KillBackgroundParams>,
@@ -280,7 +299,10 @@ impl RsbServer {
         reply(r)
     }
 
-    #[tool(description = "List background tasks on a sandbox.")]
+    #[tool(
+        annotations(read_only_hint = true, open_world_hint = false),
+        description = "List background tasks on a sandbox."
+    )]
     async fn list_background_tasks(
         &self,
         Parameters(p): Parameters<ListBackgroundParams>,

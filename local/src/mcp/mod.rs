@@ -13,13 +13,13 @@ mod stdio;
 mod sync;
 mod watchdog;
 
-use std::{sync::Arc, time::Duration};
+use std::{collections::HashMap, sync::Arc, time::Duration};
 
 use rmcp::{
     ErrorData, RoleServer, ServerHandler, ServiceExt,
     handler::server::router::tool::ToolRouter,
     model::{
-        CallToolResult, ContentBlock, Implementation, ProgressNotificationParam,
+        CallToolResult, ContentBlock, Implementation, JsonObject, ProgressNotificationParam,
         ServerCapabilities, ServerConfig,
     },
     service::RequestContext,
@@ -39,6 +39,9 @@ pub struct RsbServer {
     /// Port forwards started by `forward_port`; stopped when the server ends.
     pub(crate) forwards: Arc<crate::ops::forward::Forwards>,
     tool_router: ToolRouter<RsbServer>,
+    /// Each tool's full input schema, which [`check_args`] validates against; `tools/list`
+    /// carries the compact one ([`compact_schemas`]).
+    full_schemas: Arc<HashMap<String, Arc<JsonObject>>>,
     /// Set when the configuration could not be loaded: the tools are still listed, and every
     /// call replies with this error (as the seed did), so the client sees why.
     config_error: Option<Arc<ConfigError>>,
@@ -59,10 +62,12 @@ impl RsbServer {
             tool_router += Self::watchdog_router();
             tool_router += Self::forward_router();
         }
+        let full_schemas = Arc::new(compact_schemas(&mut tool_router));
         RsbServer {
             pool,
             forwards: Default::default(),
             tool_router,
+            full_schemas,
             config_error: None,
         }
     }
@@ -83,6 +88,28 @@ impl RsbServer {
             ..Self::new(config)
         }
     }
+}
+
+/// Drop from each listed input schema what costs a model context but tells it nothing it
+/// needs: the `$schema` URI, `additionalProperties: false` and integer/float `format`s (about
+/// 1.6 KB of the default list). Returns the full schemas, which calls are still checked against.
+fn compact_schemas(router: &mut ToolRouter<RsbServer>) -> HashMap<String, Arc<JsonObject>> {
+    let mut full = HashMap::new();
+    for (name, route) in router.map.iter_mut() {
+        full.insert(name.to_string(), route.attr.input_schema.clone());
+        let mut s = (*route.attr.input_schema).clone();
+        s.remove("$schema");
+        s.remove("additionalProperties");
+        if let Some(Value::Object(props)) = s.get_mut("properties") {
+            for p in props.values_mut() {
+                if let Value::Object(p) = p {
+                    p.remove("format");
+                }
+            }
+        }
+        route.attr.input_schema = Arc::new(s);
+    }
+    full
 }
 
 pub(crate) type ToolResult = Result<CallToolResult, ErrorData>;
@@ -278,8 +305,9 @@ impl ServerHandler for RsbServer {
             }
             return Ok(CallToolResult::error(vec![ContentBlock::text(v.to_string())]).into());
         }
-        if let Some(tool) = self.tool_router.get(&request.name)
-            && let Err(e) = check_args(&tool.input_schema, request.arguments.as_ref())
+        if self.tool_router.get(&request.name).is_some()
+            && let Some(schema) = self.full_schemas.get(request.name.as_ref())
+            && let Err(e) = check_args(schema, request.arguments.as_ref())
         {
             return fail(&e).map(Into::into);
         }

@@ -30,6 +30,7 @@ pub struct NoParams {}
 #[tool_router(router = sandbox_router, vis = "pub(super)")]
 impl RsbServer {
     #[tool(
+        annotations(read_only_hint = true, open_world_hint = false),
         description = "List sandboxes and connection health. check_resources=true adds CPU/memory/GPU load and idle_score (1=idle)."
     )]
     async fn list_sandboxes(&self, Parameters(p): Parameters<ListSandboxesParams>) -> ToolResult {
@@ -37,6 +38,11 @@ impl RsbServer {
     }
 
     #[tool(
+        annotations(
+            destructive_hint = false,
+            idempotent_hint = true,
+            open_world_hint = false
+        ),
         description = "Set the active sandbox for later calls; \"auto\" picks the idlest reachable one."
     )]
     async fn select_sandbox(&self, Parameters(p): Parameters<SelectSandboxParams>) -> ToolResult {
@@ -56,7 +62,10 @@ impl RsbServer {
         }
     }
 
-    #[tool(description = "Active sandbox and its live connection health.")]
+    #[tool(
+        annotations(read_only_hint = true, open_world_hint = false),
+        description = "Active sandbox and its live connection health."
+    )]
     async fn get_active_sandbox(&self, Parameters(_p): Parameters<NoParams>) -> ToolResult {
         ok(sandboxes::get_active(&self.pool).await)
     }

@@ -1,0 +1,430 @@
+//! The `rsb` CLI as a user meets it (issue 12): one table of rows, each running the real binary
+//! against a private sshd and asserting its exit code, stdout and stderr. Rows run in order
+//! (the jobs rows build on each other); each is bounded by a timeout.
+//!
+//! Needs the `rsb` binary: `cargo build --workspace --bins`.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use rsb_tests::{Sshd, output_with_timeout, workspace_root};
+use serde_json::{Value, json};
+
+fn rsb_bin() -> PathBuf {
+    let p = workspace_root().join("target/debug/rsb");
+    assert!(
+        p.exists(),
+        "{} does not exist: run `cargo build --workspace --bins` first",
+        p.display()
+    );
+    p
+}
+
+/// One invocation and what it must do.
+struct Row {
+    /// `rsb` arguments, or a `bash -c` script when `shell` is set (`RSB` = the binary).
+    args: Vec<String>,
+    shell: bool,
+    env: Vec<(String, Option<String>)>,
+    code: i32,
+    out_eq: Option<String>,
+    out_has: Vec<String>,
+    out_lacks: Vec<String>,
+    err_has: Vec<String>,
+    err_lacks: Vec<String>,
+    err_empty: bool,
+    out_len: Option<usize>,
+    /// Upper bound on the run time (and the kill deadline).
+    limit: Duration,
+    /// Lower bound on the run time (to prove there was no early stop).
+    at_least: Duration,
+}
+
+fn rsb(args: &[&str]) -> Row {
+    Row {
+        args: args.iter().map(|s| s.to_string()).collect(),
+        shell: false,
+        env: Vec::new(),
+        code: 0,
+        out_eq: None,
+        out_has: Vec::new(),
+        out_lacks: Vec::new(),
+        err_has: Vec::new(),
+        err_lacks: Vec::new(),
+        err_empty: false,
+        out_len: None,
+        limit: Duration::from_secs(60),
+        at_least: Duration::ZERO,
+    }
+}
+
+fn bash(script: &str) -> Row {
+    Row {
+        shell: true,
+        ..rsb(&[script])
+    }
+}
+
+impl Row {
+    fn code(mut self, c: i32) -> Self {
+        self.code = c;
+        self
+    }
+    fn out(mut self, s: &str) -> Self {
+        self.out_has.push(s.into());
+        self
+    }
+    fn out_eq(mut self, s: &str) -> Self {
+        self.out_eq = Some(s.into());
+        self
+    }
+    fn no_out(mut self, s: &str) -> Self {
+        self.out_lacks.push(s.into());
+        self
+    }
+    fn err(mut self, s: &str) -> Self {
+        self.err_has.push(s.into());
+        self
+    }
+    fn no_err(mut self, s: &str) -> Self {
+        self.err_lacks.push(s.into());
+        self
+    }
+    fn quiet(mut self) -> Self {
+        self.err_empty = true;
+        self
+    }
+    fn env(mut self, k: &str, v: &str) -> Self {
+        self.env.push((k.into(), Some(v.into())));
+        self
+    }
+    fn unset(mut self, k: &str) -> Self {
+        self.env.push((k.into(), None));
+        self
+    }
+    fn len(mut self, n: usize) -> Self {
+        self.out_len = Some(n);
+        self
+    }
+    fn took(mut self, at_least: Duration, limit: Duration) -> Self {
+        self.at_least = at_least;
+        self.limit = limit;
+        self
+    }
+}
+
+struct Env {
+    home: PathBuf,
+    state: PathBuf,
+    list: String,
+}
+
+fn command(env: &Env, row: &Row) -> Command {
+    let bin = rsb_bin();
+    let mut cmd = if row.shell {
+        let mut c = Command::new("bash");
+        c.arg("-c")
+            .arg(row.args[0].replace("RSB", &bin.display().to_string()));
+        c
+    } else {
+        let mut c = Command::new(&bin);
+        c.args(&row.args);
+        c
+    };
+    cmd.env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", &env.home)
+        .env("XDG_CONFIG_HOME", env.home.join(".config"))
+        .env("XDG_DATA_HOME", env.home.join(".local/share"))
+        .env("RSB_STATE_DIR", &env.state)
+        .env("REMOTE_SANDBOX_LIST", &env.list);
+    for (k, v) in &row.env {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    cmd
+}
+
+/// Run a row; on mismatch, a message naming the row and everything it printed.
+fn check(env: &Env, i: usize, row: &Row) -> Result<(), String> {
+    let t0 = Instant::now();
+    let out = output_with_timeout(&mut command(env, row), row.limit)
+        .map_err(|e| format!("row {i} {:?}: {e}", row.args))?;
+    let took = t0.elapsed();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    let code = out.status.code().unwrap_or(-1);
+    let shown = if row.out_len.is_some() {
+        format!("<{} bytes>", out.stdout.len())
+    } else {
+        stdout.clone()
+    };
+    let ctx = || {
+        format!(
+            "row {i} {:?}: exit {code} in {took:?}\n--- stdout\n{shown}\n--- stderr\n{stderr}",
+            row.args
+        )
+    };
+    let mut bad = Vec::new();
+    if code != row.code {
+        bad.push(format!("exit code {code}, expected {}", row.code));
+    }
+    if let Some(eq) = &row.out_eq
+        && &stdout != eq
+    {
+        bad.push(format!("stdout is not {eq:?}"));
+    }
+    for s in &row.out_has {
+        if !stdout.contains(s) {
+            bad.push(format!("stdout lacks {s:?}"));
+        }
+    }
+    for s in &row.out_lacks {
+        if stdout.contains(s) {
+            bad.push(format!("stdout has {s:?}"));
+        }
+    }
+    for s in &row.err_has {
+        if !stderr.contains(s) {
+            bad.push(format!("stderr lacks {s:?}"));
+        }
+    }
+    for s in &row.err_lacks {
+        if stderr.contains(s) {
+            bad.push(format!("stderr has {s:?}"));
+        }
+    }
+    if row.err_empty && !stderr.is_empty() {
+        bad.push("stderr is not empty".into());
+    }
+    if let Some(n) = row.out_len
+        && out.stdout.len() != n
+    {
+        bad.push(format!(
+            "stdout has {} bytes, expected {n}",
+            out.stdout.len()
+        ));
+    }
+    if took < row.at_least {
+        bad.push(format!("ended after {took:?}, before {:?}", row.at_least));
+    }
+    if bad.is_empty() {
+        println!("ok   row {i:>2} exit {code:>3} {took:>8.2?} {:?}", row.args);
+        Ok(())
+    } else {
+        Err(format!("{}\n{}", bad.join("; "), ctx()))
+    }
+}
+
+fn big_file(p: &Path, n: usize) -> Vec<u8> {
+    let data: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(p, &data).unwrap();
+    data
+}
+
+#[test]
+fn cli_table() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let list = json!([
+        {"name": "gpu1", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+         "key_file": sshd.client_key().display().to_string()},
+        {"name": "dead", "host": "127.0.0.1", "port": closed, "user": "nobody",
+         "key_file": "/nonexistent/rsb-test-key", "connect_timeout_s": 2},
+    ])
+    .to_string();
+    let env = Env {
+        home: home.clone(),
+        state: tmp.path().join("state"),
+        list,
+    };
+    let h = sshd.home();
+    const BIG: usize = 9 * 1024 * 1024 + 123;
+    let big = big_file(&h.join("big.bin"), BIG);
+    std::fs::create_dir_all(h.join("dir/sub")).unwrap();
+    std::fs::write(h.join("dir/a.txt"), "a\n").unwrap();
+    let config_path = home.join(".config/rsb/config.toml").display().to_string();
+    let secs = Duration::from_secs;
+
+    let rows: Vec<Row> = vec![
+        // exec: argv boundaries, exit codes, no default timeout, --timeout.
+        rsb(&["exec", "--", "printf", "%s\\n", "a b"]).out_eq("a b\n"),
+        rsb(&["exec", "echo one; echo two >&2"])
+            .out_eq("one\n")
+            .err("two"),
+        rsb(&["exec", "exit 7"]).code(7),
+        rsb(&["exec", "--", "sh", "-c", "kill -TERM $$"]).code(143),
+        rsb(&["exec", "--", "sleep", "3"]).took(secs(3), secs(60)),
+        rsb(&["exec", "--timeout", "1", "--", "sleep", "30"])
+            .code(124)
+            .err("timed out after 1s")
+            .took(secs(1), secs(20)),
+        rsb(&["exec", "--timeout", "0", "--", "true"]),
+        rsb(&["--json", "exec", "--", "echo", "hi"]).out("\"stdout\":\"hi\\n\""),
+        rsb(&["exec", "--cwd", "~/dir", "--", "ls"]).out_eq("a.txt\nsub\n"),
+        // Usage errors and did-you-mean.
+        rsb(&["exce", "ls"]).code(1).err("'exec'"),
+        rsb(&[]).code(1).err("Usage: rsb"),
+        rsb(&["-s", "gpu2", "exec", "true"])
+            .code(1)
+            .err("unknown sandbox `gpu2`")
+            .err("did you mean `gpu1`"),
+        rsb(&["exec", "true"])
+            .env("RSB_SANDBOX", "nope")
+            .code(1)
+            .err("unknown sandbox `nope`"),
+        rsb(&["sync", "uxl:foo", "/tmp/rsb-cli-x"])
+            .code(1)
+            .err("unknown sandbox `uxl`"),
+        rsb(&["ls", "--max-entries", "0", "."])
+            .code(1)
+            .err("--max-entries")
+            .no_err("max_entries"),
+        // Files.
+        rsb(&["cat", "nope.txt"])
+            .code(4)
+            .err("no such file")
+            .no_err("list_remote_files"),
+        rsb(&["cat", "~/big.bin"]).len(BIG),
+        rsb(&["cat", "~/dir"])
+            .code(4)
+            .err("is a directory")
+            .err("`rsb ls`"),
+        rsb(&["ls", "~/dir"]).out("/dir/a.txt\n").out("/dir/sub/\n"),
+        rsb(&["--json", "ls", "~/dir"])
+            .out("\"entries\"")
+            .out("/dir/a.txt\""),
+        // Sandboxes: a table; warnings only about the sandboxes a command uses.
+        rsb(&["sandboxes"])
+            .out("NAME")
+            .out("gpu1")
+            .out("dead")
+            .err("rsb: warning: REMOTE_SANDBOX_LIST[1]: key_file"),
+        rsb(&["exec", "true"]).quiet(),
+        rsb(&["-s", "dead", "exec", "true"])
+            .code(3)
+            .err("rsb: warning: REMOTE_SANDBOX_LIST[1]: key_file"),
+        // Configuration.
+        rsb(&["config", "path"]).out_eq(&format!("{config_path}\n")),
+        rsb(&["config", "check"]).out("2 sandbox(es) from REMOTE_SANDBOX_LIST"),
+        rsb(&["config", "check"])
+            .env("REMOTE_SANDBOX_LIST", "[{")
+            .code(2),
+        rsb(&["exec", "true"])
+            .env("REMOTE_SANDBOX_LIST", "[{")
+            .code(2)
+            .err("hint:"),
+        rsb(&["exec", "--", "echo", "here"])
+            .unset("REMOTE_SANDBOX_LIST")
+            .out_eq("here\n")
+            .err("rsb: note: no sandboxes configured")
+            .err(&config_path),
+        rsb(&["--help"])
+            .out("Exit codes:")
+            .out(&config_path)
+            .out("124"),
+        // Jobs: table, --json, logs -f exit code, kill/rm/prune.
+        rsb(&[
+            "jobs",
+            "start",
+            "--name",
+            "j1",
+            "--",
+            "sh",
+            "-c",
+            "echo out; exit 3",
+        ])
+        .out_eq("j1\n"),
+        rsb(&["jobs", "logs", "-f", "j1"])
+            .code(3)
+            .out("out")
+            .took(Duration::ZERO, secs(30)),
+        rsb(&["jobs", "list"])
+            .out("NAME")
+            .out("STATE")
+            .out("j1")
+            .no_out("{"),
+        rsb(&["--json", "jobs", "list"]).out("\"tmux_session\":\"j1\""),
+        rsb(&["jobs", "kill", "nosuchjob"])
+            .code(4)
+            .err("no job named `nosuchjob`")
+            .err("`rsb jobs list`")
+            .no_err("check the path"),
+        rsb(&["jobs", "start", "--name", "j2", "sleep 30"]).out_eq("j2\n"),
+        rsb(&["jobs", "rm", "j2"])
+            .code(1)
+            .err("still running")
+            .err("rsb jobs kill j2"),
+        rsb(&["jobs", "kill", "--grace", "1", "j2"]).out("j2"),
+        rsb(&["jobs", "rm", "j1"]).out_eq("j1\n"),
+        rsb(&["jobs", "logs", "j1"])
+            .code(4)
+            .err("no job named `j1`"),
+        rsb(&["jobs", "prune", "--older-than", "1h"])
+            .no_out("j2")
+            .err("removed 0"),
+        rsb(&["jobs", "prune"]).out_eq("j2\n"),
+        rsb(&["jobs", "prune", "--older-than", "5x"])
+            .code(1)
+            .err("unknown unit"),
+        // About rsb itself.
+        rsb(&["version"])
+            .out("rsb ")
+            .out("agent x86_64-unknown-linux-musl blake3:"),
+        rsb(&["man"]).out(".TH"),
+        bash("source <(RSB completions bash) && complete -p rsb").out("rsb"),
+        rsb(&["completions", "zsh"]).out("#compdef rsb"),
+        // Doctor: a verdict per line, healthy vs broken host.
+        rsb(&["doctor", "-s", "gpu1"])
+            .out("ok    gpu1: keys: key file")
+            .out("ok    gpu1: reachable")
+            .out("ok    gpu1: host key: verified")
+            .out("ok    gpu1: auth")
+            .out("ok    gpu1: agent")
+            .out("gpu1: clock")
+            .no_out("FAIL"),
+        rsb(&["doctor", "-s", "dead"])
+            .code(3)
+            .out("warn  dead: config: REMOTE_SANDBOX_LIST[1]: key_file")
+            .out("FAIL  dead: keys: key file /nonexistent/rsb-test-key does not exist")
+            .out("FAIL  dead: reachable"),
+    ];
+    assert!(rows.len() >= 30, "{} rows", rows.len());
+    let mut failures = Vec::new();
+    for (i, row) in rows.iter().enumerate() {
+        if let Err(e) = check(&env, i, row) {
+            eprintln!("FAIL {e}\n");
+            failures.push(e);
+        }
+    }
+    // The streamed file is the file, byte for byte.
+    let out = output_with_timeout(
+        &mut command(&env, &rsb(&["cat", "~/big.bin"])),
+        Duration::from_secs(60),
+    )
+    .unwrap();
+    assert!(out.stdout == big, "rsb cat big.bin differs from the file");
+    let v: Value = serde_json::from_slice(
+        &output_with_timeout(
+            &mut command(&env, &rsb(&["--json", "exec", "exit 5"])),
+            Duration::from_secs(30),
+        )
+        .unwrap()
+        .stdout,
+    )
+    .unwrap();
+    assert_eq!(v["exit_code"], 5, "{v}");
+    println!("{} rows, {} failed", rows.len(), failures.len());
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
