@@ -359,9 +359,9 @@ async fn pump(
         }
         counter.fetch_add(n as u64, Ordering::Relaxed);
         let rate = shared.rate.load(Ordering::Relaxed);
-        if rate > 0 {
+        if let Some(ns) = (n as u64 * 1_000_000_000).checked_div(rate) {
             let now = tokio::time::Instant::now();
-            next_free = next_free.max(now) + Duration::from_nanos(n as u64 * 1_000_000_000 / rate);
+            next_free = next_free.max(now) + Duration::from_nanos(ns);
             tokio::select! {
                 _ = cut.changed() => return,
                 _ = tokio::time::sleep_until(next_free) => {}

@@ -447,24 +447,27 @@ async fn link_fault_mid_deploy(mbit: u64, fault: Fault) {
     )
     .await;
     proxy.reset();
-    // Every file named rsb-agent is a whole agent.
+    // Every file named rsb-agent under this fixture's home (where it deploys; /tmp is shared
+    // with other tests) is a whole agent.
     let local_agent = workspace_root().join("target/agents/x86_64-unknown-linux-musl/rsb-agent");
     let want = sha256_local(&local_agent);
-    let found = sshd
-        .ssh_run(&format!(
-            "find {} /tmp -name rsb-agent -type f 2>/dev/null; true",
+    let agents = || {
+        sshd.ssh_run(&format!(
+            "find {} -name rsb-agent -type f 2>/dev/null; true",
             shq(sshd.home().to_str().unwrap())
         ))
-        .unwrap();
-    for f in found.lines() {
-        // Another test's sshd home under /tmp can drop its agent between `find` and the hash;
-        // a file that is gone is not a partial agent.
-        let got = sha256_remote(&sshd, f);
-        if got != "none" {
-            assert_eq!(got, want, "partial agent at {f}");
-        }
+        .unwrap()
+    };
+    for f in agents().lines() {
+        assert_eq!(sha256_remote(&sshd, f), want, "partial agent at {f}");
     }
     next_call_works(&pool).await;
+    // The check above looked where deploys land: the reconnect's agent is there, whole.
+    let after = agents();
+    assert!(!after.trim().is_empty(), "no agent under the fixture home");
+    for f in after.lines() {
+        assert_eq!(sha256_remote(&sshd, f), want, "agent at {f}");
+    }
     pool.shutdown().await;
 }
 
