@@ -307,6 +307,8 @@ pub async fn run(
             "exec: the child exited before it could be tracked",
         ));
     };
+    // Known to the reaper until this request ends, so a SIGKILLed agent leaves no orphans.
+    let _registered = crate::reaper::register(group);
     // Dropped mid-flight (the agent shutting down with the request running): kill the group.
     let mut guard = KillOnDrop::new(group);
     let stdout = child.stdout.take();

@@ -7,6 +7,7 @@ pub mod fs;
 pub mod hello;
 pub mod jobs;
 pub mod proc;
+pub mod reaper;
 pub mod resources;
 pub mod serve;
 pub mod sync;

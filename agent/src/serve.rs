@@ -27,7 +27,7 @@ use tokio::task::JoinSet;
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
-use crate::{exec, fs, hello, jobs, resources, sync};
+use crate::{exec, fs, hello, jobs, reaper, resources, sync};
 
 /// Frames up to this size take the control lane.
 const SMALL_FRAME: usize = 64 * 1024;
@@ -306,6 +306,7 @@ enum End {
     Eof,
     Malformed,
     OutputClosed,
+    Stopped,
 }
 
 /// Serve one channel until stdin ends, a frame is malformed, or stdout goes away. Returns the
@@ -316,6 +317,22 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin + Send + 'static,
 {
+    run_until(input, output, hello, std::future::pending()).await
+}
+
+/// [`run`], also ending (the same orderly way: commands stopped, staging removed) when `stop`
+/// completes; the agent binary passes its termination signals here.
+pub async fn run_until<R, W>(
+    input: R,
+    output: W,
+    hello: rsb_protocol::Hello,
+    stop: impl Future<Output = ()>,
+) -> i32
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    tokio::pin!(stop);
     let (control_tx, control_rx) = mpsc::channel(CONTROL_LANE);
     let (bulk_tx, bulk_rx) = mpsc::channel(BULK_LANE);
     let outbox = Outbox {
@@ -411,6 +428,7 @@ where
                 }
             }
             _ = output_closed.cancelled() => break End::OutputClosed,
+            () = &mut stop => break End::Stopped,
             Some(res) = tasks.join_next(), if !tasks.is_empty() => {
                 if let Err(e) = res {
                     eprintln!("rsb-agent: a request task failed: {e}");
@@ -432,9 +450,30 @@ where
     drop(outbox);
     let _ = writer.await;
     match end {
-        End::Eof | End::OutputClosed => 0,
+        End::Eof | End::OutputClosed | End::Stopped => 0,
         End::Malformed => EXIT_BROKEN_CHANNEL,
     }
+}
+
+/// Completes on SIGTERM, SIGHUP or SIGINT: the agent then stops its commands and exits like at
+/// channel EOF, instead of dying and leaving them to init. A handler that cannot be installed
+/// just never fires (the default action stays, and the reaper still covers the commands).
+async fn termination() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut streams: Vec<_> = [
+        SignalKind::terminate(),
+        SignalKind::hangup(),
+        SignalKind::interrupt(),
+    ]
+    .into_iter()
+    .filter_map(|k| signal(k).ok())
+    .collect();
+    if streams.is_empty() {
+        return std::future::pending().await;
+    }
+    let waits = streams.iter_mut().map(|s| Box::pin(s.recv()));
+    // Nothing is printed: after a hangup stderr may lead nowhere.
+    let _ = futures::future::select_all(waits).await;
 }
 
 /// `rsb-agent serve`.
@@ -451,9 +490,13 @@ pub fn main() -> i32 {
             return 1;
         }
     };
+    reaper::enable();
     // A LocalSet lets request futures (exec, resources, jobs) be !Send on this single thread.
     let local = tokio::task::LocalSet::new();
-    let code = local.block_on(&rt, run(tokio::io::stdin(), tokio::io::stdout(), hello));
+    let code = local.block_on(&rt, async {
+        let stop = termination();
+        run_until(tokio::io::stdin(), tokio::io::stdout(), hello, stop).await
+    });
     // The stdin reader thread may still sit in a blocking read (stdout closed first); do not
     // wait for it.
     rt.shutdown_timeout(SHUTDOWN_GRACE);

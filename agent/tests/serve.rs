@@ -1194,3 +1194,65 @@ fn output_read_before_the_drain_deadline_is_still_streamed() {
     drop(stdin);
     let _ = child.wait();
 }
+
+/// Starts `echo $$; sleep 1000` (a command bash must fork for) and returns its process group.
+fn start_long_exec(agent: &mut Agent) -> (u64, i32) {
+    let mut req = exec_req("echo $$; sleep 1000; :");
+    req.stream = true;
+    req.timeout_ms = 0;
+    let id = agent.request(Request::Exec(req));
+    let Chunk::Stdout(first) = agent.wait_chunk(id, PATIENCE) else {
+        panic!("expected stdout")
+    };
+    (
+        id,
+        String::from_utf8(first).unwrap().trim().parse().unwrap(),
+    )
+}
+
+fn wait_group_gone(pgid: i32, within: Duration) {
+    let deadline = Instant::now() + within;
+    while !group_gone(pgid) {
+        if Instant::now() >= deadline {
+            // SAFETY: cleanup of the test's own command group.
+            unsafe { libc::kill(-pgid, libc::SIGKILL) };
+            panic!("process group {pgid} outlived the agent by {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_sigkilled_agent_leaves_no_orphans() {
+    let mut agent = Agent::start();
+    let (_, pgid) = start_long_exec(&mut agent);
+    // A command that finished on its own left a background process on purpose: not an orphan.
+    let done = agent.exec(exec_req("sleep 1000 >/dev/null 2>&1 & echo $!"));
+    let bg: i32 = text(&done.stdout).trim().parse().unwrap();
+    agent.child.kill().unwrap();
+    agent.child.wait().unwrap();
+    wait_group_gone(pgid, Duration::from_secs(5));
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: probing and then killing the test's own background sleep.
+    let alive = unsafe { libc::kill(bg, 0) } == 0;
+    unsafe { libc::kill(bg, libc::SIGKILL) };
+    assert!(alive, "a finished command's background process was killed");
+}
+
+#[test]
+fn sigterm_and_sighup_stop_running_commands_and_exit() {
+    for sig in [libc::SIGTERM, libc::SIGHUP] {
+        let mut agent = Agent::start();
+        let (id, pgid) = start_long_exec(&mut agent);
+        // SAFETY: signalling our own child.
+        assert_eq!(unsafe { libc::kill(agent.child.id() as i32, sig) }, 0);
+        let (_, reply) = agent.wait_reply(id, Duration::from_secs(5));
+        assert!(
+            matches!(reply, Reply::Exec(ref r) if r.cancelled),
+            "{reply:?}"
+        );
+        let st = agent.wait_exit(Duration::from_secs(5));
+        assert!(st.success(), "signal {sig}: {st:?}");
+        wait_group_gone(pgid, Duration::from_secs(1));
+    }
+}
