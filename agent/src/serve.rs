@@ -16,7 +16,7 @@ use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use rsb_protocol::{
     AgentError, ApplyAbortRequest, ApplyCloseRequest, ApplyOpenRequest, ApplyRequest,
-    BlockHashesRequest, Call, Chunk, ErrorCode, ExecRequest, FromAgent, JobKillRequest,
+    BlockHashesRequest, Call, Chunk, ErrorCode, ExecInput, ExecRequest, FromAgent, JobKillRequest,
     JobListRequest, JobStartRequest, JobStatusRequest, ListDirRequest, ManifestRequest,
     PingRequest, ReadFileRequest, Reply, Request, RequestId, ResourcesRequest, StatRequest,
     ToAgent, decode, encode, frame_codec,
@@ -150,7 +150,16 @@ impl Drop for Responder {
 }
 
 /// Cancellation handles of in-flight requests, by id.
-type Inflight = Arc<Mutex<HashMap<RequestId, CancellationToken>>>;
+type Inflight = Arc<Mutex<HashMap<RequestId, Running>>>;
+
+/// What the reader needs to reach a running request: its cancel token and, for an exec that
+/// takes input, where its input frames go. The input queue is unbounded on purpose: the reader
+/// must never wait on one command, and the sender's window ([`rsb_protocol::INPUT_WINDOW`])
+/// bounds what can be queued.
+struct Running {
+    cancel: CancellationToken,
+    input: Option<mpsc::UnboundedSender<ExecInput>>,
+}
 
 /// Removes a request from the in-flight map however its task ends.
 struct InflightGuard {
@@ -207,17 +216,20 @@ async fn handle(
     cancel: CancellationToken,
     shared: Arc<Shared>,
     mut responder: Responder,
+    input: Option<mpsc::UnboundedReceiver<ExecInput>>,
 ) {
     // Each answer is wrapped by its request type's `Call` impl, so no arm can answer with
     // another request's reply.
     let result = match body {
         Request::Ping(req) => Ok(PingRequest::into_reply(req.payload)),
         Request::Exec(req) => {
-            if req.stream {
+            // Input is acknowledged by chunks, so an exec that takes input streams.
+            let streaming = req.stream || input.is_some();
+            if streaming {
                 responder.set_streaming();
             }
-            let stream = req.stream.then_some(&responder);
-            exec::run(req, &cancel, stream)
+            let stream = streaming.then_some(&responder);
+            exec::run(req, &cancel, stream, input)
                 .await
                 .map(ExecRequest::into_reply)
         }
@@ -391,20 +403,41 @@ where
                         break End::Malformed;
                     }
                     Ok(ToAgent::Cancel { id }) => {
-                        let token = inflight.lock().ok().and_then(|m| m.get(&id).cloned());
+                        let token = inflight
+                            .lock()
+                            .ok()
+                            .and_then(|m| m.get(&id).map(|r| r.cancel.clone()));
                         // An unknown id is a request that just finished; its reply is on the way.
                         if let Some(token) = token {
                             token.cancel();
                         }
                     }
+                    Ok(ToAgent::Input { id, input }) => {
+                        // Unknown id: the command just finished; its input has nowhere to go.
+                        if let Ok(m) = inflight.lock()
+                            && let Some(tx) = m.get(&id).and_then(|r| r.input.as_ref())
+                        {
+                            let _ = tx.send(input);
+                        }
+                    }
                     Ok(ToAgent::Request { id, body }) => {
                         let responder = Responder::new(id, outbox.clone());
                         let token = shutdown.child_token();
+                        let (input_tx, input_rx) = match &body {
+                            Request::Exec(r) if r.stdin || r.tty.is_some() => {
+                                let (tx, rx) = mpsc::unbounded_channel();
+                                (Some(tx), Some(rx))
+                            }
+                            _ => (None, None),
+                        };
                         let fresh = match inflight.lock() {
                             Ok(mut m) => match m.entry(id) {
                                 Entry::Occupied(_) => false,
                                 Entry::Vacant(v) => {
-                                    v.insert(token.clone());
+                                    v.insert(Running {
+                                        cancel: token.clone(),
+                                        input: input_tx,
+                                    });
                                     true
                                 }
                             },
@@ -422,7 +455,7 @@ where
                         let shared = shared.clone();
                         tasks.spawn_local(async move {
                             let _guard = guard;
-                            handle(body, token, shared, responder).await;
+                            handle(body, token, shared, responder, input_rx).await;
                         });
                     }
                 }

@@ -1256,3 +1256,142 @@ fn sigterm_and_sighup_stop_running_commands_and_exit() {
         wait_group_gone(pgid, Duration::from_secs(1));
     }
 }
+
+fn stdout_of(chunks: &[Chunk]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for c in chunks {
+        if let Chunk::Stdout(b) = c {
+            out.extend_from_slice(b);
+        }
+    }
+    out
+}
+
+fn input(agent: &mut Agent, id: u64, input: rsb_protocol::ExecInput) {
+    agent.send(&ToAgent::Input { id, input });
+}
+
+#[test]
+fn stdin_is_fed_from_input_frames_and_acknowledged() {
+    use rsb_protocol::ExecInput;
+    let mut agent = Agent::start();
+    let mut req = exec_req("wc -l");
+    req.stdin = true;
+    let id = agent.request(Request::Exec(req));
+    input(&mut agent, id, ExecInput::Data(b"a\nb\n".to_vec()));
+    input(&mut agent, id, ExecInput::Eof);
+    let (chunks, reply) = agent.wait_reply(id, PATIENCE);
+    let Reply::Exec(r) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(r.exit_code, Some(0));
+    assert_eq!(text(&r.stdout).trim(), "2");
+    let acked: u64 = chunks
+        .iter()
+        .map(|c| match c {
+            Chunk::InputConsumed(n) => *n,
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(acked, 4, "{chunks:?}");
+
+    // Several MiB within the window: the sender waits for acknowledgements, and every byte
+    // arrives. A command that never reads its stdin still ends and acknowledges what it dropped.
+    let mut req = exec_req("wc -c");
+    req.stdin = true;
+    let id = agent.request(Request::Exec(req));
+    let total: u64 = 6 << 20;
+    let piece = vec![b'x'; 64 * 1024];
+    let (mut sent, mut acked) = (0u64, 0u64);
+    let deadline = Instant::now() + PATIENCE;
+    while sent < total {
+        assert!(
+            Instant::now() < deadline,
+            "stalled at {sent} sent, {acked} acked"
+        );
+        if sent - acked + piece.len() as u64 <= rsb_protocol::INPUT_WINDOW {
+            input(&mut agent, id, ExecInput::Data(piece.clone()));
+            sent += piece.len() as u64;
+            continue;
+        }
+        match agent.recv(deadline) {
+            FromAgent::Chunk {
+                id: i,
+                chunk: Chunk::InputConsumed(n),
+            } if i == id => acked += n,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    input(&mut agent, id, ExecInput::Eof);
+    let (_, reply) = agent.wait_reply(id, PATIENCE);
+    let Reply::Exec(r) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(text(&r.stdout).trim(), total.to_string());
+
+    let mut req = exec_req("exit 0");
+    req.stdin = true;
+    let id = agent.request(Request::Exec(req));
+    for _ in 0..4 {
+        input(&mut agent, id, ExecInput::Data(piece.clone()));
+    }
+    let (_, reply) = agent.wait_reply(id, PATIENCE);
+    assert!(
+        matches!(reply, Reply::Exec(ref r) if r.exit_code == Some(0)),
+        "{reply:?}"
+    );
+    // Input for a finished request is dropped, and the channel carries on.
+    input(&mut agent, id, ExecInput::Data(b"late".to_vec()));
+    assert_eq!(
+        agent.call(Request::Ping(rsb_protocol::PingRequest {
+            payload: vec![7]
+        })),
+        Reply::Pong(vec![7])
+    );
+}
+
+#[test]
+fn a_tty_exec_runs_on_a_terminal_of_the_given_size_and_follows_resizes() {
+    use rsb_protocol::{ExecInput, TtySize};
+    let mut agent = Agent::start();
+    let mut req = exec_req("tty; stty size; read line; stty size; echo \"got $line\"; exit 3");
+    req.tty = Some(TtySize {
+        rows: 40,
+        cols: 100,
+    });
+    req.timeout_ms = 20_000;
+    let id = agent.request(Request::Exec(req));
+    // Wait until the first `stty size` ran, then resize and answer the `read`.
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + PATIENCE;
+    while !String::from_utf8_lossy(&seen).contains("40 100") {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            String::from_utf8_lossy(&seen)
+        );
+        if let Chunk::Stdout(b) = agent.wait_chunk(id, PATIENCE) {
+            seen.extend_from_slice(&b);
+        }
+    }
+    input(
+        &mut agent,
+        id,
+        ExecInput::Resize(TtySize {
+            rows: 50,
+            cols: 132,
+        }),
+    );
+    input(&mut agent, id, ExecInput::Data(b"hello\r".to_vec()));
+    let (chunks, reply) = agent.wait_reply(id, PATIENCE);
+    seen.extend_from_slice(&stdout_of(&chunks));
+    let out = String::from_utf8_lossy(&seen).replace('\r', "");
+    let Reply::Exec(r) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(r.exit_code, Some(3), "{out}");
+    assert!(out.starts_with("/dev/pts/"), "{out}");
+    assert!(out.contains("\n40 100\n"), "{out}");
+    assert!(out.contains("\n50 132\n"), "{out}");
+    assert!(out.contains("got hello"), "{out}");
+}
