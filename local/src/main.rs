@@ -9,7 +9,6 @@ use rsb::{
     ops::{exec, fs, jobs, sandboxes},
     pool::Pool,
 };
-use rsb_protocol::Chunk;
 use serde_json::Value;
 
 #[derive(Parser)]
@@ -36,17 +35,28 @@ enum Cmd {
         #[arg(long)]
         resources: bool,
     },
-    /// Run a command on a sandbox, streaming its output; exits with its exit code.
+    /// Run a command on a sandbox like `ssh HOST CMD`: stdin is forwarded, output streams, and
+    /// rsb exits with the command's exit code (128+N when killed by signal N).
     Exec {
         #[arg(long, short)]
         sandbox: Option<String>,
-        /// Seconds before the command's process group is killed.
-        #[arg(long, short, default_value_t = 120)]
+        /// Seconds before the command's process group is killed (0: no timeout).
+        #[arg(long, default_value_t = 0)]
         timeout: i64,
         #[arg(long)]
         cwd: Option<String>,
+        /// Run on a pseudo-terminal (like `ssh -t`), sized like the local window.
+        #[arg(long, short = 't')]
+        tty: bool,
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
+    },
+    /// An interactive login shell on a sandbox (like `ssh HOST`); exits with the shell's code.
+    Shell {
+        /// The sandbox (default: the active one).
+        sandbox: Option<String>,
+        #[arg(long)]
+        cwd: Option<String>,
     },
     /// List a remote directory.
     Ls {
@@ -269,6 +279,7 @@ async fn run(cli: Cli) -> u8 {
             sandbox,
             timeout,
             cwd,
+            tty,
             command,
         } => {
             run_exec(
@@ -278,6 +289,21 @@ async fn run(cli: Cli) -> u8 {
                 timeout,
                 cwd.as_deref(),
                 &command.join(" "),
+                tty,
+            )
+            .await
+        }
+        Cmd::Shell { sandbox, cwd } => {
+            // rsb's own string: the remote login shell, as a login shell (argv0 `-bash`).
+            let shell = "exec -l \"${SHELL:-bash}\"";
+            run_exec(
+                &pool,
+                false,
+                sandbox.as_deref().unwrap_or(""),
+                0,
+                cwd.as_deref(),
+                shell,
+                true,
             )
             .await
         }
@@ -387,14 +413,24 @@ async fn run_exec(
     timeout: i64,
     cwd: Option<&str>,
     command: &str,
+    tty: bool,
 ) -> u8 {
-    let mut req = match exec::build_request(command, cwd, timeout, 1 << 20) {
+    // 0 means no timeout, as for ssh; the shared validation knows only 1..=MAX.
+    let mut req = match exec::build_request(
+        command,
+        cwd,
+        if timeout == 0 { 1 } else { timeout },
+        1 << 20,
+    ) {
         Ok(r) => r,
         Err(e) => {
             print_error(json, &e);
             return 2;
         }
     };
+    if timeout == 0 {
+        req.timeout_ms = 0;
+    }
     let client = match pool.client(sandbox).await {
         Ok(c) => c,
         Err(e) => {
@@ -406,13 +442,7 @@ async fn run_exec(
         return match client.call(req).await {
             Ok(r) => {
                 print_value(true, &exec::reply(&r, timeout));
-                r.exit_code
-                    .unwrap_or(if r.timed_out {
-                        124
-                    } else {
-                        128 + r.signal.unwrap_or(0)
-                    })
-                    .clamp(0, 255) as u8
+                rsb::exec_stream::exit_code(&r)
             }
             Err(e) => {
                 print_error(true, &e);
@@ -420,48 +450,20 @@ async fn run_exec(
             }
         };
     }
-    req.stream = true;
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Chunk>(64);
-    let printer = tokio::spawn(async move {
-        while let Some(c) = rx.recv().await {
-            match c {
-                Chunk::Stdout(b) => {
-                    let mut o = std::io::stdout().lock();
-                    let _ = o.write_all(&b);
-                    let _ = o.flush();
-                }
-                Chunk::Stderr(b) => {
-                    let mut o = std::io::stderr().lock();
-                    let _ = o.write_all(&b);
-                    let _ = o.flush();
-                }
-                Chunk::Manifest(_) => {}
-            }
-        }
-    });
-    let res = tokio::select! {
-        r = client.call_streaming(req, tx) => r,
-        _ = tokio::signal::ctrl_c() => {
-            eprintln!("\nrsb: interrupted; the remote command was stopped");
-            return 130;
-        }
-    };
-    let _ = printer.await;
-    match res {
-        Ok(r) => {
+    match rsb::exec_stream::run(&client, req, tty).await {
+        Ok(Ok(r)) => {
             if r.timed_out {
                 eprintln!("rsb: timed out after {timeout}s; the remote process group was killed");
-                return 124;
             }
-            match (r.exit_code, r.signal) {
-                (Some(c), _) => c.clamp(0, 255) as u8,
-                (None, Some(s)) => (128 + s).clamp(0, 255) as u8,
-                _ => 255,
-            }
+            rsb::exec_stream::exit_code(&r)
         }
-        Err(e) => {
+        Ok(Err(e)) => {
             print_error(false, &e);
             255
+        }
+        Err(rsb::exec_stream::Interrupted::Signal(sig)) => {
+            eprintln!("\r\nrsb: interrupted; the remote command was stopped");
+            (128 + sig).clamp(0, 255) as u8
         }
     }
 }
