@@ -10,5 +10,6 @@ pub mod proc;
 pub mod reaper;
 pub mod resources;
 pub mod serve;
+pub mod stale;
 pub mod sync;
 pub mod util;

@@ -27,7 +27,7 @@ use tokio::task::JoinSet;
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
-use crate::{exec, fs, hello, jobs, reaper, resources, sync};
+use crate::{exec, fs, hello, jobs, reaper, resources, stale, sync};
 
 /// Frames up to this size take the control lane.
 const SMALL_FRAME: usize = 64 * 1024;
@@ -221,7 +221,10 @@ async fn handle(
     // Each answer is wrapped by its request type's `Call` impl, so no arm can answer with
     // another request's reply.
     let result = match body {
-        Request::Ping(req) => Ok(PingRequest::into_reply(req.payload)),
+        Request::Ping(req) => {
+            stale::saw_ping();
+            Ok(PingRequest::into_reply(req.payload))
+        }
         Request::Exec(req) => {
             // Input is acknowledged by chunks, so an exec that takes input streams.
             let streaming = req.stream || input.is_some();
@@ -308,6 +311,7 @@ async fn write_frames<W: AsyncWrite + Unpin>(
         // second bulk frame leave its queue ahead of a control frame that arrives meanwhile.
         if is_bulk || (control.is_empty() && bulk.is_empty()) {
             SinkExt::<Bytes>::flush(&mut sink).await?;
+            stale::activity();
         }
     }
     SinkExt::<Bytes>::flush(&mut sink).await
@@ -389,6 +393,7 @@ where
     let end = loop {
         tokio::select! {
             frame = reader.next() => {
+                stale::activity();
                 let buf = match frame {
                     None => break End::Eof,
                     Some(Ok(buf)) => buf,
@@ -524,8 +529,22 @@ pub fn main() -> i32 {
         }
     };
     reaper::enable();
+    // Agents of this user left behind by a cut link are stopped; off the runtime, so the Hello
+    // is not delayed by their grace period.
+    let _ = std::thread::Builder::new()
+        .name("rsb-stale".into())
+        .spawn(stale::stop_stale);
+    let record = stale::Record::create();
     // A LocalSet lets request futures (exec, resources, jobs) be !Send on this single thread.
     let local = tokio::task::LocalSet::new();
+    if let Some(mut record) = record {
+        local.spawn_local(async move {
+            loop {
+                tokio::time::sleep(stale::TOUCH_EVERY).await;
+                record.tick();
+            }
+        });
+    }
     let code = local.block_on(&rt, async {
         let stop = termination();
         run_until(tokio::io::stdin(), tokio::io::stdout(), hello, stop).await

@@ -1395,3 +1395,80 @@ fn a_tty_exec_runs_on_a_terminal_of_the_given_size_and_follows_resizes() {
     assert!(out.contains("\n50 132\n"), "{out}");
     assert!(out.contains("got hello"), "{out}");
 }
+
+/// Waits for the agent's stale-agent record in `runtime/rsb/agents` to say "heartbeat seen".
+fn wait_record(runtime: &Path, pid: u32) -> PathBuf {
+    let path = runtime.join("rsb/agents").join(pid.to_string());
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        if std::fs::read_to_string(&path).is_ok_and(|s| s.trim_end().ends_with(" 1")) {
+            return path;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no heartbeat record at {}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn age(path: &Path, by: Duration) {
+    let f = std::fs::File::options().append(true).open(path).unwrap();
+    f.set_modified(std::time::SystemTime::now() - by).unwrap();
+}
+
+#[test]
+fn the_next_agent_stops_a_stale_one_but_not_a_quiet_one_without_heartbeats() {
+    let runtime = tempfile::tempdir().unwrap();
+    let start = |rt: &Path| {
+        Agent::start_with(
+            Command::new(agent_bin())
+                .arg("serve")
+                .env("XDG_RUNTIME_DIR", rt),
+        )
+    };
+    // A quiet agent whose client never heartbeats is never judged (it may be idle for hours).
+    let mut quiet = start(runtime.path());
+    let quiet_record = runtime
+        .path()
+        .join("rsb/agents")
+        .join(quiet.child.id().to_string());
+    let deadline = Instant::now() + PATIENCE;
+    while !quiet_record.exists() {
+        assert!(Instant::now() < deadline, "no record");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // A heartbeating agent that then went quiet (its link cut) with a command running.
+    let mut stale = start(runtime.path());
+    for _ in 0..3 {
+        assert_eq!(
+            stale.call(Request::Ping(rsb_protocol::PingRequest { payload: vec![] })),
+            Reply::Pong(vec![])
+        );
+    }
+    let (_, pgid) = start_long_exec(&mut stale);
+    let record = wait_record(runtime.path(), stale.child.id());
+    age(&record, Duration::from_secs(600));
+    age(&quiet_record, Duration::from_secs(600));
+
+    let mut next = start(runtime.path());
+    let st = stale.wait_exit(Duration::from_secs(10));
+    assert!(st.code().is_some() || std::os::unix::process::ExitStatusExt::signal(&st).is_some());
+    wait_group_gone(pgid, Duration::from_secs(5));
+    assert!(!record.exists(), "the stale record was left behind");
+    // The quiet one and the new one still serve.
+    assert_eq!(
+        quiet.call(Request::Ping(rsb_protocol::PingRequest {
+            payload: vec![1]
+        })),
+        Reply::Pong(vec![1])
+    );
+    assert_eq!(
+        next.call(Request::Ping(rsb_protocol::PingRequest {
+            payload: vec![2]
+        })),
+        Reply::Pong(vec![2])
+    );
+}
