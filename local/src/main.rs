@@ -99,15 +99,8 @@ enum Cmd {
     /// Forward a local port to a service on a sandbox over its SSH connection, as `ssh -L`
     /// does: SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock (`:PORT` = the active
     /// sandbox). Runs until Ctrl-C, printing a line per connection; survives reconnects.
-    Forward {
-        /// SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock, as the sandbox sees it.
-        target: String,
-        /// Local port: default the remote port when free (else any), 0 = any free port.
-        local_port: Option<i64>,
-        /// Local address to listen on; anything but loopback lets other machines in.
-        #[arg(long, default_value = "127.0.0.1")]
-        bind: String,
-    },
+    /// `--detach` lets the watchdog daemon serve it instead.
+    Forward(rsb::forward::cli::ForwardArgs),
     /// Background jobs supervised by the agent.
     Jobs {
         #[command(subcommand)]
@@ -380,11 +373,7 @@ async fn run(cli: Cli) -> u8 {
             }
         }
         Cmd::Jobs { cmd } => run_jobs(&pool, json, cmd).await,
-        Cmd::Forward {
-            target,
-            local_port,
-            bind,
-        } => rsb::forward::cli::run(pool.clone(), &target, local_port, &bind, json).await,
+        Cmd::Forward(a) => rsb::forward::cli::main(pool.clone(), a, json).await,
         Cmd::Sync {
             src,
             dst,

@@ -130,6 +130,21 @@ const MIGRATIONS: &[&str] = &[
         def_json TEXT NOT NULL,
         updated_ts INTEGER NOT NULL
     );",
+    // 3: forwards served by the watchdog daemon (`forward_port(detach=true)`).
+    "CREATE TABLE IF NOT EXISTS forwards (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        sandbox_name TEXT NOT NULL,
+        target TEXT NOT NULL,
+        bind TEXT NOT NULL,
+        local_port TEXT NOT NULL,
+        state TEXT NOT NULL,
+        local_address TEXT NOT NULL DEFAULT '',
+        error TEXT NOT NULL DEFAULT '',
+        stats_json TEXT NOT NULL DEFAULT '',
+        daemon_pid INTEGER NOT NULL DEFAULT 0,
+        created_ts INTEGER NOT NULL,
+        updated_ts INTEGER NOT NULL
+    )",
 ];
 
 /// The schema version this build writes.

@@ -550,6 +550,127 @@ async fn mcp_forward_port_works_and_stop_forward_frees_the_port() {
     drop(http);
 }
 
+/// Stops the watchdog daemon a detached forward started (bounded), whatever the test's outcome.
+struct DaemonGuard(std::path::PathBuf);
+
+impl Drop for DaemonGuard {
+    fn drop(&mut self) {
+        let Some(pid) = rsb::watchdog::daemon::lock_holder(&self.0) else {
+            return;
+        };
+        // SAFETY: a signal to the daemon this test started (the lock names its pid).
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        while rsb::watchdog::daemon::lock_holder(&self.0).is_some()
+            && t0.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_detached_forward_outlives_the_mcp_server_and_stops_on_request() {
+    if skip_without_python("a_detached_forward_outlives_the_mcp_server_and_stops_on_request") {
+        return;
+    }
+    let sshd = Sshd::start().unwrap();
+    let www = sshd.home().join("www");
+    small_files(&www, 100);
+    let env = RsbEnv::new(&[entry("s", &sshd, sshd.port())]);
+    let state = env.dir.path().join("state");
+    let _daemon = DaemonGuard(state.clone());
+    let (http, port) = http_server(&env, "s", &www);
+
+    let svc = mcp(&env, true).await;
+    let (err, v) = call(
+        &svc,
+        "forward_port",
+        json!({"remote_port": port, "local_port": 0, "detach": true}),
+    )
+    .await;
+    assert!(!err, "{v}");
+    assert_eq!(v["detached"], true, "{v}");
+    assert_eq!(v["running"], true, "{v}");
+    assert_eq!(v["state"], "listening", "{v}");
+    assert!(
+        v["watchdog"].is_string(),
+        "the reply says what the daemon did: {v}"
+    );
+    let id = v["forward_id"].as_u64().unwrap();
+    assert!(
+        id > 1_000_000,
+        "detached ids never collide with a server's own: {v}"
+    );
+    let addr: SocketAddr = v["local_address"].as_str().unwrap().parse().unwrap();
+    assert!(addr.ip().is_loopback(), "{v}");
+    get_small(addr, 1).await.unwrap();
+
+    // The server goes; the forward stays, and a new server sees it.
+    let _ = tokio::time::timeout(Duration::from_secs(10), svc.cancel()).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    get_small(addr, 2).await.unwrap();
+    hundred_parallel(addr).await;
+    let svc = mcp(&env, true).await;
+    // The daemon writes counters back every tick (1 s).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let listed = loop {
+        let (err, v) = call(&svc, "list_forwards", json!({})).await;
+        assert!(!err, "{v}");
+        let list = v["forwards"].as_array().unwrap().clone();
+        assert_eq!(list.len(), 1, "{v}");
+        if list[0]["connections_total"].as_u64() >= Some(102) || Instant::now() >= deadline {
+            break list[0].clone();
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(listed["forward_id"], id, "{listed}");
+    assert_eq!(listed["running"], true, "{listed}");
+    assert_eq!(listed["connections_total"], 102, "{listed}");
+
+    // The CLI sees it too.
+    let out = env.run(&["forward", "--list"]);
+    assert!(
+        out.contains(&id.to_string()) && out.contains("listening"),
+        "{out}"
+    );
+
+    let (err, v) = call(&svc, "stop_forward", json!({"forward_id": id})).await;
+    assert!(!err, "{v}");
+    assert_eq!(v["running"], false, "{v}");
+    assert!(
+        refused(addr).await,
+        "{addr} still accepts after stop_forward"
+    );
+    let (_, v) = call(&svc, "list_forwards", json!({})).await;
+    assert_eq!(v["forwards"], json!([]), "{v}");
+    let (err, v) = call(&svc, "stop_forward", json!({"forward_id": id})).await;
+    assert!(
+        err && v["error"].as_str().unwrap().contains("no forward"),
+        "{v}"
+    );
+
+    // A port that is taken: the daemon's error comes back in one line, and nothing is left.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken_port = taken.local_addr().unwrap().port();
+    let (err, v) = call(
+        &svc,
+        "forward_port",
+        json!({"remote_port": port, "local_port": taken_port, "detach": true}),
+    )
+    .await;
+    let msg = v["error"].as_str().unwrap_or_default();
+    assert!(
+        err && msg.contains("could not start") && !msg.contains('\n'),
+        "{v}"
+    );
+    assert!(v["hint"].is_string(), "{v}");
+    let (_, v) = call(&svc, "list_forwards", json!({})).await;
+    assert_eq!(v["forwards"], json!([]), "{v}");
+    let _ = tokio::time::timeout(Duration::from_secs(10), svc.cancel()).await;
+    drop(http);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The engine in-process: the `local` sandbox and a ProxyJump chain
 // ---------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 //! `rsb forward SANDBOX:TARGET [LOCAL_PORT]`: forward in the foreground until Ctrl-C, one line
-//! per connection (JSON lines with `--json`).
+//! per connection (JSON lines with `--json`); `--detach` hands it to the watchdog daemon instead,
+//! `--list` and `--stop ID` manage those.
 
 use std::{io::Write, sync::Arc};
 
@@ -9,6 +10,150 @@ use crate::{
     ops::forward::{self, ForwardInfo},
     pool::Pool,
 };
+
+/// `rsb forward`'s arguments (kept here so the command's whole surface lives in one file).
+#[derive(Debug, clap::Args)]
+pub struct ForwardArgs {
+    /// SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock, as the sandbox sees it.
+    #[arg(required_unless_present_any = ["list", "stop"])]
+    pub target: Option<String>,
+    /// Local port: default the remote port when free (else any), 0 = any free port.
+    pub local_port: Option<i64>,
+    /// Local address to listen on; anything but loopback lets other machines in.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub bind: String,
+    /// Let the watchdog daemon serve the forward (it outlives this command); prints its URL.
+    #[arg(long, conflicts_with_all = ["list", "stop"])]
+    pub detach: bool,
+    /// List the detached forwards.
+    #[arg(long, conflicts_with = "stop")]
+    pub list: bool,
+    /// Stop the detached forward with this id.
+    #[arg(long, value_name = "ID")]
+    pub stop: Option<u64>,
+}
+
+/// Exit code: 0 on success (or after Ctrl-C), 2 for bad arguments, 1 when the forward cannot
+/// start or stop.
+pub async fn main(pool: Arc<Pool>, a: ForwardArgs, json: bool) -> u8 {
+    let state_dir = pool.config().state_dir.clone();
+    if a.list {
+        let reg = forward::Forwards::default();
+        return match reg.list(&state_dir) {
+            Ok(l) if json => {
+                println!("{}", serde_json::to_string(&l).unwrap_or_default());
+                0
+            }
+            Ok(l) => {
+                print_table(&l.forwards);
+                0
+            }
+            Err(e) => {
+                print_error(json, &e);
+                1
+            }
+        };
+    }
+    if let Some(id) = a.stop {
+        let reg = forward::Forwards::default();
+        return match reg.stop(&state_dir, id).await {
+            Ok(info) => {
+                if json {
+                    println!("{}", serde_json::to_string(&info).unwrap_or_default());
+                } else {
+                    println!(
+                        "stopped forward {id} ({} -> {}:{})",
+                        info.local_address, info.sandbox, info.target
+                    );
+                }
+                0
+            }
+            Err(e) => {
+                print_error(json, &e);
+                1
+            }
+        };
+    }
+    let spec = a.target.unwrap_or_default();
+    if a.detach {
+        return detach(pool, &spec, a.local_port, &a.bind, json).await;
+    }
+    run(pool, &spec, a.local_port, &a.bind, json).await
+}
+
+async fn detach(
+    pool: Arc<Pool>,
+    spec: &str,
+    local_port: Option<i64>,
+    bind: &str,
+    json: bool,
+) -> u8 {
+    let req = match forward::cli_request(pool.names(), spec, local_port, bind) {
+        Ok(r) => r,
+        Err(e) => {
+            print_error(json, &e);
+            return 2;
+        }
+    };
+    match forward::detach(&pool, &req).await {
+        Ok(info) if json => {
+            println!("{}", serde_json::to_string(&info).unwrap_or_default());
+            0
+        }
+        Ok(info) => {
+            if info.running {
+                println!(
+                    "forwarding {} -> {}:{} (detached, id {}; `rsb forward --stop {}` stops it)",
+                    info.local_url, info.sandbox, info.target, info.forward_id, info.forward_id
+                );
+            } else {
+                println!(
+                    "forward {} to {}:{} is still starting; `rsb forward --list` shows it",
+                    info.forward_id, info.sandbox, info.target
+                );
+            }
+            if let Some(w) = &info.watchdog {
+                eprintln!("rsb: {w}");
+            }
+            if let Some(w) = &info.warning {
+                eprintln!("rsb: warning: {w}");
+            }
+            0
+        }
+        Err(e) => {
+            print_error(json, &e);
+            1
+        }
+    }
+}
+
+fn print_table(list: &[ForwardInfo]) {
+    if list.is_empty() {
+        println!("no detached forwards (`rsb forward --detach SANDBOX:PORT` starts one)");
+        return;
+    }
+    println!(
+        "{:<9} {:<10} {:<22} {:<24} {:>6} {:>10} {:>10}",
+        "ID", "STATE", "LOCAL", "TARGET", "CONNS", "SENT", "RECEIVED"
+    );
+    for f in list {
+        println!(
+            "{:<9} {:<10} {:<22} {:<24} {:>6} {:>10} {:>10}",
+            f.forward_id,
+            f.state
+                .as_deref()
+                .unwrap_or(if f.running { "listening" } else { "stopped" }),
+            f.local_address,
+            format!("{}:{}", f.sandbox, f.target),
+            f.stats.connections_total,
+            human_bytes(f.stats.bytes_sent),
+            human_bytes(f.stats.bytes_received)
+        );
+        if let Some(e) = &f.stats.last_error {
+            println!("          last error: {e}");
+        }
+    }
+}
 
 /// Exit code: 0 after Ctrl-C, 2 for bad arguments, 1 when the forward cannot start.
 pub async fn run(

@@ -167,8 +167,9 @@ struct Stats {
     last_error: Mutex<Option<String>>,
 }
 
-/// A point-in-time copy of a forward's counters.
-#[derive(Debug, Clone, Serialize)]
+/// A point-in-time copy of a forward's counters (also what the daemon records for a detached
+/// forward, so it round-trips through the store).
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
 pub struct StatsSnapshot {
     pub connections_total: u64,
     pub connections_active: u64,

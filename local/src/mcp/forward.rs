@@ -1,5 +1,6 @@
 //! Port forwarding tools. Listed only with REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS, so the default
-//! `tools/list` keeps its size; a forward lives as long as the server.
+//! `tools/list` keeps its size; a forward lives as long as the server, or (`detach`) as long as
+//! the watchdog daemon that serves it.
 
 use rmcp::{
     handler::server::wrapper::Parameters, schemars, schemars::JsonSchema, tool, tool_router,
@@ -34,6 +35,9 @@ pub struct ForwardPortParams {
     pub bind: String,
     #[serde(default)]
     pub sandbox_name: String,
+    /// Served by the watchdog daemon: outlives this server.
+    #[serde(default)]
+    pub detach: bool,
 }
 
 impl ForwardPortParams {
@@ -93,20 +97,35 @@ impl RsbServer {
             Ok(r) => r,
             Err(e) => return fail(&e),
         };
+        if p.detach {
+            return match forward::detach(&self.pool, &req).await {
+                Ok(info) => json(&info),
+                Err(e) => fail(&e),
+            };
+        }
         match forward::start(&self.pool, &req, None).await {
             Ok(f) => json(&self.forwards.add(f)),
             Err(e) => fail(&e),
         }
     }
 
-    #[tool(description = "List running port forwards with connection and byte counts.")]
+    #[tool(
+        description = "List port forwards (this server's and detached ones) with connection and byte counts."
+    )]
     async fn list_forwards(&self, Parameters(_): Parameters<ListForwardsParams>) -> ToolResult {
-        json(&self.forwards.list())
+        match self.forwards.list(&self.pool.config().state_dir) {
+            Ok(l) => json(&l),
+            Err(e) => fail(&e),
+        }
     }
 
     #[tool(description = "Stop a port forward and free its local port.")]
     async fn stop_forward(&self, Parameters(p): Parameters<StopForwardParams>) -> ToolResult {
-        match self.forwards.stop(p.forward_id).await {
+        match self
+            .forwards
+            .stop(&self.pool.config().state_dir, p.forward_id)
+            .await
+        {
             Ok(info) => json(&info),
             Err(e) => fail(&e),
         }

@@ -9,6 +9,7 @@ use std::{
         Arc,
         atomic::{AtomicU64, Ordering},
     },
+    time::{Duration, Instant},
 };
 
 use parking_lot::Mutex;
@@ -18,6 +19,7 @@ use crate::{
     error::{Result, RsbError},
     forward::{EventSink, Forward, LocalPort, StatsSnapshot, Target},
     pool::Pool,
+    watchdog::{daemon, forwards, sandboxes, service, settings},
 };
 
 /// The host a bare port means, as in `ssh -L 8888:localhost:8888`; the SSH server tries each
@@ -51,6 +53,14 @@ pub struct ForwardInfo {
     pub stats: StatsSnapshot,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub warning: Option<String>,
+    /// Served by the watchdog daemon, independent of this server's life.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub detached: bool,
+    /// For a detached forward: `starting`, `listening` or `failed`, and what the daemon did.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub watchdog: Option<String>,
 }
 
 impl ForwardInfo {
@@ -69,6 +79,31 @@ impl ForwardInfo {
                 .unwrap_or(0),
             stats: f.stats(),
             warning: exposure_warning(f.local_addr.ip()),
+            detached: false,
+            state: None,
+            watchdog: None,
+        }
+    }
+
+    fn of_row(r: &forwards::Row) -> Self {
+        let addr = r.local_address.parse::<std::net::SocketAddr>().ok();
+        let mut stats = r.stats.clone();
+        if !r.error.is_empty() {
+            stats.last_error = Some(r.error.clone());
+        }
+        ForwardInfo {
+            forward_id: r.public_id(),
+            sandbox: r.sandbox_name.clone(),
+            target: r.target.clone(),
+            local_address: r.local_address.clone(),
+            local_url: addr.map(crate::forward::url_for).unwrap_or_default(),
+            running: r.state == forwards::LISTENING,
+            started_at: u64::try_from(r.created_ts).unwrap_or(0),
+            stats,
+            warning: addr.and_then(|a| exposure_warning(a.ip())),
+            detached: true,
+            state: Some(r.state.clone()),
+            watchdog: None,
         }
     }
 }
@@ -263,6 +298,161 @@ pub async fn start(
     Forward::start(pool.clone(), sandbox, req.target.clone(), listener, events)
 }
 
+/// How long `detach` waits for the daemon to connect and bind before answering.
+const DETACH_WAIT: Duration = Duration::from_secs(45);
+/// How long `stop` waits for the daemon to free a detached forward's port.
+const STOP_WAIT: Duration = Duration::from_secs(10);
+
+/// Hand a forward to the watchdog daemon (starting one if none runs) and wait until it listens
+/// or says why it cannot. The sandbox definitions are persisted as for a watch: without secrets
+/// unless the user opted in, so a password-only sandbox is refused here with the opt-in named.
+pub async fn detach(pool: &Arc<Pool>, req: &ForwardRequest) -> Result<ForwardInfo> {
+    let sandbox = pool.resolve(&req.sandbox)?;
+    let cfg = pool.config();
+    let state_dir = crate::ops::watchdog::state_dir_of(cfg);
+    let configured = cfg.sandboxes.clone();
+    let req = req.clone();
+    let dir = state_dir.clone();
+    let name = sandbox.clone();
+    let (id, report) = blocking(move || {
+        let conn = crate::ops::watchdog::open(&dir)?;
+        sandboxes::persist(&conn, &dir, &configured, settings::store_passwords())?;
+        let secrets = sandboxes::read_secrets(&dir);
+        if let Some(msg) =
+            sandboxes::load(&conn, &name)?.and_then(|p| p.missing_credentials(secrets.get(&name)))
+        {
+            return Err(RsbError::invalid(
+                format!("cannot detach a forward to '{name}': {msg}"),
+                "use a key or ssh-agent for this sandbox, or set RSB_WATCHDOG_STORE_PASSWORDS=1 \
+                 to let the watchdog store its password (0600); or forward without detach",
+            ));
+        }
+        let id = forwards::insert(&conn, &name, &req.target, req.bind, req.local_port)?;
+        match service::ensure(&conn, &dir) {
+            Ok(r) => Ok((id, r)),
+            Err(e) => {
+                let _ = forwards::delete(&conn, id);
+                Err(e)
+            }
+        }
+    })
+    .await?;
+    let note = match &report.install_hint {
+        Some(h) => format!("{} ({h})", report.detail),
+        None => report.detail.clone(),
+    };
+    let deadline = Instant::now() + DETACH_WAIT;
+    loop {
+        let dir = state_dir.clone();
+        let row = blocking(move || forwards::get(&crate::ops::watchdog::open(&dir)?, id)).await?;
+        let Some(row) = row else {
+            return Err(RsbError::invalid(
+                format!(
+                    "detached forward {} was stopped before it started",
+                    forwards::ID_OFFSET + id as u64
+                ),
+                "ask again",
+            ));
+        };
+        match row.state.as_str() {
+            forwards::LISTENING => {
+                let mut info = ForwardInfo::of_row(&row);
+                info.watchdog = Some(note);
+                return Ok(info);
+            }
+            forwards::FAILED => {
+                let dir = state_dir.clone();
+                let _ = blocking(move || forwards::delete(&crate::ops::watchdog::open(&dir)?, id))
+                    .await;
+                return Err(forwards::start_error(&row));
+            }
+            _ if Instant::now() >= deadline => {
+                let mut info = ForwardInfo::of_row(&row);
+                info.watchdog = Some(format!(
+                    "{note}; the daemon has not started this forward within {}s: list_forwards shows when it does",
+                    DETACH_WAIT.as_secs()
+                ));
+                return Ok(info);
+            }
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+}
+
+async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| RsbError::internal(format!("state store task failed: {e}")))?
+}
+
+/// The detached forwards in the store (none when there is no store yet: listing never creates
+/// one).
+fn detached_list(state_dir: &std::path::Path) -> Result<Vec<ForwardInfo>> {
+    if !crate::store::db_path(state_dir).exists() {
+        return Ok(Vec::new());
+    }
+    let conn = crate::ops::watchdog::open(state_dir)?;
+    Ok(forwards::list(&conn)?
+        .iter()
+        .filter(|r| r.state != forwards::STOPPING)
+        .map(ForwardInfo::of_row)
+        .collect())
+}
+
+/// Stop a detached forward: the daemon frees the port and deletes the row; without a daemon
+/// nothing listens, so the row goes at once.
+async fn stop_detached(
+    state_dir: &std::path::Path,
+    public: u64,
+    row_id: i64,
+) -> Result<ForwardInfo> {
+    let dir = state_dir.to_path_buf();
+    let row = blocking(move || {
+        let conn = crate::ops::watchdog::open(&dir)?;
+        let row = forwards::get(&conn, row_id)?;
+        if row.is_some() {
+            if daemon::lock_holder(&dir).is_some() {
+                forwards::request_stop(&conn, row_id)?;
+            } else {
+                forwards::delete(&conn, row_id)?;
+            }
+        }
+        Ok(row)
+    })
+    .await?;
+    let Some(row) = row else {
+        return Err(RsbError::invalid(
+            format!("no forward with id {public}"),
+            "list_forwards shows the running forwards",
+        ));
+    };
+    let deadline = Instant::now() + STOP_WAIT;
+    loop {
+        let dir = state_dir.to_path_buf();
+        let gone = blocking(move || {
+            Ok(forwards::get(&crate::ops::watchdog::open(&dir)?, row_id)?.is_none())
+        })
+        .await?;
+        if gone {
+            let mut info = ForwardInfo::of_row(&row);
+            info.running = false;
+            info.state = Some("stopped".into());
+            return Ok(info);
+        }
+        if Instant::now() >= deadline {
+            return Err(RsbError::new(
+                crate::error::Kind::Timeout,
+                format!(
+                    "the watchdog has not stopped forward {public} within {}s",
+                    STOP_WAIT.as_secs()
+                ),
+                "`rsb watchdog status` shows whether the daemon is alive; it stops the forward on its next tick",
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// The forwards an MCP server started; they live as long as the server.
 #[derive(Default)]
 pub struct Forwards {
@@ -278,19 +468,23 @@ impl Forwards {
         info
     }
 
-    pub fn list(&self) -> ForwardList {
-        ForwardList {
-            forwards: self
-                .map
-                .lock()
-                .iter()
-                .map(|(id, f)| ForwardInfo::of(*id, f))
-                .collect(),
-        }
+    /// This server's forwards, then the detached ones the watchdog serves.
+    pub fn list(&self, state_dir: &std::path::Path) -> Result<ForwardList> {
+        let mut forwards: Vec<ForwardInfo> = self
+            .map
+            .lock()
+            .iter()
+            .map(|(id, f)| ForwardInfo::of(*id, f))
+            .collect();
+        forwards.extend(detached_list(state_dir)?);
+        Ok(ForwardList { forwards })
     }
 
     /// Stop one forward; its port is free when this returns.
-    pub async fn stop(&self, id: u64) -> Result<ForwardInfo> {
+    pub async fn stop(&self, state_dir: &std::path::Path, id: u64) -> Result<ForwardInfo> {
+        if let Some(row_id) = forwards::row_id(id) {
+            return stop_detached(state_dir, id, row_id).await;
+        }
         let f = self.map.lock().remove(&id);
         let Some(f) = f else {
             let ids: Vec<String> = self.map.lock().keys().map(u64::to_string).collect();
@@ -299,7 +493,10 @@ impl Forwards {
                 if ids.is_empty() {
                     "no forwards are running".to_string()
                 } else {
-                    format!("running forwards: {} (list_forwards)", ids.join(", "))
+                    format!(
+                        "this server's forwards: {} (list_forwards shows detached ones too)",
+                        ids.join(", ")
+                    )
                 },
             ));
         };

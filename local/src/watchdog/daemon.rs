@@ -156,7 +156,7 @@ pub fn lock_holder(state_dir: &Path) -> Option<i64> {
 
 struct Host {
     cfg: SandboxConfig,
-    pool: Pool,
+    pool: Arc<Pool>,
     /// The last failed connect, shared by the checks waiting for it.
     gate: tokio::sync::Mutex<Option<(Instant, RsbError)>>,
 }
@@ -174,7 +174,7 @@ impl Host {
         };
         Host {
             cfg,
-            pool: Pool::new(Arc::new(config)),
+            pool: Arc::new(Pool::new(Arc::new(config))),
             gate: tokio::sync::Mutex::new(None),
         }
     }
@@ -232,6 +232,8 @@ pub struct Daemon {
     inflight: Mutex<HashSet<i64>>,
     settings: FileSettings,
     hook_timeout: Duration,
+    /// Detached forwards (`forward_port(detach=true)`), served on the hosts' pools.
+    forwards: Arc<super::forwards::Served>,
 }
 
 /// Run until SIGTERM/SIGINT, the state dir vanishing, or (detached) a long idle spell.
@@ -252,6 +254,7 @@ pub async fn run(opts: Options) -> Result<()> {
         inflight: Mutex::new(HashSet::new()),
         settings,
         hook_timeout: opts.hook_timeout,
+        forwards: Arc::new(super::forwards::Served::new(&opts.state_dir)),
     });
     let started = store::now_s();
     db::meta_set(
@@ -303,6 +306,7 @@ pub async fn run(opts: Options) -> Result<()> {
             _ = tokio::signal::ctrl_c() => { tracing::info!("[watchdog] interrupted; exiting"); break; }
         }
     }
+    d.forwards.stop_all().await;
     let hosts: Vec<Arc<Host>> = d.hosts.lock().values().cloned().collect();
     for h in hosts {
         h.pool.shutdown().await;
@@ -352,7 +356,8 @@ impl Daemon {
             )?;
             let due = db::due(&c, ms, MAX_STARTS_PER_TICK)?;
             let active = db::counts(&c)?.get("active").copied().unwrap_or(0);
-            (due, active)
+            let forwards = self.forwards.tick(&c, |c, name| self.pool_for(c, name)) as i64;
+            (due, active + forwards)
         };
         let mut started = 0;
         for id in due {
@@ -384,6 +389,17 @@ impl Daemon {
             );
         }
         Ok(active)
+    }
+
+    /// The pool of a persisted sandbox, for a detached forward (`conn` is the store, already
+    /// locked by the tick).
+    fn pool_for(&self, conn: &Connection, name: &str) -> std::result::Result<Arc<Pool>, String> {
+        let def = sandboxes::load(conn, name)
+            .map_err(|e| e.message)?
+            .ok_or_else(|| format!("sandbox '{name}' is not in the watchdog's store"))?;
+        let secrets = sandboxes::read_secrets(&self.state_dir);
+        let cfg = def.to_config(secrets.get(name))?;
+        Ok(self.host(cfg).pool.clone())
     }
 
     fn host(&self, cfg: SandboxConfig) -> Arc<Host> {

@@ -10,6 +10,7 @@
 //!   (updates, events, resume).
 //! - [`daemon`]: `rsb watchdog run`, the loop: lock, heartbeat, concurrent checks with
 //!   deadlines, connections reused between ticks.
+//! - [`forwards`]: detached port forwards the daemon serves (`forward_port(detach=true)`).
 //! - [`alerts`]: desktop notification, webhook, `event_command`, each off the loop with a
 //!   timeout.
 //! - [`service`]: systemd --user unit / launchd agent, and `ensure_watchdog`.
@@ -21,6 +22,7 @@ pub mod checks;
 pub mod cli;
 pub mod daemon;
 pub mod db;
+pub mod forwards;
 pub mod model;
 pub mod sandboxes;
 pub mod service;

@@ -1,0 +1,465 @@
+//! Detached forwards: `forward_port(detach=true)` and `rsb forward --detach` record a forward
+//! here, and the watchdog daemon serves it. The daemon already keeps one pooled connection per
+//! sandbox and outlives MCP servers and terminals, so a forward to a notebook keeps working
+//! after the agent's session ends. The daemon writes back the bound address, errors and
+//! counters; a row's life is `starting` → `listening` (or `failed`) → `stopping` → deleted once
+//! the port is free. A daemon restarted by its service picks `listening` rows up again on the
+//! same local port.
+
+use std::{
+    collections::{HashMap, HashSet},
+    net::{IpAddr, SocketAddr},
+    path::{Path, PathBuf},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use parking_lot::Mutex;
+use rusqlite::{Connection, OptionalExtension, Row as SqlRow, params};
+
+use crate::{
+    error::{Result, RsbError},
+    forward::{Forward, LocalPort, StatsSnapshot, Target},
+    ops::forward::{self as fwd_ops, ForwardRequest},
+    pool::Pool,
+    store::{self, db_err, now_s},
+};
+
+/// Detached forwards are numbered from here, so an id never names both a detached forward and
+/// one of an MCP server's own (those count from 1).
+pub const ID_OFFSET: u64 = 1_000_000;
+
+pub const STARTING: &str = "starting";
+pub const LISTENING: &str = "listening";
+pub const FAILED: &str = "failed";
+pub const STOPPING: &str = "stopping";
+
+/// How long the daemon waits before trying again to serve a `listening` row it could not
+/// restart (the host is down, the port is taken); a `starting` row fails at once instead, so
+/// the caller waiting for it hears why.
+const RETRY_AFTER: Duration = Duration::from_secs(5);
+/// Connect + bind, the same bound as a watch's connect.
+const START_DEADLINE: Duration = Duration::from_secs(60);
+
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub id: i64,
+    pub sandbox_name: String,
+    /// [`Target`]'s display form, which [`fwd_ops::parse_target`] reads back.
+    pub target: String,
+    pub bind: String,
+    /// [`encode_port`] of the requested [`LocalPort`].
+    pub local_port: String,
+    pub state: String,
+    pub local_address: String,
+    pub error: String,
+    pub stats: StatsSnapshot,
+    pub daemon_pid: i64,
+    pub created_ts: i64,
+}
+
+impl Row {
+    pub fn public_id(&self) -> u64 {
+        ID_OFFSET + self.id as u64
+    }
+}
+
+pub fn encode_port(p: LocalPort) -> String {
+    match p {
+        LocalPort::Exact(n) => format!("exact:{n}"),
+        LocalPort::Prefer(n) => format!("prefer:{n}"),
+        LocalPort::Any => "any".into(),
+    }
+}
+
+pub fn decode_port(s: &str) -> LocalPort {
+    let num = |rest: &str| rest.parse::<u16>().ok();
+    match s.split_once(':') {
+        Some(("exact", n)) => num(n).map_or(LocalPort::Any, LocalPort::Exact),
+        Some(("prefer", n)) => num(n).map_or(LocalPort::Any, LocalPort::Prefer),
+        _ => LocalPort::Any,
+    }
+}
+
+const COLUMNS: &str = "id, sandbox_name, target, bind, local_port, state, local_address, error, \
+                       stats_json, daemon_pid, created_ts";
+
+fn from_sql(r: &SqlRow<'_>) -> rusqlite::Result<Row> {
+    let stats: String = r.get(8)?;
+    Ok(Row {
+        id: r.get(0)?,
+        sandbox_name: r.get(1)?,
+        target: r.get(2)?,
+        bind: r.get(3)?,
+        local_port: r.get(4)?,
+        state: r.get(5)?,
+        local_address: r.get(6)?,
+        error: r.get(7)?,
+        stats: serde_json::from_str(&stats).unwrap_or_default(),
+        daemon_pid: r.get(9)?,
+        created_ts: r.get(10)?,
+    })
+}
+
+pub fn insert(
+    conn: &Connection,
+    sandbox: &str,
+    target: &Target,
+    bind: IpAddr,
+    port: LocalPort,
+) -> Result<i64> {
+    let ts = now_s();
+    conn.execute(
+        "INSERT INTO forwards (sandbox_name, target, bind, local_port, state, created_ts, updated_ts)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6)",
+        params![
+            sandbox,
+            target.to_string(),
+            bind.to_string(),
+            encode_port(port),
+            STARTING,
+            ts
+        ],
+    )
+    .map_err(db_err)?;
+    Ok(conn.last_insert_rowid())
+}
+
+pub fn get(conn: &Connection, id: i64) -> Result<Option<Row>> {
+    conn.query_row(
+        &format!("SELECT {COLUMNS} FROM forwards WHERE id = ?1"),
+        [id],
+        from_sql,
+    )
+    .optional()
+    .map_err(db_err)
+}
+
+pub fn list(conn: &Connection) -> Result<Vec<Row>> {
+    let mut st = conn
+        .prepare(&format!("SELECT {COLUMNS} FROM forwards ORDER BY id"))
+        .map_err(db_err)?;
+    st.query_map([], from_sql)
+        .and_then(|rows| rows.collect())
+        .map_err(db_err)
+}
+
+fn update(conn: &Connection, sql: &str, p: impl rusqlite::Params) -> Result<()> {
+    conn.execute(sql, p).map(|_| ()).map_err(db_err)
+}
+
+fn set_listening(conn: &Connection, id: i64, addr: SocketAddr) -> Result<()> {
+    update(
+        conn,
+        "UPDATE forwards SET state = ?2, local_address = ?3, error = '', daemon_pid = ?4,
+         updated_ts = ?5 WHERE id = ?1 AND state IN ('starting', 'listening')",
+        params![id, LISTENING, addr.to_string(), std::process::id(), now_s()],
+    )
+}
+
+/// A `starting` row that cannot start fails; a `listening` one keeps its state and retries.
+fn set_error(conn: &Connection, id: i64, msg: &str) -> Result<()> {
+    update(
+        conn,
+        "UPDATE forwards SET state = CASE state WHEN 'starting' THEN 'failed' ELSE state END,
+         error = ?2, updated_ts = ?3 WHERE id = ?1",
+        params![id, msg, now_s()],
+    )
+}
+
+fn set_stats(conn: &Connection, id: i64, s: &StatsSnapshot) -> Result<()> {
+    let json = serde_json::to_string(s).unwrap_or_default();
+    update(
+        conn,
+        "UPDATE forwards SET stats_json = ?2 WHERE id = ?1 AND stats_json != ?2",
+        params![id, json],
+    )
+}
+
+/// Ask the daemon to stop a forward. `false` when there is no such row.
+pub fn request_stop(conn: &Connection, id: i64) -> Result<bool> {
+    let n = conn
+        .execute(
+            "UPDATE forwards SET state = ?2, updated_ts = ?3 WHERE id = ?1",
+            params![id, STOPPING, now_s()],
+        )
+        .map_err(db_err)?;
+    Ok(n > 0)
+}
+
+pub fn delete(conn: &Connection, id: i64) -> Result<()> {
+    update(conn, "DELETE FROM forwards WHERE id = ?1", [id])
+}
+
+/// The request a row stands for. A forward that was listening is restarted on the same port,
+/// so a URL handed out before a daemon restart keeps working.
+fn request_of(row: &Row) -> Result<ForwardRequest> {
+    let target = fwd_ops::parse_target(&row.target)?;
+    let bind = fwd_ops::parse_bind(&row.bind)?;
+    let local_port = match row.local_address.parse::<SocketAddr>() {
+        Ok(a) if row.state == LISTENING => LocalPort::Exact(a.port()),
+        _ => decode_port(&row.local_port),
+    };
+    Ok(ForwardRequest {
+        sandbox: row.sandbox_name.clone(),
+        target,
+        bind,
+        local_port,
+    })
+}
+
+/// The daemon's side: the forwards it serves, reconciled with the store every tick.
+pub struct Served {
+    state_dir: PathBuf,
+    running: Mutex<HashMap<i64, Arc<Forward>>>,
+    /// Rows with a start or stop in flight.
+    busy: Mutex<HashSet<i64>>,
+    retry_at: Mutex<HashMap<i64, Instant>>,
+}
+
+impl Served {
+    pub fn new(state_dir: &Path) -> Served {
+        Served {
+            state_dir: state_dir.to_path_buf(),
+            running: Mutex::new(HashMap::new()),
+            busy: Mutex::new(HashSet::new()),
+            retry_at: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// One reconcile pass. `pool_for(sandbox)` resolves a sandbox the way watches do (the
+    /// persisted definition and any opted-in secret). Returns how many forwards the store wants
+    /// served, which keeps a detached daemon from exiting idle.
+    pub fn tick<F>(self: &Arc<Self>, conn: &Connection, pool_for: F) -> usize
+    where
+        F: Fn(&Connection, &str) -> std::result::Result<Arc<Pool>, String>,
+    {
+        let rows = match list(conn) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("[watchdog] cannot read forwards: {}", e.message);
+                return self.running.lock().len();
+            }
+        };
+        let mut wanted = 0;
+        let ids: HashSet<i64> = rows.iter().map(|r| r.id).collect();
+        for row in rows {
+            match row.state.as_str() {
+                STOPPING => self.stop(row.id),
+                STARTING | LISTENING => {
+                    wanted += 1;
+                    let running = self.running.lock().get(&row.id).cloned();
+                    if let Some(f) = running {
+                        let _ = set_stats(conn, row.id, &f.stats());
+                    } else {
+                        self.start(conn, row, &pool_for);
+                    }
+                }
+                _ => {}
+            }
+        }
+        // A row deleted by hand (or by `stop` without a daemon) stops its forward too.
+        let orphans: Vec<i64> = self
+            .running
+            .lock()
+            .keys()
+            .filter(|id| !ids.contains(id))
+            .copied()
+            .collect();
+        for id in orphans {
+            self.stop(id);
+        }
+        wanted
+    }
+
+    fn start<F>(self: &Arc<Self>, conn: &Connection, row: Row, pool_for: &F)
+    where
+        F: Fn(&Connection, &str) -> std::result::Result<Arc<Pool>, String>,
+    {
+        if let Some(at) = self.retry_at.lock().get(&row.id)
+            && Instant::now() < *at
+        {
+            return;
+        }
+        if !self.busy.lock().insert(row.id) {
+            return;
+        }
+        let prepared = request_of(&row)
+            .map_err(|e| e.message)
+            .and_then(|req| pool_for(conn, &row.sandbox_name).map(|p| (req, p)));
+        let (req, pool) = match prepared {
+            Ok(x) => x,
+            Err(msg) => {
+                self.failed(conn, &row, &msg);
+                self.busy.lock().remove(&row.id);
+                return;
+            }
+        };
+        let me = self.clone();
+        tokio::spawn(async move {
+            let r = match tokio::time::timeout(START_DEADLINE, fwd_ops::start(&pool, &req, None))
+                .await
+            {
+                Ok(r) => r.map_err(|e| format!("{} ({})", e.message, e.hint)),
+                Err(_) => Err(format!(
+                    "no connection to sandbox '{}' within {}s",
+                    row.sandbox_name,
+                    START_DEADLINE.as_secs()
+                )),
+            };
+            match (store::open(&me.state_dir), r) {
+                (Ok(c), Ok(f)) => {
+                    if let Err(e) = set_listening(&c, row.id, f.local_addr) {
+                        tracing::warn!(
+                            "[watchdog] cannot record forward {}: {}",
+                            row.id,
+                            e.message
+                        );
+                    }
+                    tracing::info!(
+                        "[watchdog] forward {} listening on {} -> {}:{}",
+                        row.public_id(),
+                        f.local_addr,
+                        row.sandbox_name,
+                        row.target
+                    );
+                    me.retry_at.lock().remove(&row.id);
+                    me.running.lock().insert(row.id, f);
+                }
+                (Ok(c), Err(msg)) => me.failed(&c, &row, &msg),
+                (Err(e), r) => {
+                    tracing::warn!("[watchdog] forward {}: {}", row.id, e.message);
+                    if let Ok(f) = r {
+                        f.stop().await;
+                    }
+                }
+            }
+            me.busy.lock().remove(&row.id);
+        });
+    }
+
+    fn failed(&self, conn: &Connection, row: &Row, msg: &str) {
+        tracing::warn!("[watchdog] forward {}: {msg}", row.public_id());
+        let _ = set_error(conn, row.id, msg);
+        self.retry_at
+            .lock()
+            .insert(row.id, Instant::now() + RETRY_AFTER);
+    }
+
+    /// Stop (if served here) and delete the row once the port is free.
+    fn stop(self: &Arc<Self>, id: i64) {
+        if !self.busy.lock().insert(id) {
+            return;
+        }
+        let f = self.running.lock().remove(&id);
+        let me = self.clone();
+        tokio::spawn(async move {
+            if let Some(f) = f {
+                f.stop().await;
+                tracing::info!("[watchdog] forward {} stopped", ID_OFFSET + id as u64);
+            }
+            match store::open(&me.state_dir) {
+                Ok(c) => {
+                    let _ = delete(&c, id);
+                }
+                Err(e) => tracing::warn!("[watchdog] forward {id}: {}", e.message),
+            }
+            me.retry_at.lock().remove(&id);
+            me.busy.lock().remove(&id);
+        });
+    }
+
+    pub async fn stop_all(&self) {
+        let all: Vec<Arc<Forward>> = std::mem::take(&mut *self.running.lock())
+            .into_values()
+            .collect();
+        for f in all {
+            f.stop().await;
+        }
+    }
+}
+
+/// Turn an id a user passed into a row id, when it names a detached forward.
+pub fn row_id(public: u64) -> Option<i64> {
+    public
+        .checked_sub(ID_OFFSET)
+        .filter(|n| *n > 0)
+        .and_then(|n| i64::try_from(n).ok())
+}
+
+/// The error for a detached forward that did not start, as the daemon recorded it.
+pub fn start_error(row: &Row) -> RsbError {
+    RsbError::invalid(
+        format!(
+            "the watchdog could not start forward {} to {}:{}: {}",
+            row.public_id(),
+            row.sandbox_name,
+            row.target,
+            row.error
+        ),
+        "fix what the message says and ask again; `rsb watchdog status` shows the daemon",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ports_round_trip() {
+        for p in [
+            LocalPort::Exact(8080),
+            LocalPort::Prefer(6006),
+            LocalPort::Any,
+        ] {
+            assert_eq!(decode_port(&encode_port(p)), p);
+        }
+        assert_eq!(decode_port("exact:99999"), LocalPort::Any);
+        assert_eq!(decode_port(""), LocalPort::Any);
+    }
+
+    #[test]
+    fn ids_never_collide_with_a_servers_own() {
+        assert_eq!(row_id(ID_OFFSET + 7), Some(7));
+        assert_eq!(row_id(7), None);
+        assert_eq!(row_id(ID_OFFSET), None);
+    }
+
+    #[test]
+    fn rows_live_in_the_store() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = store::open(dir.path()).unwrap();
+        let t = Target::Tcp {
+            host: "localhost".into(),
+            port: 8888,
+        };
+        let id = insert(
+            &c,
+            "gpu",
+            &t,
+            "127.0.0.1".parse().unwrap(),
+            LocalPort::Prefer(8888),
+        )
+        .unwrap();
+        let r = get(&c, id).unwrap().unwrap();
+        assert_eq!(
+            (r.state.as_str(), r.target.as_str()),
+            (STARTING, "localhost:8888")
+        );
+        set_error(&c, id, "boom").unwrap();
+        assert_eq!(get(&c, id).unwrap().unwrap().state, FAILED);
+        let id2 = insert(&c, "gpu", &t, "127.0.0.1".parse().unwrap(), LocalPort::Any).unwrap();
+        set_listening(&c, id2, "127.0.0.1:4000".parse().unwrap()).unwrap();
+        let r2 = get(&c, id2).unwrap().unwrap();
+        assert_eq!(r2.state, LISTENING);
+        // A listening row restarts on the port it had.
+        assert_eq!(request_of(&r2).unwrap().local_port, LocalPort::Exact(4000));
+        // A listening row that cannot restart keeps its state (it is retried).
+        set_error(&c, id2, "host down").unwrap();
+        assert_eq!(get(&c, id2).unwrap().unwrap().state, LISTENING);
+        assert!(request_stop(&c, id2).unwrap());
+        delete(&c, id2).unwrap();
+        assert!(!request_stop(&c, id2).unwrap());
+        assert_eq!(list(&c).unwrap().len(), 1);
+    }
+}
