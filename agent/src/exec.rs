@@ -1,21 +1,35 @@
 //! `exec`: run `bash -c CMD` to completion with a timeout the agent enforces itself.
 //!
 //! The command runs in its own process group so that a timeout or cancel can stop everything it
-//! started (`killpg`), not just bash. stdin is /dev/null so a command that reads input (`cat`)
-//! ends at once instead of hanging until its timeout. Output is kept within caps while being
-//! read, so a command printing gigabytes costs the agent no more memory than the caps.
+//! started (`killpg`), not just bash. stdin is /dev/null unless the caller asked to feed it, so a
+//! command that reads input (`cat`) from the MCP tool ends at once instead of hanging until its
+//! timeout. Output is kept within caps while being read, so a command printing gigabytes costs
+//! the agent no more memory than the caps.
+//!
+//! Input (`rsb exec` like `ssh host cmd`): with `stdin` the command's stdin is a pipe, written
+//! from the request's input frames with the pipe's own back-pressure, and each written piece is
+//! acknowledged so the caller's window reopens. With `tty` the command runs on a pseudo-terminal
+//! the agent allocates (a new session whose controlling terminal it is, like sshd does), input
+//! and output go through the master side, and a resize sets the terminal's window size (the
+//! kernel then sends SIGWINCH to the foreground job).
 
 use std::collections::VecDeque;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::process::ExitStatusExt;
+use std::pin::Pin;
 use std::process::{ExitStatus, Stdio};
+use std::rc::Rc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use rsb_protocol::{
-    AgentError, Captured, Chunk, ErrorCode, ExecRequest, ExecResult, MAX_CHUNK, MAX_FRAME,
+    AgentError, Captured, Chunk, ErrorCode, ExecInput, ExecRequest, ExecResult, MAX_CHUNK,
+    MAX_FRAME, TtySize,
 };
-use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::process::Child;
+use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -246,11 +260,175 @@ fn check_env(env: &[(String, String)]) -> Result<(), AgentError> {
     Ok(())
 }
 
-/// Run one exec request. `stream` is given when the caller asked for live output.
+/// The master side of a pseudo-terminal, non-blocking and registered with the runtime; shared
+/// by the output reader and the input writer.
+struct Pty(Rc<AsyncFd<OwnedFd>>);
+
+impl Pty {
+    /// A new terminal of `size`; returns the master and the opened slave.
+    fn open(size: TtySize) -> std::io::Result<(Pty, OwnedFd)> {
+        use rustix::pty::{OpenptFlags, grantpt, openpt, ptsname, unlockpt};
+        let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC)?;
+        grantpt(&master)?;
+        unlockpt(&master)?;
+        let name = ptsname(&master, Vec::new())?;
+        let slave = rustix::fs::open(
+            name.as_c_str(),
+            rustix::fs::OFlags::RDWR | rustix::fs::OFlags::NOCTTY | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )?;
+        set_winsize(master.as_fd(), size);
+        set_nonblocking(master.as_fd());
+        // SAFETY: `master` is an open descriptor owned by the AsyncFd from here on; OwnedFd
+        // always reports the same descriptor and closes it only when the AsyncFd drops it.
+        let registered = unsafe { AsyncFd::register(master) }?;
+        Ok((Pty(Rc::new(registered)), slave))
+    }
+}
+
+fn set_winsize(fd: BorrowedFd<'_>, size: TtySize) {
+    let ws = rustix::termios::Winsize {
+        ws_row: size.rows,
+        ws_col: size.cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
+    let _ = rustix::termios::tcsetwinsize(fd, ws);
+}
+
+impl AsFd for Pty {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.get_ref().as_fd()
+    }
+}
+
+impl AsyncRead for Pty {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        loop {
+            let mut guard = std::task::ready!(self.0.poll_read_ready(cx))?;
+            let unfilled = buf.initialize_unfilled();
+            match guard.try_io(|fd| Ok(rustix::io::read(fd.get_ref(), &mut *unfilled)?)) {
+                Ok(Ok(n)) => {
+                    buf.advance(n);
+                    return Poll::Ready(Ok(()));
+                }
+                // EIO: every slave descriptor is closed, which is the terminal's end of file.
+                Ok(Err(e)) if e.raw_os_error() == Some(rustix::io::Errno::IO.raw_os_error()) => {
+                    return Poll::Ready(Ok(()));
+                }
+                Ok(Err(e)) => return Poll::Ready(Err(e)),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+}
+
+impl Pty {
+    async fn write_all(&self, mut data: &[u8]) -> std::io::Result<()> {
+        while !data.is_empty() {
+            let mut guard = self.0.writable().await?;
+            match guard.try_io(|fd| Ok(rustix::io::write(fd.get_ref(), data)?)) {
+                Ok(Ok(n)) => data = &data[n..],
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => {}
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Where input frames go.
+enum Sink {
+    Pipe(Option<tokio::process::ChildStdin>),
+    Pty(Pty),
+}
+
+/// Feed input frames to the command until it ends. Every data frame is acknowledged, also when
+/// it could not be written (the command closed its stdin), so the caller never stalls on a
+/// window that cannot reopen.
+async fn feed_input(
+    mut input: UnboundedReceiver<ExecInput>,
+    mut sink: Sink,
+    stream: Option<&Responder>,
+    done: &CancellationToken,
+) {
+    loop {
+        let next = tokio::select! {
+            m = input.recv() => m,
+            _ = done.cancelled() => return,
+        };
+        let Some(msg) = next else { return };
+        match msg {
+            ExecInput::Data(data) => {
+                let written = async {
+                    match &mut sink {
+                        Sink::Pipe(Some(pipe)) => {
+                            if pipe.write_all(&data).await.is_err() {
+                                // EPIPE: the command will read no more; later data is dropped.
+                                sink = Sink::Pipe(None);
+                            }
+                        }
+                        Sink::Pipe(None) => {}
+                        Sink::Pty(pty) => {
+                            let _ = pty.write_all(&data).await;
+                        }
+                    }
+                };
+                tokio::select! {
+                    () = written => {}
+                    _ = done.cancelled() => return,
+                }
+                if let Some(s) = stream
+                    && s.chunk(Chunk::InputConsumed(data.len() as u64))
+                        .await
+                        .is_err()
+                {
+                    return;
+                }
+            }
+            ExecInput::Eof => match &mut sink {
+                Sink::Pipe(pipe) => *pipe = None,
+                // A terminal has no end of file of its own: its EOF character ends a read.
+                Sink::Pty(pty) => {
+                    let _ = pty.write_all(&[4]).await;
+                }
+            },
+            ExecInput::Resize(size) => {
+                if let Sink::Pty(pty) = &sink {
+                    set_winsize(pty.as_fd(), size);
+                }
+            }
+        }
+    }
+}
+
+/// Make the child a session leader with the terminal on its stdin as controlling terminal
+/// (what a login via sshd gets), so job control and ^C work inside it.
+fn controlling_terminal(cmd: &mut std::process::Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: runs between fork and exec and makes only the setsid and ioctl system calls
+    // (issued directly by rustix), which are async-signal-safe; nothing is allocated.
+    unsafe {
+        cmd.pre_exec(|| {
+            rustix::process::setsid()?;
+            let stdin = BorrowedFd::borrow_raw(0);
+            rustix::process::ioctl_tiocsctty(stdin)?;
+            Ok(())
+        });
+    }
+}
+
+/// Run one exec request. `stream` is given when the caller asked for live output (always, when
+/// there is `input`: acknowledgements are chunks).
 pub async fn run(
     req: ExecRequest,
     cancel: &CancellationToken,
     stream: Option<&Responder>,
+    input: Option<UnboundedReceiver<ExecInput>>,
 ) -> Result<ExecResult, AgentError> {
     if req.command.contains('\0') {
         return Err(invalid("exec: the command contains a NUL byte"));
@@ -268,13 +446,39 @@ pub async fn run(
     })?;
 
     let mut cmd = tokio::process::Command::new(&bash);
-    cmd.arg("-c")
-        .arg(&req.command)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true);
-    proc::new_group(cmd.as_std_mut());
+    cmd.arg("-c").arg(&req.command).kill_on_drop(true);
+    let pty = match req.tty {
+        Some(size) => {
+            let (pty, slave) = Pty::open(size).map_err(|e| {
+                AgentError::new(
+                    ErrorCode::Io,
+                    format!("exec: cannot allocate a pseudo-terminal: {e}"),
+                )
+            })?;
+            let dup = |fd: &OwnedFd| {
+                fd.try_clone().map_err(|e| {
+                    AgentError::new(ErrorCode::Io, format!("exec: pseudo-terminal: {e}"))
+                })
+            };
+            cmd.stdin(Stdio::from(dup(&slave)?))
+                .stdout(Stdio::from(dup(&slave)?))
+                .stderr(Stdio::from(slave));
+            // setsid makes the new process group; `new_group` would make setsid fail.
+            controlling_terminal(cmd.as_std_mut());
+            Some(pty)
+        }
+        None => {
+            cmd.stdin(if req.stdin {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+            proc::new_group(cmd.as_std_mut());
+            None
+        }
+    };
     if let Some(cwd) = &req.cwd {
         let dir = expand_home(cwd);
         let checked = dir.clone();
@@ -301,22 +505,43 @@ pub async fn run(
         };
         err
     })?;
+    // The parent's copies of the slave went with `cmd`'s stdio; drop it now so the master sees
+    // EIO once the command and its children have closed the terminal.
+    drop(cmd);
     let Some(group) = child.id().and_then(Group::new) else {
         return Err(AgentError::new(
             ErrorCode::Internal,
             "exec: the child exited before it could be tracked",
         ));
     };
+    // Known to the reaper until this request ends, so a SIGKILLed agent leaves no orphans.
+    let _registered = crate::reaper::register(group);
     // Dropped mid-flight (the agent shutting down with the request running): kill the group.
     let mut guard = KillOnDrop::new(group);
-    let stdout = child.stdout.take();
-    let stderr = child.stderr.take();
     let done = CancellationToken::new();
+    let (stdout, stderr, sink) = match pty {
+        Some(pty) => {
+            let writer = Pty(pty.0.clone());
+            (Output::Pty(pty), None, Sink::Pty(writer))
+        }
+        None => (
+            child.stdout.take().map_or(Output::None, Output::Pipe),
+            child.stderr.take(),
+            Sink::Pipe(child.stdin.take()),
+        ),
+    };
+    let feeding = async {
+        match input {
+            Some(input) => feed_input(input, sink, stream, &done).await,
+            None => drop(sink),
+        }
+    };
 
-    let ((status, ending, ran), out, err) = tokio::join!(
+    let ((status, ending, ran), out, err, ()) = tokio::join!(
         supervise(&mut child, group, &req, cancel, &done),
-        read_pipe(stdout, req.max_stdout, stream, Chunk::Stdout, &done),
+        read_output(stdout, req.max_stdout, stream, &done),
         read_pipe(stderr, req.max_stderr, stream, Chunk::Stderr, &done),
+        feeding,
     );
     // Finished on its own terms: anything still running was started in the background on
     // purpose (`server &`) and is left alone.
@@ -332,6 +557,35 @@ pub async fn run(
         stdout: out,
         stderr: err,
     })
+}
+
+/// The command's stdout: a pipe, or the terminal's master side.
+enum Output {
+    None,
+    Pipe(tokio::process::ChildStdout),
+    Pty(Pty),
+}
+
+async fn read_output(
+    out: Output,
+    cap: u64,
+    stream: Option<&Responder>,
+    done: &CancellationToken,
+) -> Captured {
+    match out {
+        Output::None => {
+            read_pipe(
+                None::<tokio::process::ChildStdout>,
+                cap,
+                stream,
+                Chunk::Stdout,
+                done,
+            )
+            .await
+        }
+        Output::Pipe(p) => read_pipe(Some(p), cap, stream, Chunk::Stdout, done).await,
+        Output::Pty(p) => read_pipe(Some(p), cap, stream, Chunk::Stdout, done).await,
+    }
 }
 
 #[cfg(test)]

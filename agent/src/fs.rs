@@ -220,32 +220,39 @@ pub fn list_dir(
     })
 }
 
+/// Open a file for reading only if it is a regular file: the one way the agent opens a file a
+/// caller named (`read_file`, a job's `log_file`).
+///
+/// O_NONBLOCK makes opening a FIFO with no writer return at once instead of pinning a thread
+/// until someone writes; the fstat on the opened descriptor (not a second lookup of the path)
+/// then refuses FIFOs, devices (`/dev/zero` would read forever or as empty) and sockets. The
+/// flag has no effect on reads of a regular file. Errors are `IsADirectory` or `InvalidInput`
+/// with a message that names the kind, so `AgentError::from_io` yields one clear line.
+pub fn open_regular(path: &Path) -> std::io::Result<(File, Metadata)> {
+    let file = File::options()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let meta = file.metadata()?;
+    let ft = meta.file_type();
+    if ft.is_dir() {
+        return Err(std::io::Error::from(std::io::ErrorKind::IsADirectory));
+    }
+    if !ft.is_file() {
+        let kind = format!("{:?}", kind_of(ft)).to_lowercase();
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("not a regular file ({kind}); refusing to read it"),
+        ));
+    }
+    Ok((file, meta))
+}
+
 pub fn read_file(req: &ReadFileRequest) -> Result<ReadFileResult, AgentError> {
     let path = expand_home(&req.path);
     let shown = path_string(&path);
     let io_err = |e: std::io::Error| AgentError::from_io(&e, "read_file", &shown);
-    // O_NONBLOCK so that opening a FIFO with no writer returns at once instead of hanging the
-    // request; the fstat below then refuses it. It has no effect on regular files.
-    let mut file = File::options()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(&path)
-        .map_err(io_err)?;
-    let meta = file.metadata().map_err(io_err)?;
-    let ft = meta.file_type();
-    if ft.is_dir() {
-        return Err(AgentError::new(
-            ErrorCode::IsADirectory,
-            format!("read_file {shown}: is a directory"),
-        ));
-    }
-    if !ft.is_file() {
-        let kind = format!("{:?}", kind_of(ft)).to_lowercase();
-        return Err(AgentError::new(
-            ErrorCode::InvalidArgument,
-            format!("read_file {shown}: not a regular file ({kind}); refusing to read it"),
-        ));
-    }
+    let (mut file, meta) = open_regular(&path).map_err(io_err)?;
     let size = meta.len();
     let max = req.max_bytes.min(MAX_READ);
     file.seek(SeekFrom::Start(req.offset)).map_err(io_err)?;

@@ -3,7 +3,7 @@
 
 use std::process::ExitCode;
 
-use rsb_agent::{hello, jobs, resources, serve, util};
+use rsb_agent::{hello, jobs, reaper, resources, serve, util};
 
 fn usage() -> &'static str {
     "usage: rsb-agent <command>\n\
@@ -14,7 +14,8 @@ fn usage() -> &'static str {
      \x20 resources [--json]    print CPU, memory, disk and GPU load of this host\n\
      \x20 jobs [--json]         list background jobs started by rsb on this host\n\
      \x20 hash FILE...          print the blake3 of files\n\
-     \x20 job-run ...           (internal) supervise one background job\n"
+     \x20 job-run ...           (internal) supervise one background job\n\
+     \x20 reaper                (internal) stop a dead agent's commands\n"
 }
 
 fn main() -> ExitCode {
@@ -30,6 +31,7 @@ fn main() -> ExitCode {
         "resources" => resources::cli_main(rest),
         "jobs" => jobs::cli_main(rest),
         "job-run" => jobs::job_run_main(rest),
+        "reaper" => reaper::main(),
         "hash" => util::hash_cli(rest),
         "help" | "--help" | "-h" => match util::write_stdout(usage()) {
             Ok(()) => 0,

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use rsb_protocol::{
     AgentError, ApplyAbortRequest, ApplyCloseRequest, ApplyOpenRequest, ApplyRequest,
-    BlockHashesRequest, Call, Chunk, ErrorCode, ExecRequest, FromAgent, JobKillRequest,
+    BlockHashesRequest, Call, Chunk, ErrorCode, ExecInput, ExecRequest, FromAgent, JobKillRequest,
     JobListRequest, JobStartRequest, JobStatusRequest, ListDirRequest, ManifestRequest,
     PingRequest, ReadFileRequest, Reply, Request, RequestId, ResourcesRequest, StatRequest,
     ToAgent, decode, encode, frame_codec,
@@ -27,7 +27,7 @@ use tokio::task::JoinSet;
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
-use crate::{exec, fs, hello, jobs, resources, sync};
+use crate::{exec, fs, hello, jobs, reaper, resources, stale, sync};
 
 /// Frames up to this size take the control lane.
 const SMALL_FRAME: usize = 64 * 1024;
@@ -150,7 +150,16 @@ impl Drop for Responder {
 }
 
 /// Cancellation handles of in-flight requests, by id.
-type Inflight = Arc<Mutex<HashMap<RequestId, CancellationToken>>>;
+type Inflight = Arc<Mutex<HashMap<RequestId, Running>>>;
+
+/// What the reader needs to reach a running request: its cancel token and, for an exec that
+/// takes input, where its input frames go. The input queue is unbounded on purpose: the reader
+/// must never wait on one command, and the sender's window ([`rsb_protocol::INPUT_WINDOW`])
+/// bounds what can be queued.
+struct Running {
+    cancel: CancellationToken,
+    input: Option<mpsc::UnboundedSender<ExecInput>>,
+}
 
 /// Removes a request from the in-flight map however its task ends.
 struct InflightGuard {
@@ -207,17 +216,23 @@ async fn handle(
     cancel: CancellationToken,
     shared: Arc<Shared>,
     mut responder: Responder,
+    input: Option<mpsc::UnboundedReceiver<ExecInput>>,
 ) {
     // Each answer is wrapped by its request type's `Call` impl, so no arm can answer with
     // another request's reply.
     let result = match body {
-        Request::Ping(req) => Ok(PingRequest::into_reply(req.payload)),
+        Request::Ping(req) => {
+            stale::saw_ping();
+            Ok(PingRequest::into_reply(req.payload))
+        }
         Request::Exec(req) => {
-            if req.stream {
+            // Input is acknowledged by chunks, so an exec that takes input streams.
+            let streaming = req.stream || input.is_some();
+            if streaming {
                 responder.set_streaming();
             }
-            let stream = req.stream.then_some(&responder);
-            exec::run(req, &cancel, stream)
+            let stream = streaming.then_some(&responder);
+            exec::run(req, &cancel, stream, input)
                 .await
                 .map(ExecRequest::into_reply)
         }
@@ -296,6 +311,7 @@ async fn write_frames<W: AsyncWrite + Unpin>(
         // second bulk frame leave its queue ahead of a control frame that arrives meanwhile.
         if is_bulk || (control.is_empty() && bulk.is_empty()) {
             SinkExt::<Bytes>::flush(&mut sink).await?;
+            stale::activity();
         }
     }
     SinkExt::<Bytes>::flush(&mut sink).await
@@ -306,6 +322,7 @@ enum End {
     Eof,
     Malformed,
     OutputClosed,
+    Stopped,
 }
 
 /// Serve one channel until stdin ends, a frame is malformed, or stdout goes away. Returns the
@@ -316,6 +333,22 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin + Send + 'static,
 {
+    run_until(input, output, hello, std::future::pending()).await
+}
+
+/// [`run`], also ending (the same orderly way: commands stopped, staging removed) when `stop`
+/// completes; the agent binary passes its termination signals here.
+pub async fn run_until<R, W>(
+    input: R,
+    output: W,
+    hello: rsb_protocol::Hello,
+    stop: impl Future<Output = ()>,
+) -> i32
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    tokio::pin!(stop);
     let (control_tx, control_rx) = mpsc::channel(CONTROL_LANE);
     let (bulk_tx, bulk_rx) = mpsc::channel(BULK_LANE);
     let outbox = Outbox {
@@ -360,6 +393,7 @@ where
     let end = loop {
         tokio::select! {
             frame = reader.next() => {
+                stale::activity();
                 let buf = match frame {
                     None => break End::Eof,
                     Some(Ok(buf)) => buf,
@@ -374,20 +408,41 @@ where
                         break End::Malformed;
                     }
                     Ok(ToAgent::Cancel { id }) => {
-                        let token = inflight.lock().ok().and_then(|m| m.get(&id).cloned());
+                        let token = inflight
+                            .lock()
+                            .ok()
+                            .and_then(|m| m.get(&id).map(|r| r.cancel.clone()));
                         // An unknown id is a request that just finished; its reply is on the way.
                         if let Some(token) = token {
                             token.cancel();
                         }
                     }
+                    Ok(ToAgent::Input { id, input }) => {
+                        // Unknown id: the command just finished; its input has nowhere to go.
+                        if let Ok(m) = inflight.lock()
+                            && let Some(tx) = m.get(&id).and_then(|r| r.input.as_ref())
+                        {
+                            let _ = tx.send(input);
+                        }
+                    }
                     Ok(ToAgent::Request { id, body }) => {
                         let responder = Responder::new(id, outbox.clone());
                         let token = shutdown.child_token();
+                        let (input_tx, input_rx) = match &body {
+                            Request::Exec(r) if r.stdin || r.tty.is_some() => {
+                                let (tx, rx) = mpsc::unbounded_channel();
+                                (Some(tx), Some(rx))
+                            }
+                            _ => (None, None),
+                        };
                         let fresh = match inflight.lock() {
                             Ok(mut m) => match m.entry(id) {
                                 Entry::Occupied(_) => false,
                                 Entry::Vacant(v) => {
-                                    v.insert(token.clone());
+                                    v.insert(Running {
+                                        cancel: token.clone(),
+                                        input: input_tx,
+                                    });
                                     true
                                 }
                             },
@@ -405,12 +460,13 @@ where
                         let shared = shared.clone();
                         tasks.spawn_local(async move {
                             let _guard = guard;
-                            handle(body, token, shared, responder).await;
+                            handle(body, token, shared, responder, input_rx).await;
                         });
                     }
                 }
             }
             _ = output_closed.cancelled() => break End::OutputClosed,
+            () = &mut stop => break End::Stopped,
             Some(res) = tasks.join_next(), if !tasks.is_empty() => {
                 if let Err(e) = res {
                     eprintln!("rsb-agent: a request task failed: {e}");
@@ -432,9 +488,30 @@ where
     drop(outbox);
     let _ = writer.await;
     match end {
-        End::Eof | End::OutputClosed => 0,
+        End::Eof | End::OutputClosed | End::Stopped => 0,
         End::Malformed => EXIT_BROKEN_CHANNEL,
     }
+}
+
+/// Completes on SIGTERM, SIGHUP or SIGINT: the agent then stops its commands and exits like at
+/// channel EOF, instead of dying and leaving them to init. A handler that cannot be installed
+/// just never fires (the default action stays, and the reaper still covers the commands).
+async fn termination() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut streams: Vec<_> = [
+        SignalKind::terminate(),
+        SignalKind::hangup(),
+        SignalKind::interrupt(),
+    ]
+    .into_iter()
+    .filter_map(|k| signal(k).ok())
+    .collect();
+    if streams.is_empty() {
+        return std::future::pending().await;
+    }
+    let waits = streams.iter_mut().map(|s| Box::pin(s.recv()));
+    // Nothing is printed: after a hangup stderr may lead nowhere.
+    let _ = futures::future::select_all(waits).await;
 }
 
 /// `rsb-agent serve`.
@@ -451,9 +528,27 @@ pub fn main() -> i32 {
             return 1;
         }
     };
+    reaper::enable();
+    // Agents of this user left behind by a cut link are stopped; off the runtime, so the Hello
+    // is not delayed by their grace period.
+    let _ = std::thread::Builder::new()
+        .name("rsb-stale".into())
+        .spawn(stale::stop_stale);
+    let record = stale::Record::create();
     // A LocalSet lets request futures (exec, resources, jobs) be !Send on this single thread.
     let local = tokio::task::LocalSet::new();
-    let code = local.block_on(&rt, run(tokio::io::stdin(), tokio::io::stdout(), hello));
+    if let Some(mut record) = record {
+        local.spawn_local(async move {
+            loop {
+                tokio::time::sleep(stale::TOUCH_EVERY).await;
+                record.tick();
+            }
+        });
+    }
+    let code = local.block_on(&rt, async {
+        let stop = termination();
+        run_until(tokio::io::stdin(), tokio::io::stdout(), hello, stop).await
+    });
     // The stdin reader thread may still sit in a blocking read (stdout closed first); do not
     // wait for it.
     rt.shutdown_timeout(SHUTDOWN_GRACE);

@@ -1194,3 +1194,281 @@ fn output_read_before_the_drain_deadline_is_still_streamed() {
     drop(stdin);
     let _ = child.wait();
 }
+
+/// Starts `echo $$; sleep 1000` (a command bash must fork for) and returns its process group.
+fn start_long_exec(agent: &mut Agent) -> (u64, i32) {
+    let mut req = exec_req("echo $$; sleep 1000; :");
+    req.stream = true;
+    req.timeout_ms = 0;
+    let id = agent.request(Request::Exec(req));
+    let Chunk::Stdout(first) = agent.wait_chunk(id, PATIENCE) else {
+        panic!("expected stdout")
+    };
+    (
+        id,
+        String::from_utf8(first).unwrap().trim().parse().unwrap(),
+    )
+}
+
+fn wait_group_gone(pgid: i32, within: Duration) {
+    let deadline = Instant::now() + within;
+    while !group_gone(pgid) {
+        if Instant::now() >= deadline {
+            // SAFETY: cleanup of the test's own command group.
+            unsafe { libc::kill(-pgid, libc::SIGKILL) };
+            panic!("process group {pgid} outlived the agent by {within:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_sigkilled_agent_leaves_no_orphans() {
+    let mut agent = Agent::start();
+    let (_, pgid) = start_long_exec(&mut agent);
+    // A command that finished on its own left a background process on purpose: not an orphan.
+    let done = agent.exec(exec_req("sleep 1000 >/dev/null 2>&1 & echo $!"));
+    let bg: i32 = text(&done.stdout).trim().parse().unwrap();
+    agent.child.kill().unwrap();
+    agent.child.wait().unwrap();
+    wait_group_gone(pgid, Duration::from_secs(5));
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: probing and then killing the test's own background sleep.
+    let alive = unsafe { libc::kill(bg, 0) } == 0;
+    unsafe { libc::kill(bg, libc::SIGKILL) };
+    assert!(alive, "a finished command's background process was killed");
+}
+
+#[test]
+fn sigterm_and_sighup_stop_running_commands_and_exit() {
+    for sig in [libc::SIGTERM, libc::SIGHUP] {
+        let mut agent = Agent::start();
+        let (id, pgid) = start_long_exec(&mut agent);
+        // SAFETY: signalling our own child.
+        assert_eq!(unsafe { libc::kill(agent.child.id() as i32, sig) }, 0);
+        let (_, reply) = agent.wait_reply(id, Duration::from_secs(5));
+        assert!(
+            matches!(reply, Reply::Exec(ref r) if r.cancelled),
+            "{reply:?}"
+        );
+        let st = agent.wait_exit(Duration::from_secs(5));
+        assert!(st.success(), "signal {sig}: {st:?}");
+        wait_group_gone(pgid, Duration::from_secs(1));
+    }
+}
+
+fn stdout_of(chunks: &[Chunk]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for c in chunks {
+        if let Chunk::Stdout(b) = c {
+            out.extend_from_slice(b);
+        }
+    }
+    out
+}
+
+fn input(agent: &mut Agent, id: u64, input: rsb_protocol::ExecInput) {
+    agent.send(&ToAgent::Input { id, input });
+}
+
+#[test]
+fn stdin_is_fed_from_input_frames_and_acknowledged() {
+    use rsb_protocol::ExecInput;
+    let mut agent = Agent::start();
+    let mut req = exec_req("wc -l");
+    req.stdin = true;
+    let id = agent.request(Request::Exec(req));
+    input(&mut agent, id, ExecInput::Data(b"a\nb\n".to_vec()));
+    input(&mut agent, id, ExecInput::Eof);
+    let (chunks, reply) = agent.wait_reply(id, PATIENCE);
+    let Reply::Exec(r) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(r.exit_code, Some(0));
+    assert_eq!(text(&r.stdout).trim(), "2");
+    let acked: u64 = chunks
+        .iter()
+        .map(|c| match c {
+            Chunk::InputConsumed(n) => *n,
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(acked, 4, "{chunks:?}");
+
+    // Several MiB within the window: the sender waits for acknowledgements, and every byte
+    // arrives. A command that never reads its stdin still ends and acknowledges what it dropped.
+    let mut req = exec_req("wc -c");
+    req.stdin = true;
+    let id = agent.request(Request::Exec(req));
+    let total: u64 = 6 << 20;
+    let piece = vec![b'x'; 64 * 1024];
+    let (mut sent, mut acked) = (0u64, 0u64);
+    let deadline = Instant::now() + PATIENCE;
+    while sent < total {
+        assert!(
+            Instant::now() < deadline,
+            "stalled at {sent} sent, {acked} acked"
+        );
+        if sent - acked + piece.len() as u64 <= rsb_protocol::INPUT_WINDOW {
+            input(&mut agent, id, ExecInput::Data(piece.clone()));
+            sent += piece.len() as u64;
+            continue;
+        }
+        match agent.recv(deadline) {
+            FromAgent::Chunk {
+                id: i,
+                chunk: Chunk::InputConsumed(n),
+            } if i == id => acked += n,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    input(&mut agent, id, ExecInput::Eof);
+    let (_, reply) = agent.wait_reply(id, PATIENCE);
+    let Reply::Exec(r) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(text(&r.stdout).trim(), total.to_string());
+
+    let mut req = exec_req("exit 0");
+    req.stdin = true;
+    let id = agent.request(Request::Exec(req));
+    for _ in 0..4 {
+        input(&mut agent, id, ExecInput::Data(piece.clone()));
+    }
+    let (_, reply) = agent.wait_reply(id, PATIENCE);
+    assert!(
+        matches!(reply, Reply::Exec(ref r) if r.exit_code == Some(0)),
+        "{reply:?}"
+    );
+    // Input for a finished request is dropped, and the channel carries on.
+    input(&mut agent, id, ExecInput::Data(b"late".to_vec()));
+    assert_eq!(
+        agent.call(Request::Ping(rsb_protocol::PingRequest {
+            payload: vec![7]
+        })),
+        Reply::Pong(vec![7])
+    );
+}
+
+#[test]
+fn a_tty_exec_runs_on_a_terminal_of_the_given_size_and_follows_resizes() {
+    use rsb_protocol::{ExecInput, TtySize};
+    let mut agent = Agent::start();
+    let mut req = exec_req("tty; stty size; read line; stty size; echo \"got $line\"; exit 3");
+    req.tty = Some(TtySize {
+        rows: 40,
+        cols: 100,
+    });
+    req.timeout_ms = 20_000;
+    let id = agent.request(Request::Exec(req));
+    // Wait until the first `stty size` ran, then resize and answer the `read`.
+    let mut seen = Vec::new();
+    let deadline = Instant::now() + PATIENCE;
+    while !String::from_utf8_lossy(&seen).contains("40 100") {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}",
+            String::from_utf8_lossy(&seen)
+        );
+        if let Chunk::Stdout(b) = agent.wait_chunk(id, PATIENCE) {
+            seen.extend_from_slice(&b);
+        }
+    }
+    input(
+        &mut agent,
+        id,
+        ExecInput::Resize(TtySize {
+            rows: 50,
+            cols: 132,
+        }),
+    );
+    input(&mut agent, id, ExecInput::Data(b"hello\r".to_vec()));
+    let (chunks, reply) = agent.wait_reply(id, PATIENCE);
+    seen.extend_from_slice(&stdout_of(&chunks));
+    let out = String::from_utf8_lossy(&seen).replace('\r', "");
+    let Reply::Exec(r) = reply else {
+        panic!("{reply:?}")
+    };
+    assert_eq!(r.exit_code, Some(3), "{out}");
+    assert!(out.starts_with("/dev/pts/"), "{out}");
+    assert!(out.contains("\n40 100\n"), "{out}");
+    assert!(out.contains("\n50 132\n"), "{out}");
+    assert!(out.contains("got hello"), "{out}");
+}
+
+/// Waits for the agent's stale-agent record in `runtime/rsb/agents` to say "heartbeat seen".
+fn wait_record(runtime: &Path, pid: u32) -> PathBuf {
+    let path = runtime.join("rsb/agents").join(pid.to_string());
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        if std::fs::read_to_string(&path).is_ok_and(|s| s.trim_end().ends_with(" 1")) {
+            return path;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no heartbeat record at {}",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn age(path: &Path, by: Duration) {
+    let f = std::fs::File::options().append(true).open(path).unwrap();
+    f.set_modified(std::time::SystemTime::now() - by).unwrap();
+}
+
+#[test]
+fn the_next_agent_stops_a_stale_one_but_not_a_quiet_one_without_heartbeats() {
+    let runtime = tempfile::tempdir().unwrap();
+    let start = |rt: &Path| {
+        Agent::start_with(
+            Command::new(agent_bin())
+                .arg("serve")
+                .env("XDG_RUNTIME_DIR", rt),
+        )
+    };
+    // A quiet agent whose client never heartbeats is never judged (it may be idle for hours).
+    let mut quiet = start(runtime.path());
+    let quiet_record = runtime
+        .path()
+        .join("rsb/agents")
+        .join(quiet.child.id().to_string());
+    let deadline = Instant::now() + PATIENCE;
+    while !quiet_record.exists() {
+        assert!(Instant::now() < deadline, "no record");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // A heartbeating agent that then went quiet (its link cut) with a command running.
+    let mut stale = start(runtime.path());
+    for _ in 0..3 {
+        assert_eq!(
+            stale.call(Request::Ping(rsb_protocol::PingRequest { payload: vec![] })),
+            Reply::Pong(vec![])
+        );
+    }
+    let (_, pgid) = start_long_exec(&mut stale);
+    let record = wait_record(runtime.path(), stale.child.id());
+    age(&record, Duration::from_secs(600));
+    age(&quiet_record, Duration::from_secs(600));
+
+    let mut next = start(runtime.path());
+    let st = stale.wait_exit(Duration::from_secs(10));
+    assert!(st.code().is_some() || std::os::unix::process::ExitStatusExt::signal(&st).is_some());
+    wait_group_gone(pgid, Duration::from_secs(5));
+    assert!(!record.exists(), "the stale record was left behind");
+    // The quiet one and the new one still serve.
+    assert_eq!(
+        quiet.call(Request::Ping(rsb_protocol::PingRequest {
+            payload: vec![1]
+        })),
+        Reply::Pong(vec![1])
+    );
+    assert_eq!(
+        next.call(Request::Ping(rsb_protocol::PingRequest {
+            payload: vec![2]
+        })),
+        Reply::Pong(vec![2])
+    );
+}

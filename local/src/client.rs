@@ -32,9 +32,9 @@ use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use parking_lot::Mutex;
 use rsb_protocol::{
-    ApplyAbortRequest, ApplyCloseRequest, ApplyOpenRequest, ApplyRequest, Call, Chunk, FromAgent,
-    Hello, MAGIC, PROTOCOL_VERSION, PingRequest, Reply, Request, ToAgent, decode, encode,
-    frame_codec,
+    ApplyAbortRequest, ApplyCloseRequest, ApplyOpenRequest, ApplyRequest, Call, Chunk, ExecInput,
+    ExecRequest, ExecResult, FromAgent, Hello, INPUT_WINDOW, MAGIC, PROTOCOL_VERSION, PingRequest,
+    Reply, Request, ToAgent, decode, encode, frame_codec,
 };
 use tokio::{
     io::{AsyncRead, AsyncWrite},
@@ -367,6 +367,98 @@ impl AgentClient {
             .call_inner(C::NAME, || req.into(), Some(chunks))
             .await?;
         C::from_reply(reply).map_err(|other| self.wrong_reply(C::NAME, &other))
+    }
+
+    /// Run an exec that reads input (`req.stdin` or `req.tty`): `input` feeds it ([`ExecInput`]
+    /// frames; its end sends `Eof`), output chunks go to `output` as they arrive. At most
+    /// [`INPUT_WINDOW`] bytes are in flight unacknowledged, so a command that stops reading
+    /// stops the sender (back-pressure up to the caller's reader) instead of filling the
+    /// agent's memory. Dropping the future cancels the command remotely.
+    pub async fn exec_with_input(
+        &self,
+        req: ExecRequest,
+        output: mpsc::Sender<Chunk>,
+        mut input: mpsc::Receiver<ExecInput>,
+    ) -> Result<ExecResult> {
+        let lost = |reason: &str| RsbError::connection_lost(&self.inner.sandbox, reason);
+        if !self.is_alive() {
+            let reason = self.inner.close_reason.lock().clone();
+            return Err(lost(reason.as_deref().unwrap_or("closed")));
+        }
+        let permit = self
+            .inner
+            .out
+            .reserve()
+            .await
+            .map_err(|_| lost("writer stopped"))?;
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = encode(&ToAgent::Request {
+            id,
+            body: req.into(),
+        })
+        .map_err(|e| RsbError::invalid(format!("exec request too large: {e}"), "send less"))?;
+        let (reply_tx, mut reply_rx) = oneshot::channel();
+        let (chunk_tx, mut chunks) = mpsc::channel(64);
+        self.inner.pending.lock().insert(
+            id,
+            Pending {
+                reply: reply_tx,
+                chunks: Some(chunk_tx),
+            },
+        );
+        let mut guard = CancelOnDrop {
+            inner: &self.inner,
+            id,
+            bulk: false,
+            armed: true,
+        };
+        permit.send(frame);
+        if self.inner.closed.load(Ordering::SeqCst)
+            && let Some(p) = self.inner.pending.lock().remove(&id)
+        {
+            let _ = p.reply.send(Err(lost("closed")));
+        }
+        let mut in_flight: u64 = 0;
+        let mut input_open = true;
+        let reply = loop {
+            tokio::select! {
+                r = &mut reply_rx => break r,
+                Some(c) = chunks.recv() => match c {
+                    Chunk::InputConsumed(n) => in_flight = in_flight.saturating_sub(n),
+                    other => {
+                        let _ = output.send(other).await;
+                    }
+                },
+                m = input.recv(), if input_open && in_flight < INPUT_WINDOW => {
+                    let msg = m.unwrap_or(ExecInput::Eof);
+                    if msg == ExecInput::Eof {
+                        input_open = false;
+                    }
+                    if let ExecInput::Data(d) = &msg {
+                        in_flight += d.len() as u64;
+                    }
+                    let Ok(frame) = encode(&ToAgent::Input { id, input: msg }) else {
+                        continue;
+                    };
+                    if self.inner.out.send(frame).await.is_err() {
+                        break Ok(Err(lost("writer stopped")));
+                    }
+                }
+            }
+        };
+        guard.armed = false;
+        // Chunks that preceded the reply are already queued here.
+        while let Ok(c) = chunks.try_recv() {
+            if !matches!(c, Chunk::InputConsumed(_)) {
+                let _ = output.send(c).await;
+            }
+        }
+        let reply = match reply {
+            Ok(Ok(Reply::Error(e))) => Err(RsbError::from_agent(e)),
+            Ok(r) => r,
+            Err(_) => Err(lost("reply dropped")),
+        }?;
+        ExecRequest::from_reply(reply).map_err(|other| self.wrong_reply("exec", &other))
     }
 
     fn wrong_reply(&self, what: &str, got: &Reply) -> RsbError {

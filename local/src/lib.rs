@@ -7,6 +7,7 @@ pub mod client;
 pub mod config;
 pub mod connect;
 pub mod error;
+pub mod exec_stream;
 pub mod forward;
 pub mod mcp;
 pub mod ops;

@@ -45,6 +45,14 @@ enum Cmd {
     },
     /// Run a command on a sandbox, like `ssh host cmd`; exits with its exit code.
     Exec(cli::exec::ExecArgs),
+    /// An interactive login shell on a sandbox (like `ssh HOST`); exits with the shell's code.
+    Shell {
+        /// The sandbox (default: -s, RSB_SANDBOX, or the first configured one).
+        sandbox: Option<String>,
+        /// Remote working directory (default the remote $HOME).
+        #[arg(long)]
+        cwd: Option<String>,
+    },
     /// List a remote directory.
     Ls {
         /// Remote path, relative to the remote $HOME (~ allowed).
@@ -266,6 +274,7 @@ async fn run(cli: Cli) -> u8 {
         | Cmd::Version => unreachable!(),
         Cmd::Sandboxes { resources } => cli::sandboxes::run(&ctx, resources).await,
         Cmd::Exec(a) => cli::exec::run(&ctx, a).await,
+        Cmd::Shell { sandbox, cwd } => cli::exec::shell(&ctx, sandbox, cwd).await,
         Cmd::Ls {
             path,
             recursive,

@@ -19,7 +19,41 @@ pub struct ExecRequest {
     pub max_stderr: u64,
     /// Also send output as [`crate::Chunk`]s while the command runs (for live CLI output).
     pub stream: bool,
+    /// The command's stdin is a pipe fed by [`crate::ToAgent::Input`] frames (like `ssh host
+    /// cmd`); otherwise it is /dev/null, so a command that reads input ends at once (the MCP
+    /// tool). Implies streaming: the agent acknowledges written input with
+    /// [`crate::Chunk::InputConsumed`].
+    pub stdin: bool,
+    /// Run on a pseudo-terminal of this size (`rsb exec -t`, `rsb shell`): stdin, stdout and
+    /// stderr are the terminal, output arrives as stdout chunks, and input frames feed it
+    /// whether or not `stdin` is set.
+    pub tty: Option<TtySize>,
 }
+
+/// A terminal's size in character cells.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TtySize {
+    pub rows: u16,
+    pub cols: u16,
+}
+
+/// What the caller feeds a running exec that asked for `stdin` or a `tty`.
+///
+/// Flow control: the caller keeps at most [`INPUT_WINDOW`] bytes sent but not yet acknowledged
+/// by [`crate::Chunk::InputConsumed`], so a command that does not read its input stops the
+/// sender instead of growing the agent's memory, and the channel stays free for other requests.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ExecInput {
+    /// Bytes for the command's stdin (or the terminal), at most [`crate::MAX_CHUNK`].
+    Data(#[serde(with = "serde_bytes")] Vec<u8>),
+    /// End of input: the command's stdin is closed (on a terminal: the EOF character is sent).
+    Eof,
+    /// The caller's terminal changed size (a terminal only; ignored otherwise).
+    Resize(TtySize),
+}
+
+/// Most input bytes in flight (sent, not yet acknowledged) per exec.
+pub const INPUT_WINDOW: u64 = 1 << 20;
 
 impl ExecRequest {
     pub fn new(command: impl Into<String>) -> Self {
@@ -32,6 +66,8 @@ impl ExecRequest {
             max_stdout: 1 << 20,
             max_stderr: 1 << 20,
             stream: false,
+            stdin: false,
+            tty: None,
         }
     }
 }

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 pub use codec::{CodecError, MAX_CHUNK, MAX_FRAME, decode, encode, frame_codec};
 pub use error::{AgentError, ErrorCode};
-pub use exec::{Captured, ExecRequest, ExecResult};
+pub use exec::{Captured, ExecInput, ExecRequest, ExecResult, INPUT_WINDOW, TtySize};
 pub use fs::{
     DirEntry, FileKind, FileStat, ListDirRequest, ListDirResult, ReadFileRequest, ReadFileResult,
     StatRequest,
@@ -42,7 +42,7 @@ pub use sync::{
 };
 
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Hash of this crate's sources at build time: catches an agent and an `rsb` built from
 /// different protocol sources even when nobody bumped [`PROTOCOL_VERSION`].
@@ -61,6 +61,9 @@ pub enum ToAgent {
     /// Stop the request with this id as soon as possible. The agent still sends its final
     /// reply (for exec: with `cancelled: true`) so the caller is never left waiting.
     Cancel { id: RequestId },
+    /// Input for a running exec that asked for it ([`ExecRequest::stdin`] or a tty); input for
+    /// an id that is not (or no longer) running is dropped.
+    Input { id: RequestId, input: ExecInput },
 }
 
 /// Frames sent by the agent.
@@ -276,4 +279,7 @@ pub enum Chunk {
     Stderr(#[serde(with = "serde_bytes")] Vec<u8>),
     /// A batch of manifest entries (a manifest can exceed one frame).
     Manifest(Vec<ManifestEntry>),
+    /// This many more bytes of [`ExecInput::Data`] were written to the command (or discarded
+    /// because it closed its stdin): the sender's window reopens by as much.
+    InputConsumed(u64),
 }

@@ -12,6 +12,8 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         max_stdout: 10,
         max_stderr: 20,
         stream: true,
+        stdin: true,
+        tty: Some(TtySize { rows: 24, cols: 80 }),
     };
     let requests = vec![
         Request::Ping(PingRequest {
@@ -118,6 +120,16 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         })
         .collect();
     to_agent.push(ToAgent::Cancel { id: u64::MAX });
+    for input in [
+        ExecInput::Data(b"in\xff".to_vec()),
+        ExecInput::Eof,
+        ExecInput::Resize(TtySize {
+            rows: 50,
+            cols: 132,
+        }),
+    ] {
+        to_agent.push(ToAgent::Input { id: 9, input });
+    }
 
     let job = JobInfo {
         name: "j".into(),
@@ -285,6 +297,10 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         id: 4,
         chunk: Chunk::Stderr(vec![0x80]),
     });
+    from_agent.push(FromAgent::Chunk {
+        id: 4,
+        chunk: Chunk::InputConsumed(65536),
+    });
     (to_agent, from_agent)
 }
 
@@ -295,7 +311,7 @@ fn every_message_round_trips() {
         .iter()
         .filter_map(|m| match m {
             ToAgent::Request { body, .. } => Some(body.kind()),
-            ToAgent::Cancel { .. } => None,
+            ToAgent::Cancel { .. } | ToAgent::Input { .. } => None,
         })
         .collect();
     assert_eq!(
@@ -361,6 +377,7 @@ fn every_strict_prefix_and_any_trailing_bytes_fail() {
         let name = match m {
             ToAgent::Request { body, .. } => body.kind(),
             ToAgent::Cancel { .. } => "cancel",
+            ToAgent::Input { .. } => "input",
         };
         assert_exact::<ToAgent>(name, &encode(m).unwrap());
     }
@@ -455,7 +472,7 @@ fn each_call_unwraps_only_its_own_reply() {
         .into_iter()
         .filter_map(|m| match m {
             ToAgent::Request { body, .. } => Some(body),
-            ToAgent::Cancel { .. } => None,
+            ToAgent::Cancel { .. } | ToAgent::Input { .. } => None,
         })
         .collect();
     let replies: Vec<Reply> = from

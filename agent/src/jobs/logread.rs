@@ -21,12 +21,11 @@ pub struct LogSlice {
 
 const BLOCK: u64 = 64 * 1024;
 
+/// Through [`crate::fs::open_regular`], like `read_file`: a `log_file` naming a FIFO must not
+/// hang the request, and a device (`/dev/zero`) is an error, not an empty log.
 fn open(path: &Path) -> std::io::Result<Option<(File, u64)>> {
-    match File::open(path) {
-        Ok(f) => {
-            let size = f.metadata()?.len();
-            Ok(Some((f, size)))
-        }
+    match crate::fs::open_regular(path) {
+        Ok((f, meta)) => Ok(Some((f, meta.len()))),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(e) => Err(e),
     }

@@ -884,3 +884,42 @@ fn timestamps_and_quoting() {
         .unwrap();
     assert_eq!(String::from_utf8(out.stdout).unwrap(), tricky);
 }
+
+#[test]
+fn log_file_that_is_not_a_regular_file_is_a_prompt_error() {
+    let f = Fixture::new();
+    let fifo = f.tmp.path().join("fifo");
+    let made = Command::new("mkfifo").arg(&fifo).status().unwrap();
+    assert!(made.success());
+    let read = |path: &Path, offset: Option<u64>| {
+        status_in(
+            &f.ctx,
+            &JobStatusRequest {
+                name: "nojob".into(),
+                log_file: Some(path.display().to_string()),
+                last_n_lines: 10,
+                offset,
+                max_bytes: 100,
+            },
+        )
+    };
+    for offset in [None, Some(0)] {
+        // A FIFO with no writer: opening it blocking would hang this thread forever.
+        let t = Instant::now();
+        let err = read(&fifo, offset).unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert_eq!(err.code, ErrorCode::InvalidArgument, "{err:?}");
+        assert!(err.message.contains("not a regular file (fifo)"), "{err}");
+        assert!(!err.message.contains('\n'), "{err}");
+        // A device reads as empty (/dev/null) or forever (/dev/zero): never a log.
+        for dev in ["/dev/zero", "/dev/null"] {
+            let err = read(Path::new(dev), offset).unwrap_err();
+            assert!(
+                err.message.contains(dev) && err.message.contains("not a regular file"),
+                "{err}"
+            );
+        }
+        let err = read(f.tmp.path(), offset).unwrap_err();
+        assert_eq!(err.code, ErrorCode::IsADirectory, "{err:?}");
+    }
+}

@@ -1,11 +1,10 @@
-//! `rsb exec`: a command on a sandbox, like `ssh host cmd`: output streamed as it comes, no
-//! timeout unless `--timeout` is given, and the remote exit code (or 128+signal) as rsb's.
-
-use std::io::Write;
+//! `rsb exec`: a command on a sandbox, like `ssh host cmd`: stdin forwarded, output streamed as
+//! it comes (on a pty with `-t`), no timeout unless `--timeout` is given, and the remote exit
+//! code (or 128+signal) as rsb's. `rsb shell`: the login shell on a pty.
 
 use clap::Args;
 use rsb::ops::exec;
-use rsb_protocol::{Chunk, ExecResult};
+use rsb_protocol::{ExecRequest, ExecResult};
 
 use super::{Ctx, exit, fail, print_json};
 
@@ -17,6 +16,9 @@ pub struct ExecArgs {
     /// Remote working directory (default the remote $HOME; ~ allowed).
     #[arg(long)]
     pub cwd: Option<String>,
+    /// Run on a pseudo-terminal (like `ssh -t`), sized like the local window.
+    #[arg(long, short = 't')]
+    pub tty: bool,
     /// One argument is a bash command line (`'make | tee log'`); several are words whose
     /// boundaries are kept (`-- printf '%s\n' "a b"`).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
@@ -40,11 +42,11 @@ pub fn exit_code(r: &ExecResult) -> u8 {
 pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
     let timeout_ms = a.timeout.unwrap_or(0).saturating_mul(1000);
     let command = super::command_line(&a.command);
-    let mut req =
-        match exec::build_request_ms(&command, a.cwd.as_deref(), timeout_ms, JSON_MAX_OUTPUT) {
-            Ok(r) => r,
-            Err(e) => return fail(ctx.json, &e),
-        };
+    let req = match exec::build_request_ms(&command, a.cwd.as_deref(), timeout_ms, JSON_MAX_OUTPUT)
+    {
+        Ok(r) => r,
+        Err(e) => return fail(ctx.json, &e),
+    };
     let client = match ctx.client().await {
         Ok(c) => c,
         Err(e) => return fail(ctx.json, &e),
@@ -58,43 +60,59 @@ pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
             Err(e) => fail(true, &e),
         };
     }
-    req.stream = true;
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Chunk>(64);
-    let printer = tokio::spawn(async move {
-        while let Some(c) = rx.recv().await {
-            match c {
-                Chunk::Stdout(b) => {
-                    let mut o = std::io::stdout().lock();
-                    let _ = o.write_all(&b);
-                    let _ = o.flush();
-                }
-                Chunk::Stderr(b) => {
-                    let mut o = std::io::stderr().lock();
-                    let _ = o.write_all(&b);
-                    let _ = o.flush();
-                }
-                Chunk::Manifest(_) => {}
-            }
-        }
-    });
-    let res = tokio::select! {
-        r = client.call_streaming(req, tx) => r,
-        _ = tokio::signal::ctrl_c() => {
-            eprintln!("\nrsb: interrupted; the remote command was stopped");
-            return exit::INTERRUPTED;
-        }
+    stream(&client, req, a.tty, a.timeout.unwrap_or(0)).await
+}
+
+/// `rsb shell [SANDBOX]`: the remote login shell on a pty, like `ssh HOST`.
+pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u8 {
+    // rsb's own string: the remote login shell, as a login shell (argv0 `-bash`).
+    let req = match exec::build_request_ms(
+        "exec -l \"${SHELL:-bash}\"",
+        cwd.as_deref(),
+        0,
+        JSON_MAX_OUTPUT,
+    ) {
+        Ok(r) => r,
+        Err(e) => return fail(false, &e),
     };
-    let _ = printer.await;
-    match res {
-        Ok(r) => {
+    let client = match sandbox {
+        Some(name) if !ctx.pool.names().contains(&name) => {
+            return fail(false, &super::unknown_sandbox(&ctx.pool, &name));
+        }
+        Some(name) => {
+            ctx.warnings_for(&[name.as_str()]);
+            ctx.pool.client(&name).await
+        }
+        None => ctx.client().await,
+    };
+    match client {
+        Ok(c) => stream(&c, req, true, 0).await,
+        Err(e) => fail(false, &e),
+    }
+}
+
+/// Local stdin forwarded, output written live (on a pty with `tty`), the remote code returned.
+async fn stream(
+    client: &rsb::client::AgentClient,
+    req: ExecRequest,
+    tty: bool,
+    timeout_s: u64,
+) -> u8 {
+    match rsb::exec_stream::run(client, req, tty).await {
+        Ok(Ok(r)) => {
             if r.timed_out {
-                eprintln!(
-                    "rsb: timed out after {}s; the remote process group was killed",
-                    a.timeout.unwrap_or(0)
-                );
+                eprintln!("rsb: timed out after {timeout_s}s; the remote process group was killed");
             }
             exit_code(&r)
         }
-        Err(e) => fail(false, &e),
+        Ok(Err(e)) => fail(false, &e),
+        Err(rsb::exec_stream::Interrupted::Signal(sig)) => {
+            eprintln!("\r\nrsb: interrupted; the remote command was stopped");
+            // SIGINT (^C) is the table's 130; others are 128+N, as a shell reports them.
+            match sig {
+                2 => exit::INTERRUPTED,
+                s => (128 + s).clamp(0, 255) as u8,
+            }
+        }
     }
 }

@@ -1,0 +1,180 @@
+//! No orphans when the agent dies outright: a small watcher process kills the process groups of
+//! the agent's unfinished exec commands once the agent is gone.
+//!
+//! An agent that ends normally (channel EOF, SIGTERM, SIGHUP) stops its commands itself (see
+//! `serve`). A SIGKILLed agent can do nothing, and `PR_SET_PDEATHSIG` reaches only the process
+//! it is set on (bash), not the pipeline bash forks. So the first exec starts
+//! `rsb-agent reaper`, the agent's own binary in a session of its own, whose stdin is a pipe
+//! from the agent: the agent writes `+PGID START` when a command's group starts and `-PGID`
+//! when it finished on its own terms (its background children are then left alone on purpose).
+//! The pipe's write end is close-on-exec and held only by the agent, so EOF on it means the
+//! agent is gone, however it died; the reaper then stops every group still registered
+//! (SIGTERM, a grace, SIGKILL) and exits. An agent that exits normally deregisters everything
+//! first, so its reaper finds nothing to do.
+//!
+//! Pid reuse: a group id stays reserved while any member lives, so a registered group that
+//! still has members is ours. Only a group that emptied and whose id was handed to a new
+//! leader could be a stranger; that new leader has another start time than the one recorded,
+//! and such a group is left alone.
+
+use std::collections::HashMap;
+use std::io::{BufRead, Write};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::proc::{self, Group, Signal, Stat};
+
+/// How long the groups get to act on SIGTERM before SIGKILL.
+const GRACE: Duration = Duration::from_secs(2);
+/// How long to wait for the groups to vanish after SIGKILL.
+const VERIFY: Duration = Duration::from_secs(2);
+const POLL: Duration = Duration::from_millis(20);
+
+struct Watcher {
+    child: Child,
+    stdin: ChildStdin,
+}
+
+/// `None` until the first registration, or for good when no watcher can be started (the agent
+/// then works as before, with only its own shutdown to stop its commands).
+static WATCHER: Mutex<Option<Watcher>> = Mutex::new(None);
+/// Set by `rsb-agent serve` only: the library is also run in-process by tests, where
+/// `/proc/self/exe` is the test binary, not an agent.
+static ENABLED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Turn the watcher on for this process (the real agent binary).
+pub fn enable() {
+    ENABLED.store(true, std::sync::atomic::Ordering::SeqCst);
+}
+
+fn start() -> std::io::Result<Watcher> {
+    let exe = std::env::current_exe()?;
+    let mut cmd = Command::new(exe);
+    cmd.arg("reaper")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    // Its own session: a hangup or a signal sent to the agent's process group or terminal
+    // does not take the watcher along with the agent.
+    proc::new_session(&mut cmd, None);
+    let mut child = proc::spawn(&mut cmd)?;
+    let stdin = child
+        .stdin
+        .take()
+        .ok_or_else(|| std::io::Error::other("no stdin pipe"))?;
+    Ok(Watcher { child, stdin })
+}
+
+fn send(line: &str) {
+    if !ENABLED.load(std::sync::atomic::Ordering::SeqCst) {
+        return;
+    }
+    let Ok(mut w) = WATCHER.lock() else { return };
+    if w.as_mut()
+        .is_some_and(|w| matches!(w.child.try_wait(), Ok(Some(_))))
+    {
+        // It died (killed by someone): start another for the groups registered from now on.
+        *w = None;
+    }
+    if w.is_none() {
+        match start() {
+            Ok(s) => *w = Some(s),
+            Err(e) => {
+                eprintln!("rsb-agent: cannot start the orphan reaper: {e}");
+                return;
+            }
+        }
+    }
+    // A line is far below PIPE_BUF and the reaper reads all the time, so this does not block
+    // the runtime in practice.
+    if let Some(watcher) = w.as_mut()
+        && watcher.stdin.write_all(line.as_bytes()).is_err()
+    {
+        *w = None;
+    }
+}
+
+/// A group registered with the watcher until [`Registration::release`] or drop.
+pub struct Registration {
+    group: Group,
+}
+
+/// Register a freshly started group whose leader is `group.id()`.
+pub fn register(group: Group) -> Registration {
+    let start = proc::start_ticks(group.id()).unwrap_or(0);
+    send(&format!("+{} {start}\n", group.id()));
+    Registration { group }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        send(&format!("-{}\n", self.group.id()));
+    }
+}
+
+/// `rsb-agent reaper`: read registrations until EOF, then stop what is still registered.
+pub fn main() -> i32 {
+    // The agent's death must not be mistaken for a reason to stop: only EOF decides.
+    let mut groups: HashMap<u32, u64> = HashMap::new();
+    let stdin = std::io::stdin();
+    for line in stdin.lock().lines() {
+        let Ok(line) = line else { break };
+        if let Some(rest) = line.strip_prefix('+') {
+            let mut f = rest.split_ascii_whitespace();
+            if let (Some(Ok(pgid)), Some(Ok(start))) =
+                (f.next().map(str::parse), f.next().map(str::parse))
+            {
+                groups.insert(pgid, start);
+            }
+        } else if let Some(Ok(pgid)) = line.strip_prefix('-').map(str::parse::<u32>) {
+            groups.remove(&pgid);
+        }
+    }
+    let ours: Vec<Group> = groups
+        .into_iter()
+        .filter(|&(pgid, start)| is_ours(pgid, start))
+        .filter_map(|(pgid, _)| Group::new(pgid))
+        .collect();
+    stop_all(&ours);
+    0
+}
+
+/// See the module notes on pid reuse.
+fn is_ours(pgid: u32, start: u64) -> bool {
+    match Stat::read(pgid) {
+        // The leader still runs (or is a zombie awaiting init): ours if it is the same process.
+        Some(s) => s.is_dead() || start == 0 || s.start_ticks == start,
+        // The leader is gone; members that remain keep the id reserved.
+        None => true,
+    }
+}
+
+fn stop_all(groups: &[Group]) {
+    if groups.is_empty() {
+        return;
+    }
+    for g in groups {
+        g.signal(Signal::TERM);
+        g.signal(Signal::CONT);
+    }
+    if wait_all_gone(groups, Instant::now() + GRACE) {
+        return;
+    }
+    for g in groups {
+        g.signal(Signal::KILL);
+    }
+    wait_all_gone(groups, Instant::now() + VERIFY);
+}
+
+fn wait_all_gone(groups: &[Group], deadline: Instant) -> bool {
+    loop {
+        if groups.iter().all(|g| !g.is_alive()) {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(POLL);
+    }
+}

@@ -1,0 +1,233 @@
+//! `rsb exec` and `rsb shell` the way `ssh host cmd` and `ssh -t host` behave: local stdin is
+//! streamed to the remote command (EOF included), output is written as it arrives, and with a
+//! terminal the remote side gets a pty of the local window's size, resized when it changes,
+//! while the local terminal is in raw mode (restored on every way out: return, error, panic,
+//! SIGTERM/SIGHUP).
+//!
+//! The pty is the agent's (see `agent/src/exec.rs`), not an SSH pty channel: the same request
+//! path then serves the `local` sandbox and ProxyJump hosts, the command's process group is
+//! stopped and reaped by the agent like any exec (timeout, cancel, orphan reaper), and no
+//! second kind of channel needs its own liveness handling.
+
+use std::io::{IsTerminal, Read, Write};
+use std::os::fd::AsFd;
+
+use rsb_protocol::{Chunk, ExecInput, ExecRequest, ExecResult, TtySize};
+use tokio::sync::mpsc;
+
+use crate::{client::AgentClient, error::Result};
+
+/// Read size for local stdin; well under a frame.
+const READ_PIECE: usize = 64 * 1024;
+
+/// The exit status `ssh` would give: the remote code, 128+signal, 124 for rsb's own timeout,
+/// 255 when nothing is known.
+pub fn exit_code(r: &ExecResult) -> u8 {
+    if r.timed_out {
+        return 124;
+    }
+    match (r.exit_code, r.signal) {
+        (Some(c), _) => c.clamp(0, 255) as u8,
+        (None, Some(s)) => (128 + s).clamp(0, 255) as u8,
+        _ => 255,
+    }
+}
+
+/// Local stdin, read on a plain thread (a blocked read must not keep the runtime from
+/// shutting down when the remote command ends first), sent as input frames; its end is `Eof`.
+fn spawn_stdin_reader() -> mpsc::Receiver<ExecInput> {
+    let (tx, rx) = mpsc::channel(4);
+    let spawned = std::thread::Builder::new()
+        .name("rsb-stdin".into())
+        .spawn(move || {
+            let mut stdin = std::io::stdin().lock();
+            let mut buf = vec![0u8; READ_PIECE];
+            loop {
+                match stdin.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => {
+                        if tx
+                            .blocking_send(ExecInput::Data(buf[..n].to_vec()))
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(_) => break,
+                }
+            }
+            let _ = tx.blocking_send(ExecInput::Eof);
+        });
+    if spawned.is_err() {
+        // No reader: the command sees an empty stdin rather than waiting for one.
+        let (tx, rx) = mpsc::channel(1);
+        let _ = tx.try_send(ExecInput::Eof);
+        return rx;
+    }
+    rx
+}
+
+/// The local terminal's size (from stdout, else stdin), if either is a terminal.
+pub fn local_size() -> Option<TtySize> {
+    let get = |fd: std::os::fd::BorrowedFd<'_>| {
+        rustix::termios::tcgetwinsize(fd)
+            .ok()
+            .filter(|w| w.ws_row > 0 && w.ws_col > 0)
+            .map(|w| TtySize {
+                rows: w.ws_row,
+                cols: w.ws_col,
+            })
+    };
+    get(std::io::stdout().as_fd()).or_else(|| get(std::io::stdin().as_fd()))
+}
+
+/// Raw mode on local stdin while alive; the saved settings come back on drop (also while
+/// unwinding from a panic).
+struct RawMode {
+    saved: rustix::termios::Termios,
+}
+
+impl RawMode {
+    fn enter() -> Option<RawMode> {
+        use rustix::termios::{OptionalActions, tcgetattr, tcsetattr};
+        let stdin = std::io::stdin();
+        if !stdin.is_terminal() {
+            return None;
+        }
+        let saved = tcgetattr(stdin.as_fd()).ok()?;
+        let mut raw = saved.clone();
+        raw.make_raw();
+        tcsetattr(stdin.as_fd(), OptionalActions::Flush, &raw).ok()?;
+        Some(RawMode { saved })
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        use rustix::termios::{OptionalActions, tcsetattr};
+        let _ = tcsetattr(std::io::stdin().as_fd(), OptionalActions::Now, &self.saved);
+    }
+}
+
+/// Why a streamed exec ended without a remote result.
+pub enum Interrupted {
+    /// ^C (without a terminal) or SIGTERM/SIGHUP: the remote command was cancelled.
+    Signal(i32),
+}
+
+/// Run `req` with local stdin forwarded and output written live. With `tty`, the command gets
+/// a pty sized like the local terminal (24x80 when there is none) and `TERM` is passed on.
+pub async fn run(
+    client: &AgentClient,
+    mut req: ExecRequest,
+    tty: bool,
+) -> std::result::Result<Result<ExecResult>, Interrupted> {
+    req.stream = true;
+    req.stdin = true;
+    // Output is written as it streams; the reply need not carry it again.
+    req.max_stdout = 0;
+    req.max_stderr = 0;
+    if tty {
+        req.tty = Some(local_size().unwrap_or(TtySize { rows: 24, cols: 80 }));
+        if let Ok(term) = std::env::var("TERM") {
+            req.env.push(("TERM".into(), term));
+        }
+    }
+    let stdin = spawn_stdin_reader();
+    let (input_tx, input_rx) = mpsc::channel(4);
+    let (out_tx, mut out_rx) = mpsc::channel::<Chunk>(64);
+    let printer = tokio::spawn(async move {
+        while let Some(c) = out_rx.recv().await {
+            // Writes block only while the terminal or pipe is full: that back-pressure is what
+            // slows the remote side down, as with ssh.
+            let _ = tokio::task::block_in_place(|| match c {
+                Chunk::Stdout(b) => {
+                    let mut o = std::io::stdout().lock();
+                    o.write_all(&b).and_then(|()| o.flush())
+                }
+                Chunk::Stderr(b) => {
+                    let mut o = std::io::stderr().lock();
+                    o.write_all(&b).and_then(|()| o.flush())
+                }
+                _ => Ok(()),
+            });
+        }
+    });
+    let raw = if tty { RawMode::enter() } else { None };
+    let pump = pump_input(stdin, input_tx, tty && raw.is_some());
+    let call = client.exec_with_input(req, out_tx, input_rx);
+    let signals = termination(!tty || raw.is_none());
+    let res = tokio::select! {
+        r = call => Ok(r),
+        sig = signals => Err(Interrupted::Signal(sig)),
+        () = pump => unreachable!("the input pump ends only when its receiver does"),
+    };
+    drop(raw);
+    let _ = printer.await;
+    res
+}
+
+/// Moves stdin into the call's input and, on a terminal, window-size changes as `Resize`.
+/// Never completes on its own: after stdin's end it keeps forwarding resizes.
+async fn pump_input(
+    mut stdin: mpsc::Receiver<ExecInput>,
+    to_call: mpsc::Sender<ExecInput>,
+    follow_window: bool,
+) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut winch = if follow_window {
+        signal(SignalKind::window_change()).ok()
+    } else {
+        None
+    };
+    let mut stdin_open = true;
+    loop {
+        tokio::select! {
+            m = stdin.recv(), if stdin_open => {
+                let m = m.unwrap_or(ExecInput::Eof);
+                stdin_open = m != ExecInput::Eof;
+                if to_call.send(m).await.is_err() {
+                    break;
+                }
+            }
+            Some(()) = async {
+                match winch.as_mut() {
+                    Some(w) => w.recv().await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                if let Some(size) = local_size()
+                    && to_call.send(ExecInput::Resize(size)).await.is_err()
+                {
+                    break;
+                }
+            }
+        }
+    }
+    std::future::pending().await
+}
+
+/// SIGTERM and SIGHUP, plus SIGINT when the terminal is not raw (in raw mode ^C is a byte for
+/// the remote side). Returns the signal number.
+async fn termination(with_interrupt: bool) -> i32 {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut kinds = vec![
+        (SignalKind::terminate(), libc::SIGTERM),
+        (SignalKind::hangup(), libc::SIGHUP),
+    ];
+    if with_interrupt {
+        kinds.push((SignalKind::interrupt(), libc::SIGINT));
+    }
+    let mut streams: Vec<(tokio::signal::unix::Signal, i32)> = kinds
+        .into_iter()
+        .filter_map(|(k, n)| signal(k).ok().map(|s| (s, n)))
+        .collect();
+    if streams.is_empty() {
+        return std::future::pending().await;
+    }
+    let waits = streams
+        .iter_mut()
+        .map(|(s, n)| Box::pin(async move { s.recv().await.map(|_| *n).unwrap_or(0) }));
+    futures::future::select_all(waits).await.0
+}
