@@ -311,6 +311,12 @@ fn cli_table() {
             .out("gpu1")
             .out("dead")
             .err("rsb: warning: REMOTE_SANDBOX_LIST[1]: key_file"),
+        rsb(&["sandboxes", "--resources", "-s", "gpu1"])
+            .out("CPU%")
+            .out("IDLE"),
+        rsb(&["--json", "sandboxes"])
+            .out("\"active_sandbox\":\"gpu1\"")
+            .out("\"connection_alive\":false"),
         rsb(&["exec", "true"]).quiet(),
         rsb(&["-s", "dead", "exec", "true"])
             .code(3)
