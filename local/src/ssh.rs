@@ -56,16 +56,17 @@ impl client::Handler for Checker {
         &mut self,
         reason: client::DisconnectReason<Self::Error>,
     ) -> Result<(), Self::Error> {
-        let (why, res) = match reason {
-            client::DisconnectReason::ReceivedDisconnect(info) => (
-                format!(
-                    "the server closed the connection ({})",
-                    one_line(&info.message)
+        let (why, res) =
+            match reason {
+                client::DisconnectReason::ReceivedDisconnect(info) => (
+                    format!(
+                        "the server closed the connection ({})",
+                        one_line(&info.message)
+                    ),
+                    Ok(()),
                 ),
-                Ok(()),
-            ),
-            client::DisconnectReason::Error(e) => {
-                let why = match &e {
+                client::DisconnectReason::Error(e) => {
+                    let why = match &e {
                     HandlerError::Ssh(russh::Error::InactivityTimeout) => format!(
                         "nothing moved on the link for {}s (the link is dead or black-holed)",
                         LIVENESS_TIMEOUT.as_secs()
@@ -74,11 +75,11 @@ impl client::Handler for Checker {
                         "the server stopped answering keepalives (the link is dead or black-holed)"
                             .to_string()
                     }
-                    other => format!("SSH session ended: {}", one_line(&other.to_string())),
+                    other => format!("the SSH connection ended ({})", one_line(&other.to_string())),
                 };
-                (why, Err(e))
-            }
-        };
+                    (why, Err(e))
+                }
+            };
         *self.ended.lock() = Some(why);
         res
     }
