@@ -356,3 +356,21 @@ fn a_cut_link_is_retried_and_the_remote_catches_up() {
     let st = w.interrupt();
     assert!(st.success(), "Ctrl-C should exit 0, got {st}");
 }
+
+#[test]
+fn the_polling_watcher_also_delivers_changes() {
+    let (sshd, env, local) = setup();
+    std::fs::write(local.path().join("a.txt"), b"one\n").unwrap();
+    let mut w = RsbWatch::spawn(&env, local.path(), "w5", &["--poll"]);
+    assert_eq!(
+        w.wait_event(|v| v["event"] == "watching", 5)["backend"],
+        "poll"
+    );
+    let remote = remote_dir(&sshd, "w5");
+    save(&local.path().join("a.txt"), b"two\n");
+    std::fs::create_dir_all(local.path().join("sub")).unwrap();
+    std::fs::write(local.path().join("sub/b.txt"), b"three\n").unwrap();
+    let t = wait_identical(local.path(), &remote, 10);
+    eprintln!("polling: remote identical after {t:?}");
+    assert!(w.interrupt().success());
+}
