@@ -107,6 +107,12 @@ fn build_all(workspace: &Path, out_dir: &Path) -> Vec<(&'static str, PathBuf)> {
         // Deleting the output reruns this script.
         println!("cargo:rerun-if-changed={}", bin.display());
         if let Some(why) = missing_prerequisite(t, sysroot.as_deref()) {
+            // A path that never exists: cargo reruns this script on every build until the
+            // prerequisite is installed, then embeds the agent without a source change.
+            println!(
+                "cargo:rerun-if-changed={}",
+                build_dir.join(t).join("prerequisite-missing").display()
+            );
             println!(
                 "cargo:warning=rsb-agent for {t} is not embedded: {why}; rsb can still use the local sandbox and hosts whose agent is embedded"
             );
