@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Build the static musl rsb-agent for x86_64 and aarch64 without docker (rust-lld + the apt
-# cross gcc for blake3's C code), and put them where rsb's build embeds them:
+# cross gcc for blake3's C code), and copy them to
 #   ${RSB_EMBED_AGENTS_DIR:-target/agents}/<triple>/rsb-agent
+# `cargo build` does the same build by itself (deploy/build.rs, same target dir
+# target/agents-build and flags, so whichever runs second finds it fresh); this script adds what
+# a build script must not do: fail on a missing prerequisite (CI), enforce the size budget, and
+# smoke-test the aarch64 agent under qemu.
 # Fails when an agent exceeds 2 MiB (it is uploaded on every first connect to a new host), and
 # smoke-tests the aarch64 build under qemu when qemu-aarch64-static is installed.
 set -euo pipefail
@@ -45,9 +49,10 @@ fi
 
 for t in "${targets[@]}"; do
   echo "build-agents: building $t" >&2
-  cargo build --config .cargo/musl-lld.toml -p rsb-agent --profile release-agent --target "$t" ||
+  cargo build --config .cargo/musl-lld.toml -p rsb-agent --profile release-agent --target "$t" \
+    --target-dir "$cargo_target_dir/agents-build" ||
     die "cargo build failed for $t"
-  src="$cargo_target_dir/$t/release-agent/rsb-agent"
+  src="$cargo_target_dir/agents-build/$t/release-agent/rsb-agent"
   [ -f "$src" ] || die "build reported success but $src does not exist"
   mkdir -p "$out_dir/$t"
   # Copy then rename, so a concurrent rsb build never embeds a half-written file.

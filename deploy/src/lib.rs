@@ -116,7 +116,8 @@ pub fn host_triple() -> Option<&'static str> {
 /// How to get agents into a build that lacks them; shown verbatim to the user.
 pub fn build_instructions(triple: &str) -> String {
     format!(
-        "build it with `scripts/build-agents.sh` (needs `rustup target add {triple}`) and rebuild rsb, \
+        "install the target (`rustup target add {triple}`) and rebuild rsb (`cargo build` builds the agents; \
+         `scripts/build-agents.sh` says what else is missing), \
          or point RSB_AGENT_DIR at a directory holding {triple}/rsb-agent"
     )
 }
@@ -161,6 +162,27 @@ pub fn agent_for(triple: &str) -> Result<AgentBinary, DeployError> {
 /// Which triples this build carries inside the `rsb` binary.
 pub fn embedded_triples() -> Vec<&'static str> {
     EMBEDDED.iter().map(|(t, _)| *t).collect()
+}
+
+/// One agent carried inside this `rsb` binary, for `rsb version` and `rsb doctor`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EmbeddedAgent {
+    pub triple: &'static str,
+    pub bytes: usize,
+    /// blake3 of the binary, hex; the same hash deploy verifies on the remote.
+    pub blake3: String,
+}
+
+/// The agents this build embeds (built by `deploy/build.rs`), in triple order.
+pub fn embedded_agents() -> Vec<EmbeddedAgent> {
+    EMBEDDED
+        .iter()
+        .map(|(t, b)| EmbeddedAgent {
+            triple: t,
+            bytes: b.len(),
+            blake3: blake3::hash(b).to_hex().to_string(),
+        })
+        .collect()
 }
 
 /// Paths handed to the login shell that sshd runs go through the one shell quoter.
@@ -619,6 +641,20 @@ fn now_nanos() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn embedded_agents_are_named_with_their_hash() {
+        let agents = embedded_agents();
+        assert_eq!(
+            agents.iter().map(|a| a.triple).collect::<Vec<_>>(),
+            embedded_triples()
+        );
+        for a in agents {
+            let bin = agent_for(a.triple).unwrap();
+            assert_eq!(a.bytes, bin.bytes.len());
+            assert_eq!(a.blake3, blake3::hash(&bin.bytes).to_hex().to_string());
+        }
+    }
 
     #[test]
     fn triples() {

@@ -89,6 +89,12 @@ enum Cmd {
         /// List what would change, one line per action; change nothing.
         #[arg(long, short = 'n')]
         dry_run: bool,
+        /// Keep syncing: upload every burst of local changes until Ctrl-C (a line per burst).
+        #[arg(long, short = 'w')]
+        watch: bool,
+        /// With --watch: poll the tree instead of using OS file events.
+        #[arg(long, requires = "watch")]
+        poll: bool,
     },
     /// Forward a local port to a service on a sandbox over its SSH connection, as `ssh -L`
     /// does: SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock (`:PORT` = the active
@@ -299,12 +305,16 @@ async fn run(cli: Cli) -> u8 {
             exclude,
             exclude_file,
             dry_run,
+            watch,
+            poll,
         } => {
             let opts = SyncOpts {
                 delete,
                 exclude,
                 exclude_file,
                 dry_run,
+                watch,
+                poll,
             };
             let used: Vec<&str> = [&src, &dst]
                 .iter()
@@ -323,6 +333,8 @@ struct SyncOpts {
     exclude: Vec<String>,
     exclude_file: Option<String>,
     dry_run: bool,
+    watch: bool,
+    poll: bool,
 }
 
 /// `SANDBOX:PATH` (or `:PATH` for the active sandbox) when the prefix names a sandbox.
@@ -403,6 +415,9 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
         Ok(x) => x,
         Err(e) => return print_error_code(json, &e),
     };
+    if o.watch {
+        return rsb::sync::watch::run_cli(pool, &sandbox, &spec, json, o.poll).await;
+    }
     let bar = (!json && !o.dry_run && std::io::stderr().is_terminal()).then(|| {
         let b = indicatif::ProgressBar::new(0);
         b.set_style(

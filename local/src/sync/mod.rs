@@ -20,6 +20,7 @@
 
 pub mod engine;
 pub mod plan;
+pub mod watch;
 
 use std::{path::PathBuf, sync::Arc};
 
