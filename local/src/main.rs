@@ -113,6 +113,12 @@ enum Cmd {
         #[command(subcommand)]
         cmd: rsb::watchdog::cli::WatchCmd,
     },
+    /// Background transfer worker (started by the server).
+    #[command(hide = true)]
+    Transfer {
+        #[command(subcommand)]
+        cmd: rsb::sync::cli::TransferCmd,
+    },
 }
 
 #[derive(Subcommand)]
@@ -220,6 +226,9 @@ async fn run(cli: Cli) -> u8 {
         Cmd::Watch { cmd } => {
             return rsb::watchdog::cli::watch(cmd, cli.json, &rsb::config::state_dir()).await;
         }
+        Cmd::Transfer { cmd } => {
+            return rsb::sync::cli::transfer(cmd, &rsb::config::state_dir()).await;
+        }
         _ => {}
     }
     let config = match Config::load() {
@@ -255,7 +264,9 @@ async fn run(cli: Cli) -> u8 {
     let pool = Arc::new(Pool::new(Arc::new(config)));
     let json = cli.json;
     let code = match cli.cmd {
-        Cmd::Mcp | Cmd::Watchdog { .. } | Cmd::Watch { .. } => unreachable!(),
+        Cmd::Mcp | Cmd::Watchdog { .. } | Cmd::Watch { .. } | Cmd::Transfer { .. } => {
+            unreachable!()
+        }
         Cmd::Sandboxes { resources } => {
             let v = sandboxes::list(&pool, resources).await;
             if json {

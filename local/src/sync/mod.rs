@@ -18,6 +18,7 @@
 //! and symlinks whose content was already identical (by blake3), `attrs_updated` are entries
 //! whose mode or mtime alone was fixed.
 
+pub mod cli;
 pub mod engine;
 pub mod plan;
 
