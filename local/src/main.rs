@@ -85,6 +85,8 @@ enum Cmd {
         /// List what would change, one line per action; change nothing.
         #[arg(long, short = 'n')]
         dry_run: bool,
+        #[command(flatten)]
+        safety: rsb::sync::cli::SafetyArgs,
     },
     /// Forward a local port to a service on a sandbox over its SSH connection, as `ssh -L`
     /// does: SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock (`:PORT` = the active
@@ -377,12 +379,14 @@ async fn run(cli: Cli) -> u8 {
             exclude,
             exclude_file,
             dry_run,
+            safety,
         } => {
             let opts = SyncOpts {
                 delete,
                 exclude,
                 exclude_file,
                 dry_run,
+                safety,
             };
             run_sync(&pool, json, &src, &dst, opts).await
         }
@@ -586,6 +590,7 @@ struct SyncOpts {
     exclude: Vec<String>,
     exclude_file: Option<String>,
     dry_run: bool,
+    safety: rsb::sync::cli::SafetyArgs,
 }
 
 /// `SANDBOX:PATH` (or `:PATH` for the active sandbox) when the prefix names a sandbox.
@@ -690,7 +695,15 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
             c2.cancel();
         }
     });
-    let r = rsb::ops::sync::run(pool, &sandbox, &spec, progress, &cancel).await;
+    let r = rsb::ops::sync::run_with(
+        pool,
+        &sandbox,
+        &spec,
+        &o.safety.options(),
+        progress,
+        &cancel,
+    )
+    .await;
     ctrl_c.abort();
     if let Some(b) = bar {
         b.finish_and_clear();
@@ -707,6 +720,7 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
             for e in &rep.errors {
                 eprintln!("rsb: warning: {e}");
             }
+            rsb::sync::cli::print_conflicts(&rep);
             let verb = if rep.dry_run { "would send" } else { "sent" };
             println!(
                 "{} {} -> {}: {verb} {} files ({} bytes), {} dirs created, {} unchanged, {} attrs, {} deleted, {} special skipped, {:.2}s",

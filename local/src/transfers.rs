@@ -36,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     error::{Kind, Result, RsbError},
     pool::Pool,
-    sync::{Direction, Progress, SyncRules, SyncSpec},
+    sync::{Direction, Progress, RunOptions, SyncRules, SyncSpec},
 };
 
 pub use crate::store::DB_FILE;
@@ -193,16 +193,34 @@ struct TaskSpec {
     remote_path: String,
     delete_extras: bool,
     rules: SyncRules,
+    #[serde(default)]
+    overwrite: bool,
+    #[serde(default)]
+    safe: bool,
+    #[serde(default)]
+    confirm_delete: bool,
 }
 
 impl TaskSpec {
-    fn from_spec(s: &SyncSpec) -> TaskSpec {
+    fn from_spec(s: &SyncSpec, o: &RunOptions) -> TaskSpec {
         TaskSpec {
             upload: s.direction == Direction::Upload,
             local_path: s.local_path.clone(),
             remote_path: s.remote_path.clone(),
             delete_extras: s.delete_extras,
             rules: s.rules.clone(),
+            overwrite: o.overwrite,
+            safe: o.safe,
+            confirm_delete: o.confirm_delete,
+        }
+    }
+
+    fn options(&self) -> RunOptions {
+        RunOptions {
+            overwrite: self.overwrite,
+            safe: self.safe,
+            confirm_delete: self.confirm_delete,
+            ..RunOptions::default()
         }
     }
 
@@ -293,13 +311,15 @@ impl Transfers {
         pool: Arc<Pool>,
         sandbox: String,
         spec: SyncSpec,
+        opts: &RunOptions,
         excludes: &[String],
         exclude_file: &str,
     ) -> Result<Value> {
         let ts = now();
         let my_pid = std::process::id() as i64;
         let local = spec.local_path.display().to_string();
-        let spec_json = serde_json::to_string(&TaskSpec::from_spec(&spec)).map_err(db_err)?;
+        let task = TaskSpec::from_spec(&spec, opts);
+        let spec_json = serde_json::to_string(&task).map_err(db_err)?;
         let id = {
             let db = self.db.lock();
             db.execute(
@@ -328,7 +348,7 @@ impl Transfers {
             self.spawning.lock().insert(id);
             id
         };
-        let r = self.start_recorded(id, ts, pool, sandbox, spec);
+        let r = self.start_recorded(id, ts, pool, sandbox, spec, task.options());
         self.spawning.lock().remove(&id);
         r
     }
@@ -340,6 +360,7 @@ impl Transfers {
         pool: Arc<Pool>,
         sandbox: String,
         spec: SyncSpec,
+        opts: RunOptions,
     ) -> Result<Value> {
         let local = spec.local_path.display().to_string();
         let dir = self.state_dir.join("transfers");
@@ -395,7 +416,8 @@ impl Transfers {
         let this = self.clone();
         let token = cancel.clone();
         let handle = tokio::spawn(async move {
-            this.run_task(id, pool, sandbox, spec, token, log).await;
+            this.run_task(id, pool, sandbox, spec, opts, token, log)
+                .await;
             this.live.lock().remove(&id);
             let _ = done_tx.send(true);
         });
@@ -491,6 +513,7 @@ impl Transfers {
         pool: Arc<Pool>,
         sandbox: String,
         spec: SyncSpec,
+        opts: RunOptions,
         cancel: CancellationToken,
         log: PathBuf,
     ) {
@@ -560,7 +583,8 @@ impl Transfers {
                 }
             })
         };
-        let res = crate::ops::sync::run(&pool, &sandbox, &spec, Some(cb), &cancel).await;
+        let res =
+            crate::ops::sync::run_with(&pool, &sandbox, &spec, &opts, Some(cb), &cancel).await;
         writer.abort();
         let end = now();
         let p = shared.lock().0.clone();
@@ -603,6 +627,54 @@ impl Transfers {
                 append_log(&log, &format!("[transfer] hint: {}", e.hint));
             }
         }
+    }
+
+    /// The last-synced content of (local root, sandbox, remote root), if any.
+    pub fn load_baseline(
+        &self,
+        local: &str,
+        sandbox: &str,
+        remote: &str,
+    ) -> Option<HashMap<String, [u8; 32]>> {
+        let json: String = self
+            .db
+            .lock()
+            .query_row(
+                "SELECT entries_json FROM sync_baselines
+                 WHERE local_root = ?1 AND sandbox_name = ?2 AND remote_root = ?3",
+                params![local, sandbox, remote],
+                |r| r.get(0),
+            )
+            .optional()
+            .ok()??;
+        let hexes: HashMap<String, String> = serde_json::from_str(&json).ok()?;
+        Some(
+            hexes
+                .into_iter()
+                .filter_map(|(k, v)| Some((k, unhex(&v)?)))
+                .collect(),
+        )
+    }
+
+    pub fn save_baseline(
+        &self,
+        local: &str,
+        sandbox: &str,
+        remote: &str,
+        entries: &HashMap<String, [u8; 32]>,
+    ) -> Result<()> {
+        let hexes: HashMap<&str, String> = entries
+            .iter()
+            .map(|(k, h)| (k.as_str(), h.iter().map(|b| format!("{b:02x}")).collect()))
+            .collect();
+        let json = serde_json::to_string(&hexes).map_err(db_err)?;
+        self.exec(
+            "INSERT INTO sync_baselines (local_root, sandbox_name, remote_root, entries_json,
+               updated_ts) VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT(local_root, sandbox_name, remote_root) DO UPDATE SET
+               entries_json = excluded.entries_json, updated_ts = excluded.updated_ts",
+            params![local, sandbox, remote, json, now() as i64],
+        )
     }
 
     fn is_live(&self, id: i64) -> bool {
@@ -794,8 +866,16 @@ impl Transfers {
                 }
             })
         };
-        self.run_task(id, pool.clone(), sandbox, spec.to_spec(), cancel, log)
-            .await;
+        self.run_task(
+            id,
+            pool.clone(),
+            sandbox,
+            spec.to_spec(),
+            spec.options(),
+            cancel,
+            log,
+        )
+        .await;
         on_term.abort();
         pool.shutdown().await;
         Ok(())
@@ -916,6 +996,18 @@ impl Transfers {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+fn unhex(s: &str) -> Option<[u8; 32]> {
+    let b = s.as_bytes();
+    if b.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(std::str::from_utf8(&b[2 * i..2 * i + 2]).ok()?, 16).ok()?;
+    }
+    Some(out)
 }
 
 /// Send `sig` to a worker whose identity was just checked.

@@ -300,3 +300,214 @@ async fn killed_worker_reads_interrupted_and_cancel_is_quick() {
     assert_eq!(v["status"], "cancelled", "{v}");
     mcp.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_by_plan_no_change_resync_of_2000_files_is_inline() {
+    let sshd = Sshd::start().unwrap();
+    let env = Env::new(&[entry("s", &sshd, sshd.port())]);
+    let src = env.path().join("src");
+    make_tree(&src, 2000, 0);
+    let mcp = env.server().await;
+    let args = json!({"local_path": src.display().to_string(), "remote_path": "tree2k"});
+    // The first upload sends 2,000 files: more than the inline limit, so a worker runs it.
+    let v = mcp.ok("sync_local_to_remote", args.clone()).await;
+    assert_eq!(v["mode"], "background", "{v}");
+    assert!(v["reason"].as_str().unwrap().contains("2000 files"), "{v}");
+    let id = v["task_id"].as_i64().unwrap();
+    let v = mcp
+        .wait_task(id, Duration::from_secs(120), |v| {
+            v["status"] != "running" && v["status"] != "queued"
+        })
+        .await;
+    assert_eq!(v["status"], "completed", "{v}");
+    // Nothing changed: inline, whatever the size of the tree.
+    let t = Instant::now();
+    let v = mcp.ok("sync_local_to_remote", args.clone()).await;
+    let took = t.elapsed();
+    assert_eq!(v["mode"], "inline", "{v}");
+    assert_eq!(
+        (v["uploaded_files"].as_u64(), v["skipped_files"].as_u64()),
+        (Some(0), Some(2000)),
+        "{v}"
+    );
+    eprintln!("no-change resync of 2,000 files through rsb mcp: {took:?}");
+    // A small change is inline too.
+    std::fs::write(src.join("d/f0007.txt"), "changed\n").unwrap();
+    let v = mcp.ok("sync_local_to_remote", args).await;
+    assert_eq!(
+        (v["mode"].as_str(), v["uploaded_files"].as_u64()),
+        (Some("inline"), Some(1)),
+        "{v}"
+    );
+    mcp.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_edit_after_a_download_is_a_conflict_until_overwrite() {
+    let sshd = Sshd::start().unwrap();
+    let env = Env::new(&[entry("s", &sshd, sshd.port())]);
+    let remote = sshd.home().join("conf");
+    std::fs::create_dir_all(&remote).unwrap();
+    std::fs::write(remote.join("a.txt"), "a1\n").unwrap();
+    std::fs::write(remote.join("b.txt"), "b1\n").unwrap();
+    let local = env.path().join("mirror");
+    let mcp = env.server().await;
+    let args = json!({"remote_path": "conf", "local_path": local.display().to_string()});
+    let v = mcp.ok("sync_remote_to_local", args.clone()).await;
+    assert_eq!(v["downloaded_files"], 2, "{v}");
+    // The user edits a.txt locally; the sandbox changes both files.
+    std::fs::write(local.join("a.txt"), "mine\n").unwrap();
+    std::fs::write(remote.join("a.txt"), "a2\n").unwrap();
+    std::fs::write(remote.join("b.txt"), "b2\n").unwrap();
+    let v = mcp.ok("sync_remote_to_local", args.clone()).await;
+    assert_eq!(v["downloaded_files"], 1, "{v}");
+    assert_eq!(v["conflict_count"], 1, "{v}");
+    let c = &v["conflicts"][0];
+    assert_eq!(c["path"], "a.txt", "{v}");
+    assert_eq!(
+        c["source_blake3"],
+        blake3::hash(b"a2\n").to_hex().as_str(),
+        "{v}"
+    );
+    assert_eq!(
+        c["destination_blake3"],
+        blake3::hash(b"mine\n").to_hex().as_str(),
+        "{v}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(local.join("a.txt")).unwrap(),
+        "mine\n",
+        "left as is"
+    );
+    assert_eq!(
+        std::fs::read_to_string(local.join("b.txt")).unwrap(),
+        "b2\n",
+        "the rest goes on"
+    );
+    // Still a conflict next time (nothing resolved it).
+    let v = mcp.ok("sync_remote_to_local", args.clone()).await;
+    assert_eq!(v["conflict_count"], 1, "{v}");
+    // overwrite takes the source's side; then the pair is in sync.
+    let mut over = args.clone();
+    over["overwrite"] = json!(true);
+    let v = mcp.ok("sync_remote_to_local", over).await;
+    assert_eq!(v["downloaded_files"], 1, "{v}");
+    assert!(v.get("conflicts").is_none(), "{v}");
+    assert_eq!(
+        std::fs::read_to_string(local.join("a.txt")).unwrap(),
+        "a2\n"
+    );
+    let v = mcp.ok("sync_remote_to_local", args).await;
+    assert_eq!(
+        (v["downloaded_files"].as_u64(), v.get("conflicts")),
+        (Some(0), None),
+        "{v}"
+    );
+    // An upload that finds a file changed in the sandbox since the last sync keeps it too.
+    let up = json!({"local_path": local.display().to_string(), "remote_path": "conf"});
+    std::fs::write(local.join("b.txt"), "b-local\n").unwrap();
+    std::fs::write(remote.join("b.txt"), "b-sandbox\n").unwrap();
+    let v = mcp.ok("sync_local_to_remote", up).await;
+    assert_eq!(v["conflicts"][0]["path"], "b.txt", "{v}");
+    assert_eq!(
+        std::fs::read_to_string(remote.join("b.txt")).unwrap(),
+        "b-sandbox\n"
+    );
+    mcp.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_paths_home_deletes_and_dry_runs() {
+    let sshd = Sshd::start().unwrap();
+    let env = Env::new(&[entry("s", &sshd, sshd.port())]);
+    let src = env.path().join("src");
+    make_tree(&src, 3, 0);
+    let mcp = env.server().await;
+    let s = src.display().to_string();
+    for (tool, args, what) in [
+        (
+            "sync_local_to_remote",
+            json!({"local_path": "", "remote_path": "x"}),
+            "local_path is empty",
+        ),
+        (
+            "sync_local_to_remote",
+            json!({"local_path": s, "remote_path": " "}),
+            "remote_path is empty",
+        ),
+        (
+            "sync_remote_to_local",
+            json!({"remote_path": "", "local_path": s}),
+            "remote_path is empty",
+        ),
+        (
+            "sync_remote_to_local",
+            json!({"remote_path": "x", "local_path": ""}),
+            "local_path is empty",
+        ),
+    ] {
+        let (err, v) = mcp.call(tool, args.clone()).await;
+        assert!(err, "{tool}({args}) must fail: {v}");
+        assert!(v["error"].as_str().unwrap().contains(what), "{v}");
+        assert!(v["hint"].as_str().unwrap().contains("leave"), "{v}");
+    }
+    // delete_extras into the remote home (however it is spelled) is refused, nothing deleted.
+    let canary = sshd.home().join("canary.txt");
+    std::fs::write(&canary, "keep").unwrap();
+    let home = sshd.home().display().to_string();
+    for dest in [".", "~", home.as_str(), "~/sub/.."] {
+        let (err, v) = mcp
+            .call(
+                "sync_local_to_remote",
+                json!({"local_path": s, "remote_path": dest, "delete_extras": true}),
+            )
+            .await;
+        assert!(err, "delete_extras into {dest} must be refused: {v}");
+        assert!(
+            v["error"].as_str().unwrap().contains("home directory"),
+            "{v}"
+        );
+        assert!(
+            v["hint"].as_str().unwrap().contains("confirm_delete"),
+            "{v}"
+        );
+        assert!(canary.exists());
+    }
+    let (err, v) = mcp
+        .call(
+            "sync_local_to_remote",
+            json!({"local_path": s, "remote_path": "/", "delete_extras": true}),
+        )
+        .await;
+    assert!(
+        err && v["error"].as_str().unwrap().contains("into /"),
+        "{v}"
+    );
+    // A dry run lists what would change and changes nothing, in both directions.
+    let v = mcp
+        .ok(
+            "sync_local_to_remote",
+            json!({"local_path": s, "remote_path": "dry", "dry_run": true}),
+        )
+        .await;
+    assert_eq!(
+        (v["dry_run"].as_bool(), v["uploaded_files"].as_u64()),
+        (Some(true), Some(3)),
+        "{v}"
+    );
+    assert!(!v["actions"].as_array().unwrap().is_empty(), "{v}");
+    assert!(
+        !sshd.home().join("dry").exists(),
+        "a dry run created the destination"
+    );
+    let out = env.path().join("dry-down");
+    let v = mcp
+        .ok(
+            "sync_remote_to_local",
+            json!({"remote_path": "canary.txt", "local_path": out.display().to_string(), "dry_run": true}),
+        )
+        .await;
+    assert_eq!(v["dry_run"], true, "{v}");
+    assert!(!out.exists(), "a dry run created the local destination");
+    mcp.close().await;
+}

@@ -60,6 +60,14 @@ pub struct SyncUpParams {
     pub exclude_file: Option<String>,
     #[serde(default)]
     pub sandbox_name: String,
+    #[serde(default)]
+    pub dry_run: bool,
+    #[serde(default)]
+    pub overwrite: bool,
+    #[serde(default)]
+    pub safe: bool,
+    #[serde(default)]
+    pub confirm_delete: bool,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -76,6 +84,12 @@ pub struct SyncDownParams {
     pub exclude_file: Option<String>,
     #[serde(default)]
     pub sandbox_name: String,
+    #[serde(default)]
+    pub dry_run: bool,
+    #[serde(default)]
+    pub overwrite: bool,
+    #[serde(default)]
+    pub safe: bool,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -134,13 +148,17 @@ fn args_up(p: SyncUpParams) -> Result<SyncArgs, RsbError> {
         excludes: ops::parse_excludes(p.excludes.as_ref())?,
         exclude_file: p.exclude_file,
         sandbox: p.sandbox_name,
+        dry_run: p.dry_run,
+        overwrite: p.overwrite,
+        safe: p.safe,
+        confirm_delete: p.confirm_delete,
     })
 }
 
 #[tool_router(router = sync_router, vis = "pub(super)")]
 impl RsbServer {
     #[tool(
-        description = "Sync a local file/dir to the sandbox: exact (blake3), only changes, keeps modes and symlinks, atomic per file. gitignore-style excludes; defaults skip .git, node_modules, __pycache__, .idea, .vscode, *.pyc. Large syncs run in background (check_file_transfer_task)."
+        description = "Sync a local file/dir to the sandbox: exact (blake3), only changes, keeps modes and symlinks, atomic per file. gitignore-style excludes; defaults skip .git, node_modules, __pycache__, .idea, .vscode, *.pyc. Large plans run in a background worker (check_file_transfer_task). Destination files changed since the last sync are reported as conflicts and kept unless overwrite."
     )]
     async fn sync_local_to_remote(
         &self,
@@ -178,6 +196,10 @@ impl RsbServer {
             excludes,
             exclude_file: p.exclude_file,
             sandbox: p.sandbox_name,
+            dry_run: p.dry_run,
+            overwrite: p.overwrite,
+            safe: p.safe,
+            confirm_delete: false,
         };
         let pool = self.pool.clone();
         let cancel = ctx.ct.clone();
