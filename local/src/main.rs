@@ -220,6 +220,7 @@ fn print_value(json: bool, v: &Value) {
 }
 
 async fn run(cli: Cli) -> u8 {
+    rsb::transfers::enable_workers();
     // The watchdog needs only the state dir (it reads persisted, secret-free sandboxes).
     match cli.cmd {
         Cmd::Watchdog { cmd } => {

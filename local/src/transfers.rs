@@ -47,6 +47,15 @@ const LOG_PROGRESS_EVERY: Duration = Duration::from_secs(5);
 const LOG_TAIL_READ: u64 = 80_000;
 const LOG_TAIL_MAX_CHARS: usize = 20_000;
 
+static WORKERS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Called by the `rsb` binary at start: its own executable can run `rsb transfer run <id>`.
+/// A process that uses this library otherwise (a test binary) runs transfers in-process,
+/// since re-executing it would not reach the worker.
+pub fn enable_workers() {
+    WORKERS.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
 fn now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -385,7 +394,12 @@ impl Transfers {
             append_log(&log, &line);
         }
 
-        let why_in_process = match self.persist_sandbox(&pool, &sandbox) {
+        let persisted = if WORKERS.load(std::sync::atomic::Ordering::Relaxed) {
+            self.persist_sandbox(&pool, &sandbox)
+        } else {
+            Err("this process is not the rsb executable, which runs workers".to_string())
+        };
+        let why_in_process = match persisted {
             Ok(()) => match self.spawn_worker(id, &log) {
                 Ok(pid) => {
                     append_log(&log, &format!("[transfer] task={id} worker pid={pid}"));
