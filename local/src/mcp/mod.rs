@@ -50,7 +50,7 @@ impl RsbServer {
         let mut tool_router = Self::sandbox_router()
             + Self::jobs_router()
             + Self::files_router()
-            + Self::sync_router();
+            + Self::sync_tools();
         // Advanced tools stay out of the default list: every listed byte is context the
         // client pays on each session.
         if advanced {
