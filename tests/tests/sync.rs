@@ -1112,3 +1112,51 @@ async fn a_swapped_staging_directory_aborts_the_sync() {
     assert_eq!(std::fs::read_dir(&evil).unwrap().count(), 20);
     pool.shutdown().await;
 }
+
+/// Issue 14 case 7: a first sync into a directory this user may write but does not own commits
+/// every file, and the root's mtime (which only its owner may set) is a warning, not a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_owned_by_someone_else_gets_a_warning_not_a_failure() {
+    let sshd = Sshd::start().unwrap();
+    let Some((user, pw)) = sshd.password_user() else {
+        eprintln!("SKIP: not root, so there is no second user to sync as");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    chmod(tmp.path(), 0o755);
+    let shared = tmp.path().join("shared");
+    std::fs::create_dir_all(&shared).unwrap();
+    chmod(&shared, 0o777);
+    let src = tmp.path().join("src");
+    for i in 0..3 {
+        write(&src.join(format!("f{i}")), format!("{i}\n").as_bytes());
+    }
+    let mut t = target(
+        &sshd,
+        sshd.port(),
+        rsb::config::Auth::Password(secret(&pw)),
+        &tmp.path().join("known_hosts"),
+    );
+    t.user = user;
+    let pool = pool_of(vec![sandbox("s", t)], &tmp.path().join("state"));
+    let sp = spec(
+        Direction::Upload,
+        &src,
+        shared.to_str().unwrap(),
+        false,
+        &[],
+    );
+    let r = sync(&pool, &sp)
+        .await
+        .expect("the files are committed: no failure");
+    assert_eq!(r.files_transferred, 3);
+    assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
+    assert!(
+        r.warnings[0].starts_with("could not set the mtime of .: it belongs to uid 0"),
+        "{}",
+        r.warnings[0]
+    );
+    assert!(r.to_json()["warnings"].is_array());
+    assert_eq!(std::fs::read_to_string(shared.join("f2")).unwrap(), "2\n");
+    pool.shutdown().await;
+}

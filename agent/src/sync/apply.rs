@@ -316,7 +316,7 @@ pub async fn apply_close(
     sessions: &Sessions,
     req: ApplyCloseRequest,
     cancel: &CancellationToken,
-) -> Result<(), AgentError> {
+) -> Result<ApplyResult, AgentError> {
     let entry = sessions.lookup(req.session)?;
     let turn = entry.turn(req.seq, cancel).await?;
     let guard = tokio::select! {
@@ -652,7 +652,10 @@ impl Session {
             }
         }
         self.flush(n)?;
-        Ok(ApplyResult { applied: n as u32 })
+        Ok(ApplyResult {
+            applied: n as u32,
+            warnings: Vec::new(),
+        })
     }
 
     fn op(&mut self, i: usize, op: ApplyOp, dirs: &mut HashSet<String>) -> Result<(), AgentError> {
@@ -1119,11 +1122,13 @@ impl Session {
         Ok(())
     }
 
-    fn close(&mut self, dir_mtimes: &[(String, i64)]) -> Result<(), AgentError> {
+    fn close(&mut self, dir_mtimes: &[(String, i64)]) -> Result<ApplyResult, AgentError> {
         if self.closed {
             return Err(err(ErrorCode::NotFound, "the sync session is closed"));
         }
         let mut errors = Vec::new();
+        let mut warnings = Vec::new();
+        let me = rustix::process::geteuid().as_raw();
         if let Err(e) = self.flush(0) {
             errors.push(e.message);
         }
@@ -1155,7 +1160,17 @@ impl Session {
             match fs::symlink_metadata(&path) {
                 Ok(m) if m.is_dir() => {
                     if let Err(e) = set_mtime(&path, *mtime, true) {
-                        errors.push(io(&e, "set mtime of", shown).message);
+                        // Only a directory's owner may set its times: on one that is not ours
+                        // (a shared directory we may write) the files are in, so say so and
+                        // go on.
+                        if e.kind() == ErrorKind::PermissionDenied && m.uid() != me {
+                            warnings.push(format!(
+                                "could not set the mtime of {shown}: it belongs to uid {}, not to this user (the files were committed)",
+                                m.uid()
+                            ));
+                        } else {
+                            errors.push(io(&e, "set mtime of", shown).message);
+                        }
                     }
                 }
                 Ok(_) => errors.push(format!("set mtime of {shown}: not a directory")),
@@ -1165,7 +1180,10 @@ impl Session {
         }
         cache::record(&self.root, &std::mem::take(&mut self.committed));
         match errors.len() {
-            0 => Ok(()),
+            0 => Ok(ApplyResult {
+                applied: 0,
+                warnings,
+            }),
             1 => Err(err(ErrorCode::Io, errors.remove(0))),
             k => Err(err(
                 ErrorCode::Io,

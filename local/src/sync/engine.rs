@@ -246,7 +246,7 @@ impl Session {
     }
 
     /// Finish the session after every batch (directory mtimes last).
-    async fn close(&self, dir_mtimes: Vec<(String, i64)>) -> Result<()> {
+    async fn close(&self, dir_mtimes: Vec<(String, i64)>) -> Result<rsb_protocol::ApplyResult> {
         let req = || ApplyCloseRequest {
             session: self.id,
             seq: self.seq(),
@@ -857,7 +857,9 @@ async fn execute(
         Ok(()) => {
             tmark(tracker, "transferred");
             guard.armed = false;
-            session.close(plan.dir_mtimes.clone()).await
+            let closed = session.close(plan.dir_mtimes.clone()).await?;
+            report.warnings.extend(closed.warnings);
+            Ok(())
         }
         Err(e) => {
             // Abort now, waiting a little (the agent lets the running batch finish); if that
