@@ -521,6 +521,7 @@ impl Transfers {
         Ok(pid)
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn run_task(
         self: &Arc<Self>,
         id: i64,

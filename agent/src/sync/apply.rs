@@ -587,6 +587,8 @@ impl Session {
 
     /// The staging directory is still ours and still the one at its path: owned by us, mode
     /// 0700, same device and inode. Anything else means someone swapped it; the sync stops.
+    // `st_dev`/`st_ino` are not u64 on every target.
+    #[allow(clippy::unnecessary_cast)]
     fn staging_ok(&self) -> Result<(), AgentError> {
         let swapped = |why: String| {
             err(
