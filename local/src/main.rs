@@ -95,6 +95,8 @@ enum Cmd {
         /// With --watch: poll the tree instead of using OS file events.
         #[arg(long, requires = "watch")]
         poll: bool,
+        #[command(flatten)]
+        safety: rsb::sync::cli::SafetyArgs,
     },
     /// Forward a local port to a service on a sandbox over its SSH connection, as `ssh -L`
     /// does: SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock (`:PORT` = the active
@@ -129,6 +131,12 @@ enum Cmd {
     Man,
     /// Print rsb's version and the agents embedded in it.
     Version,
+    /// Background transfer worker (started by the server).
+    #[command(hide = true)]
+    Transfer {
+        #[command(subcommand)]
+        cmd: rsb::sync::cli::TransferCmd,
+    },
 }
 
 /// `log_records`: timestamped records (for `rsb mcp` and the watchdog daemon); else CLI lines.
@@ -215,6 +223,7 @@ fn print_value(json: bool, v: &Value) {
 }
 
 async fn run(cli: Cli) -> u8 {
+    rsb::transfers::enable_workers();
     let json = cli.json;
     // Commands that need no sandbox configuration.
     match cli.cmd {
@@ -228,6 +237,9 @@ async fn run(cli: Cli) -> u8 {
         Cmd::Completions { shell } => return cli::meta::completions(&mut command(), shell),
         Cmd::Man => return cli::meta::man(command()),
         Cmd::Version => return cli::meta::version(json),
+        Cmd::Transfer { cmd } => {
+            return rsb::sync::cli::transfer(cmd, &rsb::config::state_dir()).await;
+        }
         _ => {}
     }
     let config = match Config::load() {
@@ -277,7 +289,8 @@ async fn run(cli: Cli) -> u8 {
         | Cmd::Config { .. }
         | Cmd::Completions { .. }
         | Cmd::Man
-        | Cmd::Version => unreachable!(),
+        | Cmd::Version
+        | Cmd::Transfer { .. } => unreachable!(),
         Cmd::Sandboxes { resources } => cli::sandboxes::run(&ctx, resources).await,
         Cmd::Exec(a) => cli::exec::run(&ctx, a).await,
         Cmd::Shell { sandbox, cwd } => cli::exec::shell(&ctx, sandbox, cwd).await,
@@ -307,6 +320,7 @@ async fn run(cli: Cli) -> u8 {
             dry_run,
             watch,
             poll,
+            safety,
         } => {
             let opts = SyncOpts {
                 delete,
@@ -315,6 +329,7 @@ async fn run(cli: Cli) -> u8 {
                 dry_run,
                 watch,
                 poll,
+                safety,
             };
             let used: Vec<&str> = [&src, &dst]
                 .iter()
@@ -335,6 +350,7 @@ struct SyncOpts {
     dry_run: bool,
     watch: bool,
     poll: bool,
+    safety: rsb::sync::cli::SafetyArgs,
 }
 
 /// `SANDBOX:PATH` (or `:PATH` for the active sandbox) when the prefix names a sandbox.
@@ -455,7 +471,15 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
             c2.cancel();
         }
     });
-    let r = rsb::ops::sync::run(pool, &sandbox, &spec, progress, &cancel).await;
+    let r = rsb::ops::sync::run_with(
+        pool,
+        &sandbox,
+        &spec,
+        &o.safety.options(),
+        progress,
+        &cancel,
+    )
+    .await;
     ctrl_c.abort();
     if let Some(b) = bar {
         b.finish_and_clear();
@@ -472,6 +496,7 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
             for e in &rep.errors {
                 eprintln!("rsb: warning: {e}");
             }
+            rsb::sync::cli::print_conflicts(&rep);
             let verb = if rep.dry_run { "would send" } else { "sent" };
             println!(
                 "{} {} -> {}: {verb} {} files ({} bytes), {} dirs created, {} unchanged, {} attrs, {} deleted, {} special skipped, {:.2}s",

@@ -130,7 +130,21 @@ const MIGRATIONS: &[&str] = &[
         def_json TEXT NOT NULL,
         updated_ts INTEGER NOT NULL
     );",
-    // 3: forwards served by the watchdog daemon (`forward_port(detach=true)`).
+    // 3: transfers run in a detached worker (`rsb transfer run <id>`), which rebuilds the sync
+    // from `spec_json`; `in_process` marks a task kept inside its server (a password sandbox
+    // whose secret may not be stored). `sync_baselines` holds the last-synced manifest of each
+    // (local root, sandbox, remote root), so a destination file changed since is a conflict.
+    "ALTER TABLE transfer_tasks ADD COLUMN spec_json TEXT NOT NULL DEFAULT '{}';
+    ALTER TABLE transfer_tasks ADD COLUMN in_process INTEGER NOT NULL DEFAULT 0;
+    CREATE TABLE IF NOT EXISTS sync_baselines (
+        local_root TEXT NOT NULL,
+        sandbox_name TEXT NOT NULL,
+        remote_root TEXT NOT NULL,
+        entries_json TEXT NOT NULL,
+        updated_ts INTEGER NOT NULL,
+        PRIMARY KEY (local_root, sandbox_name, remote_root)
+    );",
+    // 4: forwards served by the watchdog daemon (`forward_port(detach=true)`).
     "CREATE TABLE IF NOT EXISTS forwards (
         id INTEGER PRIMARY KEY AUTOINCREMENT,
         sandbox_name TEXT NOT NULL,

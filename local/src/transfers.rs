@@ -1,17 +1,25 @@
-//! Background file transfers: a sync above the inline limits runs as a tokio task inside the
-//! server process, with a durable SQLite record (`<state_dir>/rsb.sqlite3`, table
-//! `transfer_tasks`) and a per-task log (`<state_dir>/transfers/transfer-<id>.log`).
+//! Background file transfers: a sync above the inline limits runs in a detached worker process
+//! (`rsb transfer run <id>`, its own session, stdio to the task log), with a durable SQLite
+//! record (`<state_dir>/rsb.sqlite3`, table `transfer_tasks`) and a per-task log
+//! (`<state_dir>/transfers/transfer-<id>.log`). The worker outlives the server that started it:
+//! a client that closes or restarts `rsb mcp` does not stop an upload, and any later server
+//! reads the task's progress and result from the record.
 //!
-//! Differences from the seed (one detached OS process per task, never reaped): a task here is
-//! a task of the server that started it, so `cancel_file_transfer_task` cancels it for real
-//! (within a second; nothing partial is left at the destination), and a task whose server
-//! died is reported as `interrupted` instead of `running` forever. A task owned by another
-//! live rsb server sharing the state dir is cancelled through a flag that its owner polls.
+//! The worker rebuilds the sync from `spec_json` and connects with the sandbox definition the
+//! server persisted (the watchdog's secret-free form, [`crate::watchdog::sandboxes`]). A
+//! sandbox that needs a secret rsb may not store (a password, without
+//! `RSB_WATCHDOG_STORE_PASSWORDS=1`) runs its transfer inside the server instead, as a tokio
+//! task, and the reply says so.
+//!
+//! `pid` in a reply is the worker's. Cancel raises the record's flag and sends SIGTERM; the
+//! worker stops within a second and records `cancelled` (nothing partial is left at the
+//! destination). A task whose process died (SIGKILL, a crash, a reboot) is reported as
+//! `interrupted`, by the same /proc identity check the agent uses for its jobs.
 //!
 //! The table lives in the shared store ([`crate::store`]), which owns the schema and migrations.
 
 use std::{
-    collections::HashMap,
+    collections::{HashMap, HashSet},
     io::{Read, Seek, SeekFrom, Write},
     path::{Path, PathBuf},
     sync::Arc,
@@ -20,6 +28,7 @@ use std::{
 
 use parking_lot::Mutex;
 use rusqlite::{Connection, OptionalExtension, params};
+use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -27,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     error::{Kind, Result, RsbError},
     pool::Pool,
-    sync::{Progress, SyncSpec},
+    sync::{Direction, Progress, RunOptions, SyncRules, SyncSpec},
 };
 
 pub use crate::store::DB_FILE;
@@ -37,6 +46,15 @@ const PROGRESS_WRITE_EVERY: Duration = Duration::from_millis(500);
 const LOG_PROGRESS_EVERY: Duration = Duration::from_secs(5);
 const LOG_TAIL_READ: u64 = 80_000;
 const LOG_TAIL_MAX_CHARS: usize = 20_000;
+
+static WORKERS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Called by the `rsb` binary at start: its own executable can run `rsb transfer run <id>`.
+/// A process that uses this library otherwise (a test binary) runs transfers in-process,
+/// since re-executing it would not reach the worker.
+pub fn enable_workers() {
+    WORKERS.store(true, std::sync::atomic::Ordering::Relaxed);
+}
 
 fn now() -> f64 {
     SystemTime::now()
@@ -173,12 +191,70 @@ struct Row {
     progress_json: String,
     finished_ts: f64,
     started_ts: f64,
+    in_process: bool,
+}
+
+/// What a worker needs to run the same sync again (`transfer_tasks.spec_json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct TaskSpec {
+    upload: bool,
+    local_path: PathBuf,
+    remote_path: String,
+    delete_extras: bool,
+    rules: SyncRules,
+    #[serde(default)]
+    overwrite: bool,
+    #[serde(default)]
+    safe: bool,
+    #[serde(default)]
+    confirm_delete: bool,
+}
+
+impl TaskSpec {
+    fn from_spec(s: &SyncSpec, o: &RunOptions) -> TaskSpec {
+        TaskSpec {
+            upload: s.direction == Direction::Upload,
+            local_path: s.local_path.clone(),
+            remote_path: s.remote_path.clone(),
+            delete_extras: s.delete_extras,
+            rules: s.rules.clone(),
+            overwrite: o.overwrite,
+            safe: o.safe,
+            confirm_delete: o.confirm_delete,
+        }
+    }
+
+    fn options(&self) -> RunOptions {
+        RunOptions {
+            overwrite: self.overwrite,
+            safe: self.safe,
+            confirm_delete: self.confirm_delete,
+            ..RunOptions::default()
+        }
+    }
+
+    fn to_spec(&self) -> SyncSpec {
+        SyncSpec {
+            direction: if self.upload {
+                Direction::Upload
+            } else {
+                Direction::Download
+            },
+            local_path: self.local_path.clone(),
+            remote_path: self.remote_path.clone(),
+            delete_extras: self.delete_extras,
+            rules: self.rules.clone(),
+            dry_run: false,
+        }
+    }
 }
 
 pub struct Transfers {
     state_dir: PathBuf,
     db: Mutex<Connection>,
     live: Mutex<HashMap<i64, Live>>,
+    /// Tasks recorded but whose worker is not started yet (not `interrupted` meanwhile).
+    spawning: Mutex<HashSet<i64>>,
     my_start: String,
 }
 
@@ -191,6 +267,7 @@ impl Transfers {
             state_dir: state_dir.to_path_buf(),
             db: Mutex::new(conn),
             live: Mutex::new(HashMap::new()),
+            spawning: Mutex::new(HashSet::new()),
             my_start: process_start(std::process::id()),
         })
     }
@@ -203,7 +280,7 @@ impl Transfers {
         let db = self.db.lock();
         db.query_row(
             "SELECT status, pid, owner_start, log_file, last_error, result_json, progress_json,
-                    finished_ts, started_ts FROM transfer_tasks WHERE id = ?1",
+                    finished_ts, started_ts, in_process FROM transfer_tasks WHERE id = ?1",
             params![id],
             |r| {
                 Ok(Row {
@@ -216,6 +293,7 @@ impl Transfers {
                     progress_json: r.get(6)?,
                     finished_ts: r.get(7)?,
                     started_ts: r.get(8)?,
+                    in_process: r.get::<_, i64>(9)? != 0,
                 })
             },
         )
@@ -234,25 +312,30 @@ impl Transfers {
         )
     }
 
-    /// Record and start a background sync; returns the seed's background reply.
+    /// Record and start a background sync; returns the seed's background reply. The sync runs
+    /// in a detached worker process when the sandbox can be persisted without a secret rsb may
+    /// not store; otherwise inside this server, and the reply's `note` says so.
     pub fn start(
         self: &Arc<Self>,
         pool: Arc<Pool>,
         sandbox: String,
         spec: SyncSpec,
+        opts: &RunOptions,
         excludes: &[String],
         exclude_file: &str,
     ) -> Result<Value> {
         let ts = now();
-        let pid = std::process::id() as i64;
+        let my_pid = std::process::id() as i64;
         let local = spec.local_path.display().to_string();
+        let task = TaskSpec::from_spec(&spec, opts);
+        let spec_json = serde_json::to_string(&task).map_err(db_err)?;
         let id = {
             let db = self.db.lock();
             db.execute(
                 "INSERT INTO transfer_tasks (direction, sandbox_name, local_path, remote_path,
                    delete_extras, excludes_json, exclude_file, status, pid, owner_start,
-                   progress_json, created_ts, updated_ts)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'queued', ?8, ?9, ?10, ?11, ?11)",
+                   progress_json, created_ts, updated_ts, spec_json)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'queued', ?8, ?9, ?10, ?11, ?11, ?12)",
                 params![
                     spec.direction.as_str(),
                     sandbox,
@@ -261,17 +344,36 @@ impl Transfers {
                     spec.delete_extras as i64,
                     serde_json::to_string(excludes).unwrap_or_else(|_| "[]".into()),
                     exclude_file,
-                    pid,
+                    my_pid,
                     self.my_start,
                     json!({"phase": "queued"}).to_string(),
                     ts,
+                    spec_json,
                 ],
             )
             .map_err(db_err)?;
-            db.last_insert_rowid()
+            let id = db.last_insert_rowid();
+            // Before the lock goes: a concurrent check must not read it as `interrupted`.
+            self.spawning.lock().insert(id);
+            id
         };
+        let r = self.start_recorded(id, ts, pool, sandbox, spec, task.options());
+        self.spawning.lock().remove(&id);
+        r
+    }
+
+    fn start_recorded(
+        self: &Arc<Self>,
+        id: i64,
+        ts: f64,
+        pool: Arc<Pool>,
+        sandbox: String,
+        spec: SyncSpec,
+        opts: RunOptions,
+    ) -> Result<Value> {
+        let local = spec.local_path.display().to_string();
         let dir = self.state_dir.join("transfers");
-        let _ = std::fs::create_dir_all(&dir);
+        let _ = crate::store::ensure_private_dir(&dir);
         let log = dir.join(format!("transfer-{id}.log"));
         let log_s = log.display().to_string();
         self.exec(
@@ -292,12 +394,44 @@ impl Transfers {
             append_log(&log, &line);
         }
 
+        let persisted = if WORKERS.load(std::sync::atomic::Ordering::Relaxed) {
+            self.persist_sandbox(&pool, &sandbox)
+        } else {
+            Err("this process is not the rsb executable, which runs workers".to_string())
+        };
+        let why_in_process = match persisted {
+            Ok(()) => match self.spawn_worker(id, &log) {
+                Ok(pid) => {
+                    append_log(&log, &format!("[transfer] task={id} worker pid={pid}"));
+                    return Ok(json!({
+                        "mode": "background",
+                        "auto_switched": true,
+                        "task_id": id,
+                        "status": "queued",
+                        "pid": pid,
+                        "log_file": log_s,
+                    }));
+                }
+                Err(e) => format!("the transfer worker could not be started ({e})"),
+            },
+            Err(msg) => msg,
+        };
+        self.exec(
+            "UPDATE transfer_tasks SET in_process = 1 WHERE id = ?1",
+            params![id],
+        )?;
+        append_log(
+            &log,
+            &format!("[transfer] task={id} runs inside the server: {why_in_process}"),
+        );
+
         let cancel = CancellationToken::new();
         let (done_tx, done_rx) = watch::channel(false);
         let this = self.clone();
         let token = cancel.clone();
         let handle = tokio::spawn(async move {
-            this.run_task(id, pool, sandbox, spec, token, log).await;
+            this.run_task(id, pool, sandbox, spec, opts, token, log)
+                .await;
             this.live.lock().remove(&id);
             let _ = done_tx.send(true);
         });
@@ -314,17 +448,87 @@ impl Transfers {
             "auto_switched": true,
             "task_id": id,
             "status": "queued",
-            "pid": pid,
+            "pid": std::process::id(),
             "log_file": log_s,
+            "note": format!(
+                "this transfer runs inside the MCP server and stops if the server exits: {why_in_process}"
+            ),
         }))
     }
 
+    /// Store the sandbox's secret-free definition (plus its secret only on the user's opt-in),
+    /// or say in one line why a worker could not connect with what is stored.
+    fn persist_sandbox(&self, pool: &Pool, sandbox: &str) -> std::result::Result<(), String> {
+        use crate::watchdog::{sandboxes, settings};
+        let cfg = pool
+            .sandbox_config(sandbox)
+            .ok_or_else(|| format!("sandbox '{sandbox}' is not configured"))?;
+        let db = self.db.lock();
+        sandboxes::persist(
+            &db,
+            &self.state_dir,
+            std::slice::from_ref(cfg),
+            settings::store_passwords(),
+        )
+        .map_err(|e| e.message)?;
+        let def = sandboxes::load(&db, sandbox)
+            .map_err(|e| e.message)?
+            .ok_or_else(|| format!("sandbox '{sandbox}' could not be stored"))?;
+        def.to_config(sandboxes::read_secrets(&self.state_dir).get(sandbox))
+            .map(|_| ())
+    }
+
+    /// Start `rsb transfer run <id>` in its own session, stdio to the task log, with the
+    /// environment every child gets ([`crate::connect::child_env`]) plus the state dir.
+    fn spawn_worker(&self, id: i64, log: &Path) -> std::io::Result<u32> {
+        use std::os::unix::{fs::OpenOptionsExt, process::CommandExt};
+        let exe = std::env::current_exe()?;
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(log)?;
+        let mut cmd = std::process::Command::new(exe);
+        cmd.args(["transfer", "run", &id.to_string()])
+            .env_clear()
+            .envs(crate::connect::child_env())
+            .env("RSB_STATE_DIR", &self.state_dir)
+            .stdin(std::process::Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out);
+        // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn()?;
+        let pid = child.id();
+        let _ = self.exec(
+            "UPDATE transfer_tasks SET pid = ?1, owner_start = ?2 WHERE id = ?3",
+            params![pid as i64, process_start(pid), id],
+        );
+        // Reaped here while this server lives (a zombie would read as dead anyway); once the
+        // server exits, init adopts the worker.
+        std::thread::Builder::new()
+            .name(format!("rsb-transfer-{id}-reaper"))
+            .spawn(move || {
+                let _ = child.wait();
+            })?;
+        Ok(pid)
+    }
+
+    #[allow(clippy::too_many_arguments)]
     async fn run_task(
         self: &Arc<Self>,
         id: i64,
         pool: Arc<Pool>,
         sandbox: String,
         spec: SyncSpec,
+        opts: RunOptions,
         cancel: CancellationToken,
         log: PathBuf,
     ) {
@@ -394,7 +598,8 @@ impl Transfers {
                 }
             })
         };
-        let res = crate::ops::sync::run(&pool, &sandbox, &spec, Some(cb), &cancel).await;
+        let res =
+            crate::ops::sync::run_with(&pool, &sandbox, &spec, &opts, Some(cb), &cancel).await;
         writer.abort();
         let end = now();
         let p = shared.lock().0.clone();
@@ -439,23 +644,78 @@ impl Transfers {
         }
     }
 
+    /// The last-synced content of (local root, sandbox, remote root), if any.
+    pub fn load_baseline(
+        &self,
+        local: &str,
+        sandbox: &str,
+        remote: &str,
+    ) -> Option<HashMap<String, [u8; 32]>> {
+        let json: String = self
+            .db
+            .lock()
+            .query_row(
+                "SELECT entries_json FROM sync_baselines
+                 WHERE local_root = ?1 AND sandbox_name = ?2 AND remote_root = ?3",
+                params![local, sandbox, remote],
+                |r| r.get(0),
+            )
+            .optional()
+            .ok()??;
+        let hexes: HashMap<String, String> = serde_json::from_str(&json).ok()?;
+        Some(
+            hexes
+                .into_iter()
+                .filter_map(|(k, v)| Some((k, unhex(&v)?)))
+                .collect(),
+        )
+    }
+
+    pub fn save_baseline(
+        &self,
+        local: &str,
+        sandbox: &str,
+        remote: &str,
+        entries: &HashMap<String, [u8; 32]>,
+    ) -> Result<()> {
+        let hexes: HashMap<&str, String> = entries
+            .iter()
+            .map(|(k, h)| (k.as_str(), h.iter().map(|b| format!("{b:02x}")).collect()))
+            .collect();
+        let json = serde_json::to_string(&hexes).map_err(db_err)?;
+        self.exec(
+            "INSERT INTO sync_baselines (local_root, sandbox_name, remote_root, entries_json,
+               updated_ts) VALUES (?1, ?2, ?3, ?4, ?5)
+             ON CONFLICT(local_root, sandbox_name, remote_root) DO UPDATE SET
+               entries_json = excluded.entries_json, updated_ts = excluded.updated_ts",
+            params![local, sandbox, remote, json, now() as i64],
+        )
+    }
+
     fn is_live(&self, id: i64) -> bool {
         self.live.lock().contains_key(&id)
     }
 
     /// Mark a queued/running task whose owner is gone as `interrupted`; returns the new status.
     fn settle(&self, id: i64, row: &mut Row) {
-        if is_terminal(&row.status) || self.is_live(id) {
+        if is_terminal(&row.status) || self.is_live(id) || self.spawning.lock().contains(&id) {
             return;
         }
         let mine = row.pid == std::process::id() as i64 && row.owner_start == self.my_start;
         if !mine && pid_alive(row.pid, &row.owner_start) {
             return;
         }
-        let msg = format!(
-            "the rsb server that ran this transfer (pid {}) exited before it finished",
-            row.pid
-        );
+        let msg = if row.in_process {
+            format!(
+                "the rsb server that ran this transfer (pid {}) exited before it finished",
+                row.pid
+            )
+        } else {
+            format!(
+                "the transfer worker (pid {}) exited before it finished",
+                row.pid
+            )
+        };
         let ts = now();
         let mut prog: Value = serde_json::from_str(&row.progress_json).unwrap_or(json!({}));
         prog["phase"] = json!("interrupted");
@@ -527,8 +787,113 @@ impl Transfers {
         if let Some(mut rx) = rx {
             let _ = tokio::time::timeout(timeout, rx.wait_for(|d| *d)).await;
         }
-        let row = self.row(id).ok().flatten()?;
-        is_terminal(&row.status).then_some(row.status)
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let mut row = self.row(id).ok().flatten()?;
+            self.settle(id, &mut row);
+            if is_terminal(&row.status) {
+                return Some(row.status);
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// `rsb transfer run <id>`: the detached worker. Claims the queued task, connects with the
+    /// persisted sandbox definition, runs the sync and records its end. SIGTERM (what cancel
+    /// sends) and the record's cancel flag both stop it cleanly.
+    pub async fn run_worker(self: &Arc<Self>, id: i64) -> std::result::Result<(), String> {
+        use crate::watchdog::sandboxes;
+        let me = std::process::id() as i64;
+        let (sandbox, spec_json, log_file): (String, String, String) = self
+            .db
+            .lock()
+            .query_row(
+                "SELECT sandbox_name, spec_json, log_file FROM transfer_tasks WHERE id = ?1",
+                params![id],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .optional()
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| format!("unknown transfer task id: {id}"))?;
+        let claimed = self
+            .db
+            .lock()
+            .execute(
+                "UPDATE transfer_tasks SET pid = ?1, owner_start = ?2, in_process = 0
+                 WHERE id = ?3 AND status = 'queued'",
+                params![me, self.my_start, id],
+            )
+            .map_err(|e| e.to_string())?;
+        if claimed == 0 {
+            return Err(format!("transfer task {id} is not queued"));
+        }
+        let log = PathBuf::from(log_file);
+        let fail = |this: &Self, msg: String| {
+            let ts = now();
+            let _ = this.exec(
+                "UPDATE transfer_tasks SET status = 'failed', finished_ts = ?1, updated_ts = ?1,
+                   last_error = ?2, progress_json = json_set(progress_json, '$.phase', 'failed')
+                 WHERE id = ?3",
+                params![ts, msg, id],
+            );
+            append_log(&log, &format!("[transfer] task={id} failed: {msg}"));
+            msg
+        };
+        let spec: TaskSpec = match serde_json::from_str(&spec_json) {
+            Ok(s) => s,
+            Err(e) => return Err(fail(self, format!("unreadable task record: {e}"))),
+        };
+        let def = match sandboxes::load(&self.db.lock(), &sandbox) {
+            Ok(Some(d)) => d,
+            _ => {
+                return Err(fail(
+                    self,
+                    format!("sandbox '{sandbox}' is not stored in the state dir"),
+                ));
+            }
+        };
+        let cfg = match def.to_config(sandboxes::read_secrets(&self.state_dir).get(&sandbox)) {
+            Ok(c) => c,
+            Err(msg) => return Err(fail(self, msg)),
+        };
+        let config = crate::config::Config {
+            sandboxes: vec![cfg],
+            expose_advanced_tools: false,
+            inline_sync_max_files: crate::config::DEFAULT_INLINE_SYNC_MAX_FILES,
+            inline_sync_max_bytes: crate::config::DEFAULT_INLINE_SYNC_MAX_BYTES,
+            state_dir: self.state_dir.clone(),
+            source: "transfer worker".into(),
+            warnings: Vec::new(),
+        };
+        let pool = Arc::new(Pool::new(Arc::new(config)));
+        let cancel = CancellationToken::new();
+        let on_term = {
+            let cancel = cancel.clone();
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+                    .map_err(|e| fail(self, format!("cannot handle SIGTERM: {e}")))?;
+            tokio::spawn(async move {
+                if term.recv().await.is_some() {
+                    cancel.cancel();
+                }
+            })
+        };
+        self.run_task(
+            id,
+            pool.clone(),
+            sandbox,
+            spec.to_spec(),
+            spec.options(),
+            cancel,
+            log,
+        )
+        .await;
+        on_term.abort();
+        pool.shutdown().await;
+        Ok(())
     }
 
     /// `cancel_file_transfer_task`: stop the task (cooperatively, then by aborting it after
@@ -594,18 +959,48 @@ impl Transfers {
             }
             return Ok(v);
         }
-        // Owned by another live rsb server: raise the flag it polls, and wait for it.
+        // A worker (or another live server's task): raise the flag it polls, signal a worker,
+        // and wait for it to record its end.
         self.exec(
             "UPDATE transfer_tasks SET cancel_requested = 1, updated_ts = ?1 WHERE id = ?2",
             params![now(), id],
         )?;
+        let worker = !row.in_process && pid_alive(row.pid, &row.owner_start);
+        if worker {
+            signal(row.pid, libc::SIGTERM);
+        }
         let deadline = tokio::time::Instant::now() + grace.max(Duration::from_secs(2));
         loop {
-            let r = self.row(id)?.ok_or_else(|| Self::unknown(id))?;
+            let mut r = self.row(id)?.ok_or_else(|| Self::unknown(id))?;
+            self.settle(id, &mut r);
             if is_terminal(&r.status) {
-                return Ok(json!({"task_id": id, "status": r.status, "terminated": true}));
+                let mut v = json!({"task_id": id, "status": r.status, "terminated": true});
+                if r.status != "cancelled" {
+                    v["already_finished"] = json!(true);
+                }
+                return Ok(v);
             }
             if tokio::time::Instant::now() >= deadline {
+                if worker && pid_alive(r.pid, &r.owner_start) {
+                    signal(r.pid, libc::SIGKILL);
+                    let ts = now();
+                    let _ = self.exec(
+                        "UPDATE transfer_tasks SET status = 'cancelled', finished_ts = ?1,
+                           updated_ts = ?1,
+                           progress_json = json_set(progress_json, '$.phase', 'cancelled')
+                         WHERE id = ?2 AND status IN ('queued','running')",
+                        params![ts, id],
+                    );
+                    append_log(
+                        Path::new(&r.log_file),
+                        &format!(
+                            "[transfer] task={id} cancelled (worker killed after {force_kill_after_s}s)"
+                        ),
+                    );
+                    return Ok(json!({
+                        "task_id": id, "status": "cancelled", "terminated": true, "force_killed": true,
+                    }));
+                }
                 return Ok(json!({
                     "task_id": id,
                     "status": r.status,
@@ -613,7 +1008,31 @@ impl Transfers {
                     "error": format!("the task belongs to another rsb server (pid {}); it was asked to stop", r.pid),
                 }));
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn unhex(s: &str) -> Option<[u8; 32]> {
+    let b = s.as_bytes();
+    if b.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(std::str::from_utf8(&b[2 * i..2 * i + 2]).ok()?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// Send `sig` to a worker whose identity was just checked.
+fn signal(pid: i64, sig: libc::c_int) {
+    if let Ok(pid) = libc::pid_t::try_from(pid)
+        && pid > 0
+    {
+        // SAFETY: kill has no memory effects; a vanished pid yields ESRCH, ignored.
+        unsafe {
+            libc::kill(pid, sig);
         }
     }
 }

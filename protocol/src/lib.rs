@@ -152,7 +152,7 @@ call!(ManifestRequest, Manifest, "manifest" => Manifest(ManifestSummary));
 call!(BlockHashesRequest, BlockHashes, "block_hashes" => BlockHashes(BlockHashesResult));
 call!(ApplyOpenRequest, ApplyOpen, "apply_open" => ApplyOpened(ApplyOpened));
 call!(ApplyRequest, Apply, "apply" => Applied(ApplyResult));
-call!(ApplyCloseRequest, ApplyClose, "apply_close" => Done);
+call!(ApplyCloseRequest, ApplyClose, "apply_close" => Applied(ApplyResult));
 call!(ApplyAbortRequest, ApplyAbort, "apply_abort" => Done);
 
 /// Echoed back unchanged: a round trip through the agent's loop (liveness, latency).

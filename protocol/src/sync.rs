@@ -156,10 +156,14 @@ pub struct ApplyRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ApplyResult {
     pub applied: u32,
+    /// Problems that did not fail the request (from `ApplyClose`: the mtime of a directory
+    /// this user does not own, which only its owner may set).
+    pub warnings: Vec<String>,
 }
 
 /// Finish a session after its last `Apply`: restore directory modes and mtimes, remove the
-/// staging directory.
+/// staging directory. Replies with an [`ApplyResult`] whose `warnings` say what could not be
+/// restored on directories owned by someone else.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ApplyCloseRequest {
     pub session: u64,

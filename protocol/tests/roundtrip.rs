@@ -259,7 +259,10 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             root: "/r".into(),
             stale_cleaned: 2,
         }),
-        Reply::Applied(ApplyResult { applied: 7 }),
+        Reply::Applied(ApplyResult {
+            applied: 7,
+            warnings: vec!["w".into()],
+        }),
         Reply::Done,
         Reply::Error(AgentError::new(ErrorCode::NotFound, "nope")),
     ];
@@ -522,7 +525,13 @@ fn each_call_unwraps_only_its_own_reply() {
                 ApplyOpenRequest::from_reply(reply("apply_opened")).unwrap(),
             ),
             Request::Apply(q) => check(q, ApplyRequest::from_reply(reply("applied")).unwrap()),
-            Request::ApplyClose(q) => check(q, ()),
+            Request::ApplyClose(q) => check(
+                q,
+                ApplyResult {
+                    applied: 0,
+                    warnings: vec![],
+                },
+            ),
             Request::ApplyAbort(q) => check(q, ()),
         }
     }

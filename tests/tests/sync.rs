@@ -1023,3 +1023,140 @@ async fn mcp_sync_tools_inline_background_and_errors() {
     );
     let _ = mcp.svc.cancel().await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Commit by descriptor (issue 14 case 3)
+// ---------------------------------------------------------------------------------------------
+
+/// Someone who can write the destination directory swaps the staging directory for a link to
+/// their own directory while a sync runs: the sync stops with a clear error, and every file
+/// it committed holds the source's bytes (nothing staged in their directory is ever renamed
+/// into place).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swapped_staging_directory_aborts_the_sync() {
+    let sshd = Sshd::start().unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("many");
+    let body = |i: usize| format!("real {i}\n").repeat(400);
+    for i in 0..1500 {
+        write(&src.join(format!("f{i:04}")), body(i).as_bytes());
+    }
+    let pool = pool_with(
+        &sshd,
+        proxy.port(),
+        &tmp.path().join("state"),
+        1 << 20,
+        1 << 40,
+    );
+    let dest = remote(&sshd, "shared");
+    std::fs::create_dir_all(&dest).unwrap();
+    chmod(&dest, 0o777);
+    proxy.set_delay(Duration::from_millis(2));
+    let sp = spec(Direction::Upload, &src, "shared", false, &[]);
+    let run = {
+        let pool = pool.clone();
+        tokio::spawn(
+            async move { ops::run(&pool, "s", &sp, None, &CancellationToken::new()).await },
+        )
+    };
+    // The staging directory appears once the first batch arrives.
+    let t0 = Instant::now();
+    let staging = loop {
+        let found = std::fs::read_dir(&dest).unwrap().flatten().find(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .starts_with(".rsb-sync-staging-")
+        });
+        if let Some(e) = found {
+            break e.path();
+        }
+        assert!(
+            !run.is_finished(),
+            "the sync ended before its staging was seen"
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no staging directory"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let evil = dest.join("evil");
+    std::fs::create_dir_all(&evil).unwrap();
+    for i in 0..20 {
+        write(&evil.join(format!("f{i}")), b"substituted\n");
+    }
+    std::fs::rename(&staging, dest.join("moved-away")).unwrap();
+    std::os::unix::fs::symlink(&evil, &staging).unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(120), run)
+        .await
+        .expect("the sync ends")
+        .unwrap()
+        .expect_err("a tampered staging directory must fail the sync");
+    println!("tampered: {}", e.message);
+    assert!(e.message.contains("tampered"), "{}", e.message);
+    let mut committed = 0;
+    for entry in std::fs::read_dir(&dest).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(i) = name.strip_prefix('f').and_then(|n| n.parse::<usize>().ok()) {
+            assert_eq!(
+                std::fs::read_to_string(entry.path()).unwrap(),
+                body(i),
+                "{name} holds someone else's bytes"
+            );
+            committed += 1;
+        }
+    }
+    assert!(committed < 1500, "the sync went on after the swap");
+    // Their directory got nothing of ours.
+    assert_eq!(std::fs::read_dir(&evil).unwrap().count(), 20);
+    pool.shutdown().await;
+}
+
+/// Issue 14 case 7: a first sync into a directory this user may write but does not own commits
+/// every file, and the root's mtime (which only its owner may set) is a warning, not a failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_owned_by_someone_else_gets_a_warning_not_a_failure() {
+    let sshd = Sshd::start().unwrap();
+    let Some((user, pw)) = sshd.password_user() else {
+        eprintln!("SKIP: not root, so there is no second user to sync as");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    chmod(tmp.path(), 0o755);
+    let shared = tmp.path().join("shared");
+    std::fs::create_dir_all(&shared).unwrap();
+    chmod(&shared, 0o777);
+    let src = tmp.path().join("src");
+    for i in 0..3 {
+        write(&src.join(format!("f{i}")), format!("{i}\n").as_bytes());
+    }
+    let mut t = target(
+        &sshd,
+        sshd.port(),
+        rsb::config::Auth::Password(secret(&pw)),
+        &tmp.path().join("known_hosts"),
+    );
+    t.user = user;
+    let pool = pool_of(vec![sandbox("s", t)], &tmp.path().join("state"));
+    let sp = spec(
+        Direction::Upload,
+        &src,
+        shared.to_str().unwrap(),
+        false,
+        &[],
+    );
+    let r = sync(&pool, &sp)
+        .await
+        .expect("the files are committed: no failure");
+    assert_eq!(r.files_transferred, 3);
+    assert_eq!(r.warnings.len(), 1, "{:?}", r.warnings);
+    assert!(
+        r.warnings[0].starts_with("could not set the mtime of .: it belongs to uid 0"),
+        "{}",
+        r.warnings[0]
+    );
+    assert!(r.to_json()["warnings"].is_array());
+    assert_eq!(std::fs::read_to_string(shared.join("f2")).unwrap(), "2\n");
+    pool.shutdown().await;
+}

@@ -22,6 +22,9 @@
 
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::{self, File, OpenOptions, Permissions};
+use std::os::fd::OwnedFd;
+
+use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
 use std::io::ErrorKind;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -313,7 +316,7 @@ pub async fn apply_close(
     sessions: &Sessions,
     req: ApplyCloseRequest,
     cancel: &CancellationToken,
-) -> Result<(), AgentError> {
+) -> Result<ApplyResult, AgentError> {
     let entry = sessions.lookup(req.session)?;
     let turn = entry.turn(req.seq, cancel).await?;
     let guard = tokio::select! {
@@ -395,13 +398,29 @@ fn open(req: &ApplyOpenRequest) -> Result<Session, AgentError> {
             Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
             Err(e) => return Err(io(&e, "create staging in", &shown)),
         }
-        let lock = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(staging.join(LOCK_NAME))
-            .map_err(|e| io(&e, "create staging lock in", &shown))?;
+        // From here on the staging directory is used only through this descriptor (and the
+        // root's): a directory swapped in at its path by someone else is never written to.
+        let staging_fd = rfs::open(
+            &staging,
+            OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| io(&e.into(), "open staging in", &shown))?;
+        let root_fd = rfs::open(
+            &root,
+            OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| io(&e.into(), "open", &shown))?;
+        let st = rfs::fstat(&staging_fd).map_err(|e| io(&e.into(), "stat staging in", &shown))?;
+        let lock = rfs::openat(
+            &staging_fd,
+            LOCK_NAME,
+            OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+        .map(File::from)
+        .map_err(|e| io(&e.into(), "create staging lock in", &shown))?;
         // A concurrent `ApplyOpen` may have taken this brand-new directory for stale (it can
         // lock the file before we do) and removed it: then start over under a new name.
         if !try_lock(&lock) || lock.metadata().map(|m| m.nlink()).unwrap_or(0) == 0 {
@@ -411,7 +430,11 @@ fn open(req: &ApplyOpenRequest) -> Result<Session, AgentError> {
             id,
             stale_cleaned,
             root: root.clone(),
+            staging_name: format!("{STAGING_PREFIX}{id}"),
             staging,
+            staging_fd,
+            root_fd,
+            staging_id: (st.st_dev as u64, st.st_ino as u64),
             lock: Some(lock),
             closed: false,
             next_name: 0,
@@ -497,7 +520,8 @@ pub(crate) fn clean_stale(root: &Path) -> u32 {
 // The session
 
 struct Staged {
-    path: PathBuf,
+    /// Name inside the staging directory (always reached through its descriptor).
+    name: String,
     file: Option<File>,
     /// Hash of the bytes written so far, while every write has continued the previous one
     /// from offset 0 (the common case: no re-read is needed to verify).
@@ -509,7 +533,8 @@ struct Staged {
 struct Commit {
     op: usize,
     rel: String,
-    staged: PathBuf,
+    /// Name inside the staging directory.
+    staged: String,
     file: File,
     target: PathBuf,
     hash: [u8; 32],
@@ -523,6 +548,13 @@ struct Session {
     stale_cleaned: u32,
     root: PathBuf,
     staging: PathBuf,
+    staging_name: String,
+    /// The staging directory and the root, opened once: staged files are created, renamed
+    /// and removed relative to these, never by path.
+    staging_fd: OwnedFd,
+    root_fd: OwnedFd,
+    /// `(dev, inode)` of the staging directory, checked before every commit.
+    staging_id: (u64, u64),
     lock: Option<File>,
     closed: bool,
     next_name: u64,
@@ -544,9 +576,43 @@ impl Session {
         }
     }
 
-    fn staged_name(&mut self, prefix: char) -> PathBuf {
+    fn staged_name(&mut self, prefix: char) -> String {
         self.next_name += 1;
-        self.staging.join(format!("{prefix}{}", self.next_name))
+        format!("{prefix}{}", self.next_name)
+    }
+
+    fn unlink_staged(&self, name: &str) {
+        let _ = rfs::unlinkat(&self.staging_fd, name, AtFlags::empty());
+    }
+
+    /// The staging directory is still ours and still the one at its path: owned by us, mode
+    /// 0700, same device and inode. Anything else means someone swapped it; the sync stops.
+    // `st_dev`/`st_ino` are not u64 on every target.
+    #[allow(clippy::unnecessary_cast)]
+    fn staging_ok(&self) -> Result<(), AgentError> {
+        let swapped = |why: String| {
+            err(
+                ErrorCode::PermissionDenied,
+                format!(
+                    "the staging directory {} in {} was tampered with ({why}); sync aborted, nothing more was committed. Another user can write this directory: sync into one only you can write",
+                    self.staging_name,
+                    path_string(&self.root)
+                ),
+            )
+        };
+        let held = rfs::fstat(&self.staging_fd).map_err(|e| swapped(format!("stat: {e}")))?;
+        if held.st_uid != rustix::process::geteuid().as_raw() || held.st_mode & 0o077 != 0 {
+            return Err(swapped("owner or mode changed".into()));
+        }
+        match rfs::statat(
+            &self.root_fd,
+            self.staging_name.as_str(),
+            AtFlags::SYMLINK_NOFOLLOW,
+        ) {
+            Ok(at) if (at.st_dev as u64, at.st_ino as u64) == self.staging_id => Ok(()),
+            Ok(_) => Err(swapped("another directory or a link is at its path".into())),
+            Err(e) => Err(swapped(format!("{e} at its path"))),
+        }
     }
 
     fn run(
@@ -588,7 +654,10 @@ impl Session {
             }
         }
         self.flush(n)?;
-        Ok(ApplyResult { applied: n as u32 })
+        Ok(ApplyResult {
+            applied: n as u32,
+            warnings: Vec::new(),
+        })
     }
 
     fn op(&mut self, i: usize, op: ApplyOp, dirs: &mut HashSet<String>) -> Result<(), AgentError> {
@@ -738,12 +807,16 @@ impl Session {
             ));
         }
         let tmp = self.staged_name('l');
-        std::os::unix::fs::symlink(target, &tmp).map_err(|e| io(&e, "symlink", rel))?;
-        if let Err(e) = fs::rename(&tmp, &path) {
-            let _ = fs::remove_file(&tmp);
-            return Err(io(&e, "symlink", rel));
+        rfs::symlinkat(target, &self.staging_fd, tmp.as_str())
+            .map_err(|e| io(&e.into(), "symlink", rel))?;
+        let moved = self.staging_ok().and_then(|()| {
+            rfs::renameat(&self.staging_fd, tmp.as_str(), &self.root_fd, rel)
+                .map_err(|e| io(&e.into(), "symlink", rel))
+        });
+        if moved.is_err() {
+            self.unlink_staged(&tmp);
         }
-        Ok(())
+        moved
     }
 
     fn file_base(&mut self, rel: &str, dirs: &mut HashSet<String>) -> Result<(), AgentError> {
@@ -761,16 +834,23 @@ impl Session {
         }
         self.drop_staged(rel);
         let staged = self.staged_name('f');
-        let copied = fs::copy(&path, &staged)
-            .and_then(|_| fs::set_permissions(&staged, Permissions::from_mode(0o600)));
+        let copied = File::open(&path).and_then(|mut from| {
+            let mut to = File::from(rfs::openat(
+                &self.staging_fd,
+                staged.as_str(),
+                OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o600),
+            )?);
+            std::io::copy(&mut from, &mut to)
+        });
         if let Err(e) = copied {
-            let _ = fs::remove_file(&staged);
+            self.unlink_staged(&staged);
             return Err(io(&e, "copy", rel));
         }
         self.staged.insert(
             rel.to_string(),
             Staged {
-                path: staged,
+                name: staged,
                 file: None,
                 seq: None,
                 seq_len: 0,
@@ -789,26 +869,32 @@ impl Session {
             self.open_files = 0;
         }
         if !self.staged.contains_key(rel) {
-            let path = self.staged_name('f');
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&path)?;
+            let name = self.staged_name('f');
+            let file = File::from(rfs::openat(
+                &self.staging_fd,
+                name.as_str(),
+                OFlags::RDWR | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::from_raw_mode(0o600),
+            )?);
             self.open_files += 1;
             self.staged.insert(
                 rel.to_string(),
                 Staged {
-                    path,
+                    name,
                     file: Some(file),
                     seq: Some(blake3::Hasher::new()),
                     seq_len: 0,
                 },
             );
         } else if needs_open {
+            let fd = &self.staging_fd;
             let s = self.staged.get_mut(rel).expect("checked above");
-            s.file = Some(OpenOptions::new().read(true).write(true).open(&s.path)?);
+            s.file = Some(File::from(rfs::openat(
+                fd,
+                s.name.as_str(),
+                OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )?));
             self.open_files += 1;
         }
         Ok(self.staged.get_mut(rel).expect("inserted above"))
@@ -819,7 +905,7 @@ impl Session {
             if s.file.is_some() {
                 self.open_files -= 1;
             }
-            let _ = fs::remove_file(&s.path);
+            self.unlink_staged(&s.name);
         }
     }
 
@@ -894,11 +980,11 @@ impl Session {
         let s = self.staged_file(rel).map_err(|e| io(&e, "write", rel))?;
         let file = s.file.take().expect("opened by staged_file");
         let seq = s.seq.take().filter(|_| s.seq_len == size);
-        let staged = s.path.clone();
+        let staged = s.name.clone();
         self.staged.remove(rel);
         self.open_files -= 1;
         let cleanup = |e: AgentError| {
-            let _ = fs::remove_file(&staged);
+            self.unlink_staged(&staged);
             e
         };
         file.set_len(size)
@@ -939,16 +1025,25 @@ impl Session {
         let mut failure = None;
         for (c, synced) in pending.into_iter().zip(synced) {
             if failure.is_some() {
-                let _ = fs::remove_file(&c.staged);
+                self.unlink_staged(&c.staged);
                 continue;
             }
-            let done = synced.map_err(|e| io(&e, "write", &c.rel)).and_then(|()| {
-                fs::rename(&c.staged, &c.target).map_err(|e| io(&e, "commit", &c.rel))
-            });
+            let done = synced
+                .map_err(|e| io(&e, "write", &c.rel))
+                .and_then(|()| self.staging_ok())
+                .and_then(|()| {
+                    rfs::renameat(
+                        &self.staging_fd,
+                        c.staged.as_str(),
+                        &self.root_fd,
+                        c.rel.as_str(),
+                    )
+                    .map_err(|e| io(&e.into(), "commit", &c.rel))
+                });
             match done {
                 Ok(()) => self.remember(&c),
                 Err(e) => {
-                    let _ = fs::remove_file(&c.staged);
+                    self.unlink_staged(&c.staged);
                     failure = Some(at_op(e, c.op, n));
                 }
             }
@@ -1029,11 +1124,13 @@ impl Session {
         Ok(())
     }
 
-    fn close(&mut self, dir_mtimes: &[(String, i64)]) -> Result<(), AgentError> {
+    fn close(&mut self, dir_mtimes: &[(String, i64)]) -> Result<ApplyResult, AgentError> {
         if self.closed {
             return Err(err(ErrorCode::NotFound, "the sync session is closed"));
         }
         let mut errors = Vec::new();
+        let mut warnings = Vec::new();
+        let me = rustix::process::geteuid().as_raw();
         if let Err(e) = self.flush(0) {
             errors.push(e.message);
         }
@@ -1065,7 +1162,17 @@ impl Session {
             match fs::symlink_metadata(&path) {
                 Ok(m) if m.is_dir() => {
                     if let Err(e) = set_mtime(&path, *mtime, true) {
-                        errors.push(io(&e, "set mtime of", shown).message);
+                        // Only a directory's owner may set its times: on one that is not ours
+                        // (a shared directory we may write) the files are in, so say so and
+                        // go on.
+                        if e.kind() == ErrorKind::PermissionDenied && m.uid() != me {
+                            warnings.push(format!(
+                                "could not set the mtime of {shown}: it belongs to uid {}, not to this user (the files were committed)",
+                                m.uid()
+                            ));
+                        } else {
+                            errors.push(io(&e, "set mtime of", shown).message);
+                        }
                     }
                 }
                 Ok(_) => errors.push(format!("set mtime of {shown}: not a directory")),
@@ -1075,7 +1182,10 @@ impl Session {
         }
         cache::record(&self.root, &std::mem::take(&mut self.committed));
         match errors.len() {
-            0 => Ok(()),
+            0 => Ok(ApplyResult {
+                applied: 0,
+                warnings,
+            }),
             1 => Err(err(ErrorCode::Io, errors.remove(0))),
             k => Err(err(
                 ErrorCode::Io,
@@ -1099,7 +1209,20 @@ impl Session {
         self.staged.clear();
         self.pending.clear();
         self.open_files = 0;
-        let _ = fs::remove_dir_all(&self.staging);
+        if self.staging_ok().is_ok() {
+            let _ = fs::remove_dir_all(&self.staging);
+        } else {
+            // Not ours at that path any more: empty our own directory through its descriptor
+            // and leave the path alone.
+            if let Ok(dir) = rfs::Dir::read_from(&self.staging_fd) {
+                for e in dir.flatten() {
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if name != "." && name != ".." {
+                        self.unlink_staged(&name);
+                    }
+                }
+            }
+        }
         self.lock = None;
     }
 }

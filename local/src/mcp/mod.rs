@@ -55,7 +55,7 @@ impl RsbServer {
             + Self::exec_router()
             + Self::jobs_router()
             + Self::files_router()
-            + Self::sync_router();
+            + Self::sync_tools();
         // Advanced tools stay out of the default list: every listed byte is context the
         // client pays on each session.
         if advanced {

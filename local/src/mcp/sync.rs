@@ -52,7 +52,7 @@ pub struct SyncUpParams {
     pub remote_path: String,
     #[serde(default)]
     pub delete_extras: bool,
-    /// gitignore patterns.
+    // gitignore patterns (the tool description says so; no schema text).
     #[serde(default)]
     #[schemars(schema_with = "excludes_schema")]
     pub excludes: Option<Value>,
@@ -60,6 +60,14 @@ pub struct SyncUpParams {
     pub exclude_file: Option<String>,
     #[serde(default)]
     pub sandbox_name: String,
+    #[serde(default)]
+    pub dry_run: bool,
+    #[serde(default)]
+    pub overwrite: bool,
+    #[serde(default)]
+    pub safe: bool,
+    #[serde(default)]
+    pub confirm_delete: bool,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -76,6 +84,12 @@ pub struct SyncDownParams {
     pub exclude_file: Option<String>,
     #[serde(default)]
     pub sandbox_name: String,
+    #[serde(default)]
+    pub dry_run: bool,
+    #[serde(default)]
+    pub overwrite: bool,
+    #[serde(default)]
+    pub safe: bool,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -134,13 +148,40 @@ fn args_up(p: SyncUpParams) -> Result<SyncArgs, RsbError> {
         excludes: ops::parse_excludes(p.excludes.as_ref())?,
         exclude_file: p.exclude_file,
         sandbox: p.sandbox_name,
+        dry_run: p.dry_run,
+        overwrite: p.overwrite,
+        safe: p.safe,
+        confirm_delete: p.confirm_delete,
     })
+}
+
+impl RsbServer {
+    /// The sync tools with compact schemas: no `$schema` line and no `false` default on rsb's
+    /// own flags (a missing flag is false), since every listed byte is context the client
+    /// pays for.
+    pub(super) fn sync_tools() -> rmcp::handler::server::router::tool::ToolRouter<Self> {
+        let mut r = Self::sync_router();
+        for route in r.map.values_mut() {
+            let mut schema = (*route.attr.input_schema).clone();
+            schema.remove("$schema");
+            if let Some(Value::Object(props)) = schema.get_mut("properties") {
+                // rsb's own flags; the seed's parameters keep their documented defaults.
+                for name in ["dry_run", "overwrite", "safe", "confirm_delete"] {
+                    if let Some(Value::Object(p)) = props.get_mut(name) {
+                        p.remove("default");
+                    }
+                }
+            }
+            route.attr.input_schema = Arc::new(schema);
+        }
+        r
+    }
 }
 
 #[tool_router(router = sync_router, vis = "pub(super)")]
 impl RsbServer {
     #[tool(
-        description = "Sync a local file/dir to the sandbox: exact (blake3), only changes, keeps modes and symlinks, atomic per file. gitignore-style excludes; defaults skip .git, node_modules, __pycache__, .idea, .vscode, *.pyc. Large syncs run in background (check_file_transfer_task)."
+        description = "Sync a local file/dir to the sandbox: exact (blake3), only changes, keeps modes/symlinks, atomic per file. gitignore-style excludes; defaults skip .git, node_modules, __pycache__, .idea, .vscode, *.pyc. Large plans run in background (check_file_transfer_task). Destination edits since the last sync are kept as conflicts unless overwrite."
     )]
     async fn sync_local_to_remote(
         &self,
@@ -178,6 +219,10 @@ impl RsbServer {
             excludes,
             exclude_file: p.exclude_file,
             sandbox: p.sandbox_name,
+            dry_run: p.dry_run,
+            overwrite: p.overwrite,
+            safe: p.safe,
+            confirm_delete: false,
         };
         let pool = self.pool.clone();
         let cancel = ctx.ct.clone();

@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use crate::{
     error::{Result, RsbError},
     pool::Pool,
-    sync::{self, Direction, ProgressFn, SyncReport, SyncRules, SyncSpec},
+    sync::{self, Direction, ProgressFn, RunOptions, SyncReport, SyncRules, SyncSpec},
 };
 
 /// The tools' arguments after JSON decoding (`excludes` already a list).
@@ -25,6 +25,38 @@ pub struct SyncArgs {
     pub excludes: Vec<String>,
     pub exclude_file: Option<String>,
     pub sandbox: String,
+    /// Plan only: report what would change, change nothing.
+    pub dry_run: bool,
+    /// Take the source's side of conflicts (MCP `overwrite`, CLI `--force`).
+    pub overwrite: bool,
+    /// First sync into a non-empty destination: differing files are conflicts (`--safe`).
+    pub safe: bool,
+    /// Confirms a `delete_extras` into `$HOME`/`/` or of more than half the destination.
+    pub confirm_delete: bool,
+}
+
+/// An inline sync still running after this long hands itself to a background worker.
+const HANDOFF_AFTER: std::time::Duration = std::time::Duration::from_secs(20);
+
+fn handoff_after() -> std::time::Duration {
+    std::env::var("RSB_SYNC_HANDOFF_S")
+        .ok()
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(std::time::Duration::from_secs_f64)
+        .unwrap_or(HANDOFF_AFTER)
+}
+
+/// An explicitly empty path is a mistake (an omitted one keeps the default): with
+/// `delete_extras` it once meant "the whole home", and as a source "the server's cwd".
+fn non_empty<'a>(name: &str, v: &'a str, default: &str) -> Result<&'a str> {
+    if v.trim().is_empty() {
+        return Err(RsbError::invalid(
+            format!("{name} is empty"),
+            format!("pass a path, or leave {name} out for the default {default:?}"),
+        ));
+    }
+    Ok(v)
 }
 
 /// `excludes` as the seed accepted it: a list of strings, null, or a JSON-encoded list in a
@@ -169,43 +201,52 @@ pub async fn run(
     progress: Option<ProgressFn>,
     cancel: &CancellationToken,
 ) -> Result<SyncReport> {
-    let (remote, local) = tokio::try_join!(pool.client(sandbox), pool.local_agent())?;
-    sync::run(&local, &remote, spec, progress, cancel).await
+    run_with(
+        pool,
+        sandbox,
+        spec,
+        &RunOptions::default(),
+        progress,
+        cancel,
+    )
+    .await
 }
 
-/// Files and bytes under a local root (after excludes), for the inline/background decision.
-async fn estimate(pool: &Pool, path: &Path, rules: &SyncRules) -> Result<(u64, u64)> {
-    let meta = std::fs::metadata(path).map_err(|e| RsbError::invalid(e.to_string(), ""))?;
-    if meta.is_file() {
-        return Ok((1, meta.len()));
-    }
-    let local = pool.local_agent().await?;
-    let (tx, mut rx) = tokio::sync::mpsc::channel(64);
-    let call = local.call_streaming(
-        rsb_protocol::ManifestRequest {
-            root: path.display().to_string(),
-            rules: rules.clone(),
-            hash: false,
-        },
-        tx,
+/// [`run`] with options, and the last-synced baseline of this pair of roots: loaded from the
+/// store for conflict detection, saved after a sync that completed.
+pub async fn run_with(
+    pool: &Pool,
+    sandbox: &str,
+    spec: &SyncSpec,
+    opts: &RunOptions,
+    progress: Option<ProgressFn>,
+    cancel: &CancellationToken,
+) -> Result<SyncReport> {
+    let (remote, local) = tokio::try_join!(pool.client(sandbox), pool.local_agent())?;
+    let key = (
+        spec.local_path.display().to_string(),
+        sandbox.to_string(),
+        sync::engine::anchor_home(&spec.remote_path),
     );
-    let count = async {
-        let (mut n, mut b) = (0u64, 0u64);
-        while let Some(c) = rx.recv().await {
-            if let rsb_protocol::Chunk::Manifest(es) = c {
-                for e in es {
-                    if e.kind == rsb_protocol::FileKind::File {
-                        n += 1;
-                        b += e.size;
-                    }
-                }
-            }
-        }
-        (n, b)
-    };
-    let (r, counts) = tokio::join!(call, count);
-    r?;
-    Ok(counts)
+    // Without a store the sync still runs (as before baselines existed): no conflicts.
+    let store = pool.transfers().ok();
+    let mut opts = opts.clone();
+    if opts.baseline.is_none()
+        && let Some(t) = &store
+    {
+        opts.baseline = t.load_baseline(&key.0, &key.1, &key.2).map(Arc::new);
+    }
+    let mut report = sync::run_with(&local, &remote, spec, progress, cancel, &opts).await?;
+    if let (Some(t), Some(b)) = (&store, report.baseline_out.take())
+        && !spec.dry_run
+        && !report.handed_off
+        && let Err(e) = t.save_baseline(&key.0, &key.1, &key.2, &b)
+    {
+        report
+            .warnings
+            .push(format!("the sync baseline was not saved: {}", e.message));
+    }
+    Ok(report)
 }
 
 /// Validate a local source the way the seed did, with its messages.
@@ -231,14 +272,83 @@ fn check_local_source(p: &Path) -> Result<std::fs::Metadata> {
     Ok(meta)
 }
 
-/// `sync_local_to_remote`: inline below the limits, else a background task.
+/// Run a sync for a tool call: inline when the plan is small (what must be sent, not the size
+/// of the tree), else as a background task; an inline sync still running after
+/// [`HANDOFF_AFTER`] is stopped (whole files already committed stay) and handed to a worker,
+/// which skips what is already there.
+async fn sync_for_tool(
+    pool: &Arc<Pool>,
+    sandbox: String,
+    spec: SyncSpec,
+    args: &SyncArgs,
+    progress: Option<ProgressFn>,
+    cancel: &CancellationToken,
+) -> Result<Value> {
+    let cfg = pool.config();
+    let (max_files, max_bytes) = (cfg.inline_sync_max_files, cfg.inline_sync_max_bytes);
+    let gate: sync::PlanGate = Arc::new(move |p: &sync::PlanSize| {
+        // Deleting is cheap per entry compared to sending a file.
+        p.files + p.deletions / 10 <= max_files && p.bytes <= max_bytes
+    });
+    let opts = RunOptions {
+        gate: (!spec.dry_run).then_some(gate),
+        confirm_delete: args.confirm_delete,
+        overwrite: args.overwrite,
+        safe: args.safe,
+        baseline: None,
+    };
+    let exclude_file = args
+        .exclude_file
+        .as_deref()
+        .filter(|f| !f.trim().is_empty())
+        .map(|f| expand_local(f).map(|p| p.display().to_string()))
+        .transpose()?
+        .unwrap_or_default();
+    let background = |reason: String| -> Result<Value> {
+        let mut v = pool.transfers()?.start(
+            pool.clone(),
+            sandbox.clone(),
+            spec.clone(),
+            &opts,
+            &args.excludes,
+            &exclude_file,
+        )?;
+        v["reason"] = Value::String(reason);
+        Ok(v)
+    };
+    let inline_cancel = cancel.child_token();
+    let work = run_with(pool, &sandbox, &spec, &opts, progress, &inline_cancel);
+    tokio::pin!(work);
+    let limit = handoff_after();
+    let report = tokio::select! {
+        r = &mut work => r?,
+        _ = tokio::time::sleep(limit), if !spec.dry_run => {
+            inline_cancel.cancel();
+            let _ = work.await;
+            return background(format!(
+                "still running after {}s inline; continued in the background (files already committed are kept)",
+                limit.as_secs_f64()
+            ));
+        }
+    };
+    if report.handed_off {
+        return background(format!(
+            "the plan sends {} files, {} bytes (inline limits: {max_files} files, {max_bytes} bytes)",
+            report.files_transferred, report.bytes_planned
+        ));
+    }
+    Ok(report.to_json())
+}
+
+/// `sync_local_to_remote`: inline when the plan is small, else a background task.
 pub async fn sync_local_to_remote(
     pool: &Arc<Pool>,
     args: SyncArgs,
     progress: Option<ProgressFn>,
     cancel: &CancellationToken,
 ) -> Result<Value> {
-    let local = expand_local(&args.local_path)?;
+    let local = expand_local(non_empty("local_path", &args.local_path, ".")?)?;
+    let remote_path = non_empty("remote_path", &args.remote_path, ".")?.to_string();
     let meta = check_local_source(&local)?;
     let rules = load_rules(&args.excludes, args.exclude_file.as_deref())?;
     if args.delete_extras && !meta.is_dir() {
@@ -248,67 +358,42 @@ pub async fn sync_local_to_remote(
         ));
     }
     let sandbox = pool.resolve(&args.sandbox)?;
-    let remote_path = if args.remote_path.trim().is_empty() {
-        ".".to_string()
-    } else {
-        args.remote_path.clone()
-    };
     let spec = SyncSpec {
         direction: Direction::Upload,
-        local_path: local.clone(),
+        local_path: local,
         remote_path,
         delete_extras: args.delete_extras,
-        rules: rules.clone(),
-        dry_run: false,
+        rules,
+        dry_run: args.dry_run,
     };
-    let cfg = pool.config();
-    let (files, bytes) = estimate(pool, &local, &rules).await?;
-    if files > cfg.inline_sync_max_files || bytes > cfg.inline_sync_max_bytes {
-        let exclude_file = args
-            .exclude_file
-            .as_deref()
-            .filter(|f| !f.trim().is_empty())
-            .map(|f| expand_local(f).map(|p| p.display().to_string()))
-            .transpose()?
-            .unwrap_or_default();
-        return pool
-            .transfers()?
-            .start(pool.clone(), sandbox, spec, &args.excludes, &exclude_file);
-    }
-    let report = run(pool, &sandbox, &spec, progress, cancel).await?;
-    Ok(report.to_json())
+    sync_for_tool(pool, sandbox, spec, &args, progress, cancel).await
 }
 
-/// `sync_remote_to_local`: always inline (as the seed), with progress.
+/// `sync_remote_to_local`: inline when the plan is small (as the seed, always with progress),
+/// else a background task.
 pub async fn sync_remote_to_local(
     pool: &Arc<Pool>,
     args: SyncArgs,
     progress: Option<ProgressFn>,
     cancel: &CancellationToken,
 ) -> Result<Value> {
-    let local_raw = if args.local_path.trim().is_empty() {
-        "./remote_mirror"
-    } else {
-        &args.local_path
-    };
-    let local = expand_local(local_raw)?;
+    let local = expand_local(non_empty(
+        "local_path",
+        &args.local_path,
+        "./remote_mirror",
+    )?)?;
+    let remote_path = non_empty("remote_path", &args.remote_path, ".")?.to_string();
     let rules = load_rules(&args.excludes, args.exclude_file.as_deref())?;
     let sandbox = pool.resolve(&args.sandbox)?;
-    let remote_path = if args.remote_path.trim().is_empty() {
-        ".".to_string()
-    } else {
-        args.remote_path.clone()
-    };
     let spec = SyncSpec {
         direction: Direction::Download,
         local_path: local,
         remote_path,
         delete_extras: args.delete_extras,
         rules,
-        dry_run: false,
+        dry_run: args.dry_run,
     };
-    let report = run(pool, &sandbox, &spec, progress, cancel).await?;
-    Ok(report.to_json())
+    sync_for_tool(pool, sandbox, spec, &args, progress, cancel).await
 }
 
 #[cfg(test)]

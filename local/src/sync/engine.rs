@@ -246,7 +246,7 @@ impl Session {
     }
 
     /// Finish the session after every batch (directory mtimes last).
-    async fn close(&self, dir_mtimes: Vec<(String, i64)>) -> Result<()> {
+    async fn close(&self, dir_mtimes: Vec<(String, i64)>) -> Result<rsb_protocol::ApplyResult> {
         let req = || ApplyCloseRequest {
             session: self.id,
             seq: self.seq(),
@@ -394,6 +394,36 @@ pub fn single_file_excluded(rules: &SyncRules, given: &str) -> Result<bool> {
 /// wherever the agent process happens to run.
 pub use rsb_rules::path::anchor_home;
 
+/// What a planned sync would send, for [`RunOptions::gate`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PlanSize {
+    /// Files and symlinks to write.
+    pub files: u64,
+    /// Bytes of the files to write (whole files; deltas send less).
+    pub bytes: u64,
+    /// Files and directories to delete.
+    pub deletions: u64,
+}
+
+/// Decides after the plan whether this call runs it (`true`) or hands it off (`false`: the
+/// report comes back with `handed_off` and nothing changed).
+pub type PlanGate = Arc<dyn Fn(&PlanSize) -> bool + Send + Sync>;
+
+/// Options beyond the [`SyncSpec`] (all off by default).
+#[derive(Clone, Default)]
+pub struct RunOptions {
+    pub gate: Option<PlanGate>,
+    /// Confirms a `delete_extras` the guards refuse: into `$HOME` or `/`, or deleting more
+    /// than half of the destination's files.
+    pub confirm_delete: bool,
+    /// The last-synced content of this pair of roots (`rel` → blake3), for conflicts.
+    pub baseline: Option<Arc<std::collections::HashMap<String, [u8; 32]>>>,
+    /// Take the source's side of conflicts.
+    pub overwrite: bool,
+    /// Without a baseline, treat differing destination files as conflicts.
+    pub safe: bool,
+}
+
 /// Run one sync. `local` is the local agent, `remote` the sandbox's; `spec.direction` decides
 /// which is the source.
 pub async fn run(
@@ -402,6 +432,26 @@ pub async fn run(
     spec: &SyncSpec,
     progress: Option<ProgressFn>,
     cancel: &CancellationToken,
+) -> Result<SyncReport> {
+    run_with(
+        local,
+        remote,
+        spec,
+        progress,
+        cancel,
+        &RunOptions::default(),
+    )
+    .await
+}
+
+/// [`run`] with [`RunOptions`].
+pub async fn run_with(
+    local: &AgentClient,
+    remote: &AgentClient,
+    spec: &SyncSpec,
+    progress: Option<ProgressFn>,
+    cancel: &CancellationToken,
+    opts: &RunOptions,
 ) -> Result<SyncReport> {
     let tracker = Arc::new(Tracker::new(progress));
     let local_str = spec.local_path.to_string_lossy().into_owned();
@@ -458,6 +508,9 @@ pub async fn run(
                         "remove it or rename it, or choose another destination",
                     ));
                 }
+                if spec.delete_extras && !opts.confirm_delete {
+                    refuse_home_delete(dst, &dst_given, &dst_shown, what_dst).await?;
+                }
                 let dst_fut = async {
                     if dst_kind.is_some() {
                         manifest(dst, &dst_given, &spec.rules).await.map(Some)
@@ -499,13 +552,29 @@ pub async fn run(
                         delete_extras: spec.delete_extras,
                         unreadable,
                         dest_name: roots.dst.clone(),
+                        confirm_delete: opts.confirm_delete,
+                        baseline: opts.baseline.clone(),
+                        overwrite: opts.overwrite,
+                        safe: opts.safe,
                     },
                 )?;
                 // The root's own mtime, when anything inside it changes (as rsync -a does).
                 if !plan.is_empty() {
                     plan.dir_mtimes.push((String::new(), src_stat.mtime_ns));
                 }
-                execute(src, dst, spec, &roots, plan, &tracker, &mut report, cancel).await
+                report.baseline_out = Some(baseline_after(&sents, &plan, opts));
+                execute(
+                    src,
+                    dst,
+                    spec,
+                    &roots,
+                    plan,
+                    &tracker,
+                    &mut report,
+                    cancel,
+                    opts,
+                )
+                .await
             }
             FileKind::File | FileKind::Symlink => {
                 report.synced_type = "file";
@@ -581,8 +650,29 @@ pub async fn run(
                     report.skipped_special = ssum.skipped_special_count;
                     return Ok(());
                 }
-                let plan = plan::plan(&sents, &rename(dents), &PlanOptions::default())?;
-                execute(src, dst, spec, &roots, plan, &tracker, &mut report, cancel).await
+                let plan = plan::plan(
+                    &sents,
+                    &rename(dents),
+                    &PlanOptions {
+                        baseline: opts.baseline.clone(),
+                        overwrite: opts.overwrite,
+                        safe: opts.safe,
+                        ..PlanOptions::default()
+                    },
+                )?;
+                report.baseline_out = Some(baseline_after(&sents, &plan, opts));
+                execute(
+                    src,
+                    dst,
+                    spec,
+                    &roots,
+                    plan,
+                    &tracker,
+                    &mut report,
+                    cancel,
+                    opts,
+                )
+                .await
             }
             other => Err(RsbError::invalid(
                 format!("{what_src} must be a file or directory: {src_shown} ({other:?})"),
@@ -599,6 +689,65 @@ pub async fn run(
     tmark(&tracker, "closed");
     tracker.phase(Phase::Complete);
     Ok(report)
+}
+
+/// The content both sides agree on after this plan runs: the source's files, except
+/// conflicts, which keep their old baseline (so they stay conflicts until resolved).
+fn baseline_after(
+    sents: &[ManifestEntry],
+    plan: &Plan,
+    opts: &RunOptions,
+) -> std::collections::HashMap<String, [u8; 32]> {
+    let conflicted: std::collections::HashSet<&str> =
+        plan.conflicts.iter().map(|c| c.rel.as_str()).collect();
+    let mut out = std::collections::HashMap::new();
+    for e in sents {
+        let Some(h) = e.hash.filter(|_| e.kind == FileKind::File) else {
+            continue;
+        };
+        if conflicted.contains(e.rel.as_str()) {
+            if let Some(old) = opts.baseline.as_ref().and_then(|b| b.get(&e.rel)) {
+                out.insert(e.rel.clone(), *old);
+            }
+        } else {
+            out.insert(e.rel.clone(), h);
+        }
+    }
+    out
+}
+
+/// `delete_extras` into the destination's `$HOME` or `/` needs `confirm_delete`: one
+/// mistyped path there would delete everything the source lacks.
+async fn refuse_home_delete(
+    dst: &AgentClient,
+    dst_given: &str,
+    dst_shown: &str,
+    what_dst: &str,
+) -> Result<()> {
+    let home = stat_opt(dst, "~").await?.map(|s| s.path);
+    let resolved = match dst_given {
+        "~" => home.clone().unwrap_or_default(),
+        g if g.starts_with("~/") => match &home {
+            Some(h) => format!("{}/{}", h.trim_end_matches('/'), &g[2..]),
+            None => g.to_string(),
+        },
+        g => g.to_string(),
+    };
+    let norm = rsb_rules::path::normalize(std::path::Path::new(&resolved));
+    let is_home = home
+        .as_deref()
+        .is_some_and(|h| rsb_rules::path::normalize(std::path::Path::new(h)) == norm);
+    if is_home || norm == std::path::Path::new("/") {
+        let which = if is_home { "the home directory" } else { "/" };
+        return Err(RsbError::invalid(
+            format!(
+                "delete_extras into {which} ({what_dst} {dst_shown:?} resolves to {}) is refused: it would delete everything there that the source lacks",
+                norm.display()
+            ),
+            "pass a subdirectory as the destination, or confirm_delete: true (CLI --confirm-delete) if you mean it",
+        ));
+    }
+    Ok(())
 }
 
 fn set_paths(report: &mut SyncReport, dir: Direction, src: &str, dst: &str) {
@@ -624,8 +773,14 @@ async fn execute(
     tracker: &Arc<Tracker>,
     report: &mut SyncReport,
     cancel: &CancellationToken,
+    opts: &RunOptions,
 ) -> Result<()> {
     report.skipped_files += plan.unchanged;
+    report.conflicts = plan
+        .conflicts
+        .iter()
+        .map(|c| (c.rel.clone(), c.source_hash, c.dest_hash))
+        .collect();
     report
         .errors
         .extend(plan.errors.iter().map(|e| format!("source {e}")));
@@ -636,6 +791,18 @@ async fn execute(
     report.deleted_dirs = plan.delete_dirs.len() as u64;
     report.delta_files = plan.files.iter().filter(|f| f.delta).count() as u64;
     report.bytes_planned = plan.bytes_total();
+    if let Some(gate) = &opts.gate {
+        let size = PlanSize {
+            files: report.files_transferred,
+            bytes: report.bytes_planned,
+            deletions: report.deleted_files + report.deleted_dirs,
+        };
+        if !spec.dry_run && !gate(&size) {
+            report.handed_off = true;
+            report.baseline_out = None;
+            return Ok(());
+        }
+    }
     if spec.dry_run {
         report.actions = plan.actions();
         return Ok(());
@@ -690,7 +857,9 @@ async fn execute(
         Ok(()) => {
             tmark(tracker, "transferred");
             guard.armed = false;
-            session.close(plan.dir_mtimes.clone()).await
+            let closed = session.close(plan.dir_mtimes.clone()).await?;
+            report.warnings.extend(closed.warnings);
+            Ok(())
         }
         Err(e) => {
             // Abort now, waiting a little (the agent lets the running batch finish); if that

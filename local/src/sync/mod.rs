@@ -18,6 +18,7 @@
 //! and symlinks whose content was already identical (by blake3), `attrs_updated` are entries
 //! whose mode or mtime alone was fixed.
 
+pub mod cli;
 pub mod engine;
 pub mod plan;
 pub mod watch;
@@ -27,7 +28,7 @@ use std::{path::PathBuf, sync::Arc};
 use serde::Serialize;
 use serde_json::{Value, json};
 
-pub use engine::run;
+pub use engine::{PlanGate, PlanSize, RunOptions, run, run_with};
 pub use rsb_protocol::SyncRules;
 pub use tokio_util::sync::CancellationToken;
 
@@ -148,6 +149,16 @@ pub struct SyncReport {
     pub actions: Vec<String>,
     /// Entries that could not be read on either side (`side rel: reason`).
     pub errors: Vec<String>,
+    /// Destination files changed since the last sync, left as they are:
+    /// `(rel, source blake3, destination blake3)`.
+    pub conflicts: Vec<(String, [u8; 32], [u8; 32])>,
+    /// The plan was handed off by [`engine::RunOptions::gate`]; nothing changed.
+    pub handed_off: bool,
+    /// What both sides agree on after this sync (`rel` → blake3), to store as the baseline.
+    /// `None` for a dry run, a handed-off plan, or where the sync did not finish.
+    pub baseline_out: Option<std::collections::HashMap<String, [u8; 32]>>,
+    /// Non-fatal problems after commit (e.g. the root's mtime on a directory not owned).
+    pub warnings: Vec<String>,
 }
 
 impl SyncReport {
@@ -198,8 +209,32 @@ impl SyncReport {
         if !self.errors.is_empty() {
             v["errors"] = json!(self.errors);
         }
+        if !self.conflicts.is_empty() {
+            v["conflicts"] = json!(
+                self.conflicts
+                    .iter()
+                    .take(100)
+                    .map(|(rel, s, d)| json!({
+                        "path": rel,
+                        "source_blake3": hex(s),
+                        "destination_blake3": hex(d),
+                    }))
+                    .collect::<Vec<_>>()
+            );
+            v["conflict_count"] = json!(self.conflicts.len());
+            v["conflict_hint"] = json!(
+                "these destination files changed since the last sync and were left as they are; pass overwrite: true (CLI --force) to take the source's side"
+            );
+        }
+        if !self.warnings.is_empty() {
+            v["warnings"] = json!(self.warnings);
+        }
         v
     }
+}
+
+fn hex(h: &[u8; 32]) -> String {
+    h.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 fn round3(x: f64) -> f64 {

@@ -45,6 +45,17 @@ pub struct Plan {
     pub unchanged: u64,
     /// Source entries that could not be used (no hash), as `rel: reason`.
     pub errors: Vec<String>,
+    /// Destination files changed since the last sync (or, with `safe`, differing on a first
+    /// sync): left as they are.
+    pub conflicts: Vec<Conflict>,
+}
+
+/// A destination file that someone else changed: the sync leaves it and reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Conflict {
+    pub rel: String,
+    pub source_hash: [u8; 32],
+    pub dest_hash: [u8; 32],
 }
 
 impl Plan {
@@ -105,7 +116,20 @@ pub struct PlanOptions {
     pub unreadable: Vec<String>,
     /// Shown in errors for the destination root.
     pub dest_name: String,
+    /// The user confirmed a delete the guard would refuse (more than half the destination).
+    pub confirm_delete: bool,
+    /// The last-synced content (`rel` → blake3) of this pair of roots, when there is one.
+    pub baseline: Option<std::sync::Arc<std::collections::HashMap<String, [u8; 32]>>>,
+    /// Take the source's side of every conflict.
+    pub overwrite: bool,
+    /// Without a baseline, treat every differing destination file as a conflict.
+    pub safe: bool,
 }
+
+/// The mass-delete guard refuses deleting more than this share of the destination's files…
+pub const MASS_DELETE_SHARE: f64 = 0.5;
+/// …when that is more than this many files (smaller trees are judged only by "every file").
+pub const MASS_DELETE_MIN_FILES: usize = 20;
 
 fn kind_word(k: FileKind) -> &'static str {
     match k {
@@ -213,6 +237,20 @@ pub fn plan(src: &[ManifestEntry], dst: &[ManifestEntry], opts: &PlanOptions) ->
                         }
                         p.unchanged += 1;
                     }
+                    Some(de)
+                        if de.kind == FileKind::File
+                            && !opts.overwrite
+                            && de.hash.is_some_and(|dh| match &opts.baseline {
+                                Some(b) => b.get(*rel) != Some(&dh),
+                                None => opts.safe,
+                            }) =>
+                    {
+                        p.conflicts.push(Conflict {
+                            rel: rel.to_string(),
+                            source_hash: hash,
+                            dest_hash: de.hash.unwrap_or_default(),
+                        });
+                    }
                     _ => {
                         let delta = matches!(de, Some(de) if de.kind == FileKind::File && de.size > 0)
                             && se.size >= DELTA_MIN_SIZE;
@@ -263,6 +301,26 @@ pub fn plan(src: &[ManifestEntry], dst: &[ManifestEntry], opts: &PlanOptions) ->
             }
         }
         let dest_files = d.values().filter(|e| e.kind != FileKind::Dir).count();
+        let share = files.len() as f64 / dest_files.max(1) as f64;
+        if !opts.confirm_delete
+            && files.len() > MASS_DELETE_MIN_FILES
+            && share > MASS_DELETE_SHARE
+            && files.len() < dest_files
+        {
+            return Err(RsbError::invalid(
+                format!(
+                    "delete_extras would delete {} of the {dest_files} files of {} ({:.0} %); refusing, nothing was changed",
+                    files.len(),
+                    if opts.dest_name.is_empty() {
+                        "the destination"
+                    } else {
+                        &opts.dest_name
+                    },
+                    share * 100.0
+                ),
+                "check local_path and remote_path (dry_run: true lists the deletes); pass confirm_delete: true (CLI --confirm-delete) if that is intended",
+            ));
+        }
         if dest_files > 0 && files.len() == dest_files {
             return Err(RsbError::invalid(
                 format!(
@@ -331,6 +389,70 @@ mod tests {
             hash: None,
         }
     }
+    #[test]
+    fn mass_delete_is_judged_by_share() {
+        let src = vec![f("keep", "k")];
+        let mut dst = vec![f("keep", "k")];
+        for i in 0..30 {
+            dst.push(f(&format!("x{i}"), "x"));
+        }
+        let e = plan(&src, &dst, &opts(true)).unwrap_err();
+        assert!(
+            e.message.contains("would delete 30 of the 31 files"),
+            "{}",
+            e.message
+        );
+        let ok = PlanOptions {
+            delete_extras: true,
+            confirm_delete: true,
+            ..Default::default()
+        };
+        assert_eq!(plan(&src, &dst, &ok).unwrap().delete_files.len(), 30);
+    }
+
+    #[test]
+    fn changed_destination_files_are_conflicts() {
+        let src = vec![f("a", "new"), f("b", "new")];
+        let dst = vec![f("a", "theirs"), f("b", "old")];
+        let base: std::collections::HashMap<String, [u8; 32]> = [
+            ("a".to_string(), *blake3::hash(b"old").as_bytes()),
+            ("b".to_string(), *blake3::hash(b"old").as_bytes()),
+        ]
+        .into();
+        let o = PlanOptions {
+            baseline: Some(std::sync::Arc::new(base)),
+            ..Default::default()
+        };
+        let p = plan(&src, &dst, &o).unwrap();
+        assert_eq!(p.conflicts.len(), 1);
+        assert_eq!(p.conflicts[0].rel, "a");
+        assert_eq!(p.files.len(), 1);
+        assert_eq!(p.files[0].rel, "b");
+        let p = plan(
+            &src,
+            &dst,
+            &PlanOptions {
+                overwrite: true,
+                ..o
+            },
+        )
+        .unwrap();
+        assert!(p.conflicts.is_empty() && p.files.len() == 2);
+        // First sync: conflicts only with `safe`.
+        assert_eq!(
+            plan(&src, &dst, &PlanOptions::default())
+                .unwrap()
+                .files
+                .len(),
+            2
+        );
+        let safe = PlanOptions {
+            safe: true,
+            ..Default::default()
+        };
+        assert_eq!(plan(&src, &dst, &safe).unwrap().conflicts.len(), 2);
+    }
+
     fn opts(delete: bool) -> PlanOptions {
         PlanOptions {
             delete_extras: delete,

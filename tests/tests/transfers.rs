@@ -1,0 +1,513 @@
+//! Background transfers that outlive the server (issue 10): a detached worker per task, its
+//! record in the state dir's store, cancel and crash detection. Driven through the real
+//! `rsb mcp` (rmcp's client over stdio) against the private sshd fixture.
+//!
+//! Needs the `rsb` binary: `cargo build --workspace --bins`.
+
+mod common;
+
+use std::{
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use rmcp::{
+    RoleClient, ServiceExt, model::CallToolRequestParams, service::RunningService,
+    transport::TokioChildProcess,
+};
+use rsb_tests::{ChaosProxy, Sshd, workspace_root};
+use serde_json::{Value, json};
+
+fn rsb_bin() -> PathBuf {
+    let p = workspace_root().join("target/debug/rsb");
+    assert!(p.exists(), "run `cargo build --workspace --bins` first");
+    p
+}
+
+/// A place for one test: the `rsb mcp` home and state dir, shared by the servers it starts.
+struct Env {
+    tmp: tempfile::TempDir,
+    list: String,
+}
+
+impl Env {
+    fn new(entries: &[Value]) -> Env {
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(tmp.path().join("home")).unwrap();
+        Env {
+            tmp,
+            list: Value::Array(entries.to_vec()).to_string(),
+        }
+    }
+
+    fn path(&self) -> &Path {
+        self.tmp.path()
+    }
+
+    async fn server(&self) -> Mcp {
+        let home = self.path().join("home");
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.path().join("rsb-mcp.stderr"))
+            .unwrap();
+        let mut cmd = tokio::process::Command::new(rsb_bin());
+        cmd.arg("mcp")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &home)
+            .env("XDG_CONFIG_HOME", home.join(".config"))
+            .env("XDG_DATA_HOME", home.join(".local/share"))
+            .env("RSB_STATE_DIR", self.path().join("state"))
+            .env("RSB_LOG", "debug")
+            .env("REMOTE_SANDBOX_LIST", &self.list);
+        let (transport, _) = TokioChildProcess::builder(cmd)
+            .stderr(stderr)
+            .spawn()
+            .expect("spawn rsb mcp");
+        let pid = transport.id();
+        let svc = tokio::time::timeout(Duration::from_secs(20), ().serve(transport))
+            .await
+            .expect("MCP initialize timed out")
+            .expect("MCP initialize");
+        Mcp { svc, pid }
+    }
+}
+
+struct Mcp {
+    svc: RunningService<RoleClient, ()>,
+    pid: Option<u32>,
+}
+
+impl Mcp {
+    /// `(isError, JSON body)`.
+    async fn call(&self, tool: &str, args: Value) -> (bool, Value) {
+        let Value::Object(args) = args else {
+            panic!("arguments must be an object")
+        };
+        let params = CallToolRequestParams::new(tool.to_string()).with_arguments(args);
+        let r = tokio::time::timeout(Duration::from_secs(120), self.svc.call_tool(params))
+            .await
+            .unwrap_or_else(|_| panic!("{tool} did not answer within 120 s"))
+            .unwrap_or_else(|e| panic!("{tool}: protocol error {e}"));
+        let raw = serde_json::to_value(&r).unwrap();
+        let text = raw["content"][0]["text"].as_str().unwrap_or_default();
+        let v = serde_json::from_str(text).unwrap_or(json!({"text": text}));
+        (r.is_error == Some(true), v)
+    }
+
+    async fn ok(&self, tool: &str, args: Value) -> Value {
+        let (err, v) = self.call(tool, args.clone()).await;
+        assert!(!err, "{tool}({args}) failed: {v}");
+        v
+    }
+
+    async fn close(self) {
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.svc.cancel()).await;
+    }
+
+    /// Poll `check_file_transfer_task` until `pred` holds (bounded).
+    async fn wait_task(&self, id: i64, within: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + within;
+        loop {
+            let v = self
+                .ok(
+                    "check_file_transfer_task",
+                    json!({"task_id": id, "last_n_lines": 5}),
+                )
+                .await;
+            if pred(&v) {
+                return v;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "task {id} never reached the state: {v}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+}
+
+fn entry(name: &str, sshd: &Sshd, port: u16) -> Value {
+    json!({
+        "name": name, "host": "127.0.0.1", "port": port, "user": sshd.user(),
+        "key_file": sshd.client_key().display().to_string(),
+    })
+}
+
+/// A tree of `n` small files plus one `big_mib` MiB file.
+fn make_tree(root: &Path, n: usize, big_mib: usize) {
+    std::fs::create_dir_all(root.join("d")).unwrap();
+    for i in 0..n {
+        std::fs::write(
+            root.join("d").join(format!("f{i:04}.txt")),
+            format!("file {i}\n"),
+        )
+        .unwrap();
+    }
+    if big_mib > 0 {
+        use std::io::Write;
+        let block = common::gen_bytes(7, 1 << 20);
+        let mut f = std::fs::File::create(root.join("big.bin")).unwrap();
+        for i in 0..big_mib {
+            f.write_all(&(i as u64).to_le_bytes()).unwrap();
+            f.write_all(&block[8..]).unwrap();
+        }
+    }
+}
+
+fn pid_alive(pid: i64) -> bool {
+    // A zombie is not alive: its state is Z.
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            let after = s
+                .rsplit_once(')')
+                .map(|(_, r)| r.trim_start())
+                .unwrap_or("");
+            !after.starts_with('Z')
+        })
+        .unwrap_or(false)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_upload_outlives_its_server_and_a_new_server_reports_it() {
+    let sshd = Sshd::start().unwrap();
+    // Slow enough that the first server is gone long before the upload ends.
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    proxy.set_delay(Duration::from_millis(1));
+    let env = Env::new(&[entry("s", &sshd, proxy.port())]);
+    let src = env.path().join("src");
+    make_tree(&src, 300, 64);
+    let dest = format!("{}/up-outlives", sshd.home().display());
+
+    let first = env.server().await;
+    let v = first
+        .ok(
+            "sync_local_to_remote",
+            json!({"local_path": src.display().to_string(), "remote_path": dest}),
+        )
+        .await;
+    assert_eq!(v["mode"], "background", "{v}");
+    let id = v["task_id"].as_i64().unwrap();
+    let worker = v["pid"].as_i64().unwrap();
+    assert_ne!(
+        Some(worker as u32),
+        first.pid,
+        "pid is the worker's, not the server's"
+    );
+    assert!(pid_alive(worker), "worker {worker} runs");
+    first.close().await;
+    assert!(pid_alive(worker), "the worker survives its server");
+
+    let second = env.server().await;
+    let v = second
+        .ok("check_file_transfer_task", json!({"task_id": id}))
+        .await;
+    assert!(
+        matches!(v["status"].as_str(), Some("running" | "queued")),
+        "a new server sees the task still running: {v}"
+    );
+    let v = second
+        .wait_task(id, Duration::from_secs(240), |v| {
+            v["status"] != "running" && v["status"] != "queued"
+        })
+        .await;
+    assert_eq!(v["status"], "completed", "{v}");
+    assert_eq!(v["result"]["uploaded_files"], 301, "{v}");
+    let big = std::fs::read(sshd.home().join("up-outlives/big.bin")).unwrap();
+    assert_eq!(big, std::fs::read(src.join("big.bin")).unwrap());
+    assert_eq!(
+        std::fs::read_dir(sshd.home().join("up-outlives/d"))
+            .unwrap()
+            .count(),
+        300
+    );
+    second.close().await;
+    // A third server still reports the result.
+    let third = env.server().await;
+    let v = third
+        .ok("check_file_transfer_task", json!({"task_id": id}))
+        .await;
+    assert_eq!(v["status"], "completed", "{v}");
+    third.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_worker_reads_interrupted_and_cancel_is_quick() {
+    let sshd = Sshd::start().unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    proxy.set_delay(Duration::from_millis(2));
+    let env = Env::new(&[entry("s", &sshd, proxy.port())]);
+    let src = env.path().join("src");
+    make_tree(&src, 10, 96);
+    let mcp = env.server().await;
+    let running = |v: &Value| v["status"] == "running" && v["progress"]["phase"] == "transferring";
+
+    // kill -9 of the worker: interrupted, with the hint that the same sync resumes.
+    let v = mcp
+        .ok(
+            "sync_local_to_remote",
+            json!({"local_path": src.display().to_string(), "remote_path": "killed"}),
+        )
+        .await;
+    let id = v["task_id"].as_i64().unwrap();
+    let pid = v["pid"].as_i64().unwrap();
+    mcp.wait_task(id, Duration::from_secs(60), running).await;
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let v = mcp
+        .wait_task(id, Duration::from_secs(10), |v| v["status"] != "running")
+        .await;
+    assert_eq!(v["status"], "interrupted", "{v}");
+    assert!(v["hint"].as_str().unwrap().contains("same sync"), "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains(&format!("pid {pid}")),
+        "{v}"
+    );
+
+    // cancel: `cancelled` within a second, the worker gone, nothing partial at the destination.
+    let v = mcp
+        .ok(
+            "sync_local_to_remote",
+            json!({"local_path": src.display().to_string(), "remote_path": "cancelled"}),
+        )
+        .await;
+    let id = v["task_id"].as_i64().unwrap();
+    let pid = v["pid"].as_i64().unwrap();
+    mcp.wait_task(id, Duration::from_secs(60), running).await;
+    let t = Instant::now();
+    let v = mcp
+        .ok("cancel_file_transfer_task", json!({"task_id": id}))
+        .await;
+    let took = t.elapsed();
+    assert_eq!(v["status"], "cancelled", "{v}");
+    assert!(v.get("force_killed").is_none(), "stopped by SIGTERM: {v}");
+    assert!(took <= Duration::from_secs(1), "cancel took {took:?}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pid_alive(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "worker {pid} still runs after cancel"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !sshd.home().join("cancelled/big.bin").exists(),
+        "no partial big.bin at the destination"
+    );
+    let v = mcp
+        .ok("check_file_transfer_task", json!({"task_id": id}))
+        .await;
+    assert_eq!(v["status"], "cancelled", "{v}");
+    mcp.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_by_plan_no_change_resync_of_2000_files_is_inline() {
+    let sshd = Sshd::start().unwrap();
+    let env = Env::new(&[entry("s", &sshd, sshd.port())]);
+    let src = env.path().join("src");
+    make_tree(&src, 2000, 0);
+    let mcp = env.server().await;
+    let args = json!({"local_path": src.display().to_string(), "remote_path": "tree2k"});
+    // The first upload sends 2,000 files: more than the inline limit, so a worker runs it.
+    let v = mcp.ok("sync_local_to_remote", args.clone()).await;
+    assert_eq!(v["mode"], "background", "{v}");
+    assert!(v["reason"].as_str().unwrap().contains("2000 files"), "{v}");
+    let id = v["task_id"].as_i64().unwrap();
+    let v = mcp
+        .wait_task(id, Duration::from_secs(120), |v| {
+            v["status"] != "running" && v["status"] != "queued"
+        })
+        .await;
+    assert_eq!(v["status"], "completed", "{v}");
+    // Nothing changed: inline, whatever the size of the tree.
+    let t = Instant::now();
+    let v = mcp.ok("sync_local_to_remote", args.clone()).await;
+    let took = t.elapsed();
+    assert_eq!(v["mode"], "inline", "{v}");
+    assert_eq!(
+        (v["uploaded_files"].as_u64(), v["skipped_files"].as_u64()),
+        (Some(0), Some(2000)),
+        "{v}"
+    );
+    eprintln!("no-change resync of 2,000 files through rsb mcp: {took:?}");
+    // A small change is inline too.
+    std::fs::write(src.join("d/f0007.txt"), "changed\n").unwrap();
+    let v = mcp.ok("sync_local_to_remote", args).await;
+    assert_eq!(
+        (v["mode"].as_str(), v["uploaded_files"].as_u64()),
+        (Some("inline"), Some(1)),
+        "{v}"
+    );
+    mcp.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_edit_after_a_download_is_a_conflict_until_overwrite() {
+    let sshd = Sshd::start().unwrap();
+    let env = Env::new(&[entry("s", &sshd, sshd.port())]);
+    let remote = sshd.home().join("conf");
+    std::fs::create_dir_all(&remote).unwrap();
+    std::fs::write(remote.join("a.txt"), "a1\n").unwrap();
+    std::fs::write(remote.join("b.txt"), "b1\n").unwrap();
+    let local = env.path().join("mirror");
+    let mcp = env.server().await;
+    let args = json!({"remote_path": "conf", "local_path": local.display().to_string()});
+    let v = mcp.ok("sync_remote_to_local", args.clone()).await;
+    assert_eq!(v["downloaded_files"], 2, "{v}");
+    // The user edits a.txt locally; the sandbox changes both files.
+    std::fs::write(local.join("a.txt"), "mine\n").unwrap();
+    std::fs::write(remote.join("a.txt"), "a2\n").unwrap();
+    std::fs::write(remote.join("b.txt"), "b2\n").unwrap();
+    let v = mcp.ok("sync_remote_to_local", args.clone()).await;
+    assert_eq!(v["downloaded_files"], 1, "{v}");
+    assert_eq!(v["conflict_count"], 1, "{v}");
+    let c = &v["conflicts"][0];
+    assert_eq!(c["path"], "a.txt", "{v}");
+    assert_eq!(
+        c["source_blake3"],
+        blake3::hash(b"a2\n").to_hex().as_str(),
+        "{v}"
+    );
+    assert_eq!(
+        c["destination_blake3"],
+        blake3::hash(b"mine\n").to_hex().as_str(),
+        "{v}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(local.join("a.txt")).unwrap(),
+        "mine\n",
+        "left as is"
+    );
+    assert_eq!(
+        std::fs::read_to_string(local.join("b.txt")).unwrap(),
+        "b2\n",
+        "the rest goes on"
+    );
+    // Still a conflict next time (nothing resolved it).
+    let v = mcp.ok("sync_remote_to_local", args.clone()).await;
+    assert_eq!(v["conflict_count"], 1, "{v}");
+    // overwrite takes the source's side; then the pair is in sync.
+    let mut over = args.clone();
+    over["overwrite"] = json!(true);
+    let v = mcp.ok("sync_remote_to_local", over).await;
+    assert_eq!(v["downloaded_files"], 1, "{v}");
+    assert!(v.get("conflicts").is_none(), "{v}");
+    assert_eq!(
+        std::fs::read_to_string(local.join("a.txt")).unwrap(),
+        "a2\n"
+    );
+    let v = mcp.ok("sync_remote_to_local", args).await;
+    assert_eq!(
+        (v["downloaded_files"].as_u64(), v.get("conflicts")),
+        (Some(0), None),
+        "{v}"
+    );
+    // An upload that finds a file changed in the sandbox since the last sync keeps it too.
+    let up = json!({"local_path": local.display().to_string(), "remote_path": "conf"});
+    std::fs::write(local.join("b.txt"), "b-local\n").unwrap();
+    std::fs::write(remote.join("b.txt"), "b-sandbox\n").unwrap();
+    let v = mcp.ok("sync_local_to_remote", up).await;
+    assert_eq!(v["conflicts"][0]["path"], "b.txt", "{v}");
+    assert_eq!(
+        std::fs::read_to_string(remote.join("b.txt")).unwrap(),
+        "b-sandbox\n"
+    );
+    mcp.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn empty_paths_home_deletes_and_dry_runs() {
+    let sshd = Sshd::start().unwrap();
+    let env = Env::new(&[entry("s", &sshd, sshd.port())]);
+    let src = env.path().join("src");
+    make_tree(&src, 3, 0);
+    let mcp = env.server().await;
+    let s = src.display().to_string();
+    for (tool, args, what) in [
+        (
+            "sync_local_to_remote",
+            json!({"local_path": "", "remote_path": "x"}),
+            "local_path is empty",
+        ),
+        (
+            "sync_local_to_remote",
+            json!({"local_path": s, "remote_path": " "}),
+            "remote_path is empty",
+        ),
+        (
+            "sync_remote_to_local",
+            json!({"remote_path": "", "local_path": s}),
+            "remote_path is empty",
+        ),
+        (
+            "sync_remote_to_local",
+            json!({"remote_path": "x", "local_path": ""}),
+            "local_path is empty",
+        ),
+    ] {
+        let (err, v) = mcp.call(tool, args.clone()).await;
+        assert!(err, "{tool}({args}) must fail: {v}");
+        assert!(v["error"].as_str().unwrap().contains(what), "{v}");
+        assert!(v["hint"].as_str().unwrap().contains("leave"), "{v}");
+    }
+    // delete_extras into the remote home (however it is spelled) is refused, nothing deleted.
+    let canary = sshd.home().join("canary.txt");
+    std::fs::write(&canary, "keep").unwrap();
+    let home = sshd.home().display().to_string();
+    for dest in [".", "~", home.as_str(), "~/sub/.."] {
+        let (err, v) = mcp
+            .call(
+                "sync_local_to_remote",
+                json!({"local_path": s, "remote_path": dest, "delete_extras": true}),
+            )
+            .await;
+        assert!(err, "delete_extras into {dest} must be refused: {v}");
+        assert!(
+            v["error"].as_str().unwrap().contains("home directory"),
+            "{v}"
+        );
+        assert!(
+            v["hint"].as_str().unwrap().contains("confirm_delete"),
+            "{v}"
+        );
+        assert!(canary.exists());
+    }
+    let (err, v) = mcp
+        .call(
+            "sync_local_to_remote",
+            json!({"local_path": s, "remote_path": "/", "delete_extras": true}),
+        )
+        .await;
+    assert!(
+        err && v["error"].as_str().unwrap().contains("into /"),
+        "{v}"
+    );
+    // A dry run lists what would change and changes nothing, in both directions.
+    let v = mcp
+        .ok(
+            "sync_local_to_remote",
+            json!({"local_path": s, "remote_path": "dry", "dry_run": true}),
+        )
+        .await;
+    assert_eq!(
+        (v["dry_run"].as_bool(), v["uploaded_files"].as_u64()),
+        (Some(true), Some(3)),
+        "{v}"
+    );
+    assert!(!v["actions"].as_array().unwrap().is_empty(), "{v}");
+    assert!(
+        !sshd.home().join("dry").exists(),
+        "a dry run created the destination"
+    );
+    let out = env.path().join("dry-down");
+    let v = mcp
+        .ok(
+            "sync_remote_to_local",
+            json!({"remote_path": "canary.txt", "local_path": out.display().to_string(), "dry_run": true}),
+        )
+        .await;
+    assert_eq!(v["dry_run"], true, "{v}");
+    assert!(!out.exists(), "a dry run created the local destination");
+    mcp.close().await;
+}
