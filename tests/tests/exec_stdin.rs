@@ -448,3 +448,58 @@ fn rsb_take(child: &mut Child) -> Child {
         Command::new("true").spawn().expect("a placeholder child"),
     )
 }
+
+// ---------------------------------------------------------------------------------------------
+// Safe log reads (issue 14 case 7), through the real `rsb mcp` on a `local` sandbox
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_background_task_refuses_a_fifo_or_device_log_at_once() {
+    use rmcp::{ServiceExt, model::CallToolRequestParams, transport::TokioChildProcess};
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let fifo = tmp.path().join("log.fifo");
+    assert!(
+        Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap()
+            .success()
+    );
+    let mut cmd = tokio::process::Command::new(rsb_bin());
+    cmd.arg("mcp")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", &home)
+        .env("XDG_CONFIG_HOME", home.join(".config"))
+        .env("RSB_STATE_DIR", tmp.path().join("state"))
+        .env("REMOTE_SANDBOX_LIST", r#"[{"name":"box","local":true}]"#);
+    let (transport, _) = TokioChildProcess::builder(cmd)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let svc = tokio::time::timeout(Duration::from_secs(20), ().serve(transport))
+        .await
+        .expect("initialize timed out")
+        .expect("initialize");
+    for log in [fifo.display().to_string(), "/dev/zero".to_string()] {
+        let args = serde_json::json!({"tmux_session": "nojob", "log_file": log});
+        let serde_json::Value::Object(args) = args else {
+            unreachable!()
+        };
+        let params =
+            CallToolRequestParams::new("check_background_task".to_string()).with_arguments(args);
+        let t = Instant::now();
+        let r = tokio::time::timeout(Duration::from_secs(20), svc.call_tool(params))
+            .await
+            .unwrap_or_else(|_| panic!("check_background_task({log}) hung"))
+            .unwrap();
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        let raw = serde_json::to_value(&r).unwrap();
+        let text = raw["content"][0]["text"].as_str().unwrap_or_default();
+        assert_eq!(r.is_error, Some(true), "{log}: {text}");
+        assert!(text.contains("not a regular file"), "{log}: {text}");
+        assert!(!text.contains("\"log_tail\""), "{log}: {text}");
+    }
+    let _ = svc.cancel().await;
+}
