@@ -3,7 +3,7 @@
 
 mod cli;
 
-use std::{process::ExitCode, sync::Arc, time::Duration};
+use std::{process::ExitCode, time::Duration};
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use cli::{Ctx, exit, fail as print_error_code};
@@ -97,6 +97,9 @@ enum Cmd {
         poll: bool,
         #[command(flatten)]
         safety: rsb::sync::cli::SafetyArgs,
+        /// Accepted for rsync habits and ignored: rsb always keeps modes, mtimes and symlinks.
+        #[arg(short = 'a', long = "archive")]
+        archive: bool,
     },
     /// Forward a local port to a service on a sandbox over its SSH connection, as `ssh -L`
     /// does: SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock (`:PORT` = the active
@@ -321,7 +324,11 @@ async fn run(cli: Cli) -> u8 {
             watch,
             poll,
             safety,
+            archive,
         } => {
+            if archive {
+                eprintln!("rsb: note: -a is implied: rsb always keeps modes, mtimes and symlinks");
+            }
             let opts = SyncOpts {
                 delete,
                 exclude,
@@ -376,7 +383,7 @@ fn unknown_prefix(pool: &Pool, args: [&str; 2]) -> Option<RsbError> {
 }
 
 async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) -> u8 {
-    use rsb::sync::{Direction, Phase, Progress, SyncSpec};
+    use rsb::sync::{Direction, SyncSpec};
     use std::io::IsTerminal;
     let (direction, sandbox, remote, local) = match (
         split_remote(pool, src),
@@ -406,8 +413,8 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
         let local_path = rsb::ops::sync::expand_local(local)?;
         if direction == Direction::Upload && !local_path.exists() {
             return Err(RsbError::invalid(
-                format!("local_path does not exist: {}", local_path.display()),
-                "check the path",
+                format!("no such local file or directory: {}", local_path.display()),
+                "check the LOCAL argument (relative paths start from the current directory)",
             ));
         }
         let rules = rsb::ops::sync::load_rules(&o.exclude, o.exclude_file.as_deref())?;
@@ -434,36 +441,12 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
     if o.watch {
         return rsb::sync::watch::run_cli(pool, &sandbox, &spec, json, o.poll).await;
     }
-    let bar = (!json && !o.dry_run && std::io::stderr().is_terminal()).then(|| {
-        let b = indicatif::ProgressBar::new(0);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{spinner} {msg:32} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-            .progress_chars("=> "),
-        );
-        b.enable_steady_tick(Duration::from_millis(120));
-        b
-    });
-    let progress: Option<rsb::sync::ProgressFn> = bar.clone().map(|b| {
-        Arc::new(move |p: &Progress| {
-            b.set_length(p.bytes_total);
-            b.set_position(p.bytes_done);
-            let msg = match p.phase {
-                Phase::Transferring | Phase::Deleting => {
-                    format!(
-                        "{} {}/{} files",
-                        p.phase.as_str(),
-                        p.files_done,
-                        p.files_total
-                    )
-                }
-                ph => ph.as_str().to_string(),
-            };
-            b.set_message(msg);
-        }) as rsb::sync::ProgressFn
-    });
+    let (bar, progress) = if !json && !o.dry_run && std::io::stderr().is_terminal() {
+        let (b, f) = rsb::sync::cli::progress_bar();
+        (Some(b), Some(f))
+    } else {
+        (None, None)
+    };
     let cancel = rsb::sync::CancellationToken::new();
     let c2 = cancel.clone();
     let ctrl_c = tokio::spawn(async move {
@@ -497,32 +480,9 @@ async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) ->
                 eprintln!("rsb: warning: {e}");
             }
             rsb::sync::cli::print_conflicts(&rep);
-            let verb = if rep.dry_run { "would send" } else { "sent" };
             println!(
-                "{} {} -> {}: {verb} {} files ({} bytes), {} dirs created, {} unchanged, {} attrs, {} deleted, {} special skipped, {:.2}s",
-                rep.synced_type,
-                if direction == Direction::Upload {
-                    &rep.local_path
-                } else {
-                    &rep.remote_path
-                },
-                if direction == Direction::Upload {
-                    &rep.remote_path
-                } else {
-                    &rep.local_path
-                },
-                rep.files_transferred,
-                if rep.dry_run {
-                    rep.bytes_planned
-                } else {
-                    rep.bytes_sent
-                },
-                rep.dirs_created,
-                rep.skipped_files,
-                rep.attrs_updated,
-                rep.deleted_files + rep.deleted_dirs,
-                rep.skipped_special,
-                rep.duration_s
+                "{}",
+                rsb::sync::cli::summary(&rep, direction == Direction::Upload)
             );
             0
         }

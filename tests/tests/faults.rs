@@ -555,7 +555,15 @@ async fn agent_killed_mid_exec(signal: i32) {
             .expect("agent SIGTERM mid-exec: no answer within the bound")
             .unwrap();
         match r {
-            Ok(res) => assert!(res.cancelled && res.exit_code.is_none(), "{res:?}"),
+            Ok(res) => {
+                assert!(res.cancelled && res.exit_code.is_none(), "{res:?}");
+                // The answer comes just before the channel closes; the pool reconnects once
+                // it has.
+                wait_until("the agent channel closes", Duration::from_secs(10), || {
+                    !c.is_alive()
+                })
+                .await;
+            }
             Err(e) => {
                 assert_one_line(&e);
                 assert!(e.is_connection_lost(), "{e:?}");

@@ -8,6 +8,7 @@ use crate::{
     error::RsbError,
     forward::{Event, EventSink},
     ops::forward::{self, ForwardInfo},
+    ops::output::human_bytes,
     pool::Pool,
 };
 
@@ -268,29 +269,4 @@ fn print_event(json: bool, e: &Event) {
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "{line}");
     let _ = out.flush();
-}
-
-fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
-    if n < 1024 {
-        return format!("{n} B");
-    }
-    let mut v = n as f64 / 1024.0;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    format!("{v:.1} {}", UNITS[u])
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn byte_counts_read_like_a_human_wrote_them() {
-        assert_eq!(super::human_bytes(0), "0 B");
-        assert_eq!(super::human_bytes(1023), "1023 B");
-        assert_eq!(super::human_bytes(1536), "1.5 KiB");
-        assert_eq!(super::human_bytes(100 << 20), "100.0 MiB");
-    }
 }

@@ -95,3 +95,29 @@ mod tests {
         assert!(r.text.contains("<truncated 94 bytes>"));
     }
 }
+
+/// Byte counts as people read them (binary units, one decimal), for CLI tables and summaries.
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
+#[cfg(test)]
+mod human_tests {
+    #[test]
+    fn byte_counts_read_like_a_human_wrote_them() {
+        assert_eq!(super::human_bytes(0), "0 B");
+        assert_eq!(super::human_bytes(1023), "1023 B");
+        assert_eq!(super::human_bytes(1536), "1.5 KiB");
+        assert_eq!(super::human_bytes(100 << 20), "100.0 MiB");
+    }
+}

@@ -74,3 +74,132 @@ pub async fn transfer(cmd: TransferCmd, state_dir: &std::path::Path) -> u8 {
         }
     }
 }
+
+/// `n word`/`n words`.
+fn count(n: u64, word: &str) -> String {
+    if n == 1 {
+        format!("1 {word}")
+    } else {
+        format!("{n} {word}s")
+    }
+}
+
+/// The CLI's one-line summary of a sync, in human units ("sent 1 file (4.0 KiB)").
+pub fn summary(rep: &super::SyncReport, upload: bool) -> String {
+    use crate::ops::output::human_bytes;
+    let (from, to) = if upload {
+        (&rep.local_path, &rep.remote_path)
+    } else {
+        (&rep.remote_path, &rep.local_path)
+    };
+    let (verb, bytes) = if rep.dry_run {
+        ("would send", rep.bytes_planned)
+    } else {
+        ("sent", rep.bytes_sent)
+    };
+    let mut parts = vec![format!(
+        "{verb} {} ({})",
+        count(rep.files_transferred, "file"),
+        human_bytes(bytes)
+    )];
+    for (n, what) in [
+        (rep.dirs_created, "dir created"),
+        (rep.skipped_files, "unchanged"),
+        (rep.attrs_updated, "attr update"),
+        (rep.deleted_files + rep.deleted_dirs, "deleted"),
+        (rep.skipped_special, "special skipped"),
+    ] {
+        if n > 0 {
+            parts.push(match what {
+                "dir created" => format!("{} created", count(n, "dir")),
+                "attr update" => count(n, "attr update"),
+                _ => format!("{n} {what}"),
+            });
+        }
+    }
+    format!(
+        "{} {from} -> {to}: {}, {:.2}s",
+        rep.synced_type,
+        parts.join(", "),
+        rep.duration_s
+    )
+}
+
+/// A progress line that fits 80 columns: a spinner while scanning and planning, then a bar
+/// with human units, and an ETA only once a rate is known (never a guess from the first
+/// bytes).
+pub fn progress_bar() -> (indicatif::ProgressBar, super::ProgressFn) {
+    use indicatif::{ProgressBar, ProgressStyle};
+    use std::sync::Arc;
+    let bar = ProgressBar::new(0);
+    let spin = ProgressStyle::with_template("{spinner} {msg}")
+        .unwrap_or_else(|_| ProgressStyle::default_spinner());
+    let full = ProgressStyle::with_template(
+        "{spinner} {msg:24!} [{bar:20}] {binary_bytes:>9}/{binary_total_bytes:9}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("=> ");
+    bar.set_style(spin.clone());
+    bar.enable_steady_tick(std::time::Duration::from_millis(120));
+    let b = bar.clone();
+    let f: super::ProgressFn = Arc::new(move |p: &super::Progress| {
+        use super::Phase;
+        match p.phase {
+            Phase::Transferring | Phase::Deleting if p.bytes_total > 0 => {
+                b.set_style(full.clone());
+                b.set_length(p.bytes_total);
+                b.set_position(p.bytes_done);
+                let left = p.bytes_total.saturating_sub(p.bytes_done);
+                let eta = (p.rate_bps > 0.0 && p.elapsed_s >= 1.0)
+                    .then(|| left as f64 / p.rate_bps)
+                    .map(|s| format!(" eta {}s", s.ceil() as u64))
+                    .unwrap_or_default();
+                b.set_message(format!("{}/{} files{eta}", p.files_done, p.files_total));
+            }
+            ph => {
+                b.set_style(spin.clone());
+                b.set_message(match ph {
+                    Phase::Transferring | Phase::Deleting => {
+                        format!("{} {}/{} files", ph.as_str(), p.files_done, p.files_total)
+                    }
+                    _ => format!("{}…", ph.as_str()),
+                });
+            }
+        }
+    });
+    (bar, f)
+}
+
+#[cfg(test)]
+mod summary_tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_speaks_human() {
+        let rep = crate::sync::SyncReport {
+            local_path: "/l".into(),
+            remote_path: "~/r".into(),
+            synced_type: "directory",
+            files_transferred: 1,
+            bytes_sent: 4096,
+            skipped_files: 3,
+            duration_s: 0.5,
+            ..Default::default()
+        };
+        assert_eq!(
+            summary(&rep, true),
+            "directory /l -> ~/r: sent 1 file (4.0 KiB), 3 unchanged, 0.50s"
+        );
+        let rep = crate::sync::SyncReport {
+            dry_run: true,
+            files_transferred: 2,
+            bytes_planned: 3 << 20,
+            dirs_created: 1,
+            ..rep
+        };
+        assert_eq!(
+            summary(&rep, false),
+            "directory ~/r -> /l: would send 2 files (3.0 MiB), 1 dir created, 3 unchanged, 0.50s"
+        );
+    }
+}

@@ -309,8 +309,9 @@ pub async fn watch(
         let mut attempt = 0u32;
         loop {
             let started = Instant::now();
+            let run_opts = options(burst);
             let r = tokio::select! {
-                r = crate::ops::sync::run(pool, sandbox, spec, None, cancel) => r,
+                r = crate::ops::sync::run_with(pool, sandbox, spec, &run_opts, None, cancel) => r,
                 _ = cancel.cancelled() => return Ok(()),
             };
             match r {
@@ -392,6 +393,16 @@ pub async fn watch(
 
 /// `rsb sync --watch`: run [`watch`] until Ctrl-C, one line per event (JSON with `--json`).
 /// Exit status: 0 after Ctrl-C, 1 when the initial sync fails, 2 for bad arguments.
+/// The initial sync meets every delete guard ($HOME, `/`, the share of the destination); once
+/// it has, the destination is the mirror the user asked for, and a burst that deletes most of
+/// it (a `git checkout` of another branch) is that mirror following the tree, not an accident.
+fn options(burst: u64) -> crate::sync::RunOptions {
+    crate::sync::RunOptions {
+        confirm_delete: burst > 0,
+        ..Default::default()
+    }
+}
+
 pub async fn run_cli(pool: &Pool, sandbox: &str, spec: &SyncSpec, json: bool, poll: bool) -> u8 {
     let cancel = CancellationToken::new();
     let c2 = cancel.clone();
