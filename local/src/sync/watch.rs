@@ -70,7 +70,7 @@ pub enum WatchEvent {
     Synced {
         burst: u64,
         changes: usize,
-        report: SyncReport,
+        report: Box<SyncReport>,
         elapsed: Duration,
     },
     /// A sync failed on the link; the next attempt (a full resync) follows after `delay`.
@@ -319,7 +319,7 @@ pub async fn watch(
                     on(WatchEvent::Synced {
                         burst,
                         changes,
-                        report,
+                        report: Box::new(report),
                         elapsed: started.elapsed(),
                     });
                     break;
@@ -483,11 +483,11 @@ mod tests {
         let ev = WatchEvent::Synced {
             burst: 3,
             changes: 7,
-            report: SyncReport {
+            report: Box::new(SyncReport {
                 files_transferred: 2,
                 bytes_sent: 10,
                 ..SyncReport::default()
-            },
+            }),
             elapsed: Duration::from_millis(42),
         };
         assert_eq!(
