@@ -136,25 +136,31 @@ fn append_log(path: &Path, line: &str) {
     }
 }
 
-/// The last `n` lines of a log (reading at most its last 80 kB; at most 20,000 chars).
-pub fn log_tail(path: &Path, n: usize) -> String {
+/// The last `n` lines of a log after byte `from` (the whole log when `None`), and the offset
+/// just past its last complete line, where the next call starts. A log shorter than `from`
+/// (rewritten) is read from its start. Reads at most the last 80 kB; at most 20,000 chars.
+pub fn log_since(path: &Path, from: Option<u64>, n: usize) -> (String, u64) {
     let Ok(mut f) = std::fs::File::open(path) else {
-        return String::new();
+        return (String::new(), from.unwrap_or(0));
     };
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-    let start = len.saturating_sub(LOG_TAIL_READ);
+    let from = from.filter(|o| *o <= len).unwrap_or(0);
+    let start = from.max(len.saturating_sub(LOG_TAIL_READ));
     let _ = f.seek(SeekFrom::Start(start));
     let mut buf = Vec::new();
     let _ = f.read_to_end(&mut buf);
+    // Only whole lines: a line still being written is returned by the next call.
+    let whole = buf.iter().rposition(|b| *b == b'\n').map_or(0, |i| i + 1);
+    buf.truncate(whole);
     let text = String::from_utf8_lossy(&buf);
     let lines: Vec<&str> = text.lines().collect();
-    let from = lines.len().saturating_sub(n);
-    let mut out = lines[from..].join("\n");
+    let first = lines.len().saturating_sub(n);
+    let mut out = lines[first..].join("\n");
     if out.chars().count() > LOG_TAIL_MAX_CHARS {
         let skip = out.chars().count() - LOG_TAIL_MAX_CHARS;
         out = out.chars().skip(skip).collect();
     }
-    out
+    (out, start + whole as u64)
 }
 
 fn progress_json(p: &Progress, synced_type: &str) -> Value {
@@ -256,6 +262,10 @@ pub struct Transfers {
     /// Tasks recorded but whose worker is not started yet (not `interrupted` meanwhile).
     spawning: Mutex<HashSet<i64>>,
     my_start: String,
+    /// How far into each task's log this server has already replied: a poll returns the log
+    /// header and tail once, then only the lines written since (a model polling a long
+    /// transfer should not pay for the same header every time).
+    log_seen: Mutex<HashMap<i64, u64>>,
 }
 
 impl Transfers {
@@ -269,6 +279,7 @@ impl Transfers {
             live: Mutex::new(HashMap::new()),
             spawning: Mutex::new(HashSet::new()),
             my_start: process_start(std::process::id()),
+            log_seen: Mutex::new(HashMap::new()),
         })
     }
 
@@ -776,7 +787,18 @@ impl Transfers {
         if row.finished_ts > 0.0 {
             v["finished_at"] = json!(utc_stamp(row.finished_ts));
         }
-        v["log_tail"] = json!(log_tail(Path::new(&row.log_file), last_n_lines as usize));
+        // A finished task's last lines are its verdict: always returned whole.
+        let seen = if is_terminal(&row.status) {
+            None
+        } else {
+            self.log_seen.lock().get(&id).copied()
+        };
+        let (tail, end) = log_since(Path::new(&row.log_file), seen, last_n_lines as usize);
+        self.log_seen.lock().insert(id, end);
+        v["log_tail"] = json!(tail);
+        if seen.is_some() {
+            v["log_new_lines_only"] = json!(true);
+        }
         Ok(v)
     }
 
@@ -1039,6 +1061,26 @@ fn signal(pid: i64, sig: libc::c_int) {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_poll_returns_the_header_once_then_only_new_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = dir.path().join("t.log");
+        std::fs::write(&log, "header 1\nheader 2\nline a\npart").unwrap();
+        let (first, at) = log_since(&log, None, 50);
+        assert_eq!(first, "header 1\nheader 2\nline a");
+        // Nothing new (the partial line waits until it is whole).
+        assert_eq!(log_since(&log, Some(at), 50), (String::new(), at));
+        std::fs::write(&log, "header 1\nheader 2\nline a\npartial done\nline b\n").unwrap();
+        let (next, at2) = log_since(&log, Some(at), 50);
+        assert_eq!(next, "partial done\nline b");
+        assert_eq!(at2, std::fs::metadata(&log).unwrap().len());
+        // `n` still bounds what comes back; a rewritten (shorter) log starts over.
+        assert_eq!(log_since(&log, Some(at), 1).0, "line b");
+        std::fs::write(&log, "new\n").unwrap();
+        assert_eq!(log_since(&log, Some(at2), 50).0, "new");
+    }
+
     use super::*;
 
     #[test]

@@ -719,17 +719,29 @@ async fn background_transfer_progress_cancel_and_rerun() {
     let transfers = pool.transfers().unwrap();
     // Wait until bytes are moving.
     let t0 = Instant::now();
+    // The first poll carries the log header; later ones only the lines written since.
+    let first = transfers.check(id, 50).unwrap();
+    assert!(
+        first["log_tail"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("== transfer task: {id}")),
+        "{first}"
+    );
+    assert!(first.get("log_new_lines_only").is_none(), "{first}");
     loop {
         let c = transfers.check(id, 50).unwrap();
         if c["progress"]["bytes_done"].as_u64().unwrap_or(0) > 4 * MIB {
             println!("running: {c}");
             assert_eq!(c["status"], "running");
             assert_eq!(c["running"], true);
+            assert_eq!(c["log_new_lines_only"], true, "{c}");
             assert!(
-                c["log_tail"]
+                !c["log_tail"]
                     .as_str()
                     .unwrap()
-                    .starts_with(&format!("== transfer task: {id}"))
+                    .contains("== transfer task:"),
+                "the header came again: {c}"
             );
             break;
         }
