@@ -17,12 +17,8 @@ pub const MAX_TIMEOUT_S: i64 = 86_400;
 /// After the timeout the process group gets SIGTERM, then SIGKILL after this grace.
 pub const KILL_GRACE_MS: u64 = 2_000;
 
-pub fn build_request(
-    command: &str,
-    cwd: Option<&str>,
-    timeout_s: i64,
-    max_output_chars: i64,
-) -> Result<ExecRequest> {
+/// What every exec entry (MCP tool, CLI) refuses before anything is sent.
+fn check_command(command: &str) -> Result<()> {
     if command.trim().is_empty() {
         return Err(RsbError::invalid(
             "command cannot be empty",
@@ -35,6 +31,16 @@ pub fn build_request(
             "remove the NUL byte",
         ));
     }
+    Ok(())
+}
+
+pub fn build_request(
+    command: &str,
+    cwd: Option<&str>,
+    timeout_s: i64,
+    max_output_chars: i64,
+) -> Result<ExecRequest> {
+    check_command(command)?;
     if timeout_s <= 0 || timeout_s > MAX_TIMEOUT_S {
         return Err(RsbError::invalid(
             format!("timeout_s must be between 1 and {MAX_TIMEOUT_S} (got {timeout_s})"),
@@ -52,18 +58,7 @@ pub fn build_request_ms(
     timeout_ms: u64,
     max_output_chars: i64,
 ) -> Result<ExecRequest> {
-    if command.trim().is_empty() {
-        return Err(RsbError::invalid(
-            "command cannot be empty",
-            "pass the bash command to run",
-        ));
-    }
-    if command.contains('\0') {
-        return Err(RsbError::invalid(
-            "command contains a NUL byte",
-            "remove the NUL byte",
-        ));
-    }
+    check_command(command)?;
     if max_output_chars <= 0 || max_output_chars > MAX_OUTPUT_CHARS {
         return Err(RsbError::invalid(
             format!(
