@@ -76,27 +76,21 @@ pub async fn main(pool: Arc<Pool>, a: ForwardArgs, json: bool) -> u8 {
         };
     }
     let spec = a.target.unwrap_or_default();
-    if a.detach {
-        return detach(pool, &spec, a.local_port, &a.bind, json).await;
-    }
-    run(pool, &spec, a.local_port, &a.bind, json).await
-}
-
-async fn detach(
-    pool: Arc<Pool>,
-    spec: &str,
-    local_port: Option<i64>,
-    bind: &str,
-    json: bool,
-) -> u8 {
-    let req = match forward::cli_request(pool.names(), spec, local_port, bind) {
+    let req = match forward::cli_request(pool.names(), &spec, a.local_port, &a.bind) {
         Ok(r) => r,
         Err(e) => {
             print_error(json, &e);
             return 2;
         }
     };
-    match forward::detach(&pool, &req).await {
+    if a.detach {
+        return detach(pool, &req, json).await;
+    }
+    run(pool, &req, json).await
+}
+
+async fn detach(pool: Arc<Pool>, req: &forward::ForwardRequest, json: bool) -> u8 {
+    match forward::detach(&pool, req).await {
         Ok(info) if json => {
             println!("{}", serde_json::to_string(&info).unwrap_or_default());
             0
@@ -167,22 +161,9 @@ fn print_table(list: &[ForwardInfo]) {
 
 /// Exit code: 0 after Ctrl-C, 2 for bad arguments (a taken port too), 1 when the forward cannot
 /// start.
-pub async fn run(
-    pool: Arc<Pool>,
-    spec: &str,
-    local_port: Option<i64>,
-    bind: &str,
-    json: bool,
-) -> u8 {
-    let req = match forward::cli_request(pool.names(), spec, local_port, bind) {
-        Ok(r) => r,
-        Err(e) => {
-            print_error(json, &e);
-            return 2;
-        }
-    };
+async fn run(pool: Arc<Pool>, req: &forward::ForwardRequest, json: bool) -> u8 {
     let sink: EventSink = Arc::new(move |e: &Event| print_event(json, e));
-    let fwd = match forward::start(&pool, &req, Some(sink)).await {
+    let fwd = match forward::start(&pool, req, Some(sink)).await {
         Ok(f) => f,
         Err(e) => {
             print_error(json, &e);
