@@ -99,7 +99,8 @@ enum Cmd {
         #[command(subcommand)]
         cmd: cli::config::ConfigCmd,
     },
-    /// Check the configuration, keys and every sandbox, one verdict per line.
+    /// Check the configuration, the watchdog daemon and its detached forwards, and every
+    /// sandbox (keys, host key, agent, tmux, clock), one verdict per line.
     Doctor,
     /// Print a shell completion script: `source <(rsb completions bash)`.
     Completions { shell: clap_complete::Shell },
