@@ -1298,6 +1298,22 @@ async fn gitignore_nested_files_both_directions() {
     .unwrap();
     assert_eq!(local_files(&local), GITIGNORED_KEPT);
 
+    // The tools' path: `gitignore: true` in the arguments of sync_local_to_remote.
+    let args = SyncArgs {
+        local_path: src.to_str().unwrap().into(),
+        remote_path: "gi-tool".into(),
+        gitignore: true,
+        ..Default::default()
+    };
+    let v = ops::sync_local_to_remote(&pool, args, None, &CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(v["mode"], "inline", "{v}");
+    assert_eq!(
+        remote_files(&sshd, remote(&sshd, "gi-tool").to_str().unwrap()),
+        GITIGNORED_KEPT
+    );
+
     // A single file is decided by the .gitignore beside it, with the same engine.
     let one = |rel: &str, on: bool| {
         let mut s = spec(Direction::Upload, &src.join(rel), "gi-single/", false, &[]);
