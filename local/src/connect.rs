@@ -74,34 +74,111 @@ fn verified_key(t: &SshTarget, path: &str) -> String {
     key
 }
 
-async fn connect_ssh(sandbox: &str, t: &SshTarget, known_path: Option<&str>) -> Result<Connection> {
-    let ssh = SshSession::connect(sandbox, t).await?;
-    // Fast path for a reconnect: the agent we verified and started last time is most likely
-    // still there, unchanged.
-    let cached = known_path.and_then(|p| {
-        let entry = VERIFIED.lock().get(&verified_key(t, p)).cloned();
-        entry.map(|e| (p, e))
-    });
-    if let Some((p, (id, hash))) = cached {
-        let same = ssh
-            .exec_collect(&rsb_deploy::verify_command(p, false), None)
-            .await
-            .ok()
-            .and_then(|out| rsb_deploy::parse_verify(&out.stdout).ok())
-            .is_some_and(|(now, _)| now == id);
-        if same && let Ok(client) = ssh.start_agent(sandbox, p).await {
-            if client.hello().agent_hash == hash {
-                return Ok(Connection {
-                    client,
-                    ssh: Some(ssh),
-                    deployed: false,
-                    agent_path: p.to_string(),
-                    notices: Vec::new(),
-                });
-            }
-            client.close("agent hash mismatch");
-        }
+/// The host as reached, without the agent path: sandboxes that share it share one agent install.
+fn host_key(t: &SshTarget) -> String {
+    verified_key(t, "")
+}
+
+/// Per host (see [`host_key`]): where an agent was last verified and started, so that a first
+/// connect of another sandbox on the same host skips the probe and the locate step.
+static AGENT_AT: std::sync::LazyLock<parking_lot::Mutex<HashMap<String, String>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// Per host: held while probing, locating, verifying or installing, so that many sandboxes on
+/// one host connecting at once (a `list_sandboxes` over all of them) do that work once, and the
+/// others start the agent it found.
+static DEPLOYING: std::sync::LazyLock<
+    parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// SSH handshakes in flight to one address. OpenSSH drops unauthenticated connections at
+/// random beyond `MaxStartups` (10 by default), so a fan-out over many sandboxes on one host
+/// queues here instead of failing a third of them.
+const HANDSHAKES_PER_ADDRESS: usize = 8;
+
+static HANDSHAKES: std::sync::LazyLock<
+    parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
+> = std::sync::LazyLock::new(Default::default);
+
+fn handshake_slots(t: &SshTarget) -> Arc<tokio::sync::Semaphore> {
+    // The first hop is the server that counts the unauthenticated connections.
+    let first = t
+        .proxy_jump
+        .first()
+        .map_or_else(|| t.address(), |h| h.address());
+    HANDSHAKES
+        .lock()
+        .entry(first)
+        .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(HANDSHAKES_PER_ADDRESS)))
+        .clone()
+}
+
+/// Start the agent at `path` if this process verified that very file before: the identity
+/// check and the start are one exec. `None` when there is nothing cached for it or it fails
+/// (the caller then takes the full path, which finds out why).
+async fn start_known(
+    ssh: &Arc<SshSession>,
+    t: &SshTarget,
+    sandbox: &str,
+    path: &str,
+) -> Option<Connection> {
+    let (id, hash) = VERIFIED.lock().get(&verified_key(t, path)).cloned()?;
+    let client = ssh
+        .start_agent_with(sandbox, rsb_deploy::start_command_expecting(path, &id))
+        .await
+        .ok()?;
+    if client.hello().agent_hash != hash {
+        client.close("agent hash mismatch");
+        return None;
     }
+    AGENT_AT.lock().insert(host_key(t), path.to_string());
+    Some(Connection {
+        client,
+        ssh: Some(ssh.clone()),
+        deployed: false,
+        agent_path: path.to_string(),
+        notices: Vec::new(),
+    })
+}
+
+async fn connect_ssh(sandbox: &str, t: &SshTarget, known_path: Option<&str>) -> Result<Connection> {
+    let ssh = {
+        let slots = handshake_slots(t);
+        let _slot = slots.acquire().await;
+        SshSession::connect(sandbox, t).await?
+    };
+    let host = host_key(t);
+    // Fast path for a reconnect, or a first connect on a host another sandbox already uses:
+    // the agent verified and started last time is most likely still there, unchanged.
+    let shared = || AGENT_AT.lock().get(&host).cloned();
+    let first_guess = known_path.map(str::to_string).or_else(shared);
+    if let Some(p) = &first_guess
+        && let Some(c) = start_known(&ssh, t, sandbox, p).await
+    {
+        return Ok(c);
+    }
+    let lock = DEPLOYING.lock().entry(host.clone()).or_default().clone();
+    let _one_at_a_time = lock.lock().await;
+    // Whoever held the lock may just have verified (or installed) the agent this host runs.
+    if let Some(p) = shared()
+        && first_guess.as_deref() != Some(p.as_str())
+        && let Some(c) = start_known(&ssh, t, sandbox, &p).await
+    {
+        return Ok(c);
+    }
+    let connection = deploy_and_start(&ssh, sandbox, t).await?;
+    AGENT_AT.lock().insert(host, connection.agent_path.clone());
+    Ok(connection)
+}
+
+/// Probe the host, find (or make) a safe install directory, reuse a verified agent there or
+/// upload ours, and start it.
+async fn deploy_and_start(
+    ssh: &Arc<SshSession>,
+    sandbox: &str,
+    t: &SshTarget,
+) -> Result<Connection> {
+    let ssh = ssh.clone();
     let out = ssh
         .exec_collect(rsb_deploy::PROBE_COMMAND, None)
         .await
