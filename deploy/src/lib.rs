@@ -796,6 +796,15 @@ mod tests {
             let (_, body) = parse_verify(run(&verify_command(&path, true)).as_bytes()).unwrap();
             assert_eq!(body, &**agent.bytes, "{shell}");
             assert!(run(&start_command(&path)).contains("hi"), "{shell}");
+            // Started by identity: the verified file runs; a rewritten one (same bytes, new
+            // identity) does not.
+            let (id, _) = parse_verify(run(&verify_command(&path, false)).as_bytes()).unwrap();
+            assert!(run(&start_command_expecting(&path, &id)).contains("hi"), "{shell}");
+            let out = run(&start_command_expecting(&path, "1:2:3:4:5"));
+            assert!(
+                out.contains("changed since it was verified") && !out.contains("hi"),
+                "{shell}: {out}"
+            );
 
             // Group-writable: refused by verify and start, skipped by locate.
             std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o770)).unwrap();
