@@ -799,7 +799,10 @@ mod tests {
             // Started by identity: the verified file runs; a rewritten one (same bytes, new
             // identity) does not.
             let (id, _) = parse_verify(run(&verify_command(&path, false)).as_bytes()).unwrap();
-            assert!(run(&start_command_expecting(&path, &id)).contains("hi"), "{shell}");
+            assert!(
+                run(&start_command_expecting(&path, &id)).contains("hi"),
+                "{shell}"
+            );
             let out = run(&start_command_expecting(&path, "1:2:3:4:5"));
             assert!(
                 out.contains("changed since it was verified") && !out.contains("hi"),

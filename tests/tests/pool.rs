@@ -44,7 +44,8 @@ async fn a_panic_while_a_pool_lock_is_held_leaves_the_sandbox_usable() {
 
 /// Issue 14 scale: `list_sandboxes(check_resources=true)` over 100 sandboxes, 97 on one sshd
 /// and 3 on closed ports. Every row answers; each dead one carries its own one-line error while
-/// the others have numbers; the agent is uploaded at most once for the shared host; a repeat
+/// the others have numbers; the agent is uploaded at most once for the shared host, and the
+/// agents share SSH connections (8 per connection at most); a repeat
 /// within [`sandboxes::RESOURCES_FRESH`] is answered from the pooled samples (their age in the
 /// reply), and after it from the agents again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -125,6 +126,13 @@ async fn a_hundred_sandboxes_all_answer_and_dead_ones_stay_their_own() {
         deployed += usize::from(pool.last_connect_deployed(n).await == Some(true));
     }
     assert!(deployed <= 1, "one upload for one host, not {deployed}");
+    // 97 agents (one per sandbox) ride shared SSH connections, 8 at most on each.
+    let conns = established_to(sshd.port());
+    eprintln!("97 live sandboxes use {conns} SSH connections");
+    assert!(
+        (97usize.div_ceil(8)..40).contains(&conns),
+        "connections are shared, 8 agents at most on each: {conns}"
+    );
 
     let t1 = Instant::now();
     let warm = serde_json::to_value(sandboxes::list(&pool, true).await).unwrap();
@@ -148,4 +156,20 @@ async fn a_hundred_sandboxes_all_answer_and_dead_ones_stay_their_own() {
         ages(&again)
     );
     pool.shutdown().await;
+}
+
+/// Established TCP connections from this machine to loopback `port` (the client ends).
+fn established_to(port: u16) -> usize {
+    let want = format!("{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .flat_map(|t| {
+            t.lines()
+                .skip(1)
+                .map(|l| l.split_whitespace().map(str::to_string).collect::<Vec<_>>())
+                .collect::<Vec<_>>()
+        })
+        .filter(|f| f.len() > 3 && f[3] == "01" && f[2].rsplit(':').next() == Some(want.as_str()))
+        .count()
 }
