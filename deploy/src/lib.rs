@@ -489,6 +489,18 @@ pub fn start_command(agent_path: &str) -> String {
     )
 }
 
+/// [`start_command`] that also insists the file is still the one whose identity (from
+/// [`verify_command`]) was verified: a reconnect checks and starts in one exec, and nothing can
+/// change between the check and the `exec`.
+pub fn start_command_expecting(agent_path: &str, id: &str) -> String {
+    format!(
+        "{CHECKS}f={}\nif rsb_file \"$f\" {}; then if [ \"$rsb_id\" = {} ]; then exec \"$f\" serve; fi; rsb_why=\"it changed since it was verified\"; fi\necho \"rsb: refusing to start $f: $rsb_why\" >&2\nexit 126\n",
+        shell_quote(agent_path),
+        OWNED_DEPTH + 1,
+        shell_quote(id)
+    )
+}
+
 /// Output of one remote command.
 #[derive(Debug, Clone, Default)]
 pub struct RemoteOutput {
@@ -784,6 +796,18 @@ mod tests {
             let (_, body) = parse_verify(run(&verify_command(&path, true)).as_bytes()).unwrap();
             assert_eq!(body, &**agent.bytes, "{shell}");
             assert!(run(&start_command(&path)).contains("hi"), "{shell}");
+            // Started by identity: the verified file runs; a rewritten one (same bytes, new
+            // identity) does not.
+            let (id, _) = parse_verify(run(&verify_command(&path, false)).as_bytes()).unwrap();
+            assert!(
+                run(&start_command_expecting(&path, &id)).contains("hi"),
+                "{shell}"
+            );
+            let out = run(&start_command_expecting(&path, "1:2:3:4:5"));
+            assert!(
+                out.contains("changed since it was verified") && !out.contains("hi"),
+                "{shell}: {out}"
+            );
 
             // Group-writable: refused by verify and start, skipped by locate.
             std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o770)).unwrap();

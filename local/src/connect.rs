@@ -74,34 +74,205 @@ fn verified_key(t: &SshTarget, path: &str) -> String {
     key
 }
 
-async fn connect_ssh(sandbox: &str, t: &SshTarget, known_path: Option<&str>) -> Result<Connection> {
-    let ssh = SshSession::connect(sandbox, t).await?;
-    // Fast path for a reconnect: the agent we verified and started last time is most likely
-    // still there, unchanged.
-    let cached = known_path.and_then(|p| {
-        let entry = VERIFIED.lock().get(&verified_key(t, p)).cloned();
-        entry.map(|e| (p, e))
-    });
-    if let Some((p, (id, hash))) = cached {
-        let same = ssh
-            .exec_collect(&rsb_deploy::verify_command(p, false), None)
-            .await
-            .ok()
-            .and_then(|out| rsb_deploy::parse_verify(&out.stdout).ok())
-            .is_some_and(|(now, _)| now == id);
-        if same && let Ok(client) = ssh.start_agent(sandbox, p).await {
-            if client.hello().agent_hash == hash {
-                return Ok(Connection {
-                    client,
-                    ssh: Some(ssh),
-                    deployed: false,
-                    agent_path: p.to_string(),
-                    notices: Vec::new(),
-                });
-            }
-            client.close("agent hash mismatch");
-        }
+/// The host as reached, without the agent path: sandboxes that share it share one agent install.
+fn host_key(t: &SshTarget) -> String {
+    verified_key(t, "")
+}
+
+/// Per host (see [`host_key`]): where an agent was last verified and started, so that a first
+/// connect of another sandbox on the same host skips the probe and the locate step.
+static AGENT_AT: std::sync::LazyLock<parking_lot::Mutex<HashMap<String, String>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// Per host: held while probing, locating, verifying or installing, so that many sandboxes on
+/// one host connecting at once (a `list_sandboxes` over all of them) do that work once, and the
+/// others start the agent it found.
+static DEPLOYING: std::sync::LazyLock<
+    parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// SSH handshakes in flight to one address. OpenSSH drops unauthenticated connections at
+/// random beyond `MaxStartups` (10 by default), so a fan-out over many sandboxes on one host
+/// queues here instead of failing a third of them.
+const HANDSHAKES_PER_ADDRESS: usize = 8;
+
+static HANDSHAKES: std::sync::LazyLock<
+    parking_lot::Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
+> = std::sync::LazyLock::new(Default::default);
+
+fn handshake_slots(t: &SshTarget) -> Arc<tokio::sync::Semaphore> {
+    // The first hop is the server that counts the unauthenticated connections.
+    let first = t
+        .proxy_jump
+        .first()
+        .map_or_else(|| t.address(), |h| h.address());
+    HANDSHAKES
+        .lock()
+        .entry(first)
+        .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(HANDSHAKES_PER_ADDRESS)))
+        .clone()
+}
+
+/// Start the agent at `path` if this process verified that very file before: the identity
+/// check and the start are one exec. `None` when there is nothing cached for it or it fails
+/// (the caller then takes the full path, which finds out why).
+async fn start_known(
+    ssh: &Arc<SshSession>,
+    t: &SshTarget,
+    sandbox: &str,
+    path: &str,
+) -> Option<Connection> {
+    let (id, hash) = VERIFIED.lock().get(&verified_key(t, path)).cloned()?;
+    let client = ssh
+        .start_agent_with(sandbox, rsb_deploy::start_command_expecting(path, &id))
+        .await
+        .ok()?;
+    if client.hello().agent_hash != hash {
+        client.close("agent hash mismatch");
+        return None;
     }
+    AGENT_AT.lock().insert(host_key(t), path.to_string());
+    Some(Connection {
+        client,
+        ssh: Some(ssh.clone()),
+        deployed: false,
+        agent_path: path.to_string(),
+        notices: Vec::new(),
+    })
+}
+
+/// Agent channels one shared SSH connection carries at most: OpenSSH's `MaxSessions` is 10 by
+/// default, and a deploy needs a channel of its own next to them.
+const AGENTS_PER_SESSION: usize = 8;
+
+/// A shared session is offered to new agents only while it is part of a burst of connects (an
+/// agent started on it this recently). A reconnect long after, typically after a failure, gets
+/// a fresh connection, as it always did, rather than a session that may sit on a dead link.
+const SHARE_WINDOW: Duration = Duration::from_secs(10);
+
+/// Open SSH connections that sandboxes with the very same target (address, user, credentials,
+/// host-key policy, jump hosts) may share: each sandbox still runs its own agent, on its own
+/// channel, but a `list_sandboxes` over 100 names for one host makes about 100/8 handshakes,
+/// not 100. Weak: a connection lives as long as the agents (and forwards) using it.
+struct SharedSession {
+    target: SshTarget,
+    session: std::sync::Weak<SshSession>,
+    agents: usize,
+    last_start: std::time::Instant,
+}
+
+static SHARED: std::sync::LazyLock<parking_lot::Mutex<Vec<SharedSession>>> =
+    std::sync::LazyLock::new(Default::default);
+
+/// A live shared session to `t` with room for one more agent (counted as taken).
+fn take_shared(t: &SshTarget) -> Option<Arc<SshSession>> {
+    let mut all = SHARED.lock();
+    all.retain(|s| s.session.strong_count() > 0);
+    all.iter_mut().find_map(|s| {
+        if s.agents >= AGENTS_PER_SESSION || s.last_start.elapsed() > SHARE_WINDOW || s.target != *t
+        {
+            return None;
+        }
+        let session = s.session.upgrade().filter(|x| !x.is_closed())?;
+        s.agents += 1;
+        Some(session)
+    })
+}
+
+fn shared_entry(session: &Arc<SshSession>, f: impl FnOnce(&mut SharedSession)) {
+    if let Some(s) = SHARED
+        .lock()
+        .iter_mut()
+        .find(|s| std::ptr::eq(s.session.as_ptr(), Arc::as_ptr(session)))
+    {
+        f(s);
+    }
+}
+
+/// A session for one more agent on `t`: a shared one when there is room, else a new one (at
+/// most [`HANDSHAKES_PER_ADDRESS`] handshakes at a time), offered to the next sandboxes.
+async fn session_for(sandbox: &str, t: &SshTarget) -> Result<(Arc<SshSession>, bool)> {
+    if let Some(s) = take_shared(t) {
+        return Ok((s, true));
+    }
+    let slots = handshake_slots(t);
+    let _slot = slots.acquire().await;
+    // While this one waited, another may have opened a session with room.
+    if let Some(s) = take_shared(t) {
+        return Ok((s, true));
+    }
+    let session = SshSession::connect(sandbox, t).await?;
+    SHARED.lock().push(SharedSession {
+        target: t.clone(),
+        session: Arc::downgrade(&session),
+        agents: 1,
+        last_start: std::time::Instant::now(),
+    });
+    Ok((session, false))
+}
+
+async fn connect_ssh(sandbox: &str, t: &SshTarget, known_path: Option<&str>) -> Result<Connection> {
+    let host = host_key(t);
+    // Fast path for a reconnect, or a first connect on a host another sandbox already uses:
+    // the agent verified and started last time is most likely still there, unchanged.
+    let shared = || AGENT_AT.lock().get(&host).cloned();
+    let first_guess = known_path.map(str::to_string).or_else(shared);
+    let (mut ssh, borrowed) = session_for(sandbox, t).await?;
+    if borrowed {
+        // A borrowed session must prove itself quickly; if it cannot, this sandbox gets a
+        // connection of its own and nobody is offered that session again.
+        let quick = t.connect_timeout.min(Duration::from_secs(5));
+        let started = match &first_guess {
+            Some(p) => tokio::time::timeout(quick, start_known(&ssh, t, sandbox, p))
+                .await
+                .ok()
+                .flatten(),
+            None => None,
+        };
+        if let Some(c) = started {
+            shared_entry(&ssh, |s| s.last_start = std::time::Instant::now());
+            return Ok(c);
+        }
+        if first_guess.is_some() {
+            shared_entry(&ssh, |s| s.agents = usize::MAX);
+            ssh = {
+                let slots = handshake_slots(t);
+                let _slot = slots.acquire().await;
+                SshSession::connect(sandbox, t).await?
+            };
+        }
+    } else if let Some(p) = &first_guess
+        && let Some(c) = start_known(&ssh, t, sandbox, p).await
+    {
+        return Ok(c);
+    }
+    let lock = DEPLOYING.lock().entry(host.clone()).or_default().clone();
+    let mut one_at_a_time = lock.lock().await;
+    // Whoever held the lock may just have verified (or installed) the agent this host runs:
+    // start it without holding the lock, so the sandboxes queued here start side by side.
+    if let Some(p) = shared()
+        && first_guess.as_deref() != Some(p.as_str())
+    {
+        drop(one_at_a_time);
+        if let Some(c) = start_known(&ssh, t, sandbox, &p).await {
+            return Ok(c);
+        }
+        one_at_a_time = lock.lock().await;
+    }
+    let connection = deploy_and_start(&ssh, sandbox, t).await?;
+    drop(one_at_a_time);
+    AGENT_AT.lock().insert(host, connection.agent_path.clone());
+    Ok(connection)
+}
+
+/// Probe the host, find (or make) a safe install directory, reuse a verified agent there or
+/// upload ours, and start it.
+async fn deploy_and_start(
+    ssh: &Arc<SshSession>,
+    sandbox: &str,
+    t: &SshTarget,
+) -> Result<Connection> {
+    let ssh = ssh.clone();
     let out = ssh
         .exec_collect(rsb_deploy::PROBE_COMMAND, None)
         .await

@@ -4,7 +4,11 @@
 //! Each sandbox has its own async mutex held only while connecting, so concurrent callers on
 //! one sandbox share a single connect, and a slow sandbox never blocks another.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{
+    collections::HashMap,
+    sync::{Arc, atomic::Ordering},
+    time::{Duration, Instant},
+};
 
 use parking_lot::RwLock;
 use tokio::sync::Mutex;
@@ -21,6 +25,18 @@ struct Slot {
     conn: Mutex<Option<Connection>>,
     /// Where the agent ran last time, to skip the probe on reconnect.
     agent_path: parking_lot::Mutex<Option<String>>,
+    /// The last resources sample this slot's agent sent, when it arrived, and which connection
+    /// sent it (a reconnect makes it stale at once).
+    sample: parking_lot::Mutex<Option<Sample>>,
+    /// Bumped on every new connection.
+    generation: std::sync::atomic::AtomicU64,
+}
+
+struct Sample {
+    at: Instant,
+    /// [`Slot::generation`] of the connection that sent it.
+    generation: u64,
+    snapshot: rsb_protocol::ResourceSnapshot,
 }
 
 pub struct Pool {
@@ -54,6 +70,8 @@ impl Pool {
                         cfg: s.clone(),
                         conn: Mutex::new(None),
                         agent_path: parking_lot::Mutex::new(None),
+                        sample: parking_lot::Mutex::new(None),
+                        generation: Default::default(),
                     }),
                 )
             })
@@ -124,13 +142,18 @@ impl Pool {
 
     /// A live agent client for `name` (`""` = active), connecting or reconnecting as needed.
     pub async fn client(&self, name: &str) -> Result<AgentClient> {
+        Ok(self.client_with_generation(name).await?.0)
+    }
+
+    /// [`Pool::client`] plus which connection of the slot it is (see [`Pool::store_sample`]).
+    pub async fn client_with_generation(&self, name: &str) -> Result<(AgentClient, u64)> {
         let name = self.resolve(name)?;
         let slot = self.slots[&name].clone();
         let mut guard = slot.conn.lock().await;
         if let Some(c) = guard.as_ref() {
             let ssh_ok = c.ssh.as_ref().is_none_or(|s| !s.is_closed());
             if c.client.is_alive() && ssh_ok {
-                return Ok(c.client.clone());
+                return Ok((c.client.clone(), slot.generation.load(Ordering::SeqCst)));
             }
             tracing::info!(sandbox = %name, "connection is gone; reconnecting");
             c.client.close("reconnecting");
@@ -141,7 +164,50 @@ impl Pool {
         *slot.agent_path.lock() = Some(conn.agent_path.clone());
         let client = conn.client.clone();
         *guard = Some(conn);
-        Ok(client)
+        let generation = slot.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        Ok((client, generation))
+    }
+
+    /// `name`'s last resources sample and its age, when it is younger than `max_age` and the
+    /// connection that sent it is still up. No I/O and no waiting: a slot that is connecting
+    /// right now has no answer here.
+    pub fn fresh_sample(
+        &self,
+        name: &str,
+        max_age: Duration,
+    ) -> Option<(rsb_protocol::ResourceSnapshot, Duration)> {
+        let slot = self.slots.get(name)?;
+        let generation = {
+            let guard = slot.conn.try_lock().ok()?;
+            let c = guard.as_ref()?;
+            let ssh_ok = c.ssh.as_ref().is_none_or(|s| !s.is_closed());
+            if !(c.client.is_alive() && ssh_ok) {
+                return None;
+            }
+            slot.generation.load(Ordering::SeqCst)
+        };
+        let g = slot.sample.lock();
+        let s = g.as_ref()?;
+        let age = s.at.elapsed();
+        (s.generation == generation && age < max_age).then(|| (s.snapshot.clone(), age))
+    }
+
+    /// Remember a sample `name`'s agent just sent, for [`Pool::fresh_sample`]. `generation`
+    /// is [`Pool::client_with_generation`]'s, so a sample from a connection that has since been
+    /// replaced is never stored as the new one's.
+    pub fn store_sample(
+        &self,
+        name: &str,
+        generation: u64,
+        snapshot: &rsb_protocol::ResourceSnapshot,
+    ) {
+        if let Some(slot) = self.slots.get(name) {
+            *slot.sample.lock() = Some(Sample {
+                at: Instant::now(),
+                generation,
+                snapshot: snapshot.clone(),
+            });
+        }
     }
 
     /// The pooled SSH session of `name` (`""` = active), connecting or reconnecting exactly as

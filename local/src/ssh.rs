@@ -367,12 +367,22 @@ impl SshSession {
         sandbox: &str,
         agent_path: &str,
     ) -> std::result::Result<AgentClient, StartError> {
+        self.start_agent_with(sandbox, rsb_deploy::start_command(agent_path))
+            .await
+    }
+
+    /// [`SshSession::start_agent`] with the start command given (one of `rsb_deploy`'s).
+    pub async fn start_agent_with(
+        self: &Arc<Self>,
+        sandbox: &str,
+        command: String,
+    ) -> std::result::Result<AgentClient, StartError> {
         let ch = self
             .handle
             .channel_open_session()
             .await
             .map_err(|e| StartError::NoHello(format!("cannot open channel: {e}")))?;
-        ch.exec(true, rsb_deploy::start_command(agent_path))
+        ch.exec(true, command)
             .await
             .map_err(|e| StartError::NoHello(format!("exec failed: {e}")))?;
         let (mut rd, wr) = ch.split();

@@ -9,7 +9,9 @@
 //!
 //! Prints numbers; asserts only that the calls succeed.
 //!
-//! `cargo bench -p rsb-tests --bench soak` (short: `RSB_SOAK_EXECS=1000 RSB_SOAK_SYNCS=50`)
+//! `cargo bench -p rsb-tests --bench soak` (short: `RSB_SOAK_EXECS=1000 RSB_SOAK_SYNCS=50`;
+//! sweep only: `RSB_SOAK_EXECS=0`; soak only: `RSB_SWEEP_SANDBOXES=0`; `RSB_SWEEP_RUNS` fresh
+//! servers for the medians (3); `RSB_SOAK_BIN=debug` measures the debug `rsb`).
 
 use std::{
     path::{Path, PathBuf},
@@ -30,10 +32,10 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// The release rsb when it was built, else the debug one.
+/// The release rsb when it was built (unless `RSB_SOAK_BIN=debug`), else the debug one.
 fn rsb_bin() -> PathBuf {
     let release = workspace_root().join("target/release/rsb");
-    if release.exists() {
+    if release.exists() && std::env::var("RSB_SOAK_BIN").as_deref() != Ok("debug") {
         return release;
     }
     let p = workspace_root().join("target/debug/rsb");
@@ -212,20 +214,19 @@ async fn soak(sshd: &Sshd, src: &Path) {
     let _ = server.svc.cancel().await;
 }
 
-async fn sweep(sshd: &Sshd) {
-    let n = env_u64("RSB_SWEEP_SANDBOXES", 100);
-    let list: Vec<Value> = (0..n).map(|i| entry(&format!("s{i:03}"), sshd)).collect();
-    let server = start(&Value::Array(list)).await;
+/// One cold `list_sandboxes(check_resources=true)` in a fresh `rsb mcp`, then `warm` more.
+async fn sweep_once(list: &Value, warm_iters: usize) -> (Duration, usize, Vec<Duration>, usize) {
+    let server = start(list).await;
     let args = json!({"check_resources": true});
-    let t = Instant::now();
-    let v = server.call("list_sandboxes", args.clone()).await;
-    let cold = t.elapsed();
     let alive = |v: &Value| {
         v["sandboxes"]
             .as_array()
             .map(|a| a.iter().filter(|s| s["connection_alive"] == true).count())
             .unwrap_or(0)
     };
+    let t = Instant::now();
+    let v = server.call("list_sandboxes", args.clone()).await;
+    let cold = t.elapsed();
     let cold_alive = alive(&v);
     if let Some(e) = v["sandboxes"]
         .as_array()
@@ -235,28 +236,77 @@ async fn sweep(sshd: &Sshd) {
     }
     let mut warm = Vec::new();
     let mut warm_alive = 0;
-    for _ in 0..5 {
+    for _ in 0..warm_iters {
         let t = Instant::now();
         let v = server.call("list_sandboxes", args.clone()).await;
         warm.push(t.elapsed());
         warm_alive = alive(&v);
     }
     warm.sort();
-    let ssh = {
+    let _ = server.svc.cancel().await;
+    (cold, cold_alive, warm, warm_alive)
+}
+
+async fn sweep(sshd: &Sshd, fresh_host: bool) {
+    let n = env_u64("RSB_SWEEP_SANDBOXES", 100);
+    let list = Value::Array((0..n).map(|i| entry(&format!("s{i:03}"), sshd)).collect());
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let ssh = || {
         let t = Instant::now();
         let o = sshd.ssh_command("true").output().unwrap();
         assert!(o.status.success());
         t.elapsed()
     };
+    // The first server may have to upload the agent (a fresh host); the later ones find it.
+    let (cold1, alive1, _, _) = sweep_once(&list, 0).await;
+    let ssh1 = ssh();
     println!(
-        "list_sandboxes(check_resources) over {n} sandboxes: cold {:.0} ms ({cold_alive} alive), warm median {:.1} ms ({warm_alive} alive) (targets: cold <= 2000 ms, warm <= 50 ms); one ssh host true {:.0} ms, cold/ssh {:.1}",
-        cold.as_secs_f64() * 1000.0,
-        warm[warm.len() / 2].as_secs_f64() * 1000.0,
-        ssh.as_secs_f64() * 1000.0,
+        "list_sandboxes(check_resources) over {n} sandboxes, first rsb mcp{}: cold {:.0} ms ({alive1} alive); ssh host true {:.0} ms",
+        if fresh_host {
+            " (uploads the agent)"
+        } else {
+            ""
+        },
+        ms(cold1),
+        ms(ssh1)
+    );
+    let runs = env_u64("RSB_SWEEP_RUNS", 3).max(1);
+    let mut colds = Vec::new();
+    let mut warms = Vec::new();
+    let mut sshs = Vec::new();
+    let mut alive = (0, 0);
+    for _ in 0..runs {
+        let (cold, ca, warm, wa) = sweep_once(&list, 5).await;
+        colds.push(cold);
+        warms.push(warm[warm.len() / 2]);
+        sshs.push(ssh());
+        alive = (ca, wa);
+    }
+    colds.sort();
+    warms.sort();
+    sshs.sort();
+    let (cold, warm, ssh) = (
+        colds[colds.len() / 2],
+        warms[warms.len() / 2],
+        sshs[sshs.len() / 2],
+    );
+    println!(
+        "list_sandboxes(check_resources) over {n} sandboxes (agent installed), medians of {runs} fresh servers: cold {:.0} ms ({} alive), warm {:.1} ms ({} alive) (targets: cold <= 2000 ms, warm <= 50 ms); ssh host true {:.0} ms, cold/ssh {:.1}",
+        ms(cold),
+        alive.0,
+        ms(warm),
+        alive.1,
+        ms(ssh),
         cold.as_secs_f64() / ssh.as_secs_f64()
     );
-    let _ = server.svc.cancel().await;
-    let _ = Duration::ZERO;
+    println!(
+        "sweep: cold runs {:?} ms, warm medians {:?} ms",
+        colds.iter().map(|d| ms(*d).round()).collect::<Vec<_>>(),
+        warms
+            .iter()
+            .map(|d| (ms(*d) * 10.0).round() / 10.0)
+            .collect::<Vec<_>>()
+    );
 }
 
 fn main() {
@@ -274,9 +324,12 @@ fn main() {
         .build()
         .unwrap();
     rt.block_on(async {
-        if env_u64("RSB_SOAK_EXECS", 10_000) > 0 {
+        let soaked = env_u64("RSB_SOAK_EXECS", 10_000) > 0;
+        if soaked {
             soak(&sshd, &src).await;
         }
-        sweep(&sshd).await;
+        if env_u64("RSB_SWEEP_SANDBOXES", 100) > 0 {
+            sweep(&sshd, !soaked).await;
+        }
     });
 }

@@ -677,3 +677,223 @@ async fn a_replaced_agent_is_hashed_before_it_runs() {
         plant_wrapper(&cache_root, None, 0o700, &marker);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Case 3 by a real second user: staging swapped in a shared writable directory
+// ---------------------------------------------------------------------------------------------
+
+/// The attacker, run as the other local user: whenever a staging directory shows up in `dest`,
+/// try to overwrite the files staged in it, then move it away and put a symlink to their own
+/// directory in its place. Bounded by time, a stop file and a loop count; prints what it did.
+const ATTACKER: &str = r#"
+import os, sys, time
+dest, evil, stop = sys.argv[1:4]
+t0 = time.time(); swaps = replaced = refused = rounds = 0
+while time.time() - t0 < 90 and rounds < 200000 and not os.path.exists(stop):
+    rounds += 1
+    try:
+        names = os.listdir(dest)
+    except OSError:
+        names = []
+    for name in names:
+        p = os.path.join(dest, name)
+        if not name.startswith('.rsb-sync-staging-') or os.path.islink(p):
+            continue
+        try:
+            for f in os.listdir(p)[:20]:
+                fp = os.path.join(p, f)
+                try:
+                    os.unlink(fp)
+                    with open(fp, 'w') as fh:
+                        fh.write('substituted\n')
+                    replaced += 1
+                except OSError:
+                    refused += 1
+        except OSError:
+            refused += 1
+        try:
+            os.rename(p, os.path.join(dest, 'moved-%d' % rounds))
+            os.symlink(evil, p)
+            swaps += 1
+        except OSError:
+            refused += 1
+    time.sleep(0.002)
+print('swaps=%d replaced=%d refused=%d rounds=%d' % (swaps, replaced, refused, rounds))
+"#;
+
+/// Issue 14, case 3, with the attacker a different local user (not root, not the syncing
+/// user): a 1,500-file upload into a mode-777 directory without the sticky bit, while they
+/// swap the staging directory for a link to their own directory and try to replace staged
+/// files. The sync either stops with one clear line or every committed file holds exactly the
+/// source's bytes; nothing lands in their directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_user_swapping_the_staging_directory_cannot_substitute_files() {
+    let Some(attacker) = other_local_user() else {
+        eprintln!("skipped: no second local user (creating one needs root; CI runs as root)");
+        return;
+    };
+    let sshd = Sshd::start().unwrap();
+    let proxy = rsb_tests::ChaosProxy::start(sshd.addr()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    // Shared area the attacker can reach: /tmp/x (755, ours) / shared (777, no sticky).
+    let area = tempfile::tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(area.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dest = area.path().join("shared");
+    std::fs::create_dir(&dest).unwrap();
+    std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o777)).unwrap();
+    // Their own directory, outside the destination, with their own files.
+    let evil = area.path().join("theirs");
+    std::fs::create_dir(&evil).unwrap();
+    for i in 0..20 {
+        std::fs::write(evil.join(format!("f{i:04}")), "substituted\n").unwrap();
+    }
+    let script = area.path().join("attack.py");
+    std::fs::write(&script, ATTACKER).unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    chown(&evil, Some(attacker.uid), Some(attacker.gid)).unwrap();
+    for e in std::fs::read_dir(&evil).unwrap().flatten() {
+        chown(e.path(), Some(attacker.uid), Some(attacker.gid)).unwrap();
+    }
+    let src = tmp.path().join("many");
+    std::fs::create_dir(&src).unwrap();
+    let body = |i: usize| format!("real {i}\n").repeat(400);
+    for i in 0..1500 {
+        std::fs::write(src.join(format!("f{i:04}")), body(i)).unwrap();
+    }
+
+    let list = json!([{"name": "s", "host": sshd.host(), "port": proxy.port(),
+        "user": sshd.user(), "key_file": sshd.client_key().display().to_string()}])
+    .to_string();
+    let (transport, _) = TokioChildProcess::builder(rsb_mcp_command(
+        tmp.path(),
+        &[("REMOTE_SANDBOX_LIST", &list)],
+    ))
+    .stderr(Stdio::null())
+    .spawn()
+    .unwrap();
+    let svc = ().serve(transport).await.expect("initialize");
+    // Connect and deploy before the race, so the attacker meets the sync itself.
+    call(&svc, "exec_bash", json!({"command": "true"})).await;
+    proxy.set_delay(Duration::from_millis(2));
+
+    let stop = area.path().join("stop");
+    // setpriv drops root's supplementary groups too, which `Command::uid` would keep.
+    let attack = std::process::Command::new("/usr/bin/setpriv")
+        .arg(format!("--reuid={}", attacker.uid))
+        .arg(format!("--regid={}", attacker.gid))
+        .arg("--clear-groups")
+        .arg("/usr/bin/python3")
+        .arg(&script)
+        .arg(&dest)
+        .arg(&evil)
+        .arg(&stop)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("setpriv and python3 (util-linux, python3)");
+    let args = json!({"local_path": src.display().to_string(),
+                      "remote_path": dest.display().to_string()});
+    let Value::Object(args) = args else {
+        unreachable!()
+    };
+    let r = tokio::time::timeout(
+        Duration::from_secs(240),
+        svc.call_tool(CallToolRequestParams::new("sync_local_to_remote").with_arguments(args)),
+    )
+    .await
+    .expect("the sync answers within 240 s")
+    .expect("a tool reply");
+    let text = serde_json::to_value(&r).unwrap()["content"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+    // 1,500 files go to the background: follow the task to its end (bounded).
+    let (failed, error) = match v["task_id"].as_i64() {
+        Some(id) if r.is_error != Some(true) => {
+            let t0 = std::time::Instant::now();
+            loop {
+                let s = call(&svc, "check_file_transfer_task", json!({"task_id": id})).await;
+                let status = s["status"].as_str().unwrap_or_default().to_string();
+                if !matches!(status.as_str(), "queued" | "running") {
+                    eprintln!("transfer {id}: {status} {}", s["error"]);
+                    break (
+                        status != "completed",
+                        s["error"].as_str().unwrap_or_default().to_string(),
+                    );
+                }
+                assert!(
+                    t0.elapsed() < Duration::from_secs(240),
+                    "the transfer ends: {s}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        _ => (
+            r.is_error == Some(true),
+            v["error"].as_str().unwrap_or(&text).to_string(),
+        ),
+    };
+    std::fs::write(&stop, "").unwrap();
+    let out = tokio::task::spawn_blocking(move || attack.wait_with_output())
+        .await
+        .unwrap()
+        .unwrap();
+    let did = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    eprintln!(
+        "attacker: {did} {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    eprintln!("sync failed: {failed}; error: {error}");
+    assert!(out.status.success(), "the attacker script ran: {did}");
+    let swaps: u64 = did
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("swaps="))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        swaps >= 1,
+        "the attacker never got to swap the staging directory: {did}"
+    );
+    if failed {
+        assert!(
+            !error.is_empty() && !error.contains('\n'),
+            "one line: {error:?}"
+        );
+        assert!(
+            error.contains("tampered") || error.contains("staging"),
+            "the error says what happened: {error}"
+        );
+    }
+    // Every file that is in place holds our bytes, whatever the outcome.
+    let mut committed = 0;
+    for e in std::fs::read_dir(&dest).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(i) = name.strip_prefix('f').and_then(|n| n.parse::<usize>().ok()) else {
+            continue;
+        };
+        let meta = std::fs::symlink_metadata(e.path()).unwrap();
+        assert!(meta.file_type().is_file(), "{name} is a regular file");
+        assert_eq!(
+            std::fs::read_to_string(e.path()).unwrap(),
+            body(i),
+            "{name} holds someone else's bytes"
+        );
+        committed += 1;
+    }
+    if !failed {
+        assert_eq!(committed, 1500, "a successful sync committed everything");
+    }
+    // Nothing of ours landed in their directory, and their files are untouched.
+    let theirs: Vec<_> = std::fs::read_dir(&evil).unwrap().flatten().collect();
+    assert_eq!(theirs.len(), 20, "their directory gained files");
+    for e in theirs {
+        use std::os::unix::fs::MetadataExt;
+        assert_eq!(std::fs::read_to_string(e.path()).unwrap(), "substituted\n");
+        assert_eq!(e.metadata().unwrap().uid(), attacker.uid);
+    }
+    eprintln!("committed {committed} of 1500 files, all with their own bytes");
+    let _ = svc.cancel().await;
+}

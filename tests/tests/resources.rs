@@ -581,6 +581,9 @@ async fn one_dead_host_does_not_delay_the_others() {
             pc_alone.error
         );
         assert!(matches!(pb_alone.resources, Some(Ok(_))));
+        // Samples under RESOURCES_FRESH old are answered from the pool: let them age out so
+        // the listing below really asks the slowed hosts.
+        tokio::time::sleep(sandboxes::RESOURCES_FRESH).await;
         let (v, slow) = list_timed(&pool).await;
         let slowest = tb.max(tc).max(ct_dead);
         let sum = tb + tc + ct_dead;
@@ -603,6 +606,7 @@ async fn one_dead_host_does_not_delay_the_others() {
         // A warm connection whose link goes silent (no FIN, no RST): the call is bounded.
         // Only the round-trip deadline ends it: keep-alives would take ~12 s to notice.
         pb.blackhole(true);
+        tokio::time::sleep(sandboxes::RESOURCES_FRESH).await;
         let (v, silent) = list_timed(&pool).await;
         let eb = entry(&v, "b");
         eprintln!("warm list with b's link silently dead: {silent:?}; b: {eb:#}");

@@ -64,6 +64,10 @@ pub struct Resources {
     pub uptime_s: u64,
     /// 0 = fully busy, 1 = idle.
     pub idle_score: f64,
+    /// How long ago rsb received this sample from the agent: 0 when it was fetched for this
+    /// reply, more when a recent one was reused (`list_sandboxes` reuses samples under 1 s old).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sample_age_ms: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -168,5 +172,6 @@ pub fn resources(s: &ResourceSnapshot) -> Resources {
         gpu_note: s.gpu.note.clone(),
         uptime_s: s.uptime_s,
         idle_score: idle_score(s),
+        sample_age_ms: None,
     }
 }

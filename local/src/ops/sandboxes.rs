@@ -43,11 +43,19 @@ pub fn probe_deadline(pool: &Pool, name: &str) -> Duration {
     connect_deadline(pool, name) + ROUND_TRIP_DEADLINE
 }
 
+/// How old a sandbox's last resources sample may be for `list_sandboxes` to answer with it
+/// instead of asking the agent again. The agent itself refreshes its CPU reading once a second,
+/// so a round trip could return a reading of about this age anyway; the reply says how old each
+/// sample is (`resources.sample_age_ms`).
+pub const RESOURCES_FRESH: Duration = Duration::from_secs(1);
+
 pub struct Probe {
     pub name: String,
     pub alive: bool,
     pub error: Option<RsbError>,
     pub resources: Option<std::result::Result<ResourceSnapshot, RsbError>>,
+    /// How long ago the resources sample arrived, when it was not fetched for this call.
+    pub sample_age: Option<Duration>,
 }
 
 fn no_answer(name: &str, what: &str, after: Duration) -> RsbError {
@@ -69,44 +77,68 @@ pub async fn probe(pool: &Pool, name: &str, with_resources: bool) -> Probe {
         alive: false,
         error: Some(e.clone()),
         resources: with_resources.then_some(Err(e)),
+        sample_age: None,
     };
     let connect = connect_deadline(pool, name);
-    let client = match tokio::time::timeout(connect, pool.client(name)).await {
-        Ok(Ok(c)) => c,
-        Ok(Err(e)) => return dead(e),
-        Err(_) => return dead(no_answer(name, "connect", connect)),
-    };
+    let (client, generation) =
+        match tokio::time::timeout(connect, pool.client_with_generation(name)).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return dead(e),
+            Err(_) => return dead(no_answer(name, "connect", connect)),
+        };
+    // The ping and the resources request go out together: one round trip, not two.
+    let ping = client.call(PingRequest {
+        payload: Vec::new(),
+    });
     let round_trips = async {
-        client
-            .call(PingRequest {
-                payload: Vec::new(),
-            })
-            .await?;
         if !with_resources {
-            return Ok(None);
+            return ping.await.map(|_| None);
         }
+        let sample = client.call(ResourcesRequest {
+            max_wait_ms: RESOURCES_MAX_WAIT.as_millis() as u64,
+        });
+        let (ping, sample) = tokio::join!(ping, sample);
+        ping?;
         // A failed resources request on a live agent is that sandbox's resources error, not
         // a dead connection.
-        Ok(Some(
-            client
-                .call(ResourcesRequest {
-                    max_wait_ms: RESOURCES_MAX_WAIT.as_millis() as u64,
-                })
-                .await,
-        ))
+        Ok::<_, RsbError>(Some(sample))
     };
     match tokio::time::timeout(ROUND_TRIP_DEADLINE, round_trips).await {
-        Ok(Ok(resources)) => Probe {
-            name: name.into(),
-            alive: true,
-            error: None,
-            resources,
-        },
+        Ok(Ok(resources)) => {
+            if let Some(Ok(s)) = &resources {
+                pool.store_sample(name, generation, s);
+            }
+            Probe {
+                name: name.into(),
+                alive: true,
+                error: None,
+                resources,
+                sample_age: None,
+            }
+        }
         Ok(Err(e)) => dead(e),
         Err(_) => dead(no_answer(name, "answer", ROUND_TRIP_DEADLINE)),
     }
 }
 
+/// [`probe`], answered without any I/O when the sandbox's connection is up and its last sample
+/// is younger than [`RESOURCES_FRESH`]: a live channel fails within the heartbeat's bound when
+/// its link dies, so "connected, sampled under a second ago" is as good as a ping.
+pub async fn probe_fresh(pool: &Pool, name: &str, with_resources: bool) -> Probe {
+    if with_resources && let Some((s, age)) = pool.fresh_sample(name, RESOURCES_FRESH) {
+        return Probe {
+            name: name.into(),
+            alive: true,
+            error: None,
+            resources: Some(Ok(s)),
+            sample_age: Some(age),
+        };
+    }
+    probe(pool, name, with_resources).await
+}
+
+/// Every sandbox at once, each within its own deadline (no fan-out bound here: one dead host
+/// must never queue another behind it; the connect step bounds its own handshakes per host).
 pub async fn probe_all(pool: &Pool, with_resources: bool) -> Vec<Probe> {
     join_all(pool.names().iter().map(|n| probe(pool, n, with_resources))).await
 }
@@ -158,7 +190,12 @@ pub struct SandboxList {
 
 pub async fn list(pool: &Pool, check_resources: bool) -> SandboxList {
     let active = pool.active();
-    let probes = probe_all(pool, check_resources).await;
+    let probes = join_all(
+        pool.names()
+            .iter()
+            .map(|n| probe_fresh(pool, n, check_resources)),
+    )
+    .await;
     let sandboxes = probes
         .iter()
         .map(|p| {
@@ -172,7 +209,14 @@ pub async fn list(pool: &Pool, check_resources: bool) -> SandboxList {
                 connection_alive: p.alive,
                 connection_error: p.error.as_ref().map(|e| e.message.clone()),
                 resources: p.resources.as_ref().map(|r| match r {
-                    Ok(s) => ResourcesOrError::Ok(Box::new(resources(s))),
+                    Ok(s) => {
+                        let mut r = resources(s);
+                        r.sample_age_ms = Some(
+                            p.sample_age
+                                .map_or(0, |a| u64::try_from(a.as_millis()).unwrap_or(u64::MAX)),
+                        );
+                        ResourcesOrError::Ok(Box::new(r))
+                    }
                     Err(e) => ResourcesOrError::Err(e.into()),
                 }),
             }
