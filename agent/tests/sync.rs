@@ -255,6 +255,7 @@ fn defaults(lines: &[&str]) -> SyncRules {
     SyncRules {
         default_excludes: true,
         lines: lines.iter().map(|s| s.to_string()).collect(),
+        ..Default::default()
     }
 }
 
@@ -395,6 +396,7 @@ fn default_excludes_apply_at_any_depth_and_rules_are_ordered() {
         SyncRules {
             default_excludes: false,
             lines: vec![],
+            ..Default::default()
         },
         false,
     );

@@ -168,6 +168,30 @@ pub async fn run(
     res
 }
 
+/// `rsb exec --json`: local stdin forwarded as by [`run`], the output only in the reply (head
+/// and tail up to the request's caps), so `producer | rsb --json exec -- consumer` sees its
+/// input as without `--json`.
+pub async fn run_collected(
+    client: &AgentClient,
+    mut req: ExecRequest,
+) -> std::result::Result<Result<ExecResult>, Interrupted> {
+    req.stdin = true;
+    let stdin = spawn_stdin_reader();
+    let (input_tx, input_rx) = mpsc::channel(4);
+    // stdin implies streamed chunks; the reply carries the output again, so they are dropped.
+    let (out_tx, mut out_rx) = mpsc::channel::<Chunk>(64);
+    let drain = tokio::spawn(async move { while out_rx.recv().await.is_some() {} });
+    let pump = pump_input(stdin, input_tx, false);
+    let call = client.exec_with_input(req, out_tx, input_rx);
+    let res = tokio::select! {
+        r = call => Ok(r),
+        sig = termination(true) => Err(Interrupted::Signal(sig)),
+        () = pump => unreachable!("the input pump ends only when its receiver does"),
+    };
+    let _ = drain.await;
+    res
+}
+
 /// Moves stdin into the call's input and, on a terminal, window-size changes as `Resize`.
 /// Never completes on its own: after stdin's end it keeps forwarding resizes.
 async fn pump_input(

@@ -6,9 +6,8 @@ mod cli;
 use std::{process::ExitCode, time::Duration};
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
-use cli::{Ctx, exit, fail as print_error_code};
-use rsb::{config::Config, error::RsbError, pool::Pool};
-use serde_json::Value;
+use cli::{Ctx, exit};
+use rsb::config::Config;
 
 #[derive(Parser)]
 #[command(
@@ -72,35 +71,9 @@ enum Cmd {
         max_bytes: i64,
     },
     /// Sync files exactly: `rsb sync LOCAL SANDBOX:REMOTE` uploads, `rsb sync SANDBOX:REMOTE LOCAL`
-    /// downloads (`:REMOTE` = the active sandbox). Remote paths are relative to the remote $HOME.
-    Sync {
-        src: String,
-        dst: String,
-        /// Delete destination entries missing from the source (never excluded ones).
-        #[arg(long)]
-        delete: bool,
-        /// gitignore-style pattern to exclude (repeatable); .git, node_modules, … are excluded
-        /// by default.
-        #[arg(long = "exclude", value_name = "PAT")]
-        exclude: Vec<String>,
-        /// File of exclude patterns.
-        #[arg(long)]
-        exclude_file: Option<String>,
-        /// List what would change, one line per action; change nothing.
-        #[arg(long, short = 'n')]
-        dry_run: bool,
-        /// Keep syncing: upload every burst of local changes until Ctrl-C (a line per burst).
-        #[arg(long, short = 'w')]
-        watch: bool,
-        /// With --watch: poll the tree instead of using OS file events.
-        #[arg(long, requires = "watch")]
-        poll: bool,
-        #[command(flatten)]
-        safety: rsb::sync::cli::SafetyArgs,
-        /// Accepted for rsync habits and ignored: rsb always keeps modes, mtimes and symlinks.
-        #[arg(short = 'a', long = "archive")]
-        archive: bool,
-    },
+    /// downloads (`:REMOTE` = the -s or active sandbox). Remote paths are relative to the
+    /// remote $HOME.
+    Sync(cli::sync::SyncArgs),
     /// Forward a local port to a service on a sandbox over its SSH connection, as `ssh -L`
     /// does: SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock (`:PORT` = the active
     /// sandbox). Runs until Ctrl-C, printing a line per connection; survives reconnects.
@@ -126,7 +99,8 @@ enum Cmd {
         #[command(subcommand)]
         cmd: cli::config::ConfigCmd,
     },
-    /// Check the configuration, keys and every sandbox, one verdict per line.
+    /// Check the configuration, the watchdog daemon and its detached forwards, and every
+    /// sandbox (keys, host key, agent, tmux, clock), one verdict per line.
     Doctor,
     /// Print a shell completion script: `source <(rsb completions bash)`.
     Completions { shell: clap_complete::Shell },
@@ -211,18 +185,6 @@ fn main() -> ExitCode {
     // Do not wait for lingering tasks (idle SSH connections) on exit.
     rt.shutdown_timeout(Duration::from_millis(200));
     ExitCode::from(code)
-}
-
-fn print_error(json: bool, e: &RsbError) {
-    print_error_code(json, e);
-}
-
-fn print_value(json: bool, v: &Value) {
-    if json {
-        println!("{v}");
-    } else {
-        println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
-    }
 }
 
 async fn run(cli: Cli) -> u8 {
@@ -314,182 +276,8 @@ async fn run(cli: Cli) -> u8 {
                 c => c,
             }
         }
-        Cmd::Sync {
-            src,
-            dst,
-            delete,
-            exclude,
-            exclude_file,
-            dry_run,
-            watch,
-            poll,
-            safety,
-            archive,
-        } => {
-            if archive {
-                eprintln!("rsb: note: -a is implied: rsb always keeps modes, mtimes and symlinks");
-            }
-            let opts = SyncOpts {
-                delete,
-                exclude,
-                exclude_file,
-                dry_run,
-                watch,
-                poll,
-                safety,
-            };
-            let used: Vec<&str> = [&src, &dst]
-                .iter()
-                .filter_map(|a| a.split_once(':').map(|(n, _)| n))
-                .collect();
-            ctx.warnings_for(&used);
-            run_sync(&ctx.pool, json, &src, &dst, opts).await
-        }
+        Cmd::Sync(a) => cli::sync::run(&ctx, a).await,
     };
     ctx.pool.shutdown().await;
     code
-}
-
-struct SyncOpts {
-    delete: bool,
-    exclude: Vec<String>,
-    exclude_file: Option<String>,
-    dry_run: bool,
-    watch: bool,
-    poll: bool,
-    safety: rsb::sync::cli::SafetyArgs,
-}
-
-/// `SANDBOX:PATH` (or `:PATH` for the active sandbox) when the prefix names a sandbox.
-fn split_remote<'a>(pool: &Pool, arg: &'a str) -> Option<(&'a str, &'a str)> {
-    let (name, path) = arg.split_once(':')?;
-    if name.contains('/') {
-        return None;
-    }
-    (name.is_empty() || pool.names().iter().any(|n| n == name)).then_some((name, path))
-}
-
-/// `uxl:foo` where `uxl` names no sandbox (and no local `uxl:foo` exists): the user meant a
-/// sandbox, so say which name is unknown rather than that no side is remote.
-fn unknown_prefix(pool: &Pool, args: [&str; 2]) -> Option<RsbError> {
-    args.into_iter().find_map(|a| {
-        let (name, _) = a.split_once(':')?;
-        let plausible = !name.is_empty()
-            && !name.contains('/')
-            && !pool.names().iter().any(|n| n == name)
-            && !std::path::Path::new(a).exists();
-        plausible.then(|| cli::unknown_sandbox(pool, name))
-    })
-}
-
-async fn run_sync(pool: &Pool, json: bool, src: &str, dst: &str, o: SyncOpts) -> u8 {
-    use rsb::sync::{Direction, SyncSpec};
-    use std::io::IsTerminal;
-    let (direction, sandbox, remote, local) = match (
-        split_remote(pool, src),
-        split_remote(pool, dst),
-    ) {
-        (None, Some((s, r))) => (Direction::Upload, s, r, src),
-        (Some((s, r)), None) => (Direction::Download, s, r, dst),
-        _ => {
-            if let Some(e) = unknown_prefix(pool, [src, dst]) {
-                return print_error_code(json, &e);
-            }
-            print_error(
-                json,
-                &RsbError::invalid(
-                    "exactly one side must be SANDBOX:PATH",
-                    format!(
-                        "rsb sync LOCAL SANDBOX:REMOTE uploads, rsb sync SANDBOX:REMOTE LOCAL downloads; sandboxes: {}",
-                        pool.names().join(", ")
-                    ),
-                ),
-            );
-            return exit::USAGE;
-        }
-    };
-    let prep = (|| {
-        let sandbox = pool.resolve(sandbox)?;
-        let local_path = rsb::ops::sync::expand_local(local)?;
-        if direction == Direction::Upload && !local_path.exists() {
-            return Err(RsbError::invalid(
-                format!("no such local file or directory: {}", local_path.display()),
-                "check the LOCAL argument (relative paths start from the current directory)",
-            ));
-        }
-        let rules = rsb::ops::sync::load_rules(&o.exclude, o.exclude_file.as_deref())?;
-        Ok::<_, RsbError>((
-            sandbox,
-            SyncSpec {
-                direction,
-                local_path,
-                remote_path: if remote.is_empty() {
-                    ".".into()
-                } else {
-                    remote.into()
-                },
-                delete_extras: o.delete,
-                rules,
-                dry_run: o.dry_run,
-            },
-        ))
-    })();
-    let (sandbox, spec) = match prep {
-        Ok(x) => x,
-        Err(e) => return print_error_code(json, &e),
-    };
-    if o.watch {
-        return rsb::sync::watch::run_cli(pool, &sandbox, &spec, json, o.poll).await;
-    }
-    let (bar, progress) = if !json && !o.dry_run && std::io::stderr().is_terminal() {
-        let (b, f) = rsb::sync::cli::progress_bar();
-        (Some(b), Some(f))
-    } else {
-        (None, None)
-    };
-    let cancel = rsb::sync::CancellationToken::new();
-    let c2 = cancel.clone();
-    let ctrl_c = tokio::spawn(async move {
-        if tokio::signal::ctrl_c().await.is_ok() {
-            c2.cancel();
-        }
-    });
-    let r = rsb::ops::sync::run_with(
-        pool,
-        &sandbox,
-        &spec,
-        &o.safety.options(),
-        progress,
-        &cancel,
-    )
-    .await;
-    ctrl_c.abort();
-    if let Some(b) = bar {
-        b.finish_and_clear();
-    }
-    match r {
-        Ok(rep) if json => {
-            print_value(true, &rep.to_json());
-            0
-        }
-        Ok(rep) => {
-            for a in &rep.actions {
-                println!("{a}");
-            }
-            for e in &rep.errors {
-                eprintln!("rsb: warning: {e}");
-            }
-            rsb::sync::cli::print_conflicts(&rep);
-            println!(
-                "{}",
-                rsb::sync::cli::summary(&rep, direction == Direction::Upload)
-            );
-            0
-        }
-        Err(e) if cancel.is_cancelled() => {
-            print_error(json, &e);
-            130
-        }
-        Err(e) => print_error_code(json, &e),
-    }
 }

@@ -26,6 +26,17 @@ pub struct SyncRules {
     pub default_excludes: bool,
     /// `exclude_file` lines, then `excludes`, in order.
     pub lines: Vec<String>,
+    /// Also apply the tree's `.gitignore` files at every depth, as git does (a nested one
+    /// applies to its directory and below, deeper ones win, `!` re-includes); `lines` still
+    /// win over them and they over the defaults.
+    #[serde(default)]
+    pub gitignore: bool,
+    /// With `gitignore`, for the destination's walk: the source's `.gitignore` files
+    /// `(dir, lines)` (from its [`ManifestSummary::gitignore_files`]), applied instead of the
+    /// destination's own, so both sides leave out exactly the same entries (and an extra the
+    /// source ignores is never deleted). `None`: read them from the tree being walked.
+    #[serde(default)]
+    pub gitignore_files: Option<Vec<(String, Vec<String>)>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -65,6 +76,10 @@ pub struct ManifestSummary {
     pub hashed_bytes: u64,
     /// Unreadable entries, as `rel: reason` (at most 100).
     pub errors: Vec<String>,
+    /// With `rules.gitignore` (and no `gitignore_files` given): the `.gitignore` files read,
+    /// `(dir, lines)`, dir relative to the root; blank and comment lines left out.
+    #[serde(default)]
+    pub gitignore_files: Vec<(String, Vec<String>)>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

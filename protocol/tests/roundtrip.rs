@@ -60,6 +60,8 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             rules: SyncRules {
                 default_excludes: true,
                 lines: vec!["*.log".into(), "!keep.log".into()],
+                gitignore: true,
+                gitignore_files: Some(vec![("sub".into(), vec!["!x".into()])]),
             },
             hash: true,
         }),
@@ -255,6 +257,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             skipped_special_count: 1,
             hashed_bytes: 0,
             errors: vec![],
+            gitignore_files: vec![(String::new(), vec!["*.o".into()])],
         }),
         Reply::BlockHashes(BlockHashesResult {
             size: 5,

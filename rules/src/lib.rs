@@ -11,4 +11,4 @@ pub mod path;
 mod rules;
 pub mod shell;
 
-pub use rules::{DEFAULT_EXCLUDES, PatternError, Rules};
+pub use rules::{DEFAULT_EXCLUDES, Layer, PatternError, Rules};

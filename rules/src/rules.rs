@@ -1,5 +1,6 @@
-//! Exclusion rules with gitignore semantics, fed only the given lines (`.gitignore` files in
-//! the tree are never read).
+//! Exclusion rules with gitignore semantics: the given lines, plus (when a sync asks for it)
+//! the `.gitignore` files of the tree as [`Layer`]s, which the walker reads as it enters each
+//! directory (this crate does no I/O).
 //!
 //! This is git's own algorithm, not a regex translation: each line is parsed as `dir.c` does
 //! (comments, trailing spaces, `!`, trailing `/`, anchoring) and matched with a port of git's
@@ -11,6 +12,10 @@
 //! - A pattern without a `/` (a trailing one aside) matches the name at any depth; one with a
 //!   `/` at the start or in the middle is anchored at the sync root.
 //! - A trailing `/` matches directories only.
+//! - With `.gitignore` layers ([`Rules::excluded_in`]), a layer's patterns are relative to its
+//!   directory and apply to it and below; precedence is git's: the sync's own lines (the
+//!   "command line") first, then the deepest `.gitignore`, up to the root's, then the defaults
+//!   (like a global excludes file). Within each, the last matching line wins.
 //! - Directories are matched as the walk reaches them and an excluded one is never entered,
 //!   so (as in git) nothing below an excluded directory can be re-included.
 //! - A line git would silently treat as "never matches" (a dangling `\`, an unclosed `[`, an
@@ -41,6 +46,79 @@ struct Pattern {
 #[derive(Debug)]
 pub struct Rules {
     patterns: Vec<Pattern>,
+    /// How many of `patterns` (at the front) are [`DEFAULT_EXCLUDES`]: below `.gitignore`
+    /// layers in precedence, where the rest are above.
+    defaults: usize,
+}
+
+/// One `.gitignore` file of the tree: its patterns, relative to `dir`.
+#[derive(Debug)]
+pub struct Layer {
+    /// Relative to the sync root, `/`-separated; `""` for the root itself.
+    dir: String,
+    patterns: Vec<Pattern>,
+}
+
+impl Layer {
+    /// A `.gitignore` in `dir` with these lines. Lines git would silently never match are left
+    /// out and returned, so the caller can warn about them: a `.gitignore` in the tree (a
+    /// vendored one, say) should not fail a whole sync the way a bad `--exclude` does.
+    pub fn parse<'a>(
+        dir: &str,
+        lines: impl IntoIterator<Item = &'a str>,
+    ) -> (Layer, Vec<PatternError>) {
+        let mut patterns = Vec::new();
+        let mut errors = Vec::new();
+        for line in lines {
+            match parse(line) {
+                Ok(Some(p)) => patterns.push(p),
+                Ok(None) => {}
+                Err(reason) => errors.push(PatternError {
+                    line: line.to_string(),
+                    reason,
+                }),
+            }
+        }
+        let dir = dir.trim_matches('/').to_string();
+        (Layer { dir, patterns }, errors)
+    }
+
+    pub fn dir(&self) -> &str {
+        &self.dir
+    }
+
+    /// `rel` relative to this layer's directory, when the layer applies to it.
+    fn sub<'r>(&self, rel: &'r str) -> Option<&'r str> {
+        if self.dir.is_empty() {
+            return Some(rel);
+        }
+        rel.strip_prefix(self.dir.as_str())?
+            .strip_prefix('/')
+            .filter(|r| !r.is_empty())
+    }
+}
+
+/// The last of `patterns` matching `rel`: `Some(excluded)`, or `None` when none does.
+fn decide(patterns: &[Pattern], rel: &str, is_dir: bool) -> Option<bool> {
+    let path = rel.as_bytes();
+    let name = match rel.rfind('/') {
+        Some(i) => &path[i + 1..],
+        None => path,
+    };
+    for p in patterns.iter().rev() {
+        if p.dir_only && !is_dir {
+            continue;
+        }
+        let hit = if p.basename {
+            wildmatch(&p.glob, name, false)
+        } else {
+            wildmatch(&p.glob, path, true)
+        };
+        if hit {
+            return Some(!p.negated);
+        }
+    }
+    None
 }
 
 /// A line the engine refuses, and why. Both ends show it as it is, so a directory sync (decided
@@ -80,7 +158,10 @@ impl Rules {
                 }
             }
         }
-        Ok(Rules { patterns })
+        Ok(Rules {
+            patterns,
+            defaults: 0,
+        })
     }
 
     /// A sync's rules: [`DEFAULT_EXCLUDES`] when `default_excludes`, then `lines`.
@@ -90,36 +171,55 @@ impl Rules {
         } else {
             &[]
         };
-        Rules::new(
+        let mut r = Rules::new(
             defaults
                 .iter()
                 .copied()
                 .chain(lines.iter().map(String::as_str)),
-        )
+        )?;
+        r.defaults = defaults.len();
+        Ok(r)
     }
 
     /// `rel` is relative to the root, `/`-separated, never empty. Parents are not consulted:
     /// the walk never enters an excluded directory.
     pub fn excluded(&self, rel: &str, is_dir: bool) -> bool {
-        let path = rel.as_bytes();
-        let name = match rel.rfind('/') {
-            Some(i) => &path[i + 1..],
-            None => path,
-        };
-        for p in self.patterns.iter().rev() {
-            if p.dir_only && !is_dir {
-                continue;
-            }
-            let hit = if p.basename {
-                wildmatch(&p.glob, name, false)
-            } else {
-                wildmatch(&p.glob, path, true)
-            };
-            if hit {
-                return !p.negated;
+        decide(&self.patterns, rel, is_dir).unwrap_or(false)
+    }
+
+    /// As [`Rules::excluded`], with the tree's `.gitignore` files: `layers` are those of the
+    /// directories above `rel` (any order of depth; layers that are not above `rel` are
+    /// skipped). Precedence as git: these rules' own lines, then the deepest layer first, then
+    /// the defaults.
+    pub fn excluded_in(&self, layers: &[Layer], rel: &str, is_dir: bool) -> bool {
+        if let Some(x) = decide(&self.patterns[self.defaults..], rel, is_dir) {
+            return x;
+        }
+        let mut applicable: Vec<(&Layer, &str)> = layers
+            .iter()
+            .filter_map(|l| l.sub(rel).map(|sub| (l, sub)))
+            .collect();
+        // Deepest first: a nested .gitignore overrides its parents'.
+        applicable.sort_by_key(|(l, _)| std::cmp::Reverse(l.dir.len()));
+        for (l, sub) in applicable {
+            if let Some(x) = decide(&l.patterns, sub, is_dir) {
+                return x;
             }
         }
-        false
+        decide(&self.patterns[..self.defaults], rel, is_dir).unwrap_or(false)
+    }
+
+    /// [`Rules::excluded_path`] with `.gitignore` layers: each parent is consulted as the walk
+    /// would meet it (with the layers above it), then `rel`.
+    pub fn excluded_path_in(&self, layers: &[Layer], rel: &str, is_dir: bool) -> bool {
+        let rel = rel.trim_matches('/');
+        if rel.is_empty() {
+            return false;
+        }
+        rel.match_indices('/')
+            .map(|(i, _)| &rel[..i])
+            .any(|parent| self.excluded_in(layers, parent, true))
+            || self.excluded_in(layers, rel, is_dir)
     }
 
     /// Would a walk from the root leave `rel` out? As [`Rules::excluded`], but each parent
@@ -701,6 +801,81 @@ mod tests {
                 "pathmatch {pat:?} {text:?}"
             );
         }
+    }
+
+    fn layer(dir: &str, lines: &[&str]) -> Layer {
+        let (l, errors) = Layer::parse(dir, lines.iter().copied());
+        assert!(errors.is_empty(), "{errors:?}");
+        l
+    }
+
+    #[test]
+    fn nested_gitignore_files_apply_below_their_directory() {
+        let r = rules(true, &[]);
+        let layers = [
+            layer("", &["*.log", "/build/", "tmp/"]),
+            layer("sub", &["!keep.log", "/local.txt", "data/*.bin"]),
+            layer("sub/deep", &["keep.log", "!*.pyc"]),
+        ];
+        let ex = |rel: &str, dir: bool| r.excluded_in(&layers, rel, dir);
+        // The root's patterns apply at every depth (basename) or at the root (anchored).
+        assert!(ex("a.log", false));
+        assert!(ex("x/y/a.log", false));
+        assert!(ex("build", true));
+        assert!(!ex("x/build", true), "anchored at the root's .gitignore");
+        assert!(ex("x/tmp", true));
+        assert!(!ex("x/tmp", false), "dir-only");
+        // A nested file re-includes, and anchors at its own directory.
+        assert!(!ex("sub/keep.log", false));
+        assert!(!ex("sub/x/keep.log", false));
+        assert!(ex("sub/other.log", false));
+        assert!(ex("sub/local.txt", false));
+        assert!(
+            !ex("local.txt", false),
+            "sub's /local.txt is not the root's"
+        );
+        assert!(!ex("sub/x/local.txt", false));
+        assert!(ex("sub/data/a.bin", false));
+        assert!(!ex("data/a.bin", false));
+        assert!(!ex("sub/data/x/a.bin", false), "one * is one component");
+        // Deeper wins again, and a nested file can re-include over the defaults.
+        assert!(ex("sub/deep/keep.log", false));
+        assert!(ex("sub/deep/x/keep.log", false));
+        assert!(!ex("sub/deep/m.pyc", false));
+        assert!(ex("sub/m.pyc", false));
+        // A sibling directory whose name starts like a layer's is not below it.
+        assert!(ex("subway/keep.log", false));
+        // The sync's own lines win over every .gitignore.
+        let r = rules(true, &["!a.log", "sub/keep.log"]);
+        assert!(!r.excluded_in(&layers, "a.log", false));
+        assert!(r.excluded_in(&layers, "sub/keep.log", false));
+        // Without layers, the same answers as `excluded`.
+        let r = rules(true, &["*.log", "!keep.log"]);
+        for (rel, dir) in [
+            ("a.log", false),
+            ("keep.log", false),
+            (".git", true),
+            ("s", true),
+        ] {
+            assert_eq!(r.excluded_in(&[], rel, dir), r.excluded(rel, dir), "{rel}");
+        }
+    }
+
+    #[test]
+    fn nested_gitignore_paths_consult_parents_and_skip_bad_lines() {
+        let r = rules(true, &[]);
+        let layers = [layer("", &["out/"]), layer("src", &["gen/", "!out/"])];
+        // Nothing below an excluded directory comes back, as in git.
+        assert!(r.excluded_path_in(&layers, "out/x/keep.txt", false));
+        assert!(!r.excluded_path_in(&layers, "src/out/a.rs", false));
+        assert!(r.excluded_path_in(&layers, "src/gen/a.rs", false));
+        assert!(!r.excluded_path_in(&layers, "src/a.rs", false));
+        // A line git would never match is left out and reported, the rest still apply.
+        let (l, errors) = Layer::parse("d/", ["*.tmp", "[oops", "# c", ""]);
+        assert_eq!(l.dir(), "d");
+        assert_eq!(errors.len(), 1);
+        assert_eq!(errors[0].line, "[oops");
+        assert!(r.excluded_in(&[l], "d/x.tmp", false));
     }
 
     #[test]

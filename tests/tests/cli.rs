@@ -221,6 +221,42 @@ fn check(env: &Env, i: usize, row: &Row) -> Result<(), String> {
     }
 }
 
+/// Stops the watchdog daemon a row started (`rsb forward --detach`), whatever the outcome.
+struct StopDaemon(PathBuf);
+
+impl Drop for StopDaemon {
+    fn drop(&mut self) {
+        let Some(pid) = rsb::watchdog::daemon::lock_holder(&self.0) else {
+            return;
+        };
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        let t0 = Instant::now();
+        while rsb::watchdog::daemon::lock_holder(&self.0).is_some()
+            && t0.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// A host key that is not the fixture's, as `ssh-keygen` writes it.
+fn other_host_key(dir: &Path) -> String {
+    let key = dir.join("other_host_key");
+    let ok = Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+        .arg(&key)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "ssh-keygen failed");
+    let public = std::fs::read_to_string(key.with_extension("pub")).unwrap();
+    public
+        .split_whitespace()
+        .take(2)
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
 fn big_file(p: &Path, n: usize) -> Vec<u8> {
     let data: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
     std::fs::write(p, &data).unwrap();
@@ -256,6 +292,35 @@ fn cli_table() {
     std::fs::write(h.join("dir/a.txt"), "a\n").unwrap();
     let config_path = home.join(".config/rsb/config.toml").display().to_string();
     let secs = Duration::from_secs;
+    let _stop_daemon = StopDaemon(env.state.clone());
+    // The same sshd as `moved`, under a name whose known_hosts entry holds another key: a host
+    // that was reinstalled (or an interception).
+    let known_hosts = home.join(".ssh/known_hosts");
+    std::fs::create_dir_all(known_hosts.parent().unwrap()).unwrap();
+    let moved = format!("[localhost]:{}", sshd.port());
+    std::fs::write(
+        &known_hosts,
+        format!("{moved} {}\n", other_host_key(tmp.path())),
+    )
+    .unwrap();
+    let kh = known_hosts.display().to_string();
+    // A small tree for the sync rows, with a .gitignore.
+    let proj = tmp.path().join("proj");
+    std::fs::create_dir_all(proj.join("sub")).unwrap();
+    std::fs::write(proj.join(".gitignore"), "*.log\n").unwrap();
+    std::fs::write(proj.join("a.txt"), "a\n").unwrap();
+    std::fs::write(proj.join("sub/b.txt"), "b\n").unwrap();
+    std::fs::write(proj.join("sub/run.log"), "log\n").unwrap();
+    let proj = proj.display().to_string();
+    let free = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let moved_list = json!([
+        {"name": "moved", "host": "localhost", "port": sshd.port(), "user": sshd.user(),
+         "key_file": sshd.client_key().display().to_string()},
+    ])
+    .to_string();
 
     let rows: Vec<Row> = vec![
         // exec: argv boundaries, exit codes, no default timeout, --timeout.
@@ -272,6 +337,7 @@ fn cli_table() {
             .took(secs(1), secs(20)),
         rsb(&["exec", "--timeout", "0", "--", "true"]),
         rsb(&["--json", "exec", "--", "echo", "hi"]).out("\"stdout\":\"hi\\n\""),
+        bash("printf 'a\\nb\\n' | RSB --json exec -- wc -l").out("\"stdout\":\"2\\n\""),
         rsb(&["exec", "--cwd", "~/dir", "--", "ls"]).out_eq("a.txt\nsub\n"),
         // Usage errors and did-you-mean.
         rsb(&["exce", "ls"]).code(1).err("'exec'"),
@@ -384,6 +450,25 @@ fn cli_table() {
         rsb(&["jobs", "prune", "--older-than", "5x"])
             .code(1)
             .err("unknown unit"),
+        // Sync: quiet by default, -v lists each file sent (rsync-like), --gitignore.
+        rsb(&["sync", &proj, "gpu1:cli-q"])
+            .out("sent 4 files")
+            .no_out("a.txt"),
+        rsb(&["sync", "-v", "--gitignore", &proj, "gpu1:cli-v"])
+            .out("send    a.txt")
+            .out("send    sub/b.txt")
+            .out("send    .gitignore")
+            .no_out("run.log")
+            .out("sent 3 files"),
+        rsb(&["sync", "-v", "--delete", &proj, "gpu1:cli-v"])
+            .out("send    sub/run.log")
+            .no_out("a.txt"),
+        // What the .gitignore leaves out is never deleted on the destination (as --exclude).
+        rsb(&["sync", "-v", "--delete", "--gitignore", &proj, "gpu1:cli-v"])
+            .no_out("delete")
+            .no_out("send")
+            .out("3 unchanged"),
+        rsb(&["sync", "-n", &proj, "gpu1:cli-n"]).out("send    sub/b.txt"),
         // About rsb itself.
         rsb(&["version"])
             .out("rsb ")
@@ -393,6 +478,8 @@ fn cli_table() {
         rsb(&["completions", "zsh"]).out("#compdef rsb"),
         // Doctor: a verdict per line, healthy vs broken host.
         rsb(&["doctor", "-s", "gpu1"])
+            .out("ok    watchdog: not running (nothing needs it")
+            .out("ok    forwards: no detached forwards")
             .out("ok    gpu1: keys: key file")
             .out("ok    gpu1: reachable")
             .out("ok    gpu1: host key: verified")
@@ -405,6 +492,37 @@ fn cli_table() {
             .out("warn  dead: config: REMOTE_SANDBOX_LIST[1]: key_file")
             .out("FAIL  dead: keys: key file /nonexistent/rsb-test-key does not exist")
             .out("FAIL  dead: reachable"),
+        // A changed host key: what changed, where the old key is, the command that fixes it.
+        rsb(&["doctor"])
+            .env("REMOTE_SANDBOX_LIST", &moved_list)
+            .code(3)
+            .out(&format!(
+                "FAIL  moved: host key: CHANGED: {moved} now presents ssh-ed25519 SHA256:"
+            ))
+            .out(&format!("not the key in {kh} line 1;"))
+            .out(&format!("run `ssh-keygen -R '{moved}' -f {kh}` and retry"))
+            .out("ok    moved: reachable: passed"),
+        rsb(&["exec", "true"])
+            .env("REMOTE_SANDBOX_LIST", &moved_list)
+            .code(3)
+            .err("has CHANGED"),
+        bash(&format!(
+            "ssh-keygen -R '{moved}' -f {kh} >/dev/null 2>&1 && RSB doctor"
+        ))
+        .env("REMOTE_SANDBOX_LIST", &moved_list)
+        .out("ok    moved: host key: verified")
+        .no_out("FAIL"),
+        // Detached forwards and the watchdog daemon that serves them.
+        rsb(&["forward", "--detach", "gpu1:9", &free.to_string()])
+            .out("detached, id 1000001")
+            .took(Duration::ZERO, secs(30)),
+        rsb(&["doctor", "-s", "gpu1"])
+            .out("ok    watchdog: running (pid")
+            .out(&format!(
+                "ok    forward: 1000001 127.0.0.1:{free} -> gpu1:localhost:9 (listening"
+            ))
+            .no_out("FAIL"),
+        rsb(&["forward", "--stop", "1000001"]).out("stopped forward 1000001"),
     ];
     assert!(rows.len() >= 30, "{} rows", rows.len());
     let mut failures = Vec::new();

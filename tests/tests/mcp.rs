@@ -984,21 +984,16 @@ async fn long_exec_sends_progress() {
 // 1b. every parameter described, annotations per tool (issue 12)
 // ---------------------------------------------------------------------------------------------
 
-/// The sync tools' texts belong to `mcp/sync.rs` (issue 10's branch); they are checked there.
-const SYNC_TOOLS: [&str; 4] = [
-    "sync_local_to_remote",
-    "sync_remote_to_local",
-    "check_file_transfer_task",
-    "cancel_file_transfer_task",
-];
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_parameter_is_described_and_every_tool_annotated() {
     let mcp = Mcp::start(&list(&[dead_entry("dead", closed_port())])).await;
     let tools = serde_json::to_value(mcp.svc.list_all_tools().await.unwrap()).unwrap();
     let tools = tools.as_array().unwrap();
     let compact = serde_json::to_string(tools).unwrap();
-    println!("tools/list: {} bytes of compact JSON", compact.len());
+    println!(
+        "tools/list: {} bytes of compact JSON (budget {SCHEMA_BUDGET_BYTES})",
+        compact.len()
+    );
     assert!(
         compact.len() <= SCHEMA_BUDGET_BYTES,
         "{} bytes",
@@ -1007,9 +1002,6 @@ async fn every_parameter_is_described_and_every_tool_annotated() {
     let mut checked = 0;
     for t in tools {
         let name = t["name"].as_str().unwrap();
-        if SYNC_TOOLS.contains(&name) {
-            continue;
-        }
         // The listed schema is compact: nothing a model does not need.
         let schema = t["inputSchema"].as_object().unwrap();
         assert!(!schema.contains_key("$schema"), "{name}: {schema:?}");
@@ -1025,11 +1017,13 @@ async fn every_parameter_is_described_and_every_tool_annotated() {
             checked += 1;
         }
     }
-    assert!(checked >= 30, "only {checked} parameters checked");
+    // Every parameter of every default tool, the sync tools' 26 included.
+    assert!(checked >= 70, "only {checked} parameters checked");
 
-    // (tool, readOnly, destructive, idempotent, openWorld); None = not stated (the default).
+    // (tool, readOnly, destructive, idempotent, openWorld); None = not stated (the default:
+    // for a tool that is not read-only, destructive).
     type Hints = (&'static str, Option<bool>, Option<bool>, Option<bool>, bool);
-    let expected: [Hints; 10] = [
+    let expected: [Hints; 14] = [
         ("list_sandboxes", Some(true), None, None, false),
         ("get_active_sandbox", Some(true), None, None, false),
         ("select_sandbox", None, Some(false), Some(true), false),
@@ -1040,7 +1034,20 @@ async fn every_parameter_is_described_and_every_tool_annotated() {
         ("kill_background_task", None, Some(true), Some(true), false),
         ("list_remote_files", Some(true), None, None, false),
         ("read_remote_file", Some(true), None, None, false),
+        // Upload may delete (delete_extras) and replace; a download replaces local files
+        // (never deletes); running either again changes nothing more.
+        ("sync_local_to_remote", None, Some(true), Some(true), false),
+        ("sync_remote_to_local", None, None, Some(true), false),
+        ("check_file_transfer_task", Some(true), None, None, false),
+        (
+            "cancel_file_transfer_task",
+            None,
+            Some(true),
+            Some(true),
+            false,
+        ),
     ];
+    assert_eq!(expected.len(), tools.len(), "a hint row per default tool");
     for (name, ro, destructive, idempotent, open) in expected {
         let t = tools.iter().find(|t| t["name"] == name).unwrap();
         let a = &t["annotations"];
@@ -1060,6 +1067,12 @@ async fn every_parameter_is_described_and_every_tool_annotated() {
     assert!(desc("kill_background_task", "tmux_session").contains("Job name"));
     assert!(desc("list_remote_files", "remote_path").contains("$HOME"));
     assert!(desc("read_remote_file", "sandbox_name").contains("active sandbox"));
+    for tool in ["sync_local_to_remote", "sync_remote_to_local"] {
+        assert!(desc(tool, "remote_path").contains("$HOME"), "{tool}");
+        assert!(desc(tool, "local_path").contains("cwd"), "{tool}");
+        assert!(desc(tool, "excludes").contains("gitignore"), "{tool}");
+        assert!(desc(tool, "gitignore").contains(".gitignore"), "{tool}");
+    }
     mcp.close().await;
 }
 

@@ -1172,3 +1172,158 @@ async fn a_root_owned_by_someone_else_gets_a_warning_not_a_failure() {
     assert_eq!(std::fs::read_to_string(shared.join("f2")).unwrap(), "2\n");
     pool.shutdown().await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// gitignore: true (issue 10)
+// ---------------------------------------------------------------------------------------------
+
+/// A tree with `.gitignore` files at three depths, a `!` re-include, an anchored pattern in a
+/// nested file, and a deeper file overriding its parent's re-include.
+fn make_gitignored_tree(root: &Path) {
+    write(&root.join(".gitignore"), b"*.log\n/build/\ntmp/\n");
+    write(&root.join("a.txt"), b"a\n");
+    write(&root.join("a.log"), b"log\n");
+    write(&root.join("build/out.o"), b"o\n");
+    write(&root.join("src/build/keep.c"), b"c\n");
+    write(&root.join("src/tmp/x"), b"x\n");
+    write(
+        &root.join("src/.gitignore"),
+        b"# nested\n!keep.log\ngen/\n/local.txt\n",
+    );
+    write(&root.join("src/keep.log"), b"kept\n");
+    write(&root.join("src/other.log"), b"no\n");
+    write(&root.join("src/local.txt"), b"no\n");
+    write(&root.join("src/sub/local.txt"), b"yes\n");
+    write(&root.join("src/gen/g.rs"), b"gen\n");
+    write(&root.join("src/deep/.gitignore"), b"keep.log\n");
+    write(&root.join("src/deep/keep.log"), b"no\n");
+    write(&root.join("src/deep/d.txt"), b"d\n");
+}
+
+/// What git would keep of [`make_gitignored_tree`].
+const GITIGNORED_KEPT: &[&str] = &[
+    ".gitignore",
+    "a.txt",
+    "src/.gitignore",
+    "src/build/keep.c",
+    "src/deep/.gitignore",
+    "src/deep/d.txt",
+    "src/keep.log",
+    "src/sub/local.txt",
+];
+
+const FILES: &str =
+    "find . -type f ! -path './.rsb-sync-staging-*' | sed 's|^\\./||' | LC_ALL=C sort";
+
+fn local_files(dir: &Path) -> Vec<String> {
+    let out = std::process::Command::new("bash")
+        .arg("-c")
+        .arg(format!("cd {} && {FILES}", shq(dir.to_str().unwrap())))
+        .output()
+        .unwrap();
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+fn remote_files(sshd: &Sshd, dir: &str) -> Vec<String> {
+    sshd.ssh_run(&format!("cd {} && {FILES}", shq(dir)))
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gitignore_nested_files_both_directions() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = pool_with(&sshd, sshd.port(), tmp.path(), 200, 64 * MIB);
+    let gitignored = |dir, local: &Path, remote: &str, delete| {
+        let mut s = spec(dir, local, remote, delete, &[]);
+        s.rules.gitignore = true;
+        s
+    };
+
+    // Upload with --delete into a destination holding extras: those the source's .gitignore
+    // files leave out are kept; the others go. The destination's own .gitignore (which would
+    // hide every .txt) is not what decides: the source's files are.
+    let src = tmp.path().join("src-tree");
+    make_gitignored_tree(&src);
+    let dst = remote(&sshd, "gi-up");
+    write(&dst.join(".gitignore"), b"*.txt\n");
+    write(&dst.join("stale.txt"), b"stale\n");
+    write(&dst.join("build/remote-only.o"), b"keep me\n");
+    write(&dst.join("src/other.log"), b"remote log\n");
+    let r = sync(&pool, &gitignored(Direction::Upload, &src, "gi-up", true))
+        .await
+        .unwrap();
+    assert_eq!(
+        r.files_transferred,
+        GITIGNORED_KEPT.len() as u64,
+        "{}",
+        r.to_json()
+    );
+    let mut want: Vec<String> = GITIGNORED_KEPT.iter().map(|s| s.to_string()).collect();
+    want.extend(["build/remote-only.o".into(), "src/other.log".into()]);
+    want.sort();
+    assert_eq!(remote_files(&sshd, dst.to_str().unwrap()), want);
+    assert_eq!(
+        std::fs::read(dst.join("src/other.log")).unwrap(),
+        b"remote log\n",
+        "an ignored destination file is left as it is"
+    );
+    // A resync changes nothing.
+    let r = sync(&pool, &gitignored(Direction::Upload, &src, "gi-up", true))
+        .await
+        .unwrap();
+    assert_eq!(r.files_transferred + r.deleted_files, 0, "{}", r.to_json());
+    // Off (the default), the same tree goes whole (default excludes only).
+    let r = sync(&pool, &spec(Direction::Upload, &src, "gi-off", false, &[]))
+        .await
+        .unwrap();
+    assert_eq!(r.files_transferred, 15, "{}", r.to_json());
+
+    // Download: the remote tree's .gitignore files decide; exactly what git keeps arrives.
+    let rsrc = remote(&sshd, "gi-down");
+    make_gitignored_tree(&rsrc);
+    let local = tmp.path().join("down");
+    sync(
+        &pool,
+        &gitignored(Direction::Download, &local, "gi-down", false),
+    )
+    .await
+    .unwrap();
+    assert_eq!(local_files(&local), GITIGNORED_KEPT);
+
+    // The tools' path: `gitignore: true` in the arguments of sync_local_to_remote.
+    let args = SyncArgs {
+        local_path: src.to_str().unwrap().into(),
+        remote_path: "gi-tool".into(),
+        gitignore: true,
+        ..Default::default()
+    };
+    let v = ops::sync_local_to_remote(&pool, args, None, &CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(v["mode"], "inline", "{v}");
+    assert_eq!(
+        remote_files(&sshd, remote(&sshd, "gi-tool").to_str().unwrap()),
+        GITIGNORED_KEPT
+    );
+
+    // A single file is decided by the .gitignore beside it, with the same engine.
+    let one = |rel: &str, on: bool| {
+        let mut s = spec(Direction::Upload, &src.join(rel), "gi-single/", false, &[]);
+        s.rules.gitignore = on;
+        s
+    };
+    let r = sync(&pool, &one("src/local.txt", true)).await.unwrap();
+    assert_eq!((r.files_transferred, r.skipped_files), (0, 1));
+    let r = sync(&pool, &one("src/keep.log", true)).await.unwrap();
+    assert_eq!(r.files_transferred, 1);
+    let r = sync(&pool, &one("src/local.txt", false)).await.unwrap();
+    assert_eq!(r.files_transferred, 1);
+}

@@ -4,6 +4,11 @@
 //! bytes at each level, symlinks never followed, excluded directories never entered. Regular
 //! files are hashed (blake3) unless the hash cache knows them; cache misses within a batch are
 //! hashed on several threads.
+//!
+//! With `rules.gitignore`, each directory's `.gitignore` is read as the walk enters it and
+//! applies to that directory and below (see [`rsb_rules::Layer`]); the files read are returned
+//! in the summary so the orchestrator can hand the source's files to the destination's walk
+//! (`rules.gitignore_files`), which then applies those instead of its own.
 
 use std::fs::{self, OpenOptions};
 use std::io::Read;
@@ -18,7 +23,7 @@ use rsb_protocol::sync::STAGING_PREFIX;
 use rsb_protocol::{
     AgentError, Chunk, ErrorCode, FileKind, ManifestEntry, ManifestRequest, ManifestSummary,
 };
-use rsb_rules::Rules;
+use rsb_rules::{Layer, Rules};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -39,6 +44,17 @@ const MAX_LISTED: usize = 100;
 const HASH_BUF: usize = 512 * 1024;
 /// Attempts at hashing a file that keeps changing under the reader.
 const HASH_ATTEMPTS: usize = 3;
+/// A `.gitignore` larger than this is reported and not applied (git has a similar cap).
+const MAX_GITIGNORE: u64 = 1 << 20;
+
+/// Where a walk's `.gitignore` layers come from.
+enum Gitignore {
+    Off,
+    /// Read each directory's `.gitignore` from the tree.
+    Read,
+    /// The source's files by directory (the destination's walk).
+    Given(std::collections::HashMap<String, Vec<String>>),
+}
 
 /// Stream the manifest of `req.root` as `Chunk::Manifest` batches; return the summary.
 pub async fn manifest(
@@ -114,6 +130,11 @@ pub fn scan(
     };
     let mut scan = Scanner::new(rules, req.hash, cache, cancel, emit);
     scan.summary = summary;
+    scan.gitignore = match (&req.rules.gitignore, &req.rules.gitignore_files) {
+        (false, _) => Gitignore::Off,
+        (true, None) => Gitignore::Read,
+        (true, Some(files)) => Gitignore::Given(files.iter().cloned().collect()),
+    };
     let kind = kind_of(meta.file_type());
     scan.summary.root_kind = Some(kind);
     match kind {
@@ -152,6 +173,11 @@ struct Scanner<'a> {
     entries: Vec<ManifestEntry>,
     pending: Vec<Pending>,
     bytes: usize,
+    gitignore: Gitignore,
+    /// The `.gitignore` layers of the directories on the walk's stack, with the stack depth
+    /// each belongs to (popped with its directory).
+    layers: Vec<Layer>,
+    layer_depths: Vec<usize>,
 }
 
 impl<'a> Scanner<'a> {
@@ -176,6 +202,60 @@ impl<'a> Scanner<'a> {
             entries: Vec::new(),
             pending: Vec::new(),
             bytes: 0,
+            gitignore: Gitignore::Off,
+            layers: Vec::new(),
+            layer_depths: Vec::new(),
+        }
+    }
+
+    fn excluded(&self, rel: &str, is_dir: bool) -> bool {
+        if self.layers.is_empty() {
+            self.rules.excluded(rel, is_dir)
+        } else {
+            self.rules.excluded_in(&self.layers, rel, is_dir)
+        }
+    }
+
+    /// The walk entered `dir` (at stack `depth`): push its `.gitignore` layer, if any.
+    fn enter(&mut self, dir: &Path, rel: &str, depth: usize) {
+        let lines = match &self.gitignore {
+            Gitignore::Off => return,
+            Gitignore::Given(files) => match files.get(rel) {
+                Some(lines) => lines.clone(),
+                None => return,
+            },
+            Gitignore::Read => match read_gitignore(dir) {
+                Ok(Some(lines)) => {
+                    self.summary
+                        .gitignore_files
+                        .push((rel.to_string(), lines.clone()));
+                    lines
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    self.error(format!("{}: {e}", join(rel, ".gitignore")));
+                    return;
+                }
+            },
+        };
+        let (layer, errors) = Layer::parse(rel, lines.iter().map(String::as_str));
+        if matches!(self.gitignore, Gitignore::Read) {
+            for e in errors {
+                self.error(format!(
+                    "{}: {e}; line not applied",
+                    join(rel, ".gitignore")
+                ));
+            }
+        }
+        self.layers.push(layer);
+        self.layer_depths.push(depth);
+    }
+
+    /// The walk left every directory deeper than `depth`.
+    fn leave(&mut self, depth: usize) {
+        while self.layer_depths.last().is_some_and(|d| *d > depth) {
+            self.layer_depths.pop();
+            self.layers.pop();
         }
     }
 
@@ -193,10 +273,12 @@ impl<'a> Scanner<'a> {
     }
 
     fn walk(&mut self, first: Level) -> Result<(), AgentError> {
+        self.enter(&first.dir, &first.rel, 1);
         let mut stack = vec![first];
         while let Some(level) = stack.last_mut() {
             let Some(name) = level.next_name() else {
                 stack.pop();
+                self.leave(stack.len());
                 continue;
             };
             if self.cancel.is_cancelled() {
@@ -223,29 +305,31 @@ impl<'a> Scanner<'a> {
             };
             match kind_of(meta.file_type()) {
                 FileKind::Dir => {
-                    if self.rules.excluded(&rel, true)
-                        || self.skip_dir == Some((meta.dev(), meta.ino()))
+                    if self.excluded(&rel, true) || self.skip_dir == Some((meta.dev(), meta.ino()))
                     {
                         continue;
                     }
                     self.push(dir_entry(rel.clone(), &meta), None)?;
                     match Level::read(path, rel.clone()) {
-                        Ok(l) => stack.push(l),
+                        Ok(l) => {
+                            self.enter(&l.dir, &l.rel, stack.len() + 1);
+                            stack.push(l);
+                        }
                         Err(e) => self.error(format!("{rel}: {e}")),
                     }
                 }
                 FileKind::File => {
-                    if !self.rules.excluded(&rel, false) {
+                    if !self.excluded(&rel, false) {
                         self.push_file(path, rel, &meta)?;
                     }
                 }
                 FileKind::Symlink => {
-                    if !self.rules.excluded(&rel, false) {
+                    if !self.excluded(&rel, false) {
                         self.push_symlink(&path, rel, &meta)?;
                     }
                 }
                 _ => {
-                    if !self.rules.excluded(&rel, false) {
+                    if !self.excluded(&rel, false) {
                         self.special(&rel);
                     }
                 }
@@ -387,6 +471,33 @@ impl<'a> Scanner<'a> {
         self.cache.save();
         Ok(self.summary)
     }
+}
+
+/// The lines of `dir/.gitignore` that say something (blank and `#` lines left out), `None`
+/// when there is none. A symlinked `.gitignore` is not followed, as git does not.
+fn read_gitignore(dir: &Path) -> std::io::Result<Option<Vec<String>>> {
+    let path = dir.join(".gitignore");
+    let meta = match fs::symlink_metadata(&path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if !meta.is_file() {
+        return Ok(None);
+    }
+    if meta.len() > MAX_GITIGNORE {
+        return Err(std::io::Error::other(format!(
+            "larger than {MAX_GITIGNORE} bytes; not applied"
+        )));
+    }
+    let bytes = fs::read(&path)?;
+    let text = String::from_utf8_lossy(&bytes);
+    Ok(Some(
+        text.lines()
+            .filter(|l| !l.trim().is_empty() && !l.starts_with('#'))
+            .map(str::to_string)
+            .collect(),
+    ))
 }
 
 fn join(parent: &str, name: &str) -> String {

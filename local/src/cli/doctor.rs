@@ -1,6 +1,7 @@
-//! `rsb doctor`: one verdict per line for the configuration and each sandbox (reachable, host
-//! key, authentication, agent, tmux, clock skew). Sandboxes are checked in parallel, each within
-//! its own deadline, so a dead host costs its deadline, not the sum.
+//! `rsb doctor`: one verdict per line for the configuration, the watchdog daemon and the
+//! detached forwards it serves, and each sandbox (reachable, host key, authentication, agent,
+//! tmux, clock skew). Sandboxes are checked in parallel, each within its own deadline, so a
+//! dead host costs its deadline, not the sum.
 
 use futures::future::join_all;
 use rsb::{
@@ -68,12 +69,9 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
             for stage in &STAGES[..failed] {
                 out.push(line(name, stage, "ok", "passed".into()));
             }
-            out.push(line(
-                name,
-                STAGES[failed],
-                "FAIL",
-                format!("{} ({})", e.message, e.hint),
-            ));
+            let detail = host_key_changed(&e.message)
+                .unwrap_or_else(|| format!("{} ({})", e.message, e.hint));
+            out.push(line(name, STAGES[failed], "FAIL", detail));
             return out;
         }
         Err(_) => {
@@ -139,6 +137,111 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
         )
     });
     out.push(clock(name, &client).await);
+    out
+}
+
+/// A changed host key, said as what changed, where the old key is, and the command that
+/// forgets it (`ssh-keygen -R`, which also handles hashed entries). `None` for other errors.
+fn host_key_changed(message: &str) -> Option<String> {
+    // "… host key for [HOST]:PORT has CHANGED: it does not match FILE line N (ALG FP)"
+    let (_, rest) = message.split_once("host key for [")?;
+    let (host, rest) = rest.split_once("]:")?;
+    let (port, rest) = rest.split_once(" has CHANGED: it does not match ")?;
+    let (file, rest) = rest.rsplit_once(" line ")?;
+    let (line_no, presented) = rest.split_once(' ')?;
+    let presented = presented.trim_start_matches('(').trim_end_matches(')');
+    let name = if port == "22" {
+        host.to_string()
+    } else {
+        format!("[{host}]:{port}")
+    };
+    Some(format!(
+        "CHANGED: {name} now presents {presented}, not the key in {file} line {line_no}; if the host \
+         was reinstalled, run `ssh-keygen -R '{name}' -f {file}` and retry, otherwise the \
+         connection may be intercepted"
+    ))
+}
+
+/// The watchdog daemon (which serves detached forwards and watches long jobs) and the detached
+/// forwards: one line each. Read-only; a state directory that was never used is not created.
+fn local_services(ctx: &Ctx) -> Vec<Check> {
+    let state_dir = &ctx.pool.config().state_dir;
+    let mut out = Vec::new();
+    let forwards = rsb::ops::forward::Forwards::default()
+        .list(state_dir)
+        .map(|l| l.forwards);
+    let forwards = match forwards {
+        Ok(f) => f,
+        Err(e) => {
+            out.push(line("", "forwards", "warn", e.message));
+            Vec::new()
+        }
+    };
+    let status = if rsb::store::db_path(state_dir).exists() {
+        rsb::ops::watchdog::open(state_dir)
+            .and_then(|c| rsb::ops::watchdog::status(&c, state_dir))
+            .map(Some)
+    } else {
+        Ok(None)
+    };
+    let (running, active_watches) = match status {
+        Ok(Some(s)) => {
+            let d = &s.daemon;
+            let active = s.watch_counts.get("active").copied().unwrap_or(0);
+            if d.running {
+                out.push(line(
+                    "",
+                    "watchdog",
+                    "ok",
+                    format!(
+                        "running (pid {}, {}); {active} active watch(es)",
+                        d.pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into()),
+                        d.mode.as_deref().unwrap_or("?"),
+                    ),
+                ));
+            }
+            (d.running, active)
+        }
+        Ok(None) => (false, 0),
+        Err(e) => {
+            out.push(line("", "watchdog", "warn", e.message));
+            return out;
+        }
+    };
+    if !running {
+        let needed = active_watches > 0 || !forwards.is_empty();
+        out.push(line(
+            "",
+            "watchdog",
+            if needed { "warn" } else { "ok" },
+            if needed {
+                format!(
+                    "not running, but {active_watches} active watch(es) and {} detached forward(s) need it; start it with `rsb watchdog run` or `rsb watchdog install`",
+                    forwards.len()
+                )
+            } else {
+                "not running (nothing needs it: no active watches or detached forwards)".into()
+            },
+        ));
+    }
+    if forwards.is_empty() {
+        out.push(line("", "forwards", "ok", "no detached forwards".into()));
+    }
+    for f in &forwards {
+        let state = f
+            .state
+            .as_deref()
+            .unwrap_or(if f.running { "listening" } else { "stopped" });
+        let verdict = if state == "listening" { "ok" } else { "warn" };
+        let mut detail = format!(
+            "{} {} -> {}:{} ({state}, {} connection(s))",
+            f.forward_id, f.local_address, f.sandbox, f.target, f.stats.connections_total
+        );
+        if let Some(e) = &f.stats.last_error {
+            detail.push_str(&format!("; last error: {e}"));
+        }
+        out.push(line("", "forward", verdict, detail));
+    }
     out
 }
 
@@ -243,6 +346,7 @@ pub async fn run(ctx: &Ctx) -> u8 {
             checks.push(line("", "config", "warn", w.clone()));
         }
     }
+    checks.extend(local_services(ctx));
     let names: Vec<String> = if ctx.sandbox.is_empty() {
         ctx.pool.names().to_vec()
     } else {

@@ -52,12 +52,17 @@ pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
         Err(e) => return fail(ctx.json, &e),
     };
     if ctx.json {
-        return match client.call(req).await {
-            Ok(r) => {
+        // stdin is forwarded here too: `… | rsb --json exec -- wc -l` counts the input.
+        return match rsb::exec_stream::run_collected(&client, req).await {
+            Ok(Ok(r)) => {
                 print_json(&exec::reply(&r, a.timeout.unwrap_or(0) as i64));
                 exit_code(&r)
             }
-            Err(e) => fail(true, &e),
+            Ok(Err(e)) => fail(true, &e),
+            Err(rsb::exec_stream::Interrupted::Signal(sig)) => match sig {
+                2 => exit::INTERRUPTED,
+                s => (128 + s).clamp(0, 255) as u8,
+            },
         };
     }
     stream(&client, req, a.tty, a.timeout.unwrap_or(0)).await

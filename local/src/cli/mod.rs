@@ -9,6 +9,7 @@ pub mod fs;
 pub mod jobs;
 pub mod meta;
 pub mod sandboxes;
+pub mod sync;
 
 use std::sync::Arc;
 

@@ -21,16 +21,16 @@ fn d_max_chars() -> i64 {
 pub struct ExecBashParams {
     /// Run by bash -c.
     pub command: String,
-    /// Working directory (~ allowed).
+    /// ~ ok; null=$HOME.
     #[serde(default)]
     pub cwd: Option<String>,
-    /// Then SIGTERM, SIGKILL to the whole process group.
+    /// Then kill its process group.
     #[serde(default = "d_timeout")]
     pub timeout_s: i64,
-    /// Per stream; head and tail are kept.
+    /// Per stream (head+tail).
     #[serde(default = "d_max_chars")]
     pub max_output_chars: i64,
-    /// ""=active sandbox.
+    /// ""=active sandbox
     #[serde(default)]
     pub sandbox_name: String,
 }
@@ -39,7 +39,7 @@ pub struct ExecBashParams {
 impl RsbServer {
     #[tool(
         annotations(destructive_hint = true, open_world_hint = true),
-        description = "Run a bash command on the sandbox (stdin closed). Returns exit_code, stdout, stderr; timed_out=true only when the timeout killed it."
+        description = "Run a command on the sandbox (stdin closed)."
     )]
     async fn exec_bash(
         &self,

@@ -21,16 +21,16 @@ fn d_max_bytes() -> i64 {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListRemoteFilesParams {
-    /// Relative to remote $HOME; ~ ok.
+    /// Relative to $HOME; ~ ok.
     #[serde(default = "d_dot")]
     pub remote_path: String,
     /// Include subdirectories.
     #[serde(default)]
     pub recursive: bool,
-    /// Exact cap on entries returned.
+    /// Cap on entries.
     #[serde(default = "d_max_entries")]
     pub max_entries: i64,
-    /// ""=active sandbox.
+    /// ""=active sandbox
     #[serde(default)]
     pub sandbox_name: String,
 }
@@ -38,12 +38,12 @@ pub struct ListRemoteFilesParams {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ReadRemoteFileParams {
-    /// Relative to remote $HOME; ~ ok.
+    /// Relative to $HOME; ~ ok.
     pub remote_path: String,
     /// Bytes from the start.
     #[serde(default = "d_max_bytes")]
     pub max_bytes: i64,
-    /// ""=active sandbox.
+    /// ""=active sandbox
     #[serde(default)]
     pub sandbox_name: String,
 }
@@ -52,7 +52,7 @@ pub struct ReadRemoteFileParams {
 impl RsbServer {
     #[tool(
         annotations(read_only_hint = true, open_world_hint = false),
-        description = "List files in a remote directory (symlinks not followed)."
+        description = "List a remote directory (symlinks not followed)."
     )]
     async fn list_remote_files(
         &self,
@@ -76,7 +76,7 @@ impl RsbServer {
 
     #[tool(
         annotations(read_only_hint = true, open_world_hint = false),
-        description = "Read a remote file. size is the file's size; binary content comes back base64 with encoding=\"base64\"."
+        description = "Read a remote file (binary as base64)."
     )]
     async fn read_remote_file(
         &self,

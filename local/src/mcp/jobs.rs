@@ -56,10 +56,10 @@ pub struct ExecBackgroundParams {
     /// ~ ok; ""=$HOME.
     #[serde(default)]
     pub cwd: String,
-    /// ""=active sandbox.
+    /// ""=active sandbox
     #[serde(default)]
     pub sandbox_name: String,
-    /// Register a watch (watch_id).
+    /// Register a watch.
     #[serde(default = "d_true")]
     pub watch: bool,
     /// Start the watchdog.
@@ -95,7 +95,7 @@ pub struct ExecBackgroundParams {
     /// Needs RSB_ALLOW_WATCH_HOOKS=1.
     #[serde(default)]
     pub webhook_url: String,
-    /// Local command per event (opt-in).
+    /// Local command per event.
     #[serde(default)]
     pub event_command: String,
     /// Resume on interruption only.
@@ -122,7 +122,7 @@ pub struct ExecBackgroundParams {
     /// codex binary.
     #[serde(default)]
     pub codex_command: String,
-    /// Log silence (s) before a stalled event; 0=off.
+    /// Silence (s) before "stalled"; 0=off.
     #[serde(default)]
     pub stall_after_s: i64,
 }
@@ -165,22 +165,22 @@ pub struct CheckBackgroundParams {
     /// Job name.
     #[serde(default)]
     pub tmux_session: String,
-    /// Read this log instead of the task's own.
+    /// Log to read instead.
     #[serde(default)]
     pub log_file: String,
-    /// Or a watch naming the job.
+    /// Or a watch of the job.
     #[serde(default)]
     pub watch_id: i64,
     /// Lines of log_tail.
     #[serde(default = "d_last_n")]
     pub last_n_lines: i64,
-    /// Byte cursor: return output from here (pass back next_offset) instead of log_tail.
+    /// Byte cursor (next_offset).
     #[serde(default)]
     pub offset: Option<i64>,
-    /// Cap for cursor reads.
+    /// Cursor read cap.
     #[serde(default = "d_cursor_bytes")]
     pub max_bytes: i64,
-    /// ""=active sandbox.
+    /// ""=active sandbox
     #[serde(default)]
     pub sandbox_name: String,
 }
@@ -190,10 +190,10 @@ pub struct CheckBackgroundParams {
 pub struct KillBackgroundParams {
     /// Job name.
     pub tmux_session: String,
-    /// SIGTERM, then SIGKILL after this many seconds.
+    /// Seconds from SIGTERM to SIGKILL.
     #[serde(default = "d_grace")]
     pub grace_s: f64,
-    /// ""=active sandbox.
+    /// ""=active sandbox
     #[serde(default)]
     pub sandbox_name: String,
 }
@@ -201,7 +201,7 @@ pub struct KillBackgroundParams {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListBackgroundParams {
-    /// ""=active sandbox.
+    /// ""=active sandbox
     #[serde(default)]
     pub sandbox_name: String,
 }
@@ -210,7 +210,7 @@ pub struct ListBackgroundParams {
 impl RsbServer {
     #[tool(
         annotations(destructive_hint = true, open_world_hint = true),
-        description = "Start a long command detached; output and EXIT_CODE=<n> go to log_file. Poll check_background_task."
+        description = "Run a long command detached; poll check_background_task."
     )]
     async fn exec_bash_background(
         &self,
@@ -221,7 +221,7 @@ impl RsbServer {
 
     #[tool(
         annotations(read_only_hint = true, open_world_hint = false),
-        description = "Status of a background task: running, exit_code, log_tail (or output from byte offset)."
+        description = "Status and log of a background task."
     )]
     async fn check_background_task(
         &self,
@@ -275,7 +275,7 @@ impl RsbServer {
             idempotent_hint = true,
             open_world_hint = false
         ),
-        description = "Stop a background task (SIGTERM, then SIGKILL) and report how it ended."
+        description = "Stop a background task."
     )]
     async fn kill_background_task(
         &self,
@@ -301,7 +301,7 @@ impl RsbServer {
 
     #[tool(
         annotations(read_only_hint = true, open_world_hint = false),
-        description = "List background tasks on a sandbox."
+        description = "List background tasks."
     )]
     async fn list_background_tasks(
         &self,

@@ -11,7 +11,7 @@ use crate::ops::sandboxes;
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListSandboxesParams {
-    /// Also sample CPU/memory/GPU and compute idle_score (0 busy .. 1 idle).
+    /// Add load and idle_score (1=idle).
     #[serde(default)]
     pub check_resources: bool,
 }
@@ -19,7 +19,7 @@ pub struct ListSandboxesParams {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SelectSandboxParams {
-    /// Sandbox name, or "auto" for the idlest reachable one.
+    /// A name, or "auto" (idlest reachable).
     pub sandbox_name: String,
 }
 
@@ -31,7 +31,7 @@ pub struct NoParams {}
 impl RsbServer {
     #[tool(
         annotations(read_only_hint = true, open_world_hint = false),
-        description = "List sandboxes and connection health. check_resources=true adds CPU/memory/GPU load and idle_score (1=idle)."
+        description = "List sandboxes and their connection health."
     )]
     async fn list_sandboxes(&self, Parameters(p): Parameters<ListSandboxesParams>) -> ToolResult {
         ok(sandboxes::list(&self.pool, p.check_resources).await)
@@ -43,7 +43,7 @@ impl RsbServer {
             idempotent_hint = true,
             open_world_hint = false
         ),
-        description = "Set the active sandbox for later calls; \"auto\" picks the idlest reachable one."
+        description = "Set the active sandbox for later calls."
     )]
     async fn select_sandbox(&self, Parameters(p): Parameters<SelectSandboxParams>) -> ToolResult {
         match sandboxes::select(&self.pool, &p.sandbox_name).await {
@@ -64,7 +64,7 @@ impl RsbServer {
 
     #[tool(
         annotations(read_only_hint = true, open_world_hint = false),
-        description = "Active sandbox and its live connection health."
+        description = "Active sandbox and its health."
     )]
     async fn get_active_sandbox(&self, Parameters(_p): Parameters<NoParams>) -> ToolResult {
         ok(sandboxes::get_active(&self.pool).await)

@@ -46,56 +46,81 @@ fn excludes_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SyncUpParams {
+    /// From server cwd; ~ ok.
     #[serde(default = "d_dot")]
     pub local_path: String,
+    /// From $HOME; ~ ok.
     #[serde(default = "d_dot")]
     pub remote_path: String,
+    /// Delete remote extras.
     #[serde(default)]
     pub delete_extras: bool,
-    // gitignore patterns (the tool description says so; no schema text).
+    /// gitignore patterns.
     #[serde(default)]
     #[schemars(schema_with = "excludes_schema")]
     pub excludes: Option<Value>,
+    /// Pattern file.
     #[serde(default)]
     pub exclude_file: Option<String>,
+    /// ""=active sandbox
     #[serde(default)]
     pub sandbox_name: String,
+    /// Report only.
     #[serde(default)]
     pub dry_run: bool,
+    /// Replace conflicts.
     #[serde(default)]
     pub overwrite: bool,
+    /// First sync: diffs conflict.
     #[serde(default)]
     pub safe: bool,
+    /// Confirm risky deletes.
     #[serde(default)]
     pub confirm_delete: bool,
+    /// Apply .gitignore files.
+    #[serde(default)]
+    pub gitignore: bool,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SyncDownParams {
+    /// From $HOME; ~ ok.
     #[serde(default = "d_dot")]
     pub remote_path: String,
+    /// From server cwd; ~ ok.
     #[serde(default = "d_mirror")]
     pub local_path: String,
+    /// gitignore patterns.
     #[serde(default)]
     #[schemars(schema_with = "excludes_schema")]
     pub excludes: Option<Value>,
+    /// Pattern file.
     #[serde(default)]
     pub exclude_file: Option<String>,
+    /// ""=active sandbox
     #[serde(default)]
     pub sandbox_name: String,
+    /// Report only.
     #[serde(default)]
     pub dry_run: bool,
+    /// Replace conflicts.
     #[serde(default)]
     pub overwrite: bool,
+    /// First sync: diffs conflict.
     #[serde(default)]
     pub safe: bool,
+    /// Apply .gitignore files.
+    #[serde(default)]
+    pub gitignore: bool,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CheckTransferParams {
+    /// Sync reply's id.
     pub task_id: i64,
+    /// Log lines.
     #[serde(default = "d_50")]
     pub last_n_lines: i64,
 }
@@ -103,7 +128,9 @@ pub struct CheckTransferParams {
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CancelTransferParams {
+    /// Sync reply's id.
     pub task_id: i64,
+    /// Then SIGKILL.
     #[serde(default = "d_grace")]
     pub force_kill_after_s: f64,
 }
@@ -152,6 +179,7 @@ fn args_up(p: SyncUpParams) -> Result<SyncArgs, RsbError> {
         overwrite: p.overwrite,
         safe: p.safe,
         confirm_delete: p.confirm_delete,
+        gitignore: p.gitignore,
     })
 }
 
@@ -166,7 +194,13 @@ impl RsbServer {
             schema.remove("$schema");
             if let Some(Value::Object(props)) = schema.get_mut("properties") {
                 // rsb's own flags; the seed's parameters keep their documented defaults.
-                for name in ["dry_run", "overwrite", "safe", "confirm_delete"] {
+                for name in [
+                    "dry_run",
+                    "overwrite",
+                    "safe",
+                    "confirm_delete",
+                    "gitignore",
+                ] {
                     if let Some(Value::Object(p)) = props.get_mut(name) {
                         p.remove("default");
                     }
@@ -176,12 +210,35 @@ impl RsbServer {
         }
         r
     }
+
+    /// After the full schemas are kept for checking calls: list `excludes` as what a model
+    /// should send, a list of patterns (null and the seed's JSON-in-a-string form are still
+    /// accepted, since calls are checked against [`excludes_schema`]).
+    pub(super) fn list_sync_compact(
+        router: &mut rmcp::handler::server::router::tool::ToolRouter<Self>,
+    ) {
+        for route in router.map.values_mut() {
+            let mut schema = (*route.attr.input_schema).clone();
+            if let Some(Value::Object(props)) = schema.get_mut("properties")
+                && let Some(Value::Object(p)) = props.get_mut("excludes")
+            {
+                p.insert("type".into(), Value::String("array".into()));
+                p.remove("items");
+                route.attr.input_schema = Arc::new(schema);
+            }
+        }
+    }
 }
 
 #[tool_router(router = sync_router, vis = "pub(super)")]
 impl RsbServer {
     #[tool(
-        description = "Sync a local file/dir to the sandbox: exact (blake3), only changes, keeps modes/symlinks, atomic per file. gitignore-style excludes; defaults skip .git, node_modules, __pycache__, .idea, .vscode, *.pyc. Large plans run in background (check_file_transfer_task). Destination edits since the last sync are kept as conflicts unless overwrite."
+        annotations(
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        ),
+        description = "Upload a file/dir exactly, only changes. Default excludes: .git, node_modules, __pycache__, *.pyc, editor dirs. Big plans run in background; remote edits since the last sync are kept as conflicts."
     )]
     async fn sync_local_to_remote(
         &self,
@@ -201,7 +258,8 @@ impl RsbServer {
     }
 
     #[tool(
-        description = "Download a sandbox file/dir to a local path (same semantics as sync_local_to_remote)."
+        annotations(idempotent_hint = true, open_world_hint = false),
+        description = "Download a sandbox file/dir; as sync_local_to_remote."
     )]
     async fn sync_remote_to_local(
         &self,
@@ -223,6 +281,7 @@ impl RsbServer {
             overwrite: p.overwrite,
             safe: p.safe,
             confirm_delete: false,
+            gitignore: p.gitignore,
         };
         let pool = self.pool.clone();
         let cancel = ctx.ct.clone();
@@ -232,7 +291,10 @@ impl RsbServer {
         .await
     }
 
-    #[tool(description = "Status, progress and log tail of a background file transfer.")]
+    #[tool(
+        annotations(read_only_hint = true, open_world_hint = false),
+        description = "Status and log of a background transfer."
+    )]
     async fn check_file_transfer_task(
         &self,
         Parameters(p): Parameters<CheckTransferParams>,
@@ -245,7 +307,12 @@ impl RsbServer {
     }
 
     #[tool(
-        description = "Cancel a background file transfer (stops within a second; no partial files)."
+        annotations(
+            destructive_hint = true,
+            idempotent_hint = true,
+            open_world_hint = false
+        ),
+        description = "Cancel a background transfer (no partial files)."
     )]
     async fn cancel_file_transfer_task(
         &self,

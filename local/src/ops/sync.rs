@@ -33,6 +33,8 @@ pub struct SyncArgs {
     pub safe: bool,
     /// Confirms a `delete_extras` into `$HOME`/`/` or of more than half the destination.
     pub confirm_delete: bool,
+    /// Also apply the source tree's `.gitignore` files (MCP `gitignore`, CLI `--gitignore`).
+    pub gitignore: bool,
 }
 
 /// An inline sync still running after this long hands itself to a background worker.
@@ -296,6 +298,7 @@ async fn sync_for_tool(
         overwrite: args.overwrite,
         safe: args.safe,
         baseline: None,
+        list_actions: false,
     };
     let exclude_file = args
         .exclude_file
@@ -350,7 +353,8 @@ pub async fn sync_local_to_remote(
     let local = expand_local(non_empty("local_path", &args.local_path, ".")?)?;
     let remote_path = non_empty("remote_path", &args.remote_path, ".")?.to_string();
     let meta = check_local_source(&local)?;
-    let rules = load_rules(&args.excludes, args.exclude_file.as_deref())?;
+    let mut rules = load_rules(&args.excludes, args.exclude_file.as_deref())?;
+    rules.gitignore = args.gitignore;
     if args.delete_extras && !meta.is_dir() {
         return Err(RsbError::invalid(
             "delete_extras is only supported when local_path is a directory",
@@ -383,7 +387,8 @@ pub async fn sync_remote_to_local(
         "./remote_mirror",
     )?)?;
     let remote_path = non_empty("remote_path", &args.remote_path, ".")?.to_string();
-    let rules = load_rules(&args.excludes, args.exclude_file.as_deref())?;
+    let mut rules = load_rules(&args.excludes, args.exclude_file.as_deref())?;
+    rules.gitignore = args.gitignore;
     let sandbox = pool.resolve(&args.sandbox)?;
     let spec = SyncSpec {
         direction: Direction::Download,

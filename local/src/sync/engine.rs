@@ -390,6 +390,27 @@ pub fn single_file_excluded(rules: &SyncRules, given: &str) -> Result<bool> {
     Ok(relative && rules.excluded_path(rel, false))
 }
 
+/// With `rules.gitignore`: is a single file left out by the `.gitignore` beside it (read
+/// through the source's agent), as the directory walk would decide for it?
+async fn single_file_gitignored(src: &AgentClient, rules: &SyncRules, given: &str) -> Result<bool> {
+    if !rules.gitignore {
+        return Ok(false);
+    }
+    let (dir, name) = split_parent(given.trim_end_matches('/'));
+    let req = ReadFileRequest {
+        path: join_rel(&dir, ".gitignore"),
+        offset: 0,
+        max_bytes: 1 << 20,
+    };
+    let text = match src.call(req).await {
+        Ok(r) => String::from_utf8_lossy(&r.data).into_owned(),
+        // None there (or unreadable): nothing to apply.
+        Err(_) => return Ok(false),
+    };
+    let (layer, _) = rsb_rules::Layer::parse("", text.lines());
+    Ok(compile_rules(rules)?.excluded_in(&[layer], &name, false))
+}
+
 /// Remote paths are relative to the remote `$HOME` (as the seed resolved them), not to
 /// wherever the agent process happens to run.
 pub use rsb_rules::path::anchor_home;
@@ -422,6 +443,8 @@ pub struct RunOptions {
     pub overwrite: bool,
     /// Without a baseline, treat differing destination files as conflicts.
     pub safe: bool,
+    /// Fill [`SyncReport::actions`] for a real run too (`rsb sync -v`), not only a dry run.
+    pub list_actions: bool,
 }
 
 /// Run one sync. `local` is the local agent, `remote` the sandbox's; `spec.direction` decides
@@ -511,15 +534,29 @@ pub async fn run_with(
                 if spec.delete_extras && !opts.confirm_delete {
                     refuse_home_delete(dst, &dst_given, &dst_shown, what_dst).await?;
                 }
-                let dst_fut = async {
+                let dst_ref = &dst_given;
+                let dst_fut = |rules: SyncRules| async move {
                     if dst_kind.is_some() {
-                        manifest(dst, &dst_given, &spec.rules).await.map(Some)
+                        manifest(dst, dst_ref, &rules).await.map(Some)
                     } else {
                         Ok(None)
                     }
                 };
-                let ((ssum, sents), dres) =
-                    tokio::try_join!(manifest(src, &src_root_given, &spec.rules), dst_fut)?;
+                let ((ssum, sents), dres) = if spec.rules.gitignore {
+                    // The destination's walk applies the source's .gitignore files, so the
+                    // source is scanned first.
+                    let s = manifest(src, &src_root_given, &spec.rules).await?;
+                    let rules = SyncRules {
+                        gitignore_files: Some(s.0.gitignore_files.clone()),
+                        ..spec.rules.clone()
+                    };
+                    (s, dst_fut(rules).await?)
+                } else {
+                    tokio::try_join!(
+                        manifest(src, &src_root_given, &spec.rules),
+                        dst_fut(spec.rules.clone())
+                    )?
+                };
                 let (dsum, dents) = dres.unwrap_or_default();
                 tracker.phase(Phase::Planning);
                 tmark(&tracker, "scanned");
@@ -584,7 +621,9 @@ pub async fn run_with(
                         "pass delete_extras=false to sync a single file",
                     ));
                 }
-                if single_file_excluded(&spec.rules, &src_shown)? {
+                if single_file_excluded(&spec.rules, &src_shown)?
+                    || single_file_gitignored(src, &spec.rules, &src_root_given).await?
+                {
                     report.skipped_files = 1;
                     return Ok(());
                 }
@@ -803,8 +842,10 @@ async fn execute(
             return Ok(());
         }
     }
-    if spec.dry_run {
+    if spec.dry_run || opts.list_actions {
         report.actions = plan.actions();
+    }
+    if spec.dry_run {
         return Ok(());
     }
     if plan.is_empty() {

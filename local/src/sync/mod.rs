@@ -72,6 +72,7 @@ impl SyncSpec {
         SyncRules {
             default_excludes: true,
             lines,
+            ..Default::default()
         }
     }
 }

@@ -1,0 +1,202 @@
+//! `rsb sync SRC DST`: one exact sync (or `--watch`), with rsync's habits: `-n`, `--delete`,
+//! `--exclude`, `-v` (a line per file sent, deleted or in conflict), `-a` accepted.
+
+use clap::Args;
+use rsb::{
+    error::RsbError,
+    pool::Pool,
+    sync::{Direction, SyncSpec},
+};
+
+use super::{Ctx, exit, fail};
+
+#[derive(Args)]
+pub struct SyncArgs {
+    src: String,
+    dst: String,
+    /// Delete destination entries missing from the source (never excluded ones).
+    #[arg(long)]
+    delete: bool,
+    /// gitignore-style pattern to exclude (repeatable); .git, node_modules, … are excluded
+    /// by default.
+    #[arg(long = "exclude", value_name = "PAT")]
+    exclude: Vec<String>,
+    /// File of exclude patterns.
+    #[arg(long)]
+    exclude_file: Option<String>,
+    /// Also apply the source tree's .gitignore files at every depth, as git does (nested
+    /// ones apply below their directory; --exclude still wins).
+    #[arg(long)]
+    gitignore: bool,
+    /// List what would change, one line per action; change nothing.
+    #[arg(long, short = 'n')]
+    dry_run: bool,
+    /// A line per file sent, symlink made, entry deleted (and each conflict), as rsync -v.
+    #[arg(long, short = 'v')]
+    verbose: bool,
+    /// Keep syncing: upload every burst of local changes until Ctrl-C (a line per burst).
+    #[arg(long, short = 'w')]
+    watch: bool,
+    /// With --watch: poll the tree instead of using OS file events.
+    #[arg(long, requires = "watch")]
+    poll: bool,
+    #[command(flatten)]
+    safety: rsb::sync::cli::SafetyArgs,
+    /// Accepted for rsync habits and ignored: rsb always keeps modes, mtimes and symlinks.
+    #[arg(short = 'a', long = "archive")]
+    archive: bool,
+}
+
+/// `SANDBOX:PATH` (or `:PATH` for the `-s`/active sandbox) when the prefix names a sandbox.
+fn split_remote<'a>(pool: &Pool, arg: &'a str) -> Option<(&'a str, &'a str)> {
+    let (name, path) = arg.split_once(':')?;
+    if name.contains('/') {
+        return None;
+    }
+    (name.is_empty() || pool.names().iter().any(|n| n == name)).then_some((name, path))
+}
+
+/// `uxl:foo` where `uxl` names no sandbox (and no local `uxl:foo` exists): the user meant a
+/// sandbox, so say which name is unknown rather than that no side is remote.
+fn unknown_prefix(pool: &Pool, args: [&str; 2]) -> Option<RsbError> {
+    args.into_iter().find_map(|a| {
+        let (name, _) = a.split_once(':')?;
+        let plausible = !name.is_empty()
+            && !name.contains('/')
+            && !pool.names().iter().any(|n| n == name)
+            && !std::path::Path::new(a).exists();
+        plausible.then(|| super::unknown_sandbox(pool, name))
+    })
+}
+
+pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
+    if a.archive {
+        eprintln!("rsb: note: -a is implied: rsb always keeps modes, mtimes and symlinks");
+    }
+    let used: Vec<&str> = [&a.src, &a.dst]
+        .iter()
+        .filter_map(|x| x.split_once(':').map(|(n, _)| n))
+        .collect();
+    ctx.warnings_for(&used);
+    let pool = &ctx.pool;
+    let json = ctx.json;
+    let (direction, sandbox, remote, local) = match (
+        split_remote(pool, &a.src),
+        split_remote(pool, &a.dst),
+    ) {
+        (None, Some((s, r))) => (Direction::Upload, s, r, a.src.as_str()),
+        (Some((s, r)), None) => (Direction::Download, s, r, a.dst.as_str()),
+        _ => {
+            let e = unknown_prefix(pool, [&a.src, &a.dst]).unwrap_or_else(|| {
+                    RsbError::invalid(
+                        "exactly one side must be SANDBOX:PATH",
+                        format!(
+                            "rsb sync LOCAL SANDBOX:REMOTE uploads, rsb sync SANDBOX:REMOTE LOCAL downloads; sandboxes: {}",
+                            pool.names().join(", ")
+                        ),
+                    )
+                });
+            return fail(json, &e);
+        }
+    };
+    // `:PATH` means the sandbox chosen with -s/RSB_SANDBOX (else the active one).
+    let sandbox = if sandbox.is_empty() {
+        ctx.sandbox.as_str()
+    } else {
+        sandbox
+    };
+    let prep = (|| {
+        let sandbox = if ctx.pool.names().iter().any(|n| n == sandbox) || sandbox.is_empty() {
+            pool.resolve(sandbox)?
+        } else {
+            return Err(super::unknown_sandbox(pool, sandbox));
+        };
+        let local_path = rsb::ops::sync::expand_local(local)?;
+        if direction == Direction::Upload && !local_path.exists() {
+            return Err(RsbError::invalid(
+                format!("no such local file or directory: {}", local_path.display()),
+                "check the LOCAL argument (relative paths start from the current directory)",
+            ));
+        }
+        let mut rules = rsb::ops::sync::load_rules(&a.exclude, a.exclude_file.as_deref())?;
+        rules.gitignore = a.gitignore;
+        Ok::<_, RsbError>((
+            sandbox,
+            SyncSpec {
+                direction,
+                local_path,
+                remote_path: if remote.is_empty() {
+                    ".".into()
+                } else {
+                    remote.into()
+                },
+                delete_extras: a.delete,
+                rules,
+                dry_run: a.dry_run,
+            },
+        ))
+    })();
+    let (sandbox, spec) = match prep {
+        Ok(x) => x,
+        Err(e) => return fail(json, &e),
+    };
+    if a.watch {
+        return rsb::sync::watch::run_cli(pool, &sandbox, &spec, json, a.poll).await;
+    }
+    once(pool, json, &sandbox, &spec, &a).await
+}
+
+async fn once(pool: &Pool, json: bool, sandbox: &str, spec: &SyncSpec, a: &SyncArgs) -> u8 {
+    use std::io::IsTerminal;
+    let (bar, progress) = if !json && !a.dry_run && std::io::stderr().is_terminal() {
+        let (b, f) = rsb::sync::cli::progress_bar();
+        (Some(b), Some(f))
+    } else {
+        (None, None)
+    };
+    let cancel = rsb::sync::CancellationToken::new();
+    let c2 = cancel.clone();
+    let ctrl_c = tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_ok() {
+            c2.cancel();
+        }
+    });
+    let mut opts = a.safety.options();
+    opts.list_actions = a.verbose && !json;
+    let r = rsb::ops::sync::run_with(pool, sandbox, spec, &opts, progress, &cancel).await;
+    ctrl_c.abort();
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    match r {
+        Ok(rep) if json => {
+            println!("{}", rep.to_json());
+            exit::OK
+        }
+        Ok(rep) => {
+            // Quiet by default (the summary line); -n and -v list the actions.
+            for line in &rep.actions {
+                println!("{line}");
+            }
+            if a.verbose {
+                for (rel, _, _) in &rep.conflicts {
+                    println!("conflict {rel} (kept)");
+                }
+            }
+            for e in &rep.errors {
+                eprintln!("rsb: warning: {e}");
+            }
+            rsb::sync::cli::print_conflicts(&rep);
+            println!(
+                "{}",
+                rsb::sync::cli::summary(&rep, spec.direction == Direction::Upload)
+            );
+            exit::OK
+        }
+        Err(e) if cancel.is_cancelled() => {
+            fail(json, &e);
+            exit::INTERRUPTED
+        }
+        Err(e) => fail(json, &e),
+    }
+}
