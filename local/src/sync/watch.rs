@@ -19,8 +19,8 @@
 //! commits each file by the usual verify-and-rename and closes: one round trip, no manifests.
 //! Anything the fast path is unsure of falls back to the full sync: a rescan (queue
 //! overflow), more than [`FAST_MAX_PATHS`] paths (a rename storm), a directory, a symlink, a
-//! file over [`FAST_MAX_BYTES`], or a failed precondition, where the full sync then reports
-//! the conflict as ever.
+//! file over [`FAST_MAX_BYTES`], `--gitignore` (the agents' walk reads those files), or a
+//! failed precondition, where the full sync then reports the conflict as ever.
 //!
 //! A sync that fails on the link (connection lost, reconnect refused, timeout) is retried with
 //! exponential backoff until it succeeds; events that arrive meanwhile are folded into the
@@ -404,8 +404,11 @@ pub async fn watch(
         }
         // A small burst over a known remote: one request.
         let mut fallback = None;
+        // `.gitignore` files (`--gitignore`) are read by the agents' walk alone: such a tree
+        // always takes the full path.
         if burst_no > 0
             && !burst.rescan
+            && !spec.rules.gitignore
             && let Some(k) = known.as_mut()
         {
             let started = Instant::now();
