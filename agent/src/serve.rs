@@ -15,11 +15,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::{SinkExt, StreamExt};
 use rsb_protocol::{
-    AgentError, ApplyAbortRequest, ApplyCloseRequest, ApplyOpenRequest, ApplyRequest,
-    BlockHashesRequest, Call, Chunk, ErrorCode, ExecInput, ExecRequest, FromAgent, JobKillRequest,
-    JobListRequest, JobStartRequest, JobStatusRequest, ListDirRequest, ManifestRequest,
-    PingRequest, ReadFileRequest, Reply, Request, RequestId, ResourcesRequest, StatRequest,
-    ToAgent, decode, encode, frame_codec,
+    AgentError, ApplyAbortRequest, ApplyCloseRequest, ApplyOnceRequest, ApplyOpenRequest,
+    ApplyRequest, BlockHashesRequest, Call, Chunk, ErrorCode, ExecInput, ExecRequest, FromAgent,
+    JobKillRequest, JobListRequest, JobStartRequest, JobStatusRequest, ListDirRequest,
+    ManifestRequest, PingRequest, ReadFileRequest, Reply, Request, RequestId, ResourcesRequest,
+    StatRequest, ToAgent, decode, encode, frame_codec,
 };
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::sync::mpsc;
@@ -287,6 +287,9 @@ async fn handle(
         Request::ApplyAbort(req) => sync::apply_abort(&shared.sessions, req, &cancel)
             .await
             .map(ApplyAbortRequest::into_reply),
+        Request::ApplyOnce(req) => sync::apply_once(req, &cancel)
+            .await
+            .map(ApplyOnceRequest::into_reply),
     };
     responder.reply(result.unwrap_or_else(Reply::Error)).await;
 }

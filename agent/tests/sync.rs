@@ -1424,3 +1424,87 @@ fn stale_staging_is_cleaned_by_the_next_manifest_too() {
     );
     assert!(!root.join("half.bin").exists());
 }
+
+// ---------------------------------------------------------------------------------------------
+// ApplyOnce (watch bursts)
+
+impl Agent {
+    fn apply_once(
+        &mut self,
+        root: &Path,
+        expect: Vec<(String, Option<[u8; 32]>)>,
+        ops: Vec<ApplyOp>,
+        dir_mtimes: Vec<(String, i64)>,
+    ) -> Result<u32, AgentError> {
+        match self.call(Request::ApplyOnce(rsb_protocol::ApplyOnceRequest {
+            root: root.to_string_lossy().into_owned(),
+            expect,
+            ops,
+            dir_mtimes,
+        })) {
+            Reply::Applied(r) => Ok(r.applied),
+            Reply::Error(e) => Err(e),
+            other => panic!("unexpected reply {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn apply_once_checks_every_precondition_before_changing_anything() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    write(root, "a.txt", "old");
+    fs::create_dir(root.join("d")).unwrap();
+    let mut agent = Agent::start();
+
+    // Preconditions hold: both files land, the root gets its mtime back, no staging is left.
+    let mut ops = file_ops("a.txt", b"new", 0o640, 1_600_000_000_000_000_000);
+    ops.extend(file_ops(
+        "b.txt",
+        b"fresh",
+        0o644,
+        1_600_000_000_000_000_000,
+    ));
+    let n = agent
+        .apply_once(
+            root,
+            vec![("a.txt".into(), Some(b3(b"old"))), ("b.txt".into(), None)],
+            ops,
+            vec![(String::new(), 1_500_000_000_000_000_000)],
+        )
+        .unwrap();
+    assert_eq!(n, 4);
+    assert_eq!(fs::read(root.join("a.txt")).unwrap(), b"new");
+    assert_eq!(fs::read(root.join("b.txt")).unwrap(), b"fresh");
+    let m = fs::metadata(root.join("a.txt")).unwrap();
+    assert_eq!(m.mode() & 0o7777, 0o640);
+    assert_eq!(mtime_ns(&m), 1_600_000_000_000_000_000);
+    assert_eq!(
+        mtime_ns(&fs::metadata(root).unwrap()),
+        1_500_000_000_000_000_000
+    );
+    assert!(staging_dirs(root).is_empty());
+
+    // One precondition fails (a.txt is no longer "old"; `d` is a directory): nothing changes,
+    // not even the ops whose own preconditions held.
+    for expect in [
+        vec![("c.txt".into(), None), ("a.txt".into(), Some(b3(b"old")))],
+        vec![("c.txt".into(), None), ("d".into(), None)],
+        vec![("c.txt".into(), None), ("b.txt".into(), None)],
+    ] {
+        let mut ops = file_ops("c.txt", b"c", 0o644, 1);
+        ops.push(ApplyOp::Delete {
+            rel: "b.txt".into(),
+        });
+        let e = agent.apply_once(root, expect, ops, vec![]);
+        expect_err(e, ErrorCode::AlreadyExists, "changed on the destination");
+        assert!(!root.join("c.txt").exists());
+        assert_eq!(fs::read(root.join("b.txt")).unwrap(), b"fresh");
+        assert!(staging_dirs(root).is_empty());
+    }
+
+    // A missing root is an error, not created.
+    let e = agent.apply_once(&root.join("nope"), vec![], vec![], vec![]);
+    expect_err(e, ErrorCode::NotFound, "does not exist");
+    assert!(!root.join("nope").exists());
+}

@@ -36,13 +36,13 @@ pub use resources::{
     ResourcesRequest,
 };
 pub use sync::{
-    ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyOpened, ApplyRequest,
-    ApplyResult, BlockHashesRequest, BlockHashesResult, ManifestEntry, ManifestRequest,
-    ManifestSummary, SyncRules,
+    ApplyAbortRequest, ApplyCloseRequest, ApplyOnceRequest, ApplyOp, ApplyOpenRequest, ApplyOpened,
+    ApplyRequest, ApplyResult, BlockHashesRequest, BlockHashesResult, ManifestEntry,
+    ManifestRequest, ManifestSummary, SyncRules,
 };
 
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Hash of this crate's sources at build time: catches an agent and an `rsb` built from
 /// different protocol sources even when nobody bumped [`PROTOCOL_VERSION`].
@@ -154,6 +154,7 @@ call!(ApplyOpenRequest, ApplyOpen, "apply_open" => ApplyOpened(ApplyOpened));
 call!(ApplyRequest, Apply, "apply" => Applied(ApplyResult));
 call!(ApplyCloseRequest, ApplyClose, "apply_close" => Applied(ApplyResult));
 call!(ApplyAbortRequest, ApplyAbort, "apply_abort" => Done);
+call!(ApplyOnceRequest, ApplyOnce, "apply_once" => Applied(ApplyResult));
 
 /// Echoed back unchanged: a round trip through the agent's loop (liveness, latency).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -181,6 +182,7 @@ pub enum Request {
     Apply(ApplyRequest),
     ApplyClose(ApplyCloseRequest),
     ApplyAbort(ApplyAbortRequest),
+    ApplyOnce(ApplyOnceRequest),
 }
 
 impl Request {
@@ -202,6 +204,7 @@ impl Request {
         ApplyRequest::NAME,
         ApplyCloseRequest::NAME,
         ApplyAbortRequest::NAME,
+        ApplyOnceRequest::NAME,
     ];
 
     /// Short name for logs and error messages.
@@ -223,6 +226,7 @@ impl Request {
             Request::Apply(_) => ApplyRequest::NAME,
             Request::ApplyClose(_) => ApplyCloseRequest::NAME,
             Request::ApplyAbort(_) => ApplyAbortRequest::NAME,
+            Request::ApplyOnce(_) => ApplyOnceRequest::NAME,
         }
     }
 }

@@ -195,3 +195,21 @@ pub struct ApplyCloseRequest {
 pub struct ApplyAbortRequest {
     pub session: u64,
 }
+
+/// A few changes in one round trip, for `rsb sync --watch` bursts whose remote state is known
+/// from the last sync: the agent opens a staging session on `root` (which must exist), checks
+/// every precondition in `expect` before any op runs, applies `ops` (each file verified and
+/// renamed into place, as in a session), restores `dir_mtimes` and closes. Replies like
+/// `ApplyClose`. A failed precondition fails the request with
+/// [`crate::ErrorCode::AlreadyExists`] and changes nothing; the orchestrator then runs a full
+/// sync, which decides (and reports conflicts) as ever.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApplyOnceRequest {
+    pub root: String,
+    /// `(rel, blake3)`: the destination file `rel` must have this content now; `None`: nothing
+    /// may exist at `rel` (a file, directory or symlink there fails the precondition).
+    pub expect: Vec<(String, Option<[u8; 32]>)>,
+    pub ops: Vec<ApplyOp>,
+    /// As [`ApplyCloseRequest::dir_mtimes`].
+    pub dir_mtimes: Vec<(String, i64)>,
+}

@@ -112,6 +112,12 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             dir_mtimes: vec![("a".into(), 1)],
         }),
         Request::ApplyAbort(ApplyAbortRequest { session: 9 }),
+        Request::ApplyOnce(ApplyOnceRequest {
+            root: "/dst".into(),
+            expect: vec![("a".into(), Some([3; 32])), ("b".into(), None)],
+            ops: vec![ApplyOp::Delete { rel: "a".into() }],
+            dir_mtimes: vec![(String::new(), 7)],
+        }),
     ];
     let mut to_agent: Vec<ToAgent> = requests
         .into_iter()
@@ -536,6 +542,13 @@ fn each_call_unwraps_only_its_own_reply() {
                 },
             ),
             Request::ApplyAbort(q) => check(q, ()),
+            Request::ApplyOnce(q) => check(
+                q,
+                ApplyResult {
+                    applied: 1,
+                    warnings: vec![],
+                },
+            ),
         }
     }
     assert_eq!(checked, Request::KINDS.len());

@@ -4,7 +4,10 @@
 //! reference is what a hand-rolled `rsync -a -e ssh` loop pays per save on the same sshd and
 //! link (its own connect included, as such a loop does), in the same run.
 //!
-//! `RSB_WATCH_BENCH_N` edits per link (default 30). Uses `target/release/rsb` when built.
+//! Each save should take the one-request fast path; the `fast` column counts those that did.
+//!
+//! `RSB_WATCH_BENCH_N` edits per link (default 30). Uses `target/release/rsb` when built
+//! (and its sibling `target/release/rsb-agent` as the local agent: build both).
 
 #[path = "../tests/common/forward.rs"]
 mod fwd;
@@ -74,6 +77,15 @@ impl Watch {
             std::thread::sleep(Duration::from_millis(10));
         }
         w
+    }
+
+    /// Burst syncs that took the fast path.
+    fn fast(&self) -> usize {
+        let lines = self.lines.lock().unwrap();
+        lines
+            .iter()
+            .filter(|v| v["event"] == "synced" && v["path"] == "fast")
+            .count()
     }
 
     /// The engine's own time for each burst sync (ms).
@@ -150,9 +162,9 @@ fn main() {
 
     println!("rsb sync --watch save-to-remote latency ({n} edits per link, 300-file tree)");
     println!(
-        "| link | p50 (ms) | p99 (ms) | sync p50 (ms) | rsync -a per save p50 (ms) | p50 / rsync | target (ms) |"
+        "| link | p50 (ms) | p99 (ms) | sync p50 (ms) | fast | rsync -a per save p50 (ms) | p50 / rsync | target (ms) |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for (name, port, rtt_ms) in [
         ("loopback", sshd.port(), 0.0),
         ("20 ms RTT", proxy.port(), 20.0),
@@ -191,10 +203,11 @@ fn main() {
             ("-".into(), "-".into())
         };
         println!(
-            "| {name} | {:.1} | {:.1} | {:.1} | {rs} | {ratio} | ≤ {:.0} |",
+            "| {name} | {:.1} | {:.1} | {:.1} | {}/{n} | {rs} | {ratio} | ≤ {:.0} |",
             pct(&lat, 0.5),
             pct(&lat, 0.99),
             sync_p50,
+            w.fast(),
             rtt_ms + 50.0
         );
         drop(w);

@@ -374,3 +374,126 @@ fn the_polling_watcher_also_delivers_changes() {
     eprintln!("polling: remote identical after {t:?}");
     assert!(w.interrupt().success());
 }
+
+/// The first burst sync after the initial one (bounded wait).
+fn first_burst(w: &mut RsbWatch, secs: u64) -> Value {
+    w.wait_event(
+        |v| v["event"] == "synced" && v["burst"].as_u64() > Some(0),
+        secs,
+    )
+}
+
+/// Wait (bounded) until `pred` holds for the remote; how long it took.
+fn wait_remote(what: &str, secs: u64, pred: impl Fn() -> bool) -> Duration {
+    let start = Instant::now();
+    while !pred() {
+        assert!(
+            start.elapsed() < Duration::from_secs(secs),
+            "{what}: not within {secs}s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    start.elapsed()
+}
+
+fn mtime(p: &Path) -> std::time::SystemTime {
+    std::fs::metadata(p).unwrap().modified().unwrap()
+}
+
+#[test]
+fn a_single_save_takes_the_one_request_fast_path() {
+    let (sshd, env, local) = setup();
+    let l = local.path();
+    std::fs::create_dir(l.join("src")).unwrap();
+    for i in 0..20 {
+        std::fs::write(l.join(format!("src/m{i}.py")), format!("# {i}\n")).unwrap();
+    }
+    let mut w = RsbWatch::spawn(&env, l, "w6", &[]);
+    let remote = remote_dir(&sshd, "w6");
+    wait_identical(l, &remote, 10);
+
+    let body = b"print('fast')\n";
+    let start = Instant::now();
+    save(&l.join("src/m3.py"), body);
+    let t = wait_remote("the save", 5, || {
+        std::fs::read(remote.join("src/m3.py")).ok().as_deref() == Some(&body[..])
+    });
+    let b = first_burst(&mut w, 5);
+    eprintln!("save-to-remote {:?}; burst: {b}", start.elapsed());
+    assert!(t < Duration::from_secs(1), "save took {t:?}");
+    assert_eq!(
+        b["path"], "fast",
+        "a one-file save should take the fast path: {b}"
+    );
+    assert_eq!(b["files"], 1, "{b}");
+    // The whole tree still matches, with the file's and its directory's mtimes.
+    wait_identical(l, &remote, 5);
+    assert_eq!(
+        mtime(&l.join("src/m3.py")),
+        mtime(&remote.join("src/m3.py"))
+    );
+    assert_eq!(mtime(&l.join("src")), mtime(&remote.join("src")));
+    assert_eq!(w.count("failed"), 0);
+}
+
+#[test]
+fn a_remote_edit_to_the_same_file_is_a_conflict_and_is_kept() {
+    let (sshd, env, local) = setup();
+    let l = local.path();
+    std::fs::write(l.join("a.txt"), b"base\n").unwrap();
+    std::fs::write(l.join("b.txt"), b"other\n").unwrap();
+    let mut w = RsbWatch::spawn(&env, l, "w7", &[]);
+    let remote = remote_dir(&sshd, "w7");
+    wait_identical(l, &remote, 10);
+
+    // Someone edits the file in the sandbox; then the same file is saved here.
+    std::fs::write(remote.join("a.txt"), b"edited in the sandbox\n").unwrap();
+    save(&l.join("a.txt"), b"edited here\n");
+    let b = first_burst(&mut w, 10);
+    eprintln!("burst: {b}");
+    assert_eq!(b["path"], "full", "{b}");
+    assert!(
+        b["fallback"]
+            .as_str()
+            .is_some_and(|f| f.contains("changed on the destination")),
+        "the fast path's precondition should have failed: {b}"
+    );
+    assert_eq!(b["conflicts"], json!(["a.txt"]), "{b}");
+    assert_eq!(b["files"], 0, "{b}");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        std::fs::read(remote.join("a.txt")).unwrap(),
+        b"edited in the sandbox\n",
+        "the sandbox's edit must be kept"
+    );
+    // Other files keep flowing.
+    save(&l.join("b.txt"), b"still synced\n");
+    wait_remote("b.txt", 5, || {
+        std::fs::read(remote.join("b.txt")).ok().as_deref() == Some(&b"still synced\n"[..])
+    });
+    assert_eq!(
+        std::fs::read(remote.join("a.txt")).unwrap(),
+        b"edited in the sandbox\n"
+    );
+}
+
+#[test]
+fn deleting_a_file_propagates() {
+    let (sshd, env, local) = setup();
+    let l = local.path();
+    std::fs::create_dir(l.join("sub")).unwrap();
+    std::fs::write(l.join("sub/gone.txt"), b"bye\n").unwrap();
+    std::fs::write(l.join("sub/kept.txt"), b"stay\n").unwrap();
+    let mut w = RsbWatch::spawn(&env, l, "w8", &["--delete"]);
+    let remote = remote_dir(&sshd, "w8");
+    wait_identical(l, &remote, 10);
+
+    std::fs::remove_file(l.join("sub/gone.txt")).unwrap();
+    let t = wait_remote("the delete", 5, || !remote.join("sub/gone.txt").exists());
+    let b = first_burst(&mut w, 5);
+    eprintln!("delete reached the remote in {t:?}; burst: {b}");
+    assert!(t < Duration::from_secs(1), "delete took {t:?}");
+    assert_eq!(b["path"], "fast", "{b}");
+    assert_eq!(b["deleted"], 1, "{b}");
+    wait_identical(l, &remote, 5);
+}

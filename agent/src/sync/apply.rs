@@ -36,8 +36,8 @@ use std::time::{Duration, SystemTime};
 
 use rsb_protocol::sync::STAGING_PREFIX;
 use rsb_protocol::{
-    AgentError, ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyOpened,
-    ApplyRequest, ApplyResult, ErrorCode,
+    AgentError, ApplyAbortRequest, ApplyCloseRequest, ApplyOnceRequest, ApplyOp, ApplyOpenRequest,
+    ApplyOpened, ApplyRequest, ApplyResult, ErrorCode,
 };
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -1224,6 +1224,84 @@ impl Session {
             }
         }
         self.lock = None;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One round trip (watch bursts)
+
+/// A whole session in one request: open, check the preconditions, apply, close. Used by
+/// `rsb sync --watch` for small bursts; the staging, verification and atomic renames are the
+/// session's own. A failed precondition or op aborts the session (files committed before a
+/// failed op stay, as in any session).
+pub async fn apply_once(
+    req: ApplyOnceRequest,
+    cancel: &CancellationToken,
+) -> Result<ApplyResult, AgentError> {
+    let token = cancel.clone();
+    blocking(cancel, move || {
+        let mut s = open(&ApplyOpenRequest {
+            root: req.root,
+            create_root: false,
+        })?;
+        let done = s
+            .expect_all(&req.expect)
+            .and_then(|()| s.run(req.ops, &token));
+        match done {
+            Ok(r) => {
+                let closed = s.close(&req.dir_mtimes)?;
+                Ok(ApplyResult {
+                    applied: r.applied,
+                    warnings: closed.warnings,
+                })
+            }
+            Err(e) => {
+                s.abort();
+                Err(e)
+            }
+        }
+    })
+    .await
+}
+
+impl Session {
+    /// Each destination entry is what the orchestrator last saw there: a file with this
+    /// blake3, or nothing (`None`).
+    fn expect_all(&self, expect: &[(String, Option<[u8; 32]>)]) -> Result<(), AgentError> {
+        let mut dirs = HashSet::new();
+        for (rel, want) in expect {
+            let changed = || {
+                err(
+                    ErrorCode::AlreadyExists,
+                    format!("{rel} changed on the destination since the last sync"),
+                )
+            };
+            if self.check(rel, false, &mut dirs)?.is_some() {
+                // A parent is missing, so nothing is at `rel`.
+                if want.is_some() {
+                    return Err(changed());
+                }
+                continue;
+            }
+            let path = self.path(rel);
+            let now = match fs::symlink_metadata(&path) {
+                Ok(m) if m.is_file() => {
+                    let f = File::open(&path).map_err(|e| io(&e, "read", rel))?;
+                    Some(
+                        *hash_staged(&f, m.len())
+                            .map_err(|e| io(&e, "read", rel))?
+                            .as_bytes(),
+                    )
+                }
+                Ok(_) => return Err(changed()),
+                Err(e) if e.kind() == ErrorKind::NotFound => None,
+                Err(e) => return Err(io(&e, "stat", rel)),
+            };
+            if now != *want {
+                return Err(changed());
+            }
+        }
+        Ok(())
     }
 }
 

@@ -12,6 +12,16 @@
 //! inotify queue overflow, costs one rescan and leaves the remote identical. Events on excluded
 //! paths (`.git/…`, `node_modules/…`, the user's excludes) do not start a sync.
 //!
+//! Small bursts take a fast path instead: the remote state is known from the last sync (its
+//! baseline, `rel` → blake3, kept in the store), so the files the burst names are read and
+//! hashed here and sent with `ApplyOnce`, one request that opens a staging session, checks a
+//! precondition per path (the destination still holds the baseline's content, or nothing),
+//! commits each file by the usual verify-and-rename and closes: one round trip, no manifests.
+//! Anything the fast path is unsure of falls back to the full sync: a rescan (queue
+//! overflow), more than [`FAST_MAX_PATHS`] paths (a rename storm), a directory, a symlink, a
+//! file over [`FAST_MAX_BYTES`], `--gitignore` (the agents' walk reads those files), or a
+//! failed precondition, where the full sync then reports the conflict as ever.
+//!
 //! A sync that fails on the link (connection lost, reconnect refused, timeout) is retried with
 //! exponential backoff until it succeeds; events that arrive meanwhile are folded into the
 //! retry, which is a full resync. Any other failure (a type conflict, the delete guard) is
@@ -19,6 +29,8 @@
 //! flight is aborted by the engine, which leaves only whole files.
 
 use std::{
+    collections::{BTreeSet, HashMap},
+    os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
@@ -28,11 +40,19 @@ use serde_json::json;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::{Direction, SyncReport, SyncSpec};
+use rsb_protocol::{ApplyOnceRequest, ApplyOp};
+
+use super::{Direction, SyncReport, SyncSpec, engine::anchor_home};
 use crate::{
+    client::AgentClient,
     error::{Kind, Result, RsbError},
     pool::Pool,
 };
+
+/// A burst naming more paths than this is synced in full (a checkout, a generator).
+pub const FAST_MAX_PATHS: usize = 64;
+/// …and one whose files hold more than this (they ride one request).
+pub const FAST_MAX_BYTES: u64 = 1024 * 1024;
 
 /// Timing of the watch loop.
 #[derive(Debug, Clone)]
@@ -72,6 +92,10 @@ pub enum WatchEvent {
         changes: usize,
         report: Box<SyncReport>,
         elapsed: Duration,
+        /// Sent by the one-request fast path (else a full sync).
+        fast: bool,
+        /// Why the fast path was tried and given up for a full sync.
+        fallback: Option<String>,
     },
     /// A sync failed on the link; the next attempt (a full resync) follows after `delay`.
     Retrying {
@@ -93,16 +117,36 @@ impl WatchEvent {
                 changes,
                 report,
                 elapsed,
-            } => json!({
-                "event": "synced",
-                "burst": burst,
-                "changes": changes,
-                "files": report.files_transferred,
-                "bytes": report.bytes_sent,
-                "deleted": report.deleted_files + report.deleted_dirs,
-                "unchanged": report.skipped_files,
-                "ms": elapsed.as_secs_f64() * 1000.0,
-            }),
+                fast,
+                fallback,
+            } => {
+                let mut v = json!({
+                    "event": "synced",
+                    "burst": burst,
+                    "changes": changes,
+                    "path": if *fast { "fast" } else { "full" },
+                    "files": report.files_transferred,
+                    "bytes": report.bytes_sent,
+                    "deleted": report.deleted_files + report.deleted_dirs,
+                    "unchanged": report.skipped_files,
+                    "ms": elapsed.as_secs_f64() * 1000.0,
+                });
+                if let Some(why) = fallback {
+                    v["fallback"] = json!(why);
+                }
+                if !report.conflicts.is_empty() {
+                    v["conflicts"] = json!(
+                        report
+                            .conflicts
+                            .iter()
+                            .take(100)
+                            .map(|c| c.0.as_str())
+                            .collect::<Vec<_>>()
+                    );
+                    v["conflict_count"] = json!(report.conflicts.len());
+                }
+                v
+            }
             WatchEvent::Retrying {
                 attempt,
                 delay,
@@ -130,14 +174,22 @@ impl WatchEvent {
                 changes,
                 report,
                 elapsed,
+                fast,
+                ..
             } => {
                 let what = if *burst == 0 {
                     "initial sync".to_string()
+                } else if *fast {
+                    format!("burst {burst} ({changes} events, fast)")
                 } else {
                     format!("burst {burst} ({changes} events)")
                 };
+                let conflicts = match report.conflicts.len() {
+                    0 => String::new(),
+                    n => format!(", {n} conflicts kept"),
+                };
                 format!(
-                    "{what}: {} files, {} bytes, {} deleted, {} unchanged, {} ms",
+                    "{what}: {} files, {} bytes, {} deleted, {} unchanged{conflicts}, {} ms",
                     report.files_transferred,
                     report.bytes_sent,
                     report.deleted_files + report.deleted_dirs,
@@ -271,6 +323,41 @@ fn relevant(root: &Path, rules: &rsb_rules::Rules, path: &Path) -> bool {
     !(rules.excluded_path(rel, false) && rules.excluded_path(rel, true))
 }
 
+/// What the watch loop knows of the remote after a full sync of a directory: enough for the
+/// fast path.
+struct Known {
+    /// The remote root, expanded (as the last sync reported it).
+    remote_root: String,
+    /// `rel` → blake3 that both sides held after the last sync (the store's baseline).
+    baseline: HashMap<String, [u8; 32]>,
+}
+
+/// The paths of one burst (relative to nothing: as notify gave them).
+#[derive(Default)]
+struct Burst {
+    events: usize,
+    paths: BTreeSet<PathBuf>,
+    /// Events were lost, or there were too many paths: only a full sync will do.
+    rescan: bool,
+}
+
+impl Burst {
+    fn add(&mut self, c: Change) {
+        self.events += 1;
+        match c {
+            Change::Rescan => self.rescan = true,
+            Change::Path(_) if self.rescan => {}
+            Change::Path(p) => {
+                self.paths.insert(p);
+                if self.paths.len() > FAST_MAX_PATHS {
+                    self.rescan = true;
+                    self.paths.clear();
+                }
+            }
+        }
+    }
+}
+
 /// Watch `spec.local_path` and upload every burst of changes until `cancel` fires. The first
 /// sync (the whole tree) happens before any burst. Returns `Err` only when the watcher cannot
 /// start or the initial sync fails for a reason a retry would not fix.
@@ -297,30 +384,93 @@ pub async fn watch(
     let rules = rsb_rules::Rules::for_sync(spec.rules.default_excludes, &spec.rules.lines)
         .map_err(|e| RsbError::invalid(e.to_string(), "patterns use gitignore syntax"))?;
     let root = spec.local_path.clone();
+    let key = (
+        root.display().to_string(),
+        sandbox.to_string(),
+        anchor_home(&spec.remote_path),
+    );
+    let store = pool.transfers().ok();
     let mut armed = arm(&root, opts)?;
     on(WatchEvent::Watching {
         backend: armed.backend,
     });
 
-    let mut burst = 0u64;
-    let mut changes = 0usize;
+    let mut burst_no = 0u64;
+    let mut burst = Burst::default();
+    let mut known: Option<Known> = None;
     loop {
-        // One sync for the burst (the initial one first), retried while the link fails.
+        if cancel.is_cancelled() {
+            return Ok(());
+        }
+        // A small burst over a known remote: one request.
+        let mut fallback = None;
+        // `.gitignore` files (`--gitignore`) are read by the agents' walk alone: such a tree
+        // always takes the full path.
+        if burst_no > 0
+            && !burst.rescan
+            && !spec.rules.gitignore
+            && let Some(k) = known.as_mut()
+        {
+            let started = Instant::now();
+            let r = tokio::select! {
+                r = fast_sync(pool, sandbox, &root, &rules, spec.delete_extras, k, &burst.paths) => r,
+                _ = cancel.cancelled() => return Ok(()),
+            };
+            match r {
+                Ok(Fast::Done(mut report)) => {
+                    report.duration_s = started.elapsed().as_secs_f64();
+                    on(WatchEvent::Synced {
+                        burst: burst_no,
+                        changes: burst.events,
+                        report,
+                        elapsed: started.elapsed(),
+                        fast: true,
+                        fallback: None,
+                    });
+                    // After the line: the save is not part of the latency a user sees.
+                    if let Some(t) = &store
+                        && let Err(e) = t.save_baseline(&key.0, &key.1, &key.2, &k.baseline)
+                    {
+                        tracing::warn!("the sync baseline was not saved: {}", e.message);
+                        known = None;
+                    }
+                    burst = next_burst(&mut armed, &root, &rules, opts, cancel).await?;
+                    burst_no += 1;
+                    continue;
+                }
+                Ok(Fast::Fallback(why)) => fallback = Some(why),
+                // The full sync below meets the same failure and retries it.
+                Err(e) => fallback = Some(e.message),
+            }
+        }
+        known = None;
+        // One full sync for the burst (the initial one first), retried while the link fails.
         let mut attempt = 0u32;
         loop {
             let started = Instant::now();
-            let run_opts = options(burst);
+            let run_opts = options(burst_no);
             let r = tokio::select! {
                 r = crate::ops::sync::run_with(pool, sandbox, spec, &run_opts, None, cancel) => r,
                 _ = cancel.cancelled() => return Ok(()),
             };
             match r {
                 Ok(report) => {
+                    let elapsed = started.elapsed();
+                    known = (report.synced_type == "directory")
+                        .then_some(store.as_ref())
+                        .flatten()
+                        .and_then(|t| t.load_baseline(&key.0, &key.1, &key.2))
+                        .map(|baseline| Known {
+                            remote_root: report.remote_path.clone(),
+                            baseline,
+                        });
                     on(WatchEvent::Synced {
-                        burst,
-                        changes,
+                        burst: burst_no,
+                        changes: burst.events,
                         report: Box::new(report),
-                        elapsed: started.elapsed(),
+                        elapsed,
+                        fast: false,
+                        fallback: fallback.take(),
                     });
                     break;
                 }
@@ -344,51 +494,270 @@ pub async fn watch(
                             _ = &mut wake => break,
                             _ = cancel.cancelled() => return Ok(()),
                             c = armed.rx.recv() => match c {
-                                Some(_) => changes += 1,
+                                Some(_) => burst.events += 1,
                                 None => return Err(RsbError::internal("the file watcher stopped")),
                             },
                         }
                     }
                 }
-                Err(error) if burst == 0 => return Err(error),
+                Err(error) if burst_no == 0 => return Err(error),
                 Err(error) => {
                     on(WatchEvent::Failed { error });
                     break;
                 }
             }
         }
+        burst = next_burst(&mut armed, &root, &rules, opts, cancel).await?;
+        burst_no += 1;
+    }
+}
 
-        // Wait for the first relevant change…
-        let first = loop {
-            let c = tokio::select! {
-                c = armed.rx.recv() => c,
-                _ = cancel.cancelled() => return Ok(()),
-            };
-            match c {
-                None => return Err(RsbError::internal("the file watcher stopped")),
-                Some(Change::Rescan) => break Instant::now(),
-                Some(Change::Path(p)) if relevant(&root, &rules, &p) => break Instant::now(),
-                Some(Change::Path(_)) => {}
-            }
+/// Wait for the first relevant change, then collect until the tree is quiet for the debounce
+/// (or the burst is too long). On a cancel it returns what it has; the caller checks `cancel`.
+async fn next_burst(
+    armed: &mut Armed,
+    root: &Path,
+    rules: &rsb_rules::Rules,
+    opts: &WatchOptions,
+    cancel: &CancellationToken,
+) -> Result<Burst> {
+    let mut burst = Burst::default();
+    let first = loop {
+        let c = tokio::select! {
+            c = armed.rx.recv() => c,
+            _ = cancel.cancelled() => return Ok(burst),
         };
-        changes = 1;
-        // …then collect until quiet (or the burst is too long).
-        loop {
-            let quiet = tokio::time::sleep(opts.debounce);
-            let cap = tokio::time::sleep_until((first + opts.max_burst).into());
-            tokio::select! {
-                _ = quiet => break,
-                _ = cap => break,
-                _ = cancel.cancelled() => return Ok(()),
-                c = armed.rx.recv() => match c {
-                    None => return Err(RsbError::internal("the file watcher stopped")),
-                    Some(Change::Path(p)) if !relevant(&root, &rules, &p) => {}
-                    Some(_) => changes += 1,
-                },
+        match c {
+            None => return Err(RsbError::internal("the file watcher stopped")),
+            Some(Change::Path(p)) if !relevant(root, rules, &p) => {}
+            Some(c) => {
+                burst.add(c);
+                break Instant::now();
             }
         }
-        burst += 1;
+    };
+    loop {
+        let quiet = tokio::time::sleep(opts.debounce);
+        let cap = tokio::time::sleep_until((first + opts.max_burst).into());
+        tokio::select! {
+            _ = quiet => break,
+            _ = cap => break,
+            _ = cancel.cancelled() => break,
+            c = armed.rx.recv() => match c {
+                None => return Err(RsbError::internal("the file watcher stopped")),
+                Some(Change::Path(p)) if !relevant(root, rules, &p) => {}
+                Some(c) => burst.add(c),
+            },
+        }
     }
+    Ok(burst)
+}
+
+/// What the fast path did.
+enum Fast {
+    Done(Box<SyncReport>),
+    /// Not for the fast path (or its precondition failed): why, for the line.
+    Fallback(String),
+}
+
+/// The one request a small burst becomes, and what it changes in the baseline.
+#[derive(Debug, Default)]
+struct FastPlan {
+    expect: Vec<(String, Option<[u8; 32]>)>,
+    ops: Vec<ApplyOp>,
+    dir_mtimes: Vec<(String, i64)>,
+    /// Files sent, with their content hash.
+    sent: Vec<(String, [u8; 32])>,
+    bytes: u64,
+    deleted: Vec<String>,
+    /// Gone here, kept there (no `--delete`): no longer in the baseline.
+    forgotten: Vec<String>,
+    /// Files whose content the remote has already (attributes only).
+    unchanged: u64,
+}
+
+/// `rel` of `path` under `root`, `/`-separated; `None` when outside it, the root itself, or
+/// not UTF-8.
+fn rel_of(root: &Path, path: &Path) -> Option<String> {
+    let rel = path.strip_prefix(root).ok()?;
+    let parts: Option<Vec<&str>> = rel.components().map(|c| c.as_os_str().to_str()).collect();
+    let rel = parts?.join("/");
+    (!rel.is_empty()).then_some(rel)
+}
+
+fn parent_of(rel: &str) -> &str {
+    rel.rsplit_once('/').map_or("", |(d, _)| d)
+}
+
+fn mtime_ns(m: &std::fs::Metadata) -> i64 {
+    m.mtime()
+        .saturating_mul(1_000_000_000)
+        .saturating_add(m.mtime_nsec())
+}
+
+/// Turn a burst's paths into one `ApplyOnce`, reading and hashing the files here. `Err` says
+/// why this burst needs a full sync instead.
+fn plan_fast(
+    root: &Path,
+    rules: &rsb_rules::Rules,
+    delete_extras: bool,
+    baseline: &HashMap<String, [u8; 32]>,
+    paths: &BTreeSet<PathBuf>,
+) -> std::result::Result<FastPlan, String> {
+    let mut p = FastPlan::default();
+    let mut parents = BTreeSet::new();
+    for path in paths {
+        let Some(rel) = rel_of(root, path) else {
+            return Err(format!(
+                "{} is not a plain path under the root",
+                path.display()
+            ));
+        };
+        let meta = match std::fs::symlink_metadata(path) {
+            Ok(m) => Some(m),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(format!("{rel}: {e}")),
+        };
+        match meta {
+            None => {
+                if rules.excluded_path(&rel, false) {
+                    continue;
+                }
+                match (baseline.get(&rel), delete_extras) {
+                    (Some(h), true) => {
+                        p.expect.push((rel.clone(), Some(*h)));
+                        p.ops.push(ApplyOp::Delete { rel: rel.clone() });
+                        p.deleted.push(rel);
+                    }
+                    (Some(_), false) => p.forgotten.push(rel),
+                    // Never synced as a file (an editor's temporary, say); with `--delete`, a
+                    // directory or symlink of that name there would have to go: not ours.
+                    (None, true) => p.expect.push((rel, None)),
+                    (None, false) => {}
+                }
+            }
+            Some(m) if m.is_file() => {
+                if rules.excluded_path(&rel, false) {
+                    continue;
+                }
+                let size = m.len();
+                if p.bytes + size > FAST_MAX_BYTES {
+                    return Err(format!("more than {FAST_MAX_BYTES} bytes changed"));
+                }
+                let data = match std::fs::read(path) {
+                    Ok(d) => d,
+                    // Gone between the stat and the read: the next burst has it.
+                    Err(e) => return Err(format!("{rel}: {e}")),
+                };
+                if p.bytes + data.len() as u64 > FAST_MAX_BYTES {
+                    return Err(format!("more than {FAST_MAX_BYTES} bytes changed"));
+                }
+                // What is committed is what was read, hashed here: never a torn file.
+                let hash = *blake3::hash(&data).as_bytes();
+                let base = baseline.get(&rel).copied();
+                p.expect.push((rel.clone(), base));
+                parents.insert(parent_of(&rel).to_string());
+                if base == Some(hash) {
+                    // Same content (a touch, or sent by the last full sync already): the
+                    // attributes alone, as a full sync would.
+                    p.ops.push(ApplyOp::SetAttr {
+                        rel: rel.clone(),
+                        mode: Some(m.mode() & 0o7777),
+                        mtime_ns: Some(mtime_ns(&m)),
+                    });
+                    p.unchanged += 1;
+                    continue;
+                }
+                p.bytes += data.len() as u64;
+                p.ops.push(ApplyOp::FileCommit {
+                    rel: rel.clone(),
+                    size: data.len() as u64,
+                    mode: m.mode() & 0o7777,
+                    mtime_ns: mtime_ns(&m),
+                    hash,
+                });
+                p.ops.insert(
+                    p.ops.len() - 1,
+                    ApplyOp::FileData {
+                        rel: rel.clone(),
+                        offset: 0,
+                        data,
+                    },
+                );
+                p.sent.push((rel, hash));
+            }
+            Some(m) if m.is_dir() && rules.excluded_path(&rel, true) => {}
+            Some(m) if m.is_dir() => return Err(format!("directory {rel} changed")),
+            Some(_) => return Err(format!("{rel} is not a regular file")),
+        }
+    }
+    for rel in &p.deleted {
+        parents.insert(parent_of(rel).to_string());
+    }
+    // Writing into a directory moves its mtime: put back the local one, as a full sync does.
+    for dir in parents {
+        let path = if dir.is_empty() {
+            root.to_path_buf()
+        } else {
+            root.join(&dir)
+        };
+        if let Ok(m) = std::fs::symlink_metadata(&path)
+            && m.is_dir()
+        {
+            p.dir_mtimes.push((dir, mtime_ns(&m)));
+        }
+    }
+    Ok(p)
+}
+
+/// The fast path for one burst. `Err` only for link failures (the full sync retries those).
+async fn fast_sync(
+    pool: &Pool,
+    sandbox: &str,
+    root: &Path,
+    rules: &rsb_rules::Rules,
+    delete_extras: bool,
+    known: &mut Known,
+    paths: &BTreeSet<PathBuf>,
+) -> Result<Fast> {
+    let plan = match plan_fast(root, rules, delete_extras, &known.baseline, paths) {
+        Ok(p) => p,
+        Err(why) => return Ok(Fast::Fallback(why)),
+    };
+    let mut report = SyncReport {
+        direction: Some(Direction::Upload),
+        local_path: root.display().to_string(),
+        remote_path: known.remote_root.clone(),
+        synced_type: "directory",
+        delete_extras,
+        files_transferred: plan.sent.len() as u64,
+        bytes_sent: plan.bytes,
+        bytes_planned: plan.bytes,
+        deleted_files: plan.deleted.len() as u64,
+        skipped_files: plan.unchanged,
+        ..SyncReport::default()
+    };
+    if !plan.expect.is_empty() || !plan.ops.is_empty() {
+        let remote: AgentClient = pool.client(sandbox).await?;
+        let req = ApplyOnceRequest {
+            root: known.remote_root.clone(),
+            expect: plan.expect,
+            ops: plan.ops,
+            dir_mtimes: plan.dir_mtimes,
+        };
+        match remote.call(req).await {
+            Ok(r) => report.warnings = r.warnings,
+            Err(e) if link_error(&e) => return Err(e),
+            Err(e) => return Ok(Fast::Fallback(e.message)),
+        }
+    }
+    for (rel, h) in plan.sent {
+        known.baseline.insert(rel, h);
+    }
+    for rel in plan.deleted.iter().chain(&plan.forgotten) {
+        known.baseline.remove(rel);
+    }
+    Ok(Fast::Done(Box::new(report)))
 }
 
 /// `rsb sync --watch`: run [`watch`] until Ctrl-C, one line per event (JSON with `--json`).
@@ -429,7 +798,10 @@ pub async fn run_cli(pool: &Pool, sandbox: &str, spec: &SyncSpec, json: bool, po
         } else {
             match &ev {
                 WatchEvent::Watching { .. } => writeln!(out, "{target}: {}", ev.line()),
-                WatchEvent::Synced { .. } => writeln!(out, "{}", ev.line()),
+                WatchEvent::Synced { report, .. } => {
+                    super::cli::print_conflicts(report);
+                    writeln!(out, "{}", ev.line())
+                }
                 _ => {
                     eprintln!("rsb: warning: {}", ev.line());
                     Ok(())
@@ -489,11 +861,104 @@ mod tests {
                 ..SyncReport::default()
             }),
             elapsed: Duration::from_millis(42),
+            fast: true,
+            fallback: None,
         };
         assert_eq!(
             ev.line(),
-            "burst 3 (7 events): 2 files, 10 bytes, 0 deleted, 0 unchanged, 42 ms"
+            "burst 3 (7 events, fast): 2 files, 10 bytes, 0 deleted, 0 unchanged, 42 ms"
         );
         assert_eq!(ev.to_json()["files"], 2);
+        assert_eq!(ev.to_json()["path"], "fast");
+    }
+
+    fn paths(root: &Path, rels: &[&str]) -> BTreeSet<PathBuf> {
+        rels.iter().map(|r| root.join(r)).collect()
+    }
+
+    #[test]
+    fn a_small_burst_becomes_one_request_with_preconditions() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::create_dir(root.join("src")).unwrap();
+        std::fs::write(root.join("src/a.py"), b"new").unwrap();
+        std::fs::write(root.join("b.txt"), b"fresh").unwrap();
+        let rules = rsb_rules::Rules::for_sync(true, &[]).unwrap();
+        let old = [1u8; 32];
+        let gone = [2u8; 32];
+        let baseline: HashMap<String, [u8; 32]> = [
+            ("src/a.py".to_string(), old),
+            ("src/c.py".to_string(), gone),
+        ]
+        .into();
+        let p = plan_fast(
+            root,
+            &rules,
+            true,
+            &baseline,
+            &paths(
+                root,
+                &[
+                    "src/a.py",
+                    "b.txt",
+                    "src/c.py",
+                    "src/.a.py.swp",
+                    ".git/index",
+                ],
+            ),
+        )
+        .unwrap();
+        let want_expect: Vec<(String, Option<[u8; 32]>)> = vec![
+            ("b.txt".into(), None),
+            ("src/.a.py.swp".into(), None),
+            ("src/a.py".into(), Some(old)),
+            ("src/c.py".into(), Some(gone)),
+        ];
+        let mut got = p.expect.clone();
+        got.sort();
+        assert_eq!(got, want_expect);
+        assert_eq!(p.sent.len(), 2);
+        assert_eq!(p.deleted, vec!["src/c.py".to_string()]);
+        assert_eq!(p.bytes, 8);
+        // Data before its commit, for each file; the parents' mtimes restored.
+        let kinds: Vec<&str> = p
+            .ops
+            .iter()
+            .map(|o| match o {
+                ApplyOp::FileData { .. } => "data",
+                ApplyOp::FileCommit { .. } => "commit",
+                ApplyOp::Delete { .. } => "delete",
+                _ => "other",
+            })
+            .collect();
+        assert_eq!(kinds, ["data", "commit", "data", "commit", "delete"]);
+        let dirs: Vec<&str> = p.dir_mtimes.iter().map(|d| d.0.as_str()).collect();
+        assert_eq!(dirs, ["", "src"]);
+        // Without --delete, a vanished file is only forgotten.
+        let p = plan_fast(root, &rules, false, &baseline, &paths(root, &["src/c.py"])).unwrap();
+        assert!(p.ops.is_empty() && p.expect.is_empty());
+        assert_eq!(p.forgotten, vec!["src/c.py".to_string()]);
+    }
+
+    #[test]
+    fn directories_symlinks_and_big_files_take_the_full_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::create_dir(root.join("new")).unwrap();
+        std::os::unix::fs::symlink("x", root.join("link")).unwrap();
+        std::fs::write(root.join("big"), vec![0u8; FAST_MAX_BYTES as usize + 1]).unwrap();
+        let rules = rsb_rules::Rules::for_sync(true, &[]).unwrap();
+        let none = HashMap::new();
+        for rel in ["new", "link", "big"] {
+            assert!(
+                plan_fast(root, &rules, true, &none, &paths(root, &[rel])).is_err(),
+                "{rel}"
+            );
+        }
+        let mut b = Burst::default();
+        for i in 0..=FAST_MAX_PATHS {
+            b.add(Change::Path(root.join(format!("f{i}"))));
+        }
+        assert!(b.rescan && b.paths.is_empty());
     }
 }
