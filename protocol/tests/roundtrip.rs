@@ -102,6 +102,10 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                     mtime_ns: Some(5),
                 },
                 ApplyOp::Delete { rel: "old".into() },
+                ApplyOp::FileResume {
+                    rel: "big".into(),
+                    block_size: 1 << 18,
+                },
             ],
         }),
         Request::ApplyClose(ApplyCloseRequest {
@@ -262,6 +266,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         Reply::Applied(ApplyResult {
             applied: 7,
             warnings: vec!["w".into()],
+            resumed: vec![[2; 32]],
         }),
         Reply::Done,
         Reply::Error(AgentError::new(ErrorCode::NotFound, "nope")),
@@ -530,6 +535,7 @@ fn each_call_unwraps_only_its_own_reply() {
                 ApplyResult {
                     applied: 0,
                     warnings: vec![],
+                    resumed: vec![],
                 },
             ),
             Request::ApplyAbort(q) => check(q, ()),

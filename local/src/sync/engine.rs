@@ -13,7 +13,8 @@
 //! files by a reader task that starts before the directories are created).
 //!
 //! A sync that fails, is cancelled or is dropped aborts its session (the staging dir goes);
-//! files already committed stay, and nothing partial is ever visible.
+//! files already committed stay, and nothing partial is ever visible. The destination keeps the
+//! staged bytes of a large file it was receiving; the next sync of that file resumes from them.
 
 use std::{
     sync::{
@@ -28,7 +29,7 @@ use parking_lot::Mutex;
 use rsb_protocol::{
     ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyRequest,
     BlockHashesRequest, Chunk, ErrorCode, FileKind, ManifestEntry, ManifestRequest,
-    ManifestSummary, ReadFileRequest, StatRequest, SyncRules,
+    ManifestSummary, ReadFileRequest, StatRequest, SyncRules, sync::PARTIAL_MIN,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -72,6 +73,19 @@ pub fn cancelled_error() -> RsbError {
     )
 }
 
+/// The cancel error, saying what of an interrupted large file the destination kept.
+fn cancelled_keeping(kept: Option<(String, u64)>) -> RsbError {
+    let mut e = cancelled_error();
+    if let Some((rel, bytes)) = kept.filter(|k| k.1 >= PARTIAL_MIN) {
+        e.message = format!(
+            "sync cancelled; kept {} MiB of {} staged; the next sync resumes it",
+            bytes / (1024 * 1024),
+            basename(&rel)
+        );
+    }
+    e
+}
+
 // ---------------------------------------------------------------------------------------------
 // Progress
 // ---------------------------------------------------------------------------------------------
@@ -88,6 +102,9 @@ fn tmark(t: &Tracker, what: &str) {
 struct Tracker {
     cb: Option<ProgressFn>,
     start: Instant,
+    /// The large file being sent and how many of its bytes the destination holds staged
+    /// (acknowledged, or kept from an interrupted sync), for the cancel message.
+    large: Mutex<Option<(String, u64)>>,
     state: Mutex<TrackState>,
 }
 
@@ -102,6 +119,7 @@ impl Tracker {
         Tracker {
             cb,
             start: Instant::now(),
+            large: Mutex::new(None),
             state: Mutex::new(TrackState {
                 p: Progress::default(),
                 last_emit: None,
@@ -233,6 +251,19 @@ impl Session {
             ops,
         };
         Ok(self.dst.call_with(req).await?.applied)
+    }
+
+    /// Take over what an interrupted sync of `rel` left staged: the hashes of its blocks.
+    async fn resume(&self, rel: &str) -> Result<Vec<[u8; 32]>> {
+        let req = || ApplyRequest {
+            session: self.id,
+            seq: self.seq(),
+            ops: vec![ApplyOp::FileResume {
+                rel: rel.to_string(),
+                block_size: BLOCK_SIZE,
+            }],
+        };
+        Ok(self.dst.call_with(req).await?.resumed)
     }
 
     async fn apply_batch(&self, ops: Vec<ApplyOp>, info: BatchInfo) -> Result<BatchInfo> {
@@ -682,7 +713,7 @@ pub async fn run_with(
     };
     let res = tokio::select! {
         r = work => r,
-        _ = cancel.cancelled() => Err(cancelled_error()),
+        _ = cancel.cancelled() => Err(cancelled_keeping(tracker.large.lock().clone())),
     };
     res?;
     report.duration_s = tracker.start.elapsed().as_secs_f64();
@@ -850,7 +881,7 @@ async fn execute(
     };
     let res = tokio::select! {
         r = ctx.transfer(&plan, report) => r,
-        _ = cancel.cancelled() => Err(cancelled_error()),
+        _ = cancel.cancelled() => Err(cancelled_keeping(tracker.large.lock().clone())),
     };
     report.bytes_sent = *ctx.bytes_sent.lock();
     match res {
@@ -1128,6 +1159,38 @@ impl Ctx<'_> {
             .map(|i| (i * BLOCK_SIZE, BLOCK_SIZE.min(f.size - i * BLOCK_SIZE)))
             .collect();
         let mut first_awaited = false;
+        // Bytes an interrupted sync of this file kept on the destination: blocks whose hash
+        // matches the source's are not sent again (the commit verifies the whole file).
+        let mut resumed = false;
+        if !f.delta && f.size >= PARTIAL_MIN {
+            let kept = self.session.resume(&f.rel).await?;
+            first_awaited = true;
+            if !kept.is_empty() {
+                let s = block_hashes(self.src, &src_path).await?;
+                blocks.retain(|(off, _)| {
+                    let i = (off / BLOCK_SIZE) as usize;
+                    kept.get(i).is_none() || s.get(i) != kept.get(i)
+                });
+                let send: u64 = blocks.iter().map(|b| b.1).sum();
+                self.tracker.update(false, |p| {
+                    p.bytes_total = p.bytes_total.saturating_sub(f.size - send);
+                    p.current_path = f.rel.clone();
+                });
+                resumed = true;
+            }
+        }
+        let whole = !f.delta && !resumed;
+        let kept_before = if resumed {
+            f.size - blocks.iter().map(|b| b.1).sum::<u64>()
+        } else {
+            0
+        };
+        *self.tracker.large.lock() = (!f.delta).then(|| (f.rel.clone(), kept_before));
+        let held = |b: u64| {
+            if let Some(l) = self.tracker.large.lock().as_mut() {
+                l.1 += b;
+            }
+        };
         if f.delta {
             let dst_path = self.roots.dst_path(&f.rel);
             let (s, d) = tokio::try_join!(
@@ -1157,7 +1220,7 @@ impl Ctx<'_> {
         let mut reads = futures::stream::iter(jobs)
             .map(|(c, p, off, len)| read_block(c, p, off, len))
             .buffered(LARGE_READS);
-        let mut hasher = (!f.delta).then(blake3::Hasher::new);
+        let mut hasher = whole.then(blake3::Hasher::new);
         let mut total: u64 = 0;
         let mut inflight = FuturesUnordered::new();
         let mut pending: Vec<ApplyOp> = Vec::new();
@@ -1178,7 +1241,7 @@ impl Ctx<'_> {
                 }
                 let n = data.len() as u64;
                 total = off + n;
-                if !f.delta && n < BLOCK_SIZE.min(f.size - off.min(f.size)) {
+                if whole && n < BLOCK_SIZE.min(f.size - off.min(f.size)) {
                     eof = true;
                 }
                 pending_bytes += n;
@@ -1207,11 +1270,13 @@ impl Ctx<'_> {
                 if !first_awaited {
                     self.session.apply(ops).await?;
                     self.tracker.acked(0, bytes, Some(&f.rel));
+                    held(bytes);
                     first_awaited = true;
                 } else {
                     while inflight.len() >= LARGE_WINDOW {
                         let b: u64 = inflight.next().await.expect("non-empty")?;
                         self.tracker.acked(0, b, Some(&f.rel));
+                        held(b);
                     }
                     inflight.push(self.session.apply_bytes(ops, bytes));
                 }
@@ -1223,6 +1288,7 @@ impl Ctx<'_> {
         while let Some(r) = inflight.next().await {
             let b = r?;
             self.tracker.acked(0, b, Some(&f.rel));
+            held(b);
         }
         let (size, hash) = match hasher {
             Some(h) => (total, *h.finalize().as_bytes()),
@@ -1237,6 +1303,7 @@ impl Ctx<'_> {
                 hash,
             }])
             .await?;
+        *self.tracker.large.lock() = None;
         self.tracker.acked(1, 0, Some(&f.rel));
         Ok(())
     }
