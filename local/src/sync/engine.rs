@@ -56,8 +56,17 @@ const LARGE_WINDOW: usize = 8;
 const SMALL_READS: usize = 32;
 /// Concurrent `ReadFile` requests for one large file.
 const LARGE_READS: usize = 8;
-/// `FileData` chunks per request for large files (4 × 256 KiB = 1 MiB).
+/// `FileData` chunks per request for large files (4 × 256 KiB = 1 MiB), at most.
 const CHUNKS_PER_REQUEST: usize = 4;
+/// Unacknowledged bytes of one large file are kept to about this much sending time at the
+/// rate acknowledgements arrive, so an exec or a ping queued behind them (in the SSH window and
+/// the socket buffers, where the control lane cannot reorder) waits about this long, not
+/// seconds on a slow link. Bounded below by [`LARGE_MIN_BYTES`] and above by
+/// [`LARGE_WINDOW`] requests.
+const LARGE_QUEUE_TIME: Duration = Duration::from_millis(25);
+const LARGE_MIN_BYTES: u64 = 512 * 1024;
+/// The window before a rate is known.
+const LARGE_START_BYTES: u64 = 2 * 1024 * 1024;
 /// Ops per request for metadata-only batches (mkdir, delete).
 const META_OPS: usize = 2000;
 /// How long a failed or cancelled sync waits for `ApplyAbort` (removes its staging dir).
@@ -271,9 +280,11 @@ impl Session {
         Ok(info)
     }
 
-    async fn apply_bytes(&self, ops: Vec<ApplyOp>, bytes: u64) -> Result<u64> {
+    /// Apply, answering with `bytes` and when the request was handed to the channel.
+    async fn apply_timed(&self, ops: Vec<ApplyOp>, bytes: u64) -> Result<(u64, Instant)> {
+        let at = Instant::now();
         self.apply(ops).await?;
-        Ok(bytes)
+        Ok((bytes, at))
     }
 
     /// Finish the session after every batch (directory mtimes last).
@@ -905,6 +916,68 @@ async fn execute(
     }
 }
 
+/// The byte window of one large file's requests: the rate acknowledgements arrive at (over the
+/// last few), times the quickest acknowledgement seen (the link's and the agent's own delay)
+/// plus [`LARGE_QUEUE_TIME`]. When data queues, acknowledgements slow, the window shrinks and
+/// the queue drains to about [`LARGE_QUEUE_TIME`] (a delay-based controller, as TCP Vegas).
+struct Window {
+    in_flight: u64,
+    acked: u64,
+    /// (when, bytes acknowledged by then), the last few acknowledgements.
+    recent: std::collections::VecDeque<(Instant, u64)>,
+    min_delay: Option<Duration>,
+    limit: u64,
+}
+
+impl Window {
+    fn new() -> Window {
+        Window {
+            in_flight: 0,
+            acked: 0,
+            recent: std::collections::VecDeque::new(),
+            min_delay: None,
+            limit: LARGE_START_BYTES,
+        }
+    }
+
+    fn full(&self, next: u64) -> bool {
+        self.in_flight + next > self.limit
+    }
+
+    fn sent(&mut self, n: u64) {
+        self.in_flight += n;
+    }
+
+    fn acked(&mut self, n: u64, sent_at: Instant) {
+        self.in_flight = self.in_flight.saturating_sub(n);
+        let now = Instant::now();
+        let delay = now.duration_since(sent_at);
+        self.min_delay = Some(self.min_delay.map_or(delay, |d| d.min(delay)));
+        self.acked += n;
+        self.recent.push_back((now, self.acked));
+        if self.recent.len() > 8 {
+            self.recent.pop_front();
+        }
+        let (t0, b0) = self.recent[0];
+        let secs = now.duration_since(t0).as_secs_f64();
+        if self.recent.len() >= 4 && secs >= 0.005 {
+            let rate = (self.acked - b0) as f64 / secs;
+            let span = self.min_delay.unwrap_or_default() + LARGE_QUEUE_TIME;
+            let want = (rate * span.as_secs_f64()) as u64;
+            self.limit = want.clamp(
+                LARGE_MIN_BYTES,
+                LARGE_WINDOW as u64 * CHUNKS_PER_REQUEST as u64 * BLOCK_SIZE,
+            );
+        }
+    }
+
+    /// Chunks per request: two requests fit the window, so one is written while the other is
+    /// applied; 1 to [`CHUNKS_PER_REQUEST`].
+    fn chunks(&self) -> usize {
+        ((self.limit / 2 / BLOCK_SIZE) as usize).clamp(1, CHUNKS_PER_REQUEST)
+    }
+}
+
 /// Aborts a helper task when the sync stops (or is dropped) before it finishes.
 struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 
@@ -1226,6 +1299,7 @@ impl Ctx<'_> {
         let mut pending: Vec<ApplyOp> = Vec::new();
         let mut pending_bytes = 0u64;
         let mut eof = false;
+        let mut window = Window::new();
         loop {
             let next = if eof { None } else { reads.next().await };
             let last = next.is_none();
@@ -1253,7 +1327,7 @@ impl Ctx<'_> {
                     });
                 }
             }
-            let full = pending.len() >= CHUNKS_PER_REQUEST;
+            let full = pending.len() >= window.chunks();
             if (full || last || !first_awaited) && (!pending.is_empty() || !first_awaited) {
                 let ops = if pending.is_empty() {
                     // An empty first request still creates the staged file.
@@ -1273,12 +1347,24 @@ impl Ctx<'_> {
                     held(bytes);
                     first_awaited = true;
                 } else {
-                    while inflight.len() >= LARGE_WINDOW {
-                        let b: u64 = inflight.next().await.expect("non-empty")?;
+                    while inflight.len() >= LARGE_WINDOW
+                        || (!inflight.is_empty() && window.full(bytes))
+                    {
+                        let (b, at) = inflight.next().await.expect("non-empty")?;
+                        window.acked(b, at);
                         self.tracker.acked(0, b, Some(&f.rel));
                         held(b);
                     }
-                    inflight.push(self.session.apply_bytes(ops, bytes));
+                    window.sent(bytes);
+                    inflight.push(self.session.apply_timed(ops, bytes));
+                    // Poll now: the new request takes its place in the channel at once (its
+                    // send time is its first poll), and acknowledgements that came are counted.
+                    while let Some(Some(r)) = futures::FutureExt::now_or_never(inflight.next()) {
+                        let (b, at) = r?;
+                        window.acked(b, at);
+                        self.tracker.acked(0, b, Some(&f.rel));
+                        held(b);
+                    }
                 }
             }
             if last {
@@ -1286,7 +1372,7 @@ impl Ctx<'_> {
             }
         }
         while let Some(r) = inflight.next().await {
-            let b = r?;
+            let (b, _) = r?;
             self.tracker.acked(0, b, Some(&f.rel));
             held(b);
         }
