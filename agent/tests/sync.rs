@@ -1508,3 +1508,112 @@ fn apply_once_checks_every_precondition_before_changing_anything() {
     expect_err(e, ErrorCode::NotFound, "does not exist");
     assert!(!root.join("nope").exists());
 }
+
+/// An aborted session keeps the staged bytes of a large file; the next session's `FileResume`
+/// takes them over (block hashes in the reply), and the commit still verifies the whole file.
+/// Small staged files are not kept.
+#[test]
+fn aborted_large_file_is_kept_and_resumed() {
+    use rsb_protocol::ApplyAbortRequest;
+    use rsb_protocol::sync::{PARTIAL_DIR, PARTIAL_MIN};
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("dst");
+    let mut a = Agent::start();
+    let s = a.open(&root, true).session;
+    let bs: u64 = 256 * 1024;
+    let data: Vec<u8> = (0..PARTIAL_MIN + 3 * bs + 100)
+        .map(|i| (i * 7 % 251) as u8)
+        .collect();
+    let half = (PARTIAL_MIN + bs) as usize;
+    a.apply(
+        s,
+        vec![
+            ApplyOp::FileData {
+                rel: "big.bin".into(),
+                offset: 0,
+                data: data[..half].to_vec(),
+            },
+            ApplyOp::FileData {
+                rel: "small.bin".into(),
+                offset: 0,
+                data: vec![1; 1000],
+            },
+        ],
+    )
+    .unwrap();
+    match a.call(Request::ApplyAbort(ApplyAbortRequest { session: s })) {
+        Reply::Done => {}
+        other => panic!("abort: {other:?}"),
+    }
+    let kept: Vec<_> = fs::read_dir(root.join(PARTIAL_DIR))
+        .unwrap()
+        .flatten()
+        .map(|e| e.metadata().unwrap().len())
+        .collect();
+    assert_eq!(kept, vec![half as u64], "only the large file is kept");
+    assert_eq!(
+        fs::metadata(root.join(PARTIAL_DIR)).unwrap().mode() & 0o777,
+        0o700
+    );
+    assert!(!root.join("big.bin").exists());
+
+    // Resume: the whole blocks come back hashed; send the rest and commit.
+    let s = a.open(&root, false).session;
+    let seq = a.next_seq(s);
+    let id = a.request(Request::Apply(ApplyRequest {
+        session: s,
+        seq,
+        ops: vec![ApplyOp::FileResume {
+            rel: "big.bin".into(),
+            block_size: bs,
+        }],
+    }));
+    let resumed = match a.wait_reply(id).1 {
+        Reply::Applied(r) => r.resumed,
+        other => panic!("resume: {other:?}"),
+    };
+    assert_eq!(resumed.len(), half / bs as usize);
+    for (i, h) in resumed.iter().enumerate() {
+        let b = &data[i * bs as usize..(i + 1) * bs as usize];
+        assert_eq!(*h, b3(b), "block {i}");
+    }
+    assert!(!root.join(PARTIAL_DIR).exists(), "used up");
+    a.apply(
+        s,
+        vec![
+            ApplyOp::FileData {
+                rel: "big.bin".into(),
+                offset: half as u64,
+                data: data[half..].to_vec(),
+            },
+            ApplyOp::FileCommit {
+                rel: "big.bin".into(),
+                size: data.len() as u64,
+                mode: 0o644,
+                mtime_ns: 1_000_000_000,
+                hash: b3(&data),
+            },
+        ],
+    )
+    .unwrap();
+    a.close(s, vec![]).unwrap();
+    assert_eq!(fs::read(root.join("big.bin")).unwrap(), data);
+
+    // Nothing kept: FileResume is a no-op with an empty answer.
+    let s = a.open(&root, false).session;
+    let seq = a.next_seq(s);
+    let id = a.request(Request::Apply(ApplyRequest {
+        session: s,
+        seq,
+        ops: vec![ApplyOp::FileResume {
+            rel: "other.bin".into(),
+            block_size: bs,
+        }],
+    }));
+    match a.wait_reply(id).1 {
+        Reply::Applied(r) => assert!(r.resumed.is_empty()),
+        other => panic!("resume: {other:?}"),
+    }
+    a.close(s, vec![]).unwrap();
+    assert!(staging_dirs(&root).is_empty());
+}

@@ -17,6 +17,12 @@ pub use rsb_rules::DEFAULT_EXCLUDES;
 /// Prefix of the per-session staging directory created inside a destination root; never
 /// listed in manifests and never synced.
 pub const STAGING_PREFIX: &str = ".rsb-sync-staging-";
+/// Where an apply session keeps the staged bytes of large files when it is aborted or its
+/// channel ends, so the next sync of the same file resumes instead of starting over. A
+/// staging name: manifests skip it and no `rel` may enter it.
+pub const PARTIAL_DIR: &str = ".rsb-sync-staging-partial";
+/// Staged files at least this large are kept when a sync is interrupted.
+pub const PARTIAL_MIN: u64 = 8 * 1024 * 1024;
 
 /// Exclusion rules with gitignore semantics: later lines win, `!` re-includes, a pattern
 /// without `/` matches at any depth, a trailing `/` matches directories only.
@@ -153,6 +159,14 @@ pub enum ApplyOp {
     Delete {
         rel: String,
     },
+    /// Start the staged copy of `rel` from the bytes an interrupted sync of it left behind
+    /// (kept in [`PARTIAL_DIR`]), if any. The request's [`ApplyResult::resumed`] holds the
+    /// blake3 of each `block_size` block of what was taken (empty when nothing was kept), so the
+    /// orchestrator sends only the blocks that differ; the commit still verifies the whole file.
+    FileResume {
+        rel: String,
+        block_size: u64,
+    },
 }
 
 /// One batch of changes. The batches of a session are numbered: the orchestrator pipelines
@@ -174,6 +188,8 @@ pub struct ApplyResult {
     /// Problems that did not fail the request (from `ApplyClose`: the mtime of a directory
     /// this user does not own, which only its owner may set).
     pub warnings: Vec<String>,
+    /// Block hashes of the kept bytes a [`ApplyOp::FileResume`] in this request took over.
+    pub resumed: Vec<[u8; 32]>,
 }
 
 /// Finish a session after its last `Apply`: restore directory modes and mtimes, remove the

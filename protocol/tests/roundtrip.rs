@@ -104,6 +104,10 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                     mtime_ns: Some(5),
                 },
                 ApplyOp::Delete { rel: "old".into() },
+                ApplyOp::FileResume {
+                    rel: "big".into(),
+                    block_size: 1 << 18,
+                },
             ],
         }),
         Request::ApplyClose(ApplyCloseRequest {
@@ -271,6 +275,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         Reply::Applied(ApplyResult {
             applied: 7,
             warnings: vec!["w".into()],
+            resumed: vec![[2; 32]],
         }),
         Reply::Done,
         Reply::Error(AgentError::new(ErrorCode::NotFound, "nope")),
@@ -539,6 +544,7 @@ fn each_call_unwraps_only_its_own_reply() {
                 ApplyResult {
                     applied: 0,
                     warnings: vec![],
+                    resumed: vec![],
                 },
             ),
             Request::ApplyAbort(q) => check(q, ()),
@@ -547,6 +553,7 @@ fn each_call_unwraps_only_its_own_reply() {
                 ApplyResult {
                     applied: 1,
                     warnings: vec![],
+                    resumed: vec![],
                 },
             ),
         }

@@ -114,6 +114,10 @@ fn main() {
         println!("RSB_SYNC_FSYNC={v} for both agents");
         opts.set_env.push(("RSB_SYNC_FSYNC".into(), v));
     }
+    // `RSB_BENCH_ONLY=big` (or `small`) runs one group of rows: the 200 MiB rows take seconds,
+    // the whole table minutes on a loaded box.
+    let only = std::env::var("RSB_BENCH_ONLY").ok();
+    let group = |g: &str| only.as_deref().is_none_or(|o| o == g);
     let sshd = Sshd::start_with(opts).expect("sshd");
     let tmp = tempfile::tempdir().unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -140,104 +144,110 @@ fn main() {
         pool.local_agent().await.expect("local agent");
         println!("rsb sync vs rsync -a -e ssh (median of {reps}; same sshd, same run)");
 
-        // 2,000 small files: first upload into fresh destinations.
-        let (mut r1, mut s1) = (Vec::new(), Vec::new());
-        for i in 0..reps {
-            r1.push(
-                rsb_sync(&pool, Direction::Upload, &small, &format!("s{i}/rsb"))
-                    .await
-                    .0,
+        if group("small") {
+            // 2,000 small files: first upload into fresh destinations.
+            let (mut r1, mut s1) = (Vec::new(), Vec::new());
+            for i in 0..reps {
+                r1.push(
+                    rsb_sync(&pool, Direction::Upload, &small, &format!("s{i}/rsb"))
+                        .await
+                        .0,
+                );
+                s1.push(b.rsync(&small_s, &b.remote(&format!("s{i}/rsync"))));
+            }
+            b.row("2,000-file first upload", median(r1), median(s1), "<= 1.0x");
+
+            // No-change resync.
+            let (mut r2, mut s2) = (Vec::new(), Vec::new());
+            for _ in 0..reps.max(5) {
+                let (d, bytes) = rsb_sync(&pool, Direction::Upload, &small, "s0/rsb").await;
+                assert_eq!(bytes, 0);
+                r2.push(d);
+                s2.push(b.rsync(&small_s, &b.remote("s0/rsync")));
+            }
+            let rsync_nochange = median(s2);
+            b.row(
+                "2,000-file no-change resync",
+                median(r2),
+                rsync_nochange,
+                "<= 0.3x",
             );
-            s1.push(b.rsync(&small_s, &b.remote(&format!("s{i}/rsync"))));
-        }
-        b.row("2,000-file first upload", median(r1), median(s1), "<= 1.0x");
 
-        // No-change resync.
-        let (mut r2, mut s2) = (Vec::new(), Vec::new());
-        for _ in 0..reps.max(5) {
-            let (d, bytes) = rsb_sync(&pool, Direction::Upload, &small, "s0/rsb").await;
-            assert_eq!(bytes, 0);
-            r2.push(d);
-            s2.push(b.rsync(&small_s, &b.remote("s0/rsync")));
-        }
-        let rsync_nochange = median(s2);
-        b.row(
-            "2,000-file no-change resync",
-            median(r2),
-            rsync_nochange,
-            "<= 0.3x",
-        );
-
-        // One file changed.
-        let (mut r3, mut s3) = (Vec::new(), Vec::new());
-        for i in 0..reps {
-            std::fs::write(small.join("d3/sub3/f3.txt"), format!("changed {i}\n")).unwrap();
-            let (d, bytes) = rsb_sync(&pool, Direction::Upload, &small, "s0/rsb").await;
-            assert!(bytes > 0 && bytes < 100);
-            r3.push(d);
-            s3.push(b.rsync(&small_s, &b.remote("s0/rsync")));
-        }
-        b.row(
-            "2,000-file 1-file resync",
-            median(r3),
-            median(s3),
-            "<= 0.3x",
-        );
-
-        // Cold: a fresh pool (SSH connect + agent start) for a no-change resync.
-        let mut rc = Vec::new();
-        for _ in 0..reps {
-            let p = common::key_pool(&sshd, tmp.path());
-            let t = Instant::now();
-            rsb_sync(&p, Direction::Upload, &small, "s0/rsb").await;
-            rc.push(t.elapsed());
-            p.shutdown().await;
-        }
-        b.row(
-            "  (no-change, cold connect)",
-            median(rc),
-            rsync_nochange,
-            "info",
-        );
-
-        // 200 MiB: first upload (twice), then no-change.
-        let (mut r4, mut s4) = (Vec::new(), Vec::new());
-        for i in 0..reps.min(2) {
-            r4.push(
-                rsb_sync(&pool, Direction::Upload, &big, &format!("b{i}/rsb"))
-                    .await
-                    .0,
+            // One file changed.
+            let (mut r3, mut s3) = (Vec::new(), Vec::new());
+            for i in 0..reps {
+                std::fs::write(small.join("d3/sub3/f3.txt"), format!("changed {i}\n")).unwrap();
+                let (d, bytes) = rsb_sync(&pool, Direction::Upload, &small, "s0/rsb").await;
+                assert!(bytes > 0 && bytes < 100);
+                r3.push(d);
+                s3.push(b.rsync(&small_s, &b.remote("s0/rsync")));
+            }
+            b.row(
+                "2,000-file 1-file resync",
+                median(r3),
+                median(s3),
+                "<= 0.3x",
             );
-            s4.push(b.rsync(&big_s, &b.remote(&format!("b{i}/rsync"))));
-        }
-        b.row("200 MiB first upload", median(r4), median(s4), "<= 1.0x");
-        let (mut r5, mut s5) = (Vec::new(), Vec::new());
-        for _ in 0..reps {
-            r5.push(rsb_sync(&pool, Direction::Upload, &big, "b0/rsb").await.0);
-            s5.push(b.rsync(&big_s, &b.remote("b0/rsync")));
-        }
-        b.row(
-            "200 MiB no-change resync",
-            median(r5),
-            median(s5),
-            "<= 0.3x",
-        );
 
-        // 2,000 small files: download into fresh local directories (from the rsb upload).
-        let (mut r6, mut s6) = (Vec::new(), Vec::new());
-        for i in 0..reps {
-            let l = tmp.path().join(format!("down{i}/rsb"));
-            r6.push(rsb_sync(&pool, Direction::Download, &l, "s0/rsb").await.0);
-            let l2 = tmp.path().join(format!("down{i}/rsync"));
-            std::fs::create_dir_all(&l2).unwrap();
-            s6.push(b.rsync(&b.remote("s0/rsync"), &format!("{}/", l2.display())));
+            // Cold: a fresh pool (SSH connect + agent start) for a no-change resync.
+            let mut rc = Vec::new();
+            for _ in 0..reps {
+                let p = common::key_pool(&sshd, tmp.path());
+                let t = Instant::now();
+                rsb_sync(&p, Direction::Upload, &small, "s0/rsb").await;
+                rc.push(t.elapsed());
+                p.shutdown().await;
+            }
+            b.row(
+                "  (no-change, cold connect)",
+                median(rc),
+                rsync_nochange,
+                "info",
+            );
         }
-        b.row(
-            "2,000-file first download",
-            median(r6),
-            median(s6),
-            "<= 1.0x",
-        );
+
+        if group("big") {
+            // 200 MiB: first upload (twice), then no-change.
+            let (mut r4, mut s4) = (Vec::new(), Vec::new());
+            for i in 0..reps {
+                r4.push(
+                    rsb_sync(&pool, Direction::Upload, &big, &format!("b{i}/rsb"))
+                        .await
+                        .0,
+                );
+                s4.push(b.rsync(&big_s, &b.remote(&format!("b{i}/rsync"))));
+            }
+            b.row("200 MiB first upload", median(r4), median(s4), "<= 1.0x");
+            let (mut r5, mut s5) = (Vec::new(), Vec::new());
+            for _ in 0..reps {
+                r5.push(rsb_sync(&pool, Direction::Upload, &big, "b0/rsb").await.0);
+                s5.push(b.rsync(&big_s, &b.remote("b0/rsync")));
+            }
+            b.row(
+                "200 MiB no-change resync",
+                median(r5),
+                median(s5),
+                "<= 0.3x",
+            );
+        }
+
+        if group("small") {
+            // 2,000 small files: download into fresh local directories (from the rsb upload).
+            let (mut r6, mut s6) = (Vec::new(), Vec::new());
+            for i in 0..reps {
+                let l = tmp.path().join(format!("down{i}/rsb"));
+                r6.push(rsb_sync(&pool, Direction::Download, &l, "s0/rsb").await.0);
+                let l2 = tmp.path().join(format!("down{i}/rsync"));
+                std::fs::create_dir_all(&l2).unwrap();
+                s6.push(b.rsync(&b.remote("s0/rsync"), &format!("{}/", l2.display())));
+            }
+            b.row(
+                "2,000-file first download",
+                median(r6),
+                median(s6),
+                "<= 1.0x",
+            );
+        }
         pool.shutdown().await;
     });
 

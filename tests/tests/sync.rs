@@ -630,7 +630,7 @@ async fn big_file_delta_and_cut_connection() {
     assert_eq!(sha256_remote(&sshd, &rfile_s), "none", "no partial file");
     proxy.reset();
 
-    // Next sync completes.
+    // Next sync completes, resuming from what the cut one kept staged.
     let pool = pool_with(&sshd, sshd.port(), tmp.path(), 200, 64 * MIB);
     let t0 = Instant::now();
     let r = sync(&pool, &sp).await.unwrap();
@@ -639,7 +639,11 @@ async fn big_file_delta_and_cut_connection() {
         t0.elapsed(),
         r.bytes_sent
     );
-    assert_eq!(r.bytes_sent, 200 * MIB);
+    assert!(
+        r.bytes_sent <= 200 * MIB && r.bytes_sent >= 150 * MIB,
+        "bytes_sent {}",
+        r.bytes_sent
+    );
     assert_eq!(sha256_remote(&sshd, &rfile_s), sha256_local(&file));
     assert!(staging_left(&sshd, remote(&sshd, "big").to_str().unwrap()).is_empty());
 

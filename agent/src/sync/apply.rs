@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
-use rsb_protocol::sync::STAGING_PREFIX;
+use rsb_protocol::sync::{PARTIAL_DIR, PARTIAL_MIN, STAGING_PREFIX};
 use rsb_protocol::{
     AgentError, ApplyAbortRequest, ApplyCloseRequest, ApplyOnceRequest, ApplyOp, ApplyOpenRequest,
     ApplyOpened, ApplyRequest, ApplyResult, ErrorCode,
@@ -42,6 +42,7 @@ use rsb_protocol::{
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::blocks::{MAX_BLOCK, MAX_BLOCKS, MIN_BLOCK, hash_blocks};
 use super::cache::{self, Key};
 use super::manifest::hash_threads;
 use super::{blocking, cancelled, fs_clock_ns, mode_of, mtime_ns, set_file_mtime, set_mtime};
@@ -65,6 +66,11 @@ pub const GAP_WAIT: Duration = Duration::from_secs(2);
 /// How far ahead of the next expected number a request may be; the orchestrator keeps a few
 /// dozen in flight.
 const MAX_AHEAD: u64 = 4096;
+/// Kept bytes of interrupted files older than this are removed, not resumed.
+const PARTIAL_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
+/// At most this many kept files, and this many bytes, per root; the oldest go first.
+const PARTIAL_FILES: usize = 8;
+const PARTIAL_CAP: u64 = 32 * 1024 * 1024 * 1024;
 /// How long closing a channel waits for a session's running batch before removing its staging.
 const SHUTDOWN_WAIT: Duration = Duration::from_secs(1);
 
@@ -119,7 +125,7 @@ impl Sessions {
             };
             let _ = tokio::task::spawn_blocking(move || {
                 let mut s = guard;
-                s.abandon();
+                s.abandon(true);
             })
             .await;
         }
@@ -443,6 +449,7 @@ fn open(req: &ApplyOpenRequest) -> Result<Session, AgentError> {
             pending: Vec::new(),
             deferred_modes: HashMap::new(),
             committed: Vec::new(),
+            resumed: Vec::new(),
         });
     }
     Err(err(
@@ -486,6 +493,18 @@ pub(crate) fn clean_stale(root: &Path) -> u32 {
             continue;
         }
         let path = entry.path();
+        if entry.file_name().as_bytes() == PARTIAL_DIR.as_bytes() {
+            // Not a session's staging: kept bytes of interrupted files, pruned by age and size.
+            if let Ok(root_fd) = rfs::open(
+                root,
+                OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+                Mode::empty(),
+            ) && let Some(dir) = partial_dir(&root_fd, false)
+            {
+                prune_partial(&root_fd, &dir);
+            }
+            continue;
+        }
         let Ok(meta) = fs::symlink_metadata(&path) else {
             continue;
         };
@@ -498,7 +517,12 @@ pub(crate) fn clean_stale(root: &Path) -> u32 {
             .open(path.join(LOCK_NAME))
         {
             // Locked by us while it is removed, so no one else takes it meanwhile.
-            Ok(lock) => try_lock(&lock) && fs::remove_dir_all(&path).is_ok(),
+            Ok(lock) => {
+                try_lock(&lock) && {
+                    salvage(root, &path);
+                    fs::remove_dir_all(&path).is_ok()
+                }
+            }
             Err(e) if e.kind() == ErrorKind::NotFound => {
                 let old = meta
                     .modified()
@@ -527,6 +551,9 @@ struct Staged {
     /// from offset 0 (the common case: no re-read is needed to verify).
     seq: Option<blake3::Hasher>,
     seq_len: u64,
+    /// Received from the source (not a copy of the destination's old version): worth keeping
+    /// when the sync is interrupted.
+    resumable: bool,
 }
 
 /// A verified staged file waiting for its fsync and rename.
@@ -565,6 +592,8 @@ struct Session {
     deferred_modes: HashMap<String, u32>,
     /// Hashes of received files, for the root's hash cache.
     committed: Vec<(Key, [u8; 32])>,
+    /// Block hashes taken over by a `FileResume` of the running request, for its reply.
+    resumed: Vec<[u8; 32]>,
 }
 
 impl Session {
@@ -579,6 +608,13 @@ impl Session {
     fn staged_name(&mut self, prefix: char) -> String {
         self.next_name += 1;
         format!("{prefix}{}", self.next_name)
+    }
+
+    /// The staged name of received bytes of `rel`: `f<n>-<partial name>`, so that the staging
+    /// of a sync that died without cleaning up can still be kept for resuming (see
+    /// [`salvage`]).
+    fn data_name(&mut self, rel: &str) -> String {
+        format!("{}-{}", self.staged_name('f'), partial_name(rel))
     }
 
     fn unlink_staged(&self, name: &str) {
@@ -634,6 +670,7 @@ impl Session {
             let flush_first = match &op {
                 ApplyOp::FileData { .. } => false,
                 ApplyOp::FileCommit { rel, .. }
+                | ApplyOp::FileResume { rel, .. }
                 | ApplyOp::Mkdir { rel, .. }
                 | ApplyOp::Symlink { rel, .. } => self.pending.iter().any(|c| &c.rel == rel),
                 ApplyOp::FileBase { .. } | ApplyOp::SetAttr { .. } | ApplyOp::Delete { .. } => {
@@ -657,6 +694,7 @@ impl Session {
         Ok(ApplyResult {
             applied: n as u32,
             warnings: Vec::new(),
+            resumed: std::mem::take(&mut self.resumed),
         })
     }
 
@@ -679,6 +717,7 @@ impl Session {
                 mtime_ns,
             } => self.set_attr(&rel, mode, mtime_ns, dirs),
             ApplyOp::Delete { rel } => self.delete(&rel, dirs),
+            ApplyOp::FileResume { rel, block_size } => self.file_resume(&rel, block_size),
         }
     }
 
@@ -833,7 +872,7 @@ impl Session {
             Err(e) => return Err(io(&e, "delta base", rel)),
         }
         self.drop_staged(rel);
-        let staged = self.staged_name('f');
+        let staged = self.staged_name('b');
         let copied = File::open(&path).and_then(|mut from| {
             let mut to = File::from(rfs::openat(
                 &self.staging_fd,
@@ -854,9 +893,108 @@ impl Session {
                 file: None,
                 seq: None,
                 seq_len: 0,
+                resumable: false,
             },
         );
         Ok(())
+    }
+
+    /// Take over the bytes an interrupted sync of `rel` kept, as its staged copy, and note the
+    /// hashes of their whole blocks for the reply. Nothing kept (or too old): nothing happens.
+    fn file_resume(&mut self, rel: &str, bs: u64) -> Result<(), AgentError> {
+        check_syntax(rel, false)?;
+        if !(MIN_BLOCK..=MAX_BLOCK).contains(&bs) {
+            return Err(err(
+                ErrorCode::InvalidArgument,
+                format!(
+                    "resume {rel}: block_size {bs} is out of range ({MIN_BLOCK} to {MAX_BLOCK} bytes)"
+                ),
+            ));
+        }
+        self.drop_staged(rel);
+        let Some(dir) = partial_dir(&self.root_fd, false) else {
+            return Ok(());
+        };
+        let name = partial_name(rel);
+        let Ok(st) = rfs::statat(&dir, name.as_str(), AtFlags::SYMLINK_NOFOLLOW) else {
+            return Ok(());
+        };
+        let me = rustix::process::geteuid().as_raw();
+        let fresh = partial_age(&st).is_some_and(|a| a <= PARTIAL_MAX_AGE);
+        if rfs::FileType::from_raw_mode(st.st_mode) != rfs::FileType::RegularFile
+            || st.st_uid != me
+            || st.st_nlink != 1
+            || !fresh
+        {
+            let _ = rfs::unlinkat(&dir, name.as_str(), AtFlags::empty());
+            return Ok(());
+        }
+        let staged = self.data_name(rel);
+        if rfs::renameat(&dir, name.as_str(), &self.staging_fd, staged.as_str()).is_err() {
+            return Ok(());
+        }
+        // Gone with its last kept file (fails harmlessly while others remain).
+        let _ = rfs::unlinkat(&self.root_fd, PARTIAL_DIR, AtFlags::REMOVEDIR);
+        let file = match rfs::openat(
+            &self.staging_fd,
+            staged.as_str(),
+            OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(fd) => File::from(fd),
+            Err(_) => {
+                self.unlink_staged(&staged);
+                return Ok(());
+            }
+        };
+        let size = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let whole = (size / bs).min(MAX_BLOCKS) as usize;
+        let mut hashes = vec![[0u8; 32]; whole];
+        if hash_blocks(&file, bs, size, &mut hashes, &CancellationToken::new()).is_err() {
+            self.unlink_staged(&staged);
+            return Ok(());
+        }
+        self.resumed = hashes;
+        self.staged.insert(
+            rel.to_string(),
+            Staged {
+                name: staged,
+                file: None,
+                seq: None,
+                seq_len: 0,
+                resumable: true,
+            },
+        );
+        Ok(())
+    }
+
+    /// Move the staged bytes of large received files into [`PARTIAL_DIR`], for the next sync.
+    fn keep_partials(&mut self) {
+        let me = rustix::process::geteuid().as_raw();
+        let mut dir = None;
+        for (rel, s) in &self.staged {
+            if !s.resumable {
+                continue;
+            }
+            let big = rfs::statat(&self.staging_fd, s.name.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+                .is_ok_and(|st| st.st_size as u64 >= PARTIAL_MIN && st.st_uid == me);
+            if !big {
+                continue;
+            }
+            if dir.is_none() {
+                dir = partial_dir(&self.root_fd, true);
+            }
+            let Some(d) = &dir else { return };
+            let _ = rfs::renameat(
+                &self.staging_fd,
+                s.name.as_str(),
+                d,
+                partial_name(rel).as_str(),
+            );
+        }
+        if let Some(d) = &dir {
+            prune_partial(&self.root_fd, d);
+        }
     }
 
     /// The staged file of `rel`, opened (created empty on first use).
@@ -869,7 +1007,7 @@ impl Session {
             self.open_files = 0;
         }
         if !self.staged.contains_key(rel) {
-            let name = self.staged_name('f');
+            let name = self.data_name(rel);
             let file = File::from(rfs::openat(
                 &self.staging_fd,
                 name.as_str(),
@@ -884,6 +1022,7 @@ impl Session {
                     file: Some(file),
                     seq: Some(blake3::Hasher::new()),
                     seq_len: 0,
+                    resumable: true,
                 },
             );
         } else if needs_open {
@@ -1134,7 +1273,7 @@ impl Session {
         if let Err(e) = self.flush(0) {
             errors.push(e.message);
         }
-        self.abandon();
+        self.abandon(false);
         // Exact modes of directories that were kept writable, deepest first.
         let mut modes: Vec<(String, u32)> = self.deferred_modes.drain().collect();
         modes.sort_by_key(|(rel, _)| std::cmp::Reverse(rel.matches('/').count()));
@@ -1185,6 +1324,7 @@ impl Session {
             0 => Ok(ApplyResult {
                 applied: 0,
                 warnings,
+                resumed: Vec::new(),
             }),
             1 => Err(err(ErrorCode::Io, errors.remove(0))),
             k => Err(err(
@@ -1194,17 +1334,22 @@ impl Session {
         }
     }
 
-    /// Give up: what was committed stays (and its hashes are cached), the staging goes.
+    /// Give up: what was committed stays (and its hashes are cached), the staging goes, except
+    /// the bytes of large files, kept for the next sync to resume.
     fn abort(&mut self) {
         if self.closed {
             return;
         }
-        self.abandon();
+        self.abandon(true);
         cache::record(&self.root, &std::mem::take(&mut self.committed));
     }
 
-    /// Drop everything staged and remove the staging directory (its lock goes last).
-    fn abandon(&mut self) {
+    /// Drop everything staged (keeping large received files when `keep`) and remove the
+    /// staging directory (its lock goes last).
+    fn abandon(&mut self, keep: bool) {
+        if keep && !self.closed && self.staging_ok().is_ok() {
+            self.keep_partials();
+        }
         self.closed = true;
         self.staged.clear();
         self.pending.clear();
@@ -1253,6 +1398,7 @@ pub async fn apply_once(
                 Ok(ApplyResult {
                     applied: r.applied,
                     warnings: closed.warnings,
+                    resumed: Vec::new(),
                 })
             }
             Err(e) => {
@@ -1302,6 +1448,131 @@ impl Session {
             }
         }
         Ok(())
+    }
+}
+
+/// Keep the received bytes of large files from the staging directory of a sync that died
+/// without cleaning up (a killed agent, a cut link that outlived the shutdown wait), as an
+/// aborted session would have. Only a staging directory that is ours and closed to others, and
+/// only files that are ours with a single link.
+#[allow(clippy::unnecessary_cast)]
+fn salvage(root: &Path, staging: &Path) {
+    let me = rustix::process::geteuid().as_raw();
+    let Ok(sfd) = rfs::open(
+        staging,
+        OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) else {
+        return;
+    };
+    match rfs::fstat(&sfd) {
+        Ok(st) if st.st_uid == me && st.st_mode & 0o077 == 0 => {}
+        _ => return,
+    }
+    let Ok(root_fd) = rfs::open(
+        root,
+        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) else {
+        return;
+    };
+    let Ok(list) = rfs::Dir::read_from(&sfd) else {
+        return;
+    };
+    let mut dir = None;
+    for e in list.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(hash) = name
+            .strip_prefix('f')
+            .and_then(|r| r.split_once('-'))
+            .map(|(_, h)| h.to_string())
+            .filter(|h| h.len() == 32 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+        else {
+            continue;
+        };
+        let keep = rfs::statat(&sfd, name.as_str(), AtFlags::SYMLINK_NOFOLLOW).is_ok_and(|st| {
+            rfs::FileType::from_raw_mode(st.st_mode) == rfs::FileType::RegularFile
+                && st.st_uid == me
+                && st.st_nlink == 1
+                && st.st_size as u64 >= PARTIAL_MIN
+        });
+        if !keep {
+            continue;
+        }
+        if dir.is_none() {
+            dir = partial_dir(&root_fd, true);
+        }
+        let Some(d) = &dir else { return };
+        let _ = rfs::renameat(&sfd, name.as_str(), d, hash.as_str());
+    }
+    if let Some(d) = &dir {
+        prune_partial(&root_fd, d);
+    }
+}
+
+/// The kept bytes of `rel`, by a name that no path can collide with or escape through.
+fn partial_name(rel: &str) -> String {
+    let h = blake3::hash(rel.as_bytes());
+    h.to_hex()[..32].to_string()
+}
+
+fn partial_age(st: &rfs::Stat) -> Option<Duration> {
+    let mtime = SystemTime::UNIX_EPOCH + Duration::from_secs(u64::try_from(st.st_mtime).ok()?);
+    Some(mtime.elapsed().unwrap_or(Duration::ZERO))
+}
+
+/// [`PARTIAL_DIR`] of the root, (created and) opened without following links, and used only
+/// when it is ours and closed to everyone else.
+fn partial_dir(root_fd: &OwnedFd, create: bool) -> Option<OwnedFd> {
+    if create {
+        let _ = rfs::mkdirat(root_fd, PARTIAL_DIR, Mode::from_raw_mode(0o700));
+    }
+    let fd = rfs::openat(
+        root_fd,
+        PARTIAL_DIR,
+        OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .ok()?;
+    let st = rfs::fstat(&fd).ok()?;
+    (st.st_uid == rustix::process::geteuid().as_raw() && st.st_mode & 0o077 == 0).then_some(fd)
+}
+
+/// Remove kept files past their age, then the oldest beyond the count and size caps; the
+/// directory itself goes when nothing is left in it.
+fn prune_partial(root_fd: &OwnedFd, dir: &OwnedFd) {
+    let Ok(list) = rfs::Dir::read_from(dir) else {
+        return;
+    };
+    let mut kept = Vec::new();
+    for e in list.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name == "." || name == ".." {
+            continue;
+        }
+        let Ok(st) = rfs::statat(dir, name.as_str(), AtFlags::SYMLINK_NOFOLLOW) else {
+            continue;
+        };
+        match partial_age(&st) {
+            Some(age) if age <= PARTIAL_MAX_AGE => kept.push((age, st.st_size as u64, name)),
+            _ => {
+                let _ = rfs::unlinkat(dir, name.as_str(), AtFlags::empty());
+            }
+        }
+    }
+    kept.sort();
+    let mut total = 0u64;
+    let mut left = 0usize;
+    for (i, (_, size, name)) in kept.iter().enumerate() {
+        total += size;
+        if i >= PARTIAL_FILES || total > PARTIAL_CAP {
+            let _ = rfs::unlinkat(dir, name.as_str(), AtFlags::empty());
+        } else {
+            left += 1;
+        }
+    }
+    if left == 0 {
+        let _ = rfs::unlinkat(root_fd, PARTIAL_DIR, AtFlags::REMOVEDIR);
     }
 }
 

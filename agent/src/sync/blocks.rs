@@ -56,24 +56,7 @@ pub fn block_hashes(
     }
     let blocks = blocks as usize;
     let mut hashes = vec![[0u8; 32]; blocks];
-    let workers = hash_threads().min(blocks).max(1);
-    // Contiguous ranges per thread keep each thread's reads sequential (read-ahead).
-    let per = blocks.div_ceil(workers).max(1);
-    let result: Result<(), std::io::Error> = std::thread::scope(|s| {
-        let handles: Vec<_> = hashes
-            .chunks_mut(per)
-            .enumerate()
-            .map(|(t, out)| {
-                let file = &file;
-                s.spawn(move || hash_range(file, (t * per) as u64, bs, size, out, cancel))
-            })
-            .collect();
-        // The scope joins whatever is left after an early error.
-        handles.into_iter().try_for_each(|h| {
-            h.join()
-                .unwrap_or_else(|_| Err(std::io::Error::other("worker panicked")))
-        })
-    });
+    let result = hash_blocks(&file, bs, size, &mut hashes, cancel);
     if cancel.is_cancelled() {
         return Err(cancelled());
     }
@@ -95,6 +78,38 @@ pub fn block_hashes(
         return Err(changed());
     }
     Ok(BlockHashesResult { size, hashes })
+}
+
+/// Hash the `out.len()` blocks of `bs` bytes from the start of `file` (the last one may end
+/// at `size`), in parallel.
+pub fn hash_blocks(
+    file: &File,
+    bs: u64,
+    size: u64,
+    out: &mut [[u8; 32]],
+    cancel: &CancellationToken,
+) -> std::io::Result<()> {
+    let blocks = out.len();
+    if blocks == 0 {
+        return Ok(());
+    }
+    let workers = hash_threads().min(blocks).max(1);
+    // Contiguous ranges per thread keep each thread's reads sequential (read-ahead).
+    let per = blocks.div_ceil(workers).max(1);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = out
+            .chunks_mut(per)
+            .enumerate()
+            .map(|(t, out)| {
+                s.spawn(move || hash_range(file, (t * per) as u64, bs, size, out, cancel))
+            })
+            .collect();
+        // The scope joins whatever is left after an early error.
+        handles.into_iter().try_for_each(|h| {
+            h.join()
+                .unwrap_or_else(|_| Err(std::io::Error::other("worker panicked")))
+        })
+    })
 }
 
 fn hash_range(

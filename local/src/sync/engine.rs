@@ -13,7 +13,8 @@
 //! files by a reader task that starts before the directories are created).
 //!
 //! A sync that fails, is cancelled or is dropped aborts its session (the staging dir goes);
-//! files already committed stay, and nothing partial is ever visible.
+//! files already committed stay, and nothing partial is ever visible. The destination keeps the
+//! staged bytes of a large file it was receiving; the next sync of that file resumes from them.
 
 use std::{
     sync::{
@@ -28,7 +29,7 @@ use parking_lot::Mutex;
 use rsb_protocol::{
     ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyRequest,
     BlockHashesRequest, Chunk, ErrorCode, FileKind, ManifestEntry, ManifestRequest,
-    ManifestSummary, ReadFileRequest, StatRequest, SyncRules,
+    ManifestSummary, ReadFileRequest, StatRequest, SyncRules, sync::PARTIAL_MIN,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
@@ -55,8 +56,17 @@ const LARGE_WINDOW: usize = 8;
 const SMALL_READS: usize = 32;
 /// Concurrent `ReadFile` requests for one large file.
 const LARGE_READS: usize = 8;
-/// `FileData` chunks per request for large files (4 × 256 KiB = 1 MiB).
+/// `FileData` chunks per request for large files (4 × 256 KiB = 1 MiB), at most.
 const CHUNKS_PER_REQUEST: usize = 4;
+/// Unacknowledged bytes of one large file are kept to about this much sending time at the
+/// rate acknowledgements arrive, so an exec or a ping queued behind them (in the SSH window and
+/// the socket buffers, where the control lane cannot reorder) waits about this long, not
+/// seconds on a slow link. Bounded below by [`LARGE_MIN_BYTES`] and above by
+/// [`LARGE_WINDOW`] requests.
+const LARGE_QUEUE_TIME: Duration = Duration::from_millis(25);
+const LARGE_MIN_BYTES: u64 = 512 * 1024;
+/// The window before a rate is known.
+const LARGE_START_BYTES: u64 = 2 * 1024 * 1024;
 /// Ops per request for metadata-only batches (mkdir, delete).
 const META_OPS: usize = 2000;
 /// How long a failed or cancelled sync waits for `ApplyAbort` (removes its staging dir).
@@ -70,6 +80,19 @@ pub fn cancelled_error() -> RsbError {
         "sync cancelled",
         "files already committed stay; nothing partial was left; run the sync again to finish",
     )
+}
+
+/// The cancel error, saying what of an interrupted large file the destination kept.
+fn cancelled_keeping(kept: Option<(String, u64)>) -> RsbError {
+    let mut e = cancelled_error();
+    if let Some((rel, bytes)) = kept.filter(|k| k.1 >= PARTIAL_MIN) {
+        e.message = format!(
+            "sync cancelled; kept {} MiB of {} staged; the next sync resumes it",
+            bytes / (1024 * 1024),
+            basename(&rel)
+        );
+    }
+    e
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -88,6 +111,9 @@ fn tmark(t: &Tracker, what: &str) {
 struct Tracker {
     cb: Option<ProgressFn>,
     start: Instant,
+    /// The large file being sent and how many of its bytes the destination holds staged
+    /// (acknowledged, or kept from an interrupted sync), for the cancel message.
+    large: Mutex<Option<(String, u64)>>,
     state: Mutex<TrackState>,
 }
 
@@ -102,6 +128,7 @@ impl Tracker {
         Tracker {
             cb,
             start: Instant::now(),
+            large: Mutex::new(None),
             state: Mutex::new(TrackState {
                 p: Progress::default(),
                 last_emit: None,
@@ -235,14 +262,29 @@ impl Session {
         Ok(self.dst.call_with(req).await?.applied)
     }
 
+    /// Take over what an interrupted sync of `rel` left staged: the hashes of its blocks.
+    async fn resume(&self, rel: &str) -> Result<Vec<[u8; 32]>> {
+        let req = || ApplyRequest {
+            session: self.id,
+            seq: self.seq(),
+            ops: vec![ApplyOp::FileResume {
+                rel: rel.to_string(),
+                block_size: BLOCK_SIZE,
+            }],
+        };
+        Ok(self.dst.call_with(req).await?.resumed)
+    }
+
     async fn apply_batch(&self, ops: Vec<ApplyOp>, info: BatchInfo) -> Result<BatchInfo> {
         self.apply(ops).await?;
         Ok(info)
     }
 
-    async fn apply_bytes(&self, ops: Vec<ApplyOp>, bytes: u64) -> Result<u64> {
+    /// Apply, answering with `bytes` and when the request was handed to the channel.
+    async fn apply_timed(&self, ops: Vec<ApplyOp>, bytes: u64) -> Result<(u64, Instant)> {
+        let at = Instant::now();
         self.apply(ops).await?;
-        Ok(bytes)
+        Ok((bytes, at))
     }
 
     /// Finish the session after every batch (directory mtimes last).
@@ -721,7 +763,7 @@ pub async fn run_with(
     };
     let res = tokio::select! {
         r = work => r,
-        _ = cancel.cancelled() => Err(cancelled_error()),
+        _ = cancel.cancelled() => Err(cancelled_keeping(tracker.large.lock().clone())),
     };
     res?;
     report.duration_s = tracker.start.elapsed().as_secs_f64();
@@ -891,7 +933,7 @@ async fn execute(
     };
     let res = tokio::select! {
         r = ctx.transfer(&plan, report) => r,
-        _ = cancel.cancelled() => Err(cancelled_error()),
+        _ = cancel.cancelled() => Err(cancelled_keeping(tracker.large.lock().clone())),
     };
     report.bytes_sent = *ctx.bytes_sent.lock();
     match res {
@@ -912,6 +954,68 @@ async fn execute(
             }
             Err(e)
         }
+    }
+}
+
+/// The byte window of one large file's requests: the rate acknowledgements arrive at (over the
+/// last few), times the quickest acknowledgement seen (the link's and the agent's own delay)
+/// plus [`LARGE_QUEUE_TIME`]. When data queues, acknowledgements slow, the window shrinks and
+/// the queue drains to about [`LARGE_QUEUE_TIME`] (a delay-based controller, as TCP Vegas).
+struct Window {
+    in_flight: u64,
+    acked: u64,
+    /// (when, bytes acknowledged by then), the last few acknowledgements.
+    recent: std::collections::VecDeque<(Instant, u64)>,
+    min_delay: Option<Duration>,
+    limit: u64,
+}
+
+impl Window {
+    fn new() -> Window {
+        Window {
+            in_flight: 0,
+            acked: 0,
+            recent: std::collections::VecDeque::new(),
+            min_delay: None,
+            limit: LARGE_START_BYTES,
+        }
+    }
+
+    fn full(&self, next: u64) -> bool {
+        self.in_flight + next > self.limit
+    }
+
+    fn sent(&mut self, n: u64) {
+        self.in_flight += n;
+    }
+
+    fn acked(&mut self, n: u64, sent_at: Instant) {
+        self.in_flight = self.in_flight.saturating_sub(n);
+        let now = Instant::now();
+        let delay = now.duration_since(sent_at);
+        self.min_delay = Some(self.min_delay.map_or(delay, |d| d.min(delay)));
+        self.acked += n;
+        self.recent.push_back((now, self.acked));
+        if self.recent.len() > 8 {
+            self.recent.pop_front();
+        }
+        let (t0, b0) = self.recent[0];
+        let secs = now.duration_since(t0).as_secs_f64();
+        if self.recent.len() >= 4 && secs >= 0.005 {
+            let rate = (self.acked - b0) as f64 / secs;
+            let span = self.min_delay.unwrap_or_default() + LARGE_QUEUE_TIME;
+            let want = (rate * span.as_secs_f64()) as u64;
+            self.limit = want.clamp(
+                LARGE_MIN_BYTES,
+                LARGE_WINDOW as u64 * CHUNKS_PER_REQUEST as u64 * BLOCK_SIZE,
+            );
+        }
+    }
+
+    /// Chunks per request: two requests fit the window, so one is written while the other is
+    /// applied; 1 to [`CHUNKS_PER_REQUEST`].
+    fn chunks(&self) -> usize {
+        ((self.limit / 2 / BLOCK_SIZE) as usize).clamp(1, CHUNKS_PER_REQUEST)
     }
 }
 
@@ -1169,6 +1273,38 @@ impl Ctx<'_> {
             .map(|i| (i * BLOCK_SIZE, BLOCK_SIZE.min(f.size - i * BLOCK_SIZE)))
             .collect();
         let mut first_awaited = false;
+        // Bytes an interrupted sync of this file kept on the destination: blocks whose hash
+        // matches the source's are not sent again (the commit verifies the whole file).
+        let mut resumed = false;
+        if !f.delta && f.size >= PARTIAL_MIN {
+            let kept = self.session.resume(&f.rel).await?;
+            first_awaited = true;
+            if !kept.is_empty() {
+                let s = block_hashes(self.src, &src_path).await?;
+                blocks.retain(|(off, _)| {
+                    let i = (off / BLOCK_SIZE) as usize;
+                    kept.get(i).is_none() || s.get(i) != kept.get(i)
+                });
+                let send: u64 = blocks.iter().map(|b| b.1).sum();
+                self.tracker.update(false, |p| {
+                    p.bytes_total = p.bytes_total.saturating_sub(f.size - send);
+                    p.current_path = f.rel.clone();
+                });
+                resumed = true;
+            }
+        }
+        let whole = !f.delta && !resumed;
+        let kept_before = if resumed {
+            f.size - blocks.iter().map(|b| b.1).sum::<u64>()
+        } else {
+            0
+        };
+        *self.tracker.large.lock() = (!f.delta).then(|| (f.rel.clone(), kept_before));
+        let held = |b: u64| {
+            if let Some(l) = self.tracker.large.lock().as_mut() {
+                l.1 += b;
+            }
+        };
         if f.delta {
             let dst_path = self.roots.dst_path(&f.rel);
             let (s, d) = tokio::try_join!(
@@ -1198,12 +1334,13 @@ impl Ctx<'_> {
         let mut reads = futures::stream::iter(jobs)
             .map(|(c, p, off, len)| read_block(c, p, off, len))
             .buffered(LARGE_READS);
-        let mut hasher = (!f.delta).then(blake3::Hasher::new);
+        let mut hasher = whole.then(blake3::Hasher::new);
         let mut total: u64 = 0;
         let mut inflight = FuturesUnordered::new();
         let mut pending: Vec<ApplyOp> = Vec::new();
         let mut pending_bytes = 0u64;
         let mut eof = false;
+        let mut window = Window::new();
         loop {
             let next = if eof { None } else { reads.next().await };
             let last = next.is_none();
@@ -1219,7 +1356,7 @@ impl Ctx<'_> {
                 }
                 let n = data.len() as u64;
                 total = off + n;
-                if !f.delta && n < BLOCK_SIZE.min(f.size - off.min(f.size)) {
+                if whole && n < BLOCK_SIZE.min(f.size - off.min(f.size)) {
                     eof = true;
                 }
                 pending_bytes += n;
@@ -1231,7 +1368,7 @@ impl Ctx<'_> {
                     });
                 }
             }
-            let full = pending.len() >= CHUNKS_PER_REQUEST;
+            let full = pending.len() >= window.chunks();
             if (full || last || !first_awaited) && (!pending.is_empty() || !first_awaited) {
                 let ops = if pending.is_empty() {
                     // An empty first request still creates the staged file.
@@ -1248,13 +1385,27 @@ impl Ctx<'_> {
                 if !first_awaited {
                     self.session.apply(ops).await?;
                     self.tracker.acked(0, bytes, Some(&f.rel));
+                    held(bytes);
                     first_awaited = true;
                 } else {
-                    while inflight.len() >= LARGE_WINDOW {
-                        let b: u64 = inflight.next().await.expect("non-empty")?;
+                    while inflight.len() >= LARGE_WINDOW
+                        || (!inflight.is_empty() && window.full(bytes))
+                    {
+                        let (b, at) = inflight.next().await.expect("non-empty")?;
+                        window.acked(b, at);
                         self.tracker.acked(0, b, Some(&f.rel));
+                        held(b);
                     }
-                    inflight.push(self.session.apply_bytes(ops, bytes));
+                    window.sent(bytes);
+                    inflight.push(self.session.apply_timed(ops, bytes));
+                    // Poll now: the new request takes its place in the channel at once (its
+                    // send time is its first poll), and acknowledgements that came are counted.
+                    while let Some(Some(r)) = futures::FutureExt::now_or_never(inflight.next()) {
+                        let (b, at) = r?;
+                        window.acked(b, at);
+                        self.tracker.acked(0, b, Some(&f.rel));
+                        held(b);
+                    }
                 }
             }
             if last {
@@ -1262,8 +1413,9 @@ impl Ctx<'_> {
             }
         }
         while let Some(r) = inflight.next().await {
-            let b = r?;
+            let (b, _) = r?;
             self.tracker.acked(0, b, Some(&f.rel));
+            held(b);
         }
         let (size, hash) = match hasher {
             Some(h) => (total, *h.finalize().as_bytes()),
@@ -1278,6 +1430,7 @@ impl Ctx<'_> {
                 hash,
             }])
             .await?;
+        *self.tracker.large.lock() = None;
         self.tracker.acked(1, 0, Some(&f.rel));
         Ok(())
     }

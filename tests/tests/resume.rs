@@ -1,0 +1,277 @@
+//! Resumable large files (issue 10): a sync interrupted in the middle of a large file keeps the
+//! staged bytes on the destination, and the next sync of that file sends only the rest — and
+//! never trusts kept bytes that no longer match the source.
+//!
+//! Real parts: the private sshd, the chaos proxy (rate-limited, so the cut lands near the middle
+//! of the file), the embedded agents. Needs `cargo build --workspace --bins` (agents embedded).
+
+mod common;
+
+use std::{
+    path::Path,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use common::*;
+use rsb::{
+    config::Config,
+    error::Result,
+    pool::Pool,
+    sync::{CancellationToken, Direction, SyncReport, SyncSpec},
+};
+use rsb_tests::{ChaosProxy, Sshd};
+
+const MIB: u64 = 1024 * 1024;
+const SIZE: u64 = 200 * MIB;
+
+fn pool_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<Pool> {
+    let t = target(sshd, port, key_auth(sshd), &state.join("known_hosts"));
+    Arc::new(Pool::new(Arc::new(Config {
+        sandboxes: vec![sandbox("s", t)],
+        expose_advanced_tools: false,
+        // Inline: the test waits on the sync it interrupts.
+        inline_sync_max_files: 100_000,
+        inline_sync_max_bytes: 1 << 40,
+        state_dir: state.to_path_buf(),
+        source: "test".into(),
+        warnings: vec![],
+    })))
+}
+
+fn sha256_remote(sshd: &Sshd, path: &str) -> String {
+    sshd.ssh_run(&format!("sha256sum '{path}' 2>/dev/null || echo none"))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+fn sha256_local(path: &Path) -> String {
+    let out = std::process::Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or("none")
+        .to_string()
+}
+
+async fn upload(pool: &Pool, src: &Path, cancel: &CancellationToken) -> Result<SyncReport> {
+    let spec = SyncSpec {
+        direction: Direction::Upload,
+        local_path: src.to_path_buf(),
+        remote_path: "up".into(),
+        delete_extras: false,
+        rules: SyncSpec::rules(vec![]),
+        dry_run: false,
+    };
+    rsb::ops::sync::run(pool, "s", &spec, None, cancel).await
+}
+
+/// Start an upload of `src` through `proxy` (rate-limited) and cut the link once about half of
+/// the file has gone through; the sync must fail.
+async fn cut_at_half(pool: &Arc<Pool>, proxy: &ChaosProxy, src: &Path) {
+    proxy.set_rate_mbit(400);
+    pool.client("s").await.expect("connect");
+    let before = proxy.bytes_forwarded().0;
+    let task = tokio::spawn({
+        let pool = pool.clone();
+        let src = src.to_path_buf();
+        async move { upload(&pool, &src, &CancellationToken::new()).await }
+    });
+    let t0 = Instant::now();
+    while proxy.bytes_forwarded().0 - before < SIZE / 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(240),
+            "half of the upload did not go through in 240 s"
+        );
+        assert!(!task.is_finished(), "the upload ended before the cut");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    proxy.cut();
+    let r = tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("the cut upload fails within 30 s")
+        .unwrap();
+    assert!(r.is_err(), "the cut upload must fail: {r:?}");
+    proxy.reset();
+    proxy.set_rate(None);
+}
+
+/// Wait (bounded) until no agent holds a staging directory of `~/up` any more: the agent of the
+/// cut link has ended (it keeps its large staged files itself, or the next session does).
+fn wait_released(sshd: &Sshd) {
+    let up = sshd.home().join("up");
+    let t0 = Instant::now();
+    loop {
+        let held = std::fs::read_dir(&up)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|e| {
+                let lock = e.path().join("lock");
+                lock.exists()
+                    && !std::process::Command::new("flock")
+                        .args(["-n", "-E", "99"])
+                        .arg(&lock)
+                        .arg("true")
+                        .status()
+                        .is_ok_and(|s| s.success())
+            });
+        if !held {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the cut link's agent still holds its staging after 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// What the agent kept in `~/up/.rsb-sync-staging-partial`, once it appears (bounded wait).
+fn wait_kept(sshd: &Sshd) -> u64 {
+    let dir = sshd.home().join("up/.rsb-sync-staging-partial");
+    let t0 = Instant::now();
+    loop {
+        let kept: u64 = std::fs::read_dir(&dir)
+            .map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.metadata().ok())
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0);
+        if kept > 0 || t0.elapsed() > Duration::from_secs(20) {
+            return kept;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cut_upload_resumes_from_kept_bytes() {
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let file = src.join("big.bin");
+    std::fs::write(&file, gen_bytes(21, SIZE as usize)).unwrap();
+    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
+
+    cut_at_half(&pool, &proxy, &src).await;
+    wait_released(&sshd);
+    // Nothing partial is visible.
+    assert_eq!(sha256_remote(&sshd, "up/big.bin"), "none");
+
+    let r = upload(&pool, &src, &CancellationToken::new())
+        .await
+        .expect("the second sync");
+    let sent = r.bytes_sent;
+    eprintln!("second sync sent {} MiB of {}", sent / MIB, SIZE / MIB);
+    assert!(
+        sent <= SIZE * 6 / 10,
+        "the second sync sent {sent} bytes of {SIZE}: the kept bytes were not reused"
+    );
+    assert_eq!(
+        sha256_remote(&sshd, &format!("{}/up/big.bin", sshd.home().display())),
+        sha256_local(&file)
+    );
+    // Used up: nothing stays kept after the file is complete.
+    assert!(!sshd.home().join("up/.rsb-sync-staging-partial").exists());
+    pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn changed_source_never_reuses_stale_kept_bytes() {
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let file = src.join("big.bin");
+    let mut data = gen_bytes(22, SIZE as usize);
+    std::fs::write(&file, &data).unwrap();
+    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
+
+    cut_at_half(&pool, &proxy, &src).await;
+    wait_released(&sshd);
+    // Change bytes inside the kept prefix (start and middle of it), and the length.
+    data[..4096].fill(0xAB);
+    let mid = (20 * MIB) as usize;
+    data[mid..mid + 100_000].fill(0xCD);
+    data.truncate((SIZE - 3 * MIB + 17) as usize);
+    std::fs::write(&file, &data).unwrap();
+
+    let r = upload(&pool, &src, &CancellationToken::new())
+        .await
+        .expect("the second sync");
+    let sent = r.bytes_sent;
+    eprintln!("second sync sent {} MiB", sent / MIB);
+    assert_eq!(
+        sha256_remote(&sshd, &format!("{}/up/big.bin", sshd.home().display())),
+        sha256_local(&file),
+        "the result must be the changed source, exactly"
+    );
+    pool.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_says_what_was_kept() {
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    proxy.set_rate_mbit(200);
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let file = src.join("big.bin");
+    std::fs::write(&file, gen_bytes(23, (64 * MIB) as usize)).unwrap();
+    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
+    pool.client("s").await.expect("connect");
+    let cancel = CancellationToken::new();
+    let before = proxy.bytes_forwarded().0;
+    let task = tokio::spawn({
+        let pool = pool.clone();
+        let src = src.clone();
+        let cancel = cancel.clone();
+        async move { upload(&pool, &src, &cancel).await }
+    });
+    let t0 = Instant::now();
+    while proxy.bytes_forwarded().0 - before < 32 * MIB {
+        assert!(t0.elapsed() < Duration::from_secs(120), "upload too slow");
+        assert!(!task.is_finished(), "the upload ended before the cancel");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    cancel.cancel();
+    let e = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("cancelled within 10 s")
+        .unwrap()
+        .expect_err("a cancelled sync fails");
+    eprintln!("{}", e.message);
+    assert!(
+        e.message.starts_with("sync cancelled; kept ")
+            && e.message
+                .ends_with(" MiB of big.bin staged; the next sync resumes it"),
+        "{e:?}"
+    );
+    let kept = wait_kept(&sshd);
+    let said: u64 = e
+        .message
+        .trim_start_matches("sync cancelled; kept ")
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(
+        said >= 8 && said * MIB <= kept,
+        "said {said} MiB, kept {kept} bytes"
+    );
+    pool.shutdown().await;
+}
