@@ -75,10 +75,6 @@ fn out(c: &rsb_protocol::Captured) -> String {
     String::from_utf8_lossy(&b).into_owned()
 }
 
-fn shq(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "'\\''"))
-}
-
 /// The error a user sees: non-empty, one line, with a hint.
 fn assert_one_line(e: &RsbError) {
     assert!(!e.message.trim().is_empty(), "empty error: {e:?}");
@@ -145,27 +141,6 @@ async fn next_call_works(pool: &Pool) {
         .expect("exec after reconnect")
         .unwrap();
     assert_eq!(out(&r.stdout), "again\n");
-}
-
-fn sha256_remote(sshd: &Sshd, path: &str) -> String {
-    sshd.ssh_run(&format!("sha256sum {} 2>/dev/null || echo none", shq(path)))
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
-}
-
-fn sha256_local(path: &Path) -> String {
-    let out = std::process::Command::new("sha256sum")
-        .arg(path)
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or("none")
-        .to_string()
 }
 
 /// Regular files under `dir` outside rsb's staging directories.

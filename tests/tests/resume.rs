@@ -39,27 +39,6 @@ fn pool_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<Pool> {
     })))
 }
 
-fn sha256_remote(sshd: &Sshd, path: &str) -> String {
-    sshd.ssh_run(&format!("sha256sum '{path}' 2>/dev/null || echo none"))
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
-}
-
-fn sha256_local(path: &Path) -> String {
-    let out = std::process::Command::new("sha256sum")
-        .arg(path)
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or("none")
-        .to_string()
-}
-
 async fn upload(pool: &Pool, src: &Path, cancel: &CancellationToken) -> Result<SyncReport> {
     let spec = SyncSpec {
         direction: Direction::Upload,

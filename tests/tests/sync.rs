@@ -102,10 +102,6 @@ fn remote_listing(sshd: &Sshd, dir: &str) -> String {
         .unwrap()
 }
 
-fn shq(s: &str) -> String {
-    format!("'{}'", s.replace('\'', "'\\''"))
-}
-
 fn assert_same(what: &str, a: &str, b: &str) {
     if a != b {
         let al: Vec<&str> = a.lines().collect();
@@ -116,27 +112,6 @@ fn assert_same(what: &str, a: &str, b: &str) {
             "{what}: trees differ\n only in source: {only_a:#?}\n only in destination: {only_b:#?}"
         );
     }
-}
-
-fn sha256_remote(sshd: &Sshd, path: &str) -> String {
-    sshd.ssh_run(&format!("sha256sum {} 2>/dev/null || echo none", shq(path)))
-        .unwrap()
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .to_string()
-}
-
-fn sha256_local(path: &Path) -> String {
-    let out = std::process::Command::new("sha256sum")
-        .arg(path)
-        .output()
-        .unwrap();
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or("none")
-        .to_string()
 }
 
 fn staging_left(sshd: &Sshd, dir: &str) -> String {

@@ -556,6 +556,20 @@ struct Staged {
     resumable: bool,
 }
 
+impl Staged {
+    /// A staged file whose bytes are all written already (a copied base, kept bytes taken over):
+    /// later writes must re-read it to verify.
+    fn written(name: String, resumable: bool) -> Self {
+        Staged {
+            name,
+            file: None,
+            seq: None,
+            seq_len: 0,
+            resumable,
+        }
+    }
+}
+
 /// A verified staged file waiting for its fsync and rename.
 struct Commit {
     op: usize,
@@ -886,16 +900,8 @@ impl Session {
             self.unlink_staged(&staged);
             return Err(io(&e, "copy", rel));
         }
-        self.staged.insert(
-            rel.to_string(),
-            Staged {
-                name: staged,
-                file: None,
-                seq: None,
-                seq_len: 0,
-                resumable: false,
-            },
-        );
+        self.staged
+            .insert(rel.to_string(), Staged::written(staged, false));
         Ok(())
     }
 
@@ -955,16 +961,8 @@ impl Session {
             return Ok(());
         }
         self.resumed = hashes;
-        self.staged.insert(
-            rel.to_string(),
-            Staged {
-                name: staged,
-                file: None,
-                seq: None,
-                seq_len: 0,
-                resumable: true,
-            },
-        );
+        self.staged
+            .insert(rel.to_string(), Staged::written(staged, true));
         Ok(())
     }
 

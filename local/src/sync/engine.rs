@@ -63,7 +63,7 @@ const CHUNKS_PER_REQUEST: usize = 4;
 /// the socket buffers, where the control lane cannot reorder) waits about this long, not
 /// seconds on a slow link. Bounded below by [`LARGE_MIN_BYTES`] and above by
 /// [`LARGE_WINDOW`] requests.
-const LARGE_QUEUE_TIME: Duration = Duration::from_millis(25);
+const LARGE_QUEUE_TIME: Duration = Duration::from_millis(10);
 const LARGE_MIN_BYTES: u64 = 512 * 1024;
 /// The window before a rate is known.
 const LARGE_START_BYTES: u64 = 2 * 1024 * 1024;

@@ -96,3 +96,31 @@ pub fn proxied_target(sshd: &Sshd, dir: &Path) -> (rsb_tests::ChaosProxy, SshTar
     let t = target(sshd, proxy.port(), key_auth(sshd), &dir.join("known_hosts"));
     (proxy, t)
 }
+
+/// Single-quoted for a POSIX shell (test fixtures only; rsb itself never splices user data).
+pub fn shq(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}
+
+/// sha256 of a file on the fixture host, or `none` when it is missing.
+pub fn sha256_remote(sshd: &Sshd, path: &str) -> String {
+    sshd.ssh_run(&format!("sha256sum {} 2>/dev/null || echo none", shq(path)))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string()
+}
+
+/// sha256 of a local file, or `none` when it is missing.
+pub fn sha256_local(path: &Path) -> String {
+    let out = std::process::Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or("none")
+        .to_string()
+}
