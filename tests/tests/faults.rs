@@ -13,13 +13,11 @@ mod common;
 
 use std::{
     path::Path,
-    sync::Arc,
     time::{Duration, Instant},
 };
 
 use common::*;
 use rsb::{
-    config::Config,
     error::RsbError,
     ops::sync::{self as ops, SyncArgs},
     pool::Pool,
@@ -80,20 +78,6 @@ fn assert_one_line(e: &RsbError) {
     assert!(!e.message.trim().is_empty(), "empty error: {e:?}");
     assert!(!e.message.contains('\n'), "multi-line error: {e:?}");
     assert!(!e.hint.contains('\n'), "multi-line hint: {e:?}");
-}
-
-fn pool_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<Pool> {
-    let t = target(sshd, port, key_auth(sshd), &state.join("known_hosts"));
-    Arc::new(Pool::new(Arc::new(Config {
-        sandboxes: vec![sandbox("s", t)],
-        expose_advanced_tools: false,
-        // Everything inline: the fault must hit the call the test waits on.
-        inline_sync_max_files: 100_000,
-        inline_sync_max_bytes: 1 << 40,
-        state_dir: state.to_path_buf(),
-        source: "test".into(),
-        warnings: vec![],
-    })))
 }
 
 fn set_link(proxy: &ChaosProxy, link: Link) {

@@ -15,7 +15,6 @@ use std::{
 
 use common::*;
 use rsb::{
-    config::Config,
     error::Result,
     pool::Pool,
     sync::{CancellationToken, Direction, SyncReport, SyncSpec},
@@ -24,20 +23,6 @@ use rsb_tests::{ChaosProxy, Sshd};
 
 const MIB: u64 = 1024 * 1024;
 const SIZE: u64 = 200 * MIB;
-
-fn pool_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<Pool> {
-    let t = target(sshd, port, key_auth(sshd), &state.join("known_hosts"));
-    Arc::new(Pool::new(Arc::new(Config {
-        sandboxes: vec![sandbox("s", t)],
-        expose_advanced_tools: false,
-        // Inline: the test waits on the sync it interrupts.
-        inline_sync_max_files: 100_000,
-        inline_sync_max_bytes: 1 << 40,
-        state_dir: state.to_path_buf(),
-        source: "test".into(),
-        warnings: vec![],
-    })))
-}
 
 async fn upload(pool: &Pool, src: &Path, cancel: &CancellationToken) -> Result<SyncReport> {
     let spec = SyncSpec {

@@ -48,8 +48,9 @@ pub fn sandbox(name: &str, t: SshTarget) -> SandboxConfig {
     }
 }
 
-pub fn pool_of(sandboxes: Vec<SandboxConfig>, state: &Path) -> Pool {
-    let config = Config {
+/// The seed's defaults, with state under `state`.
+pub fn config_of(sandboxes: Vec<SandboxConfig>, state: &Path) -> Config {
+    Config {
         sandboxes,
         expose_advanced_tools: false,
         inline_sync_max_files: 200,
@@ -57,8 +58,22 @@ pub fn pool_of(sandboxes: Vec<SandboxConfig>, state: &Path) -> Pool {
         state_dir: state.to_path_buf(),
         source: "test".into(),
         warnings: vec![],
-    };
-    Pool::new(Arc::new(config))
+    }
+}
+
+pub fn pool_of(sandboxes: Vec<SandboxConfig>, state: &Path) -> Pool {
+    Pool::new(Arc::new(config_of(sandboxes, state)))
+}
+
+/// One key-auth sandbox `s` reached on `port` (the fixture's or a chaos proxy's), with every
+/// sync inline: a fault must hit the call the test waits on.
+pub fn pool_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<Pool> {
+    let t = target(sshd, port, key_auth(sshd), &state.join("known_hosts"));
+    Arc::new(Pool::new(Arc::new(Config {
+        inline_sync_max_files: 100_000,
+        inline_sync_max_bytes: 1 << 40,
+        ..config_of(vec![sandbox("s", t)], state)
+    })))
 }
 
 /// A pool with one key-auth sandbox named `s` on `sshd`.
