@@ -1,6 +1,7 @@
 //! `rsb sync --watch` save-to-remote latency: one file of a 300-file project saved (editor
 //! style: write + rename), timed until the new bytes are readable in the sandbox, on loopback
-//! and through the chaos proxy at 20 ms RTT. Target: ≤ 1 RTT + 50 ms debounce. The
+//! and through the chaos proxy at 20 ms RTT. Target: ≤ 1 RTT + 50 ms debounce (a closed,
+//! renamed-into-place save ends its burst after the 20 ms settle time instead). The
 //! reference is what a hand-rolled `rsync -a -e ssh` loop pays per save on the same sshd and
 //! link (its own connect included, as such a loop does), in the same run.
 //!

@@ -426,6 +426,10 @@ fn a_single_save_takes_the_one_request_fast_path() {
         "a one-file save should take the fast path: {b}"
     );
     assert_eq!(b["files"], 1, "{b}");
+    assert_eq!(
+        b["ended"], "settled",
+        "a closed, renamed-into-place file needs no full debounce: {b}"
+    );
     // The whole tree still matches, with the file's and its directory's mtimes.
     wait_identical(l, &remote, 5);
     assert_eq!(
@@ -496,4 +500,48 @@ fn deleting_a_file_propagates() {
     assert_eq!(b["path"], "fast", "{b}");
     assert_eq!(b["deleted"], 1, "{b}");
     wait_identical(l, &remote, 5);
+}
+
+/// A file still open for writing holds its burst for the full debounce: a writer that pauses
+/// longer than the settle time but shorter than the debounce is sent once, whole. (A watch
+/// that ended bursts on the settle time regardless would send the first half alone.)
+#[test]
+fn a_file_still_being_written_waits_for_its_close() {
+    let (sshd, env, local) = setup();
+    let l = local.path();
+    std::fs::write(l.join("seed"), b"x").unwrap();
+    // A long debounce, so the pause below sits far from both edges on a loaded box.
+    let mut w = RsbWatch::spawn(&env, l, "w9", &["--debounce", "1500"]);
+    let remote = remote_dir(&sshd, "w9");
+    wait_identical(l, &remote, 10);
+
+    let half = "a".repeat(4096);
+    let path = l.join("out.txt");
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&path).unwrap();
+        f.write_all(half.as_bytes()).unwrap();
+        f.flush().unwrap();
+        // Well past the 20 ms settle time, well inside the debounce.
+        std::thread::sleep(Duration::from_millis(400));
+        f.write_all(half.as_bytes()).unwrap();
+    }
+    let b = first_burst(&mut w, 10);
+    eprintln!("burst: {b}");
+    assert_eq!(b["files"], 1, "{b}");
+    assert_eq!(
+        std::fs::read(remote.join("out.txt")).unwrap().len(),
+        8192,
+        "the first burst must carry the whole file"
+    );
+    // The close settled it: it did not wait out the 1.5 s debounce after the last write.
+    assert_eq!(b["ended"], "settled", "{b}");
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(
+        w.bursts().len(),
+        1,
+        "one burst for one write: {:?}",
+        w.bursts()
+    );
+    assert!(w.interrupt().success());
 }

@@ -40,6 +40,11 @@ pub struct SyncArgs {
     /// With --watch: poll the tree instead of using OS file events.
     #[arg(long, requires = "watch")]
     poll: bool,
+    /// With --watch: a burst is sent once the tree was quiet this long (ms; a small burst whose
+    /// written files are all closed again waits 20 ms at most).
+    #[arg(long, requires = "watch", value_name = "MS", default_value_t = 50,
+          value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    debounce: u64,
     #[command(flatten)]
     safety: rsb::sync::cli::SafetyArgs,
     /// Accepted for rsync habits and ignored: rsb always keeps modes, mtimes and symlinks.
@@ -141,7 +146,14 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
         Err(e) => return fail(json, &e),
     };
     if a.watch {
-        return rsb::sync::watch::run_cli(pool, &sandbox, &spec, json, a.poll).await;
+        let opts = rsb::sync::watch::WatchOptions {
+            poll: a.poll.then_some(std::time::Duration::from_millis(500)),
+            debounce: std::time::Duration::from_millis(a.debounce),
+            // A writer that never pauses still gets synced; 1 s at the default debounce.
+            max_burst: std::time::Duration::from_millis(a.debounce.saturating_mul(20).max(1000)),
+            ..Default::default()
+        };
+        return rsb::sync::watch::run_cli(pool, &sandbox, &spec, json, opts).await;
     }
     once(pool, json, &sandbox, &spec, &a).await
 }

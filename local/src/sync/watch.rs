@@ -12,6 +12,15 @@
 //! inotify queue overflow, costs one rescan and leaves the remote identical. Events on excluded
 //! paths (`.git/…`, `node_modules/…`, the user's excludes) do not start a sync.
 //!
+//! The debounce exists so that a file is not sent half-written and a storm is sent once. A
+//! small burst whose every written file has been closed again (inotify's `IN_CLOSE_WRITE`;
+//! a rename carries its file's state to the new name) is whole already: it ends after the
+//! shorter [`WatchOptions::settle`] of quiet instead. An editor's save is write, close,
+//! rename within a millisecond, so it reaches the sandbox about `settle` plus one request
+//! after the save. Backends that report no closes (polling, FSEvents), a file still open for
+//! writing, a burst past [`FAST_MAX_PATHS`] paths and a lost-event rescan all wait out the full
+//! debounce, as before.
+//!
 //! Small bursts take a fast path instead: the remote state is known from the last sync (its
 //! baseline, `rel` → blake3, kept in the store), so the files the burst names are read and
 //! hashed here and sent with `ApplyOnce`, one request that opens a staging session, checks a
@@ -59,6 +68,8 @@ pub const FAST_MAX_BYTES: u64 = 1024 * 1024;
 pub struct WatchOptions {
     /// A burst ends once no event arrived for this long.
     pub debounce: Duration,
+    /// …or this long, when every file written in the (small) burst has been closed again.
+    pub settle: Duration,
     /// …or once this long has passed since its first event.
     pub max_burst: Duration,
     /// Use the polling watcher (with this interval) instead of the OS's notifications.
@@ -72,6 +83,7 @@ impl Default for WatchOptions {
     fn default() -> Self {
         WatchOptions {
             debounce: Duration::from_millis(50),
+            settle: Duration::from_millis(20),
             max_burst: Duration::from_secs(1),
             poll: None,
             retry_min: Duration::from_millis(250),
@@ -96,6 +108,9 @@ pub enum WatchEvent {
         fast: bool,
         /// Why the fast path was tried and given up for a full sync.
         fallback: Option<String>,
+        /// How the burst ended: `"settled"` (every written file closed, the short wait),
+        /// `"quiet"` (the debounce), `"cap"` (`max_burst`); empty for the initial sync.
+        ended: &'static str,
     },
     /// A sync failed on the link; the next attempt (a full resync) follows after `delay`.
     Retrying {
@@ -119,6 +134,7 @@ impl WatchEvent {
                 elapsed,
                 fast,
                 fallback,
+                ended,
             } => {
                 let mut v = json!({
                     "event": "synced",
@@ -133,6 +149,9 @@ impl WatchEvent {
                 });
                 if let Some(why) = fallback {
                     v["fallback"] = json!(why);
+                }
+                if !ended.is_empty() {
+                    v["ended"] = json!(ended);
                 }
                 if !report.conflicts.is_empty() {
                     v["conflicts"] = json!(
@@ -221,12 +240,96 @@ fn link_error(e: &RsbError) -> bool {
     )
 }
 
+/// What an event says about a file's writer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Writer {
+    /// Bytes may still be coming: a create or a data change not yet followed by a close, and
+    /// whatever a backend reports without saying (polling, FSEvents).
+    Open,
+    /// A writer closed the file.
+    Closed,
+    /// Nothing about content: a directory made, a path removed, attributes, a rename's ends.
+    None,
+}
+
 /// A filesystem event reduced to what the loop needs.
 enum Change {
     /// A path changed (relative to the watched root when under it).
-    Path(PathBuf),
+    Path(PathBuf, Writer),
+    /// `from` was renamed to `to` inside the tree (both ends also arrive as paths): an open
+    /// writer's file now has the new name.
+    Renamed { from: PathBuf, to: PathBuf },
     /// The watcher lost events (queue overflow) or failed: rescan.
     Rescan,
+}
+
+impl Writer {
+    fn of(kind: &EventKind) -> Writer {
+        use notify::event::{AccessMode, CreateKind, ModifyKind};
+        match kind {
+            EventKind::Access(AccessKind::Close(AccessMode::Write)) => Writer::Closed,
+            EventKind::Create(CreateKind::Folder)
+            | EventKind::Remove(_)
+            | EventKind::Modify(ModifyKind::Metadata(_) | ModifyKind::Name(_)) => Writer::None,
+            _ => Writer::Open,
+        }
+    }
+}
+
+/// Files written and not closed since, across bursts: a burst that ends at the
+/// [`WatchOptions::max_burst`] cap while a writer is busy still knows about it in the next.
+struct Writers {
+    /// The backend reports closes (inotify). Polling and FSEvents do not, and a modification
+    /// time they see says nothing about whether the writer is done: always the full debounce.
+    closes: bool,
+    open: std::collections::HashSet<PathBuf>,
+    /// Events were lost: nothing is known to be closed until the next rescan has passed.
+    unknown: bool,
+}
+
+/// Beyond this many open writers (a generator holding thousands of files) the set is dropped
+/// and bursts wait the full debounce until a rescan.
+const MAX_WRITERS: usize = 4096;
+
+impl Writers {
+    fn note(&mut self, c: &Change) {
+        match c {
+            Change::Path(p, Writer::Open) => {
+                if self.open.len() >= MAX_WRITERS {
+                    self.unknown = true;
+                    self.open.clear();
+                }
+                if !self.unknown {
+                    self.open.insert(p.clone());
+                }
+            }
+            Change::Path(p, Writer::Closed) => {
+                self.open.remove(p);
+            }
+            Change::Path(..) => {}
+            Change::Renamed { from, to } => {
+                if self.open.remove(from) {
+                    self.open.insert(to.clone());
+                }
+            }
+            Change::Rescan => {
+                self.unknown = true;
+                self.open.clear();
+            }
+        }
+    }
+
+    fn new(closes: bool) -> Writers {
+        Writers {
+            closes,
+            open: Default::default(),
+            unknown: false,
+        }
+    }
+
+    fn settled(&self) -> bool {
+        self.closes && !self.unknown && self.open.is_empty()
+    }
 }
 
 /// The watcher and the receiving end of its events. Dropping it stops the watcher.
@@ -234,6 +337,27 @@ struct Armed {
     _watcher: Box<dyn Watcher + Send>,
     rx: mpsc::UnboundedReceiver<Change>,
     backend: &'static str,
+    writers: Writers,
+}
+
+impl Armed {
+    /// The next event, with the writers' state brought up to date; `None` when the watcher
+    /// stopped. Events on paths the sync ignores neither count nor hold a burst open.
+    async fn recv(&mut self, root: &Path, rules: &rsb_rules::Rules) -> Option<Option<Change>> {
+        let c = self.rx.recv().await?;
+        let relevant = match &c {
+            Change::Path(p, _) => relevant(root, rules, p),
+            Change::Renamed { from, to } => {
+                relevant(root, rules, from) || relevant(root, rules, to)
+            }
+            Change::Rescan => true,
+        };
+        if !relevant {
+            return Some(None);
+        }
+        self.writers.note(&c);
+        Some(Some(c))
+    }
 }
 
 fn arm(root: &Path, opts: &WatchOptions) -> Result<Armed> {
@@ -250,8 +374,20 @@ fn arm(root: &Path, opts: &WatchOptions) -> Result<Armed> {
             {
                 return;
             }
+            if let EventKind::Modify(notify::event::ModifyKind::Name(
+                notify::event::RenameMode::Both,
+            )) = ev.kind
+                && let [from, to] = &ev.paths[..]
+            {
+                let _ = tx.send(Change::Renamed {
+                    from: from.clone(),
+                    to: to.clone(),
+                });
+                return;
+            }
+            let writer = Writer::of(&ev.kind);
             for p in ev.paths {
-                let _ = tx.send(Change::Path(p));
+                let _ = tx.send(Change::Path(p, writer));
             }
         }
         Err(_) => {
@@ -286,6 +422,7 @@ fn arm(root: &Path, opts: &WatchOptions) -> Result<Armed> {
                     _watcher: Box::new(w),
                     rx,
                     backend: "native",
+                    writers: Writers::new(cfg!(target_os = "linux")),
                 });
             }
             // Out of inotify watches or instances, an unsupported file system: poll instead.
@@ -301,6 +438,7 @@ fn arm(root: &Path, opts: &WatchOptions) -> Result<Armed> {
         _watcher: Box::new(w),
         rx,
         backend: "poll",
+        writers: Writers::new(false),
     })
 }
 
@@ -339,6 +477,8 @@ struct Burst {
     paths: BTreeSet<PathBuf>,
     /// Events were lost, or there were too many paths: only a full sync will do.
     rescan: bool,
+    /// See [`WatchEvent::Synced::ended`].
+    ended: &'static str,
 }
 
 impl Burst {
@@ -346,8 +486,10 @@ impl Burst {
         self.events += 1;
         match c {
             Change::Rescan => self.rescan = true,
-            Change::Path(_) if self.rescan => {}
-            Change::Path(p) => {
+            // Both ends also arrive as paths.
+            Change::Renamed { .. } => self.events -= 1,
+            Change::Path(..) if self.rescan => {}
+            Change::Path(p, _) => {
                 self.paths.insert(p);
                 if self.paths.len() > FAST_MAX_PATHS {
                     self.rescan = true;
@@ -426,6 +568,7 @@ pub async fn watch(
                         elapsed: started.elapsed(),
                         fast: true,
                         fallback: None,
+                        ended: burst.ended,
                     });
                     // After the line: the save is not part of the latency a user sees.
                     if let Some(t) = &store
@@ -471,6 +614,7 @@ pub async fn watch(
                         elapsed,
                         fast: false,
                         fallback: fallback.take(),
+                        ended: burst.ended,
                     });
                     break;
                 }
@@ -493,8 +637,9 @@ pub async fn watch(
                         tokio::select! {
                             _ = &mut wake => break,
                             _ = cancel.cancelled() => return Ok(()),
-                            c = armed.rx.recv() => match c {
-                                Some(_) => burst.events += 1,
+                            c = armed.recv(&root, &rules) => match c {
+                                Some(Some(_)) => burst.events += 1,
+                                Some(None) => {}
                                 None => return Err(RsbError::internal("the file watcher stopped")),
                             },
                         }
@@ -512,8 +657,9 @@ pub async fn watch(
     }
 }
 
-/// Wait for the first relevant change, then collect until the tree is quiet for the debounce
-/// (or the burst is too long). On a cancel it returns what it has; the caller checks `cancel`.
+/// Wait for the first relevant change, then collect until the tree is quiet for the debounce,
+/// or for the settle time once every written file is closed again (or the burst is too
+/// long). On a cancel it returns what it has; the caller checks `cancel`.
 async fn next_burst(
     armed: &mut Armed,
     root: &Path,
@@ -524,31 +670,46 @@ async fn next_burst(
     let mut burst = Burst::default();
     let first = loop {
         let c = tokio::select! {
-            c = armed.rx.recv() => c,
+            c = armed.recv(root, rules) => c,
             _ = cancel.cancelled() => return Ok(burst),
         };
         match c {
             None => return Err(RsbError::internal("the file watcher stopped")),
-            Some(Change::Path(p)) if !relevant(root, rules, &p) => {}
-            Some(c) => {
+            Some(None) => {}
+            Some(Some(c)) => {
                 burst.add(c);
                 break Instant::now();
             }
         }
     };
     loop {
-        let quiet = tokio::time::sleep(opts.debounce);
+        let wait = if !burst.rescan && armed.writers.settled() {
+            opts.settle.min(opts.debounce)
+        } else {
+            opts.debounce
+        };
+        let quiet = tokio::time::sleep(wait);
         let cap = tokio::time::sleep_until((first + opts.max_burst).into());
         tokio::select! {
-            _ = quiet => break,
-            _ = cap => break,
+            _ = quiet => {
+                burst.ended = if wait < opts.debounce { "settled" } else { "quiet" };
+                break;
+            }
+            _ = cap => {
+                burst.ended = "cap";
+                break;
+            }
             _ = cancel.cancelled() => break,
-            c = armed.rx.recv() => match c {
+            c = armed.recv(root, rules) => match c {
                 None => return Err(RsbError::internal("the file watcher stopped")),
-                Some(Change::Path(p)) if !relevant(root, rules, &p) => {}
-                Some(c) => burst.add(c),
+                Some(None) => {}
+                Some(Some(c)) => burst.add(c),
             },
         }
+    }
+    // A rescan is over once its burst is: the sync rescans both sides.
+    if burst.rescan {
+        armed.writers.unknown = false;
     }
     Ok(burst)
 }
@@ -772,7 +933,13 @@ fn options(burst: u64) -> crate::sync::RunOptions {
     }
 }
 
-pub async fn run_cli(pool: &Pool, sandbox: &str, spec: &SyncSpec, json: bool, poll: bool) -> u8 {
+pub async fn run_cli(
+    pool: &Pool,
+    sandbox: &str,
+    spec: &SyncSpec,
+    json: bool,
+    opts: WatchOptions,
+) -> u8 {
     let cancel = CancellationToken::new();
     let c2 = cancel.clone();
     let ctrl_c = tokio::spawn(async move {
@@ -780,10 +947,6 @@ pub async fn run_cli(pool: &Pool, sandbox: &str, spec: &SyncSpec, json: bool, po
             c2.cancel();
         }
     });
-    let opts = WatchOptions {
-        poll: poll.then_some(Duration::from_millis(500)),
-        ..WatchOptions::default()
-    };
     let target = format!(
         "{} -> {}:{}",
         spec.local_path.display(),
@@ -834,6 +997,75 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_burst_settles_only_when_every_written_file_is_closed() {
+        use notify::event::{AccessMode, CreateKind, DataChange, ModifyKind, RenameMode};
+        let p = |s: &str| PathBuf::from(s);
+        let ev = |kind: EventKind, path: &str| Change::Path(p(path), Writer::of(&kind));
+        let mut w = Writers::new(true);
+        assert!(w.settled());
+        // An editor's save: write a temporary file, close it, rename it over the original.
+        w.note(&ev(EventKind::Create(CreateKind::File), "/t/a.swp"));
+        w.note(&ev(
+            EventKind::Modify(ModifyKind::Data(DataChange::Any)),
+            "/t/a.swp",
+        ));
+        assert!(!w.settled(), "written and still open");
+        w.note(&ev(
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+            "/t/a.swp",
+        ));
+        assert!(w.settled());
+        w.note(&Change::Renamed {
+            from: p("/t/a.swp"),
+            to: p("/t/a"),
+        });
+        assert!(w.settled());
+        // A rename of a file still being written carries its writer to the new name.
+        w.note(&ev(EventKind::Create(CreateKind::File), "/t/b.part"));
+        w.note(&Change::Renamed {
+            from: p("/t/b.part"),
+            to: p("/t/b"),
+        });
+        w.note(&ev(
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+            "/t/b.part",
+        ));
+        assert!(
+            !w.settled(),
+            "the close of another name says nothing of /t/b"
+        );
+        w.note(&ev(
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+            "/t/b",
+        ));
+        assert!(w.settled());
+        // Directories, removals and attributes never hold a burst open.
+        w.note(&ev(EventKind::Create(CreateKind::Folder), "/t/d"));
+        w.note(&ev(
+            EventKind::Remove(notify::event::RemoveKind::File),
+            "/t/c",
+        ));
+        w.note(&ev(
+            EventKind::Modify(ModifyKind::Name(RenameMode::From)),
+            "/t/e",
+        ));
+        assert!(w.settled());
+        // What a backend reports without saying (polling: `Any`) is a writer not known done.
+        w.note(&ev(EventKind::Modify(ModifyKind::Any), "/t/f"));
+        assert!(!w.settled());
+        // Lost events: nothing is known closed until the rescan burst is over.
+        let mut w = Writers::new(true);
+        w.note(&Change::Rescan);
+        w.note(&ev(
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+            "/t/a",
+        ));
+        assert!(!w.settled());
+        // Backends without close events (polling, FSEvents) never settle.
+        assert!(!Writers::new(false).settled());
+    }
+
+    #[test]
     fn excluded_changes_do_not_start_a_sync() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
@@ -863,6 +1095,7 @@ mod tests {
             elapsed: Duration::from_millis(42),
             fast: true,
             fallback: None,
+            ended: "settled",
         };
         assert_eq!(
             ev.line(),
@@ -957,7 +1190,7 @@ mod tests {
         }
         let mut b = Burst::default();
         for i in 0..=FAST_MAX_PATHS {
-            b.add(Change::Path(root.join(format!("f{i}"))));
+            b.add(Change::Path(root.join(format!("f{i}")), Writer::Closed));
         }
         assert!(b.rescan && b.paths.is_empty());
     }
