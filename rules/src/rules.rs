@@ -34,7 +34,7 @@ pub const DEFAULT_EXCLUDES: &[&str] = &[
     "node_modules/",
 ];
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct Pattern {
     glob: Vec<u8>,
     negated: bool,
@@ -52,7 +52,7 @@ pub struct Rules {
 }
 
 /// One `.gitignore` file of the tree: its patterns, relative to `dir`.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Layer {
     /// Relative to the sync root, `/`-separated; `""` for the root itself.
     dir: String,

@@ -545,3 +545,35 @@ fn a_file_still_being_written_waits_for_its_close() {
     );
     assert!(w.interrupt().success());
 }
+
+/// `--gitignore`: a change the tree's `.gitignore` files ignore starts no burst at all (not a
+/// no-op sync), and the next real change still goes.
+#[test]
+fn with_gitignore_an_ignored_change_starts_no_burst() {
+    let (sshd, env, local) = setup();
+    let l = local.path();
+    std::fs::write(l.join(".gitignore"), "*.tmp\nbuild/\n").unwrap();
+    std::fs::write(l.join("keep.txt"), b"k").unwrap();
+    let mut w = RsbWatch::spawn(&env, l, "w10", &["--gitignore"]);
+    let remote = remote_dir(&sshd, "w10");
+    wait_remote("the initial sync", 10, || remote.join("keep.txt").exists());
+
+    std::fs::write(l.join("scratch.tmp"), b"ignored").unwrap();
+    std::fs::create_dir(l.join("build")).unwrap();
+    std::fs::write(l.join("build/out.o"), b"ignored").unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    assert_eq!(
+        w.bursts().len(),
+        0,
+        "ignored changes synced: {:?}",
+        w.bursts()
+    );
+
+    std::fs::write(l.join("real.txt"), b"sent").unwrap();
+    let b = first_burst(&mut w, 10);
+    assert_eq!(b["files"], 1, "{b}");
+    assert_eq!(std::fs::read(remote.join("real.txt")).unwrap(), b"sent");
+    assert!(!remote.join("scratch.tmp").exists());
+    assert!(!remote.join("build").exists());
+    assert!(w.interrupt().success());
+}

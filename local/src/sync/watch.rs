@@ -338,6 +338,8 @@ struct Armed {
     rx: mpsc::UnboundedReceiver<Change>,
     backend: &'static str,
     writers: Writers,
+    /// With `--gitignore`: the tree's `.gitignore` files, so what they ignore starts no burst.
+    gitignores: Option<Gitignores>,
 }
 
 impl Armed {
@@ -345,12 +347,18 @@ impl Armed {
     /// stopped. Events on paths the sync ignores neither count nor hold a burst open.
     async fn recv(&mut self, root: &Path, rules: &rsb_rules::Rules) -> Option<Option<Change>> {
         let c = self.rx.recv().await?;
+        let mut gi = self.gitignores.as_mut();
         let relevant = match &c {
-            Change::Path(p, _) => relevant(root, rules, p),
+            Change::Path(p, _) => relevant(root, rules, gi, p),
             Change::Renamed { from, to } => {
-                relevant(root, rules, from) || relevant(root, rules, to)
+                relevant(root, rules, gi.as_deref_mut(), from) || relevant(root, rules, gi, to)
             }
-            Change::Rescan => true,
+            Change::Rescan => {
+                if let Some(g) = gi {
+                    g.dirs.clear();
+                }
+                true
+            }
         };
         if !relevant {
             return Some(None);
@@ -423,6 +431,7 @@ fn arm(root: &Path, opts: &WatchOptions) -> Result<Armed> {
                     rx,
                     backend: "native",
                     writers: Writers::new(cfg!(target_os = "linux")),
+                    gitignores: None,
                 });
             }
             // Out of inotify watches or instances, an unsupported file system: poll instead.
@@ -439,11 +448,56 @@ fn arm(root: &Path, opts: &WatchOptions) -> Result<Armed> {
         rx,
         backend: "poll",
         writers: Writers::new(false),
+        gitignores: None,
     })
 }
 
-/// Does a change at `path` matter to the sync of `root` under `rules`?
-fn relevant(root: &Path, rules: &rsb_rules::Rules, path: &Path) -> bool {
+/// The `.gitignore` files of a watched tree, read on demand per directory, as the walk of a
+/// `--gitignore` sync applies them (see `rsb_rules::Rules::excluded_in`).
+#[derive(Default)]
+struct Gitignores {
+    /// Directory (`rel`, `""` for the root) → its `.gitignore`, `None` when it has none
+    /// readable. All of it is forgotten when any `.gitignore` changes (or events were lost):
+    /// re-reading a few small files is cheaper than tracking which layer fed which answer.
+    dirs: HashMap<String, Option<rsb_rules::Layer>>,
+}
+
+/// A `.gitignore` larger than this is not read (as the sync's own reads bound it).
+const GITIGNORE_MAX: u64 = 1 << 20;
+
+impl Gitignores {
+    /// The layers of `rel`'s ancestors (the root's included).
+    fn above(&mut self, root: &Path, rel: &str) -> Vec<rsb_rules::Layer> {
+        let mut dirs = vec![""];
+        dirs.extend(rel.match_indices('/').map(|(i, _)| &rel[..i]));
+        dirs.iter()
+            .filter_map(|d| {
+                self.dirs
+                    .entry(d.to_string())
+                    .or_insert_with(|| {
+                        let f = root.join(d).join(".gitignore");
+                        let m = std::fs::metadata(&f).ok()?;
+                        if !m.is_file() || m.len() > GITIGNORE_MAX {
+                            return None;
+                        }
+                        let text = std::fs::read(&f).ok()?;
+                        let text = String::from_utf8_lossy(&text);
+                        Some(rsb_rules::Layer::parse(d, text.lines()).0)
+                    })
+                    .clone()
+            })
+            .collect()
+    }
+}
+
+/// Does a change at `path` matter to the sync of `root` under `rules` (and, with
+/// `--gitignore`, the tree's `.gitignore` files)?
+fn relevant(
+    root: &Path,
+    rules: &rsb_rules::Rules,
+    gitignores: Option<&mut Gitignores>,
+    path: &Path,
+) -> bool {
     if root.is_file() || !root.exists() {
         return path == root;
     }
@@ -456,9 +510,26 @@ fn relevant(root: &Path, rules: &rsb_rules::Rules, path: &Path) -> bool {
     if rel.is_empty() {
         return true;
     }
-    // Not knowing whether a vanished path was a directory, it is skipped only when excluded
-    // either way (a needless sync is cheap; a missed one is not).
-    !(rules.excluded_path(rel, false) && rules.excluded_path(rel, true))
+    // Directory-only patterns (`build/`) need the kind. Not knowing whether a vanished path
+    // was a directory, it is skipped only when excluded either way (a needless sync is cheap;
+    // a missed one is not).
+    let kinds: &[bool] = match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => &[true],
+        Ok(_) => &[false],
+        Err(_) => &[false, true],
+    };
+    let Some(g) = gitignores else {
+        return !kinds.iter().all(|&d| rules.excluded_path(rel, d));
+    };
+    if rel == ".gitignore" || rel.ends_with("/.gitignore") {
+        // What the tree ignores changed: forget, and let the sync decide on this one.
+        g.dirs.clear();
+        return !rules.excluded_path(rel, false);
+    }
+    let layers = g.above(root, rel);
+    !kinds
+        .iter()
+        .all(|&d| rules.excluded_path_in(&layers, rel, d))
 }
 
 /// What the watch loop knows of the remote after a full sync of a directory: enough for the
@@ -533,6 +604,7 @@ pub async fn watch(
     );
     let store = pool.transfers().ok();
     let mut armed = arm(&root, opts)?;
+    armed.gitignores = spec.rules.gitignore.then(Gitignores::default);
     on(WatchEvent::Watching {
         backend: armed.backend,
     });
@@ -1066,20 +1138,52 @@ mod tests {
     }
 
     #[test]
+    fn with_gitignore_what_the_tree_ignores_starts_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        std::fs::create_dir_all(root.join("sub/deep")).unwrap();
+        std::fs::write(root.join(".gitignore"), "*.tmp\nbuild/\n").unwrap();
+        std::fs::write(root.join("sub/.gitignore"), "!keep.tmp\ncache/\n").unwrap();
+        let rules = rsb_rules::Rules::for_sync(true, &[]).unwrap();
+        let mut g = Gitignores::default();
+        let rel = |g: &mut Gitignores, p: &str| relevant(root, &rules, Some(g), &root.join(p));
+        assert!(!rel(&mut g, "a.tmp"));
+        assert!(!rel(&mut g, "build/out.o"));
+        assert!(
+            !rel(&mut g, "sub/deep/x.tmp"),
+            "a parent's pattern applies below"
+        );
+        assert!(rel(&mut g, "sub/keep.tmp"), "a nested `!` re-includes");
+        assert!(!rel(&mut g, "sub/cache/blob"));
+        assert!(
+            rel(&mut g, "cache/blob"),
+            "sub/.gitignore does not apply at the root"
+        );
+        assert!(rel(&mut g, "src/main.rs"));
+        // Without --gitignore the same paths are changes.
+        assert!(relevant(root, &rules, None, &root.join("a.tmp")));
+        // A changed .gitignore is itself relevant and is re-read.
+        std::fs::write(root.join(".gitignore"), "build/\n").unwrap();
+        assert!(rel(&mut g, ".gitignore"));
+        assert!(rel(&mut g, "a.tmp"));
+    }
+
+    #[test]
     fn excluded_changes_do_not_start_a_sync() {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
         let rules = rsb_rules::Rules::for_sync(true, &["*.log".to_string()]).unwrap();
-        assert!(relevant(root, &rules, &root.join("src/main.rs")));
-        assert!(relevant(root, &rules, &root.join("gone")));
-        assert!(!relevant(root, &rules, &root.join(".git/index")));
+        assert!(relevant(root, &rules, None, &root.join("src/main.rs")));
+        assert!(relevant(root, &rules, None, &root.join("gone")));
+        assert!(!relevant(root, &rules, None, &root.join(".git/index")));
         assert!(!relevant(
             root,
             &rules,
+            None,
             &root.join("web/node_modules/x/y.js")
         ));
-        assert!(!relevant(root, &rules, &root.join("out/run.log")));
-        assert!(!relevant(root, &rules, Path::new("/elsewhere/file")));
+        assert!(!relevant(root, &rules, None, &root.join("out/run.log")));
+        assert!(!relevant(root, &rules, None, Path::new("/elsewhere/file")));
     }
 
     #[test]
