@@ -802,6 +802,39 @@ impl Transfers {
         Ok(v)
     }
 
+    /// Hold a background sync's reply (at most `budget`) for a worker about to finish: a plan
+    /// just over the inline limits then answers with its result and the client polls nothing
+    /// (a model's poll is a whole turn). The transfer itself runs in its detached worker all
+    /// the same, so it outlives the server. Gives up early once the worker's progress predicts
+    /// an end well past the budget. `Some(check_file_transfer_task's reply)` once it ended.
+    pub async fn hold_reply(&self, id: i64, budget: Duration) -> Option<Value> {
+        let start = tokio::time::Instant::now();
+        loop {
+            let mut row = self.row(id).ok().flatten()?;
+            self.settle(id, &mut row);
+            if is_terminal(&row.status) {
+                return self.check(id, 20).ok();
+            }
+            let elapsed = start.elapsed();
+            if elapsed >= budget {
+                return None;
+            }
+            let p: Value = serde_json::from_str(&row.progress_json).unwrap_or(Value::Null);
+            let part = |done: &str, total: &str| match p[total].as_f64() {
+                Some(t) if t > 0.0 => p[done].as_f64().unwrap_or(0.0) / t,
+                _ => 0.0,
+            };
+            let done = part("bytes_done", "bytes_total").max(part("files_done", "files_total"));
+            if elapsed >= Duration::from_millis(300)
+                && done > 0.0
+                && elapsed.as_secs_f64() / done > budget.as_secs_f64() * 1.25
+            {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// The task's status once it is no longer running (for tests and the CLI), or `None`
     /// after `timeout`.
     pub async fn wait(&self, id: i64, timeout: Duration) -> Option<String> {

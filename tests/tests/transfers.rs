@@ -28,6 +28,8 @@ fn rsb_bin() -> PathBuf {
 struct Env {
     tmp: tempfile::TempDir,
     list: String,
+    /// More environment for the servers.
+    vars: Vec<(&'static str, String)>,
 }
 
 impl Env {
@@ -37,6 +39,7 @@ impl Env {
         Env {
             tmp,
             list: Value::Array(entries.to_vec()).to_string(),
+            vars: Vec::new(),
         }
     }
 
@@ -60,7 +63,8 @@ impl Env {
             .env("XDG_DATA_HOME", home.join(".local/share"))
             .env("RSB_STATE_DIR", self.path().join("state"))
             .env("RSB_LOG", "debug")
-            .env("REMOTE_SANDBOX_LIST", &self.list);
+            .env("REMOTE_SANDBOX_LIST", &self.list)
+            .envs(self.vars.iter().map(|(k, v)| (k, v)));
         let (transport, _) = TokioChildProcess::builder(cmd)
             .stderr(stderr)
             .spawn()
@@ -298,6 +302,42 @@ async fn killed_worker_reads_interrupted_and_cancel_is_quick() {
         .ok("check_file_transfer_task", json!({"task_id": id}))
         .await;
     assert_eq!(v["status"], "cancelled", "{v}");
+    mcp.close().await;
+}
+
+/// A plan just over the inline limits goes to a worker, and the call holds its reply the
+/// moment it takes that worker to finish: the reply carries the result, so nothing is polled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_sync_that_ends_quickly_replies_with_its_result() {
+    let sshd = Sshd::start().unwrap();
+    let mut env = Env::new(&[entry("s", &sshd, sshd.port())]);
+    env.vars
+        .push(("REMOTE_SANDBOX_INLINE_SYNC_MAX_FILES", "5".into()));
+    let src = env.path().join("src");
+    make_tree(&src, 40, 0);
+    let mcp = env.server().await;
+    let v = mcp
+        .ok(
+            "sync_local_to_remote",
+            json!({"local_path": src.display().to_string(), "remote_path": "held"}),
+        )
+        .await;
+    assert_eq!(v["mode"], "background", "{v}");
+    assert!(v["reason"].as_str().unwrap().contains("40 files"), "{v}");
+    let worker = v["pid"].as_i64().unwrap();
+    assert_ne!(Some(worker as u32), mcp.pid, "a worker ran it: {v}");
+    assert_eq!(v["status"], "completed", "{v}");
+    assert_eq!(v["result"]["uploaded_files"], 40, "{v}");
+    assert_eq!(
+        std::fs::read_to_string(sshd.home().join("held/d/f0039.txt")).unwrap(),
+        "file 39\n"
+    );
+    // The task is on record as any other.
+    let id = v["task_id"].as_i64().unwrap();
+    let c = mcp
+        .ok("check_file_transfer_task", json!({"task_id": id}))
+        .await;
+    assert_eq!(c["status"], "completed", "{c}");
     mcp.close().await;
 }
 

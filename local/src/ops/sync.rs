@@ -274,6 +274,10 @@ fn check_local_source(p: &Path) -> Result<std::fs::Metadata> {
     Ok(meta)
 }
 
+/// How long a sync tool call that went to the background may still hold its reply for the
+/// worker to finish (see `Transfers::hold_reply`).
+const HOLD_BACKGROUND_REPLY: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Run a sync for a tool call: inline when the plan is small (what must be sent, not the size
 /// of the tree), else as a background task; an inline sync still running after
 /// [`HANDOFF_AFTER`] is stopped (whole files already committed stay) and handed to a worker,
@@ -307,8 +311,9 @@ async fn sync_for_tool(
         .map(|f| expand_local(f).map(|p| p.display().to_string()))
         .transpose()?
         .unwrap_or_default();
-    let background = |reason: String| -> Result<Value> {
-        let mut v = pool.transfers()?.start(
+    let background = async |reason: String| -> Result<Value> {
+        let transfers = pool.transfers()?;
+        let mut v = transfers.start(
             pool.clone(),
             sandbox.clone(),
             spec.clone(),
@@ -317,6 +322,13 @@ async fn sync_for_tool(
             &exclude_file,
         )?;
         v["reason"] = Value::String(reason);
+        if let Some(id) = v["task_id"].as_i64()
+            && let Some(done) = transfers.hold_reply(id, HOLD_BACKGROUND_REPLY).await
+            && let (Value::Object(v), Value::Object(done)) = (&mut v, done)
+        {
+            // The start's keys (mode, task_id, pid, log_file, reason) and the end's.
+            v.extend(done);
+        }
         Ok(v)
     };
     let inline_cancel = cancel.child_token();
@@ -331,14 +343,15 @@ async fn sync_for_tool(
             return background(format!(
                 "still running after {}s inline; continued in the background (files already committed are kept)",
                 limit.as_secs_f64()
-            ));
+            )).await;
         }
     };
     if report.handed_off {
         return background(format!(
             "the plan sends {} files, {} bytes (inline limits: {max_files} files, {max_bytes} bytes)",
             report.files_transferred, report.bytes_planned
-        ));
+        ))
+        .await;
     }
     Ok(report.to_json())
 }
