@@ -30,6 +30,8 @@ const CHUNK: usize = 16 * 1024;
 /// Chunks a [`ChaosProxy::set_latency`] link holds in flight per direction (8 MiB: far above
 /// the bandwidth-delay product of any link a test models).
 const LATENCY_QUEUE: usize = 512;
+/// Sending time a [`ChaosProxy::set_latency`] link may catch up on after a late timer.
+const LATENCY_BURST: Duration = Duration::from_millis(5);
 const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long `cut()` waits for the cut connections to be fully closed, so a
 /// test can assert on `connections()` right after it.
@@ -438,7 +440,11 @@ async fn pump_latency(
             buf.truncate(n);
             let rate = shared.rate.load(Ordering::Relaxed);
             if let Some(ns) = (n as u64 * 1_000_000_000).checked_div(rate) {
-                next_free = next_free.max(tokio::time::Instant::now()) + Duration::from_nanos(ns);
+                // Timers fire up to a millisecond late: the pipe keeps that much credit (a
+                // burst of at most LATENCY_BURST), or the cap would read far below its rate.
+                let now = tokio::time::Instant::now();
+                let floor = now.checked_sub(LATENCY_BURST).unwrap_or(now);
+                next_free = next_free.max(floor) + Duration::from_nanos(ns);
                 tokio::select! {
                     _ = cut_r.changed() => return,
                     _ = tokio::time::sleep_until(next_free) => {}

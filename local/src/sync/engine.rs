@@ -72,9 +72,10 @@ const LARGE_MIN_BYTES: u64 = 512 * 1024;
 const LARGE_START_BYTES: u64 = 2 * 1024 * 1024;
 /// Ops per request for metadata-only batches (mkdir, delete).
 const META_OPS: usize = 2000;
-/// More pings (sequential) before a slow-looking round trip turns compression on: the link's
-/// delay is a floor that every sample shows, a loaded host's stall is not.
-const RTT_CONFIRM: usize = 3;
+/// More ping pairs (sequential) before a slow-looking round trip turns compression on: the
+/// link's delay is a floor that every sample shows, a loaded host's stall is not. Each costs a
+/// round trip of a far link before its transfer starts, so one.
+const RTT_CONFIRM: usize = 1;
 /// How long a failed or cancelled sync waits for `ApplyAbort` (removes its staging dir).
 const CLEANUP_TIMEOUT: Duration = Duration::from_millis(500);
 /// Progress callbacks at most this often (plus every phase change and the end).
