@@ -290,6 +290,9 @@ async fn handle(
         Request::ApplyOnce(req) => sync::apply_once(req, &cancel)
             .await
             .map(ApplyOnceRequest::into_reply),
+        Request::ReadFileZ(req) => blocking(&cancel, move || sync::read_file_z(&req))
+            .await
+            .map(rsb_protocol::ReadFileZRequest::into_reply),
     };
     responder.reply(result.unwrap_or_else(Reply::Error)).await;
 }

@@ -15,6 +15,7 @@ mod apply;
 mod blocks;
 mod cache;
 mod manifest;
+mod read;
 
 use std::ffi::CString;
 use std::fs::{File, Metadata};
@@ -29,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 pub use apply::{GAP_WAIT, Sessions, apply, apply_abort, apply_close, apply_once, apply_open};
 pub use blocks::block_hashes;
 pub use manifest::manifest;
+pub use read::read_file_z;
 
 fn cancelled() -> AgentError {
     AgentError::new(ErrorCode::Cancelled, "request cancelled")

@@ -1617,3 +1617,64 @@ fn aborted_large_file_is_kept_and_resumed() {
     a.close(s, vec![]).unwrap();
     assert!(staging_dirs(&root).is_empty());
 }
+
+#[test]
+fn compressed_data_lands_exact_and_a_bomb_or_a_lying_length_is_refused() {
+    use rsb_protocol::compress::{MAX_RAW, deflate};
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path();
+    let mut agent = Agent::start();
+    let s = agent.open(root, false).session;
+    let text: Vec<u8> = (0..30_000u32)
+        .flat_map(|i| format!("{i} lorem ipsum {}\n", i % 97).into_bytes())
+        .collect();
+    let z = deflate(&text).expect("text shrinks");
+    let ops = vec![
+        ApplyOp::FileDataZ {
+            rel: "t.txt".into(),
+            offset: 0,
+            raw_len: text.len() as u64,
+            data: z.clone(),
+        },
+        ApplyOp::FileCommit {
+            rel: "t.txt".into(),
+            size: text.len() as u64,
+            mode: 0o644,
+            mtime_ns: 1_000_000_000,
+            hash: b3(&text),
+        },
+    ];
+    assert_eq!(agent.apply(s, ops), Ok(2));
+    assert_eq!(fs::read(root.join("t.txt")).unwrap(), text);
+
+    // A length smaller than the payload inflates to, a larger one, one past the limit (a
+    // 4 MiB-of-zeros bomb claiming more), and bytes that are not deflate: each an error naming
+    // the file, nothing written.
+    let bomb = deflate(&vec![0u8; MAX_RAW]).unwrap();
+    let cases: Vec<(Vec<u8>, u64, &str)> = vec![
+        (z.clone(), text.len() as u64 - 1, "larger than"),
+        (z.clone(), text.len() as u64 + 1, "not the"),
+        (bomb.clone(), 64 * 1024, "larger than"),
+        (bomb, u64::MAX, "limit"),
+        (b"not deflate".to_vec(), 100, "corrupt"),
+    ];
+    for (data, raw_len, needle) in cases {
+        let e = expect_err(
+            agent.apply(
+                s,
+                vec![ApplyOp::FileDataZ {
+                    rel: "bad.txt".into(),
+                    offset: 0,
+                    raw_len,
+                    data,
+                }],
+            ),
+            ErrorCode::InvalidArgument,
+            needle,
+        );
+        assert!(e.message.contains("bad.txt"), "{}", e.message);
+    }
+    agent.close(s, vec![]).unwrap();
+    assert!(!root.join("bad.txt").exists());
+    assert_eq!(staged_files(root), Vec::<String>::new());
+}

@@ -504,6 +504,11 @@ impl Transfers {
             .env_clear()
             .envs(crate::connect::child_env())
             .env("RSB_STATE_DIR", &self.state_dir)
+            // The user's compression override (withheld from other children as an RSB_ var).
+            .envs(
+                std::env::var_os(crate::sync::compress::ENV)
+                    .map(|v| (crate::sync::compress::ENV, v)),
+            )
             .stdin(std::process::Stdio::null())
             .stdout(out.try_clone()?)
             .stderr(out);

@@ -9,6 +9,7 @@
 //! `serde_json::Value` anywhere in these types (JSON travels as `String`).
 
 pub mod codec;
+pub mod compress;
 pub mod error;
 pub mod exec;
 pub mod fs;
@@ -38,11 +39,11 @@ pub use resources::{
 pub use sync::{
     ApplyAbortRequest, ApplyCloseRequest, ApplyOnceRequest, ApplyOp, ApplyOpenRequest, ApplyOpened,
     ApplyRequest, ApplyResult, BlockHashesRequest, BlockHashesResult, ManifestEntry,
-    ManifestRequest, ManifestSummary, SyncRules,
+    ManifestRequest, ManifestSummary, ReadFileZRequest, ReadFileZResult, SyncRules,
 };
 
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Hash of this crate's sources at build time: catches an agent and an `rsb` built from
 /// different protocol sources even when nobody bumped [`PROTOCOL_VERSION`].
@@ -155,6 +156,7 @@ call!(ApplyRequest, Apply, "apply" => Applied(ApplyResult));
 call!(ApplyCloseRequest, ApplyClose, "apply_close" => Applied(ApplyResult));
 call!(ApplyAbortRequest, ApplyAbort, "apply_abort" => Done);
 call!(ApplyOnceRequest, ApplyOnce, "apply_once" => Applied(ApplyResult));
+call!(ReadFileZRequest, ReadFileZ, "read_file_z" => ReadFileZ(ReadFileZResult));
 
 /// Echoed back unchanged: a round trip through the agent's loop (liveness, latency).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -183,6 +185,7 @@ pub enum Request {
     ApplyClose(ApplyCloseRequest),
     ApplyAbort(ApplyAbortRequest),
     ApplyOnce(ApplyOnceRequest),
+    ReadFileZ(ReadFileZRequest),
 }
 
 impl Request {
@@ -205,6 +208,7 @@ impl Request {
         ApplyCloseRequest::NAME,
         ApplyAbortRequest::NAME,
         ApplyOnceRequest::NAME,
+        ReadFileZRequest::NAME,
     ];
 
     /// Short name for logs and error messages.
@@ -227,6 +231,7 @@ impl Request {
             Request::ApplyClose(_) => ApplyCloseRequest::NAME,
             Request::ApplyAbort(_) => ApplyAbortRequest::NAME,
             Request::ApplyOnce(_) => ApplyOnceRequest::NAME,
+            Request::ReadFileZ(_) => ReadFileZRequest::NAME,
         }
     }
 }
@@ -251,6 +256,7 @@ pub enum Reply {
     Done,
     /// Any request can fail with this instead of its own reply.
     Error(AgentError),
+    ReadFileZ(ReadFileZResult),
 }
 
 impl Reply {
@@ -272,6 +278,7 @@ impl Reply {
             Reply::Applied(_) => "applied",
             Reply::Done => "done",
             Reply::Error(_) => "error",
+            Reply::ReadFileZ(_) => "read_file_z",
         }
     }
 }

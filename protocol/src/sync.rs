@@ -167,6 +167,16 @@ pub enum ApplyOp {
         rel: String,
         block_size: u64,
     },
+    /// [`ApplyOp::FileData`] whose bytes are raw deflate ([`crate::compress`]) of `raw_len`
+    /// bytes, sent instead of it on slow links. The agent inflates with its output bounded by
+    /// `raw_len` (at most [`crate::compress::MAX_RAW`]); any other outcome fails the op.
+    FileDataZ {
+        rel: String,
+        offset: u64,
+        raw_len: u64,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
 }
 
 /// One batch of changes. The batches of a session are numbered: the orchestrator pipelines
@@ -190,6 +200,27 @@ pub struct ApplyResult {
     pub warnings: Vec<String>,
     /// Block hashes of the kept bytes a [`ApplyOp::FileResume`] in this request took over.
     pub resumed: Vec<[u8; 32]>,
+}
+
+/// `ReadFile` for a sync's source on a slow link: the agent deflates what it read
+/// ([`crate::compress`]) when that saves at least a tenth, else answers raw. At most
+/// [`crate::compress::MAX_RAW`] bytes are read, whatever `max_bytes` asks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReadFileZRequest {
+    pub path: String,
+    pub offset: u64,
+    pub max_bytes: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReadFileZResult {
+    /// Bytes read (`data` inflates to exactly this many when `compressed`).
+    pub raw_len: u64,
+    pub compressed: bool,
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// True when the file has bytes beyond `offset + raw_len`.
+    pub truncated: bool,
 }
 
 /// Finish a session after its last `Apply`: restore directory modes and mtimes, remove the

@@ -108,6 +108,12 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                     rel: "big".into(),
                     block_size: 1 << 18,
                 },
+                ApplyOp::FileDataZ {
+                    rel: "a/b".into(),
+                    offset: 3,
+                    raw_len: 100,
+                    data: vec![1, 2],
+                },
             ],
         }),
         Request::ApplyClose(ApplyCloseRequest {
@@ -121,6 +127,11 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             expect: vec![("a".into(), Some([3; 32])), ("b".into(), None)],
             ops: vec![ApplyOp::Delete { rel: "a".into() }],
             dir_mtimes: vec![(String::new(), 7)],
+        }),
+        Request::ReadFileZ(ReadFileZRequest {
+            path: "/f".into(),
+            offset: 5,
+            max_bytes: 1 << 20,
         }),
     ];
     let mut to_agent: Vec<ToAgent> = requests
@@ -279,6 +290,12 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         }),
         Reply::Done,
         Reply::Error(AgentError::new(ErrorCode::NotFound, "nope")),
+        Reply::ReadFileZ(ReadFileZResult {
+            raw_len: 10,
+            compressed: true,
+            data: vec![7; 3],
+            truncated: false,
+        }),
     ];
     let mut from_agent: Vec<FromAgent> = vec![FromAgent::Hello(Hello {
         magic: MAGIC,
@@ -555,6 +572,10 @@ fn each_call_unwraps_only_its_own_reply() {
                     warnings: vec![],
                     resumed: vec![],
                 },
+            ),
+            Request::ReadFileZ(q) => check(
+                q,
+                ReadFileZRequest::from_reply(reply("read_file_z")).unwrap(),
             ),
         }
     }

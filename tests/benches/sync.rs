@@ -8,7 +8,7 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
-use common::gen_bytes;
+use common::{gen_bytes, gen_text};
 
 use std::{
     path::Path,
@@ -20,7 +20,7 @@ use rsb::{
     pool::Pool,
     sync::{CancellationToken, Direction, SyncSpec},
 };
-use rsb_tests::Sshd;
+use rsb_tests::{ChaosProxy, Sshd};
 
 const MIB: usize = 1024 * 1024;
 
@@ -41,6 +41,25 @@ fn small_tree(root: &Path) {
     }
 }
 
+/// A source tree of text: 480 files of 2–150 KB in 40 directories plus two 3 MiB logs (the
+/// large-file path), about 40 MB in all, so `rsync -a` needs several seconds at 50 Mbit/s.
+fn text_tree(root: &Path) {
+    for d in 0..40u64 {
+        let dir = root.join(format!("src/m{d}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in 0..12u64 {
+            let i = d * 12 + f;
+            let len = 2_000 + (i * 7919 % 149) as usize * 1_000;
+            std::fs::write(dir.join(format!("f{f}.rs")), gen_text(i + 1, len)).unwrap();
+        }
+    }
+    std::fs::create_dir_all(root.join("logs")).unwrap();
+    for l in 0..2u64 {
+        let p = root.join(format!("logs/run{l}.log"));
+        std::fs::write(p, gen_text(1000 + l, 3 * MIB)).unwrap();
+    }
+}
+
 fn median(mut v: Vec<Duration>) -> f64 {
     v.sort();
     v[v.len() / 2].as_secs_f64()
@@ -53,9 +72,22 @@ struct Bench<'a> {
 
 impl Bench<'_> {
     fn rsync(&self, src: &str, dst: &str) -> Duration {
+        self.rsync_via(&["-a"], None, src, dst)
+    }
+
+    /// rsync with `flags`, through the proxy listening on `port` when given.
+    fn rsync_via(&self, flags: &[&str], port: Option<u16>, src: &str, dst: &str) -> Duration {
+        let mut ssh = self.sshd.rsync_ssh_arg();
+        if let Some(p) = port {
+            let direct = format!(" -p {}", self.sshd.port());
+            assert!(ssh.ends_with(&direct), "{ssh}");
+            ssh.truncate(ssh.len() - direct.len());
+            ssh.push_str(&format!(" -p {p}"));
+        }
         let t = Instant::now();
         let out = Command::new("rsync")
-            .args(["-a", "-e", &self.sshd.rsync_ssh_arg(), src, dst])
+            .args(flags)
+            .args(["-e", &ssh, src, dst])
             .output()
             .unwrap();
         let d = t.elapsed();
@@ -87,6 +119,16 @@ impl Bench<'_> {
 }
 
 async fn rsb_sync(pool: &Pool, dir: Direction, local: &Path, remote: &str) -> (Duration, u64) {
+    let (d, r) = rsb_report(pool, dir, local, remote).await;
+    (d, r.bytes_sent)
+}
+
+async fn rsb_report(
+    pool: &Pool,
+    dir: Direction,
+    local: &Path,
+    remote: &str,
+) -> (Duration, rsb::sync::SyncReport) {
     let spec = SyncSpec {
         direction: dir,
         local_path: local.to_path_buf(),
@@ -99,7 +141,7 @@ async fn rsb_sync(pool: &Pool, dir: Direction, local: &Path, remote: &str) -> (D
     let r = rsb::ops::sync::run(pool, "s", &spec, None, &CancellationToken::new())
         .await
         .expect("rsb sync");
-    (t.elapsed(), r.bytes_sent)
+    (t.elapsed(), r)
 }
 
 fn main() {
@@ -114,8 +156,9 @@ fn main() {
         println!("RSB_SYNC_FSYNC={v} for both agents");
         opts.set_env.push(("RSB_SYNC_FSYNC".into(), v));
     }
-    // `RSB_BENCH_ONLY=big` (or `small`) runs one group of rows: the 200 MiB rows take seconds,
-    // the whole table minutes on a loaded box.
+    // `RSB_BENCH_ONLY=big` (or `small`, or `slow`: through the chaos proxy at 20 ms RTT and
+    // 50 Mbit/s) runs one group of rows: the 200 MiB rows take seconds, the whole table minutes
+    // on a loaded box.
     let only = std::env::var("RSB_BENCH_ONLY").ok();
     let group = |g: &str| only.as_deref().is_none_or(|o| o == g);
     let sshd = Sshd::start_with(opts).expect("sshd");
@@ -249,6 +292,10 @@ fn main() {
             );
         }
         pool.shutdown().await;
+
+        if group("slow") {
+            slow_rows(&mut b, &sshd, tmp.path(), &small, reps).await;
+        }
     });
 
     println!();
@@ -263,4 +310,56 @@ fn main() {
             r / s
         );
     }
+}
+
+/// Through the chaos proxy as a wide-area link: 10 ms each way (20 ms round trip) and
+/// 50 Mbit/s each way, for rsb and for rsync alike (rsync's ssh connects through the proxy).
+async fn slow_rows(b: &mut Bench<'_>, sshd: &Sshd, tmp: &Path, small: &Path, reps: usize) {
+    let proxy = ChaosProxy::start(sshd.addr()).expect("proxy");
+    proxy.set_latency(Duration::from_millis(10));
+    proxy.set_rate_mbit(50);
+    let port = Some(proxy.port());
+    let pool = common::pool_on(sshd, proxy.port(), &tmp.join("slow-state"));
+    pool.client("s").await.expect("connect");
+    pool.local_agent().await.expect("local agent");
+    println!("through the chaos proxy: 20 ms RTT, 50 Mbit/s");
+
+    // 2,000 small files, no change (the first upload puts them there).
+    let small_s = format!("{}/", small.display());
+    rsb_sync(&pool, Direction::Upload, small, "w0/rsb").await;
+    b.rsync_via(&["-a"], port, &small_s, &b.remote("w0/rsync"));
+    let (mut r, mut s) = (Vec::new(), Vec::new());
+    for _ in 0..reps {
+        let (d, bytes) = rsb_sync(&pool, Direction::Upload, small, "w0/rsb").await;
+        assert_eq!(bytes, 0);
+        r.push(d);
+        s.push(b.rsync_via(&["-a"], port, &small_s, &b.remote("w0/rsync")));
+    }
+    b.row(
+        "slow: 2,000-file no-change",
+        median(r),
+        median(s),
+        "<= 0.1x",
+    );
+
+    // A compressible source tree, first upload: rsb (compression auto) vs rsync -a and -az.
+    let text = tmp.join("text");
+    text_tree(&text);
+    let text_s = format!("{}/", text.display());
+    let (mut r, mut s, mut z) = (Vec::new(), Vec::new(), Vec::new());
+    let mut wire = None;
+    for i in 0..reps {
+        let (d, rep) = rsb_report(&pool, Direction::Upload, &text, &format!("t{i}/rsb")).await;
+        wire = Some((rep.bytes_sent, rep.bytes_wire));
+        r.push(d);
+        s.push(b.rsync_via(&["-a"], port, &text_s, &b.remote(&format!("t{i}/rsync"))));
+        z.push(b.rsync_via(&["-az"], port, &text_s, &b.remote(&format!("t{i}/rsyncz"))));
+    }
+    if let Some((raw, w)) = wire {
+        println!("  (text tree: {raw} bytes, on the wire {w:?})");
+    }
+    let rm = median(r);
+    b.row("slow: text tree first upload", rm, median(s), "<= 0.5x");
+    b.row("slow: text tree vs rsync -az", rm, median(z), "<= 1.0x");
+    pool.shutdown().await;
 }

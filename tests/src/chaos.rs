@@ -27,6 +27,11 @@ use tokio::sync::{oneshot, watch};
 /// dropped so a runaway reconnect loop cannot exhaust file descriptors.
 const MAX_CONNECTIONS: usize = 256;
 const CHUNK: usize = 16 * 1024;
+/// Chunks a [`ChaosProxy::set_latency`] link holds in flight per direction (8 MiB: far above
+/// the bandwidth-delay product of any link a test models).
+const LATENCY_QUEUE: usize = 512;
+/// Sending time a [`ChaosProxy::set_latency`] link may catch up on after a late timer.
+const LATENCY_BURST: Duration = Duration::from_millis(5);
 const UPSTREAM_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long `cut()` waits for the cut connections to be fully closed, so a
 /// test can assert on `connections()` right after it.
@@ -42,6 +47,9 @@ pub struct ChaosProxy {
 struct Shared {
     upstream: SocketAddr,
     delay_ns: AtomicU64,
+    /// One-way propagation delay of connections opened from now on (pipelined: no cap on
+    /// throughput); 0 is none.
+    latency_ns: AtomicU64,
     /// Bytes per second per connection and direction; 0 is unlimited.
     rate: AtomicU64,
     refuse: AtomicBool,
@@ -81,6 +89,7 @@ impl ChaosProxy {
         let shared = Arc::new(Shared {
             upstream,
             delay_ns: AtomicU64::new(0),
+            latency_ns: AtomicU64::new(0),
             rate: AtomicU64::new(0),
             refuse: AtomicBool::new(false),
             blackhole: watch::Sender::new(false),
@@ -144,6 +153,16 @@ impl ChaosProxy {
     pub fn set_delay(&self, delay: Duration) {
         let ns = u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX);
         self.shared.delay_ns.store(ns, Ordering::Relaxed);
+    }
+
+    /// One-way latency of a long fat pipe: every byte arrives `one_way` after it was sent, with
+    /// many chunks in flight at once, so unlike [`set_delay`](Self::set_delay) this does not
+    /// cap throughput (a 20 ms round trip is `set_latency(10 ms)`). Combine with
+    /// [`set_rate_mbit`](Self::set_rate_mbit) for a wide-area link. Applies to connections
+    /// opened after the call.
+    pub fn set_latency(&self, one_way: Duration) {
+        let ns = u64::try_from(one_way.as_nanos()).unwrap_or(u64::MAX);
+        self.shared.latency_ns.store(ns, Ordering::Relaxed);
     }
 
     /// Caps each direction of each connection at `bytes_per_sec` (`None`: unlimited), as a
@@ -300,13 +319,24 @@ async fn relay(client: TcpStream, guard: Arc<ConnGuard>, mut cut_rx: watch::Rece
     let down_guard = guard.clone();
     let down_cut = cut_rx.clone();
     let down_bh = shared.blackhole.subscribe();
+    let latency = Duration::from_nanos(shared.latency_ns.load(Ordering::Relaxed));
     tokio::spawn(async move {
         let shared = down_guard.shared.clone();
-        pump(up_rd, client_wr, down_cut, down_bh, &shared, &shared.down).await;
+        if latency.is_zero() {
+            pump(up_rd, client_wr, down_cut, down_bh, &shared, &shared.down).await;
+        } else {
+            let p = (up_rd, client_wr, down_cut, down_bh);
+            pump_latency(p, &shared, &shared.down, latency).await;
+        }
         drop(down_guard);
     });
     let up_bh = shared.blackhole.subscribe();
-    pump(client_rd, up_wr, cut_rx, up_bh, &shared, &shared.up).await;
+    if latency.is_zero() {
+        pump(client_rd, up_wr, cut_rx, up_bh, &shared, &shared.up).await;
+    } else {
+        let p = (client_rd, up_wr, cut_rx, up_bh);
+        pump_latency(p, &shared, &shared.up, latency).await;
+    }
     drop(guard);
 }
 
@@ -370,6 +400,80 @@ async fn pump(
             next_free = tokio::time::Instant::now();
         }
     }
+}
+
+/// [`pump`] for a link with propagation delay: a reader paces chunks at the rate cap and queues
+/// each with the time it is due, a writer sends it then, so up to [`LATENCY_QUEUE`] chunks are
+/// in flight at once (a real link's bandwidth-delay product), not one per delay.
+async fn pump_latency(
+    (mut rd, mut wr, cut, blackhole): (
+        OwnedReadHalf,
+        OwnedWriteHalf,
+        watch::Receiver<u64>,
+        watch::Receiver<bool>,
+    ),
+    shared: &Shared,
+    counter: &AtomicU64,
+    latency: Duration,
+) {
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<(Vec<u8>, tokio::time::Instant)>(LATENCY_QUEUE);
+    let (mut cut_r, mut cut_w) = (cut.clone(), cut);
+    let (mut bh_r, mut bh_w) = (blackhole.clone(), blackhole);
+    let reader = async move {
+        let mut next_free = tokio::time::Instant::now();
+        loop {
+            if !wait_open(&mut bh_r, &mut cut_r).await {
+                return;
+            }
+            let mut buf = vec![0u8; CHUNK];
+            let n = tokio::select! {
+                _ = cut_r.changed() => return,
+                r = rd.read(&mut buf) => match r {
+                    Ok(n) => n,
+                    Err(_) => return,
+                },
+            };
+            if n == 0 {
+                // Dropping `tx` lets the writer drain the queue and send FIN.
+                return;
+            }
+            buf.truncate(n);
+            let rate = shared.rate.load(Ordering::Relaxed);
+            if let Some(ns) = (n as u64 * 1_000_000_000).checked_div(rate) {
+                // Timers fire up to a millisecond late: the pipe keeps that much credit (a
+                // burst of at most LATENCY_BURST), or the cap would read far below its rate.
+                let now = tokio::time::Instant::now();
+                let floor = now.checked_sub(LATENCY_BURST).unwrap_or(now);
+                next_free = next_free.max(floor) + Duration::from_nanos(ns);
+                tokio::select! {
+                    _ = cut_r.changed() => return,
+                    _ = tokio::time::sleep_until(next_free) => {}
+                }
+            }
+            let due = tokio::time::Instant::now() + latency;
+            if tx.send((buf, due)).await.is_err() {
+                return;
+            }
+        }
+    };
+    let writer = async move {
+        while let Some((buf, due)) = rx.recv().await {
+            tokio::select! {
+                _ = cut_w.changed() => return,
+                _ = tokio::time::sleep_until(due) => {}
+            }
+            if !wait_open(&mut bh_w, &mut cut_w).await {
+                return;
+            }
+            tokio::select! {
+                _ = cut_w.changed() => return,
+                r = wr.write_all(&buf) => if r.is_err() { return },
+            }
+            counter.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        }
+        let _ = wr.shutdown().await;
+    };
+    tokio::join!(reader, writer);
 }
 
 /// Waits until the blackhole is off; `false` means the connection was cut

@@ -682,7 +682,7 @@ impl Session {
                 return Err(cancelled());
             }
             let flush_first = match &op {
-                ApplyOp::FileData { .. } => false,
+                ApplyOp::FileData { .. } | ApplyOp::FileDataZ { .. } => false,
                 ApplyOp::FileCommit { rel, .. }
                 | ApplyOp::FileResume { rel, .. }
                 | ApplyOp::Mkdir { rel, .. }
@@ -732,6 +732,16 @@ impl Session {
             } => self.set_attr(&rel, mode, mtime_ns, dirs),
             ApplyOp::Delete { rel } => self.delete(&rel, dirs),
             ApplyOp::FileResume { rel, block_size } => self.file_resume(&rel, block_size),
+            ApplyOp::FileDataZ {
+                rel,
+                offset,
+                raw_len,
+                data,
+            } => {
+                let raw = rsb_protocol::compress::inflate(&data, raw_len)
+                    .map_err(|m| err(ErrorCode::InvalidArgument, format!("write {rel}: {m}")))?;
+                self.file_data(&rel, offset, &raw)
+            }
         }
     }
 

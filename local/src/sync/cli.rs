@@ -102,6 +102,9 @@ pub fn summary(rep: &super::SyncReport, upload: bool) -> String {
         count(rep.files_transferred, "file"),
         human_bytes(bytes)
     )];
+    if let Some(w) = rep.bytes_wire.filter(|_| !rep.dry_run) {
+        parts[0].push_str(&format!(" as {} compressed", human_bytes(w)));
+    }
     for (n, what) in [
         (rep.dirs_created, "dir created"),
         (rep.skipped_files, "unchanged"),

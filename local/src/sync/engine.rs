@@ -29,13 +29,16 @@ use parking_lot::Mutex;
 use rsb_protocol::{
     ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyRequest,
     BlockHashesRequest, Chunk, ErrorCode, FileKind, ManifestEntry, ManifestRequest,
-    ManifestSummary, ReadFileRequest, StatRequest, SyncRules, sync::PARTIAL_MIN,
+    ManifestSummary, PingRequest, ReadFileRequest, ReadFileZRequest, StatRequest, SyncRules,
+    compress::MAX_RAW, sync::PARTIAL_MIN,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    Direction, Phase, Progress, ProgressFn, SyncReport, SyncSpec, join_rel,
+    Direction, Phase, Progress, ProgressFn, SyncReport, SyncSpec,
+    compress::{Compress, Mode},
+    join_rel,
     plan::{self, BLOCK_SIZE, FileXfer, Plan, PlanOptions},
 };
 use crate::{
@@ -69,6 +72,10 @@ const LARGE_MIN_BYTES: u64 = 512 * 1024;
 const LARGE_START_BYTES: u64 = 2 * 1024 * 1024;
 /// Ops per request for metadata-only batches (mkdir, delete).
 const META_OPS: usize = 2000;
+/// More ping pairs (sequential) before a slow-looking round trip turns compression on: the
+/// link's delay is a floor that every sample shows, a loaded host's stall is not. Each costs a
+/// round trip of a far link before its transfer starts, so one.
+const RTT_CONFIRM: usize = 1;
 /// How long a failed or cancelled sync waits for `ApplyAbort` (removes its staging dir).
 const CLEANUP_TIMEOUT: Duration = Duration::from_millis(500);
 /// Progress callbacks at most this often (plus every phase change and the end).
@@ -229,6 +236,21 @@ async fn stat_opt(c: &AgentClient, path: &str) -> Result<Option<rsb_protocol::Fi
     }
 }
 
+/// One round trip to `c`; a failed ping reads as a slow link (the transfer that follows then
+/// reports the broken link itself).
+async fn ping(c: &AgentClient) -> Duration {
+    let t = Instant::now();
+    match c
+        .call(PingRequest {
+            payload: Vec::new(),
+        })
+        .await
+    {
+        Ok(_) => t.elapsed(),
+        Err(_) => Duration::MAX,
+    }
+}
+
 /// An open apply session on the destination.
 ///
 /// Its requests are numbered at the moment the client queues their frames, so they reach the
@@ -280,8 +302,13 @@ impl Session {
         Ok(info)
     }
 
-    /// Apply, answering with `bytes` and when the request was handed to the channel.
-    async fn apply_timed(&self, ops: Vec<ApplyOp>, bytes: u64) -> Result<(u64, Instant)> {
+    /// Apply, answering with `(raw, wire)` bytes and when the request was handed to the
+    /// channel.
+    async fn apply_timed(
+        &self,
+        ops: Vec<ApplyOp>,
+        bytes: (u64, u64),
+    ) -> Result<((u64, u64), Instant)> {
         let at = Instant::now();
         self.apply(ops).await?;
         Ok((bytes, at))
@@ -303,15 +330,88 @@ async fn abort(dst: AgentClient, session: u64) -> Result<()> {
     dst.call(ApplyAbortRequest { session }).await
 }
 
-/// Read a whole small file (owned arguments: the future is `'static`).
-async fn read_small(src: AgentClient, path: String, f: FileXfer) -> Result<(FileXfer, Vec<u8>)> {
-    let data = read_range(&src, &path, 0, f.size, true).await?;
-    Ok((f, data))
+/// A small file as read, ready for its batch.
+struct SmallFile {
+    f: FileXfer,
+    data: Vec<u8>,
+    /// blake3 of `data`, when taken off the runtime with the compression.
+    hash: Option<[u8; 32]>,
+    /// `data` deflated, when compression is on and it shrank.
+    z: Option<Vec<u8>>,
 }
 
-async fn read_block(src: AgentClient, path: String, off: u64, len: u64) -> Result<(u64, Vec<u8>)> {
-    let d = read_range(&src, &path, off, len, false).await?;
-    Ok((off, d))
+/// Read a whole small file (owned arguments: the future is `'static`); with compression on,
+/// hash and deflate it on a blocking thread, so files compress in parallel with each other
+/// and with the reads.
+async fn read_small(
+    src: AgentClient,
+    path: String,
+    f: FileXfer,
+    comp: Arc<Compress>,
+) -> Result<SmallFile> {
+    let data = read_range(&src, &path, 0, f.size, true, Some((&comp, None))).await?;
+    if !comp.here() {
+        return Ok(SmallFile {
+            f,
+            data,
+            hash: None,
+            z: None,
+        });
+    }
+    let work = move || {
+        let hash = *blake3::hash(&data).as_bytes();
+        let z = comp.deflate(&data, None);
+        SmallFile {
+            f,
+            data,
+            hash: Some(hash),
+            z,
+        }
+    };
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| RsbError::internal(format!("compressing a file: {e}")))
+}
+
+/// One block of a large file: `(offset, raw bytes, deflated bytes when on and they shrank)`.
+type Block = (u64, Vec<u8>, Option<Vec<u8>>);
+
+async fn read_block(
+    src: AgentClient,
+    path: String,
+    off: u64,
+    len: u64,
+    comp: Arc<Compress>,
+    skip: Arc<std::sync::atomic::AtomicBool>,
+) -> Result<Block> {
+    let z = (!skip.load(Ordering::Relaxed)).then_some((&*comp, Some(&*skip)));
+    let d = read_range(&src, &path, off, len, false, z).await?;
+    if !comp.here() || skip.load(Ordering::Relaxed) {
+        return Ok((off, d, None));
+    }
+    tokio::task::spawn_blocking(move || {
+        let z = comp.deflate(&d, Some(&skip));
+        (off, d, z)
+    })
+    .await
+    .map_err(|e| RsbError::internal(format!("compressing a block: {e}")))
+}
+
+/// The op that writes `data` at `offset`: deflated when `z` holds it.
+fn data_op(rel: &str, offset: u64, data: Vec<u8>, z: Option<Vec<u8>>) -> ApplyOp {
+    match z {
+        Some(z) => ApplyOp::FileDataZ {
+            rel: rel.to_string(),
+            offset,
+            raw_len: data.len() as u64,
+            data: z,
+        },
+        None => ApplyOp::FileData {
+            rel: rel.to_string(),
+            offset,
+            data,
+        },
+    }
 }
 
 async fn block_hashes(c: &AgentClient, path: &str) -> Result<Vec<[u8; 32]>> {
@@ -322,14 +422,51 @@ async fn block_hashes(c: &AgentClient, path: &str) -> Result<Vec<[u8; 32]>> {
     Ok(c.call(req).await?.hashes)
 }
 
-/// Read `[offset, offset + len)`; with `to_eof`, keep reading while the file has more.
+/// `ReadFile` through the source agent's compression: `(data, truncated)`. A block that
+/// did not shrink sets `skip`, so the rest of its file is read plain.
+async fn read_z(
+    src: &AgentClient,
+    path: &str,
+    offset: u64,
+    max_bytes: u64,
+    (comp, skip): (&Compress, Option<&std::sync::atomic::AtomicBool>),
+) -> Result<(Vec<u8>, bool)> {
+    let r = src
+        .call(ReadFileZRequest {
+            path: path.to_string(),
+            offset,
+            max_bytes,
+        })
+        .await?;
+    if r.raw_len > max_bytes {
+        return Err(RsbError::internal(format!(
+            "read of {path}: {} bytes answered for {max_bytes} asked",
+            r.raw_len
+        )));
+    }
+    if !r.compressed {
+        if let Some(s) = skip.filter(|_| r.raw_len > 0) {
+            s.store(true, Ordering::Relaxed);
+        }
+        return Ok((r.data, r.truncated));
+    }
+    let raw = rsb_protocol::compress::inflate(&r.data, r.raw_len)
+        .map_err(|m| RsbError::internal(format!("read of {path}: {m}")))?;
+    comp.record(r.raw_len, r.data.len() as u64);
+    Ok((raw, r.truncated))
+}
+
+/// Read `[offset, offset + len)`; with `to_eof`, keep reading while the file has more. With
+/// `comp` compressing at the source, through [`read_z`].
 async fn read_range(
     src: &AgentClient,
     path: &str,
     offset: u64,
     len: u64,
     to_eof: bool,
+    comp: Option<(&Compress, Option<&std::sync::atomic::AtomicBool>)>,
 ) -> Result<Vec<u8>> {
+    let comp = comp.filter(|c| c.0.at_source());
     let mut data = Vec::new();
     let mut off = offset;
     loop {
@@ -338,22 +475,28 @@ async fn read_range(
         } else {
             len - data.len() as u64
         };
-        let r = src
-            .call(ReadFileRequest {
-                path: path.to_string(),
-                offset: off,
-                max_bytes: want,
-            })
-            .await?;
-        let n = r.data.len() as u64;
+        let (chunk, truncated) = match comp {
+            Some(c) => read_z(src, path, off, want.min(MAX_RAW as u64), c).await?,
+            None => {
+                let r = src
+                    .call(ReadFileRequest {
+                        path: path.to_string(),
+                        offset: off,
+                        max_bytes: want,
+                    })
+                    .await?;
+                (r.data, r.truncated)
+            }
+        };
+        let n = chunk.len() as u64;
         if data.is_empty() {
-            data = r.data;
+            data = chunk;
         } else {
-            data.extend_from_slice(&r.data);
+            data.extend_from_slice(&chunk);
         }
         off += n;
         let done = if to_eof {
-            !r.truncated || n == 0
+            !truncated || n == 0
         } else {
             data.len() as u64 >= len || n == 0
         };
@@ -518,6 +661,7 @@ pub async fn run_with(
     cancel: &CancellationToken,
     opts: &RunOptions,
 ) -> Result<SyncReport> {
+    let compress_mode = Mode::from_env()?;
     let tracker = Arc::new(Tracker::new(progress));
     let local_str = spec.local_path.to_string_lossy().into_owned();
     let remote_str = anchor_home(&spec.remote_path);
@@ -652,6 +796,7 @@ pub async fn run_with(
                     &mut report,
                     cancel,
                     opts,
+                    compress_mode,
                 )
                 .await
             }
@@ -752,6 +897,7 @@ pub async fn run_with(
                     &mut report,
                     cancel,
                     opts,
+                    compress_mode,
                 )
                 .await
             }
@@ -855,6 +1001,7 @@ async fn execute(
     report: &mut SyncReport,
     cancel: &CancellationToken,
     opts: &RunOptions,
+    compress_mode: Mode,
 ) -> Result<()> {
     report.skipped_files += plan.unchanged;
     report.conflicts = plan
@@ -898,12 +1045,42 @@ async fn execute(
         p.files_total = (plan.files.len() + plan.symlinks.len()) as u64;
         p.bytes_total = plan.bytes_total();
     });
-    let opened = dst
-        .call(ApplyOpenRequest {
-            root: roots.dst.clone(),
-            create_root: true,
-        })
-        .await?;
+    let (remote, local) = match spec.direction {
+        Direction::Upload => (dst, src),
+        Direction::Download => (src, dst),
+    };
+    let open = dst.call(ApplyOpenRequest {
+        root: roots.dst.clone(),
+        create_root: true,
+    });
+    // The link's own delay, for the compression decision, measured beside the open (which
+    // costs a round trip anyway): the remote agent's round trip less the local agent's, taken
+    // at the same moment (the same client and agent code, no link), so that a loaded host or
+    // a debug build, slow on both, does not read as a far link. A slow-looking link is
+    // measured again: its delay is a floor every sample shows, a stall of the host is not.
+    let (opened, r0, l0) = tokio::join!(open, ping(remote), ping(local));
+    let opened = opened?;
+    let (mut r_min, mut l_min) = (r0, l0);
+    let link = |r: Duration, l: Duration| r.saturating_sub(l);
+    for _ in 0..RTT_CONFIRM {
+        if compress_mode != Mode::Auto || !compress_mode.decide(link(r_min, l_min)) {
+            break;
+        }
+        let (r, l) = tokio::join!(ping(remote), ping(local));
+        (r_min, l_min) = (r_min.min(r), l_min.min(l));
+    }
+    let rtt = link(r_min, l_min);
+    let compress_on = compress_mode.decide(rtt);
+    tracing::debug!(?r_min, ?l_min, compress_on, "link measured");
+    if std::env::var_os("RSB_SYNC_TIMING").is_some() {
+        eprintln!(
+            "[sync timing] round trip remote {r_min:?}, local {l_min:?}: compression {compress_on}"
+        );
+    }
+    let comp = Arc::new(Compress::new(
+        compress_on,
+        spec.direction == Direction::Download,
+    ));
     let session = Session::new(dst, opened.session);
     // Whatever happens from here (error, cancel, this future dropped), the session is aborted
     // so its staging dir goes; a session left open would keep its staging until the
@@ -930,12 +1107,17 @@ async fn execute(
         roots,
         tracker: tracker.clone(),
         bytes_sent: Mutex::new(0),
+        comp: comp.clone(),
     };
     let res = tokio::select! {
         r = ctx.transfer(&plan, report) => r,
         _ = cancel.cancelled() => Err(cancelled_keeping(tracker.large.lock().clone())),
     };
     report.bytes_sent = *ctx.bytes_sent.lock();
+    if comp.on() {
+        let (raw, wire) = comp.saved();
+        report.bytes_wire = Some(report.bytes_sent.saturating_sub(raw) + wire);
+    }
     match res {
         Ok(()) => {
             tmark(tracker, "transferred");
@@ -1052,6 +1234,8 @@ struct Ctx<'a> {
     roots: &'a Roots,
     tracker: Arc<Tracker>,
     bytes_sent: Mutex<u64>,
+    /// Compression of the file bytes this transfer sends.
+    comp: Arc<Compress>,
 }
 
 /// What one small batch carries, for progress once it is acknowledged.
@@ -1076,9 +1260,10 @@ impl Ctx<'_> {
             .into_iter()
             .map(|f| (self.src.clone(), self.roots.src_path(&f.rel), f.clone()))
             .collect();
+        let comp = self.comp.clone();
         let reader = AbortOnDrop(tokio::spawn(async move {
             let mut reads = futures::stream::iter(jobs)
-                .map(|(c, p, f)| read_small(c, p, f))
+                .map(|(c, p, f)| read_small(c, p, f, comp.clone()))
                 .buffered(SMALL_READS);
             while let Some(r) = reads.next().await {
                 let stop = r.is_err();
@@ -1165,7 +1350,7 @@ impl Ctx<'_> {
     async fn send_small(
         &self,
         plan: &Plan,
-        mut reads: mpsc::Receiver<Result<(FileXfer, Vec<u8>)>>,
+        mut reads: mpsc::Receiver<Result<SmallFile>>,
     ) -> Result<()> {
         let mut inflight = FuturesUnordered::new();
         let mut ops: Vec<ApplyOp> = Vec::new();
@@ -1231,20 +1416,16 @@ impl Ctx<'_> {
                 self.tracker.acked(b.files, b.bytes, b.last.as_deref());
             }
             let Some(r) = reads.recv().await else { break };
-            let (f, data) = r?;
+            let SmallFile { f, data, hash, z } = r?;
             // What is committed is exactly what was read: a file changed since the scan is
             // sent as read (its hash taken here), never torn.
-            let hash = *blake3::hash(&data).as_bytes();
+            let hash = hash.unwrap_or_else(|| *blake3::hash(&data).as_bytes());
             let size = data.len() as u64;
             data_bytes += data.len();
             info.files += 1;
             info.bytes += size;
             info.last = Some(f.rel.clone());
-            ops.push(ApplyOp::FileData {
-                rel: f.rel.clone(),
-                offset: 0,
-                data,
-            });
+            ops.push(data_op(&f.rel, 0, data, z));
             ops.push(ApplyOp::FileCommit {
                 rel: f.rel.clone(),
                 size,
@@ -1331,21 +1512,25 @@ impl Ctx<'_> {
             .into_iter()
             .map(|(off, len)| (self.src.clone(), src_path.clone(), off, len))
             .collect();
+        // Set when a block of this file did not shrink: the rest travels raw untried.
+        let skip = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut reads = futures::stream::iter(jobs)
-            .map(|(c, p, off, len)| read_block(c, p, off, len))
+            .map(|(c, p, off, len)| read_block(c, p, off, len, self.comp.clone(), skip.clone()))
             .buffered(LARGE_READS);
         let mut hasher = whole.then(blake3::Hasher::new);
         let mut total: u64 = 0;
         let mut inflight = FuturesUnordered::new();
         let mut pending: Vec<ApplyOp> = Vec::new();
+        // Raw bytes (progress) and bytes on the wire (the window) of `pending`.
         let mut pending_bytes = 0u64;
+        let mut pending_wire = 0u64;
         let mut eof = false;
         let mut window = Window::new();
         loop {
             let next = if eof { None } else { reads.next().await };
             let last = next.is_none();
             if let Some(r) = next {
-                let (off, data) = r?;
+                let (off, data, z) = r?;
                 if let Some(h) = hasher.as_mut() {
                     if off != total {
                         // The file shrank under us: stop at what was read.
@@ -1360,12 +1545,9 @@ impl Ctx<'_> {
                     eof = true;
                 }
                 pending_bytes += n;
+                pending_wire += z.as_ref().map_or(n, |z| z.len() as u64);
                 if n > 0 {
-                    pending.push(ApplyOp::FileData {
-                        rel: f.rel.clone(),
-                        offset: off,
-                        data,
-                    });
+                    pending.push(data_op(&f.rel, off, data, z));
                 }
             }
             let full = pending.len() >= window.chunks();
@@ -1381,6 +1563,7 @@ impl Ctx<'_> {
                     std::mem::take(&mut pending)
                 };
                 let bytes = std::mem::take(&mut pending_bytes);
+                let wire = std::mem::take(&mut pending_wire);
                 self.sent(bytes);
                 if !first_awaited {
                     self.session.apply(ops).await?;
@@ -1388,21 +1571,22 @@ impl Ctx<'_> {
                     held(bytes);
                     first_awaited = true;
                 } else {
+                    // The window counts bytes on the wire: it bounds the link's queue.
                     while inflight.len() >= LARGE_WINDOW
-                        || (!inflight.is_empty() && window.full(bytes))
+                        || (!inflight.is_empty() && window.full(wire))
                     {
-                        let (b, at) = inflight.next().await.expect("non-empty")?;
-                        window.acked(b, at);
+                        let ((b, w), at) = inflight.next().await.expect("non-empty")?;
+                        window.acked(w, at);
                         self.tracker.acked(0, b, Some(&f.rel));
                         held(b);
                     }
-                    window.sent(bytes);
-                    inflight.push(self.session.apply_timed(ops, bytes));
+                    window.sent(wire);
+                    inflight.push(self.session.apply_timed(ops, (bytes, wire)));
                     // Poll now: the new request takes its place in the channel at once (its
                     // send time is its first poll), and acknowledgements that came are counted.
                     while let Some(Some(r)) = futures::FutureExt::now_or_never(inflight.next()) {
-                        let (b, at) = r?;
-                        window.acked(b, at);
+                        let ((b, w), at) = r?;
+                        window.acked(w, at);
                         self.tracker.acked(0, b, Some(&f.rel));
                         held(b);
                     }
@@ -1413,7 +1597,7 @@ impl Ctx<'_> {
             }
         }
         while let Some(r) = inflight.next().await {
-            let (b, _) = r?;
+            let ((b, _), _) = r?;
             self.tracker.acked(0, b, Some(&f.rel));
             held(b);
         }

@@ -19,6 +19,7 @@
 //! whose mode or mtime alone was fixed.
 
 pub mod cli;
+pub mod compress;
 pub mod engine;
 pub mod plan;
 pub mod watch;
@@ -160,6 +161,9 @@ pub struct SyncReport {
     pub baseline_out: Option<std::collections::HashMap<String, [u8; 32]>>,
     /// Non-fatal problems after commit (e.g. the root's mtime on a directory not owned).
     pub warnings: Vec<String>,
+    /// With compression on for this transfer ([`compress`]): the file bytes that crossed the
+    /// link, compressed or not (`bytes_sent` counts them raw). `None`: compression was off.
+    pub bytes_wire: Option<u64>,
 }
 
 impl SyncReport {
@@ -191,6 +195,9 @@ impl SyncReport {
         };
         v["bytes_sent"] = json!(self.bytes_sent);
         v["attrs_updated"] = json!(self.attrs_updated);
+        if let Some(w) = self.bytes_wire {
+            v["bytes_wire"] = json!(w);
+        }
         if self.delta_files > 0 {
             v["delta_files"] = json!(self.delta_files);
         }

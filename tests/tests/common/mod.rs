@@ -105,6 +105,74 @@ pub fn gen_bytes(seed: u64, len: usize) -> Vec<u8> {
     out
 }
 
+/// Deterministic source-code-like text of about `len` bytes: indented lines of identifiers
+/// (common ones far more often than rare ones, as in real code), small numbers and
+/// punctuation, with some lines repeating a recent one with a word changed, so deflate finds
+/// what it finds in real source trees (a ratio of about three), not the runs of a zero file.
+pub fn gen_text(seed: u64, len: usize) -> String {
+    const WORDS: &[&str] = &[
+        "self", "let", "fn", "if", "return", "mut", "data", "len", "the", "value", "match", "else",
+        "for", "in", "result", "error", "Ok", "Err", "Some", "None", "pub", "use", "struct",
+        "impl", "while", "const", "config", "buffer", "offset", "index", "count", "path", "file",
+        "reader", "writer", "session", "request", "reply", "handle", "stream", "chunk", "frame",
+        "window", "rate", "queue", "token", "parse", "encode", "decode", "state", "event", "timer",
+        "cache", "hash", "entry", "node", "tree", "list", "map", "key", "item", "sum", "max",
+        "min", "retry", "deadline", "manifest", "staging",
+    ];
+    const PUNCT: &[&str] = &[
+        "(", ")", " = ", ", ", ";", ".", " {", "}", " -> ", "::", " + ",
+    ];
+    let mut x = seed | 1;
+    let mut next = move || {
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 16
+    };
+    // Skewed towards the first words: the product of two uniform draws.
+    let word = |r: u64| {
+        let a = (r % 64) as usize;
+        let b = ((r >> 6) % 64) as usize;
+        WORDS[(a * b / 64) % WORDS.len()]
+    };
+    let mut out = String::with_capacity(len + 128);
+    let mut recent: Vec<String> = Vec::new();
+    while out.len() < len {
+        let r = next();
+        let line = if r % 10 < 3 && !recent.is_empty() {
+            let old = &recent[(r / 10) as usize % recent.len()];
+            old.replacen(word(r >> 20), word(r >> 32), 1)
+        } else {
+            let mut l = " ".repeat((r % 4) as usize * 4);
+            for _ in 0..(3 + next() % 8) {
+                let r = next();
+                match r % 8 {
+                    0 => l.push_str(&format!("{}", r % 1000)),
+                    1 | 2 => l.push_str(PUNCT[(r / 8) as usize % PUNCT.len()]),
+                    3 => {
+                        l.push_str(word(r >> 3));
+                        l.push('_');
+                        l.push_str(word(r >> 15));
+                    }
+                    _ => {
+                        l.push_str(word(r >> 3));
+                        l.push(' ');
+                    }
+                }
+            }
+            l
+        };
+        out.push_str(&line);
+        out.push('\n');
+        if recent.len() < 32 {
+            recent.push(line);
+        } else {
+            recent[(r >> 40) as usize % 32] = line;
+        }
+    }
+    out
+}
+
 /// A key-auth target for `sshd` reached through a fresh chaos proxy, for fault tests.
 pub fn proxied_target(sshd: &Sshd, dir: &Path) -> (rsb_tests::ChaosProxy, SshTarget) {
     let proxy = rsb_tests::ChaosProxy::start(sshd.addr()).unwrap();

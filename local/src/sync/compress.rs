@@ -1,0 +1,168 @@
+//! Whether a sync deflates file bytes on their way across the link, and what that saved.
+//!
+//! Compression pays only where the link, not the CPU, is the bottleneck: one core compresses
+//! text at level 1 at 100+ MB/s and the agent inflates faster still, so a link of tens of
+//! Mbit/s gains almost the compression ratio, while loopback or a fast LAN only loses CPU to
+//! it. `auto` (the default) therefore decides per transfer from the measured round trip to the
+//! remote agent (a link [`SLOW_RTT`] or more away is a wide-area link, slower than the
+//! compressor), and per payload from what it saves: a payload that does not shrink by a tenth
+//! travels raw, and a large file whose first chunk did not shrink sends the rest raw without
+//! trying. `RSB_SYNC_COMPRESS=on|off` overrides the link decision (`on`: a slow link that is
+//! near, such as a congested Wi-Fi; `off`: a far link faster than a core compresses).
+
+use std::{
+    sync::atomic::{AtomicBool, AtomicU64, Ordering},
+    time::Duration,
+};
+
+use crate::error::{Result, RsbError};
+
+/// The environment variable that overrides the link decision.
+pub const ENV: &str = "RSB_SYNC_COMPRESS";
+
+/// The round trip from which a link counts as slow. Loopback and a LAN answer in well under a
+/// millisecond (a few on a loaded host); links tens of Mbit/s wide are wide-area links, whose
+/// round trips are 10 ms and more.
+pub const SLOW_RTT: Duration = Duration::from_millis(5);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Auto,
+    On,
+    Off,
+}
+
+impl Mode {
+    /// From [`ENV`]; unset or empty is `auto`.
+    pub fn from_env() -> Result<Mode> {
+        match std::env::var(ENV).as_deref().map(str::trim) {
+            Err(_) | Ok("") | Ok("auto") => Ok(Mode::Auto),
+            Ok("on") => Ok(Mode::On),
+            Ok("off") => Ok(Mode::Off),
+            Ok(other) => Err(RsbError::invalid(
+                format!("{ENV}={other:?} is not a compression mode"),
+                format!("set {ENV} to auto, on or off (or unset it)"),
+            )),
+        }
+    }
+
+    /// On for this transfer, given the measured round trip to the remote agent?
+    pub fn decide(self, rtt: Duration) -> bool {
+        match self {
+            Mode::On => true,
+            Mode::Off => false,
+            Mode::Auto => rtt >= SLOW_RTT,
+        }
+    }
+}
+
+/// One transfer's compression: on or off, where, and the bytes of the payloads compressed.
+#[derive(Debug, Default)]
+pub struct Compress {
+    on: bool,
+    /// The source agent compresses (a download: the link is between it and this process);
+    /// otherwise this process does, before the destination's agent.
+    at_source: bool,
+    /// Raw bytes of the payloads sent compressed…
+    raw: AtomicU64,
+    /// …and their size on the wire.
+    wire: AtomicU64,
+}
+
+impl Compress {
+    pub fn new(on: bool, at_source: bool) -> Compress {
+        Compress {
+            on,
+            at_source,
+            ..Default::default()
+        }
+    }
+
+    pub fn on(&self) -> bool {
+        self.on
+    }
+
+    /// This process deflates what it sends.
+    pub fn here(&self) -> bool {
+        self.on && !self.at_source
+    }
+
+    /// The source agent deflates what it reads (`ReadFileZ`).
+    pub fn at_source(&self) -> bool {
+        self.on && self.at_source
+    }
+
+    /// Count a payload that crossed the link compressed.
+    pub fn record(&self, raw: u64, wire: u64) {
+        self.raw.fetch_add(raw, Ordering::Relaxed);
+        self.wire.fetch_add(wire, Ordering::Relaxed);
+    }
+
+    /// Compress one payload when on and worth it (CPU-bound: call off the async runtime for
+    /// more than a few KiB). `skip` is the file's memory that an earlier chunk did not shrink.
+    pub fn deflate(&self, data: &[u8], skip: Option<&AtomicBool>) -> Option<Vec<u8>> {
+        if !self.here() || skip.is_some_and(|s| s.load(Ordering::Relaxed)) {
+            return None;
+        }
+        let z = rsb_protocol::compress::deflate(data);
+        match &z {
+            Some(z) => self.record(data.len() as u64, z.len() as u64),
+            None => {
+                if let Some(s) = skip {
+                    s.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+        z
+    }
+
+    /// `(raw, wire)` bytes of the payloads sent compressed.
+    pub fn saved(&self) -> (u64, u64) {
+        (
+            self.raw.load(Ordering::Relaxed),
+            self.wire.load(Ordering::Relaxed),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_follows_the_round_trip() {
+        assert!(!Mode::Auto.decide(Duration::from_micros(300)));
+        assert!(Mode::Auto.decide(Duration::from_millis(20)));
+        assert!(Mode::On.decide(Duration::ZERO));
+        assert!(!Mode::Off.decide(Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn incompressible_chunk_stops_the_file() {
+        let c = Compress::new(true, false);
+        let skip = AtomicBool::new(false);
+        let mut x = 1u32;
+        let rnd: Vec<u8> = (0..50_000)
+            .map(|_| {
+                x = x.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                (x >> 24) as u8
+            })
+            .collect();
+        assert!(c.deflate(&rnd, Some(&skip)).is_none());
+        assert!(skip.load(Ordering::Relaxed));
+        let text = "hello world, hello sync\n".repeat(1000);
+        assert!(c.deflate(text.as_bytes(), Some(&skip)).is_none());
+        assert!(c.deflate(text.as_bytes(), None).is_some());
+        assert_eq!(c.saved().0, text.len() as u64);
+        assert!(
+            Compress::new(false, false)
+                .deflate(text.as_bytes(), None)
+                .is_none()
+        );
+        assert!(
+            Compress::new(true, true)
+                .deflate(text.as_bytes(), None)
+                .is_none()
+        );
+    }
+}
