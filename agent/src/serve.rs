@@ -520,6 +520,58 @@ async fn termination() {
     let _ = futures::future::select_all(waits).await;
 }
 
+/// stdin and stdout as non-blocking pipes (or sockets) driven by the runtime's own reactor:
+/// frames are read and written on the runtime thread as soon as the fd is ready. tokio's
+/// stdin/stdout hand every read and write to a blocking-pool thread, and during a saturating
+/// upload (every CPU busy) waiting for that thread to be scheduled put up to 12 ms on an exec
+/// reply and up to 3 ms between a request's arrival and its start (p99, traced per hop; 0.4
+/// and 0.3 ms this way). Works on duplicates of fds 0 and 1 (both stay open). `None`, and
+/// nothing changed, when either is not a pipe or socket, or when stderr shares one of them
+/// (non-blocking stderr would make a diagnostic write fail): the caller then uses tokio's
+/// stdin/stdout.
+fn pipe_io() -> Option<(
+    tokio::net::unix::pipe::Receiver,
+    tokio::net::unix::pipe::Sender,
+)> {
+    use rustix::fs::{FileType, OFlags, fcntl_getfl, fcntl_setfl, fstat};
+    use std::os::fd::AsFd;
+    let (stdin, stdout, stderr) = (std::io::stdin(), std::io::stdout(), std::io::stderr());
+    let id = |fd: std::os::fd::BorrowedFd<'_>| {
+        let st = fstat(fd).ok()?;
+        Some((FileType::from_raw_mode(st.st_mode), st.st_dev, st.st_ino))
+    };
+    let (i, o) = (id(stdin.as_fd())?, id(stdout.as_fd())?);
+    let e = id(stderr.as_fd());
+    let stream = |t: FileType| matches!(t, FileType::Fifo | FileType::Socket);
+    if !stream(i.0) || !stream(o.0) || e == Some(i) || e == Some(o) {
+        return None;
+    }
+    let input = rustix::io::fcntl_dupfd_cloexec(stdin.as_fd(), 3).ok()?;
+    let output = rustix::io::fcntl_dupfd_cloexec(stdout.as_fd(), 3).ok()?;
+    let saved = [fcntl_getfl(&input).ok()?, fcntl_getfl(&output).ok()?];
+    // The flags belong to the open file, shared with fds 0 and 1: put them back through those
+    // if anything below fails, so the fallback reads and writes blocking fds as it expects.
+    let restore = || {
+        let _ = fcntl_setfl(stdin.as_fd(), saved[0]);
+        let _ = fcntl_setfl(stdout.as_fd(), saved[1]);
+    };
+    let ready = fcntl_setfl(&input, saved[0] | OFlags::NONBLOCK).is_ok()
+        && fcntl_setfl(&output, saved[1] | OFlags::NONBLOCK).is_ok();
+    let pair = ready.then(|| {
+        Some((
+            tokio::net::unix::pipe::Receiver::from_owned_fd_unchecked(input).ok()?,
+            tokio::net::unix::pipe::Sender::from_owned_fd_unchecked(output).ok()?,
+        ))
+    });
+    match pair.flatten() {
+        Some(pair) => Some(pair),
+        None => {
+            restore();
+            None
+        }
+    }
+}
+
 /// `rsb-agent serve`.
 pub fn main() -> i32 {
     // Before the runtime starts: hashing the binary is blocking, and Hello must carry it.
@@ -553,10 +605,13 @@ pub fn main() -> i32 {
     }
     let code = local.block_on(&rt, async {
         let stop = termination();
-        run_until(tokio::io::stdin(), tokio::io::stdout(), hello, stop).await
+        match pipe_io() {
+            Some((input, output)) => run_until(input, output, hello, stop).await,
+            None => run_until(tokio::io::stdin(), tokio::io::stdout(), hello, stop).await,
+        }
     });
-    // The stdin reader thread may still sit in a blocking read (stdout closed first); do not
-    // wait for it.
+    // Without `pipe_io`, tokio's stdin reader thread may still sit in a blocking read (stdout
+    // closed first); do not wait for it.
     rt.shutdown_timeout(SHUTDOWN_GRACE);
     code
 }

@@ -7,7 +7,8 @@
 //!
 //! Prints numbers; asserts nothing. Sizes by environment, so a short run is possible:
 //! `RSB_BENCH_RUNS` (detection runs, default 3), `RSB_BENCH_SAMPLES` (exec samples per
-//! configuration, default 200), `RSB_BENCH_UPLOAD_MIB` (file size, default 256).
+//! configuration, default 200), `RSB_BENCH_UPLOAD_MIB` (file size, default 256),
+//! `RSB_BENCH_ONLY=loopback` or `=10` (only that exec-under-upload configuration).
 //!
 //! `cargo bench -p rsb-tests --bench faults`
 
@@ -200,10 +201,14 @@ fn main() {
         let ssh50 = pct(&mut ssh, 0.5);
         println!("ssh host true (idle)                 p50 {ssh50:8.2} ms  (n={})", ssh.len());
 
+        let only = std::env::var("RSB_BENCH_ONLY").unwrap_or_default();
         for (label, mbit, spacing) in [
             ("loopback", None, Duration::from_millis(20)),
             ("10 Mbit/s", Some(10), Duration::from_millis(100)),
         ] {
+            if !only.is_empty() && !label.starts_with(only.as_str()) {
+                continue;
+            }
             let proxy = ChaosProxy::start(sshd.addr()).unwrap();
             if let Some(m) = mbit {
                 proxy.set_rate_mbit(m);
