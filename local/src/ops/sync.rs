@@ -242,6 +242,8 @@ pub async fn run_with(
     if let (Some(t), Some(b)) = (&store, report.baseline_out.take())
         && !spec.dry_run
         && !report.handed_off
+        // A no-change resync leaves it as it was: no write (a 2,000-file baseline is ~150 KB).
+        && opts.baseline.as_deref() != Some(&b)
         && let Err(e) = t.save_baseline(&key.0, &key.1, &key.2, &b)
     {
         report
