@@ -147,6 +147,7 @@ impl Agent {
             root: root.to_str().unwrap().into(),
             rules,
             hash,
+            compress: false,
         }));
         let (chunks, reply) = self.wait_reply(id);
         let summary = match reply {
@@ -418,6 +419,7 @@ fn a_bad_pattern_is_an_invalid_argument_naming_it() {
         root: t.path().to_str().unwrap().into(),
         rules: defaults(&["ok", "[z-a]"]),
         hash: true,
+        compress: false,
     }));
     match reply {
         Reply::Error(e) => {
@@ -1236,6 +1238,7 @@ fn a_manifest_can_be_cancelled() {
         root: t.path().to_str().unwrap().into(),
         rules: defaults(&[]),
         hash: true,
+        compress: false,
     }));
     agent.send(&ToAgent::Cancel { id });
     match agent.wait_reply(id).1 {
@@ -1677,4 +1680,43 @@ fn compressed_data_lands_exact_and_a_bomb_or_a_lying_length_is_refused() {
     agent.close(s, vec![]).unwrap();
     assert!(!root.join("bad.txt").exists());
     assert_eq!(staged_files(root), Vec::<String>::new());
+}
+
+#[test]
+fn a_compressed_manifest_holds_the_same_entries() {
+    let t = tempfile::tempdir().unwrap();
+    for i in 0..300 {
+        write(
+            t.path(),
+            &format!("src/mod{}/file_{i}.rs", i % 7),
+            format!("{i}"),
+        );
+    }
+    let mut agent = Agent::start();
+    let plain = agent.manifest_with(t.path(), defaults(&[]), true);
+    let id = agent.request(Request::Manifest(ManifestRequest {
+        root: t.path().to_str().unwrap().into(),
+        rules: defaults(&[]),
+        hash: true,
+        compress: true,
+    }));
+    let (chunks, reply) = agent.wait_reply(id);
+    assert!(matches!(reply, Reply::Manifest(_)), "{reply:?}");
+    let mut entries = Vec::new();
+    let mut compressed = 0;
+    for c in chunks {
+        match c {
+            Chunk::ManifestZ { raw_len, data } => {
+                compressed += 1;
+                assert!((data.len() as u64) < raw_len, "{} of {raw_len}", data.len());
+                let raw = rsb_protocol::compress::inflate(&data, raw_len).unwrap();
+                entries.extend(decode::<Vec<ManifestEntry>>(&raw).unwrap());
+            }
+            Chunk::Manifest(b) => entries.extend(b),
+            other => panic!("unexpected chunk {other:?}"),
+        }
+    }
+    assert!(compressed > 0, "no batch was sent compressed");
+    let want: Vec<ManifestEntry> = plain.batches.into_iter().flatten().collect();
+    assert_eq!(entries, want);
 }

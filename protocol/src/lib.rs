@@ -293,4 +293,12 @@ pub enum Chunk {
     /// This many more bytes of [`ExecInput::Data`] were written to the command (or discarded
     /// because it closed its stdin): the sender's window reopens by as much.
     InputConsumed(u64),
+    /// [`Chunk::Manifest`] deflated ([`compress`]): `data` inflates to `raw_len` bytes, the
+    /// [`codec::encode`] of the batch's `Vec<ManifestEntry>`. Sent instead of it when the
+    /// request asked ([`ManifestRequest::compress`]) and the batch shrinks by a tenth.
+    ManifestZ {
+        raw_len: u64,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
 }

@@ -52,6 +52,9 @@ pub struct ManifestRequest {
     pub rules: SyncRules,
     /// Compute blake3 for regular files (served from the hash cache when unchanged).
     pub hash: bool,
+    /// Send entries as [`crate::Chunk::ManifestZ`] where that saves a tenth: set for a
+    /// remote agent across a slow link (a no-change sync is mostly this reply's bytes).
+    pub compress: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -64,6 +64,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                 gitignore_files: Some(vec![("sub".into(), vec!["!x".into()])]),
             },
             hash: true,
+            compress: true,
         }),
         Request::BlockHashes(BlockHashesRequest {
             path: "big.bin".into(),

@@ -106,7 +106,12 @@ async fn slow_link_sends_compressed_and_everything_arrives_exact() {
     let up = format!("{home}/up");
     assert_eq!(remote_sums(&sshd, &up), local_sums(&src));
 
-    // Back down through the same link, exact.
+    // Nothing changed: the manifest of the far sandbox comes back compressed (its last
+    // transfer found the link far) and still plans nothing.
+    let r = sync(&pool, Direction::Upload, &src, "up").await;
+    assert_eq!((r.files_transferred, r.bytes_sent), (0, 0), "{r:?}");
+
+    // Back down through the same link, exact (the source manifest compressed).
     let down = dir.path().join("down");
     let before = proxy.bytes_forwarded().1;
     let r = sync(&pool, Direction::Download, &down, "up").await;

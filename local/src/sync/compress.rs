@@ -56,6 +56,37 @@ impl Mode {
     }
 }
 
+/// The last link decision of `auto` per sandbox, from the round trips a transfer measured: a
+/// sync that finds nothing to change measures nothing (its two requests are all it costs), so
+/// whether its manifest reply travels compressed follows the sandbox's last transfer. Unknown
+/// (no transfer yet in this process) reads as near: uncompressed, as on loopback.
+static FAR: std::sync::Mutex<Option<std::collections::HashMap<String, bool>>> =
+    std::sync::Mutex::new(None);
+
+/// Remember `auto`'s decision for `sandbox`'s link.
+pub fn remember(sandbox: &str, far: bool) {
+    let mut m = FAR.lock().unwrap_or_else(|e| e.into_inner());
+    m.get_or_insert_with(Default::default)
+        .insert(sandbox.to_string(), far);
+}
+
+impl Mode {
+    /// Ask `sandbox`'s agent for a compressed manifest? `auto`: when its last transfer found
+    /// the link far ([`remember`]).
+    pub fn manifest(self, sandbox: &str) -> bool {
+        match self {
+            Mode::On => true,
+            Mode::Off => false,
+            Mode::Auto => FAR
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .and_then(|m| m.get(sandbox).copied())
+                .unwrap_or(false),
+        }
+    }
+}
+
 /// One transfer's compression: on or off, where, and the bytes of the payloads compressed.
 #[derive(Debug, Default)]
 pub struct Compress {
@@ -135,6 +166,19 @@ mod tests {
         assert!(Mode::Auto.decide(Duration::from_millis(20)));
         assert!(Mode::On.decide(Duration::ZERO));
         assert!(!Mode::Off.decide(Duration::from_secs(1)));
+    }
+
+    #[test]
+    fn manifest_follows_the_last_transfer() {
+        assert!(!Mode::Auto.manifest("never-seen"));
+        remember("far-one", true);
+        remember("near-one", false);
+        assert!(Mode::Auto.manifest("far-one"));
+        assert!(!Mode::Auto.manifest("near-one"));
+        assert!(!Mode::Off.manifest("far-one"));
+        assert!(Mode::On.manifest("near-one"));
+        remember("far-one", false);
+        assert!(!Mode::Auto.manifest("far-one"));
     }
 
     #[test]

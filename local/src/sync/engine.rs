@@ -199,10 +199,12 @@ impl Tracker {
 // ---------------------------------------------------------------------------------------------
 
 /// A directory or file manifest: the summary plus every entry (streamed as chunks).
+/// `compress`: ask for [`Chunk::ManifestZ`] (a remote agent across a slow link).
 async fn manifest(
     c: &AgentClient,
     root: &str,
     rules: &SyncRules,
+    compress: bool,
 ) -> Result<(ManifestSummary, Vec<ManifestEntry>)> {
     let (tx, mut rx) = mpsc::channel::<Chunk>(64);
     let call = c.call_streaming(
@@ -210,20 +212,40 @@ async fn manifest(
             root: root.to_string(),
             rules: rules.clone(),
             hash: true,
+            compress,
         },
         tx,
     );
     let collect = async {
         let mut v = Vec::new();
+        let mut bad = None;
         while let Some(ch) = rx.recv().await {
-            if let Chunk::Manifest(es) = ch {
-                v.extend(es);
+            match ch {
+                Chunk::Manifest(es) => v.extend(es),
+                Chunk::ManifestZ { raw_len, data } => {
+                    let es = rsb_protocol::compress::inflate(&data, raw_len).and_then(|raw| {
+                        rsb_protocol::decode::<Vec<ManifestEntry>>(&raw).map_err(|e| e.to_string())
+                    });
+                    match es {
+                        Ok(es) => v.extend(es),
+                        Err(e) => bad = bad.or(Some(e)),
+                    }
+                }
+                _ => {}
             }
         }
-        v
+        (v, bad)
     };
-    let (r, entries) = tokio::join!(call, collect);
-    Ok((r?, entries))
+    let (r, (entries, bad)) = tokio::join!(call, collect);
+    let r = r?;
+    if let Some(e) = bad {
+        return Err(RsbError::new(
+            Kind::Internal,
+            format!("the agent sent a manifest batch that does not decode: {e}"),
+            "this is a bug in rsb; retry with RSB_SYNC_COMPRESS=off and report it",
+        ));
+    }
+    Ok((r, entries))
 }
 
 /// `stat` that maps "not found" to `None`.
@@ -693,9 +715,32 @@ pub async fn run_with(
         } else {
             src_given.clone()
         };
-        let (src_stat, dst_stat) =
-            tokio::try_join!(stat_opt(src, &src_root_given), stat_opt(dst, &dst_given))?;
-        let dst_kind = dst_stat.map(|s| s.kind);
+        // Round trips are the cost of a sync that finds nothing to change on a far link, so
+        // the source's manifest is asked for beside its stat (a directory and a file are
+        // scanned by the same request), and a directory's destination is not stat'ed: its
+        // manifest says what the root is. Not with gitignore, whose single-file check comes
+        // first, nor for a file the rules exclude (it would be hashed for nothing).
+        let mz = compress_mode.manifest(remote.sandbox());
+        let (zsrc, zdst) = match spec.direction {
+            Direction::Upload => (false, mz),
+            Direction::Download => (mz, false),
+        };
+        let speculate =
+            !spec.rules.gitignore && !single_file_excluded(&spec.rules, &src_shown).unwrap_or(true);
+        let src_scan = async {
+            if speculate {
+                Some(manifest(src, &src_root_given, &spec.rules, zsrc).await)
+            } else {
+                None
+            }
+        };
+        let (src_stat, src_scan) = tokio::join!(stat_opt(src, &src_root_given), src_scan);
+        let src_stat = src_stat?;
+        let mut src_scan = src_scan;
+        let mut src_manifest = async || match src_scan.take() {
+            Some(r) => r,
+            None => manifest(src, &src_root_given, &spec.rules, zsrc).await,
+        };
         let (what_src, what_dst) = match spec.direction {
             Direction::Upload => ("local_path", "remote_path"),
             Direction::Download => ("remote_path", "local_path"),
@@ -710,43 +755,38 @@ pub async fn run_with(
         match src_stat.kind {
             FileKind::Dir => {
                 report.synced_type = "directory";
-                if let Some(k) = dst_kind
-                    && k != FileKind::Dir
-                {
-                    return Err(RsbError::invalid(
-                        format!(
-                            "{what_dst} {dst_shown} is a file on the destination but a directory on the source; nothing was changed"
-                        ),
-                        "remove it or rename it, or choose another destination",
-                    ));
-                }
                 if spec.delete_extras && !opts.confirm_delete {
                     refuse_home_delete(dst, &dst_given, &dst_shown, what_dst).await?;
                 }
                 let dst_ref = &dst_given;
-                let dst_fut = |rules: SyncRules| async move {
-                    if dst_kind.is_some() {
-                        manifest(dst, dst_ref, &rules).await.map(Some)
-                    } else {
-                        Ok(None)
-                    }
-                };
-                let ((ssum, sents), dres) = if spec.rules.gitignore {
+                let dst_fut =
+                    |rules: SyncRules| async move { manifest(dst, dst_ref, &rules, zdst).await };
+                let ((ssum, sents), (dsum, dents)) = if spec.rules.gitignore {
                     // The destination's walk applies the source's .gitignore files, so the
                     // source is scanned first.
-                    let s = manifest(src, &src_root_given, &spec.rules).await?;
+                    let s = src_manifest().await?;
                     let rules = SyncRules {
                         gitignore_files: Some(s.0.gitignore_files.clone()),
                         ..spec.rules.clone()
                     };
                     (s, dst_fut(rules).await?)
                 } else {
-                    tokio::try_join!(
-                        manifest(src, &src_root_given, &spec.rules),
-                        dst_fut(spec.rules.clone())
-                    )?
+                    tokio::try_join!(src_manifest(), dst_fut(spec.rules.clone()))?
                 };
-                let (dsum, dents) = dres.unwrap_or_default();
+                // A missing root (or a dangling symlink, which stat reads as missing) is
+                // created by the apply session, as before.
+                let (dsum, dents) = match dsum.root_kind {
+                    Some(FileKind::Dir) => (dsum, dents),
+                    None | Some(FileKind::Symlink) => Default::default(),
+                    Some(_) => {
+                        return Err(RsbError::invalid(
+                            format!(
+                                "{what_dst} {dst_shown} is a file on the destination but a directory on the source; nothing was changed"
+                            ),
+                            "remove it or rename it, or choose another destination",
+                        ));
+                    }
+                };
                 tracker.phase(Phase::Planning);
                 tmark(&tracker, "scanned");
                 let roots = Roots {
@@ -817,6 +857,7 @@ pub async fn run_with(
                     report.skipped_files = 1;
                     return Ok(());
                 }
+                let dst_kind = stat_opt(dst, &dst_given).await?.map(|s| s.kind);
                 let name = basename(&src_root_given).to_string();
                 let into_dir = dst_kind == Some(FileKind::Dir)
                     || dst_given.ends_with('/')
@@ -829,10 +870,8 @@ pub async fn run_with(
                 } else {
                     join_rel(base, &name)
                 };
-                let ((ssum, sents), (dsum, dents)) = tokio::try_join!(
-                    manifest(src, &src_root_given, &spec.rules),
-                    manifest(dst, &target, &spec.rules)
-                )?;
+                let ((ssum, sents), (dsum, dents)) =
+                    tokio::try_join!(src_manifest(), manifest(dst, &target, &spec.rules, zdst))?;
                 tracker.phase(Phase::Planning);
                 tmark(&tracker, "scanned");
                 if dsum.root_kind == Some(FileKind::Dir) {
@@ -1074,6 +1113,9 @@ async fn execute(
     }
     let rtt = link(r_min, l_min);
     let compress_on = compress_mode.decide(rtt);
+    if compress_mode == Mode::Auto {
+        super::compress::remember(remote.sandbox(), compress_on);
+    }
     tracing::debug!(?r_min, ?l_min, compress_on, "link measured");
     if std::env::var_os("RSB_SYNC_TIMING").is_some() {
         eprintln!(

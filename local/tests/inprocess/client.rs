@@ -130,6 +130,7 @@ async fn concurrent_streams_get_only_their_own_chunks() {
         root: t.path().to_str().unwrap().into(),
         rules: SyncRules::default(),
         hash: false,
+        compress: false,
     };
     let (txa, rxa) = mpsc::channel(4);
     let (txb, rxb) = mpsc::channel(4);
