@@ -9,11 +9,13 @@
 //! Run: `cargo build --release -p rsb-agent -p rsb --bins && cargo bench -p rsb-tests --bench
 //! mcp_sync`. Uses `target/release/rsb` when built (else debug: numbers not representative).
 
+#[path = "../tests/common/mod.rs"]
+mod common;
 #[path = "../tests/common/forward.rs"]
 mod fwd;
+use common::small_tree;
 
 use std::{
-    path::Path,
     process::Command,
     time::{Duration, Instant},
 };
@@ -24,23 +26,6 @@ use rmcp::{
 };
 use rsb_tests::Sshd;
 use serde_json::{Value, json};
-
-/// 2,000 small files (30–300 bytes) in 100 nested directories (as `benches/sync.rs`).
-fn small_tree(root: &Path) {
-    for a in 0..10 {
-        for b in 0..10 {
-            let d = root.join(format!("d{a}/sub{b}"));
-            std::fs::create_dir_all(&d).unwrap();
-            for c in 0..20 {
-                std::fs::write(
-                    d.join(format!("f{c}.txt")),
-                    format!("file {a} {b} {c}\n").repeat(1 + c % 20),
-                )
-                .unwrap();
-            }
-        }
-    }
-}
 
 fn median(mut v: Vec<Duration>) -> f64 {
     v.sort();

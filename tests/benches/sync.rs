@@ -8,7 +8,7 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
-use common::{gen_bytes, gen_text};
+use common::{gen_bytes, gen_text, small_tree};
 
 use std::{
     path::Path,
@@ -23,23 +23,6 @@ use rsb::{
 use rsb_tests::{ChaosProxy, Sshd};
 
 const MIB: usize = 1024 * 1024;
-
-/// 2,000 small files (30–300 bytes) in 100 nested directories.
-fn small_tree(root: &Path) {
-    for a in 0..10 {
-        for b in 0..10 {
-            let d = root.join(format!("d{a}/sub{b}"));
-            std::fs::create_dir_all(&d).unwrap();
-            for c in 0..20 {
-                std::fs::write(
-                    d.join(format!("f{c}.txt")),
-                    format!("file {a} {b} {c}\n").repeat(1 + c % 20),
-                )
-                .unwrap();
-            }
-        }
-    }
-}
 
 /// A source tree of text: 480 files of 2–150 KB in 40 directories plus two 3 MiB logs (the
 /// large-file path), about 40 MB in all, so `rsync -a` needs several seconds at 50 Mbit/s.

@@ -207,3 +207,20 @@ pub fn sha256_local(path: &Path) -> String {
         .unwrap_or("none")
         .to_string()
 }
+
+/// 2,000 small files (30–300 bytes) in 100 nested directories.
+pub fn small_tree(root: &Path) {
+    for a in 0..10 {
+        for b in 0..10 {
+            let d = root.join(format!("d{a}/sub{b}"));
+            std::fs::create_dir_all(&d).unwrap();
+            for c in 0..20 {
+                std::fs::write(
+                    d.join(format!("f{c}.txt")),
+                    format!("file {a} {b} {c}\n").repeat(1 + c % 20),
+                )
+                .unwrap();
+            }
+        }
+    }
+}
