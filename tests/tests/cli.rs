@@ -4,6 +4,8 @@
 //!
 //! Needs the `rsb` binary: `cargo build --workspace --bins`.
 
+mod common;
+
 use std::{
     path::{Path, PathBuf},
     process::Command,
@@ -221,24 +223,6 @@ fn check(env: &Env, i: usize, row: &Row) -> Result<(), String> {
     }
 }
 
-/// Stops the watchdog daemon a row started (`rsb forward --detach`), whatever the outcome.
-struct StopDaemon(PathBuf);
-
-impl Drop for StopDaemon {
-    fn drop(&mut self) {
-        let Some(pid) = rsb::watchdog::daemon::lock_holder(&self.0) else {
-            return;
-        };
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        while rsb::watchdog::daemon::lock_holder(&self.0).is_some()
-            && t0.elapsed() < Duration::from_secs(10)
-        {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
 /// A host key that is not the fixture's, as `ssh-keygen` writes it.
 fn other_host_key(dir: &Path) -> String {
     let key = dir.join("other_host_key");
@@ -292,7 +276,7 @@ fn cli_table() {
     std::fs::write(h.join("dir/a.txt"), "a\n").unwrap();
     let config_path = home.join(".config/rsb/config.toml").display().to_string();
     let secs = Duration::from_secs;
-    let _stop_daemon = StopDaemon(env.state.clone());
+    let _stop_daemon = common::StopDaemon(env.state.clone());
     // The same sshd as `moved`, under a name whose known_hosts entry holds another key: a host
     // that was reinstalled (or an interception).
     let known_hosts = home.join(".ssh/known_hosts");

@@ -554,25 +554,6 @@ async fn mcp_forward_port_works_and_stop_forward_frees_the_port() {
     drop(http);
 }
 
-/// Stops the watchdog daemon a detached forward started (bounded), whatever the test's outcome.
-struct DaemonGuard(std::path::PathBuf);
-
-impl Drop for DaemonGuard {
-    fn drop(&mut self) {
-        let Some(pid) = rsb::watchdog::daemon::lock_holder(&self.0) else {
-            return;
-        };
-        // SAFETY: a signal to the daemon this test started (the lock names its pid).
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-        let t0 = Instant::now();
-        while rsb::watchdog::daemon::lock_holder(&self.0).is_some()
-            && t0.elapsed() < Duration::from_secs(10)
-        {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_detached_forward_outlives_the_mcp_server_and_stops_on_request() {
     if skip_without_python("a_detached_forward_outlives_the_mcp_server_and_stops_on_request") {
@@ -583,7 +564,7 @@ async fn a_detached_forward_outlives_the_mcp_server_and_stops_on_request() {
     small_files(&www, 100);
     let env = RsbEnv::new(&[entry("s", &sshd, sshd.port())]);
     let state = env.dir.path().join("state");
-    let _daemon = DaemonGuard(state.clone());
+    let _daemon = common::StopDaemon(state.clone());
     let (http, port) = http_server(&env, "s", &www);
 
     let svc = mcp(&env, true).await;

@@ -224,3 +224,23 @@ pub fn small_tree(root: &Path) {
         }
     }
 }
+
+/// Stops the watchdog daemon a test started (the lock in `state` names its pid) when the test
+/// ends, pass or fail, waiting (bounded) until the lock is free.
+pub struct StopDaemon(pub std::path::PathBuf);
+
+impl Drop for StopDaemon {
+    fn drop(&mut self) {
+        let Some(pid) = rsb::watchdog::daemon::lock_holder(&self.0) else {
+            return;
+        };
+        // SAFETY: a signal to the daemon this test started (the lock names its pid).
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        let t0 = std::time::Instant::now();
+        while rsb::watchdog::daemon::lock_holder(&self.0).is_some()
+            && t0.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
