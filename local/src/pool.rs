@@ -168,6 +168,28 @@ impl Pool {
         Ok((client, generation))
     }
 
+    /// The SSH session of `name`'s live connection, if it has one (a transfer worker's agent
+    /// can ride it: [`connect::bridge_agent`]). Never connects.
+    pub async fn live_session(&self, name: &str) -> Option<Arc<crate::ssh::SshSession>> {
+        let slot = self.slots.get(name)?;
+        let guard = slot.conn.lock().await;
+        let c = guard.as_ref()?;
+        let ssh = c.ssh.clone()?;
+        (c.client.is_alive() && !ssh.is_closed()).then_some(ssh)
+    }
+
+    /// Use `conn` as `name`'s connection (a worker's bridged agent); when it dies, the next
+    /// [`Pool::client`] connects as usual, starting with the agent it names.
+    pub async fn adopt(&self, name: &str, conn: Connection) {
+        let Some(slot) = self.slots.get(name) else {
+            return;
+        };
+        let mut guard = slot.conn.lock().await;
+        *slot.agent_path.lock() = Some(conn.agent_path.clone());
+        *guard = Some(conn);
+        slot.generation.fetch_add(1, Ordering::SeqCst);
+    }
+
     /// `name`'s last resources sample and its age, when it is younger than `max_age` and the
     /// connection that sent it is still up. No I/O and no waiting: a slot that is connecting
     /// right now has no answer here.

@@ -462,6 +462,72 @@ impl SshSession {
     }
 }
 
+impl SshSession {
+    /// Start an agent with `command` on a fresh channel of this session and pump its stdio to
+    /// `stream` and back until either end closes: how a transfer worker rides the server's
+    /// warm connection (no handshake, no probe) while the server lives. Returns once the
+    /// channel runs the command; the worker reads the agent's Hello through `stream`.
+    pub async fn bridge_agent(
+        self: &Arc<Self>,
+        sandbox: &str,
+        command: String,
+        stream: tokio::net::UnixStream,
+    ) -> std::result::Result<(), String> {
+        use tokio::io::AsyncReadExt;
+        let ch = self
+            .handle
+            .channel_open_session()
+            .await
+            .map_err(|e| format!("cannot open channel: {e}"))?;
+        ch.exec(true, command)
+            .await
+            .map_err(|e| format!("exec failed: {e}"))?;
+        let (mut rd, wr) = ch.split();
+        let (mut from_worker, mut to_worker) = stream.into_split();
+        let name = sandbox.to_string();
+        let session = self.clone();
+        tokio::spawn(async move {
+            let _session = session;
+            while let Some(msg) = rd.wait().await {
+                match msg {
+                    ChannelMsg::Data { data } => {
+                        if to_worker.write_all(&data).await.is_err() {
+                            break;
+                        }
+                    }
+                    ChannelMsg::ExtendedData { data, .. } => {
+                        let text = String::from_utf8_lossy(&data);
+                        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                            tracing::info!(sandbox = %name, "worker's agent: {line}");
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        });
+        tokio::spawn(async move {
+            let mut w = wr.make_writer();
+            let mut buf = vec![0u8; 256 << 10];
+            loop {
+                match from_worker.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => {
+                        if w.write_all(&buf[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+            // The worker is gone (done, cancelled or killed): the agent reads end of input
+            // and exits.
+            let _ = w.shutdown().await;
+            let _ = wr.eof().await;
+            let _ = wr.close().await;
+        });
+        Ok(())
+    }
+}
+
 impl rsb_deploy::Remote for SshSession {
     async fn exec(
         &self,

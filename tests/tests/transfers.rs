@@ -193,6 +193,7 @@ async fn background_upload_outlives_its_server_and_a_new_server_reports_it() {
         .await;
     assert_eq!(v["mode"], "background", "{v}");
     let id = v["task_id"].as_i64().unwrap();
+    let log_file = v["log_file"].as_str().unwrap().to_string();
     let worker = v["pid"].as_i64().unwrap();
     assert_ne!(
         Some(worker as u32),
@@ -218,6 +219,14 @@ async fn background_upload_outlives_its_server_and_a_new_server_reports_it() {
         .await;
     assert_eq!(v["status"], "completed", "{v}");
     assert_eq!(v["result"]["uploaded_files"], 301, "{v}");
+    // It started on the first server's connection, and went on by itself when that server
+    // exited mid-transfer.
+    let log = std::fs::read_to_string(&log_file).unwrap();
+    assert!(
+        log.contains("agent started on the server's connection")
+            && log.contains("the server's connection ended; reconnecting and resuming"),
+        "{log}"
+    );
     let big = std::fs::read(sshd.home().join("up-outlives/big.bin")).unwrap();
     assert_eq!(big, std::fs::read(src.join("big.bin")).unwrap());
     assert_eq!(
@@ -328,6 +337,12 @@ async fn a_background_sync_that_ends_quickly_replies_with_its_result() {
     assert_ne!(Some(worker as u32), mcp.pid, "a worker ran it: {v}");
     assert_eq!(v["status"], "completed", "{v}");
     assert_eq!(v["result"]["uploaded_files"], 40, "{v}");
+    // The worker's agent rode the server's warm connection (no handshake of its own).
+    let log = std::fs::read_to_string(v["log_file"].as_str().unwrap()).unwrap();
+    assert!(
+        log.contains("agent started on the server's connection"),
+        "{log}"
+    );
     assert_eq!(
         std::fs::read_to_string(sshd.home().join("held/d/f0039.txt")).unwrap(),
         "file 39\n"

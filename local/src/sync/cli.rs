@@ -49,6 +49,9 @@ pub enum TransferCmd {
     Run {
         /// The task id from the server's reply.
         id: i64,
+        /// A socket to an agent the server started on its own connection (set by the server).
+        #[arg(long, hide = true)]
+        agent_fd: Option<i32>,
     },
 }
 
@@ -56,7 +59,7 @@ pub enum TransferCmd {
 /// could not be run at all.
 pub async fn transfer(cmd: TransferCmd, state_dir: &std::path::Path) -> u8 {
     match cmd {
-        TransferCmd::Run { id } => {
+        TransferCmd::Run { id, agent_fd } => {
             let t = match crate::transfers::Transfers::open(state_dir) {
                 Ok(t) => std::sync::Arc::new(t),
                 Err(e) => {
@@ -64,7 +67,7 @@ pub async fn transfer(cmd: TransferCmd, state_dir: &std::path::Path) -> u8 {
                     return 1;
                 }
             };
-            match t.run_worker(id).await {
+            match t.run_worker(id, agent_fd).await {
                 Ok(()) => 0,
                 Err(msg) => {
                     eprintln!("rsb transfer run: {msg}");

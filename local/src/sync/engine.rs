@@ -953,7 +953,12 @@ pub async fn run_with(
         r = work => r,
         _ = cancel.cancelled() => Err(cancelled_keeping(tracker.large.lock().clone())),
     };
-    res?;
+    if let Err(e) = res {
+        // What this run did before it failed, exactly: a worker that runs the sync again
+        // adds it to the rerun's report.
+        tracker.update(true, |_| {});
+        return Err(e);
+    }
     report.duration_s = tracker.start.elapsed().as_secs_f64();
     tmark(&tracker, "closed");
     tracker.phase(Phase::Complete);
@@ -1328,6 +1333,8 @@ impl Ctx<'_> {
                 .collect();
             self.session.apply(ops).await?;
         }
+        let dirs = plan.mkdirs.len() as u64;
+        self.tracker.update(false, |p| p.dirs_done = dirs);
         tmark(&self.tracker, "mkdirs");
         // 2. Small items stream alongside large files (one at a time).
         let small_fut = self.send_small(plan, rx);

@@ -108,6 +108,8 @@ pub struct Progress {
     /// Files (and symlinks) written so far, of those the plan transfers.
     pub files_done: u64,
     pub files_total: u64,
+    /// Directories created so far (all of the plan's, once its files start).
+    pub dirs_done: u64,
     /// File bytes sent so far, of those the plan sends (changed blocks only for deltas).
     pub bytes_done: u64,
     pub bytes_total: u64,
