@@ -490,10 +490,8 @@ impl SshSession {
             let _session = session;
             while let Some(msg) = rd.wait().await {
                 match msg {
-                    ChannelMsg::Data { data } => {
-                        if to_worker.write_all(&data).await.is_err() {
-                            break;
-                        }
+                    ChannelMsg::Data { data } if to_worker.write_all(&data).await.is_err() => {
+                        break;
                     }
                     ChannelMsg::ExtendedData { data, .. } => {
                         let text = String::from_utf8_lossy(&data);
