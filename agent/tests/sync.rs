@@ -143,11 +143,22 @@ impl Agent {
     }
 
     fn manifest_with(&mut self, root: &Path, rules: SyncRules, hash: bool) -> Manifest {
+        self.manifest_expecting(root, rules, hash, None)
+    }
+
+    fn manifest_expecting(
+        &mut self,
+        root: &Path,
+        rules: SyncRules,
+        hash: bool,
+        expect: Option<[u8; 32]>,
+    ) -> Manifest {
         let id = self.request(Request::Manifest(ManifestRequest {
             root: root.to_str().unwrap().into(),
             rules,
             hash,
             compress: false,
+            expect,
         }));
         let (chunks, reply) = self.wait_reply(id);
         let summary = match reply {
@@ -411,6 +422,44 @@ fn default_excludes_apply_at_any_depth_and_rules_are_ordered() {
     assert_eq!(DEFAULT_EXCLUDES.len(), 6);
 }
 
+/// A caller that names the entries it holds gets none back while the tree is as it was, and
+/// all of them (exactly what a plain scan sends) once anything in it changed.
+#[test]
+fn a_manifest_that_matches_the_callers_digest_sends_no_entries() {
+    use rsb_protocol::codec::ManifestDigest;
+    let t = tempfile::tempdir().unwrap();
+    let r = t.path();
+    // More than one batch, so that held batches are released in order.
+    for i in 0..2500 {
+        write(r, &format!("d{}/f{i}.txt", i % 7), format!("file {i}\n"));
+    }
+    let mut agent = Agent::start();
+    let first = agent.manifest(r);
+    assert!(first.batches.len() > 1 && !first.summary.unchanged);
+    let owned: Vec<ManifestEntry> = first.entries().into_iter().cloned().collect();
+    let digest = ManifestDigest::of(&owned);
+
+    let same = agent.manifest_expecting(r, defaults(&[]), true, Some(digest));
+    assert!(same.summary.unchanged, "{:?}", same.summary);
+    assert!(same.batches.is_empty(), "no entries were sent");
+    assert_eq!(same.summary.entries, 2500 + 7);
+
+    // A stale digest: everything comes, as from a plain scan.
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    write(r, "d3/f3.txt", "changed\n");
+    let changed = agent.manifest_expecting(r, defaults(&[]), true, Some(digest));
+    assert!(!changed.summary.unchanged);
+    assert_eq!(changed.rels(), first.rels());
+    assert_eq!(changed.by_rel()["d3/f3.txt"].size, 8);
+    assert_eq!(changed.entries(), agent.manifest(r).entries());
+
+    // A root that does not exist matches the digest of no entries.
+    let gone = r.join("nope");
+    let none = ManifestDigest::of(&[]);
+    let m = agent.manifest_expecting(&gone, defaults(&[]), true, Some(none));
+    assert!(m.summary.unchanged && m.summary.root_kind.is_none());
+}
+
 #[test]
 fn a_bad_pattern_is_an_invalid_argument_naming_it() {
     let t = tempfile::tempdir().unwrap();
@@ -420,6 +469,7 @@ fn a_bad_pattern_is_an_invalid_argument_naming_it() {
         rules: defaults(&["ok", "[z-a]"]),
         hash: true,
         compress: false,
+        expect: None,
     }));
     match reply {
         Reply::Error(e) => {
@@ -1239,6 +1289,7 @@ fn a_manifest_can_be_cancelled() {
         rules: defaults(&[]),
         hash: true,
         compress: false,
+        expect: None,
     }));
     agent.send(&ToAgent::Cancel { id });
     match agent.wait_reply(id).1 {
@@ -1699,6 +1750,7 @@ fn a_compressed_manifest_holds_the_same_entries() {
         rules: defaults(&[]),
         hash: true,
         compress: true,
+        expect: None,
     }));
     let (chunks, reply) = agent.wait_reply(id);
     assert!(matches!(reply, Reply::Manifest(_)), "{reply:?}");

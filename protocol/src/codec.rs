@@ -49,6 +49,41 @@ pub fn encode<T: Serialize>(msg: &T) -> Result<Bytes, CodecError> {
     Ok(Bytes::from(v))
 }
 
+/// A running blake3 over manifest entries in walk order, each as its bincode encoding: what a
+/// [`crate::ManifestRequest::expect`] names. The caller computes it over the entries it holds,
+/// the agent over those it would send, so equal digests mean equal entries whoever sent them.
+#[derive(Default, Clone)]
+pub struct ManifestDigest {
+    hasher: blake3::Hasher,
+    /// Encoded entries not yet hashed: blake3 is several times faster over a few KB at once
+    /// than over each entry's dozen small writes.
+    buf: Vec<u8>,
+}
+
+impl ManifestDigest {
+    pub fn add(&mut self, entry: &crate::ManifestEntry) {
+        // Writing into a Vec cannot fail, and an entry is far below the frame limit.
+        let _ = bincode::serde::encode_into_std_write(entry, &mut self.buf, CFG);
+        if self.buf.len() >= 16 * 1024 {
+            self.hasher.update(&self.buf);
+            self.buf.clear();
+        }
+    }
+
+    pub fn finish(&self) -> [u8; 32] {
+        let mut h = self.hasher.clone();
+        h.update(&self.buf);
+        *h.finalize().as_bytes()
+    }
+
+    /// The digest of `entries`, in order.
+    pub fn of(entries: &[crate::ManifestEntry]) -> [u8; 32] {
+        let mut d = ManifestDigest::default();
+        entries.iter().for_each(|e| d.add(e));
+        d.finish()
+    }
+}
+
 /// Decode one message body. Trailing bytes are an error: they mean the peers disagree on shape.
 pub fn decode<T: DeserializeOwned>(buf: &[u8]) -> Result<T, CodecError> {
     let (v, used) = bincode::serde::decode_from_slice(buf, CFG)

@@ -43,7 +43,7 @@ pub use sync::{
 };
 
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Hash of this crate's sources at build time: catches an agent and an `rsb` built from
 /// different protocol sources even when nobody bumped [`PROTOCOL_VERSION`].

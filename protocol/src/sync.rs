@@ -55,6 +55,11 @@ pub struct ManifestRequest {
     /// Send entries as [`crate::Chunk::ManifestZ`] where that saves a tenth: set for a
     /// remote agent across a slow link (a no-change sync is mostly this reply's bytes).
     pub compress: bool,
+    /// The [`crate::codec::ManifestDigest`] of the entries the caller holds from an earlier
+    /// scan of this root with these rules. When the walk finds exactly those, none are sent
+    /// and the summary says [`ManifestSummary::unchanged`]: a no-change sync then costs the
+    /// walk and one small reply, not the whole tree's entries across the link.
+    pub expect: Option<[u8; 32]>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -89,6 +94,8 @@ pub struct ManifestSummary {
     /// `(dir, lines)`, dir relative to the root; blank and comment lines left out.
     #[serde(default)]
     pub gitignore_files: Vec<(String, Vec<String>)>,
+    /// The request's `expect` matched: no entries were sent, the caller's are current.
+    pub unchanged: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -65,6 +65,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             },
             hash: true,
             compress: true,
+            expect: Some([7; 32]),
         }),
         Request::BlockHashes(BlockHashesRequest {
             path: "big.bin".into(),

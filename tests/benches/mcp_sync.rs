@@ -129,9 +129,19 @@ fn main() {
     rt.block_on(async {
         let mut cmd = env.command();
         cmd.arg("mcp");
+        for var in ["RSB_SYNC_TIMING", "RSB_SYNC_COMPRESS"] {
+            if let Some(v) = std::env::var_os(var) {
+                cmd.env(var, v);
+            }
+        }
         let cmd = tokio::process::Command::from(cmd);
         let (transport, _) = TokioChildProcess::builder(cmd)
-            .stderr(std::process::Stdio::null())
+            // RSB_BENCH_VERBOSE shows the server's log (and RSB_SYNC_TIMING's marks).
+            .stderr(if std::env::var_os("RSB_BENCH_VERBOSE").is_some() {
+                std::process::Stdio::inherit()
+            } else {
+                std::process::Stdio::null()
+            })
             .spawn()
             .expect("spawn rsb mcp");
         let client = ().serve(transport).await.expect("MCP initialize");

@@ -232,6 +232,23 @@ fn main() {
             );
         }
 
+        if only.as_deref() == Some("profile") {
+            // For a profiler: one upload, then RSB_BENCH_PROFILE_N no-change resyncs.
+            let n: usize = std::env::var("RSB_BENCH_PROFILE_N")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(200);
+            rsb_sync(&pool, Direction::Upload, &small, "p/rsb").await;
+            let mut r = Vec::new();
+            for _ in 0..n {
+                r.push(rsb_sync(&pool, Direction::Upload, &small, "p/rsb").await.0);
+            }
+            println!(
+                "  {n} no-change resyncs of 2,000 files: median {:.1} ms",
+                median(r) * 1000.0
+            );
+        }
+
         if group("big") {
             // 200 MiB: first upload (twice), then no-change.
             let (mut r4, mut s4) = (Vec::new(), Vec::new());

@@ -358,6 +358,59 @@ async fn upload_tree_exact_incremental_deletes_and_conflicts() {
     pool.shutdown().await;
 }
 
+/// A no-change resync names the manifests it holds and the agents send none back; a change
+/// behind rsb's back (same size, mtime put back) still reaches the next sync.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_manifest_never_hides_a_change() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = pool_with(&sshd, sshd.port(), tmp.path(), 200, 64 * MIB);
+    let src = tmp.path().join("src");
+    for i in 0..50 {
+        write(
+            &src.join(format!("d{}/f{i}.txt", i % 5)),
+            format!("file {i}\n").as_bytes(),
+        );
+    }
+    let up = spec(Direction::Upload, &src, "held", false, &[]);
+    let r = sync(&pool, &up).await.unwrap();
+    assert_eq!(r.files_transferred, 50);
+    // The first resync learns both trees as they are now; the next one is answered by digest.
+    sync(&pool, &up).await.unwrap();
+    let r = sync(&pool, &up).await.unwrap();
+    assert_eq!((r.files_transferred, r.skipped_files), (0, 50));
+    assert_eq!(r.manifests_unchanged, (true, true));
+
+    // Someone edits a remote file in place and puts its mtime back.
+    let f = remote(&sshd, "held/d3/f3.txt");
+    let mtime = std::fs::metadata(&f).unwrap().modified().unwrap();
+    std::fs::write(&f, "FILE 3\n").unwrap();
+    std::fs::File::options()
+        .write(true)
+        .open(&f)
+        .unwrap()
+        .set_modified(mtime)
+        .unwrap();
+    let down = tmp.path().join("down");
+    let r = sync(&pool, &spec(Direction::Download, &down, "held", false, &[]))
+        .await
+        .unwrap();
+    assert!(!r.manifests_unchanged.0, "the remote tree changed: {r:?}");
+    assert_eq!(
+        std::fs::read_to_string(down.join("d3/f3.txt")).unwrap(),
+        "FILE 3\n"
+    );
+    // And the upload sees it as a change on the destination since its last sync (the held
+    // manifest is the download's, which already had it).
+    let r = sync(&pool, &up).await.unwrap();
+    assert_eq!(r.conflicts.len(), 1, "{r:?}");
+    assert_eq!(
+        std::fs::read_to_string(&f).unwrap(),
+        "FILE 3\n",
+        "kept as it is"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_file_targets() {
     let sshd = Sshd::start().unwrap();

@@ -46,6 +46,9 @@ const HASH_BUF: usize = 512 * 1024;
 const HASH_ATTEMPTS: usize = 3;
 /// A `.gitignore` larger than this is reported and not applied (git has a similar cap).
 const MAX_GITIGNORE: u64 = 1 << 20;
+/// Entries held back while a walk may still match the caller's `expect`; a larger tree is
+/// streamed as it is walked (the caller keeps no copy of one this large anyway).
+const HOLD_MAX_ENTRIES: usize = 200_000;
 
 /// Where a walk's `.gitignore` layers come from.
 enum Gitignore {
@@ -136,12 +139,19 @@ pub fn scan(
             Ok(l) if l.file_type().is_symlink() => {
                 // A dangling symlink as the root: describe the link.
                 let mut scan = Scanner::new(rules, false, HashCache::disabled(), cancel, emit);
+                scan.expect(req.expect);
                 scan.summary = summary;
                 scan.summary.root_kind = Some(FileKind::Symlink);
                 scan.push_symlink(&root, String::new(), &l)?;
                 return scan.finish();
             }
-            _ => return Ok(summary),
+            _ => {
+                let none = rsb_protocol::codec::ManifestDigest::default().finish();
+                return Ok(ManifestSummary {
+                    unchanged: req.expect == Some(none),
+                    ..summary
+                });
+            }
         },
         Err(e) => return Err(io_err(&e)),
     };
@@ -151,6 +161,7 @@ pub fn scan(
         HashCache::disabled()
     };
     let mut scan = Scanner::new(rules, req.hash, cache, cancel, emit);
+    scan.expect(req.expect);
     scan.summary = summary;
     scan.gitignore = match (&req.rules.gitignore, &req.rules.gitignore_files) {
         (false, _) => Gitignore::Off,
@@ -200,6 +211,12 @@ struct Scanner<'a> {
     /// each belongs to (popped with its directory).
     layers: Vec<Layer>,
     layer_depths: Vec<usize>,
+    /// Over every entry, sent or held.
+    digest: rsb_protocol::codec::ManifestDigest,
+    /// The caller's digest; while `Some`, finished batches are held in `held`, not sent.
+    expect: Option<[u8; 32]>,
+    held: Vec<Vec<ManifestEntry>>,
+    held_entries: usize,
 }
 
 impl<'a> Scanner<'a> {
@@ -227,7 +244,44 @@ impl<'a> Scanner<'a> {
             gitignore: Gitignore::Off,
             layers: Vec::new(),
             layer_depths: Vec::new(),
+            digest: Default::default(),
+            expect: None,
+            held: Vec::new(),
+            held_entries: 0,
         }
+    }
+
+    fn expect(&mut self, digest: Option<[u8; 32]>) {
+        self.expect = digest;
+    }
+
+    /// Send a finished batch, or hold it while the walk may still match `expect`.
+    fn send(&mut self, entries: Vec<ManifestEntry>) -> Result<(), AgentError> {
+        if self.expect.is_some() {
+            self.held_entries += entries.len();
+            self.held.push(entries);
+            if self.held_entries <= HOLD_MAX_ENTRIES {
+                return Ok(());
+            }
+            // Too many to hold: stream from here on.
+            self.expect = None;
+            return self.release();
+        }
+        if (self.emit)(entries) {
+            Ok(())
+        } else {
+            Err(cancelled())
+        }
+    }
+
+    /// Send what was held back.
+    fn release(&mut self) -> Result<(), AgentError> {
+        for batch in std::mem::take(&mut self.held) {
+            if !(self.emit)(batch) {
+                return Err(cancelled());
+            }
+        }
+        Ok(())
     }
 
     fn excluded(&self, rel: &str, is_dir: bool) -> bool {
@@ -481,15 +535,17 @@ impl<'a> Scanner<'a> {
         if entries.is_empty() {
             return Ok(());
         }
-        if (self.emit)(entries) {
-            Ok(())
-        } else {
-            Err(cancelled())
-        }
+        entries.iter().for_each(|e| self.digest.add(e));
+        self.send(entries)
     }
 
     fn finish(mut self) -> Result<ManifestSummary, AgentError> {
         self.flush()?;
+        if self.expect.is_some() && self.expect == Some(self.digest.finish()) {
+            self.summary.unchanged = true;
+        } else {
+            self.release()?;
+        }
         self.cache.save();
         Ok(self.summary)
     }

@@ -207,12 +207,17 @@ async fn manifest(
     compress: bool,
 ) -> Result<(ManifestSummary, Vec<ManifestEntry>)> {
     let (tx, mut rx) = mpsc::channel::<Chunk>(64);
+    let key = rsb_protocol::encode(rules)
+        .ok()
+        .map(|r| (c.sandbox().to_string(), root.to_string(), r));
+    let held = key.as_ref().and_then(super::held::get);
     let call = c.call_streaming(
         ManifestRequest {
             root: root.to_string(),
             rules: rules.clone(),
             hash: true,
             compress,
+            expect: held.as_ref().map(|h| h.0),
         },
         tx,
     );
@@ -244,6 +249,17 @@ async fn manifest(
             format!("the agent sent a manifest batch that does not decode: {e}"),
             "this is a bug in rsb; retry with RSB_SYNC_COMPRESS=off and report it",
         ));
+    }
+    if r.unchanged {
+        return match held {
+            Some((_, e)) if entries.is_empty() => Ok((r, e.as_ref().clone())),
+            _ => Err(RsbError::internal(
+                "the agent answered a manifest request with `unchanged` that had nothing to match",
+            )),
+        };
+    }
+    if let Some(key) = key {
+        super::held::put(key, entries.clone());
     }
     Ok((r, entries))
 }
@@ -788,7 +804,13 @@ pub async fn run_with(
                     }
                 };
                 tracker.phase(Phase::Planning);
-                tmark(&tracker, "scanned");
+                tmark(
+                    &tracker,
+                    &format!(
+                        "scanned (unchanged manifests: source {}, destination {})",
+                        ssum.unchanged, dsum.unchanged
+                    ),
+                );
                 let roots = Roots {
                     src: ssum.root.clone(),
                     dst: if dsum.root.is_empty() {
@@ -799,6 +821,7 @@ pub async fn run_with(
                     single: false,
                 };
                 set_paths(&mut report, spec.direction, &roots.src, &roots.dst);
+                report.manifests_unchanged = (ssum.unchanged, dsum.unchanged);
                 report.skipped_special = ssum.skipped_special_count;
                 report
                     .errors

@@ -21,6 +21,7 @@
 pub mod cli;
 pub mod compress;
 pub mod engine;
+mod held;
 pub mod plan;
 pub mod watch;
 
@@ -158,6 +159,9 @@ pub struct SyncReport {
     pub conflicts: Vec<(String, [u8; 32], [u8; 32])>,
     /// The plan was handed off by [`engine::RunOptions::gate`]; nothing changed.
     pub handed_off: bool,
+    /// (source, destination): the agent found the tree as this process last saw it and sent
+    /// no entries (see `held`). For tests and timing; not in the reply.
+    pub manifests_unchanged: (bool, bool),
     /// What both sides agree on after this sync (`rel` → blake3), to store as the baseline.
     /// `None` for a dry run, a handed-off plan, or where the sync did not finish.
     pub baseline_out: Option<std::collections::HashMap<String, [u8; 32]>>,

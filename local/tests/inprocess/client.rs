@@ -131,6 +131,7 @@ async fn concurrent_streams_get_only_their_own_chunks() {
         rules: SyncRules::default(),
         hash: false,
         compress: false,
+        expect: None,
     };
     let (txa, rxa) = mpsc::channel(4);
     let (txb, rxb) = mpsc::channel(4);
