@@ -275,6 +275,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             hashed_bytes: 0,
             errors: vec![],
             gitignore_files: vec![(String::new(), vec!["*.o".into()])],
+            unchanged: true,
         }),
         Reply::BlockHashes(BlockHashesResult {
             size: 5,
