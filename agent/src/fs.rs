@@ -96,20 +96,116 @@ pub(crate) struct Level {
     pub rel: String,
     names: Vec<std::ffi::OsString>,
     next: usize,
+    /// The directory, open: its entries are stat'ed relative to it ([`Level::lstat`]), one
+    /// path component each instead of the whole path every time. Dropped below
+    /// [`LEVEL_FDS`] levels, so that a very deep tree cannot exhaust the descriptors.
+    fd: Option<std::os::fd::OwnedFd>,
+}
+
+/// Directories of one walk held open at most (see [`Level::fd`]).
+pub(crate) const LEVEL_FDS: usize = 64;
+
+/// What a walk needs of an lstat, from `statat` (the walk) or `std` (roots).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Meta {
+    pub dev: u64,
+    pub ino: u64,
+    pub size: u64,
+    pub mtime_ns: i64,
+    pub ctime_ns: i64,
+    /// The whole `st_mode`: type and permission bits.
+    pub st_mode: u32,
+}
+
+fn ns(s: i64, nsec: i64) -> i64 {
+    s.saturating_mul(1_000_000_000).saturating_add(nsec)
+}
+
+impl Meta {
+    pub fn of(m: &Metadata) -> Meta {
+        Meta {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.len(),
+            mtime_ns: ns(m.mtime(), m.mtime_nsec()),
+            ctime_ns: ns(m.ctime(), m.ctime_nsec()),
+            st_mode: m.mode(),
+        }
+    }
+
+    // The field types differ between targets (x86_64 and aarch64, libc and linux_raw).
+    #[allow(clippy::unnecessary_cast)]
+    fn of_stat(s: &rustix::fs::Stat) -> Meta {
+        Meta {
+            dev: s.st_dev as u64,
+            ino: s.st_ino as u64,
+            size: s.st_size as u64,
+            mtime_ns: ns(s.st_mtime as i64, s.st_mtime_nsec as i64),
+            ctime_ns: ns(s.st_ctime as i64, s.st_ctime_nsec as i64),
+            st_mode: s.st_mode as u32,
+        }
+    }
+
+    pub fn kind(&self) -> FileKind {
+        match self.st_mode & libc::S_IFMT {
+            libc::S_IFLNK => FileKind::Symlink,
+            libc::S_IFDIR => FileKind::Dir,
+            libc::S_IFREG => FileKind::File,
+            libc::S_IFIFO => FileKind::Fifo,
+            libc::S_IFSOCK => FileKind::Socket,
+            libc::S_IFBLK => FileKind::BlockDevice,
+            libc::S_IFCHR => FileKind::CharDevice,
+            _ => FileKind::Other,
+        }
+    }
+
+    /// Permission bits only, as [`mode_of`].
+    pub fn mode(&self) -> u32 {
+        self.st_mode & 0o7777
+    }
 }
 
 impl Level {
     pub fn read(dir: PathBuf, rel: String) -> std::io::Result<Level> {
-        let mut names = std::fs::read_dir(&dir)?
-            .map(|e| e.map(|e| e.file_name()))
-            .collect::<std::io::Result<Vec<_>>>()?;
+        use rustix::fs::{Mode, OFlags};
+        use std::os::unix::ffi::OsStringExt;
+        // Followed as `read_dir` does: a root given as a symlink to a directory is walked.
+        let fd = rustix::fs::open(
+            &dir,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        let mut names = Vec::new();
+        for e in rustix::fs::Dir::read_from(&fd)? {
+            let name = e?.file_name().to_bytes().to_vec();
+            if name != b"." && name != b".." {
+                names.push(std::ffi::OsString::from_vec(name));
+            }
+        }
         names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
         Ok(Level {
             dir,
             rel,
             names,
             next: 0,
+            fd: Some(fd),
         })
+    }
+
+    /// Close the directory (its names are read); [`Level::lstat`] then goes by path.
+    pub fn close(&mut self) {
+        self.fd = None;
+    }
+
+    /// lstat of `name` in this directory.
+    pub fn lstat(&self, name: &std::ffi::OsStr) -> std::io::Result<Meta> {
+        match &self.fd {
+            Some(fd) => {
+                let s = rustix::fs::statat(fd, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)?;
+                Ok(Meta::of_stat(&s))
+            }
+            None => Ok(Meta::of(&std::fs::symlink_metadata(self.dir.join(name))?)),
+        }
     }
 
     /// The next name in order; `None` once this directory is done.
@@ -154,7 +250,11 @@ impl Walk<'_> {
             // lstat never reports a symlink as a dir, so symlinked dirs are not descended.
             if self.recursive && kind == FileKind::Dir {
                 match Level::read(path, rel.clone()) {
-                    Ok(l) => self.stack.push(l),
+                    // Listings go by path: no descriptor held per level.
+                    Ok(mut l) => {
+                        l.close();
+                        self.stack.push(l)
+                    }
                     Err(e) => self.errors.push(format!("{rel}: {e}")),
                 }
             }

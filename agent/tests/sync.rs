@@ -460,6 +460,26 @@ fn a_manifest_that_matches_the_callers_digest_sends_no_entries() {
     assert!(m.summary.unchanged && m.summary.root_kind.is_none());
 }
 
+/// Past the depth where the walk stops holding directories open, entries are still found
+/// (stat'ed by path) and described the same way.
+#[test]
+fn a_tree_deeper_than_the_open_directories_is_walked_whole() {
+    let t = tempfile::tempdir().unwrap();
+    let r = t.path();
+    let deep: String = (0..90).map(|i| format!("d{i}/")).collect();
+    write(r, &format!("{deep}leaf.txt"), "bottom\n");
+    write(r, "d0/d1/top.txt", "top\n");
+    let mut agent = Agent::start();
+    let m = agent.manifest(r);
+    let by = m.by_rel();
+    let leaf = &by[&format!("{deep}leaf.txt")];
+    assert_eq!((leaf.kind, leaf.size), (FileKind::File, 7));
+    assert!(leaf.hash.is_some());
+    assert_eq!(by["d0/d1/top.txt"].size, 4);
+    assert_eq!(m.summary.entries, 90 + 2);
+    assert!(m.summary.errors.is_empty(), "{:?}", m.summary.errors);
+}
+
 #[test]
 fn a_bad_pattern_is_an_invalid_argument_naming_it() {
     let t = tempfile::tempdir().unwrap();

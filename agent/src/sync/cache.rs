@@ -36,6 +36,16 @@ pub struct Key {
 }
 
 impl Key {
+    pub fn of_meta(m: &crate::fs::Meta) -> Key {
+        Key {
+            dev: m.dev,
+            ino: m.ino,
+            size: m.size,
+            mtime_ns: m.mtime_ns,
+            ctime_ns: m.ctime_ns,
+        }
+    }
+
     pub fn of(m: &Metadata) -> Key {
         Key {
             dev: m.dev(),

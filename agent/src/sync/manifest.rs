@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::fs::Level;
+use crate::fs::{Level, Meta};
 use rsb_protocol::sync::STAGING_PREFIX;
 use rsb_protocol::{
     AgentError, Chunk, ErrorCode, FileKind, ManifestEntry, ManifestRequest, ManifestSummary,
@@ -28,7 +28,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::cache::{self, HashCache, Key};
-use super::{cancelled, fs_clock_ns, internal, kind_of, mode_of, mtime_ns};
+use super::{cancelled, fs_clock_ns, internal, kind_of, mode_of};
 use crate::serve::Responder;
 use crate::util::{expand_home, path_string};
 
@@ -142,7 +142,7 @@ pub fn scan(
                 scan.expect(req.expect);
                 scan.summary = summary;
                 scan.summary.root_kind = Some(FileKind::Symlink);
-                scan.push_symlink(&root, String::new(), &l)?;
+                scan.push_symlink(&root, String::new(), &Meta::of(&l))?;
                 return scan.finish();
             }
             _ => {
@@ -181,7 +181,7 @@ pub fn scan(
         // Hashing opens with O_NOFOLLOW, so a root that is a symlink is resolved first.
         FileKind::File => {
             let real = fs::canonicalize(&root).unwrap_or_else(|_| root.clone());
-            scan.push_file(real, String::new(), &meta)?
+            scan.push_file(real, String::new(), &Meta::of(&meta))?
         }
         _ => scan.special(""),
     }
@@ -364,13 +364,14 @@ impl<'a> Scanner<'a> {
                 continue;
             }
             let path = level.dir.join(&name);
+            let lstat = level.lstat(&name);
             let Some(name) = name.to_str() else {
                 let rel = join(&level.rel, &name.to_string_lossy());
                 self.error(format!("{rel}: name is not valid UTF-8; skipped"));
                 continue;
             };
             let rel = join(&level.rel, name);
-            let meta = match fs::symlink_metadata(&path) {
+            let meta = match lstat {
                 Ok(m) => m,
                 // Removed since the directory was read: it simply is not there any more.
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
@@ -379,15 +380,17 @@ impl<'a> Scanner<'a> {
                     continue;
                 }
             };
-            match kind_of(meta.file_type()) {
+            match meta.kind() {
                 FileKind::Dir => {
-                    if self.excluded(&rel, true) || self.skip_dir == Some((meta.dev(), meta.ino()))
-                    {
+                    if self.excluded(&rel, true) || self.skip_dir == Some((meta.dev, meta.ino)) {
                         continue;
                     }
                     self.push(dir_entry(rel.clone(), &meta), None)?;
                     match Level::read(path, rel.clone()) {
-                        Ok(l) => {
+                        Ok(mut l) => {
+                            if stack.len() >= crate::fs::LEVEL_FDS {
+                                l.close();
+                            }
                             self.enter(&l.dir, &l.rel, stack.len() + 1);
                             stack.push(l);
                         }
@@ -414,31 +417,21 @@ impl<'a> Scanner<'a> {
         Ok(())
     }
 
-    fn push_file(
-        &mut self,
-        path: PathBuf,
-        rel: String,
-        meta: &fs::Metadata,
-    ) -> Result<(), AgentError> {
+    fn push_file(&mut self, path: PathBuf, rel: String, meta: &Meta) -> Result<(), AgentError> {
         let entry = ManifestEntry {
             rel,
             kind: FileKind::File,
-            size: meta.len(),
-            mtime_ns: mtime_ns(meta),
-            mode: mode_of(meta),
+            size: meta.size,
+            mtime_ns: meta.mtime_ns,
+            mode: meta.mode(),
             link_target: None,
             hash: None,
         };
-        let pending = self.hash.then(|| (path, Key::of(meta)));
+        let pending = self.hash.then(|| (path, Key::of_meta(meta)));
         self.push(entry, pending)
     }
 
-    fn push_symlink(
-        &mut self,
-        path: &Path,
-        rel: String,
-        meta: &fs::Metadata,
-    ) -> Result<(), AgentError> {
+    fn push_symlink(&mut self, path: &Path, rel: String, meta: &Meta) -> Result<(), AgentError> {
         let target = match fs::read_link(path) {
             Ok(t) => t,
             Err(e) => {
@@ -453,9 +446,9 @@ impl<'a> Scanner<'a> {
         let entry = ManifestEntry {
             rel,
             kind: FileKind::Symlink,
-            size: meta.len(),
-            mtime_ns: mtime_ns(meta),
-            mode: mode_of(meta),
+            size: meta.size,
+            mtime_ns: meta.mtime_ns,
+            mode: meta.mode(),
             link_target: Some(target.to_string()),
             hash: None,
         };
@@ -586,13 +579,13 @@ fn join(parent: &str, name: &str) -> String {
     }
 }
 
-fn dir_entry(rel: String, meta: &fs::Metadata) -> ManifestEntry {
+fn dir_entry(rel: String, meta: &Meta) -> ManifestEntry {
     ManifestEntry {
         rel,
         kind: FileKind::Dir,
         size: 0,
-        mtime_ns: mtime_ns(meta),
-        mode: mode_of(meta),
+        mtime_ns: meta.mtime_ns,
+        mode: meta.mode(),
         link_target: None,
         hash: None,
     }
