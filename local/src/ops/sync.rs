@@ -236,7 +236,7 @@ pub async fn run_with(
     if opts.baseline.is_none()
         && let Some(t) = &store
     {
-        opts.baseline = t.load_baseline(&key.0, &key.1, &key.2).map(Arc::new);
+        opts.baseline = t.load_baseline_shared(&key.0, &key.1, &key.2);
     }
     let mut report = sync::run_with(&local, &remote, spec, progress, cancel, &opts).await?;
     if let (Some(t), Some(b)) = (&store, report.baseline_out.take())
