@@ -288,12 +288,12 @@ impl SshSession {
             .map_err(ChannelOpenError::from)
     }
 
-    /// Run one command to completion, optionally feeding `stdin`. Used by deploy only.
-    pub async fn exec_collect(
+    /// A fresh channel running `command`, split into its halves.
+    async fn exec_channel(
         &self,
         command: &str,
-        stdin: Option<&[u8]>,
-    ) -> std::result::Result<RemoteOutput, String> {
+    ) -> std::result::Result<(russh::ChannelReadHalf, russh::ChannelWriteHalf<client::Msg>), String>
+    {
         let ch = self
             .handle
             .channel_open_session()
@@ -302,7 +302,16 @@ impl SshSession {
         ch.exec(true, command)
             .await
             .map_err(|e| format!("exec failed: {e}"))?;
-        let (mut rd, wr) = ch.split();
+        Ok(ch.split())
+    }
+
+    /// Run one command to completion, optionally feeding `stdin`. Used by deploy only.
+    pub async fn exec_collect(
+        &self,
+        command: &str,
+        stdin: Option<&[u8]>,
+    ) -> std::result::Result<RemoteOutput, String> {
+        let (mut rd, wr) = self.exec_channel(command).await?;
         let feeder = stdin.map(|data| {
             let data = data.to_vec();
             let mut w = wr.make_writer();
@@ -474,15 +483,7 @@ impl SshSession {
         stream: tokio::net::UnixStream,
     ) -> std::result::Result<(), String> {
         use tokio::io::AsyncReadExt;
-        let ch = self
-            .handle
-            .channel_open_session()
-            .await
-            .map_err(|e| format!("cannot open channel: {e}"))?;
-        ch.exec(true, command)
-            .await
-            .map_err(|e| format!("exec failed: {e}"))?;
-        let (mut rd, wr) = ch.split();
+        let (mut rd, wr) = self.exec_channel(&command).await?;
         let (mut from_worker, mut to_worker) = stream.into_split();
         let name = sandbox.to_string();
         let session = self.clone();
