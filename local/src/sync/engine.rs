@@ -77,7 +77,8 @@ const LARGE_START_BYTES: u64 = 1024 * 1024;
 const META_OPS: usize = 2000;
 /// More ping pairs (sequential) before a slow-looking round trip turns compression on: the
 /// link's delay is a floor that every sample shows, a loaded host's stall is not. Each costs a
-/// round trip of a far link before its transfer starts, so one.
+/// round trip of a far link before its transfer starts, so one, and none when the sandbox's
+/// last transfer already found the link far.
 const RTT_CONFIRM: usize = 1;
 /// How long a failed or cancelled sync waits for `ApplyAbort` (removes its staging dir).
 const CLEANUP_TIMEOUT: Duration = Duration::from_millis(500);
@@ -1132,8 +1133,11 @@ async fn execute(
     let opened = opened?;
     let (mut r_min, mut l_min) = (r0, l0);
     let link = |r: Duration, l: Duration| r.saturating_sub(l);
+    // A far sample needs no second one when this sandbox's last transfer found the link far
+    // too (that decision was confirmed): a round trip less per transfer on a far link.
+    let known_far = compress_mode.manifest(remote.sandbox());
     for _ in 0..RTT_CONFIRM {
-        if compress_mode != Mode::Auto || !compress_mode.decide(link(r_min, l_min)) {
+        if compress_mode != Mode::Auto || !compress_mode.decide(link(r_min, l_min)) || known_far {
             break;
         }
         let (r, l) = tokio::join!(ping(remote), ping(local));
