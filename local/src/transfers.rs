@@ -715,10 +715,18 @@ impl Transfers {
             let before = shared.lock().0.clone();
             res =
                 crate::ops::sync::run_with(&pool, &sandbox, &spec, &opts, Some(cb), &cancel).await;
-            // The task's report covers both runs: what the first committed, the rerun skipped.
-            if let Ok(r) = &mut res {
-                r.files_transferred += before.files_done;
-                r.skipped_files = r.skipped_files.saturating_sub(before.files_done);
+            // The task's report covers both runs: the files the rerun found in place beyond
+            // those the first run's plan already found unchanged are the first run's (counted
+            // so, not by its acknowledgements, which the cut may have lost).
+            if let Ok(r) = &mut res
+                && matches!(
+                    before.phase,
+                    crate::sync::Phase::Transferring | crate::sync::Phase::Deleting
+                )
+            {
+                let first = r.skipped_files.saturating_sub(before.files_unchanged);
+                r.files_transferred += first;
+                r.skipped_files -= first;
                 r.bytes_sent += before.bytes_done;
                 r.dirs_created += before.dirs_done;
             }

@@ -1114,6 +1114,7 @@ async fn execute(
     tracker.update(true, |p| {
         p.phase = Phase::Transferring;
         p.files_total = (plan.files.len() + plan.symlinks.len()) as u64;
+        p.files_unchanged = plan.unchanged;
         p.bytes_total = plan.bytes_total();
     });
     let (remote, local) = match spec.direction {

@@ -111,6 +111,8 @@ pub struct Progress {
     pub files_total: u64,
     /// Directories created so far (all of the plan's, once its files start).
     pub dirs_done: u64,
+    /// Files the plan found already up to date (set when the transfer starts).
+    pub files_unchanged: u64,
     /// File bytes sent so far, of those the plan sends (changed blocks only for deltas).
     pub bytes_done: u64,
     pub bytes_total: u64,
