@@ -51,9 +51,7 @@ pub(crate) fn mode_of(m: &Metadata) -> u32 {
 }
 
 pub(crate) fn mtime_ns(m: &Metadata) -> i64 {
-    m.mtime()
-        .saturating_mul(1_000_000_000)
-        .saturating_add(m.mtime_nsec())
+    ns(m.mtime(), m.mtime_nsec())
 }
 
 fn cancelled() -> AgentError {

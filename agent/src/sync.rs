@@ -18,9 +18,8 @@ mod manifest;
 mod read;
 
 use std::ffi::CString;
-use std::fs::{File, Metadata};
+use std::fs::File;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
@@ -55,12 +54,6 @@ where
 }
 
 pub(crate) use crate::fs::{kind_of, mode_of, mtime_ns};
-
-fn ctime_ns(m: &Metadata) -> i64 {
-    m.ctime()
-        .saturating_mul(1_000_000_000)
-        .saturating_add(m.ctime_nsec())
-}
 
 /// The wall clock that file timestamps are taken from. On Linux that is the coarse clock (one
 /// tick, a few ms); a timestamp strictly below it was assigned before this call, so any later

@@ -14,11 +14,10 @@ use std::collections::HashMap;
 use std::fs::{self, Metadata};
 use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{ctime_ns, mtime_ns};
 use crate::util::home_dir;
 
 const MAGIC: &[u8; 8] = b"RSBHC\x01\0\0";
@@ -47,13 +46,7 @@ impl Key {
     }
 
     pub fn of(m: &Metadata) -> Key {
-        Key {
-            dev: m.dev(),
-            ino: m.ino(),
-            size: m.len(),
-            mtime_ns: mtime_ns(m),
-            ctime_ns: ctime_ns(m),
-        }
+        Key::of_meta(&crate::fs::Meta::of(m))
     }
 
     /// Whether a hash read after `clock_ns` (see [`super::fs_clock_ns`]) can be cached under
