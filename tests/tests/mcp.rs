@@ -1902,8 +1902,11 @@ async fn edit_remote_file_contract() {
 
     // Two edits at once with the same expected hash, through two agents (sandboxes s and t
     // are two channels, two agents) and through one: exactly one wins, the other is told.
+    // The file is large enough (8 MiB) that reading, hashing and staging it takes the agent
+    // milliseconds, so without the lock both edits would read the old file and both succeed.
+    let filler = "x".repeat(8 << 20);
     for round in 0..6 {
-        let body = format!("round {round}\n");
+        let body = format!("round {round}\n{filler}");
         std::fs::write(&f, &body).unwrap();
         let hash = content_hash(body.as_bytes());
         let (s1, s2) = if round % 2 == 0 {
