@@ -266,16 +266,14 @@ fn writable(p: &Path) -> bool {
     rustix::fs::access(p, rustix::fs::Access::WRITE_OK).is_ok()
 }
 
-/// Stage `data` next to `target` and move it into place: renamed over an existing file
-/// (keeping its mode, and its owner where this user may), linked for `create_only` (so a file
-/// that appeared meanwhile is never replaced). The staged file is removed on any failure.
-fn commit(
+/// `data` written to a new file next to `target`, with the old file's mode (and owner where
+/// this user may keep it); the caller moves it into place ([`place`]) or removes it.
+fn stage(
     target: &Path,
     data: &[u8],
     old: Option<&Metadata>,
-    create_only: bool,
     what: &str,
-) -> Result<Result<(), Refusal>, AgentError> {
+) -> Result<PathBuf, AgentError> {
     let shown = path_string(target);
     let dir = match target.parent() {
         Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
@@ -295,7 +293,7 @@ fn commit(
         }
         err
     })?;
-    let result = (|| -> std::io::Result<Result<(), Refusal>> {
+    let result = (|| -> std::io::Result<()> {
         file.write_all(data)?;
         if let Some(m) = old {
             file.set_permissions(std::fs::Permissions::from_mode(m.mode() & 0o7777))?;
@@ -306,25 +304,52 @@ fn commit(
                 let _ = std::os::unix::fs::fchown(&file, Some(m.uid()), Some(m.gid()));
             }
         }
-        drop(file);
-        if create_only {
-            match std::fs::hard_link(&tmp, target) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    return Ok(Err(Refusal::Exists));
-                }
-                Err(e) => return Err(e),
-            }
-            let _ = std::fs::remove_file(&tmp);
-        } else {
-            std::fs::rename(&tmp, target)?;
-        }
-        Ok(Ok(()))
+        Ok(())
     })();
-    if !matches!(result, Ok(Ok(()))) {
-        let _ = std::fs::remove_file(&tmp);
+    match result {
+        Ok(()) => Ok(tmp),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(AgentError::from_io(&e, what, &shown))
+        }
     }
-    result.map_err(|e| AgentError::from_io(&e, what, &shown))
+}
+
+/// Move a staged file into place: renamed over `target`, or for `create_only` linked (so a
+/// file that appeared meanwhile is never replaced). The staged name is gone afterwards.
+fn place(
+    tmp: &Path,
+    target: &Path,
+    create_only: bool,
+    what: &str,
+) -> Result<Result<(), Refusal>, AgentError> {
+    let result = if create_only {
+        let r = match std::fs::hard_link(tmp, target) {
+            Ok(()) => Ok(Ok(())),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(Err(Refusal::Exists)),
+            Err(e) => Err(e),
+        };
+        let _ = std::fs::remove_file(tmp);
+        r
+    } else {
+        let r = std::fs::rename(tmp, target).map(Ok);
+        if r.is_err() {
+            let _ = std::fs::remove_file(tmp);
+        }
+        r
+    };
+    result.map_err(|e| AgentError::from_io(&e, what, &path_string(target)))
+}
+
+fn commit(
+    target: &Path,
+    data: &[u8],
+    old: Option<&Metadata>,
+    create_only: bool,
+    what: &str,
+) -> Result<Result<(), Refusal>, AgentError> {
+    let tmp = stage(target, data, old, what)?;
+    place(&tmp, target, create_only, what)
 }
 
 /// A new file in `dir` that nobody else can have opened (O_EXCL, O_NOFOLLOW), created with
@@ -787,6 +812,286 @@ pub fn write(req: &WriteRequest) -> Result<EditOutcome, AgentError> {
     }))
 }
 
+/// A replaced byte range of the old text and the length of what replaced it.
+type Span = (usize, usize, usize);
+
+/// Where `pat` occurs in `lines` at or after `start`: exactly, then ignoring trailing
+/// whitespace, then ignoring surrounding whitespace (Codex's own tolerance); with `eof`, at
+/// the end of the file first. A line's `\r` never counts.
+fn seek(lines: &[&str], pat: &[String], start: usize, eof: bool) -> Option<usize> {
+    if pat.is_empty() {
+        return Some(start);
+    }
+    if pat.len() > lines.len() {
+        return None;
+    }
+    let last = lines.len() - pat.len();
+    let strip = |l: &str| l.strip_suffix('\r').unwrap_or(l).to_string();
+    let modes: [fn(&str) -> &str; 3] = [|l| l, str::trim_end, str::trim];
+    for norm in modes {
+        let at = |i: usize| {
+            pat.iter()
+                .enumerate()
+                .all(|(j, p)| norm(&strip(lines[i + j])) == norm(p))
+        };
+        if eof && last >= start && at(last) {
+            return Some(last);
+        }
+        if let Some(i) = (start..=last).find(|&i| at(i)) {
+            return Some(i);
+        }
+    }
+    None
+}
+
+/// The file's new text after every chunk, or the chunk that does not apply and why. Line
+/// endings follow the file (CRLF stays CRLF), and so does a missing final newline.
+fn apply_chunks(
+    text: &str,
+    chunks: &[rsb_protocol::PatchChunk],
+) -> Result<(String, Vec<Span>), (u64, Refusal)> {
+    let crlf = text
+        .find('\n')
+        .is_some_and(|i| i > 0 && text.as_bytes()[i - 1] == b'\r');
+    let mut lines: Vec<&str> = text.split('\n').collect();
+    let final_newline = text.ends_with('\n');
+    if final_newline || text.is_empty() {
+        lines.pop();
+    }
+    let mut repl: Vec<(usize, usize, &[String])> = Vec::new();
+    let mut pos = 0;
+    for (i, c) in chunks.iter().enumerate() {
+        if let Some(ctx) = &c.context {
+            match seek(&lines, std::slice::from_ref(ctx), pos, false) {
+                Some(k) => pos = k + 1,
+                None => {
+                    let near = near_lines(text, ctx);
+                    return Err((i as u64, Refusal::NoMatch { near }));
+                }
+            }
+        }
+        if c.old.is_empty() {
+            repl.push((lines.len(), 0, &c.new));
+            continue;
+        }
+        match seek(&lines, &c.old, pos, c.end_of_file) {
+            Some(k) => {
+                repl.push((k, c.old.len(), &c.new));
+                pos = k + c.old.len();
+            }
+            None => {
+                let near = near_lines(text, &c.old.join("\n"));
+                return Err((i as u64, Refusal::NoMatch { near }));
+            }
+        }
+    }
+    repl.sort_by_key(|r| r.0);
+    if repl.windows(2).any(|w| w[0].0 + w[0].1 > w[1].0) {
+        return Err((0, Refusal::Ambiguous { count: 2 }));
+    }
+    // Rebuild, and note each replaced span in bytes of the old text for the diff.
+    let eol = if crlf { "\r\n" } else { "\n" };
+    let mut starts = Vec::with_capacity(lines.len() + 1);
+    let mut off = 0;
+    for l in &lines {
+        starts.push(off);
+        off += l.len() + 1;
+    }
+    starts.push(text.len());
+    let mut out = String::with_capacity(text.len() + 64);
+    let mut spans = Vec::new();
+    let mut next = 0;
+    let push_old = |out: &mut String, a: usize, b: usize| {
+        for l in &lines[a..b] {
+            out.push_str(l);
+            out.push('\n');
+        }
+    };
+    for (k, n, new) in repl {
+        push_old(&mut out, next, k);
+        let from = out.len();
+        for l in new {
+            out.push_str(l);
+            out.push_str(eol);
+        }
+        let old_a = starts[k].min(text.len());
+        let old_b = starts[(k + n).min(lines.len())].min(text.len());
+        spans.push((old_a, old_b.max(old_a), out.len() - from));
+        next = k + n;
+    }
+    push_old(&mut out, next, lines.len());
+    if !final_newline && out.ends_with('\n') {
+        out.pop();
+        if crlf && out.ends_with('\r') && !text.ends_with('\r') {
+            out.pop();
+        }
+    }
+    Ok((out, spans))
+}
+
+/// One file of a patch, checked and ready to be written.
+struct Planned {
+    target: PathBuf,
+    /// The new content; `None` deletes the file.
+    data: Option<Vec<u8>>,
+    old: Option<Locked>,
+    /// A moved file's old path, removed once the new one is in place.
+    remove: Option<PathBuf>,
+    replacements: u64,
+    spans: Vec<(usize, usize, usize)>,
+}
+
+pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutcome, AgentError> {
+    use rsb_protocol::{PatchOp, PatchOutcome};
+    const WHAT: &str = "apply_patch";
+    let refused = |path: &str, hunk: u64, refusal: Refusal| {
+        Ok(PatchOutcome::Refused {
+            path: path.to_string(),
+            hunk,
+            refusal,
+        })
+    };
+    // Check every file and hunk, holding each file's lock, before anything is written.
+    let mut plan: Vec<Planned> = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for f in &req.files {
+        let path = expand_home(&f.path);
+        let target =
+            target_of(&path).map_err(|e| AgentError::from_io(&e, WHAT, &path_string(&path)))?;
+        if !seen.insert(target.clone()) {
+            return Err(AgentError::new(
+                ErrorCode::InvalidArgument,
+                format!("{WHAT}: {} appears twice in the patch", f.path),
+            ));
+        }
+        let cur = match lock_current(&target, WHAT)? {
+            Ok(c) => c,
+            Err(r) => return refused(&f.path, 0, r),
+        };
+        let missing = || {
+            AgentError::new(
+                ErrorCode::NotFound,
+                format!("{WHAT} {}: no such file or directory", path_string(&target)),
+            )
+        };
+        match &f.op {
+            PatchOp::Add { text } => plan.push(Planned {
+                target,
+                data: Some(text.as_bytes().to_vec()),
+                old: cur,
+                remove: None,
+                replacements: 0,
+                spans: Vec::new(),
+            }),
+            PatchOp::Delete => {
+                let Some(cur) = cur else {
+                    return Err(missing());
+                };
+                plan.push(Planned {
+                    target,
+                    data: None,
+                    old: Some(cur),
+                    remove: None,
+                    replacements: 0,
+                    spans: Vec::new(),
+                });
+            }
+            PatchOp::Update { move_to, chunks } => {
+                let Some(cur) = cur else {
+                    return Err(missing());
+                };
+                let Ok(text) = std::str::from_utf8(&cur.data) else {
+                    return refused(&f.path, 0, Refusal::NotText);
+                };
+                let (new, spans) = match apply_chunks(text, chunks) {
+                    Ok(r) => r,
+                    Err((hunk, r)) => return refused(&f.path, hunk, r),
+                };
+                let (dest, remove) = match move_to {
+                    Some(m) => {
+                        let dest = expand_home(m);
+                        if !seen.insert(dest.clone()) {
+                            return Err(AgentError::new(
+                                ErrorCode::InvalidArgument,
+                                format!("{WHAT}: {m} appears twice in the patch"),
+                            ));
+                        }
+                        (dest, Some(target))
+                    }
+                    None => (target, None),
+                };
+                plan.push(Planned {
+                    target: dest,
+                    data: Some(new.into_bytes()),
+                    old: Some(cur),
+                    remove,
+                    replacements: chunks.len() as u64,
+                    spans,
+                });
+            }
+        }
+    }
+    // Stage every new content; a failure removes what was staged, and nothing has changed.
+    let mut staged: Vec<Option<PathBuf>> = Vec::new();
+    for p in &plan {
+        let Some(data) = &p.data else {
+            staged.push(None);
+            continue;
+        };
+        match stage(&p.target, data, p.old.as_ref().map(|o| &o.meta), WHAT) {
+            Ok(t) => staged.push(Some(t)),
+            Err(e) => {
+                for t in staged.into_iter().flatten() {
+                    let _ = std::fs::remove_file(t);
+                }
+                return Err(e);
+            }
+        }
+    }
+    let mut changed = Vec::new();
+    for (p, tmp) in plan.iter().zip(staged) {
+        match (tmp, &p.data) {
+            (Some(tmp), Some(data)) => {
+                if let Err(r) = place(&tmp, &p.target, false, WHAT)? {
+                    return refused(&path_string(&p.target), 0, r);
+                }
+                if let Some(old) = &p.remove {
+                    let _ = std::fs::remove_file(old);
+                }
+                let before = p.old.as_ref().map(|o| &o.data[..]).unwrap_or(b"");
+                let (changed_lines, diff, diff_truncated) = if p.spans.is_empty() {
+                    (Vec::new(), String::new(), false)
+                } else {
+                    describe(before, data, &p.spans)
+                };
+                changed.push(Changed {
+                    path: path_string(&p.target),
+                    hash: content_hash(data),
+                    created: p.old.is_none() || p.remove.is_some(),
+                    replacements: p.replacements,
+                    changed_lines,
+                    diff,
+                    diff_truncated,
+                });
+            }
+            _ => {
+                std::fs::remove_file(&p.target)
+                    .map_err(|e| AgentError::from_io(&e, WHAT, &path_string(&p.target)))?;
+                changed.push(Changed {
+                    path: path_string(&p.target),
+                    hash: String::new(),
+                    created: false,
+                    replacements: 0,
+                    changed_lines: Vec::new(),
+                    diff: String::new(),
+                    diff_truncated: false,
+                });
+            }
+        }
+    }
+    Ok(PatchOutcome::Done(changed))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -851,6 +1156,35 @@ mod tests {
         assert_eq!(r(9, 0, 100), (vec![], 0, false));
         assert_eq!(r(1, 0, 5), (b"a\nbb\n".to_vec(), 2, true));
         assert_eq!(r(3, 1, 2), (b"cc".to_vec(), 0, true));
+    }
+
+    fn chunk(ctx: Option<&str>, old: &[&str], new: &[&str]) -> rsb_protocol::PatchChunk {
+        rsb_protocol::PatchChunk {
+            context: ctx.map(str::to_string),
+            old: old.iter().map(|s| s.to_string()).collect(),
+            new: new.iter().map(|s| s.to_string()).collect(),
+            end_of_file: false,
+        }
+    }
+
+    #[test]
+    fn chunks_apply_in_order_keeping_line_endings() {
+        let text = "fn a() {\n    x\n}\nfn b() {\n    x\n}\n";
+        let (out, _) =
+            apply_chunks(text, &[chunk(Some("fn b() {"), &["    x"], &["    y"])]).unwrap();
+        assert_eq!(out, "fn a() {\n    x\n}\nfn b() {\n    y\n}\n");
+        let (out, _) = apply_chunks("a\r\nb\r\nc", &[chunk(None, &["b"], &["B", "B2"])]).unwrap();
+        assert_eq!(out, "a\r\nB\r\nB2\r\nc");
+        // Trailing whitespace is tolerated, as in Codex.
+        let (out, _) = apply_chunks("a  \nb\n", &[chunk(None, &["a", "b"], &["c"])]).unwrap();
+        assert_eq!(out, "c\n");
+        let e = apply_chunks(
+            "a\n",
+            &[chunk(None, &["a"], &["b"]), chunk(None, &["zz"], &[])],
+        );
+        assert!(matches!(e, Err((1, Refusal::NoMatch { .. }))), "{e:?}");
+        let (out, _) = apply_chunks("a\n", &[chunk(None, &[], &["tail"])]).unwrap();
+        assert_eq!(out, "a\ntail\n");
     }
 
     #[test]

@@ -317,6 +317,9 @@ async fn handle(
         Request::Write(req) => to_completion(move || edit::write(&req))
             .await
             .map(rsb_protocol::WriteRequest::into_reply),
+        Request::Patch(req) => to_completion(move || edit::patch(&req))
+            .await
+            .map(rsb_protocol::PatchRequest::into_reply),
     };
     responder.reply(result.unwrap_or_else(Reply::Error)).await;
 }

@@ -147,3 +147,51 @@ pub struct WriteRequest {
     /// Create missing parent directories (with the umask).
     pub make_dirs: bool,
 }
+
+/// Codex's `apply_patch`, parsed by the local side: every hunk of every file is checked against
+/// the file under its lock before any file is written; then each file is replaced atomically.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PatchRequest {
+    pub files: Vec<PatchFile>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PatchFile {
+    pub path: String,
+    pub op: PatchOp,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum PatchOp {
+    /// Create (or replace) the file with this text.
+    Add {
+        text: String,
+    },
+    Delete,
+    Update {
+        move_to: Option<String>,
+        chunks: Vec<PatchChunk>,
+    },
+}
+
+/// One `@@` hunk: `old` (context and removed lines, in order) becomes `new`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PatchChunk {
+    /// The text after `@@ `: a line to find first (a function's header, say).
+    pub context: Option<String>,
+    pub old: Vec<String>,
+    pub new: Vec<String>,
+    /// `*** End of File`: `old` ends the file.
+    pub end_of_file: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum PatchOutcome {
+    Done(Vec<Changed>),
+    /// Nothing was written: `hunk` (0-based; 0 for a whole-file condition) of `path` failed.
+    Refused {
+        path: String,
+        hunk: u64,
+        refusal: Refusal,
+    },
+}

@@ -23,8 +23,9 @@ use serde::{Deserialize, Serialize};
 
 pub use codec::{CodecError, MAX_CHUNK, MAX_FRAME, decode, encode, frame_codec};
 pub use edit::{
-    Changed, ContentHash, EditOutcome, EditRequest, LineRange, NearLine, ReadTextRequest,
-    ReadTextResult, Refusal, WriteCondition, WriteRequest,
+    Changed, ContentHash, EditOutcome, EditRequest, LineRange, NearLine, PatchChunk, PatchFile,
+    PatchOp, PatchOutcome, PatchRequest, ReadTextRequest, ReadTextResult, Refusal, WriteCondition,
+    WriteRequest,
 };
 pub use error::{AgentError, ErrorCode};
 pub use exec::{Captured, ExecInput, ExecRequest, ExecResult, INPUT_WINDOW, TtySize};
@@ -165,6 +166,7 @@ call!(ReadFileZRequest, ReadFileZ, "read_file_z" => ReadFileZ(ReadFileZResult));
 call!(ReadTextRequest, ReadText, "read_text" => ReadText(ReadTextResult));
 call!(EditRequest, Edit, "edit" => Edited(EditOutcome));
 call!(WriteRequest, Write, "write" => Edited(EditOutcome));
+call!(PatchRequest, Patch, "patch" => Patched(PatchOutcome));
 
 /// Echoed back unchanged: a round trip through the agent's loop (liveness, latency).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -197,6 +199,7 @@ pub enum Request {
     ReadText(ReadTextRequest),
     Edit(EditRequest),
     Write(WriteRequest),
+    Patch(PatchRequest),
 }
 
 impl Request {
@@ -223,6 +226,7 @@ impl Request {
         ReadTextRequest::NAME,
         EditRequest::NAME,
         WriteRequest::NAME,
+        PatchRequest::NAME,
     ];
 
     /// Short name for logs and error messages.
@@ -249,6 +253,7 @@ impl Request {
             Request::ReadText(_) => ReadTextRequest::NAME,
             Request::Edit(_) => EditRequest::NAME,
             Request::Write(_) => WriteRequest::NAME,
+            Request::Patch(_) => PatchRequest::NAME,
         }
     }
 }
@@ -277,6 +282,7 @@ pub enum Reply {
     ReadText(ReadTextResult),
     /// Answers both `Edit` and `Write`.
     Edited(EditOutcome),
+    Patched(PatchOutcome),
 }
 
 impl Reply {
@@ -301,6 +307,7 @@ impl Reply {
             Reply::ReadFileZ(_) => "read_file_z",
             Reply::ReadText(_) => "read_text",
             Reply::Edited(_) => "edited",
+            Reply::Patched(_) => "patched",
         }
     }
 }

@@ -156,6 +156,30 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             condition: WriteCondition::CreateOnly,
             make_dirs: true,
         }),
+        Request::Patch(PatchRequest {
+            files: vec![
+                PatchFile {
+                    path: "a".into(),
+                    op: PatchOp::Add { text: "x\n".into() },
+                },
+                PatchFile {
+                    path: "b".into(),
+                    op: PatchOp::Delete,
+                },
+                PatchFile {
+                    path: "c".into(),
+                    op: PatchOp::Update {
+                        move_to: Some("d".into()),
+                        chunks: vec![PatchChunk {
+                            context: Some("fn f()".into()),
+                            old: vec!["a".into()],
+                            new: vec!["b".into(), "c".into()],
+                            end_of_file: true,
+                        }],
+                    },
+                },
+            ],
+        }),
     ];
     let mut to_agent: Vec<ToAgent> = requests
         .into_iter()
@@ -346,6 +370,11 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             }],
         })),
         Reply::Edited(EditOutcome::Refused(Refusal::Changed { current: None })),
+        Reply::Patched(PatchOutcome::Refused {
+            path: "c".into(),
+            hunk: 2,
+            refusal: Refusal::Ambiguous { count: 2 },
+        }),
     ];
     let mut from_agent: Vec<FromAgent> = vec![FromAgent::Hello(Hello {
         magic: MAGIC,
@@ -632,6 +661,7 @@ fn each_call_unwraps_only_its_own_reply() {
             }
             Request::Edit(q) => check(q, EditRequest::from_reply(reply("edited")).unwrap()),
             Request::Write(q) => check(q, EditOutcome::Refused(Refusal::Exists)),
+            Request::Patch(q) => check(q, PatchRequest::from_reply(reply("patched")).unwrap()),
         }
     }
     assert_eq!(checked, Request::KINDS.len());

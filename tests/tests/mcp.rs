@@ -122,6 +122,11 @@ impl Mcp {
     /// `rsb mcp` with `REMOTE_SANDBOX_LIST=list` and an otherwise controlled environment: no
     /// config file, no ssh config, no agent, state in a temp dir, debug logs to a file.
     async fn start(list: &str) -> Mcp {
+        Self::start_with(list, &[]).await
+    }
+
+    /// [`Mcp::start`] with more environment (`REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS`, say).
+    async fn start_with(list: &str, env: &[(&str, &str)]) -> Mcp {
         let tmp = tempfile::tempdir().unwrap();
         let home = tmp.path().join("home");
         std::fs::create_dir_all(&home).unwrap();
@@ -136,7 +141,8 @@ impl Mcp {
             .env("XDG_DATA_HOME", home.join(".local/share"))
             .env("RSB_STATE_DIR", tmp.path().join("state"))
             .env("RSB_LOG", "debug")
-            .env("REMOTE_SANDBOX_LIST", list);
+            .env("REMOTE_SANDBOX_LIST", list)
+            .envs(env.iter().copied());
         let (transport, _) = TokioChildProcess::builder(cmd)
             .stderr(stderr)
             .spawn()
@@ -2108,5 +2114,80 @@ async fn write_remote_file_is_atomic_and_conditional() {
     done.store(true, Ordering::SeqCst);
     let reads = reader.join().unwrap();
     assert!(reads > 20, "the reader ran only {reads} times");
+    mcp.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_patch_checks_every_hunk_before_writing() {
+    let sshd = Sshd::start().unwrap();
+    let h = sshd.home().to_path_buf();
+    let mcp = Mcp::start_with(
+        &list(&[key_entry("s", &sshd)]),
+        &[("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "1")],
+    )
+    .await;
+    let files = [
+        ("p/a.rs", "fn a() {\n    1\n}\n"),
+        ("p/b.rs", "fn b() {\n    2\n}\n"),
+        ("p/c.rs", "fn c() {\n    3\n}\n"),
+    ];
+    std::fs::create_dir_all(h.join("p")).unwrap();
+    for (p, t) in files {
+        std::fs::write(h.join(p), t).unwrap();
+    }
+    let patch = |c_old: &str| {
+        format!(
+            "*** Begin Patch\n*** Update File: p/a.rs\n@@ fn a() {{\n-    1\n+    10\n*** Update File: p/b.rs\n-    2\n+    20\n*** Update File: p/c.rs\n-    {c_old}\n+    30\n*** End Patch\n"
+        )
+    };
+    // One bad hunk (c.rs has no "    4"): no file changes, and the error names file and hunk.
+    let r = mcp.err("apply_patch", json!({"patch": patch("4")})).await;
+    assert!(r.s("error").contains("hunk 1 of ~/p/c.rs"), "{}", r.text);
+    assert!(r.s("error").contains("no file was changed"), "{}", r.text);
+    for (p, t) in files {
+        assert_eq!(
+            std::fs::read_to_string(h.join(p)).unwrap(),
+            t,
+            "{p} changed"
+        );
+    }
+    // The good patch changes all three; add, move and delete in one more.
+    let v = mcp.ok("apply_patch", json!({"patch": patch("3")})).await;
+    assert_eq!(v["files"].as_array().unwrap().len(), 3, "{v}");
+    assert_eq!(
+        std::fs::read_to_string(h.join("p/a.rs")).unwrap(),
+        "fn a() {\n    10\n}\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(h.join("p/c.rs")).unwrap(),
+        "fn c() {\n    30\n}\n"
+    );
+    assert_eq!(
+        v["files"][2]["hash"],
+        content_hash(b"fn c() {\n    30\n}\n"),
+        "{v}"
+    );
+    mcp.ok(
+        "apply_patch",
+        json!({"patch": "*** Begin Patch\n*** Add File: p/new.txt\n+new\n*** Update File: p/b.rs\n*** Move to: p/moved.rs\n-    20\n+    21\n*** Delete File: p/a.rs\n*** End Patch"}),
+    )
+    .await;
+    assert_eq!(
+        std::fs::read_to_string(h.join("p/new.txt")).unwrap(),
+        "new\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(h.join("p/moved.rs")).unwrap(),
+        "fn b() {\n    21\n}\n"
+    );
+    assert!(!h.join("p/b.rs").exists() && !h.join("p/a.rs").exists());
+    // A malformed patch names its line.
+    let r = mcp
+        .err(
+            "apply_patch",
+            json!({"patch": "*** Begin Patch\n*** Update File: p/c.rs\n?x\n*** End Patch"}),
+        )
+        .await;
+    assert!(r.s("error").contains("line 3"), "{}", r.text);
     mcp.close().await;
 }

@@ -54,6 +54,35 @@ pub struct WriteRemoteFileParams {
     pub sandbox_name: String,
 }
 
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ApplyPatchParams {
+    /// Codex format: *** Begin Patch … *** End Patch; paths relative to $HOME.
+    pub patch: String,
+    /// ""=active sandbox
+    #[serde(default)]
+    pub sandbox_name: String,
+}
+
+#[tool_router(router = patch_router, vis = "pub(super)")]
+impl RsbServer {
+    #[tool(
+        annotations(destructive_hint = true, open_world_hint = false),
+        description = "Apply a Codex-format patch (*** Add/Update/Delete File, @@ hunks) on the sandbox. Every hunk of every file is checked first: one that does not apply changes no file. Each file is replaced atomically."
+    )]
+    async fn apply_patch(&self, Parameters(p): Parameters<ApplyPatchParams>) -> ToolResult {
+        let req = match edit::parse_patch(&p.patch) {
+            Ok(r) => r,
+            Err(e) => return fail(&e),
+        };
+        let client = match self.pool.client(&p.sandbox_name).await {
+            Ok(c) => c,
+            Err(e) => return fail(&e),
+        };
+        reply(client.call(req).await.and_then(edit::patch_outcome))
+    }
+}
+
 #[tool_router(router = edit_router, vis = "pub(super)")]
 impl RsbServer {
     #[tool(

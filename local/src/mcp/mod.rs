@@ -63,6 +63,7 @@ impl RsbServer {
         if advanced {
             tool_router += Self::watchdog_router();
             tool_router += Self::forward_router();
+            tool_router += Self::patch_router();
         }
         let full_schemas = Arc::new(compact_schemas(&mut tool_router));
         Self::list_sync_compact(&mut tool_router);

@@ -222,3 +222,241 @@ pub fn refusal(path: &str, expected: Option<&str>, r: Refusal) -> RsbError {
         ),
     }
 }
+
+/// Codex's patch format (`*** Begin Patch` … `*** End Patch`: Add / Delete / Update File,
+/// `*** Move to:`, `@@` hunks of ` `/`-`/`+` lines, `*** End of File`), parsed into what the
+/// agent checks and applies. A malformed patch is refused here, naming its line.
+pub fn parse_patch(patch: &str) -> Result<rsb_protocol::PatchRequest> {
+    use rsb_protocol::{PatchChunk, PatchFile, PatchOp};
+    let bad = |n: usize, what: &str| {
+        RsbError::invalid(
+            format!("patch line {n}: {what}"),
+            "use Codex's format: *** Begin Patch, *** Add/Update/Delete File: PATH, @@ hunks of ' ', '-', '+' lines, *** End Patch",
+        )
+    };
+    let lines: Vec<&str> = patch
+        .lines()
+        .map(|l| l.strip_suffix('\r').unwrap_or(l))
+        .collect();
+    let mut it = lines
+        .iter()
+        .enumerate()
+        .map(|(i, l)| (i + 1, *l))
+        .peekable();
+    while it.peek().is_some_and(|(_, l)| l.trim().is_empty()) {
+        it.next();
+    }
+    match it.next() {
+        Some((_, l)) if l.trim() == "*** Begin Patch" => {}
+        Some((n, _)) => return Err(bad(n, "expected *** Begin Patch")),
+        None => return Err(bad(0, "the patch is empty")),
+    }
+    let mut files = Vec::new();
+    let mut ended = false;
+    while let Some((n, l)) = it.next() {
+        if l.trim() == "*** End Patch" {
+            ended = true;
+            break;
+        }
+        let path_of = |rest: &str| -> Result<String> {
+            let p = rest.trim();
+            if p.is_empty() || p.contains('\0') {
+                return Err(bad(n, "a file header needs a path"));
+            }
+            Ok(home_relative(p))
+        };
+        if let Some(rest) = l.strip_prefix("*** Add File:") {
+            let path = path_of(rest)?;
+            let mut text = String::new();
+            while let Some((_, l)) = it.peek() {
+                let Some(body) = l.strip_prefix('+') else {
+                    break;
+                };
+                text.push_str(body);
+                text.push('\n');
+                it.next();
+            }
+            files.push(PatchFile {
+                path,
+                op: PatchOp::Add { text },
+            });
+        } else if let Some(rest) = l.strip_prefix("*** Delete File:") {
+            files.push(PatchFile {
+                path: path_of(rest)?,
+                op: PatchOp::Delete,
+            });
+        } else if let Some(rest) = l.strip_prefix("*** Update File:") {
+            let path = path_of(rest)?;
+            let mut move_to = None;
+            if let Some((m, l)) = it.peek().copied()
+                && let Some(rest) = l.strip_prefix("*** Move to:")
+            {
+                let to = rest.trim();
+                if to.is_empty() {
+                    return Err(bad(m, "*** Move to: needs a path"));
+                }
+                move_to = Some(home_relative(to));
+                it.next();
+            }
+            let mut chunks: Vec<PatchChunk> = Vec::new();
+            while let Some((m, l)) = it.peek().copied() {
+                if l.trim() == "*** End of File" {
+                    match chunks.last_mut() {
+                        Some(c) => c.end_of_file = true,
+                        None => return Err(bad(m, "*** End of File before any hunk")),
+                    }
+                    it.next();
+                    continue;
+                }
+                if l.starts_with("*** ") {
+                    break;
+                }
+                it.next();
+                if let Some(ctx) = l.strip_prefix("@@") {
+                    let ctx = ctx.trim();
+                    chunks.push(PatchChunk {
+                        context: (!ctx.is_empty()).then(|| ctx.to_string()),
+                        old: Vec::new(),
+                        new: Vec::new(),
+                        end_of_file: false,
+                    });
+                    continue;
+                }
+                if chunks.is_empty() {
+                    chunks.push(PatchChunk {
+                        context: None,
+                        old: Vec::new(),
+                        new: Vec::new(),
+                        end_of_file: false,
+                    });
+                }
+                let c = chunks.last_mut().expect("a chunk was pushed");
+                match l.chars().next() {
+                    Some(' ') | None => {
+                        let t = l.get(1..).unwrap_or("").to_string();
+                        c.old.push(t.clone());
+                        c.new.push(t);
+                    }
+                    Some('-') => c.old.push(l[1..].to_string()),
+                    Some('+') => c.new.push(l[1..].to_string()),
+                    _ => return Err(bad(m, "a hunk line must start with ' ', '-' or '+'")),
+                }
+            }
+            if chunks.iter().all(|c| c.old == c.new) && move_to.is_none() {
+                return Err(bad(n, "an Update File section changes nothing"));
+            }
+            files.push(PatchFile {
+                path,
+                op: PatchOp::Update { move_to, chunks },
+            });
+        } else if l.trim().is_empty() {
+            continue;
+        } else {
+            return Err(bad(
+                n,
+                "expected *** Add File:, *** Update File:, *** Delete File: or *** End Patch",
+            ));
+        }
+    }
+    if !ended {
+        return Err(bad(lines.len(), "missing *** End Patch"));
+    }
+    if files.is_empty() {
+        return Err(bad(1, "the patch names no file"));
+    }
+    Ok(rsb_protocol::PatchRequest { files })
+}
+
+/// A patch's relative path is relative to `$HOME`, as every remote path of rsb's tools.
+fn home_relative(p: &str) -> String {
+    if p.starts_with('/') || p == "~" || p.starts_with("~/") {
+        p.to_string()
+    } else {
+        format!("~/{p}")
+    }
+}
+
+/// What `apply_patch` replies: each file it wrote or deleted.
+#[derive(Debug, Clone, Serialize)]
+pub struct PatchReply {
+    pub files: Vec<PatchedFile>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PatchedFile {
+    #[serde(flatten)]
+    pub change: EditReply,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub deleted: bool,
+}
+
+pub fn patch_outcome(o: rsb_protocol::PatchOutcome) -> Result<PatchReply> {
+    match o {
+        rsb_protocol::PatchOutcome::Done(files) => Ok(PatchReply {
+            files: files
+                .into_iter()
+                .map(|c| PatchedFile {
+                    deleted: c.hash.is_empty(),
+                    change: reply_of(c),
+                })
+                .collect(),
+        }),
+        rsb_protocol::PatchOutcome::Refused {
+            path,
+            hunk,
+            refusal: why,
+        } => {
+            let mut e = refusal(&path, None, why);
+            e.message = format!(
+                "hunk {} of {path}: {}; no file was changed",
+                hunk + 1,
+                e.message
+            );
+            Err(e)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rsb_protocol::PatchOp;
+
+    #[test]
+    fn codex_patches_parse() {
+        let p = parse_patch(
+            "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** Update File: b.rs\n*** Move to: c.rs\n@@ fn main() {\n-    old\n+    new\n     keep\n*** End of File\n*** Delete File: d\n*** End Patch\n",
+        )
+        .unwrap();
+        assert_eq!(p.files.len(), 3);
+        assert_eq!(
+            p.files[0].op,
+            PatchOp::Add {
+                text: "hi\n".into()
+            }
+        );
+        let PatchOp::Update { move_to, chunks } = &p.files[1].op else {
+            panic!("{:?}", p.files[1])
+        };
+        assert_eq!(move_to.as_deref(), Some("~/c.rs"));
+        assert_eq!(p.files[0].path, "~/a.txt");
+        assert_eq!(chunks[0].context.as_deref(), Some("fn main() {"));
+        assert_eq!(chunks[0].old, ["    old", "    keep"]);
+        assert_eq!(chunks[0].new, ["    new", "    keep"]);
+        assert!(chunks[0].end_of_file);
+        assert_eq!(p.files[2].op, PatchOp::Delete);
+        for (bad, want) in [
+            ("", "empty"),
+            ("*** Update File: x\n", "Begin Patch"),
+            ("*** Begin Patch\n*** Delete File: x\n", "End Patch"),
+            (
+                "*** Begin Patch\n*** Update File: x\n@@\n?x\n*** End Patch",
+                "line 4",
+            ),
+            ("*** Begin Patch\n*** End Patch", "no file"),
+        ] {
+            let e = parse_patch(bad).unwrap_err();
+            assert!(e.message.contains(want), "{bad:?}: {}", e.message);
+        }
+    }
+}
