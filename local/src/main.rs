@@ -79,6 +79,12 @@ enum Cmd {
         #[arg(long, short = 'n')]
         numbered: bool,
     },
+    /// Edit a remote file with $VISUAL/$EDITOR on a local copy: written back only if the
+    /// remote file is unchanged since it was fetched (otherwise the copy is kept).
+    Edit {
+        /// SANDBOX:PATH (`:PATH` = the -s or active sandbox), relative to the remote $HOME.
+        target: String,
+    },
     /// Sync files exactly: `rsb sync LOCAL SANDBOX:REMOTE` uploads, `rsb sync SANDBOX:REMOTE LOCAL`
     /// downloads (`:REMOTE` = the -s or active sandbox). Remote paths are relative to the
     /// remote $HOME.
@@ -287,6 +293,7 @@ async fn run(cli: Cli) -> u8 {
             };
             cli::fs::cat(&ctx, &path, max_bytes, lines).await
         }
+        Cmd::Edit { target } => cli::edit::run(&ctx, &target).await,
         Cmd::Jobs { cmd } => cli::jobs::run(&ctx, cmd).await,
         Cmd::Doctor => cli::doctor::run(&ctx).await,
         Cmd::Forward(a) => {

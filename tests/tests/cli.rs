@@ -270,6 +270,7 @@ fn cli_table() {
         list,
     };
     let h = sshd.home();
+    let hd = h.display().to_string();
     const BIG: usize = 9 * 1024 * 1024 + 123;
     let big = big_file(&h.join("big.bin"), BIG);
     std::fs::create_dir_all(h.join("dir/sub")).unwrap();
@@ -459,6 +460,28 @@ fn cli_table() {
             .out("agent x86_64-unknown-linux-musl blake3:"),
         rsb(&["man"]).out(".TH"),
         bash("source <(RSB completions bash) && complete -p rsb").out("rsb"),
+        // `rsb edit`: the editor's change is written back; an unchanged copy writes nothing;
+        // a remote change meanwhile keeps the local copy and writes nothing (exit 4).
+        bash(&format!(
+            "printf 'hello\\n' > {hd}/ed.txt && RSB edit gpu1:ed.txt && cat {hd}/ed.txt"
+        ))
+        .env("EDITOR", "sed -i s/hello/bye/")
+        .out_eq("bye\n")
+        .err("rsb: wrote gpu1:"),
+        bash(&format!("printf 'same\\n' > {hd}/ed1.txt && RSB edit gpu1:ed1.txt"))
+        .env("EDITOR", "true")
+        .err("no changes"),
+        bash(&format!(
+            "printf 'base\\n' > {hd}/ed2.txt; RSB edit gpu1:ed2.txt; echo \"code $?\"; cat {hd}/ed2.txt"
+        ))
+        .env(
+            "EDITOR",
+            &format!("f() {{ echo remote > {hd}/ed2.txt; echo mine > \"$1\"; }}; f"),
+        )
+        .out("code 4\nremote\n")
+        .err("changed since it was opened")
+        .err("your copy: "),
+        rsb(&["edit", "nosuchpath"]).code(1).err("SANDBOX:PATH"),
         rsb(&["completions", "zsh"]).out("#compdef rsb"),
         // Doctor: a verdict per line, healthy vs broken host.
         rsb(&["doctor", "-s", "gpu1"])

@@ -4,6 +4,7 @@
 
 pub mod config;
 pub mod doctor;
+pub mod edit;
 pub mod exec;
 pub mod fs;
 pub mod jobs;

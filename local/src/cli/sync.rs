@@ -53,7 +53,7 @@ pub struct SyncArgs {
 }
 
 /// `SANDBOX:PATH` (or `:PATH` for the `-s`/active sandbox) when the prefix names a sandbox.
-fn split_remote<'a>(pool: &Pool, arg: &'a str) -> Option<(&'a str, &'a str)> {
+pub(super) fn split_remote<'a>(pool: &Pool, arg: &'a str) -> Option<(&'a str, &'a str)> {
     let (name, path) = arg.split_once(':')?;
     if name.contains('/') {
         return None;

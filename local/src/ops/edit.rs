@@ -60,7 +60,7 @@ pub fn edit_request(
         ));
     }
     Ok(EditRequest {
-        path: remote_path.to_string(),
+        path: home_relative(remote_path),
         old: old_string.to_string(),
         new: new_string.to_string(),
         replace_all,
@@ -106,7 +106,7 @@ pub fn write_request(
         (None, false) => WriteCondition::Any,
     };
     Ok(WriteRequest {
-        path: remote_path.to_string(),
+        path: home_relative(remote_path),
         data,
         condition,
         make_dirs,
@@ -367,8 +367,9 @@ pub fn parse_patch(patch: &str) -> Result<rsb_protocol::PatchRequest> {
     Ok(rsb_protocol::PatchRequest { files })
 }
 
-/// A patch's relative path is relative to `$HOME`, as every remote path of rsb's tools.
-fn home_relative(p: &str) -> String {
+/// A relative path is relative to `$HOME`, as every remote path of rsb's tools (the agent's
+/// working directory need not be `$HOME`).
+pub fn home_relative(p: &str) -> String {
     if p.starts_with('/') || p == "~" || p.starts_with("~/") {
         p.to_string()
     } else {
