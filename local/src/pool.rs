@@ -302,6 +302,14 @@ impl Pool {
     }
 
     /// Host, port and user for display; never credentials.
+    /// Whether `name` is a `local` sandbox (this machine, no SSH).
+    pub fn is_local(&self, name: &str) -> bool {
+        matches!(
+            self.slots.get(name).map(|s| &s.cfg.transport),
+            Some(Transport::Local)
+        )
+    }
+
     pub fn describe(&self, name: &str) -> (String, u16, String) {
         match self.slots.get(name).map(|s| &s.cfg.transport) {
             Some(Transport::Ssh(t)) => (t.host.clone(), t.port, t.user.clone()),

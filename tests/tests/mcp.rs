@@ -105,6 +105,11 @@ impl Mcp {
     /// `rsb mcp` with `REMOTE_SANDBOX_LIST=list` and an otherwise controlled environment: no
     /// config file, no ssh config, no agent, state in a temp dir, debug logs to a file.
     async fn start(list: &str) -> Mcp {
+        Mcp::start_env(&[("REMOTE_SANDBOX_LIST", list)]).await
+    }
+
+    /// [`Mcp::start`] with `vars` as the only configuration.
+    async fn start_env(vars: &[(&str, &str)]) -> Mcp {
         let tmp = tempfile::tempdir().unwrap();
         let home = tmp.path().join("home");
         std::fs::create_dir_all(&home).unwrap();
@@ -119,7 +124,7 @@ impl Mcp {
             .env("XDG_DATA_HOME", home.join(".local/share"))
             .env("RSB_STATE_DIR", tmp.path().join("state"))
             .env("RSB_LOG", "debug")
-            .env("REMOTE_SANDBOX_LIST", list);
+            .envs(vars.iter().copied());
         let (transport, _) = TokioChildProcess::builder(cmd)
             .stderr(stderr)
             .spawn()
@@ -1541,6 +1546,75 @@ async fn malformed_sandbox_list_never_leaks_the_password() {
         let log = mcp.close().await;
         assert_no_secret("the server log", &log, &[FAKE_SECRET]);
     }
+}
+
+/// Issue 26, item 1: a typo'd `REMOTE_HOSTNAME` (no config file) used to serve the built-in
+/// `local` sandbox without a word, so the model's `exec_bash` ran on the user's workstation.
+/// Now every call answers with the configuration error, and a genuine `local` (nothing
+/// configured at all) is marked as this machine in the listing, the instructions and the
+/// session's first reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_misconfigured_environment_never_runs_commands_here() {
+    let marker = tempfile::tempdir().unwrap();
+    let touched = marker.path().join("ran-here");
+    let cmd = format!("touch {}", touched.display());
+    for vars in [
+        vec![("REMOTE_HOSTNAME", "127.0.0.1")],
+        vec![("REMOTE_HOST", "")],
+        vec![("REMOTE_USER", "me")],
+    ] {
+        let mcp = Mcp::start_env(&vars).await;
+        let r = mcp.err("exec_bash", json!({"command": cmd})).await;
+        assert!(r.s("error").contains(vars[0].0), "{vars:?}: {}", r.text);
+        if vars[0].0 == "REMOTE_HOSTNAME" {
+            assert!(
+                r.s("hint").contains("did you mean REMOTE_HOST?"),
+                "{}",
+                r.text
+            );
+        }
+        let r = mcp.err("list_sandboxes", json!({})).await;
+        assert_eq!(r.v["sandboxes"], json!([]), "{}", r.text);
+        assert!(
+            !touched.exists(),
+            "{vars:?}: the command ran on this machine"
+        );
+        mcp.close().await;
+    }
+
+    // Nothing configured: `local` it is, and every surface says it is this machine.
+    let mcp = Mcp::start_env(&[]).await;
+    let info = mcp.svc.peer_info().expect("initialize result");
+    let instructions = info.instructions.clone().unwrap_or_default();
+    assert!(
+        instructions.contains("`local` is THIS machine"),
+        "{instructions}"
+    );
+    let first = mcp.ok("get_active_sandbox", json!({})).await;
+    assert!(
+        first["notice"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("THIS machine"),
+        "the first reply says so: {first}"
+    );
+    assert_eq!(first["this_machine"], true, "{first}");
+    let list = mcp.ok("list_sandboxes", json!({})).await;
+    let row = &list["sandboxes"][0];
+    assert_eq!(row["name"], "local", "{list}");
+    assert_eq!(row["this_machine"], true, "{list}");
+    assert!(
+        row["note"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("this machine"),
+        "{list}"
+    );
+    assert!(
+        list.get("notice").is_none(),
+        "only the first reply carries the notice: {list}"
+    );
+    mcp.close().await;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -248,7 +248,7 @@ pub(crate) fn warning_subject<'a>(config: &'a Config, w: &str) -> Option<&'a str
 /// Without any configuration rsb runs on this machine; say so once, naming where the
 /// configuration would go.
 pub fn fallback_notice(config: &Config) {
-    if config.source == "built-in local" {
+    if config.source == rsb::config::BUILTIN_LOCAL {
         eprintln!(
             "rsb: note: no sandboxes configured ({} not found); using the built-in `local` sandbox (this machine)",
             rsb::config::config_file_path().display()

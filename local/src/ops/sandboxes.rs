@@ -49,6 +49,10 @@ pub fn probe_deadline(pool: &Pool, name: &str) -> Duration {
 /// sample is (`resources.sample_age_ms`).
 pub const RESOURCES_FRESH: Duration = Duration::from_secs(1);
 
+/// What a `local` sandbox is, in the words every surface uses.
+pub const THIS_MACHINE_NOTE: &str =
+    "this machine: commands run on the computer rsb itself runs on, not on a remote host over SSH";
+
 pub struct Probe {
     pub name: String,
     pub alive: bool,
@@ -175,6 +179,12 @@ pub struct SandboxStatus {
     pub port: u16,
     pub user: String,
     pub is_active: bool,
+    /// A `local` sandbox runs commands on this machine, the one rsb runs on: said in every
+    /// row so a model (or a user with a misconfigured server) never mistakes it for a remote.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub this_machine: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<&'static str>,
     pub connection_alive: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub connection_error: Option<String>,
@@ -200,12 +210,15 @@ pub async fn list(pool: &Pool, check_resources: bool) -> SandboxList {
         .iter()
         .map(|p| {
             let (host, port, user) = pool.describe(&p.name);
+            let this_machine = pool.is_local(&p.name);
             SandboxStatus {
                 name: p.name.clone(),
                 host,
                 port,
                 user,
                 is_active: active.as_deref() == Some(p.name.as_str()),
+                this_machine,
+                note: this_machine.then_some(THIS_MACHINE_NOTE),
                 connection_alive: p.alive,
                 connection_error: p.error.as_ref().map(|e| e.message.clone()),
                 resources: p.resources.as_ref().map(|r| match r {
@@ -284,6 +297,10 @@ pub async fn get_active(pool: &Pool) -> Value {
     m.insert("host".into(), json!(host));
     m.insert("port".into(), json!(port));
     m.insert("user".into(), json!(user));
+    if pool.is_local(&active) {
+        m.insert("this_machine".into(), json!(true));
+        m.insert("note".into(), json!(THIS_MACHINE_NOTE));
+    }
     m.insert("connection_alive".into(), json!(p.alive));
     if let Some(e) = p.error {
         m.insert("connection_error".into(), json!(e.message));
