@@ -212,7 +212,7 @@ async fn supervise(
     req: &ExecRequest,
     cancel: &CancellationToken,
     done: &CancellationToken,
-) -> (Option<ExitStatus>, Ending, Instant) {
+) -> (Option<ExitStatus>, Ending, Instant, Vec<u32>) {
     let timer = async {
         if req.timeout_ms == 0 {
             std::future::pending::<()>().await
@@ -223,21 +223,20 @@ async fn supervise(
     let ending = tokio::select! {
         s = child.wait() => {
             done.cancel();
-            return (s.ok(), Ending::Exited, Instant::now());
+            return (s.ok(), Ending::Exited, Instant::now(), Vec::new());
         }
         _ = timer => Ending::TimedOut,
         _ = cancel.cancelled() => Ending::Cancelled,
     };
     let grace = Duration::from_millis(req.kill_grace_ms).min(MAX_GRACE);
     let (status, stopped) = proc::terminate(child, group, grace, KILL_VERIFY).await;
-    if stopped == Stopped::Unconfirmed {
-        eprintln!(
-            "rsb-agent: process group {} still has live members after SIGKILL",
-            group.id()
-        );
-    }
+    let survivors = if stopped == Stopped::Unconfirmed {
+        group.survivors()
+    } else {
+        Vec::new()
+    };
     done.cancel();
-    (status, ending, Instant::now())
+    (status, ending, Instant::now(), survivors)
 }
 
 fn invalid(msg: impl Into<String>) -> AgentError {
@@ -475,7 +474,10 @@ pub async fn run(
             })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-            proc::new_group(cmd.as_std_mut());
+            // A session of its own, not only a group: what the command starts in groups of
+            // its own (GNU `timeout`, job control) stays in the session, so a timeout or a
+            // cancel reaches it (see `Group::signal`).
+            proc::new_session(cmd.as_std_mut(), None);
             None
         }
     };
@@ -537,7 +539,7 @@ pub async fn run(
         }
     };
 
-    let ((status, ending, ran), out, err, ()) = tokio::join!(
+    let ((status, ending, ran, survivors), out, err, ()) = tokio::join!(
         supervise(&mut child, group, &req, cancel, &done),
         read_output(stdout, req.max_stdout, stream, &done),
         read_pipe(stderr, req.max_stderr, stream, Chunk::Stderr, &done),
@@ -556,6 +558,7 @@ pub async fn run(
         duration_ms,
         stdout: out,
         stderr: err,
+        survivors,
     })
 }
 

@@ -107,4 +107,7 @@ pub struct ExecResult {
     pub duration_ms: u64,
     pub stdout: Captured,
     pub stderr: Captured,
+    /// Pids of the command's session still alive after the timeout's or cancel's SIGKILL and
+    /// its verification wait (empty when everything is gone, as it should be).
+    pub survivors: Vec<u32>,
 }

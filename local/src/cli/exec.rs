@@ -106,7 +106,19 @@ async fn stream(
     match rsb::exec_stream::run(client, req, tty).await {
         Ok(Ok(r)) => {
             if r.timed_out {
-                eprintln!("rsb: timed out after {timeout_s}s; the remote process group was killed");
+                eprintln!(
+                    "rsb: timed out after {timeout_s}s; the remote command's session was killed"
+                );
+            }
+            if !r.survivors.is_empty() {
+                eprintln!(
+                    "rsb: warning: still running on the sandbox after SIGKILL: pids {}",
+                    r.survivors
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
             }
             exit_code(&r)
         }

@@ -34,7 +34,7 @@ pub mod exit {
     pub const REMOTE: u8 = 4;
     /// A bug in rsb.
     pub const INTERNAL: u8 = 5;
-    /// `rsb exec --timeout` expired; the remote process group was killed.
+    /// `rsb exec --timeout` expired; the remote command's session was killed.
     pub const TIMEOUT: u8 = 124;
     /// Interrupted by Ctrl-C.
     pub const INTERRUPTED: u8 = 130;
@@ -51,7 +51,7 @@ Exit codes:
        or the link dropped (see `rsb doctor`)
   4    the operation failed on the sandbox (no such file or job, permission denied, ...)
   5    internal error (a bug in rsb)
-  124  rsb exec --timeout expired (the remote process group was killed)
+  124  rsb exec --timeout expired (the remote command's session was killed)
   130  interrupted (Ctrl-C)";
 }
 
