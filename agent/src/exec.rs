@@ -351,6 +351,7 @@ enum Sink {
 /// window that cannot reopen.
 async fn feed_input(
     mut input: UnboundedReceiver<ExecInput>,
+    group: Group,
     mut sink: Sink,
     stream: Option<&Responder>,
     done: &CancellationToken,
@@ -399,6 +400,11 @@ async fn feed_input(
             ExecInput::Resize(size) => {
                 if let Sink::Pty(pty) = &sink {
                     set_winsize(pty.as_fd(), size);
+                }
+            }
+            ExecInput::Signal(n) => {
+                if let Some(sig) = proc::Signal::from_named_raw(n) {
+                    group.signal(sig);
                 }
             }
         }
@@ -534,7 +540,7 @@ pub async fn run(
     };
     let feeding = async {
         match input {
-            Some(input) => feed_input(input, sink, stream, &done).await,
+            Some(input) => feed_input(input, group, sink, stream, &done).await,
             None => drop(sink),
         }
     };

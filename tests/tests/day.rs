@@ -59,7 +59,6 @@ impl User {
     }
 
     /// `bash -c SCRIPT` in this user's environment, `RSB` standing for the binary.
-    #[allow(dead_code)]
     fn sh(&self, script: &str) -> Command {
         let mut c = Command::new("bash");
         c.arg("-c")
@@ -219,4 +218,161 @@ fn timeout_and_kill_stop_the_whole_session() {
         "ps -s {sid} after the kill"
     );
     let _ = &u.sshd;
+}
+
+/// Item 4: a reader that goes away (`| head -1`) used to leave `rsb exec yes` writing into a
+/// closed pipe forever (ssh returns in 0.2 s), and `--json` or `completions` panicked with exit
+/// 101. Now the remote command gets SIGPIPE and rsb exits as ssh does; nothing panics.
+#[test]
+fn a_closed_output_pipe_stops_the_remote_command() {
+    let u = User::new();
+    // A cold start (connect, agent start) is not part of what is measured.
+    let t0 = Instant::now();
+    let o = u.run(&mut u.cmd(&["exec", "true"]), Duration::from_secs(60));
+    assert!(o.status.success(), "{}", show(&o));
+    let baseline = t0.elapsed();
+
+    let m = marker();
+    let t0 = Instant::now();
+    let o = u.run(
+        &mut u.sh(&format!(
+            "RSB exec 'yes {m}' | head -1; echo \"status ${{PIPESTATUS[0]}}\""
+        )),
+        Duration::from_secs(30),
+    );
+    let took = t0.elapsed();
+    let out = text(&o.stdout);
+    println!("`rsb exec yes | head -1`: {took:?} (a plain `rsb exec true`: {baseline:?})");
+    assert!(out.starts_with(&format!("{m}\n")), "{}", show(&o));
+    assert!(out.contains("status 141"), "{}", show(&o));
+    assert!(
+        took < baseline + Duration::from_secs(1),
+        "took {took:?}, `rsb exec true` {baseline:?}"
+    );
+    assert_eq!(
+        processes_with(&m),
+        Vec::<String>::new(),
+        "the remote yes lives on"
+    );
+
+    for script in [
+        "RSB --json exec 'seq 1 3000000' | head -c 300 >/dev/null; echo \"status ${PIPESTATUS[0]}\"",
+        "RSB completions bash | head -1 >/dev/null; echo \"status ${PIPESTATUS[0]}\"",
+        "RSB jobs list | head -c 1 >/dev/null; echo \"status ${PIPESTATUS[0]}\"",
+    ] {
+        let o = u.run(&mut u.sh(script), Duration::from_secs(60));
+        let out = text(&o.stdout);
+        let err = text(&o.stderr);
+        assert!(
+            !err.contains("panicked") && !out.contains("status 101"),
+            "{script}: {}",
+            show(&o)
+        );
+        assert!(
+            out.contains("status 0") || out.contains("status 141"),
+            "{script}: {}",
+            show(&o)
+        );
+    }
+}
+
+/// Item 3: ^C (SIGINT to `rsb exec` without a terminal) used to reach the remote command as
+/// SIGTERM, so `except KeyboardInterrupt: save_checkpoint()` never ran. Now it is SIGINT, then
+/// SIGTERM after a grace, then a kill.
+#[test]
+fn ctrl_c_is_sigint_then_sigterm() {
+    let u = User::new();
+    let o = u.run(
+        &mut u.sh(
+            "timeout --preserve-status -s INT 3 RSB exec 'trap \"echo saved-on-INT; kill \\$!; exit 7\" INT; sleep 30 & wait'; \
+             echo \"status $?\"",
+        ),
+        Duration::from_secs(60),
+    );
+    let out = text(&o.stdout);
+    assert!(
+        out.contains("saved-on-INT"),
+        "the remote command saw no SIGINT: {}",
+        show(&o)
+    );
+    assert!(out.contains("status 7"), "{}", show(&o));
+
+    // A command that ignores SIGINT gets SIGTERM after the grace.
+    let t0 = Instant::now();
+    let o = u.run(
+        &mut u.sh(
+            "timeout --preserve-status -s INT 2 RSB exec 'trap \"\" INT; trap \"echo got-TERM; exit 9\" TERM; \
+             while :; do sleep 0.1; done'; echo \"status $?\"",
+        ),
+        Duration::from_secs(60),
+    );
+    let took = t0.elapsed();
+    let out = text(&o.stdout);
+    assert!(
+        out.contains("got-TERM") && out.contains("status 9"),
+        "{}",
+        show(&o)
+    );
+    assert!(
+        took >= Duration::from_secs(6),
+        "SIGTERM came before the 5 s grace: {took:?}"
+    );
+}
+
+/// Item 8: a sync that kept a conflicting file exited 0, so `rsb sync . gpu:proj && rsb exec
+/// 'python train.py'` trained on the stale file. Now it exits 6, its own row in the table.
+#[test]
+fn sync_conflicts_exit_non_zero() {
+    let u = User::new();
+    let proj = u.tmp.path().join("proj");
+    std::fs::create_dir_all(&proj).unwrap();
+    std::fs::write(proj.join("train.py"), "one\n").unwrap();
+    let p = proj.display().to_string();
+    let o = u.run(
+        &mut u.cmd(&["sync", &p, "gpu1:proj"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    // Both sides change the file after that sync.
+    std::fs::write(u.sshd.home().join("proj/train.py"), "edited on the box\n").unwrap();
+    std::fs::write(proj.join("train.py"), "edited here\n").unwrap();
+    let o = u.run(
+        &mut u.sh(&format!(
+            "RSB sync {p} gpu1:proj && RSB exec 'echo trained'"
+        )),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(6), "{}", show(&o));
+    assert!(
+        text(&o.stderr).contains("conflict: train.py"),
+        "{}",
+        show(&o)
+    );
+    assert!(!text(&o.stdout).contains("trained"), "{}", show(&o));
+    let o = u.run(
+        &mut u.cmd(&["--json", "sync", &p, "gpu1:proj"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(6), "--json too: {}", show(&o));
+    // --force takes the source's side: no conflict left, exit 0.
+    let o = u.run(
+        &mut u.cmd(&["sync", "--force", &p, "gpu1:proj"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+}
+
+/// Item 10 (smaller ones a user met).
+#[test]
+fn smaller_surprises() {
+    let u = User::new();
+    // A bad job name is a usage error (exit 1, as the README's table says), not 4.
+    for args in [
+        &["jobs", "start", "--name", "a b", "--", "true"][..],
+        &["jobs", "logs", "a/b"][..],
+        &["jobs", "kill", "a b"][..],
+    ] {
+        let o = u.run(&mut u.cmd(args), Duration::from_secs(60));
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", show(&o));
+    }
 }

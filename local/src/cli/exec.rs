@@ -124,7 +124,9 @@ async fn stream(
         }
         Ok(Err(e)) => fail(false, &e),
         Err(rsb::exec_stream::Interrupted::Signal(sig)) => {
-            eprintln!("\r\nrsb: interrupted; the remote command was stopped");
+            if sig != libc::SIGPIPE {
+                eprintln!("\r\nrsb: interrupted; the remote command was stopped");
+            }
             // SIGINT (^C) is the table's 130; others are 128+N, as a shell reports them.
             match sig {
                 2 => exit::INTERRUPTED,
