@@ -259,8 +259,18 @@ async fn run(cli: Cli) -> u8 {
         };
     }
     cli::fallback_notice(&config);
-    let ctx = Ctx::new(config, json, cli.sandbox);
-    let code = match cli.cmd {
+    // `rsb ls gpu1:data` / `rsb cat gpu1:log.txt`, as `rsb sync` takes them: a prefix that
+    // names a configured sandbox picks it (over `-s`).
+    let mut sandbox = cli.sandbox;
+    let mut cmd = cli.cmd;
+    if let Cmd::Ls { path, .. } | Cmd::Cat { path, .. } = &mut cmd
+        && let Some((name, rest)) = cli::sandbox_path(&config, path)
+    {
+        sandbox = Some(name);
+        *path = rest;
+    }
+    let ctx = Ctx::new(config, json, sandbox);
+    let code = match cmd {
         Cmd::Mcp
         | Cmd::Watchdog { .. }
         | Cmd::Watch { .. }

@@ -375,4 +375,79 @@ fn smaller_surprises() {
         let o = u.run(&mut u.cmd(args), Duration::from_secs(60));
         assert_eq!(o.status.code(), Some(1), "{args:?}: {}", show(&o));
     }
+    // `rsb ls` and `rsb cat` take SANDBOX:PATH as `rsb sync` does.
+    std::fs::create_dir_all(u.sshd.home().join("d26")).unwrap();
+    std::fs::write(u.sshd.home().join("d26/a.txt"), "hello 26\n").unwrap();
+    let o = u.run(
+        &mut u.cmd(&["cat", "gpu1:~/d26/a.txt"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(text(&o.stdout), "hello 26\n", "{}", show(&o));
+    let o = u.run(&mut u.cmd(&["ls", "gpu1:~/d26"]), Duration::from_secs(60));
+    assert!(text(&o.stdout).contains("a.txt"), "{}", show(&o));
+}
+
+fn daemon_status(u: &User) -> serde_json::Value {
+    let o = u.run(
+        &mut u.cmd(&["--json", "watchdog", "status"]),
+        Duration::from_secs(30),
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", show(&o)))
+}
+
+/// Item 5: the daemon counted as running while "the lock is held OR the heartbeat is under
+/// 30 s old", so right after a SIGTERM or SIGKILL `rsb watchdog status` still said running and
+/// `ensure_watchdog` answered `already_running`. Now only the lock holder, checked to be a
+/// live `rsb watchdog run`, counts; the heartbeat is cleared on exit; `restart` exists.
+#[test]
+fn a_dead_watchdog_is_reported_dead() {
+    let u = User::new();
+    let _stop = common::StopDaemon(u.state());
+    for sig in [libc::SIGTERM, libc::SIGKILL] {
+        let mut child = u
+            .cmd(&["watchdog", "run", "--mode", "foreground"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = daemon_status(&u);
+            if s["daemon"]["running"] == true && s["heartbeat"].is_object() {
+                assert_eq!(s["daemon"]["pid"], child.id() as i64, "{s}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "the daemon never came up: {s}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // SAFETY: a signal to the daemon this test started.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let _ = child.wait();
+        let s = daemon_status(&u);
+        assert_eq!(s["daemon"]["running"], false, "after signal {sig}: {s}");
+        if sig == libc::SIGTERM {
+            assert!(
+                s["heartbeat"].is_null(),
+                "the heartbeat is cleared on exit: {s}"
+            );
+        }
+    }
+    // `rsb watchdog restart` starts one (here: detached, no service installed) ...
+    let o = u.run(
+        &mut u.cmd(&["watchdog", "restart"]),
+        Duration::from_secs(40),
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    let first = daemon_status(&u)["daemon"]["pid"].clone();
+    assert!(first.is_i64(), "{}", show(&o));
+    // ... and replaces a running one.
+    let o = u.run(
+        &mut u.cmd(&["watchdog", "restart"]),
+        Duration::from_secs(40),
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    let s = daemon_status(&u);
+    assert_eq!(s["daemon"]["running"], true, "{s}");
+    assert_ne!(s["daemon"]["pid"], first, "{s}");
 }

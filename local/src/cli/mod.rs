@@ -211,6 +211,14 @@ pub fn unknown_sandbox(pool: &Pool, name: &str) -> RsbError {
     )
 }
 
+/// `SANDBOX:PATH` when the prefix names a configured sandbox (no `/` in it): the sandbox and
+/// the path. Anything else is a path on the `-s`/default sandbox.
+pub fn sandbox_path(config: &Config, arg: &str) -> Option<(String, String)> {
+    let (name, path) = arg.split_once(':')?;
+    (!name.contains('/') && config.sandbox(name).is_some())
+        .then(|| (name.to_string(), path.to_string()))
+}
+
 /// What every sandbox-using command shares: the pool, `--json`, and the `-s` choice.
 pub struct Ctx {
     pub pool: Arc<Pool>,

@@ -36,6 +36,8 @@ pub enum WatchdogCmd {
     Uninstall,
     /// Is a daemon running, how, and how many watches it has.
     Status,
+    /// Stop the running daemon and start it again (the installed service, else detached).
+    Restart,
 }
 
 #[derive(Debug, Subcommand)]
@@ -155,6 +157,18 @@ pub async fn watchdog(cmd: WatchdogCmd, json: bool, state_dir: &Path) -> u8 {
                 } else {
                     println!("no service was installed ({})", r.removal.plist_path);
                 }
+            })
+        }
+        WatchdogCmd::Restart => {
+            let r = ops::open(state_dir).and_then(|c| {
+                tokio::task::block_in_place(|| super::service::restart(&c, state_dir))
+            });
+            out(json, r, |r| {
+                println!(
+                    "watchdog: {} (pid {})",
+                    r.detail,
+                    r.pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into())
+                );
             })
         }
         WatchdogCmd::Status => {
