@@ -42,7 +42,7 @@ pub const HEARTBEAT_STALE_S: i64 = 30;
 /// Checkpoint text and log tails kept per watch (the seed's 20,000 characters).
 pub const MAX_TEXT_CHARS: usize = 20_000;
 
-/// The event types: the seed's, plus `stalled` and `needs_credentials`.
+/// The event types: the seed's, plus `stalled`, `needs_credentials` and `gave_up`.
 pub mod event {
     pub const COMPLETED: &str = "completed";
     pub const INTERRUPTED: &str = "interrupted";
@@ -53,6 +53,9 @@ pub mod event {
     pub const CONFIG_MISSING: &str = "config_missing";
     pub const STALLED: &str = "stalled";
     pub const NEEDS_CREDENTIALS: &str = "needs_credentials";
+    /// The job is interrupted and every resume attempt is used up: the watch ends (status
+    /// `gave_up`) instead of polling a dead job forever.
+    pub const GAVE_UP: &str = "gave_up";
 }
 
 /// Keeps the last `max` characters (the end of a log or checkpoint is what matters).
