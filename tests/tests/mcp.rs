@@ -1617,6 +1617,79 @@ async fn a_misconfigured_environment_never_runs_commands_here() {
     mcp.close().await;
 }
 
+/// Issue 26, item 7: a port that accepts TCP and never speaks SSH held every `list_sandboxes`
+/// (and `select_sandbox("auto")`) for the whole connect timeout. Now the failure is remembered
+/// for a while, with its reason in the row, and the error names `connect_timeout_s`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_host_slows_only_the_first_listing() {
+    let sshd = Sshd::start().unwrap();
+    // Accepts connections and holds them, silent (bounded: the test's lifetime).
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = hung.local_addr().unwrap().port();
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let h2 = held.clone();
+    std::thread::spawn(move || {
+        for s in hung.incoming().take(16).flatten() {
+            h2.lock().unwrap().push(s);
+        }
+    });
+    let entries = vec![
+        key_entry("live", &sshd),
+        json!({"name": "hung", "host": "127.0.0.1", "port": port, "user": "nobody",
+               "key_file": sshd.client_key().display().to_string(), "connect_timeout_s": 2}),
+    ];
+    let mcp = Mcp::start(&list(&entries)).await;
+    let t = Instant::now();
+    let v = mcp.ok("list_sandboxes", json!({})).await;
+    println!("first listing: {:?}", t.elapsed());
+    let row = |v: &Value, n: &str| {
+        v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == n)
+            .cloned()
+            .unwrap()
+    };
+    let hung_row = row(&v, "hung");
+    assert_eq!(hung_row["connection_alive"], false, "{v}");
+    assert!(
+        hung_row["connection_error"]
+            .as_str()
+            .unwrap()
+            .contains("connect_timeout_s"),
+        "{v}"
+    );
+    assert_eq!(row(&v, "live")["connection_alive"], true, "{v}");
+    for (tool, args) in [
+        ("list_sandboxes", json!({})),
+        ("list_sandboxes", json!({"check_resources": true})),
+        ("select_sandbox", json!({"sandbox_name": "auto"})),
+    ] {
+        let t = Instant::now();
+        let v = mcp.ok(tool, args.clone()).await;
+        let took = t.elapsed();
+        println!("{tool}({args}) again: {took:?}");
+        assert!(
+            took < Duration::from_millis(1500),
+            "{tool}({args}) took {took:?}: {v}"
+        );
+        if tool == "list_sandboxes" {
+            let e = row(&v, "hung")["connection_error"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            assert!(
+                e.contains("remembered") && e.contains("connect_timeout_s"),
+                "{v}"
+            );
+        } else {
+            assert_eq!(v["active_sandbox"], "live", "{v}");
+        }
+    }
+    mcp.close().await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // 10. Reconnect
 // ---------------------------------------------------------------------------------------------

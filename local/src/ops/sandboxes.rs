@@ -69,9 +69,14 @@ fn no_answer(name: &str, what: &str, after: Duration) -> RsbError {
             "sandbox '{name}' did not {what} within {}s",
             after.as_secs_f64()
         ),
-        "the host may be down or the network black-holed; other sandboxes are unaffected",
+        "the host may be down, black-holed, or accept TCP without speaking SSH; other sandboxes are unaffected; a slow host needs a larger connect_timeout_s in its sandbox entry",
     )
 }
+
+/// How long a failed probe is remembered: listings and `select_sandbox("auto")` in that time
+/// answer with its reason at once instead of waiting on the same hung host again (a port that
+/// accepts TCP and never speaks SSH held every listing for the whole connect timeout).
+pub const FAILURE_MEMORY: Duration = Duration::from_secs(30);
 
 /// Check one sandbox, optionally sampling its resources, within its deadlines: one for getting
 /// a client ([`connect_deadline`]), one for the round trips on it ([`ROUND_TRIP_DEADLINE`]).
@@ -82,6 +87,21 @@ pub async fn probe(pool: &Pool, name: &str, with_resources: bool) -> Probe {
         error: Some(e.clone()),
         resources: with_resources.then_some(Err(e)),
         sample_age: None,
+    };
+    if let Some((why, age)) = pool.recent_failure(name, FAILURE_MEMORY) {
+        return dead(RsbError::new(
+            Kind::Connect,
+            format!(
+                "{why} (remembered from {}s ago; retried {}s after the failure)",
+                age.as_secs(),
+                FAILURE_MEMORY.as_secs()
+            ),
+            "exec_bash on this sandbox connects again at once",
+        ));
+    }
+    let dead = |e: RsbError| {
+        pool.remember_failure(name, &e.message);
+        dead(e)
     };
     let connect = connect_deadline(pool, name);
     let (client, generation) =
