@@ -1614,6 +1614,15 @@ async fn a_misconfigured_environment_never_runs_commands_here() {
         list.get("notice").is_none(),
         "only the first reply carries the notice: {list}"
     );
+    // Item 10: relative paths on `local` mean $HOME, as on a remote sandbox, not the
+    // server's own working directory.
+    let v = mcp
+        .ok("exec_bash", json!({"command": "pwd; echo $HOME"}))
+        .await;
+    let out = v["stdout"].as_str().unwrap_or_default().to_string();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{v}");
+    assert_eq!(lines[0], lines[1], "local runs in $HOME: {v}");
     mcp.close().await;
 }
 
