@@ -1377,7 +1377,7 @@ async fn a_watch_with_no_resume_attempt_left_gives_up_and_says_so() {
         &state,
         "s",
         "doomed",
-        "sleep 120",
+        "yes abcdefghij | head -c 40000; echo; sleep 120",
         wops::WatchArgs {
             auto_resume: true,
             resume_command: "sleep 120".into(),
@@ -1430,6 +1430,16 @@ async fn a_watch_with_no_resume_attempt_left_gives_up_and_says_so() {
         !said.contains("keeps running") && said.contains("not running"),
         "{said}"
     );
+    // Item 10: a listing of events is bounded (each carried the watch row with its 20,000
+    // character log tail, so 11 events came to 32 KB).
+    let mut cmd = Command::new(rsb_bin());
+    cmd.args(["--json", "watch", "events", &id.to_string(), "-n", "20"]);
+    base_env(&mut cmd, tmp.path(), &state);
+    let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(20)).unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["events"].as_array().map(Vec::len), Some(4), "{v}");
+    println!("4 events listed in {} bytes", out.stdout.len());
+    assert!(out.stdout.len() < 12_000, "{} bytes", out.stdout.len());
     drop(daemon);
     pool.shutdown().await;
 }
