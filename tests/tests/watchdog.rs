@@ -1064,8 +1064,8 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
     let tools = mcp.svc.list_all_tools().await.unwrap();
     assert_eq!(
         tools.len(),
-        29,
-        "14 default + 12 watchdog + 3 forwarding advanced tools"
+        31,
+        "16 default + 12 watchdog + 3 forwarding advanced tools"
     );
     for t in [
         "install_macos_watchdog",
