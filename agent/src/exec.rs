@@ -212,7 +212,7 @@ async fn supervise(
     req: &ExecRequest,
     cancel: &CancellationToken,
     done: &CancellationToken,
-) -> (Option<ExitStatus>, Ending, Instant) {
+) -> (Option<ExitStatus>, Ending, Instant, Vec<u32>) {
     let timer = async {
         if req.timeout_ms == 0 {
             std::future::pending::<()>().await
@@ -223,21 +223,20 @@ async fn supervise(
     let ending = tokio::select! {
         s = child.wait() => {
             done.cancel();
-            return (s.ok(), Ending::Exited, Instant::now());
+            return (s.ok(), Ending::Exited, Instant::now(), Vec::new());
         }
         _ = timer => Ending::TimedOut,
         _ = cancel.cancelled() => Ending::Cancelled,
     };
     let grace = Duration::from_millis(req.kill_grace_ms).min(MAX_GRACE);
     let (status, stopped) = proc::terminate(child, group, grace, KILL_VERIFY).await;
-    if stopped == Stopped::Unconfirmed {
-        eprintln!(
-            "rsb-agent: process group {} still has live members after SIGKILL",
-            group.id()
-        );
-    }
+    let survivors = if stopped == Stopped::Unconfirmed {
+        group.survivors()
+    } else {
+        Vec::new()
+    };
     done.cancel();
-    (status, ending, Instant::now())
+    (status, ending, Instant::now(), survivors)
 }
 
 fn invalid(msg: impl Into<String>) -> AgentError {
@@ -370,6 +369,7 @@ enum Sink {
 /// window that cannot reopen.
 async fn feed_input(
     mut input: UnboundedReceiver<ExecInput>,
+    group: Group,
     mut sink: Sink,
     stream: Option<&Responder>,
     done: &CancellationToken,
@@ -418,6 +418,11 @@ async fn feed_input(
             ExecInput::Resize(size) => {
                 if let Sink::Pty(pty) = &sink {
                     set_winsize(pty.as_fd(), size);
+                }
+            }
+            ExecInput::Signal(n) => {
+                if let Some(sig) = proc::Signal::from_named_raw(n) {
+                    group.signal(sig);
                 }
             }
         }
@@ -493,7 +498,10 @@ pub async fn run(
             })
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-            proc::new_group(cmd.as_std_mut());
+            // A session of its own, not only a group: what the command starts in groups of
+            // its own (GNU `timeout`, job control) stays in the session, so a timeout or a
+            // cancel reaches it (see `Group::signal`).
+            proc::new_session(cmd.as_std_mut(), None);
             None
         }
     };
@@ -550,12 +558,12 @@ pub async fn run(
     };
     let feeding = async {
         match input {
-            Some(input) => feed_input(input, sink, stream, &done).await,
+            Some(input) => feed_input(input, group, sink, stream, &done).await,
             None => drop(sink),
         }
     };
 
-    let ((status, ending, ran), out, err, ()) = tokio::join!(
+    let ((status, ending, ran, survivors), out, err, ()) = tokio::join!(
         supervise(&mut child, group, &req, cancel, &done),
         read_output(stdout, req.max_stdout, stream, &done),
         read_pipe(stderr, req.max_stderr, stream, Chunk::Stderr, &done),
@@ -574,6 +582,7 @@ pub async fn run(
         duration_ms,
         stdout: out,
         stderr: err,
+        survivors,
     })
 }
 

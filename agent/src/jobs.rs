@@ -933,9 +933,10 @@ pub(crate) fn kill_in(ctx: &Ctx, req: &JobKillRequest) -> Result<JobInfo, AgentE
     match (stopped, last?) {
         (proc::Stopped::ByTerm | proc::Stopped::ByKill, Some(done)) => Ok(done),
         (_, Some(done)) if done.state != JobState::Running => Err(internal(format!(
-            "job '{}' ended, but its process group {pgid} still has live members {} s after SIGKILL",
+            "job '{}' ended, but its session {pgid} still has live members {} s after SIGKILL: pids {}",
             req.name,
-            KILL_SETTLE.as_secs()
+            KILL_SETTLE.as_secs(),
+            proc::pid_list(&group.survivors())
         ))),
         _ => Err(internal(format!(
             "job '{}' (process group {pgid}) was sent SIGKILL but its wrapper has not recorded an end after {} s",

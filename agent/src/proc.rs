@@ -588,24 +588,56 @@ impl Group {
         self.0.as_raw_nonzero().get() as u32
     }
 
-    /// Signal every member. A group that is already gone is not an error: there is nothing
-    /// left to signal, which is what the caller wanted.
+    /// Signal every member: the process group, and every process of the session the leader
+    /// started (exec commands and jobs are session leaders), whatever group it moved to. GNU
+    /// `timeout`, `setpgid` in a script and shells' job control make groups of their own inside
+    /// the session; signalling only the group left those running after a timeout or a kill.
+    /// (A process that calls `setsid` itself leaves the session too: that is a daemon by
+    /// intent.) A group that is already gone is not an error: there is nothing left to
+    /// signal, which is what the caller wanted.
     pub fn signal(self, sig: Signal) {
         let _ = kill_process_group(self.0, sig);
+        let id = self.0.as_raw_nonzero().get();
+        for (pid, st) in session_members(id) {
+            if st.pgrp != id
+                && let Some(p) = pid_of(pid)
+            {
+                let _ = rustix::process::kill_process(p, sig);
+            }
+        }
     }
 
-    /// True while any member still runs. Zombies do not count (see [`Stat::is_dead`]); without
-    /// /proc only the kernel's "no such group" answer counts as gone.
+    /// True while any member (of the group or, on Linux, of the session it leads) still runs.
+    /// Zombies do not count (see [`Stat::is_dead`]). Without /proc (macOS) the kernel's "no
+    /// such group" answer counts as gone, and a group whose list cannot be read as alive.
     pub fn is_alive(self) -> bool {
-        if let Err(rustix::io::Errno::SRCH) = test_kill_process_group(self.0) {
-            return false;
+        if !proc_available() {
+            if let Err(rustix::io::Errno::SRCH) = test_kill_process_group(self.0) {
+                return false;
+            }
+            if group_candidates(self.0).is_none() {
+                return true;
+            }
         }
-        let Some(pids) = group_candidates(self.0) else {
-            return true;
+        !self.survivors().is_empty()
+    }
+
+    /// The pids of the members that still run, for an error that names them: the session's
+    /// and the group's from /proc on Linux; the group's own list on macOS, which has no /proc
+    /// to find a session's members in other groups by.
+    pub fn survivors(self) -> Vec<u32> {
+        let id = self.0.as_raw_nonzero().get();
+        let mut pids: Vec<u32> = if proc_available() {
+            session_members(id).into_iter().map(|(p, _)| p).collect()
+        } else {
+            group_candidates(self.0)
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|&pid| Stat::read(pid).is_some_and(|s| s.pgrp == id && !s.is_dead()))
+                .collect()
         };
-        let pgid = self.0.as_raw_nonzero().get();
-        pids.into_iter()
-            .any(|pid| Stat::read(pid).is_some_and(|s| s.pgrp == pgid && !s.is_dead()))
+        pids.sort_unstable();
+        pids
     }
 
     /// Polls until no member runs and `settled()` holds, or `deadline` passes.
@@ -645,6 +677,28 @@ impl Group {
             Stopped::Unconfirmed
         }
     }
+}
+
+/// The live processes (not zombies) of `/proc` whose process group or session is `id`.
+fn session_members(id: i32) -> Vec<(u32, Stat)> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|entry| {
+            let pid = entry.file_name().to_str()?.parse::<u32>().ok()?;
+            let st = Stat::read(pid)?;
+            ((st.pgrp == id || st.session == id) && !st.is_dead()).then_some((pid, st))
+        })
+        .collect()
+}
+
+/// "pids 12, 13" for an error about what outlived SIGKILL.
+pub fn pid_list(pids: &[u32]) -> String {
+    pids.iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 async fn group_alive(group: Group) -> bool {

@@ -420,6 +420,7 @@ impl AgentClient {
         }
         let mut in_flight: u64 = 0;
         let mut input_open = true;
+        let mut eof_sent = false;
         let reply = loop {
             tokio::select! {
                 r = &mut reply_rx => break r,
@@ -429,10 +430,24 @@ impl AgentClient {
                         let _ = output.send(other).await;
                     }
                 },
+                // The channel stays read after `Eof`: signals (^C, a closed output pipe)
+                // and resizes follow it.
                 m = input.recv(), if input_open && in_flight < INPUT_WINDOW => {
-                    let msg = m.unwrap_or(ExecInput::Eof);
+                    let msg = match m {
+                        Some(m) => m,
+                        None => {
+                            input_open = false;
+                            if eof_sent {
+                                continue;
+                            }
+                            ExecInput::Eof
+                        }
+                    };
                     if msg == ExecInput::Eof {
-                        input_open = false;
+                        if eof_sent {
+                            continue;
+                        }
+                        eof_sent = true;
                     }
                     if let ExecInput::Data(d) = &msg {
                         in_flight += d.len() as u64;

@@ -371,6 +371,14 @@ impl Config {
         }
         let ssh_config = home.join(".ssh").join("config");
         let cfg = Config::from_sources(&real_env, Some(&config_file), Some(&ssh_config), &home)?;
+        if cfg.source == BUILTIN_LOCAL {
+            let vars: Vec<(String, String)> = std::env::vars_os()
+                .filter_map(|(k, v)| {
+                    Some((k.into_string().ok()?, v.to_string_lossy().into_owned()))
+                })
+                .collect();
+            check_unconfigured_env(&vars)?;
+        }
         crate::store::ensure_private_dir(&cfg.state_dir).map_err(|e| {
             ConfigError::new(
                 format!(
@@ -466,12 +474,12 @@ impl Config {
                     "config file {} defines no [[sandbox]]; serving the built-in local sandbox",
                     f.display()
                 ));
-                (vec![builtin_local()], "built-in local".to_string())
+                (vec![builtin_local()], BUILTIN_LOCAL.to_string())
             } else {
                 (sandboxes, format!("config file {}", f.display()))
             }
         } else {
-            (vec![builtin_local()], "built-in local".to_string())
+            (vec![builtin_local()], BUILTIN_LOCAL.to_string())
         };
 
         Ok(Config {
@@ -484,6 +492,130 @@ impl Config {
             warnings,
         })
     }
+}
+
+/// [`Config::source`] when nothing configures a sandbox.
+pub const BUILTIN_LOCAL: &str = "built-in local";
+
+/// Every `REMOTE_*` / `RSB_*` variable rsb (or its test and bench harness) reads, and the
+/// `RSB_*` names rsb itself sets for a resumed job. Anything else with those prefixes is a
+/// name rsb does not know.
+const KNOWN_VARS: &[&str] = &[
+    LIST_VAR,
+    "REMOTE_HOST",
+    "REMOTE_PORT",
+    "REMOTE_USER",
+    "REMOTE_PASSWORD",
+    "REMOTE_KEY_FILE",
+    "REMOTE_KEY_PASSPHRASE",
+    "REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS",
+    "REMOTE_SANDBOX_MCP_HOME",
+    "REMOTE_SANDBOX_INLINE_SYNC_MAX_FILES",
+    "REMOTE_SANDBOX_INLINE_SYNC_MAX_BYTES",
+    "RSB_CONFIG",
+    "RSB_STATE_DIR",
+    "RSB_SANDBOX",
+    "RSB_LOG",
+    "RSB_HOST_KEY_POLICY",
+    "RSB_ALLOW_WATCH_HOOKS",
+    "RSB_WATCHDOG_STORE_PASSWORDS",
+    "RSB_AGENT_DIR",
+    "RSB_LOCAL_AGENT",
+    "RSB_CACHE_DIR",
+    "RSB_NVIDIA_SMI_TIMEOUT_MS",
+    "RSB_SYNC_FSYNC",
+    "RSB_SYNC_TIMING",
+    "RSB_SYNC_COMPRESS",
+    "RSB_SYNC_HANDOFF_S",
+    "RSB_EMBED_AGENTS_DIR",
+    "RSB_BUILD_AGENTS",
+    "RSB_REQUIRE_AARCH64",
+    "RSB_PROTOCOL_FINGERPRINT",
+    "RSB_CHECKPOINT",
+    "RSB_RESUME_ATTEMPT",
+    "RSB_WATCH_ID",
+    "RSB_JOB_NAME",
+];
+/// Prefixes of the harness's own variables (tests, benches, the job wrapper's children).
+const KNOWN_VAR_PREFIXES: &[&str] = &[
+    "RSB_TEST",
+    "RSB_BENCH_",
+    "RSB_SOAK_",
+    "RSB_SWEEP_",
+    "RSB_WATCH_BENCH_",
+    "RSB_JOBS_CHILD_",
+];
+/// The variables that name where sandboxes come from: one of them set but empty, or a
+/// connection variable without `REMOTE_HOST`, means the user meant a remote sandbox.
+const SANDBOX_VARS: &[&str] = &[LIST_VAR, "REMOTE_HOST", "RSB_CONFIG"];
+const LEGACY_PART_VARS: &[&str] = &[
+    "REMOTE_PORT",
+    "REMOTE_USER",
+    "REMOTE_PASSWORD",
+    "REMOTE_KEY_FILE",
+    "REMOTE_KEY_PASSPHRASE",
+];
+
+/// With nothing configured rsb serves the built-in `local` sandbox: this machine. An
+/// environment that *tried* to configure a sandbox and failed (a misspelt `REMOTE_HOSTNAME`, an
+/// empty `REMOTE_HOST`, a `REMOTE_USER` without a host) must not silently become "run the
+/// model's commands here": it is a configuration error, which every MCP tool call then reports.
+/// `vars` is the whole environment; values are only tested for blankness, never quoted.
+pub fn check_unconfigured_env(vars: &[(String, String)]) -> Result<(), ConfigError> {
+    let hint_tail = "with nothing configured at all rsb serves the built-in `local` sandbox (this machine); `rsb config check` shows the result";
+    for (k, v) in vars {
+        if SANDBOX_VARS.contains(&k.as_str()) && v.trim().is_empty() {
+            return Err(ConfigError::new(
+                format!("{k} is set but empty, so no sandbox is configured"),
+                format!("give {k} a value or unset it; {hint_tail}"),
+            ));
+        }
+    }
+    if let Some((k, _)) = vars
+        .iter()
+        .find(|(k, v)| LEGACY_PART_VARS.contains(&k.as_str()) && !v.trim().is_empty())
+    {
+        return Err(ConfigError::new(
+            format!("{k} is set but REMOTE_HOST is not, so no sandbox is configured"),
+            format!("set REMOTE_HOST (or REMOTE_SANDBOX_LIST) too, or unset {k}; {hint_tail}"),
+        ));
+    }
+    let mut unknown: Vec<&str> = vars
+        .iter()
+        .map(|(k, _)| k.as_str())
+        .filter(|k| {
+            (k.starts_with("REMOTE_") || k.starts_with("RSB_"))
+                && !KNOWN_VARS.contains(k)
+                && !KNOWN_VAR_PREFIXES.iter().any(|p| k.starts_with(p))
+        })
+        .filter(|k| {
+            // `RSB_*` is rsb's own prefix; other programs use `REMOTE_*` too (VS Code's
+            // `REMOTE_CONTAINERS`), so those count only when they look like one of ours.
+            k.starts_with("RSB_") || k.starts_with("REMOTE_SANDBOX_") || nearest_var(k).is_some()
+        })
+        .collect();
+    unknown.sort_unstable();
+    if let Some(k) = unknown.first() {
+        let dym = match nearest_var(k) {
+            Some(n) => format!("did you mean {n}? "),
+            None => String::new(),
+        };
+        return Err(ConfigError::new(
+            format!("{k} is not a variable rsb reads, and nothing else configures a sandbox"),
+            format!("{dym}see the README's Configuration table for the names; {hint_tail}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The known variable `name` is most likely a typo of.
+fn nearest_var(name: &str) -> Option<&'static str> {
+    KNOWN_VARS
+        .iter()
+        .map(|k| (strsim::normalized_damerau_levenshtein(name, k), *k))
+        .filter(|(s, _)| *s >= 0.7)
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, k)| k)
 }
 
 fn builtin_local() -> SandboxConfig {
@@ -1731,6 +1863,53 @@ mod tests {
         let home = TempDir::new();
         let c = load_with(&home, &[], Some(&home.path().join("nope.toml")), None).unwrap();
         assert_eq!(c.source, "built-in local");
+    }
+
+    #[test]
+    fn an_environment_that_configures_no_sandbox_is_an_error() {
+        let check = |vars: &[(&str, &str)]| {
+            let v: Vec<(String, String)> = vars
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            check_unconfigured_env(&v)
+        };
+        // nothing, or only settings that configure no sandbox: the built-in local is fine
+        assert!(check(&[]).is_ok());
+        assert!(
+            check(&[
+                ("RSB_STATE_DIR", "/x"),
+                ("RSB_LOG", "debug"),
+                ("HOME", "/h")
+            ])
+            .is_ok()
+        );
+        assert!(check(&[("REMOTE_CONTAINERS", "true"), ("RSB_TESTBED_FIXTURE", "1")]).is_ok());
+        // a typo'd name, with a did-you-mean; the value is never quoted
+        let e = check(&[("REMOTE_HOSTNAME", "S3cr3t.example")]).unwrap_err();
+        assert!(e.message.contains("REMOTE_HOSTNAME"), "{e:?}");
+        assert!(e.hint.contains("did you mean REMOTE_HOST?"), "{e:?}");
+        assert!(!format!("{e:?}").contains("S3cr3t"));
+        let e = check(&[("RSB_SANDBOX_LIST", "[]")]).unwrap_err();
+        assert!(
+            e.hint.contains("did you mean REMOTE_SANDBOX_LIST?"),
+            "{e:?}"
+        );
+        // empty values of the variables that name a source
+        for k in [LIST_VAR, "REMOTE_HOST", "RSB_CONFIG"] {
+            let e = check(&[(k, " ")]).unwrap_err();
+            assert!(
+                e.message.contains(&format!("{k} is set but empty")),
+                "{e:?}"
+            );
+        }
+        // a connection variable without a host
+        let e = check(&[("REMOTE_USER", "me")]).unwrap_err();
+        assert!(
+            e.message
+                .contains("REMOTE_USER is set but REMOTE_HOST is not"),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -28,7 +28,7 @@ pub struct Connection {
 
 pub async fn connect(sandbox: &SandboxConfig, known_path: Option<&str>) -> Result<Connection> {
     match &sandbox.transport {
-        Transport::Local => start_local(&sandbox.name).await,
+        Transport::Local => start_local_sandbox(&sandbox.name).await,
         Transport::Ssh(t) => connect_ssh(&sandbox.name, t, known_path).await,
     }
 }
@@ -596,8 +596,20 @@ fn materialize(
 }
 
 pub async fn start_local(sandbox: &str) -> Result<Connection> {
+    start_local_in(sandbox, None).await
+}
+
+/// The agent of a `local` sandbox: it runs in `$HOME`, so relative paths (`exec_bash` without
+/// `cwd`, `read_remote_file("notes.txt")`) mean what they mean on a remote sandbox, the home
+/// directory, not whatever directory the MCP server happened to be started in.
+async fn start_local_sandbox(sandbox: &str) -> Result<Connection> {
+    let home = directories::BaseDirs::new().map(|b| b.home_dir().to_path_buf());
+    start_local_in(sandbox, home.as_deref()).await
+}
+
+async fn start_local_in(sandbox: &str, cwd: Option<&std::path::Path>) -> Result<Connection> {
     let path = local_agent_path()?;
-    let client = start_local_with(sandbox, &path.to_string_lossy(), &[]).await?;
+    let client = start_local_with_cwd(sandbox, &path.to_string_lossy(), &[], cwd).await?;
     Ok(Connection {
         client,
         ssh: None,
@@ -614,7 +626,19 @@ pub async fn start_local_with(
     program: &str,
     prefix_args: &[&str],
 ) -> Result<AgentClient> {
+    start_local_with_cwd(sandbox, program, prefix_args, None).await
+}
+
+async fn start_local_with_cwd(
+    sandbox: &str,
+    program: &str,
+    prefix_args: &[&str],
+    cwd: Option<&std::path::Path>,
+) -> Result<AgentClient> {
     let mut cmd = Command::new(program);
+    if let Some(dir) = cwd.filter(|d| d.is_dir()) {
+        cmd.current_dir(dir);
+    }
     cmd.env_clear()
         .envs(child_env())
         .args(prefix_args)

@@ -11,6 +11,7 @@
 
 use std::io::{IsTerminal, Read, Write};
 use std::os::fd::AsFd;
+use std::time::Duration;
 
 use rsb_protocol::{Chunk, ExecInput, ExecRequest, ExecResult, TtySize};
 use tokio::sync::mpsc;
@@ -112,12 +113,61 @@ impl Drop for RawMode {
 
 /// Why a streamed exec ended without a remote result.
 pub enum Interrupted {
-    /// ^C (without a terminal) or SIGTERM/SIGHUP: the remote command was cancelled.
+    /// SIGTERM/SIGHUP, or ^C (without a terminal) or a closed stdout whose signals the
+    /// command outlasted: the remote command was cancelled (TERM, then KILL, by the agent).
     Signal(i32),
+}
+
+/// After ^C is passed on as SIGINT, how long the command may take to act on it (save a
+/// checkpoint in `except KeyboardInterrupt`) before SIGTERM follows; a second ^C skips it.
+pub const INTERRUPT_GRACE: Duration = Duration::from_secs(5);
+/// After SIGPIPE (our stdout closed), how long before SIGTERM follows.
+pub const PIPE_GRACE: Duration = Duration::from_secs(1);
+/// After SIGTERM, how long before the call is cancelled (the agent then sends SIGTERM and,
+/// 2 s later, SIGKILL to what is left).
+pub const TERM_GRACE: Duration = Duration::from_secs(3);
+
+/// The terminal's escalation: the first signal (INT for ^C, PIPE for a closed stdout), then
+/// TERM, then a cancel, each after its grace or at the next ^C.
+struct Escalation {
+    first: Option<i32>,
+    step: u8,
+    deadline: Option<tokio::time::Instant>,
+}
+
+impl Escalation {
+    /// Sends the next signal, or returns the one to report once the command outlasted all.
+    fn advance(&mut self, sig: i32, to_call: &mpsc::Sender<ExecInput>) -> Option<i32> {
+        let first = *self.first.get_or_insert(sig);
+        let now = tokio::time::Instant::now();
+        match self.step {
+            0 => {
+                let _ = to_call.try_send(ExecInput::Signal(first));
+                let grace = if first == libc::SIGPIPE {
+                    PIPE_GRACE
+                } else {
+                    INTERRUPT_GRACE
+                };
+                self.deadline = Some(now + grace);
+            }
+            1 => {
+                let _ = to_call.try_send(ExecInput::Signal(libc::SIGTERM));
+                self.deadline = Some(now + TERM_GRACE);
+            }
+            _ => return Some(first),
+        }
+        self.step += 1;
+        None
+    }
 }
 
 /// Run `req` with local stdin forwarded and output written live. With `tty`, the command gets
 /// a pty sized like the local terminal (24x80 when there is none) and `TERM` is passed on.
+///
+/// Like `ssh host cmd`: ^C (without a raw terminal) sends SIGINT to the remote command, then
+/// SIGTERM after [`INTERRUPT_GRACE`], then cancels it; a closed stdout (`| head -1`) sends
+/// SIGPIPE, then SIGTERM, then cancels. Either way rsb waits for the command's end and exits
+/// with its status.
 pub async fn run(
     client: &AgentClient,
     mut req: ExecRequest,
@@ -136,32 +186,80 @@ pub async fn run(
     }
     let stdin = spawn_stdin_reader();
     let (input_tx, input_rx) = mpsc::channel(4);
+    let signal_tx = input_tx.clone();
     let (out_tx, mut out_rx) = mpsc::channel::<Chunk>(64);
+    let stdout_closed = std::sync::Arc::new(tokio::sync::Notify::new());
+    let closed = stdout_closed.clone();
     let printer = tokio::spawn(async move {
+        let mut stdout_open = true;
         while let Some(c) = out_rx.recv().await {
             // Writes block only while the terminal or pipe is full: that back-pressure is what
-            // slows the remote side down, as with ssh.
-            let _ = tokio::task::block_in_place(|| match c {
-                Chunk::Stdout(b) => {
-                    let mut o = std::io::stdout().lock();
-                    o.write_all(&b).and_then(|()| o.flush())
+            // slows the remote side down, as with ssh. Once the reader is gone, stdout is
+            // dropped while the command is being stopped.
+            match c {
+                Chunk::Stdout(b) if stdout_open => {
+                    let r = tokio::task::block_in_place(|| {
+                        let mut o = std::io::stdout().lock();
+                        o.write_all(&b).and_then(|()| o.flush())
+                    });
+                    if r.is_err() {
+                        stdout_open = false;
+                        closed.notify_one();
+                    }
                 }
                 Chunk::Stderr(b) => {
-                    let mut o = std::io::stderr().lock();
-                    o.write_all(&b).and_then(|()| o.flush())
+                    let _ = tokio::task::block_in_place(|| {
+                        let mut o = std::io::stderr().lock();
+                        o.write_all(&b).and_then(|()| o.flush())
+                    });
                 }
-                _ => Ok(()),
-            });
+                _ => {}
+            }
         }
     });
     let raw = if tty { RawMode::enter() } else { None };
+    let interrupt = !tty || raw.is_none();
     let pump = pump_input(stdin, input_tx, tty && raw.is_some());
     let call = client.exec_with_input(req, out_tx, input_rx);
-    let signals = termination(!tty || raw.is_none());
-    let res = tokio::select! {
-        r = call => Ok(r),
-        sig = signals => Err(Interrupted::Signal(sig)),
-        () = pump => unreachable!("the input pump ends only when its receiver does"),
+    tokio::pin!(pump, call);
+    let mut signals = Signals::new(interrupt);
+    let mut esc = Escalation {
+        first: None,
+        step: 0,
+        deadline: None,
+    };
+    let mut pipe_seen = false;
+    let res = loop {
+        let deadline = esc.deadline;
+        tokio::select! {
+            r = &mut call => break Ok(r),
+            sig = signals.next() => {
+                if sig != libc::SIGINT {
+                    break Err(Interrupted::Signal(sig));
+                }
+                if let Some(s) = esc.advance(sig, &signal_tx) {
+                    break Err(Interrupted::Signal(s));
+                }
+            }
+            () = stdout_closed.notified(), if !pipe_seen => {
+                pipe_seen = true;
+                if esc.step == 0 && let Some(s) = esc.advance(libc::SIGPIPE, &signal_tx) {
+                    break Err(Interrupted::Signal(s));
+                }
+            }
+            () = async {
+                match deadline {
+                    Some(d) => tokio::time::sleep_until(d).await,
+                    None => std::future::pending().await,
+                }
+            } => {
+                let first = esc.first.unwrap_or(libc::SIGINT);
+                if let Some(s) = esc.advance(first, &signal_tx) {
+                    break Err(Interrupted::Signal(s));
+                }
+            }
+            () = &mut pump => unreachable!("the input pump ends only when its receiver does"),
+        }
     };
     drop(raw);
     let _ = printer.await;
@@ -233,25 +331,43 @@ async fn pump_input(
 }
 
 /// SIGTERM and SIGHUP, plus SIGINT when the terminal is not raw (in raw mode ^C is a byte for
-/// the remote side). Returns the signal number.
+/// the remote side), as a stream: ^C may come more than once.
+struct Signals {
+    streams: Vec<(tokio::signal::unix::Signal, i32)>,
+}
+
+impl Signals {
+    fn new(with_interrupt: bool) -> Signals {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut kinds = vec![
+            (SignalKind::terminate(), libc::SIGTERM),
+            (SignalKind::hangup(), libc::SIGHUP),
+        ];
+        if with_interrupt {
+            kinds.push((SignalKind::interrupt(), libc::SIGINT));
+        }
+        Signals {
+            streams: kinds
+                .into_iter()
+                .filter_map(|(k, n)| signal(k).ok().map(|s| (s, n)))
+                .collect(),
+        }
+    }
+
+    /// The next signal's number.
+    async fn next(&mut self) -> i32 {
+        if self.streams.is_empty() {
+            return std::future::pending().await;
+        }
+        let waits = self
+            .streams
+            .iter_mut()
+            .map(|(s, n)| Box::pin(async move { s.recv().await.map(|_| *n).unwrap_or(0) }));
+        futures::future::select_all(waits).await.0
+    }
+}
+
+/// The first of [`Signals`].
 async fn termination(with_interrupt: bool) -> i32 {
-    use tokio::signal::unix::{SignalKind, signal};
-    let mut kinds = vec![
-        (SignalKind::terminate(), libc::SIGTERM),
-        (SignalKind::hangup(), libc::SIGHUP),
-    ];
-    if with_interrupt {
-        kinds.push((SignalKind::interrupt(), libc::SIGINT));
-    }
-    let mut streams: Vec<(tokio::signal::unix::Signal, i32)> = kinds
-        .into_iter()
-        .filter_map(|(k, n)| signal(k).ok().map(|s| (s, n)))
-        .collect();
-    if streams.is_empty() {
-        return std::future::pending().await;
-    }
-    let waits = streams
-        .iter_mut()
-        .map(|(s, n)| Box::pin(async move { s.recv().await.map(|_| *n).unwrap_or(0) }));
-    futures::future::select_all(waits).await.0
+    Signals::new(with_interrupt).next().await
 }

@@ -177,6 +177,19 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(code) => return ExitCode::from(code),
     };
+    // A command whose reader went away (`rsb completions bash | head -1`, `rsb jobs list | head`)
+    // ends quietly by SIGPIPE, as coreutils do, instead of panicking in `println!`. The MCP
+    // server, the transfer worker and `rsb exec`/`rsb shell` keep it ignored: they see EPIPE
+    // as an error and handle it (exec stops the remote command first, as ssh does).
+    if !matches!(
+        cli.cmd,
+        Cmd::Mcp | Cmd::Exec(_) | Cmd::Shell { .. } | Cmd::Transfer { .. }
+    ) {
+        // SAFETY: called before any other thread exists; only resets one signal disposition.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     // The watchdog's log (a file or the journal) should say when it started and why it stopped.
     let daemon = matches!(
         cli.cmd,
@@ -261,8 +274,18 @@ async fn run(cli: Cli) -> u8 {
         };
     }
     cli::fallback_notice(&config);
-    let ctx = Ctx::new(config, json, cli.sandbox);
-    let code = match cli.cmd {
+    // `rsb ls gpu1:data` / `rsb cat gpu1:log.txt`, as `rsb sync` takes them: a prefix that
+    // names a configured sandbox picks it (over `-s`).
+    let mut sandbox = cli.sandbox;
+    let mut cmd = cli.cmd;
+    if let Cmd::Ls { path, .. } | Cmd::Cat { path, .. } = &mut cmd
+        && let Some((name, rest)) = cli::sandbox_path(&config, path)
+    {
+        sandbox = Some(name);
+        *path = rest;
+    }
+    let ctx = Ctx::new(config, json, sandbox);
+    let code = match cmd {
         Cmd::Mcp
         | Cmd::Watchdog { .. }
         | Cmd::Watch { .. }

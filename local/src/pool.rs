@@ -30,6 +30,9 @@ struct Slot {
     sample: parking_lot::Mutex<Option<Sample>>,
     /// Bumped on every new connection.
     generation: std::sync::atomic::AtomicU64,
+    /// The last failed probe (`list_sandboxes`, `select_sandbox("auto")`): when, and why.
+    /// Cleared by a new connection.
+    failure: parking_lot::Mutex<Option<(Instant, String)>>,
 }
 
 struct Sample {
@@ -72,6 +75,7 @@ impl Pool {
                         agent_path: parking_lot::Mutex::new(None),
                         sample: parking_lot::Mutex::new(None),
                         generation: Default::default(),
+                        failure: Default::default(),
                     }),
                 )
             })
@@ -164,6 +168,7 @@ impl Pool {
         *slot.agent_path.lock() = Some(conn.agent_path.clone());
         let client = conn.client.clone();
         *guard = Some(conn);
+        *slot.failure.lock() = None;
         let generation = slot.generation.fetch_add(1, Ordering::SeqCst) + 1;
         Ok((client, generation))
     }
@@ -188,6 +193,23 @@ impl Pool {
         *slot.agent_path.lock() = Some(conn.agent_path.clone());
         *guard = Some(conn);
         slot.generation.fetch_add(1, Ordering::SeqCst);
+        *slot.failure.lock() = None;
+    }
+
+    /// Remember that probing `name` failed, so listings in the next while answer with the
+    /// reason at once instead of waiting on the same hung host again.
+    pub fn remember_failure(&self, name: &str, why: &str) {
+        if let Some(slot) = self.slots.get(name) {
+            *slot.failure.lock() = Some((Instant::now(), why.to_string()));
+        }
+    }
+
+    /// `name`'s last probe failure and its age, when younger than `within`.
+    pub fn recent_failure(&self, name: &str, within: Duration) -> Option<(String, Duration)> {
+        let slot = self.slots.get(name)?;
+        let g = slot.failure.lock();
+        let (at, why) = g.as_ref()?;
+        (at.elapsed() < within).then(|| (why.clone(), at.elapsed()))
     }
 
     /// `name`'s last resources sample and its age, when it is younger than `max_age` and the
@@ -302,6 +324,14 @@ impl Pool {
     }
 
     /// Host, port and user for display; never credentials.
+    /// Whether `name` is a `local` sandbox (this machine, no SSH).
+    pub fn is_local(&self, name: &str) -> bool {
+        matches!(
+            self.slots.get(name).map(|s| &s.cfg.transport),
+            Some(Transport::Local)
+        )
+    }
+
     pub fn describe(&self, name: &str) -> (String, u16, String) {
         match self.slots.get(name).map(|s| &s.cfg.transport) {
             Some(Transport::Ssh(t)) => (t.host.clone(), t.port, t.user.clone()),

@@ -616,10 +616,10 @@ async fn open_session(
             return Err(RsbError::new(
                 Kind::Connect,
                 format!(
-                    "SSH connect to sandbox '{sandbox}' ({desc}) timed out after {}s",
+                    "SSH connect to sandbox '{sandbox}' ({desc}) timed out after {}s (connect_timeout_s)",
                     timeout.as_secs()
                 ),
-                "check that the host is up and reachable, and that sshd listens on that port",
+                "check that the host is up and reachable, and that sshd listens on that port (a port that accepts TCP but never speaks SSH looks like this); a slow host needs a larger connect_timeout_s in its sandbox entry",
             ));
         }
         Ok(Err(e)) => {

@@ -50,6 +50,9 @@ pub enum ExecInput {
     Eof,
     /// The caller's terminal changed size (a terminal only; ignored otherwise).
     Resize(TtySize),
+    /// Send this signal (a raw number: INT for ^C, PIPE when the caller's output closed, TERM)
+    /// to the command's whole session, as a terminal or a closing pipe would.
+    Signal(i32),
 }
 
 /// Most input bytes in flight (sent, not yet acknowledged) per exec.
@@ -107,4 +110,7 @@ pub struct ExecResult {
     pub duration_ms: u64,
     pub stdout: Captured,
     pub stderr: Captured,
+    /// Pids of the command's session still alive after the timeout's or cancel's SIGKILL and
+    /// its verification wait (empty when everything is gone, as it should be).
+    pub survivors: Vec<u32>,
 }

@@ -228,6 +228,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                 total: 100,
             },
             stderr: Captured::default(),
+            survivors: vec![4242],
         }),
         Reply::Stat(FileStat {
             path: "/x".into(),

@@ -122,11 +122,18 @@ impl Mcp {
     /// `rsb mcp` with `REMOTE_SANDBOX_LIST=list` and an otherwise controlled environment: no
     /// config file, no ssh config, no agent, state in a temp dir, debug logs to a file.
     async fn start(list: &str) -> Mcp {
-        Self::start_with(list, &[]).await
+        Mcp::start_env(&[("REMOTE_SANDBOX_LIST", list)]).await
     }
 
     /// [`Mcp::start`] with more environment (`REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS`, say).
     async fn start_with(list: &str, env: &[(&str, &str)]) -> Mcp {
+        let mut vars = vec![("REMOTE_SANDBOX_LIST", list)];
+        vars.extend_from_slice(env);
+        Mcp::start_env(&vars).await
+    }
+
+    /// [`Mcp::start`] with `vars` as the only configuration.
+    async fn start_env(vars: &[(&str, &str)]) -> Mcp {
         let tmp = tempfile::tempdir().unwrap();
         let home = tmp.path().join("home");
         std::fs::create_dir_all(&home).unwrap();
@@ -141,8 +148,7 @@ impl Mcp {
             .env("XDG_DATA_HOME", home.join(".local/share"))
             .env("RSB_STATE_DIR", tmp.path().join("state"))
             .env("RSB_LOG", "debug")
-            .env("REMOTE_SANDBOX_LIST", list)
-            .envs(env.iter().copied());
+            .envs(vars.iter().copied());
         let (transport, _) = TokioChildProcess::builder(cmd)
             .stderr(stderr)
             .spawn()
@@ -1577,6 +1583,157 @@ async fn malformed_sandbox_list_never_leaks_the_password() {
         let log = mcp.close().await;
         assert_no_secret("the server log", &log, &[FAKE_SECRET]);
     }
+}
+
+/// Issue 26, item 1: a typo'd `REMOTE_HOSTNAME` (no config file) used to serve the built-in
+/// `local` sandbox without a word, so the model's `exec_bash` ran on the user's workstation.
+/// Now every call answers with the configuration error, and a genuine `local` (nothing
+/// configured at all) is marked as this machine in the listing, the instructions and the
+/// session's first reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_misconfigured_environment_never_runs_commands_here() {
+    let marker = tempfile::tempdir().unwrap();
+    let touched = marker.path().join("ran-here");
+    let cmd = format!("touch {}", touched.display());
+    for vars in [
+        vec![("REMOTE_HOSTNAME", "127.0.0.1")],
+        vec![("REMOTE_HOST", "")],
+        vec![("REMOTE_USER", "me")],
+    ] {
+        let mcp = Mcp::start_env(&vars).await;
+        let r = mcp.err("exec_bash", json!({"command": cmd})).await;
+        assert!(r.s("error").contains(vars[0].0), "{vars:?}: {}", r.text);
+        if vars[0].0 == "REMOTE_HOSTNAME" {
+            assert!(
+                r.s("hint").contains("did you mean REMOTE_HOST?"),
+                "{}",
+                r.text
+            );
+        }
+        let r = mcp.err("list_sandboxes", json!({})).await;
+        assert_eq!(r.v["sandboxes"], json!([]), "{}", r.text);
+        assert!(
+            !touched.exists(),
+            "{vars:?}: the command ran on this machine"
+        );
+        mcp.close().await;
+    }
+
+    // Nothing configured: `local` it is, and every surface says it is this machine.
+    let mcp = Mcp::start_env(&[]).await;
+    let info = mcp.svc.peer_info().expect("initialize result");
+    let instructions = info.instructions.clone().unwrap_or_default();
+    assert!(
+        instructions.contains("`local` is THIS machine"),
+        "{instructions}"
+    );
+    let first = mcp.ok("get_active_sandbox", json!({})).await;
+    assert!(
+        first["notice"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("THIS machine"),
+        "the first reply says so: {first}"
+    );
+    assert_eq!(first["this_machine"], true, "{first}");
+    let list = mcp.ok("list_sandboxes", json!({})).await;
+    let row = &list["sandboxes"][0];
+    assert_eq!(row["name"], "local", "{list}");
+    assert_eq!(row["this_machine"], true, "{list}");
+    assert!(
+        row["note"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("this machine"),
+        "{list}"
+    );
+    assert!(
+        list.get("notice").is_none(),
+        "only the first reply carries the notice: {list}"
+    );
+    // Item 10: relative paths on `local` mean $HOME, as on a remote sandbox, not the
+    // server's own working directory.
+    let v = mcp
+        .ok("exec_bash", json!({"command": "pwd; echo $HOME"}))
+        .await;
+    let out = v["stdout"].as_str().unwrap_or_default().to_string();
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 2, "{v}");
+    assert_eq!(lines[0], lines[1], "local runs in $HOME: {v}");
+    mcp.close().await;
+}
+
+/// Issue 26, item 7: a port that accepts TCP and never speaks SSH held every `list_sandboxes`
+/// (and `select_sandbox("auto")`) for the whole connect timeout. Now the failure is remembered
+/// for a while, with its reason in the row, and the error names `connect_timeout_s`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_host_slows_only_the_first_listing() {
+    let sshd = Sshd::start().unwrap();
+    // Accepts connections and holds them, silent (bounded: the test's lifetime).
+    let hung = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = hung.local_addr().unwrap().port();
+    let held = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let h2 = held.clone();
+    std::thread::spawn(move || {
+        for s in hung.incoming().take(16).flatten() {
+            h2.lock().unwrap().push(s);
+        }
+    });
+    let entries = vec![
+        key_entry("live", &sshd),
+        json!({"name": "hung", "host": "127.0.0.1", "port": port, "user": "nobody",
+               "key_file": sshd.client_key().display().to_string(), "connect_timeout_s": 2}),
+    ];
+    let mcp = Mcp::start(&list(&entries)).await;
+    let t = Instant::now();
+    let v = mcp.ok("list_sandboxes", json!({})).await;
+    println!("first listing: {:?}", t.elapsed());
+    let row = |v: &Value, n: &str| {
+        v["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == n)
+            .cloned()
+            .unwrap()
+    };
+    let hung_row = row(&v, "hung");
+    assert_eq!(hung_row["connection_alive"], false, "{v}");
+    assert!(
+        hung_row["connection_error"]
+            .as_str()
+            .unwrap()
+            .contains("connect_timeout_s"),
+        "{v}"
+    );
+    assert_eq!(row(&v, "live")["connection_alive"], true, "{v}");
+    for (tool, args) in [
+        ("list_sandboxes", json!({})),
+        ("list_sandboxes", json!({"check_resources": true})),
+        ("select_sandbox", json!({"sandbox_name": "auto"})),
+    ] {
+        let t = Instant::now();
+        let v = mcp.ok(tool, args.clone()).await;
+        let took = t.elapsed();
+        println!("{tool}({args}) again: {took:?}");
+        assert!(
+            took < Duration::from_millis(1500),
+            "{tool}({args}) took {took:?}: {v}"
+        );
+        if tool == "list_sandboxes" {
+            let e = row(&v, "hung")["connection_error"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            assert!(
+                e.contains("remembered") && e.contains("connect_timeout_s"),
+                "{v}"
+            );
+        } else {
+            assert_eq!(v["active_sandbox"], "live", "{v}");
+        }
+    }
+    mcp.close().await;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1362,3 +1362,84 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
         std::panic::resume_unwind(p);
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Issue 26, item 6: a watch whose resume attempts are used up ends as `gave_up`
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_with_no_resume_attempt_left_gives_up_and_says_so() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let pool = key_pool(&sshd, tmp.path());
+    let id = watch_job(
+        &pool,
+        &state,
+        "s",
+        "doomed",
+        "yes abcdefghij | head -c 40000; echo; sleep 120",
+        wops::WatchArgs {
+            auto_resume: true,
+            resume_command: "sleep 120".into(),
+            checkpoint_path: "doomed-ck.txt".into(),
+            ..args()
+        },
+    )
+    .await;
+    std::fs::write(sshd.home().join("doomed-ck.txt"), "epoch 1").unwrap();
+    let daemon = Daemon::start(tmp.path(), &state, &[]);
+    wait_events(&state, id, Duration::from_secs(20), "running", |_| {
+        watch(&state, id).last_state == "running"
+    })
+    .await;
+    sshd.ssh_run("tmux kill-session -t =doomed").unwrap();
+    wait_events(&state, id, Duration::from_secs(30), "resume_started", |e| {
+        has("resume_started")(e) && watch(&state, id).last_state == "running"
+    })
+    .await;
+    // The resumed job is lost too; its one attempt is spent.
+    let session = watch(&state, id).tmux_session;
+    sshd.ssh_run(&format!("tmux kill-session -t ={session}"))
+        .unwrap();
+    let e = wait_events(
+        &state,
+        id,
+        Duration::from_secs(30),
+        "gave_up",
+        has("gave_up"),
+    )
+    .await;
+    assert_eq!(
+        types(&e),
+        ["interrupted", "resume_started", "interrupted", "gave_up"],
+        "{e:#?}"
+    );
+    let w = watch(&state, id);
+    assert_eq!(w.status, "gave_up", "{w:?}");
+    // Terminal: no more checks, no more events.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(events_of(&state, id).len(), e.len());
+    // `rsb watch cancel` tells the truth about the job.
+    let mut cmd = Command::new(rsb_bin());
+    cmd.args(["watch", "cancel", &id.to_string()]);
+    base_env(&mut cmd, tmp.path(), &state);
+    let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(20)).unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{said}");
+    assert!(
+        !said.contains("keeps running") && said.contains("not running"),
+        "{said}"
+    );
+    // Item 10: a listing of events is bounded (each carried the watch row with its 20,000
+    // character log tail, so 11 events came to 32 KB).
+    let mut cmd = Command::new(rsb_bin());
+    cmd.args(["--json", "watch", "events", &id.to_string(), "-n", "20"]);
+    base_env(&mut cmd, tmp.path(), &state);
+    let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(20)).unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["events"].as_array().map(Vec::len), Some(4), "{v}");
+    println!("4 events listed in {} bytes", out.stdout.len());
+    assert!(out.stdout.len() < 12_000, "{} bytes", out.stdout.len());
+    drop(daemon);
+    pool.shutdown().await;
+}

@@ -44,7 +44,7 @@ pub fn run(cmd: ConfigCmd, json: bool) -> u8 {
                         c.source,
                         c.names().join(", ")
                     );
-                    if c.source == "built-in local" {
+                    if c.source == rsb::config::BUILTIN_LOCAL {
                         println!("note: {} does not exist", path.display());
                     }
                 }

@@ -228,10 +228,21 @@ fn local_services(ctx: &Ctx) -> Vec<Check> {
         out.push(line("", "forwards", "ok", "no detached forwards".into()));
     }
     for f in &forwards {
-        let state = f
-            .state
-            .as_deref()
-            .unwrap_or(if f.running { "listening" } else { "stopped" });
+        let recorded =
+            f.state
+                .as_deref()
+                .unwrap_or(if f.running { "listening" } else { "stopped" });
+        // The row is what the daemon last wrote; whether the port answers is checked here, so
+        // a forward whose daemon died is never called listening.
+        let state = if recorded != "listening" {
+            recorded.to_string()
+        } else if !running {
+            "not served: the watchdog daemon is not running".to_string()
+        } else if !accepts(&f.local_address) {
+            "recorded as listening, but the port refuses connections".to_string()
+        } else {
+            "listening".to_string()
+        };
         let verdict = if state == "listening" { "ok" } else { "warn" };
         let mut detail = format!(
             "{} {} -> {}:{} ({state}, {} connection(s))",
@@ -243,6 +254,17 @@ fn local_services(ctx: &Ctx) -> Vec<Check> {
         out.push(line("", "forward", verdict, detail));
     }
     out
+}
+
+/// Whether a TCP connection to `addr` (`host:port`) is accepted within 300 ms.
+fn accepts(addr: &str) -> bool {
+    use std::net::ToSocketAddrs;
+    let Ok(mut addrs) = addr.to_socket_addrs() else {
+        return false;
+    };
+    addrs.any(|a| {
+        std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_millis(300)).is_ok()
+    })
 }
 
 /// Which credential will be tried; a key file that is missing is a failure before connecting.

@@ -106,13 +106,27 @@ async fn stream(
     match rsb::exec_stream::run(client, req, tty).await {
         Ok(Ok(r)) => {
             if r.timed_out {
-                eprintln!("rsb: timed out after {timeout_s}s; the remote process group was killed");
+                eprintln!(
+                    "rsb: timed out after {timeout_s}s; the remote command's session was killed"
+                );
+            }
+            if !r.survivors.is_empty() {
+                eprintln!(
+                    "rsb: warning: still running on the sandbox after SIGKILL: pids {}",
+                    r.survivors
+                        .iter()
+                        .map(u32::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
             }
             exit_code(&r)
         }
         Ok(Err(e)) => fail(false, &e),
         Err(rsb::exec_stream::Interrupted::Signal(sig)) => {
-            eprintln!("\r\nrsb: interrupted; the remote command was stopped");
+            if sig != libc::SIGPIPE {
+                eprintln!("\r\nrsb: interrupted; the remote command was stopped");
+            }
             // SIGINT (^C) is the table's 130; others are 128+N, as a shell reports them.
             match sig {
                 2 => exit::INTERRUPTED,

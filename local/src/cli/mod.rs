@@ -35,10 +35,16 @@ pub mod exit {
     pub const REMOTE: u8 = 4;
     /// A bug in rsb.
     pub const INTERNAL: u8 = 5;
-    /// `rsb exec --timeout` expired; the remote process group was killed.
+    /// `rsb sync` finished, but files in conflict were kept, not replaced: the destination
+    /// does not match the source (as rsync's 23 says a transfer was partial).
+    pub const CONFLICTS: u8 = 6;
+    /// `rsb exec --timeout` expired; the remote command's session was killed.
     pub const TIMEOUT: u8 = 124;
     /// Interrupted by Ctrl-C.
     pub const INTERRUPTED: u8 = 130;
+    /// stdout closed by its reader (`rsb exec yes | head -1`): 128+SIGPIPE, as a shell
+    /// reports a writer killed by SIGPIPE.
+    pub const PIPE: u8 = 141;
 
     /// The table, for `--help` and the README.
     pub const TABLE: &str = "\
@@ -52,14 +58,22 @@ Exit codes:
        or the link dropped (see `rsb doctor`)
   4    the operation failed on the sandbox (no such file or job, permission denied, ...)
   5    internal error (a bug in rsb)
-  124  rsb exec --timeout expired (the remote process group was killed)
-  130  interrupted (Ctrl-C)";
+  6    rsb sync: conflicts (files changed on both sides were kept, not replaced;
+       --force takes the source's side)
+  124  rsb exec --timeout expired (the remote command's session was killed)
+  130  interrupted (Ctrl-C: SIGINT to the remote command, SIGTERM 5 s later, then killed)
+  141  stdout closed by its reader (rsb exec: the remote command was sent SIGPIPE and stopped)";
 }
 
 /// The exit code for an error of this kind.
 pub fn code_of(e: &RsbError) -> u8 {
     match e.kind {
-        Kind::UnknownSandbox | Kind::InvalidArgument => exit::USAGE,
+        // A bad argument is a usage error wherever it is found: a job name the agent
+        // refuses (`rsb jobs start --name 'a b'`) is the user's argument, not a failure on
+        // the sandbox.
+        Kind::UnknownSandbox
+        | Kind::InvalidArgument
+        | Kind::Agent(rsb_protocol::ErrorCode::InvalidArgument) => exit::USAGE,
         Kind::Config => exit::CONFIG,
         Kind::Connect
         | Kind::Auth
@@ -128,8 +142,18 @@ pub fn warn(msg: &str) {
 
 pub fn print_json<T: serde::Serialize>(v: &T) {
     match serde_json::to_string(v) {
-        Ok(s) => println!("{s}"),
+        Ok(s) => out_line(&s),
         Err(e) => eprintln!("rsb: cannot encode the reply: {e}"),
+    }
+}
+
+/// `println!` that never panics: a reader that went away (`| head -c 300`) ends rsb as
+/// SIGPIPE would (exit 141), for the commands that keep SIGPIPE ignored (`rsb exec`).
+pub fn out_line(s: &str) {
+    use std::io::Write;
+    let mut o = std::io::stdout().lock();
+    if writeln!(o, "{s}").and_then(|()| o.flush()).is_err() {
+        std::process::exit(i32::from(exit::PIPE));
     }
 }
 
@@ -186,6 +210,14 @@ pub fn unknown_sandbox(pool: &Pool, name: &str) -> RsbError {
         format!("unknown sandbox `{name}`"),
         hint,
     )
+}
+
+/// `SANDBOX:PATH` when the prefix names a configured sandbox (no `/` in it): the sandbox and
+/// the path. Anything else is a path on the `-s`/default sandbox.
+pub fn sandbox_path(config: &Config, arg: &str) -> Option<(String, String)> {
+    let (name, path) = arg.split_once(':')?;
+    (!name.contains('/') && config.sandbox(name).is_some())
+        .then(|| (name.to_string(), path.to_string()))
 }
 
 /// What every sandbox-using command shares: the pool, `--json`, and the `-s` choice.
@@ -249,7 +281,7 @@ pub(crate) fn warning_subject<'a>(config: &'a Config, w: &str) -> Option<&'a str
 /// Without any configuration rsb runs on this machine; say so once, naming where the
 /// configuration would go.
 pub fn fallback_notice(config: &Config) {
-    if config.source == "built-in local" {
+    if config.source == rsb::config::BUILTIN_LOCAL {
         eprintln!(
             "rsb: note: no sandboxes configured ({} not found); using the built-in `local` sandbox (this machine)",
             rsb::config::config_file_path().display()

@@ -158,6 +158,16 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
     once(pool, json, &sandbox, &spec, &a).await
 }
 
+/// A sync that kept conflicting files did not make the destination match: a script's
+/// `rsb sync . gpu:proj && rsb exec 'python train.py'` must not go on with the stale file.
+fn conflict_code(rep: &rsb::sync::SyncReport) -> u8 {
+    if rep.conflicts.is_empty() {
+        exit::OK
+    } else {
+        exit::CONFLICTS
+    }
+}
+
 async fn once(pool: &Pool, json: bool, sandbox: &str, spec: &SyncSpec, a: &SyncArgs) -> u8 {
     use std::io::IsTerminal;
     let (bar, progress) = if !json && !a.dry_run && std::io::stderr().is_terminal() {
@@ -183,7 +193,7 @@ async fn once(pool: &Pool, json: bool, sandbox: &str, spec: &SyncSpec, a: &SyncA
     match r {
         Ok(rep) if json => {
             println!("{}", rep.to_json());
-            exit::OK
+            conflict_code(&rep)
         }
         Ok(rep) => {
             // Quiet by default (the summary line); -n and -v list the actions.
@@ -203,7 +213,7 @@ async fn once(pool: &Pool, json: bool, sandbox: &str, spec: &SyncSpec, a: &SyncA
                 "{}",
                 rsb::sync::cli::summary(&rep, spec.direction == Direction::Upload)
             );
-            exit::OK
+            conflict_code(&rep)
         }
         Err(e) if cancel.is_cancelled() => {
             fail(json, &e);

@@ -46,6 +46,9 @@ pub struct RsbServer {
     /// Set when the configuration could not be loaded: the tools are still listed, and every
     /// call replies with this error (as the seed did), so the client sees why.
     config_error: Option<Arc<ConfigError>>,
+    /// Set once the session's first tool reply went out: that reply says which configured
+    /// sandboxes are this machine ([`local_notice`]).
+    first_reply_sent: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl RsbServer {
@@ -73,6 +76,7 @@ impl RsbServer {
             tool_router,
             full_schemas,
             config_error: None,
+            first_reply_sent: Default::default(),
         }
     }
 
@@ -332,7 +336,16 @@ impl ServerHandler for RsbServer {
             return fail(&e).map(Into::into);
         }
         let tcc = rmcp::handler::server::tool::ToolCallContext::new(self, request, context);
-        self.tool_router.call(tcc).await
+        let mut reply = self.tool_router.call(tcc).await?;
+        if !self
+            .first_reply_sent
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+            && let Some(notice) = local_notice(&self.pool)
+            && let rmcp::model::CallToolResponse::Complete(r) = &mut reply
+        {
+            add_notice(r, &notice);
+        }
+        Ok(reply)
     }
 
     fn get_info(&self) -> ServerConfig {
@@ -341,12 +354,61 @@ impl ServerHandler for RsbServer {
                 "remote-sandbox",
                 env!("CARGO_PKG_VERSION"),
             ))
-            .with_instructions(
-                "Remote machines over SSH as sandboxes. list_sandboxes(check_resources=true) then \
-                 select_sandbox (or \"auto\"); exec_bash for commands; exec_bash_background + \
-                 check_background_task for long jobs; sync_* tools move files.",
-            )
+            .with_instructions(instructions(&self.pool))
     }
+}
+
+/// The server's `instructions`: the tools in one breath, plus which sandboxes are this machine.
+fn instructions(pool: &Pool) -> String {
+    let mut s = String::from(
+        "Remote machines over SSH as sandboxes. list_sandboxes(check_resources=true) then \
+         select_sandbox (or \"auto\"); exec_bash for commands; exec_bash_background + \
+         check_background_task for long jobs; sync_* tools move files.",
+    );
+    if let Some(n) = local_notice(pool) {
+        s.push(' ');
+        s.push_str(&n);
+    }
+    s
+}
+
+/// "Sandbox `local` is THIS machine ..." when any configured sandbox is local; said in the
+/// instructions and in a session's first reply, because a client may show neither the
+/// listing nor the server's stderr, and commands there run on the user's own computer.
+fn local_notice(pool: &Pool) -> Option<String> {
+    let local: Vec<&str> = pool
+        .names()
+        .iter()
+        .filter(|n| pool.is_local(n))
+        .map(String::as_str)
+        .collect();
+    if local.is_empty() {
+        return None;
+    }
+    let which = local
+        .iter()
+        .map(|n| format!("`{n}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut s = format!(
+        "Sandbox {which} is THIS machine: commands there run on the computer rsb runs on, not on a remote host."
+    );
+    if pool.config().source == crate::config::BUILTIN_LOCAL {
+        s.push_str(" No remote sandbox is configured (set REMOTE_HOST or REMOTE_SANDBOX_LIST).");
+    }
+    Some(s)
+}
+
+/// Adds `notice` to a reply: as a key of its JSON object, else as a second text block.
+fn add_notice(r: &mut CallToolResult, notice: &str) {
+    if let Some(ContentBlock::Text(t)) = r.content.first_mut()
+        && let Ok(Value::Object(mut m)) = serde_json::from_str::<Value>(&t.text)
+    {
+        m.insert("notice".into(), json!(notice));
+        t.text = Value::Object(m).to_string();
+        return;
+    }
+    r.content.push(ContentBlock::text(notice.to_string()));
 }
 
 /// Serve MCP on stdin/stdout until the client closes the stream.

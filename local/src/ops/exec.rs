@@ -115,6 +115,9 @@ pub struct ExecReply {
     #[serde(skip_serializing_if = "is_false")]
     pub invalid_utf8: bool,
     pub duration_s: f64,
+    /// Pids of the command's session that outlived the timeout's or cancel's SIGKILL.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub survivors: Vec<u32>,
 }
 
 /// The exit status a caller of `exec` sees: the command's code, else 128+signal, else -1.
@@ -139,6 +142,19 @@ pub fn reply(res: &ExecResult, timeout_s: i64) -> ExecReply {
             "[TIMEOUT] Remote process group killed by timeout after {timeout_s}s"
         ));
     }
+    if !res.survivors.is_empty() {
+        if !err.text.is_empty() && !err.text.ends_with('\n') {
+            err.text.push('\n');
+        }
+        err.text.push_str(&format!(
+            "[SURVIVORS] still running after SIGKILL: pids {}",
+            res.survivors
+                .iter()
+                .map(u32::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
     ExecReply {
         exit_code,
         invalid_utf8: out.lossy || err.lossy,
@@ -150,5 +166,6 @@ pub fn reply(res: &ExecResult, timeout_s: i64) -> ExecReply {
         cancelled: res.cancelled,
         signal: res.signal,
         duration_s: (res.duration_ms as f64 / 1000.0 * 1000.0).round() / 1000.0,
+        survivors: res.survivors.clone(),
     }
 }

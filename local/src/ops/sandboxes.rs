@@ -49,6 +49,10 @@ pub fn probe_deadline(pool: &Pool, name: &str) -> Duration {
 /// sample is (`resources.sample_age_ms`).
 pub const RESOURCES_FRESH: Duration = Duration::from_secs(1);
 
+/// What a `local` sandbox is, in the words every surface uses.
+pub const THIS_MACHINE_NOTE: &str =
+    "this machine: commands run on the computer rsb itself runs on, not on a remote host over SSH";
+
 pub struct Probe {
     pub name: String,
     pub alive: bool,
@@ -65,9 +69,14 @@ fn no_answer(name: &str, what: &str, after: Duration) -> RsbError {
             "sandbox '{name}' did not {what} within {}s",
             after.as_secs_f64()
         ),
-        "the host may be down or the network black-holed; other sandboxes are unaffected",
+        "the host may be down, black-holed, or accept TCP without speaking SSH; other sandboxes are unaffected; a slow host needs a larger connect_timeout_s in its sandbox entry",
     )
 }
+
+/// How long a failed probe is remembered: listings and `select_sandbox("auto")` in that time
+/// answer with its reason at once instead of waiting on the same hung host again (a port that
+/// accepts TCP and never speaks SSH held every listing for the whole connect timeout).
+pub const FAILURE_MEMORY: Duration = Duration::from_secs(30);
 
 /// Check one sandbox, optionally sampling its resources, within its deadlines: one for getting
 /// a client ([`connect_deadline`]), one for the round trips on it ([`ROUND_TRIP_DEADLINE`]).
@@ -78,6 +87,21 @@ pub async fn probe(pool: &Pool, name: &str, with_resources: bool) -> Probe {
         error: Some(e.clone()),
         resources: with_resources.then_some(Err(e)),
         sample_age: None,
+    };
+    if let Some((why, age)) = pool.recent_failure(name, FAILURE_MEMORY) {
+        return dead(RsbError::new(
+            Kind::Connect,
+            format!(
+                "{why} (remembered from {}s ago; retried {}s after the failure)",
+                age.as_secs(),
+                FAILURE_MEMORY.as_secs()
+            ),
+            "exec_bash on this sandbox connects again at once",
+        ));
+    }
+    let dead = |e: RsbError| {
+        pool.remember_failure(name, &e.message);
+        dead(e)
     };
     let connect = connect_deadline(pool, name);
     let (client, generation) =
@@ -175,6 +199,12 @@ pub struct SandboxStatus {
     pub port: u16,
     pub user: String,
     pub is_active: bool,
+    /// A `local` sandbox runs commands on this machine, the one rsb runs on: said in every
+    /// row so a model (or a user with a misconfigured server) never mistakes it for a remote.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub this_machine: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<&'static str>,
     pub connection_alive: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub connection_error: Option<String>,
@@ -200,12 +230,15 @@ pub async fn list(pool: &Pool, check_resources: bool) -> SandboxList {
         .iter()
         .map(|p| {
             let (host, port, user) = pool.describe(&p.name);
+            let this_machine = pool.is_local(&p.name);
             SandboxStatus {
                 name: p.name.clone(),
                 host,
                 port,
                 user,
                 is_active: active.as_deref() == Some(p.name.as_str()),
+                this_machine,
+                note: this_machine.then_some(THIS_MACHINE_NOTE),
                 connection_alive: p.alive,
                 connection_error: p.error.as_ref().map(|e| e.message.clone()),
                 resources: p.resources.as_ref().map(|r| match r {
@@ -284,6 +317,10 @@ pub async fn get_active(pool: &Pool) -> Value {
     m.insert("host".into(), json!(host));
     m.insert("port".into(), json!(port));
     m.insert("user".into(), json!(user));
+    if pool.is_local(&active) {
+        m.insert("this_machine".into(), json!(true));
+        m.insert("note".into(), json!(THIS_MACHINE_NOTE));
+    }
     m.insert("connection_alive".into(), json!(p.alive));
     if let Some(e) = p.error {
         m.insert("connection_error".into(), json!(e.message));

@@ -422,9 +422,46 @@ pub fn events(state_dir: &Path, watch_id: i64, limit: i64) -> Result<Events> {
             "pass a value >= 1",
         ));
     }
-    Ok(Events {
-        events: db::events(&open(state_dir)?, watch_id, limit.min(10_000))?,
-    })
+    let mut events = db::events(&open(state_dir)?, watch_id, limit.min(MAX_LISTED_EVENTS))?;
+    for e in &mut events {
+        compact_payload(&mut e.payload);
+    }
+    Ok(Events { events })
+}
+
+/// Most events one listing returns.
+pub const MAX_LISTED_EVENTS: i64 = 200;
+/// Longest text kept per payload field in a listing (its end: logs and checkpoints end there).
+pub const LISTED_TEXT_CHARS: usize = 1000;
+
+/// A listing's copy of an event payload: each event carried the whole watch row (log tail and
+/// checkpoint up to 20,000 characters each) twice over, so `limit=20` came to tens of KB of a
+/// model's context. The listing keeps the watch's identity and state and the last
+/// [`LISTED_TEXT_CHARS`] of each text; the full event stays in `events/event-<id>.json`.
+fn compact_payload(p: &mut Value) {
+    const WATCH_KEYS: [&str; 8] = [
+        "id",
+        "status",
+        "last_state",
+        "sandbox_name",
+        "tmux_session",
+        "resume_attempts",
+        "max_resume_attempts",
+        "last_exit_code",
+    ];
+    if let Some(Value::Object(w)) = p.get_mut("watch") {
+        w.retain(|k, _| WATCH_KEYS.contains(&k.as_str()));
+    }
+    if let Value::Object(m) = p {
+        for v in m.values_mut() {
+            if let Value::String(s) = v
+                && s.chars().count() > LISTED_TEXT_CHARS
+            {
+                let tail = crate::watchdog::clip_tail(s, LISTED_TEXT_CHARS);
+                *s = format!("...{tail}");
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]

@@ -292,7 +292,7 @@ fn job(
                     a.resume_due_ts - now
                 )
             } else {
-                base
+                base.clone()
             };
             a.last_state = "interrupted".into();
             a.last_error = a.last_summary.clone();
@@ -304,6 +304,25 @@ fn job(
                 events.push(ev(event::INTERRUPTED, &a.last_summary, extra));
             }
             *resume = can_resume && now >= a.resume_due_ts;
+            // Resuming was asked for, and every attempt is spent: nothing will ever change
+            // here again, so the watch ends, saying so, instead of polling a dead job.
+            if w.auto_resume && !cmd.trim().is_empty() && !can_resume && w.resume_intent_ms == 0 {
+                a.status = "gave_up".into();
+                a.last_state = "gave_up".into();
+                a.last_summary = format!(
+                    "{base}; gave up after {} resume attempt(s) of {}",
+                    w.resume_attempts, w.max_resume_attempts
+                );
+                a.last_error = a.last_summary.clone();
+                a.next_check_ms = 0;
+                a.next_check_ts = 0;
+                events.push(ev(
+                    event::GAVE_UP,
+                    &a.last_summary,
+                    json!({"resume_attempts": w.resume_attempts,
+                           "max_resume_attempts": w.max_resume_attempts}),
+                ));
+            }
         }
     }
 }
@@ -542,9 +561,11 @@ mod tests {
         assert_eq!(e.event_type, "resume_started");
         assert_eq!(e.extra["resume_attempt"], 1);
         assert_eq!((r.interrupted_ts, r.resume_intent_ms), (0, 0));
-        // Lost again: a new interruption, but no attempt left.
+        // Lost again: a new interruption, and no attempt left: the watch gives up (it used
+        // to stay active, polling a dead job forever, with nothing said).
         let o4 = decide(&r, &seen(Some(JobState::Lost), None, None), 120_000);
-        assert_eq!(types(&o4), ["interrupted"]);
+        assert_eq!(types(&o4), ["interrupted", "gave_up"]);
+        assert_eq!(o4.after.status, "gave_up");
         assert!(!o4.resume);
     }
 
@@ -651,6 +672,26 @@ mod tests {
         let o = decide(&w, &seen(Some(JobState::Lost), None, None), 1_002_000);
         assert_eq!(types(&o), ["resume_failed"]);
         assert!(!o.resume, "no attempt left");
+    }
+
+    #[test]
+    fn an_interrupted_job_without_attempts_left_ends_the_watch_as_gave_up() {
+        let mut w = watch();
+        w.auto_resume = true;
+        w.resume_command = "python train.py --resume".into();
+        w.max_resume_attempts = 1;
+        w.resume_attempts = 1;
+        let o = decide(&w, &seen(Some(JobState::Lost), None, None), 1_000_000);
+        assert_eq!(types(&o), ["interrupted", "gave_up"]);
+        assert_eq!(o.after.status, "gave_up");
+        assert!(!o.resume);
+        assert_eq!(o.after.next_check_ms, 0, "no more polling");
+        // With an attempt left it resumes instead.
+        w.resume_attempts = 0;
+        w.resume_delay_s = 0;
+        let o = decide(&w, &seen(Some(JobState::Lost), None, None), 1_000_000);
+        assert_eq!(types(&o), ["interrupted"]);
+        assert!(o.resume);
     }
 
     #[test]

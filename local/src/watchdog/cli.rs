@@ -36,13 +36,15 @@ pub enum WatchdogCmd {
     Uninstall,
     /// Is a daemon running, how, and how many watches it has.
     Status,
+    /// Stop the running daemon and start it again (the installed service, else detached).
+    Restart,
 }
 
 #[derive(Debug, Subcommand)]
 pub enum WatchCmd {
     /// List watches, newest first.
     List {
-        /// Only this status: active, completed or cancelled.
+        /// Only this status: active, completed, gave_up or cancelled.
         #[arg(long, default_value = "")]
         status: String,
     },
@@ -54,7 +56,7 @@ pub enum WatchCmd {
         #[arg(long, short = 'n', default_value_t = 20)]
         limit: i64,
     },
-    /// Stop watching (the job keeps running).
+    /// Stop watching (a running job keeps running).
     Cancel { id: i64 },
 }
 
@@ -155,6 +157,18 @@ pub async fn watchdog(cmd: WatchdogCmd, json: bool, state_dir: &Path) -> u8 {
                 } else {
                     println!("no service was installed ({})", r.removal.plist_path);
                 }
+            })
+        }
+        WatchdogCmd::Restart => {
+            let r = ops::open(state_dir).and_then(|c| {
+                tokio::task::block_in_place(|| super::service::restart(&c, state_dir))
+            });
+            out(json, r, |r| {
+                println!(
+                    "watchdog: {} (pid {})",
+                    r.detail,
+                    r.pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into())
+                );
             })
         }
         WatchdogCmd::Status => {
@@ -287,10 +301,24 @@ pub async fn watch(cmd: WatchCmd, json: bool, state_dir: &Path) -> u8 {
             })
         }
         WatchCmd::Cancel { id } => out(json, ops::cancel(state_dir, id), |c| {
-            println!(
-                "watch {} cancelled; job {} keeps running on {}",
-                c.watch.id, c.watch.tmux_session, c.watch.sandbox_name
-            );
+            let w = &c.watch;
+            // Say what was last seen of the job, not that it "keeps running": it may have
+            // ended or been lost long ago.
+            let job = match w.last_state.as_str() {
+                "running" | "" | "pending" => format!("keeps running on {}", w.sandbox_name),
+                "completed" => format!(
+                    "had completed on {} (exit code {})",
+                    w.sandbox_name,
+                    w.last_exit_code
+                        .map(|c| c.to_string())
+                        .unwrap_or_else(|| "?".into())
+                ),
+                other => format!(
+                    "was last seen {other} on {}; it is not running",
+                    w.sandbox_name
+                ),
+            };
+            println!("watch {} cancelled; job {} {job}", w.id, w.tmux_session);
         }),
     }
 }

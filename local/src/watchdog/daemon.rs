@@ -230,7 +230,10 @@ pub struct Daemon {
     conn: Mutex<Connection>,
     hosts: Mutex<HashMap<String, Arc<Host>>>,
     inflight: Mutex<HashSet<i64>>,
-    settings: FileSettings,
+    /// The config file's hooks, reloaded when the file changes ([`Daemon::reload_settings`]).
+    settings: Mutex<FileSettings>,
+    /// The config file's (mtime, size) when `settings` were read.
+    settings_stamp: Mutex<Option<(std::time::SystemTime, u64)>>,
     hook_timeout: Duration,
     /// Detached forwards (`forward_port(detach=true)`), served on the hosts' pools.
     forwards: Arc<super::forwards::Served>,
@@ -240,19 +243,15 @@ pub struct Daemon {
 pub async fn run(opts: Options) -> Result<()> {
     let _lock = acquire_lock(&opts.state_dir)?;
     let conn = store::open(&opts.state_dir)?;
-    let settings = match FileSettings::load() {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!("{e}; the config file's hooks are ignored");
-            FileSettings::default()
-        }
-    };
+    let settings_stamp = config_stamp();
+    let settings = load_settings();
     let d = Arc::new(Daemon {
         state_dir: opts.state_dir.clone(),
         conn: Mutex::new(conn),
         hosts: Mutex::new(HashMap::new()),
         inflight: Mutex::new(HashSet::new()),
-        settings,
+        settings: Mutex::new(settings),
+        settings_stamp: Mutex::new(settings_stamp),
         hook_timeout: opts.hook_timeout,
         forwards: Arc::new(super::forwards::Served::new(&opts.state_dir)),
     });
@@ -285,6 +284,7 @@ pub async fn run(opts: Options) -> Result<()> {
             tracing::info!("[watchdog] the state store is gone; exiting");
             break;
         }
+        d.reload_settings();
         let active = d.tick(&opts).unwrap_or_else(|e| {
             tracing::warn!("[watchdog] tick failed: {}", e.message);
             1
@@ -306,12 +306,73 @@ pub async fn run(opts: Options) -> Result<()> {
             _ = tokio::signal::ctrl_c() => { tracing::info!("[watchdog] interrupted; exiting"); break; }
         }
     }
+    // Gone means gone: no reader may take a heartbeat younger than 30 s for a live daemon
+    // (liveness is the lock holder's anyway, see `service::daemon_info`).
+    if let Err(e) = db::meta_delete(&d.conn.lock(), "heartbeat") {
+        tracing::warn!("[watchdog] cannot clear the heartbeat: {}", e.message);
+    }
     d.forwards.stop_all().await;
     let hosts: Vec<Arc<Host>> = d.hosts.lock().values().cloned().collect();
     for h in hosts {
         h.pool.shutdown().await;
     }
     Ok(())
+}
+
+/// The config file's hooks, or none (with a warning) when it cannot be read.
+fn load_settings() -> FileSettings {
+    match FileSettings::load() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("{e}; the config file's hooks are ignored");
+            FileSettings::default()
+        }
+    }
+}
+
+/// What tells a changed config file: its mtime and size (`None` when absent).
+fn config_stamp() -> Option<(std::time::SystemTime, u64)> {
+    let m = std::fs::metadata(crate::config::config_file_path()).ok()?;
+    Some((m.modified().ok()?, m.len()))
+}
+
+impl Daemon {
+    /// Hooks added to (or removed from) the config file apply from the next alert, without a
+    /// restart: one stat per tick decides.
+    fn reload_settings(&self) {
+        let stamp = config_stamp();
+        let mut last = self.settings_stamp.lock();
+        if *last == stamp {
+            return;
+        }
+        *last = stamp;
+        *self.settings.lock() = load_settings();
+        tracing::info!("[watchdog] the config file changed; hooks reloaded");
+    }
+}
+
+/// Whether `pid` is a live `rsb watchdog run`: the lock file names a pid, and a pid can be
+/// reused; on Linux its command line must say so (elsewhere, being alive must do).
+pub fn is_daemon_pid(pid: i64) -> bool {
+    let Ok(p) = i32::try_from(pid) else {
+        return false;
+    };
+    if p <= 1 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks that the process exists.
+    let alive = unsafe { libc::kill(p, 0) } == 0
+        || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
+    if !alive {
+        return false;
+    }
+    match std::fs::read(format!("/proc/{p}/cmdline")) {
+        Ok(c) => {
+            let args: Vec<&[u8]> = c.split(|&b| b == 0).collect();
+            args.iter().any(|a| *a == b"watchdog") && args.iter().any(|a| *a == b"run")
+        }
+        Err(_) => true,
+    }
 }
 
 /// Run `fut` as its own task; a panic inside it becomes `Err(message)` instead of taking the
@@ -582,7 +643,7 @@ impl Daemon {
     /// Event file, then alerts (off the loop), then `delivered`.
     fn deliver(&self, w: Watch, e: WatchEvent) {
         let state_dir = self.state_dir.clone();
-        let targets = alerts::Targets::for_watch(&w, &self.settings, self.hook_timeout);
+        let targets = alerts::Targets::for_watch(&w, &self.settings.lock(), self.hook_timeout);
         let db_path = state_dir.clone();
         tokio::spawn(async move {
             deliver_one(&state_dir, &db_path, &targets, &e, true).await;
@@ -601,7 +662,7 @@ impl Daemon {
         for (e, created_ms) in pending {
             let w = db::get(&self.conn.lock(), e.watch_id).ok().flatten();
             let Some(w) = w else { continue };
-            let targets = alerts::Targets::for_watch(&w, &self.settings, self.hook_timeout);
+            let targets = alerts::Targets::for_watch(&w, &self.settings.lock(), self.hook_timeout);
             let alert = now_ms() - created_ms < REPLAY_ALERTS_WITHIN_MS;
             deliver_one(&self.state_dir, &self.state_dir, &targets, &e, alert).await;
         }

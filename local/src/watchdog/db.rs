@@ -226,6 +226,12 @@ pub fn meta_get(conn: &Connection, key: &str) -> Result<Option<(Value, i64)>> {
     .map(|o| o.map(|(v, ts)| (serde_json::from_str(&v).unwrap_or(Value::Null), ts)))
 }
 
+pub fn meta_delete(conn: &Connection, key: &str) -> Result<()> {
+    conn.execute("DELETE FROM daemon_meta WHERE key = ?1", params![key])
+        .map(|_| ())
+        .map_err(db_err)
+}
+
 pub fn meta_set(conn: &Connection, key: &str, value: &Value) -> Result<()> {
     conn.prepare_cached(
         "INSERT INTO daemon_meta (key, value, updated_ts) VALUES (?1, ?2, ?3)

@@ -35,13 +35,14 @@ pub const DEFAULT_INTERVAL_S: i64 = 300;
 pub const DEFAULT_MAX_LOG_LINES: i64 = 80;
 pub const DEFAULT_ALERT_AFTER_FAILURES: i64 = 2;
 pub const DEFAULT_RESUME_DELAY_S: i64 = 300;
-/// A daemon whose heartbeat is older than this is taken for dead. The loop beats every tick
-/// (1 s by default), so this leaves room for a slow disk without the seed's 180 s blindness.
+/// A heartbeat older than this is reported stale (`heartbeat_stale`: a live daemon whose loop
+/// is stuck). Whether a daemon runs at all is decided by its lock holder, never by this row:
+/// the loop beats every tick (1 s by default), and the row is cleared when the daemon exits.
 pub const HEARTBEAT_STALE_S: i64 = 30;
 /// Checkpoint text and log tails kept per watch (the seed's 20,000 characters).
 pub const MAX_TEXT_CHARS: usize = 20_000;
 
-/// The event types: the seed's, plus `stalled` and `needs_credentials`.
+/// The event types: the seed's, plus `stalled`, `needs_credentials` and `gave_up`.
 pub mod event {
     pub const COMPLETED: &str = "completed";
     pub const INTERRUPTED: &str = "interrupted";
@@ -52,6 +53,9 @@ pub mod event {
     pub const CONFIG_MISSING: &str = "config_missing";
     pub const STALLED: &str = "stalled";
     pub const NEEDS_CREDENTIALS: &str = "needs_credentials";
+    /// The job is interrupted and every resume attempt is used up: the watch ends (status
+    /// `gave_up`) instead of polling a dead job forever.
+    pub const GAVE_UP: &str = "gave_up";
 }
 
 /// Keeps the last `max` characters (the end of a log or checkpoint is what matters).

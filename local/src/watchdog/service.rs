@@ -1,6 +1,7 @@
 //! Keeping a daemon alive: the platform service (a systemd --user unit on Linux, a launchd
 //! LaunchAgent on macOS), `ensure_watchdog` (start the service, else a detached `rsb watchdog
-//! run`), and whether a daemon is alive at all (its lock is held, or its heartbeat is fresh).
+//! run`), and whether a daemon is alive at all (its lock is held by a live `rsb watchdog run`; a
+//! heartbeat row alone never counts), and `rsb watchdog restart`.
 
 use std::{
     path::{Path, PathBuf},
@@ -12,7 +13,7 @@ use rusqlite::Connection;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::{HEARTBEAT_STALE_S, daemon, db};
+use super::{daemon, db};
 use crate::error::{Kind, Result, RsbError};
 
 pub const UNIT_NAME: &str = "rsb-watchdog.service";
@@ -477,18 +478,21 @@ pub struct DaemonInfo {
 }
 
 pub fn daemon_info(conn: &Connection, state_dir: &Path) -> Result<DaemonInfo> {
-    let holder = daemon::lock_holder(state_dir);
+    // Running means: something holds the daemon's flock (released by the kernel however the
+    // process died) and the pid it wrote is a live `rsb watchdog run`. A heartbeat row alone
+    // proves nothing: a daemon SIGKILLed, SIGTERMed or idle-exited a moment ago left a fresh
+    // one, and a watch registered then would never be checked.
+    let holder = daemon::lock_holder(state_dir).filter(|&pid| daemon::is_daemon_pid(pid));
     let hb = db::meta_get(conn, "heartbeat")?;
     let now = crate::store::now_s();
     let age = hb
         .as_ref()
         .and_then(|(v, _)| v["ts"].as_i64())
         .map(|ts| (now - ts).max(0));
-    let fresh = age.is_some_and(|a| a <= HEARTBEAT_STALE_S);
     let meta = hb.map(|(v, _)| v).unwrap_or(Value::Null);
     Ok(DaemonInfo {
-        running: holder.is_some() || fresh,
-        pid: holder.or_else(|| meta["pid"].as_i64()),
+        running: holder.is_some(),
+        pid: holder,
         mode: meta["mode"].as_str().map(str::to_string),
         heartbeat_age_s: age,
         lock_held: holder.is_some(),
@@ -573,6 +577,37 @@ pub fn ensure(conn: &Connection, state_dir: &Path) -> Result<EnsureReport> {
         ),
         install_hint: Some(INSTALL_HINT.into()),
     })
+}
+
+/// `rsb watchdog restart`: stop the running daemon (SIGTERM; SIGKILL if it still holds the
+/// lock 10 s later) and start one as [`ensure`] does (the installed service, else detached),
+/// so it runs the current binary with the current config.
+pub fn restart(conn: &Connection, state_dir: &Path) -> Result<EnsureReport> {
+    if let Some(pid) = daemon::lock_holder(state_dir).filter(|&p| daemon::is_daemon_pid(p)) {
+        let stopped = |within: Duration| {
+            let deadline = Instant::now() + within;
+            loop {
+                if daemon::lock_holder(state_dir).is_none() {
+                    return true;
+                }
+                if Instant::now() >= deadline {
+                    return false;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        };
+        // SAFETY: plain signals to the pid the lock holder wrote, checked to be a watchdog.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        if !stopped(Duration::from_secs(10)) {
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            if !stopped(Duration::from_secs(3)) {
+                return Err(RsbError::internal(format!(
+                    "the watchdog (pid {pid}) still holds its lock after SIGKILL"
+                )));
+            }
+        }
+    }
+    ensure(conn, state_dir)
 }
 
 /// Spawn `rsb watchdog run --mode detached` in its own session, logging to the state dir, with

@@ -1,0 +1,453 @@
+//! Issue 26: "a user's day without surprises". Each test reproduces one defect a new user met,
+//! through the real `rsb` binary against a private sshd on loopback, and fails before its fix.
+//!
+//! Needs the `rsb` binary: `cargo build --workspace --bins`.
+
+mod common;
+
+use std::{
+    path::PathBuf,
+    process::{Command, Output, Stdio},
+    time::{Duration, Instant},
+};
+
+use rsb_tests::{Sshd, output_with_timeout, workspace_root};
+use serde_json::json;
+
+fn rsb_bin() -> PathBuf {
+    let p = workspace_root().join("target/debug/rsb");
+    assert!(
+        p.exists(),
+        "{} does not exist: run `cargo build --workspace --bins` first",
+        p.display()
+    );
+    p
+}
+
+/// A user's environment: a sandbox `gpu1` on the fixture, state and home in a temp dir.
+struct User {
+    sshd: Sshd,
+    tmp: tempfile::TempDir,
+    list: String,
+}
+
+impl User {
+    fn new() -> User {
+        let sshd = Sshd::start().unwrap();
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(tmp.path().join("home")).unwrap();
+        let list = json!([{"name": "gpu1", "host": sshd.host(), "port": sshd.port(),
+            "user": sshd.user(), "key_file": sshd.client_key().display().to_string()}])
+        .to_string();
+        User { sshd, tmp, list }
+    }
+
+    fn home(&self) -> PathBuf {
+        self.tmp.path().join("home")
+    }
+
+    fn state(&self) -> PathBuf {
+        self.tmp.path().join("state")
+    }
+
+    /// `rsb ARGS` in this user's environment.
+    fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(rsb_bin());
+        c.args(args);
+        self.env(&mut c);
+        c
+    }
+
+    /// `bash -c SCRIPT` in this user's environment, `RSB` standing for the binary.
+    fn sh(&self, script: &str) -> Command {
+        let mut c = Command::new("bash");
+        c.arg("-c")
+            .arg(script.replace("RSB", &rsb_bin().display().to_string()));
+        self.env(&mut c);
+        c
+    }
+
+    fn env(&self, c: &mut Command) {
+        let home = self.home();
+        c.env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &home)
+            .env("XDG_CONFIG_HOME", home.join(".config"))
+            .env("XDG_DATA_HOME", home.join(".local/share"))
+            .env("RSB_STATE_DIR", self.state())
+            .env("REMOTE_SANDBOX_LIST", &self.list)
+            .stdin(Stdio::null());
+    }
+
+    fn run(&self, c: &mut Command, limit: Duration) -> Output {
+        output_with_timeout(c, limit).unwrap_or_else(|e| panic!("{c:?}: {e}"))
+    }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn show(o: &Output) -> String {
+    format!(
+        "exit {:?}\n--- stdout\n{}\n--- stderr\n{}",
+        o.status.code(),
+        text(&o.stdout),
+        text(&o.stderr)
+    )
+}
+
+/// A marker no other process on this box carries in its argv: a sleep length.
+fn marker() -> String {
+    format!("9{}.{}", std::process::id() % 10, rand_digits())
+}
+
+fn rand_digits() -> u64 {
+    use std::time::{SystemTime, UNIX_EPOCH};
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .subsec_nanos() as u64
+        % 1_000_000
+        + 1_000_000
+}
+
+/// `ps` lines (pid and args) of live processes whose argv holds `needle`.
+fn processes_with(needle: &str) -> Vec<String> {
+    let out = Command::new("ps")
+        .args(["-e", "-o", "pid=,stat=,args="])
+        .output()
+        .unwrap();
+    text(&out.stdout)
+        .lines()
+        .filter(|l| {
+            l.contains(needle) && !l.split_whitespace().nth(1).unwrap_or("").starts_with('Z')
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+/// `ps -s SID`: the live processes of a session.
+fn session_members(sid: &str) -> Vec<String> {
+    let out = Command::new("ps")
+        .args(["-s", sid, "-o", "pid=,stat=,args="])
+        .output()
+        .unwrap();
+    text(&out.stdout)
+        .lines()
+        .filter(|l| !l.split_whitespace().nth(1).unwrap_or("").starts_with('Z'))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Item 2: GNU `timeout` makes its own process group, so killing only the command's group
+/// after a timeout or a kill left `timeout` and its `sleep` running (on a GPU box: a process
+/// holding GPU memory after the user was told it stopped). Now the whole session goes.
+#[test]
+fn timeout_and_kill_stop_the_whole_session() {
+    let u = User::new();
+    let m = marker();
+    // The command prints its session id first; both `timeout`s make groups of their own.
+    let script =
+        format!("ps -o sid= -p $$; timeout 100 sleep {m}1 & timeout 100 sleep {m}2 & wait");
+    let t0 = Instant::now();
+    let o = u.run(
+        &mut u.cmd(&["exec", "--timeout", "2", "--", &script]),
+        Duration::from_secs(40),
+    );
+    assert_eq!(o.status.code(), Some(124), "{}", show(&o));
+    println!("exec --timeout 2 returned in {:?}", t0.elapsed());
+    let sid = text(&o.stdout).trim().to_string();
+    assert!(sid.parse::<u32>().is_ok(), "{}", show(&o));
+    assert_eq!(
+        processes_with(&m),
+        Vec::<String>::new(),
+        "survivors after the timeout"
+    );
+    assert_eq!(
+        session_members(&sid),
+        Vec::<String>::new(),
+        "ps -s {sid} after the timeout"
+    );
+
+    // The same through a background job and `rsb jobs kill`.
+    let m = marker();
+    let script =
+        format!("ps -o sid= -p $$; timeout 100 sleep {m}3 & timeout 100 sleep {m}4 & wait");
+    let o = u.run(
+        &mut u.cmd(&["jobs", "start", "--name", "sess", "--", &script]),
+        Duration::from_secs(40),
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let sid = loop {
+        let o = u.run(
+            &mut u.cmd(&["jobs", "logs", "sess"]),
+            Duration::from_secs(20),
+        );
+        let sid = text(&o.stdout)
+            .lines()
+            .map(str::trim)
+            .find(|l| l.parse::<u32>().is_ok())
+            .map(str::to_string);
+        if let Some(sid) = sid
+            && processes_with(&m).len() >= 2
+        {
+            break sid;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the job never started: {}",
+            show(&o)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let o = u.run(
+        &mut u.cmd(&["jobs", "kill", "sess"]),
+        Duration::from_secs(40),
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    assert_eq!(
+        processes_with(&m),
+        Vec::<String>::new(),
+        "survivors after the kill"
+    );
+    assert_eq!(
+        session_members(&sid),
+        Vec::<String>::new(),
+        "ps -s {sid} after the kill"
+    );
+    let _ = &u.sshd;
+}
+
+/// Item 4: a reader that goes away (`| head -1`) used to leave `rsb exec yes` writing into a
+/// closed pipe forever (ssh returns in 0.2 s), and `--json` or `completions` panicked with exit
+/// 101. Now the remote command gets SIGPIPE and rsb exits as ssh does; nothing panics.
+#[test]
+fn a_closed_output_pipe_stops_the_remote_command() {
+    let u = User::new();
+    // A cold start (connect, agent start) is not part of what is measured.
+    let t0 = Instant::now();
+    let o = u.run(&mut u.cmd(&["exec", "true"]), Duration::from_secs(60));
+    assert!(o.status.success(), "{}", show(&o));
+    let baseline = t0.elapsed();
+
+    let m = marker();
+    let t0 = Instant::now();
+    let o = u.run(
+        &mut u.sh(&format!(
+            "RSB exec 'yes {m}' | head -1; echo \"status ${{PIPESTATUS[0]}}\""
+        )),
+        Duration::from_secs(30),
+    );
+    let took = t0.elapsed();
+    let out = text(&o.stdout);
+    println!("`rsb exec yes | head -1`: {took:?} (a plain `rsb exec true`: {baseline:?})");
+    assert!(out.starts_with(&format!("{m}\n")), "{}", show(&o));
+    assert!(out.contains("status 141"), "{}", show(&o));
+    assert!(
+        took < baseline + Duration::from_secs(1),
+        "took {took:?}, `rsb exec true` {baseline:?}"
+    );
+    assert_eq!(
+        processes_with(&m),
+        Vec::<String>::new(),
+        "the remote yes lives on"
+    );
+
+    for script in [
+        "RSB --json exec 'seq 1 3000000' | head -c 300 >/dev/null; echo \"status ${PIPESTATUS[0]}\"",
+        "RSB completions bash | head -1 >/dev/null; echo \"status ${PIPESTATUS[0]}\"",
+        "RSB jobs list | head -c 1 >/dev/null; echo \"status ${PIPESTATUS[0]}\"",
+    ] {
+        let o = u.run(&mut u.sh(script), Duration::from_secs(60));
+        let out = text(&o.stdout);
+        let err = text(&o.stderr);
+        assert!(
+            !err.contains("panicked") && !out.contains("status 101"),
+            "{script}: {}",
+            show(&o)
+        );
+        assert!(
+            out.contains("status 0") || out.contains("status 141"),
+            "{script}: {}",
+            show(&o)
+        );
+    }
+}
+
+/// Item 3: ^C (SIGINT to `rsb exec` without a terminal) used to reach the remote command as
+/// SIGTERM, so `except KeyboardInterrupt: save_checkpoint()` never ran. Now it is SIGINT, then
+/// SIGTERM after a grace, then a kill.
+#[test]
+fn ctrl_c_is_sigint_then_sigterm() {
+    let u = User::new();
+    let o = u.run(
+        &mut u.sh(
+            "timeout --preserve-status -s INT 3 RSB exec 'trap \"echo saved-on-INT; kill \\$!; exit 7\" INT; sleep 30 & wait'; \
+             echo \"status $?\"",
+        ),
+        Duration::from_secs(60),
+    );
+    let out = text(&o.stdout);
+    assert!(
+        out.contains("saved-on-INT"),
+        "the remote command saw no SIGINT: {}",
+        show(&o)
+    );
+    assert!(out.contains("status 7"), "{}", show(&o));
+
+    // A command that ignores SIGINT gets SIGTERM after the grace.
+    let t0 = Instant::now();
+    let o = u.run(
+        &mut u.sh(
+            "timeout --preserve-status -s INT 2 RSB exec 'trap \"\" INT; trap \"echo got-TERM; exit 9\" TERM; \
+             while :; do sleep 0.1; done'; echo \"status $?\"",
+        ),
+        Duration::from_secs(60),
+    );
+    let took = t0.elapsed();
+    let out = text(&o.stdout);
+    assert!(
+        out.contains("got-TERM") && out.contains("status 9"),
+        "{}",
+        show(&o)
+    );
+    assert!(
+        took >= Duration::from_secs(6),
+        "SIGTERM came before the 5 s grace: {took:?}"
+    );
+}
+
+/// Item 8: a sync that kept a conflicting file exited 0, so `rsb sync . gpu:proj && rsb exec
+/// 'python train.py'` trained on the stale file. Now it exits 6, its own row in the table.
+#[test]
+fn sync_conflicts_exit_non_zero() {
+    let u = User::new();
+    let proj = u.tmp.path().join("proj");
+    std::fs::create_dir_all(&proj).unwrap();
+    std::fs::write(proj.join("train.py"), "one\n").unwrap();
+    let p = proj.display().to_string();
+    let o = u.run(
+        &mut u.cmd(&["sync", &p, "gpu1:proj"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    // Both sides change the file after that sync.
+    std::fs::write(u.sshd.home().join("proj/train.py"), "edited on the box\n").unwrap();
+    std::fs::write(proj.join("train.py"), "edited here\n").unwrap();
+    let o = u.run(
+        &mut u.sh(&format!(
+            "RSB sync {p} gpu1:proj && RSB exec 'echo trained'"
+        )),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(6), "{}", show(&o));
+    assert!(
+        text(&o.stderr).contains("conflict: train.py"),
+        "{}",
+        show(&o)
+    );
+    assert!(!text(&o.stdout).contains("trained"), "{}", show(&o));
+    let o = u.run(
+        &mut u.cmd(&["--json", "sync", &p, "gpu1:proj"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(6), "--json too: {}", show(&o));
+    // --force takes the source's side: no conflict left, exit 0.
+    let o = u.run(
+        &mut u.cmd(&["sync", "--force", &p, "gpu1:proj"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+}
+
+/// Item 10 (smaller ones a user met).
+#[test]
+fn smaller_surprises() {
+    let u = User::new();
+    // A bad job name is a usage error (exit 1, as the README's table says), not 4.
+    for args in [
+        &["jobs", "start", "--name", "a b", "--", "true"][..],
+        &["jobs", "logs", "a/b"][..],
+        &["jobs", "kill", "a b"][..],
+    ] {
+        let o = u.run(&mut u.cmd(args), Duration::from_secs(60));
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {}", show(&o));
+    }
+    // `rsb ls` and `rsb cat` take SANDBOX:PATH as `rsb sync` does.
+    std::fs::create_dir_all(u.sshd.home().join("d26")).unwrap();
+    std::fs::write(u.sshd.home().join("d26/a.txt"), "hello 26\n").unwrap();
+    let o = u.run(
+        &mut u.cmd(&["cat", "gpu1:~/d26/a.txt"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(text(&o.stdout), "hello 26\n", "{}", show(&o));
+    let o = u.run(&mut u.cmd(&["ls", "gpu1:~/d26"]), Duration::from_secs(60));
+    assert!(text(&o.stdout).contains("a.txt"), "{}", show(&o));
+}
+
+fn daemon_status(u: &User) -> serde_json::Value {
+    let o = u.run(
+        &mut u.cmd(&["--json", "watchdog", "status"]),
+        Duration::from_secs(30),
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("{e}: {}", show(&o)))
+}
+
+/// Item 5: the daemon counted as running while "the lock is held OR the heartbeat is under
+/// 30 s old", so right after a SIGTERM or SIGKILL `rsb watchdog status` still said running and
+/// `ensure_watchdog` answered `already_running`. Now only the lock holder, checked to be a
+/// live `rsb watchdog run`, counts; the heartbeat is cleared on exit; `restart` exists.
+#[test]
+fn a_dead_watchdog_is_reported_dead() {
+    let u = User::new();
+    let _stop = common::StopDaemon(u.state());
+    for sig in [libc::SIGTERM, libc::SIGKILL] {
+        let mut child = u
+            .cmd(&["watchdog", "run", "--mode", "foreground"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let s = daemon_status(&u);
+            if s["daemon"]["running"] == true && s["heartbeat"].is_object() {
+                assert_eq!(s["daemon"]["pid"], child.id() as i64, "{s}");
+                break;
+            }
+            assert!(Instant::now() < deadline, "the daemon never came up: {s}");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // SAFETY: a signal to the daemon this test started.
+        unsafe { libc::kill(child.id() as i32, sig) };
+        let _ = child.wait();
+        let s = daemon_status(&u);
+        assert_eq!(s["daemon"]["running"], false, "after signal {sig}: {s}");
+        if sig == libc::SIGTERM {
+            assert!(
+                s["heartbeat"].is_null(),
+                "the heartbeat is cleared on exit: {s}"
+            );
+        }
+    }
+    // `rsb watchdog restart` starts one (here: detached, no service installed) ...
+    let o = u.run(
+        &mut u.cmd(&["watchdog", "restart"]),
+        Duration::from_secs(40),
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    let first = daemon_status(&u)["daemon"]["pid"].clone();
+    assert!(first.is_i64(), "{}", show(&o));
+    // ... and replaces a running one.
+    let o = u.run(
+        &mut u.cmd(&["watchdog", "restart"]),
+        Duration::from_secs(40),
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    let s = daemon_status(&u);
+    assert_eq!(s["daemon"]["running"], true, "{s}");
+    assert_ne!(s["daemon"]["pid"], first, "{s}");
+}
