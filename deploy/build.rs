@@ -13,13 +13,18 @@
 //! `scripts/build-agents.sh` runs the same nested build first (same target dir, same flags),
 //! so in CI this script finds everything fresh.
 //!
-//! A triple that cannot be built (musl target not installed, no aarch64 C cross compiler) is
-//! a `cargo:warning`, never an error: `rsb` then serves the `local` sandbox and names the
-//! missing agent at deploy time. Overrides:
+//! Where there is no musl gcc (a Mac) the agents are built with `cargo-zigbuild zigbuild`
+//! instead (see `agent_builder.rs`). A triple that cannot be built (musl target not installed,
+//! neither a C compiler nor zig) is a `cargo:warning` naming what to install, never an error:
+//! `rsb` then serves the `local` sandbox and names the missing agent at deploy time. Overrides:
+//! - `RSB_AGENTS_WITH_ZIG=1`: build with `cargo-zigbuild` even where musl gcc is installed.
 //! - `RSB_EMBED_AGENTS_DIR=DIR`: embed prebuilt `DIR/<triple>/rsb-agent`, build nothing.
 //! - `RSB_BUILD_AGENTS=0`: build nothing; embed `<workspace>/target/agents/<triple>/rsb-agent`
 //!   when present (the layout of `scripts/build-agents.sh`).
 
+mod agent_builder;
+
+use agent_builder::AgentBuilder;
 use std::{
     env, fs,
     path::{Path, PathBuf},
@@ -31,6 +36,7 @@ const MAX_BYTES: u64 = 2 * 1024 * 1024;
 
 fn main() {
     println!("cargo:rerun-if-env-changed=RSB_EMBED_AGENTS_DIR");
+    println!("cargo:rerun-if-env-changed=RSB_AGENTS_WITH_ZIG");
     println!("cargo:rerun-if-env-changed=RSB_BUILD_AGENTS");
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let workspace = manifest.parent().unwrap().to_path_buf();
@@ -90,6 +96,7 @@ fn build_all(workspace: &Path, out_dir: &Path) -> Vec<(&'static str, PathBuf)> {
         "Cargo.lock",
         "Cargo.toml",
         ".cargo/musl-lld.toml",
+        "deploy/agent_builder.rs",
     ] {
         println!("cargo:rerun-if-changed={}", workspace.join(src).display());
     }
@@ -106,27 +113,46 @@ fn build_all(workspace: &Path, out_dir: &Path) -> Vec<(&'static str, PathBuf)> {
         let bin = build_dir.join(t).join("release-agent").join("rsb-agent");
         // Deleting the output reruns this script.
         println!("cargo:rerun-if-changed={}", bin.display());
-        if let Some(why) = missing_prerequisite(t, sysroot.as_deref()) {
-            // A path that never exists: cargo reruns this script on every build until the
-            // prerequisite is installed, then embeds the agent without a source change.
-            println!(
-                "cargo:rerun-if-changed={}",
-                build_dir.join(t).join("prerequisite-missing").display()
-            );
-            println!(
-                "cargo:warning=rsb-agent for {t} is not embedded: {why}; rsb can still use the local sandbox and hosts whose agent is embedded"
-            );
-            continue;
-        }
-        let mut cmd = Command::new(&cargo);
+        let chosen = missing_prerequisite(t, sysroot.as_deref()).map_or_else(
+            || {
+                let host = env::var("HOST").unwrap_or_default();
+                let force = env::var("RSB_AGENTS_WITH_ZIG").is_ok_and(|v| v == "1");
+                agent_builder::choose(&host, t, force, &|p| match p {
+                    "zig" => on_path("zig") || python_has_ziglang(),
+                    p => on_path(p),
+                })
+            },
+            Err,
+        );
+        let builder = match chosen {
+            Ok(b) => b,
+            Err(why) => {
+                // A path that never exists: cargo reruns this script on every build until the
+                // prerequisite is installed, then embeds the agent without a source change.
+                println!(
+                    "cargo:rerun-if-changed={}",
+                    build_dir.join(t).join("prerequisite-missing").display()
+                );
+                println!(
+                    "cargo:warning=rsb-agent for {t} is not embedded: {why}; rsb can still use the local sandbox and hosts whose agent is embedded"
+                );
+                continue;
+            }
+        };
+        let mut cmd = match builder {
+            AgentBuilder::MuslGcc => {
+                let mut c = Command::new(&cargo);
+                c.args(["build", "--config", ".cargo/musl-lld.toml"]);
+                c
+            }
+            AgentBuilder::Zig => {
+                let mut c = Command::new("cargo-zigbuild");
+                c.arg("zigbuild");
+                c
+            }
+        };
         cmd.current_dir(workspace)
-            .args([
-                "build",
-                "--config",
-                ".cargo/musl-lld.toml",
-                "-p",
-                "rsb-agent",
-            ])
+            .args(["-p", "rsb-agent"])
             .args(["--profile", "release-agent", "--target", t, "--target-dir"])
             .arg(&build_dir);
         scrub(&mut cmd);
@@ -155,7 +181,8 @@ fn build_all(workspace: &Path, out_dir: &Path) -> Vec<(&'static str, PathBuf)> {
     built
 }
 
-/// What a build for `triple` needs that this machine lacks, said as how to get it.
+/// The Rust target for `triple` when it is missing, said as how to get it (the C toolchain is
+/// [`agent_builder::choose`]'s).
 fn missing_prerequisite(triple: &str, sysroot: Option<&Path>) -> Option<String> {
     if let Some(s) = sysroot
         && !s.join("lib/rustlib").join(triple).join("lib").is_dir()
@@ -164,13 +191,16 @@ fn missing_prerequisite(triple: &str, sysroot: Option<&Path>) -> Option<String> 
             "the Rust target is not installed (rustup target add {triple})"
         ));
     }
-    if triple.starts_with("aarch64") && !on_path("aarch64-linux-gnu-gcc") {
-        return Some(
-            "no aarch64 C cross compiler for blake3 (apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross)"
-                .into(),
-        );
-    }
     None
+}
+
+/// zig as the `ziglang` Python package (`pip install ziglang`), which cargo-zigbuild runs
+/// through `python3 -m ziglang` when no `zig` is on PATH.
+fn python_has_ziglang() -> bool {
+    Command::new("python3")
+        .args(["-c", "import ziglang"])
+        .output()
+        .is_ok_and(|o| o.status.success())
 }
 
 fn on_path(prog: &str) -> bool {

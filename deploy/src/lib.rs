@@ -650,6 +650,60 @@ fn now_nanos() -> u64 {
         .unwrap_or(0)
 }
 
+/// build.rs's choice of agent builder, compiled here only to be tested.
+#[cfg(test)]
+#[path = "../agent_builder.rs"]
+mod agent_builder;
+
+#[cfg(test)]
+mod agent_builder_tests {
+    use super::agent_builder::{AgentBuilder, choose};
+
+    fn has(progs: &'static [&'static str]) -> impl Fn(&str) -> bool {
+        move |p| progs.contains(&p)
+    }
+
+    const LINUX: &str = "x86_64-unknown-linux-gnu";
+    const MAC: &str = "aarch64-apple-darwin";
+    const X86: &str = "x86_64-unknown-linux-musl";
+    const ARM: &str = "aarch64-unknown-linux-musl";
+
+    #[test]
+    fn linux_with_musl_gcc_keeps_the_gcc_build() {
+        let all = has(&["gcc", "aarch64-linux-gnu-gcc", "cargo-zigbuild", "zig"]);
+        assert_eq!(choose(LINUX, X86, false, &all), Ok(AgentBuilder::MuslGcc));
+        assert_eq!(choose(LINUX, ARM, false, &all), Ok(AgentBuilder::MuslGcc));
+        assert_eq!(choose(LINUX, ARM, true, &all), Ok(AgentBuilder::Zig));
+    }
+
+    #[test]
+    fn a_mac_builds_both_agents_with_zig_even_with_a_gcc_on_path() {
+        // Apple's `gcc` is clang without a musl sysroot.
+        let mac = has(&["gcc", "cargo-zigbuild", "zig"]);
+        assert_eq!(choose(MAC, X86, false, &mac), Ok(AgentBuilder::Zig));
+        assert_eq!(choose(MAC, ARM, false, &mac), Ok(AgentBuilder::Zig));
+        let linux_no_cross = has(&["gcc", "cargo-zigbuild", "zig"]);
+        assert_eq!(
+            choose(LINUX, ARM, false, &linux_no_cross),
+            Ok(AgentBuilder::Zig)
+        );
+    }
+
+    #[test]
+    fn nothing_to_build_with_names_what_to_install() {
+        let e = choose(MAC, X86, false, &has(&["gcc", "zig"])).unwrap_err();
+        assert!(e.contains("pip install ziglang cargo-zigbuild"), "{e}");
+        assert!(!e.contains('\n'));
+        let e = choose(LINUX, ARM, false, &has(&["gcc"])).unwrap_err();
+        assert!(
+            e.contains("gcc-aarch64-linux-gnu") && e.contains("ziglang"),
+            "{e}"
+        );
+        let e = choose(LINUX, X86, true, &has(&["gcc", "cargo-zigbuild"])).unwrap_err();
+        assert!(e.contains("RSB_AGENTS_WITH_ZIG=1"), "{e}");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

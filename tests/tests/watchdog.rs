@@ -895,7 +895,7 @@ fn the_systemd_unit_and_the_launchd_plist_are_valid() {
         Err(e) => eprintln!("skipping systemd-analyze verify: not available ({e})"),
     }
 
-    let plist = rsb::watchdog::service::plist_text(&bin, &state, "/usr/bin:/bin");
+    let plist = rsb::watchdog::service::plist_text(&bin, &state, "/usr/bin:/bin").unwrap();
     let doc = roxmltree::Document::parse_with_options(
         &plist,
         roxmltree::ParsingOptions {
@@ -918,7 +918,15 @@ fn the_systemd_unit_and_the_launchd_plist_are_valid() {
         elems[i + 1]
     };
     assert_eq!(value("Label").text(), Some("com.rsb.watchdog"));
-    assert!(value("KeepAlive").has_tag_name("true"));
+    // KeepAlive after a failure only: `<dict><key>SuccessfulExit</key><false/></dict>`.
+    let keep: Vec<roxmltree::Node> = value("KeepAlive")
+        .children()
+        .filter(|n| n.is_element())
+        .collect();
+    assert_eq!(keep.len(), 2);
+    assert_eq!(keep[0].text(), Some("SuccessfulExit"));
+    assert!(keep[1].has_tag_name("false"));
+    assert_eq!(value("ThrottleInterval").text(), Some("10"));
     assert!(value("RunAtLoad").has_tag_name("true"));
     let args: Vec<&str> = value("ProgramArguments")
         .children()

@@ -311,6 +311,28 @@ fn on_path(bin: &str) -> bool {
     })
 }
 
+/// The AppleScript of a macOS notification, one `-e` line each. It is constant: the text
+/// reaches it only as `argv` of its run handler, so no job name or log line is ever parsed as
+/// AppleScript (quotes, backslashes, `" & (do shell script …) & "` are just characters).
+const NOTIFY_SCRIPT: [&str; 3] = [
+    "on run argv",
+    "display notification (item 1 of argv) with title (item 2 of argv) subtitle (item 3 of argv)",
+    "end run",
+];
+
+/// `osascript`'s arguments for a notification: the script, `--` (so a text starting with `-`
+/// is never read as another `-e` option), then message, title and subtitle as data. NULs,
+/// which no argv can carry, are dropped.
+pub(crate) fn osascript_args(title: &str, subtitle: &str, msg: &str) -> Vec<String> {
+    let mut args: Vec<String> = NOTIFY_SCRIPT
+        .iter()
+        .flat_map(|line| ["-e".to_string(), line.to_string()])
+        .collect();
+    args.push("--".into());
+    args.extend([msg, title, subtitle].map(|s| s.replace('\0', "")));
+    args
+}
+
 async fn notify(e: &WatchEvent) -> Result<(), String> {
     let title = "rsb watchdog";
     let w = &e.payload["watch"];
@@ -328,14 +350,8 @@ async fn notify(e: &WatchEvent) -> Result<(), String> {
         .take(240)
         .collect();
     let mut c = if cfg!(target_os = "macos") {
-        let q = |s: &str| serde_json::to_string(s).unwrap_or_default();
         let mut c = tokio::process::Command::new("/usr/bin/osascript");
-        c.arg("-e").arg(format!(
-            "display notification {} with title {} subtitle {}",
-            q(&msg),
-            q(title),
-            q(&subtitle)
-        ));
+        c.args(osascript_args(title, &subtitle, &msg));
         c
     } else if on_path("notify-send") {
         let mut c = tokio::process::Command::new("notify-send");
@@ -362,6 +378,42 @@ async fn notify(e: &WatchEvent) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn osascript_gets_hostile_text_as_data_never_as_script() {
+        let hostile = [
+            "say \"hi\" & (do shell script \"touch /tmp/pwned\") & \"",
+            "back\\slash \\\" end run",
+            "line one\nend run\non run argv\ndo shell script \"id\"",
+            "-e do shell script \"id\"",
+            "tell application \"Finder\" to delete every item",
+            "nul\0byte",
+        ];
+        for t in hostile {
+            let args = osascript_args(t, t, t);
+            // The script is the constant one, whatever the text.
+            let n = 2 * NOTIFY_SCRIPT.len();
+            assert_eq!(
+                &args[..n],
+                osascript_args("", "", "")[..n].to_vec(),
+                "{t:?}"
+            );
+            for (i, line) in NOTIFY_SCRIPT.iter().enumerate() {
+                assert_eq!(args[2 * i], "-e");
+                assert_eq!(args[2 * i + 1], *line);
+            }
+            // Then the end of options, then exactly three data arguments, verbatim (less NUL).
+            assert_eq!(args[n], "--");
+            let data = t.replace('\0', "");
+            assert_eq!(&args[n + 1..], [data.as_str(); 3], "{t:?}");
+        }
+        let args = osascript_args("rsb watchdog", "watch 7 · train", "exited: code 1");
+        assert_eq!(
+            args[7..],
+            ["exited: code 1", "rsb watchdog", "watch 7 · train"]
+        );
+        assert!(NOTIFY_SCRIPT[1].starts_with("display notification (item 1 of argv)"));
+    }
 
     #[test]
     fn urls_are_parsed_and_https_is_refused_clearly() {

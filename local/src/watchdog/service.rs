@@ -2,6 +2,12 @@
 //! LaunchAgent on macOS), `ensure_watchdog` (start the service, else a detached `rsb watchdog
 //! run`), and whether a daemon is alive at all (its lock is held by a live `rsb watchdog run`; a
 //! heartbeat row alone never counts), and `rsb watchdog restart`.
+//!
+//! Both service managers go through one structure, [`Manager`]: the file it reads, the argv of
+//! every command install/uninstall/start/status run, are pure functions of their inputs, so the
+//! launchd path is tested on Linux as closely as the systemd one. Under either manager the
+//! daemon runs in the foreground (`watchdog run --mode service`): it never forks or detaches
+//! itself, so the manager sees its real exit status and restarts it only after a failure.
 
 use std::{
     path::{Path, PathBuf},
@@ -21,6 +27,11 @@ pub const LAUNCHD_LABEL: &str = "com.rsb.watchdog";
 /// The PATH a service gets when the installing shell has none (the seed's launchd default).
 const DEFAULT_PATH: &str = "/opt/homebrew/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin";
 pub const DAEMON_LOG: &str = "watchdog.log";
+/// A failed daemon is restarted after this long (systemd `RestartSec`, launchd
+/// `ThrottleInterval`), so one that keeps failing (an unreadable state dir) does not spin.
+pub const RESTART_AFTER_S: u64 = 10;
+/// The argv after the binary, under either manager.
+const RUN_ARGS: [&str; 4] = ["watchdog", "run", "--mode", "service"];
 
 fn home() -> PathBuf {
     std::env::var_os("HOME")
@@ -43,13 +54,147 @@ pub fn plist_path() -> PathBuf {
         .join(format!("{LAUNCHD_LABEL}.plist"))
 }
 
-fn service_path() -> Option<PathBuf> {
-    if cfg!(target_os = "macos") {
-        Some(plist_path())
-    } else if cfg!(target_os = "linux") {
-        Some(unit_path())
-    } else {
-        None
+/// The user service manager of this OS.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Manager {
+    /// `systemctl --user` (Linux).
+    Systemd,
+    /// `launchctl` in the user's `gui/<uid>` domain (macOS).
+    Launchd,
+}
+
+/// One command a service operation runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Step {
+    pub argv: Vec<String>,
+    /// A failure aborts the operation (else it is ignored: e.g. stopping what is not loaded).
+    pub required: bool,
+    /// Tries before a failure counts: launchd may still be tearing down the instance a
+    /// `bootout` just stopped when `bootstrap` comes, and answers "Input/output error" then.
+    pub attempts: u32,
+}
+
+fn step(argv: &[&str], required: bool) -> Step {
+    Step {
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        required,
+        attempts: 1,
+    }
+}
+
+impl Manager {
+    pub fn here() -> Option<Manager> {
+        if cfg!(target_os = "macos") {
+            Some(Manager::Launchd)
+        } else if cfg!(target_os = "linux") {
+            Some(Manager::Systemd)
+        } else {
+            None
+        }
+    }
+
+    pub fn kind(self) -> &'static str {
+        match self {
+            Manager::Systemd => "systemd",
+            Manager::Launchd => "launchd",
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Manager::Systemd => UNIT_NAME,
+            Manager::Launchd => LAUNCHD_LABEL,
+        }
+    }
+
+    /// The unit or plist file.
+    pub fn path(self) -> PathBuf {
+        match self {
+            Manager::Systemd => unit_path(),
+            Manager::Launchd => plist_path(),
+        }
+    }
+
+    /// The file's content for a daemon of `bin` (absolute) serving `state_dir`.
+    pub fn text(self, bin: &Path, state_dir: &Path, path_env: &str) -> Result<String> {
+        match self {
+            Manager::Systemd => Ok(unit_text(bin, state_dir, path_env)),
+            Manager::Launchd => plist_text(bin, state_dir, path_env).map_err(|e| {
+                RsbError::new(
+                    Kind::Config,
+                    format!("cannot write the launchd plist: {e}"),
+                    "install rsb under a path that is valid UTF-8 and run it by its absolute path",
+                )
+            }),
+        }
+    }
+
+    /// The launchd service target, `gui/<uid>/<label>`.
+    fn target(uid: u32) -> String {
+        format!("gui/{uid}/{LAUNCHD_LABEL}")
+    }
+
+    /// Run after the file is written. launchd loads a LaunchAgent at every login by itself;
+    /// `bootstrap` loads it now (RunAtLoad starts it), after a `bootout` of the instance an
+    /// earlier install may have loaded.
+    pub fn install_steps(self, file: &Path, uid: u32, start: bool) -> Vec<Step> {
+        let file = file.display().to_string();
+        match self {
+            Manager::Systemd => vec![
+                step(&["systemctl", "--user", "daemon-reload"], true),
+                if start {
+                    step(&["systemctl", "--user", "enable", "--now", UNIT_NAME], true)
+                } else {
+                    step(&["systemctl", "--user", "enable", UNIT_NAME], true)
+                },
+            ],
+            Manager::Launchd if start => vec![
+                step(&["launchctl", "bootout", &Self::target(uid)], false),
+                Step {
+                    attempts: 5,
+                    ..step(
+                        &["launchctl", "bootstrap", &format!("gui/{uid}"), &file],
+                        true,
+                    )
+                },
+            ],
+            Manager::Launchd => Vec::new(),
+        }
+    }
+
+    /// Run before the file is removed.
+    pub fn stop_steps(self, uid: u32) -> Vec<Step> {
+        match self {
+            Manager::Systemd => vec![step(
+                &["systemctl", "--user", "disable", "--now", UNIT_NAME],
+                false,
+            )],
+            Manager::Launchd => vec![step(&["launchctl", "bootout", &Self::target(uid)], false)],
+        }
+    }
+
+    /// Run after the file is removed.
+    pub fn forget_steps(self) -> Vec<Step> {
+        match self {
+            Manager::Systemd => vec![step(&["systemctl", "--user", "daemon-reload"], false)],
+            Manager::Launchd => Vec::new(),
+        }
+    }
+
+    /// Start the installed service now.
+    pub fn start_argv(self, uid: u32) -> Vec<String> {
+        match self {
+            Manager::Systemd => step(&["systemctl", "--user", "start", UNIT_NAME], true).argv,
+            Manager::Launchd => step(&["launchctl", "kickstart", &Self::target(uid)], true).argv,
+        }
+    }
+
+    /// Succeeds while the service is loaded.
+    pub fn status_argv(self, uid: u32) -> Vec<String> {
+        match self {
+            Manager::Systemd => step(&["systemctl", "--user", "is-enabled", UNIT_NAME], true).argv,
+            Manager::Launchd => step(&["launchctl", "print", &Self::target(uid)], true).argv,
+        }
     }
 }
 
@@ -80,81 +225,66 @@ pub fn unit_text(bin: &Path, state_dir: &Path, path_env: &str) -> String {
          \n\
          [Service]\n\
          Type=simple\n\
-         ExecStart={} watchdog run --mode service\n\
+         ExecStart={} {}\n\
          Environment={}\n\
          Environment={}\n\
          Restart=on-failure\n\
-         RestartSec=5\n\
+         RestartSec={RESTART_AFTER_S}\n\
          \n\
          [Install]\n\
          WantedBy=default.target\n",
         systemd_quote(&bin.display().to_string()),
+        RUN_ARGS.join(" "),
         systemd_quote(&format!("RSB_STATE_DIR={}", state_dir.display())),
         systemd_quote(&format!("PATH={path_env}")),
     )
 }
 
-fn xml_escape(s: &str) -> String {
-    let mut o = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => o.push_str("&amp;"),
-            '<' => o.push_str("&lt;"),
-            '>' => o.push_str("&gt;"),
-            '"' => o.push_str("&quot;"),
-            '\'' => o.push_str("&apos;"),
-            c => o.push(c),
-        }
+/// The launchd LaunchAgent, written by the `plist` crate (so every string is escaped as a
+/// property list needs): the absolute binary, `KeepAlive` only after a failure (a clean exit,
+/// another daemon holding the lock, stays down, as systemd's `Restart=on-failure`), an
+/// explicit PATH (launchd gives agents almost none), stdout and stderr in the state dir. Err
+/// for a relative binary or a path that is not UTF-8 (a plist holds Unicode strings only).
+pub fn plist_text(
+    bin: &Path,
+    state_dir: &Path,
+    path_env: &str,
+) -> std::result::Result<String, String> {
+    use plist::{Dictionary, Value};
+    if !bin.is_absolute() {
+        return Err(format!("the binary path {} is not absolute", bin.display()));
     }
-    o
-}
-
-/// The launchd LaunchAgent: KeepAlive, an absolute binary path, an explicit PATH (launchd
-/// gives agents almost none), logs in the state dir.
-pub fn plist_text(bin: &Path, state_dir: &Path, path_env: &str) -> String {
-    let e = |p: &Path| xml_escape(&p.display().to_string());
+    let s = |p: &Path| -> std::result::Result<Value, String> {
+        p.to_str()
+            .map(|s| Value::String(s.into()))
+            .ok_or_else(|| format!("{} is not valid UTF-8", p.display()))
+    };
     let log = state_dir.join(DAEMON_LOG);
-    format!(
-        r#"<?xml version="1.0" encoding="UTF-8"?>
-<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
-<plist version="1.0">
-<dict>
-	<key>EnvironmentVariables</key>
-	<dict>
-		<key>PATH</key>
-		<string>{path}</string>
-		<key>RSB_STATE_DIR</key>
-		<string>{state}</string>
-	</dict>
-	<key>KeepAlive</key>
-	<true/>
-	<key>Label</key>
-	<string>{label}</string>
-	<key>ProgramArguments</key>
-	<array>
-		<string>{bin}</string>
-		<string>watchdog</string>
-		<string>run</string>
-		<string>--mode</string>
-		<string>service</string>
-	</array>
-	<key>RunAtLoad</key>
-	<true/>
-	<key>StandardErrorPath</key>
-	<string>{log}</string>
-	<key>StandardOutPath</key>
-	<string>{log}</string>
-	<key>WorkingDirectory</key>
-	<string>{state}</string>
-</dict>
-</plist>
-"#,
-        path = xml_escape(path_env),
-        state = e(state_dir),
-        label = LAUNCHD_LABEL,
-        bin = e(bin),
-        log = e(&log),
-    )
+    let mut env = Dictionary::new();
+    env.insert("PATH".into(), Value::String(path_env.into()));
+    env.insert("RSB_STATE_DIR".into(), s(state_dir)?);
+    let mut keep_alive = Dictionary::new();
+    keep_alive.insert("SuccessfulExit".into(), Value::Boolean(false));
+    let mut args = vec![s(bin)?];
+    args.extend(RUN_ARGS.iter().map(|a| Value::String((*a).into())));
+    let mut d = Dictionary::new();
+    d.insert("Label".into(), Value::String(LAUNCHD_LABEL.into()));
+    d.insert("ProgramArguments".into(), Value::Array(args));
+    d.insert("RunAtLoad".into(), Value::Boolean(true));
+    d.insert("KeepAlive".into(), Value::Dictionary(keep_alive));
+    d.insert(
+        "ThrottleInterval".into(),
+        Value::Integer(RESTART_AFTER_S.into()),
+    );
+    d.insert("StandardOutPath".into(), s(&log)?);
+    d.insert("StandardErrorPath".into(), s(&log)?);
+    d.insert("EnvironmentVariables".into(), Value::Dictionary(env));
+    let mut out = Vec::new();
+    Value::Dictionary(d)
+        .to_writer_xml(&mut out)
+        .map_err(|e| e.to_string())?;
+    out.push(b'\n');
+    String::from_utf8(out).map_err(|e| e.to_string())
 }
 
 fn path_env() -> String {
@@ -208,6 +338,31 @@ fn run(cmd: &mut Command, timeout: Duration) -> std::result::Result<String, Stri
             err
         })
     }
+}
+
+/// Run one argv (`argv[0]` is the program) with the service-manager deadline.
+fn run_argv(argv: &[String]) -> std::result::Result<String, String> {
+    let (prog, args) = argv.split_first().ok_or("empty command")?;
+    run(Command::new(prog).args(args), Duration::from_secs(15))
+}
+
+/// Run `steps` in order; the first required one that still fails after its attempts is Err.
+fn run_steps(steps: &[Step]) -> std::result::Result<(), String> {
+    for s in steps {
+        let mut result = run_argv(&s.argv);
+        for _ in 1..s.attempts {
+            if result.is_ok() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+            result = run_argv(&s.argv);
+        }
+        match result {
+            Err(e) if s.required => return Err(format!("`{}` failed: {e}", s.argv.join(" "))),
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 fn systemctl(args: &[&str]) -> std::result::Result<String, String> {
@@ -266,79 +421,38 @@ fn no_service(detail: &str) -> RsbError {
 
 /// Write and (with `start`) start the platform service for `state_dir`.
 pub fn install(state_dir: &Path, start: bool) -> Result<InstallInfo> {
-    let bin = rsb_binary()?;
-    let log = state_dir.join(DAEMON_LOG).display().to_string();
-    let db_path = crate::store::db_path(state_dir).display().to_string();
-    let config_path = crate::config::config_file_path().display().to_string();
-    let write = |path: &Path, text: &str| -> Result<()> {
-        if let Some(d) = path.parent() {
-            std::fs::create_dir_all(d).map_err(|e| io_err(d, e))?;
-        }
-        std::fs::write(path, text).map_err(|e| io_err(path, e))
-    };
-    if cfg!(target_os = "macos") {
-        let path = plist_path();
-        write(&path, &plist_text(&bin, state_dir, &path_env()))?;
-        let mut started = false;
-        if start {
-            let domain = format!("gui/{}", uid());
-            let p = path.display().to_string();
-            let _ = run(
-                Command::new("launchctl").args(["bootout", &domain, &p]),
-                Duration::from_secs(15),
-            );
-            run(
-                Command::new("launchctl").args(["bootstrap", &domain, &p]),
-                Duration::from_secs(15),
-            )
-            .map_err(|e| no_service(&format!("launchctl bootstrap failed: {e}")))?;
-            let target = format!("{domain}/{LAUNCHD_LABEL}");
-            run(
-                Command::new("launchctl").args(["kickstart", "-k", &target]),
-                Duration::from_secs(15),
-            )
-            .map_err(|e| no_service(&format!("launchctl kickstart failed: {e}")))?;
-            started = true;
-        }
-        return Ok(InstallInfo {
-            kind: "launchd",
-            label: LAUNCHD_LABEL.into(),
-            plist_path: path.display().to_string(),
-            stdout_path: log.clone(),
-            stderr_path: log,
-            config_path,
-            db_path,
-            started,
-            note: None,
-        });
-    }
-    if !cfg!(target_os = "linux") {
+    let Some(m) = Manager::here() else {
         return Err(no_service(
             "only systemd (Linux) and launchd (macOS) are supported",
         ));
+    };
+    let bin = rsb_binary()?;
+    let db_path = crate::store::db_path(state_dir).display().to_string();
+    let config_path = crate::config::config_file_path().display().to_string();
+    if m == Manager::Systemd {
+        user_systemd().map_err(|e| no_service(&format!("systemctl --user: {e}")))?;
     }
-    user_systemd().map_err(|e| no_service(&format!("systemctl --user: {e}")))?;
-    let path = unit_path();
-    write(&path, &unit_text(&bin, state_dir, &path_env()))?;
-    systemctl(&["daemon-reload"]).map_err(|e| no_service(&format!("daemon-reload: {e}")))?;
-    let mut started = false;
-    if start {
-        systemctl(&["enable", "--now", UNIT_NAME])
-            .map_err(|e| no_service(&format!("enable --now: {e}")))?;
-        started = true;
-    } else {
-        systemctl(&["enable", UNIT_NAME]).map_err(|e| no_service(&format!("enable: {e}")))?;
+    let text = m.text(&bin, state_dir, &path_env())?;
+    let path = m.path();
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d).map_err(|e| io_err(d, e))?;
     }
+    crate::store::write_private(&path, text.as_bytes()).map_err(|e| io_err(&path, e))?;
+    run_steps(&m.install_steps(&path, uid(), start)).map_err(|e| no_service(&e))?;
+    let (log, note) = match m {
+        Manager::Launchd => (state_dir.join(DAEMON_LOG).display().to_string(), None),
+        Manager::Systemd => ("journalctl --user -u rsb-watchdog".into(), linger_note()),
+    };
     Ok(InstallInfo {
-        kind: "systemd",
-        label: UNIT_NAME.into(),
+        kind: m.kind(),
+        label: m.label().into(),
         plist_path: path.display().to_string(),
-        stdout_path: "journalctl --user -u rsb-watchdog".into(),
-        stderr_path: "journalctl --user -u rsb-watchdog".into(),
+        stdout_path: log.clone(),
+        stderr_path: log,
         config_path,
         db_path,
-        started,
-        note: linger_note(),
+        started: start,
+        note,
     })
 }
 
@@ -359,33 +473,21 @@ pub struct Removal {
 
 /// Stop and remove the service (the store, events and watches stay).
 pub fn uninstall() -> Result<Removal> {
-    if cfg!(target_os = "macos") {
-        let path = plist_path();
-        let _ = run(
-            Command::new("launchctl").args([
-                "bootout",
-                &format!("gui/{}", uid()),
-                &path.display().to_string(),
-            ]),
-            Duration::from_secs(15),
-        );
-        let removed = std::fs::remove_file(&path).is_ok();
-        return Ok(Removal {
-            label: LAUNCHD_LABEL.into(),
-            plist_path: path.display().to_string(),
-            removed,
-        });
-    }
-    let path = unit_path();
+    let Some(m) = Manager::here() else {
+        return Err(no_service(
+            "only systemd (Linux) and launchd (macOS) are supported",
+        ));
+    };
+    let path = m.path();
     if path.exists() {
-        let _ = systemctl(&["disable", "--now", UNIT_NAME]);
+        let _ = run_steps(&m.stop_steps(uid()));
     }
     let removed = std::fs::remove_file(&path).is_ok();
     if removed {
-        let _ = systemctl(&["daemon-reload"]);
+        let _ = run_steps(&m.forget_steps());
     }
     Ok(Removal {
-        label: UNIT_NAME.into(),
+        label: m.label().into(),
         plist_path: path.display().to_string(),
         removed,
     })
@@ -393,26 +495,43 @@ pub fn uninstall() -> Result<Removal> {
 
 /// The state dir an installed service watches (from its unit or plist), if one is installed.
 pub fn installed_for() -> Option<PathBuf> {
-    let text = std::fs::read_to_string(service_path()?).ok()?;
-    if let Some(i) = text.find("RSB_STATE_DIR=") {
-        let rest = &text[i + "RSB_STATE_DIR=".len()..];
-        let end = rest.find(['"', '\n']).unwrap_or(rest.len());
-        return Some(PathBuf::from(
-            rest[..end].replace("%%", "%").replace("$$", "$"),
-        ));
+    let m = Manager::here()?;
+    state_dir_in(m, &std::fs::read(m.path()).ok()?)
+}
+
+/// The `RSB_STATE_DIR` a unit or plist (its bytes) gives the daemon.
+fn state_dir_in(m: Manager, file: &[u8]) -> Option<PathBuf> {
+    match m {
+        Manager::Launchd => {
+            let v = plist::Value::from_reader(std::io::Cursor::new(file)).ok()?;
+            let dir = v
+                .as_dictionary()?
+                .get("EnvironmentVariables")?
+                .as_dictionary()?
+                .get("RSB_STATE_DIR")?
+                .as_string()?;
+            Some(PathBuf::from(dir))
+        }
+        Manager::Systemd => {
+            // Undo [`systemd_quote`] up to the closing quote.
+            let text = std::str::from_utf8(file).ok()?;
+            let i = text.find("RSB_STATE_DIR=")?;
+            let mut chars = text[i + "RSB_STATE_DIR=".len()..].chars();
+            let mut dir = String::new();
+            while let Some(c) = chars.next() {
+                match c {
+                    '"' | '\n' => break,
+                    '\\' => dir.push(chars.next()?),
+                    '%' | '$' => {
+                        chars.next()?;
+                        dir.push(c);
+                    }
+                    c => dir.push(c),
+                }
+            }
+            Some(PathBuf::from(dir))
+        }
     }
-    let i = text.find("<key>RSB_STATE_DIR</key>")?;
-    let rest = &text[i..];
-    let s = rest.find("<string>")? + "<string>".len();
-    let e = rest[s..].find("</string>")? + s;
-    Some(PathBuf::from(
-        rest[s..e]
-            .replace("&lt;", "<")
-            .replace("&gt;", ">")
-            .replace("&quot;", "\"")
-            .replace("&apos;", "'")
-            .replace("&amp;", "&"),
-    ))
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -426,17 +545,11 @@ pub struct ServiceStatus {
 }
 
 pub fn service_status(state_dir: &Path) -> ServiceStatus {
-    let kind = if cfg!(target_os = "macos") {
-        "launchd"
-    } else if cfg!(target_os = "linux") {
-        "systemd"
-    } else {
-        "none"
-    };
-    let path = service_path().unwrap_or_default();
+    let m = Manager::here();
+    let path = m.map(Manager::path).unwrap_or_default();
     let for_dir = installed_for();
     ServiceStatus {
-        kind,
+        kind: m.map_or("none", Manager::kind),
         installed: path.exists(),
         path: path.display().to_string(),
         for_this_state_dir: for_dir.as_deref() == Some(state_dir),
@@ -445,7 +558,7 @@ pub fn service_status(state_dir: &Path) -> ServiceStatus {
 
 /// The seed's `launchd` block of the status payload.
 pub fn launchd_status() -> Value {
-    if !cfg!(target_os = "macos") {
+    if Manager::here() != Some(Manager::Launchd) {
         return serde_json::json!({
             "platform": std::env::consts::OS,
             "label": LAUNCHD_LABEL,
@@ -453,11 +566,7 @@ pub fn launchd_status() -> Value {
             "detail": "launchd status is only available on macOS",
         });
     }
-    let target = format!("gui/{}/{LAUNCHD_LABEL}", uid());
-    let r = run(
-        Command::new("launchctl").args(["print", &target]),
-        Duration::from_secs(10),
-    );
+    let r = run_argv(&Manager::Launchd.status_argv(uid()));
     serde_json::json!({
         "platform": "darwin",
         "label": LAUNCHD_LABEL,
@@ -539,17 +648,11 @@ pub fn ensure(conn: &Connection, state_dir: &Path) -> Result<EnsureReport> {
         });
     }
     let svc = service_status(state_dir);
-    if svc.installed && svc.for_this_state_dir {
-        let started = if cfg!(target_os = "macos") {
-            run(
-                Command::new("launchctl")
-                    .args(["kickstart", &format!("gui/{}/{LAUNCHD_LABEL}", uid())]),
-                Duration::from_secs(15),
-            )
-        } else {
-            systemctl(&["start", UNIT_NAME])
-        };
-        match started {
+    if let Some(m) = Manager::here()
+        && svc.installed
+        && svc.for_this_state_dir
+    {
+        match run_argv(&m.start_argv(uid())) {
             Ok(_) => {
                 let pid = wait_for_lock(state_dir, Duration::from_secs(5));
                 return Ok(EnsureReport {
@@ -688,10 +791,175 @@ mod tests {
         assert!(t.contains("enable-linger"));
     }
 
+    const HOSTILE_BIN: &str = "/Applications/My \"rsb\" & <co> 'x'/rsb";
+    const HOSTILE_STATE: &str = "/Users/a b/Library/Application Support/rsb \"q\" $HOME %h \\";
+
     #[test]
-    fn plist_escapes_xml() {
-        let t = plist_text(Path::new("/a&b/rsb"), Path::new("/s<t>"), "/bin");
-        assert!(t.contains("<string>/a&amp;b/rsb</string>"));
-        assert!(t.contains("<string>/s&lt;t&gt;</string>"));
+    fn plist_parses_back_with_exactly_the_launchd_keys_and_paths_intact() {
+        let t = plist_text(
+            Path::new(HOSTILE_BIN),
+            Path::new(HOSTILE_STATE),
+            "/opt/homebrew/bin:/usr/bin:/bin",
+        )
+        .unwrap();
+        let v = plist::Value::from_reader(std::io::Cursor::new(t.as_bytes())).unwrap();
+        let d = v.as_dictionary().unwrap();
+        let mut keys: Vec<&str> = d.keys().map(String::as_str).collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            [
+                "EnvironmentVariables",
+                "KeepAlive",
+                "Label",
+                "ProgramArguments",
+                "RunAtLoad",
+                "StandardErrorPath",
+                "StandardOutPath",
+                "ThrottleInterval",
+            ]
+        );
+        let str_of = |k: &str| d.get(k).and_then(plist::Value::as_string).unwrap();
+        assert_eq!(str_of("Label"), LAUNCHD_LABEL);
+        let args: Vec<&str> = d["ProgramArguments"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_string().unwrap())
+            .collect();
+        assert_eq!(args, [HOSTILE_BIN, "watchdog", "run", "--mode", "service"]);
+        assert_eq!(d["RunAtLoad"].as_boolean(), Some(true));
+        // Restarted after a failure only: a clean exit (the lock is taken) stays down.
+        let keep = d["KeepAlive"].as_dictionary().unwrap();
+        assert_eq!(keep.len(), 1);
+        assert_eq!(keep["SuccessfulExit"].as_boolean(), Some(false));
+        assert_eq!(
+            d["ThrottleInterval"].as_unsigned_integer(),
+            Some(RESTART_AFTER_S)
+        );
+        let log = format!("{HOSTILE_STATE}/{DAEMON_LOG}");
+        assert_eq!(str_of("StandardOutPath"), log);
+        assert_eq!(str_of("StandardErrorPath"), log);
+        let env = d["EnvironmentVariables"].as_dictionary().unwrap();
+        assert_eq!(env.len(), 2);
+        assert_eq!(
+            env["PATH"].as_string(),
+            Some("/opt/homebrew/bin:/usr/bin:/bin")
+        );
+        assert_eq!(env["RSB_STATE_DIR"].as_string(), Some(HOSTILE_STATE));
+        assert_eq!(
+            state_dir_in(Manager::Launchd, t.as_bytes()).as_deref(),
+            Some(Path::new(HOSTILE_STATE))
+        );
+    }
+
+    #[test]
+    fn plist_refuses_a_relative_binary() {
+        let e = plist_text(Path::new("target/rsb"), Path::new("/s"), "/bin").unwrap_err();
+        assert!(e.contains("not absolute"), "{e}");
+        let e = Manager::Launchd
+            .text(Path::new("rsb"), Path::new("/s"), "/bin")
+            .unwrap_err();
+        assert!(!e.message.contains('\n'), "one line: {}", e.message);
+    }
+
+    #[test]
+    fn unit_state_dir_reads_back_through_the_quoting() {
+        let t = unit_text(Path::new(HOSTILE_BIN), Path::new(HOSTILE_STATE), "/bin");
+        assert_eq!(
+            state_dir_in(Manager::Systemd, t.as_bytes()).as_deref(),
+            Some(Path::new(HOSTILE_STATE))
+        );
+    }
+
+    fn argvs(steps: &[Step]) -> Vec<(Vec<&str>, bool, u32)> {
+        steps
+            .iter()
+            .map(|s| {
+                (
+                    s.argv.iter().map(String::as_str).collect(),
+                    s.required,
+                    s.attempts,
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn launchctl_gets_exactly_these_argv() {
+        let plist = Path::new("/Users/a b/Library/LaunchAgents/com.rsb.watchdog.plist");
+        let m = Manager::Launchd;
+        assert_eq!(
+            argvs(&m.install_steps(plist, 501, true)),
+            [
+                (
+                    vec!["launchctl", "bootout", "gui/501/com.rsb.watchdog"],
+                    false,
+                    1
+                ),
+                (
+                    vec![
+                        "launchctl",
+                        "bootstrap",
+                        "gui/501",
+                        "/Users/a b/Library/LaunchAgents/com.rsb.watchdog.plist",
+                    ],
+                    true,
+                    5
+                ),
+            ]
+        );
+        // Not started now: launchd loads ~/Library/LaunchAgents at the next login by itself.
+        assert!(m.install_steps(plist, 501, false).is_empty());
+        assert_eq!(
+            argvs(&m.stop_steps(501)),
+            [(
+                vec!["launchctl", "bootout", "gui/501/com.rsb.watchdog"],
+                false,
+                1
+            )]
+        );
+        assert!(m.forget_steps().is_empty());
+        assert_eq!(
+            m.start_argv(501),
+            ["launchctl", "kickstart", "gui/501/com.rsb.watchdog"]
+        );
+        assert_eq!(
+            m.status_argv(501),
+            ["launchctl", "print", "gui/501/com.rsb.watchdog"]
+        );
+    }
+
+    #[test]
+    fn systemctl_gets_exactly_these_argv() {
+        let m = Manager::Systemd;
+        let unit = Path::new("/home/u/.config/systemd/user/rsb-watchdog.service");
+        assert_eq!(
+            argvs(&m.install_steps(unit, 1000, true)),
+            [
+                (vec!["systemctl", "--user", "daemon-reload"], true, 1),
+                (
+                    vec!["systemctl", "--user", "enable", "--now", UNIT_NAME],
+                    true,
+                    1
+                ),
+            ]
+        );
+        assert_eq!(
+            argvs(&m.install_steps(unit, 1000, false))[1].0,
+            ["systemctl", "--user", "enable", UNIT_NAME]
+        );
+        assert_eq!(
+            argvs(&m.stop_steps(1000)),
+            [(
+                vec!["systemctl", "--user", "disable", "--now", UNIT_NAME],
+                false,
+                1
+            )]
+        );
+        assert_eq!(
+            m.start_argv(1000),
+            ["systemctl", "--user", "start", UNIT_NAME]
+        );
     }
 }
