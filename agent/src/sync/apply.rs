@@ -297,6 +297,32 @@ pub async fn apply_open(
     Ok(opened)
 }
 
+/// `ops` with each [`ApplyOp::Packed`] replaced by the ops it carries, so the runner, the
+/// `applied` count and the op numbers in errors see the ops one by one. A frame that does not
+/// decompress to its stated length, does not decode, or nests another `Packed` fails the
+/// request before any op runs.
+fn unpack(ops: Vec<ApplyOp>) -> Result<Vec<ApplyOp>, AgentError> {
+    if !ops.iter().any(|o| matches!(o, ApplyOp::Packed { .. })) {
+        return Ok(ops);
+    }
+    let mut out = Vec::with_capacity(ops.len());
+    for op in ops {
+        let ApplyOp::Packed { raw_len, data } = op else {
+            out.push(op);
+            continue;
+        };
+        let bad = |m: String| err(ErrorCode::InvalidArgument, format!("packed ops: {m}"));
+        let raw = rsb_protocol::compress::decompress(&data, raw_len).map_err(bad)?;
+        let inner: Vec<ApplyOp> =
+            rsb_protocol::codec::decode(&raw).map_err(|e| bad(format!("do not decode: {e}")))?;
+        if inner.iter().any(|o| matches!(o, ApplyOp::Packed { .. })) {
+            return Err(bad("a packed op holds another packed op".into()));
+        }
+        out.extend(inner);
+    }
+    Ok(out)
+}
+
 pub async fn apply(
     sessions: &Sessions,
     req: ApplyRequest,
@@ -673,6 +699,7 @@ impl Session {
         if self.closed {
             return Err(err(ErrorCode::NotFound, "the sync session is closed"));
         }
+        let ops = unpack(ops)?;
         let n = ops.len();
         // Parents verified to be real directories during this request.
         let mut dirs = HashSet::new();
@@ -690,6 +717,7 @@ impl Session {
                 ApplyOp::FileBase { .. } | ApplyOp::SetAttr { .. } | ApplyOp::Delete { .. } => {
                     !self.pending.is_empty()
                 }
+                ApplyOp::Packed { .. } => unreachable!("unpack expanded every Packed op"),
             };
             if flush_first {
                 self.flush(n)?;
@@ -738,10 +766,14 @@ impl Session {
                 raw_len,
                 data,
             } => {
-                let raw = rsb_protocol::compress::inflate(&data, raw_len)
+                let raw = rsb_protocol::compress::decompress(&data, raw_len)
                     .map_err(|m| err(ErrorCode::InvalidArgument, format!("write {rel}: {m}")))?;
                 self.file_data(&rel, offset, &raw)
             }
+            ApplyOp::Packed { .. } => Err(err(
+                ErrorCode::Internal,
+                "a packed op reached the op runner unexpanded",
+            )),
         }
     }
 

@@ -50,6 +50,11 @@ use crate::{
 const SMALL_MAX: u64 = 1024 * 1024;
 /// A batch is sent once it holds this much file data…
 const BATCH_BYTES: usize = 1024 * 1024;
+/// …or this much when it travels packed ([`Compress::pack`]): a larger frame gives each file
+/// more neighbours as context (source text: 9.3 MB on the wire per 42.7 MB in 1 MiB batches,
+/// 8.9 MB in 2 MiB ones, at zstd level 3), and the batch plus one more small file stays within
+/// [`MAX_RAW`].
+const BATCH_BYTES_PACKED: usize = MAX_RAW / 2;
 /// …or this many ops.
 const BATCH_OPS: usize = 512;
 /// Apply requests in flight for small batches, and for one large file.
@@ -229,7 +234,7 @@ async fn manifest(
             match ch {
                 Chunk::Manifest(es) => v.extend(es),
                 Chunk::ManifestZ { raw_len, data } => {
-                    let es = rsb_protocol::compress::inflate(&data, raw_len).and_then(|raw| {
+                    let es = rsb_protocol::compress::decompress(&data, raw_len).and_then(|raw| {
                         rsb_protocol::decode::<Vec<ManifestEntry>>(&raw).map_err(|e| e.to_string())
                     });
                     match es {
@@ -339,7 +344,23 @@ impl Session {
         Ok(self.dst.call_with(req).await?.resumed)
     }
 
-    async fn apply_batch(&self, ops: Vec<ApplyOp>, info: BatchInfo) -> Result<BatchInfo> {
+    /// Apply one batch of small files, packed into one compressed op when `comp` compresses
+    /// here (on a blocking thread, so batches compress in parallel). Batches of small files
+    /// are independent of each other, so the order they reach the agent in, which packing
+    /// may change, does not matter.
+    async fn apply_batch(
+        &self,
+        ops: Vec<ApplyOp>,
+        info: BatchInfo,
+        comp: Arc<Compress>,
+    ) -> Result<BatchInfo> {
+        let ops = if comp.here() {
+            tokio::task::spawn_blocking(move || comp.pack(ops))
+                .await
+                .map_err(|e| RsbError::internal(format!("compressing a batch: {e}")))?
+        } else {
+            ops
+        };
         self.apply(ops).await?;
         Ok(info)
     }
@@ -376,15 +397,14 @@ async fn abort(dst: AgentClient, session: u64) -> Result<()> {
 struct SmallFile {
     f: FileXfer,
     data: Vec<u8>,
-    /// blake3 of `data`, when taken off the runtime with the compression.
+    /// blake3 of `data`, when taken off the runtime (compression on: the runtime then has the
+    /// batches to compress).
     hash: Option<[u8; 32]>,
-    /// `data` deflated, when compression is on and it shrank.
-    z: Option<Vec<u8>>,
 }
 
 /// Read a whole small file (owned arguments: the future is `'static`); with compression on,
-/// hash and deflate it on a blocking thread, so files compress in parallel with each other
-/// and with the reads.
+/// hash it on a blocking thread, so files hash in parallel with each other and with the
+/// reads. Small files compress by batch ([`Compress::pack`]), not one by one.
 async fn read_small(
     src: AgentClient,
     path: String,
@@ -397,22 +417,19 @@ async fn read_small(
             f,
             data,
             hash: None,
-            z: None,
         });
     }
     let work = move || {
         let hash = *blake3::hash(&data).as_bytes();
-        let z = comp.deflate(&data, None);
         SmallFile {
             f,
             data,
             hash: Some(hash),
-            z,
         }
     };
     tokio::task::spawn_blocking(work)
         .await
-        .map_err(|e| RsbError::internal(format!("compressing a file: {e}")))
+        .map_err(|e| RsbError::internal(format!("hashing a file: {e}")))
 }
 
 /// One block of a large file: `(offset, raw bytes, deflated bytes when on and they shrank)`.
@@ -432,7 +449,7 @@ async fn read_block(
         return Ok((off, d, None));
     }
     tokio::task::spawn_blocking(move || {
-        let z = comp.deflate(&d, Some(&skip));
+        let z = comp.compress(&d, Some(&skip));
         (off, d, z)
     })
     .await
@@ -492,7 +509,7 @@ async fn read_z(
         }
         return Ok((r.data, r.truncated));
     }
-    let raw = rsb_protocol::compress::inflate(&r.data, r.raw_len)
+    let raw = rsb_protocol::compress::decompress(&r.data, r.raw_len)
         .map_err(|m| RsbError::internal(format!("read of {path}: {m}")))?;
     comp.record(r.raw_len, r.data.len() as u64);
     Ok((raw, r.truncated))
@@ -1440,6 +1457,11 @@ impl Ctx<'_> {
             last: None,
         };
         let mut data_bytes = 0usize;
+        let batch_bytes = if self.comp.here() {
+            BATCH_BYTES_PACKED
+        } else {
+            BATCH_BYTES
+        };
 
         macro_rules! flush {
             () => {
@@ -1463,7 +1485,7 @@ impl Ctx<'_> {
                     {
                         data_bytes = 0;
                     }
-                    inflight.push(self.session.apply_batch(batch, bi));
+                    inflight.push(self.session.apply_batch(batch, bi, self.comp.clone()));
                 }
             };
         }
@@ -1496,7 +1518,7 @@ impl Ctx<'_> {
                 self.tracker.acked(b.files, b.bytes, b.last.as_deref());
             }
             let Some(r) = reads.recv().await else { break };
-            let SmallFile { f, data, hash, z } = r?;
+            let SmallFile { f, data, hash } = r?;
             // What is committed is exactly what was read: a file changed since the scan is
             // sent as read (its hash taken here), never torn.
             let hash = hash.unwrap_or_else(|| *blake3::hash(&data).as_bytes());
@@ -1505,7 +1527,7 @@ impl Ctx<'_> {
             info.files += 1;
             info.bytes += size;
             info.last = Some(f.rel.clone());
-            ops.push(data_op(&f.rel, 0, data, z));
+            ops.push(data_op(&f.rel, 0, data, None));
             ops.push(ApplyOp::FileCommit {
                 rel: f.rel.clone(),
                 size,
@@ -1513,7 +1535,7 @@ impl Ctx<'_> {
                 mtime_ns: f.mtime_ns,
                 hash,
             });
-            if data_bytes >= BATCH_BYTES || ops.len() >= BATCH_OPS {
+            if data_bytes >= batch_bytes || ops.len() >= BATCH_OPS {
                 flush!();
             }
         }
