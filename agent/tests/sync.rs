@@ -1753,6 +1753,52 @@ fn compressed_data_lands_exact_and_a_bomb_or_a_lying_length_is_refused() {
     assert_eq!(staged_files(root), Vec::<String>::new());
 }
 
+/// A sparse source arrives sparse: all-zero 4 KiB blocks past the staged file's end become
+/// holes (a trailing one too), and the bytes are exact.
+#[test]
+fn zero_blocks_of_a_new_file_stay_holes() {
+    use std::os::unix::fs::MetadataExt;
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path();
+    let mut agent = Agent::start();
+    let s = agent.open(root, false).session;
+    let mut body = vec![0u8; 3 << 20];
+    body[(1 << 20) + 5] = 7;
+    body[(2 << 20) - 1] = 9;
+    let half = body.len() / 2;
+    let ops = vec![
+        ApplyOp::FileData {
+            rel: "sparse.img".into(),
+            offset: 0,
+            data: body[..half].to_vec(),
+        },
+        ApplyOp::FileData {
+            rel: "sparse.img".into(),
+            offset: half as u64,
+            data: body[half..].to_vec(),
+        },
+        ApplyOp::FileCommit {
+            rel: "sparse.img".into(),
+            size: body.len() as u64,
+            mode: 0o644,
+            mtime_ns: 1_000_000_000,
+            hash: b3(&body),
+        },
+    ];
+    assert_eq!(agent.apply(s, ops), Ok(3));
+    agent.close(s, vec![]).unwrap();
+    let p = root.join("sparse.img");
+    assert_eq!(fs::read(&p).unwrap(), body);
+    let m = fs::metadata(&p).unwrap();
+    assert_eq!(m.len(), body.len() as u64);
+    // Two 4 KiB blocks hold data; a file system without holes would allocate all 3 MiB.
+    assert!(
+        m.blocks() * 512 <= 64 * 1024,
+        "{} bytes allocated",
+        m.blocks() * 512
+    );
+}
+
 #[test]
 fn packed_small_files_land_exact_and_a_bad_frame_runs_nothing() {
     use rsb_protocol::{codec::encode, compress::compress};

@@ -297,6 +297,36 @@ pub async fn apply_open(
     Ok(opened)
 }
 
+/// Write `data` at `offset`, leaving holes for the all-zero 4 KiB blocks that lie past the
+/// staged file's end, so a sparse source stays sparse (the commit's `set_len` extends the file
+/// over a trailing hole; every hole reads as the zeros the source holds). Below the end (a
+/// copied base, kept bytes) everything is written: a skipped block would keep old bytes.
+fn write_sparse(file: &File, data: &[u8], offset: u64) -> std::io::Result<()> {
+    const BLOCK: usize = 4096;
+    if data.len() < BLOCK || offset < file.metadata()?.len() {
+        return file.write_all_at(data, offset);
+    }
+    let mut run: Option<usize> = None;
+    let mut i = 0;
+    while i < data.len() {
+        let end = (i + BLOCK).min(data.len());
+        let zero = data[i..end].iter().all(|&b| b == 0);
+        match (zero, run) {
+            (false, None) => run = Some(i),
+            (true, Some(s)) => {
+                file.write_all_at(&data[s..i], offset + s as u64)?;
+                run = None;
+            }
+            _ => {}
+        }
+        i = end;
+    }
+    if let Some(s) = run {
+        file.write_all_at(&data[s..], offset + s as u64)?;
+    }
+    Ok(())
+}
+
 /// `ops` with each [`ApplyOp::Packed`] replaced by the ops it carries, so the runner, the
 /// `applied` count and the op numbers in errors see the ops one by one. A frame that does not
 /// decompress to its stated length, does not decode, or nests another `Packed` fails the
@@ -1099,7 +1129,7 @@ impl Session {
         }
         let written = self.staged_file(rel).and_then(|s| {
             let file = s.file.as_ref().expect("opened by staged_file");
-            file.write_all_at(data, offset)?;
+            write_sparse(file, data, offset)?;
             if let Some(h) = &mut s.seq {
                 if offset == s.seq_len {
                     h.update(data);
