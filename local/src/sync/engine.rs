@@ -131,6 +131,13 @@ struct Tracker {
     /// (acknowledged, or kept from an interrupted sync), for the cancel message.
     large: Mutex<Option<(String, u64)>>,
     state: Mutex<TrackState>,
+    /// The baseline this run leaves before any commit: what both sides held when it planned
+    /// (unchanged files, conflicts' old entries, the old entries of files about to be sent).
+    /// Set once the plan is made.
+    base: Mutex<Option<std::collections::HashMap<String, [u8; 32]>>>,
+    /// `rel` → the hash each acknowledged `FileCommit` carried: exactly what the destination
+    /// now holds, whatever the manifest said when the run scanned.
+    committed: Mutex<std::collections::HashMap<String, [u8; 32]>>,
 }
 
 struct TrackState {
@@ -145,6 +152,8 @@ impl Tracker {
             cb,
             start: Instant::now(),
             large: Mutex::new(None),
+            base: Mutex::new(None),
+            committed: Mutex::new(Default::default()),
             state: Mutex::new(TrackState {
                 p: Progress::default(),
                 last_emit: None,
@@ -187,6 +196,20 @@ impl Tracker {
 
     fn phase(&self, ph: Phase) {
         self.update(true, |p| p.phase = ph);
+    }
+
+    /// A batch acknowledged: its progress, and the hashes its commits carried.
+    fn batch_acked(&self, b: BatchInfo) {
+        self.acked(b.files, b.bytes, b.last.as_deref());
+        self.committed.lock().extend(b.commits);
+    }
+
+    /// The baseline after what this run did so far: the planned one with every acknowledged
+    /// commit's hash over it. `None` before a plan was made (nothing to save).
+    fn baseline(&self) -> Option<std::collections::HashMap<String, [u8; 32]>> {
+        let mut b = self.base.lock().clone()?;
+        b.extend(self.committed.lock().iter().map(|(k, v)| (k.clone(), *v)));
+        Some(b)
     }
 
     fn acked(&self, files: u64, bytes: u64, path: Option<&str>) {
@@ -689,6 +712,10 @@ pub struct RunOptions {
     pub safe: bool,
     /// Fill [`SyncReport::actions`] for a real run too (`rsb sync -v`), not only a dry run.
     pub list_actions: bool,
+    /// Where a run that fails or is cancelled after planning leaves its baseline (what it
+    /// did commit), for the caller to store as a completed run's
+    /// [`SyncReport::baseline_out`] is.
+    pub baseline_sink: Option<Arc<Mutex<Option<std::collections::HashMap<String, [u8; 32]>>>>>,
 }
 
 /// Run one sync. `local` is the local agent, `remote` the sandbox's; `spec.direction` decides
@@ -869,7 +896,7 @@ pub async fn run_with(
                 if !plan.is_empty() {
                     plan.dir_mtimes.push((String::new(), src_stat.mtime_ns));
                 }
-                report.baseline_out = Some(baseline_after(&sents, &plan, opts));
+                *tracker.base.lock() = Some(baseline_planned(&sents, &plan, opts));
                 execute(
                     src,
                     dst,
@@ -969,7 +996,7 @@ pub async fn run_with(
                         ..PlanOptions::default()
                     },
                 )?;
-                report.baseline_out = Some(baseline_after(&sents, &plan, opts));
+                *tracker.base.lock() = Some(baseline_planned(&sents, &plan, opts));
                 execute(
                     src,
                     dst,
@@ -998,29 +1025,41 @@ pub async fn run_with(
         // What this run did before it failed, exactly: a worker that runs the sync again
         // adds it to the rerun's report.
         tracker.update(true, |_| {});
+        // And the baseline of what did commit: an edit made after this cut is then an edit,
+        // not a conflict.
+        if let Some(sink) = &opts.baseline_sink {
+            *sink.lock() = tracker.baseline();
+        }
         return Err(e);
     }
+    report.baseline_out = tracker.baseline();
     report.duration_s = tracker.start.elapsed().as_secs_f64();
     tmark(&tracker, "closed");
     tracker.phase(Phase::Complete);
     Ok(report)
 }
 
-/// The content both sides agree on after this plan runs: the source's files, except
-/// conflicts, which keep their old baseline (so they stay conflicts until resolved).
-fn baseline_after(
+/// The content both sides agree on before this plan commits anything: the source's files
+/// that need no transfer (the destination holds the same bytes); conflicts and the files
+/// about to be sent keep their old baseline (conflicts stay conflicts until resolved; a file
+/// sent gets the hash its commit carries once acknowledged, [`Tracker::baseline`]).
+fn baseline_planned(
     sents: &[ManifestEntry],
     plan: &Plan,
     opts: &RunOptions,
 ) -> std::collections::HashMap<String, [u8; 32]> {
-    let conflicted: std::collections::HashSet<&str> =
-        plan.conflicts.iter().map(|c| c.rel.as_str()).collect();
+    let kept: std::collections::HashSet<&str> = plan
+        .conflicts
+        .iter()
+        .map(|c| c.rel.as_str())
+        .chain(plan.files.iter().map(|f| f.rel.as_str()))
+        .collect();
     let mut out = std::collections::HashMap::new();
     for e in sents {
         let Some(h) = e.hash.filter(|_| e.kind == FileKind::File) else {
             continue;
         };
-        if conflicted.contains(e.rel.as_str()) {
+        if kept.contains(e.rel.as_str()) {
             if let Some(old) = opts.baseline.as_ref().and_then(|b| b.get(&e.rel)) {
                 out.insert(e.rel.clone(), *old);
             }
@@ -1115,7 +1154,7 @@ async fn execute(
         };
         if !spec.dry_run && !gate(&size) {
             report.handed_off = true;
-            report.baseline_out = None;
+            *tracker.base.lock() = None;
             return Ok(());
         }
     }
@@ -1338,6 +1377,8 @@ struct BatchInfo {
     files: u64,
     bytes: u64,
     last: Option<String>,
+    /// `(rel, hash)` of the batch's `FileCommit`s.
+    commits: Vec<(String, [u8; 32])>,
 }
 
 impl Ctx<'_> {
@@ -1455,6 +1496,7 @@ impl Ctx<'_> {
             files: 0,
             bytes: 0,
             last: None,
+            commits: Vec::new(),
         };
         let mut data_bytes = 0usize;
         let batch_bytes = if self.comp.here() {
@@ -1468,8 +1510,7 @@ impl Ctx<'_> {
                 if !ops.is_empty() {
                     while inflight.len() >= SMALL_WINDOW {
                         let r: Result<BatchInfo> = inflight.next().await.expect("non-empty");
-                        let b = r?;
-                        self.tracker.acked(b.files, b.bytes, b.last.as_deref());
+                        self.tracker.batch_acked(r?);
                     }
                     let batch = std::mem::take(&mut ops);
                     let bi = std::mem::replace(
@@ -1478,6 +1519,7 @@ impl Ctx<'_> {
                             files: 0,
                             bytes: 0,
                             last: None,
+                            commits: Vec::new(),
                         },
                     );
                     self.sent(bi.bytes);
@@ -1514,8 +1556,7 @@ impl Ctx<'_> {
         loop {
             // Reap acknowledgements as they come, so progress moves while reads continue.
             while let Some(Some(r)) = futures::FutureExt::now_or_never(inflight.next()) {
-                let b = r?;
-                self.tracker.acked(b.files, b.bytes, b.last.as_deref());
+                self.tracker.batch_acked(r?);
             }
             let Some(r) = reads.recv().await else { break };
             let SmallFile { f, data, hash } = r?;
@@ -1527,6 +1568,7 @@ impl Ctx<'_> {
             info.files += 1;
             info.bytes += size;
             info.last = Some(f.rel.clone());
+            info.commits.push((f.rel.clone(), hash));
             ops.push(data_op(&f.rel, 0, data, None));
             ops.push(ApplyOp::FileCommit {
                 rel: f.rel.clone(),
@@ -1541,8 +1583,7 @@ impl Ctx<'_> {
         }
         flush!();
         while let Some(r) = inflight.next().await {
-            let b = r?;
-            self.tracker.acked(b.files, b.bytes, b.last.as_deref());
+            self.tracker.batch_acked(r?);
         }
         Ok(())
     }
@@ -1717,6 +1758,7 @@ impl Ctx<'_> {
             }])
             .await?;
         *self.tracker.large.lock() = None;
+        self.tracker.committed.lock().insert(f.rel.clone(), hash);
         self.tracker.acked(1, 0, Some(&f.rel));
         Ok(())
     }
