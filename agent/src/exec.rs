@@ -267,8 +267,8 @@ struct Pty(Rc<AsyncFd<OwnedFd>>);
 impl Pty {
     /// A new terminal of `size`; returns the master and the opened slave.
     fn open(size: TtySize) -> std::io::Result<(Pty, OwnedFd)> {
-        use rustix::pty::{OpenptFlags, grantpt, openpt, ptsname, unlockpt};
-        let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY | OpenptFlags::CLOEXEC)?;
+        use rustix::pty::{OpenptFlags, grantpt, ptsname, unlockpt};
+        let master = openpt_cloexec(OpenptFlags::RDWR | OpenptFlags::NOCTTY)?;
         grantpt(&master)?;
         unlockpt(&master)?;
         let name = ptsname(&master, Vec::new())?;
@@ -283,6 +283,24 @@ impl Pty {
         // always reports the same descriptor and closes it only when the AsyncFd drops it.
         let registered = unsafe { AsyncFd::register(master) }?;
         Ok((Pty(Rc::new(registered)), slave))
+    }
+}
+
+/// `posix_openpt` with close-on-exec: Linux takes `O_CLOEXEC` in the call itself; macOS's
+/// takes only `O_RDWR | O_NOCTTY`, so there `FD_CLOEXEC` is set right after, before this
+/// function returns the descriptor to anything that could spawn.
+fn openpt_cloexec(flags: rustix::pty::OpenptFlags) -> std::io::Result<OwnedFd> {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    {
+        Ok(rustix::pty::openpt(
+            flags | rustix::pty::OpenptFlags::CLOEXEC,
+        )?)
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    {
+        let fd = rustix::pty::openpt(flags)?;
+        rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::CLOEXEC)?;
+        Ok(fd)
     }
 }
 

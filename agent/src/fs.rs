@@ -145,14 +145,27 @@ impl Meta {
     }
 
     pub fn kind(&self) -> FileKind {
-        match self.st_mode & libc::S_IFMT {
-            libc::S_IFLNK => FileKind::Symlink,
-            libc::S_IFDIR => FileKind::Dir,
-            libc::S_IFREG => FileKind::File,
-            libc::S_IFIFO => FileKind::Fifo,
-            libc::S_IFSOCK => FileKind::Socket,
-            libc::S_IFBLK => FileKind::BlockDevice,
-            libc::S_IFCHR => FileKind::CharDevice,
+        // `mode_t` is u32 on Linux and u16 on macOS; compare in the u32 `st_mode` keeps.
+        #[allow(clippy::unnecessary_cast)]
+        const fn bits(m: libc::mode_t) -> u32 {
+            m as u32
+        }
+        const IFMT: u32 = bits(libc::S_IFMT);
+        const LNK: u32 = bits(libc::S_IFLNK);
+        const DIR: u32 = bits(libc::S_IFDIR);
+        const REG: u32 = bits(libc::S_IFREG);
+        const FIFO: u32 = bits(libc::S_IFIFO);
+        const SOCK: u32 = bits(libc::S_IFSOCK);
+        const BLK: u32 = bits(libc::S_IFBLK);
+        const CHR: u32 = bits(libc::S_IFCHR);
+        match self.st_mode & IFMT {
+            LNK => FileKind::Symlink,
+            DIR => FileKind::Dir,
+            REG => FileKind::File,
+            FIFO => FileKind::Fifo,
+            SOCK => FileKind::Socket,
+            BLK => FileKind::BlockDevice,
+            CHR => FileKind::CharDevice,
             _ => FileKind::Other,
         }
     }

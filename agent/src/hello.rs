@@ -8,15 +8,26 @@ use crate::{proc, util};
 
 /// blake3 of the running executable, computed once: the local side compares it with the bytes it
 /// deployed to decide whether this agent is the one it expects. An empty string (unreadable
-/// `/proc/self/exe`) never matches, which makes the local side redeploy rather than trust it.
+/// executable) never matches, which makes the local side redeploy rather than trust it.
 pub fn agent_hash() -> &'static str {
     static HASH: OnceLock<String> = OnceLock::new();
     HASH.get_or_init(|| {
-        util::hash_file(std::path::Path::new("/proc/self/exe")).unwrap_or_else(|e| {
-            eprintln!("rsb-agent: cannot hash /proc/self/exe: {e}");
+        let exe = own_executable();
+        util::hash_file(&exe).unwrap_or_else(|e| {
+            eprintln!("rsb-agent: cannot hash {}: {e}", exe.display());
             String::new()
         })
     })
+}
+
+/// The running executable: `/proc/self/exe` on Linux (still the bytes that run even after the
+/// file was replaced), the path the kernel exec'd on macOS (`_NSGetExecutablePath`, no /proc).
+fn own_executable() -> std::path::PathBuf {
+    if cfg!(any(target_os = "linux", target_os = "android")) {
+        "/proc/self/exe".into()
+    } else {
+        std::env::current_exe().unwrap_or_default()
+    }
 }
 
 /// Kernel release and hostname from one `uname` call.

@@ -13,7 +13,6 @@
 
 use std::ffi::OsStr;
 use std::io;
-use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
@@ -111,8 +110,21 @@ impl Stat {
     }
 
     /// `None` when the process does not exist (or /proc is not mounted).
+    #[cfg(any(target_os = "linux", target_os = "android"))]
     pub fn read(pid: u32) -> Option<Stat> {
         Stat::parse(&std::fs::read(format!("/proc/{pid}/stat")).ok()?)
+    }
+
+    /// macOS has no /proc: libproc's `proc_bsdinfo` says the same (see [`darwin`]).
+    #[cfg(target_vendor = "apple")]
+    pub fn read(pid: u32) -> Option<Stat> {
+        darwin::bsdinfo(pid).map(|b| b.stat())
+    }
+
+    /// Elsewhere no process table is read: [`is_alive`] falls back to existence.
+    #[cfg(not(any(target_os = "linux", target_os = "android", target_vendor = "apple")))]
+    pub fn read(_pid: u32) -> Option<Stat> {
+        None
     }
 
     /// Exited but not yet reaped (`Z`), or being torn down (`X`). Such a process runs nothing and
@@ -123,19 +135,204 @@ impl Stat {
     }
 }
 
-/// Whether /proc is there to read (always on Linux; not on the systems the agent is only
-/// developed on).
+/// Whether the process table can be read ([`Stat::read`], [`args`]): /proc on Linux (always
+/// mounted on a real host), libproc and `sysctl` on macOS.
 pub fn proc_available() -> bool {
+    if cfg!(target_vendor = "apple") {
+        return true;
+    }
     static MOUNTED: OnceLock<bool> = OnceLock::new();
     *MOUNTED.get_or_init(|| Path::new("/proc/self/stat").exists())
 }
 
 /// The argument vector of a process, from `/proc/<pid>/cmdline`; `None` when it is gone. A
 /// zombie, or a process in the middle of an exec, has an empty one (`[[]]`).
+#[cfg(not(target_vendor = "apple"))]
 pub fn args(pid: u32) -> Option<Vec<Vec<u8>>> {
     let data = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
     let data = data.strip_suffix(b"\0").unwrap_or(&data);
     Some(data.split(|&b| b == 0).map(<[u8]>::to_vec).collect())
+}
+
+/// The argument vector of a process, from `sysctl(KERN_PROCARGS2)`; `None` when it is gone
+/// or not ours to read (macOS shows another user's arguments to no one but root).
+#[cfg(target_vendor = "apple")]
+pub fn args(pid: u32) -> Option<Vec<Vec<u8>>> {
+    darwin::parse_procargs2(&darwin::procargs2(pid)?)
+}
+
+/// The process table of macOS, read through libproc (`proc_pidinfo`, `proc_listpids`) and
+/// `sysctl`, in place of Linux's /proc. The parsing is plain functions of the bytes and fields
+/// those calls return, so it is unit-tested on Linux too; only the calls are macOS-only.
+#[cfg_attr(not(target_vendor = "apple"), allow(dead_code))]
+pub mod darwin {
+    use super::Stat;
+
+    /// `p_stat` values of `<sys/proc.h>` (also in the libc crate, for apple only).
+    pub const SIDL: u32 = 1;
+    pub const SRUN: u32 = 2;
+    pub const SSLEEP: u32 = 3;
+    pub const SSTOP: u32 = 4;
+    pub const SZOMB: u32 = 5;
+
+    /// The fields of libproc's `proc_bsdinfo` (`PROC_PIDTBSDINFO`) that [`Stat`] needs.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct BsdInfo {
+        pub status: u32,
+        pub ppid: u32,
+        pub pgid: u32,
+        /// From `getsid`: `proc_bsdinfo` has no session id.
+        pub sid: i32,
+        pub start_tvsec: u64,
+        pub start_tvusec: u64,
+    }
+
+    impl BsdInfo {
+        /// The same [`Stat`] Linux reads from /proc. The start time is microseconds since the
+        /// epoch here (clock ticks since boot on Linux): either way an opaque value that, with
+        /// the pid, names one process, since a reused pid starts later.
+        pub fn stat(&self) -> Stat {
+            let state = match self.status {
+                // Being created is as alive as running: it will run.
+                SIDL | SRUN => b'R',
+                SSLEEP => b'S',
+                SSTOP => b'T',
+                SZOMB => b'Z',
+                _ => b'?',
+            };
+            Stat {
+                state,
+                ppid: self.ppid,
+                pgrp: i32::try_from(self.pgid).unwrap_or(-1),
+                session: self.sid,
+                start_ticks: self
+                    .start_tvsec
+                    .saturating_mul(1_000_000)
+                    .saturating_add(self.start_tvusec),
+            }
+        }
+    }
+
+    /// Splits the buffer `sysctl(KERN_PROCARGS2)` fills: `argc` (a native-endian i32), the
+    /// executable path NUL-terminated and NUL-padded, then `argc` NUL-terminated arguments
+    /// (the environment follows; it is not read). `None` when it is shorter than it says.
+    pub fn parse_procargs2(buf: &[u8]) -> Option<Vec<Vec<u8>>> {
+        let argc = usize::try_from(i32::from_ne_bytes(buf.get(..4)?.try_into().ok()?)).ok()?;
+        let rest = &buf[4..];
+        let path_end = rest.iter().position(|&b| b == 0)?;
+        let rest = &rest[path_end..];
+        let start = rest.iter().position(|&b| b != 0).unwrap_or(rest.len());
+        let mut rest = &rest[start..];
+        let mut args = Vec::with_capacity(argc.min(256));
+        for _ in 0..argc {
+            let end = rest.iter().position(|&b| b == 0)?;
+            args.push(rest[..end].to_vec());
+            rest = &rest[end + 1..];
+        }
+        Some(args)
+    }
+
+    #[cfg(target_vendor = "apple")]
+    pub fn bsdinfo(pid: u32) -> Option<BsdInfo> {
+        let raw = libc::c_int::try_from(pid).ok().filter(|&p| p > 0)?;
+        // SAFETY: proc_bsdinfo is plain old data, valid when zeroed.
+        let mut info: libc::proc_bsdinfo = unsafe { std::mem::zeroed() };
+        let size = std::mem::size_of::<libc::proc_bsdinfo>() as libc::c_int;
+        // SAFETY: the buffer is a live proc_bsdinfo of `size` bytes.
+        let n = unsafe {
+            libc::proc_pidinfo(
+                raw,
+                libc::PROC_PIDTBSDINFO,
+                0,
+                (&mut info as *mut libc::proc_bsdinfo).cast(),
+                size,
+            )
+        };
+        if n != size {
+            return None;
+        }
+        // SAFETY: getsid takes any pid; -1 (gone, or another session we may not ask about)
+        // only leaves the session unknown.
+        let sid = unsafe { libc::getsid(raw) };
+        Some(BsdInfo {
+            status: info.pbi_status,
+            ppid: info.pbi_ppid,
+            pgid: info.pbi_pgid,
+            sid,
+            start_tvsec: info.pbi_start_tvsec,
+            start_tvusec: info.pbi_start_tvusec,
+        })
+    }
+
+    /// The pids of process group `pgid` (`proc_listpids(PROC_PGRP_ONLY)`); `None` if the
+    /// call fails.
+    #[cfg(target_vendor = "apple")]
+    pub fn group_pids(pgid: u32) -> Option<Vec<u32>> {
+        /// `<sys/proc_info.h>`; the libc crate does not define it.
+        const PROC_PGRP_ONLY: u32 = 2;
+        let mut buf = vec![0 as libc::c_int; 64];
+        loop {
+            let bytes =
+                libc::c_int::try_from(buf.len() * std::mem::size_of::<libc::c_int>()).ok()?;
+            // SAFETY: the buffer holds `bytes` bytes of c_int.
+            let n = unsafe {
+                libc::proc_listpids(PROC_PGRP_ONLY, pgid, buf.as_mut_ptr().cast(), bytes)
+            };
+            let n = usize::try_from(n).ok()? / std::mem::size_of::<libc::c_int>();
+            // A full buffer may have been cut short: ask again with more room (bounded).
+            if n < buf.len() || buf.len() >= 1 << 16 {
+                buf.truncate(n);
+                return Some(
+                    buf.into_iter()
+                        .filter_map(|p| u32::try_from(p).ok())
+                        .collect(),
+                );
+            }
+            buf.resize(buf.len() * 4, 0);
+        }
+    }
+
+    /// The raw `KERN_PROCARGS2` buffer of `pid`.
+    #[cfg(target_vendor = "apple")]
+    pub fn procargs2(pid: u32) -> Option<Vec<u8>> {
+        let raw = libc::c_int::try_from(pid).ok().filter(|&p| p > 0)?;
+        let mut argmax: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>();
+        let mut mib = [libc::CTL_KERN, libc::KERN_ARGMAX];
+        // SAFETY: mib names an int, and `argmax`/`len` describe an int-sized buffer.
+        let rc = unsafe {
+            libc::sysctl(
+                mib.as_mut_ptr(),
+                2,
+                (&mut argmax as *mut libc::c_int).cast(),
+                &mut len,
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if rc != 0 || argmax <= 0 {
+            return None;
+        }
+        let mut buf = vec![0u8; usize::try_from(argmax).ok()?];
+        let mut len = buf.len();
+        let mut mib = [libc::CTL_KERN, libc::KERN_PROCARGS2, raw];
+        // SAFETY: `buf` holds `len` bytes; the kernel writes at most that and updates `len`.
+        let rc = unsafe {
+            libc::sysctl(
+                mib.as_mut_ptr(),
+                3,
+                buf.as_mut_ptr().cast(),
+                &mut len,
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if rc != 0 {
+            return None;
+        }
+        buf.truncate(len);
+        Some(buf)
+    }
 }
 
 /// A pid as the kernel's signed type; `None` for 0 and for values no process can have.
@@ -349,6 +546,23 @@ pub fn output_with_deadline(
 // ---------------------------------------------------------------------------------------------
 // Process groups
 
+/// Pids that may belong to group `pgid` (the caller checks each one's group): all of /proc on
+/// Linux, the group's own list on macOS; `None` where neither can be read.
+#[cfg(not(target_vendor = "apple"))]
+fn group_candidates(_pgid: Pid) -> Option<Vec<u32>> {
+    let dir = std::fs::read_dir("/proc").ok()?;
+    Some(
+        dir.flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .collect(),
+    )
+}
+
+#[cfg(target_vendor = "apple")]
+fn group_candidates(pgid: Pid) -> Option<Vec<u32>> {
+    darwin::group_pids(pgid.as_raw_nonzero().get() as u32)
+}
+
 /// A process group, named by its leader's pid. Ids 0 and 1 are refused: signalling "group 0"
 /// means the caller's own group, and group 1 is init's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -386,20 +600,12 @@ impl Group {
         if let Err(rustix::io::Errno::SRCH) = test_kill_process_group(self.0) {
             return false;
         }
-        let Ok(dir) = std::fs::read_dir("/proc") else {
+        let Some(pids) = group_candidates(self.0) else {
             return true;
         };
         let pgid = self.0.as_raw_nonzero().get();
-        dir.flatten().any(|entry| {
-            let name = entry.file_name();
-            let Some(pid) = std::str::from_utf8(name.as_bytes())
-                .ok()
-                .and_then(|s| s.parse::<u32>().ok())
-            else {
-                return false;
-            };
-            Stat::read(pid).is_some_and(|s| s.pgrp == pgid && !s.is_dead())
-        })
+        pids.into_iter()
+            .any(|pid| Stat::read(pid).is_some_and(|s| s.pgrp == pgid && !s.is_dead()))
     }
 
     /// Polls until no member runs and `settled()` holds, or `deadline` passes.
@@ -534,11 +740,105 @@ impl Drop for KillOnDrop {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::PermissionsExt;
     use std::os::unix::process::ExitStatusExt;
     use std::process::Stdio;
 
     const PATIENCE: Duration = Duration::from_secs(10);
+
+    fn bsd(status: u32, sec: u64, usec: u64) -> darwin::BsdInfo {
+        darwin::BsdInfo {
+            status,
+            ppid: 1,
+            pgid: 4242,
+            sid: 4200,
+            start_tvsec: sec,
+            start_tvusec: usec,
+        }
+    }
+
+    #[test]
+    fn macos_bsdinfo_maps_to_the_stat_linux_reads_from_proc() {
+        let s = bsd(darwin::SSLEEP, 1_764_750_000, 123_456).stat();
+        assert_eq!(
+            s,
+            Stat {
+                state: b'S',
+                ppid: 1,
+                pgrp: 4242,
+                session: 4200,
+                start_ticks: 1_764_750_000_123_456,
+            }
+        );
+        assert!(!s.is_dead());
+        for (status, state, dead) in [
+            (darwin::SIDL, b'R', false),
+            (darwin::SRUN, b'R', false),
+            (darwin::SSTOP, b'T', false),
+            (darwin::SZOMB, b'Z', true),
+        ] {
+            let s = bsd(status, 1, 0).stat();
+            assert_eq!((s.state, s.is_dead()), (state, dead), "p_stat {status}");
+        }
+    }
+
+    #[test]
+    fn macos_start_time_tells_a_reused_pid_apart_within_one_second() {
+        // Same pid, same second, another process: the microseconds differ.
+        let first = bsd(darwin::SRUN, 1_764_750_000, 10).stat().start_ticks;
+        let reused = bsd(darwin::SRUN, 1_764_750_000, 11).stat().start_ticks;
+        assert_ne!(first, reused);
+        assert!(reused > first);
+    }
+
+    fn procargs2(argc: i32, path: &[u8], pad: usize, args: &[&[u8]], env: &[&[u8]]) -> Vec<u8> {
+        let mut b = argc.to_ne_bytes().to_vec();
+        b.extend_from_slice(path);
+        b.extend(std::iter::repeat_n(0u8, 1 + pad));
+        for a in args.iter().chain(env) {
+            b.extend_from_slice(a);
+            b.push(0);
+        }
+        b
+    }
+
+    #[test]
+    fn macos_procargs2_yields_the_argument_vector_without_path_or_environment() {
+        let buf = procargs2(
+            3,
+            b"/Users/me/.rsb/agent/rsb-agent",
+            5,
+            &[b"rsb-agent", b"serve", b"with space"],
+            &[b"PATH=/usr/bin", b"HOME=/Users/me"],
+        );
+        assert_eq!(
+            darwin::parse_procargs2(&buf).unwrap(),
+            vec![
+                b"rsb-agent".to_vec(),
+                b"serve".to_vec(),
+                b"with space".to_vec()
+            ]
+        );
+        // An empty argument is kept, as /proc/<pid>/cmdline keeps it.
+        let buf = procargs2(2, b"/bin/x", 0, &[b"x", b""], &[]);
+        assert_eq!(
+            darwin::parse_procargs2(&buf).unwrap(),
+            vec![b"x".to_vec(), Vec::new()]
+        );
+    }
+
+    #[test]
+    fn macos_procargs2_shorter_than_it_claims_is_refused() {
+        let mut buf = procargs2(2, b"/bin/x", 3, &[b"x", b"job-run"], &[]);
+        buf.pop(); // the last argument loses its terminator
+        assert_eq!(darwin::parse_procargs2(&buf), None);
+        assert_eq!(
+            darwin::parse_procargs2(&procargs2(-1, b"/x", 0, &[], &[])),
+            None
+        );
+        assert_eq!(darwin::parse_procargs2(&[1, 0]), None);
+    }
 
     fn sh(script: &str) -> Command {
         let mut cmd = Command::new("/bin/sh");

@@ -27,7 +27,7 @@ use tokio::task::JoinSet;
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
-use crate::{exec, fs, hello, jobs, reaper, resources, stale, sync};
+use crate::{edit, exec, fs, hello, jobs, reaper, resources, stale, sync};
 
 /// Frames up to this size take the control lane.
 const SMALL_FRAME: usize = 64 * 1024;
@@ -201,6 +201,21 @@ where
     }
 }
 
+/// A change to a file runs to its end even if the caller cancels: it is short, and its
+/// reply (or the file) is then the truth about what happened.
+async fn to_completion<T, F>(f: F) -> Result<T, AgentError>
+where
+    T: Send + 'static,
+    F: FnOnce() -> Result<T, AgentError> + Send + 'static,
+{
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(AgentError::new(
+            ErrorCode::Internal,
+            format!("worker failed: {e}"),
+        ))
+    })
+}
+
 async fn cancellable<T>(
     cancel: &CancellationToken,
     fut: impl Future<Output = Result<T, AgentError>>,
@@ -293,6 +308,15 @@ async fn handle(
         Request::ReadFileZ(req) => blocking(&cancel, move || sync::read_file_z(&req))
             .await
             .map(rsb_protocol::ReadFileZRequest::into_reply),
+        Request::ReadText(req) => blocking(&cancel, move || edit::read_text(&req))
+            .await
+            .map(rsb_protocol::ReadTextRequest::into_reply),
+        Request::Edit(req) => to_completion(move || edit::edit(&req))
+            .await
+            .map(rsb_protocol::EditRequest::into_reply),
+        Request::Write(req) => to_completion(move || edit::write(&req))
+            .await
+            .map(rsb_protocol::WriteRequest::into_reply),
     };
     responder.reply(result.unwrap_or_else(Reply::Error)).await;
 }

@@ -69,6 +69,15 @@ enum Cmd {
         /// With --json: bytes to return (the reply of the read_remote_file tool).
         #[arg(long, default_value_t = rsb::ops::fs::DEFAULT_MAX_BYTES)]
         max_bytes: i64,
+        /// First line to print, 1-based (read_remote_file's `offset`).
+        #[arg(long, default_value_t = 0)]
+        offset: i64,
+        /// Lines to print at most (read_remote_file's `limit`; 0 = to the end).
+        #[arg(long, default_value_t = 0)]
+        limit: i64,
+        /// Number the lines, as `cat -n`.
+        #[arg(long, short = 'n')]
+        numbered: bool,
     },
     /// Sync files exactly: `rsb sync LOCAL SANDBOX:REMOTE` uploads, `rsb sync SANDBOX:REMOTE LOCAL`
     /// downloads (`:REMOTE` = the -s or active sandbox). Remote paths are relative to the
@@ -264,7 +273,20 @@ async fn run(cli: Cli) -> u8 {
             recursive,
             max_entries,
         } => cli::fs::ls(&ctx, &path, recursive, max_entries).await,
-        Cmd::Cat { path, max_bytes } => cli::fs::cat(&ctx, &path, max_bytes).await,
+        Cmd::Cat {
+            path,
+            max_bytes,
+            offset,
+            limit,
+            numbered,
+        } => {
+            let lines = cli::fs::Lines {
+                offset,
+                limit,
+                numbered,
+            };
+            cli::fs::cat(&ctx, &path, max_bytes, lines).await
+        }
         Cmd::Jobs { cmd } => cli::jobs::run(&ctx, cmd).await,
         Cmd::Doctor => cli::doctor::run(&ctx).await,
         Cmd::Forward(a) => {

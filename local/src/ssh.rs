@@ -677,8 +677,116 @@ async fn open_session(
     }
 }
 
-/// A TCP connection whose unacknowledged data (including zero-window probes) fails the socket
-/// after [`LIVENESS_TIMEOUT`], so the kernel too gives up on a black-holed peer.
+/// How the kernel itself gives up on a dead or black-holed link, chosen per OS. The protocol
+/// heartbeat (russh keepalives every [`KEEPALIVE_INTERVAL`], [`LIVENESS_TIMEOUT`] without
+/// traffic) is the other half on every OS; the socket options make the socket fail too, so a
+/// write stuck in the kernel returns instead of waiting for TCP's own ~15 min retransmit limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DeadLink {
+    /// Linux `TCP_USER_TIMEOUT`: sent data unacknowledged this long fails the socket.
+    pub user_timeout: Option<Duration>,
+    /// macOS `TCP_RXT_CONNDROPTIME`: retransmitting this long drops the connection (Darwin's
+    /// counterpart of `TCP_USER_TIMEOUT`, which it lacks).
+    pub rxt_conndrop: Option<Duration>,
+    /// `SO_KEEPALIVE` with the idle time (`TCP_KEEPIDLE`, macOS `TCP_KEEPALIVE`),
+    /// `TCP_KEEPINTVL` and `TCP_KEEPCNT`: probes while nothing is in flight.
+    pub keepalive: Option<Keepalive>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Keepalive {
+    pub idle: Duration,
+    pub interval: Duration,
+    pub count: u32,
+}
+
+/// The settings for `os` (`std::env::consts::OS`); a function of the name, so every OS's
+/// choice is tested on any OS.
+pub(crate) fn dead_link_for(os: &str) -> DeadLink {
+    // Idle probes finish within LIVENESS_TIMEOUT: 3 + 3 * 4 = 15 s.
+    let keepalive = Keepalive {
+        idle: Duration::from_secs(3),
+        interval: Duration::from_secs(3),
+        count: 4,
+    };
+    match os {
+        // TCP_USER_TIMEOUT also bounds keepalive probes on Linux, and russh's own keepalives
+        // keep the link from idling, so no TCP keepalive is needed there.
+        "linux" | "android" => DeadLink {
+            user_timeout: Some(LIVENESS_TIMEOUT),
+            rxt_conndrop: None,
+            keepalive: None,
+        },
+        "macos" | "ios" => DeadLink {
+            user_timeout: None,
+            rxt_conndrop: Some(LIVENESS_TIMEOUT),
+            keepalive: Some(keepalive),
+        },
+        _ => DeadLink {
+            user_timeout: None,
+            rxt_conndrop: None,
+            keepalive: Some(keepalive),
+        },
+    }
+}
+
+/// Apply `d` to `tcp`; an option the OS refuses is logged, never fatal (the protocol
+/// heartbeat still bounds the session).
+fn apply_dead_link(tcp: &tokio::net::TcpStream, d: DeadLink) {
+    let sock = socket2::SockRef::from(tcp);
+    // Each OS reads the fields it has options for; the others are None there.
+    let DeadLink {
+        user_timeout,
+        rxt_conndrop,
+        keepalive,
+    } = d;
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let _ = user_timeout;
+    #[cfg(not(target_vendor = "apple"))]
+    let _ = rxt_conndrop;
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    if let Some(t) = user_timeout
+        && let Err(e) = sock.set_tcp_user_timeout(Some(t))
+    {
+        tracing::debug!("cannot set TCP_USER_TIMEOUT: {e}");
+    }
+    #[cfg(target_vendor = "apple")]
+    if let Some(t) = rxt_conndrop {
+        use std::os::fd::AsRawFd;
+        /// `<netinet/tcp.h>`; the libc crate does not define it.
+        const TCP_RXT_CONNDROPTIME: libc::c_int = 0x80;
+        let secs = libc::c_int::try_from(t.as_secs()).unwrap_or(libc::c_int::MAX);
+        // SAFETY: the descriptor is open (borrowed from `tcp`), and the option value is a
+        // c_int of the size passed.
+        let rc = unsafe {
+            libc::setsockopt(
+                tcp.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                TCP_RXT_CONNDROPTIME,
+                (&secs as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if rc != 0 {
+            tracing::debug!(
+                "cannot set TCP_RXT_CONNDROPTIME: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+    if let Some(k) = keepalive {
+        let ka = socket2::TcpKeepalive::new()
+            .with_time(k.idle)
+            .with_interval(k.interval)
+            .with_retries(k.count);
+        if let Err(e) = sock.set_tcp_keepalive(&ka) {
+            tracing::debug!("cannot set TCP keepalive: {e}");
+        }
+    }
+}
+
+/// A TCP connection that the kernel fails after about [`LIVENESS_TIMEOUT`] on a black-holed
+/// peer (see [`dead_link_for`]).
 async fn tcp_connect(
     host: &str,
     port: u16,
@@ -687,9 +795,7 @@ async fn tcp_connect(
         .await
         .map_err(|e| HandlerError::Ssh(russh::Error::IO(e)))?;
     let _ = tcp.set_nodelay(true);
-    if let Err(e) = socket2::SockRef::from(&tcp).set_tcp_user_timeout(Some(LIVENESS_TIMEOUT)) {
-        tracing::debug!("cannot set TCP_USER_TIMEOUT: {e}");
-    }
+    apply_dead_link(&tcp, dead_link_for(std::env::consts::OS));
     Ok(tcp)
 }
 
@@ -904,5 +1010,54 @@ async fn authenticate(
                 "configure password or key_file for this sandbox",
             ))
         }
+    }
+}
+
+#[cfg(test)]
+mod dead_link_tests {
+    use super::*;
+
+    #[test]
+    fn linux_uses_tcp_user_timeout_alone() {
+        let d = dead_link_for("linux");
+        assert_eq!(d.user_timeout, Some(LIVENESS_TIMEOUT));
+        assert_eq!(d.rxt_conndrop, None);
+        assert_eq!(d.keepalive, None);
+    }
+
+    #[test]
+    fn macos_uses_rxt_conndroptime_and_keepalive_within_the_liveness_timeout() {
+        let d = dead_link_for("macos");
+        assert_eq!(d.user_timeout, None, "Darwin has no TCP_USER_TIMEOUT");
+        assert_eq!(d.rxt_conndrop, Some(LIVENESS_TIMEOUT));
+        let k = d.keepalive.expect("macOS probes idle links");
+        assert!(k.count >= 1 && !k.interval.is_zero() && !k.idle.is_zero());
+        // The longest an idle dead link goes unnoticed by the kernel.
+        assert!(k.idle + k.interval * k.count <= LIVENESS_TIMEOUT, "{k:?}");
+    }
+
+    #[test]
+    fn other_systems_fall_back_to_keepalive() {
+        let d = dead_link_for("freebsd");
+        assert_eq!((d.user_timeout, d.rxt_conndrop), (None, None));
+        assert!(d.keepalive.is_some());
+    }
+
+    #[test]
+    fn this_build_applies_its_own_os_settings_to_a_real_socket() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = l.local_addr().unwrap().port();
+            let tcp = tcp_connect("127.0.0.1", port).await.unwrap();
+            let sock = socket2::SockRef::from(&tcp);
+            let d = dead_link_for(std::env::consts::OS);
+            #[cfg(any(target_os = "linux", target_os = "android"))]
+            assert_eq!(sock.tcp_user_timeout().unwrap(), d.user_timeout);
+            assert_eq!(sock.keepalive().unwrap(), d.keepalive.is_some());
+        });
     }
 }

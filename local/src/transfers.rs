@@ -78,7 +78,8 @@ fn is_terminal(status: &str) -> bool {
 }
 
 /// Start time of a process (clock ticks since boot), recorded next to its pid so a live owner
-/// can be told from a reused pid. Empty where /proc is unavailable.
+/// can be told from a reused pid (from /proc on Linux, libproc on macOS). Empty where the
+/// process table cannot be read.
 fn process_start(pid: u32) -> String {
     rsb_agent::proc::start_ticks(pid)
         .map(|t| t.to_string())

@@ -10,6 +10,7 @@
 
 pub mod codec;
 pub mod compress;
+pub mod edit;
 pub mod error;
 pub mod exec;
 pub mod fs;
@@ -21,6 +22,10 @@ pub mod sync;
 use serde::{Deserialize, Serialize};
 
 pub use codec::{CodecError, MAX_CHUNK, MAX_FRAME, decode, encode, frame_codec};
+pub use edit::{
+    Changed, ContentHash, EditOutcome, EditRequest, LineRange, NearLine, ReadTextRequest,
+    ReadTextResult, Refusal, WriteCondition, WriteRequest,
+};
 pub use error::{AgentError, ErrorCode};
 pub use exec::{Captured, ExecInput, ExecRequest, ExecResult, INPUT_WINDOW, TtySize};
 pub use fs::{
@@ -43,9 +48,9 @@ pub use sync::{
 };
 
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
-/// 7: zstd frames replace raw deflate in every compressed payload, and `ApplyOp::Packed` carries a
-/// batch of small files as one frame.
-pub const PROTOCOL_VERSION: u32 = 7;
+/// 7: ReadText/Edit/Write (code tools). 8: zstd frames replace raw deflate in every compressed
+/// payload, and `ApplyOp::Packed` carries a batch of small files as one frame.
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Hash of this crate's sources at build time: catches an agent and an `rsb` built from
 /// different protocol sources even when nobody bumped [`PROTOCOL_VERSION`].
@@ -159,6 +164,9 @@ call!(ApplyCloseRequest, ApplyClose, "apply_close" => Applied(ApplyResult));
 call!(ApplyAbortRequest, ApplyAbort, "apply_abort" => Done);
 call!(ApplyOnceRequest, ApplyOnce, "apply_once" => Applied(ApplyResult));
 call!(ReadFileZRequest, ReadFileZ, "read_file_z" => ReadFileZ(ReadFileZResult));
+call!(ReadTextRequest, ReadText, "read_text" => ReadText(ReadTextResult));
+call!(EditRequest, Edit, "edit" => Edited(EditOutcome));
+call!(WriteRequest, Write, "write" => Edited(EditOutcome));
 
 /// Echoed back unchanged: a round trip through the agent's loop (liveness, latency).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -188,6 +196,9 @@ pub enum Request {
     ApplyAbort(ApplyAbortRequest),
     ApplyOnce(ApplyOnceRequest),
     ReadFileZ(ReadFileZRequest),
+    ReadText(ReadTextRequest),
+    Edit(EditRequest),
+    Write(WriteRequest),
 }
 
 impl Request {
@@ -211,6 +222,9 @@ impl Request {
         ApplyAbortRequest::NAME,
         ApplyOnceRequest::NAME,
         ReadFileZRequest::NAME,
+        ReadTextRequest::NAME,
+        EditRequest::NAME,
+        WriteRequest::NAME,
     ];
 
     /// Short name for logs and error messages.
@@ -234,6 +248,9 @@ impl Request {
             Request::ApplyAbort(_) => ApplyAbortRequest::NAME,
             Request::ApplyOnce(_) => ApplyOnceRequest::NAME,
             Request::ReadFileZ(_) => ReadFileZRequest::NAME,
+            Request::ReadText(_) => ReadTextRequest::NAME,
+            Request::Edit(_) => EditRequest::NAME,
+            Request::Write(_) => WriteRequest::NAME,
         }
     }
 }
@@ -259,6 +276,9 @@ pub enum Reply {
     /// Any request can fail with this instead of its own reply.
     Error(AgentError),
     ReadFileZ(ReadFileZResult),
+    ReadText(ReadTextResult),
+    /// Answers both `Edit` and `Write`.
+    Edited(EditOutcome),
 }
 
 impl Reply {
@@ -281,6 +301,8 @@ impl Reply {
             Reply::Done => "done",
             Reply::Error(_) => "error",
             Reply::ReadFileZ(_) => "read_file_z",
+            Reply::ReadText(_) => "read_text",
+            Reply::Edited(_) => "edited",
         }
     }
 }

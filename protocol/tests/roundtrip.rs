@@ -139,6 +139,27 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             offset: 5,
             max_bytes: 1 << 20,
         }),
+        Request::ReadText(ReadTextRequest {
+            path: "~/a.rs".into(),
+            lines: Some(LineRange {
+                first: 3,
+                count: 10,
+            }),
+            max_bytes: 1000,
+        }),
+        Request::Edit(EditRequest {
+            path: "~/a.rs".into(),
+            old: "a\r\n".into(),
+            new: "é".into(),
+            replace_all: true,
+            expected_hash: Some("0f".repeat(16)),
+        }),
+        Request::Write(WriteRequest {
+            path: "d/n".into(),
+            data: vec![0, 255],
+            condition: WriteCondition::CreateOnly,
+            make_dirs: true,
+        }),
     ];
     let mut to_agent: Vec<ToAgent> = requests
         .into_iter()
@@ -303,6 +324,32 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             data: vec![7; 3],
             truncated: false,
         }),
+        Reply::ReadText(ReadTextResult {
+            path: "/h/a.rs".into(),
+            size: 9,
+            hash: Some("ab".repeat(16)),
+            data: b"x\n".to_vec(),
+            truncated: true,
+            first_line: 3,
+            lines: 1,
+            total_lines: None,
+        }),
+        Reply::Edited(EditOutcome::Done(Changed {
+            path: "/h/a.rs".into(),
+            hash: "cd".repeat(16),
+            created: false,
+            replacements: 2,
+            changed_lines: vec![(1, 2), (9, 9)],
+            diff: "@@ -1 +1 @@\n-a\n+b\n".into(),
+            diff_truncated: false,
+        })),
+        Reply::Edited(EditOutcome::Refused(Refusal::NoMatch {
+            near: vec![NearLine {
+                line: 4,
+                text: "  a".into(),
+            }],
+        })),
+        Reply::Edited(EditOutcome::Refused(Refusal::Changed { current: None })),
     ];
     let mut from_agent: Vec<FromAgent> = vec![FromAgent::Hello(Hello {
         magic: MAGIC,
@@ -584,6 +631,11 @@ fn each_call_unwraps_only_its_own_reply() {
                 q,
                 ReadFileZRequest::from_reply(reply("read_file_z")).unwrap(),
             ),
+            Request::ReadText(q) => {
+                check(q, ReadTextRequest::from_reply(reply("read_text")).unwrap())
+            }
+            Request::Edit(q) => check(q, EditRequest::from_reply(reply("edited")).unwrap()),
+            Request::Write(q) => check(q, EditOutcome::Refused(Refusal::Exists)),
         }
     }
     assert_eq!(checked, Request::KINDS.len());

@@ -29,8 +29,9 @@ use serde_json::{Value, json};
 // ---------------------------------------------------------------------------------------------
 
 /// The tools `rsb mcp` exposes by default (no advanced flag).
-/// The seed's twelve defaults plus rsb's `kill_background_task` and `list_background_tasks`.
-const DEFAULT_TOOLS: [&str; 14] = [
+/// The seed's twelve defaults plus rsb's `kill_background_task`, `list_background_tasks`,
+/// `edit_remote_file` and `write_remote_file`.
+const DEFAULT_TOOLS: [&str; 16] = [
     "list_sandboxes",
     "select_sandbox",
     "get_active_sandbox",
@@ -41,14 +42,30 @@ const DEFAULT_TOOLS: [&str; 14] = [
     "list_background_tasks",
     "list_remote_files",
     "read_remote_file",
+    "edit_remote_file",
+    "write_remote_file",
     "sync_local_to_remote",
     "check_file_transfer_task",
     "cancel_file_transfer_task",
     "sync_remote_to_local",
 ];
 
-/// The seed's twelve default tools take 9,243 B of compact JSON; rsb's set must not be larger.
-const SCHEMA_BUDGET_BYTES: usize = 9_243;
+/// The seed's twelve default tools take 9,243 B of compact JSON (name, description,
+/// inputSchema: the part a model reads); rsb's set may grow by 650 B for each default tool
+/// it adds for coding agents (issue 24: edit_remote_file, write_remote_file).
+const SCHEMA_BUDGET_BYTES: usize = 9_243 + 650 * 2;
+
+/// The part of a tools/list a model reads, as compact JSON: each tool's name, description
+/// and inputSchema (annotations are hints for the client).
+fn model_part(tools: &Value) -> String {
+    let part: Vec<Value> = tools
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| json!({"name": t["name"], "description": t["description"], "inputSchema": t["inputSchema"]}))
+        .collect();
+    serde_json::to_string(&part).unwrap()
+}
 
 /// A password that must never appear in any reply or log line.
 const FAKE_SECRET: &str = "S3cr3t-pw!";
@@ -280,11 +297,12 @@ async fn tools_list_matches_the_seed_and_fits_the_budget() {
     let mcp = Mcp::start(&list(&[dead_entry("dead", closed_port())])).await;
     let tools = mcp.svc.list_all_tools().await.unwrap();
     let arr = serde_json::to_value(&tools).unwrap();
-    let compact = serde_json::to_string(&arr).unwrap();
+    let compact = model_part(&arr);
     println!(
-        "tools/list: {} tools, {} bytes of compact JSON (budget {SCHEMA_BUDGET_BYTES})",
+        "tools/list: {} tools, {} bytes of compact JSON read by a model (budget {SCHEMA_BUDGET_BYTES}), {} with annotations",
         tools.len(),
-        compact.len()
+        compact.len(),
+        serde_json::to_string(&arr).unwrap().len()
     );
     for t in arr.as_array().unwrap() {
         println!(
@@ -400,6 +418,12 @@ async fn tools_list_matches_the_seed_and_fits_the_budget() {
             vec!["remote_path"],
             vec![("max_bytes", json!(200000)), ("sandbox_name", json!(""))],
         ),
+        (
+            "edit_remote_file",
+            vec!["new_string", "old_string", "remote_path"],
+            vec![],
+        ),
+        ("write_remote_file", vec!["remote_path"], vec![]),
         (
             "sync_local_to_remote",
             vec![],
@@ -988,8 +1012,8 @@ async fn long_exec_sends_progress() {
 async fn every_parameter_is_described_and_every_tool_annotated() {
     let mcp = Mcp::start(&list(&[dead_entry("dead", closed_port())])).await;
     let tools = serde_json::to_value(mcp.svc.list_all_tools().await.unwrap()).unwrap();
+    let compact = model_part(&tools);
     let tools = tools.as_array().unwrap();
-    let compact = serde_json::to_string(tools).unwrap();
     println!(
         "tools/list: {} bytes of compact JSON (budget {SCHEMA_BUDGET_BYTES})",
         compact.len()
@@ -1023,7 +1047,7 @@ async fn every_parameter_is_described_and_every_tool_annotated() {
     // (tool, readOnly, destructive, idempotent, openWorld); None = not stated (the default:
     // for a tool that is not read-only, destructive).
     type Hints = (&'static str, Option<bool>, Option<bool>, Option<bool>, bool);
-    let expected: [Hints; 14] = [
+    let expected: [Hints; 16] = [
         ("list_sandboxes", Some(true), None, None, false),
         ("get_active_sandbox", Some(true), None, None, false),
         ("select_sandbox", None, Some(false), Some(true), false),
@@ -1034,6 +1058,9 @@ async fn every_parameter_is_described_and_every_tool_annotated() {
         ("kill_background_task", None, Some(true), Some(true), false),
         ("list_remote_files", Some(true), None, None, false),
         ("read_remote_file", Some(true), None, None, false),
+        // An edit made twice is not the edit made once; a write is.
+        ("edit_remote_file", None, Some(true), None, false),
+        ("write_remote_file", None, Some(true), Some(true), false),
         // Upload may delete (delete_extras) and replace; a download replaces local files
         // (never deletes); running either again changes nothing more.
         ("sync_local_to_remote", None, Some(true), Some(true), false),
@@ -1067,6 +1094,9 @@ async fn every_parameter_is_described_and_every_tool_annotated() {
     assert!(desc("kill_background_task", "tmux_session").contains("Job name"));
     assert!(desc("list_remote_files", "remote_path").contains("$HOME"));
     assert!(desc("read_remote_file", "sandbox_name").contains("active sandbox"));
+    assert!(desc("read_remote_file", "offset").contains("1-based"));
+    assert!(desc("edit_remote_file", "expected_hash").contains("hash"));
+    assert!(desc("write_remote_file", "expected_hash").contains("hash"));
     for tool in ["sync_local_to_remote", "sync_remote_to_local"] {
         assert!(desc(tool, "remote_path").contains("$HOME"), "{tool}");
         assert!(desc(tool, "local_path").contains("cwd"), "{tool}");
@@ -1573,5 +1603,507 @@ async fn reconnects_after_the_connection_is_dropped() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let v = mcp.ok("exec_bash", json!({"command": "echo three"})).await;
     assert_eq!(v["stdout"], "three\n");
+    mcp.close().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 10. Reading by lines, editing and writing (issue 24)
+// ---------------------------------------------------------------------------------------------
+
+/// The content hash every read reply carries: blake3, first 16 bytes, hex.
+fn content_hash(data: &[u8]) -> String {
+    blake3::hash(data).as_bytes()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn mode_of(p: &Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_remote_file_by_lines_with_numbers_and_hash() {
+    let sshd = Sshd::start().unwrap();
+    let h = sshd.home();
+    let ten: String = (1..=10).map(|i| format!("line {i}\n")).collect();
+    std::fs::write(h.join("ten.txt"), &ten).unwrap();
+    std::fs::write(h.join("crlf.txt"), "a\r\nb\r\nc").unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+
+    // The seed's byte form keeps its keys and gains the hash.
+    let v = mcp
+        .ok("read_remote_file", json!({"remote_path": "~/ten.txt"}))
+        .await;
+    assert_eq!(v["content"], ten.as_str());
+    assert_eq!(v["hash"], content_hash(ten.as_bytes()), "{v}");
+    assert!(v.get("first_line").is_none(), "{v}");
+    let v = mcp
+        .ok(
+            "read_remote_file",
+            json!({"remote_path": "~/ten.txt", "max_bytes": 3}),
+        )
+        .await;
+    assert_eq!(v["content"], "lin");
+    assert_eq!(
+        v["hash"],
+        content_hash(ten.as_bytes()),
+        "the whole file's hash: {v}"
+    );
+
+    // By lines: offset is 1-based, limit counts lines, the reply says where it is.
+    let v = mcp
+        .ok(
+            "read_remote_file",
+            json!({"remote_path": "~/ten.txt", "offset": 3, "limit": 2}),
+        )
+        .await;
+    assert_eq!(v["content"], "line 3\nline 4\n", "{v}");
+    assert_eq!(
+        (
+            &v["first_line"],
+            &v["lines"],
+            &v["total_lines"],
+            &v["truncated"]
+        ),
+        (&json!(3), &json!(2), &json!(10), &json!(true)),
+        "{v}"
+    );
+    let v = mcp
+        .ok(
+            "read_remote_file",
+            json!({"remote_path": "~/ten.txt", "offset": 9, "numbered": true}),
+        )
+        .await;
+    assert_eq!(v["content"], "     9\tline 9\n    10\tline 10\n", "{v}");
+    assert_eq!(v["truncated"], false, "{v}");
+    let v = mcp
+        .ok(
+            "read_remote_file",
+            json!({"remote_path": "~/ten.txt", "numbered": true, "limit": 1}),
+        )
+        .await;
+    assert_eq!(v["content"], "     1\tline 1\n", "{v}");
+    // max_bytes still caps a line read, at a line boundary.
+    let v = mcp
+        .ok(
+            "read_remote_file",
+            json!({"remote_path": "~/ten.txt", "offset": 1, "max_bytes": 10}),
+        )
+        .await;
+    assert_eq!(v["content"], "line 1\n", "{v}");
+    assert_eq!(v["truncated"], true, "{v}");
+    // Past the end: nothing, and nothing more.
+    let v = mcp
+        .ok(
+            "read_remote_file",
+            json!({"remote_path": "~/ten.txt", "offset": 11}),
+        )
+        .await;
+    assert_eq!(
+        (&v["content"], &v["truncated"]),
+        (&json!(""), &json!(false))
+    );
+    // CRLF lines and a last line without a newline come back as they are.
+    let v = mcp
+        .ok(
+            "read_remote_file",
+            json!({"remote_path": "~/crlf.txt", "offset": 2}),
+        )
+        .await;
+    assert_eq!(v["content"], "b\r\nc", "{v}");
+    assert_eq!(v["total_lines"], 3, "{v}");
+
+    let r = mcp
+        .err(
+            "read_remote_file",
+            json!({"remote_path": "~/ten.txt", "offset": -1}),
+        )
+        .await;
+    assert!(r.s("error").contains("offset"), "{}", r.text);
+    mcp.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edit_remote_file_contract() {
+    let sshd = Sshd::start().unwrap();
+    let h = sshd.home().to_path_buf();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd), key_entry("t", &sshd)])).await;
+    let f = h.join("code.rs");
+    let src = "fn main() {\n    let x = 1;\n    println!(\"{x}\");\n}\n";
+    std::fs::write(&f, src).unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o751)).unwrap();
+    }
+    let edit = |args: Value| {
+        let mut a = json!({"remote_path": "~/code.rs"});
+        a.as_object_mut()
+            .unwrap()
+            .extend(args.as_object().unwrap().clone());
+        a
+    };
+
+    // Unique: replaced in place, mode kept, hash/lines/diff replied.
+    let v = mcp
+        .ok(
+            "edit_remote_file",
+            edit(json!({"old_string": "let x = 1;", "new_string": "let x = 2;\n    let y = 3;"})),
+        )
+        .await;
+    let now = std::fs::read_to_string(&f).unwrap();
+    assert_eq!(
+        now,
+        "fn main() {\n    let x = 2;\n    let y = 3;\n    println!(\"{x}\");\n}\n"
+    );
+    assert_eq!(v["hash"], content_hash(now.as_bytes()), "{v}");
+    assert_eq!(v["replacements"], 1, "{v}");
+    assert_eq!(v["changed_lines"], json!(["2-3"]), "{v}");
+    assert_eq!(
+        v["diff"],
+        "@@ -1,4 +1,5 @@\n fn main() {\n-    let x = 1;\n+    let x = 2;\n+    let y = 3;\n     println!(\"{x}\");\n }\n",
+        "{v}"
+    );
+    assert_eq!(mode_of(&f), 0o751);
+    let hash_now = v["hash"].as_str().unwrap().to_string();
+
+    // Ambiguous: the count, and nothing written; replace_all then replaces each.
+    std::fs::write(&f, "a = 1\na = 1\na = 1\n").unwrap();
+    let r = mcp
+        .err(
+            "edit_remote_file",
+            edit(json!({"old_string": "a = 1", "new_string": "b"})),
+        )
+        .await;
+    assert!(r.s("error").contains("occurs 3 times"), "{}", r.text);
+    assert!(r.s("hint").contains("replace_all"), "{}", r.text);
+    assert_eq!(
+        std::fs::read_to_string(&f).unwrap(),
+        "a = 1\na = 1\na = 1\n"
+    );
+    let v = mcp
+        .ok(
+            "edit_remote_file",
+            edit(json!({"old_string": "a = 1", "new_string": "b", "replace_all": true})),
+        )
+        .await;
+    assert_eq!(v["replacements"], 3, "{v}");
+    assert_eq!(std::fs::read_to_string(&f).unwrap(), "b\nb\nb\n");
+
+    // Missing, and a near miss in indentation: the hint names the line and its number.
+    std::fs::write(&f, src).unwrap();
+    let r = mcp
+        .err(
+            "edit_remote_file",
+            edit(json!({"old_string": "qqq zzz", "new_string": "x"})),
+        )
+        .await;
+    assert!(r.s("error").contains("not found"), "{}", r.text);
+    let r = mcp
+        .err(
+            "edit_remote_file",
+            edit(json!({"old_string": "let x = 1;\nprintln!(\"{x}\");", "new_string": "x"})),
+        )
+        .await;
+    assert!(r.s("hint").contains("line 2:"), "{}", r.text);
+    assert!(r.s("hint").contains("    let x = 1;"), "{}", r.text);
+    assert_eq!(std::fs::read_to_string(&f).unwrap(), src);
+
+    // A precondition that no longer holds writes nothing and names the current hash.
+    let stale = content_hash(src.as_bytes());
+    std::fs::write(&f, "changed under us\n").unwrap();
+    let r = mcp
+        .err(
+            "edit_remote_file",
+            edit(json!({"old_string": "changed", "new_string": "x", "expected_hash": stale})),
+        )
+        .await;
+    let current = content_hash(b"changed under us\n");
+    assert!(r.s("error").contains(&current), "{}", r.text);
+    assert_eq!(std::fs::read_to_string(&f).unwrap(), "changed under us\n");
+    assert_ne!(hash_now, current);
+    let v = mcp
+        .ok(
+            "edit_remote_file",
+            edit(
+                json!({"old_string": "changed", "new_string": "edited", "expected_hash": current}),
+            ),
+        )
+        .await;
+    assert_eq!(v["hash"], content_hash(b"edited under us\n"), "{v}");
+
+    // CRLF and a missing trailing newline are kept, even for an old_string written with \n.
+    std::fs::write(h.join("crlf.txt"), "one\r\ntwo\r\nthree").unwrap();
+    mcp.ok(
+        "edit_remote_file",
+        json!({"remote_path": "~/crlf.txt", "old_string": "one\ntwo", "new_string": "1\n2"}),
+    )
+    .await;
+    assert_eq!(
+        std::fs::read(h.join("crlf.txt")).unwrap(),
+        b"1\r\n2\r\nthree"
+    );
+
+    // Not UTF-8: refused clearly, untouched.
+    std::fs::write(h.join("latin1.txt"), b"caf\xe9\n").unwrap();
+    let r = mcp
+        .err(
+            "edit_remote_file",
+            json!({"remote_path": "~/latin1.txt", "old_string": "caf", "new_string": "x"}),
+        )
+        .await;
+    assert!(r.s("error").contains("not UTF-8"), "{}", r.text);
+    assert!(r.s("hint").contains("content_base64"), "{}", r.text);
+    assert_eq!(std::fs::read(h.join("latin1.txt")).unwrap(), b"caf\xe9\n");
+
+    // Through a symlink: the target changes, the link stays a link.
+    std::fs::create_dir_all(h.join("real")).unwrap();
+    std::fs::write(h.join("real/t.txt"), "target\n").unwrap();
+    std::os::unix::fs::symlink("real/t.txt", h.join("link.txt")).unwrap();
+    let v = mcp
+        .ok(
+            "edit_remote_file",
+            json!({"remote_path": "~/link.txt", "old_string": "target", "new_string": "edited"}),
+        )
+        .await;
+    assert!(v["path"].as_str().unwrap().ends_with("real/t.txt"), "{v}");
+    assert!(
+        std::fs::symlink_metadata(h.join("link.txt"))
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert_eq!(
+        std::fs::read_to_string(h.join("real/t.txt")).unwrap(),
+        "edited\n"
+    );
+
+    // Bad input: one line and a hint each.
+    for (args, want) in [
+        (json!({"old_string": "", "new_string": "x"}), "old_string"),
+        (json!({"old_string": "a", "new_string": "a"}), "equals"),
+        (
+            json!({"old_string": "a", "new_string": "b", "expected_hash": "xyz"}),
+            "32 hex",
+        ),
+    ] {
+        let r = mcp.err("edit_remote_file", edit(args)).await;
+        assert!(r.s("error").contains(want), "{}", r.text);
+        assert!(!r.s("hint").is_empty(), "{}", r.text);
+    }
+    let r = mcp
+        .err(
+            "edit_remote_file",
+            json!({"remote_path": "~/nope.txt", "old_string": "a", "new_string": "b"}),
+        )
+        .await;
+    assert!(r.s("error").contains("nope.txt"), "{}", r.text);
+
+    // Two edits at once with the same expected hash, through two agents (sandboxes s and t
+    // are two channels, two agents) and through one: exactly one wins, the other is told.
+    for round in 0..6 {
+        let body = format!("round {round}\n");
+        std::fs::write(&f, &body).unwrap();
+        let hash = content_hash(body.as_bytes());
+        let (s1, s2) = if round % 2 == 0 {
+            ("s", "t")
+        } else {
+            ("s", "s")
+        };
+        let a = json!({"remote_path": "~/code.rs", "old_string": "round", "new_string": "A",
+                       "expected_hash": hash, "sandbox_name": s1});
+        let b = json!({"remote_path": "~/code.rs", "old_string": "round", "new_string": "B",
+                       "expected_hash": hash, "sandbox_name": s2});
+        let (ra, rb) = tokio::join!(
+            mcp.call("edit_remote_file", a),
+            mcp.call("edit_remote_file", b)
+        );
+        assert!(
+            ra.is_error != rb.is_error,
+            "round {round}: exactly one must win: {} / {}",
+            ra.text,
+            rb.text
+        );
+        let (won, lost) = if ra.is_error { (&rb, &ra) } else { (&ra, &rb) };
+        let now = std::fs::read_to_string(&f).unwrap();
+        assert_eq!(won.s("hash"), content_hash(now.as_bytes()));
+        assert!(lost.s("error").contains("changed since"), "{}", lost.text);
+        assert!(lost.s("error").contains(won.s("hash")), "{}", lost.text);
+    }
+    mcp.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edit_and_write_report_permission_denied() {
+    use std::os::unix::fs::PermissionsExt;
+    let sshd = Sshd::start().unwrap();
+    // As root the check needs another user: the fixture's password user, on files root owns.
+    let is_root = unsafe { libc::geteuid() } == 0;
+    let (entry, dir) = if is_root {
+        let Some((u, p)) = sshd.password_user() else {
+            println!("SKIP: root without the fixture's password user");
+            return;
+        };
+        let d = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        (pw_entry("s", &sshd, &u, &p), d)
+    } else {
+        (
+            key_entry("s", &sshd),
+            tempfile::tempdir_in(sshd.home()).unwrap(),
+        )
+    };
+    let f = dir.path().join("ro.txt");
+    std::fs::write(&f, "keep\n").unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o444)).unwrap();
+    if !is_root {
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o555)).unwrap();
+    }
+    let mcp = Mcp::start(&list(&[entry])).await;
+    let path = f.display().to_string();
+    let r = mcp
+        .err(
+            "edit_remote_file",
+            json!({"remote_path": path, "old_string": "keep", "new_string": "x"}),
+        )
+        .await;
+    assert!(r.s("error").contains("permission denied"), "{}", r.text);
+    assert!(r.s("error").contains("ro.txt"), "{}", r.text);
+    let r = mcp
+        .err(
+            "write_remote_file",
+            json!({"remote_path": dir.path().join("new.txt").display().to_string(), "content": "x"}),
+        )
+        .await;
+    assert!(r.s("error").contains("permission denied"), "{}", r.text);
+    assert_eq!(std::fs::read_to_string(&f).unwrap(), "keep\n");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    mcp.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn write_remote_file_is_atomic_and_conditional() {
+    use std::os::unix::fs::PermissionsExt;
+    let sshd = Sshd::start().unwrap();
+    let h = sshd.home().to_path_buf();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+
+    // A new file (parents made on request) gets the umask's mode; the reply names its hash.
+    let v = mcp
+        .ok(
+            "write_remote_file",
+            json!({"remote_path": "~/new/dir/a.txt", "content": "hi\n", "make_dirs": true}),
+        )
+        .await;
+    assert_eq!(
+        std::fs::read_to_string(h.join("new/dir/a.txt")).unwrap(),
+        "hi\n"
+    );
+    assert_eq!(v["hash"], content_hash(b"hi\n"), "{v}");
+    assert_eq!(v["created"], true, "{v}");
+    assert_eq!(mode_of(&h.join("new/dir/a.txt")) & 0o600, 0o600);
+    let r = mcp
+        .err(
+            "write_remote_file",
+            json!({"remote_path": "~/missing/a.txt", "content": "hi\n"}),
+        )
+        .await;
+    assert!(r.s("error").contains("missing"), "{}", r.text);
+
+    // Bytes, create_only, expected_hash; an existing file's mode is kept.
+    let f = h.join("w.bin");
+    std::fs::write(&f, b"old").unwrap();
+    std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let r = mcp
+        .err(
+            "write_remote_file",
+            json!({"remote_path": "~/w.bin", "content": "x", "create_only": true}),
+        )
+        .await;
+    assert!(r.s("error").contains("already exists"), "{}", r.text);
+    let r = mcp
+        .err(
+            "write_remote_file",
+            json!({"remote_path": "~/w.bin", "content": "x", "expected_hash": content_hash(b"other")}),
+        )
+        .await;
+    assert!(r.s("error").contains(&content_hash(b"old")), "{}", r.text);
+    assert_eq!(std::fs::read(&f).unwrap(), b"old");
+    let bytes: Vec<u8> = (0..=255u8).collect();
+    let b64 = base64::engine::general_purpose::STANDARD.encode(&bytes);
+    mcp.ok(
+        "write_remote_file",
+        json!({"remote_path": "~/w.bin", "content_base64": b64, "expected_hash": content_hash(b"old")}),
+    )
+    .await;
+    assert_eq!(std::fs::read(&f).unwrap(), bytes);
+    assert_eq!(mode_of(&f), 0o640);
+
+    // FIFOs, directories and both/neither content forms are refused.
+    assert!(
+        std::process::Command::new("mkfifo")
+            .arg(h.join("fifo"))
+            .status()
+            .unwrap()
+            .success()
+    );
+    let r = mcp
+        .err(
+            "write_remote_file",
+            json!({"remote_path": "~/fifo", "content": "x"}),
+        )
+        .await;
+    assert!(r.s("error").contains("fifo"), "{}", r.text);
+    let r = mcp
+        .err(
+            "write_remote_file",
+            json!({"remote_path": "~/new", "content": "x"}),
+        )
+        .await;
+    assert!(r.s("error").contains("directory"), "{}", r.text);
+    let r = mcp
+        .err(
+            "write_remote_file",
+            json!({"remote_path": "~/w.bin", "content": "x", "content_base64": "eA=="}),
+        )
+        .await;
+    assert!(r.s("error").contains("exactly one"), "{}", r.text);
+
+    // A reader polling the file while it is rewritten never sees a partial file: each read is
+    // one whole version (1 MiB of a single byte).
+    let big = h.join("big.txt");
+    let version = |c: u8| vec![c; 1 << 20];
+    std::fs::write(&big, version(b'a')).unwrap();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (done, big) = (done.clone(), big.clone());
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            let mut reads = 0;
+            while !done.load(Ordering::SeqCst) && start.elapsed() < Duration::from_secs(120) {
+                let d = std::fs::read(&big).unwrap();
+                assert_eq!(d.len(), 1 << 20, "a partial file after {reads} reads");
+                assert!(
+                    d.iter().all(|&b| b == d[0]),
+                    "a mixed file after {reads} reads"
+                );
+                reads += 1;
+            }
+            reads
+        })
+    };
+    for i in 0..20u8 {
+        let c = b'a' + (i % 26);
+        let text = String::from_utf8(version(c)).unwrap();
+        mcp.ok(
+            "write_remote_file",
+            json!({"remote_path": "~/big.txt", "content": text}),
+        )
+        .await;
+    }
+    done.store(true, Ordering::SeqCst);
+    let reads = reader.join().unwrap();
+    assert!(reads > 20, "the reader ran only {reads} times");
     mcp.close().await;
 }

@@ -41,25 +41,55 @@ pub async fn ls(ctx: &Ctx, path: &str, recursive: bool, max_entries: i64) -> u8 
 /// Chunk size of `rsb cat`'s reads: large enough to keep the link busy, far inside a frame.
 const CAT_CHUNK: u64 = 4 * 1024 * 1024;
 
+/// `rsb cat --offset/--limit/-n`: read_remote_file's line form.
+#[derive(Debug, Clone, Copy)]
+pub struct Lines {
+    pub offset: i64,
+    pub limit: i64,
+    pub numbered: bool,
+}
+
 /// Stream the whole file to stdout in chunks (no size cap); `--json` prints what
-/// `read_remote_file` would for the first `max_bytes`.
-pub async fn cat(ctx: &Ctx, path: &str, json_max_bytes: i64) -> u8 {
-    if ctx.json {
+/// `read_remote_file` would for the first `max_bytes`. With a line range or `-n`, one read of
+/// those lines (up to 8 MiB), printed as text.
+pub async fn cat(ctx: &Ctx, path: &str, json_max_bytes: i64, lines: Lines) -> u8 {
+    let by_lines = lines.offset > 0 || lines.limit > 0 || lines.numbered;
+    if ctx.json || by_lines {
+        let max = if ctx.json {
+            json_max_bytes
+        } else {
+            fs::MAX_READ_BYTES
+        };
         let r = async {
-            let req = fs::read_request(path, json_max_bytes)?;
+            let req = fs::read_request(path, max, lines.offset, lines.limit)?;
+            let ranged = req.lines.is_some();
             let c = ctx.client().await?;
-            c.call(req).await
+            Ok::<_, RsbError>(fs::read_reply(&c.call(req).await?, ranged, lines.numbered))
         }
         .await;
         return match r {
-            Ok(f) => {
-                print_json(&fs::read_reply(&f));
+            Ok(f) if ctx.json => {
+                print_json(&f);
                 exit::OK
             }
-            Err(e) => fail(true, &e),
+            Ok(f) if f.encoding.is_some() => fail(
+                false,
+                &RsbError::invalid(
+                    format!("{path} is not text"),
+                    "print it without --offset/--limit/-n",
+                ),
+            ),
+            Ok(f) => {
+                print!("{}", f.content);
+                if f.truncated && !f.content.is_empty() && !f.content.ends_with('\n') {
+                    println!();
+                }
+                exit::OK
+            }
+            Err(e) => fail(ctx.json, &e),
         };
     }
-    if let Err(e) = fs::read_request(path, 1) {
+    if let Err(e) = fs::read_request(path, 1, 0, 0) {
         return fail(false, &e);
     }
     let client = match ctx.client().await {

@@ -40,9 +40,18 @@ pub struct ListRemoteFilesParams {
 pub struct ReadRemoteFileParams {
     /// Relative to $HOME; ~ ok.
     pub remote_path: String,
-    /// Bytes from the start.
+    /// Cap on returned bytes.
     #[serde(default = "d_max_bytes")]
     pub max_bytes: i64,
+    /// First line (1-based).
+    #[serde(default)]
+    pub offset: Option<i64>,
+    /// Max lines.
+    #[serde(default)]
+    pub limit: Option<i64>,
+    /// Number lines.
+    #[serde(default)]
+    pub numbered: Option<bool>,
     /// ""=active sandbox
     #[serde(default)]
     pub sandbox_name: String,
@@ -82,7 +91,12 @@ impl RsbServer {
         &self,
         Parameters(p): Parameters<ReadRemoteFileParams>,
     ) -> ToolResult {
-        let req = match fs::read_request(&p.remote_path, p.max_bytes) {
+        let req = match fs::read_request(
+            &p.remote_path,
+            p.max_bytes,
+            p.offset.unwrap_or(0),
+            p.limit.unwrap_or(0),
+        ) {
             Ok(r) => r,
             Err(e) => return fail(&e),
         };
@@ -90,6 +104,12 @@ impl RsbServer {
             Ok(c) => c,
             Err(e) => return fail(&e),
         };
-        reply(client.call(req).await.map(|r| fs::read_reply(&r)))
+        let by_lines = req.lines.is_some();
+        reply(
+            client
+                .call(req)
+                .await
+                .map(|r| fs::read_reply(&r, by_lines, p.numbered.unwrap_or(false))),
+        )
     }
 }

@@ -4,6 +4,7 @@
 //! `tools/list`). Domain errors are `isError: true` with `{"error", "hint"}`. Calls run
 //! concurrently; a cancelled call's future is dropped, which cancels its agent request.
 
+mod edit;
 mod exec;
 mod files;
 mod forward;
@@ -55,6 +56,7 @@ impl RsbServer {
             + Self::exec_router()
             + Self::jobs_router()
             + Self::files_router()
+            + Self::edit_router()
             + Self::sync_tools();
         // Advanced tools stay out of the default list: every listed byte is context the
         // client pays on each session.
@@ -93,7 +95,9 @@ impl RsbServer {
 
 /// Drop from each listed input schema what costs a model context but tells it nothing it
 /// needs: the `$schema` URI, `additionalProperties: false`, integer/float `format`s and
-/// `default: null` (an optional parameter left out is null; about 1.7 KB of the default list). Returns the full schemas, which calls are still checked against.
+/// `default: null` (an optional parameter left out is null; about 1.7 KB of the default list)
+/// and the `"null"` of an optional parameter's type. Returns the full schemas, which calls are
+/// still checked against.
 fn compact_schemas(router: &mut ToolRouter<RsbServer>) -> HashMap<String, Arc<JsonObject>> {
     let mut full = HashMap::new();
     for (name, route) in router.map.iter_mut() {
@@ -107,6 +111,17 @@ fn compact_schemas(router: &mut ToolRouter<RsbServer>) -> HashMap<String, Arc<Js
                     p.remove("format");
                     if p.get("default") == Some(&Value::Null) {
                         p.remove("default");
+                    }
+                    // An optional `T` (an `Option` field) is listed as `T`: leaving it out
+                    // is how a model says null.
+                    if let Some(Value::Array(types)) = p.get("type")
+                        && types.len() == 2
+                        && types.contains(&json!("null"))
+                    {
+                        let t = types.iter().find(|t| **t != json!("null")).cloned();
+                        if let Some(t) = t {
+                            p.insert("type".into(), t);
+                        }
                     }
                 }
             }

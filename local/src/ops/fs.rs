@@ -1,7 +1,9 @@
 //! `list_remote_files` and `read_remote_file`.
 
 use base64::Engine;
-use rsb_protocol::{FileKind, ListDirRequest, ListDirResult, ReadFileRequest, ReadFileResult};
+use rsb_protocol::{
+    FileKind, LineRange, ListDirRequest, ListDirResult, ReadTextRequest, ReadTextResult,
+};
 use serde::Serialize;
 
 use crate::error::{Result, RsbError};
@@ -109,7 +111,15 @@ pub fn kind_name(k: FileKind) -> &'static str {
     }
 }
 
-pub fn read_request(remote_path: &str, max_bytes: i64) -> Result<ReadFileRequest> {
+/// A read by bytes (the seed's `max_bytes` from the start), or by lines when `offset` or
+/// `limit` is set: `offset` is the 1-based first line (0 or 1: the first), `limit` the lines
+/// wanted (0: to the end); `max_bytes` still caps the reply, cutting at a line boundary.
+pub fn read_request(
+    remote_path: &str,
+    max_bytes: i64,
+    offset: i64,
+    limit: i64,
+) -> Result<ReadTextRequest> {
     check_path(remote_path, "remote_path")?;
     if max_bytes <= 0 || max_bytes > MAX_READ_BYTES {
         return Err(RsbError::invalid(
@@ -117,9 +127,18 @@ pub fn read_request(remote_path: &str, max_bytes: i64) -> Result<ReadFileRequest
             "read large files in pieces, or sync them with sync_remote_to_local",
         ));
     }
-    Ok(ReadFileRequest {
+    if offset < 0 || limit < 0 {
+        return Err(RsbError::invalid(
+            format!("offset and limit must be 0 or more (got offset {offset}, limit {limit})"),
+            "offset is the first line to read (1-based), limit the number of lines",
+        ));
+    }
+    Ok(ReadTextRequest {
         path: remote_path.to_string(),
-        offset: 0,
+        lines: (offset > 0 || limit > 0).then(|| LineRange {
+            first: offset.max(1) as u64,
+            count: limit as u64,
+        }),
         max_bytes: max_bytes as u64,
     })
 }
@@ -134,12 +153,24 @@ pub struct FileContent {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub encoding: Option<&'static str>,
     pub content: String,
+    /// The whole file's content hash, the `expected_hash` of edit_remote_file and
+    /// write_remote_file (absent only for a file over 32 MiB).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hash: Option<String>,
+    /// By lines: the first line returned (1-based), how many, and how many the file has.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_line: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lines: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub total_lines: Option<u64>,
 }
 
 /// Text when the bytes are UTF-8 without NUL bytes (a multibyte char cut by `max_bytes` is
 /// dropped, not mangled); otherwise base64 with `encoding: "base64"`, so binary content is
-/// never silently corrupted, and a model is never handed NULs as text.
-pub fn read_reply(res: &ReadFileResult) -> FileContent {
+/// never silently corrupted, and a model is never handed NULs as text. `numbered` prefixes
+/// each text line with its number, as `cat -n` does (the agents' own Read form).
+pub fn read_reply(res: &ReadTextResult, by_lines: bool, numbered: bool) -> FileContent {
     let data = &res.data[..];
     let text = match std::str::from_utf8(data) {
         Ok(s) => Some(s),
@@ -149,20 +180,45 @@ pub fn read_reply(res: &ReadFileResult) -> FileContent {
         Err(_) => None,
     }
     .filter(|s| !s.contains('\0'));
-    match text {
-        Some(s) => FileContent {
-            size: res.size,
-            returned_bytes: s.len(),
-            truncated: res.truncated,
-            encoding: None,
-            content: s.to_string(),
-        },
-        None => FileContent {
-            size: res.size,
-            returned_bytes: data.len(),
-            truncated: res.truncated,
-            encoding: Some("base64"),
-            content: base64::engine::general_purpose::STANDARD.encode(data),
-        },
+    let lines_meta = by_lines || numbered;
+    let (returned_bytes, encoding, content) = match text {
+        Some(s) if numbered => (s.len(), None, number_lines(s, res.first_line)),
+        Some(s) => (s.len(), None, s.to_string()),
+        None => (
+            data.len(),
+            Some("base64"),
+            base64::engine::general_purpose::STANDARD.encode(data),
+        ),
+    };
+    FileContent {
+        size: res.size,
+        returned_bytes,
+        truncated: res.truncated,
+        encoding,
+        content,
+        hash: res.hash.clone(),
+        first_line: lines_meta.then_some(res.first_line),
+        lines: lines_meta.then_some(res.lines),
+        total_lines: if lines_meta { res.total_lines } else { None },
+    }
+}
+
+/// `     7\tline` per line, numbers from `first`.
+fn number_lines(s: &str, first: u64) -> String {
+    let mut out = String::with_capacity(s.len() + s.len() / 8);
+    for (i, line) in s.split_inclusive('\n').enumerate() {
+        out.push_str(&format!("{:>6}\t{line}", first + i as u64));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbered_lines_count_from_the_first_line() {
+        assert_eq!(number_lines("a\nb", 9), "     9\ta\n    10\tb");
+        assert_eq!(number_lines("", 1), "");
     }
 }

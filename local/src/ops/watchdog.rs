@@ -548,9 +548,9 @@ pub async fn read_checkpoint(c: &AgentClient, w: Watch, max_bytes: i64) -> Resul
     if w.checkpoint_path.trim().is_empty() {
         return Err(no_checkpoint(w.id));
     }
-    let req = fs::read_request(&w.checkpoint_path, max_bytes)?;
+    let req = fs::read_request(&w.checkpoint_path, max_bytes, 0, 0)?;
     let r = c.call(req).await?;
-    let reply = fs::read_reply(&r);
+    let reply = fs::read_reply(&r, false, false);
     let raw = reply.content.clone();
     let reply = serde_json::to_value(reply).unwrap_or_default();
     Ok(CheckpointRead {

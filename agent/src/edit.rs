@@ -1,0 +1,864 @@
+//! `read_text`, `edit`, `write`: reading by lines and changing text files the way a coding
+//! agent does on its own disk (see `rsb_protocol::edit`).
+//!
+//! A change is made under an exclusive `flock` of the file it replaces: the lock is taken on
+//! the open file, then the path is checked to still name that file (a change that won the
+//! race before has renamed a new file into place, and the loser retries on it), then the
+//! content is read, the precondition checked, the new content staged in the same directory
+//! and renamed over the old one. So two changes that expect the same hash cannot both
+//! succeed, in one agent or in two. Blocking functions; `serve` runs them on the blocking pool
+//! and lets them finish even if the caller cancels (a change is short, and its reply is then
+//! the truth about the file).
+
+use std::fs::{File, Metadata};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rsb_protocol::edit::{MAX_DIFF_LINES, MAX_EDIT_BYTES};
+use rsb_protocol::{
+    AgentError, Changed, ContentHash, EditOutcome, EditRequest, ErrorCode, LineRange, NearLine,
+    ReadTextRequest, ReadTextResult, Refusal, WriteCondition, WriteRequest,
+};
+
+use crate::fs::{MAX_READ, open_regular};
+use crate::util::{expand_home, path_string};
+
+/// The hash every read reply carries and every precondition names.
+pub fn content_hash(data: &[u8]) -> ContentHash {
+    let h = blake3::hash(data);
+    h.as_bytes()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn count_lines(data: &[u8]) -> u64 {
+    let nl = data.iter().filter(|&&b| b == b'\n').count() as u64;
+    nl + u64::from(data.last().is_some_and(|&b| b != b'\n'))
+}
+
+/// Whole lines `range` of `r`, while they fit in `max` bytes (a first line longer than `max`
+/// is cut). Returns the bytes, the lines in them, and whether content follows. Reads no
+/// further than the range, and holds no more than `max` bytes, however long a line is.
+fn take_lines(
+    r: &mut impl BufRead,
+    range: LineRange,
+    max: u64,
+) -> std::io::Result<(Vec<u8>, u64, bool)> {
+    let mut skip = range.first.saturating_sub(1);
+    while skip > 0 {
+        let buf = r.fill_buf()?;
+        if buf.is_empty() {
+            return Ok((Vec::new(), 0, false));
+        }
+        match buf.iter().position(|&b| b == b'\n') {
+            Some(i) => {
+                r.consume(i + 1);
+                skip -= 1;
+            }
+            None => {
+                let n = buf.len();
+                r.consume(n);
+            }
+        }
+    }
+    let max = max as usize;
+    let mut data = Vec::new();
+    let mut lines = 0u64;
+    'lines: while range.count == 0 || lines < range.count {
+        let line_start = data.len();
+        loop {
+            let buf = r.fill_buf()?;
+            if buf.is_empty() {
+                if data.len() > line_start {
+                    lines += 1;
+                }
+                return Ok((data, lines, false));
+            }
+            let (seg, ends) = match buf.iter().position(|&b| b == b'\n') {
+                Some(i) => (&buf[..=i], true),
+                None => (buf, false),
+            };
+            let room = max - data.len();
+            if seg.len() > room {
+                if lines == 0 {
+                    // A first line longer than the cap: its head, so the caller sees something.
+                    data.extend_from_slice(&seg[..room]);
+                } else {
+                    data.truncate(line_start);
+                }
+                return Ok((data, lines, true));
+            }
+            data.extend_from_slice(seg);
+            let n = seg.len();
+            r.consume(n);
+            if ends {
+                lines += 1;
+                continue 'lines;
+            }
+        }
+    }
+    let more = !r.fill_buf()?.is_empty();
+    Ok((data, lines, more))
+}
+
+pub fn read_text(req: &ReadTextRequest) -> Result<ReadTextResult, AgentError> {
+    let path = expand_home(&req.path);
+    let shown = path_string(&path);
+    let io_err = |e: std::io::Error| AgentError::from_io(&e, "read_file", &shown);
+    let (file, meta) = open_regular(&path).map_err(io_err)?;
+    let size = meta.len();
+    let max = req.max_bytes.min(MAX_READ);
+    let range = req.lines.unwrap_or(LineRange { first: 1, count: 0 });
+    if size <= MAX_EDIT_BYTES {
+        // Small enough to hash: one read of the whole file, so the hash is of the bytes shown.
+        let mut all = Vec::with_capacity(size as usize + 1);
+        file.take(MAX_EDIT_BYTES + 1)
+            .read_to_end(&mut all)
+            .map_err(io_err)?;
+        let hash = (all.len() as u64 <= MAX_EDIT_BYTES).then(|| content_hash(&all));
+        let total_lines = hash.is_some().then(|| count_lines(&all));
+        let (data, lines, truncated) = if req.lines.is_some() {
+            take_lines(&mut &all[..], range, max).map_err(io_err)?
+        } else {
+            let n = all.len().min(max as usize);
+            (all[..n].to_vec(), count_lines(&all[..n]), all.len() > n)
+        };
+        return Ok(ReadTextResult {
+            path: shown,
+            size: all.len() as u64,
+            hash,
+            data,
+            truncated,
+            first_line: if req.lines.is_some() {
+                range.first.max(1)
+            } else {
+                1
+            },
+            lines,
+            total_lines,
+        });
+    }
+    let mut r = BufReader::with_capacity(256 * 1024, file);
+    let (data, lines, truncated) = if req.lines.is_some() {
+        take_lines(&mut r, range, max).map_err(io_err)?
+    } else {
+        let mut data = Vec::new();
+        (&mut r)
+            .take(max + 1)
+            .read_to_end(&mut data)
+            .map_err(io_err)?;
+        let truncated = data.len() as u64 > max;
+        data.truncate(max as usize);
+        let lines = count_lines(&data);
+        (data, lines, truncated)
+    };
+    Ok(ReadTextResult {
+        path: shown,
+        size,
+        hash: None,
+        data,
+        truncated,
+        first_line: if req.lines.is_some() {
+            range.first.max(1)
+        } else {
+            1
+        },
+        lines,
+        total_lines: None,
+    })
+}
+
+/// The file a change replaces, locked, and what it held.
+struct Locked {
+    /// Holds the `flock` until the change is renamed into place (or refused).
+    _file: File,
+    meta: Metadata,
+    data: Vec<u8>,
+}
+
+/// How long a change waits for another process's lock on the file.
+const LOCK_WAIT: Duration = Duration::from_secs(5);
+
+/// Where a change goes: a symlink's final target (so the link stays a link), else the path.
+fn target_of(path: &Path) -> std::io::Result<PathBuf> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path),
+        _ => Ok(path.to_path_buf()),
+    }
+}
+
+/// Open, lock and read the file at `target`; `None` when nothing is there. Refuses anything
+/// but a regular file, and a file over [`MAX_EDIT_BYTES`].
+fn lock_current(target: &Path, what: &str) -> Result<Result<Option<Locked>, Refusal>, AgentError> {
+    let shown = path_string(target);
+    let io_err = |e: std::io::Error| AgentError::from_io(&e, what, &shown);
+    let deadline = Instant::now() + LOCK_WAIT;
+    loop {
+        let (file, meta) = match open_regular(target) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Ok(None)),
+            Err(e) => return Err(io_err(e)),
+        };
+        loop {
+            match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+                Ok(()) => break,
+                Err(rustix::io::Errno::WOULDBLOCK) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(rustix::io::Errno::WOULDBLOCK) => {
+                    return Err(AgentError::new(
+                        ErrorCode::Io,
+                        format!(
+                            "{what} {shown}: the file stayed locked by another process for {} s",
+                            LOCK_WAIT.as_secs()
+                        ),
+                    ));
+                }
+                Err(e) => return Err(io_err(e.into())),
+            }
+        }
+        // A change that held the lock before us has renamed a new file over this one: take
+        // the lock on that one instead, and read what it holds.
+        match std::fs::metadata(target) {
+            Ok(now) if now.dev() == meta.dev() && now.ino() == meta.ino() => {}
+            Ok(_) | Err(_) if Instant::now() < deadline => continue,
+            Ok(_) => {
+                return Err(AgentError::new(
+                    ErrorCode::Io,
+                    format!("{what} {shown}: the file kept being replaced"),
+                ));
+            }
+            Err(e) => return Err(io_err(e)),
+        }
+        if meta.len() > MAX_EDIT_BYTES {
+            return Ok(Err(Refusal::TooLarge { size: meta.len() }));
+        }
+        if !writable(target) {
+            return Err(AgentError::new(
+                ErrorCode::PermissionDenied,
+                format!(
+                    "{what} {shown}: permission denied (the file is not writable by this user)"
+                ),
+            ));
+        }
+        let mut data = Vec::with_capacity(meta.len() as usize);
+        (&file)
+            .take(MAX_EDIT_BYTES + 1)
+            .read_to_end(&mut data)
+            .map_err(io_err)?;
+        if data.len() as u64 > MAX_EDIT_BYTES {
+            return Ok(Err(Refusal::TooLarge {
+                size: data.len() as u64,
+            }));
+        }
+        return Ok(Ok(Some(Locked {
+            _file: file,
+            meta,
+            data,
+        })));
+    }
+}
+
+fn writable(p: &Path) -> bool {
+    rustix::fs::access(p, rustix::fs::Access::WRITE_OK).is_ok()
+}
+
+/// Stage `data` next to `target` and move it into place: renamed over an existing file
+/// (keeping its mode, and its owner where this user may), linked for `create_only` (so a file
+/// that appeared meanwhile is never replaced). The staged file is removed on any failure.
+fn commit(
+    target: &Path,
+    data: &[u8],
+    old: Option<&Metadata>,
+    create_only: bool,
+    what: &str,
+) -> Result<Result<(), Refusal>, AgentError> {
+    let shown = path_string(target);
+    let dir = match target.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let name = target
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let (tmp, mut file) = stage_file(&dir, &name).map_err(|e| {
+        let mut err = AgentError::from_io(&e, what, &shown);
+        if err.code == ErrorCode::PermissionDenied {
+            err.message = format!(
+                "{what} {shown}: permission denied (cannot create a file in {})",
+                path_string(&dir)
+            );
+        }
+        err
+    })?;
+    let result = (|| -> std::io::Result<Result<(), Refusal>> {
+        file.write_all(data)?;
+        if let Some(m) = old {
+            file.set_permissions(std::fs::Permissions::from_mode(m.mode() & 0o7777))?;
+            // Best effort: only root, or a group this user is in, can keep another owner.
+            if m.uid() != rustix::process::geteuid().as_raw()
+                || m.gid() != rustix::process::getegid().as_raw()
+            {
+                let _ = std::os::unix::fs::fchown(&file, Some(m.uid()), Some(m.gid()));
+            }
+        }
+        drop(file);
+        if create_only {
+            match std::fs::hard_link(&tmp, target) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    return Ok(Err(Refusal::Exists));
+                }
+                Err(e) => return Err(e),
+            }
+            let _ = std::fs::remove_file(&tmp);
+        } else {
+            std::fs::rename(&tmp, target)?;
+        }
+        Ok(Ok(()))
+    })();
+    if !matches!(result, Ok(Ok(()))) {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result.map_err(|e| AgentError::from_io(&e, what, &shown))
+}
+
+/// A new file in `dir` that nobody else can have opened (O_EXCL, O_NOFOLLOW), created with
+/// 0666 so that the umask decides a new file's mode.
+fn stage_file(dir: &Path, name: &str) -> std::io::Result<(PathBuf, File)> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let short: String = name.chars().take(40).collect();
+    loop {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let tmp = dir.join(format!(
+            ".{short}.rsb-{}-{}-{nanos:x}.tmp",
+            std::process::id(),
+            SEQ.fetch_add(1, Ordering::Relaxed)
+        ));
+        match File::options()
+            .write(true)
+            .create_new(true)
+            .mode(0o666)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&tmp)
+        {
+            Ok(f) => return Ok((tmp, f)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Line start offsets of `s` (the first is 0); a final line without `\n` counts.
+fn line_starts(s: &[u8]) -> Vec<usize> {
+    let mut v = vec![0];
+    v.extend(
+        s.iter()
+            .enumerate()
+            .filter(|(_, b)| **b == b'\n')
+            .map(|(i, _)| i + 1),
+    );
+    // No line starts at the end (an empty file has no lines).
+    if v.last() == Some(&s.len()) {
+        v.pop();
+    }
+    v
+}
+
+/// Index of the line holding byte `pos` (`pos` may be the end).
+fn line_of(starts: &[usize], pos: usize) -> usize {
+    starts.partition_point(|&s| s <= pos).saturating_sub(1)
+}
+
+fn line_text(s: &[u8], starts: &[usize], i: usize) -> String {
+    let a = starts[i];
+    let b = starts.get(i + 1).copied().unwrap_or(s.len());
+    let t = &s[a..b];
+    let t = t.strip_suffix(b"\n").unwrap_or(t);
+    let t = t.strip_suffix(b"\r").unwrap_or(t);
+    String::from_utf8_lossy(t).into_owned()
+}
+
+/// A changed region in line indexes: old lines `o0..o0+on` became new lines `n0..n0+nn`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Block {
+    o0: usize,
+    on: usize,
+    n0: usize,
+    nn: usize,
+}
+
+/// The changed line blocks, given the replaced byte spans of `old` (sorted, disjoint) and the
+/// text each became: each span widened to whole lines, neighbours merged, and lines equal at
+/// both ends of a block trimmed off.
+fn blocks(old: &[u8], new: &[u8], spans: &[(usize, usize, usize)]) -> Vec<Block> {
+    let os = line_starts(old);
+    let ns = line_starts(new);
+    // (old byte range widened to lines, new byte range), merged.
+    let mut wide: Vec<(usize, usize, usize, usize)> = Vec::new();
+    let mut delta: isize = 0;
+    for &(a, b, new_len) in spans {
+        let la = if os.is_empty() {
+            0
+        } else {
+            os[line_of(&os, a)]
+        };
+        let lb = if b > a && old[b - 1] == b'\n' {
+            b
+        } else {
+            match old[b..].iter().position(|&c| c == b'\n') {
+                Some(i) => b + i + 1,
+                None => old.len(),
+            }
+        };
+        let shift = new_len as isize - (b - a) as isize;
+        let na = (la as isize + delta) as usize;
+        let nb = (lb as isize + delta + shift) as usize;
+        delta += shift;
+        match wide.last_mut() {
+            Some(w) if la <= w.1 => {
+                w.1 = lb.max(w.1);
+                w.3 = nb.max(w.3);
+            }
+            _ => wide.push((la, lb, na, nb)),
+        }
+    }
+    let count = |starts: &[usize], a: usize, b: usize| -> (usize, usize) {
+        if a >= b {
+            return (starts.partition_point(|&s| s < a), 0);
+        }
+        let first = line_of(starts, a);
+        let last = line_of(starts, b - 1);
+        (first, last + 1 - first)
+    };
+    wide.into_iter()
+        .map(|(oa, ob, na, nb)| {
+            let (mut o0, mut on) = count(&os, oa, ob);
+            let (mut n0, mut nn) = count(&ns, na, nb);
+            while on > 0 && nn > 0 && line_bytes(old, &os, o0) == line_bytes(new, &ns, n0) {
+                o0 += 1;
+                n0 += 1;
+                on -= 1;
+                nn -= 1;
+            }
+            while on > 0
+                && nn > 0
+                && line_bytes(old, &os, o0 + on - 1) == line_bytes(new, &ns, n0 + nn - 1)
+            {
+                on -= 1;
+                nn -= 1;
+            }
+            Block { o0, on, n0, nn }
+        })
+        .filter(|b| b.on > 0 || b.nn > 0)
+        .collect()
+}
+
+fn line_bytes<'a>(s: &'a [u8], starts: &[usize], i: usize) -> &'a [u8] {
+    let a = starts[i];
+    let b = starts.get(i + 1).copied().unwrap_or(s.len());
+    &s[a..b]
+}
+
+const CONTEXT: usize = 3;
+
+/// The `Changed` fields that describe what changed: new line ranges, and a unified diff with
+/// ±3 lines of context, cut after [`MAX_DIFF_LINES`] lines.
+fn describe(
+    old: &[u8],
+    new: &[u8],
+    spans: &[(usize, usize, usize)],
+) -> (Vec<(u64, u64)>, String, bool) {
+    let bl = blocks(old, new, spans);
+    let os = line_starts(old);
+    let ns = line_starts(new);
+    let changed = bl
+        .iter()
+        .filter(|b| b.nn > 0)
+        .map(|b| (b.n0 as u64 + 1, (b.n0 + b.nn) as u64))
+        .collect();
+    let mut out: Vec<String> = Vec::new();
+    let mut truncated = false;
+    let mut i = 0;
+    while i < bl.len() {
+        // One hunk: blocks whose contexts touch.
+        let mut j = i;
+        while j + 1 < bl.len() && bl[j + 1].o0 <= bl[j].o0 + bl[j].on + 2 * CONTEXT {
+            j += 1;
+        }
+        let start = bl[i].o0.saturating_sub(CONTEXT);
+        let end = (bl[j].o0 + bl[j].on + CONTEXT).min(os.len());
+        let nstart = bl[i].n0 - (bl[i].o0 - start);
+        let nend = bl[j].n0 + bl[j].nn + (end - (bl[j].o0 + bl[j].on));
+        let mut lines = vec![format!(
+            "@@ -{},{} +{},{} @@",
+            if end > start { start + 1 } else { start },
+            end - start,
+            if nend > nstart { nstart + 1 } else { nstart },
+            nend - nstart
+        )];
+        let mut o = start;
+        for b in &bl[i..=j] {
+            for k in o..b.o0 {
+                lines.push(format!(" {}", line_text(old, &os, k)));
+            }
+            for k in b.o0..b.o0 + b.on {
+                lines.push(format!("-{}", line_text(old, &os, k)));
+            }
+            for k in b.n0..b.n0 + b.nn {
+                lines.push(format!("+{}", line_text(new, &ns, k)));
+            }
+            o = b.o0 + b.on;
+        }
+        for k in o..end {
+            lines.push(format!(" {}", line_text(old, &os, k)));
+        }
+        for l in lines {
+            if out.len() >= MAX_DIFF_LINES {
+                truncated = true;
+                break;
+            }
+            let mut l = l;
+            if l.len() > 300 {
+                let mut cut = 300;
+                while !l.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                l.truncate(cut);
+                l.push('…');
+            }
+            out.push(l);
+        }
+        if truncated {
+            break;
+        }
+        i = j + 1;
+    }
+    let mut diff = out.join("\n");
+    if !diff.is_empty() {
+        diff.push('\n');
+    }
+    (changed, diff, truncated)
+}
+
+/// Lines most like `old` (a near miss in whitespace, indentation or a character or two),
+/// for the hint of an edit whose `old` does not occur.
+fn near_lines(text: &str, old: &str) -> Vec<NearLine> {
+    let norm = |s: &str| s.split_whitespace().collect::<Vec<_>>().join(" ");
+    let want: Vec<String> = old
+        .lines()
+        .map(norm)
+        .filter(|l| !l.is_empty())
+        .take(20)
+        .collect();
+    if want.is_empty() {
+        return Vec::new();
+    }
+    let lines: Vec<&str> = text.lines().collect();
+    let normed: Vec<String> = lines.iter().map(|l| norm(l)).collect();
+    // Score each start line: how many of `old`'s lines match from there, whitespace aside,
+    // plus how alike the first one is.
+    let mut scored: Vec<(f64, usize)> = Vec::new();
+    for i in 0..lines.len() {
+        if normed[i].is_empty() {
+            continue;
+        }
+        let first = similarity(&normed[i], &want[0]);
+        let mut s = first;
+        let mut k = i + 1;
+        for w in &want[1..] {
+            while k < lines.len() && normed[k].is_empty() {
+                k += 1;
+            }
+            if k < lines.len() && normed[k] == *w {
+                s += 1.0;
+            }
+            k += 1;
+        }
+        let s = s / want.len() as f64;
+        if s >= 0.5 {
+            scored.push((s, i));
+        }
+    }
+    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    scored
+        .into_iter()
+        .take(3)
+        .map(|(_, i)| {
+            let mut t: String = lines[i].chars().take(200).collect();
+            if t.len() < lines[i].len() {
+                t.push('…');
+            }
+            NearLine {
+                line: i as u64 + 1,
+                text: t,
+            }
+        })
+        .collect()
+}
+
+/// Dice coefficient of character bigrams: 1 for equal strings, near 0 for unrelated ones.
+fn similarity(a: &str, b: &str) -> f64 {
+    if a == b {
+        return 1.0;
+    }
+    let bigrams = |s: &str| -> Vec<(char, char)> {
+        let c: Vec<char> = s.chars().collect();
+        let mut v: Vec<(char, char)> = c.windows(2).map(|w| (w[0], w[1])).collect();
+        v.sort_unstable();
+        v
+    };
+    let (x, y) = (bigrams(a), bigrams(b));
+    if x.is_empty() || y.is_empty() {
+        return 0.0;
+    }
+    let (mut i, mut j, mut common) = (0, 0, 0);
+    while i < x.len() && j < y.len() {
+        match x[i].cmp(&y[j]) {
+            std::cmp::Ordering::Equal => {
+                common += 1;
+                i += 1;
+                j += 1;
+            }
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+        }
+    }
+    2.0 * common as f64 / (x.len() + y.len()) as f64
+}
+
+/// `old` and `new` in the file's line endings: a CRLF file matched by a caller who wrote `\n`.
+fn in_line_endings(text: &str, s: &str) -> String {
+    let crlf = text
+        .find('\n')
+        .is_some_and(|i| i > 0 && text.as_bytes()[i - 1] == b'\r');
+    if crlf && s.contains('\n') && !s.contains('\r') {
+        s.replace('\n', "\r\n")
+    } else {
+        s.to_string()
+    }
+}
+
+pub fn edit(req: &EditRequest) -> Result<EditOutcome, AgentError> {
+    const WHAT: &str = "edit";
+    if req.old.is_empty() || req.old == req.new {
+        return Ok(EditOutcome::Refused(Refusal::NoChange));
+    }
+    let path = expand_home(&req.path);
+    let target =
+        target_of(&path).map_err(|e| AgentError::from_io(&e, WHAT, &path_string(&path)))?;
+    let cur = match lock_current(&target, WHAT)? {
+        Ok(Some(c)) => c,
+        Ok(None) => {
+            return Err(AgentError::new(
+                ErrorCode::NotFound,
+                format!("{WHAT} {}: no such file or directory", path_string(&target)),
+            ));
+        }
+        Err(r) => return Ok(EditOutcome::Refused(r)),
+    };
+    let current = content_hash(&cur.data);
+    if req.expected_hash.as_ref().is_some_and(|h| *h != current) {
+        return Ok(EditOutcome::Refused(Refusal::Changed {
+            current: Some(current),
+        }));
+    }
+    let Ok(text) = std::str::from_utf8(&cur.data) else {
+        return Ok(EditOutcome::Refused(Refusal::NotText));
+    };
+    let old = in_line_endings(text, &req.old);
+    let new = in_line_endings(text, &req.new);
+    let found: Vec<usize> = text.match_indices(old.as_str()).map(|(i, _)| i).collect();
+    match found.len() {
+        0 => {
+            return Ok(EditOutcome::Refused(Refusal::NoMatch {
+                near: near_lines(text, &req.old),
+            }));
+        }
+        1 => {}
+        n if !req.replace_all => {
+            return Ok(EditOutcome::Refused(Refusal::Ambiguous { count: n as u64 }));
+        }
+        _ => {}
+    }
+    let mut out = String::with_capacity(text.len() + found.len() * new.len());
+    let mut last = 0;
+    let mut spans = Vec::with_capacity(found.len());
+    for &i in &found {
+        out.push_str(&text[last..i]);
+        out.push_str(&new);
+        spans.push((i, i + old.len(), new.len()));
+        last = i + old.len();
+    }
+    out.push_str(&text[last..]);
+    if let Err(r) = commit(&target, out.as_bytes(), Some(&cur.meta), false, WHAT)? {
+        return Ok(EditOutcome::Refused(r));
+    }
+    let (changed_lines, diff, diff_truncated) = describe(&cur.data, out.as_bytes(), &spans);
+    Ok(EditOutcome::Done(Changed {
+        path: path_string(&target),
+        hash: content_hash(out.as_bytes()),
+        created: false,
+        replacements: found.len() as u64,
+        changed_lines,
+        diff,
+        diff_truncated,
+    }))
+}
+
+pub fn write(req: &WriteRequest) -> Result<EditOutcome, AgentError> {
+    const WHAT: &str = "write";
+    let path = expand_home(&req.path);
+    let shown = path_string(&path);
+    if req.data.len() as u64 > MAX_EDIT_BYTES {
+        return Ok(EditOutcome::Refused(Refusal::TooLarge {
+            size: req.data.len() as u64,
+        }));
+    }
+    let target = target_of(&path).map_err(|e| AgentError::from_io(&e, WHAT, &shown))?;
+    let tshown = path_string(&target);
+    // FIFOs, devices, sockets and directories are never replaced by a file.
+    match std::fs::metadata(&target) {
+        Ok(m) if m.is_dir() => {
+            return Err(AgentError::new(
+                ErrorCode::IsADirectory,
+                format!("{WHAT} {tshown}: is a directory"),
+            ));
+        }
+        Ok(m) if !m.is_file() => {
+            let kind = format!("{:?}", crate::fs::kind_of(m.file_type())).to_lowercase();
+            return Err(AgentError::new(
+                ErrorCode::InvalidArgument,
+                format!("{WHAT} {tshown}: not a regular file ({kind}); refusing to replace it"),
+            ));
+        }
+        _ => {}
+    }
+    if req.make_dirs
+        && let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty())
+    {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| AgentError::from_io(&e, WHAT, &path_string(parent)))?;
+    }
+    let create_only = req.condition == WriteCondition::CreateOnly;
+    let cur = if create_only {
+        if std::fs::symlink_metadata(&target).is_ok() {
+            return Ok(EditOutcome::Refused(Refusal::Exists));
+        }
+        None
+    } else {
+        match lock_current(&target, WHAT)? {
+            Ok(c) => c,
+            // Too large to hash: only an unconditional write may replace it.
+            Err(Refusal::TooLarge { .. }) if req.condition == WriteCondition::Any => None,
+            Err(r) => return Ok(EditOutcome::Refused(r)),
+        }
+    };
+    if let WriteCondition::Hash(want) = &req.condition {
+        let current = cur.as_ref().map(|c| content_hash(&c.data));
+        if current.as_ref() != Some(want) {
+            return Ok(EditOutcome::Refused(Refusal::Changed { current }));
+        }
+    }
+    let old_meta = match &cur {
+        Some(c) => Some(c.meta.clone()),
+        None if !create_only => std::fs::metadata(&target).ok(),
+        None => None,
+    };
+    if let Err(r) = commit(&target, &req.data, old_meta.as_ref(), create_only, WHAT)? {
+        return Ok(EditOutcome::Refused(r));
+    }
+    Ok(EditOutcome::Done(Changed {
+        path: tshown,
+        hash: content_hash(&req.data),
+        created: old_meta.is_none(),
+        replacements: 0,
+        changed_lines: Vec::new(),
+        diff: String::new(),
+        diff_truncated: false,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spans_of(old: &str, pat: &str, new: &str) -> (String, Vec<(usize, usize, usize)>) {
+        let mut out = String::new();
+        let mut last = 0;
+        let mut spans = vec![];
+        for (i, _) in old.match_indices(pat) {
+            out.push_str(&old[last..i]);
+            out.push_str(new);
+            spans.push((i, i + pat.len(), new.len()));
+            last = i + pat.len();
+        }
+        out.push_str(&old[last..]);
+        (out, spans)
+    }
+
+    #[test]
+    fn diff_names_the_changed_lines_with_context() {
+        let old: String = (1..=20).map(|i| format!("line {i}\n")).collect();
+        let (new, spans) = spans_of(&old, "line 10\n", "ten\nTEN\n");
+        let (changed, diff, cut) = describe(old.as_bytes(), new.as_bytes(), &spans);
+        assert_eq!(changed, vec![(10, 11)]);
+        assert!(!cut);
+        assert_eq!(
+            diff,
+            "@@ -7,7 +7,8 @@\n line 7\n line 8\n line 9\n-line 10\n+ten\n+TEN\n line 11\n line 12\n line 13\n"
+        );
+        // A deletion of a whole line, and an edit inside a line.
+        let (new, spans) = spans_of(&old, "line 1\n", "");
+        let (changed, diff, _) = describe(old.as_bytes(), new.as_bytes(), &spans);
+        assert!(changed.is_empty(), "{changed:?}");
+        assert!(
+            diff.starts_with("@@ -1,4 +1,3 @@\n-line 1\n line 2\n"),
+            "{diff}"
+        );
+        let (new, spans) = spans_of("a b c\n", "b", "B");
+        let (changed, diff, _) = describe(b"a b c\n", new.as_bytes(), &spans);
+        assert_eq!(changed, vec![(1, 1)]);
+        assert_eq!(diff, "@@ -1,1 +1,1 @@\n-a b c\n+a B c\n");
+    }
+
+    #[test]
+    fn many_replacements_cap_the_diff() {
+        let old: String = (0..500).map(|i| format!("x{i}\n\n\n\n\n\n\n\n")).collect();
+        let (new, spans) = spans_of(&old, "x", "y");
+        let (changed, diff, cut) = describe(old.as_bytes(), new.as_bytes(), &spans);
+        assert_eq!(changed.len(), 500);
+        assert!(cut);
+        assert_eq!(diff.lines().count(), MAX_DIFF_LINES);
+    }
+
+    #[test]
+    fn take_lines_keeps_whole_lines_within_the_cap() {
+        let t = b"a\nbb\nccc\ndddd";
+        let r =
+            |first, count, max| take_lines(&mut &t[..], LineRange { first, count }, max).unwrap();
+        assert_eq!(r(1, 0, 100), (t.to_vec(), 4, false));
+        assert_eq!(r(2, 2, 100), (b"bb\nccc\n".to_vec(), 2, true));
+        assert_eq!(r(4, 0, 100), (b"dddd".to_vec(), 1, false));
+        assert_eq!(r(9, 0, 100), (vec![], 0, false));
+        assert_eq!(r(1, 0, 5), (b"a\nbb\n".to_vec(), 2, true));
+        assert_eq!(r(3, 1, 2), (b"cc".to_vec(), 0, true));
+    }
+
+    #[test]
+    fn near_lines_find_an_indentation_slip() {
+        let text = "fn main() {\n    let x = 1;\n    println!(\"{x}\");\n}\n";
+        let near = near_lines(text, "let  x = 1;\nprintln!(\"{x}\");");
+        assert_eq!(near[0].line, 2, "{near:?}");
+        assert_eq!(near[0].text, "    let x = 1;");
+        assert!(near_lines(text, "zzzz qqqq").is_empty());
+    }
+}
