@@ -715,8 +715,11 @@ pub struct RunOptions {
     /// Where a run that fails or is cancelled after planning leaves its baseline (what it
     /// did commit), for the caller to store as a completed run's
     /// [`SyncReport::baseline_out`] is.
-    pub baseline_sink: Option<Arc<Mutex<Option<std::collections::HashMap<String, [u8; 32]>>>>>,
+    pub baseline_sink: Option<BaselineSink>,
 }
+
+/// Where a failed run leaves the baseline of what it committed ([`RunOptions::baseline_sink`]).
+pub type BaselineSink = Arc<Mutex<Option<std::collections::HashMap<String, [u8; 32]>>>>;
 
 /// Run one sync. `local` is the local agent, `remote` the sandbox's; `spec.direction` decides
 /// which is the source.
