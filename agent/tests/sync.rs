@@ -1694,7 +1694,7 @@ fn aborted_large_file_is_kept_and_resumed() {
 
 #[test]
 fn compressed_data_lands_exact_and_a_bomb_or_a_lying_length_is_refused() {
-    use rsb_protocol::compress::{MAX_RAW, deflate};
+    use rsb_protocol::compress::{MAX_RAW, compress};
     let t = tempfile::tempdir().unwrap();
     let root = t.path();
     let mut agent = Agent::start();
@@ -1702,7 +1702,7 @@ fn compressed_data_lands_exact_and_a_bomb_or_a_lying_length_is_refused() {
     let text: Vec<u8> = (0..30_000u32)
         .flat_map(|i| format!("{i} lorem ipsum {}\n", i % 97).into_bytes())
         .collect();
-    let z = deflate(&text).expect("text shrinks");
+    let z = compress(&text).expect("text shrinks");
     let ops = vec![
         ApplyOp::FileDataZ {
             rel: "t.txt".into(),
@@ -1721,16 +1721,16 @@ fn compressed_data_lands_exact_and_a_bomb_or_a_lying_length_is_refused() {
     assert_eq!(agent.apply(s, ops), Ok(2));
     assert_eq!(fs::read(root.join("t.txt")).unwrap(), text);
 
-    // A length smaller than the payload inflates to, a larger one, one past the limit (a
-    // 4 MiB-of-zeros bomb claiming more), and bytes that are not deflate: each an error naming
+    // A length smaller than the payload decompresses to, a larger one, one past the limit (a
+    // 4 MiB-of-zeros bomb claiming more), and bytes that are not zstd: each an error naming
     // the file, nothing written.
-    let bomb = deflate(&vec![0u8; MAX_RAW]).unwrap();
+    let bomb = compress(&vec![0u8; MAX_RAW]).unwrap();
     let cases: Vec<(Vec<u8>, u64, &str)> = vec![
         (z.clone(), text.len() as u64 - 1, "larger than"),
         (z.clone(), text.len() as u64 + 1, "not the"),
         (bomb.clone(), 64 * 1024, "larger than"),
         (bomb, u64::MAX, "limit"),
-        (b"not deflate".to_vec(), 100, "corrupt"),
+        (b"not zstd at all".to_vec(), 100, "corrupt"),
     ];
     for (data, raw_len, needle) in cases {
         let e = expect_err(
@@ -1750,6 +1750,134 @@ fn compressed_data_lands_exact_and_a_bomb_or_a_lying_length_is_refused() {
     }
     agent.close(s, vec![]).unwrap();
     assert!(!root.join("bad.txt").exists());
+    assert_eq!(staged_files(root), Vec::<String>::new());
+}
+
+/// A sparse source arrives sparse: all-zero 4 KiB blocks past the staged file's end become
+/// holes (a trailing one too), and the bytes are exact.
+#[test]
+fn zero_blocks_of_a_new_file_stay_holes() {
+    use std::os::unix::fs::MetadataExt;
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path();
+    let mut agent = Agent::start();
+    let s = agent.open(root, false).session;
+    let mut body = vec![0u8; 3 << 20];
+    body[(1 << 20) + 5] = 7;
+    body[(2 << 20) - 1] = 9;
+    let half = body.len() / 2;
+    let ops = vec![
+        ApplyOp::FileData {
+            rel: "sparse.img".into(),
+            offset: 0,
+            data: body[..half].to_vec(),
+        },
+        ApplyOp::FileData {
+            rel: "sparse.img".into(),
+            offset: half as u64,
+            data: body[half..].to_vec(),
+        },
+        ApplyOp::FileCommit {
+            rel: "sparse.img".into(),
+            size: body.len() as u64,
+            mode: 0o644,
+            mtime_ns: 1_000_000_000,
+            hash: b3(&body),
+        },
+    ];
+    assert_eq!(agent.apply(s, ops), Ok(3));
+    agent.close(s, vec![]).unwrap();
+    let p = root.join("sparse.img");
+    assert_eq!(fs::read(&p).unwrap(), body);
+    let m = fs::metadata(&p).unwrap();
+    assert_eq!(m.len(), body.len() as u64);
+    // Two 4 KiB blocks hold data; a file system without holes would allocate all 3 MiB.
+    assert!(
+        m.blocks() * 512 <= 64 * 1024,
+        "{} bytes allocated",
+        m.blocks() * 512
+    );
+}
+
+#[test]
+fn packed_small_files_land_exact_and_a_bad_frame_runs_nothing() {
+    use rsb_protocol::{codec::encode, compress::compress};
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path();
+    let mut agent = Agent::start();
+    let s = agent.open(root, false).session;
+    let files: Vec<(String, Vec<u8>)> = (0..20u32)
+        .map(|i| {
+            let body: Vec<u8> = (0..2_000u32)
+                .flat_map(|j| format!("fn f{i}_{j}() {{ return {}; }}\n", j % 13).into_bytes())
+                .collect();
+            (format!("f{i}.rs"), body)
+        })
+        .collect();
+    let mut inner = Vec::new();
+    for (rel, body) in &files {
+        inner.push(ApplyOp::FileData {
+            rel: rel.clone(),
+            offset: 0,
+            data: body.clone(),
+        });
+        inner.push(ApplyOp::FileCommit {
+            rel: rel.clone(),
+            size: body.len() as u64,
+            mode: 0o644,
+            mtime_ns: 1_000_000_000,
+            hash: b3(body),
+        });
+    }
+    let raw = encode(&inner).unwrap();
+    let z = compress(&raw).expect("a batch of source text shrinks");
+    assert!(z.len() < raw.len() / 4, "{} of {}", z.len(), raw.len());
+    let packed = ApplyOp::Packed {
+        raw_len: raw.len() as u64,
+        data: z.clone(),
+    };
+    // Counted op by op, as if the ops stood in the request.
+    assert_eq!(agent.apply(s, vec![packed]), Ok(inner.len() as u32));
+    for (rel, body) in &files {
+        assert_eq!(&fs::read(root.join(rel)).unwrap(), body, "{rel}");
+    }
+
+    // A lying length, bytes that are not zstd, a frame that is not ops, and a nested pack:
+    // each fails before any op runs.
+    let nested = encode(&vec![ApplyOp::Packed {
+        raw_len: raw.len() as u64,
+        data: z.clone(),
+    }])
+    .unwrap();
+    let not_ops = vec![0xffu8; 4096];
+    let cases: Vec<(Vec<u8>, u64, &str)> = vec![
+        (z.clone(), raw.len() as u64 - 1, "larger than"),
+        (b"not zstd at all".to_vec(), 100, "corrupt"),
+        (compress(&not_ops).unwrap(), not_ops.len() as u64, "decode"),
+    ];
+    for (data, raw_len, needle) in cases {
+        let before = vec![ApplyOp::Mkdir {
+            rel: "must-not-exist".into(),
+            mode: 0o755,
+        }];
+        let mut ops = before;
+        ops.push(ApplyOp::Packed { raw_len, data });
+        expect_err(agent.apply(s, ops), ErrorCode::InvalidArgument, needle);
+        assert!(!root.join("must-not-exist").exists());
+    }
+    let nested_z = compress(&nested).expect("the nested frame compresses");
+    expect_err(
+        agent.apply(
+            s,
+            vec![ApplyOp::Packed {
+                raw_len: nested.len() as u64,
+                data: nested_z,
+            }],
+        ),
+        ErrorCode::InvalidArgument,
+        "another packed op",
+    );
+    agent.close(s, vec![]).unwrap();
     assert_eq!(staged_files(root), Vec::<String>::new());
 }
 
@@ -1781,7 +1909,7 @@ fn a_compressed_manifest_holds_the_same_entries() {
             Chunk::ManifestZ { raw_len, data } => {
                 compressed += 1;
                 assert!((data.len() as u64) < raw_len, "{} of {raw_len}", data.len());
-                let raw = rsb_protocol::compress::inflate(&data, raw_len).unwrap();
+                let raw = rsb_protocol::compress::decompress(&data, raw_len).unwrap();
                 entries.extend(decode::<Vec<ManifestEntry>>(&raw).unwrap());
             }
             Chunk::Manifest(b) => entries.extend(b),

@@ -15,5 +15,6 @@ pub mod pool;
 pub mod ssh;
 pub mod store;
 pub mod sync;
+pub mod term;
 pub mod transfers;
 pub mod watchdog;

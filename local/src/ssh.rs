@@ -142,6 +142,7 @@ impl client::Handler for Checker {
                     .last()
                     .cloned()
                     .unwrap_or_else(|| crate::config::state_dir().join("known_hosts"));
+                private_file(&own);
                 if let Err(e) =
                     known_hosts::learn_known_hosts_path(&self.host, self.port, key, &own)
                 {
@@ -153,6 +154,30 @@ impl client::Handler for Checker {
             }
         }
     }
+}
+
+/// Create `path` 0600 before russh appends to it (russh creates it with the umask, 0644
+/// commonly): which hosts a user reaches is theirs, and every file rsb keeps is 0600. A file
+/// that exists keeps its mode (it may be the user's own `UserKnownHostsFile`), except rsb's
+/// own in the state dir, which an older rsb created 0644.
+fn private_file(path: &std::path::Path) {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        if let Some(dir) = path.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let _ = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .mode(0o600)
+            .open(path);
+        if path.parent() == Some(crate::config::state_dir().as_path()) {
+            let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600));
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = path;
 }
 
 /// AES-GCM is hardware-accelerated on current x86_64 and aarch64 CPUs and moved bulk sync data

@@ -49,7 +49,9 @@ pub use sync::{
 };
 
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
-pub const PROTOCOL_VERSION: u32 = 7;
+/// 7: ReadText/Edit/Write (code tools). 8: zstd frames replace raw deflate in every compressed
+/// payload, and `ApplyOp::Packed` carries a batch of small files as one frame.
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Hash of this crate's sources at build time: catches an agent and an `rsb` built from
 /// different protocol sources even when nobody bumped [`PROTOCOL_VERSION`].
@@ -322,7 +324,7 @@ pub enum Chunk {
     /// This many more bytes of [`ExecInput::Data`] were written to the command (or discarded
     /// because it closed its stdin): the sender's window reopens by as much.
     InputConsumed(u64),
-    /// [`Chunk::Manifest`] deflated ([`compress`]): `data` inflates to `raw_len` bytes, the
+    /// [`Chunk::Manifest`] compressed ([`compress`]): `data` decompresses to `raw_len` bytes, the
     /// [`codec::encode`] of the batch's `Vec<ManifestEntry>`. Sent instead of it when the
     /// request asked ([`ManifestRequest::compress`]) and the batch shrinks by a tenth.
     ManifestZ {

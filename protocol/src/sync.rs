@@ -177,12 +177,26 @@ pub enum ApplyOp {
         rel: String,
         block_size: u64,
     },
-    /// [`ApplyOp::FileData`] whose bytes are raw deflate ([`crate::compress`]) of `raw_len`
-    /// bytes, sent instead of it on slow links. The agent inflates with its output bounded by
-    /// `raw_len` (at most [`crate::compress::MAX_RAW`]); any other outcome fails the op.
+    /// [`ApplyOp::FileData`] whose bytes are a zstd frame ([`crate::compress`]) of `raw_len`
+    /// bytes, sent instead of it on slow links (a large file's chunk). The agent decompresses
+    /// with its output bounded by `raw_len` (at most [`crate::compress::MAX_RAW`]); any other
+    /// outcome fails the op.
     FileDataZ {
         rel: String,
         offset: u64,
+        raw_len: u64,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
+    /// A run of ops as one zstd frame ([`crate::compress`]) of their encoding
+    /// ([`crate::codec::encode`] of a `Vec<ApplyOp>`, none of them `Packed`), sent instead of
+    /// them on slow links: a batch of small files compresses as one payload, each file with its
+    /// neighbours as context (about a third fewer bytes than file by file on source text). The
+    /// agent decompresses it bounded by `raw_len` (at most [`crate::compress::MAX_RAW`]) and
+    /// runs the ops in its place, in order, counted one by one in `applied` and in errors'
+    /// op numbers; a frame that is corrupt, lies about its length or nests another `Packed`
+    /// fails the request before any op runs.
+    Packed {
         raw_len: u64,
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
@@ -212,7 +226,7 @@ pub struct ApplyResult {
     pub resumed: Vec<[u8; 32]>,
 }
 
-/// `ReadFile` for a sync's source on a slow link: the agent deflates what it read
+/// `ReadFile` for a sync's source on a slow link: the agent compresses what it read
 /// ([`crate::compress`]) when that saves at least a tenth, else answers raw. At most
 /// [`crate::compress::MAX_RAW`] bytes are read, whatever `max_bytes` asks.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -224,7 +238,7 @@ pub struct ReadFileZRequest {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ReadFileZResult {
-    /// Bytes read (`data` inflates to exactly this many when `compressed`).
+    /// Bytes read (`data` decompresses to exactly this many when `compressed`).
     pub raw_len: u64,
     pub compressed: bool,
     #[serde(with = "serde_bytes")]

@@ -116,6 +116,10 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                     raw_len: 100,
                     data: vec![1, 2],
                 },
+                ApplyOp::Packed {
+                    raw_len: 200,
+                    data: vec![3, 4, 5],
+                },
             ],
         }),
         Request::ApplyClose(ApplyCloseRequest {

@@ -275,6 +275,9 @@ fn cli_table() {
     let big = big_file(&h.join("big.bin"), BIG);
     std::fs::create_dir_all(h.join("dir/sub")).unwrap();
     std::fs::write(h.join("dir/a.txt"), "a\n").unwrap();
+    // A remote name holding OSC 52 (writes the user's clipboard in many terminals).
+    std::fs::create_dir_all(h.join("evil")).unwrap();
+    std::fs::write(h.join("evil/x\u{1b}]52;c;aGk=\u{7}.txt"), "e\n").unwrap();
     let config_path = home.join(".config/rsb/config.toml").display().to_string();
     let secs = Duration::from_secs;
     let _stop_daemon = common::StopDaemon(env.state.clone());
@@ -356,6 +359,12 @@ fn cli_table() {
         rsb(&["--json", "ls", "~/dir"])
             .out("\"entries\"")
             .out("/dir/a.txt\""),
+        // Remote names reach the terminal escaped; --json keeps the exact bytes.
+        rsb(&["ls", "~/evil"])
+            .out("/evil/x\\u{1b}]52;c;aGk=\\u{7}.txt\n")
+            .no_out("\u{1b}")
+            .no_out("\u{7}"),
+        rsb(&["--json", "ls", "~/evil"]).out("/evil/x\\u001b]52;c;aGk=\\u0007.txt\""),
         // Sandboxes: a table; warnings only about the sandboxes a command uses.
         rsb(&["sandboxes"])
             .out("NAME")
@@ -556,6 +565,17 @@ fn cli_table() {
     )
     .unwrap();
     assert_eq!(v["exit_code"], 5, "{v}");
+    // rsb's own known_hosts (accept-new recorded the fixture's key) is private, as every file
+    // in the state dir.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let kh = env.state.join("known_hosts");
+        let mode = std::fs::metadata(&kh)
+            .unwrap_or_else(|e| panic!("{}: {e}", kh.display()))
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "{}", kh.display());
+    }
     println!("{} rows, {} failed", rows.len(), failures.len());
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }

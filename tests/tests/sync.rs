@@ -637,6 +637,43 @@ async fn download_tree_exact_incremental_and_tilde() {
 // Large files: first upload, no-change, 1 MiB delta, a cut mid-transfer
 // ---------------------------------------------------------------------------------------------
 
+/// A run cut after it committed a file saves the baseline of what it did commit: a local
+/// edit after the cut is an edit, not a conflict, and the sandbox gets it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_run_saves_the_baseline_of_what_it_committed() {
+    let sshd = Sshd::start().unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("src");
+    write(&src.join("a.txt"), b"v1\n");
+    // One state dir (and so one baseline store) for the direct pool and the one through the
+    // proxy.
+    let state = tmp.path().join("state");
+    let direct = pool_with(&sshd, sshd.port(), &state, 100_000, 1 << 40);
+    let sp = spec(Direction::Upload, &src, "cutbase", false, &[]);
+    sync(&direct, &sp).await.unwrap();
+    // v2, and a large file that keeps the run going after a.txt's batch committed.
+    write(&src.join("a.txt"), b"v2\n");
+    write(&src.join("big.bin"), &gen_bytes(5, (48 * MIB) as usize));
+    let slow = pool_with(&sshd, proxy.port(), &state, 100_000, 1 << 40);
+    proxy.set_rate_mbit(100);
+    let e = sync_and_cut(&slow, &sp, &proxy, 8 * MIB).await;
+    println!("cut: {e}");
+    assert_eq!(
+        std::fs::read(remote(&sshd, "cutbase/a.txt")).unwrap(),
+        b"v2\n",
+        "a.txt committed before the cut"
+    );
+    proxy.reset();
+    write(&src.join("a.txt"), b"v3\n");
+    let r = sync(&direct, &sp).await.unwrap();
+    assert!(r.conflicts.is_empty(), "{}", r.to_json());
+    assert_eq!(
+        std::fs::read(remote(&sshd, "cutbase/a.txt")).unwrap(),
+        b"v3\n"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn big_file_delta_and_cut_connection() {
     let sshd = Sshd::start().unwrap();

@@ -397,6 +397,62 @@ async fn inline_by_plan_no_change_resync_of_2000_files_is_inline() {
     mcp.close().await;
 }
 
+/// The baseline holds what each commit committed, not what the manifest saw: a log appended
+/// every millisecond while it uploads is committed as read (later than the scan), and its
+/// next append, synced once the writer stopped, is an edit, not a conflict.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_growing_during_its_upload_is_no_conflict_on_the_next_sync() {
+    let sshd = Sshd::start().unwrap();
+    let env = Env::new(&[entry("s", &sshd, sshd.port())]);
+    let local = env.path().join("grow");
+    std::fs::create_dir_all(&local).unwrap();
+    let log = local.join("app.log");
+    std::fs::write(&log, "start\n".repeat(50_000)).unwrap();
+    for i in 0..200 {
+        std::fs::write(local.join(format!("f{i}.txt")), format!("{i}\n")).unwrap();
+    }
+    let remote = sshd.home().join("grow");
+    let mcp = env.server().await;
+    let args = json!({"local_path": local.display().to_string(), "remote_path": "grow"});
+    for round in 0..2 {
+        // A writer appending every millisecond during the sync (bounded: 20 s at most).
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (stop, log) = (stop.clone(), log.clone());
+            std::thread::spawn(move || {
+                use std::io::Write;
+                let mut f = std::fs::OpenOptions::new().append(true).open(&log).unwrap();
+                for i in 0..20_000 {
+                    if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        break;
+                    }
+                    writeln!(f, "round {round} line {i}").unwrap();
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+        };
+        let v = mcp.ok("sync_local_to_remote", args.clone()).await;
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        writer.join().unwrap();
+        assert!(v.get("conflicts").is_none(), "round {round}: {v}");
+        // One more append after the writer stopped: an edit of a file the sandbox did not
+        // touch, so it uploads, and the sandbox ends with exactly the local bytes.
+        std::fs::OpenOptions::new()
+            .append(true)
+            .open(&log)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, b"after\n"))
+            .unwrap();
+        let v = mcp.ok("sync_local_to_remote", args.clone()).await;
+        assert!(v.get("conflicts").is_none(), "round {round}, after: {v}");
+        assert_eq!(
+            std::fs::read(remote.join("app.log")).unwrap(),
+            std::fs::read(&log).unwrap(),
+            "round {round}: the sandbox's copy is the local one"
+        );
+    }
+    mcp.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_local_edit_after_a_download_is_a_conflict_until_overwrite() {
     let sshd = Sshd::start().unwrap();

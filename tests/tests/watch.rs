@@ -316,7 +316,9 @@ fn git_checkout_between_branches_leaves_the_remote_identical() {
     git(l, &["commit", "-q", "-m", "other"]);
     git(l, &["checkout", "-q", "main"]);
 
-    let w = RsbWatch::spawn(&env, l, "w3", &["--delete"]);
+    // Most of the tree changes name between the branches: the mass-delete guard refuses
+    // that without --confirm-delete (see the next test).
+    let w = RsbWatch::spawn(&env, l, "w3", &["--delete", "--confirm-delete"]);
     let remote = remote_dir(&sshd, "w3");
     wait_identical(l, &remote, 20);
     for branch in ["other", "main", "other"] {
@@ -479,6 +481,37 @@ fn a_remote_edit_to_the_same_file_is_a_conflict_and_is_kept() {
         std::fs::read(remote.join("a.txt")).unwrap(),
         b"edited in the sandbox\n"
     );
+}
+
+/// The mass-delete guard applies to every burst, not only the first sync: an `rm -rf` of the
+/// local tree while `--watch --delete` runs is refused (a `failed` event naming the guard),
+/// and the remote keeps its files.
+#[test]
+fn an_accidental_rm_rf_during_watch_is_refused_not_mirrored() {
+    let (sshd, env, local) = setup();
+    let l = local.path();
+    std::fs::create_dir(l.join("src")).unwrap();
+    for i in 0..40 {
+        save(
+            &l.join(format!("src/f{i}.rs")),
+            format!("// {i}\n").as_bytes(),
+        );
+    }
+    save(&l.join("keep.txt"), b"keep\n");
+    let mut w = RsbWatch::spawn(&env, l, "w9", &["--delete"]);
+    let remote = remote_dir(&sshd, "w9");
+    wait_identical(l, &remote, 20);
+    std::fs::remove_dir_all(l.join("src")).unwrap();
+    let failed = w.wait_event(|v| v["event"] == "failed", 30);
+    let msg = failed.to_string();
+    assert!(msg.contains("would delete 40 of the 41 files"), "{msg}");
+    assert!(msg.contains("confirm"), "{msg}");
+    for i in 0..40 {
+        assert!(
+            remote.join(format!("src/f{i}.rs")).exists(),
+            "src/f{i}.rs was deleted"
+        );
+    }
 }
 
 #[test]

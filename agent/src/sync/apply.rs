@@ -297,6 +297,62 @@ pub async fn apply_open(
     Ok(opened)
 }
 
+/// Write `data` at `offset`, leaving holes for the all-zero 4 KiB blocks that lie past the
+/// staged file's end, so a sparse source stays sparse (the commit's `set_len` extends the file
+/// over a trailing hole; every hole reads as the zeros the source holds). Below the end (a
+/// copied base, kept bytes) everything is written: a skipped block would keep old bytes.
+fn write_sparse(file: &File, data: &[u8], offset: u64) -> std::io::Result<()> {
+    const BLOCK: usize = 4096;
+    if data.len() < BLOCK || offset < file.metadata()?.len() {
+        return file.write_all_at(data, offset);
+    }
+    let mut run: Option<usize> = None;
+    let mut i = 0;
+    while i < data.len() {
+        let end = (i + BLOCK).min(data.len());
+        let zero = data[i..end].iter().all(|&b| b == 0);
+        match (zero, run) {
+            (false, None) => run = Some(i),
+            (true, Some(s)) => {
+                file.write_all_at(&data[s..i], offset + s as u64)?;
+                run = None;
+            }
+            _ => {}
+        }
+        i = end;
+    }
+    if let Some(s) = run {
+        file.write_all_at(&data[s..], offset + s as u64)?;
+    }
+    Ok(())
+}
+
+/// `ops` with each [`ApplyOp::Packed`] replaced by the ops it carries, so the runner, the
+/// `applied` count and the op numbers in errors see the ops one by one. A frame that does not
+/// decompress to its stated length, does not decode, or nests another `Packed` fails the
+/// request before any op runs.
+fn unpack(ops: Vec<ApplyOp>) -> Result<Vec<ApplyOp>, AgentError> {
+    if !ops.iter().any(|o| matches!(o, ApplyOp::Packed { .. })) {
+        return Ok(ops);
+    }
+    let mut out = Vec::with_capacity(ops.len());
+    for op in ops {
+        let ApplyOp::Packed { raw_len, data } = op else {
+            out.push(op);
+            continue;
+        };
+        let bad = |m: String| err(ErrorCode::InvalidArgument, format!("packed ops: {m}"));
+        let raw = rsb_protocol::compress::decompress(&data, raw_len).map_err(bad)?;
+        let inner: Vec<ApplyOp> =
+            rsb_protocol::codec::decode(&raw).map_err(|e| bad(format!("do not decode: {e}")))?;
+        if inner.iter().any(|o| matches!(o, ApplyOp::Packed { .. })) {
+            return Err(bad("a packed op holds another packed op".into()));
+        }
+        out.extend(inner);
+    }
+    Ok(out)
+}
+
 pub async fn apply(
     sessions: &Sessions,
     req: ApplyRequest,
@@ -673,6 +729,7 @@ impl Session {
         if self.closed {
             return Err(err(ErrorCode::NotFound, "the sync session is closed"));
         }
+        let ops = unpack(ops)?;
         let n = ops.len();
         // Parents verified to be real directories during this request.
         let mut dirs = HashSet::new();
@@ -690,6 +747,7 @@ impl Session {
                 ApplyOp::FileBase { .. } | ApplyOp::SetAttr { .. } | ApplyOp::Delete { .. } => {
                     !self.pending.is_empty()
                 }
+                ApplyOp::Packed { .. } => unreachable!("unpack expanded every Packed op"),
             };
             if flush_first {
                 self.flush(n)?;
@@ -738,10 +796,14 @@ impl Session {
                 raw_len,
                 data,
             } => {
-                let raw = rsb_protocol::compress::inflate(&data, raw_len)
+                let raw = rsb_protocol::compress::decompress(&data, raw_len)
                     .map_err(|m| err(ErrorCode::InvalidArgument, format!("write {rel}: {m}")))?;
                 self.file_data(&rel, offset, &raw)
             }
+            ApplyOp::Packed { .. } => Err(err(
+                ErrorCode::Internal,
+                "a packed op reached the op runner unexpanded",
+            )),
         }
     }
 
@@ -1067,7 +1129,7 @@ impl Session {
         }
         let written = self.staged_file(rel).and_then(|s| {
             let file = s.file.as_ref().expect("opened by staged_file");
-            file.write_all_at(data, offset)?;
+            write_sparse(file, data, offset)?;
             if let Some(h) = &mut s.seq {
                 if offset == s.seq_len {
                     h.update(data);

@@ -101,7 +101,7 @@ fn compress_batch(batch: Vec<ManifestEntry>) -> Chunk {
     let Ok(raw) = rsb_protocol::codec::encode(&batch) else {
         return Chunk::Manifest(batch);
     };
-    match rsb_protocol::compress::deflate(&raw) {
+    match rsb_protocol::compress::compress(&raw) {
         Some(data) => Chunk::ManifestZ {
             raw_len: raw.len() as u64,
             data,

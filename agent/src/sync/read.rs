@@ -2,7 +2,7 @@
 
 use rsb_protocol::{
     AgentError, ReadFileRequest, ReadFileZRequest, ReadFileZResult,
-    compress::{MAX_RAW, deflate},
+    compress::{MAX_RAW, compress},
 };
 
 /// Read as `ReadFile` does (at most [`MAX_RAW`] bytes) and deflate the bytes when they shrink
@@ -14,7 +14,7 @@ pub fn read_file_z(req: &ReadFileZRequest) -> Result<ReadFileZResult, AgentError
         max_bytes: req.max_bytes.min(MAX_RAW as u64),
     })?;
     let raw_len = r.data.len() as u64;
-    let (compressed, data) = match deflate(&r.data) {
+    let (compressed, data) = match compress(&r.data) {
         Some(z) => (true, z),
         None => (false, r.data),
     };

@@ -6,6 +6,7 @@ use rsb::{error::RsbError, ops::fs};
 use rsb_protocol::ReadFileRequest;
 
 use super::{Ctx, exit, fail, print_json};
+use rsb::term::shown;
 
 pub async fn ls(ctx: &Ctx, path: &str, recursive: bool, max_entries: i64) -> u8 {
     let r = async {
@@ -24,7 +25,7 @@ pub async fn ls(ctx: &Ctx, path: &str, recursive: bool, max_entries: i64) -> u8 
     }
     for e in &listing.entries {
         let d = if e.is_dir { "/" } else { "" };
-        println!("{:>12}  {}{d}", e.size, e.path);
+        println!("{:>12}  {}{d}", e.size, shown(&e.path));
     }
     for u in &listing.unreadable {
         super::warn(&format!("unreadable: {u}"));

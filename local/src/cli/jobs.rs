@@ -11,6 +11,7 @@ use rsb::{
 use rsb_protocol::{ErrorCode, JobListRequest, JobState};
 
 use super::{Ctx, exit, fail, print_json, print_table};
+use rsb::term::shown;
 
 #[derive(Debug, Subcommand)]
 pub enum JobsCmd {
@@ -119,10 +120,13 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
                     exit::OK
                 }
                 Ok(s) => {
-                    println!("{}", s.tmux_session);
+                    println!("{}", shown(&s.tmux_session));
                     eprintln!(
                         "rsb: started on {} ({}, pid {}); log: {}",
-                        s.sandbox, s.runner, s.pid, s.log_file
+                        s.sandbox,
+                        s.runner,
+                        s.pid,
+                        shown(&s.log_file)
                     );
                     exit::OK
                 }
@@ -159,7 +163,12 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
                 exit::OK
             }
             Ok(k) => {
-                println!("{}  {}  {}", k.tmux_session, k.state, outcome(&k));
+                println!(
+                    "{}  {}  {}",
+                    shown(&k.tmux_session),
+                    k.state,
+                    shown(&outcome(&k))
+                );
                 exit::OK
             }
             Err(e) => fail(json, &job_error(&name, e)),
@@ -196,7 +205,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
                 exit::OK
             }
             Ok(()) => {
-                println!("{name}");
+                println!("{}", shown(&name));
                 exit::OK
             }
             Err(e) => fail(json, &e),
@@ -275,7 +284,7 @@ async fn prune(client: &AgentClient, json: bool, older_than: Option<Duration>) -
         print_json(&serde_json::json!({ "removed": removed }));
     } else {
         for n in &removed {
-            println!("{n}");
+            println!("{}", shown(n));
         }
         eprintln!("rsb: removed {} ended job(s)", removed.len());
     }

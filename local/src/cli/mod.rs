@@ -14,6 +14,8 @@ pub mod sync;
 
 use std::sync::Arc;
 
+use rsb::term::{shown, shown_lines};
+
 use rsb::{
     config::Config,
     error::{Kind, RsbError},
@@ -131,13 +133,15 @@ pub fn fail(json: bool, e: &RsbError) -> u8 {
     if json {
         println!("{}", serde_json::json!({"error": message, "hint": hint}));
     } else {
+        // Errors carry remote text (paths, agent messages): escaped for the terminal.
+        let (message, hint) = (shown_lines(&message), shown_lines(&hint));
         eprintln!("rsb: {message}\n  hint: {hint}");
     }
     code_of(e)
 }
 
 pub fn warn(msg: &str) {
-    eprintln!("rsb: warning: {msg}");
+    eprintln!("rsb: warning: {}", shown_lines(msg));
 }
 
 pub fn print_json<T: serde::Serialize>(v: &T) {
@@ -159,6 +163,12 @@ pub fn out_line(s: &str) {
 
 /// Left-aligned columns sized to their widest cell; the last column is not padded.
 pub fn print_table(header: &[&str], rows: &[Vec<String>]) {
+    // Cells hold remote text (job names, hosts' answers): escaped for the terminal.
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| r.iter().map(|c| shown(c).into_owned()).collect())
+        .collect();
+    let rows = &rows;
     let mut w: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {

@@ -9,6 +9,7 @@ use rsb::{
 };
 
 use super::{Ctx, exit, fail};
+use rsb::term::shown;
 
 #[derive(Args)]
 pub struct SyncArgs {
@@ -151,6 +152,7 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
             debounce: std::time::Duration::from_millis(a.debounce),
             // A writer that never pauses still gets synced; 1 s at the default debounce.
             max_burst: std::time::Duration::from_millis(a.debounce.saturating_mul(20).max(1000)),
+            confirm_delete: a.safety.confirm_delete,
             ..Default::default()
         };
         return rsb::sync::watch::run_cli(pool, &sandbox, &spec, json, opts).await;
@@ -197,16 +199,17 @@ async fn once(pool: &Pool, json: bool, sandbox: &str, spec: &SyncSpec, a: &SyncA
         }
         Ok(rep) => {
             // Quiet by default (the summary line); -n and -v list the actions.
+            // Names and errors are the remote's text: escaped for the terminal.
             for line in &rep.actions {
-                println!("{line}");
+                println!("{}", shown(line));
             }
             if a.verbose {
                 for (rel, _, _) in &rep.conflicts {
-                    println!("conflict {rel} (kept)");
+                    println!("conflict {} (kept)", shown(rel));
                 }
             }
             for e in &rep.errors {
-                eprintln!("rsb: warning: {e}");
+                eprintln!("rsb: warning: {}", shown(e));
             }
             rsb::sync::cli::print_conflicts(&rep);
             println!(

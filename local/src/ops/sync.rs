@@ -215,7 +215,8 @@ pub async fn run(
 }
 
 /// [`run`] with options, and the last-synced baseline of this pair of roots: loaded from the
-/// store for conflict detection, saved after a sync that completed.
+/// store for conflict detection, saved after a sync that completed, and after one that failed
+/// or was cancelled for what it did commit.
 pub async fn run_with(
     pool: &Pool,
     sandbox: &str,
@@ -238,7 +239,24 @@ pub async fn run_with(
     {
         opts.baseline = t.load_baseline_shared(&key.0, &key.1, &key.2);
     }
-    let mut report = sync::run_with(&local, &remote, spec, progress, cancel, &opts).await?;
+    let sink = std::sync::Arc::new(parking_lot::Mutex::new(None));
+    opts.baseline_sink = Some(sink.clone());
+    let mut report = match sync::run_with(&local, &remote, spec, progress, cancel, &opts).await {
+        Ok(r) => r,
+        Err(e) => {
+            // A failed or cancelled run saves what it did commit, so an edit after the cut
+            // reads as an edit, not a conflict.
+            let b = sink.lock().take();
+            if let (Some(t), Some(b)) = (&store, b)
+                && !spec.dry_run
+                && opts.baseline.as_deref() != Some(&b)
+                && let Err(se) = t.save_baseline(&key.0, &key.1, &key.2, &b)
+            {
+                tracing::warn!("the sync baseline was not saved: {}", se.message);
+            }
+            return Err(e);
+        }
+    };
     if let (Some(t), Some(b)) = (&store, report.baseline_out.take())
         && !spec.dry_run
         && !report.handed_off
@@ -305,6 +323,7 @@ async fn sync_for_tool(
         safe: args.safe,
         baseline: None,
         list_actions: false,
+        baseline_sink: None,
     };
     let exclude_file = args
         .exclude_file

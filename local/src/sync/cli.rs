@@ -35,7 +35,10 @@ pub fn print_conflicts(rep: &super::SyncReport) {
         return;
     }
     for (rel, _, _) in rep.conflicts.iter().take(20) {
-        eprintln!("rsb: conflict: {rel} changed on the destination since the last sync; kept");
+        eprintln!(
+            "rsb: conflict: {} changed on the destination since the last sync; kept",
+            crate::term::shown(rel)
+        );
     }
     if rep.conflicts.len() > 20 {
         eprintln!("rsb: … and {} more conflicts", rep.conflicts.len() - 20);

@@ -71,8 +71,13 @@ impl Plan {
             && self.dir_mtimes.is_empty()
     }
 
+    /// The bytes of the files to send. [`plan`] checked that this sum fits (the sizes come
+    /// from the other side's manifest), so it never wraps.
     pub fn bytes_total(&self) -> u64 {
-        self.files.iter().map(|f| f.size).sum()
+        self.files
+            .iter()
+            .try_fold(0u64, |t, f| t.checked_add(f.size))
+            .unwrap_or(u64::MAX)
     }
 
     /// One human line per action, for `--dry-run`.
@@ -349,7 +354,31 @@ pub fn plan(src: &[ManifestEntry], dst: &[ManifestEntry], opts: &PlanOptions) ->
             p.dir_mtimes.push((rel.to_string(), se.mtime_ns));
         }
     }
+    check_sizes(&p)?;
     Ok(p)
+}
+
+/// Sizes come from the other side's manifest: a file larger than any file system allows
+/// (`off_t` is signed), or sizes whose sum does not fit, mean an agent that is broken or
+/// hostile, and the sync stops before any arithmetic on them can wrap.
+fn check_sizes(p: &Plan) -> Result<()> {
+    let mut total = 0u64;
+    for f in &p.files {
+        let fits = i64::try_from(f.size).is_ok();
+        match total.checked_add(f.size).filter(|_| fits) {
+            Some(t) => total = t,
+            None => {
+                return Err(RsbError::invalid(
+                    format!(
+                        "the source's manifest claims {} is {} bytes, which no file system holds (or a total past 2^64 bytes); nothing was changed",
+                        f.rel, f.size
+                    ),
+                    "the agent on that side is broken or tampered with: check that machine, then sync again",
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -408,6 +437,25 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(plan(&src, &dst, &ok).unwrap().delete_files.len(), 30);
+    }
+
+    #[test]
+    fn sizes_that_overflow_are_refused_not_summed() {
+        let mut a = f("a", "x");
+        let mut b = f("b", "y");
+        a.size = u64::MAX / 2 + 1;
+        b.size = u64::MAX / 2 + 1;
+        let e = plan(&[a.clone(), b], &[], &PlanOptions::default()).unwrap_err();
+        assert!(e.message.contains("no file system holds"), "{}", e.message);
+        a.size = i64::MAX as u64;
+        let p = plan(&[a.clone()], &[], &PlanOptions::default()).unwrap();
+        assert_eq!(p.bytes_total(), i64::MAX as u64);
+        // Each size possible, their sum not.
+        let (mut c, mut d) = (f("c", "z"), f("d", "w"));
+        c.size = i64::MAX as u64;
+        d.size = i64::MAX as u64;
+        let e = plan(&[a, c, d], &[], &PlanOptions::default()).unwrap_err();
+        assert!(e.message.contains("past 2^64"), "{}", e.message);
     }
 
     #[test]

@@ -77,6 +77,10 @@ pub struct WatchOptions {
     /// First and last delay between retries of a sync that failed on the link.
     pub retry_min: Duration,
     pub retry_max: Duration,
+    /// `--confirm-delete`: deletes the mass-delete guard refuses are intended. Without it the
+    /// guard applies to every burst, not only the initial sync: an accidental `rm -rf` of the
+    /// local tree is refused (a `failed` event), not mirrored.
+    pub confirm_delete: bool,
 }
 
 impl Default for WatchOptions {
@@ -88,6 +92,7 @@ impl Default for WatchOptions {
             poll: None,
             retry_min: Duration::from_millis(250),
             retry_max: Duration::from_secs(8),
+            confirm_delete: false,
         }
     }
 }
@@ -663,7 +668,7 @@ pub async fn watch(
         let mut attempt = 0u32;
         loop {
             let started = Instant::now();
-            let run_opts = options(burst_no);
+            let run_opts = options(opts);
             let r = tokio::select! {
                 r = crate::ops::sync::run_with(pool, sandbox, spec, &run_opts, None, cancel) => r,
                 _ = cancel.cancelled() => return Ok(()),
@@ -954,6 +959,13 @@ async fn fast_sync(
     paths: &BTreeSet<PathBuf>,
 ) -> Result<Fast> {
     let plan = match plan_fast(root, rules, delete_extras, &known.baseline, paths) {
+        // Many deletes: the full sync's mass-delete guard decides (it knows the share).
+        Ok(p) if p.deleted.len() > crate::sync::plan::MASS_DELETE_MIN_FILES => {
+            return Ok(Fast::Fallback(format!(
+                "{} deletes: the mass-delete guard weighs them",
+                p.deleted.len()
+            )));
+        }
         Ok(p) => p,
         Err(why) => return Ok(Fast::Fallback(why)),
     };
@@ -995,12 +1007,13 @@ async fn fast_sync(
 
 /// `rsb sync --watch`: run [`watch`] until Ctrl-C, one line per event (JSON with `--json`).
 /// Exit status: 0 after Ctrl-C, 1 when the initial sync fails, 2 for bad arguments.
-/// The initial sync meets every delete guard ($HOME, `/`, the share of the destination); once
-/// it has, the destination is the mirror the user asked for, and a burst that deletes most of
-/// it (a `git checkout` of another branch) is that mirror following the tree, not an accident.
-fn options(burst: u64) -> crate::sync::RunOptions {
+/// Every burst meets every delete guard ($HOME, `/`, the share of the destination), as the
+/// initial sync does: a burst that deletes most of the mirror is as likely an accident (`rm
+/// -rf` in the wrong terminal) as a `git checkout`, and only the user can tell
+/// (`--confirm-delete`).
+fn options(opts: &WatchOptions) -> crate::sync::RunOptions {
     crate::sync::RunOptions {
-        confirm_delete: burst > 0,
+        confirm_delete: opts.confirm_delete,
         ..Default::default()
     }
 }
