@@ -489,10 +489,10 @@ async fn mcp_forward_port_works_and_stop_forward_frees_the_port() {
         "tools/list: default {default_bytes} B, with advanced tools {advanced_bytes} B (+{} B)",
         advanced_bytes - default_bytes
     );
-    assert!(
-        default_bytes <= 9_243,
-        "default tools/list grew to {default_bytes} B"
-    );
+    // The default list's size budget is asserted once, in mcp.rs
+    // (`tools_list_matches_the_seed_and_fits_the_budget`); here only that the forwarding
+    // tools add to the advanced list and not to the default one.
+    assert!(advanced_bytes > default_bytes);
 
     let (err, v) = call(&svc, "forward_port", json!({"remote_port": port})).await;
     assert!(!err, "{v}");

@@ -168,7 +168,14 @@ async fn sync_and_cut(pool: &Arc<Pool>, s: &SyncSpec, proxy: &ChaosProxy, after:
     };
     let t0 = Instant::now();
     while done.load(std::sync::atomic::Ordering::Relaxed) < after {
-        assert!(!run.is_finished(), "the sync ended before the cut");
+        if run.is_finished() {
+            let r = run.await.unwrap();
+            panic!(
+                "the sync ended before the cut, at {} bytes: {:?}",
+                done.load(std::sync::atomic::Ordering::Relaxed),
+                r.map(|r| r.to_json())
+            );
+        }
         assert!(t0.elapsed() < Duration::from_secs(60), "no progress");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -1029,8 +1029,14 @@ pub async fn run_with(
         // adds it to the rerun's report.
         tracker.update(true, |_| {});
         // And the baseline of what did commit: an edit made after this cut is then an edit,
-        // not a conflict.
-        if let Some(sink) = &opts.baseline_sink {
+        // not a conflict. A first sync (no baseline) leaves none: its next run is a first sync
+        // again, which detects no conflicts, rather than one whose empty baseline makes every
+        // destination file it did not reach a conflict.
+        if let Some(sink) = opts
+            .baseline_sink
+            .as_ref()
+            .filter(|_| opts.baseline.is_some())
+        {
             *sink.lock() = tracker.baseline();
         }
         return Err(e);
