@@ -2616,3 +2616,109 @@ async fn search_pages_are_exact() {
     }
     mcp.close().await;
 }
+
+/// CPU ticks (user + system) of this fixture's `rsb-agent serve` processes: the ones whose
+/// `HOME` is the fixture's home, so other tests' agents are not counted.
+fn agent_ticks(home: &Path) -> u64 {
+    let want = format!("HOME={}", home.display());
+    let mut total = 0;
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let p = e.path();
+        let Ok(cmd) = std::fs::read(p.join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd);
+        if !cmd.contains("rsb-agent") || !cmd.contains("serve") {
+            continue;
+        }
+        let Ok(env) = std::fs::read(p.join("environ")) else {
+            continue;
+        };
+        if !env.split(|b| *b == 0).any(|v| v == want.as_bytes()) {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(p.join("stat")) else {
+            continue;
+        };
+        // Fields after the `(comm)`: utime and stime are the 12th and 13th.
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = after.split(' ').collect();
+        total += f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    }
+    total
+}
+
+/// A client's cancel stops a search of a 500k-file tree within 1 s: the agent's walk and
+/// matcher threads stop (its CPU time stops growing), not just the reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_search_of_a_huge_tree_stops_within_a_second() {
+    let sshd = Sshd::start().unwrap();
+    // tmpfs, and hard links to one 16 KB file: 500k names cost ~100 MB of dentries, not disk.
+    let base = if Path::new("/dev/shm").is_dir() {
+        "/dev/shm"
+    } else {
+        "/tmp"
+    };
+    let tree = tempfile::Builder::new()
+        .prefix("rsb-search-huge")
+        .tempdir_in(base)
+        .unwrap();
+    let one = tree.path().join("one.txt");
+    let line = "lorem ipsum dolor sit amet 12345 consectetur adipiscing\n";
+    std::fs::write(&one, line.repeat(16 * 1024 / line.len())).unwrap();
+    let t = Instant::now();
+    for d in 0..500 {
+        let dir = tree.path().join(format!("d{d}"));
+        std::fs::create_dir(&dir).unwrap();
+        for f in 0..1000 {
+            std::fs::hard_link(&one, dir.join(format!("f{f}.txt"))).unwrap();
+        }
+    }
+    println!("500,000 links in {:?}", t.elapsed());
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    mcp.ok("exec_bash", json!({"command": "true"})).await;
+    let idle = agent_ticks(sshd.home());
+    // No literal for the prefilter: every line goes through the regex, so the whole search
+    // would take far longer than the test (it would end at the 30 s deadline).
+    let args =
+        json!({"pattern": "[a-c]{3}[0-9]{2}q", "remote_path": tree.path().display().to_string()});
+    let handle = mcp
+        .svc
+        .peer()
+        .send_cancellable_request(
+            call_request("search_remote_files", args),
+            PeerRequestOptions::no_options(),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let busy = agent_ticks(sshd.home());
+    assert!(
+        busy > idle + 50,
+        "the search was not running: {idle} → {busy} ticks"
+    );
+    handle.cancel(Some("test cancels".into())).await.unwrap();
+    let cancelled = Instant::now();
+    // Bounded: 30 samples of 100 ms.
+    let mut last = agent_ticks(sshd.home());
+    let mut stopped = None;
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = agent_ticks(sshd.home());
+        if now <= last + 1 {
+            stopped = Some(cancelled.elapsed());
+            break;
+        }
+        last = now;
+    }
+    let stopped = stopped.expect("the agent kept searching 3 s after the cancel");
+    println!("search stopped {stopped:?} after the cancel");
+    assert!(stopped <= Duration::from_secs(1), "{stopped:?}");
+    // Still idle a second later, and the channel answers.
+    let a = agent_ticks(sshd.home());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(agent_ticks(sshd.home()) <= a + 2, "the search resumed");
+    let v = mcp.ok("exec_bash", json!({"command": "echo ok"})).await;
+    assert_eq!(v["stdout"], "ok\n");
+    mcp.close().await;
+}
