@@ -195,7 +195,7 @@ fn main() {
                 "cd {} && grep -rn {}-e '{}' tree | wc -l",
                 home.display(),
                 if literal { "-F " } else { "-E " },
-                pattern.replace(r"\w", "[[:alnum:]_]").replace(r"\(", r"\(")
+                pattern.replace(r"\w", "[[:alnum:]_]")
             );
             let (ms, _) = timed(sshd.ssh_command(&g));
             ssh_grep.push(ms);

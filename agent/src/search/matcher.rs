@@ -46,7 +46,7 @@ impl Matcher {
         };
         // Folding a non-ASCII needle would need Unicode case rules, which regex-lite does not
         // apply either; such a search runs the regex on every line.
-        let needle = needle.filter(|n| !n.is_empty() && !(ignore_case && !n.is_ascii()));
+        let needle = needle.filter(|n| !n.is_empty() && (!ignore_case || n.is_ascii()));
         let fold = ignore_case && needle.is_some();
         let exact = literal && !ignore_case;
         let prefilter = needle.map(|n| {
