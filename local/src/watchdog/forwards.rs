@@ -247,6 +247,7 @@ pub fn start_error(row: &Row) -> RsbError {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::forward::Target;
 
     #[test]
     fn ports_round_trip() {
