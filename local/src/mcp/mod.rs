@@ -6,8 +6,8 @@
 
 mod edit;
 mod exec;
-mod files;
 mod forward;
+mod fs;
 mod jobs;
 mod sandboxes;
 mod search;

@@ -21,12 +21,14 @@ pub mod alerts;
 pub mod checks;
 pub mod cli;
 pub mod daemon;
-pub mod db;
 pub mod forwards;
 pub mod model;
-pub mod sandboxes;
 pub mod service;
 pub mod settings;
+
+/// The watch tables and the persisted sandboxes live in the store layer; these names keep
+/// `watchdog::db` and `watchdog::sandboxes` paths working for callers.
+pub use crate::store::{sandboxes, watches as db};
 
 pub use model::{Watch, WatchEvent};
 

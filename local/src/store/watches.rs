@@ -6,7 +6,7 @@ use std::{collections::BTreeMap, path::Path};
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 use serde_json::{Map, Value, json};
 
-use super::{
+use crate::watchdog::{
     Watch, WatchEvent,
     checks::{NewEvent, payload},
 };
@@ -340,7 +340,7 @@ pub fn record_error(conn: &Connection, id: i64, column: &str, msg: &str) -> Resu
     };
     conn.execute(
         &format!("UPDATE watches SET {col} = ?2, updated_ts = ?3 WHERE id = ?1"),
-        params![id, super::one_line(msg), now_ms() / 1000],
+        params![id, crate::watchdog::one_line(msg), now_ms() / 1000],
     )
     .map(|_| ())
     .map_err(db_err)
@@ -353,7 +353,7 @@ pub fn record_failed_check(conn: &Connection, id: i64, msg: &str, interval_s: i6
     conn.execute(
         "UPDATE watches SET last_error = ?2, last_checked_ts = ?3, next_check_ms = ?4,
            next_check_ts = ?4 / 1000, updated_ts = ?3 WHERE id = ?1",
-        params![id, super::one_line(msg), now_ms() / 1000, next],
+        params![id, crate::watchdog::one_line(msg), now_ms() / 1000, next],
     )
     .map(|_| ())
     .map_err(db_err)
