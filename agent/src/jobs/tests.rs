@@ -798,6 +798,78 @@ fn log_paths_follow_the_seed_rules() {
     }
 }
 
+/// Run `command` under `job-run` in the foreground, as Slurm runs the batch script, and return
+/// the wrapper's own exit status.
+fn job_run_status(f: &Fixture, name: &str, command: &str) -> std::process::ExitStatus {
+    let dir = f.ctx.job_dir(name);
+    record::create_private_dir(&dir).unwrap();
+    let mut spec = Record::new();
+    spec.set("name", name);
+    spec.set("command", command);
+    spec.set("cwd", f.ctx.home.as_os_str().as_bytes());
+    let log = f.ctx.home.join(format!("{name}.log"));
+    spec.set("log_file", log.as_os_str().as_bytes());
+    spec.set("launch", "l1");
+    spec.write_atomic(&dir.join("spec")).unwrap();
+    Command::new(&f.ctx.exe)
+        .args(["job-run", "--root"])
+        .arg(&f.ctx.root)
+        .args(["--name", name, "--launch", "l1"])
+        .status()
+        .unwrap()
+}
+
+#[test]
+fn job_run_exits_with_the_commands_status_or_signal() {
+    use std::os::unix::process::ExitStatusExt;
+    let f = Fixture::new();
+    let st = job_run_status(&f, "three", "exit 3");
+    assert_eq!(st.code(), Some(3), "{st:?}");
+    let rec = Record::read(&f.ctx.job_dir("three").join("state")).unwrap();
+    assert_eq!(rec.get("exit_code"), Some("3"));
+    let st = job_run_status(&f, "termed", "kill -TERM $$");
+    assert_eq!(st.signal(), Some(libc::SIGTERM), "{st:?}");
+    let st = job_run_status(&f, "ok", "true");
+    assert_eq!(st.code(), Some(0), "{st:?}");
+}
+
+#[test]
+fn job_run_forwards_usr1_to_the_job() {
+    let f = Fixture::new();
+    let name = "usr1";
+    let dir = f.ctx.job_dir(name);
+    record::create_private_dir(&dir).unwrap();
+    let mut spec = Record::new();
+    spec.set("name", name);
+    spec.set(
+        "command",
+        "trap 'exit 7' USR1; echo up; for i in 1 2 3 4 5 6 7 8 9 10; do sleep 1; done",
+    );
+    spec.set("cwd", f.ctx.home.as_os_str().as_bytes());
+    let log = f.ctx.home.join("usr1.log");
+    spec.set("log_file", log.as_os_str().as_bytes());
+    spec.set("launch", "l1");
+    spec.write_atomic(&dir.join("spec")).unwrap();
+    let mut child = Command::new(&f.ctx.exe)
+        .args(["job-run", "--root"])
+        .arg(&f.ctx.root)
+        .args(["--name", name, "--launch", "l1"])
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("up")
+    {
+        assert!(std::time::Instant::now() < deadline, "job never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // SAFETY: kill(2) on the child we spawned and have not reaped.
+    unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(7), "{st:?}");
+}
+
 #[test]
 fn stale_launch_does_not_run() {
     let f = Fixture::new();

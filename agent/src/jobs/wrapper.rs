@@ -5,10 +5,15 @@
 //! log, and records the end from `waitpid`. Because the exit status is the child's, the user's
 //! `exit`, `set -e`, `set -u` or a last line of any length cannot lose it.
 //!
-//! Signals: SIGTERM and SIGINT are forwarded to the job's group. SIGHUP is caught rather than
-//! fatal: under tmux it means the session was killed from outside, so the wrapper passes the
-//! hangup on to the job (as a terminal would have), keeps supervising until the job ends, and
-//! records `hangup=1`, which status reports as `Lost`: the job did not end on its own.
+//! Its own exit status is the job's (code, or the job's signal raised again), because a batch
+//! scheduler such as Slurm takes the batch script's status as the job's result.
+//!
+//! Signals: SIGTERM, SIGINT and SIGUSR1 are forwarded to the job's group (`scancel` and
+//! Slurm's `--signal=B:USR1@N` signal only the batch process, which is this one). SIGHUP is
+//! caught rather than fatal: under tmux it means the session was killed from outside, so the
+//! wrapper passes the hangup on to the job (as a terminal would have), keeps supervising until
+//! the job ends, and records `hangup=1`, which status reports as `Lost`: the job did not end on
+//! its own.
 //! Nothing else sends SIGHUP: the setsid runner has no terminal, and tmux keeps its panes
 //! when an SSH client disconnects.
 
@@ -186,7 +191,13 @@ fn install_signals() -> std::io::Result<OwnedFd> {
     SIGNAL_FD.store(w.as_raw_fd(), Ordering::Relaxed);
     // The write end must live for the whole process; the handler refers to it by number.
     std::mem::forget(w);
-    for sig in [libc::SIGTERM, libc::SIGINT, libc::SIGHUP, libc::SIGCHLD] {
+    for sig in [
+        libc::SIGTERM,
+        libc::SIGINT,
+        libc::SIGUSR1,
+        libc::SIGHUP,
+        libc::SIGCHLD,
+    ] {
         // SAFETY: a zeroed sigaction plus handler and flags is a valid argument; the handler
         // only calls async-signal-safe functions. Handled (not ignored) signals revert to
         // their defaults in the job at exec.
@@ -508,5 +519,32 @@ fn run(opts: &Opts) -> Result<i32, String> {
     }
     state.set("ended_ms", now_ms().to_string());
     save(&state)?;
-    Ok(0)
+    // A batch scheduler (Slurm) takes this process's status as the job's result, so it is the
+    // command's: its code, or its signal raised again on ourselves.
+    if let Some(s) = signal {
+        reraise(s);
+    }
+    Ok(code)
+}
+
+/// End this process by `sig` with its default action, so whoever waits on the wrapper sees the
+/// job's signal. Returns only if the signal does not end a process by default (then the caller
+/// exits with 128 + signal).
+fn reraise(sig: i32) {
+    // SAFETY: resetting a disposition to SIG_DFL, unblocking it and raising it are plain
+    // syscalls with no memory handed over; core dumps are turned off first so a re-raised
+    // SIGSEGV from the job does not leave a second core of the wrapper.
+    unsafe {
+        let off = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        libc::setrlimit(libc::RLIMIT_CORE, &off);
+        libc::signal(sig, libc::SIG_DFL);
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, sig);
+        libc::sigprocmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
+        libc::raise(sig);
+    }
 }
