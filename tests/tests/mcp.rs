@@ -1089,6 +1089,29 @@ async fn progress_carries_the_last_output_line() {
         msgs.last().unwrap().1.ends_with("last line: step 2"),
         "{msgs:?}"
     );
+    // Each exec_bash is on the audit record, with the client's name as origin.
+    let audit = mcp._tmp.path().join("state/audit");
+    let text: String = std::fs::read_dir(&audit)
+        .unwrap()
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    assert_eq!(lines[0]["command"], "echo warm");
+    assert_eq!(lines[1]["tool"], "exec_bash");
+    assert_eq!(lines[1]["exit_code"], 0);
+    assert!(
+        lines[1]["origin"].as_str().unwrap().starts_with("mcp:"),
+        "{text}"
+    );
+    assert!(
+        lines[1]["duration_ms"].as_u64().unwrap() >= 11_000,
+        "{text}"
+    );
     mcp.close().await;
 }
 

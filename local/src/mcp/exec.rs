@@ -65,11 +65,26 @@ impl RsbServer {
                 Ok(c) => c,
                 Err(e) => return fail(&e),
             };
+            let t0 = std::time::Instant::now();
             let r = if streamed {
                 client.call_streaming(req, wait::track(last.clone())).await
             } else {
                 client.call(req).await
             };
+            crate::audit::record(
+                self.pool.config(),
+                client.sandbox(),
+                &crate::audit::Action {
+                    origin: super::origin(&ctx),
+                    tool: "exec_bash".into(),
+                    command: Some(p.command.clone()),
+                    cwd: p.cwd.clone(),
+                    exit_code: r.as_ref().ok().map(|r| exec::exit_status(r) as i64),
+                    duration_ms: Some(t0.elapsed().as_millis() as u64),
+                    bytes: r.as_ref().ok().map(|r| r.stdout.total + r.stderr.total),
+                    error: r.as_ref().err().map(|e| e.message.clone()),
+                },
+            );
             reply(r.map(|r| exec::reply(&r, p.timeout_s)))
         };
         let line = last.clone();

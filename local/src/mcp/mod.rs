@@ -321,6 +321,14 @@ fn check_args(
     Ok(())
 }
 
+/// The audit log's origin of a call: `mcp:<client name>`.
+pub(crate) fn origin(ctx: &RequestContext<RoleServer>) -> String {
+    match ctx.peer.peer_info() {
+        Some(i) => format!("mcp:{}", i.client_info.name),
+        None => "mcp".into(),
+    }
+}
+
 fn ctx_name(id: &rmcp::model::RequestId) -> String {
     format!("request {id}")
 }
