@@ -134,7 +134,7 @@ fn prune(dir: &Path, current: &Path) {
 fn target(config: &Config, sandbox: &str) -> (String, String) {
     match config.sandboxes.iter().find(|s| s.name == sandbox) {
         Some(s) => match &s.transport {
-            Transport::Ssh(t) => (t.address(), t.user.clone()),
+            Transport::Ssh(t) => (crate::config::host_port(&t.host, t.port), t.user.clone()),
             Transport::Local => (
                 "localhost".into(),
                 std::env::var("USER").unwrap_or_default(),

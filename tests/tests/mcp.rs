@@ -1210,6 +1210,36 @@ async fn check_background_task_waits_for_the_end_or_new_output() {
         json!({"tmux_session": name, "grace_s": 0}),
     )
     .await;
+    // Job starts and the kill are on the audit record.
+    let audit = mcp._tmp.path().join("state/audit");
+    let text: String = std::fs::read_dir(&audit)
+        .unwrap()
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect();
+    let tools: Vec<String> = text
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["tool"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        tools
+            .iter()
+            .filter(|t| *t == "exec_bash_background")
+            .count(),
+        4,
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .any(|v| v["tool"] == "kill_background_task" && v["command"] == name.as_str()),
+        "{text}"
+    );
     mcp.close().await;
 }
 

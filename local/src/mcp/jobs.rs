@@ -219,8 +219,22 @@ impl RsbServer {
     async fn exec_bash_background(
         &self,
         Parameters(p): Parameters<ExecBackgroundParams>,
+        ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        reply(self.start_background(p).await)
+        let sandbox = self.pool.resolve(&p.sandbox_name).unwrap_or_default();
+        let mut action = crate::audit::Action {
+            origin: super::origin(&ctx),
+            tool: "exec_bash_background".into(),
+            command: Some(p.command.clone()),
+            cwd: (!p.cwd.is_empty()).then(|| p.cwd.clone()),
+            ..Default::default()
+        };
+        let r = self.start_background(p).await;
+        if let Err(e) = &r {
+            action.error = Some(e.message.clone());
+        }
+        crate::audit::record(self.pool.config(), &sandbox, &action);
+        reply(r)
     }
 
     #[tool(
@@ -310,6 +324,7 @@ impl RsbServer {
     async fn kill_background_task(
         &self,
         Parameters(p): Parameters<KillBackgroundParams>,
+        ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
         let client = match self.pool.client(&p.sandbox_name).await {
             Ok(c) => c,
@@ -326,6 +341,17 @@ impl RsbServer {
         {
             v["cancelled_watches"] = serde_json::json!(cancelled);
         }
+        crate::audit::record(
+            self.pool.config(),
+            client.sandbox(),
+            &crate::audit::Action {
+                origin: super::origin(&ctx),
+                tool: "kill_background_task".into(),
+                command: Some(p.tmux_session.clone()),
+                error: r.as_ref().err().map(|e| e.message.clone()),
+                ..Default::default()
+            },
+        );
         reply(r)
     }
 
