@@ -44,6 +44,15 @@ enum Cmd {
     },
     /// Run a command on a sandbox, like `ssh host cmd`; exits with its exit code.
     Exec(cli::exec::ExecArgs),
+    /// The audit log: what rsb ran, from MCP and the CLI (`-s` filters by sandbox).
+    Audit {
+        /// Only lines this recent: 90s, 30m, 2h, 7d.
+        #[arg(long)]
+        since: Option<String>,
+        /// Only lines containing this text.
+        #[arg(long)]
+        grep: Option<String>,
+    },
     /// An interactive login shell on a sandbox (like `ssh HOST`); exits with the shell's code.
     Shell {
         /// The sandbox (default: -s, RSB_SANDBOX, or the first configured one).
@@ -300,6 +309,7 @@ async fn run(cli: Cli) -> u8 {
         | Cmd::Transfer { .. } => unreachable!(),
         Cmd::Sandboxes { resources } => cli::sandboxes::run(&ctx, resources).await,
         Cmd::Exec(a) => cli::exec::run(&ctx, a).await,
+        Cmd::Audit { since, grep } => cli::audit::run(&ctx, since.as_deref(), grep.as_deref()),
         Cmd::Shell { sandbox, cwd } => cli::exec::shell(&ctx, sandbox, cwd).await,
         Cmd::Ls {
             path,

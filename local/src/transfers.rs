@@ -104,7 +104,7 @@ fn pid_alive(pid: i64, start: &str) -> bool {
 }
 
 /// `YYYY-MM-DDTHH:MM:SSZ` (UTC).
-fn utc_stamp(ts: f64) -> String {
+pub fn utc_stamp(ts: f64) -> String {
     let secs = ts as i64;
     let days = secs.div_euclid(86_400);
     let sod = secs.rem_euclid(86_400);

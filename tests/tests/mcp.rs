@@ -86,14 +86,20 @@ fn rsb_bin() -> PathBuf {
 #[derive(Clone, Default)]
 struct Counter {
     progress: Arc<AtomicUsize>,
+    /// Each progress notification's arrival and message.
+    messages: Arc<std::sync::Mutex<Vec<(Instant, String)>>>,
 }
 
 impl ClientHandler for Counter {
     fn on_progress(
         &self,
-        _params: ProgressNotificationParam,
+        params: ProgressNotificationParam,
         _context: NotificationContext<RoleClient>,
     ) -> impl Future<Output = ()> + Send + '_ {
+        self.messages
+            .lock()
+            .unwrap()
+            .push((Instant::now(), params.message.unwrap_or_default()));
         self.progress.fetch_add(1, Ordering::SeqCst);
         std::future::ready(())
     }
@@ -116,6 +122,7 @@ impl Reply {
 struct Mcp {
     svc: RunningService<RoleClient, Counter>,
     progress: Arc<AtomicUsize>,
+    messages: Arc<std::sync::Mutex<Vec<(Instant, String)>>>,
     stderr_path: PathBuf,
     _tmp: tempfile::TempDir,
 }
@@ -157,6 +164,7 @@ impl Mcp {
             .expect("spawn rsb mcp");
         let counter = Counter::default();
         let progress = counter.progress.clone();
+        let messages = counter.messages.clone();
         let svc = tokio::time::timeout(Duration::from_secs(20), counter.serve(transport))
             .await
             .expect("MCP initialize timed out")
@@ -169,6 +177,7 @@ impl Mcp {
         Mcp {
             svc,
             progress,
+            messages,
             stderr_path,
             _tmp: tmp,
         }
@@ -1023,6 +1032,213 @@ async fn long_exec_sends_progress() {
         mcp.progress.load(Ordering::SeqCst),
         n,
         "progress kept coming after the call finished"
+    );
+    mcp.close().await;
+}
+
+/// Issue 23: every progress notification of a long exec_bash carries the command's last
+/// output line, and they come at the default cadence (nothing configured), far inside the
+/// 30 s a client's idle timeout allows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn progress_carries_the_last_output_line() {
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    mcp.ok("exec_bash", json!({"command": "echo warm"})).await;
+    let t0 = Instant::now();
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "for i in 1 2 3 4 5 6 7 8; do echo line$i; sleep 1; done; printf 'step 1\\rstep 2'; sleep 3"}),
+        )
+        .await;
+    let t1 = Instant::now();
+    assert!(
+        v["stdout"].as_str().unwrap().starts_with("line1\nline2\n"),
+        "{v}"
+    );
+    let msgs = mcp.messages.lock().unwrap().clone();
+    println!("{msgs:?}");
+    assert!(msgs.len() >= 4, "too few progress notifications: {msgs:?}");
+    let mut times = vec![t0];
+    times.extend(msgs.iter().map(|(t, _)| *t));
+    times.push(t1);
+    let gap = times.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+    println!("largest gap between progress notifications: {gap:?}");
+    assert!(gap <= Duration::from_secs(30), "a gap of {gap:?}");
+    assert!(
+        gap <= Duration::from_secs(4),
+        "the default cadence is 2 s, got a gap of {gap:?}"
+    );
+    for (_, m) in &msgs {
+        assert!(m.starts_with("exec_bash: running for "), "{m}");
+    }
+    // Once the first line is out, each message names the latest one.
+    let with_line: Vec<&String> = msgs
+        .iter()
+        .map(|(_, m)| m)
+        .filter(|m| m.contains("last line: "))
+        .collect();
+    assert!(with_line.len() >= 3, "{msgs:?}");
+    assert!(
+        with_line
+            .iter()
+            .any(|m| m.contains("last line: line3") || m.contains("last line: line4")),
+        "{msgs:?}"
+    );
+    assert!(
+        msgs.last().unwrap().1.ends_with("last line: step 2"),
+        "{msgs:?}"
+    );
+    // Each exec_bash is on the audit record, with the client's name as origin.
+    let audit = mcp._tmp.path().join("state/audit");
+    let text: String = std::fs::read_dir(&audit)
+        .unwrap()
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{text}");
+    assert_eq!(lines[0]["command"], "echo warm");
+    assert_eq!(lines[1]["tool"], "exec_bash");
+    assert_eq!(lines[1]["exit_code"], 0);
+    assert!(
+        lines[1]["origin"].as_str().unwrap().starts_with("mcp:"),
+        "{text}"
+    );
+    assert!(
+        lines[1]["duration_ms"].as_u64().unwrap() >= 11_000,
+        "{text}"
+    );
+    mcp.close().await;
+}
+
+/// Issue 23: `check_background_task(wait_s)` answers as soon as the job ends (measured against
+/// the job's own last instruction), as soon as it prints more, else at wait_s; more than 110 s
+/// is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_background_task_waits_for_the_end_or_new_output() {
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    let e = mcp
+        .err(
+            "check_background_task",
+            json!({"tmux_session": "x", "wait_s": 111}),
+        )
+        .await;
+    assert!(
+        e.s("error").contains("wait_s must be between 0 and 110"),
+        "{}",
+        e.text
+    );
+
+    // The end: the job's last act prints the time; the reply must follow within 100 ms.
+    let mut lags = Vec::new();
+    for i in 0..3 {
+        let name = format!("{}-end{i}", unique("wait"));
+        mcp.ok(
+            "exec_bash_background",
+            json!({"command": "sleep 2; date +%s%N", "session_name": name, "watch": false}),
+        )
+        .await;
+        let t0 = Instant::now();
+        let v = mcp
+            .ok(
+                "check_background_task",
+                json!({"tmux_session": name, "wait_s": 60}),
+            )
+            .await;
+        let now_ns = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos() as i128;
+        assert_eq!(v["running"], false, "{v}");
+        assert_eq!(v["exit_code"], 0, "{v}");
+        assert!(t0.elapsed() < Duration::from_secs(10), "{v}");
+        let ended: i128 = v["log_tail"]
+            .as_str()
+            .unwrap()
+            .lines()
+            .find_map(|l| l.trim().parse().ok())
+            .unwrap_or_else(|| panic!("no timestamp in {v}"));
+        lags.push(Duration::from_nanos((now_ns - ended).max(0) as u64));
+    }
+    lags.sort();
+    println!("reply after the job's end: {lags:?} (median {:?})", lags[1]);
+    assert!(lags[1] <= Duration::from_millis(100), "{lags:?}");
+
+    // New output ends the wait too; a running job's reply says so.
+    let name = unique("wait-out");
+    mcp.ok(
+        "exec_bash_background",
+        json!({"command": "sleep 1.5; echo hello-wait; sleep 30", "session_name": name, "watch": false}),
+    )
+    .await;
+    let t0 = Instant::now();
+    let v = mcp
+        .ok(
+            "check_background_task",
+            json!({"tmux_session": name, "wait_s": 60}),
+        )
+        .await;
+    let took = t0.elapsed();
+    assert_eq!(v["running"], true, "{v}");
+    assert!(
+        v["log_tail"].as_str().unwrap().contains("hello-wait"),
+        "{v}"
+    );
+    assert!(took < Duration::from_secs(5), "{took:?}");
+
+    // Nothing happens: the wait ends at wait_s.
+    let t0 = Instant::now();
+    let v = mcp
+        .ok(
+            "check_background_task",
+            json!({"tmux_session": name, "wait_s": 1.5}),
+        )
+        .await;
+    let took = t0.elapsed();
+    assert_eq!(v["running"], true, "{v}");
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_secs(4),
+        "{took:?}"
+    );
+    mcp.ok(
+        "kill_background_task",
+        json!({"tmux_session": name, "grace_s": 0}),
+    )
+    .await;
+    // Job starts and the kill are on the audit record.
+    let audit = mcp._tmp.path().join("state/audit");
+    let text: String = std::fs::read_dir(&audit)
+        .unwrap()
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect();
+    let tools: Vec<String> = text
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["tool"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        tools
+            .iter()
+            .filter(|t| *t == "exec_bash_background")
+            .count(),
+        4,
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .any(|v| v["tool"] == "kill_background_task" && v["command"] == name.as_str()),
+        "{text}"
     );
     mcp.close().await;
 }

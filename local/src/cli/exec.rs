@@ -51,9 +51,34 @@ pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
         Ok(c) => c,
         Err(e) => return fail(ctx.json, &e),
     };
+    let t0 = std::time::Instant::now();
+    let cwd = a.cwd.clone();
+    let code = run_on(ctx, &client, req, &a).await;
+    rsb::audit::record(
+        ctx.pool.config(),
+        client.sandbox(),
+        &rsb::audit::Action {
+            origin: "cli".into(),
+            tool: "rsb exec".into(),
+            command: Some(command),
+            cwd,
+            exit_code: Some(code.into()),
+            duration_ms: Some(t0.elapsed().as_millis() as u64),
+            ..Default::default()
+        },
+    );
+    code
+}
+
+async fn run_on(
+    ctx: &Ctx,
+    client: &rsb::client::AgentClient,
+    req: ExecRequest,
+    a: &ExecArgs,
+) -> u8 {
     if ctx.json {
         // stdin is forwarded here too: `… | rsb --json exec -- wc -l` counts the input.
-        return match rsb::exec_stream::run_collected(&client, req).await {
+        return match rsb::exec_stream::run_collected(client, req).await {
             Ok(Ok(r)) => {
                 print_json(&exec::reply(&r, a.timeout.unwrap_or(0) as i64));
                 exit_code(&r)
@@ -65,7 +90,7 @@ pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
             },
         };
     }
-    stream(&client, req, a.tty, a.timeout.unwrap_or(0)).await
+    stream(client, req, a.tty, a.timeout.unwrap_or(0)).await
 }
 
 /// `rsb shell [SANDBOX]`: the remote login shell on a pty, like `ssh HOST`.

@@ -2,6 +2,7 @@
 //! (or `--json`), speaking in commands and flags rather than MCP tool and parameter names.
 //! Exit codes come from one table ([`exit`]), shown in `rsb --help` and the README.
 
+pub mod audit;
 pub mod config;
 pub mod doctor;
 pub mod edit;

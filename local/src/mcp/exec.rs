@@ -6,7 +6,7 @@ use rmcp::{
 };
 use serde::Deserialize;
 
-use super::{RsbServer, ToolResult, fail, reply, with_progress};
+use super::{RsbServer, ToolResult, fail, reply, wait, with_progress_msg};
 use crate::ops::exec;
 
 fn d_timeout() -> i64 {
@@ -46,7 +46,7 @@ impl RsbServer {
         Parameters(p): Parameters<ExecBashParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let req = match exec::build_request(
+        let mut req = match exec::build_request(
             &p.command,
             p.cwd.as_deref(),
             p.timeout_s,
@@ -55,13 +55,39 @@ impl RsbServer {
             Ok(r) => r,
             Err(e) => return fail(&e),
         };
+        // With a progress token the output also streams, so that each progress notification
+        // can carry the command's last line; the reply still carries the capped capture.
+        let last = wait::LastLine::default();
+        let streamed = ctx.meta.get_progress_token().is_some();
+        req.stream = streamed;
         let work = async {
             let client = match self.pool.client(&p.sandbox_name).await {
                 Ok(c) => c,
                 Err(e) => return fail(&e),
             };
-            reply(client.call(req).await.map(|r| exec::reply(&r, p.timeout_s)))
+            let t0 = std::time::Instant::now();
+            let r = if streamed {
+                client.call_streaming(req, wait::track(last.clone())).await
+            } else {
+                client.call(req).await
+            };
+            crate::audit::record(
+                self.pool.config(),
+                client.sandbox(),
+                &crate::audit::Action {
+                    origin: super::origin(&ctx),
+                    tool: "exec_bash".into(),
+                    command: Some(p.command.clone()),
+                    cwd: p.cwd.clone(),
+                    exit_code: r.as_ref().ok().map(|r| exec::exit_status(r) as i64),
+                    duration_ms: Some(t0.elapsed().as_millis() as u64),
+                    bytes: r.as_ref().ok().map(|r| r.stdout.total + r.stderr.total),
+                    error: r.as_ref().err().map(|e| e.message.clone()),
+                },
+            );
+            reply(r.map(|r| exec::reply(&r, p.timeout_s)))
         };
-        with_progress(&ctx, "exec_bash", work).await
+        let line = last.clone();
+        with_progress_msg(&ctx, move |secs| line.message("exec_bash", secs), work).await
     }
 }

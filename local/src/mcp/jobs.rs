@@ -3,11 +3,12 @@
 //! job starts, so a bad call starts nothing.
 
 use rmcp::{
-    handler::server::wrapper::Parameters, schemars, schemars::JsonSchema, tool, tool_router,
+    RoleServer, handler::server::wrapper::Parameters, schemars, schemars::JsonSchema,
+    service::RequestContext, tool, tool_router,
 };
 use serde::Deserialize;
 
-use super::{RsbServer, ToolResult, fail, reply};
+use super::{RsbServer, ToolResult, fail, reply, wait, with_progress_msg};
 use crate::{
     error::RsbError,
     ops::{jobs, watchdog as wops},
@@ -183,6 +184,9 @@ pub struct CheckBackgroundParams {
     /// ""=active sandbox
     #[serde(default)]
     pub sandbox_name: String,
+    /// ≤110: wait for its end or new output.
+    #[serde(default)]
+    pub wait_s: f64,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -215,8 +219,22 @@ impl RsbServer {
     async fn exec_bash_background(
         &self,
         Parameters(p): Parameters<ExecBackgroundParams>,
+        ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        reply(self.start_background(p).await)
+        let sandbox = self.pool.resolve(&p.sandbox_name).unwrap_or_default();
+        let mut action = crate::audit::Action {
+            origin: super::origin(&ctx),
+            tool: "exec_bash_background".into(),
+            command: Some(p.command.clone()),
+            cwd: (!p.cwd.is_empty()).then(|| p.cwd.clone()),
+            ..Default::default()
+        };
+        let r = self.start_background(p).await;
+        if let Err(e) = &r {
+            action.error = Some(e.message.clone());
+        }
+        crate::audit::record(self.pool.config(), &sandbox, &action);
+        reply(r)
     }
 
     #[tool(
@@ -226,7 +244,12 @@ impl RsbServer {
     async fn check_background_task(
         &self,
         Parameters(p): Parameters<CheckBackgroundParams>,
+        ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
+        let wait = match wait::wait_duration(p.wait_s) {
+            Ok(w) => w,
+            Err(e) => return fail(&e),
+        };
         let (mut session, mut sandbox) = (p.tmux_session.clone(), p.sandbox_name.clone());
         if p.watch_id > 0 {
             // The watch names the job and its sandbox; explicit arguments override (seed).
@@ -257,10 +280,31 @@ impl RsbServer {
             Err(e) => return fail(&e),
         };
         let cursor = p.offset.is_some();
-        let mut r = client
-            .call(req)
-            .await
-            .and_then(|r| jobs::status_reply(&session, cursor, &r));
+        let mut r = if wait.is_zero() {
+            client.call(req).await
+        } else {
+            // Ask once; if it runs, wait for its end or more output (progress meanwhile
+            // carries the last line), then answer with what the caller asked for.
+            let last = wait::LastLine::default();
+            let line = last.clone();
+            let waited = async {
+                let first = client.call(req.clone()).await?;
+                wait::until_change(&client, &req, &first, wait, &last).await?;
+                client.call(req).await
+            };
+            let mut out = None;
+            let r = with_progress_msg(&ctx, move |secs| line.message("waiting", secs), async {
+                out = Some(waited.await);
+                super::ok(())
+            })
+            .await;
+            match out {
+                Some(o) => o,
+                // Cancelled by the client.
+                None => return r,
+            }
+        }
+        .and_then(|r| jobs::status_reply(&session, cursor, &r));
         if let Ok(v) = &mut r
             && p.watch_id > 0
         {
@@ -280,6 +324,7 @@ impl RsbServer {
     async fn kill_background_task(
         &self,
         Parameters(p): Parameters<KillBackgroundParams>,
+        ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
         let client = match self.pool.client(&p.sandbox_name).await {
             Ok(c) => c,
@@ -296,6 +341,17 @@ impl RsbServer {
         {
             v["cancelled_watches"] = serde_json::json!(cancelled);
         }
+        crate::audit::record(
+            self.pool.config(),
+            client.sandbox(),
+            &crate::audit::Action {
+                origin: super::origin(&ctx),
+                tool: "kill_background_task".into(),
+                command: Some(p.tmux_session.clone()),
+                error: r.as_ref().err().map(|e| e.message.clone()),
+                ..Default::default()
+            },
+        );
         reply(r)
     }
 

@@ -13,6 +13,7 @@ mod sandboxes;
 mod search;
 mod stdio;
 mod sync;
+mod wait;
 mod watchdog;
 
 use std::{collections::HashMap, sync::Arc, time::Duration};
@@ -218,7 +219,25 @@ where
     F: std::future::Future<Output = ToolResult>,
 {
     let what = what.to_string();
-    let ticker = progress_ticker(ctx, move |secs| format!("{what}: running for {secs}s"));
+    with_progress_msg(
+        ctx,
+        move |secs| format!("{what}: running for {secs}s"),
+        work,
+    )
+    .await
+}
+
+/// [`with_progress`] whose notifications say `message(seconds elapsed)` (the last output line,
+/// say: `wait::LastLine::message`).
+pub(crate) async fn with_progress_msg<F>(
+    ctx: &RequestContext<RoleServer>,
+    message: impl Fn(f64) -> String + Send + 'static,
+    work: F,
+) -> ToolResult
+where
+    F: std::future::Future<Output = ToolResult>,
+{
+    let ticker = progress_ticker(ctx, message);
     tokio::select! {
         r = work => r,
         _ = ctx.ct.cancelled() => fail(&RsbError::new(
@@ -300,6 +319,14 @@ fn check_args(
         }
     }
     Ok(())
+}
+
+/// The audit log's origin of a call: `mcp:<client name>`.
+pub(crate) fn origin(ctx: &RequestContext<RoleServer>) -> String {
+    match ctx.peer.peer_info() {
+        Some(i) => format!("mcp:{}", i.client_info.name),
+        None => "mcp".into(),
+    }
 }
 
 fn ctx_name(id: &rmcp::model::RequestId) -> String {

@@ -1,0 +1,395 @@
+//! The audit log: one JSON line per action rsb takes on a sandbox (from MCP or the CLI), in
+//! `<state dir>/audit/YYYY-MM.jsonl`.
+//!
+//! Each line is written by one `write(2)` on a file opened `O_APPEND` (0600), so concurrent
+//! writers (many `rsb` processes) never interleave within a line; JSON encoding escapes every
+//! newline and quote in a command, so a command cannot forge a line. Configured passwords and
+//! passphrases, and token-looking words (`ghp_…`, `sk-…`, `Bearer …`, `KEY=value` for secret-ish
+//! names), are replaced by `***` before anything is written. Files older than
+//! [`RETENTION_MONTHS`] are removed when a new month's file is created.
+
+use std::{
+    io::Write,
+    path::{Path, PathBuf},
+    time::{SystemTime, UNIX_EPOCH},
+};
+
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::config::{Auth, Config, Transport};
+
+/// Months of audit files kept.
+pub const RETENTION_MONTHS: u32 = 12;
+
+/// One action, as the caller knows it; [`record`] adds time, sandbox, host and user.
+#[derive(Debug, Default, Serialize)]
+pub struct Action {
+    /// `mcp:<client name>` or `cli`.
+    pub origin: String,
+    /// The tool or command (`exec_bash`, `rsb exec`, ...).
+    pub tool: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub command: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bytes: Option<u64>,
+    /// Set when the action failed before a result (the error line).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+#[derive(Serialize)]
+struct Line<'a> {
+    time: String,
+    sandbox: &'a str,
+    host: String,
+    user: String,
+    #[serde(flatten)]
+    action: &'a Action,
+}
+
+pub fn dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("audit")
+}
+
+/// Append `action` on `sandbox` to this month's file. Never fails the caller: a log that cannot
+/// be written is a warning on stderr.
+pub fn record(config: &Config, sandbox: &str, action: &Action) {
+    if config.state_dir.as_os_str().is_empty() {
+        return;
+    }
+    let (host, user) = target(config, sandbox);
+    let secrets = secrets(config);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0);
+    let mut v = match serde_json::to_value(Line {
+        time: crate::transfers::utc_stamp(now),
+        sandbox,
+        host,
+        user,
+        action,
+    }) {
+        Ok(v) => v,
+        Err(_) => return,
+    };
+    redact_value(&mut v, &secrets);
+    let mut line = v.to_string();
+    line.push('\n');
+    let dir = dir(&config.state_dir);
+    let file = dir.join(format!("{}.jsonl", &crate::transfers::utc_stamp(now)[..7]));
+    if let Err(e) = append(&dir, &file, line.as_bytes()) {
+        tracing::warn!("cannot write the audit log {}: {e}", file.display());
+    }
+}
+
+fn append(dir: &Path, file: &Path, line: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    let fresh = !file.exists();
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)?;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(file)?;
+    // One write: O_APPEND makes it atomic against other appenders on a local file system.
+    f.write_all(line)?;
+    if fresh {
+        prune(dir, file);
+    }
+    Ok(())
+}
+
+/// Remove month files older than the retention (names sort by month).
+fn prune(dir: &Path, current: &Path) {
+    let Some(cur) = current.file_stem().and_then(|s| s.to_str()) else {
+        return;
+    };
+    let (Ok(y), Ok(m)) = (cur[..4].parse::<u32>(), cur[5..7].parse::<u32>()) else {
+        return;
+    };
+    let months = y * 12 + (m - 1);
+    let oldest = months.saturating_sub(RETENTION_MONTHS - 1);
+    let keep_from = format!("{:04}-{:02}", oldest / 12, oldest % 12 + 1);
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if n.ends_with(".jsonl") && n.len() == 13 && n[..7] < *keep_from {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
+fn target(config: &Config, sandbox: &str) -> (String, String) {
+    match config.sandboxes.iter().find(|s| s.name == sandbox) {
+        Some(s) => match &s.transport {
+            Transport::Ssh(t) => (crate::config::host_port(&t.host, t.port), t.user.clone()),
+            Transport::Local => (
+                "localhost".into(),
+                std::env::var("USER").unwrap_or_default(),
+            ),
+        },
+        None => (String::new(), String::new()),
+    }
+}
+
+/// Every password and passphrase in the configuration (sandboxes and their jump hosts).
+fn secrets(config: &Config) -> Vec<String> {
+    let mut out = Vec::new();
+    for sb in &config.sandboxes {
+        if let Transport::Ssh(t) = &sb.transport {
+            for auth in std::iter::once(&t.auth).chain(t.proxy_jump.iter().map(|h| &h.auth)) {
+                let s = match auth {
+                    Auth::Password(s) => Some(s),
+                    Auth::KeyFile { passphrase, .. } | Auth::Auto { passphrase, .. } => {
+                        passphrase.as_ref()
+                    }
+                    Auth::Agent => None,
+                };
+                out.extend(s.map(|s| s.expose().to_string()));
+            }
+        }
+    }
+    out.retain(|s| !s.is_empty());
+    // Longest first, so a secret containing another is replaced whole.
+    out.sort_by_key(|s| std::cmp::Reverse(s.len()));
+    out
+}
+
+fn redact_value(v: &mut Value, secrets: &[String]) {
+    match v {
+        Value::String(s) => *s = redact(s, secrets),
+        Value::Object(m) => m.values_mut().for_each(|v| redact_value(v, secrets)),
+        Value::Array(a) => a.iter_mut().for_each(|v| redact_value(v, secrets)),
+        _ => {}
+    }
+}
+
+/// `s` with configured secrets and token-looking words replaced by `***`.
+pub fn redact(s: &str, secrets: &[String]) -> String {
+    let mut s = s.to_string();
+    for secret in secrets {
+        if s.contains(secret.as_str()) {
+            s = s.replace(secret.as_str(), "***");
+        }
+    }
+    let mut out = String::with_capacity(s.len());
+    let mut redact_next = false;
+    for (i, word) in s.split_inclusive(char::is_whitespace).enumerate() {
+        let w = word.trim_end();
+        let tail = &word[w.len()..];
+        if i > 0 && redact_next && !w.is_empty() {
+            out.push_str("***");
+            out.push_str(tail);
+            redact_next = false;
+            continue;
+        }
+        redact_next = w.eq_ignore_ascii_case("bearer") || w.eq_ignore_ascii_case("token");
+        out.push_str(&redact_word(w));
+        out.push_str(tail);
+    }
+    out
+}
+
+const TOKEN_PREFIXES: [&str; 8] = [
+    "ghp_",
+    "gho_",
+    "ghs_",
+    "github_pat_",
+    "sk-",
+    "xoxb-",
+    "xoxp-",
+    "hf_",
+];
+
+fn redact_word(w: &str) -> String {
+    // NAME=value with a secret-ish NAME (`--password=x`, `API_KEY=x`, `-p=x` is left alone).
+    if let Some((k, val)) = w.split_once('=') {
+        let k_up = k.trim_start_matches('-').to_ascii_uppercase();
+        if !val.is_empty()
+            && [
+                "PASSWORD",
+                "PASSWD",
+                "SECRET",
+                "TOKEN",
+                "API_KEY",
+                "APIKEY",
+                "PASSPHRASE",
+            ]
+            .iter()
+            .any(|n| k_up.ends_with(n))
+        {
+            return format!("{k}=***");
+        }
+    }
+    redact_tokens(w)
+}
+
+/// Runs that start with a known token prefix (at a word boundary) and go on for at least 16
+/// token characters, and AWS access key ids, become `***` wherever they sit in the word (a
+/// URL's user part, say).
+fn redact_tokens(w: &str) -> String {
+    let is_tok = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
+    let mut out = String::with_capacity(w.len());
+    let mut i = 0;
+    while i < w.len() {
+        let boundary = i == 0 || !is_tok(w[..i].chars().next_back().unwrap_or(' '));
+        if boundary && w.is_char_boundary(i) {
+            let rest = &w[i..];
+            let run = rest.find(|c: char| !is_tok(c)).unwrap_or(rest.len());
+            let hit = TOKEN_PREFIXES
+                .iter()
+                .any(|p| rest.starts_with(p) && run >= p.len() + 16)
+                || (rest.starts_with("AKIA") && run == 20);
+            if hit {
+                out.push_str("***");
+                i += run;
+                continue;
+            }
+        }
+        let c = w[i..].chars().next().unwrap_or(' ');
+        out.push(c);
+        i += c.len_utf8();
+    }
+    out
+}
+
+/// A `--since` value: `90s`, `30m`, `2h`, `7d` → seconds.
+pub fn parse_since(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit())?);
+    let n: u64 = n.parse().ok()?;
+    let mult = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return None,
+    };
+    Some(n * mult)
+}
+
+/// The lines of the audit files, oldest first, that pass the filters (`since`: an RFC 3339
+/// UTC stamp the line's time must not precede).
+pub fn read(
+    state_dir: &Path,
+    sandbox: Option<&str>,
+    since: Option<&str>,
+    grep: Option<&str>,
+) -> std::io::Result<Vec<Value>> {
+    let dir = dir(state_dir);
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir) {
+        Ok(rd) => rd
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    files.sort();
+    let mut out = Vec::new();
+    for f in files {
+        if let Some(since) = since
+            && let Some(stem) = f.file_stem().and_then(|s| s.to_str())
+            && stem < &since[..7.min(since.len())]
+        {
+            continue;
+        }
+        let text = std::fs::read_to_string(&f)?;
+        for line in text.lines() {
+            if let Some(g) = grep
+                && !line.contains(g)
+            {
+                continue;
+            }
+            let Ok(v) = serde_json::from_str::<Value>(line) else {
+                continue;
+            };
+            if sandbox.is_some_and(|s| v["sandbox"] != s) {
+                continue;
+            }
+            if since.is_some_and(|s| v["time"].as_str().unwrap_or_default() < s) {
+                continue;
+            }
+            out.push(v);
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_and_tokens_are_redacted() {
+        let secrets = vec!["hunter2!".to_string()];
+        assert_eq!(
+            redact("echo hunter2! | sudo -S id", &secrets),
+            "echo *** | sudo -S id"
+        );
+        assert_eq!(
+            redact(
+                "curl -H 'Authorization: Bearer abc.def' x API_KEY=zzz ls",
+                &[]
+            ),
+            "curl -H 'Authorization: Bearer *** x API_KEY=*** ls"
+        );
+        assert_eq!(
+            redact(
+                "git clone https://ghp_0123456789abcdefghij@github.com/x",
+                &[]
+            ),
+            "git clone https://***@github.com/x"
+        );
+        assert_eq!(
+            redact("export T=ghp_0123456789abcdefghij", &[]),
+            "export T=***"
+        );
+        assert_eq!(redact("echo 'sk-0123456789abcdefghij'", &[]), "echo '***'");
+        assert_eq!(
+            redact("task-0123456789abcdefghijk", &[]),
+            "task-0123456789abcdefghijk"
+        );
+        assert_eq!(redact("ls -la", &[]), "ls -la");
+    }
+
+    #[test]
+    fn since_values() {
+        assert_eq!(parse_since("2h"), Some(7200));
+        assert_eq!(parse_since("90s"), Some(90));
+        assert_eq!(parse_since("7d"), Some(604_800));
+        assert_eq!(parse_since("2x"), None);
+        assert_eq!(parse_since("h"), None);
+    }
+
+    #[test]
+    fn old_months_are_pruned() {
+        let d = tempfile::tempdir().unwrap();
+        for m in ["2025-11", "2025-12", "2026-01", "2026-11"] {
+            std::fs::write(d.path().join(format!("{m}.jsonl")), "").unwrap();
+        }
+        let cur = d.path().join("2026-12.jsonl");
+        std::fs::write(&cur, "").unwrap();
+        prune(d.path(), &cur);
+        let mut left: Vec<String> = std::fs::read_dir(d.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["2026-01.jsonl", "2026-11.jsonl", "2026-12.jsonl"]);
+    }
+}

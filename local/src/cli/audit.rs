@@ -1,0 +1,65 @@
+//! `rsb audit`: the audit log's lines, filtered (see `rsb::audit`).
+
+use rsb::error::RsbError;
+
+use super::{Ctx, fail, print_json};
+
+pub fn run(ctx: &Ctx, since: Option<&str>, grep: Option<&str>) -> u8 {
+    let since = match since {
+        None => None,
+        Some(s) => match rsb::audit::parse_since(s) {
+            Some(secs) => {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map(|d| d.as_secs())
+                    .unwrap_or(0);
+                Some(rsb::transfers::utc_stamp(now.saturating_sub(secs) as f64))
+            }
+            None => {
+                return fail(
+                    ctx.json,
+                    &RsbError::invalid(
+                        format!("--since '{s}' is not a duration"),
+                        "use a number and s, m, h or d: --since 2h",
+                    ),
+                );
+            }
+        },
+    };
+    let sandbox = (!ctx.sandbox.is_empty()).then_some(ctx.sandbox.as_str());
+    let lines = match rsb::audit::read(
+        &ctx.pool.config().state_dir,
+        sandbox,
+        since.as_deref(),
+        grep,
+    ) {
+        Ok(l) => l,
+        Err(e) => {
+            return fail(
+                ctx.json,
+                &RsbError::internal(format!("cannot read the audit log: {e}")),
+            );
+        }
+    };
+    for v in &lines {
+        if ctx.json {
+            print_json(v);
+        } else {
+            let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+            let code = v["exit_code"]
+                .as_i64()
+                .map(|c| format!("exit {c}"))
+                .unwrap_or_else(|| s("error"));
+            super::out_line(&format!(
+                "{}  {}  {}  {}  {}  {}",
+                s("time"),
+                s("sandbox"),
+                s("origin"),
+                s("tool"),
+                code,
+                s("command").escape_default()
+            ));
+        }
+    }
+    0
+}

@@ -1,0 +1,140 @@
+//! Issue 23: the audit log. Real `rsb exec` processes against the sshd fixture append to
+//! `<state dir>/audit/YYYY-MM.jsonl`; `rsb audit` reads it back.
+
+use std::{path::PathBuf, process::Command};
+
+use rsb_tests::{Sshd, workspace_root};
+use serde_json::{Value, json};
+
+const FAKE_SECRET: &str = "S3cr3t-pw!";
+
+fn rsb_bin() -> PathBuf {
+    let p = workspace_root().join("target/debug/rsb");
+    assert!(p.exists(), "run `cargo build --workspace --bins` first");
+    p
+}
+
+fn rsb(tmp: &std::path::Path, list: &str, args: &[&str]) -> Command {
+    let home = tmp.join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let mut c = Command::new(rsb_bin());
+    c.args(args)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", &home)
+        .env("XDG_CONFIG_HOME", home.join(".config"))
+        .env("RSB_STATE_DIR", tmp.join("state"))
+        .env("REMOTE_SANDBOX_LIST", list);
+    c
+}
+
+#[test]
+fn concurrent_appends_stay_whole_lines_and_nothing_forges_or_leaks() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let list = json!([
+        {"name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+         "key_file": sshd.client_key().display().to_string()},
+        // Never connected to; its password must still never reach the log.
+        {"name": "other", "host": "127.0.0.1", "port": 9, "user": "nobody", "password": FAKE_SECRET},
+    ])
+    .to_string();
+    // Ten processes at once, each command holding a newline, quotes and a JSON line that
+    // would look like an entry if it were written raw, plus the configured password.
+    let forged = r#"{"time":"2000-01-01T00:00:00Z","sandbox":"forged","tool":"exec_bash"}"#;
+    let cmds: Vec<String> = (0..10)
+        .map(|i| format!("echo 'n{i} \"q\"\n{forged}' {FAKE_SECRET} >/dev/null; exit {i}"))
+        .collect();
+    let children: Vec<_> = cmds
+        .iter()
+        .map(|c| {
+            rsb(tmp.path(), &list, &["exec", "-s", "s", c])
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (i, ch) in children.into_iter().enumerate() {
+        let out = ch.wait_with_output().unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(i as i32),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let dir = tmp.path().join("state/audit");
+    let files: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
+    assert_eq!(files.len(), 1);
+    let path = files[0].path();
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().permissions().mode() & 0o777,
+        0o600
+    );
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(!text.contains(FAKE_SECRET), "{text}");
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("torn line {l:?}: {e}")))
+        .collect();
+    assert_eq!(lines.len(), 10, "{text}");
+    let mut codes: Vec<i64> = lines
+        .iter()
+        .map(|v| v["exit_code"].as_i64().unwrap())
+        .collect();
+    codes.sort();
+    assert_eq!(codes, (0..10).collect::<Vec<_>>());
+    for v in &lines {
+        assert_eq!(v["sandbox"], "s", "{v}");
+        assert_eq!(v["origin"], "cli", "{v}");
+        assert_eq!(v["tool"], "rsb exec", "{v}");
+        assert_eq!(v["user"], sshd.user(), "{v}");
+        assert!(
+            v["host"]
+                .as_str()
+                .unwrap()
+                .contains(&sshd.port().to_string()),
+            "{v}"
+        );
+        let c = v["command"].as_str().unwrap();
+        assert!(c.contains(forged) && c.contains("***"), "{c}");
+        assert!(v["time"].as_str().unwrap().ends_with('Z'), "{v}");
+        assert!(v["duration_ms"].is_u64(), "{v}");
+    }
+
+    // `rsb audit` reads it back, filtered.
+    let out = rsb(
+        tmp.path(),
+        &list,
+        &["--json", "audit", "--since", "1h", "--grep", "n3 "],
+    )
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let got: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0]["exit_code"], 3);
+    let out = rsb(tmp.path(), &list, &["-s", "other", "audit"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(
+        out.stdout.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let out = rsb(tmp.path(), &list, &["audit", "--since", "2x"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--since '2x' is not a duration"));
+}
