@@ -231,13 +231,14 @@ pub async fn run_with(
         sandbox.to_string(),
         sync::engine::anchor_home(&spec.remote_path),
     );
-    // Without a store the sync still runs (as before baselines existed): no conflicts.
-    let store = pool.transfers().ok();
+    // The baseline is what tells a remote edit from a conflict: a store that cannot be read
+    // refuses the sync (never a first sync that would overwrite the edit).
+    let store = Some(pool.transfers()?);
     let mut opts = opts.clone();
     if opts.baseline.is_none()
         && let Some(t) = &store
     {
-        opts.baseline = t.load_baseline_shared(&key.0, &key.1, &key.2);
+        opts.baseline = t.load_baseline_shared(&key.0, &key.1, &key.2)?;
     }
     let sink = std::sync::Arc::new(parking_lot::Mutex::new(None));
     opts.baseline_sink = Some(sink.clone());
