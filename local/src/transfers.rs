@@ -811,6 +811,12 @@ impl Transfers {
         Ok(Some(b))
     }
 
+    /// See [`baselines::touch`]: a root synced without a change keeps its baseline.
+    pub fn touch_baseline(&self, local: &str, sandbox: &str, remote: &str) -> Result<()> {
+        let key = (local.to_string(), sandbox.to_string(), remote.to_string());
+        baselines::touch(&self.db.lock(), &key, crate::store::now_s())
+    }
+
     pub fn save_baseline(
         &self,
         local: &str,

@@ -10,6 +10,7 @@ pub mod fs;
 pub mod jobs;
 pub mod meta;
 pub mod sandboxes;
+pub mod state;
 pub mod sync;
 
 use std::sync::Arc;

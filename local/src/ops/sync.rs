@@ -261,13 +261,19 @@ pub async fn run_with(
     if let (Some(t), Some(b)) = (&store, report.baseline_out.take())
         && !spec.dry_run
         && !report.handed_off
-        // A no-change resync leaves it as it was: no write (a 2,000-file baseline is ~150 KB).
-        && opts.baseline.as_deref() != Some(&b)
-        && let Err(e) = t.save_baseline(&key.0, &key.1, &key.2, &b)
     {
-        report
-            .warnings
-            .push(format!("the sync baseline was not saved: {}", e.message));
+        // A no-change resync leaves it as it was: no write (a 2,000-file baseline is ~150 KB),
+        // only its "last synced" day, which retention goes by.
+        let r = if opts.baseline.as_deref() == Some(&b) {
+            t.touch_baseline(&key.0, &key.1, &key.2)
+        } else {
+            t.save_baseline(&key.0, &key.1, &key.2, &b)
+        };
+        if let Err(e) = r {
+            report
+                .warnings
+                .push(format!("the sync baseline was not saved: {}", e.message));
+        }
     }
     Ok(report)
 }

@@ -83,6 +83,19 @@ pub fn save(conn: &Connection, key: &Key, entries: &Baseline) -> Result<()> {
     .map_err(db_err)
 }
 
+/// Mark `key` as synced now, at most once a day (a no-change resync writes no baseline, and
+/// retention drops baselines by this time). An update that matches nothing writes no page, so
+/// other connections' `data_version` (and their baseline caches) stay as they are.
+pub fn touch(conn: &Connection, key: &Key, now: i64) -> Result<()> {
+    conn.execute(
+        "UPDATE sync_baselines SET updated_ts = ?4
+         WHERE local_root = ?1 AND sandbox_name = ?2 AND remote_root = ?3 AND updated_ts < ?4 - 86400",
+        params![key.0, key.1, key.2, now],
+    )
+    .map(|_| ())
+    .map_err(db_err)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

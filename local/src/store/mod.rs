@@ -20,6 +20,7 @@ use crate::error::{Kind, RsbError};
 
 pub mod baselines;
 pub mod forwards;
+pub mod retention;
 pub mod sandboxes;
 pub mod schema;
 pub mod watches;
