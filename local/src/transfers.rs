@@ -277,6 +277,9 @@ pub struct Transfers {
     /// while it reads the same, no other connection committed anything, so the copy is the
     /// row (a no-change resync of 2,000 files then skips ~150 KB of JSON, ~2 ms).
     baselines: Mutex<HashMap<BaselineKey, (i64, Arc<Baseline>)>>,
+    /// Loads answered from `baselines` and loads that read the row (the cache's hit rate).
+    baseline_hits: std::sync::atomic::AtomicU64,
+    baseline_misses: std::sync::atomic::AtomicU64,
 }
 
 use crate::store::baselines::{self, Baseline, Key as BaselineKey, data_version};
@@ -296,6 +299,8 @@ impl Transfers {
             my_start: process_start(std::process::id()),
             log_seen: Mutex::new(HashMap::new()),
             baselines: Mutex::new(HashMap::new()),
+            baseline_hits: Default::default(),
+            baseline_misses: Default::default(),
         })
     }
 
@@ -796,11 +801,14 @@ impl Transfers {
         let key = (local.to_string(), sandbox.to_string(), remote.to_string());
         let db = self.db.lock();
         let version = data_version(&db);
+        use std::sync::atomic::Ordering::Relaxed;
         if let Some((v, b)) = self.baselines.lock().get(&key)
             && Some(*v) == version
         {
+            self.baseline_hits.fetch_add(1, Relaxed);
             return Ok(Some(b.clone()));
         }
+        self.baseline_misses.fetch_add(1, Relaxed);
         let Some(b) = baselines::load(&db, &key)? else {
             return Ok(None);
         };
@@ -809,6 +817,15 @@ impl Transfers {
             self.baselines.lock().insert(key, (v, b.clone()));
         }
         Ok(Some(b))
+    }
+
+    /// (hits, misses) of the in-memory baseline cache since this store was opened.
+    pub fn baseline_cache_stats(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.baseline_hits.load(Relaxed),
+            self.baseline_misses.load(Relaxed),
+        )
     }
 
     /// See [`baselines::touch`]: a root synced without a change keeps its baseline.
