@@ -27,7 +27,7 @@ use tokio::task::JoinSet;
 use tokio_util::codec::{FramedRead, FramedWrite};
 use tokio_util::sync::CancellationToken;
 
-use crate::{edit, exec, fs, hello, jobs, reaper, resources, stale, sync};
+use crate::{edit, exec, fs, hello, jobs, reaper, resources, search, stale, sync};
 
 /// Frames up to this size take the control lane.
 const SMALL_FRAME: usize = 64 * 1024;
@@ -320,6 +320,13 @@ async fn handle(
         Request::Patch(req) => to_completion(move || edit::patch(&req))
             .await
             .map(rsb_protocol::PatchRequest::into_reply),
+        // The walk checks the token itself, so a cancel also stops its threads.
+        Request::Search(req) => {
+            let token = cancel.clone();
+            blocking(&cancel, move || search::search(&req, &token))
+                .await
+                .map(rsb_protocol::SearchRequest::into_reply)
+        }
     };
     responder.reply(result.unwrap_or_else(Reply::Error)).await;
 }

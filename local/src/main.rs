@@ -85,6 +85,8 @@ enum Cmd {
         /// SANDBOX:PATH (`:PATH` = the -s or active sandbox), relative to the remote $HOME.
         target: String,
     },
+    /// Search file contents on the sandbox, as ripgrep (exit 0 a match, 1 none, 2 an error).
+    Grep(cli::search::GrepArgs),
     /// Sync files exactly: `rsb sync LOCAL SANDBOX:REMOTE` uploads, `rsb sync SANDBOX:REMOTE LOCAL`
     /// downloads (`:REMOTE` = the -s or active sandbox). Remote paths are relative to the
     /// remote $HOME.
@@ -285,7 +287,9 @@ async fn run(cli: Cli) -> u8 {
     // names a configured sandbox picks it (over `-s`).
     let mut sandbox = cli.sandbox;
     let mut cmd = cli.cmd;
-    if let Cmd::Ls { path, .. } | Cmd::Cat { path, .. } = &mut cmd
+    if let Cmd::Ls { path, .. }
+    | Cmd::Cat { path, .. }
+    | Cmd::Grep(cli::search::GrepArgs { path, .. }) = &mut cmd
         && let Some((name, rest)) = cli::sandbox_path(&config, path)
     {
         sandbox = Some(name);
@@ -325,6 +329,7 @@ async fn run(cli: Cli) -> u8 {
             cli::fs::cat(&ctx, &path, max_bytes, lines).await
         }
         Cmd::Edit { target } => cli::edit::run(&ctx, &target).await,
+        Cmd::Grep(a) => cli::search::run(&ctx, a).await,
         Cmd::Jobs { cmd } => cli::jobs::run(&ctx, cmd).await,
         Cmd::Doctor => cli::doctor::run(&ctx).await,
         Cmd::Forward(a) => {

@@ -17,6 +17,7 @@ pub mod fs;
 pub mod hello;
 pub mod jobs;
 pub mod resources;
+pub mod search;
 pub mod sync;
 
 use serde::{Deserialize, Serialize};
@@ -42,6 +43,7 @@ pub use resources::{
     CpuInfo, DiskInfo, GpuInfo, GpuProcess, GpuReport, GpuSource, MemoryInfo, ResourceSnapshot,
     ResourcesRequest,
 };
+pub use search::{SearchEntry, SearchLine, SearchMode, SearchRequest, SearchResult};
 pub use sync::{
     ApplyAbortRequest, ApplyCloseRequest, ApplyOnceRequest, ApplyOp, ApplyOpenRequest, ApplyOpened,
     ApplyRequest, ApplyResult, BlockHashesRequest, BlockHashesResult, ManifestEntry,
@@ -50,8 +52,8 @@ pub use sync::{
 
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
 /// 7: ReadText/Edit/Write (code tools). 8: zstd frames replace raw deflate in every compressed
-/// payload, and `ApplyOp::Packed` carries a batch of small files as one frame.
-pub const PROTOCOL_VERSION: u32 = 8;
+/// payload, and `ApplyOp::Packed` carries a batch of small files as one frame. 9: Search.
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Hash of this crate's sources at build time: catches an agent and an `rsb` built from
 /// different protocol sources even when nobody bumped [`PROTOCOL_VERSION`].
@@ -169,6 +171,7 @@ call!(ReadTextRequest, ReadText, "read_text" => ReadText(ReadTextResult));
 call!(EditRequest, Edit, "edit" => Edited(EditOutcome));
 call!(WriteRequest, Write, "write" => Edited(EditOutcome));
 call!(PatchRequest, Patch, "patch" => Patched(PatchOutcome));
+call!(SearchRequest, Search, "search" => Searched(SearchResult));
 
 /// Echoed back unchanged: a round trip through the agent's loop (liveness, latency).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -202,6 +205,7 @@ pub enum Request {
     Edit(EditRequest),
     Write(WriteRequest),
     Patch(PatchRequest),
+    Search(SearchRequest),
 }
 
 impl Request {
@@ -229,6 +233,7 @@ impl Request {
         EditRequest::NAME,
         WriteRequest::NAME,
         PatchRequest::NAME,
+        SearchRequest::NAME,
     ];
 
     /// Short name for logs and error messages.
@@ -256,6 +261,7 @@ impl Request {
             Request::Edit(_) => EditRequest::NAME,
             Request::Write(_) => WriteRequest::NAME,
             Request::Patch(_) => PatchRequest::NAME,
+            Request::Search(_) => SearchRequest::NAME,
         }
     }
 }
@@ -285,6 +291,7 @@ pub enum Reply {
     /// Answers both `Edit` and `Write`.
     Edited(EditOutcome),
     Patched(PatchOutcome),
+    Searched(SearchResult),
 }
 
 impl Reply {
@@ -310,6 +317,7 @@ impl Reply {
             Reply::ReadText(_) => "read_text",
             Reply::Edited(_) => "edited",
             Reply::Patched(_) => "patched",
+            Reply::Searched(_) => "searched",
         }
     }
 }

@@ -184,6 +184,21 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                 },
             ],
         }),
+        Request::Search(SearchRequest {
+            root: "~/proj".into(),
+            pattern: "fn \\w+\\(".into(),
+            literal: false,
+            ignore_case: true,
+            globs: vec!["*.rs".into(), "!target/**".into()],
+            context: 2,
+            mode: SearchMode::Count,
+            offset: 7,
+            limit: 100,
+            no_ignore: true,
+            max_filesize: 1 << 24,
+            max_line_bytes: 500,
+            deadline_ms: 30_000,
+        }),
     ];
     let mut to_agent: Vec<ToAgent> = requests
         .into_iter()
@@ -379,6 +394,35 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             path: "c".into(),
             hunk: 2,
             refusal: Refusal::Ambiguous { count: 2 },
+        }),
+        Reply::Searched(SearchResult {
+            root: "/home/u/proj".into(),
+            total: 3,
+            total_matches: 3,
+            files_matched: 2,
+            entries: vec![SearchEntry {
+                path: "caf\u{fffd}.rs".into(),
+                exact_path: false,
+                line: Some(SearchLine {
+                    number: 4,
+                    text: "fn é()".into(),
+                    cut: 9,
+                    matches: vec![(0, 5)],
+                }),
+                before: vec![],
+                after: vec![SearchLine {
+                    number: 5,
+                    text: String::new(),
+                    cut: 0,
+                    matches: vec![],
+                }],
+                count: 1,
+            }],
+            files_searched: 10,
+            skipped_binary: 1,
+            skipped_large: 0,
+            complete: false,
+            errors: vec!["x: Permission denied".into()],
         }),
     ];
     let mut from_agent: Vec<FromAgent> = vec![FromAgent::Hello(Hello {
@@ -667,6 +711,7 @@ fn each_call_unwraps_only_its_own_reply() {
             Request::Edit(q) => check(q, EditRequest::from_reply(reply("edited")).unwrap()),
             Request::Write(q) => check(q, EditOutcome::Refused(Refusal::Exists)),
             Request::Patch(q) => check(q, PatchRequest::from_reply(reply("patched")).unwrap()),
+            Request::Search(q) => check(q, SearchRequest::from_reply(reply("searched")).unwrap()),
         }
     }
     assert_eq!(checked, Request::KINDS.len());

@@ -87,6 +87,15 @@ impl Layer {
         &self.dir
     }
 
+    /// This file's verdict on `rel` (relative to the root, like the layer's `dir`):
+    /// `Some(true)` excluded, `Some(false)` re-included by a `!` line, `None` when no line of
+    /// it matches or the layer is not above `rel`. For walkers that combine several kinds of
+    /// ignore file with their own precedence (search: `.rgignore` over `.ignore` over
+    /// `.gitignore`, as ripgrep).
+    pub fn decide(&self, rel: &str, is_dir: bool) -> Option<bool> {
+        decide(&self.patterns, self.sub(rel)?, is_dir)
+    }
+
     /// `rel` relative to this layer's directory, when the layer applies to it.
     fn sub<'r>(&self, rel: &'r str) -> Option<&'r str> {
         if self.dir.is_empty() {
@@ -179,6 +188,17 @@ impl Rules {
         )?;
         r.defaults = defaults.len();
         Ok(r)
+    }
+
+    /// The last of these lines matching `rel`: `Some(true)` excluded, `Some(false)` a `!` line,
+    /// `None` when none matches (search's `-g` globs read it the other way round).
+    pub fn decide(&self, rel: &str, is_dir: bool) -> Option<bool> {
+        decide(&self.patterns, rel, is_dir)
+    }
+
+    /// Whether any line is a plain (not `!`) pattern.
+    pub fn has_plain(&self) -> bool {
+        self.patterns.iter().any(|p| !p.negated)
     }
 
     /// `rel` is relative to the root, `/`-separated, never empty. Parents are not consulted:

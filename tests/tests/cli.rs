@@ -292,6 +292,12 @@ fn cli_table() {
     )
     .unwrap();
     let kh = known_hosts.display().to_string();
+    // A tree for the grep rows: one match, one gitignored match.
+    std::fs::create_dir_all(h.join("gdir")).unwrap();
+    std::fs::write(h.join("gdir/.gitignore"), "*.log\n").unwrap();
+    std::fs::create_dir_all(h.join("gdir/.git")).unwrap();
+    std::fs::write(h.join("gdir/a.py"), "x needle\ny\n").unwrap();
+    std::fs::write(h.join("gdir/b.log"), "needle\n").unwrap();
     // A small tree for the sync rows, with a .gitignore.
     let proj = tmp.path().join("proj");
     std::fs::create_dir_all(proj.join("sub")).unwrap();
@@ -327,6 +333,18 @@ fn cli_table() {
         rsb(&["--json", "exec", "--", "echo", "hi"]).out("\"stdout\":\"hi\\n\""),
         bash("printf 'a\\nb\\n' | RSB --json exec -- wc -l").out("\"stdout\":\"2\\n\""),
         rsb(&["exec", "--cwd", "~/dir", "--", "ls"]).out_eq("a.txt\nsub\n"),
+        // grep: rg's output and exit codes (0 a match, 1 none, 2 an error).
+        rsb(&["grep", "needle", "gdir"]).out_eq("gdir/a.py:1:x needle\n"),
+        rsb(&["grep", "needle", "gpu1:gdir", "-l"]).out_eq("gdir/a.py\n"),
+        rsb(&["grep", "-c", "--no-ignore", "needle", "gdir"]).out_eq("gdir/a.py:1\ngdir/b.log:1\n"),
+        rsb(&["grep", "-C", "1", "needle", "gdir"]).out_eq("gdir/a.py:1:x needle\ngdir/a.py-2-y\n"),
+        rsb(&["grep", "--color", "always", "need", "gdir"]).out("\u{1b}[1;31mneed\u{1b}[0mle"),
+        rsb(&["--json", "grep", "needle", "gdir"]).out("\"type\":\"match\"").out("\"summary\""),
+        rsb(&["grep", "zzz_none", "gdir"]).code(1).out_eq(""),
+        rsb(&["grep", "(", "gdir"]).code(2).err("invalid regex"),
+        rsb(&["grep", "x", "no/such/dir"]).code(2).err("No such file"),
+        // A remote name with an escape sequence is printed as text, never raw.
+        rsb(&["grep", "e", "evil"]).out("\\u{1b}]52").no_out("\u{1b}]52"),
         // Usage errors and did-you-mean.
         rsb(&["exce", "ls"]).code(1).err("'exec'"),
         rsb(&[]).code(1).err("Usage: rsb"),

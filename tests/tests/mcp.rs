@@ -30,8 +30,8 @@ use serde_json::{Value, json};
 
 /// The tools `rsb mcp` exposes by default (no advanced flag).
 /// The seed's twelve defaults plus rsb's `kill_background_task`, `list_background_tasks`,
-/// `edit_remote_file` and `write_remote_file`.
-const DEFAULT_TOOLS: [&str; 16] = [
+/// `edit_remote_file`, `write_remote_file` and `search_remote_files`.
+const DEFAULT_TOOLS: [&str; 17] = [
     "list_sandboxes",
     "select_sandbox",
     "get_active_sandbox",
@@ -44,6 +44,7 @@ const DEFAULT_TOOLS: [&str; 16] = [
     "read_remote_file",
     "edit_remote_file",
     "write_remote_file",
+    "search_remote_files",
     "sync_local_to_remote",
     "check_file_transfer_task",
     "cancel_file_transfer_task",
@@ -52,8 +53,9 @@ const DEFAULT_TOOLS: [&str; 16] = [
 
 /// The seed's twelve default tools take 9,243 B of compact JSON (name, description,
 /// inputSchema: the part a model reads); rsb's set may grow by 650 B for each default tool
-/// it adds for coding agents (issue 24: edit_remote_file, write_remote_file).
-const SCHEMA_BUDGET_BYTES: usize = 9_243 + 650 * 2;
+/// it adds for coding agents (issue 24: edit_remote_file, write_remote_file,
+/// search_remote_files).
+const SCHEMA_BUDGET_BYTES: usize = 9_243 + 650 * 3;
 
 /// The part of a tools/list a model reads, as compact JSON: each tool's name, description
 /// and inputSchema (annotations are hints for the client).
@@ -436,6 +438,15 @@ async fn tools_list_matches_the_seed_and_fits_the_budget() {
             vec![],
         ),
         ("write_remote_file", vec!["remote_path"], vec![]),
+        (
+            "search_remote_files",
+            vec!["pattern"],
+            vec![
+                ("remote_path", json!("")),
+                ("head_limit", json!(100)),
+                ("sandbox_name", json!("")),
+            ],
+        ),
         (
             "sync_local_to_remote",
             vec![],
@@ -1059,7 +1070,7 @@ async fn every_parameter_is_described_and_every_tool_annotated() {
     // (tool, readOnly, destructive, idempotent, openWorld); None = not stated (the default:
     // for a tool that is not read-only, destructive).
     type Hints = (&'static str, Option<bool>, Option<bool>, Option<bool>, bool);
-    let expected: [Hints; 16] = [
+    let expected: [Hints; 17] = [
         ("list_sandboxes", Some(true), None, None, false),
         ("get_active_sandbox", Some(true), None, None, false),
         ("select_sandbox", None, Some(false), Some(true), false),
@@ -1073,6 +1084,7 @@ async fn every_parameter_is_described_and_every_tool_annotated() {
         // An edit made twice is not the edit made once; a write is.
         ("edit_remote_file", None, Some(true), None, false),
         ("write_remote_file", None, Some(true), Some(true), false),
+        ("search_remote_files", Some(true), None, None, false),
         // Upload may delete (delete_extras) and replace; a download replaces local files
         // (never deletes); running either again changes nothing more.
         ("sync_local_to_remote", None, Some(true), Some(true), false),
@@ -2346,5 +2358,367 @@ async fn apply_patch_checks_every_hunk_before_writing() {
         )
         .await;
     assert!(r.s("error").contains("line 3"), "{}", r.text);
+    mcp.close().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// search_remote_files
+// ---------------------------------------------------------------------------------------------
+
+/// A tree with everything ripgrep decides about: nested `.gitignore`s with a `!` re-include,
+/// `.ignore`, `.git`, `node_modules`, hidden files, binary and oversized files, CRLF lines, a
+/// non-UTF-8 name, a symlink, and a few hundred ordinary files.
+fn search_tree(root: &std::path::Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let w = |rel: &str, text: &[u8]| {
+        let p = root.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    };
+    w(".git/HEAD", b"ref: needle\n");
+    w(".gitignore", b"*.log\nbuild/\nnode_modules/\n!keep.log\n");
+    w("sub/.gitignore", b"secret.txt\n");
+    w("sub/secret.txt", b"needle hidden by sub/.gitignore\n");
+    w(
+        "sub/a.py",
+        b"import os\nneedle = 1\n\nprint(needle)  # needle twice\n",
+    );
+    w("node_modules/pkg/index.js", b"needle in node_modules\n");
+    w("build/out.txt", b"needle in build\n");
+    w("app.log", b"needle in a log\n");
+    w("keep.log", b"needle in the kept log\n");
+    w(".hidden.txt", b"needle hidden\n");
+    w(".config/x.txt", b"needle in a hidden dir\n");
+    w(".ignore", b"by_dot_ignore.txt\n");
+    w("by_dot_ignore.txt", b"needle\n");
+    w("binary.bin", b"needle\0\x01\x02needle\n");
+    w("crlf.txt", b"needle first\r\nsecond\r\nthird NEEDLE\r\n");
+    w("noeol.txt", b"no newline at the end: needle");
+    w("a.txt", b"needle at the top\n");
+    w("a/b.txt", b"needle below a\n");
+    let big = "needle in a large file\n".repeat(800_000); // ~18 MB > the 16 MiB cap
+    w("big.txt", big.as_bytes());
+    std::fs::write(
+        root.join(std::ffi::OsStr::from_bytes(b"caf\xe9.txt")),
+        b"needle in a latin-1 name\n",
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("sub/a.py", root.join("link.py")).unwrap();
+    for i in 0..300u64 {
+        let mut text = rsb_tests_gen(i);
+        if i % 3 == 0 {
+            text.push_str(&format!("line with needle {i}\nand neeedle {i}\n"));
+        }
+        w(&format!("src/m{}/f{i}.rs", i % 7), text.as_bytes());
+    }
+}
+
+/// Deterministic text for the search tree (a few lines per file).
+fn rsb_tests_gen(seed: u64) -> String {
+    (0..(seed % 5 + 2))
+        .map(|k| format!("fn f{seed}_{k}() {{ let x = {}; }}\n", seed * 31 + k))
+        .collect()
+}
+
+/// What `rg` prints for the same query, run in `home/proj` (ripgrep anchors `-g` globs at its
+/// cwd; search anchors them at `remote_path`), with `proj/` put before each path, `\r`
+/// dropped before line ends (search replies strip it) and names read lossily.
+fn rg_lines(home: &std::path::Path, args: &[&str]) -> Vec<String> {
+    let out = std::process::Command::new("rg")
+        .current_dir(home.join("proj"))
+        .args([
+            "--no-config",
+            "--no-heading",
+            "--color",
+            "never",
+            "--max-filesize",
+            "16M",
+            "--sort",
+            "path",
+        ])
+        .args(args)
+        .output()
+        .expect("rg is installed (.ci/run installs ripgrep)");
+    assert!(out.status.code().unwrap_or(9) <= 1, "rg failed: {out:?}");
+    String::from_utf8_lossy(&out.stdout)
+        .replace("\r\n", "\n")
+        .lines()
+        .map(|l| {
+            if l == "--" {
+                l.to_string()
+            } else {
+                format!("proj/{l}")
+            }
+        })
+        .collect()
+}
+
+/// The page's lines without the "N more" marker.
+fn page_lines(v: &Value) -> Vec<String> {
+    v["output"]
+        .as_str()
+        .unwrap()
+        .lines()
+        .filter(|l| !l.starts_with('['))
+        .map(String::from)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn search_finds_exactly_what_rg_finds() {
+    let sshd = Sshd::start().unwrap();
+    let home = sshd.home().to_path_buf();
+    search_tree(&home.join("proj"));
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    let cases: Vec<(Value, Vec<&str>)> = vec![
+        (json!({"pattern": "needle"}), vec!["-n", "needle"]),
+        (json!({"pattern": "ne+dle\\b"}), vec!["-n", "ne+dle\\b"]),
+        (
+            json!({"pattern": "NEEDLE", "ignore_case": true}),
+            vec!["-n", "-i", "NEEDLE"],
+        ),
+        (
+            json!({"pattern": "_1() { let", "literal": true}),
+            vec!["-n", "-F", "_1() { let"],
+        ),
+        (
+            json!({"pattern": "needle", "glob": "*.py"}),
+            vec!["-n", "-g", "*.py", "needle"],
+        ),
+        (
+            json!({"pattern": "needle", "glob": "!*.txt !src/**"}),
+            vec!["-n", "-g", "!*.txt", "-g", "!src/**", "needle"],
+        ),
+        (
+            json!({"pattern": "needle", "glob": "*.{py,log}"}),
+            vec!["-n", "-g", "*.{py,log}", "needle"],
+        ),
+        (
+            json!({"pattern": "needle", "no_ignore": true}),
+            vec!["-n", "--no-ignore", "needle"],
+        ),
+        (
+            json!({"pattern": "needle", "output_mode": "files_with_matches"}),
+            vec!["-l", "needle"],
+        ),
+        (
+            json!({"pattern": "needle", "output_mode": "count"}),
+            vec!["-c", "needle"],
+        ),
+        (
+            json!({"pattern": "needle", "context": 1, "glob": "!src/**"}),
+            vec!["-n", "-C", "1", "-g", "!src/**", "needle"],
+        ),
+        (json!({"pattern": "fn f1\\d_"}), vec!["-n", "fn f1\\d_"]),
+    ];
+    for (mut args, rg_args) in cases {
+        args["remote_path"] = json!("proj");
+        args["head_limit"] = json!(5000);
+        let v = mcp.ok("search_remote_files", args.clone()).await;
+        let want = rg_lines(&home, &rg_args);
+        assert!(!want.is_empty(), "rg found nothing for {rg_args:?}");
+        assert_eq!(page_lines(&v), want, "search {args} vs rg {rg_args:?}");
+        assert_eq!(v["more"], 0, "{args}");
+        assert_eq!(v["complete"], true, "{args}");
+        if args.get("context").is_none() {
+            assert_eq!(v["total"], want.len() as u64, "{args}");
+        }
+    }
+    // The binary and the oversized file were met and skipped, and said so.
+    let v = mcp
+        .ok(
+            "search_remote_files",
+            json!({"pattern": "needle", "remote_path": "proj"}),
+        )
+        .await;
+    assert_eq!(v["skipped_binary"], 1, "{v}");
+    assert_eq!(v["skipped_large"], 1, "{v}");
+    // A file as the root, and errors with a hint.
+    let v = mcp
+        .ok(
+            "search_remote_files",
+            json!({"pattern": "needle", "remote_path": "proj/sub/a.py"}),
+        )
+        .await;
+    assert_eq!(
+        page_lines(&v),
+        [
+            "proj/sub/a.py:2:needle = 1",
+            "proj/sub/a.py:4:print(needle)  # needle twice"
+        ]
+    );
+    for (args, words) in [
+        (json!({"pattern": "(unclosed"}), "invalid regex"),
+        (json!({"pattern": "a\\nb"}), "line break"),
+        (
+            json!({"pattern": "x", "remote_path": "no/such/dir"}),
+            "No such file",
+        ),
+        (
+            json!({"pattern": "x", "output_mode": "lines"}),
+            "output_mode",
+        ),
+        (json!({"pattern": "x", "head_limit": 0}), "head_limit"),
+    ] {
+        let r = mcp.err("search_remote_files", args.clone()).await;
+        assert!(r.s("error").contains(words), "{args}: {}", r.text);
+        assert!(!r.s("hint").is_empty(), "{args}: {}", r.text);
+    }
+    mcp.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn search_pages_are_exact() {
+    let sshd = Sshd::start().unwrap();
+    let home = sshd.home().to_path_buf();
+    search_tree(&home.join("proj"));
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    for mode in ["content", "files_with_matches", "count"] {
+        let q = |offset: u64, limit: u64| {
+            json!({"pattern": "needle", "remote_path": "proj", "output_mode": mode,
+                   "offset": offset, "head_limit": limit})
+        };
+        let all = mcp.ok("search_remote_files", q(0, 5000)).await;
+        let total = all["total"].as_u64().unwrap();
+        assert!(total > 20, "{mode}: {all}");
+        let mut paged = Vec::new();
+        let mut offset = 0;
+        // Bounded: at most total/7 + 1 pages.
+        for _ in 0..=(total / 7 + 1) {
+            let v = mcp.ok("search_remote_files", q(offset, 7)).await;
+            assert_eq!(v["total"], total, "{mode}");
+            let shown = v["shown"].as_u64().unwrap();
+            assert_eq!(v["more"], total - offset - shown, "{mode} at {offset}");
+            let out = v["output"].as_str().unwrap();
+            if v["more"].as_u64().unwrap() > 0 {
+                assert!(
+                    out.ends_with(&format!(
+                        "[{} more {}; offset={} continues]\n",
+                        total - offset - shown,
+                        if mode == "content" {
+                            "matching lines"
+                        } else {
+                            "files"
+                        },
+                        offset + shown
+                    )),
+                    "{out}"
+                );
+            }
+            paged.extend(page_lines(&v));
+            offset += shown;
+            if v["more"] == 0 {
+                break;
+            }
+        }
+        assert_eq!(offset, total, "{mode}");
+        assert_eq!(paged, page_lines(&all), "{mode}");
+    }
+    mcp.close().await;
+}
+
+/// CPU ticks (user + system) of this fixture's `rsb-agent serve` processes: the ones whose
+/// `HOME` is the fixture's home, so other tests' agents are not counted.
+fn agent_ticks(home: &Path) -> u64 {
+    let want = format!("HOME={}", home.display());
+    let mut total = 0;
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let p = e.path();
+        let Ok(cmd) = std::fs::read(p.join("cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd);
+        if !cmd.contains("rsb-agent") || !cmd.contains("serve") {
+            continue;
+        }
+        let Ok(env) = std::fs::read(p.join("environ")) else {
+            continue;
+        };
+        if !env.split(|b| *b == 0).any(|v| v == want.as_bytes()) {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(p.join("stat")) else {
+            continue;
+        };
+        // Fields after the `(comm)`: utime and stime are the 12th and 13th.
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = after.split(' ').collect();
+        total += f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    }
+    total
+}
+
+/// A client's cancel stops a search of a 500k-file tree within 1 s: the agent's walk and
+/// matcher threads stop (its CPU time stops growing), not just the reply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_search_of_a_huge_tree_stops_within_a_second() {
+    let sshd = Sshd::start().unwrap();
+    // tmpfs, and hard links to one 16 KB file: 500k names cost ~100 MB of dentries, not disk.
+    let base = if Path::new("/dev/shm").is_dir() {
+        "/dev/shm"
+    } else {
+        "/tmp"
+    };
+    let tree = tempfile::Builder::new()
+        .prefix("rsb-search-huge")
+        .tempdir_in(base)
+        .unwrap();
+    let one = tree.path().join("one.txt");
+    let line = "lorem ipsum dolor sit amet 12345 consectetur adipiscing\n";
+    std::fs::write(&one, line.repeat(16 * 1024 / line.len())).unwrap();
+    let t = Instant::now();
+    for d in 0..500 {
+        let dir = tree.path().join(format!("d{d}"));
+        std::fs::create_dir(&dir).unwrap();
+        for f in 0..1000 {
+            std::fs::hard_link(&one, dir.join(format!("f{f}.txt"))).unwrap();
+        }
+    }
+    println!("500,000 links in {:?}", t.elapsed());
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    mcp.ok("exec_bash", json!({"command": "true"})).await;
+    let idle = agent_ticks(sshd.home());
+    // No literal for the prefilter: every line goes through the regex, so the whole search
+    // would take far longer than the test (it would end at the 30 s deadline).
+    let args =
+        json!({"pattern": "[a-c]{3}[0-9]{2}q", "remote_path": tree.path().display().to_string()});
+    let handle = mcp
+        .svc
+        .peer()
+        .send_cancellable_request(
+            call_request("search_remote_files", args),
+            PeerRequestOptions::no_options(),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let busy = agent_ticks(sshd.home());
+    assert!(
+        busy > idle + 50,
+        "the search was not running: {idle} → {busy} ticks"
+    );
+    handle.cancel(Some("test cancels".into())).await.unwrap();
+    let cancelled = Instant::now();
+    // Bounded: 30 samples of 100 ms.
+    let mut last = agent_ticks(sshd.home());
+    let mut stopped = None;
+    for _ in 0..30 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = agent_ticks(sshd.home());
+        if now <= last + 1 {
+            stopped = Some(cancelled.elapsed());
+            break;
+        }
+        last = now;
+    }
+    let stopped = stopped.expect("the agent kept searching 3 s after the cancel");
+    println!("search stopped {stopped:?} after the cancel");
+    assert!(stopped <= Duration::from_secs(1), "{stopped:?}");
+    // Still idle a second later, and the channel answers.
+    let a = agent_ticks(sshd.home());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(agent_ticks(sshd.home()) <= a + 2, "the search resumed");
+    let v = mcp.ok("exec_bash", json!({"command": "echo ok"})).await;
+    assert_eq!(v["stdout"], "ok\n");
     mcp.close().await;
 }

@@ -1072,8 +1072,8 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
     let tools = mcp.svc.list_all_tools().await.unwrap();
     assert_eq!(
         tools.len(),
-        32,
-        "16 default + 12 watchdog + 3 forwarding + apply_patch advanced tools"
+        33,
+        "17 default + 12 watchdog + 3 forwarding + apply_patch advanced tools"
     );
     for t in [
         "install_macos_watchdog",

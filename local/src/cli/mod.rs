@@ -10,6 +10,7 @@ pub mod fs;
 pub mod jobs;
 pub mod meta;
 pub mod sandboxes;
+pub mod search;
 pub mod state;
 pub mod sync;
 
@@ -63,6 +64,7 @@ Exit codes:
   5    internal error (a bug in rsb)
   6    rsb sync: conflicts (files changed on both sides were kept, not replaced;
        --force takes the source's side)
+  0/1/2 rsb grep, as rg: a match / no match / an error
   124  rsb exec --timeout expired (the remote command's session was killed)
   130  interrupted (Ctrl-C: SIGINT to the remote command, SIGTERM 5 s later, then killed)
   141  stdout closed by its reader (rsb exec: the remote command was sent SIGPIPE and stopped)";

@@ -10,6 +10,7 @@ mod forward;
 mod fs;
 mod jobs;
 mod sandboxes;
+mod search;
 mod stdio;
 mod sync;
 mod watchdog;
@@ -60,6 +61,7 @@ impl RsbServer {
             + Self::jobs_router()
             + Self::files_router()
             + Self::edit_router()
+            + Self::search_router()
             + Self::sync_tools();
         // Advanced tools stay out of the default list: every listed byte is context the
         // client pays on each session.

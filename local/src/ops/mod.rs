@@ -9,5 +9,6 @@ pub mod jobs;
 pub mod output;
 pub mod resources;
 pub mod sandboxes;
+pub mod search;
 pub mod sync;
 pub mod watchdog;

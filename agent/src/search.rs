@@ -1,0 +1,710 @@
+//! `Search`: ripgrep's semantics over a tree, answered as one sorted, exactly counted page.
+//!
+//! What is searched is what `rg` searches by default, decided per entry in ripgrep's order:
+//! 1. `-g` globs first: a match of a plain glob includes (even a hidden or ignored name), a
+//!    `!glob` excludes; with any plain glob, a file that matches none is left out.
+//! 2. Ignore files, each kind with its own precedence, the deepest file of a kind first:
+//!    `.rgignore` over `.ignore` over `.gitignore` over `.git/info/exclude`. The git ones apply
+//!    only inside a git repository (a `.git` in the directory or above it). The ignore files of
+//!    the root's parents up to the repository's top apply too. `no_ignore` turns all off.
+//! 3. Hidden names (a leading `.`) are left out unless an ignore file's `!` line re-includes
+//!    them.
+//!
+//! Symlinks are not followed (a root that is one is), binary files (a NUL byte) and files over
+//! the size cap are skipped and counted. Patterns match one line at a time (see [`matcher`]).
+//!
+//! Two passes keep the reply bounded whatever matches: the walk and the match run on several
+//! threads and keep only a count per file; then the files are sorted by path and only those
+//! holding the requested page are searched again for their lines and context. Not known to
+//! ripgrep's walker: git's global excludes file is not read.
+
+mod matcher;
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, mpsc};
+use std::time::{Duration, Instant};
+
+use rsb_protocol::{
+    AgentError, ErrorCode, FileKind, SearchEntry, SearchLine, SearchMode, SearchRequest,
+    SearchResult,
+};
+use rsb_rules::{Layer, Rules};
+use tokio_util::sync::CancellationToken;
+
+use crate::fs::{Level, Meta};
+use crate::util::{expand_home, path_string};
+use matcher::Matcher;
+
+/// Errors listed in a reply (the rest are counted in the last one).
+const MAX_ERRORS: usize = 20;
+/// Match ranges kept per line (for colour).
+const MAX_RANGES: usize = 32;
+/// An ignore file larger than this is reported and not applied.
+const MAX_IGNORE_FILE: u64 = 1 << 20;
+/// Files queued between the walker and the matchers.
+const QUEUE: usize = 1024;
+
+pub fn search(req: &SearchRequest, cancel: &CancellationToken) -> Result<SearchResult, AgentError> {
+    let matcher = Matcher::new(&req.pattern, req.literal, req.ignore_case)
+        .map_err(|m| AgentError::new(ErrorCode::InvalidArgument, m))?;
+    let globs = Rules::new(req.globs.iter().map(String::as_str)).map_err(|e| {
+        AgentError::new(
+            ErrorCode::InvalidArgument,
+            format!("glob {:?}: {}", e.line, e.reason),
+        )
+    })?;
+    let root = expand_home(&req.root);
+    let meta = std::fs::metadata(&root).map_err(|e| {
+        let code = if e.kind() == std::io::ErrorKind::NotFound {
+            ErrorCode::NotFound
+        } else {
+            ErrorCode::Io
+        };
+        AgentError::new(code, format!("{}: {e}", root.display()))
+    })?;
+    let deadline = Instant::now() + Duration::from_millis(req.deadline_ms.max(1));
+    let stop = Stop {
+        cancel,
+        deadline,
+        hit: AtomicBool::new(false),
+    };
+    let errors = Errors::default();
+    let stats = Stats::default();
+    let mut found: Vec<Found> = Vec::new();
+    if meta.is_dir() {
+        let walk = Walker::new(&root, req, &globs, &errors);
+        found = walk.run(req, &matcher, &stop, &errors, &stats)?;
+    } else if meta.is_file() {
+        // An explicit file is searched whatever the ignore rules say, as rg does; its entries
+        // have an empty path (the caller prints the path it gave).
+        let name = Vec::new();
+        let mut buf = Vec::new();
+        let mut scratch = Vec::new();
+        if let Some(f) = search_file(
+            &root,
+            name,
+            req,
+            &matcher,
+            &mut buf,
+            &mut scratch,
+            &errors,
+            &stats,
+        ) {
+            found.push(f);
+        }
+    } else {
+        return Err(AgentError::new(
+            ErrorCode::InvalidArgument,
+            format!(
+                "{} is neither a directory nor a regular file",
+                root.display()
+            ),
+        ));
+    }
+    if cancel.is_cancelled() {
+        return Err(AgentError::new(ErrorCode::Cancelled, "request cancelled"));
+    }
+    // By path components, as a sorted walk meets them (`a/b` before `a.txt`, as `rg --sort
+    // path`), so pages are stable from one call to the next.
+    found.sort_by(|a, b| a.rel.split(|c| *c == b'/').cmp(b.rel.split(|c| *c == b'/')));
+    let base = root.clone();
+    let mut result = SearchResult {
+        root: path_string(&root),
+        total: 0,
+        total_matches: found.iter().map(|f| f.count).sum(),
+        files_matched: found.len() as u64,
+        entries: Vec::new(),
+        files_searched: stats.searched.load(Ordering::Relaxed),
+        skipped_binary: stats.binary.load(Ordering::Relaxed),
+        skipped_large: stats.large.load(Ordering::Relaxed),
+        complete: !stop.hit.load(Ordering::Relaxed),
+        errors: Vec::new(),
+    };
+    match req.mode {
+        SearchMode::Files | SearchMode::Count => {
+            result.total = found.len() as u64;
+            result.entries = found
+                .iter()
+                .skip(req.offset.min(usize::MAX as u64) as usize)
+                .take(req.limit.min(usize::MAX as u64) as usize)
+                .map(|f| SearchEntry {
+                    path: String::from_utf8_lossy(&f.rel).into_owned(),
+                    exact_path: std::str::from_utf8(&f.rel).is_ok(),
+                    line: None,
+                    before: Vec::new(),
+                    after: Vec::new(),
+                    count: f.count,
+                })
+                .collect();
+        }
+        SearchMode::Content => {
+            result.total = result.total_matches;
+            result.entries = page(&base, &found, req, &matcher, &errors);
+        }
+    }
+    result.errors = errors.take();
+    Ok(result)
+}
+
+/// A file with matches: its path relative to the root, and how many matching lines.
+struct Found {
+    rel: Vec<u8>,
+    count: u64,
+}
+
+struct Stop<'a> {
+    cancel: &'a CancellationToken,
+    deadline: Instant,
+    /// The deadline ended the walk early.
+    hit: AtomicBool,
+}
+
+impl Stop<'_> {
+    fn now(&self) -> bool {
+        if self.cancel.is_cancelled() {
+            return true;
+        }
+        if Instant::now() >= self.deadline {
+            self.hit.store(true, Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+}
+
+#[derive(Default)]
+struct Stats {
+    searched: AtomicU64,
+    binary: AtomicU64,
+    large: AtomicU64,
+}
+
+#[derive(Default)]
+struct Errors {
+    list: Mutex<Vec<String>>,
+    more: AtomicU64,
+}
+
+impl Errors {
+    fn push(&self, e: String) {
+        let mut l = self.list.lock().unwrap_or_else(|p| p.into_inner());
+        if l.len() < MAX_ERRORS {
+            l.push(e);
+        } else {
+            self.more.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn take(&self) -> Vec<String> {
+        let mut l = std::mem::take(&mut *self.list.lock().unwrap_or_else(|p| p.into_inner()));
+        let more = self.more.load(Ordering::Relaxed);
+        if more > 0 {
+            l.push(format!("and {more} more errors"));
+        }
+        l
+    }
+}
+
+/// The ignore files in effect at one directory of the walk, by kind.
+#[derive(Default, Clone)]
+struct Layers {
+    rgignore: Vec<Layer>,
+    ignore: Vec<Layer>,
+    gitignore: Vec<Layer>,
+    exclude: Vec<Layer>,
+}
+
+/// Deepest file of one kind first: its verdict, if any line of it matches.
+fn verdict(layers: &[Layer], rel: &str, is_dir: bool) -> Option<bool> {
+    layers.iter().rev().find_map(|l| l.decide(rel, is_dir))
+}
+
+struct Walker<'a> {
+    root: PathBuf,
+    /// `root` relative to the top whose ignore files apply (the repository's top, when that
+    /// is above the root), with a trailing `/`; empty when the root is the top.
+    prefix: String,
+    /// A `.git` in or above the root.
+    in_git: bool,
+    no_ignore: bool,
+    globs: &'a Rules,
+    /// Any plain glob: files matching no glob are left out.
+    whitelist: bool,
+    top_layers: Layers,
+}
+
+impl<'a> Walker<'a> {
+    fn new(root: &Path, req: &SearchRequest, globs: &'a Rules, errors: &Errors) -> Walker<'a> {
+        let mut w = Walker {
+            root: root.to_path_buf(),
+            prefix: String::new(),
+            in_git: false,
+            no_ignore: req.no_ignore,
+            globs,
+            whitelist: globs.has_plain(),
+            top_layers: Layers::default(),
+        };
+        if req.no_ignore {
+            return w;
+        }
+        // The parents up to the repository's top: their ignore files apply below them.
+        let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
+        let mut chain: Vec<PathBuf> = Vec::new();
+        let mut top: Option<PathBuf> = None;
+        let mut cur = canonical.parent();
+        while let Some(dir) = cur {
+            chain.push(dir.to_path_buf());
+            if dir.join(".git").exists() {
+                top = Some(dir.to_path_buf());
+                break;
+            }
+            cur = dir.parent();
+        }
+        if canonical.join(".git").exists() {
+            w.in_git = true;
+            w.top_layers = w.enter_layers(&Layers::default(), root, "", errors, true);
+            return w;
+        }
+        let Some(top) = top else {
+            return w;
+        };
+        w.in_git = true;
+        let rel_of = |d: &Path| -> String {
+            d.strip_prefix(&top)
+                .map(|r| r.to_string_lossy().into_owned())
+                .unwrap_or_default()
+        };
+        w.prefix = format!("{}/", rel_of(&canonical));
+        let mut layers = Layers::default();
+        for dir in chain.iter().rev() {
+            let rel = rel_of(dir);
+            layers = w.enter_layers(&layers, dir, &rel, errors, dir == &top);
+        }
+        layers = w.enter_layers(&layers, root, w.prefix.trim_end_matches('/'), errors, false);
+        w.top_layers = layers;
+        w
+    }
+
+    /// The layers below `dir` (at `rel` from the top): its own ignore files added.
+    fn enter_layers(
+        &self,
+        above: &Layers,
+        dir: &Path,
+        rel: &str,
+        errors: &Errors,
+        repo_top: bool,
+    ) -> Layers {
+        let mut l = above.clone();
+        if self.no_ignore {
+            return l;
+        }
+        let add = |into: &mut Vec<Layer>, file: &Path| {
+            if let Some(lines) = read_ignore(file, errors) {
+                let (layer, bad) = Layer::parse(rel, lines.iter().map(String::as_str));
+                for e in bad {
+                    errors.push(format!("{}: {e}; line not applied", file.display()));
+                }
+                into.push(layer);
+            }
+        };
+        add(&mut l.gitignore, &dir.join(".gitignore"));
+        add(&mut l.ignore, &dir.join(".ignore"));
+        add(&mut l.rgignore, &dir.join(".rgignore"));
+        if repo_top || dir.join(".git").is_dir() {
+            add(&mut l.exclude, &dir.join(".git/info/exclude"));
+        }
+        l
+    }
+
+    /// Is the entry at `rel` (from the root) with this `name` left out?
+    fn excluded(&self, layers: &Layers, git: bool, rel: &str, name: &[u8], is_dir: bool) -> bool {
+        if let Some(plain) = self.globs.decide(rel, is_dir) {
+            return !plain;
+        }
+        if self.whitelist && !is_dir {
+            return true;
+        }
+        let mut whitelisted = false;
+        if !self.no_ignore {
+            let top_rel;
+            let at = if self.prefix.is_empty() {
+                rel
+            } else {
+                top_rel = format!("{}{rel}", self.prefix);
+                &top_rel
+            };
+            let v = verdict(&layers.rgignore, at, is_dir)
+                .or_else(|| verdict(&layers.ignore, at, is_dir))
+                .or_else(|| {
+                    git.then(|| verdict(&layers.gitignore, at, is_dir))
+                        .flatten()
+                })
+                .or_else(|| git.then(|| verdict(&layers.exclude, at, is_dir)).flatten());
+            match v {
+                Some(true) => return true,
+                Some(false) => whitelisted = true,
+                None => {}
+            }
+        }
+        !whitelisted && name.first() == Some(&b'.')
+    }
+
+    /// Walk on this thread, match on the others; the per-file counts of the files that match.
+    fn run(
+        &self,
+        req: &SearchRequest,
+        matcher: &Matcher,
+        stop: &Stop,
+        errors: &Errors,
+        stats: &Stats,
+    ) -> Result<Vec<Found>, AgentError> {
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .clamp(1, 8);
+        let (tx, rx) = mpsc::sync_channel::<(PathBuf, Vec<u8>)>(QUEUE);
+        let rx = Mutex::new(rx);
+        let results = Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            for _ in 0..threads {
+                s.spawn(|| {
+                    let mut buf = Vec::new();
+                    let mut scratch = Vec::new();
+                    let mut mine = Vec::new();
+                    loop {
+                        let next = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
+                        let Ok((path, rel)) = next else { break };
+                        if stop.now() {
+                            continue;
+                        }
+                        if let Some(f) = search_file(
+                            &path,
+                            rel,
+                            req,
+                            matcher,
+                            &mut buf,
+                            &mut scratch,
+                            errors,
+                            stats,
+                        ) {
+                            mine.push(f);
+                        }
+                    }
+                    results
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .extend(mine);
+                });
+            }
+            self.walk(&tx, stop, errors);
+            drop(tx);
+        });
+        Ok(results.into_inner().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn walk(&self, tx: &mpsc::SyncSender<(PathBuf, Vec<u8>)>, stop: &Stop, errors: &Errors) {
+        let first = match Level::read(self.root.clone(), String::new()) {
+            Ok(l) => l,
+            Err(e) => {
+                errors.push(format!("{}: {e}", self.root.display()));
+                return;
+            }
+        };
+        // Per level: the directory, its rel path as bytes, its ignore layers, inside git.
+        let mut stack: Vec<(Level, Vec<u8>, Layers, bool)> =
+            vec![(first, Vec::new(), self.top_layers.clone(), self.in_git)];
+        while let Some((level, rel_bytes, layers, git)) = stack.last_mut() {
+            let Some(name) = level.next_name() else {
+                stack.pop();
+                continue;
+            };
+            if stop.now() {
+                return;
+            }
+            let name = name.as_bytes().to_vec();
+            let mut rel = rel_bytes.clone();
+            if !rel.is_empty() {
+                rel.push(b'/');
+            }
+            rel.extend_from_slice(&name);
+            let rel_str = String::from_utf8_lossy(&rel).into_owned();
+            let meta: Meta = match level.lstat(std::ffi::OsStr::from_bytes(&name)) {
+                Ok(m) => m,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => {
+                    errors.push(format!("{rel_str}: {e}"));
+                    continue;
+                }
+            };
+            let path = level.dir.join(std::ffi::OsStr::from_bytes(&name));
+            match meta.kind() {
+                FileKind::Dir => {
+                    if self.excluded(layers, *git, &rel_str, &name, true) {
+                        continue;
+                    }
+                    let git_here = *git || (!self.no_ignore && path.join(".git").exists());
+                    let top_rel = format!("{}{rel_str}", self.prefix);
+                    let below = self.enter_layers(layers, &path, &top_rel, errors, false);
+                    match Level::read(path, rel_str) {
+                        Ok(mut l) => {
+                            if stack.len() >= crate::fs::LEVEL_FDS {
+                                l.close();
+                            }
+                            stack.push((l, rel, below, git_here));
+                        }
+                        Err(e) => errors.push(format!("{}: {e}", String::from_utf8_lossy(&rel))),
+                    }
+                }
+                FileKind::File => {
+                    if self.excluded(layers, *git, &rel_str, &name, false) {
+                        continue;
+                    }
+                    if tx.send((path, rel)).is_err() {
+                        return;
+                    }
+                }
+                // Symlinks are not followed; special files are never read.
+                _ => {}
+            }
+        }
+    }
+}
+
+fn read_ignore(file: &Path, errors: &Errors) -> Option<Vec<String>> {
+    let meta = std::fs::metadata(file).ok()?;
+    if !meta.is_file() {
+        return None;
+    }
+    if meta.len() > MAX_IGNORE_FILE {
+        errors.push(format!(
+            "{}: larger than 1 MiB; not applied",
+            file.display()
+        ));
+        return None;
+    }
+    match std::fs::read(file) {
+        Ok(b) => Some(
+            String::from_utf8_lossy(&b)
+                .lines()
+                .map(String::from)
+                .collect(),
+        ),
+        Err(e) => {
+            errors.push(format!("{}: {e}", file.display()));
+            None
+        }
+    }
+}
+
+enum Loaded {
+    Text,
+    /// Not a regular file any more (swapped since the walk saw it).
+    NotFile,
+    Large,
+}
+
+/// Read a regular file (never a FIFO swapped in after the walk saw a file), unless it is over
+/// the cap.
+fn load(path: &Path, max: u64, buf: &mut Vec<u8>) -> std::io::Result<Loaded> {
+    let mut f = File::options()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    let m = f.metadata()?;
+    if !m.is_file() {
+        return Ok(Loaded::NotFile);
+    }
+    if m.len() > max {
+        return Ok(Loaded::Large);
+    }
+    buf.clear();
+    // One byte more than the cap tells a file that grew past it since the stat.
+    (&mut f).take(max.saturating_add(1)).read_to_end(buf)?;
+    if buf.len() as u64 > max {
+        return Ok(Loaded::Large);
+    }
+    Ok(Loaded::Text)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn search_file(
+    path: &Path,
+    rel: Vec<u8>,
+    req: &SearchRequest,
+    matcher: &Matcher,
+    buf: &mut Vec<u8>,
+    scratch: &mut Vec<u8>,
+    errors: &Errors,
+    stats: &Stats,
+) -> Option<Found> {
+    match load(path, req.max_filesize, buf) {
+        Ok(Loaded::Text) => {}
+        Ok(Loaded::NotFile) => return None,
+        Ok(Loaded::Large) => {
+            stats.large.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            errors.push(format!("{}: {e}", String::from_utf8_lossy(&rel)));
+            return None;
+        }
+    }
+    if memchr::memchr(0, buf).is_some() {
+        stats.binary.fetch_add(1, Ordering::Relaxed);
+        return None;
+    }
+    stats.searched.fetch_add(1, Ordering::Relaxed);
+    let first_only = req.mode == SearchMode::Files;
+    let mut count = 0u64;
+    matcher.lines(buf, scratch, |_, _| {
+        count += 1;
+        !first_only
+    });
+    (count > 0).then_some(Found { rel, count })
+}
+
+/// The page of a content search: the matching lines `offset..offset+limit` of the sorted
+/// result, each with its context, read again from the few files that hold them.
+fn page(
+    base: &Path,
+    found: &[Found],
+    req: &SearchRequest,
+    matcher: &Matcher,
+    errors: &Errors,
+) -> Vec<SearchEntry> {
+    let mut out = Vec::new();
+    let (from, upto) = (req.offset, req.offset.saturating_add(req.limit));
+    let mut seen = 0u64;
+    let mut buf = Vec::new();
+    let mut scratch = Vec::new();
+    for f in found {
+        let (first, last) = (seen, seen + f.count);
+        seen = last;
+        if last <= from {
+            continue;
+        }
+        if first >= upto {
+            break;
+        }
+        let path = if f.rel.is_empty() {
+            base.to_path_buf()
+        } else {
+            base.join(std::ffi::OsStr::from_bytes(&f.rel))
+        };
+        // The walk's size cap still holds: a file that grew past it since is skipped.
+        match load(&path, req.max_filesize, &mut buf) {
+            Ok(Loaded::Text) => {}
+            Ok(_) => continue,
+            Err(e) => {
+                errors.push(format!("{}: {e}", String::from_utf8_lossy(&f.rel)));
+                continue;
+            }
+        }
+        let mut hits = Vec::new();
+        matcher.lines(&buf, &mut scratch, |s, e| {
+            hits.push((s, e));
+            true
+        });
+        let name = String::from_utf8_lossy(&f.rel).into_owned();
+        let exact = std::str::from_utf8(&f.rel).is_ok();
+        let lines = LineIndex::new(&buf);
+        for (i, (s, e)) in hits.into_iter().enumerate() {
+            let k = first + i as u64;
+            if k < from {
+                continue;
+            }
+            if k >= upto {
+                break;
+            }
+            let n = lines.number_at(s);
+            let ctx = req.context as usize;
+            // Context lines that match carry their ranges, so a printer can tell them apart.
+            let context = |range: std::ops::Range<usize>| -> Vec<SearchLine> {
+                range
+                    .filter_map(|m| lines.line(&buf, m).map(|r| (m, r)))
+                    .map(|(m, (a, b))| line_of(&buf[a..b], m as u64, Some(matcher), req))
+                    .collect()
+            };
+            let before = context(n.saturating_sub(ctx).max(1)..n);
+            let after = context(n + 1..n + 1 + ctx);
+            out.push(SearchEntry {
+                path: name.clone(),
+                exact_path: exact,
+                line: Some(line_of(&buf[s..e], n as u64, Some(matcher), req)),
+                before,
+                after,
+                count: 1,
+            });
+        }
+    }
+    out
+}
+
+/// Line starts of one file, for line numbers and context.
+struct LineIndex {
+    starts: Vec<usize>,
+    len: usize,
+}
+
+impl LineIndex {
+    fn new(buf: &[u8]) -> LineIndex {
+        let mut starts = vec![0];
+        starts.extend(
+            memchr::memchr_iter(b'\n', buf)
+                .map(|i| i + 1)
+                .filter(|&i| i < buf.len()),
+        );
+        LineIndex {
+            starts,
+            len: buf.len(),
+        }
+    }
+
+    /// 1-based number of the line holding byte `at`.
+    fn number_at(&self, at: usize) -> usize {
+        self.starts.partition_point(|&s| s <= at)
+    }
+
+    /// Bounds of line `n` (1-based) without its `\n`.
+    fn line(&self, buf: &[u8], n: usize) -> Option<(usize, usize)> {
+        let start = *self.starts.get(n.checked_sub(1)?)?;
+        let end = self.starts.get(n).map_or(self.len, |&next| next - 1);
+        let end = if end > start && buf[end - 1] == b'\n' {
+            end - 1
+        } else {
+            end
+        };
+        Some((start, end))
+    }
+}
+
+fn line_of(raw: &[u8], number: u64, matcher: Option<&Matcher>, req: &SearchRequest) -> SearchLine {
+    let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+    let max = req.max_line_bytes as usize;
+    let text = String::from_utf8_lossy(raw);
+    let (text, cut) = if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        (
+            text[..end].to_string(),
+            (raw.len() - end.min(raw.len())) as u64,
+        )
+    } else {
+        (text.into_owned(), 0)
+    };
+    let matches = matcher.map_or_else(Vec::new, |m| m.ranges(&text, MAX_RANGES));
+    SearchLine {
+        number,
+        text,
+        cut,
+        matches,
+    }
+}

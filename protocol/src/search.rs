@@ -1,0 +1,99 @@
+//! Search a remote tree with ripgrep's semantics, in one round trip: the agent walks with the
+//! same rules engine as sync (plus `.ignore`/`.rgignore` and the hidden-file rule), matches on
+//! several threads, and answers with one page of the sorted result and the exact totals, so a
+//! caller can page through a large result without the agent holding it between calls.
+
+use serde::{Deserialize, Serialize};
+
+/// What one result entry is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SearchMode {
+    /// One entry per matching line, with its context lines.
+    Content,
+    /// One entry per file with at least one match (`rg -l`).
+    Files,
+    /// One entry per file with at least one match, with its count of matching lines (`rg -c`).
+    Count,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SearchRequest {
+    /// The directory (or file) searched; a leading `~` is the agent's `$HOME`.
+    pub root: String,
+    pub pattern: String,
+    /// `pattern` is a literal string, not a regex.
+    pub literal: bool,
+    pub ignore_case: bool,
+    /// ripgrep `-g` globs, gitignore syntax: `*.rs` includes only what matches (files),
+    /// `!*.min.js` excludes. They take precedence over ignore files and hidden names.
+    pub globs: Vec<String>,
+    /// Lines of context before and after each matching line (content mode).
+    pub context: u32,
+    pub mode: SearchMode,
+    /// Entries of the sorted result to skip, then at most `limit` returned.
+    pub offset: u64,
+    pub limit: u64,
+    /// Do not read `.gitignore`, `.ignore`, `.rgignore` or `.git/info/exclude` (ripgrep
+    /// `--no-ignore`); hidden names stay skipped.
+    pub no_ignore: bool,
+    /// Files larger than this are skipped, and counted.
+    pub max_filesize: u64,
+    /// Longest text kept of one line; the rest is cut and counted in [`SearchLine::cut`].
+    pub max_line_bytes: u32,
+    /// The walk stops after this long and answers with what it found ([`SearchResult::complete`]
+    /// false).
+    pub deadline_ms: u64,
+}
+
+/// One line of a file: a match or a context line.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SearchLine {
+    /// 1-based.
+    pub number: u64,
+    /// The line without its `\n` (and without a `\r` before it), lossily UTF-8, cut at
+    /// [`SearchRequest::max_line_bytes`].
+    pub text: String,
+    /// Bytes of the line left out of `text`.
+    pub cut: u64,
+    /// Byte ranges of the matches within `text` (empty for a context line).
+    pub matches: Vec<(u32, u32)>,
+}
+
+/// One entry of the page.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SearchEntry {
+    /// Relative to the root, `/`-separated; lossily UTF-8 for a name that is not (and then
+    /// `exact_path` is false). Empty when the root is a file.
+    pub path: String,
+    pub exact_path: bool,
+    /// The matching line (content mode).
+    pub line: Option<SearchLine>,
+    /// Context lines before and after it, in order (content mode).
+    pub before: Vec<SearchLine>,
+    pub after: Vec<SearchLine>,
+    /// Matching lines in the file (count mode; 1 or more in files mode: at least one).
+    pub count: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SearchResult {
+    /// The root after `~` expansion.
+    pub root: String,
+    /// Entries in the whole sorted result (matching lines, or matching files), of which this
+    /// page holds `entries`, starting at the request's offset.
+    pub total: u64,
+    /// Matching lines in all files (content and count mode; files with matches in files mode).
+    pub total_matches: u64,
+    /// Files with at least one match.
+    pub files_matched: u64,
+    pub entries: Vec<SearchEntry>,
+    /// Files read and matched.
+    pub files_searched: u64,
+    /// Files skipped as binary (a NUL byte) or as larger than the cap.
+    pub skipped_binary: u64,
+    pub skipped_large: u64,
+    /// False when the deadline stopped the walk: the totals are then lower bounds.
+    pub complete: bool,
+    /// Unreadable entries, ignore files with lines not applied, as `path: reason` (capped).
+    pub errors: Vec<String>,
+}
