@@ -120,6 +120,12 @@ enum Cmd {
         #[command(subcommand)]
         cmd: rsb::watchdog::cli::WatchCmd,
     },
+    /// The state dir: what it holds and its size, `check` (is the store usable), `prune`
+    /// (apply the retention policy now).
+    State {
+        #[command(subcommand)]
+        cmd: Option<cli::state::StateCmd>,
+    },
     /// Where the configuration file is, and whether it loads.
     Config {
         #[command(subcommand)]
@@ -238,6 +244,7 @@ async fn run(cli: Cli) -> u8 {
             return rsb::watchdog::cli::watch(cmd, json, &rsb::config::state_dir()).await;
         }
         Cmd::Config { cmd } => return cli::config::run(cmd, json),
+        Cmd::State { cmd } => return cli::state::run(cmd, json, &rsb::config::state_dir()),
         Cmd::Completions { shell } => return cli::meta::completions(&mut command(), shell),
         Cmd::Man => return cli::meta::man(command()),
         Cmd::Version => return cli::meta::version(json),
@@ -303,6 +310,7 @@ async fn run(cli: Cli) -> u8 {
         | Cmd::Watchdog { .. }
         | Cmd::Watch { .. }
         | Cmd::Config { .. }
+        | Cmd::State { .. }
         | Cmd::Completions { .. }
         | Cmd::Man
         | Cmd::Version

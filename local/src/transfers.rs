@@ -277,21 +277,20 @@ pub struct Transfers {
     /// while it reads the same, no other connection committed anything, so the copy is the
     /// row (a no-change resync of 2,000 files then skips ~150 KB of JSON, ~2 ms).
     baselines: Mutex<HashMap<BaselineKey, (i64, Arc<Baseline>)>>,
+    /// Loads answered from `baselines` and loads that read the row (the cache's hit rate).
+    baseline_hits: std::sync::atomic::AtomicU64,
+    baseline_misses: std::sync::atomic::AtomicU64,
 }
 
-type BaselineKey = (String, String, String);
-/// Relative path → blake3 of the content both sides agreed on at the last sync.
-pub type Baseline = HashMap<String, [u8; 32]>;
-
-fn data_version(db: &Connection) -> Option<i64> {
-    db.query_row("PRAGMA data_version", [], |r| r.get(0)).ok()
-}
+use crate::store::baselines::{self, Baseline, Key as BaselineKey, data_version};
 
 impl Transfers {
     /// Open (creating, 0600) and migrate `<state_dir>/rsb.sqlite3`.
     pub fn open(state_dir: &Path) -> Result<Transfers> {
         // The schema, its migrations and the file modes live in the shared store.
         let conn = crate::store::open(state_dir)?;
+        // Page damage is an error here, not a missing task or baseline later.
+        crate::store::check(&conn)?;
         Ok(Transfers {
             state_dir: state_dir.to_path_buf(),
             db: Mutex::new(conn),
@@ -300,6 +299,8 @@ impl Transfers {
             my_start: process_start(std::process::id()),
             log_seen: Mutex::new(HashMap::new()),
             baselines: Mutex::new(HashMap::new()),
+            baseline_hits: Default::default(),
+            baseline_misses: Default::default(),
         })
     }
 
@@ -776,10 +777,18 @@ impl Transfers {
         }
     }
 
-    /// The last-synced content of (local root, sandbox, remote root), if any.
-    pub fn load_baseline(&self, local: &str, sandbox: &str, remote: &str) -> Option<Baseline> {
-        self.load_baseline_shared(local, sandbox, remote)
-            .map(|b| b.as_ref().clone())
+    /// The last-synced content of (local root, sandbox, remote root); `None` only when no
+    /// sync of it completed. A store or row that cannot be read is an error (a sync must refuse
+    /// rather than run as a first sync and overwrite a remote edit).
+    pub fn load_baseline(
+        &self,
+        local: &str,
+        sandbox: &str,
+        remote: &str,
+    ) -> Result<Option<Baseline>> {
+        Ok(self
+            .load_baseline_shared(local, sandbox, remote)?
+            .map(|b| b.as_ref().clone()))
     }
 
     /// [`Transfers::load_baseline`] without a copy, from memory while the store is unchanged.
@@ -788,35 +797,41 @@ impl Transfers {
         local: &str,
         sandbox: &str,
         remote: &str,
-    ) -> Option<Arc<Baseline>> {
+    ) -> Result<Option<Arc<Baseline>>> {
         let key = (local.to_string(), sandbox.to_string(), remote.to_string());
         let db = self.db.lock();
         let version = data_version(&db);
+        use std::sync::atomic::Ordering::Relaxed;
         if let Some((v, b)) = self.baselines.lock().get(&key)
             && Some(*v) == version
         {
-            return Some(b.clone());
+            self.baseline_hits.fetch_add(1, Relaxed);
+            return Ok(Some(b.clone()));
         }
-        let json: String = db
-            .query_row(
-                "SELECT entries_json FROM sync_baselines
-                 WHERE local_root = ?1 AND sandbox_name = ?2 AND remote_root = ?3",
-                params![local, sandbox, remote],
-                |r| r.get(0),
-            )
-            .optional()
-            .ok()??;
-        let hexes: HashMap<String, String> = serde_json::from_str(&json).ok()?;
-        let b: Arc<Baseline> = Arc::new(
-            hexes
-                .into_iter()
-                .filter_map(|(k, v)| Some((k, unhex(&v)?)))
-                .collect(),
-        );
+        self.baseline_misses.fetch_add(1, Relaxed);
+        let Some(b) = baselines::load(&db, &key)? else {
+            return Ok(None);
+        };
+        let b = Arc::new(b);
         if let Some(v) = version {
             self.baselines.lock().insert(key, (v, b.clone()));
         }
-        Some(b)
+        Ok(Some(b))
+    }
+
+    /// (hits, misses) of the in-memory baseline cache since this store was opened.
+    pub fn baseline_cache_stats(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.baseline_hits.load(Relaxed),
+            self.baseline_misses.load(Relaxed),
+        )
+    }
+
+    /// See [`baselines::touch`]: a root synced without a change keeps its baseline.
+    pub fn touch_baseline(&self, local: &str, sandbox: &str, remote: &str) -> Result<()> {
+        let key = (local.to_string(), sandbox.to_string(), remote.to_string());
+        baselines::touch(&self.db.lock(), &key, crate::store::now_s())
     }
 
     pub fn save_baseline(
@@ -826,22 +841,11 @@ impl Transfers {
         remote: &str,
         entries: &HashMap<String, [u8; 32]>,
     ) -> Result<()> {
-        let hexes: HashMap<&str, String> = entries
-            .iter()
-            .map(|(k, h)| (k.as_str(), h.iter().map(|b| format!("{b:02x}")).collect()))
-            .collect();
-        let json = serde_json::to_string(&hexes).map_err(db_err)?;
         let key = (local.to_string(), sandbox.to_string(), remote.to_string());
         let db = self.db.lock();
         // Read before the write: a commit by another connection after it changes the version.
         let version = data_version(&db);
-        let written = db.execute(
-            "INSERT INTO sync_baselines (local_root, sandbox_name, remote_root, entries_json,
-               updated_ts) VALUES (?1, ?2, ?3, ?4, ?5)
-             ON CONFLICT(local_root, sandbox_name, remote_root) DO UPDATE SET
-               entries_json = excluded.entries_json, updated_ts = excluded.updated_ts",
-            params![local, sandbox, remote, json, now() as i64],
-        );
+        let written = baselines::save(&db, &key, entries);
         let mut cache = self.baselines.lock();
         match (written, version) {
             (Ok(_), Some(v)) => {
@@ -854,7 +858,7 @@ impl Transfers {
             }
             (Err(e), _) => {
                 cache.remove(&key);
-                Err(db_err(e))
+                Err(e)
             }
         }
     }
@@ -1273,18 +1277,6 @@ fn bridged_stream(fd: i32) -> Option<tokio::net::UnixStream> {
     tokio::net::UnixStream::from_std(s).ok()
 }
 
-fn unhex(s: &str) -> Option<[u8; 32]> {
-    let b = s.as_bytes();
-    if b.len() != 64 {
-        return None;
-    }
-    let mut out = [0u8; 32];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(std::str::from_utf8(&b[2 * i..2 * i + 2]).ok()?, 16).ok()?;
-    }
-    Some(out)
-}
-
 /// Send `sig` to a worker whose identity was just checked.
 fn signal(pid: i64, sig: libc::c_int) {
     if let Ok(pid) = libc::pid_t::try_from(pid)
@@ -1411,19 +1403,22 @@ mod tests {
         let b = Transfers::open(&d).unwrap();
         let one: Baseline = [("x".to_string(), [1; 32])].into();
         let two: Baseline = [("x".to_string(), [2; 32])].into();
-        assert!(a.load_baseline_shared("l", "s", "r").is_none());
+        assert!(a.load_baseline_shared("l", "s", "r").unwrap().is_none());
         a.save_baseline("l", "s", "r", &one).unwrap();
-        let first = a.load_baseline_shared("l", "s", "r").unwrap();
+        let first = a.load_baseline_shared("l", "s", "r").unwrap().unwrap();
         assert_eq!(*first, one);
         // Nothing else committed: the same copy, no read.
         assert!(Arc::ptr_eq(
             &first,
-            &a.load_baseline_shared("l", "s", "r").unwrap()
+            &a.load_baseline_shared("l", "s", "r").unwrap().unwrap()
         ));
         // Another connection (a worker) writes the row: the next load reads it.
         b.save_baseline("l", "s", "r", &two).unwrap();
-        assert_eq!(*a.load_baseline_shared("l", "s", "r").unwrap(), two);
-        assert_eq!(b.load_baseline("l", "s", "r").unwrap(), two);
+        assert_eq!(
+            *a.load_baseline_shared("l", "s", "r").unwrap().unwrap(),
+            two
+        );
+        assert_eq!(b.load_baseline("l", "s", "r").unwrap().unwrap(), two);
         let _ = std::fs::remove_dir_all(&d);
     }
 

@@ -12,6 +12,7 @@ pub mod jobs;
 pub mod meta;
 pub mod sandboxes;
 pub mod search;
+pub mod state;
 pub mod sync;
 
 use std::sync::Arc;

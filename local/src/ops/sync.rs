@@ -231,13 +231,14 @@ pub async fn run_with(
         sandbox.to_string(),
         sync::engine::anchor_home(&spec.remote_path),
     );
-    // Without a store the sync still runs (as before baselines existed): no conflicts.
-    let store = pool.transfers().ok();
+    // The baseline is what tells a remote edit from a conflict: a store that cannot be read
+    // refuses the sync (never a first sync that would overwrite the edit).
+    let store = Some(pool.transfers()?);
     let mut opts = opts.clone();
     if opts.baseline.is_none()
         && let Some(t) = &store
     {
-        opts.baseline = t.load_baseline_shared(&key.0, &key.1, &key.2);
+        opts.baseline = t.load_baseline_shared(&key.0, &key.1, &key.2)?;
     }
     let sink = std::sync::Arc::new(parking_lot::Mutex::new(None));
     opts.baseline_sink = Some(sink.clone());
@@ -260,13 +261,19 @@ pub async fn run_with(
     if let (Some(t), Some(b)) = (&store, report.baseline_out.take())
         && !spec.dry_run
         && !report.handed_off
-        // A no-change resync leaves it as it was: no write (a 2,000-file baseline is ~150 KB).
-        && opts.baseline.as_deref() != Some(&b)
-        && let Err(e) = t.save_baseline(&key.0, &key.1, &key.2, &b)
     {
-        report
-            .warnings
-            .push(format!("the sync baseline was not saved: {}", e.message));
+        // A no-change resync leaves it as it was: no write (a 2,000-file baseline is ~150 KB),
+        // only its "last synced" day, which retention goes by.
+        let r = if opts.baseline.as_deref() == Some(&b) {
+            t.touch_baseline(&key.0, &key.1, &key.2)
+        } else {
+            t.save_baseline(&key.0, &key.1, &key.2, &b)
+        };
+        if let Err(e) = r {
+            report
+                .warnings
+                .push(format!("the sync baseline was not saved: {}", e.message));
+        }
     }
     Ok(report)
 }

@@ -18,7 +18,9 @@ use rusqlite::Connection;
 
 use crate::error::{Kind, RsbError};
 
+pub mod baselines;
 pub mod forwards;
+pub mod retention;
 pub mod sandboxes;
 pub mod schema;
 pub mod watches;
@@ -45,12 +47,47 @@ pub fn now_s() -> i64 {
     now_ms() / 1000
 }
 
-pub fn db_err(e: impl std::fmt::Display) -> RsbError {
+/// What to do about a store that cannot be used (the hint of every such error).
+pub const UNUSABLE_HINT: &str = "run `rsb state check`; to start afresh, move rsb.sqlite3 out of \
+     the state dir (RSB_STATE_DIR): the next sync of each root is then a first sync";
+
+/// A store error as one line. A database SQLite cannot read (not a database, damaged pages)
+/// says so and how to get out, instead of reading as empty.
+pub fn db_err(e: impl std::fmt::Display + 'static) -> RsbError {
+    use rusqlite::ErrorCode::{DatabaseCorrupt, NotADatabase};
+    let code = (&e as &dyn std::any::Any)
+        .downcast_ref::<rusqlite::Error>()
+        .and_then(|e| e.sqlite_error_code());
+    if matches!(code, Some(DatabaseCorrupt | NotADatabase)) {
+        return unusable(e);
+    }
     RsbError::new(
         Kind::Internal,
         format!("state database error: {e}"),
         "check free space and permissions of the rsb state dir (RSB_STATE_DIR)",
     )
+}
+
+fn unusable(why: impl std::fmt::Display) -> RsbError {
+    RsbError::new(
+        Kind::Config,
+        format!("the state database is unusable: {why}"),
+        UNUSABLE_HINT,
+    )
+}
+
+/// `PRAGMA quick_check`: every page and index readable. Run once per process that relies on
+/// the store for correctness (a server's transfers and sync baselines, the daemon), so page
+/// damage is an error up front and never comes out later as a missing row.
+pub fn check(conn: &Connection) -> Result<(), RsbError> {
+    let first: String = conn
+        .query_row("PRAGMA quick_check(1)", [], |r| r.get(0))
+        .map_err(db_err)?;
+    if first == "ok" {
+        Ok(())
+    } else {
+        Err(unusable(first))
+    }
 }
 
 /// Creates `dir` (and parents) 0700, tightening an existing one that others can read.
@@ -140,7 +177,8 @@ fn migrate(conn: &Connection) -> Result<(), RsbError> {
             format!(
                 "the state database is from a newer rsb (schema {version}, this rsb knows {SCHEMA_VERSION})"
             ),
-            "upgrade rsb, or point RSB_STATE_DIR at another directory",
+            "upgrade rsb, point RSB_STATE_DIR at another directory, or move rsb.sqlite3 aside \
+             (the next sync of each root is then a first sync)",
         ));
     }
     for (i, sql) in MIGRATIONS.iter().enumerate().skip(version.max(0) as usize) {

@@ -607,7 +607,8 @@ pub async fn watch(
         sandbox.to_string(),
         anchor_home(&spec.remote_path),
     );
-    let store = pool.transfers().ok();
+    // Refuse up front: every burst's sync needs the store (see `ops::sync::run_with`).
+    let store = Some(pool.transfers()?);
     let mut armed = arm(&root, opts)?;
     armed.gitignores = spec.rules.gitignore.then(Gitignores::default);
     on(WatchEvent::Watching {
@@ -679,7 +680,7 @@ pub async fn watch(
                     known = (report.synced_type == "directory")
                         .then_some(store.as_ref())
                         .flatten()
-                        .and_then(|t| t.load_baseline(&key.0, &key.1, &key.2))
+                        .and_then(|t| t.load_baseline(&key.0, &key.1, &key.2).ok().flatten())
                         .map(|baseline| Known {
                             remote_root: report.remote_path.clone(),
                             baseline,

@@ -1,7 +1,7 @@
 //! `rsb watchdog run`: the loop.
 //!
 //! One daemon per state dir (an `flock` on `watchdog.lock`, which also holds its pid). Every
-//! tick (1 s by default) it beats its heartbeat and starts a check for each due watch that is
+//! tick (1 s by default) it starts a check for each due watch that is
 //! not already being checked; checks run concurrently as tasks, each network step under its
 //! own deadline, so a dead host or a slow hook never delays another watch. Connections are one
 //! pool per sandbox, kept between ticks; concurrent checks of one sandbox share a single
@@ -237,7 +237,14 @@ pub struct Daemon {
     hook_timeout: Duration,
     /// Detached forwards (`forward_port(detach=true)`), served on the hosts' pools.
     forwards: Arc<super::forwards::Served>,
+    /// When the heartbeat was last written ([`super::HEARTBEAT_EVERY`]).
+    last_beat: Mutex<Option<Instant>>,
+    /// When retention last ran ([`PRUNE_EVERY`]).
+    last_prune: Mutex<Option<Instant>>,
 }
+
+/// How often the daemon applies the retention policy (`rsb state prune` does it at once).
+const PRUNE_EVERY: Duration = Duration::from_secs(3600);
 
 /// Run until SIGTERM/SIGINT, the state dir vanishing, or (detached) a long idle spell.
 pub async fn run(opts: Options) -> Result<()> {
@@ -254,6 +261,8 @@ pub async fn run(opts: Options) -> Result<()> {
         settings_stamp: Mutex::new(settings_stamp),
         hook_timeout: opts.hook_timeout,
         forwards: Arc::new(super::forwards::Served::new(&opts.state_dir)),
+        last_beat: Mutex::new(None),
+        last_prune: Mutex::new(None),
     });
     let started = store::now_s();
     db::meta_set(
@@ -403,18 +412,39 @@ impl Daemon {
         let ms = now_ms();
         let (due, active) = {
             let c = self.conn.lock();
-            db::meta_set(
-                &c,
-                "heartbeat",
-                &json!({
-                    "ts": ms / 1000,
-                    "stale_after_s": super::HEARTBEAT_STALE_S,
-                    "db_path": store::db_path(&self.state_dir).display().to_string(),
-                    "config_path": crate::config::config_file_path().display().to_string(),
-                    "pid": std::process::id(),
-                    "mode": opts.mode,
-                }),
-            )?;
+            let beat_due = self
+                .last_beat
+                .lock()
+                .is_none_or(|t| t.elapsed() >= super::HEARTBEAT_EVERY);
+            if beat_due {
+                db::meta_set(
+                    &c,
+                    "heartbeat",
+                    &json!({
+                        "ts": ms / 1000,
+                        "stale_after_s": super::HEARTBEAT_STALE_S,
+                        "db_path": store::db_path(&self.state_dir).display().to_string(),
+                        "config_path": crate::config::config_file_path().display().to_string(),
+                        "pid": std::process::id(),
+                        "mode": opts.mode,
+                    }),
+                )?;
+                *self.last_beat.lock() = Some(Instant::now());
+            }
+            let prune_due = self
+                .last_prune
+                .lock()
+                .is_none_or(|t| t.elapsed() >= PRUNE_EVERY);
+            if prune_due {
+                *self.last_prune.lock() = Some(Instant::now());
+                match store::retention::prune_now(&self.state_dir, &c, &Default::default()) {
+                    Ok(p) if p.bytes_freed > 0 => {
+                        tracing::info!("[watchdog] retention: {p:?}")
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!("[watchdog] retention failed: {}", e.message),
+                }
+            }
             let due = db::due(&c, ms, MAX_STARTS_PER_TICK)?;
             let active = db::counts(&c)?.get("active").copied().unwrap_or(0);
             let forwards = self.forwards.tick(&c, |c, name| self.pool_for(c, name)) as i64;
@@ -761,6 +791,49 @@ mod tests {
         let r = supervise(async { panic!("boom in watch 3") }).await;
         assert_eq!(r.unwrap_err(), "the check panicked: boom in watch 3");
         assert!(supervise(async {}).await.is_ok());
+    }
+
+    /// An idle daemon commits at most one heartbeat per [`super::super::HEARTBEAT_EVERY`], so
+    /// another connection's baseline cache keeps hitting while it runs (it missed every tick
+    /// when the heartbeat was written each second).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_idle_daemon_leaves_the_baseline_cache_hitting() {
+        let d = tempfile::tempdir().unwrap();
+        let t = crate::transfers::Transfers::open(d.path()).unwrap();
+        let b: crate::store::baselines::Baseline = [("f".to_string(), [3; 32])].into();
+        t.save_baseline("l", "s", "r", &b).unwrap();
+        let mut opts = Options::new(d.path().to_path_buf());
+        opts.tick = Duration::from_millis(20);
+        opts.mode = "foreground".into();
+        let daemon = tokio::spawn(run(opts));
+        // The first heartbeat (and the daemon row) land at start.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (h0, m0) = t.baseline_cache_stats();
+        let probe = store::open(d.path()).unwrap();
+        let dv = |c: &Connection| -> i64 {
+            c.query_row("PRAGMA data_version", [], |r| r.get(0))
+                .unwrap()
+        };
+        let mut versions = std::collections::BTreeSet::new();
+        // 40 no-change loads over 5 s: the heartbeat's `ts` is in seconds (SQLite skips a
+        // write of identical bytes), so a heartbeat each tick changed the version every second.
+        for _ in 0..40 {
+            versions.insert(dv(&probe));
+            assert_eq!(*t.load_baseline_shared("l", "s", "r").unwrap().unwrap(), b);
+            tokio::time::sleep(Duration::from_millis(125)).await;
+        }
+        let (h1, m1) = t.baseline_cache_stats();
+        daemon.abort();
+        let (hits, misses) = (h1 - h0, m1 - m0);
+        println!(
+            "baseline cache with a live daemon: {hits} hits, {misses} misses; {} data versions",
+            versions.len()
+        );
+        assert!(!daemon.await.is_ok_and(|r| r.is_err()), "the daemon ran");
+        assert!(
+            hits * 100 >= (hits + misses) * 95,
+            "{hits} hits, {misses} misses"
+        );
     }
 
     #[test]
