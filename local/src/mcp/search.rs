@@ -24,6 +24,7 @@ pub struct SearchRemoteFilesParams {
     /// Pattern is plain text.
     #[serde(default)]
     pub literal: Option<bool>,
+    /// Match case-insensitively.
     #[serde(default)]
     pub ignore_case: Option<bool>,
     /// Files to search, e.g. "*.py" or "*.{ts,tsx} !*.min.js".
