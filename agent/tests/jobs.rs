@@ -82,7 +82,8 @@ fn wrapper_records_the_exit_code_the_log_and_the_listing() {
             "job-run", "--root", root, "--name", "hand", "--launch", "L1",
         ],
     );
-    assert!(out.status.success(), "{}", text(&out.stderr));
+    // The wrapper exits as its job did, so a batch scheduler sees the job's own status.
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out.stderr));
     let state = read_state(home.path(), "hand");
     assert!(state.contains("\nexit_code=7\n"), "{state}");
     assert!(state.contains("\nrunner=setsid\n"), "{state}");

@@ -278,13 +278,15 @@ fn a_closed_output_pipe_stops_the_remote_command() {
 
 /// Item 3: ^C (SIGINT to `rsb exec` without a terminal) used to reach the remote command as
 /// SIGTERM, so `except KeyboardInterrupt: save_checkpoint()` never ran. Now it is SIGINT, then
-/// SIGTERM after a grace, then a kill.
+/// SIGTERM after a grace, then a kill. `timeout --foreground` sends one SIGINT, as a terminal
+/// does: without it GNU timeout signals the child and then its whole group, and that second
+/// SIGINT is, rightly, a second ^C that skips the grace.
 #[test]
 fn ctrl_c_is_sigint_then_sigterm() {
     let u = User::new();
     let o = u.run(
         &mut u.sh(
-            "timeout --preserve-status -s INT 3 RSB exec 'trap \"echo saved-on-INT; kill \\$!; exit 7\" INT; sleep 30 & wait'; \
+            "timeout --foreground --preserve-status -s INT 3 RSB exec 'trap \"echo saved-on-INT; kill \\$!; exit 7\" INT; sleep 30 & wait'; \
              echo \"status $?\"",
         ),
         Duration::from_secs(60),
@@ -301,7 +303,7 @@ fn ctrl_c_is_sigint_then_sigterm() {
     let t0 = Instant::now();
     let o = u.run(
         &mut u.sh(
-            "timeout --preserve-status -s INT 2 RSB exec 'trap \"\" INT; trap \"echo got-TERM; exit 9\" TERM; \
+            "timeout --foreground --preserve-status -s INT 2 RSB exec 'trap \"\" INT; trap \"echo got-TERM; exit 9\" TERM; \
              while :; do sleep 0.1; done'; echo \"status $?\"",
         ),
         Duration::from_secs(60),
