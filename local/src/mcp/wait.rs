@@ -161,11 +161,38 @@ pub(crate) async fn until_change(
             })
             .await?;
         last.feed(&r.log);
-        if !running(&r) || r.log_size > size {
+        if !running(&r) {
+            return Ok(());
+        }
+        if r.log_size > size {
+            // A job's last line and its end come moments apart (the wrapper logs the exit
+            // code, then records it): look again briefly, so a job that printed and ended is
+            // answered as ended, not as running with one more call to make.
+            for _ in 0..SETTLE_POLLS {
+                tokio::time::sleep(SETTLE_EVERY).await;
+                let r = client
+                    .call(JobStatusRequest {
+                        name: req.name.clone(),
+                        log_file: req.log_file.clone(),
+                        last_n_lines: 1,
+                        offset: Some(r.log_size),
+                        max_bytes: PARTIAL_CAP as u64,
+                    })
+                    .await?;
+                last.feed(&r.log);
+                if !running(&r) {
+                    break;
+                }
+            }
             return Ok(());
         }
     }
 }
+
+/// After new output, how often and how many times a wait looks for the job's end (at most
+/// 100 ms more).
+const SETTLE_EVERY: Duration = Duration::from_millis(25);
+const SETTLE_POLLS: usize = 4;
 
 #[cfg(test)]
 mod tests {
