@@ -54,7 +54,7 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
     if let Some(t) = &ssh {
         out.push(keys(name, &t.auth));
     }
-    let deadline = sandboxes::probe_deadline(&ctx.pool, name);
+    let deadline = sandboxes::connect_deadline(&ctx.pool, name) + sandboxes::ROUND_TRIP_DEADLINE;
     // The stages of a connection, in order: a failure names its stage, the ones before passed.
     const STAGES: [&str; 4] = ["reachable", "host key", "auth", "agent"];
     let client = match tokio::time::timeout(deadline, ctx.pool.client(name)).await {
