@@ -141,6 +141,9 @@ fn command(env: &Env, row: &Row) -> Command {
         .env("HOME", &env.home)
         .env("XDG_CONFIG_HOME", env.home.join(".config"))
         .env("XDG_DATA_HOME", env.home.join(".local/share"))
+        // The ssh config is the passwd home's unless this says otherwise: keep the user's own
+        // out of the tests.
+        .env("RSB_SSH_CONFIG", env.home.join(".ssh/config"))
         .env("RSB_STATE_DIR", &env.state)
         .env("REMOTE_SANDBOX_LIST", &env.list);
     for (k, v) in &row.env {

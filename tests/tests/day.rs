@@ -74,6 +74,9 @@ impl User {
             .env("HOME", &home)
             .env("XDG_CONFIG_HOME", home.join(".config"))
             .env("XDG_DATA_HOME", home.join(".local/share"))
+            // The ssh config is the passwd home's unless this says otherwise: keep the user's
+            // own out of the tests.
+            .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
             .env("RSB_STATE_DIR", self.state())
             .env("REMOTE_SANDBOX_LIST", &self.list)
             .stdin(Stdio::null());
@@ -452,4 +455,125 @@ fn a_dead_watchdog_is_reported_dead() {
     let s = daemon_status(&u);
     assert_eq!(s["daemon"]["running"], true, "{s}");
     assert_ne!(s["daemon"]["pid"], first, "{s}");
+}
+
+/// The passwd entry's home directory of the user running the tests (what `ssh` reads
+/// `~/.ssh/config` under), from `getent`, so the test does not share rsb's code for it.
+fn passwd_home() -> PathBuf {
+    let uid = unsafe { libc::getuid() };
+    let out = Command::new("getent")
+        .args(["passwd", &uid.to_string()])
+        .output()
+        .unwrap();
+    let line = text(&out.stdout);
+    PathBuf::from(line.trim().split(':').nth(5).expect("a passwd line"))
+}
+
+/// Item 10: with no rsb configuration, `-s ALIAS` (and `rsb shell ALIAS`) takes a Host from the
+/// ssh config, as `ssh ALIAS` does; an unknown name's hint mentions `ssh_config_host`; the ssh
+/// config is the passwd home's (`RSB_SSH_CONFIG` overrides), never `$HOME`'s; and
+/// `rsb shell HOST <<< 'cmd'` runs the login shell on stdin without a pty, as `ssh host` does,
+/// instead of hanging.
+#[test]
+fn an_ssh_config_alias_is_a_sandbox_without_any_config() {
+    let u = User::new();
+    let alias = format!("rsb26-{}", rand_digits());
+    let block = format!(
+        "Host {alias}\n    HostName {}\n    Port {}\n    User {}\n    IdentityFile {}\n",
+        u.sshd.host(),
+        u.sshd.port(),
+        u.sshd.user(),
+        u.sshd.client_key().display()
+    );
+    let ssh_config = u.tmp.path().join("ssh_config");
+    std::fs::write(&ssh_config, &block).unwrap();
+    // No REMOTE_SANDBOX_LIST, no config file: only the ssh config.
+    let bare = |args: &[&str]| {
+        let mut c = u.cmd(args);
+        c.env_remove("REMOTE_SANDBOX_LIST")
+            .env("RSB_SSH_CONFIG", &ssh_config);
+        c
+    };
+    let o = u.run(
+        &mut bare(&["-s", &alias, "exec", "echo hi from $(id -un)"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(
+        text(&o.stdout),
+        format!("hi from {}\n", u.sshd.user()),
+        "{}",
+        show(&o)
+    );
+    assert!(
+        !text(&o.stderr).contains("built-in `local`"),
+        "{}",
+        show(&o)
+    );
+
+    // `rsb shell ALIAS` with a here-string: no pty, the shell reads stdin, exits with its code
+    // (the last command's at EOF, as `ssh host <<< cmd`).
+    let shell = |input: &str| {
+        let t = Instant::now();
+        let mut c = bare(&["shell", &alias]);
+        c.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = c.spawn().unwrap();
+        {
+            use std::io::Write;
+            let mut stdin = child.stdin.take().unwrap();
+            stdin.write_all(input.as_bytes()).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let o = child.wait_with_output().unwrap();
+                panic!("rsb shell <<< {input:?} hung for 30 s: {}", show(&o));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let o = child.wait_with_output().unwrap();
+        println!("rsb shell <<< {input:?}: {:?}", t.elapsed());
+        o
+    };
+    let o = shell("echo hi; tty >/dev/null || echo no-tty; exit 3\n");
+    assert_eq!(o.status.code(), Some(3), "{}", show(&o));
+    assert_eq!(text(&o.stdout), "hi\nno-tty\n", "{}", show(&o));
+    let o = shell("echo hi\n");
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(text(&o.stdout), "hi\n", "{}", show(&o));
+
+    // An unknown name: exit 1, and the hint says how to use an ssh config Host.
+    let o = u.run(
+        &mut bare(&["-s", "nosuch-rsb26", "exec", "true"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(err.contains("ssh_config_host"), "{}", show(&o));
+    // Configured sandboxes, another name: the hint names ssh_config_host too.
+    let o = u.run(
+        &mut u.cmd(&["-s", &alias, "exec", "true"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(text(&o.stderr).contains("ssh_config_host"), "{}", show(&o));
+
+    // Without RSB_SSH_CONFIG the ssh config is the passwd home's, as for `ssh`: the alias in
+    // $HOME/.ssh/config is not read, and the hint names the file that was.
+    std::fs::create_dir_all(u.home().join(".ssh")).unwrap();
+    std::fs::write(u.home().join(".ssh/config"), &block).unwrap();
+    let mut c = bare(&["-s", &alias, "exec", "true"]);
+    c.env_remove("RSB_SSH_CONFIG");
+    let o = u.run(&mut c, Duration::from_secs(60));
+    let want = passwd_home().join(".ssh/config");
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(
+        text(&o.stderr).contains(&want.display().to_string()),
+        "the hint should name {}: {}",
+        want.display(),
+        show(&o)
+    );
 }

@@ -155,6 +155,9 @@ impl Mcp {
             .env("HOME", &home)
             .env("XDG_CONFIG_HOME", home.join(".config"))
             .env("XDG_DATA_HOME", home.join(".local/share"))
+            // The ssh config is the passwd home's unless this says otherwise: keep the user's
+            // own out of the tests.
+            .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
             .env("RSB_STATE_DIR", tmp.path().join("state"))
             .env("RSB_LOG", "debug")
             .envs(vars.iter().copied());
@@ -2016,6 +2019,71 @@ async fn a_hung_host_slows_only_the_first_listing() {
     let v = mcp.ok("get_active_sandbox", json!({})).await;
     assert!(t.elapsed() < Duration::from_millis(1500), "{v}");
     assert_eq!(v["connection_alive"], false, "{v}");
+    mcp.close().await;
+}
+
+/// Issue 26, item 9: a client that strips the environment (Codex passes only `HOME, PATH, SHELL,
+/// LANG, TERM` and its `env_vars`) starts a server without `SSH_AUTH_SOCK` or `RSB_STATE_DIR`,
+/// while `rsb doctor` in the user's shell has both and says all is well. Now the server records
+/// the names (never values) of the variables that steer it and its paths, and doctor names the
+/// differences.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_names_how_the_servers_environment_differs() {
+    let list = list(&[dead_entry("dead", closed_port())]);
+    // As Codex starts it: no SSH_AUTH_SOCK; and a state dir of its own.
+    let mcp = Mcp::start(&list).await;
+    let home = mcp._tmp.path().join("home");
+    let server_state = mcp._tmp.path().join("state");
+    mcp.ok("get_active_sandbox", json!({})).await;
+    let doctor = |state: &Path, agent: Option<&Path>| {
+        let mut c = std::process::Command::new(rsb_bin());
+        c.arg("doctor")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &home)
+            .env("XDG_CONFIG_HOME", home.join(".config"))
+            .env("XDG_DATA_HOME", home.join(".local/share"))
+            .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
+            .env("RSB_STATE_DIR", state)
+            .env("REMOTE_SANDBOX_LIST", &list);
+        if let Some(a) = agent {
+            c.env("SSH_AUTH_SOCK", a);
+        }
+        let o = rsb_tests::output_with_timeout(&mut c, Duration::from_secs(60)).unwrap();
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        println!("rsb doctor:\n{out}");
+        out
+    };
+    // The user's shell: an ssh-agent, and another state dir.
+    let agent = mcp._tmp.path().join("agent.sock");
+    let shell_state = mcp._tmp.path().join("shell-state");
+    let out = doctor(&shell_state, Some(&agent));
+    let line = out
+        .lines()
+        .find(|l| l.contains("mcp env") && l.starts_with("warn"))
+        .unwrap_or_else(|| panic!("no mcp env warning:\n{out}"));
+    assert!(line.contains("without SSH_AUTH_SOCK"), "{line}");
+    assert!(line.contains("another state dir"), "{line}");
+    assert!(line.contains(&server_state.display().to_string()), "{line}");
+    // The same environment as the server's: no warning about it.
+    let out = doctor(&server_state, None);
+    assert!(
+        out.lines().any(|l| l.contains("mcp env")
+            && l.starts_with("ok")
+            && l.contains("has this environment")),
+        "{out}"
+    );
+    // Names and paths only: no value of any variable is recorded.
+    for dir in [server_state.clone(), home.join(".local/share/rsb")] {
+        let rec = std::fs::read_to_string(dir.join("mcp-env.json"))
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        assert!(rec.contains("REMOTE_SANDBOX_LIST"), "{rec}");
+        assert_no_secret(
+            "the recorded environment",
+            &rec,
+            &[FAKE_SECRET, "127.0.0.1"],
+        );
+    }
     mcp.close().await;
 }
 
