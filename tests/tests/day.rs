@@ -577,3 +577,154 @@ fn an_ssh_config_alias_is_a_sandbox_without_any_config() {
         show(&o)
     );
 }
+
+/// A TCP socket bound to `127.0.0.1:port` that never listens (no `SO_REUSEADDR`): the port is
+/// taken, and a connection to it is refused. Closed when dropped.
+struct BoundNotListening(i32);
+
+impl BoundNotListening {
+    fn new(port: u16) -> BoundNotListening {
+        // SAFETY: plain socket calls on a fresh descriptor; the sockaddr is fully initialised.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+            assert!(fd >= 0);
+            let mut a: libc::sockaddr_in = std::mem::zeroed();
+            a.sin_family = libc::AF_INET as libc::sa_family_t;
+            a.sin_port = port.to_be();
+            a.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+            let rc = libc::bind(
+                fd,
+                &a as *const libc::sockaddr_in as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            );
+            assert_eq!(
+                rc,
+                0,
+                "bind 127.0.0.1:{port}: {}",
+                std::io::Error::last_os_error()
+            );
+            BoundNotListening(fd)
+        }
+    }
+}
+
+impl Drop for BoundNotListening {
+    fn drop(&mut self) {
+        // SAFETY: our own descriptor, closed once.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+/// The doctor line about detached forward `id`.
+fn doctor_forward_line(u: &User, id: &str) -> String {
+    let o = u.run(
+        &mut u.cmd(&["doctor", "-s", "gpu1"]),
+        Duration::from_secs(60),
+    );
+    text(&o.stdout)
+        .lines()
+        .find(|l| l.contains("forward:") && l.contains(id))
+        .unwrap_or_else(|| panic!("no line for forward {id}: {}", show(&o)))
+        .to_string()
+}
+
+/// Item 5: `rsb doctor` showed a detached forward as listening while connections to it failed.
+/// Now it checks the port: a forward whose daemon died is "not served", and one whose daemon
+/// lives but could not take its port back (here: another socket holds it, never listening) is
+/// "recorded as listening, but the port refuses connections"; only a port that accepts is ok.
+#[test]
+fn doctor_calls_a_forward_listening_only_when_its_port_accepts() {
+    let u = User::new();
+    let _stop = common::StopDaemon(u.state());
+    let target = format!("gpu1:{}", u.sshd.port());
+    let o = u.run(
+        &mut u.cmd(&["--json", "forward", "--detach", &target, "0"]),
+        Duration::from_secs(60),
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    let info: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let id = info["forward_id"].to_string();
+    let addr: std::net::SocketAddr = {
+        // Bounded wait for the daemon to report it listening.
+        let t0 = Instant::now();
+        loop {
+            let o = u.run(
+                &mut u.cmd(&["--json", "forward", "--list"]),
+                Duration::from_secs(30),
+            );
+            let l: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+            let f = l["forwards"].as_array().and_then(|a| {
+                a.iter()
+                    .find(|f| f["forward_id"].to_string() == id)
+                    .cloned()
+            });
+            if let Some(f) = f
+                && f["running"] == true
+                && let Ok(a) = f["local_address"].as_str().unwrap_or_default().parse()
+            {
+                break a;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "never listening: {l}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let line = doctor_forward_line(&u, &id);
+    println!("served: {line}");
+    assert!(
+        line.starts_with("ok") && line.contains("(listening,"),
+        "{line}"
+    );
+
+    // The daemon dies (SIGKILL: it cleans nothing up); its row still says listening.
+    let pid = daemon_status(&u)["daemon"]["pid"]
+        .as_i64()
+        .expect("a daemon pid");
+    // SAFETY: a signal to the daemon this test started (`rsb forward --detach` spawned it).
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let t0 = Instant::now();
+    while daemon_status(&u)["daemon"]["running"] == true {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the daemon lives on"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _taken = BoundNotListening::new(addr.port());
+    assert!(
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_err(),
+        "the port still accepts"
+    );
+    let line = doctor_forward_line(&u, &id);
+    println!("daemon dead: {line}");
+    assert!(
+        line.starts_with("warn") && line.contains("not served") && !line.contains("(listening,"),
+        "{line}"
+    );
+
+    // A new daemon cannot take the port back (it keeps the row and retries): it runs, but the
+    // port refuses connections, and doctor says so.
+    let mut child = u
+        .cmd(&["watchdog", "run", "--mode", "foreground"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while daemon_status(&u)["daemon"]["running"] != true {
+        assert!(t0.elapsed() < Duration::from_secs(20), "no new daemon");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let line = doctor_forward_line(&u, &id);
+    println!("daemon alive, port refused: {line}");
+    // SAFETY: the daemon this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
+    assert!(
+        line.starts_with("warn") && line.contains("refuses connections"),
+        "{line}"
+    );
+}
