@@ -215,7 +215,7 @@ pub fn differences(me: &ServerEnv, recorded: &[ServerEnv]) -> Vec<(ServerEnv, Ve
 /// Every record from [`dirs`], newest first, one per environment.
 pub fn read_all(state_dir: &Path) -> Vec<ServerEnv> {
     let mut all: Vec<ServerEnv> = dirs(state_dir).iter().flat_map(|d| read(d)).collect();
-    all.sort_by(|a, b| b.started_at.cmp(&a.started_at));
+    all.sort_by_key(|r| std::cmp::Reverse(r.started_at));
     let mut seen = Vec::new();
     all.retain(|r| {
         let k = (

@@ -643,7 +643,8 @@ fn doctor_calls_a_forward_listening_only_when_its_port_accepts() {
     );
     assert!(o.status.success(), "{}", show(&o));
     let info: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let id = info["forward_id"].to_string();
+    let fid = info["forward_id"].clone();
+    let id = fid.to_string();
     let addr: std::net::SocketAddr = {
         // Bounded wait for the daemon to report it listening.
         let t0 = Instant::now();
@@ -653,11 +654,9 @@ fn doctor_calls_a_forward_listening_only_when_its_port_accepts() {
                 Duration::from_secs(30),
             );
             let l: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
-            let f = l["forwards"].as_array().and_then(|a| {
-                a.iter()
-                    .find(|f| f["forward_id"].to_string() == id)
-                    .cloned()
-            });
+            let f = l["forwards"]
+                .as_array()
+                .and_then(|a| a.iter().find(|f| f["forward_id"] == fid).cloned());
             if let Some(f) = f
                 && f["running"] == true
                 && let Ok(a) = f["local_address"].as_str().unwrap_or_default().parse()
