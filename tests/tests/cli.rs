@@ -598,5 +598,11 @@ fn cli_table() {
         assert_eq!(mode & 0o777, 0o600, "{}", kh.display());
     }
     println!("{} rows, {} failed", rows.len(), failures.len());
+    if !failures.is_empty() {
+        eprintln!(
+            "DEBUG daemon log:\n{}",
+            std::fs::read_to_string(env.state.join("watchdog.log")).unwrap_or_default()
+        );
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }

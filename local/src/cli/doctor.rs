@@ -310,14 +310,24 @@ fn ago(secs: u64) -> String {
     }
 }
 
-/// Whether a TCP connection to `addr` (`host:port`) is accepted within 300 ms.
+/// Whether a TCP connection to `addr` (`host:port`) is accepted within 300 ms. A reset after
+/// the handshake counts as accepted: a forward whose remote target refuses accepts the local
+/// connection and then resets it, and when that reset arrives before the connect's own check
+/// it reads as ECONNRESET (`cli_table`'s forward to `gpu1:9` failed that way under load). Only
+/// a refused handshake (ECONNREFUSED) or silence means nothing listens.
 fn accepts(addr: &str) -> bool {
-    use std::net::ToSocketAddrs;
+    use std::{io::ErrorKind, net::ToSocketAddrs};
     let Ok(mut addrs) = addr.to_socket_addrs() else {
         return false;
     };
     addrs.any(|a| {
-        std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_millis(300)).is_ok()
+        match std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_millis(300)) {
+            Ok(_) => true,
+            Err(e) => matches!(
+                e.kind(),
+                ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted
+            ),
+        }
     })
 }
 
