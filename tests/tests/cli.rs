@@ -358,7 +358,18 @@ fn cli_table() {
         rsb(&["exec", "true"])
             .env("RSB_SANDBOX", "nope")
             .code(1)
-            .err("unknown sandbox `nope`"),
+            .err("unknown sandbox `nope`")
+            .err("ssh_config_host = \"nope\""),
+        // Nothing configured: the hint names the ssh config that has no such Host.
+        rsb(&["-s", "nohost26", "exec", "true"])
+            .unset("REMOTE_SANDBOX_LIST")
+            .code(1)
+            .err("unknown sandbox `nohost26`")
+            .err(".ssh/config has no `Host nohost26`"),
+        // `rsb shell` with piped stdin: as `ssh host <<< cmd`, no pty, the shell's status.
+        bash("RSB shell gpu1 <<< 'echo hi; tty -s || echo no-tty; exit 3'")
+            .code(3)
+            .out_eq("hi\nno-tty\n"),
         rsb(&["sync", "uxl:foo", "/tmp/rsb-cli-x"])
             .code(1)
             .err("unknown sandbox `uxl`"),

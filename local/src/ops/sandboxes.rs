@@ -98,11 +98,11 @@ fn still_connecting(pool: &Pool, name: &str, waited: Duration) -> RsbError {
     RsbError::new(
         Kind::Timeout,
         format!(
-            "sandbox '{name}' did not connect within the probe's {}s (its connect_timeout_s is {}s; connecting goes on in the background)",
+            "sandbox '{name}' did not connect within the probe's {}s (its connect_timeout_s is {}s)",
             waited.as_secs(),
             timeout.as_secs()
         ),
-        "the host may be down, black-holed, or accept TCP without speaking SSH; other sandboxes are unaffected; a slow host is connected by a later call",
+        "the host may be down, black-holed, or accept TCP without speaking SSH; other sandboxes are unaffected; the MCP server keeps connecting in the background (a slow host is connected by a later call), and `rsb doctor` waits the whole connect_timeout_s",
     )
 }
 
