@@ -369,6 +369,11 @@ async fn rsb_forward_rejects_bad_arguments_with_hints() {
         (vec!["s:0"], "not a port"),
         (vec!["s:~/x.sock"], "not absolute"),
         (vec!["s:80", "--bind", "example.org"], "not an IP address"),
+        (
+            vec!["s:80", "--bind", "0.0.0.0"],
+            "would let other machines",
+        ),
+        (vec!["s:80", "--bind", "::"], "would let other machines"),
     ] {
         let out = rsb_tests::output_with_timeout(
             env.command().arg("forward").args(&args),
@@ -534,6 +539,7 @@ async fn mcp_forward_port_works_and_stop_forward_frees_the_port() {
         json!({"remote_port": port, "socket_path": "/x.sock"}),
         json!({"remote_port": 70000}),
         json!({"remote_port": port, "bind": "example.org"}),
+        json!({"remote_port": port, "bind": "0.0.0.0"}),
         json!({"remote_port": port, "sandbox_name": "nope"}),
     ] {
         let (err, v) = call(&svc, "forward_port", args.clone()).await;
