@@ -325,6 +325,13 @@ fn resolve_state_dir(env: &dyn Fn(&str) -> Option<String>, home: &Path) -> PathB
         .unwrap_or_else(|| home.join(".local").join("share").join("rsb"))
 }
 
+/// The state dir with no `RSB_STATE_DIR` / `REMOTE_SANDBOX_MCP_HOME`: what a process whose
+/// environment lost those variables uses (an MCP client that passes only `HOME`, say).
+pub fn default_state_dir() -> PathBuf {
+    let home = real_home().unwrap_or_else(|| PathBuf::from("."));
+    resolve_state_dir(&|_| None, &home)
+}
+
 /// The platform data dir for rsb (`RSB_STATE_DIR` overrides), created with mode 0700.
 /// Creation errors are ignored here; [`Config::load`] reports them.
 pub fn state_dir() -> PathBuf {
@@ -344,6 +351,36 @@ pub fn config_file_path() -> PathBuf {
         .map(|p| p.config_dir().to_path_buf())
         .unwrap_or_else(|| home.join(".config").join("rsb"))
         .join("config.toml")
+}
+
+/// The OpenSSH client configuration rsb reads: `RSB_SSH_CONFIG` when set (tests, or a user with
+/// a second ssh config), else `.ssh/config` under the home directory of the passwd entry, as
+/// OpenSSH finds it: `ssh` ignores `$HOME`, so a client that starts rsb with another `HOME`
+/// (or `sudo -E`, or a `HOME=/tmp` wrapper) still sees the aliases `ssh` sees. `$HOME` only
+/// where the passwd database has no entry for this user.
+fn ssh_config_path(home: &Path) -> PathBuf {
+    if let Some(p) = real_env("RSB_SSH_CONFIG").filter(|s| !s.trim().is_empty()) {
+        return expand_tilde(p.trim(), home);
+    }
+    rsb_agent::util::passwd_entry()
+        .map(|p| p.home)
+        .filter(|h| h.is_absolute())
+        .unwrap_or_else(|| home.to_path_buf())
+        .join(".ssh")
+        .join("config")
+}
+
+/// [`ssh_config_path`] for this process: what `rsb doctor` and hints name.
+pub fn ssh_config_file() -> PathBuf {
+    ssh_config_path(&real_home().unwrap_or_else(|| PathBuf::from(".")))
+}
+
+/// The login name of this user, as `ssh` uses it when a Host block sets no `User`.
+fn local_user() -> Option<String> {
+    rsb_agent::util::passwd_entry()
+        .map(|p| p.name)
+        .filter(|n| !n.is_empty())
+        .or_else(|| real_env("USER").filter(|u| !u.is_empty()))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -369,7 +406,7 @@ impl Config {
                 "Create that file, or unset RSB_CONFIG to use the default location.",
             ));
         }
-        let ssh_config = home.join(".ssh").join("config");
+        let ssh_config = ssh_config_path(&home);
         let cfg = Config::from_sources(&real_env, Some(&config_file), Some(&ssh_config), &home)?;
         if cfg.source == BUILTIN_LOCAL {
             let vars: Vec<(String, String)> = std::env::vars_os()
@@ -390,6 +427,60 @@ impl Config {
             )
         })?;
         Ok(cfg)
+    }
+
+    /// `rsb -s ALIAS` (or `rsb shell ALIAS`) with no rsb configuration at all: ALIAS as
+    /// `ssh ALIAS` takes it, when the ssh config ([`ssh_config_path`]) has a `Host` line naming
+    /// it literally (a wildcard pattern is not an alias). The one sandbox, named ALIAS, is
+    /// `ssh_config_host = ALIAS`; a block without `User` means the local login name, as for
+    /// `ssh`. `Ok(None)`: no such Host (the caller reports the unknown sandbox).
+    pub fn from_ssh_alias(builtin: &Config, alias: &str) -> Result<Option<Config>, ConfigError> {
+        let Some(home) = real_home() else {
+            return Ok(None);
+        };
+        let path = ssh_config_path(&home);
+        if alias.trim().is_empty() || !path.is_file() {
+            return Ok(None);
+        }
+        let policy = real_env("RSB_HOST_KEY_POLICY")
+            .and_then(|v| HostKeyPolicy::parse(&v))
+            .unwrap_or_default();
+        let mut warnings = Vec::new();
+        let mut ctx = BuildCtx {
+            env: &real_env,
+            home: &home,
+            ssh_config_path: Some(&path),
+            ssh_config: None,
+            state_dir: &builtin.state_dir,
+            defaults: Defaults {
+                host_key_policy: policy,
+                connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            },
+            warnings: &mut warnings,
+        };
+        let label = format!("-s {alias}");
+        let params = ctx.ssh_query(alias, &label)?;
+        let literal = ctx.ssh_config.as_ref().is_some_and(|c| {
+            c.get_hosts()
+                .iter()
+                .flat_map(|h| &h.pattern)
+                .any(|p| !p.negated && p.pattern == alias)
+        });
+        if !literal {
+            return Ok(None);
+        }
+        let entry = Entry {
+            name: Text(Some(alias.to_string())),
+            ssh_config_host: Text(Some(alias.to_string())),
+            user: Text(params.user.is_none().then(local_user).flatten()),
+            ..Entry::default()
+        };
+        let sandbox = build_sandbox(entry, &label, &mut ctx)?;
+        let mut cfg = builtin.clone();
+        cfg.sandboxes = vec![sandbox];
+        cfg.source = format!("Host {alias} in {}", path.display());
+        cfg.warnings = warnings;
+        Ok(Some(cfg))
     }
 
     /// Builds the configuration from injected sources; reads files but changes nothing.
@@ -513,6 +604,7 @@ const KNOWN_VARS: &[&str] = &[
     "REMOTE_SANDBOX_INLINE_SYNC_MAX_FILES",
     "REMOTE_SANDBOX_INLINE_SYNC_MAX_BYTES",
     "RSB_CONFIG",
+    "RSB_SSH_CONFIG",
     "RSB_STATE_DIR",
     "RSB_SANDBOX",
     "RSB_LOG",

@@ -13,6 +13,7 @@ pub mod forward;
 pub mod mcp;
 pub mod ops;
 pub mod pool;
+pub mod server_env;
 pub mod ssh;
 pub mod store;
 pub mod sync;

@@ -260,6 +260,7 @@ async fn run(cli: Cli) -> u8 {
             // tools instead and reply to each call with the config error (as the seed did).
             if let Cmd::Mcp = cli.cmd {
                 eprintln!("rsb: {e}\n  hint: {}", e.hint);
+                rsb::server_env::record(None, Some(&e.message));
                 return match rsb::mcp::serve_config_error(e).await {
                     Ok(()) => 0,
                     Err(e) => {
@@ -283,6 +284,8 @@ async fn run(cli: Cli) -> u8 {
         for w in &config.warnings {
             tracing::warn!("{w}");
         }
+        // For `rsb doctor` in a shell: which variables (names only) and paths this server has.
+        rsb::server_env::record(Some(&config), None);
         return match rsb::mcp::serve(config).await {
             Ok(()) => 0,
             Err(e) => {
@@ -290,6 +293,28 @@ async fn run(cli: Cli) -> u8 {
                 1
             }
         };
+    }
+    // `rsb -s ALIAS` / `rsb shell ALIAS` with nothing configured: a `~/.ssh/config` Host,
+    // as `ssh ALIAS` would take it.
+    let mut config = config;
+    let wanted = match &cli.cmd {
+        Cmd::Shell {
+            sandbox: Some(s), ..
+        } => Some(s.as_str()),
+        _ => cli.sandbox.as_deref(),
+    };
+    if config.source == rsb::config::BUILTIN_LOCAL
+        && let Some(alias) = wanted
+        && config.sandbox(alias).is_none()
+    {
+        match Config::from_ssh_alias(&config, alias) {
+            Ok(Some(c)) => config = c,
+            Ok(None) => {}
+            Err(e) => {
+                eprintln!("rsb: {e}\n  hint: {}", e.hint);
+                return exit::CONFIG;
+            }
+        }
     }
     cli::fallback_notice(&config);
     // `rsb ls gpu1:data` / `rsb cat gpu1:log.txt`, as `rsb sync` takes them: a prefix that

@@ -13,6 +13,7 @@ mod common;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rsb::{ops::sandboxes, pool::Pool};
@@ -61,7 +62,7 @@ fn start_sshds(n: usize, opts: &SshdOptions) -> Vec<Sshd> {
     out
 }
 
-fn pool_over(sshds: &[Sshd], dir: &Path) -> Pool {
+fn pool_over(sshds: &[Sshd], dir: &Path) -> Arc<Pool> {
     let kh = dir.join("known_hosts");
     let sbs = sshds
         .iter()
@@ -85,13 +86,19 @@ fn check_all(v: &Value, n: usize) {
     }
 }
 
-async fn timed_list(pool: &Pool, resources: bool) -> (Value, Duration) {
+async fn timed_list(pool: &Arc<Pool>, resources: bool) -> (Value, Duration) {
     let t = Instant::now();
-    let v = serde_json::to_value(sandboxes::list(pool, resources).await).unwrap();
+    // Without resources: a ping to each (what `rsb sandboxes` does), the round trip measured.
+    let depth = if resources {
+        sandboxes::Listing::Resources
+    } else {
+        sandboxes::Listing::Probe
+    };
+    let v = serde_json::to_value(sandboxes::list(pool, depth).await).unwrap();
     (v, t.elapsed())
 }
 
-async fn warm_series(pool: &Pool, n: usize, iters: usize, resources: bool) -> Vec<Duration> {
+async fn warm_series(pool: &Arc<Pool>, n: usize, iters: usize, resources: bool) -> Vec<Duration> {
     let mut v = Vec::with_capacity(iters);
     for _ in 0..iters {
         let (r, d) = timed_list(pool, resources).await;

@@ -141,6 +141,9 @@ fn command(env: &Env, row: &Row) -> Command {
         .env("HOME", &env.home)
         .env("XDG_CONFIG_HOME", env.home.join(".config"))
         .env("XDG_DATA_HOME", env.home.join(".local/share"))
+        // The ssh config is the passwd home's unless this says otherwise: keep the user's own
+        // out of the tests.
+        .env("RSB_SSH_CONFIG", env.home.join(".ssh/config"))
         .env("RSB_STATE_DIR", &env.state)
         .env("REMOTE_SANDBOX_LIST", &env.list);
     for (k, v) in &row.env {
@@ -355,7 +358,18 @@ fn cli_table() {
         rsb(&["exec", "true"])
             .env("RSB_SANDBOX", "nope")
             .code(1)
-            .err("unknown sandbox `nope`"),
+            .err("unknown sandbox `nope`")
+            .err("ssh_config_host = \"nope\""),
+        // Nothing configured: the hint names the ssh config that has no such Host.
+        rsb(&["-s", "nohost26", "exec", "true"])
+            .unset("REMOTE_SANDBOX_LIST")
+            .code(1)
+            .err("unknown sandbox `nohost26`")
+            .err(".ssh/config has no `Host nohost26`"),
+        // `rsb shell` with piped stdin: as `ssh host <<< cmd`, no pty, the shell's status.
+        bash("RSB shell gpu1 <<< 'echo hi; tty -s || echo no-tty; exit 3'")
+            .code(3)
+            .out_eq("hi\nno-tty\n"),
         rsb(&["sync", "uxl:foo", "/tmp/rsb-cli-x"])
             .code(1)
             .err("unknown sandbox `uxl`"),
@@ -595,5 +609,10 @@ fn cli_table() {
         assert_eq!(mode & 0o777, 0o600, "{}", kh.display());
     }
     println!("{} rows, {} failed", rows.len(), failures.len());
+    if !failures.is_empty() {
+        // The detached-forward rows depend on the daemon: its log says what it did.
+        let log = std::fs::read_to_string(env.state.join("watchdog.log")).unwrap_or_default();
+        eprintln!("the watchdog daemon's log:\n{log}");
+    }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }

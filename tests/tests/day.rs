@@ -74,6 +74,9 @@ impl User {
             .env("HOME", &home)
             .env("XDG_CONFIG_HOME", home.join(".config"))
             .env("XDG_DATA_HOME", home.join(".local/share"))
+            // The ssh config is the passwd home's unless this says otherwise: keep the user's
+            // own out of the tests.
+            .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
             .env("RSB_STATE_DIR", self.state())
             .env("REMOTE_SANDBOX_LIST", &self.list)
             .stdin(Stdio::null());
@@ -471,4 +474,275 @@ fn a_dead_watchdog_is_reported_dead() {
     let s = daemon_status(&u);
     assert_eq!(s["daemon"]["running"], true, "{s}");
     assert_ne!(s["daemon"]["pid"], first, "{s}");
+}
+
+/// The passwd entry's home directory of the user running the tests (what `ssh` reads
+/// `~/.ssh/config` under), from `getent`, so the test does not share rsb's code for it.
+fn passwd_home() -> PathBuf {
+    let uid = unsafe { libc::getuid() };
+    let out = Command::new("getent")
+        .args(["passwd", &uid.to_string()])
+        .output()
+        .unwrap();
+    let line = text(&out.stdout);
+    PathBuf::from(line.trim().split(':').nth(5).expect("a passwd line"))
+}
+
+/// Item 10: with no rsb configuration, `-s ALIAS` (and `rsb shell ALIAS`) takes a Host from the
+/// ssh config, as `ssh ALIAS` does; an unknown name's hint mentions `ssh_config_host`; the ssh
+/// config is the passwd home's (`RSB_SSH_CONFIG` overrides), never `$HOME`'s; and
+/// `rsb shell HOST <<< 'cmd'` runs the login shell on stdin without a pty, as `ssh host` does,
+/// instead of hanging.
+#[test]
+fn an_ssh_config_alias_is_a_sandbox_without_any_config() {
+    let u = User::new();
+    let alias = format!("rsb26-{}", rand_digits());
+    let block = format!(
+        "Host {alias}\n    HostName {}\n    Port {}\n    User {}\n    IdentityFile {}\n",
+        u.sshd.host(),
+        u.sshd.port(),
+        u.sshd.user(),
+        u.sshd.client_key().display()
+    );
+    let ssh_config = u.tmp.path().join("ssh_config");
+    std::fs::write(&ssh_config, &block).unwrap();
+    // No REMOTE_SANDBOX_LIST, no config file: only the ssh config.
+    let bare = |args: &[&str]| {
+        let mut c = u.cmd(args);
+        c.env_remove("REMOTE_SANDBOX_LIST")
+            .env("RSB_SSH_CONFIG", &ssh_config);
+        c
+    };
+    let o = u.run(
+        &mut bare(&["-s", &alias, "exec", "echo hi from $(id -un)"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(
+        text(&o.stdout),
+        format!("hi from {}\n", u.sshd.user()),
+        "{}",
+        show(&o)
+    );
+    assert!(
+        !text(&o.stderr).contains("built-in `local`"),
+        "{}",
+        show(&o)
+    );
+
+    // `rsb shell ALIAS` with a here-string: no pty, the shell reads stdin, exits with its code
+    // (the last command's at EOF, as `ssh host <<< cmd`).
+    let shell = |input: &str| {
+        let t = Instant::now();
+        let mut c = bare(&["shell", &alias]);
+        c.stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = c.spawn().unwrap();
+        {
+            use std::io::Write;
+            let mut stdin = child.stdin.take().unwrap();
+            stdin.write_all(input.as_bytes()).unwrap();
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let o = child.wait_with_output().unwrap();
+                panic!("rsb shell <<< {input:?} hung for 30 s: {}", show(&o));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let o = child.wait_with_output().unwrap();
+        println!("rsb shell <<< {input:?}: {:?}", t.elapsed());
+        o
+    };
+    let o = shell("echo hi; tty >/dev/null || echo no-tty; exit 3\n");
+    assert_eq!(o.status.code(), Some(3), "{}", show(&o));
+    assert_eq!(text(&o.stdout), "hi\nno-tty\n", "{}", show(&o));
+    let o = shell("echo hi\n");
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(text(&o.stdout), "hi\n", "{}", show(&o));
+
+    // An unknown name: exit 1, and the hint says how to use an ssh config Host.
+    let o = u.run(
+        &mut bare(&["-s", "nosuch-rsb26", "exec", "true"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(err.contains("ssh_config_host"), "{}", show(&o));
+    // Configured sandboxes, another name: the hint names ssh_config_host too.
+    let o = u.run(
+        &mut u.cmd(&["-s", &alias, "exec", "true"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(text(&o.stderr).contains("ssh_config_host"), "{}", show(&o));
+
+    // Without RSB_SSH_CONFIG the ssh config is the passwd home's, as for `ssh`: the alias in
+    // $HOME/.ssh/config is not read, and the hint names the file that was.
+    std::fs::create_dir_all(u.home().join(".ssh")).unwrap();
+    std::fs::write(u.home().join(".ssh/config"), &block).unwrap();
+    let mut c = bare(&["-s", &alias, "exec", "true"]);
+    c.env_remove("RSB_SSH_CONFIG");
+    let o = u.run(&mut c, Duration::from_secs(60));
+    let want = passwd_home().join(".ssh/config");
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(
+        text(&o.stderr).contains(&want.display().to_string()),
+        "the hint should name {}: {}",
+        want.display(),
+        show(&o)
+    );
+}
+
+/// A TCP socket bound to `127.0.0.1:port` that never listens (no `SO_REUSEADDR`): the port is
+/// taken, and a connection to it is refused. Closed when dropped.
+struct BoundNotListening(i32);
+
+impl BoundNotListening {
+    fn new(port: u16) -> BoundNotListening {
+        // SAFETY: plain socket calls on a fresh descriptor; the sockaddr is fully initialised.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+            assert!(fd >= 0);
+            let mut a: libc::sockaddr_in = std::mem::zeroed();
+            a.sin_family = libc::AF_INET as libc::sa_family_t;
+            a.sin_port = port.to_be();
+            a.sin_addr.s_addr = u32::from(std::net::Ipv4Addr::LOCALHOST).to_be();
+            let rc = libc::bind(
+                fd,
+                &a as *const libc::sockaddr_in as *const libc::sockaddr,
+                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+            );
+            assert_eq!(
+                rc,
+                0,
+                "bind 127.0.0.1:{port}: {}",
+                std::io::Error::last_os_error()
+            );
+            BoundNotListening(fd)
+        }
+    }
+}
+
+impl Drop for BoundNotListening {
+    fn drop(&mut self) {
+        // SAFETY: our own descriptor, closed once.
+        unsafe { libc::close(self.0) };
+    }
+}
+
+/// The doctor line about detached forward `id`.
+fn doctor_forward_line(u: &User, id: &str) -> String {
+    let o = u.run(
+        &mut u.cmd(&["doctor", "-s", "gpu1"]),
+        Duration::from_secs(60),
+    );
+    text(&o.stdout)
+        .lines()
+        .find(|l| l.contains("forward:") && l.contains(id))
+        .unwrap_or_else(|| panic!("no line for forward {id}: {}", show(&o)))
+        .to_string()
+}
+
+/// Item 5: `rsb doctor` showed a detached forward as listening while connections to it failed.
+/// Now it checks the port: a forward whose daemon died is "not served", and one whose daemon
+/// lives but could not take its port back (here: another socket holds it, never listening) is
+/// "recorded as listening, but the port refuses connections"; only a port that accepts is ok.
+#[test]
+fn doctor_calls_a_forward_listening_only_when_its_port_accepts() {
+    let u = User::new();
+    let _stop = common::StopDaemon(u.state());
+    let target = format!("gpu1:{}", u.sshd.port());
+    let o = u.run(
+        &mut u.cmd(&["--json", "forward", "--detach", &target, "0"]),
+        Duration::from_secs(60),
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    let info: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let fid = info["forward_id"].clone();
+    let id = fid.to_string();
+    let addr: std::net::SocketAddr = {
+        // Bounded wait for the daemon to report it listening.
+        let t0 = Instant::now();
+        loop {
+            let o = u.run(
+                &mut u.cmd(&["--json", "forward", "--list"]),
+                Duration::from_secs(30),
+            );
+            let l: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap_or_default();
+            let f = l["forwards"]
+                .as_array()
+                .and_then(|a| a.iter().find(|f| f["forward_id"] == fid).cloned());
+            if let Some(f) = f
+                && f["running"] == true
+                && let Ok(a) = f["local_address"].as_str().unwrap_or_default().parse()
+            {
+                break a;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "never listening: {l}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    };
+    let line = doctor_forward_line(&u, &id);
+    println!("served: {line}");
+    assert!(
+        line.starts_with("ok") && line.contains("(listening,"),
+        "{line}"
+    );
+
+    // The daemon dies (SIGKILL: it cleans nothing up); its row still says listening.
+    let pid = daemon_status(&u)["daemon"]["pid"]
+        .as_i64()
+        .expect("a daemon pid");
+    // SAFETY: a signal to the daemon this test started (`rsb forward --detach` spawned it).
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let t0 = Instant::now();
+    while daemon_status(&u)["daemon"]["running"] == true {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the daemon lives on"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _taken = BoundNotListening::new(addr.port());
+    assert!(
+        std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).is_err(),
+        "the port still accepts"
+    );
+    let line = doctor_forward_line(&u, &id);
+    println!("daemon dead: {line}");
+    assert!(
+        line.starts_with("warn") && line.contains("not served") && !line.contains("(listening,"),
+        "{line}"
+    );
+
+    // A new daemon cannot take the port back (it keeps the row and retries): it runs, but the
+    // port refuses connections, and doctor says so.
+    let mut child = u
+        .cmd(&["watchdog", "run", "--mode", "foreground"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while daemon_status(&u)["daemon"]["running"] != true {
+        assert!(t0.elapsed() < Duration::from_secs(20), "no new daemon");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let line = doctor_forward_line(&u, &id);
+    println!("daemon alive, port refused: {line}");
+    // SAFETY: the daemon this test started.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let _ = child.wait();
+    assert!(
+        line.starts_with("warn") && line.contains("refuses connections"),
+        "{line}"
+    );
 }

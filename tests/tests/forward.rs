@@ -724,7 +724,7 @@ async fn the_local_sandbox_relays_tcp_and_unix_without_ssh() {
         name: "local".into(),
         transport: Transport::Local,
     };
-    let pool = Arc::new(pool_of(vec![local], dir.path()));
+    let pool = pool_of(vec![local], dir.path());
     let echo_addr = tcp_echo().await;
     let sock = dir.path().join("echo.sock");
     unix_echo(&sock).await;
@@ -783,7 +783,7 @@ async fn forwarding_goes_through_a_proxyjump_chain() {
         &kh,
     );
     t.proxy_jump = vec![hop(&jump, "127.0.0.1", jump.port(), key_auth(&jump), &kh)];
-    let pool = Arc::new(pool_of(vec![sandbox("s", t)], dir.path()));
+    let pool = pool_of(vec![sandbox("s", t)], dir.path());
     let echo_addr = tcp_echo().await;
 
     let f = start(&pool, "s", loopback(echo_addr.port())).await;

@@ -155,6 +155,9 @@ impl Mcp {
             .env("HOME", &home)
             .env("XDG_CONFIG_HOME", home.join(".config"))
             .env("XDG_DATA_HOME", home.join(".local/share"))
+            // The ssh config is the passwd home's unless this says otherwise: keep the user's
+            // own out of the tests.
+            .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
             .env("RSB_STATE_DIR", tmp.path().join("state"))
             .env("RSB_LOG", "debug")
             .envs(vars.iter().copied());
@@ -591,8 +594,11 @@ async fn sandboxes_select_override_and_unreachable() {
     let secrets: Vec<&str> = secrets.iter().map(String::as_str).collect();
     let mut replies = String::new();
 
+    // A listing without resources dials nothing (issue 26, item 7): probe them.
     let t = Instant::now();
-    let r = mcp.call("list_sandboxes", json!({})).await;
+    let r = mcp
+        .call("list_sandboxes", json!({"check_resources": true}))
+        .await;
     let took = t.elapsed();
     println!("list_sandboxes (first connect + deploy to each) took {took:?}");
     assert!(!r.is_error, "{}", r.text);
@@ -1892,12 +1898,14 @@ async fn a_misconfigured_environment_never_runs_commands_here() {
 }
 
 /// Issue 26, item 7: a port that accepts TCP and never speaks SSH held every `list_sandboxes`
-/// (and `select_sandbox("auto")`) for the whole connect timeout. Now the failure is remembered
-/// for a while, with its reason in the row, and the error names `connect_timeout_s`.
+/// (and `select_sandbox("auto")`) for the whole connect timeout (15 s by default). Now a listing
+/// without resources dials nothing (it reports what the pool knows), a probe waits a short
+/// deadline of its own (not `connect_timeout_s`), probes of several sandboxes run at once, and a
+/// failure is remembered for a while, with its reason in the row, naming `connect_timeout_s`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hung_host_slows_only_the_first_listing() {
     let sshd = Sshd::start().unwrap();
-    // Accepts connections and holds them, silent (bounded: the test's lifetime).
+    // Accepts connections and holds them, silent (bounded: 16 connections, the test's lifetime).
     let hung = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = hung.local_addr().unwrap().port();
     let held = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -1907,15 +1915,19 @@ async fn a_hung_host_slows_only_the_first_listing() {
             h2.lock().unwrap().push(s);
         }
     });
+    let dials = || held.lock().unwrap().len();
+    // Two hung sandboxes with the default connect_timeout_s (15 s): probed one after the other,
+    // or each for its connect timeout, they would hold the first probing listing for 30 s.
+    let hung_entry = |name: &str| {
+        json!({"name": name, "host": "127.0.0.1", "port": port, "user": "nobody",
+               "key_file": sshd.client_key().display().to_string()})
+    };
     let entries = vec![
         key_entry("live", &sshd),
-        json!({"name": "hung", "host": "127.0.0.1", "port": port, "user": "nobody",
-               "key_file": sshd.client_key().display().to_string(), "connect_timeout_s": 2}),
+        hung_entry("hung"),
+        hung_entry("hung2"),
     ];
     let mcp = Mcp::start(&list(&entries)).await;
-    let t = Instant::now();
-    let v = mcp.ok("list_sandboxes", json!({})).await;
-    println!("first listing: {:?}", t.elapsed());
     let row = |v: &Value, n: &str| {
         v["sandboxes"]
             .as_array()
@@ -1925,20 +1937,58 @@ async fn a_hung_host_slows_only_the_first_listing() {
             .cloned()
             .unwrap()
     };
-    let hung_row = row(&v, "hung");
-    assert_eq!(hung_row["connection_alive"], false, "{v}");
+
+    // The first listing without resources dials nobody and answers at once.
+    let t = Instant::now();
+    let v = mcp.ok("list_sandboxes", json!({})).await;
+    let took = t.elapsed();
+    println!("first listing, no resources: {took:?}: {v}");
+    assert!(took < Duration::from_millis(1500), "took {took:?}: {v}");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(dials(), 0, "listing without resources connected: {v}");
+    for n in ["live", "hung", "hung2"] {
+        let r = row(&v, n);
+        assert_eq!(r["connection_alive"], false, "{v}");
+        assert!(
+            r["connection_error"]
+                .as_str()
+                .unwrap()
+                .contains("not connected yet"),
+            "{v}"
+        );
+    }
+
+    // The first probing listing: both hung hosts within one short probe deadline, together.
+    let t = Instant::now();
+    let v = mcp
+        .ok("list_sandboxes", json!({"check_resources": true}))
+        .await;
+    let took = t.elapsed();
+    println!("first listing with resources: {took:?}");
+    assert!(took < Duration::from_secs(8), "took {took:?}: {v}");
+    for n in ["hung", "hung2"] {
+        let r = row(&v, n);
+        assert_eq!(r["connection_alive"], false, "{v}");
+        assert!(
+            r["connection_error"]
+                .as_str()
+                .unwrap()
+                .contains("connect_timeout_s"),
+            "{v}"
+        );
+    }
+    assert_eq!(row(&v, "live")["connection_alive"], true, "{v}");
     assert!(
-        hung_row["connection_error"]
-            .as_str()
-            .unwrap()
-            .contains("connect_timeout_s"),
+        row(&v, "live")["resources"]["idle_score"].is_number(),
         "{v}"
     );
-    assert_eq!(row(&v, "live")["connection_alive"], true, "{v}");
+
+    // Later: the live row from its pooled connection, the hung ones from memory; all at once.
     for (tool, args) in [
         ("list_sandboxes", json!({})),
         ("list_sandboxes", json!({"check_resources": true})),
         ("select_sandbox", json!({"sandbox_name": "auto"})),
+        ("get_active_sandbox", json!({})),
     ] {
         let t = Instant::now();
         let v = mcp.ok(tool, args.clone()).await;
@@ -1949,6 +1999,7 @@ async fn a_hung_host_slows_only_the_first_listing() {
             "{tool}({args}) took {took:?}: {v}"
         );
         if tool == "list_sandboxes" {
+            assert_eq!(row(&v, "live")["connection_alive"], true, "{v}");
             let e = row(&v, "hung")["connection_error"]
                 .as_str()
                 .unwrap()
@@ -1960,6 +2011,78 @@ async fn a_hung_host_slows_only_the_first_listing() {
         } else {
             assert_eq!(v["active_sandbox"], "live", "{v}");
         }
+    }
+    // The active sandbox on a hung host: get_active_sandbox answers from memory too.
+    mcp.ok("select_sandbox", json!({"sandbox_name": "hung"}))
+        .await;
+    let t = Instant::now();
+    let v = mcp.ok("get_active_sandbox", json!({})).await;
+    assert!(t.elapsed() < Duration::from_millis(1500), "{v}");
+    assert_eq!(v["connection_alive"], false, "{v}");
+    mcp.close().await;
+}
+
+/// Issue 26, item 9: a client that strips the environment (Codex passes only `HOME, PATH, SHELL,
+/// LANG, TERM` and its `env_vars`) starts a server without `SSH_AUTH_SOCK` or `RSB_STATE_DIR`,
+/// while `rsb doctor` in the user's shell has both and says all is well. Now the server records
+/// the names (never values) of the variables that steer it and its paths, and doctor names the
+/// differences.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_names_how_the_servers_environment_differs() {
+    let list = list(&[dead_entry("dead", closed_port())]);
+    // As Codex starts it: no SSH_AUTH_SOCK; and a state dir of its own.
+    let mcp = Mcp::start(&list).await;
+    let home = mcp._tmp.path().join("home");
+    let server_state = mcp._tmp.path().join("state");
+    mcp.ok("get_active_sandbox", json!({})).await;
+    let doctor = |state: &Path, agent: Option<&Path>| {
+        let mut c = std::process::Command::new(rsb_bin());
+        c.arg("doctor")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &home)
+            .env("XDG_CONFIG_HOME", home.join(".config"))
+            .env("XDG_DATA_HOME", home.join(".local/share"))
+            .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
+            .env("RSB_STATE_DIR", state)
+            .env("REMOTE_SANDBOX_LIST", &list);
+        if let Some(a) = agent {
+            c.env("SSH_AUTH_SOCK", a);
+        }
+        let o = rsb_tests::output_with_timeout(&mut c, Duration::from_secs(60)).unwrap();
+        let out = String::from_utf8_lossy(&o.stdout).into_owned();
+        println!("rsb doctor:\n{out}");
+        out
+    };
+    // The user's shell: an ssh-agent, and another state dir.
+    let agent = mcp._tmp.path().join("agent.sock");
+    let shell_state = mcp._tmp.path().join("shell-state");
+    let out = doctor(&shell_state, Some(&agent));
+    let line = out
+        .lines()
+        .find(|l| l.contains("mcp env") && l.starts_with("warn"))
+        .unwrap_or_else(|| panic!("no mcp env warning:\n{out}"));
+    assert!(line.contains("without SSH_AUTH_SOCK"), "{line}");
+    assert!(line.contains("another state dir"), "{line}");
+    assert!(line.contains(&server_state.display().to_string()), "{line}");
+    // The same environment as the server's: no warning about it.
+    let out = doctor(&server_state, None);
+    assert!(
+        out.lines().any(|l| l.contains("mcp env")
+            && l.starts_with("ok")
+            && l.contains("has this environment")),
+        "{out}"
+    );
+    // Names and paths only: no value of any variable is recorded.
+    for dir in [server_state.clone(), home.join(".local/share/rsb")] {
+        let rec = std::fs::read_to_string(dir.join("mcp-env.json"))
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        assert!(rec.contains("REMOTE_SANDBOX_LIST"), "{rec}");
+        assert_no_secret(
+            "the recorded environment",
+            &rec,
+            &[FAKE_SECRET, "127.0.0.1"],
+        );
     }
     mcp.close().await;
 }

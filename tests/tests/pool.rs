@@ -115,9 +115,12 @@ async fn a_hundred_sandboxes_all_answer_and_dead_ones_stay_their_own() {
     };
 
     let t0 = Instant::now();
-    let cold = tokio::time::timeout(Duration::from_secs(120), sandboxes::list(&pool, true))
-        .await
-        .expect("cold listing within 120 s");
+    let cold = tokio::time::timeout(
+        Duration::from_secs(120),
+        sandboxes::list(&pool, sandboxes::Listing::Resources),
+    )
+    .await
+    .expect("cold listing within 120 s");
     let cold_took = t0.elapsed();
     let cold = serde_json::to_value(cold).unwrap();
     check(&cold);
@@ -135,7 +138,8 @@ async fn a_hundred_sandboxes_all_answer_and_dead_ones_stay_their_own() {
     );
 
     let t1 = Instant::now();
-    let warm = serde_json::to_value(sandboxes::list(&pool, true).await).unwrap();
+    let warm =
+        serde_json::to_value(sandboxes::list(&pool, sandboxes::Listing::Resources).await).unwrap();
     let warm_took = t1.elapsed();
     check(&warm);
     eprintln!("100 sandboxes (3 dead): cold {cold_took:?}, warm {warm_took:?}");
@@ -148,7 +152,8 @@ async fn a_hundred_sandboxes_all_answer_and_dead_ones_stay_their_own() {
     );
 
     tokio::time::sleep(sandboxes::RESOURCES_FRESH).await;
-    let again = serde_json::to_value(sandboxes::list(&pool, true).await).unwrap();
+    let again =
+        serde_json::to_value(sandboxes::list(&pool, sandboxes::Listing::Resources).await).unwrap();
     check(&again);
     assert!(
         ages(&again).iter().all(|a| *a == 0),

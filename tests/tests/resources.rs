@@ -11,6 +11,7 @@ use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -119,7 +120,7 @@ fn target_via(sshd: &Sshd, port: u16, connect_timeout: Duration, dir: &Path) -> 
     t
 }
 
-fn pool_with(sandboxes: Vec<(&str, SshTarget)>, dir: &Path) -> Pool {
+fn pool_with(sandboxes: Vec<(&str, SshTarget)>, dir: &Path) -> Arc<Pool> {
     pool_of(
         sandboxes.into_iter().map(|(n, t)| sandbox(n, t)).collect(),
         dir,
@@ -222,9 +223,10 @@ fn assert_seed_keys(r: &Value) {
     assert!((0.0..=100.0).contains(&pct), "{pct}");
 }
 
-async fn list_timed(pool: &Pool) -> (Value, Duration) {
+async fn list_timed(pool: &Arc<Pool>) -> (Value, Duration) {
     let t0 = Instant::now();
-    let v = serde_json::to_value(sandboxes::list(pool, true).await).unwrap();
+    let v =
+        serde_json::to_value(sandboxes::list(pool, sandboxes::Listing::Resources).await).unwrap();
     (v, t0.elapsed())
 }
 
@@ -441,7 +443,7 @@ async fn cpu_usage_rises_under_a_busy_loop() {
     let pool = key_pool(&sshd, dir.path());
     bounded("cpu rise", async {
         // Baseline: let the sampler run a full period first so it is a real 1 s interval.
-        let _ = sandboxes::list(&pool, true).await;
+        let _ = sandboxes::list(&pool, sandboxes::Listing::Resources).await;
         tokio::time::sleep(Duration::from_millis(1200)).await;
         let (v, _) = list_timed(&pool).await;
         let before = f(&resources(&v, "s")["cpu"]["usage_pct"]);
@@ -686,7 +688,8 @@ async fn select_auto_picks_the_idlest_reachable() {
         );
 
         // The listing agrees: busy's GPU is at 100 %, idle's at 0 %.
-        let v = serde_json::to_value(sandboxes::list(&pool, true).await).unwrap();
+        let v = serde_json::to_value(sandboxes::list(&pool, sandboxes::Listing::Resources).await)
+            .unwrap();
         assert_eq!(f(&resources(&v, "busy")["gpu"][0]["util_pct"]), 100.0);
         assert_eq!(f(&resources(&v, "idle")["gpu"][0]["util_pct"]), 0.0);
         assert_eq!(v["active_sandbox"], "idle");

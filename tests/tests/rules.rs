@@ -65,7 +65,7 @@ fn single_skipped(reply: &Value, moved_key: &str) -> bool {
 }
 
 fn pool(sshd: &Sshd, dir: &Path) -> Arc<Pool> {
-    Arc::new(key_pool(sshd, dir))
+    key_pool(sshd, dir)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -672,6 +672,56 @@ async fn webhooks_deliver_and_bad_hooks_are_recorded_without_stalling_the_loop()
     pool.shutdown().await;
 }
 
+/// Issue 26, item 5: hooks added to the config file were read only when the daemon started.
+/// Now a running daemon picks up a changed `[watchdog]` table on its next tick: a job that ends
+/// after the edit runs the new `event_command`, with no restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hooks_added_to_the_config_file_apply_without_a_restart() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let pool = key_pool(&sshd, tmp.path());
+    let config = tmp.path().join("rsb.toml"); // RSB_CONFIG (base_env)
+    std::fs::write(&config, "[watchdog]\nnotify_local = false\n").unwrap();
+    let daemon = Daemon::start(tmp.path(), &state, &[]);
+    // Let it read the file as it was (a tick), then add a hook.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let marker = tmp.path().join("hook-ran.txt");
+    std::fs::write(
+        &config,
+        format!(
+            "[watchdog]\nnotify_local = false\nevent_command = \"echo $RSMCP_EVENT_TYPE >> {}\"\n",
+            marker.display()
+        ),
+    )
+    .unwrap();
+    let id = watch_job(&pool, &state, "s", "after-edit", "sleep 1; exit 5", args()).await;
+    wait_events(&state, id, Duration::from_secs(20), "an event", |e| {
+        !e.is_empty()
+    })
+    .await;
+    let t0 = Instant::now();
+    while !marker.exists() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the hook added to the config file never ran; events {:?}; daemon log:\n{}",
+            types(&events_of(&state, id)),
+            daemon.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let ran = std::fs::read_to_string(&marker).unwrap();
+    println!("hook ran for: {ran:?}");
+    assert!(!ran.trim().is_empty(), "{ran:?}");
+    assert!(
+        daemon.log_text().contains("hooks reloaded"),
+        "{}",
+        daemon.log_text()
+    );
+    drop(daemon);
+    pool.shutdown().await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // 4. SIGKILL mid-tick: no watch lost, no event repeated
 

@@ -54,7 +54,7 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
     if let Some(t) = &ssh {
         out.push(keys(name, &t.auth));
     }
-    let deadline = sandboxes::probe_deadline(&ctx.pool, name);
+    let deadline = sandboxes::connect_deadline(&ctx.pool, name) + sandboxes::ROUND_TRIP_DEADLINE;
     // The stages of a connection, in order: a failure names its stage, the ones before passed.
     const STAGES: [&str; 4] = ["reachable", "host key", "auth", "agent"];
     let client = match tokio::time::timeout(deadline, ctx.pool.client(name)).await {
@@ -256,14 +256,78 @@ fn local_services(ctx: &Ctx) -> Vec<Check> {
     out
 }
 
-/// Whether a TCP connection to `addr` (`host:port`) is accepted within 300 ms.
+/// The MCP servers' recorded environments ([`rsb::server_env`]) against this shell's: an MCP
+/// client may start `rsb mcp` without `SSH_AUTH_SOCK` or `RSB_STATE_DIR`, so what works here
+/// fails (or lands in another store) there. Names and paths only; one line per environment.
+fn server_environments(ctx: &Ctx) -> Vec<Check> {
+    use rsb::server_env;
+    let config = ctx.pool.config();
+    let me = server_env::current(server_env::env_pairs(), &config.state_dir, &config.source);
+    let recorded = server_env::read_all(&config.state_dir);
+    if recorded.is_empty() {
+        return vec![line(
+            "",
+            "mcp env",
+            "ok",
+            "no `rsb mcp` has started with this HOME and state dir yet (nothing to compare)".into(),
+        )];
+    }
+    let now = me.started_at;
+    server_env::differences(&me, &recorded)
+        .into_iter()
+        .map(|(r, diffs)| {
+            let who = format!(
+                "the MCP server started {}{}",
+                ago(now.saturating_sub(r.started_at)),
+                r.client
+                    .as_deref()
+                    .map(|c| format!(" by {c}"))
+                    .unwrap_or_default()
+            );
+            if diffs.is_empty() {
+                line("", "mcp env", "ok", format!("{who} has this environment"))
+            } else {
+                line(
+                    "",
+                    "mcp env",
+                    "warn",
+                    format!(
+                        "{who} ran {}; set the same in the client's server entry (README: MCP clients)",
+                        diffs.join("; ")
+                    ),
+                )
+            }
+        })
+        .collect()
+}
+
+fn ago(secs: u64) -> String {
+    match secs {
+        0..=119 => format!("{secs}s ago"),
+        120..=7199 => format!("{}m ago", secs / 60),
+        7200..=172_799 => format!("{}h ago", secs / 3600),
+        _ => format!("{}d ago", secs / 86_400),
+    }
+}
+
+/// Whether a TCP connection to `addr` (`host:port`) is accepted within 300 ms. A reset after
+/// the handshake counts as accepted: a forward whose remote target refuses accepts the local
+/// connection and then resets it, and when that reset arrives before the connect's own check
+/// it reads as ECONNRESET (`cli_table`'s forward to `gpu1:9` failed that way under load). Only
+/// a refused handshake (ECONNREFUSED) or silence means nothing listens.
 fn accepts(addr: &str) -> bool {
-    use std::net::ToSocketAddrs;
+    use std::{io::ErrorKind, net::ToSocketAddrs};
     let Ok(mut addrs) = addr.to_socket_addrs() else {
         return false;
     };
     addrs.any(|a| {
-        std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_millis(300)).is_ok()
+        match std::net::TcpStream::connect_timeout(&a, std::time::Duration::from_millis(300)) {
+            Ok(_) => true,
+            Err(e) => matches!(
+                e.kind(),
+                ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted
+            ),
+        }
     })
 }
 
@@ -369,6 +433,7 @@ pub async fn run(ctx: &Ctx) -> u8 {
         }
     }
     checks.extend(local_services(ctx));
+    checks.extend(server_environments(ctx));
     let names: Vec<String> = if ctx.sandbox.is_empty() {
         ctx.pool.names().to_vec()
     } else {

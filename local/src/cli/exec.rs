@@ -93,7 +93,8 @@ async fn run_on(
     stream(client, req, a.tty, a.timeout.unwrap_or(0)).await
 }
 
-/// `rsb shell [SANDBOX]`: the remote login shell on a pty, like `ssh HOST`.
+/// `rsb shell [SANDBOX]`: the remote login shell, like `ssh HOST`: on a pty when stdin is a
+/// terminal.
 pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u8 {
     // rsb's own string: the remote login shell, as a login shell (argv0 `-bash`).
     let req = match exec::build_request_ms(
@@ -115,8 +116,12 @@ pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u
         }
         None => ctx.client().await,
     };
+    // As `ssh HOST`: a pty only when stdin is a terminal; otherwise the login shell reads its
+    // commands from stdin (`rsb shell gpu1 <<< 'nvidia-smi'`), prints, and exits with its status
+    // at EOF, instead of waiting on a pty for input that never comes.
+    let tty = std::io::IsTerminal::is_terminal(&std::io::stdin());
     match client {
-        Ok(c) => stream(&c, req, true, 0).await,
+        Ok(c) => stream(&c, req, tty, 0).await,
         Err(e) => fail(false, &e),
     }
 }

@@ -214,11 +214,20 @@ pub fn did_you_mean<'a>(name: &str, names: impl IntoIterator<Item = &'a str>) ->
 /// "unknown sandbox `x`" with the nearest name and the list.
 pub fn unknown_sandbox(pool: &Pool, name: &str) -> RsbError {
     let names: Vec<&str> = pool.names().iter().map(String::as_str).collect();
+    // A `~/.ssh/config` alias is a sandbox by itself only when nothing is configured (then
+    // `-s ALIAS` reads it); otherwise the config names it with `ssh_config_host`.
+    let ssh_config = rsb::config::ssh_config_file();
     let hint = match did_you_mean(name, names.iter().copied()) {
         Some(n) => format!("did you mean `{n}`? configured: {}", names.join(", ")),
+        None if pool.config().source == rsb::config::BUILTIN_LOCAL => format!(
+            "nothing is configured and {} has no `Host {name}`; add a Host block there, or a sandbox with ssh_config_host = \"{name}\" to {}",
+            ssh_config.display(),
+            rsb::config::config_file_path().display()
+        ),
         None => format!(
-            "configured sandboxes: {} (`rsb sandboxes` lists them)",
-            names.join(", ")
+            "configured sandboxes: {} (`rsb sandboxes` lists them); for a Host in {}, add a sandbox with ssh_config_host = \"{name}\"",
+            names.join(", "),
+            ssh_config.display()
         ),
     };
     RsbError::new(

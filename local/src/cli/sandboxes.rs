@@ -7,7 +7,13 @@ use super::{Ctx, exit, print_json, print_table};
 pub async fn run(ctx: &Ctx, resources: bool) -> u8 {
     let names: Vec<&str> = ctx.pool.names().iter().map(String::as_str).collect();
     ctx.warnings_for(&names);
-    let list = sandboxes::list(&ctx.pool, resources).await;
+    // A CLI process has no pool history to report: it always probes.
+    let depth = if resources {
+        sandboxes::Listing::Resources
+    } else {
+        sandboxes::Listing::Probe
+    };
+    let list = sandboxes::list(&ctx.pool, depth).await;
     if ctx.json {
         print_json(&list);
         return exit::OK;

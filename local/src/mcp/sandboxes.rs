@@ -11,7 +11,7 @@ use crate::ops::sandboxes;
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListSandboxesParams {
-    /// Add load and idle_score (1=idle).
+    /// Probe each now: health, load, idle_score (1=idle).
     #[serde(default)]
     pub check_resources: bool,
 }
@@ -31,10 +31,15 @@ pub struct NoParams {}
 impl RsbServer {
     #[tool(
         annotations(read_only_hint = true, open_world_hint = false),
-        description = "List sandboxes and their connection health."
+        description = "List sandboxes and their connection state as known (no dialing without check_resources)."
     )]
     async fn list_sandboxes(&self, Parameters(p): Parameters<ListSandboxesParams>) -> ToolResult {
-        ok(sandboxes::list(&self.pool, p.check_resources).await)
+        let depth = if p.check_resources {
+            sandboxes::Listing::Resources
+        } else {
+            sandboxes::Listing::Known
+        };
+        ok(sandboxes::list(&self.pool, depth).await)
     }
 
     #[tool(

@@ -3,7 +3,7 @@
 //! Every sandbox is queried in parallel with its own deadline, so one dead host costs the
 //! caller at most that deadline, not the sum over hosts.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use futures::future::join_all;
 use rsb_protocol::{PingRequest, ResourceSnapshot, ResourcesRequest};
@@ -13,12 +13,12 @@ use serde_json::{Map, Value, json};
 use crate::{
     error::{Kind, Result, RsbError},
     ops::resources::{Resources, idle_score, resources},
-    pool::Pool,
+    pool::{KnownState, Pool},
 };
 
 /// Deadline for getting a client: connect, authenticate and deploy if needed; instant when the
-/// pool already holds a connection.
-fn connect_deadline(pool: &Pool, name: &str) -> Duration {
+/// pool already holds a connection. `rsb doctor` waits this long; a probe only [`PROBE_WAIT`].
+pub fn connect_deadline(pool: &Pool, name: &str) -> Duration {
     let connect = pool
         .sandbox_config(name)
         .and_then(|c| match &c.transport {
@@ -40,7 +40,7 @@ const RESOURCES_MAX_WAIT: Duration = Duration::from_millis(1000);
 
 /// The longest one sandbox can hold up `list_sandboxes` / `select_sandbox("auto")`.
 pub fn probe_deadline(pool: &Pool, name: &str) -> Duration {
-    connect_deadline(pool, name) + ROUND_TRIP_DEADLINE
+    PROBE_WAIT.min(connect_deadline(pool, name)) + ROUND_TRIP_DEADLINE
 }
 
 /// How old a sandbox's last resources sample may be for `list_sandboxes` to answer with it
@@ -73,14 +73,57 @@ fn no_answer(name: &str, what: &str, after: Duration) -> RsbError {
     )
 }
 
+/// A failure from [`FAILURE_MEMORY`], as a listing reports it.
+fn remembered(why: &str, age: Duration) -> RsbError {
+    RsbError::new(
+        Kind::Connect,
+        format!(
+            "{why} (remembered from {}s ago; retried {}s after the failure)",
+            age.as_secs(),
+            FAILURE_MEMORY.as_secs()
+        ),
+        "exec_bash on this sandbox connects again at once",
+    )
+}
+
+/// A probe that stopped waiting while the connect goes on.
+fn still_connecting(pool: &Pool, name: &str, waited: Duration) -> RsbError {
+    let timeout = pool
+        .sandbox_config(name)
+        .and_then(|c| match &c.transport {
+            crate::config::Transport::Ssh(t) => Some(t.connect_timeout),
+            crate::config::Transport::Local => None,
+        })
+        .unwrap_or_default();
+    RsbError::new(
+        Kind::Timeout,
+        format!(
+            "sandbox '{name}' did not connect within the probe's {}s (its connect_timeout_s is {}s)",
+            waited.as_secs(),
+            timeout.as_secs()
+        ),
+        "the host may be down, black-holed, or accept TCP without speaking SSH; other sandboxes are unaffected; the MCP server keeps connecting in the background (a slow host is connected by a later call), and `rsb doctor` waits the whole connect_timeout_s",
+    )
+}
+
 /// How long a failed probe is remembered: listings and `select_sandbox("auto")` in that time
 /// answer with its reason at once instead of waiting on the same hung host again (a port that
 /// accepts TCP and never speaks SSH held every listing for the whole connect timeout).
 pub const FAILURE_MEMORY: Duration = Duration::from_secs(30);
 
-/// Check one sandbox, optionally sampling its resources, within its deadlines: one for getting
-/// a client ([`connect_deadline`]), one for the round trips on it ([`ROUND_TRIP_DEADLINE`]).
-pub async fn probe(pool: &Pool, name: &str, with_resources: bool) -> Probe {
+/// How long a probe (`list_sandboxes(check_resources=true)`, `select_sandbox("auto")`,
+/// `get_active_sandbox`) waits for a connection. Short and of its own, not `connect_timeout_s`
+/// (15 s by default): a port that accepts TCP and never speaks SSH held every listing for that
+/// long. A cold connect with the agent's first upload takes under 2 s on a LAN (100 sandboxes at
+/// once: 1.7 s), so a host still connecting after this is reported as such, and its connect goes
+/// on in the background under its own deadline: a slow host is connected by the next call, and
+/// a hung one's real error replaces the probe's.
+pub const PROBE_WAIT: Duration = Duration::from_secs(5);
+
+/// Check one sandbox, optionally sampling its resources, within its deadlines: [`PROBE_WAIT`]
+/// for getting a client (the connect itself runs on under [`connect_deadline`]), then
+/// [`ROUND_TRIP_DEADLINE`] for the round trips on it.
+pub async fn probe(pool: &Arc<Pool>, name: &str, with_resources: bool) -> Probe {
     let dead = |e: RsbError| Probe {
         name: name.into(),
         alive: false,
@@ -89,27 +132,40 @@ pub async fn probe(pool: &Pool, name: &str, with_resources: bool) -> Probe {
         sample_age: None,
     };
     if let Some((why, age)) = pool.recent_failure(name, FAILURE_MEMORY) {
-        return dead(RsbError::new(
-            Kind::Connect,
-            format!(
-                "{why} (remembered from {}s ago; retried {}s after the failure)",
-                age.as_secs(),
-                FAILURE_MEMORY.as_secs()
-            ),
-            "exec_bash on this sandbox connects again at once",
-        ));
+        return dead(remembered(&why, age));
     }
     let dead = |e: RsbError| {
         pool.remember_failure(name, &e.message);
         dead(e)
     };
     let connect = connect_deadline(pool, name);
-    let (client, generation) =
-        match tokio::time::timeout(connect, pool.client_with_generation(name)).await {
-            Ok(Ok(c)) => c,
-            Ok(Err(e)) => return dead(e),
-            Err(_) => return dead(no_answer(name, "connect", connect)),
-        };
+    // Spawned, so that giving up waiting does not cancel the connect.
+    let dial = {
+        let (pool, name) = (pool.clone(), name.to_string());
+        tokio::spawn(async move {
+            let r = match tokio::time::timeout(connect, pool.client_with_generation(&name)).await {
+                Ok(r) => r,
+                Err(_) => Err(no_answer(&name, "connect", connect)),
+            };
+            if let Err(e) = &r {
+                pool.remember_failure(&name, &e.message);
+            }
+            r
+        })
+    };
+    let wait = PROBE_WAIT.min(connect);
+    let (client, generation) = match tokio::time::timeout(wait, dial).await {
+        Ok(Ok(Ok(c))) => c,
+        Ok(Ok(Err(e))) => return dead(e),
+        Ok(Err(join)) => {
+            return dead(RsbError::new(
+                Kind::Internal,
+                format!("connecting to sandbox '{name}' failed inside rsb: {join}"),
+                "the next call connects again; please report this",
+            ));
+        }
+        Err(_) => return dead(still_connecting(pool, name, wait)),
+    };
     // The ping and the resources request go out together: one round trip, not two.
     let ping = client.call(PingRequest {
         payload: Vec::new(),
@@ -148,7 +204,7 @@ pub async fn probe(pool: &Pool, name: &str, with_resources: bool) -> Probe {
 /// [`probe`], answered without any I/O when the sandbox's connection is up and its last sample
 /// is younger than [`RESOURCES_FRESH`]: a live channel fails within the heartbeat's bound when
 /// its link dies, so "connected, sampled under a second ago" is as good as a ping.
-pub async fn probe_fresh(pool: &Pool, name: &str, with_resources: bool) -> Probe {
+pub async fn probe_fresh(pool: &Arc<Pool>, name: &str, with_resources: bool) -> Probe {
     if with_resources && let Some((s, age)) = pool.fresh_sample(name, RESOURCES_FRESH) {
         return Probe {
             name: name.into(),
@@ -163,7 +219,7 @@ pub async fn probe_fresh(pool: &Pool, name: &str, with_resources: bool) -> Probe
 
 /// Every sandbox at once, each within its own deadline (no fan-out bound here: one dead host
 /// must never queue another behind it; the connect step bounds its own handshakes per host).
-pub async fn probe_all(pool: &Pool, with_resources: bool) -> Vec<Probe> {
+pub async fn probe_all(pool: &Arc<Pool>, with_resources: bool) -> Vec<Probe> {
     join_all(pool.names().iter().map(|n| probe(pool, n, with_resources))).await
 }
 
@@ -218,13 +274,62 @@ pub struct SandboxList {
     pub sandboxes: Vec<SandboxStatus>,
 }
 
-pub async fn list(pool: &Pool, check_resources: bool) -> SandboxList {
+/// How deep a listing looks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Listing {
+    /// What the pool knows, without dialing or sending anything: `list_sandboxes` without
+    /// resources must answer at once even when a host hangs.
+    Known,
+    /// A ping to each (connecting as needed, within [`PROBE_WAIT`]).
+    Probe,
+    /// A ping and a resources sample from each.
+    Resources,
+}
+
+/// A row's connection state from [`Pool::known_state`], as a [`Probe`] without resources.
+async fn known(pool: &Pool, name: &str) -> Probe {
+    let error = match pool.known_state(name).await {
+        KnownState::Connected => None,
+        KnownState::Connecting {
+            last_failure: Some((why, age)),
+        } => {
+            let e = remembered(&why, age);
+            Some(RsbError::new(
+                e.kind,
+                format!("{}; connecting again now", e.message),
+                e.hint,
+            ))
+        }
+        KnownState::Connecting { last_failure: None } => Some(RsbError::new(
+            Kind::Connect,
+            "connecting now",
+            "list_sandboxes(check_resources=true) waits for it",
+        )),
+        KnownState::Failed { why, age } => Some(remembered(&why, age)),
+        KnownState::NotConnected => Some(RsbError::new(
+            Kind::Connect,
+            "not connected yet (a listing without check_resources dials nothing); the next call on it connects",
+            "list_sandboxes(check_resources=true) probes it now",
+        )),
+    };
+    Probe {
+        name: name.into(),
+        alive: error.is_none(),
+        error,
+        resources: None,
+        sample_age: None,
+    }
+}
+
+pub async fn list(pool: &Arc<Pool>, depth: Listing) -> SandboxList {
     let active = pool.active();
-    let probes = join_all(
-        pool.names()
-            .iter()
-            .map(|n| probe_fresh(pool, n, check_resources)),
-    )
+    let probes = join_all(pool.names().iter().map(|n| async move {
+        match depth {
+            Listing::Known => known(pool, n).await,
+            Listing::Probe => probe(pool, n, false).await,
+            Listing::Resources => probe_fresh(pool, n, true).await,
+        }
+    }))
     .await;
     let sandboxes = probes
         .iter()
@@ -262,7 +367,7 @@ pub async fn list(pool: &Pool, check_resources: bool) -> SandboxList {
 }
 
 /// `"auto"` picks the idlest reachable sandbox (unless a sandbox is literally named `auto`).
-pub async fn select(pool: &Pool, name: &str) -> Result<Value> {
+pub async fn select(pool: &Arc<Pool>, name: &str) -> Result<Value> {
     if name == "auto" && pool.sandbox_config("auto").is_none() {
         let probes = probe_all(pool, true).await;
         let mut scored: Vec<(String, f64)> = Vec::new();
@@ -306,7 +411,7 @@ pub async fn select(pool: &Pool, name: &str) -> Result<Value> {
     Ok(json!({"active_sandbox": name, "status": "selected"}))
 }
 
-pub async fn get_active(pool: &Pool) -> Value {
+pub async fn get_active(pool: &Arc<Pool>) -> Value {
     let Some(active) = pool.active() else {
         return json!({"active_sandbox": Value::Null, "error": "No active sandbox configured"});
     };

@@ -61,8 +61,8 @@ pub fn config_of(sandboxes: Vec<SandboxConfig>, state: &Path) -> Config {
     }
 }
 
-pub fn pool_of(sandboxes: Vec<SandboxConfig>, state: &Path) -> Pool {
-    Pool::new(Arc::new(config_of(sandboxes, state)))
+pub fn pool_of(sandboxes: Vec<SandboxConfig>, state: &Path) -> Arc<Pool> {
+    Arc::new(Pool::new(Arc::new(config_of(sandboxes, state))))
 }
 
 /// One key-auth sandbox `s` reached on `port` (the fixture's or a chaos proxy's), with every
@@ -77,7 +77,7 @@ pub fn pool_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<Pool> {
 }
 
 /// A pool with one key-auth sandbox named `s` on `sshd`.
-pub fn key_pool(sshd: &Sshd, dir: &Path) -> Pool {
+pub fn key_pool(sshd: &Sshd, dir: &Path) -> Arc<Pool> {
     let t = target(sshd, sshd.port(), key_auth(sshd), &dir.join("known_hosts"));
     pool_of(vec![sandbox("s", t)], dir)
 }
