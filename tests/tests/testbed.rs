@@ -290,7 +290,9 @@ fn chaos_proxy_relays_and_injects_faults() -> Result<()> {
     ensure!(wait_until(Duration::from_secs(2), || p.connections() == 0));
 
     // Blackhole on an established connection: output is held, not lost.
-    let mut child = via("echo one; sleep 1; echo two")
+    // The gap leaves room for this thread to be descheduled (a loaded CI box) between reading
+    // "one" and raising the blackhole: "two" must come while it is up.
+    let mut child = via("echo one; sleep 2; echo two")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -298,7 +300,7 @@ fn chaos_proxy_relays_and_injects_faults() -> Result<()> {
     let mut first = [0u8; 4];
     std::io::Read::read_exact(child.stdout.as_mut().unwrap(), &mut first)?;
     p.blackhole(true);
-    let held = !wait_until(Duration::from_secs(2), || {
+    let held = !wait_until(Duration::from_secs(3), || {
         matches!(child.try_wait(), Ok(Some(_)))
     });
     let (_, down_held) = p.bytes_forwarded();
