@@ -1017,6 +1017,17 @@ async fn sync_while_swapped(
     outcomes
 }
 
+/// `/tmp/<x>` (0755, ours) holding `shared` (0777 without the sticky bit): a destination the
+/// other user can write, as a shared scratch or project directory on a cluster.
+fn shared_area() -> (tempfile::TempDir, PathBuf) {
+    let area = tempfile::tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(area.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dest = area.path().join("shared");
+    std::fs::create_dir(&dest).unwrap();
+    std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o777)).unwrap();
+    (area, dest)
+}
+
 /// A refusal says that the destination changed under the sync, in one line.
 fn assert_refusal_names_tampering(outcomes: &[Option<String>]) {
     for e in outcomes.iter().flatten() {
@@ -1033,20 +1044,17 @@ fn assert_refusal_names_tampering(outcomes: &[Option<String>]) {
 }
 
 /// Writes: 3,000 files go into `dest/sub` of a shared (mode 777) directory while another user
-/// swaps `sub` for a link to their own directory. Measured before the fix: 507–759 of the
-/// files landed in the attacker's directory. Now every write goes through the directory that
-/// was checked: none lands there, and every file in `sub` holds its own bytes.
+/// swaps `sub` for a link to their own directory. The issue measured 507–759 of 3,000 files
+/// landing in the attacker's directory; with the agent before the fix this test saw dozens.
+/// Now every write goes through the directory that was checked: none lands there, and every
+/// file in `sub` holds its own bytes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parent_swapped_for_a_link_never_redirects_a_sync_s_writes() {
     let Some(attacker) = other_local_user() else {
         eprintln!("skipped: no second local user (creating one needs root; CI runs as root)");
         return;
     };
-    let area = tempfile::tempdir_in("/tmp").unwrap();
-    std::fs::set_permissions(area.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let dest = area.path().join("shared");
-    std::fs::create_dir(&dest).unwrap();
-    std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (area, dest) = shared_area();
     let evil = area.path().join("theirs");
     std::fs::create_dir(&evil).unwrap();
     std::fs::write(evil.join("keep"), "theirs\n").unwrap();
@@ -1096,18 +1104,15 @@ async fn a_parent_swapped_for_a_link_never_redirects_a_sync_s_writes() {
 
 /// Deletes: `delete_extras` removes 1,000 extra files from `dest/sub` while another user swaps
 /// `sub` for a link to a directory of the victim's own outside the root, holding files of the
-/// same names. Measured before the fix: 1,605–1,704 of those were deleted. Now none is.
+/// same names. The issue measured 1,605–1,704 such files deleted; with the agent before the fix
+/// this test saw 857 of its 1,000 deleted. Now none is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parent_swapped_for_a_link_never_redirects_a_sync_s_deletes() {
     let Some(attacker) = other_local_user() else {
         eprintln!("skipped: no second local user (creating one needs root; CI runs as root)");
         return;
     };
-    let area = tempfile::tempdir_in("/tmp").unwrap();
-    std::fs::set_permissions(area.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let dest = area.path().join("shared");
-    std::fs::create_dir(&dest).unwrap();
-    std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let (area, dest) = shared_area();
     // The victim's own files, outside the root, named as the extras are.
     let mine = area.path().join("mine");
     std::fs::create_dir(&mine).unwrap();

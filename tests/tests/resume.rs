@@ -240,6 +240,53 @@ async fn cancel_says_what_was_kept() {
     pool.shutdown().await;
 }
 
+/// An upload of `src/big.bin` (written with `first`) through a proxy at `mbit`, started on a
+/// warm connection and followed until `after` bytes went through: the moment to change the
+/// source under it. Returns the running upload and the rest of the fixture.
+struct MidUpload {
+    task: tokio::task::JoinHandle<Result<SyncReport>>,
+    file: std::path::PathBuf,
+    sshd: Sshd,
+    proxy: ChaosProxy,
+    pool: Arc<Pool>,
+    _dir: tempfile::TempDir,
+}
+
+async fn upload_until(first: &[u8], mbit: u64, after: u64) -> MidUpload {
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let file = src.join("big.bin");
+    std::fs::write(&file, first).unwrap();
+    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
+    pool.client("s").await.expect("connect");
+    proxy.set_rate_mbit(mbit);
+    let before = proxy.bytes_forwarded().0;
+    let task = tokio::spawn({
+        let pool = pool.clone();
+        async move { upload(&pool, &src, &CancellationToken::new()).await }
+    });
+    let t0 = Instant::now();
+    while proxy.bytes_forwarded().0 - before < after {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "{after} bytes of the upload did not go through in 120 s"
+        );
+        assert!(!task.is_finished(), "the upload ended before the change");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    MidUpload {
+        task,
+        file,
+        sshd,
+        proxy,
+        pool,
+        _dir: dir,
+    }
+}
+
 /// Issue 21 defect 2: a large file rewritten in place while it was being read was committed as
 /// a mix of versions (v1 up to 29 MiB, v2 after), and the sync said it succeeded. Now a file
 /// whose bytes do not hash as its scan did is sent again against a fresh one-pass hash, so
@@ -247,32 +294,15 @@ async fn cancel_says_what_was_kept() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_rewritten_mid_read_is_never_committed_torn() {
     const LEN: usize = 48 * MIB as usize;
-    let sshd = Sshd::start().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
-    let src = dir.path().join("src");
-    std::fs::create_dir_all(&src).unwrap();
-    let file = src.join("big.bin");
-    std::fs::write(&file, gen_bytes(31, LEN)).unwrap();
     let v2 = gen_bytes(32, LEN);
-    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
-    pool.client("s").await.expect("connect");
-    proxy.set_rate_mbit(200);
-    let before = proxy.bytes_forwarded().0;
-    let task = tokio::spawn({
-        let pool = pool.clone();
-        let src = src.clone();
-        async move { upload(&pool, &src, &CancellationToken::new()).await }
-    });
-    let t0 = Instant::now();
-    while proxy.bytes_forwarded().0 - before < 12 * MIB {
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "12 MiB of the upload did not go through in 120 s"
-        );
-        assert!(!task.is_finished(), "the upload ended before the rewrite");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let MidUpload {
+        task,
+        file,
+        sshd,
+        proxy,
+        pool,
+        _dir,
+    } = upload_until(&gen_bytes(31, LEN), 200, 12 * MIB).await;
     // In place, as a program that rewrites its output file does (same inode, no truncate).
     {
         use std::io::Write;
@@ -311,32 +341,15 @@ async fn a_source_rewritten_mid_read_is_never_committed_torn() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_source_that_keeps_changing_is_reported_not_committed() {
     const LEN: usize = 24 * MIB as usize;
-    let sshd = Sshd::start().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
-    let src = dir.path().join("src");
-    std::fs::create_dir_all(&src).unwrap();
-    let file = src.join("big.bin");
     let versions = [gen_bytes(41, LEN), gen_bytes(42, LEN)];
-    std::fs::write(&file, &versions[0]).unwrap();
-    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
-    pool.client("s").await.expect("connect");
-    proxy.set_rate_mbit(100);
-    let before = proxy.bytes_forwarded().0;
-    let task = tokio::spawn({
-        let pool = pool.clone();
-        let src = src.clone();
-        async move { upload(&pool, &src, &CancellationToken::new()).await }
-    });
-    let t0 = Instant::now();
-    while proxy.bytes_forwarded().0 - before < 4 * MIB {
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "no progress in 120 s"
-        );
-        assert!(!task.is_finished(), "the upload ended before the rewrites");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let MidUpload {
+        task,
+        file,
+        sshd,
+        pool,
+        proxy: _proxy,
+        _dir,
+    } = upload_until(&versions[0], 100, 4 * MIB).await;
     // Rewrite in place, alternating versions, until the sync ends (at most 120 s).
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let writer = std::thread::spawn({
