@@ -273,6 +273,10 @@ impl<'a> Walker<'a> {
             return w;
         }
         let Some(top) = top else {
+            // In no repository: the root's own `.ignore` and `.rgignore` still apply (its
+            // parents' are not read; ripgrep reads them up to `/`).
+            w.top_layers =
+                w.enter_layers(&Layers::default(), root, "", errors, false, exists_in(root));
             return w;
         };
         w.in_git = true;
@@ -312,6 +316,12 @@ impl<'a> Walker<'a> {
         let mut l = above.clone();
         if self.no_ignore {
             return l;
+        }
+        // A repository's own git ignore files are the only ones that apply inside it, as with
+        // ripgrep: an outer tree's (or outer repository's) `.gitignore` stops at a `.git`.
+        if has(".git") {
+            l.gitignore.clear();
+            l.exclude.clear();
         }
         let add = |into: &mut Vec<Layer>, file: &Path| {
             if let Some(lines) = read_ignore(file, errors) {
