@@ -64,20 +64,63 @@ impl Outbox {
     }
 }
 
+/// One request's window of streamed chunk bytes ([`rsb_protocol::OUTPUT_WINDOW`]): a chunk
+/// waits while the caller has not credited enough back, so a caller that stops reading this
+/// request stops only this request. A cancel or the channel's end opens it for good, so a
+/// request stuck on it can still wind down.
+#[derive(Default)]
+struct OutWindow {
+    state: std::sync::Mutex<(u64, bool)>,
+    notify: tokio::sync::Notify,
+}
+
+impl OutWindow {
+    async fn acquire(&self, n: u64) {
+        loop {
+            {
+                let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                let (in_flight, open) = &mut *st;
+                // One frame larger than the window still goes, alone.
+                if *open || *in_flight == 0 || *in_flight + n <= rsb_protocol::OUTPUT_WINDOW {
+                    *in_flight += n;
+                    return;
+                }
+            }
+            // One waiter per window (a request sends its chunks in order); `notify_one` keeps
+            // a permit when the credit comes before this wait starts.
+            self.notify.notified().await;
+        }
+    }
+
+    fn credit(&self, n: u64) {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.0 = st.0.saturating_sub(n);
+        drop(st);
+        self.notify.notify_one();
+    }
+
+    fn open(&self) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.notify.notify_one();
+    }
+}
+
 /// Sends the frames of one request. Streaming requests send everything, final reply included,
 /// on the bulk lane: one lane is FIFO, so the reply can never overtake the request's chunks.
 pub struct Responder {
     id: RequestId,
     outbox: Outbox,
+    window: Arc<OutWindow>,
     streaming: bool,
     replied: bool,
 }
 
 impl Responder {
-    fn new(id: RequestId, outbox: Outbox) -> Self {
+    fn new(id: RequestId, outbox: Outbox, window: Arc<OutWindow>) -> Self {
         Self {
             id,
             outbox,
+            window,
             streaming: false,
             replied: false,
         }
@@ -89,8 +132,9 @@ impl Responder {
         self.streaming = true;
     }
 
-    /// Send streamed output. Waits while the writer is backed up (that is the back-pressure
-    /// that stops a fast producer); fails only when the channel is gone.
+    /// Send streamed output. Waits while this request's window is used up (its caller is not
+    /// reading) or the writer is backed up: that is the back-pressure that stops a fast
+    /// producer. Fails only when the channel is gone.
     pub async fn chunk(&self, chunk: Chunk) -> Result<(), Closed> {
         debug_assert!(
             self.streaming,
@@ -100,6 +144,7 @@ impl Responder {
             eprintln!("rsb-agent: request {}: cannot encode chunk: {e}", self.id);
             Closed
         })?;
+        self.window.acquire(frame.len() as u64).await;
         self.outbox.send_frame(frame, true).await
     }
 
@@ -159,6 +204,7 @@ type Inflight = Arc<Mutex<HashMap<RequestId, Running>>>;
 struct Running {
     cancel: CancellationToken,
     input: Option<mpsc::UnboundedSender<ExecInput>>,
+    window: Arc<OutWindow>,
 }
 
 /// Removes a request from the in-flight map however its task ends.
@@ -451,10 +497,21 @@ where
                         let token = inflight
                             .lock()
                             .ok()
-                            .and_then(|m| m.get(&id).map(|r| r.cancel.clone()));
+                            .and_then(|m| m.get(&id).map(|r| (r.cancel.clone(), r.window.clone())));
                         // An unknown id is a request that just finished; its reply is on the way.
-                        if let Some(token) = token {
+                        if let Some((token, window)) = token {
                             token.cancel();
+                            // Its caller may have stopped reading: it must still wind down.
+                            window.open();
+                        }
+                    }
+                    Ok(ToAgent::Credit { id, bytes }) => {
+                        let window = inflight
+                            .lock()
+                            .ok()
+                            .and_then(|m| m.get(&id).map(|r| r.window.clone()));
+                        if let Some(w) = window {
+                            w.credit(bytes);
                         }
                     }
                     Ok(ToAgent::Input { id, input }) => {
@@ -466,7 +523,8 @@ where
                         }
                     }
                     Ok(ToAgent::Request { id, body }) => {
-                        let responder = Responder::new(id, outbox.clone());
+                        let window = Arc::new(OutWindow::default());
+                        let responder = Responder::new(id, outbox.clone(), window.clone());
                         let token = shutdown.child_token();
                         let (input_tx, input_rx) = match &body {
                             Request::Exec(r) if r.stdin || r.tty.is_some() => {
@@ -482,6 +540,7 @@ where
                                     v.insert(Running {
                                         cancel: token.clone(),
                                         input: input_tx,
+                                        window,
                                     });
                                     true
                                 }
@@ -516,8 +575,14 @@ where
     };
 
     // Whatever ended the loop, running commands must not outlive the channel: cancel every
-    // request (exec kills its process group) and wait for their final replies.
+    // request (exec kills its process group) and wait for their final replies; nobody will
+    // credit their windows any more.
     shutdown.cancel();
+    if let Ok(m) = inflight.lock() {
+        for r in m.values() {
+            r.window.open();
+        }
+    }
     while let Some(res) = tasks.join_next().await {
         if let Err(e) = res {
             eprintln!("rsb-agent: a request task failed: {e}");

@@ -12,15 +12,12 @@
 //!   their requests run in the order of their `seq`, and [`apply_abort`] gives one up.
 
 mod apply;
+mod beneath;
 mod blocks;
 mod cache;
 mod manifest;
 mod read;
 
-use std::ffi::CString;
-use std::fs::File;
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
 use rsb_protocol::{AgentError, ErrorCode};
@@ -72,51 +69,6 @@ fn fs_clock_ns() -> i64 {
     (ts.tv_sec as i64)
         .saturating_mul(1_000_000_000)
         .saturating_add(ts.tv_nsec as i64)
-}
-
-fn timespec_of(ns: i64) -> libc::timespec {
-    // SAFETY: an all-zero timespec is valid (some targets have private padding fields).
-    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
-    ts.tv_sec = ns.div_euclid(1_000_000_000) as _;
-    ts.tv_nsec = ns.rem_euclid(1_000_000_000) as libc::c_long;
-    ts
-}
-
-fn omit_timespec() -> libc::timespec {
-    // SAFETY: as above.
-    let mut ts: libc::timespec = unsafe { std::mem::zeroed() };
-    ts.tv_nsec = libc::UTIME_OMIT;
-    ts
-}
-
-fn c_path(path: &Path) -> std::io::Result<CString> {
-    CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains NUL"))
-}
-
-/// Set the mtime of `path` (nanoseconds, atime untouched); `nofollow` sets it on a symlink itself.
-fn set_mtime(path: &Path, mtime_ns: i64, nofollow: bool) -> std::io::Result<()> {
-    let c = c_path(path)?;
-    let times = [omit_timespec(), timespec_of(mtime_ns)];
-    let flags = if nofollow {
-        libc::AT_SYMLINK_NOFOLLOW
-    } else {
-        0
-    };
-    // SAFETY: `c` is NUL-terminated and `times` holds two timespecs.
-    if unsafe { libc::utimensat(libc::AT_FDCWD, c.as_ptr(), times.as_ptr(), flags) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-fn set_file_mtime(file: &File, mtime_ns: i64) -> std::io::Result<()> {
-    let times = [omit_timespec(), timespec_of(mtime_ns)];
-    // SAFETY: the fd is open for the duration of the call and `times` holds two timespecs.
-    if unsafe { libc::futimens(file.as_raw_fd(), times.as_ptr()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
 }
 
 /// The path made absolute (against the current directory) without resolving symlinks.

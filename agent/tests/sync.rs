@@ -950,13 +950,13 @@ fn names_that_escape_the_root_are_refused() {
     ] {
         expect_err(
             agent.apply(s, vec![op]),
-            ErrorCode::InvalidArgument,
-            "parent link is a symlink",
+            ErrorCode::PermissionDenied,
+            "parent link is a symlink, so the destination",
         );
     }
     expect_err(
         agent.apply(s, file_ops("link/victim.txt", b"pwned", 0o644, 0)),
-        ErrorCode::InvalidArgument,
+        ErrorCode::PermissionDenied,
         "refusing link/victim.txt: parent link is a symlink",
     );
     expect_err(

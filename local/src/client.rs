@@ -99,9 +99,71 @@ fn is_bulk(kind: &str) -> bool {
         || kind == ApplyAbortRequest::NAME
 }
 
-struct Pending {
-    reply: ReplyTx,
-    chunks: Option<mpsc::Sender<Chunk>>,
+/// A request waiting for its reply. A streaming one has a pump: the reader hands it the
+/// request's chunks and then its reply, never waiting on the caller's consumer, and the pump
+/// feeds the consumer and credits the agent as it takes each chunk
+/// ([`rsb_protocol::OUTPUT_WINDOW`]). So a caller that stops reading stalls only its own
+/// request; the reader, the heartbeat and every other request go on.
+enum Pending {
+    Direct(ReplyTx),
+    Stream(mpsc::UnboundedSender<Routed>),
+}
+
+/// What the reader hands a streaming request's pump, in arrival order.
+enum Routed {
+    /// A chunk and the length of the frame that carried it (what the agent's window counts).
+    Chunk(Chunk, u64),
+    Reply(Result<Reply>),
+}
+
+impl Pending {
+    /// `chunks`: the caller's consumer of streamed chunks, if the request streams.
+    fn new(
+        reply: ReplyTx,
+        chunks: Option<mpsc::Sender<Chunk>>,
+        inner: Weak<Inner>,
+        id: u64,
+    ) -> Self {
+        let Some(consumer) = chunks else {
+            return Pending::Direct(reply);
+        };
+        // Unbounded, and bounded all the same: the agent never has more than OUTPUT_WINDOW of
+        // this request's chunks uncredited, and credit follows the consumer.
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(m) = rx.recv().await {
+                match m {
+                    Routed::Chunk(chunk, n) => {
+                        // A consumer that went away still frees the window.
+                        let _ = consumer.send(chunk).await;
+                        match inner.upgrade() {
+                            Some(i) => i.credit(id, n).await,
+                            None => return,
+                        }
+                    }
+                    Routed::Reply(r) => {
+                        // The consumer's channel ends with the call, after every chunk.
+                        drop(consumer);
+                        let _ = reply.send(r);
+                        return;
+                    }
+                }
+            }
+        });
+        Pending::Stream(tx)
+    }
+
+    /// Deliver the final reply (through the pump, behind the chunks queued there).
+    fn finish(self, r: Result<Reply>) {
+        match self {
+            Pending::Direct(tx) => {
+                let _ = tx.send(r);
+            }
+            Pending::Stream(tx) => {
+                let _ = tx.send(Routed::Reply(r));
+            }
+        }
+    }
 }
 
 struct Inner {
@@ -129,9 +191,15 @@ impl Inner {
         }
         let drained: Vec<Pending> = self.pending.lock().drain().map(|(_, p)| p).collect();
         for p in drained {
-            let _ = p
-                .reply
-                .send(Err(RsbError::connection_lost(&self.sandbox, reason)));
+            p.finish(Err(RsbError::connection_lost(&self.sandbox, reason)));
+        }
+    }
+
+    /// Give `bytes` of request `id`'s window back to the agent (control lane: a credit must
+    /// not wait behind bulk data).
+    async fn credit(&self, id: u64, bytes: u64) {
+        if let Ok(frame) = encode(&ToAgent::Credit { id, bytes }) {
+            let _ = self.out.send(frame).await;
         }
     }
 }
@@ -303,14 +371,20 @@ impl AgentClient {
                     FromAgent::Reply { id, body } => {
                         let p = inner.pending.lock().remove(&id);
                         if let Some(p) = p {
-                            let _ = p.reply.send(Ok(body));
+                            p.finish(Ok(body));
                         }
                     }
                     FromAgent::Chunk { id, chunk } => {
-                        let tx = inner.pending.lock().get(&id).and_then(|p| p.chunks.clone());
-                        if let Some(tx) = tx {
-                            // A slow consumer slows this channel; consumers only print or count.
-                            let _ = tx.send(chunk).await;
+                        // Never waits: the request's pump takes it (see `Pending`).
+                        let n = buf.len() as u64;
+                        let routed = match inner.pending.lock().get(&id) {
+                            Some(Pending::Stream(tx)) => tx.send(Routed::Chunk(chunk, n)).is_ok(),
+                            _ => false,
+                        };
+                        if !routed {
+                            // Nobody takes it (the call ended): still free the agent's window.
+                            let i = inner.clone();
+                            tokio::spawn(async move { i.credit(id, n).await });
                         }
                     }
                     FromAgent::Hello(_) => break "agent sent a second Hello".to_string(),
@@ -401,10 +475,7 @@ impl AgentClient {
         let (chunk_tx, mut chunks) = mpsc::channel(64);
         self.inner.pending.lock().insert(
             id,
-            Pending {
-                reply: reply_tx,
-                chunks: Some(chunk_tx),
-            },
+            Pending::new(reply_tx, Some(chunk_tx), Arc::downgrade(&self.inner), id),
         );
         let mut guard = CancelOnDrop {
             inner: &self.inner,
@@ -416,7 +487,7 @@ impl AgentClient {
         if self.inner.closed.load(Ordering::SeqCst)
             && let Some(p) = self.inner.pending.lock().remove(&id)
         {
-            let _ = p.reply.send(Err(lost("closed")));
+            p.finish(Err(lost("closed")));
         }
         let mut in_flight: u64 = 0;
         let mut input_open = true;
@@ -516,10 +587,10 @@ impl AgentClient {
             )
         })?;
         let (tx, rx) = oneshot::channel();
-        self.inner
-            .pending
-            .lock()
-            .insert(id, Pending { reply: tx, chunks });
+        self.inner.pending.lock().insert(
+            id,
+            Pending::new(tx, chunks, Arc::downgrade(&self.inner), id),
+        );
         let mut guard = CancelOnDrop {
             inner: &self.inner,
             id,
@@ -531,7 +602,7 @@ impl AgentClient {
         if self.inner.closed.load(Ordering::SeqCst)
             && let Some(p) = self.inner.pending.lock().remove(&id)
         {
-            let _ = p.reply.send(Err(RsbError::connection_lost(
+            p.finish(Err(RsbError::connection_lost(
                 &self.inner.sandbox,
                 "closed",
             )));

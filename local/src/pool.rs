@@ -267,6 +267,25 @@ impl Pool {
         Ok(slot.conn.lock().await.as_ref().and_then(|c| c.ssh.clone()))
     }
 
+    /// A new SSH connection to `name` of its own, without an agent (`None` for the `local`
+    /// sandbox), for a port forward. Not the pooled one: russh acknowledges channel data as it
+    /// arrives and its session loop then waits on a channel's full buffer, so a forwarded
+    /// client that stops reading would stall every channel of a shared connection, the
+    /// agent's included (issue 21 measured `exec_bash` failing at 16 s beside a paused
+    /// download). On a connection of its own it stalls only its forward.
+    pub async fn dedicated_ssh_session(
+        &self,
+        name: &str,
+    ) -> Result<Option<Arc<crate::ssh::SshSession>>> {
+        let name = self.resolve(name)?;
+        match &self.slots[&name].cfg.transport {
+            Transport::Local => Ok(None),
+            Transport::Ssh(t) => Ok(Some(
+                crate::ssh::SshSession::connect_for_forward(&name, t).await?,
+            )),
+        }
+    }
+
     /// The local agent (a child process), for the local end of syncs; restarted if it died.
     pub async fn local_agent(&self) -> Result<AgentClient> {
         let mut guard = self.local.lock().await;

@@ -248,6 +248,23 @@ impl SshSession {
     /// whose `direct-tcpip` channel carries the next one. Every hop authenticates with its own
     /// user and credentials and checks its host key under its own policy and known_hosts.
     pub async fn connect(sandbox: &str, t: &SshTarget) -> Result<Arc<SshSession>> {
+        Self::connect_with(sandbox, t, Some(LIVENESS_TIMEOUT)).await
+    }
+
+    /// [`connect`](Self::connect) for a port forward's own connection. russh waits on a
+    /// channel's full buffer inside its session loop, so a forwarded client that pauses
+    /// reading holds that loop, and its inactivity timer, which can then fire the moment the
+    /// client reads again, would end a healthy link. Without it, keepalives (9–12 s) and the
+    /// socket's own deadline ([`DeadLink`]) still notice a dead one.
+    pub async fn connect_for_forward(sandbox: &str, t: &SshTarget) -> Result<Arc<SshSession>> {
+        Self::connect_with(sandbox, t, None).await
+    }
+
+    async fn connect_with(
+        sandbox: &str,
+        t: &SshTarget,
+        inactivity: Option<Duration>,
+    ) -> Result<Arc<SshSession>> {
         let mut jumps: Vec<client::Handle<Checker>> = Vec::new();
         for hop in &t.proxy_jump {
             let h = open_session(
@@ -257,6 +274,7 @@ impl SshSession {
                 jumps.last(),
                 "jump host ",
                 Arc::default(),
+                inactivity,
             )
             .await?;
             jumps.push(h);
@@ -269,6 +287,7 @@ impl SshSession {
             jumps.last(),
             "",
             ended.clone(),
+            inactivity,
         )
         .await?;
         Ok(Arc::new(SshSession {
@@ -601,6 +620,7 @@ async fn open_session(
     via: Option<&client::Handle<Checker>>,
     what: &str,
     ended: Arc<Mutex<Option<String>>>,
+    inactivity: Option<Duration>,
 ) -> Result<client::Handle<Checker>> {
     let desc = format!("{what}{}", hop.address());
     let (host, port) = (hop.host.as_str(), hop.port);
@@ -609,7 +629,7 @@ async fn open_session(
         preferred: preferred_algorithms(),
         keepalive_interval: Some(KEEPALIVE_INTERVAL),
         keepalive_max: KEEPALIVE_MAX,
-        inactivity_timeout: Some(LIVENESS_TIMEOUT),
+        inactivity_timeout: inactivity,
         ..Default::default()
     });
     let verdict = Arc::new(Mutex::new(None));

@@ -53,7 +53,15 @@ pub use sync::{
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
 /// 7: ReadText/Edit/Write (code tools). 8: zstd frames replace raw deflate in every compressed
 /// payload, and `ApplyOp::Packed` carries a batch of small files as one frame. 9: Search.
-pub const PROTOCOL_VERSION: u32 = 9;
+/// 10: `ToAgent::Credit`, the per-request window of streamed chunks.
+pub const PROTOCOL_VERSION: u32 = 10;
+
+/// Most bytes of chunk frames one request may have sent and not yet had credited back by
+/// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops
+/// reading one request's output (`rsb exec … | (sleep 20; cat)`) stops only that request at
+/// the agent (its command then blocks on its pipe, as under ssh), while the channel and every
+/// other request go on. 4 MiB keeps 200 MB/s flowing at 20 ms RTT.
+pub const OUTPUT_WINDOW: u64 = 4 << 20;
 
 /// Hash of this crate's sources at build time: catches an agent and an `rsb` built from
 /// different protocol sources even when nobody bumped [`PROTOCOL_VERSION`].
@@ -75,6 +83,9 @@ pub enum ToAgent {
     /// Input for a running exec that asked for it ([`ExecRequest::stdin`] or a tty); input for
     /// an id that is not (or no longer) running is dropped.
     Input { id: RequestId, input: ExecInput },
+    /// The caller's consumer took `bytes` (encoded frame lengths) of this request's chunks:
+    /// the agent may send that much more ([`OUTPUT_WINDOW`]). Unknown ids are ignored.
+    Credit { id: RequestId, bytes: u64 },
 }
 
 /// Frames sent by the agent.

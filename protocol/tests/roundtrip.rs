@@ -219,6 +219,10 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
     ] {
         to_agent.push(ToAgent::Input { id: 9, input });
     }
+    to_agent.push(ToAgent::Credit {
+        id: 9,
+        bytes: 4 << 20,
+    });
 
     let job = JobInfo {
         name: "j".into(),
@@ -473,7 +477,7 @@ fn every_message_round_trips() {
         .iter()
         .filter_map(|m| match m {
             ToAgent::Request { body, .. } => Some(body.kind()),
-            ToAgent::Cancel { .. } | ToAgent::Input { .. } => None,
+            ToAgent::Cancel { .. } | ToAgent::Input { .. } | ToAgent::Credit { .. } => None,
         })
         .collect();
     assert_eq!(
@@ -540,6 +544,7 @@ fn every_strict_prefix_and_any_trailing_bytes_fail() {
             ToAgent::Request { body, .. } => body.kind(),
             ToAgent::Cancel { .. } => "cancel",
             ToAgent::Input { .. } => "input",
+            ToAgent::Credit { .. } => "credit",
         };
         assert_exact::<ToAgent>(name, &encode(m).unwrap());
     }
@@ -634,7 +639,7 @@ fn each_call_unwraps_only_its_own_reply() {
         .into_iter()
         .filter_map(|m| match m {
             ToAgent::Request { body, .. } => Some(body),
-            ToAgent::Cancel { .. } | ToAgent::Input { .. } => None,
+            ToAgent::Cancel { .. } | ToAgent::Input { .. } | ToAgent::Credit { .. } => None,
         })
         .collect();
     let replies: Vec<Reply> = from

@@ -276,6 +276,25 @@ fn a_closed_output_pipe_stops_the_remote_command() {
     }
 }
 
+/// Issue 21, defect 4: a reader that pauses (`rsb exec -- cat big | (sleep 20; cat)`) stopped
+/// the agent channel's reader, so after 15 s the heartbeat declared the link dead and the
+/// command failed. Now only that request waits (at the agent, its command blocked on its pipe),
+/// and every byte arrives when the reader comes back.
+#[test]
+fn a_reader_that_pauses_20_s_gets_every_byte() {
+    let u = User::new();
+    let len = 32u64 << 20;
+    let o = u.run(
+        &mut u.sh(&format!(
+            "RSB exec -- 'head -c {len} /dev/zero' | (sleep 20; wc -c); echo \"status ${{PIPESTATUS[0]}}\""
+        )),
+        Duration::from_secs(120),
+    );
+    let out = text(&o.stdout);
+    assert!(out.starts_with(&format!("{len}\n")), "{}", show(&o));
+    assert!(out.contains("status 0"), "{}", show(&o));
+}
+
 /// Item 3: ^C (SIGINT to `rsb exec` without a terminal) used to reach the remote command as
 /// SIGTERM, so `except KeyboardInterrupt: save_checkpoint()` never ran. Now it is SIGINT, then
 /// SIGTERM after a grace, then a kill. `timeout --foreground` sends one SIGINT, as a terminal

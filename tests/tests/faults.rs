@@ -808,3 +808,68 @@ async fn rsb_mcp_sigkilled_mid_transfer() {
     );
     direct.shutdown().await;
 }
+
+/// Issue 21, defect 4: the reader waited on one request's chunk consumer, so a caller that
+/// stopped reading (`rsb exec -- cat big | (sleep 20; cat)`) stopped the whole channel, and
+/// after 15 s the heartbeat declared the link dead and every request failed. Now each request
+/// has its own window: this one waits at the agent, the others go on, and when the reader
+/// comes back every byte arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_reader_stalls_only_its_own_request() {
+    const LEN: u64 = 64 * MIB;
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let pool = pool_on(&sshd, sshd.port(), &dir.path().join("state"));
+    let c = pool.client("s").await.expect("connect");
+    let mut req = exec(&format!("head -c {LEN} /dev/zero"), 120_000);
+    req.stream = true;
+    req.max_stdout = 0;
+    // A consumer nobody reads for 20 s: more than the 15 s after which a silent link is dead.
+    let (tx, mut rx) = tokio::sync::mpsc::channel(4);
+    let big = tokio::spawn({
+        let c = c.clone();
+        async move { c.call_streaming(req, tx).await }
+    });
+    let t0 = Instant::now();
+    let mut calls = 0;
+    while t0.elapsed() < Duration::from_secs(20) {
+        let t = Instant::now();
+        let r = tokio::time::timeout(Duration::from_secs(5), c.call(exec("echo ok", 10_000)))
+            .await
+            .unwrap_or_else(|_| {
+                panic!("an exec beside the stalled one hung, at {:?}", t0.elapsed())
+            })
+            .unwrap_or_else(|e| {
+                panic!(
+                    "an exec beside the stalled one failed at {:?}: {e}",
+                    t0.elapsed()
+                )
+            });
+        assert_eq!(out(&r.stdout), "ok\n");
+        calls += 1;
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(
+        !big.is_finished(),
+        "the stalled request cannot have finished unread"
+    );
+    let mut got = 0u64;
+    let t1 = Instant::now();
+    while let Some(chunk) = tokio::time::timeout(Duration::from_secs(60), rx.recv())
+        .await
+        .expect("the stream resumes")
+    {
+        if let rsb_protocol::Chunk::Stdout(b) = chunk {
+            got += b.len() as u64;
+        }
+    }
+    let r = big.await.unwrap().expect("the stalled request ends well");
+    eprintln!(
+        "{calls} execs beside it in 20 s; then {} MiB in {:?}",
+        got / MIB,
+        t1.elapsed()
+    );
+    assert_eq!((got, r.exit_code), (LEN, Some(0)));
+    pool.shutdown().await;
+}

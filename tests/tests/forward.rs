@@ -369,6 +369,11 @@ async fn rsb_forward_rejects_bad_arguments_with_hints() {
         (vec!["s:0"], "not a port"),
         (vec!["s:~/x.sock"], "not absolute"),
         (vec!["s:80", "--bind", "example.org"], "not an IP address"),
+        (
+            vec!["s:80", "--bind", "0.0.0.0"],
+            "would let other machines",
+        ),
+        (vec!["s:80", "--bind", "::"], "would let other machines"),
     ] {
         let out = rsb_tests::output_with_timeout(
             env.command().arg("forward").args(&args),
@@ -534,6 +539,7 @@ async fn mcp_forward_port_works_and_stop_forward_frees_the_port() {
         json!({"remote_port": port, "socket_path": "/x.sock"}),
         json!({"remote_port": 70000}),
         json!({"remote_port": port, "bind": "example.org"}),
+        json!({"remote_port": port, "bind": "0.0.0.0"}),
         json!({"remote_port": port, "sandbox_name": "nope"}),
     ] {
         let (err, v) = call(&svc, "forward_port", args.clone()).await;
@@ -797,4 +803,76 @@ async fn forwarding_goes_through_a_proxyjump_chain() {
         jump.log_contents()
     );
     f.stop().await;
+}
+
+/// Issue 21, defect 4, through `rsb mcp`: a forwarded client that stops reading (a paused
+/// download) made `exec_bash` fail at 15–16 s, because russh acknowledges channel data as it
+/// arrives and its session loop then waits on that channel's full buffer, stalling every
+/// channel of the connection, the agent's included. Now a forward has an SSH connection of its
+/// own: its stalled client stalls only that forward, and the download resumes when read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forwarded_client_that_stops_reading_does_not_stall_exec() {
+    let sshd = Sshd::start().unwrap();
+    // On the sandbox's side (this machine): a service that sends up to 256 MiB to its client.
+    const LEN: usize = 256 << 20;
+    let fire = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = fire.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        use std::io::Write;
+        if let Some(Ok(mut s)) = fire.incoming().next() {
+            let block = vec![7u8; 1 << 20];
+            for _ in 0..LEN >> 20 {
+                if s.write_all(&block).is_err() {
+                    break;
+                }
+            }
+        }
+    });
+    let env = RsbEnv::new(&[entry("s", &sshd, sshd.port())]);
+    let svc = mcp(&env, true).await;
+    let (err, v) = call(&svc, "exec_bash", json!({"command": "echo warm"})).await;
+    assert!(!err, "{v}");
+    let (err, v) = call(&svc, "forward_port", json!({"remote_port": port})).await;
+    assert!(!err, "{v}");
+    let addr: SocketAddr = v["local_address"].as_str().unwrap().parse().unwrap();
+    // Connected, and not read for 20 s (past the 15 s after which a silent link is dead).
+    let mut paused = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let t0 = Instant::now();
+    let mut calls = 0;
+    while t0.elapsed() < Duration::from_secs(20) {
+        let t = Instant::now();
+        let (err, v) = call(&svc, "exec_bash", json!({"command": "echo ok"})).await;
+        assert!(
+            !err && v["stdout"] == "ok\n",
+            "exec_bash beside a paused forward failed at {:?}: {v}",
+            t0.elapsed()
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "exec_bash took {:?} at {:?}",
+            t.elapsed(),
+            t0.elapsed()
+        );
+        calls += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // The paused download goes on where it stopped.
+    let mut buf = vec![0u8; 1 << 20];
+    let mut got = 0usize;
+    let t1 = Instant::now();
+    while got < 64 << 20 {
+        let n = tokio::time::timeout(Duration::from_secs(30), paused.read(&mut buf))
+            .await
+            .expect("the forwarded stream resumes")
+            .unwrap();
+        assert!(n > 0, "the forwarded stream ended after {got} bytes");
+        assert!(buf[..n].iter().all(|&b| b == 7));
+        got += n;
+    }
+    eprintln!(
+        "{calls} exec_bash calls beside a paused forward in 20 s; then 64 MiB in {:?}",
+        t1.elapsed()
+    );
+    drop(paused);
+    let _ = svc.cancel().await;
 }

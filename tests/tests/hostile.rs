@@ -897,3 +897,254 @@ async fn another_user_swapping_the_staging_directory_cannot_substitute_files() {
     eprintln!("committed {committed} of 1500 files, all with their own bytes");
     let _ = svc.cancel().await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Issue 21, defect 3: a parent directory swapped for a symlink while a sync commits into it
+// ---------------------------------------------------------------------------------------------
+
+/// The attacker, run as the other local user: swap `dest/sub` for a symlink to `target` for
+/// 20 ms at a time, putting the real directory back for 40–80 ms in between. Bounded by time, a stop file
+/// and a loop count; prints how often the link was in place.
+const SWAPPER: &str = r#"
+import os, random, sys, time
+dest, target, stop, secs = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+sub = os.path.join(dest, 'sub'); hold = os.path.join(dest, 'sub-held-by-attacker')
+t0 = time.time(); swaps = fail = rounds = 0
+while time.time() - t0 < secs and rounds < 100000 and not os.path.exists(stop):
+    rounds += 1
+    try:
+        os.rename(sub, hold)
+    except OSError:
+        fail += 1
+        time.sleep(0.005)
+        continue
+    try:
+        os.symlink(target, sub)
+        swaps += 1
+        time.sleep(0.02)
+        os.unlink(sub)
+    except OSError:
+        fail += 1
+    try:
+        os.rename(hold, sub)
+    except OSError:
+        fail += 1
+    time.sleep(random.uniform(0.04, 0.08))
+print('swaps=%d fail=%d rounds=%d' % (swaps, fail, rounds))
+"#;
+
+/// One upload of `src` into `dest` (on the same host, through the sshd) while the other user
+/// runs [`SWAPPER`] against `dest/sub`, repeated for a few seconds (a single swap rarely lands).
+/// Returns each sync's error, if it failed.
+async fn sync_while_swapped(
+    attacker: &rsb_tests::LocalUser,
+    area: &Path,
+    src: &Path,
+    dest: &Path,
+    target: &Path,
+    delete_extras: bool,
+    reset: &dyn Fn(),
+) -> Vec<Option<String>> {
+    let sshd = Sshd::start().unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let pool = pool_on(&sshd, sshd.port(), state.path());
+    pool.client("s").await.expect("connect");
+    let script = area.join("swap.py");
+    std::fs::write(&script, SWAPPER).unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let mut outcomes = Vec::new();
+    let t0 = std::time::Instant::now();
+    for round in 0..10 {
+        if t0.elapsed() > Duration::from_secs(60) {
+            break;
+        }
+        reset();
+        let stop = area.join(format!("stop-{round}"));
+        let swapper = std::process::Command::new("/usr/bin/setpriv")
+            .arg(format!("--reuid={}", attacker.uid))
+            .arg(format!("--regid={}", attacker.gid))
+            .arg("--clear-groups")
+            .arg("/usr/bin/python3")
+            .arg(&script)
+            .arg(dest)
+            .arg(target)
+            .arg(&stop)
+            .arg("20")
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("setpriv and python3 (util-linux, python3)");
+        let spec = rsb::sync::SyncSpec {
+            direction: rsb::sync::Direction::Upload,
+            local_path: src.to_path_buf(),
+            remote_path: dest.display().to_string(),
+            delete_extras,
+            rules: rsb::sync::SyncSpec::rules(vec![]),
+            dry_run: false,
+        };
+        // Let the swaps start (python's start-up) before the sync does.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let synced = std::time::Instant::now();
+        let r = tokio::time::timeout(
+            Duration::from_secs(120),
+            rsb::ops::sync::run(
+                &pool,
+                "s",
+                &spec,
+                None,
+                &rsb::sync::CancellationToken::new(),
+            ),
+        )
+        .await
+        .expect("the sync ends within 120 s");
+        std::fs::write(&stop, "").unwrap();
+        let out = tokio::task::spawn_blocking(move || swapper.wait_with_output())
+            .await
+            .unwrap()
+            .unwrap();
+        let did = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let e = r.err().map(|e| e.message);
+        eprintln!(
+            "round {round}: sync of {:?}, attacker {did}; sync error: {e:?}",
+            synced.elapsed()
+        );
+        assert!(out.status.success(), "the swapper ran: {did}");
+        outcomes.push(e);
+    }
+    pool.shutdown().await;
+    outcomes
+}
+
+/// A refusal says that the destination changed under the sync, in one line.
+fn assert_refusal_names_tampering(outcomes: &[Option<String>]) {
+    for e in outcomes.iter().flatten() {
+        assert!(!e.contains('\n'), "one line: {e:?}");
+        // Refused by the plan, from a scan that saw the link or the moved directory, before
+        // any change; or refused while committing, saying the destination changed.
+        assert!(
+            e.contains("nothing was changed")
+                || e.contains("tampered")
+                || e.contains("since the sync looked"),
+            "the error says the destination changed under the sync: {e}"
+        );
+    }
+}
+
+/// Writes: 3,000 files go into `dest/sub` of a shared (mode 777) directory while another user
+/// swaps `sub` for a link to their own directory. Measured before the fix: 507–759 of the
+/// files landed in the attacker's directory. Now every write goes through the directory that
+/// was checked: none lands there, and every file in `sub` holds its own bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_swapped_for_a_link_never_redirects_a_sync_s_writes() {
+    let Some(attacker) = other_local_user() else {
+        eprintln!("skipped: no second local user (creating one needs root; CI runs as root)");
+        return;
+    };
+    let area = tempfile::tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(area.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dest = area.path().join("shared");
+    std::fs::create_dir(&dest).unwrap();
+    std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let evil = area.path().join("theirs");
+    std::fs::create_dir(&evil).unwrap();
+    std::fs::write(evil.join("keep"), "theirs\n").unwrap();
+    chown(&evil, Some(attacker.uid), Some(attacker.gid)).unwrap();
+    chown(evil.join("keep"), Some(attacker.uid), Some(attacker.gid)).unwrap();
+    std::fs::set_permissions(&evil, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let src = area.path().join("src");
+    std::fs::create_dir_all(src.join("sub")).unwrap();
+    let body = |i: usize| format!("ours {i}\n").repeat(60);
+    for i in 0..3000 {
+        std::fs::write(src.join(format!("sub/f{i:04}")), body(i)).unwrap();
+    }
+    let reset = || {
+        let _ = std::fs::remove_dir_all(dest.join("sub"));
+        let _ = std::fs::remove_file(dest.join("sub"));
+        let _ = std::fs::remove_dir_all(dest.join("sub-held-by-attacker"));
+        std::fs::create_dir(dest.join("sub")).unwrap();
+    };
+    let outcomes =
+        sync_while_swapped(attacker, area.path(), &src, &dest, &evil, false, &reset).await;
+    assert_refusal_names_tampering(&outcomes);
+    let theirs: Vec<String> = std::fs::read_dir(&evil)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        theirs,
+        ["keep"],
+        "the victim's files landed in the attacker's directory"
+    );
+    for e in std::fs::read_dir(dest.join("sub")).unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let i: usize = name.trim_start_matches('f').parse().unwrap();
+        assert_eq!(
+            std::fs::read_to_string(e.path()).unwrap(),
+            body(i),
+            "{name}"
+        );
+    }
+    let ok = outcomes.iter().filter(|e| e.is_none()).count();
+    eprintln!(
+        "{ok} of {} syncs completed; none wrote outside sub",
+        outcomes.len()
+    );
+}
+
+/// Deletes: `delete_extras` removes 1,000 extra files from `dest/sub` while another user swaps
+/// `sub` for a link to a directory of the victim's own outside the root, holding files of the
+/// same names. Measured before the fix: 1,605–1,704 of those were deleted. Now none is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_swapped_for_a_link_never_redirects_a_sync_s_deletes() {
+    let Some(attacker) = other_local_user() else {
+        eprintln!("skipped: no second local user (creating one needs root; CI runs as root)");
+        return;
+    };
+    let area = tempfile::tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(area.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dest = area.path().join("shared");
+    std::fs::create_dir(&dest).unwrap();
+    std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o777)).unwrap();
+    // The victim's own files, outside the root, named as the extras are.
+    let mine = area.path().join("mine");
+    std::fs::create_dir(&mine).unwrap();
+    for i in 0..1000 {
+        std::fs::write(mine.join(format!("e{i:04}")), "precious\n").unwrap();
+    }
+    let src = area.path().join("src");
+    std::fs::create_dir_all(src.join("sub")).unwrap();
+    std::fs::write(src.join("sub/kept"), "kept\n").unwrap();
+    // Files both sides hold, so the deletes are not "every file" (the mass-delete guard).
+    std::fs::create_dir_all(src.join("common")).unwrap();
+    for i in 0..1200 {
+        std::fs::write(src.join(format!("common/c{i:04}")), "same\n").unwrap();
+    }
+    let reset = || {
+        if !dest.join("common").exists() {
+            std::fs::create_dir(dest.join("common")).unwrap();
+            for i in 0..1200 {
+                std::fs::write(dest.join(format!("common/c{i:04}")), "same\n").unwrap();
+            }
+        }
+        let _ = std::fs::remove_dir_all(dest.join("sub"));
+        let _ = std::fs::remove_file(dest.join("sub"));
+        let _ = std::fs::remove_dir_all(dest.join("sub-held-by-attacker"));
+        std::fs::create_dir(dest.join("sub")).unwrap();
+        for i in 0..1000 {
+            std::fs::write(dest.join(format!("sub/e{i:04}")), "extra\n").unwrap();
+        }
+    };
+    let outcomes =
+        sync_while_swapped(attacker, area.path(), &src, &dest, &mine, true, &reset).await;
+    assert_refusal_names_tampering(&outcomes);
+    let left = std::fs::read_dir(&mine).unwrap().count();
+    assert_eq!(left, 1000, "files outside the root were deleted");
+    let ok = outcomes.iter().filter(|e| e.is_none()).count();
+    eprintln!(
+        "{ok} of {} syncs completed; nothing outside the root deleted",
+        outcomes.len()
+    );
+}

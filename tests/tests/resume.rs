@@ -239,3 +239,145 @@ async fn cancel_says_what_was_kept() {
     );
     pool.shutdown().await;
 }
+
+/// Issue 21 defect 2: a large file rewritten in place while it was being read was committed as
+/// a mix of versions (v1 up to 29 MiB, v2 after), and the sync said it succeeded. Now a file
+/// whose bytes do not hash as its scan did is sent again against a fresh one-pass hash, so
+/// what is committed is one version, exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_rewritten_mid_read_is_never_committed_torn() {
+    const LEN: usize = 48 * MIB as usize;
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let file = src.join("big.bin");
+    std::fs::write(&file, gen_bytes(31, LEN)).unwrap();
+    let v2 = gen_bytes(32, LEN);
+    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
+    pool.client("s").await.expect("connect");
+    proxy.set_rate_mbit(200);
+    let before = proxy.bytes_forwarded().0;
+    let task = tokio::spawn({
+        let pool = pool.clone();
+        let src = src.clone();
+        async move { upload(&pool, &src, &CancellationToken::new()).await }
+    });
+    let t0 = Instant::now();
+    while proxy.bytes_forwarded().0 - before < 12 * MIB {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "12 MiB of the upload did not go through in 120 s"
+        );
+        assert!(!task.is_finished(), "the upload ended before the rewrite");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // In place, as a program that rewrites its output file does (same inode, no truncate).
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+        f.write_all(&v2).unwrap();
+    }
+    proxy.set_rate(None);
+    let r = tokio::time::timeout(Duration::from_secs(120), task)
+        .await
+        .expect("the upload ends within 120 s")
+        .unwrap()
+        .expect("the upload succeeds once the file is quiet");
+    eprintln!(
+        "sent {} MiB for a {} MiB file; errors {:?}",
+        r.bytes_sent / MIB,
+        LEN as u64 / MIB,
+        r.errors
+    );
+    assert_eq!(
+        sha256_remote(&sshd, &format!("{}/up/big.bin", sshd.home().display())),
+        sha256_local(&file),
+        "the destination must hold the source's current version, whole"
+    );
+    assert!(r.errors.is_empty() && r.unsettled == 0, "{:?}", r.errors);
+    assert!(
+        r.bytes_sent > LEN as u64,
+        "it was sent again: {}",
+        r.bytes_sent
+    );
+    pool.shutdown().await;
+}
+
+/// The other end of defect 2: a file that never stops changing while it is sent is not
+/// committed at all (the destination keeps what it had), and the report says so, so that
+/// `rsb sync` exits 6 (the destination does not match) instead of 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_that_keeps_changing_is_reported_not_committed() {
+    const LEN: usize = 24 * MIB as usize;
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let file = src.join("big.bin");
+    let versions = [gen_bytes(41, LEN), gen_bytes(42, LEN)];
+    std::fs::write(&file, &versions[0]).unwrap();
+    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
+    pool.client("s").await.expect("connect");
+    proxy.set_rate_mbit(100);
+    let before = proxy.bytes_forwarded().0;
+    let task = tokio::spawn({
+        let pool = pool.clone();
+        let src = src.clone();
+        async move { upload(&pool, &src, &CancellationToken::new()).await }
+    });
+    let t0 = Instant::now();
+    while proxy.bytes_forwarded().0 - before < 4 * MIB {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "no progress in 120 s"
+        );
+        assert!(!task.is_finished(), "the upload ended before the rewrites");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Rewrite in place, alternating versions, until the sync ends (at most 120 s).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = std::thread::spawn({
+        let stop = stop.clone();
+        let file = file.clone();
+        move || {
+            use std::io::{Seek, Write};
+            let t0 = Instant::now();
+            let mut f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+            let mut i = 1;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && t0.elapsed() < Duration::from_secs(120)
+            {
+                f.rewind().unwrap();
+                f.write_all(&versions[i % 2]).unwrap();
+                i += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    });
+    let r = tokio::time::timeout(Duration::from_secs(150), task)
+        .await
+        .expect("the upload ends within 150 s")
+        .unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    let r = r.expect("the sync itself finishes");
+    eprintln!("errors {:?}, sent {} MiB", r.errors, r.bytes_sent / MIB);
+    assert_eq!(r.unsettled, 1, "{:?}", r.errors);
+    assert!(
+        r.errors
+            .iter()
+            .any(|e| e.contains("big.bin: changed while it was being sent")),
+        "{:?}",
+        r.errors
+    );
+    assert_eq!(r.files_transferred, 0);
+    // Nothing torn, nothing half-written: the first sync of it committed nothing.
+    assert_eq!(
+        sha256_remote(&sshd, &format!("{}/up/big.bin", sshd.home().display())),
+        "none"
+    );
+    pool.shutdown().await;
+}

@@ -20,7 +20,7 @@
 //!   is the same as committing each file on its own, but it costs one fsync round per batch
 //!   instead of one per file.
 
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::fs::{self, File, OpenOptions, Permissions};
 use std::os::fd::OwnedFd;
 
@@ -42,10 +42,13 @@ use rsb_protocol::{
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
+use super::beneath::{
+    Beneath, Refused, chmod_at, chmod_fd, file_type, lstat_at, mtime_at, mtime_fd, perm,
+};
 use super::blocks::{MAX_BLOCK, MAX_BLOCKS, MIN_BLOCK, hash_blocks};
 use super::cache::{self, Key};
 use super::manifest::hash_threads;
-use super::{blocking, cancelled, fs_clock_ns, mode_of, mtime_ns, set_file_mtime, set_mtime};
+use super::{blocking, cancelled, fs_clock_ns, mtime_ns};
 use crate::util::{expand_home, path_string};
 
 /// Name of the lock file inside a staging directory.
@@ -488,9 +491,11 @@ fn open(req: &ApplyOpenRequest) -> Result<Session, AgentError> {
         if !try_lock(&lock) || lock.metadata().map(|m| m.nlink()).unwrap_or(0) == 0 {
             continue;
         }
+        let beneath = Beneath::new(&root_fd).map_err(|e| io(&e, "open", &shown))?;
         return Ok(Session {
             id,
             stale_cleaned,
+            beneath,
             root: root.clone(),
             staging_name: format!("{STAGING_PREFIX}{id}"),
             staging,
@@ -633,7 +638,9 @@ struct Commit {
     /// Name inside the staging directory.
     staged: String,
     file: File,
-    target: PathBuf,
+    /// The held directory it goes into, and its name there.
+    parent: Arc<OwnedFd>,
+    name: String,
     hash: [u8; 32],
     size: u64,
     mtime_ns: i64,
@@ -652,6 +659,9 @@ struct Session {
     root_fd: OwnedFd,
     /// `(dev, inode)` of the staging directory, checked before every commit.
     staging_id: (u64, u64),
+    /// Every directory under the root that an op changes something in, held: nothing is
+    /// changed by path (see [`Beneath`]).
+    beneath: Beneath,
     lock: Option<File>,
     closed: bool,
     next_name: u64,
@@ -667,14 +677,6 @@ struct Session {
 }
 
 impl Session {
-    fn path(&self, rel: &str) -> PathBuf {
-        if rel.is_empty() {
-            self.root.clone()
-        } else {
-            self.root.join(rel)
-        }
-    }
-
     fn staged_name(&mut self, prefix: char) -> String {
         self.next_name += 1;
         format!("{prefix}{}", self.next_name)
@@ -731,8 +733,6 @@ impl Session {
         }
         let ops = unpack(ops)?;
         let n = ops.len();
-        // Parents verified to be real directories during this request.
-        let mut dirs = HashSet::new();
         for (i, op) in ops.into_iter().enumerate() {
             if cancel.is_cancelled() {
                 self.flush(n)?;
@@ -752,7 +752,7 @@ impl Session {
             if flush_first {
                 self.flush(n)?;
             }
-            if let Err(e) = self.op(i, op, &mut dirs) {
+            if let Err(e) = self.op(i, op) {
                 // The ops before this one count as applied: finish their commits first (an
                 // error there is the earlier failure, so it wins).
                 self.flush(n)?;
@@ -770,11 +770,11 @@ impl Session {
         })
     }
 
-    fn op(&mut self, i: usize, op: ApplyOp, dirs: &mut HashSet<String>) -> Result<(), AgentError> {
+    fn op(&mut self, i: usize, op: ApplyOp) -> Result<(), AgentError> {
         match op {
-            ApplyOp::Mkdir { rel, mode } => self.mkdir(&rel, mode, dirs),
-            ApplyOp::Symlink { rel, target } => self.symlink(&rel, &target, dirs),
-            ApplyOp::FileBase { rel } => self.file_base(&rel, dirs),
+            ApplyOp::Mkdir { rel, mode } => self.mkdir(&rel, mode),
+            ApplyOp::Symlink { rel, target } => self.symlink(&rel, &target),
+            ApplyOp::FileBase { rel } => self.file_base(&rel),
             ApplyOp::FileData { rel, offset, data } => self.file_data(&rel, offset, &data),
             ApplyOp::FileCommit {
                 rel,
@@ -782,13 +782,13 @@ impl Session {
                 mode,
                 mtime_ns,
                 hash,
-            } => self.file_commit(i, rel, size, mode, mtime_ns, hash, dirs),
+            } => self.file_commit(i, rel, size, mode, mtime_ns, hash),
             ApplyOp::SetAttr {
                 rel,
                 mode,
                 mtime_ns,
-            } => self.set_attr(&rel, mode, mtime_ns, dirs),
-            ApplyOp::Delete { rel } => self.delete(&rel, dirs),
+            } => self.set_attr(&rel, mode, mtime_ns),
+            ApplyOp::Delete { rel } => self.delete(&rel),
             ApplyOp::FileResume { rel, block_size } => self.file_resume(&rel, block_size),
             ApplyOp::FileDataZ {
                 rel,
@@ -807,53 +807,67 @@ impl Session {
         }
     }
 
-    /// Validate `rel` and its existing parents. Returns the first parent that does not exist.
-    fn check(
-        &self,
-        rel: &str,
-        allow_root: bool,
-        dirs: &mut HashSet<String>,
-    ) -> Result<Option<String>, AgentError> {
-        check_syntax(rel, allow_root)?;
-        for (pos, _) in rel.match_indices('/') {
-            let parent = &rel[..pos];
-            if dirs.contains(parent) {
-                continue;
-            }
-            match fs::symlink_metadata(self.root.join(parent)) {
-                Ok(m) if m.file_type().is_symlink() => {
-                    return Err(err(
-                        ErrorCode::InvalidArgument,
-                        format!("refusing {rel}: parent {parent} is a symlink"),
-                    ));
-                }
-                Ok(m) if m.is_dir() => {
-                    dirs.insert(parent.to_string());
-                }
-                Ok(_) => {
-                    return Err(err(
-                        ErrorCode::NotADirectory,
-                        format!("refusing {rel}: parent {parent} is not a directory"),
-                    ));
-                }
-                Err(e) if e.kind() == ErrorKind::NotFound => return Ok(Some(parent.to_string())),
-                Err(e) => return Err(io(&e, "check", parent)),
-            }
+    /// The refusal of `rel` when a directory above it is not one a sync may write into.
+    fn refused(&self, rel: &str, r: Refused) -> AgentError {
+        match r {
+            Refused::Missing(p) => err(
+                ErrorCode::NotFound,
+                format!("{rel}: parent {p} does not exist"),
+            ),
+            // The plan was made from a scan that saw directories here: a link now means the
+            // destination changed under the sync, maybe by someone redirecting its writes.
+            Refused::Link(p) => err(
+                ErrorCode::PermissionDenied,
+                format!(
+                    "refusing {rel}: {} a symlink, so the destination {} was changed under the sync (tampered with?); nothing was written through it. If another user can write there, sync into a directory only you can write",
+                    if p == rel {
+                        "it is now".to_string()
+                    } else {
+                        format!("parent {p} is")
+                    },
+                    path_string(&self.root)
+                ),
+            ),
+            Refused::NotDir(p) => err(
+                ErrorCode::NotADirectory,
+                format!("refusing {rel}: parent {p} is not a directory"),
+            ),
+            Refused::Io(p, e) => io(&e, "open", &p),
         }
-        Ok(None)
     }
 
-    fn check_exists(
-        &self,
+    /// Validate `rel` and hold its parent directory; `Err(missing)` names the first
+    /// directory above it that does not exist.
+    #[allow(clippy::type_complexity)]
+    fn parent_of<'r>(
+        &mut self,
+        rel: &'r str,
+    ) -> Result<Result<(Arc<OwnedFd>, &'r str), String>, AgentError> {
+        check_syntax(rel, false)?;
+        match self.beneath.parent(rel) {
+            Ok(v) => Ok(Ok(v)),
+            Err(Refused::Missing(p)) => Ok(Err(p)),
+            Err(r) => Err(self.refused(rel, r)),
+        }
+    }
+
+    /// The held directory `rel` itself (the root for `""`).
+    fn dir_fd(&mut self, rel: &str) -> Result<Arc<OwnedFd>, AgentError> {
+        self.beneath.dir(rel).map_err(|r| self.refused(rel, r))
+    }
+
+    fn parent_exists<'r>(
+        &mut self,
         what: &str,
-        rel: &str,
-        dirs: &mut HashSet<String>,
-    ) -> Result<(), AgentError> {
-        match self.check(rel, false, dirs)? {
-            None => Ok(()),
-            Some(p) => Err(err(
+        rel: &'r str,
+    ) -> Result<(Arc<OwnedFd>, &'r str), AgentError> {
+        match self.parent_of(rel)? {
+            Ok(v) => Ok(v),
+            Err(p) => Err(err(
                 ErrorCode::NotFound,
-                format!("{what} {rel}: parent {p} does not exist"),
+                format!(
+                    "{what} {rel}: parent {p} does not exist (removed or moved since the sync looked?)"
+                ),
             )),
         }
     }
@@ -870,25 +884,14 @@ impl Session {
         }
     }
 
-    fn mkdir(
-        &mut self,
-        rel: &str,
-        mode: u32,
-        dirs: &mut HashSet<String>,
-    ) -> Result<(), AgentError> {
-        self.check_exists("mkdir", rel, dirs)?;
-        let path = self.path(rel);
+    fn mkdir(&mut self, rel: &str, mode: u32) -> Result<(), AgentError> {
+        let (p, name) = self.parent_exists("mkdir", rel)?;
         let now = self.dir_mode_now(rel, mode);
-        let existing = match fs::symlink_metadata(&path) {
-            Ok(m) => Some(m),
-            Err(e) if e.kind() == ErrorKind::NotFound => None,
-            Err(e) => return Err(io(&e, "mkdir", rel)),
-        };
-        match existing {
-            Some(m) if m.is_dir() => {
-                if mode_of(&m) != now {
-                    fs::set_permissions(&path, Permissions::from_mode(now))
-                        .map_err(|e| io(&e, "chmod", rel))?;
+        match lstat_at(&p, name).map_err(|e| io(&e, "mkdir", rel))? {
+            Some(st) if file_type(&st) == rfs::FileType::Directory => {
+                if perm(&st) != now {
+                    let fd = self.dir_fd(rel)?;
+                    chmod_fd(&fd, now).map_err(|e| io(&e, "chmod", rel))?;
                 }
             }
             Some(_) => {
@@ -898,34 +901,27 @@ impl Session {
                 ));
             }
             None => {
-                fs::DirBuilder::new()
-                    .mode(now)
-                    .create(&path)
-                    .map_err(|e| io(&e, "mkdir", rel))?;
+                rfs::mkdirat(&*p, name, super::beneath::mode(now))
+                    .map_err(|e| io(&e.into(), "mkdir", rel))?;
                 // The umask may have removed bits.
-                fs::set_permissions(&path, Permissions::from_mode(now))
-                    .map_err(|e| io(&e, "chmod", rel))?;
+                let fd = self.dir_fd(rel)?;
+                chmod_fd(&fd, now).map_err(|e| io(&e, "chmod", rel))?;
             }
         }
-        dirs.insert(rel.to_string());
         Ok(())
     }
 
-    fn symlink(
-        &mut self,
-        rel: &str,
-        target: &str,
-        dirs: &mut HashSet<String>,
-    ) -> Result<(), AgentError> {
-        self.check_exists("symlink", rel, dirs)?;
+    fn symlink(&mut self, rel: &str, target: &str) -> Result<(), AgentError> {
+        let (p, name) = self.parent_exists("symlink", rel)?;
         if target.is_empty() || target.contains('\0') {
             return Err(err(
                 ErrorCode::InvalidArgument,
                 format!("symlink {rel}: invalid target {target:?}"),
             ));
         }
-        let path = self.path(rel);
-        if fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir()) {
+        if lstat_at(&p, name)
+            .is_ok_and(|st| st.is_some_and(|st| file_type(&st) == rfs::FileType::Directory))
+        {
             return Err(err(
                 ErrorCode::IsADirectory,
                 format!("{rel} exists and is a directory; refusing to replace it with a symlink"),
@@ -935,7 +931,7 @@ impl Session {
         rfs::symlinkat(target, &self.staging_fd, tmp.as_str())
             .map_err(|e| io(&e.into(), "symlink", rel))?;
         let moved = self.staging_ok().and_then(|()| {
-            rfs::renameat(&self.staging_fd, tmp.as_str(), &self.root_fd, rel)
+            rfs::renameat(&self.staging_fd, tmp.as_str(), &*p, name)
                 .map_err(|e| io(&e.into(), "symlink", rel))
         });
         if moved.is_err() {
@@ -944,22 +940,32 @@ impl Session {
         moved
     }
 
-    fn file_base(&mut self, rel: &str, dirs: &mut HashSet<String>) -> Result<(), AgentError> {
-        self.check_exists("delta base", rel, dirs)?;
-        let path = self.path(rel);
-        match fs::symlink_metadata(&path) {
-            Ok(m) if m.is_file() => {}
-            Ok(_) => {
-                return Err(err(
-                    ErrorCode::InvalidArgument,
-                    format!("delta base {rel}: not a regular file"),
-                ));
-            }
-            Err(e) => return Err(io(&e, "delta base", rel)),
+    fn file_base(&mut self, rel: &str) -> Result<(), AgentError> {
+        let (p, name) = self.parent_exists("delta base", rel)?;
+        let not_regular = || {
+            err(
+                ErrorCode::InvalidArgument,
+                format!("delta base {rel}: not a regular file"),
+            )
+        };
+        // Opened without following a link, then checked: what is copied is the file that was
+        // checked.
+        let from = match rfs::openat(
+            &*p,
+            name,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(fd) => File::from(fd),
+            Err(rustix::io::Errno::LOOP) => return Err(not_regular()),
+            Err(e) => return Err(io(&e.into(), "delta base", rel)),
+        };
+        if !from.metadata().is_ok_and(|m| m.is_file()) {
+            return Err(not_regular());
         }
         self.drop_staged(rel);
         let staged = self.staged_name('b');
-        let copied = File::open(&path).and_then(|mut from| {
+        let copied = Ok(from).and_then(|mut from: File| {
             let mut to = File::from(rfs::openat(
                 &self.staging_fd,
                 staged.as_str(),
@@ -1156,9 +1162,8 @@ impl Session {
         mode: u32,
         mtime_ns: i64,
         hash: [u8; 32],
-        dirs: &mut HashSet<String>,
     ) -> Result<(), AgentError> {
-        let r = self.verify(op, &rel, size, mode, mtime_ns, hash, dirs);
+        let r = self.verify(op, &rel, size, mode, mtime_ns, hash);
         if r.is_err() {
             self.drop_staged(&rel);
         }
@@ -1176,11 +1181,11 @@ impl Session {
         mode: u32,
         mtime_ns: i64,
         hash: [u8; 32],
-        dirs: &mut HashSet<String>,
     ) -> Result<Commit, AgentError> {
-        self.check_exists("commit", rel, dirs)?;
-        let target = self.path(rel);
-        if fs::symlink_metadata(&target).is_ok_and(|m| m.is_dir()) {
+        let (parent, name) = self.parent_exists("commit", rel)?;
+        if lstat_at(&parent, name)
+            .is_ok_and(|st| st.is_some_and(|st| file_type(&st) == rfs::FileType::Directory))
+        {
             return Err(err(
                 ErrorCode::IsADirectory,
                 format!("{rel} exists and is a directory; refusing to replace it with a file"),
@@ -1210,13 +1215,14 @@ impl Session {
         }
         file.set_permissions(Permissions::from_mode(mode & 0o7777))
             .map_err(|e| cleanup(io(&e, "chmod", rel)))?;
-        set_file_mtime(&file, mtime_ns).map_err(|e| cleanup(io(&e, "set mtime of", rel)))?;
+        mtime_fd(&file, mtime_ns).map_err(|e| cleanup(io(&e, "set mtime of", rel)))?;
         Ok(Commit {
             op,
             rel: rel.to_string(),
             staged,
             file,
-            target,
+            name: name.to_string(),
+            parent,
             hash,
             size,
             mtime_ns,
@@ -1244,8 +1250,8 @@ impl Session {
                     rfs::renameat(
                         &self.staging_fd,
                         c.staged.as_str(),
-                        &self.root_fd,
-                        c.rel.as_str(),
+                        &*c.parent,
+                        c.name.as_str(),
                     )
                     .map_err(|e| io(&e.into(), "commit", &c.rel))
                 });
@@ -1263,17 +1269,18 @@ impl Session {
     /// Record a received file's hash for the root's cache, when its identity proves that the
     /// content is still exactly what was verified: our inode, our size, and the mtime we set
     /// (any later write moves the mtime to "now", which is past the clock read here).
+    #[allow(clippy::unnecessary_cast)]
     fn remember(&mut self, c: &Commit) {
-        let (Ok(ours), Ok(now)) = (c.file.metadata(), fs::symlink_metadata(&c.target)) else {
+        let (Ok(ours), Ok(Some(now))) = (c.file.metadata(), lstat_at(&c.parent, &c.name)) else {
             return;
         };
-        if ours.ino() == now.ino()
-            && ours.dev() == now.dev()
-            && now.len() == c.size
-            && mtime_ns(&now) == c.mtime_ns
+        if ours.ino() == now.st_ino as u64
+            && ours.dev() == now.st_dev as u64
+            && ours.len() == c.size
+            && mtime_ns(&ours) == c.mtime_ns
             && c.mtime_ns < fs_clock_ns()
         {
-            self.committed.push((Key::of(&now), c.hash));
+            self.committed.push((Key::of(&ours), c.hash));
         }
     }
 
@@ -1282,53 +1289,77 @@ impl Session {
         rel: &str,
         mode: Option<u32>,
         mtime: Option<i64>,
-        dirs: &mut HashSet<String>,
     ) -> Result<(), AgentError> {
-        if let Some(p) = self.check(rel, true, dirs)? {
-            return Err(err(
-                ErrorCode::NotFound,
-                format!("set attributes of {rel}: parent {p} does not exist"),
-            ));
+        if rel.is_empty() {
+            return self.set_root_attr(mode, mtime);
         }
-        let shown = if rel.is_empty() { "." } else { rel };
-        let path = self.path(rel);
-        let meta = fs::symlink_metadata(&path).map_err(|e| io(&e, "set attributes of", shown))?;
-        let is_link = meta.file_type().is_symlink();
+        let (p, name) = match self.parent_of(rel)? {
+            Ok(v) => v,
+            Err(p) => {
+                return Err(err(
+                    ErrorCode::NotFound,
+                    format!("set attributes of {rel}: parent {p} does not exist"),
+                ));
+            }
+        };
+        let st = lstat_at(&p, name)
+            .and_then(|st| st.ok_or_else(|| ErrorKind::NotFound.into()))
+            .map_err(|e| io(&e, "set attributes of", rel))?;
+        let ty = file_type(&st);
         if let Some(mode) = mode
-            && !is_link
+            && ty != rfs::FileType::Symlink
         {
-            let now = if meta.is_dir() {
+            let dir = ty == rfs::FileType::Directory;
+            let now = if dir {
                 self.dir_mode_now(rel, mode)
             } else {
                 mode & 0o7777
             };
-            if mode_of(&meta) != now {
-                fs::set_permissions(&path, Permissions::from_mode(now))
-                    .map_err(|e| io(&e, "chmod", shown))?;
+            if perm(&st) != now {
+                let r = if dir {
+                    chmod_fd(&*self.dir_fd(rel)?, now)
+                } else {
+                    chmod_at(&p, name, now)
+                };
+                r.map_err(|e| io(&e, "chmod", rel))?;
             }
         }
         if let Some(mtime) = mtime {
-            set_mtime(&path, mtime, true).map_err(|e| io(&e, "set mtime of", shown))?;
+            mtime_at(&p, name, mtime).map_err(|e| io(&e, "set mtime of", rel))?;
         }
         Ok(())
     }
 
-    fn delete(&mut self, rel: &str, dirs: &mut HashSet<String>) -> Result<(), AgentError> {
-        if self.check(rel, false, dirs)?.is_some() {
-            return Ok(()); // a parent is missing, so rel is too
+    /// The root's own mode and mtime, through its descriptor.
+    fn set_root_attr(&mut self, mode: Option<u32>, mtime: Option<i64>) -> Result<(), AgentError> {
+        let st = rfs::fstat(&self.root_fd).map_err(|e| io(&e.into(), "set attributes of", "."))?;
+        if let Some(mode) = mode {
+            let now = self.dir_mode_now("", mode);
+            if perm(&st) != now {
+                chmod_fd(&self.root_fd, now).map_err(|e| io(&e, "chmod", "."))?;
+            }
         }
-        let path = self.path(rel);
-        let meta = match fs::symlink_metadata(&path) {
-            Ok(m) => m,
-            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(()),
-            Err(e) => return Err(io(&e, "delete", rel)),
+        if let Some(mtime) = mtime {
+            mtime_fd(&self.root_fd, mtime).map_err(|e| io(&e, "set mtime of", "."))?;
+        }
+        Ok(())
+    }
+
+    fn delete(&mut self, rel: &str) -> Result<(), AgentError> {
+        let (p, name) = match self.parent_of(rel)? {
+            Ok(v) => v,
+            Err(_) => return Ok(()), // a parent is missing, so rel is too
         };
-        if meta.is_dir() {
-            fs::remove_dir(&path).map_err(|e| io(&e, "delete", rel))?;
+        let Some(st) = lstat_at(&p, name).map_err(|e| io(&e, "delete", rel))? else {
+            return Ok(());
+        };
+        if file_type(&st) == rfs::FileType::Directory {
+            rfs::unlinkat(&*p, name, AtFlags::REMOVEDIR)
+                .map_err(|e| io(&e.into(), "delete", rel))?;
             self.deferred_modes.remove(rel);
-            dirs.clear();
+            self.beneath.forget(rel);
         } else {
-            fs::remove_file(&path).map_err(|e| io(&e, "delete", rel))?;
+            rfs::unlinkat(&*p, name, AtFlags::empty()).map_err(|e| io(&e.into(), "delete", rel))?;
         }
         Ok(())
     }
@@ -1348,44 +1379,64 @@ impl Session {
         let mut modes: Vec<(String, u32)> = self.deferred_modes.drain().collect();
         modes.sort_by_key(|(rel, _)| std::cmp::Reverse(rel.matches('/').count()));
         for (rel, mode) in modes {
-            let path = self.path(&rel);
-            if fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir())
-                && let Err(e) = fs::set_permissions(&path, Permissions::from_mode(mode))
-            {
-                errors.push(io(&e, "chmod", &rel).message);
+            match self.beneath.dir(&rel) {
+                Ok(fd) => {
+                    if let Err(e) = chmod_fd(&fd, mode) {
+                        errors.push(io(&e, "chmod", &rel).message);
+                    }
+                }
+                Err(Refused::Missing(_)) => {}
+                Err(r) => errors.push(self.refused(&rel, r).message),
             }
         }
         // Last: removing the staging directory and writing files changed these mtimes.
-        let mut dirs = HashSet::new();
         for (rel, mtime) in dir_mtimes {
             let shown = if rel.is_empty() { "." } else { rel.as_str() };
-            match self.check(rel, true, &mut dirs) {
-                Ok(None) => {}
-                Ok(Some(_)) => continue,
-                Err(e) => {
-                    errors.push(e.message);
-                    continue;
+            let found = if rel.is_empty() {
+                rfs::fstat(&self.root_fd)
+                    .map(|st| Some((None, st)))
+                    .map_err(std::io::Error::from)
+            } else {
+                match check_syntax(rel, false).map(|()| self.beneath.parent(rel)) {
+                    Err(e) => {
+                        errors.push(e.message);
+                        continue;
+                    }
+                    Ok(Err(Refused::Missing(_))) => continue,
+                    Ok(Err(r)) => {
+                        errors.push(self.refused(rel, r).message);
+                        continue;
+                    }
+                    Ok(Ok((p, name))) => {
+                        lstat_at(&p, name).map(|st| st.map(|st| (Some((p, name)), st)))
+                    }
                 }
-            }
-            let path = self.path(rel);
-            match fs::symlink_metadata(&path) {
-                Ok(m) if m.is_dir() => {
-                    if let Err(e) = set_mtime(&path, *mtime, true) {
+            };
+            match found {
+                Ok(Some((at, st))) if file_type(&st) == rfs::FileType::Directory => {
+                    let set = match &at {
+                        Some((p, name)) => mtime_at(p, name, *mtime),
+                        None => mtime_fd(&self.root_fd, *mtime),
+                    };
+                    if let Err(e) = set {
                         // Only a directory's owner may set its times: on one that is not ours
                         // (a shared directory we may write) the files are in, so say so and
                         // go on.
-                        if e.kind() == ErrorKind::PermissionDenied && m.uid() != me {
+                        if e.kind() == ErrorKind::PermissionDenied && st.st_uid != me {
                             warnings.push(format!(
                                 "could not set the mtime of {shown}: it belongs to uid {}, not to this user (the files were committed)",
-                                m.uid()
+                                st.st_uid
                             ));
                         } else {
                             errors.push(io(&e, "set mtime of", shown).message);
                         }
                     }
                 }
-                Ok(_) => errors.push(format!("set mtime of {shown}: not a directory")),
-                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Ok(Some((_, st))) if file_type(&st) == rfs::FileType::Symlink => {
+                    errors.push(self.refused(rel, Refused::Link(rel.clone())).message);
+                }
+                Ok(Some(_)) => errors.push(format!("set mtime of {shown}: not a directory")),
+                Ok(None) => {}
                 Err(e) => errors.push(io(&e, "set mtime of", shown).message),
             }
         }
@@ -1483,8 +1534,7 @@ pub async fn apply_once(
 impl Session {
     /// Each destination entry is what the orchestrator last saw there: a file with this
     /// blake3, or nothing (`None`).
-    fn expect_all(&self, expect: &[(String, Option<[u8; 32]>)]) -> Result<(), AgentError> {
-        let mut dirs = HashSet::new();
+    fn expect_all(&mut self, expect: &[(String, Option<[u8; 32]>)]) -> Result<(), AgentError> {
         for (rel, want) in expect {
             let changed = || {
                 err(
@@ -1492,26 +1542,31 @@ impl Session {
                     format!("{rel} changed on the destination since the last sync"),
                 )
             };
-            if self.check(rel, false, &mut dirs)?.is_some() {
+            let (p, name) = match self.parent_of(rel)? {
+                Ok(v) => v,
                 // A parent is missing, so nothing is at `rel`.
-                if want.is_some() {
-                    return Err(changed());
-                }
-                continue;
-            }
-            let path = self.path(rel);
-            let now = match fs::symlink_metadata(&path) {
-                Ok(m) if m.is_file() => {
-                    let f = File::open(&path).map_err(|e| io(&e, "read", rel))?;
+                Err(_) if want.is_some() => return Err(changed()),
+                Err(_) => continue,
+            };
+            let now = match lstat_at(&p, name).map_err(|e| io(&e, "stat", rel))? {
+                Some(st) if file_type(&st) == rfs::FileType::RegularFile => {
+                    let f = rfs::openat(
+                        &*p,
+                        name,
+                        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+                        Mode::empty(),
+                    )
+                    .map(File::from)
+                    .map_err(|e| io(&e.into(), "read", rel))?;
+                    let len = f.metadata().map_err(|e| io(&e, "read", rel))?.len();
                     Some(
-                        *hash_staged(&f, m.len())
+                        *hash_staged(&f, len)
                             .map_err(|e| io(&e, "read", rel))?
                             .as_bytes(),
                     )
                 }
-                Ok(_) => return Err(changed()),
-                Err(e) if e.kind() == ErrorKind::NotFound => None,
-                Err(e) => return Err(io(&e, "stat", rel)),
+                Some(_) => return Err(changed()),
+                None => None,
             };
             if now != *want {
                 return Err(changed());

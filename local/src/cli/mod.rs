@@ -40,8 +40,9 @@ pub mod exit {
     pub const REMOTE: u8 = 4;
     /// A bug in rsb.
     pub const INTERNAL: u8 = 5;
-    /// `rsb sync` finished, but files in conflict were kept, not replaced: the destination
-    /// does not match the source (as rsync's 23 says a transfer was partial).
+    /// `rsb sync` finished, but files in conflict were kept, not replaced, or a file that kept
+    /// changing was left uncommitted: the destination does not match the source (as rsync's
+    /// 23 says a transfer was partial).
     pub const CONFLICTS: u8 = 6;
     /// `rsb exec --timeout` expired; the remote command's session was killed.
     pub const TIMEOUT: u8 = 124;
@@ -64,7 +65,8 @@ Exit codes:
   4    the operation failed on the sandbox (no such file or job, permission denied, ...)
   5    internal error (a bug in rsb)
   6    rsb sync: conflicts (files changed on both sides were kept, not replaced;
-       --force takes the source's side)
+       --force takes the source's side), or a file that kept changing while it was
+       sent was left uncommitted (sync again once it is quiet)
   0/1/2 rsb grep, as rg: a match / no match / an error
   124  rsb exec --timeout expired (the remote command's session was killed)
   130  interrupted (Ctrl-C: SIGINT to the remote command, SIGTERM 5 s later, then killed)

@@ -160,10 +160,11 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
     once(pool, json, &sandbox, &spec, &a).await
 }
 
-/// A sync that kept conflicting files did not make the destination match: a script's
-/// `rsb sync . gpu:proj && rsb exec 'python train.py'` must not go on with the stale file.
+/// A sync that kept conflicting files, or left a file that kept changing uncommitted, did not
+/// make the destination match: a script's `rsb sync . gpu:proj && rsb exec 'python
+/// train.py'` must not go on with the stale file.
 fn conflict_code(rep: &rsb::sync::SyncReport) -> u8 {
-    if rep.conflicts.is_empty() {
+    if rep.conflicts.is_empty() && rep.unsettled == 0 {
         exit::OK
     } else {
         exit::CONFLICTS

@@ -23,6 +23,9 @@ pub struct ForwardArgs {
     /// Local address to listen on; anything but loopback lets other machines in.
     #[arg(long, default_value = "127.0.0.1")]
     pub bind: String,
+    /// Allow a --bind address that other machines can reach (0.0.0.0, ::, a LAN address).
+    #[arg(long)]
+    pub allow_external: bool,
     /// Let the watchdog daemon serve the forward (it outlives this command); prints its URL.
     #[arg(long, conflicts_with_all = ["list", "stop"])]
     pub detach: bool,
@@ -76,13 +79,14 @@ pub async fn main(pool: Arc<Pool>, a: ForwardArgs, json: bool) -> u8 {
         };
     }
     let spec = a.target.unwrap_or_default();
-    let req = match forward::cli_request(pool.names(), &spec, a.local_port, &a.bind) {
-        Ok(r) => r,
-        Err(e) => {
-            print_error(json, &e);
-            return 2;
-        }
-    };
+    let req =
+        match forward::cli_request(pool.names(), &spec, a.local_port, &a.bind, a.allow_external) {
+            Ok(r) => r,
+            Err(e) => {
+                print_error(json, &e);
+                return 2;
+            }
+        };
     if a.detach {
         return detach(pool, &req, json).await;
     }

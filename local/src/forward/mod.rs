@@ -218,6 +218,7 @@ impl Forward {
             events,
             link: Mutex::new(LinkState::default()),
             connecting: tokio::sync::Mutex::new(()),
+            own: Mutex::new(None),
         });
         let cancel = CancellationToken::new();
         let task = tokio::spawn(accept_loop(listener, shared.clone(), cancel.clone()));
@@ -291,6 +292,9 @@ struct Shared {
     link: Mutex<LinkState>,
     /// Held while asking the pool for a session (see [`Shared::open`]).
     connecting: tokio::sync::Mutex<()>,
+    /// This forward's own SSH connection ([`Pool::dedicated_ssh_session`]), replaced once it
+    /// dies: a client of this forward that stops reading stalls this connection only.
+    own: Mutex<Option<Arc<SshSession>>>,
 }
 
 impl Shared {
@@ -345,7 +349,18 @@ impl Shared {
         }
     }
 
-    /// A stream to the target: a channel on the pooled session (reconnecting as needed, within
+    /// The forward's own connection, opened anew when there is none or it died. Called with
+    /// `connecting` held, so one attempt runs at a time.
+    async fn session(&self) -> crate::error::Result<Option<Arc<SshSession>>> {
+        if let Some(s) = self.own.lock().as_ref().filter(|s| !s.is_closed()) {
+            return Ok(Some(s.clone()));
+        }
+        let s = self.pool.dedicated_ssh_session(&self.sandbox).await?;
+        *self.own.lock() = s.clone();
+        Ok(s)
+    }
+
+    /// A stream to the target: a channel on the forward's own session (reconnecting as needed, within
     /// [`OPEN_DEADLINE`]), or a direct socket for the `local` sandbox.
     async fn open(&self, peer: SocketAddr) -> std::result::Result<Remote, String> {
         if self.direct {
@@ -375,8 +390,7 @@ impl Shared {
                 if self.link.lock().attempts_failed != seen {
                     continue;
                 }
-                match tokio::time::timeout_at(deadline, self.pool.ssh_session(&self.sandbox)).await
-                {
+                match tokio::time::timeout_at(deadline, self.session()).await {
                     Err(_) => break,
                     Ok(Ok(Some(s))) => s,
                     Ok(Ok(None)) => return Err("the sandbox has no SSH connection".into()),

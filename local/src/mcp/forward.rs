@@ -30,9 +30,12 @@ pub struct ForwardPortParams {
     /// 0 = the remote port if free, else any.
     #[serde(default)]
     pub local_port: i64,
-    /// Non-loopback is reachable from other machines.
+    /// Non-loopback is reachable from other machines: needs allow_external.
     #[serde(default)]
     pub bind: String,
+    /// Allow a bind that other machines can reach.
+    #[serde(default)]
+    pub allow_external: bool,
     #[serde(default)]
     pub sandbox_name: String,
     /// Served by the watchdog daemon: outlives this server.
@@ -61,10 +64,12 @@ impl ForwardPortParams {
             }
         };
         let local = (self.local_port != 0).then_some(self.local_port);
+        let bind = forward::parse_bind(&self.bind)?;
+        forward::check_exposure(bind, self.allow_external)?;
         Ok(ForwardRequest {
             sandbox: self.sandbox_name.clone(),
             local_port: forward::local_port(local, &target)?,
-            bind: forward::parse_bind(&self.bind)?,
+            bind,
             target,
         })
     }

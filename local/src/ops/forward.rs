@@ -113,6 +113,19 @@ pub struct ForwardList {
     pub forwards: Vec<ForwardInfo>,
 }
 
+/// A forward on an address other machines can reach serves them too, through the user's SSH
+/// login: like OpenSSH's `GatewayPorts`, that takes an explicit yes, never only a warning.
+pub fn check_exposure(ip: IpAddr, allow_external: bool) -> Result<()> {
+    if ip.is_loopback() || allow_external {
+        return Ok(());
+    }
+    Err(RsbError::invalid(
+        format!("bind address {ip} would let other machines use the forward"),
+        "bind 127.0.0.1 (the default), or pass --allow-external (allow_external=true) if other \
+         machines should reach it",
+    ))
+}
+
 fn exposure_warning(ip: IpAddr) -> Option<String> {
     (!ip.is_loopback()).then(|| {
         format!("listening on {ip}: other machines that can reach this address can use the forward")
@@ -274,13 +287,16 @@ pub fn cli_request(
     spec: &str,
     local: Option<i64>,
     bind: &str,
+    allow_external: bool,
 ) -> Result<ForwardRequest> {
     let (sandbox, rest) = split_sandbox(names, spec)?;
     let target = parse_target(rest)?;
+    let bind = parse_bind(bind)?;
+    check_exposure(bind, allow_external)?;
     Ok(ForwardRequest {
         sandbox: sandbox.to_string(),
         local_port: local_port(local, &target)?,
-        bind: parse_bind(bind)?,
+        bind,
         target,
     })
 }
@@ -532,24 +548,24 @@ mod tests {
 
     #[test]
     fn specs_name_a_sandbox_and_a_target() {
-        let r = cli_request(&names(), "gpu:8888", None, "").unwrap();
+        let r = cli_request(&names(), "gpu:8888", None, "", false).unwrap();
         assert_eq!(r.sandbox, "gpu");
         assert_eq!(r.target, tcp("localhost", 8888));
         assert_eq!(r.local_port, LocalPort::Prefer(8888));
         assert_eq!(r.bind, IpAddr::V4(Ipv4Addr::LOCALHOST));
 
-        let r = cli_request(&names(), "gpu:10.0.0.2:80", Some(9000), "0.0.0.0").unwrap();
+        let r = cli_request(&names(), "gpu:10.0.0.2:80", Some(9000), "0.0.0.0", true).unwrap();
         assert_eq!(r.target, tcp("10.0.0.2", 80));
         assert_eq!(r.local_port, LocalPort::Exact(9000));
         assert_eq!(r.bind, IpAddr::V4(Ipv4Addr::UNSPECIFIED));
 
-        let r = cli_request(&names(), "gpu:[::1]:80", Some(0), "::1").unwrap();
+        let r = cli_request(&names(), "gpu:[::1]:80", Some(0), "::1", false).unwrap();
         assert_eq!(r.target, tcp("::1", 80));
         assert_eq!(r.target.to_string(), "[::1]:80");
         assert_eq!(r.local_port, LocalPort::Any);
         assert_eq!(r.bind, IpAddr::V6(Ipv6Addr::LOCALHOST));
 
-        let r = cli_request(&names(), "gpu:/run/app.sock", None, "").unwrap();
+        let r = cli_request(&names(), "gpu:/run/app.sock", None, "", false).unwrap();
         assert_eq!(
             r.target,
             Target::Unix {
@@ -559,12 +575,19 @@ mod tests {
         assert_eq!(r.local_port, LocalPort::Any);
 
         // The active sandbox, and names that contain ':' themselves.
-        assert_eq!(cli_request(&names(), ":22", None, "").unwrap().sandbox, "");
         assert_eq!(
-            cli_request(&names(), "::1:22", None, "").unwrap().sandbox,
+            cli_request(&names(), ":22", None, "", false)
+                .unwrap()
+                .sandbox,
+            ""
+        );
+        assert_eq!(
+            cli_request(&names(), "::1:22", None, "", false)
+                .unwrap()
+                .sandbox,
             "::1"
         );
-        let r = cli_request(&names(), "gpu:2:22", None, "").unwrap();
+        let r = cli_request(&names(), "gpu:2:22", None, "", false).unwrap();
         assert_eq!(
             (r.sandbox.as_str(), r.target),
             ("gpu:2", tcp("localhost", 22))
@@ -574,7 +597,7 @@ mod tests {
     #[test]
     fn bad_specs_get_one_line_errors_with_hints() {
         let e = |spec: &str, local: Option<i64>, bind: &str| {
-            cli_request(&names(), spec, local, bind).unwrap_err()
+            cli_request(&names(), spec, local, bind, false).unwrap_err()
         };
         assert!(
             e("nope:80", None, "")
@@ -604,6 +627,30 @@ mod tests {
         );
         for err in [e("gpu:x\ny:80", None, ""), e("gpu:/a\nb", None, "")] {
             assert!(!err.message.contains('\n'), "{}", err.message);
+        }
+    }
+
+    /// Issue 21: a forward bound to 0.0.0.0 or :: was accepted with only a warning.
+    #[test]
+    fn a_bind_other_machines_reach_needs_allow_external() {
+        for bind in ["0.0.0.0", "*", "::", "[::]", "192.168.1.5"] {
+            let e = cli_request(&names(), "gpu:8888", None, bind, false).unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains("would let other machines use the forward"),
+                "{bind}: {e}"
+            );
+            assert!(e.hint.contains("--allow-external"), "{bind}");
+            assert!(
+                cli_request(&names(), "gpu:8888", None, bind, true).is_ok(),
+                "{bind}"
+            );
+        }
+        for bind in ["", "localhost", "127.0.0.1", "127.3.4.5", "::1"] {
+            assert!(
+                cli_request(&names(), "gpu:8888", None, bind, false).is_ok(),
+                "{bind}"
+            );
         }
     }
 

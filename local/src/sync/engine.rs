@@ -416,6 +416,18 @@ async fn abort(dst: AgentClient, session: u64) -> Result<()> {
     dst.call(ApplyAbortRequest { session }).await
 }
 
+/// How often a large file that changed since its scan is sent again before it is reported
+/// as changing and left uncommitted.
+const RESEND_TRIES: usize = 3;
+
+/// One pass over a large file's blocks.
+struct Pass {
+    /// `(size, blake3)` of the bytes read, when the pass read the whole file in order.
+    whole: Option<(u64, [u8; 32])>,
+    /// Every block hashed as the pass was told to expect (true when nothing was expected).
+    matched: bool,
+}
+
 /// A small file as read, ready for its batch.
 struct SmallFile {
     f: FileXfer,
@@ -1251,12 +1263,19 @@ async fn execute(
         tracker: tracker.clone(),
         bytes_sent: Mutex::new(0),
         comp: comp.clone(),
+        changed: Mutex::new(Vec::new()),
     };
     let res = tokio::select! {
         r = ctx.transfer(&plan, report) => r,
         _ = cancel.cancelled() => Err(cancelled_keeping(tracker.large.lock().clone())),
     };
     report.bytes_sent = *ctx.bytes_sent.lock();
+    let changed = std::mem::take(&mut *ctx.changed.lock());
+    report.files_transferred = report
+        .files_transferred
+        .saturating_sub(changed.len() as u64);
+    report.unsettled += changed.len() as u64;
+    report.errors.extend(changed);
     if comp.on() {
         let (raw, wire) = comp.saved();
         report.bytes_wire = Some(report.bytes_sent.saturating_sub(raw) + wire);
@@ -1379,6 +1398,8 @@ struct Ctx<'a> {
     bytes_sent: Mutex<u64>,
     /// Compression of the file bytes this transfer sends.
     comp: Arc<Compress>,
+    /// Files that kept changing while they were sent, not committed (one line each).
+    changed: Mutex<Vec<String>>,
 }
 
 /// What one small batch carries, for progress once it is acknowledged.
@@ -1633,11 +1654,6 @@ impl Ctx<'_> {
             0
         };
         *self.tracker.large.lock() = (!f.delta).then(|| (f.rel.clone(), kept_before));
-        let held = |b: u64| {
-            if let Some(l) = self.tracker.large.lock().as_mut() {
-                l.1 += b;
-            }
-        };
         if f.delta {
             let dst_path = self.roots.dst_path(&f.rel);
             let (s, d) = tokio::try_join!(
@@ -1660,9 +1676,68 @@ impl Ctx<'_> {
                 .await?;
             first_awaited = true;
         }
+        let pass = self
+            .send_blocks(f, &src_path, f.size, blocks, whole, first_awaited, None)
+            .await?;
+        let (size, hash) = match pass.whole {
+            // The bytes sent are the version the scan hashed (in one pass, its identity
+            // unchanged from the first byte to the last): one version, commit it.
+            Some(got) if got == (f.size, f.hash) => got,
+            // The source changed between its scan and this read, maybe in the middle of it:
+            // what is staged may be a mix of versions. Send it again against a fresh hash.
+            Some(_) => match self.resend_settled(f, &src_path).await? {
+                Some(v) => v,
+                None => {
+                    *self.tracker.large.lock() = None;
+                    self.changed.lock().push(format!(
+                        "source {}: changed while it was being sent ({RESEND_TRIES} tries); not \
+                         committed, the destination keeps what it had; sync again once it is \
+                         quiet",
+                        f.rel
+                    ));
+                    return Ok(());
+                }
+            },
+            None => (f.size, f.hash),
+        };
+        self.session
+            .apply(vec![ApplyOp::FileCommit {
+                rel: f.rel.clone(),
+                size,
+                mode: f.mode,
+                mtime_ns: f.mtime_ns,
+                hash,
+            }])
+            .await?;
+        *self.tracker.large.lock() = None;
+        self.tracker.committed.lock().insert(f.rel.clone(), hash);
+        self.tracker.acked(1, 0, Some(&f.rel));
+        Ok(())
+    }
+
+    /// Read `blocks` of the source and stream them into the staged copy, under the byte
+    /// window. `whole`: the blocks are the whole file (of `size` bytes) in order, hashed as
+    /// read (the file may shrink under the read: it stops there). `expect`: the source's block
+    /// hashes this pass must reproduce.
+    #[allow(clippy::too_many_arguments)]
+    async fn send_blocks(
+        &self,
+        f: &FileXfer,
+        src_path: &str,
+        size: u64,
+        blocks: Vec<(u64, u64)>,
+        whole: bool,
+        mut first_awaited: bool,
+        expect: Option<&[[u8; 32]]>,
+    ) -> Result<Pass> {
+        let held = |b: u64| {
+            if let Some(l) = self.tracker.large.lock().as_mut() {
+                l.1 += b;
+            }
+        };
         let jobs: Vec<(AgentClient, String, u64, u64)> = blocks
             .into_iter()
-            .map(|(off, len)| (self.src.clone(), src_path.clone(), off, len))
+            .map(|(off, len)| (self.src.clone(), src_path.to_string(), off, len))
             .collect();
         // Set when a block of this file did not shrink: the rest travels raw untried.
         let skip = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -1671,6 +1746,7 @@ impl Ctx<'_> {
             .buffered(LARGE_READS);
         let mut hasher = whole.then(blake3::Hasher::new);
         let mut total: u64 = 0;
+        let mut matched = true;
         let mut inflight = FuturesUnordered::new();
         let mut pending: Vec<ApplyOp> = Vec::new();
         // Raw bytes (progress) and bytes on the wire (the window) of `pending`.
@@ -1683,6 +1759,12 @@ impl Ctx<'_> {
             let last = next.is_none();
             if let Some(r) = next {
                 let (off, data, z) = r?;
+                if let Some(want) = expect {
+                    let i = (off / BLOCK_SIZE) as usize;
+                    if want.get(i) != Some(blake3::hash(&data).as_bytes()) {
+                        matched = false;
+                    }
+                }
                 if let Some(h) = hasher.as_mut() {
                     if off != total {
                         // The file shrank under us: stop at what was read.
@@ -1693,7 +1775,7 @@ impl Ctx<'_> {
                 }
                 let n = data.len() as u64;
                 total = off + n;
-                if whole && n < BLOCK_SIZE.min(f.size - off.min(f.size)) {
+                if whole && n < BLOCK_SIZE.min(size - off.min(size)) {
                     eof = true;
                 }
                 pending_bytes += n;
@@ -1753,22 +1835,53 @@ impl Ctx<'_> {
             self.tracker.acked(0, b, Some(&f.rel));
             held(b);
         }
-        let (size, hash) = match hasher {
-            Some(h) => (total, *h.finalize().as_bytes()),
-            None => (f.size, f.hash),
-        };
-        self.session
-            .apply(vec![ApplyOp::FileCommit {
-                rel: f.rel.clone(),
-                size,
-                mode: f.mode,
-                mtime_ns: f.mtime_ns,
-                hash,
-            }])
-            .await?;
-        *self.tracker.large.lock() = None;
-        self.tracker.committed.lock().insert(f.rel.clone(), hash);
-        self.tracker.acked(1, 0, Some(&f.rel));
-        Ok(())
+        Ok(Pass {
+            whole: hasher.map(|h| (total, *h.finalize().as_bytes())),
+            matched,
+        })
+    }
+
+    /// A large file that changed since its scan, sent again until what is staged is one
+    /// version: the source's block hashes are taken in one pass (the agent refuses a file
+    /// that changes while it hashes), then every block is read and sent again and must hash
+    /// as that pass said, the size too. `None`: it kept changing for [`RESEND_TRIES`] tries.
+    async fn resend_settled(
+        &self,
+        f: &FileXfer,
+        src_path: &str,
+    ) -> Result<Option<(u64, [u8; 32])>> {
+        for _ in 0..RESEND_TRIES {
+            let fresh = match self
+                .src
+                .call(BlockHashesRequest {
+                    path: src_path.to_string(),
+                    block_size: BLOCK_SIZE,
+                })
+                .await
+            {
+                Ok(r) => r,
+                // Changing while it was hashed: another try.
+                Err(e)
+                    if e.kind == Kind::Agent(ErrorCode::Io)
+                        && e.message.contains("changed while") =>
+                {
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            let size = fresh.size;
+            let blocks: Vec<(u64, u64)> = (0..size.div_ceil(BLOCK_SIZE))
+                .map(|i| (i * BLOCK_SIZE, BLOCK_SIZE.min(size - i * BLOCK_SIZE)))
+                .collect();
+            self.tracker.update(false, |p| p.bytes_total += size);
+            let pass = self
+                .send_blocks(f, src_path, size, blocks, true, true, Some(&fresh.hashes))
+                .await?;
+            match pass.whole {
+                Some((got, hash)) if pass.matched && got == size => return Ok(Some((got, hash))),
+                _ => continue,
+            }
+        }
+        Ok(None)
     }
 }

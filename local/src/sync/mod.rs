@@ -169,6 +169,9 @@ pub struct SyncReport {
     pub baseline_out: Option<std::collections::HashMap<String, [u8; 32]>>,
     /// Non-fatal problems after commit (e.g. the root's mtime on a directory not owned).
     pub warnings: Vec<String>,
+    /// Files not committed because they kept changing while they were sent (each also a line
+    /// in `errors`): the destination does not match for them.
+    pub unsettled: u64,
     /// With compression on for this transfer ([`compress`]): the file bytes that crossed the
     /// link, compressed or not (`bytes_sent` counts them raw). `None`: compression was off.
     pub bytes_wire: Option<u64>,

@@ -60,10 +60,11 @@ pub async fn dispatch(t: &Targets, e: &WatchEvent, event_file: &Path) -> Vec<Str
                 .map(|err| format!("webhook failed: {err}"))
         }));
     }
+    let brief = hook_event_json(e, event_file);
     for cmd in &t.commands {
-        let body = body.clone();
+        let brief = brief.clone();
         jobs.push(Box::pin(async move {
-            run_event_command(cmd, e, &body, event_file, t.timeout)
+            run_event_command(cmd, e, &brief, event_file, t.timeout)
                 .await
                 .err()
                 .map(|err| format!("event_command failed: {err}"))
@@ -213,8 +214,76 @@ pub async fn post_json(url: &str, body: &str, timeout: Duration) -> Result<u16, 
 // ---------------------------------------------------------------------------------------------
 // event_command
 
+/// The most bytes one `RSMCP_*` value carries. Linux refuses an exec whose single argv or
+/// environment string passes MAX_ARG_STRLEN (128 KiB) with E2BIG; the seed put the log tail
+/// in two variables, JSON-escaped (a control byte is six), so its hooks failed on exactly the
+/// noisy failures they were for. The whole event is always in the file `RSMCP_EVENT_FILE`.
+pub const HOOK_VALUE_MAX: usize = 16 * 1024;
+
+/// `RSMCP_EVENT_JSON`: the event as it is when it fits [`HOOK_VALUE_MAX`]; otherwise with its
+/// remote texts cut to their tails until it does, marked `"truncated": true` with the
+/// `event_file` that holds all of it.
+pub fn hook_event_json(e: &WatchEvent, event_file: &Path) -> String {
+    let full = serde_json::to_string(&json!(e)).unwrap_or_default();
+    if full.len() <= HOOK_VALUE_MAX {
+        return full;
+    }
+    let mut keep = 4000usize;
+    loop {
+        let mut v = json!(e);
+        if let Some(p) = v["payload"].as_object_mut() {
+            for k in ["log_tail", "checkpoint_text", "suggested_codex_prompt"] {
+                if let Some(t) = p.get(k).and_then(|t| t.as_str()) {
+                    let cut = super::clip_tail(t, keep);
+                    p.insert(k.into(), json!(cut));
+                }
+            }
+            p.insert("truncated".into(), json!(true));
+            p.insert("event_file".into(), json!(event_file));
+        }
+        let s = serde_json::to_string(&v).unwrap_or_default();
+        if s.len() <= HOOK_VALUE_MAX {
+            return s;
+        }
+        if keep == 0 {
+            // Other keys are too big on their own: identity, type and where the rest is.
+            return json!({
+                "id": e.id, "watch_id": e.watch_id, "event_type": e.event_type,
+                "summary": super::clip_tail(&e.summary, 1000), "created_ts": e.created_ts,
+                "truncated": true, "event_file": event_file,
+            })
+            .to_string();
+        }
+        keep /= 4;
+    }
+}
+
+/// A text for one `RSMCP_*` variable: without NUL (no environment string can hold one, and
+/// one NUL in a log used to stop every hook from starting) and at most [`HOOK_VALUE_MAX`]
+/// bytes, its head and tail kept around a note that says where the whole text is.
+pub fn hook_env_text(s: &str) -> String {
+    let s = s.replace('\0', "");
+    if s.len() <= HOOK_VALUE_MAX {
+        return s;
+    }
+    let note = format!(
+        "\n[… {} bytes cut here; the whole event is in $RSMCP_EVENT_FILE …]\n",
+        s.len()
+    );
+    let half = (HOOK_VALUE_MAX - note.len()) / 2;
+    let mut head = half;
+    while !s.is_char_boundary(head) {
+        head -= 1;
+    }
+    let mut tail = s.len() - half;
+    while !s.is_char_boundary(tail) {
+        tail += 1;
+    }
+    format!("{}{note}{}", &s[..head], &s[tail..])
+}
+
 /// `sh -c CMD` with the seed's `RSMCP_*` variables, in its own process group, killed (the whole
-/// group) at the deadline.
+/// group) at the deadline. Every value is bounded and free of NUL ([`hook_env_text`]).
 pub async fn run_event_command(
     cmd: &str,
     e: &WatchEvent,
@@ -223,7 +292,7 @@ pub async fn run_event_command(
     timeout: Duration,
 ) -> Result<(), String> {
     let w = &e.payload["watch"];
-    let s = |k: &str| w[k].as_str().unwrap_or_default().to_string();
+    let s = |k: &str| hook_env_text(w[k].as_str().unwrap_or_default());
     let mut c = tokio::process::Command::new("/bin/sh");
     // The same environment every local child of rsb gets: the user's own variables (a hook
     // may need its Slack token), never rsb's configuration or secrets.
@@ -232,17 +301,19 @@ pub async fn run_event_command(
         .env_clear()
         .envs(crate::connect::child_env());
     c.env("RSMCP_EVENT_FILE", event_file)
-        .env("RSMCP_EVENT_JSON", event_json)
-        .env("RSMCP_EVENT_TYPE", &e.event_type)
+        .env("RSMCP_EVENT_JSON", hook_env_text(event_json))
+        .env("RSMCP_EVENT_TYPE", hook_env_text(&e.event_type))
         .env("RSMCP_WATCH_ID", e.watch_id.to_string())
         .env("RSMCP_SANDBOX_NAME", s("sandbox_name"))
         .env("RSMCP_TMUX_SESSION", s("tmux_session"))
         .env("RSMCP_LOG_FILE", s("log_file"))
         .env(
             "RSMCP_SUGGESTED_PROMPT",
-            e.payload["suggested_codex_prompt"]
-                .as_str()
-                .unwrap_or_default(),
+            hook_env_text(
+                e.payload["suggested_codex_prompt"]
+                    .as_str()
+                    .unwrap_or_default(),
+            ),
         )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -378,6 +449,72 @@ async fn notify(e: &WatchEvent) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 21 defect 6: 80 log lines of 249 control bytes made a 237 KB payload, and the hook
+    /// failed with "Argument list too long"; one NUL in the log stopped every hook from starting.
+    #[tokio::test]
+    async fn a_noisy_log_with_a_nul_still_runs_the_hook_with_bounded_values() {
+        let line: String = (0..249u32)
+            .map(|i| char::from_u32(1 + i % 31).unwrap())
+            .collect();
+        let mut tail = vec![line; 80].join("\n");
+        tail.push_str("\nlast words\0 after a NUL");
+        let prompt = format!("Inspect the task.\nLatest log tail:\n{tail}");
+        let e = WatchEvent {
+            id: 3,
+            watch_id: 9,
+            event_type: "failed".into(),
+            summary: "exit 1".into(),
+            created_ts: 1,
+            payload: json!({"watch": {"sandbox_name": "s", "tmux_session": "t\0x",
+                                      "log_file": "/h/l.log"},
+                            "log_tail": tail, "checkpoint_text": "",
+                            "suggested_codex_prompt": prompt}),
+        };
+        assert!(serde_json::to_string(&json!(e)).unwrap().len() > 200_000);
+        let dir = tempfile::tempdir().unwrap();
+        let event_file = dir.path().join("event-3.json");
+        let out = dir.path().join("out");
+        let cmd = format!(
+            "printf %s \"$RSMCP_EVENT_JSON\" > {0}.json; printf %s \"$RSMCP_SUGGESTED_PROMPT\" > {0}.prompt",
+            out.display()
+        );
+        let brief = hook_event_json(&e, &event_file);
+        run_event_command(&cmd, &e, &brief, &event_file, Duration::from_secs(10))
+            .await
+            .unwrap();
+        let json_text = std::fs::read_to_string(out.with_extension("json")).unwrap();
+        assert!(json_text.len() <= HOOK_VALUE_MAX, "{}", json_text.len());
+        let v: serde_json::Value = serde_json::from_str(&json_text).unwrap();
+        assert_eq!(v["payload"]["truncated"], true, "{v}");
+        assert_eq!(v["payload"]["event_file"], event_file.display().to_string());
+        assert_eq!(v["watch_id"], 9);
+        // The tail is what is kept: the job's last words are there.
+        assert!(
+            v["payload"]["log_tail"]
+                .as_str()
+                .unwrap()
+                .ends_with("last words\0 after a NUL")
+        );
+        let p = std::fs::read(out.with_extension("prompt")).unwrap();
+        assert!(p.len() <= HOOK_VALUE_MAX && !p.contains(&0), "{}", p.len());
+        let p = String::from_utf8(p).unwrap();
+        assert!(p.starts_with("Inspect the task.") && p.ends_with("last words after a NUL"));
+        assert!(
+            p.contains("$RSMCP_EVENT_FILE"),
+            "the cut says where the rest is"
+        );
+
+        // A small event passes whole, as the seed's did.
+        let small = WatchEvent {
+            payload: json!({"log_tail": "ok\n"}),
+            ..e.clone()
+        };
+        assert_eq!(
+            hook_event_json(&small, &event_file),
+            serde_json::to_string(&json!(small)).unwrap()
+        );
+    }
 
     #[test]
     fn osascript_gets_hostile_text_as_data_never_as_script() {
