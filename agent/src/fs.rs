@@ -133,7 +133,7 @@ impl Meta {
 
     // The field types differ between targets (x86_64 and aarch64, libc and linux_raw).
     #[allow(clippy::unnecessary_cast)]
-    fn of_stat(s: &rustix::fs::Stat) -> Meta {
+    pub(crate) fn of_stat(s: &rustix::fs::Stat) -> Meta {
         Meta {
             dev: s.st_dev as u64,
             ino: s.st_ino as u64,

@@ -20,13 +20,14 @@
 
 mod matcher;
 
+use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::Read;
-use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::OpenOptionsExt;
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, mpsc};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use rsb_protocol::{
@@ -36,7 +37,7 @@ use rsb_protocol::{
 use rsb_rules::{Layer, Rules};
 use tokio_util::sync::CancellationToken;
 
-use crate::fs::{Level, Meta};
+use crate::fs::Meta;
 use crate::util::{expand_home, path_string};
 use matcher::Matcher;
 
@@ -46,8 +47,9 @@ const MAX_ERRORS: usize = 20;
 const MAX_RANGES: usize = 32;
 /// An ignore file larger than this is reported and not applied.
 const MAX_IGNORE_FILE: u64 = 1 << 20;
-/// Files queued between the walker and the matchers.
-const QUEUE: usize = 1024;
+/// Batches of files queued between the walker and the matchers (each holds its directory's
+/// descriptor, see [`Batch`]).
+const QUEUE: usize = 64;
 
 pub fn search(req: &SearchRequest, cancel: &CancellationToken) -> Result<SearchResult, AgentError> {
     let matcher = Matcher::new(&req.pattern, req.literal, req.ignore_case)
@@ -82,12 +84,11 @@ pub fn search(req: &SearchRequest, cancel: &CancellationToken) -> Result<SearchR
     } else if meta.is_file() {
         // An explicit file is searched whatever the ignore rules say, as rg does; its entries
         // have an empty path (the caller prints the path it gave).
-        let name = Vec::new();
         let mut buf = Vec::new();
         let mut scratch = Vec::new();
         if let Some(f) = search_file(
-            &root,
-            name,
+            open_path(&root),
+            Vec::new,
             req,
             &matcher,
             &mut buf,
@@ -267,10 +268,15 @@ impl<'a> Walker<'a> {
         }
         if canonical.join(".git").exists() {
             w.in_git = true;
-            w.top_layers = w.enter_layers(&Layers::default(), root, "", errors, true);
+            w.top_layers =
+                w.enter_layers(&Layers::default(), root, "", errors, true, exists_in(root));
             return w;
         }
         let Some(top) = top else {
+            // In no repository: the root's own `.ignore` and `.rgignore` still apply (its
+            // parents' are not read; ripgrep reads them up to `/`).
+            w.top_layers =
+                w.enter_layers(&Layers::default(), root, "", errors, false, exists_in(root));
             return w;
         };
         w.in_git = true;
@@ -283,9 +289,16 @@ impl<'a> Walker<'a> {
         let mut layers = Layers::default();
         for dir in chain.iter().rev() {
             let rel = rel_of(dir);
-            layers = w.enter_layers(&layers, dir, &rel, errors, dir == &top);
+            layers = w.enter_layers(&layers, dir, &rel, errors, dir == &top, exists_in(dir));
         }
-        layers = w.enter_layers(&layers, root, w.prefix.trim_end_matches('/'), errors, false);
+        layers = w.enter_layers(
+            &layers,
+            root,
+            w.prefix.trim_end_matches('/'),
+            errors,
+            false,
+            exists_in(root),
+        );
         w.top_layers = layers;
         w
     }
@@ -298,10 +311,17 @@ impl<'a> Walker<'a> {
         rel: &str,
         errors: &Errors,
         repo_top: bool,
+        has: impl Fn(&str) -> bool,
     ) -> Layers {
         let mut l = above.clone();
         if self.no_ignore {
             return l;
+        }
+        // A repository's own git ignore files are the only ones that apply inside it, as with
+        // ripgrep: an outer tree's (or outer repository's) `.gitignore` stops at a `.git`.
+        if has(".git") {
+            l.gitignore.clear();
+            l.exclude.clear();
         }
         let add = |into: &mut Vec<Layer>, file: &Path| {
             if let Some(lines) = read_ignore(file, errors) {
@@ -312,10 +332,16 @@ impl<'a> Walker<'a> {
                 into.push(layer);
             }
         };
-        add(&mut l.gitignore, &dir.join(".gitignore"));
-        add(&mut l.ignore, &dir.join(".ignore"));
-        add(&mut l.rgignore, &dir.join(".rgignore"));
-        if repo_top || dir.join(".git").is_dir() {
+        for (into, name) in [
+            (&mut l.gitignore, ".gitignore"),
+            (&mut l.ignore, ".ignore"),
+            (&mut l.rgignore, ".rgignore"),
+        ] {
+            if has(name) {
+                add(into, &dir.join(name));
+            }
+        }
+        if repo_top || (has(".git") && dir.join(".git").is_dir()) {
             add(&mut l.exclude, &dir.join(".git/info/exclude"));
         }
         l
@@ -367,7 +393,7 @@ impl<'a> Walker<'a> {
             .map(|n| n.get())
             .unwrap_or(1)
             .clamp(1, 8);
-        let (tx, rx) = mpsc::sync_channel::<(PathBuf, Vec<u8>)>(QUEUE);
+        let (tx, rx) = mpsc::sync_channel::<Batch>(QUEUE);
         let rx = Mutex::new(rx);
         let results = Mutex::new(Vec::new());
         std::thread::scope(|s| {
@@ -378,21 +404,32 @@ impl<'a> Walker<'a> {
                     let mut mine = Vec::new();
                     loop {
                         let next = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
-                        let Ok((path, rel)) = next else { break };
-                        if stop.now() {
-                            continue;
-                        }
-                        if let Some(f) = search_file(
-                            &path,
-                            rel,
-                            req,
-                            matcher,
-                            &mut buf,
-                            &mut scratch,
-                            errors,
-                            stats,
-                        ) {
-                            mine.push(f);
+                        let Ok(batch) = next else { break };
+                        for name in &batch.names {
+                            if stop.now() {
+                                break;
+                            }
+                            let file = open_in(batch.fd.as_deref(), &batch.dir, name);
+                            let rel = || {
+                                let mut rel = (*batch.rel).clone();
+                                if !rel.is_empty() {
+                                    rel.push(b'/');
+                                }
+                                rel.extend_from_slice(name.as_bytes());
+                                rel
+                            };
+                            if let Some(f) = search_file(
+                                file,
+                                rel,
+                                req,
+                                matcher,
+                                &mut buf,
+                                &mut scratch,
+                                errors,
+                                stats,
+                            ) {
+                                mine.push(f);
+                            }
                         }
                     }
                     results
@@ -407,64 +444,83 @@ impl<'a> Walker<'a> {
         Ok(results.into_inner().unwrap_or_else(|p| p.into_inner()))
     }
 
-    fn walk(&self, tx: &mpsc::SyncSender<(PathBuf, Vec<u8>)>, stop: &Stop, errors: &Errors) {
-        let first = match Level::read(self.root.clone(), String::new()) {
+    fn walk(&self, tx: &mpsc::SyncSender<Batch>, stop: &Stop, errors: &Errors) {
+        let first = match DirList::read(self.root.clone(), Vec::new(), true) {
             Ok(l) => l,
             Err(e) => {
                 errors.push(format!("{}: {e}", self.root.display()));
                 return;
             }
         };
-        // Per level: the directory, its rel path as bytes, its ignore layers, inside git.
-        let mut stack: Vec<(Level, Vec<u8>, Layers, bool)> =
-            vec![(first, Vec::new(), self.top_layers.clone(), self.in_git)];
-        while let Some((level, rel_bytes, layers, git)) = stack.last_mut() {
-            let Some(name) = level.next_name() else {
+        // Per level: the directory, its ignore layers, inside git.
+        let mut stack: Vec<(DirList, Layers, bool)> =
+            vec![(first, self.top_layers.clone(), self.in_git)];
+        let mut rel: Vec<u8> = Vec::new();
+        loop {
+            let depth = stack.len();
+            let Some((level, layers, git)) = stack.last_mut() else {
+                return;
+            };
+            let Some((name, kind)) = level.next() else {
+                if let Some(b) = level.batch()
+                    && tx.send(b).is_err()
+                {
+                    return;
+                }
                 stack.pop();
                 continue;
             };
             if stop.now() {
                 return;
             }
-            let name = name.as_bytes().to_vec();
-            let mut rel = rel_bytes.clone();
+            rel.clear();
+            rel.extend_from_slice(&level.rel);
             if !rel.is_empty() {
                 rel.push(b'/');
             }
-            rel.extend_from_slice(&name);
-            let rel_str = String::from_utf8_lossy(&rel).into_owned();
-            let meta: Meta = match level.lstat(std::ffi::OsStr::from_bytes(&name)) {
-                Ok(m) => m,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => {
-                    errors.push(format!("{rel_str}: {e}"));
-                    continue;
-                }
-            };
-            let path = level.dir.join(std::ffi::OsStr::from_bytes(&name));
-            match meta.kind() {
-                FileKind::Dir => {
-                    if self.excluded(layers, *git, &rel_str, &name, true) {
+            rel.extend_from_slice(name.as_bytes());
+            let rel_str = String::from_utf8_lossy(&rel);
+            // The listing's type, when the file system gives one (most do); else an lstat.
+            let kind = match kind {
+                Some(k) => k,
+                None => match level.lstat(&name) {
+                    Ok(m) => m.kind(),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(e) => {
+                        errors.push(format!("{rel_str}: {e}"));
                         continue;
                     }
-                    let git_here = *git || (!self.no_ignore && path.join(".git").exists());
-                    let top_rel = format!("{}{rel_str}", self.prefix);
-                    let below = self.enter_layers(layers, &path, &top_rel, errors, false);
-                    match Level::read(path, rel_str) {
-                        Ok(mut l) => {
-                            if stack.len() >= crate::fs::LEVEL_FDS {
-                                l.close();
-                            }
-                            stack.push((l, rel, below, git_here));
-                        }
-                        Err(e) => errors.push(format!("{}: {e}", String::from_utf8_lossy(&rel))),
+                },
+            };
+            match kind {
+                FileKind::Dir => {
+                    if self.excluded(layers, *git, &rel_str, name.as_bytes(), true) {
+                        continue;
                     }
+                    let path = level.dir.join(&name);
+                    let keep_fd = depth < crate::fs::LEVEL_FDS;
+                    let sub = match DirList::read(path, rel.clone(), keep_fd) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            errors.push(format!("{rel_str}: {e}"));
+                            continue;
+                        }
+                    };
+                    // The new directory's own listing says which ignore files it has: no
+                    // stat of a name that is not there.
+                    let git_here = *git || (!self.no_ignore && sub.has(".git"));
+                    let top_rel = format!("{}{rel_str}", self.prefix);
+                    let below = self
+                        .enter_layers(layers, &sub.dir, &top_rel, errors, false, |n| sub.has(n));
+                    stack.push((sub, below, git_here));
                 }
                 FileKind::File => {
-                    if self.excluded(layers, *git, &rel_str, &name, false) {
+                    if self.excluded(layers, *git, &rel_str, name.as_bytes(), false) {
                         continue;
                     }
-                    if tx.send((path, rel)).is_err() {
+                    if let Some(b) = level.queue(name)
+                        && tx.send(b).is_err()
+                    {
                         return;
                     }
                 }
@@ -473,6 +529,149 @@ impl<'a> Walker<'a> {
             }
         }
     }
+}
+
+/// Files handed to a matcher at once: one directory's, opened relative to it.
+const BATCH: usize = 64;
+
+/// Files of one directory for a matcher thread. A batch holds the directory's descriptor, and
+/// at most [`QUEUE`] batches wait, so a walk keeps a bounded number of descriptors open.
+struct Batch {
+    fd: Option<Arc<OwnedFd>>,
+    dir: Arc<PathBuf>,
+    /// The directory relative to the root.
+    rel: Arc<Vec<u8>>,
+    names: Vec<OsString>,
+}
+
+/// One directory of the search walk: its names in byte order with the type the listing gives
+/// (`None` where the file system does not say), read once, and the regular files seen so far
+/// that wait for a [`Batch`]. Unlike [`crate::fs::Level`] an entry is not stat'ed unless its
+/// type is unknown, and a file is opened relative to its directory's descriptor.
+struct DirList {
+    dir: Arc<PathBuf>,
+    rel: Arc<Vec<u8>>,
+    entries: std::vec::IntoIter<(OsString, Option<FileKind>)>,
+    /// Sorted names, to tell which ignore files the directory has without a stat.
+    names: Vec<OsString>,
+    /// Dropped below [`crate::fs::LEVEL_FDS`] levels (files are then opened by path).
+    fd: Option<Arc<OwnedFd>>,
+    pending: Vec<OsString>,
+}
+
+impl DirList {
+    fn read(dir: PathBuf, rel: Vec<u8>, keep_fd: bool) -> std::io::Result<DirList> {
+        use rustix::fs::{FileType, Mode, OFlags};
+        let fd = rustix::fs::open(
+            &dir,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )?;
+        let mut entries = Vec::new();
+        for e in rustix::fs::Dir::read_from(&fd)? {
+            let e = e?;
+            let name = e.file_name().to_bytes();
+            if name == b"." || name == b".." {
+                continue;
+            }
+            let kind = match e.file_type() {
+                FileType::RegularFile => Some(FileKind::File),
+                FileType::Directory => Some(FileKind::Dir),
+                FileType::Symlink => Some(FileKind::Symlink),
+                FileType::Fifo => Some(FileKind::Fifo),
+                FileType::Socket => Some(FileKind::Socket),
+                FileType::CharacterDevice => Some(FileKind::CharDevice),
+                FileType::BlockDevice => Some(FileKind::BlockDevice),
+                _ => None,
+            };
+            entries.push((OsString::from_vec(name.to_vec()), kind));
+        }
+        entries.sort_by(|a, b| a.0.as_bytes().cmp(b.0.as_bytes()));
+        let names = entries.iter().map(|(n, _)| n.clone()).collect();
+        Ok(DirList {
+            dir: Arc::new(dir),
+            rel: Arc::new(rel),
+            entries: entries.into_iter(),
+            names,
+            fd: keep_fd.then(|| Arc::new(fd)),
+            pending: Vec::new(),
+        })
+    }
+
+    fn next(&mut self) -> Option<(OsString, Option<FileKind>)> {
+        self.entries.next()
+    }
+
+    fn has(&self, name: &str) -> bool {
+        self.names
+            .binary_search_by(|n| n.as_bytes().cmp(name.as_bytes()))
+            .is_ok()
+    }
+
+    fn lstat(&self, name: &OsStr) -> std::io::Result<Meta> {
+        match &self.fd {
+            Some(fd) => {
+                let s = rustix::fs::statat(&**fd, name, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)?;
+                Ok(Meta::of_stat(&s))
+            }
+            None => Ok(Meta::of(&std::fs::symlink_metadata(self.dir.join(name))?)),
+        }
+    }
+
+    /// Queue a file; a full batch is returned for sending.
+    fn queue(&mut self, name: OsString) -> Option<Batch> {
+        self.pending.push(name);
+        (self.pending.len() >= BATCH)
+            .then(|| self.batch())
+            .flatten()
+    }
+
+    /// The files queued so far, if any.
+    fn batch(&mut self) -> Option<Batch> {
+        if self.pending.is_empty() {
+            return None;
+        }
+        Some(Batch {
+            fd: self.fd.clone(),
+            dir: self.dir.clone(),
+            rel: self.rel.clone(),
+            names: std::mem::take(&mut self.pending),
+        })
+    }
+}
+
+/// Open a regular file for reading, never following a symlink and never blocking on a FIFO
+/// swapped in after the walk saw a file: relative to its directory's descriptor when there is
+/// one (one path component for the kernel to resolve, not the whole path).
+fn open_in(fd: Option<&OwnedFd>, dir: &Path, name: &OsStr) -> std::io::Result<File> {
+    match fd {
+        Some(fd) => Ok(File::from(rustix::fs::openat(
+            fd,
+            name,
+            OPEN_FLAGS,
+            rustix::fs::Mode::empty(),
+        )?)),
+        None => open_path(&dir.join(name)),
+    }
+}
+
+/// [`open_in`] by path: the root given as a file, a page's second read, a deep directory.
+fn open_path(path: &Path) -> std::io::Result<File> {
+    Ok(File::from(rustix::fs::open(
+        path,
+        OPEN_FLAGS,
+        rustix::fs::Mode::empty(),
+    )?))
+}
+
+const OPEN_FLAGS: rustix::fs::OFlags = rustix::fs::OFlags::RDONLY
+    .union(rustix::fs::OFlags::NOFOLLOW)
+    .union(rustix::fs::OFlags::NONBLOCK)
+    .union(rustix::fs::OFlags::CLOEXEC);
+
+/// For the root and its parents, whose listings the walk does not hold: a stat per name.
+fn exists_in(dir: &Path) -> impl Fn(&str) -> bool + '_ {
+    move |name| dir.join(name).exists()
 }
 
 fn read_ignore(file: &Path, errors: &Errors) -> Option<Vec<String>> {
@@ -508,13 +707,10 @@ enum Loaded {
     Large,
 }
 
-/// Read a regular file (never a FIFO swapped in after the walk saw a file), unless it is over
-/// the cap.
-fn load(path: &Path, max: u64, buf: &mut Vec<u8>) -> std::io::Result<Loaded> {
-    let mut f = File::options()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)?;
+/// Read a regular file opened by [`open_in`] or [`open_path`] (never a FIFO swapped in after
+/// the walk saw a file), unless it is over the cap.
+fn load(file: std::io::Result<File>, max: u64, buf: &mut Vec<u8>) -> std::io::Result<Loaded> {
+    let mut f = file?;
     let m = f.metadata()?;
     if !m.is_file() {
         return Ok(Loaded::NotFile);
@@ -523,6 +719,7 @@ fn load(path: &Path, max: u64, buf: &mut Vec<u8>) -> std::io::Result<Loaded> {
         return Ok(Loaded::Large);
     }
     buf.clear();
+    buf.reserve(m.len() as usize + 1);
     // One byte more than the cap tells a file that grew past it since the stat.
     (&mut f).take(max.saturating_add(1)).read_to_end(buf)?;
     if buf.len() as u64 > max {
@@ -533,8 +730,8 @@ fn load(path: &Path, max: u64, buf: &mut Vec<u8>) -> std::io::Result<Loaded> {
 
 #[allow(clippy::too_many_arguments)]
 fn search_file(
-    path: &Path,
-    rel: Vec<u8>,
+    file: std::io::Result<File>,
+    rel: impl FnOnce() -> Vec<u8>,
     req: &SearchRequest,
     matcher: &Matcher,
     buf: &mut Vec<u8>,
@@ -542,7 +739,7 @@ fn search_file(
     errors: &Errors,
     stats: &Stats,
 ) -> Option<Found> {
-    match load(path, req.max_filesize, buf) {
+    match load(file, req.max_filesize, buf) {
         Ok(Loaded::Text) => {}
         Ok(Loaded::NotFile) => return None,
         Ok(Loaded::Large) => {
@@ -551,7 +748,7 @@ fn search_file(
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
         Err(e) => {
-            errors.push(format!("{}: {e}", String::from_utf8_lossy(&rel)));
+            errors.push(format!("{}: {e}", String::from_utf8_lossy(&rel())));
             return None;
         }
     }
@@ -566,7 +763,7 @@ fn search_file(
         count += 1;
         !first_only
     });
-    (count > 0).then_some(Found { rel, count })
+    (count > 0).then(|| Found { rel: rel(), count })
 }
 
 /// The page of a content search: the matching lines `offset..offset+limit` of the sorted
@@ -598,7 +795,7 @@ fn page(
             base.join(std::ffi::OsStr::from_bytes(&f.rel))
         };
         // The walk's size cap still holds: a file that grew past it since is skipped.
-        match load(&path, req.max_filesize, &mut buf) {
+        match load(open_path(&path), req.max_filesize, &mut buf) {
             Ok(Loaded::Text) => {}
             Ok(_) => continue,
             Err(e) => {

@@ -69,12 +69,13 @@ fn tree_size(root: &Path) -> (u64, u64) {
     (sizes.len() as u64, sizes.iter().sum())
 }
 
-fn timed(mut cmd: Command) -> (f64, usize) {
+/// Milliseconds, and the trimmed stdout (a `wc -l` count here).
+fn timed(mut cmd: Command) -> (f64, String) {
     let t = Instant::now();
     let out = output_with_timeout(&mut cmd, Duration::from_secs(300)).expect("run");
     let s = t.elapsed().as_secs_f64() * 1000.0;
     assert!(out.status.code().unwrap_or(9) <= 1, "{cmd:?}: {out:?}");
-    (s, out.stdout.len())
+    (s, String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 fn main() {
@@ -179,17 +180,19 @@ fn main() {
             rsb_ms.push(ms);
         }
         let fixed = if literal { "-F " } else { "" };
+        // Inside single quotes the shell keeps backslashes as they are (none of the patterns
+        // holds a quote).
         let remote = format!(
-            "cd {} && rg -n {fixed}-e '{}' tree | head -c 100000000 | wc -l",
+            "cd {} && rg -n {fixed}-e '{pattern}' tree | head -c 100000000 | wc -l",
             home.display(),
-            pattern.replace('\\', "\\\\")
         );
         let mut ssh_rg = Vec::new();
         let mut ssh_grep = Vec::new();
         let mut local_rg = Vec::new();
         let mut rg_lines = 0;
         for _ in 0..RUNS {
-            let (ms, _) = timed(sshd.ssh_command(&remote));
+            let (ms, lines) = timed(sshd.ssh_command(&remote));
+            assert_eq!(lines, total.to_string(), "ssh rg found what rsb found");
             ssh_rg.push(ms);
             let g = format!(
                 "cd {} && grep -rn {}-e '{}' tree | wc -l",

@@ -2906,6 +2906,70 @@ async fn search_finds_exactly_what_rg_finds() {
     mcp.close().await;
 }
 
+/// The walk's less common paths against rg: a repository nested below a root that is in none
+/// (its `.gitignore` and `.git/info/exclude` apply inside it only; a `.gitignore` outside any
+/// repository does not), `.rgignore`, and files deeper than the walk keeps directories open
+/// (70 levels: files there are opened by path, not relative to a directory descriptor).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn search_of_nested_repos_rgignore_and_deep_dirs_matches_rg() {
+    let sshd = Sshd::start().unwrap();
+    let home = sshd.home().to_path_buf();
+    let root = home.join("proj");
+    let w = |rel: &str, text: &str| {
+        let p = root.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    };
+    w(".gitignore", "notgit.txt\n");
+    w(
+        "notgit.txt",
+        "needle: a .gitignore outside a repository does not apply\n",
+    );
+    w(".rgignore", "rg_only.txt\n");
+    w("rg_only.txt", "needle hidden by .rgignore\n");
+    w("inner/.git/HEAD", "ref: x\n");
+    w("inner/.git/info/exclude", "excluded.txt\n");
+    w("inner/.gitignore", "gen/\n");
+    w("inner/gen/x.txt", "needle in an ignored dir\n");
+    w("inner/excluded.txt", "needle excluded by info/exclude\n");
+    w("inner/kept.txt", "needle kept\n");
+    w(
+        "inner/sub/notgit.txt",
+        "needle: the outer .gitignore is not the repository's\n",
+    );
+    let mut deep = String::from("deep");
+    for i in 0..70 {
+        deep.push_str(&format!("/d{i}"));
+        if (60..70).contains(&i) || i % 20 == 0 {
+            w(&format!("{deep}/f.txt"), &format!("needle at depth {i}\n"));
+        }
+    }
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    for (mut args, rg_args) in [
+        (json!({"pattern": "needle"}), vec!["-n", "needle"]),
+        (
+            json!({"pattern": "needle", "output_mode": "count"}),
+            vec!["-c", "needle"],
+        ),
+        (
+            json!({"pattern": "needle", "no_ignore": true}),
+            vec!["-n", "--no-ignore", "needle"],
+        ),
+    ] {
+        args["remote_path"] = json!("proj");
+        args["head_limit"] = json!(5000);
+        let v = mcp.ok("search_remote_files", args.clone()).await;
+        let want = rg_lines(&home, &rg_args);
+        assert!(
+            want.iter().any(|l| l.contains("/d69/f.txt")),
+            "rg reached the bottom: {want:?}"
+        );
+        assert_eq!(page_lines(&v), want, "search {args} vs rg {rg_args:?}");
+        assert_eq!(v["complete"], true, "{args}");
+    }
+    mcp.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn search_pages_are_exact() {
     let sshd = Sshd::start().unwrap();
