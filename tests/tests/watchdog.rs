@@ -1599,3 +1599,196 @@ async fn a_resume_cut_by_a_daemon_kill_runs_once_whatever_the_clocks_say() {
     drop(daemon);
     pool.shutdown().await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Issue 23: https webhooks, checked against a test CA; a server that is down is retried
+
+/// A test CA (PEM written to `ca_file`) and an https server on 127.0.0.1 signed by it, answering
+/// 204 to each request, recording (head, body).
+fn https_server(ca_file: &Path) -> (u16, Requests) {
+    let ca_key = rcgen::KeyPair::generate().unwrap();
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    std::fs::write(ca_file, ca_cert.pem()).unwrap();
+    let issuer = rcgen::Issuer::new(ca_params, ca_key);
+    let key = rcgen::KeyPair::generate().unwrap();
+    let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_string()])
+        .unwrap()
+        .signed_by(&key, &issuer)
+        .unwrap();
+    let cfg = Arc::new(
+        rustls::ServerConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![cert.der().clone()],
+            rustls::pki_types::PrivateKeyDer::Pkcs8(key.serialize_der().into()),
+        )
+        .unwrap(),
+    );
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let g = got.clone();
+    std::thread::spawn(move || {
+        for tcp in l.incoming().flatten().take(50) {
+            let _ = tcp.set_read_timeout(Some(Duration::from_secs(5)));
+            let conn = rustls::ServerConnection::new(cfg.clone()).unwrap();
+            let tls = rustls::StreamOwned::new(conn, tcp);
+            let mut r = BufReader::new(tls);
+            let mut head = String::new();
+            let mut len = 0usize;
+            loop {
+                let mut line = String::new();
+                if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                    len = v.trim().parse().unwrap_or(0);
+                }
+                head.push_str(&line);
+            }
+            if head.is_empty() {
+                continue; // a handshake that failed
+            }
+            let mut body = vec![0u8; len];
+            let _ = r.read_exact(&mut body);
+            g.lock()
+                .unwrap()
+                .push((head, String::from_utf8_lossy(&body).into_owned()));
+            let mut tls = r.into_inner();
+            let _ = tls.write_all(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n");
+            let _ = tls.flush();
+            tls.conn.send_close_notify();
+            let _ = tls.flush();
+        }
+    });
+    (port, got)
+}
+
+/// Before: `https://` was refused at registration ("rsb has no TLS client"), though nearly
+/// every real webhook is https. Now the event reaches an https endpoint whose certificate a
+/// test CA signed (trusted through `SSL_CERT_FILE`, as for curl), the same endpoint without
+/// that CA is refused as untrusted, and a server that is down is tried three times inside the
+/// hook's deadline, then recorded once, while the daemon's other watches go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_webhooks_are_verified_and_a_down_server_is_retried() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let pool = key_pool(&sshd, tmp.path());
+    let ca = tmp.path().join("test-ca.pem");
+    let (port, got) = https_server(&ca);
+    // A port nothing listens on: connections are refused at once.
+    let down = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let hooked = |url: String| wops::WatchArgs {
+        webhook_url: url,
+        ..args()
+    };
+    let ok = watch_job(
+        &pool,
+        &state,
+        "s",
+        "tls-ok",
+        "sleep 1; exit 4",
+        hooked(format!("https://127.0.0.1:{port}/rsb?token=t0p")),
+    )
+    .await;
+    let gone = watch_job(
+        &pool,
+        &state,
+        "s",
+        "tls-down",
+        "sleep 1; exit 5",
+        hooked(format!("https://127.0.0.1:{down}/rsb")),
+    )
+    .await;
+    let plain = watch_job(&pool, &state, "s", "tls-none", "sleep 1; exit 6", args()).await;
+
+    let log = tmp.path().join("https-daemon.log");
+    let mut cmd = Command::new(rsb_bin());
+    cmd.args([
+        "watchdog",
+        "run",
+        "--loop-sleep",
+        "1",
+        "--hook-timeout",
+        "8",
+    ]);
+    base_env(&mut cmd, tmp.path(), &state);
+    cmd.env("SSL_CERT_FILE", &ca)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(std::fs::File::create(log.with_extension("err")).unwrap());
+    let mut child = cmd.spawn().unwrap();
+    let t0 = Instant::now();
+    // The unhooked watch is not held up by the retries.
+    wait_events(
+        &state,
+        plain,
+        Duration::from_secs(20),
+        "completed",
+        has("completed"),
+    )
+    .await;
+    let e = wait_events(
+        &state,
+        ok,
+        Duration::from_secs(20),
+        "completed",
+        has("completed"),
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while got.lock().unwrap().is_empty() {
+        assert!(Instant::now() < deadline, "the https webhook never arrived");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (head, body) = got.lock().unwrap()[0].clone();
+    assert!(head.starts_with("POST /rsb?token=t0p HTTP/1.1"), "{head}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["id"], e[0].id, "{body}");
+    assert_eq!(v["payload"]["exit_code"], 4, "{body}");
+    // The down server: three tries (about 1 + 3 s of backoff), then one recorded failure that
+    // names the server, never the URL's token.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let err = loop {
+        let w = watch(&state, gone);
+        if !w.last_alert_error.is_empty() {
+            break w.last_alert_error;
+        }
+        assert!(Instant::now() < deadline, "no alert error recorded");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    println!("down server after {:?}: {err}", t0.elapsed());
+    assert!(
+        err.contains(&format!("cannot reach 127.0.0.1:{down}")),
+        "{err}"
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+
+    // Without the test CA the same endpoint is not trusted: an error, nothing delivered.
+    let before = got.lock().unwrap().len();
+    let r = rsb::watchdog::alerts::post_json(
+        &format!("https://127.0.0.1:{port}/x"),
+        "{}",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(r.is_err(), "{r:?}");
+    assert!(
+        format!("{r:?}").to_lowercase().contains("certificate"),
+        "{r:?}"
+    );
+    assert_eq!(got.lock().unwrap().len(), before);
+    pool.shutdown().await;
+}

@@ -2,15 +2,15 @@
 //! off the daemon's loop with its own deadline, so a slow hook delays nothing else (the seed
 //! blocked its whole loop for up to 300 s on one `event_command`, and died on a bad URL).
 //!
-//! The webhook is a minimal HTTP/1.1 POST written here for `http://` URLs only: rsb has no TLS
-//! client, and pulling one in (rustls, roots, an HTTP stack) for one optional hook would cost
-//! more build time and surface than it is worth. `https://` is refused with a clear error; an
-//! `event_command` in the user's config (`curl -d "$RSMCP_EVENT_JSON" https://…`) covers it.
+//! The webhook is a POST through `ureq` (rustls), `http://` or `https://`: nearly every real
+//! endpoint (Slack, Discord, ntfy, a team's own) is https. Certificates are checked against
+//! Mozilla's roots, or against `SSL_CERT_FILE`'s when it is set (a company CA, as curl and
+//! OpenSSL take it). A refused connection, a timeout, 429 or 5xx is retried with backoff
+//! inside the hook's deadline; then one failure is recorded.
 
 use std::{path::Path, process::Stdio, time::Duration};
 
 use serde_json::json;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{Watch, WatchEvent, event, settings::FileSettings};
 
@@ -97,25 +97,18 @@ fn notify_worthy(t: &str) -> bool {
 struct Url {
     host: String,
     port: u16,
-    path: String,
 }
 
 fn parse_http_url(url: &str) -> Result<Url, String> {
     let url = url.trim();
-    let rest = if let Some(r) = url.strip_prefix("http://") {
-        r
-    } else if url.starts_with("https://") {
-        return Err(
-            "https webhooks are not supported (rsb has no TLS client): use an http:// endpoint, \
-             or set event_command = 'curl -sd \"$RSMCP_EVENT_JSON\" https://…' in the [watchdog] \
-             table of your config file"
-                .into(),
-        );
+    let (rest, default_port) = if let Some(r) = url.strip_prefix("http://") {
+        (r, 80)
+    } else if let Some(r) = url.strip_prefix("https://") {
+        (r, 443)
     } else {
-        return Err("invalid webhook_url: it must start with http://".into());
+        return Err("invalid webhook_url: it must start with http:// or https://".into());
     };
     let (authority, path) = match rest.find(['/', '?']) {
-        Some(i) if rest.as_bytes()[i] == b'/' => (&rest[..i], &rest[i..]),
         Some(i) => (&rest[..i], &rest[i..]),
         None => (rest, "/"),
     };
@@ -139,7 +132,7 @@ fn parse_http_url(url: &str) -> Result<Url, String> {
         }
     };
     let port = match port {
-        None | Some("") => 80,
+        None | Some("") => default_port,
         Some(p) => p
             .parse::<u16>()
             .map_err(|_| "invalid webhook_url: bad port".to_string())?,
@@ -151,7 +144,7 @@ fn parse_http_url(url: &str) -> Result<Url, String> {
     if !host_ok || path.chars().any(|c| c.is_control() || c == ' ') {
         return Err("invalid webhook_url: bad host or path".into());
     }
-    Ok(Url { host, port, path })
+    Ok(Url { host, port })
 }
 
 /// Checks a webhook URL the way the daemon will use it (for registration errors up front).
@@ -159,56 +152,106 @@ pub fn check_webhook_url(url: &str) -> Result<(), String> {
     parse_http_url(url).map(|_| ())
 }
 
-/// POST `body` as JSON; Ok(status) for a 2xx answer.
+/// Pauses before the second and third tries of a webhook.
+const WEBHOOK_BACKOFF: [Duration; 2] = [Duration::from_secs(1), Duration::from_secs(3)];
+
+/// What one try came to: sent (the 2xx status), worth trying again, or final.
+enum Try {
+    Sent(u16),
+    Again(String),
+    Final(String),
+}
+
+/// POST `body` as JSON; `Ok(status)` for a 2xx answer. Tries up to three times while the
+/// failure may pass (no connection, no answer, 429, 5xx), all within `timeout`.
 pub async fn post_json(url: &str, body: &str, timeout: Duration) -> Result<u16, String> {
     let u = parse_http_url(url)?;
-    let work = async {
-        let mut s = tokio::net::TcpStream::connect((u.host.as_str(), u.port))
-            .await
-            .map_err(|e| format!("cannot connect to {}:{}: {e}", u.host, u.port))?;
-        let host_header = if u.host.contains(':') {
-            format!("[{}]:{}", u.host, u.port)
-        } else {
-            format!("{}:{}", u.host, u.port)
-        };
-        let req = format!(
-            "POST {} HTTP/1.1\r\nHost: {host_header}\r\nUser-Agent: rsb-watchdog/{}\r\n\
-             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-            u.path,
-            env!("CARGO_PKG_VERSION"),
-            body.len()
-        );
-        s.write_all(req.as_bytes())
-            .await
-            .map_err(|e| e.to_string())?;
-        s.write_all(body.as_bytes())
-            .await
-            .map_err(|e| e.to_string())?;
-        // The status line is all we need; read a bounded head of the answer.
-        let mut head = Vec::with_capacity(256);
-        let mut buf = [0u8; 256];
-        while !head.contains(&b'\n') && head.len() < 4096 {
-            let n = s.read(&mut buf).await.map_err(|e| e.to_string())?;
-            if n == 0 {
-                break;
-            }
-            head.extend_from_slice(&buf[..n]);
-        }
-        let line = String::from_utf8_lossy(&head);
-        let code = line
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse::<u16>().ok())
-            .ok_or_else(|| "the server sent no HTTP status line".to_string())?;
-        if (200..300).contains(&code) {
-            Ok(code)
-        } else {
-            Err(format!("the server answered HTTP {code}"))
-        }
+    let at = if u.host.contains(':') {
+        format!("[{}]:{}", u.host, u.port)
+    } else {
+        format!("{}:{}", u.host, u.port)
     };
-    tokio::time::timeout(timeout, work)
-        .await
-        .unwrap_or_else(|_| Err(format!("no answer within {}s", timeout.as_secs())))
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut last = String::new();
+    for pause in std::iter::once(Duration::ZERO).chain(WEBHOOK_BACKOFF) {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if pause >= left {
+            break;
+        }
+        tokio::time::sleep(pause).await;
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let (u, b, at) = (url.to_string(), body.to_string(), at.clone());
+        let one = tokio::task::spawn_blocking(move || post_once(&u, &at, &b, left));
+        match one.await {
+            Ok(Try::Sent(code)) => return Ok(code),
+            Ok(Try::Final(e)) => return Err(e),
+            Ok(Try::Again(e)) => last = e,
+            Err(e) => return Err(format!("the webhook task failed: {e}")),
+        }
+    }
+    if last.is_empty() {
+        last = format!("no answer within {}s", timeout.as_secs());
+    }
+    Err(last)
+}
+
+/// The roots a webhook's certificate is checked against: `SSL_CERT_FILE`'s certificates when
+/// it is set (replacing the defaults, as for OpenSSL and curl), else Mozilla's.
+fn webhook_roots() -> Result<ureq::tls::RootCerts, String> {
+    let Some(path) = std::env::var_os("SSL_CERT_FILE").filter(|p| !p.is_empty()) else {
+        return Ok(ureq::tls::RootCerts::WebPki);
+    };
+    let shown = std::path::PathBuf::from(&path).display().to_string();
+    let pem = std::fs::read(&path).map_err(|e| format!("SSL_CERT_FILE {shown}: {e}"))?;
+    let certs: Vec<ureq::tls::Certificate<'static>> = ureq::tls::parse_pem(&pem)
+        .filter_map(|item| match item {
+            Ok(ureq::tls::PemItem::Certificate(c)) => Some(c),
+            _ => None,
+        })
+        .collect();
+    if certs.is_empty() {
+        return Err(format!("SSL_CERT_FILE {shown} holds no PEM certificate"));
+    }
+    Ok(ureq::tls::RootCerts::new_with_certs(&certs))
+}
+
+/// One POST; `at` (host:port) names the server in errors, never the URL, whose path or query
+/// may hold a token (Slack's and Discord's do).
+fn post_once(url: &str, at: &str, body: &str, timeout: Duration) -> Try {
+    let roots = match webhook_roots() {
+        Ok(r) => r,
+        Err(e) => return Try::Final(e),
+    };
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .timeout_global(Some(timeout.max(Duration::from_millis(100))))
+        .http_status_as_error(false)
+        // A POST is not replayed at another address the server names.
+        .max_redirects(0)
+        .user_agent(format!("rsb-watchdog/{}", env!("CARGO_PKG_VERSION")))
+        .tls_config(ureq::tls::TlsConfig::builder().root_certs(roots).build())
+        .build()
+        .into();
+    match agent
+        .post(url)
+        .header("Content-Type", "application/json")
+        .send(body)
+    {
+        Ok(r) => {
+            let code = r.status().as_u16();
+            match code {
+                200..=299 => Try::Sent(code),
+                429 | 500..=599 => Try::Again(format!("the server answered HTTP {code}")),
+                _ => Try::Final(format!("the server answered HTTP {code}")),
+            }
+        }
+        Err(ureq::Error::Timeout(_)) => {
+            Try::Again(format!("no answer within {}s", timeout.as_secs()))
+        }
+        Err(
+            e @ (ureq::Error::Io(_) | ureq::Error::HostNotFound | ureq::Error::ConnectionFailed),
+        ) => Try::Again(format!("cannot reach {at}: {e}")),
+        Err(e) => Try::Final(e.to_string()),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -553,25 +596,18 @@ mod tests {
     }
 
     #[test]
-    fn urls_are_parsed_and_https_is_refused_clearly() {
+    fn urls_are_parsed_http_and_https() {
         let u = parse_http_url("http://127.0.0.1:8080/hook?x=1").unwrap();
-        assert_eq!(
-            (u.host.as_str(), u.port, u.path.as_str()),
-            ("127.0.0.1", 8080, "/hook?x=1")
-        );
+        assert_eq!((u.host.as_str(), u.port), ("127.0.0.1", 8080));
         let u = parse_http_url("http://[::1]/").unwrap();
         assert_eq!((u.host.as_str(), u.port), ("::1", 80));
-        let u = parse_http_url("http://example.org").unwrap();
-        assert_eq!(u.path, "/");
-        assert!(
-            parse_http_url("https://x")
-                .unwrap_err()
-                .contains("https webhooks are not supported")
-        );
+        let u = parse_http_url("https://hooks.example.org/services/T0/B0/x").unwrap();
+        assert_eq!((u.host.as_str(), u.port), ("hooks.example.org", 443));
+        assert!(parse_http_url("http://example.org").is_ok());
         assert!(
             parse_http_url("notaurl")
                 .unwrap_err()
-                .contains("must start with http://")
+                .contains("must start with http:// or https://")
         );
         assert!(parse_http_url("http://u:p@h/").is_err());
         assert!(parse_http_url("http://h:99999/").is_err());
