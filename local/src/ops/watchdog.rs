@@ -806,16 +806,21 @@ mod tests {
             );
             assert!(prepare(&a, true, false).is_ok());
         }
+        let https = WatchArgs {
+            webhook_url: "https://x/".into(),
+            ..args()
+        };
+        assert!(prepare(&https, true, false).is_ok());
         let e = prepare(
             &WatchArgs {
-                webhook_url: "https://x/".into(),
+                webhook_url: "ftp://x/".into(),
                 ..args()
             },
             true,
             false,
         )
         .unwrap_err();
-        assert!(e.message.contains("https"), "{}", e.message);
+        assert!(e.message.contains("http:// or https://"), "{}", e.message);
         let w = prepare(
             &WatchArgs {
                 codex_wakeup: true,

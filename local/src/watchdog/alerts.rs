@@ -12,13 +12,16 @@ use std::{path::Path, process::Stdio, time::Duration};
 
 use serde_json::json;
 
-use super::{Watch, WatchEvent, event, settings::FileSettings};
+use super::{
+    Watch, WatchEvent, event,
+    settings::{FileSettings, WebhookFormat},
+};
 
 const NOTIFY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The hooks one event goes to: the watch's own, then the config file's.
 pub struct Targets {
-    pub webhooks: Vec<String>,
+    pub webhooks: Vec<(String, WebhookFormat)>,
     pub commands: Vec<String>,
     pub notify: bool,
     pub timeout: Duration,
@@ -26,16 +29,22 @@ pub struct Targets {
 
 impl Targets {
     pub fn for_watch(w: &Watch, file: &FileSettings, timeout: Duration) -> Targets {
-        let mut webhooks = Vec::new();
+        let mut webhooks: Vec<(String, WebhookFormat)> = Vec::new();
         let mut commands = Vec::new();
-        for (list, own, global) in [
-            (&mut webhooks, &w.webhook_url, &file.webhook_url),
-            (&mut commands, &w.event_command, &file.event_command),
-        ] {
-            for s in [own, global] {
-                if !s.trim().is_empty() && !list.contains(s) {
-                    list.push(s.clone());
-                }
+        let own = (&w.webhook_url, WebhookFormat::for_url(&w.webhook_url));
+        let global = (
+            &file.webhook_url,
+            file.webhook_format
+                .unwrap_or_else(|| WebhookFormat::for_url(&file.webhook_url)),
+        );
+        for (url, format) in [own, global] {
+            if !url.trim().is_empty() && !webhooks.iter().any(|(u, _)| u == url) {
+                webhooks.push((url.clone(), format));
+            }
+        }
+        for s in [&w.event_command, &file.event_command] {
+            if !s.trim().is_empty() && !commands.contains(s) {
+                commands.push(s.clone());
             }
         }
         Targets {
@@ -51,10 +60,10 @@ impl Targets {
 pub async fn dispatch(t: &Targets, e: &WatchEvent, event_file: &Path) -> Vec<String> {
     let body = serde_json::to_string(&json!(e)).unwrap_or_default();
     let mut jobs: Vec<futures::future::BoxFuture<'_, Option<String>>> = Vec::new();
-    for url in &t.webhooks {
-        let body = body.clone();
+    for (url, format) in &t.webhooks {
+        let body = webhook_body(*format, e, &body);
         jobs.push(Box::pin(async move {
-            post_json(url, &body, t.timeout)
+            post(url, body, t.timeout)
                 .await
                 .err()
                 .map(|err| format!("webhook failed: {err}"))
@@ -162,9 +171,67 @@ enum Try {
     Final(String),
 }
 
-/// POST `body` as JSON; `Ok(status)` for a 2xx answer. Tries up to three times while the
-/// failure may pass (no connection, no answer, 429, 5xx), all within `timeout`.
+/// A webhook request's body, its content type and its extra headers.
+#[derive(Debug, Clone)]
+pub struct Body {
+    pub content_type: &'static str,
+    pub headers: Vec<(&'static str, String)>,
+    pub text: String,
+}
+
+/// One line a person reads in a chat or a notification: what happened, where.
+fn event_line(e: &WatchEvent) -> String {
+    let w = &e.payload["watch"];
+    let field = |k: &str| w[k].as_str().unwrap_or("").to_string();
+    let job = [field("name"), field("run_id"), field("tmux_session")]
+        .into_iter()
+        .find(|s| !s.is_empty())
+        .unwrap_or_default();
+    let sandbox = field("sandbox_name");
+    let line = format!(
+        "rsb {}: {} (job {job} on {sandbox}, watch {})",
+        e.event_type, e.summary, e.watch_id
+    );
+    // Remote text (the summary) stays on one line, and a chat message stays short.
+    line.replace(['\r', '\n'], " ").chars().take(1500).collect()
+}
+
+/// The body `format` calls for; `json` is the event as the event file holds it.
+pub fn webhook_body(format: WebhookFormat, e: &WatchEvent, json_event: &str) -> Body {
+    let chat = |key: &str| Body {
+        content_type: "application/json",
+        headers: Vec::new(),
+        text: json!({ key: event_line(e) }).to_string(),
+    };
+    match format {
+        WebhookFormat::Json => Body {
+            content_type: "application/json",
+            headers: Vec::new(),
+            text: json_event.to_string(),
+        },
+        WebhookFormat::Slack => chat("text"),
+        WebhookFormat::Discord => chat("content"),
+        WebhookFormat::Ntfy => Body {
+            content_type: "text/plain; charset=utf-8",
+            headers: vec![("Title", format!("rsb: {}", e.event_type))],
+            text: event_line(e),
+        },
+    }
+}
+
+/// POST `body` as JSON; `Ok(status)` for a 2xx answer (see [`post`]).
 pub async fn post_json(url: &str, body: &str, timeout: Duration) -> Result<u16, String> {
+    let body = Body {
+        content_type: "application/json",
+        headers: Vec::new(),
+        text: body.to_string(),
+    };
+    post(url, body, timeout).await
+}
+
+/// POST `body`; `Ok(status)` for a 2xx answer. Tries up to three times while the failure may
+/// pass (no connection, no answer, 429, 5xx), all within `timeout`.
+pub async fn post(url: &str, body: Body, timeout: Duration) -> Result<u16, String> {
     let u = parse_http_url(url)?;
     let at = if u.host.contains(':') {
         format!("[{}]:{}", u.host, u.port)
@@ -180,7 +247,7 @@ pub async fn post_json(url: &str, body: &str, timeout: Duration) -> Result<u16, 
         }
         tokio::time::sleep(pause).await;
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        let (u, b, at) = (url.to_string(), body.to_string(), at.clone());
+        let (u, b, at) = (url.to_string(), body.clone(), at.clone());
         let one = tokio::task::spawn_blocking(move || post_once(&u, &at, &b, left));
         match one.await {
             Ok(Try::Sent(code)) => return Ok(code),
@@ -217,7 +284,7 @@ fn webhook_roots() -> Result<ureq::tls::RootCerts, String> {
 
 /// One POST; `at` (host:port) names the server in errors, never the URL, whose path or query
 /// may hold a token (Slack's and Discord's do).
-fn post_once(url: &str, at: &str, body: &str, timeout: Duration) -> Try {
+fn post_once(url: &str, at: &str, body: &Body, timeout: Duration) -> Try {
     let roots = match webhook_roots() {
         Ok(r) => r,
         Err(e) => return Try::Final(e),
@@ -231,11 +298,11 @@ fn post_once(url: &str, at: &str, body: &str, timeout: Duration) -> Try {
         .tls_config(ureq::tls::TlsConfig::builder().root_certs(roots).build())
         .build()
         .into();
-    match agent
-        .post(url)
-        .header("Content-Type", "application/json")
-        .send(body)
-    {
+    let mut req = agent.post(url).header("Content-Type", body.content_type);
+    for (k, v) in &body.headers {
+        req = req.header(*k, v.as_str());
+    }
+    match req.send(body.text.as_str()) {
         Ok(r) => {
             let code = r.status().as_u16();
             match code {
@@ -593,6 +660,48 @@ mod tests {
             ["exited: code 1", "rsb watchdog", "watch 7 · train"]
         );
         assert!(NOTIFY_SCRIPT[1].starts_with("display notification (item 1 of argv)"));
+    }
+
+    #[test]
+    fn webhook_bodies_follow_their_format() {
+        let e = WatchEvent {
+            id: 7,
+            watch_id: 3,
+            event_type: "completed".into(),
+            summary: "Background task completed with exit code 0\nsecond line".into(),
+            created_ts: 1,
+            payload: json!({"watch": {"name": "", "run_id": "", "tmux_session": "train",
+                                      "sandbox_name": "gpu1"}}),
+        };
+        let line = "rsb completed: Background task completed with exit code 0 second line \
+                    (job train on gpu1, watch 3)";
+        let slack = webhook_body(WebhookFormat::Slack, &e, "{}");
+        assert_eq!(slack.text, json!({"text": line}).to_string());
+        let discord = webhook_body(WebhookFormat::Discord, &e, "{}");
+        assert_eq!(discord.text, json!({"content": line}).to_string());
+        let ntfy = webhook_body(WebhookFormat::Ntfy, &e, "{}");
+        assert_eq!(
+            (ntfy.text.as_str(), ntfy.content_type),
+            (line, "text/plain; charset=utf-8")
+        );
+        assert_eq!(ntfy.headers, [("Title", "rsb: completed".to_string())]);
+        let raw = webhook_body(WebhookFormat::Json, &e, "{\"id\":7}");
+        assert_eq!(raw.text, "{\"id\":7}");
+        for (url, f) in [
+            (
+                "https://hooks.slack.com/services/T0/B0/x",
+                WebhookFormat::Slack,
+            ),
+            (
+                "https://discord.com/api/webhooks/1/abc",
+                WebhookFormat::Discord,
+            ),
+            ("https://discord.com/other", WebhookFormat::Json),
+            ("https://ntfy.sh/my-topic", WebhookFormat::Ntfy),
+            ("http://127.0.0.1:8080/rsb", WebhookFormat::Json),
+        ] {
+            assert_eq!(WebhookFormat::for_url(url), f, "{url}");
+        }
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //!
 //! ```toml
 //! [watchdog]
-//! webhook_url = "http://127.0.0.1:8080/rsb"   # every event, as JSON
+//! webhook_url = "https://hooks.slack.com/services/…"   # every event
+//! webhook_format = "slack"                     # json (default), slack, discord or ntfy
 //! event_command = "notify-me \"$RSMCP_EVENT_TYPE\""
 //! hook_timeout_s = 30                          # webhook and event_command deadline
 //! notify_local = true                          # desktop notifications (default on)
@@ -40,6 +41,43 @@ pub fn store_passwords() -> bool {
     env_truthy(STORE_PASSWORDS_VAR)
 }
 
+/// What a webhook's body is: rsb's event as JSON, a chat message (Slack's `{"text"}`, which
+/// Mattermost and Rocket.Chat take too; Discord's `{"content"}`), or an ntfy notification
+/// (plain text, with a `Title` header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WebhookFormat {
+    Json,
+    Slack,
+    Discord,
+    Ntfy,
+}
+
+impl WebhookFormat {
+    /// The format a URL's well-known host speaks; rsb's JSON for any other.
+    pub fn for_url(url: &str) -> WebhookFormat {
+        let rest = url
+            .trim()
+            .trim_start_matches("https://")
+            .trim_start_matches("http://");
+        let host = rest
+            .split(['/', '?', ':'])
+            .next()
+            .unwrap_or("")
+            .to_ascii_lowercase();
+        match host.as_str() {
+            "hooks.slack.com" => WebhookFormat::Slack,
+            "discord.com" | "discordapp.com" | "ptb.discord.com" | "canary.discord.com"
+                if rest.contains("/api/webhooks/") =>
+            {
+                WebhookFormat::Discord
+            }
+            "ntfy.sh" => WebhookFormat::Ntfy,
+            _ => WebhookFormat::Json,
+        }
+    }
+}
+
 /// The `[watchdog]` table of the user's config file.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -48,6 +86,10 @@ pub struct FileSettings {
     pub webhook_url: String,
     #[serde(default)]
     pub event_command: String,
+    /// The body `webhook_url` gets; unset: guessed from the URL's host (Slack, Discord, ntfy.sh),
+    /// else rsb's JSON event.
+    #[serde(default)]
+    pub webhook_format: Option<WebhookFormat>,
     #[serde(default)]
     pub hook_timeout_s: Option<u64>,
     #[serde(default)]
@@ -88,7 +130,8 @@ impl FileSettings {
                     .unwrap_or(0);
                 Err(format!(
                     "config file {}: the [watchdog] table is invalid (line {line}); its keys are \
-                     webhook_url, event_command, hook_timeout_s, notify_local",
+                     webhook_url, webhook_format (json, slack, discord, ntfy), event_command, \
+                     hook_timeout_s, notify_local",
                     path.display()
                 ))
             }
@@ -125,5 +168,11 @@ mod tests {
         std::fs::write(&p, "[watchdog]\npassword = \"S3cr3t\"\n").unwrap();
         let e = FileSettings::load_from(&p).unwrap_err();
         assert!(e.contains("(line ") && !e.contains("S3cr3t"), "{e}");
+        std::fs::write(&p, "[watchdog]\nwebhook_format = \"ntfy\"\n").unwrap();
+        let s = FileSettings::load_from(&p).unwrap();
+        assert_eq!(s.webhook_format, Some(WebhookFormat::Ntfy));
+        std::fs::write(&p, "[watchdog]\nwebhook_format = \"teams\"\n").unwrap();
+        let e = FileSettings::load_from(&p).unwrap_err();
+        assert!(e.contains("json, slack, discord, ntfy"), "{e}");
     }
 }
