@@ -42,6 +42,27 @@ pub struct Action {
     /// Set when the action failed before a result (the error line).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The numbers of the reply (files, bytes, deletions, ids, mode): see [`reply_summary`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<Value>,
+}
+
+/// A reply's numbers, flags, and its `mode`/`status`/`direction` words, for an audit line:
+/// what a sync moved or deleted, which id a forward or watch got. Never its texts, which can
+/// hold file content or remote output.
+pub fn reply_summary(v: &Value) -> Option<Value> {
+    let obj = v.as_object()?;
+    let keep: serde_json::Map<String, Value> = obj
+        .iter()
+        .filter(|(k, v)| {
+            v.is_number()
+                || v.is_boolean()
+                || (v.is_string()
+                    && matches!(k.as_str(), "mode" | "status" | "direction" | "local_url"))
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    (!keep.is_empty()).then_some(Value::Object(keep))
 }
 
 #[derive(Serialize)]

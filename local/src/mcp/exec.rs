@@ -83,6 +83,7 @@ impl RsbServer {
                     duration_ms: Some(t0.elapsed().as_millis() as u64),
                     bytes: r.as_ref().ok().map(|r| r.stdout.total + r.stderr.total),
                     error: r.as_ref().err().map(|e| e.message.clone()),
+                    detail: None,
                 },
             );
             reply(r.map(|r| exec::reply(&r, p.timeout_s)))

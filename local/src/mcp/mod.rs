@@ -322,6 +322,35 @@ fn check_args(
 }
 
 /// The audit log's origin of a call: `mcp:<client name>`.
+/// Reply with `r`, after appending its audit line: `tool` on `sandbox` with `command` as given,
+/// the reply's numbers ([`crate::audit::reply_summary`]) or its error.
+pub(crate) fn audited<T: serde::Serialize>(
+    config: &Config,
+    ctx: &RequestContext<RoleServer>,
+    (tool, sandbox, command): (&str, &str, Option<String>),
+    t0: std::time::Instant,
+    r: crate::error::Result<T>,
+) -> ToolResult {
+    let r = r.and_then(|v| {
+        serde_json::to_value(v)
+            .map_err(|e| RsbError::internal(format!("cannot encode the reply: {e}")))
+    });
+    crate::audit::record(
+        config,
+        sandbox,
+        &crate::audit::Action {
+            origin: origin(ctx),
+            tool: tool.into(),
+            command,
+            duration_ms: Some(t0.elapsed().as_millis() as u64),
+            error: r.as_ref().err().map(|e| e.message.clone()),
+            detail: r.as_ref().ok().and_then(crate::audit::reply_summary),
+            ..Default::default()
+        },
+    );
+    reply(r)
+}
+
 pub(crate) fn origin(ctx: &RequestContext<RoleServer>) -> String {
     match ctx.peer.peer_info() {
         Some(i) => format!("mcp:{}", i.client_info.name),

@@ -138,7 +138,10 @@ pub struct CancelTransferParams {
 /// Run a sync, sending MCP progress notifications (files, bytes, rate) every 2 s when the
 /// client asked for them. A cancelled call stops the sync through its token, so the
 /// destination's staging session is closed properly.
-async fn with_sync_progress<F, Fut>(ctx: &RequestContext<RoleServer>, work: F) -> ToolResult
+async fn with_sync_progress<F, Fut>(
+    ctx: &RequestContext<RoleServer>,
+    work: F,
+) -> crate::error::Result<Value>
 where
     F: FnOnce(Option<ProgressFn>) -> Fut,
     Fut: std::future::Future<Output = crate::error::Result<Value>>,
@@ -162,7 +165,7 @@ where
         None => format!("sync: running for {secs}s"),
     });
     tokio::select! {
-        r = work(Some(cb)) => reply(r),
+        r = work(Some(cb)) => r,
         _ = ticker => unreachable!(),
     }
 }
@@ -249,12 +252,26 @@ impl RsbServer {
             Ok(a) => a,
             Err(e) => return fail(&e),
         };
+        let t0 = std::time::Instant::now();
+        let sandbox = self.pool.resolve(&args.sandbox).unwrap_or_default();
+        let what = format!(
+            "{} -> {sandbox}:{}{}",
+            args.local_path,
+            args.remote_path,
+            if args.delete_extras {
+                " (delete extras)"
+            } else {
+                ""
+            }
+        );
         let pool = self.pool.clone();
         let cancel = ctx.ct.clone();
-        with_sync_progress(&ctx, |cb| async move {
+        let r = with_sync_progress(&ctx, |cb| async move {
             ops::sync_local_to_remote(&pool, args, cb, &cancel).await
         })
-        .await
+        .await;
+        let tool = ("sync_local_to_remote", sandbox.as_str(), Some(what));
+        super::audited(self.pool.config(), &ctx, tool, t0, r)
     }
 
     #[tool(
@@ -283,12 +300,17 @@ impl RsbServer {
             confirm_delete: false,
             gitignore: p.gitignore,
         };
+        let t0 = std::time::Instant::now();
+        let sandbox = self.pool.resolve(&args.sandbox).unwrap_or_default();
+        let what = format!("{sandbox}:{} -> {}", args.remote_path, args.local_path);
         let pool = self.pool.clone();
         let cancel = ctx.ct.clone();
-        with_sync_progress(&ctx, |cb| async move {
+        let r = with_sync_progress(&ctx, |cb| async move {
             ops::sync_remote_to_local(&pool, args, cb, &cancel).await
         })
-        .await
+        .await;
+        let tool = ("sync_remote_to_local", sandbox.as_str(), Some(what));
+        super::audited(self.pool.config(), &ctx, tool, t0, r)
     }
 
     #[tool(
