@@ -505,6 +505,25 @@ async fn ten_watches_on_a_dead_host_do_not_delay_a_live_one() {
 /// (request head, body) of each request the test server received.
 type Requests = Arc<Mutex<Vec<(String, String)>>>;
 
+/// One HTTP request's head and body (by its Content-Length); an empty head when none came.
+fn read_request(r: &mut impl BufRead) -> (String, String) {
+    let mut head = String::new();
+    let mut len = 0usize;
+    loop {
+        let mut line = String::new();
+        if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+            break;
+        }
+        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap_or(0);
+        }
+        head.push_str(&line);
+    }
+    let mut body = vec![0u8; len];
+    let _ = r.read_exact(&mut body);
+    (head, String::from_utf8_lossy(&body).into_owned())
+}
+
 /// A one-thread HTTP server on 127.0.0.1 recording each request.
 fn http_server() -> (u16, Requests) {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -515,23 +534,7 @@ fn http_server() -> (u16, Requests) {
         for s in l.incoming().flatten().take(100) {
             let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
             let mut r = BufReader::new(s.try_clone().unwrap());
-            let mut head = String::new();
-            let mut len = 0usize;
-            loop {
-                let mut line = String::new();
-                if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
-                    break;
-                }
-                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                    len = v.trim().parse().unwrap_or(0);
-                }
-                head.push_str(&line);
-            }
-            let mut body = vec![0u8; len];
-            let _ = r.read_exact(&mut body);
-            g.lock()
-                .unwrap()
-                .push((head, String::from_utf8_lossy(&body).into_owned()));
+            g.lock().unwrap().push(read_request(&mut r));
             let mut s = s;
             let _ = s.write_all(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n");
         }
@@ -1640,26 +1643,11 @@ fn https_server(ca_file: &Path) -> (u16, Requests) {
             let conn = rustls::ServerConnection::new(cfg.clone()).unwrap();
             let tls = rustls::StreamOwned::new(conn, tcp);
             let mut r = BufReader::new(tls);
-            let mut head = String::new();
-            let mut len = 0usize;
-            loop {
-                let mut line = String::new();
-                if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
-                    break;
-                }
-                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-                    len = v.trim().parse().unwrap_or(0);
-                }
-                head.push_str(&line);
-            }
+            let (head, body) = read_request(&mut r);
             if head.is_empty() {
                 continue; // a handshake that failed
             }
-            let mut body = vec![0u8; len];
-            let _ = r.read_exact(&mut body);
-            g.lock()
-                .unwrap()
-                .push((head, String::from_utf8_lossy(&body).into_owned()));
+            g.lock().unwrap().push((head, body));
             let mut tls = r.into_inner();
             let _ = tls.write_all(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n");
             let _ = tls.flush();
