@@ -366,6 +366,7 @@ impl Job {
             exit_code: st.get_i32("exit_code"),
             signal: st.get_i32("signal"),
             ended_ms,
+            launch_id: text(&self.spec, "launch_id"),
         })
     }
 
@@ -537,6 +538,8 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     }
     check_text("cwd", req.cwd.as_deref().unwrap_or(""))?;
     check_text("log_file", &req.log_file)?;
+    let launch_id = req.launch_id.as_deref().unwrap_or("");
+    check_text("launch_id", launch_id)?;
     // Everything that can be wrong with the request is found before anything launches.
     let cwd = resolve_cwd(req.cwd.as_deref(), &ctx.home)?;
     let log = resolve_log(
@@ -555,6 +558,15 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     let _lock = DirLock::acquire(&dir.join("lock"), START_TIMEOUT + Duration::from_secs(5))?;
 
     let old = load(ctx, &req.name)?;
+    // The same launch asked for again (its caller lost the reply, or died before reading it):
+    // the run it started is the answer, running or ended. A launch that never came up has no
+    // info, and is launched now.
+    if let Some(info) = old.as_ref().and_then(Job::info)
+        && !launch_id.is_empty()
+        && info.launch_id == launch_id
+    {
+        return Ok(info);
+    }
     if let Some(info) = old.as_ref().and_then(Job::info)
         && info.state == JobState::Running
     {
@@ -583,6 +595,7 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     spec.set("cwd", cwd.as_os_str().as_bytes());
     spec.set("log_file", log.as_os_str().as_bytes());
     spec.set("prefer_tmux", if req.prefer_tmux { "1" } else { "0" });
+    spec.set("launch_id", launch_id);
     spec.set("created_ms", now_ms().to_string());
     let mut env: Vec<(OsString, OsString)> = ctx.env.clone();
     for (k, v) in &req.env {

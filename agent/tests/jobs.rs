@@ -375,6 +375,7 @@ fn job_outlives_the_agent_that_started_it(with_tmux: bool) {
         log_file: "logs/e2e.log".into(),
         env: vec![("MARK".into(), "m".into())],
         prefer_tmux: true,
+        launch_id: None,
     });
     assert_eq!(info.state, JobState::Running);
     assert_eq!(info.runner, if with_tmux { "tmux" } else { "setsid" });
@@ -412,6 +413,7 @@ fn job_outlives_the_agent_that_started_it(with_tmux: bool) {
         log_file: String::new(),
         env: Vec::new(),
         prefer_tmux: true,
+        launch_id: None,
     });
     let deadline = Instant::now() + PATIENCE;
     let mut got = Vec::new();
@@ -464,6 +466,7 @@ fn serve_reports_job_errors_as_data() {
         log_file: String::new(),
         env: Vec::new(),
         prefer_tmux: false,
+        launch_id: None,
     };
     match serve.call(Request::JobStart(bad("a.b"))) {
         Reply::Error(e) => {

@@ -113,7 +113,7 @@ enum Pending {
 enum Routed {
     /// A chunk and the length of the frame that carried it (what the agent's window counts).
     Chunk(Chunk, u64),
-    Reply(Result<Reply>),
+    Reply(Box<Result<Reply>>),
 }
 
 impl Pending {
@@ -144,7 +144,7 @@ impl Pending {
                     Routed::Reply(r) => {
                         // The consumer's channel ends with the call, after every chunk.
                         drop(consumer);
-                        let _ = reply.send(r);
+                        let _ = reply.send(*r);
                         return;
                     }
                 }
@@ -160,7 +160,7 @@ impl Pending {
                 let _ = tx.send(r);
             }
             Pending::Stream(tx) => {
-                let _ = tx.send(Routed::Reply(r));
+                let _ = tx.send(Routed::Reply(Box::new(r)));
             }
         }
     }

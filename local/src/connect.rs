@@ -253,7 +253,11 @@ fn take_shared(t: &SshTarget) -> Option<Arc<SshSession>> {
         {
             return None;
         }
-        let session = s.session.upgrade().filter(|x| !x.is_closed())?;
+        // Workers' bridges hold channels too: the agent needs one, and a deploy another.
+        let session = s
+            .session
+            .upgrade()
+            .filter(|x| !x.is_closed() && x.free_channels() >= 2)?;
         s.agents += 1;
         Some(session)
     })

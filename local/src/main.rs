@@ -294,17 +294,27 @@ async fn run(cli: Cli) -> u8 {
             }
         };
     }
-    // `rsb -s ALIAS` / `rsb shell ALIAS` with nothing configured: a `~/.ssh/config` Host,
-    // as `ssh ALIAS` would take it.
+    // `rsb -s ALIAS`, `rsb shell ALIAS` or `rsb ls ALIAS:PATH` (cat, grep, edit, sync alike)
+    // with nothing configured: a `~/.ssh/config` Host, as `ssh ALIAS` would take it.
     let mut config = config;
-    let wanted = match &cli.cmd {
+    let prefix = |arg: &str| -> Option<String> {
+        let (name, _) = arg.split_once(':')?;
+        (!name.is_empty() && !name.contains('/')).then(|| name.to_string())
+    };
+    let wanted: Option<String> = match &cli.cmd {
         Cmd::Shell {
             sandbox: Some(s), ..
-        } => Some(s.as_str()),
-        _ => cli.sandbox.as_deref(),
+        } => Some(s.clone()),
+        _ if cli.sandbox.is_some() => cli.sandbox.clone(),
+        Cmd::Ls { path, .. }
+        | Cmd::Cat { path, .. }
+        | Cmd::Grep(cli::search::GrepArgs { path, .. })
+        | Cmd::Edit { target: path } => prefix(path),
+        Cmd::Sync(a) => a.paths().into_iter().find_map(prefix),
+        _ => None,
     };
     if config.source == rsb::config::BUILTIN_LOCAL
-        && let Some(alias) = wanted
+        && let Some(alias) = wanted.as_deref()
         && config.sandbox(alias).is_none()
     {
         match Config::from_ssh_alias(&config, alias) {

@@ -236,12 +236,29 @@ impl From<russh::Error> for ChannelOpenError {
 /// One authenticated SSH connection.
 pub struct SshSession {
     handle: client::Handle<Checker>,
+    /// Session channels open on this connection (agents, workers' bridges, deploy steps):
+    /// sshd refuses more than its `MaxSessions`, so they are counted here, never found out.
+    channels: Arc<tokio::sync::Semaphore>,
     /// Why the session ended (see [`Checker::ended`]).
     ended: Arc<Mutex<Option<String>>>,
     /// Sessions to the ProxyJump hops, innermost last; they carry `handle`'s transport.
     _jumps: Vec<client::Handle<Checker>>,
     pub target_desc: String,
 }
+
+/// Session channels one connection may hold: OpenSSH's default `MaxSessions`, which servers
+/// rarely raise and a client cannot ask for.
+pub const SESSION_CHANNELS: usize = 10;
+
+/// How long a short step (deploy, sftp) or an agent waits for a channel of a busy connection.
+const CHANNEL_WAIT: Duration = Duration::from_secs(10);
+
+/// How long a worker's bridge waits for a channel. The worker waits 3 s for its agent's Hello
+/// before connecting by itself; a bridge refused sooner lets it do so at once.
+const BRIDGE_WAIT: Duration = Duration::from_secs(2);
+
+/// One session channel of a connection, held for as long as the channel is open.
+pub type ChannelSlot = tokio::sync::OwnedSemaphorePermit;
 
 impl SshSession {
     /// Connect to `t`, through its ProxyJump hops when it has any: each hop is an SSH session
@@ -292,6 +309,7 @@ impl SshSession {
         .await?;
         Ok(Arc::new(SshSession {
             handle,
+            channels: Arc::new(tokio::sync::Semaphore::new(SESSION_CHANNELS)),
             ended,
             _jumps: jumps,
             target_desc: t.address(),
@@ -332,12 +350,45 @@ impl SshSession {
             .map_err(ChannelOpenError::from)
     }
 
-    /// A fresh channel running `command`, split into its halves.
+    /// Session channels this connection has free.
+    pub fn free_channels(&self) -> usize {
+        self.channels.available_permits()
+    }
+
+    /// A slot for one more session channel, waiting up to `wait` for one, with `spare` more left
+    /// free for others (a bridge leaves one for a deploy or a reconnecting agent).
+    async fn channel_slot(
+        &self,
+        wait: Duration,
+        spare: u32,
+    ) -> std::result::Result<ChannelSlot, String> {
+        let all = self.channels.clone();
+        match tokio::time::timeout(wait, all.acquire_many_owned(1 + spare)).await {
+            Ok(Ok(mut slot)) => {
+                drop(slot.split(spare as usize));
+                Ok(slot)
+            }
+            _ => Err(format!(
+                "all {SESSION_CHANNELS} session channels of the server's connection are in use \
+                 (sshd's MaxSessions) after waiting {}s",
+                wait.as_secs()
+            )),
+        }
+    }
+
+    /// A fresh channel running `command`, split into its halves, with its slot.
     async fn exec_channel(
         &self,
         command: &str,
-    ) -> std::result::Result<(russh::ChannelReadHalf, russh::ChannelWriteHalf<client::Msg>), String>
-    {
+        slot: ChannelSlot,
+    ) -> std::result::Result<
+        (
+            russh::ChannelReadHalf,
+            russh::ChannelWriteHalf<client::Msg>,
+            ChannelSlot,
+        ),
+        String,
+    > {
         let ch = self
             .handle
             .channel_open_session()
@@ -346,7 +397,8 @@ impl SshSession {
         ch.exec(true, command)
             .await
             .map_err(|e| format!("exec failed: {e}"))?;
-        Ok(ch.split())
+        let (rd, wr) = ch.split();
+        Ok((rd, wr, slot))
     }
 
     /// Run one command to completion, optionally feeding `stdin`. Used by deploy only.
@@ -355,7 +407,8 @@ impl SshSession {
         command: &str,
         stdin: Option<&[u8]>,
     ) -> std::result::Result<RemoteOutput, String> {
-        let (mut rd, wr) = self.exec_channel(command).await?;
+        let slot = self.channel_slot(CHANNEL_WAIT, 0).await?;
+        let (mut rd, wr, _slot) = self.exec_channel(command, slot).await?;
         let feeder = stdin.map(|data| {
             let data = data.to_vec();
             let mut w = wr.make_writer();
@@ -392,8 +445,12 @@ impl SshSession {
         Ok(out)
     }
 
-    /// Open an SFTP session, or `None` when the server has no sftp subsystem.
-    async fn sftp(&self) -> std::result::Result<Option<russh_sftp::client::SftpSession>, String> {
+    /// Open an SFTP session (with its channel's slot), or `None` when the server has no sftp
+    /// subsystem.
+    async fn sftp(
+        &self,
+    ) -> std::result::Result<Option<(russh_sftp::client::SftpSession, ChannelSlot)>, String> {
+        let slot = self.channel_slot(CHANNEL_WAIT, 0).await?;
         let ch = self
             .handle
             .channel_open_session()
@@ -408,7 +465,7 @@ impl SshSession {
         )
         .await
         {
-            Ok(Ok(s)) => Ok(Some(s)),
+            Ok(Ok(s)) => Ok(Some((s, slot))),
             // A refused subsystem shows up as a failed init on some servers.
             Ok(Err(_)) | Err(_) => Ok(None),
         }
@@ -430,6 +487,10 @@ impl SshSession {
         sandbox: &str,
         command: String,
     ) -> std::result::Result<AgentClient, StartError> {
+        let slot = self
+            .channel_slot(CHANNEL_WAIT, 0)
+            .await
+            .map_err(StartError::NoHello)?;
         let ch = self
             .handle
             .channel_open_session()
@@ -486,7 +547,7 @@ impl SshSession {
             drop(pipe_in);
         });
         let writer = wr.make_writer();
-        let keep: Box<dyn std::any::Any + Send> = Box::new((self.clone(), wr));
+        let keep: Box<dyn std::any::Any + Send> = Box::new((self.clone(), wr, slot));
         match AgentClient::start_watched(
             sandbox,
             pipe_out,
@@ -527,12 +588,13 @@ impl SshSession {
         stream: tokio::net::UnixStream,
     ) -> std::result::Result<(), String> {
         use tokio::io::AsyncReadExt;
-        let (mut rd, wr) = self.exec_channel(&command).await?;
+        let slot = self.channel_slot(BRIDGE_WAIT, 1).await?;
+        let (mut rd, wr, slot) = self.exec_channel(&command, slot).await?;
         let (mut from_worker, mut to_worker) = stream.into_split();
         let name = sandbox.to_string();
         let session = self.clone();
         tokio::spawn(async move {
-            let _session = session;
+            let _held = (session, slot);
             while let Some(msg) = rd.wait().await {
                 match msg {
                     ChannelMsg::Data { data } if to_worker.write_all(&data).await.is_err() => {
@@ -581,7 +643,7 @@ impl rsb_deploy::Remote for SshSession {
     }
 
     async fn sftp_write(&self, path: &str, data: &[u8]) -> std::result::Result<Option<()>, String> {
-        let Some(sftp) = self.sftp().await? else {
+        let Some((sftp, _slot)) = self.sftp().await? else {
             return Ok(None);
         };
         let mut f = sftp
@@ -599,7 +661,7 @@ impl rsb_deploy::Remote for SshSession {
     }
 
     async fn sftp_read(&self, path: &str) -> std::result::Result<Option<Vec<u8>>, String> {
-        let Some(sftp) = self.sftp().await? else {
+        let Some((sftp, _slot)) = self.sftp().await? else {
             return Ok(None);
         };
         let data = sftp

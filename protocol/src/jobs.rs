@@ -14,6 +14,11 @@ pub struct JobStartRequest {
     pub env: Vec<(String, String)>,
     /// Use tmux when present (`true`), or force the setsid runner (`false`).
     pub prefer_tmux: bool,
+    /// The caller's id for this launch, stored with the job. A start whose id matches the
+    /// name's latest launch returns that job instead of launching again, so a caller that lost
+    /// the reply (or died before reading it) repeats the request safely, and never decides by
+    /// comparing its clock with the host's.
+    pub launch_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -38,6 +43,8 @@ pub struct JobInfo {
     pub exit_code: Option<i32>,
     pub signal: Option<i32>,
     pub ended_ms: Option<u64>,
+    /// The [`JobStartRequest::launch_id`] this run was started with (empty without one).
+    pub launch_id: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -54,7 +54,7 @@ pub use sync::{
 /// 7: ReadText/Edit/Write (code tools). 8: zstd frames replace raw deflate in every compressed
 /// payload, and `ApplyOp::Packed` carries a batch of small files as one frame. 9: Search.
 /// 10: `ToAgent::Credit`, the per-request window of streamed chunks.
-pub const PROTOCOL_VERSION: u32 = 10;
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops

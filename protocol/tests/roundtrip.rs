@@ -42,6 +42,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             log_file: ".codex_logs/train-1.log".into(),
             env: vec![],
             prefer_tmux: true,
+            launch_id: None,
         }),
         Request::JobStatus(JobStatusRequest {
             name: "j".into(),
@@ -236,6 +237,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         exit_code: Some(7),
         signal: None,
         ended_ms: Some(2),
+        launch_id: "L".into(),
     };
     let replies = vec![
         Reply::Pong(vec![9]),

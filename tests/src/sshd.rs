@@ -68,6 +68,9 @@ pub struct SshdOptions {
     /// Also listen on `[::1]` (same port), for IPv6 literal tests. Check
     /// [`ipv6_loopback_available`] first: some containers have no `::1`.
     pub ipv6: bool,
+    /// `MaxSessions`: 100 so parallel tests never meet it; OpenSSH's own default (10) where
+    /// a test is about that limit.
+    pub max_sessions: u32,
 }
 
 impl Default for SshdOptions {
@@ -79,6 +82,7 @@ impl Default for SshdOptions {
             accept_env: Vec::new(),
             extra_config: Vec::new(),
             ipv6: false,
+            max_sessions: 100,
         }
     }
 }
@@ -550,7 +554,7 @@ impl Sshd {
         let mut accept = vec!["LANG".to_string(), "LC_*".into(), "RSB_*".into()];
         accept.extend(self.opts.accept_env.iter().cloned());
         line(format!("AcceptEnv {}", accept.join(" ")));
-        line("MaxSessions 100".into());
+        line(format!("MaxSessions {}", self.opts.max_sessions));
         line("MaxStartups 100:30:200".into());
         line("MaxAuthTries 20".into());
         line("LogLevel VERBOSE".into());

@@ -530,6 +530,40 @@ fn an_ssh_config_alias_is_a_sandbox_without_any_config() {
         show(&o)
     );
 
+    // `ALIAS:PATH` picks the alias as `-s ALIAS` does, for ls, cat and sync (it was read as a
+    // path on the built-in `local` sandbox).
+    // (Absolute: the fixture's sessions start in the passwd home, not its $HOME.)
+    let remote = u.sshd.home().join("alias-file.txt").display().to_string();
+    std::fs::write(&remote, "via the alias\n").unwrap();
+    let o = u.run(
+        &mut bare(&["cat", &format!("{alias}:{remote}")]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert_eq!(text(&o.stdout), "via the alias\n", "{}", show(&o));
+    let o = u.run(
+        &mut bare(&["ls", &format!("{alias}:{}", u.sshd.home().display())]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(text(&o.stdout).contains("alias-file.txt"), "{}", show(&o));
+    let down = u.tmp.path().join("alias-down");
+    let o = u.run(
+        &mut bare(&[
+            "sync",
+            &format!("{alias}:{remote}"),
+            &down.display().to_string(),
+        ]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(
+        std::fs::read_to_string(&down)
+            .or_else(|_| std::fs::read_to_string(down.join("alias-file.txt")))
+            .unwrap()
+            .contains("via the alias")
+    );
+
     // `rsb shell ALIAS` with a here-string: no pty, the shell reads stdin, exits with its code
     // (the last command's at EOF, as `ssh host <<< cmd`).
     let shell = |input: &str| {

@@ -672,6 +672,7 @@ async fn tmux_server_killed_while_a_job_runs() {
         log_file: format!(".codex_logs/{name}.log"),
         env: vec![],
         prefer_tmux: true,
+        launch_id: None,
     };
     let status = |name: &str| JobStatusRequest {
         name: name.into(),

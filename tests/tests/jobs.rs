@@ -18,6 +18,7 @@ fn start_req(name: &str, cmd: &str) -> JobStartRequest {
         log_file: format!(".codex_logs/{name}.log"),
         env: vec![],
         prefer_tmux: true,
+        launch_id: None,
     }
 }
 

@@ -622,3 +622,79 @@ async fn empty_paths_home_deletes_and_dry_runs() {
     assert!(!out.exists(), "a dry run created the local destination");
     mcp.close().await;
 }
+
+/// Issue 21, defect 7. Each background sync's worker rides the server's SSH connection on a
+/// session channel of its own. Before: nothing counted them, so 12 at once asked sshd for 13
+/// session channels on one connection (its `MaxSessions` is 10), and the excess were refused
+/// ("cannot open channel"). Now the server counts the channels of each connection, keeps one
+/// free for a deploy, queues a bridge briefly, and a worker that gets none is told at once and
+/// connects by itself, saying so in its log. Every sync completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn background_syncs_past_max_sessions_are_counted_and_say_so() {
+    // OpenSSH's default, which the fixture raises for parallel tests.
+    let sshd = Sshd::start_with(rsb_tests::SshdOptions {
+        max_sessions: 10,
+        ..Default::default()
+    })
+    .unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    let mut env = Env::new(&[entry("s", &sshd, proxy.port())]);
+    env.vars
+        .push(("REMOTE_SANDBOX_INLINE_SYNC_MAX_FILES", "5".into()));
+    const N: usize = 12;
+    for i in 0..N {
+        make_tree(&env.path().join(format!("src{i}")), 10, 1);
+    }
+    let mcp = env.server().await;
+    mcp.ok("exec_bash", json!({"command": "true"})).await;
+    // Slow enough that all the workers' channels are open at once.
+    proxy.set_rate_mbit(16);
+    let calls = (0..N).map(|i| {
+        let src = env.path().join(format!("src{i}"));
+        let mcp = &mcp;
+        async move {
+            mcp.ok(
+                "sync_local_to_remote",
+                json!({"local_path": src.display().to_string(), "remote_path": format!("mx{i}")}),
+            )
+            .await
+        }
+    });
+    let started = futures::future::join_all(calls).await;
+    let mut logs = Vec::new();
+    for v in &started {
+        assert_eq!(v["mode"], "background", "{v}");
+        let id = v["task_id"].as_i64().unwrap();
+        let done = mcp
+            .wait_task(id, Duration::from_secs(120), |t| {
+                t["status"] != "queued" && t["status"] != "running"
+            })
+            .await;
+        assert_eq!(done["status"], "completed", "{done}");
+        logs.push(std::fs::read_to_string(v["log_file"].as_str().unwrap()).unwrap());
+    }
+    let rode = logs
+        .iter()
+        .filter(|l| l.contains("agent started on the server's connection"))
+        .count();
+    let told = logs
+        .iter()
+        .filter(|l| l.contains("session channels of the server's connection are in use"))
+        .count();
+    println!("{rode} workers rode the server's connection, {told} connected by themselves");
+    for l in &logs {
+        assert!(!l.contains("cannot open channel"), "{l}");
+    }
+    assert!(
+        rode <= 8,
+        "{rode} bridges: the server's agent plus a spare leave 8"
+    );
+    assert!(
+        rode >= 1 && told >= 1 && rode + told == N,
+        "{rode} + {told}"
+    );
+    for i in 0..N {
+        assert!(sshd.home().join(format!("mx{i}/big.bin")).exists());
+    }
+    mcp.close().await;
+}

@@ -1501,3 +1501,101 @@ async fn a_watch_with_no_resume_attempt_left_gives_up_and_says_so() {
     drop(daemon);
     pool.shutdown().await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Issue 21, defect 5: a resume cut by the daemon's death is repeated by its launch id
+
+/// Mark watch `id` as a daemon killed mid-resume leaves it: attempt counted, intent recorded
+/// with `launch_id` for job `session`, at `intent_ms` on the daemon's clock.
+fn cut_resume(state: &Path, id: i64, launch_id: &str, session: &str, intent_ms: i64) {
+    let n = rsb::store::open(state)
+        .unwrap()
+        .execute(
+            "UPDATE watches SET resume_attempts = 1, resume_intent_ms = ?2,
+               resume_launch_id = ?3, resume_launch_session = ?4, last_state = 'resuming'
+             WHERE id = ?1",
+            (id, intent_ms, launch_id, session),
+        )
+        .unwrap();
+    assert_eq!(n, 1);
+}
+
+/// Before: the restarted daemon compared the resumed job's start time on the host with its own
+/// intent time (±1 s), on the watch's old job. A host clock an hour behind read a running
+/// resume as "did not start", and a resume plan with its own session was never looked at, so
+/// the next attempt ran the command again or failed on the running one. Now the intent holds
+/// the launch id and job name, and the daemon repeats exactly that launch: the agent answers
+/// with the run it started, or starts it then. Each resume command runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_cut_by_a_daemon_kill_runs_once_whatever_the_clocks_say() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let pool = key_pool(&sshd, tmp.path());
+    let resumable = |tag: &str| wops::WatchArgs {
+        auto_resume: true,
+        max_resume_attempts: 3,
+        resume_command: format!("echo run >> ran-{tag}.txt; sleep 2"),
+        resume_plan_json: json!({"tmux_session": format!("{tag}-r")}).to_string(),
+        checkpoint_path: "ck.txt".into(),
+        ..args()
+    };
+    let before = watch_job(&pool, &state, "s", "cutb", "sleep 120", resumable("cutb")).await;
+    let after = watch_job(&pool, &state, "s", "cuta", "sleep 120", resumable("cuta")).await;
+    for s in ["cutb", "cuta"] {
+        sshd.ssh_run(&format!("tmux kill-session -t ={s}")).unwrap();
+    }
+    let an_hour_ahead = rsb::store::now_ms() + 3_600_000;
+    // Cut before the launch reached the host.
+    cut_resume(&state, before, "LB", "cutb-r", an_hour_ahead);
+    // Cut after the host started it, before the answer was recorded.
+    cut_resume(&state, after, "LA", "cuta-r", an_hour_ahead);
+    let c = pool.client("s").await.unwrap();
+    let started = c
+        .call(rsb_protocol::JobStartRequest {
+            name: "cuta-r".into(),
+            command: "echo run >> ran-cuta.txt; sleep 2".into(),
+            cwd: None,
+            log_file: String::new(),
+            env: Vec::new(),
+            prefer_tmux: true,
+            launch_id: Some("LA".into()),
+        })
+        .await
+        .unwrap();
+
+    let daemon = Daemon::start(tmp.path(), &state, &[]);
+    for (id, tag) in [(before, "cutb"), (after, "cuta")] {
+        let e = wait_events(
+            &state,
+            id,
+            Duration::from_secs(40),
+            "resume_started, completed",
+            has("completed"),
+        )
+        .await;
+        assert_eq!(types(&e), ["resume_started", "completed"], "{tag}: {e:#?}");
+        let w = watch(&state, id);
+        assert_eq!(
+            (w.tmux_session.as_str(), w.resume_attempts),
+            (format!("{tag}-r").as_str(), 1),
+            "{tag}"
+        );
+        assert!(w.resume_launch_id.is_empty() && w.resume_intent_ms == 0);
+        let ran = std::fs::read_to_string(sshd.home().join(format!("ran-{tag}.txt"))).unwrap();
+        assert_eq!(ran, "run\n", "{tag}: the resume command ran once");
+    }
+    let st = c
+        .call(jobs::status_request("cuta-r", "", 1, None, 1).unwrap())
+        .await
+        .unwrap()
+        .info
+        .unwrap();
+    assert_eq!(
+        (st.started_ms, st.launch_id.as_str()),
+        (started.started_ms, "LA"),
+        "the run the test started is the one the watch followed"
+    );
+    drop(daemon);
+    pool.shutdown().await;
+}

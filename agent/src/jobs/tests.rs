@@ -127,6 +127,7 @@ fn req(name: &str, command: &str, tmux: bool) -> JobStartRequest {
         log_file: String::new(),
         env: Vec::new(),
         prefer_tmux: tmux,
+        launch_id: None,
     }
 }
 
@@ -994,4 +995,37 @@ fn log_file_that_is_not_a_regular_file_is_a_prompt_error() {
         let err = read(f.tmp.path(), offset).unwrap_err();
         assert_eq!(err.code, ErrorCode::IsADirectory, "{err:?}");
     }
+}
+
+/// A caller that lost the reply repeats the start with the same launch id: the run it started
+/// is returned, running or ended, and the command ran once. A new id launches a new run once
+/// the old one ended, and is refused while it runs.
+#[test]
+fn a_start_repeated_with_its_launch_id_runs_once() {
+    let f = Fixture::new();
+    let count = f.ctx.home.join("count");
+    let cmd = format!("echo run >> '{}'; sleep 1", count.display());
+    let with_id = |id: &str| JobStartRequest {
+        launch_id: Some(id.into()),
+        ..req("idem", &cmd, false)
+    };
+    let first = start_in(&f.ctx, with_id("L1")).unwrap();
+    assert_eq!(first.launch_id, "L1");
+    let again = start_in(&f.ctx, with_id("L1")).unwrap();
+    assert_eq!((again.pid, again.started_ms), (first.pid, first.started_ms));
+    let other = start_in(&f.ctx, with_id("L2")).unwrap_err();
+    assert_eq!(other.code, ErrorCode::AlreadyExists, "{other}");
+    f.wait_done("idem");
+    let after_end = start_in(&f.ctx, with_id("L1")).unwrap();
+    assert_eq!(
+        (after_end.state, after_end.started_ms),
+        (JobState::Exited, first.started_ms)
+    );
+    assert_eq!(std::fs::read_to_string(&count).unwrap(), "run\n");
+    let second = start_in(&f.ctx, with_id("L2")).unwrap();
+    assert_ne!(second.started_ms, first.started_ms);
+    f.wait_done("idem");
+    assert_eq!(std::fs::read_to_string(&count).unwrap(), "run\nrun\n");
+    // The record names the launch that made it.
+    assert_eq!(f.status("idem").info.unwrap().launch_id, "L2");
 }

@@ -53,6 +53,13 @@ pub struct SyncArgs {
     archive: bool,
 }
 
+impl SyncArgs {
+    /// The two paths as given, for finding a `~/.ssh/config` alias among their prefixes.
+    pub fn paths(&self) -> [&str; 2] {
+        [&self.src, &self.dst]
+    }
+}
+
 /// `SANDBOX:PATH` (or `:PATH` for the `-s`/active sandbox) when the prefix names a sandbox.
 pub(super) fn split_remote<'a>(pool: &Pool, arg: &'a str) -> Option<(&'a str, &'a str)> {
     let (name, path) = arg.split_once(':')?;

@@ -75,6 +75,7 @@ pub async fn start(
             log_file: log,
             env: Vec::new(),
             prefer_tmux: true,
+            launch_id: None,
         })
         .await?;
     Ok(Started {

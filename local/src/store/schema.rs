@@ -140,4 +140,9 @@ pub(crate) const MIGRATIONS: &[&str] = &[
         created_ts INTEGER NOT NULL,
         updated_ts INTEGER NOT NULL
     )",
+    // 5: a resume records the launch id the agent stores with it and the job name it starts
+    // under, so a daemon that stopped mid-start repeats that launch instead of comparing the
+    // host's clock with its own.
+    "ALTER TABLE watches ADD COLUMN resume_launch_id TEXT NOT NULL DEFAULT '';
+    ALTER TABLE watches ADD COLUMN resume_launch_session TEXT NOT NULL DEFAULT '';",
 ];

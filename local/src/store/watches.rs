@@ -271,7 +271,7 @@ pub fn commit(
                last_checked_ts = ?20, next_check_ts = ?21, next_check_ms = ?22,
                last_event_ts = ?23, last_log_size = ?24, log_changed_ts = ?25,
                stall_alert_sent = ?26, resume_intent_ms = ?27, tmux_session = ?28,
-               rev = rev + 1
+               resume_launch_id = ?29, resume_launch_session = ?30, rev = rev + 1
              WHERE id = ?1 AND rev = ?2",
             params![
                 after.id,
@@ -302,6 +302,8 @@ pub fn commit(
                 after.stall_alert_sent as i64,
                 after.resume_intent_ms,
                 after.tmux_session,
+                after.resume_launch_id,
+                after.resume_launch_session,
             ],
         )
         .map_err(db_err)?;

@@ -134,6 +134,9 @@ pub fn decide(w: &Watch, obs: &Observed, now_ms: i64) -> Outcome {
             a.last_summary = one_line(msg);
             a.last_error = a.last_summary.clone();
         }
+        // A resume is being started: what was seen is the job it replaces, so it decides
+        // nothing; the daemon settles the intent by repeating the recorded launch.
+        Observed::Job(_) if w.resume_intent_ms > 0 => {}
         Observed::Job(seen) => {
             job(w, &mut a, seen, now, &mut events, &mut resume);
         }
@@ -175,38 +178,6 @@ fn job(
         a.last_checkpoint_digest = d;
     }
 
-    // A resume was being started when the daemon stopped: did it start?
-    if w.resume_intent_ms > 0 {
-        a.resume_intent_ms = 0;
-        let started = matches!(seen.state, Some(JobState::Running | JobState::Exited))
-            && seen.started_ms as i64 + 1000 >= w.resume_intent_ms;
-        if started {
-            let s = format!(
-                "Started resume attempt {} in session {}",
-                w.resume_attempts, w.tmux_session
-            );
-            events.push(ev(
-                event::RESUME_STARTED,
-                &s,
-                json!({"resume_attempt": w.resume_attempts}),
-            ));
-            a.interrupted_ts = 0;
-            a.resume_due_ts = 0;
-            a.last_state = "running".into();
-        } else {
-            let s = format!(
-                "Resume attempt {} did not start (the watchdog stopped while starting it)",
-                w.resume_attempts
-            );
-            a.last_error = s.clone();
-            a.resume_due_ts = now + w.interval_s.max(w.resume_delay_s);
-            events.push(ev(
-                event::RESUME_FAILED,
-                &s,
-                json!({"resume_attempt": w.resume_attempts}),
-            ));
-        }
-    }
     let prev = a.last_state.clone();
 
     match (seen.state, seen.exit_code) {
@@ -327,12 +298,16 @@ fn job(
     }
 }
 
-/// Before a resume starts: count the attempt and mark the intent, so a daemon killed while
-/// starting it can tell, after restarting, whether it ran.
-pub fn resume_intent(w: &Watch, now_ms: i64) -> Watch {
+/// Before a resume starts: count the attempt and record the launch (its id and job name), so
+/// a daemon killed while starting it repeats that same launch after restarting. The agent
+/// returns the run a launch id already started, so the resume runs once, whatever either
+/// clock says.
+pub fn resume_intent(w: &Watch, launch_id: &str, now_ms: i64) -> Watch {
     let mut a = w.clone();
     a.resume_attempts += 1;
     a.resume_intent_ms = now_ms;
+    a.resume_launch_id = launch_id.to_string();
+    a.resume_launch_session = w.resume_session();
     a.last_state = "resuming".into();
     a.updated_ts = now_ms / 1000;
     a
@@ -348,6 +323,8 @@ pub fn resume_result(
     let now = now_ms / 1000;
     let mut a = w.clone();
     a.resume_intent_ms = 0;
+    a.resume_launch_id = String::new();
+    a.resume_launch_session = String::new();
     a.updated_ts = now;
     let n = w.resume_attempts;
     match r {
@@ -536,6 +513,8 @@ mod tests {
             last_alert_error: String::new(),
             next_check_ms: 0,
             resume_intent_ms: 0,
+            resume_launch_id: String::new(),
+            resume_launch_session: String::new(),
             rev: 0,
         }
     }
@@ -589,8 +568,15 @@ mod tests {
         let o3 = decide(&o2.after, &seen(Some(JobState::Lost), None, None), 110_000);
         assert!(o3.events.is_empty() && o3.resume);
         // Intent, start, result.
-        let i = resume_intent(&o3.after, 110_500);
+        let i = resume_intent(&o3.after, "L1", 110_500);
         assert_eq!((i.resume_attempts, i.last_state.as_str()), (1, "resuming"));
+        assert_eq!(
+            (
+                i.resume_launch_id.as_str(),
+                i.resume_launch_session.as_str()
+            ),
+            ("L1", "train")
+        );
         let (r, e) = resume_result(&i, Ok("train"), "{\"step\": 3}", 111_000);
         assert_eq!(e.event_type, "resume_started");
         assert_eq!(e.extra["resume_attempt"], 1);
@@ -689,23 +675,30 @@ mod tests {
     }
 
     #[test]
-    fn a_resume_cut_by_a_crash_is_settled_without_repeating() {
+    fn a_pending_resume_is_left_to_its_launch_whatever_the_clocks_say() {
+        // The job's clock is an hour behind the daemon's: the old rule (started within 1 s of
+        // the intent) called this running resume "did not start" and started it again.
         let mut w = watch();
-        w.resume_attempts = 1;
-        w.resume_intent_ms = 1_000_000;
-        w.last_state = "resuming".into();
-        w.interrupted_ts = 900;
-        let started = Observed::Job(JobSeen {
+        w.resume_plan
+            .insert("tmux_session".into(), json!("train-r1"));
+        let i = resume_intent(&w, "L7", 5_000_000);
+        assert_eq!(
+            i.resume_launch_session, "train-r1",
+            "the resume's own session"
+        );
+        let running = Observed::Job(JobSeen {
             state: Some(JobState::Running),
-            started_ms: 1_000_200,
+            started_ms: 5_000_000 - 3_600_000,
             ..Default::default()
         });
-        let o = decide(&w, &started, 1_002_000);
-        assert_eq!(types(&o), ["resume_started"]);
-        assert_eq!(o.after.resume_intent_ms, 0);
-        let o = decide(&w, &seen(Some(JobState::Lost), None, None), 1_002_000);
-        assert_eq!(types(&o), ["resume_failed"]);
-        assert!(!o.resume, "no attempt left");
+        let o = decide(&i, &running, 5_002_000);
+        assert!(types(&o).is_empty(), "{:?}", types(&o));
+        assert_eq!(
+            (o.after.resume_intent_ms, o.after.resume_launch_id.as_str()),
+            (5_000_000, "L7"),
+            "decide leaves the intent to the daemon, which repeats the launch"
+        );
+        assert!(!o.resume);
     }
 
     #[test]

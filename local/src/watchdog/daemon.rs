@@ -523,6 +523,14 @@ impl Daemon {
         };
         let since = Instant::now();
         let (obs, client) = self.observe(&w, since).await;
+        // A daemon stopped between recording a resume and hearing how it went: repeat that
+        // launch. The agent answers with the run its launch id started, or starts it now.
+        if w.resume_intent_ms > 0
+            && let Some(c) = client.clone()
+        {
+            self.launch_resume(w, c).await;
+            return;
+        }
         let mut out = checks::decide(&w, &obs, now_ms());
         // Events carry the log tail; fetch it only when there is an event to carry it.
         if let (Observed::Job(seen), Some(c)) = (&obs, &client)
@@ -631,18 +639,29 @@ impl Daemon {
         (Observed::Job(seen), Some(client))
     }
 
-    /// Record the attempt, start the resume command as a new background job with the
-    /// checkpoint in `RSB_CHECKPOINT`, and record how that went.
+    /// Record the attempt and its launch id, then launch it.
     async fn resume(&self, w: Watch, client: AgentClient) {
-        let intent = checks::resume_intent(&w, now_ms());
+        let launch_id = format!("w{}-{}-{}", w.id, w.resume_attempts + 1, now_ms());
+        let intent = checks::resume_intent(&w, &launch_id, now_ms());
         let Some(w) = self.commit(&w, intent, &[]) else {
             return;
         };
-        let session = w.resume_session();
+        self.launch_resume(w, client).await;
+    }
+
+    /// Start the recorded resume launch as a background job, with the checkpoint in
+    /// `RSB_CHECKPOINT`, and record how that went. Safe to repeat: the launch id makes the
+    /// agent return the run it already started.
+    async fn launch_resume(&self, w: Watch, client: AgentClient) {
+        let session = if w.resume_launch_session.is_empty() {
+            w.resume_session()
+        } else {
+            w.resume_launch_session.clone()
+        };
         let cwd = w.resume_cwd();
         let checkpoint = w.last_checkpoint_text.clone();
         let req = JobStartRequest {
-            name: session.clone(),
+            name: session,
             command: w.resume_command_to_run(),
             cwd: (!cwd.trim().is_empty()).then_some(cwd),
             log_file: w.log_file.clone(),
@@ -652,14 +671,24 @@ impl Daemon {
                 ("RSB_WATCH_ID".into(), w.id.to_string()),
             ],
             prefer_tmux: true,
+            // An intent from an rsb before launch ids has none: it is launched afresh.
+            launch_id: (!w.resume_launch_id.is_empty()).then(|| w.resume_launch_id.clone()),
         };
         let r = match tokio::time::timeout(RESUME_DEADLINE, client.call(req)).await {
             Ok(Ok(info)) => Ok(info.name),
+            // The host may have started it without the answer reaching us: the intent stays,
+            // and the next check repeats this launch (a new id could start it twice).
+            Ok(Err(e))
+                if matches!(e.kind, Kind::ConnectionLost | Kind::Connect | Kind::Timeout) =>
+            {
+                client.close("the resume's start got no answer");
+                return;
+            }
+            Err(_) => {
+                client.close("the resume's start got no answer");
+                return;
+            }
             Ok(Err(e)) => Err(e.message),
-            Err(_) => Err(format!(
-                "the resume did not start within {}s",
-                RESUME_DEADLINE.as_secs()
-            )),
         };
         let (after, e) = checks::resume_result(
             &w,

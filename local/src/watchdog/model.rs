@@ -69,6 +69,13 @@ pub struct Watch {
     pub next_check_ms: i64,
     #[serde(skip)]
     pub resume_intent_ms: i64,
+    /// While a resume is being started: the launch id the agent stores with it, and the job
+    /// name it starts under. A daemon that stopped mid-start repeats exactly this launch; the
+    /// agent answers with the run that id started, if any, so nothing compares two clocks.
+    #[serde(skip)]
+    pub resume_launch_id: String,
+    #[serde(skip)]
+    pub resume_launch_session: String,
     #[serde(skip)]
     pub rev: i64,
 }
@@ -135,6 +142,8 @@ impl Watch {
             last_alert_error: r.get("last_alert_error")?,
             next_check_ms: r.get("next_check_ms")?,
             resume_intent_ms: r.get("resume_intent_ms")?,
+            resume_launch_id: r.get("resume_launch_id")?,
+            resume_launch_session: r.get("resume_launch_session")?,
             rev: r.get("rev")?,
         })
     }
