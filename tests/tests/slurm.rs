@@ -354,3 +354,18 @@ async fn slurm_many_jobs_cost_one_squeue_per_tick() {
         .await;
     }
 }
+
+/// `--time=0:01` (Slurm rounds to one minute and checks the limit about every 30 s): the job
+/// ends as timeout, with the command's own end on record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_time_limit_is_reported_as_timeout() {
+    let Some(_bed) = slurm() else { return };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    mcp.submit("late", "sleep 600", json!({"time": "0:01"}))
+        .await;
+    let v = mcp.until("late", 150, finished).await;
+    assert_eq!(v["reason"], "timeout", "{v}");
+    assert_eq!(v["slurm_state"], "TIMEOUT", "{v}");
+    assert_eq!(v["state"], "exited", "{v}");
+}

@@ -486,9 +486,11 @@ pub async fn kill(client: &AgentClient, name: &str, id: &str) -> Result<Value> {
             "check `scontrol ping` on the login node",
         ));
     }
+    let poller = poll::poller(client.sandbox());
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(KILL_VERIFY_S);
     let req = ojobs::status_request(name, "", 5, None, 1)?;
     loop {
+        poller.invalidate();
         let v = status(client, id, &req, false).await?;
         let done = v.get("running") == Some(&json!(false));
         if done || std::time::Instant::now() >= deadline {

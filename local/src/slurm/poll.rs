@@ -82,6 +82,12 @@ impl Poller {
         }
     }
 
+    /// The next [`states`](Self::states) polls afresh (after a scancel: its effect is what
+    /// the caller waits to see).
+    pub fn invalidate(&self) {
+        self.cache.lock().at = None;
+    }
+
     /// The state of each id, from a poll at most [`TICK`] old.
     pub async fn states(&self, client: &AgentClient, ids: &[String]) -> HashMap<String, Seen> {
         self.register(ids.iter().map(String::as_str));
