@@ -24,7 +24,7 @@
 //! Both records use the `key=value` format in [`record`] and are replaced atomically.
 
 mod logread;
-mod record;
+pub mod record;
 mod wrapper;
 
 #[cfg(test)]

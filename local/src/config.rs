@@ -236,6 +236,9 @@ fn unbracket(host: &str) -> &str {
 pub struct SandboxConfig {
     pub name: String,
     pub transport: Transport,
+    /// `scheduler = "slurm"`: a login node whose background jobs go through Slurm, with the
+    /// sandbox's `slurm = { ... }` defaults (see `crate::slurm`).
+    pub slurm: Option<crate::slurm::SlurmDefaults>,
 }
 
 #[derive(Clone, Debug)]
@@ -714,6 +717,7 @@ fn builtin_local() -> SandboxConfig {
     SandboxConfig {
         name: "local".to_string(),
         transport: Transport::Local,
+        slurm: None,
     }
 }
 
@@ -854,6 +858,8 @@ struct Entry {
     host_key_policy: Policy,
     local: Flag,
     connect_timeout_s: Seconds,
+    scheduler: Text,
+    slurm: Option<crate::slurm::SlurmDefaults>,
 }
 
 /// The TOML file's top level.
@@ -1218,8 +1224,12 @@ fn build_sandbox(
         host_key_policy: Policy(explicit_policy),
         local: Flag(local),
         connect_timeout_s: Seconds(explicit_timeout),
+        scheduler: Text(scheduler),
+        slurm,
         ..
     } = e;
+    let slurm = crate::slurm::from_config(scheduler.as_deref(), slurm)
+        .map_err(|(m, h)| ConfigError::new(format!("{label}: {m}"), h))?;
     if local {
         let remote_fields = [
             ("host", explicit_host.is_some()),
@@ -1239,6 +1249,7 @@ fn build_sandbox(
         return Ok(SandboxConfig {
             name: name.unwrap_or_else(|| "local".to_string()),
             transport: Transport::Local,
+            slurm,
         });
     }
 
@@ -1344,6 +1355,7 @@ fn build_sandbox(
     Ok(SandboxConfig {
         name,
         transport: Transport::Ssh(target),
+        slurm,
     })
 }
 
@@ -2248,7 +2260,8 @@ mod tests {
             c.sandboxes[0],
             SandboxConfig {
                 name: "box".into(),
-                transport: Transport::Local
+                transport: Transport::Local,
+                slurm: None,
             }
         );
         assert_eq!(ssh(&c, 1).host_key_policy, HostKeyPolicy::Strict);

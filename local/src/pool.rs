@@ -122,6 +122,16 @@ impl Pool {
         self.active.read().clone()
     }
 
+    /// Where `name`'s agent was last found or installed (a Slurm batch script execs it).
+    pub fn agent_path(&self, name: &str) -> Option<String> {
+        self.slots.get(name)?.agent_path.lock().clone()
+    }
+
+    /// `name`'s Slurm defaults when it is a Slurm login node (`scheduler = "slurm"`).
+    pub fn slurm(&self, name: &str) -> Option<crate::slurm::SlurmDefaults> {
+        self.sandbox_config(name)?.slurm.clone()
+    }
+
     pub fn sandbox_config(&self, name: &str) -> Option<&SandboxConfig> {
         self.slots.get(name).map(|s| &s.cfg)
     }

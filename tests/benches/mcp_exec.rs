@@ -166,6 +166,7 @@ async fn agent_bench(sshd: &Sshd, state: &std::path::Path) -> Stats {
         sandboxes: vec![SandboxConfig {
             name: "bench".into(),
             transport: Transport::Ssh(target),
+            slurm: None,
         }],
         expose_advanced_tools: false,
         inline_sync_max_files: 200,

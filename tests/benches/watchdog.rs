@@ -47,6 +47,7 @@ fn sandbox(name: &str, sshd: &Sshd, known: &Path) -> SandboxConfig {
             known_hosts: vec![known.to_path_buf()],
             connect_timeout: Duration::from_secs(10),
         }),
+        slurm: None,
     }
 }
 

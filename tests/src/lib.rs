@@ -10,6 +10,7 @@
 
 pub mod agent;
 pub mod chaos;
+pub mod slurm;
 pub mod sshd;
 
 use std::path::PathBuf;

@@ -319,12 +319,13 @@ fn spawn_job(spec: &Record, cwd: &Path, out: OwnedFd) -> std::io::Result<Child> 
     })?;
     let err = out.try_clone()?;
     let mut cmd = Command::new(bash);
-    cmd.arg0("bash")
-        .arg("-c")
-        .arg(command)
-        .current_dir(cwd)
-        .env_clear()
-        .envs(env)
+    cmd.arg0("bash").arg("-c").arg(command).current_dir(cwd);
+    // A batch job (`inherit_env=1`, written by rsb's Slurm submit) starts from the environment
+    // Slurm gave the batch script (SLURM_JOB_ID, CUDA_VISIBLE_DEVICES), with the spec on top.
+    if spec.get("inherit_env") != Some("1") {
+        cmd.env_clear();
+    }
+    cmd.envs(env)
         .stdin(Stdio::null())
         .stdout(Stdio::from(out))
         .stderr(Stdio::from(err));

@@ -12,8 +12,34 @@ use super::{RsbServer, ToolResult, fail, reply, wait, with_progress_msg};
 use crate::{
     error::RsbError,
     ops::{jobs, watchdog as wops},
+    slurm,
     watchdog::settings,
 };
+
+/// `check_background_task(wait_s)` on a Slurm job: re-ask each tick (the shared poll) until
+/// the state or the log size changes, or `wait` passes.
+async fn slurm_wait(
+    client: &crate::client::AgentClient,
+    id: &str,
+    req: &rsb_protocol::JobStatusRequest,
+    cursor: bool,
+    wait: std::time::Duration,
+) -> Result<serde_json::Value, RsbError> {
+    let first = slurm::jobs::status(client, id, req, cursor).await?;
+    let deadline = tokio::time::Instant::now() + wait;
+    let key = |v: &serde_json::Value| (v["state"].clone(), v["next_offset"].clone());
+    let mut last = first;
+    while tokio::time::Instant::now() < deadline && last["running"] == serde_json::json!(true) {
+        tokio::time::sleep(slurm::poll::TICK.min(deadline - tokio::time::Instant::now())).await;
+        let next = slurm::jobs::status(client, id, req, cursor).await?;
+        let changed = key(&next) != key(&last);
+        last = next;
+        if changed {
+            break;
+        }
+    }
+    Ok(last)
+}
 
 fn d_true() -> bool {
     true
@@ -126,6 +152,9 @@ pub struct ExecBackgroundParams {
     /// Silence (s) before "stalled"; 0=off.
     #[serde(default)]
     pub stall_after_s: i64,
+    /// Slurm sandboxes only: sbatch options as data (over the sandbox's defaults).
+    #[serde(default)]
+    pub slurm: Option<crate::slurm::SlurmOptions>,
 }
 
 impl ExecBackgroundParams {
@@ -280,6 +309,21 @@ impl RsbServer {
             Err(e) => return fail(&e),
         };
         let cursor = p.offset.is_some();
+        if self.pool.slurm(client.sandbox()).is_some() {
+            match slurm::jobs::slurm_id(&client, &req.name).await {
+                Ok(Some(id)) => {
+                    let mut r = slurm_wait(&client, &id, &req, cursor, wait).await;
+                    if let Ok(v) = &mut r
+                        && p.watch_id > 0
+                    {
+                        v["watch_id"] = serde_json::json!(p.watch_id);
+                    }
+                    return reply(r);
+                }
+                Ok(None) => {}
+                Err(e) => return fail(&e),
+            }
+        }
         let mut r = if wait.is_zero() {
             client.call(req).await
         } else {
@@ -333,9 +377,19 @@ impl RsbServer {
         // A deliberate kill is not an interruption: stop watching first, so the watchdog
         // neither alerts nor resumes it.
         let cancelled = self.cancel_watches_of(client.sandbox(), &p.tmux_session);
-        let mut r = jobs::kill(&client, &p.tmux_session, p.grace_s)
-            .await
-            .map(|k| serde_json::to_value(k).unwrap_or_default());
+        let slurm_id = match self.pool.slurm(client.sandbox()) {
+            Some(_) => slurm::jobs::slurm_id(&client, &p.tmux_session)
+                .await
+                .ok()
+                .flatten(),
+            None => None,
+        };
+        let mut r = match &slurm_id {
+            Some(id) => slurm::jobs::kill(&client, &p.tmux_session, id).await,
+            None => jobs::kill(&client, &p.tmux_session, p.grace_s)
+                .await
+                .map(|k| serde_json::to_value(k).unwrap_or_default()),
+        };
         if let Ok(v) = &mut r
             && !cancelled.is_empty()
         {
@@ -367,6 +421,9 @@ impl RsbServer {
             Ok(c) => c,
             Err(e) => return fail(&e),
         };
+        if self.pool.slurm(client.sandbox()).is_some() {
+            return reply(slurm::jobs::list(&client).await);
+        }
         reply(jobs::list(&client).await)
     }
 }
@@ -382,6 +439,17 @@ impl RsbServer {
         let prepared = wops::prepare(&p.watch_args(), hooks, true)?;
         let sandbox = self.pool.resolve(&p.sandbox_name)?;
         let client = self.pool.client(&sandbox).await?;
+        if let Some(defaults) = self.pool.slurm(&sandbox) {
+            return self.start_slurm(&client, &defaults, &p).await;
+        }
+        if p.slurm.is_some() {
+            return Err(RsbError::invalid(
+                format!(
+                    "sandbox '{sandbox}' is not a Slurm login node, so 'slurm' options do not apply"
+                ),
+                "declare it with scheduler = \"slurm\" in the config, or drop the slurm parameter",
+            ));
+        }
         let started =
             jobs::start(&client, &p.command, &p.session_name, &p.log_file, &p.cwd).await?;
         let mut v = serde_json::to_value(&started).unwrap_or_default();
@@ -427,6 +495,36 @@ impl RsbServer {
             }
             // The job runs; say plainly that it is not watched (the seed swallowed this).
             Err(e) => v["watch_error"] = serde_json::json!(format!("{} ({})", e.message, e.hint)),
+        }
+        Ok(v)
+    }
+
+    /// `exec_bash_background` on a Slurm login node: submitted through sbatch.
+    async fn start_slurm(
+        &self,
+        client: &crate::client::AgentClient,
+        defaults: &slurm::SlurmDefaults,
+        p: &ExecBackgroundParams,
+    ) -> Result<serde_json::Value, RsbError> {
+        let agent = self
+            .pool
+            .agent_path(client.sandbox())
+            .ok_or_else(|| RsbError::internal("the agent's path on the login node is not known"))?;
+        let mut v = slurm::jobs::start(
+            client,
+            &agent,
+            defaults,
+            &p.slurm.clone().unwrap_or_default(),
+            &p.command,
+            &p.session_name,
+            &p.log_file,
+            &p.cwd,
+        )
+        .await?;
+        if p.watch {
+            v["watch_warning"] = serde_json::json!(
+                "the watchdog does not watch Slurm jobs yet; poll check_background_task (it reports Slurm's state)"
+            );
         }
         Ok(v)
     }

@@ -365,6 +365,7 @@ impl RsbServer {
             codex_wakeup: p.codex_wakeup,
             codex_command: p.codex_command,
             stall_after_s: p.stall_after_s,
+            slurm: None,
         };
         reply(self.start_background(q).await)
     }

@@ -266,6 +266,9 @@ pub struct SandboxStatus {
     pub connection_error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourcesOrError>,
+    /// A Slurm login node's partitions, GPUs and queue (`crate::slurm::resources`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slurm: Option<Value>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -357,13 +360,33 @@ pub async fn list(pool: &Arc<Pool>, depth: Listing) -> SandboxList {
                     }
                     Err(e) => ResourcesOrError::Err(e.into()),
                 }),
+                slurm: None,
             }
         })
-        .collect();
+        .collect::<Vec<_>>();
+    let mut sandboxes = sandboxes;
+    if depth == Listing::Resources {
+        for row in sandboxes.iter_mut().filter(|r| r.connection_alive) {
+            if pool.slurm(&row.name).is_some() {
+                row.slurm = Some(match slurm_resources(pool, &row.name).await {
+                    Ok(r) => serde_json::to_value(r).unwrap_or_default(),
+                    Err(e) => json!({"error": e.message, "hint": e.hint}),
+                });
+            }
+        }
+    }
     SandboxList {
         active_sandbox: active,
         sandboxes,
     }
+}
+
+async fn slurm_resources(
+    pool: &Arc<Pool>,
+    name: &str,
+) -> Result<crate::slurm::resources::SlurmResources> {
+    let c = pool.client(name).await?;
+    crate::slurm::resources::get(&c).await
 }
 
 /// `"auto"` picks the idlest reachable sandbox (unless a sandbox is literally named `auto`).
@@ -373,6 +396,14 @@ pub async fn select(pool: &Arc<Pool>, name: &str) -> Result<Value> {
         let mut scored: Vec<(String, f64)> = Vec::new();
         let mut others: Vec<String> = Vec::new();
         for p in &probes {
+            if p.alive
+                && pool.slurm(&p.name).is_some()
+                && let Ok(r) = slurm_resources(pool, &p.name).await
+            {
+                // A cluster is as idle as its free GPUs and CPUs, not as its login node.
+                scored.push((p.name.clone(), r.idle_score));
+                continue;
+            }
             match &p.resources {
                 Some(Ok(s)) => scored.push((p.name.clone(), idle_score(s))),
                 // Reachable, but its agent could not sample: not a candidate, and not "down".

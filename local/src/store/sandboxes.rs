@@ -218,6 +218,7 @@ impl Persisted {
             return Ok(SandboxConfig {
                 name: self.name.clone(),
                 transport: Transport::Local,
+                slurm: None,
             });
         }
         let needs = |what: &str, whose: String| {
@@ -267,6 +268,7 @@ impl Persisted {
                     self.connect_timeout_ms
                 }),
             }),
+            slurm: None,
         })
     }
 
@@ -372,6 +374,7 @@ mod tests {
                 known_hosts: vec!["/k".into()],
                 connect_timeout: Duration::from_secs(7),
             }),
+            slurm: None,
         }
     }
 
@@ -387,6 +390,7 @@ mod tests {
         let local = SandboxConfig {
             name: "local".into(),
             transport: Transport::Local,
+            slurm: None,
         };
         assert_eq!(
             Persisted::from_config(&local).0.to_config(None).unwrap(),

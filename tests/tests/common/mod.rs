@@ -45,6 +45,7 @@ pub fn sandbox(name: &str, t: SshTarget) -> SandboxConfig {
     SandboxConfig {
         name: name.into(),
         transport: Transport::Ssh(t),
+        slurm: None,
     }
 }
 

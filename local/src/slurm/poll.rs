@@ -1,0 +1,199 @@
+//! One `squeue` per sandbox per tick for all its jobs, shared by every caller in this process.
+//!
+//! Controller calls are what sites police, so callers never run squeue themselves: they ask
+//! the sandbox's [`Poller`], which answers from its last poll while it is younger than
+//! [`TICK`] and covered the ids asked for; otherwise it polls once, for every id it knows (the
+//! jobs submitted or listed through this process, at most 100 per call), and every waiting
+//! caller gets that answer. A failed poll (controller down: each call blocks 9-18 s) is
+//! retried with exponential backoff; meanwhile callers get [`Seen::Unreachable`] at once.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+
+use super::remote;
+use crate::client::AgentClient;
+
+/// How long one poll's answer serves every caller.
+pub const TICK: Duration = Duration::from_secs(2);
+/// Ids not asked about for this long are no longer polled.
+const FORGET: Duration = Duration::from_secs(600);
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+/// squeue's `-j` list is kept short, as sites expect.
+const IDS_PER_CALL: usize = 100;
+
+/// One squeue row: `%i|%T|%r|%M|%l|%N`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    pub state: String,
+    pub reason: String,
+    pub elapsed: String,
+    pub limit: String,
+    pub node: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Seen {
+    Row(Row),
+    /// Not known to the controller (never was, or purged after MinJobAge).
+    Gone,
+    /// The controller did not answer; the message says how.
+    Unreachable(String),
+}
+
+#[derive(Default)]
+struct Cache {
+    at: Option<Instant>,
+    polled: HashSet<String>,
+    rows: HashMap<String, Row>,
+    error: Option<String>,
+    failures: u32,
+    next_try: Option<Instant>,
+}
+
+#[derive(Default)]
+pub struct Poller {
+    known: Mutex<HashMap<String, Instant>>,
+    cache: Mutex<Cache>,
+    gate: tokio::sync::Mutex<()>,
+}
+
+static POLLERS: LazyLock<Mutex<HashMap<String, Arc<Poller>>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// The poller of `sandbox`, shared by every caller in this process.
+pub fn poller(sandbox: &str) -> Arc<Poller> {
+    POLLERS
+        .lock()
+        .entry(sandbox.to_string())
+        .or_default()
+        .clone()
+}
+
+impl Poller {
+    /// Poll `ids` from now on (a job just submitted, or found by a listing).
+    pub fn register<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
+        let now = Instant::now();
+        let mut k = self.known.lock();
+        for id in ids {
+            k.insert(id.to_string(), now);
+        }
+    }
+
+    /// The next [`states`](Self::states) polls afresh (after a scancel: its effect is what
+    /// the caller waits to see).
+    pub fn invalidate(&self) {
+        self.cache.lock().at = None;
+    }
+
+    /// The state of each id, from a poll at most [`TICK`] old.
+    pub async fn states(&self, client: &AgentClient, ids: &[String]) -> HashMap<String, Seen> {
+        self.register(ids.iter().map(String::as_str));
+        let _g = self.gate.lock().await;
+        let now = Instant::now();
+        let fresh = {
+            let c = self.cache.lock();
+            let covered = ids.iter().all(|i| c.polled.contains(i));
+            let young = c.at.is_some_and(|t| now.duration_since(t) < TICK);
+            let backing_off = c.next_try.is_some_and(|t| now < t);
+            (young && covered) || backing_off
+        };
+        if !fresh {
+            let all: Vec<String> = {
+                let mut k = self.known.lock();
+                k.retain(|_, t| now.duration_since(*t) < FORGET);
+                k.keys().cloned().collect()
+            };
+            let r = poll(client, &all).await;
+            let mut c = self.cache.lock();
+            c.at = Some(Instant::now());
+            match r {
+                Ok(rows) => {
+                    c.polled = all.into_iter().collect();
+                    c.rows = rows;
+                    c.error = None;
+                    c.failures = 0;
+                    c.next_try = None;
+                }
+                Err(e) => {
+                    c.failures += 1;
+                    let back = Duration::from_secs(1u64 << c.failures.min(5)).min(MAX_BACKOFF);
+                    c.next_try = Some(Instant::now() + back);
+                    c.error = Some(e);
+                }
+            }
+        }
+        let c = self.cache.lock();
+        ids.iter()
+            .map(|i| {
+                let seen = match (&c.error, c.rows.get(i)) {
+                    (Some(e), _) => Seen::Unreachable(e.clone()),
+                    (None, Some(r)) => Seen::Row(r.clone()),
+                    (None, None) => Seen::Gone,
+                };
+                (i.clone(), seen)
+            })
+            .collect()
+    }
+}
+
+/// squeue for `ids`, in calls of at most [`IDS_PER_CALL`].
+async fn poll(client: &AgentClient, ids: &[String]) -> Result<HashMap<String, Row>, String> {
+    let mut rows = HashMap::new();
+    for chunk in ids.chunks(IDS_PER_CALL) {
+        let out = remote::run(client, remote::SQUEUE, chunk, Vec::new())
+            .await
+            .map_err(|e| e.message)?;
+        if !out.ok() {
+            // One unknown id makes squeue fail ("Invalid job id specified"); a list does not.
+            if chunk.len() == 1 && out.stderr.contains("Invalid job id") {
+                continue;
+            }
+            return Err(format!(
+                "squeue failed: {}",
+                out.stderr.trim().lines().last().unwrap_or("no message")
+            ));
+        }
+        rows.extend(parse_rows(&out.stdout));
+    }
+    Ok(rows)
+}
+
+/// Rows of `%i|%T|%r|%M|%l|%N`, keyed by job id.
+pub fn parse_rows(text: &str) -> HashMap<String, Row> {
+    text.lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.trim().splitn(6, '|').collect();
+            (f.len() == 6).then(|| {
+                (
+                    f[0].to_string(),
+                    Row {
+                        state: f[1].to_string(),
+                        reason: f[2].to_string(),
+                        elapsed: f[3].to_string(),
+                        limit: f[4].to_string(),
+                        node: f[5].to_string(),
+                    },
+                )
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_parse_and_skip_garbage() {
+        let r = parse_rows(
+            "12|RUNNING|None|0:05|1:00|rsbnode\n13|PENDING|Resources|0:00|UNLIMITED|\nnoise\n",
+        );
+        assert_eq!(r.len(), 2);
+        assert_eq!(r["12"].node, "rsbnode");
+        assert_eq!(r["13"].reason, "Resources");
+        assert_eq!(r["13"].node, "");
+    }
+}
