@@ -16,6 +16,22 @@ use crate::{
     watchdog::settings,
 };
 
+/// The `slurm` parameter as a model reads it: one object whose keys and types are listed in
+/// its description. The derived schema (a `$defs` entry with each key's `type: [T, "null"]` and
+/// doc line) cost 1,000 B of every tools/list, and a typed `properties` map still 560 B, for a
+/// parameter only Slurm sandboxes use; the keys are sbatch's own option names. serde still
+/// refuses unknown keys and wrong types with a message that names them.
+fn slurm_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "object",
+        "description": SLURM_KEYS,
+    })
+}
+
+/// `name,name: type` groups, `; `-separated (a unit test reads them back against the options).
+const SLURM_KEYS: &str = "Slurm only. partition,gres,mem,time,account,qos,constraint: \
+    string; gpus,cpus,signal_before_timeout_s: integer; requeue: boolean; sbatch_args: array";
+
 /// `check_background_task(wait_s)` on a Slurm job: re-ask each tick (the shared poll) until
 /// the state or the log size changes, or `wait` passes.
 async fn slurm_wait(
@@ -152,8 +168,8 @@ pub struct ExecBackgroundParams {
     /// Silence (s) before "stalled"; 0=off.
     #[serde(default)]
     pub stall_after_s: i64,
-    /// Slurm sandboxes only: sbatch options as data (over the sandbox's defaults).
     #[serde(default)]
+    #[schemars(schema_with = "slurm_schema")]
     pub slurm: Option<crate::slurm::SlurmOptions>,
 }
 
@@ -544,5 +560,58 @@ impl RsbServer {
                 Vec::new()
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The hand-written `slurm` schema names every key of [`crate::slurm::SlurmOptions`] with
+    /// the type its derived schema gives it, so a key added to the options appears here or
+    /// fails this test.
+    #[test]
+    fn the_slurm_schema_matches_the_options_it_describes() {
+        let derived = serde_json::to_value(schemars::schema_for!(crate::slurm::SlurmOptions))
+            .expect("a schema serializes");
+        let mut written: Vec<(String, String)> = SLURM_KEYS
+            .split_once(". ")
+            .expect("a lead sentence")
+            .1
+            .split("; ")
+            .flat_map(|group| {
+                let (names, ty) = group.split_once(": ").expect("names: type");
+                names
+                    .split(',')
+                    .map(move |n| (n.trim().to_string(), ty.trim().to_string()))
+            })
+            .collect();
+        written.sort();
+        let props = |v: &serde_json::Value| -> Vec<(String, String)> {
+            let mut out: Vec<(String, String)> = v["properties"]
+                .as_object()
+                .expect("properties")
+                .iter()
+                .map(|(k, p)| {
+                    // The derived schema spells an Option as ["T", "null"]; keep the T.
+                    let ty = match &p["type"] {
+                        serde_json::Value::Array(a) => a
+                            .iter()
+                            .filter(|t| t.as_str() != Some("null"))
+                            .map(|t| t.as_str().unwrap_or_default().to_string())
+                            .collect::<Vec<_>>()
+                            .join(","),
+                        t => t.as_str().unwrap_or_default().to_string(),
+                    };
+                    (k.clone(), ty)
+                })
+                .collect();
+            out.sort();
+            out
+        };
+        assert_eq!(written, props(&derived));
+        let mut generator = schemars::SchemaGenerator::default();
+        let schema = serde_json::to_value(slurm_schema(&mut generator)).expect("serializes");
+        assert_eq!(schema["description"], SLURM_KEYS);
     }
 }
