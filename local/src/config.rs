@@ -356,21 +356,39 @@ pub fn config_file_path() -> PathBuf {
         .join("config.toml")
 }
 
-/// The OpenSSH client configuration rsb reads: `RSB_SSH_CONFIG` when set (tests, or a user with
-/// a second ssh config), else `.ssh/config` under the home directory of the passwd entry, as
-/// OpenSSH finds it: `ssh` ignores `$HOME`, so a client that starts rsb with another `HOME`
-/// (or `sudo -E`, or a `HOME=/tmp` wrapper) still sees the aliases `ssh` sees. `$HOME` only
-/// where the passwd database has no entry for this user.
-fn ssh_config_path(home: &Path) -> PathBuf {
-    if let Some(p) = real_env("RSB_SSH_CONFIG").filter(|s| !s.trim().is_empty()) {
-        return expand_tilde(p.trim(), home);
-    }
+/// The home directory OpenSSH uses for `~` in its config, `~/.ssh/known_hosts` and the default
+/// identities: the passwd entry's, never `$HOME` (`ssh` ignores it), so a client that starts
+/// rsb with another `HOME` (or `sudo -E`, or a `HOME=/tmp` wrapper) still sees the aliases, keys
+/// and host keys `ssh` sees. `home` (`$HOME`) only where the passwd database has no entry for
+/// this user. rsb's own files (its config, state dir, a config entry's `key_file`) follow
+/// `$HOME`, as other XDG tools do.
+fn ssh_home(home: &Path) -> PathBuf {
     rsb_agent::util::passwd_entry()
         .map(|p| p.home)
         .filter(|h| h.is_absolute())
         .unwrap_or_else(|| home.to_path_buf())
-        .join(".ssh")
-        .join("config")
+}
+
+/// The OpenSSH client configuration rsb reads: `RSB_SSH_CONFIG` when set (tests, or a user with
+/// a second ssh config), else `.ssh/config` under [`ssh_home`], as OpenSSH finds it.
+fn ssh_config_path(home: &Path) -> PathBuf {
+    if let Some(p) = real_env("RSB_SSH_CONFIG").filter(|s| !s.trim().is_empty()) {
+        return expand_tilde(p.trim(), home);
+    }
+    ssh_home(home).join(".ssh").join("config")
+}
+
+/// [`Config::from_sources`] with this process's files and homes, and the given environment:
+/// for a caller that needs to see which variables the loader reads.
+pub fn load_with_env(env: &dyn Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+    let home = real_home().unwrap_or_else(|| PathBuf::from("."));
+    Config::from_sources(
+        env,
+        Some(&config_file_path()),
+        Some(&ssh_config_path(&home)),
+        &home,
+        &ssh_home(&home),
+    )
 }
 
 /// [`ssh_config_path`] for this process: what `rsb doctor` and hints name.
@@ -410,7 +428,13 @@ impl Config {
             ));
         }
         let ssh_config = ssh_config_path(&home);
-        let cfg = Config::from_sources(&real_env, Some(&config_file), Some(&ssh_config), &home)?;
+        let cfg = Config::from_sources(
+            &real_env,
+            Some(&config_file),
+            Some(&ssh_config),
+            &home,
+            &ssh_home(&home),
+        )?;
         if cfg.source == BUILTIN_LOCAL {
             let vars: Vec<(String, String)> = std::env::vars_os()
                 .filter_map(|(k, v)| {
@@ -449,9 +473,11 @@ impl Config {
             .and_then(|v| HostKeyPolicy::parse(&v))
             .unwrap_or_default();
         let mut warnings = Vec::new();
+        let ssh_home = ssh_home(&home);
         let mut ctx = BuildCtx {
             env: &real_env,
             home: &home,
+            ssh_home: &ssh_home,
             ssh_config_path: Some(&path),
             ssh_config: None,
             state_dir: &builtin.state_dir,
@@ -494,6 +520,7 @@ impl Config {
         config_file: Option<&Path>,
         ssh_config: Option<&Path>,
         home: &Path,
+        ssh_home: &Path,
     ) -> Result<Config, ConfigError> {
         let mut warnings = Vec::new();
         let state_dir = resolve_state_dir(env, home);
@@ -525,6 +552,7 @@ impl Config {
         let mut ctx = BuildCtx {
             env,
             home,
+            ssh_home,
             ssh_config_path: ssh_config,
             ssh_config: None,
             state_dir: &state_dir,
@@ -765,7 +793,10 @@ struct Defaults {
 
 struct BuildCtx<'a> {
     env: &'a dyn Fn(&str) -> Option<String>,
+    /// `$HOME`: `~` in rsb's own config.
     home: &'a Path,
+    /// [`ssh_home`]: `~` in the ssh config, and the default known_hosts and identities.
+    ssh_home: &'a Path,
     ssh_config_path: Option<&'a Path>,
     /// Parsed lazily, once.
     ssh_config: Option<ssh2_config::SshConfig>,
@@ -781,7 +812,7 @@ impl BuildCtx<'_> {
 
     fn known_hosts(&self) -> Vec<PathBuf> {
         vec![
-            self.home.join(".ssh").join("known_hosts"),
+            self.ssh_home.join(".ssh").join("known_hosts"),
             self.state_dir.join("known_hosts"),
         ]
     }
@@ -789,7 +820,7 @@ impl BuildCtx<'_> {
     fn default_keys(&self) -> Vec<PathBuf> {
         DEFAULT_KEY_NAMES
             .iter()
-            .map(|n| self.home.join(".ssh").join(n))
+            .map(|n| self.ssh_home.join(".ssh").join(n))
             .filter(|p| p.is_file())
             .collect()
     }
@@ -820,7 +851,7 @@ impl BuildCtx<'_> {
             let rules = ssh2_config::ParseRule::ALLOW_UNKNOWN_FIELDS
                 | ssh2_config::ParseRule::ALLOW_UNSUPPORTED_FIELDS;
             let parsed = ssh2_config::SshConfig::default()
-                .home_dir(self.home)
+                .home_dir(self.ssh_home)
                 .parse(&mut reader, rules)
                 .map_err(|e| {
                     ConfigError::new(
@@ -1453,7 +1484,7 @@ fn host_key_settings(
                 .iter()
                 .flat_map(|a| a.split_whitespace())
                 .filter(|f| !f.eq_ignore_ascii_case("none"))
-                .map(|f| expand_tilde(f, ctx.home))
+                .map(|f| expand_tilde(f, ctx.ssh_home))
                 .collect();
             files.push(ctx.state_dir.join("known_hosts"));
             files
@@ -1899,7 +1930,7 @@ mod tests {
         map.entry("RSB_STATE_DIR".into())
             .or_insert_with(|| home.path().join("state").display().to_string());
         let env = move |k: &str| map.get(k).cloned();
-        Config::from_sources(&env, config_file, ssh_config, home.path())
+        Config::from_sources(&env, config_file, ssh_config, home.path(), home.path())
     }
 
     fn env_only(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
@@ -3009,5 +3040,67 @@ local = true
                 "{bad:?} -> {e} -> {text}"
             );
         }
+    }
+
+    /// OpenSSH's files come from the passwd home, rsb's from `$HOME`: with the two apart, `~`
+    /// in the ssh config (IdentityFile, UserKnownHostsFile), the default `~/.ssh/known_hosts`
+    /// and the default identities are the passwd home's, while `~` in rsb's own `key_file` and
+    /// the state dir stay under `$HOME`.
+    #[test]
+    fn ssh_files_follow_the_passwd_home_and_rsb_files_home() {
+        let home = TempDir::new();
+        let pw = TempDir::new();
+        let cfg = pw.write(
+            ".ssh/config",
+            "Host box\n    HostName 127.0.0.9\n    User u\n    IdentityFile ~/.ssh/box_key\n\n\
+             Host kh\n    HostName 127.0.0.8\n    User u\n    UserKnownHostsFile ~/.ssh/kh\n",
+        );
+        pw.write(".ssh/box_key", "k");
+        pw.write(".ssh/id_ed25519", "k");
+        home.write(".ssh/id_rsa", "not the one ssh uses");
+        home.write("rsb_key", "k");
+        let env: HashMap<String, String> = [
+            (
+                LIST_VAR.to_string(),
+                r#"[{"ssh_config_host":"box"},{"ssh_config_host":"kh"},
+                    {"name":"own","host":"127.0.0.7","user":"u","key_file":"~/rsb_key"}]"#
+                    .to_string(),
+            ),
+            ("RSB_STATE_DIR".to_string(), "~/state".to_string()),
+        ]
+        .into_iter()
+        .collect();
+        let lookup = move |k: &str| env.get(k).cloned();
+        let c = Config::from_sources(&lookup, None, Some(&cfg), home.path(), pw.path()).unwrap();
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        let state = c.state_dir.clone();
+        assert_eq!(state, home.path().join("state"));
+        let b = ssh(&c, 0);
+        assert_eq!(
+            b.auth,
+            Auth::Auto {
+                identity_files: vec![pw.path().join(".ssh/box_key")],
+                default_keys: vec![pw.path().join(".ssh/id_ed25519")],
+                passphrase: None,
+            }
+        );
+        assert_eq!(
+            b.known_hosts,
+            vec![
+                pw.path().join(".ssh/known_hosts"),
+                state.join("known_hosts")
+            ]
+        );
+        assert_eq!(
+            ssh(&c, 1).known_hosts,
+            vec![pw.path().join(".ssh/kh"), state.join("known_hosts")]
+        );
+        assert_eq!(
+            ssh(&c, 2).auth,
+            Auth::KeyFile {
+                path: home.path().join("rsb_key"),
+                passphrase: None
+            }
+        );
     }
 }

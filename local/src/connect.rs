@@ -741,16 +741,7 @@ fn config_vars_and_secrets() -> (Vec<String>, Vec<String>) {
         read.lock().push(key.to_string());
         std::env::var(key).ok()
     };
-    let home = directories::BaseDirs::new()
-        .map(|b| b.home_dir().to_path_buf())
-        .or_else(|| std::env::var_os("HOME").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from("."));
-    let loaded = crate::config::Config::from_sources(
-        &env,
-        Some(&crate::config::config_file_path()),
-        Some(&home.join(".ssh").join("config")),
-        &home,
-    );
+    let loaded = crate::config::load_with_env(&env);
     let mut secrets = Vec::new();
     if let Ok(cfg) = &loaded {
         for sb in &cfg.sandboxes {

@@ -285,15 +285,22 @@ fn cli_table() {
     let secs = Duration::from_secs;
     let _stop_daemon = common::StopDaemon(env.state.clone());
     // The same sshd as `moved`, under a name whose known_hosts entry holds another key: a host
-    // that was reinstalled (or an interception).
-    let known_hosts = home.join(".ssh/known_hosts");
-    std::fs::create_dir_all(known_hosts.parent().unwrap()).unwrap();
+    // that was reinstalled (or an interception). In rsb's own known_hosts: `~/.ssh/known_hosts`
+    // is the passwd home's, as for `ssh`, which a test must not write.
+    let known_hosts = env.state.join("known_hosts");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::create_dir_all(&env.state).unwrap();
+        std::fs::set_permissions(&env.state, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let moved = format!("[localhost]:{}", sshd.port());
+        std::fs::write(
+            &known_hosts,
+            format!("{moved} {}\n", other_host_key(tmp.path())),
+        )
+        .unwrap();
+        std::fs::set_permissions(&known_hosts, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
     let moved = format!("[localhost]:{}", sshd.port());
-    std::fs::write(
-        &known_hosts,
-        format!("{moved} {}\n", other_host_key(tmp.path())),
-    )
-    .unwrap();
     let kh = known_hosts.display().to_string();
     // A tree for the grep rows: one match, one gitignored match.
     std::fs::create_dir_all(h.join("gdir")).unwrap();

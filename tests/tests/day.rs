@@ -629,6 +629,49 @@ fn an_ssh_config_alias_is_a_sandbox_without_any_config() {
         want.display(),
         show(&o)
     );
+
+    // `~` in the ssh config is the passwd home too (the key is reachable only that way), and
+    // `$HOME/.ssh/known_hosts` is not `ssh`'s: a wrong key for the host there changes nothing.
+    let pw = passwd_home();
+    let up = "../".repeat(pw.components().count().saturating_sub(1));
+    let key = u.sshd.client_key();
+    let tilde_key = format!(
+        "~/{up}{}",
+        key.display().to_string().trim_start_matches('/')
+    );
+    let alias2 = format!("{alias}-tilde");
+    let block2 = format!(
+        "Host {alias2}\n    HostName {}\n    Port {}\n    User {}\n    IdentityFile {tilde_key}\n",
+        u.sshd.host(),
+        u.sshd.port(),
+        u.sshd.user(),
+    );
+    std::fs::write(&ssh_config, format!("{block}\n{block2}")).unwrap();
+    let other = u.tmp.path().join("other_host_key");
+    let made = Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+        .arg(&other)
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", show(&made));
+    let other_pub = std::fs::read_to_string(other.with_extension("pub")).unwrap();
+    let other_pub: Vec<&str> = other_pub.split_whitespace().take(2).collect();
+    std::fs::write(
+        u.home().join(".ssh/known_hosts"),
+        format!(
+            "[{h}]:{p} {k}\n[localhost]:{p} {k}\n",
+            h = u.sshd.host(),
+            p = u.sshd.port(),
+            k = other_pub.join(" ")
+        ),
+    )
+    .unwrap();
+    let o = u.run(
+        &mut bare(&["-s", &alias2, "exec", "echo tilde ok"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{tilde_key}: {}", show(&o));
+    assert_eq!(text(&o.stdout), "tilde ok\n", "{}", show(&o));
 }
 
 /// A TCP socket bound to `127.0.0.1:port` that never listens (no `SO_REUSEADDR`): the port is

@@ -36,7 +36,7 @@ fn pool_from_ssh_config(home: &Path, ssh_config: &str, alias: &str) -> Pool {
         ("RSB_STATE_DIR", home.join("state").display().to_string()),
     ]);
     let env = move |k: &str| vars.get(k).cloned();
-    let config = Config::from_sources(&env, None, Some(&cfg), home).expect("config loads");
+    let config = Config::from_sources(&env, None, Some(&cfg), home, home).expect("config loads");
     Pool::new(Arc::new(config))
 }
 
