@@ -20,6 +20,9 @@ use crate::{
     error::{Kind, Result, RsbError},
 };
 
+/// How long [`Pool::shutdown`] waits for a slot's lock before leaving it to the process exit.
+const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_millis(300);
+
 struct Slot {
     cfg: SandboxConfig,
     conn: Mutex<Option<Connection>>,
@@ -440,14 +443,21 @@ impl Pool {
     }
 
     /// Drop every connection (agents see EOF and exit; jobs keep running).
+    ///
+    /// A slot whose lock is held past [`SHUTDOWN_WAIT`] is a connect still in flight (a probe
+    /// that gave up waiting leaves its connect running, up to `connect_timeout_s`): there is
+    /// nothing to close yet, and waiting would hold the exit of `rsb sandboxes` for the connect
+    /// timeout of a hung host. All slots are waited on together, so the bound is one wait.
     pub async fn shutdown(&self) {
-        if let Some(c) = self.local.lock().await.take() {
-            c.client.close("shutdown");
-        }
-        for slot in self.slots.values() {
-            if let Some(c) = slot.conn.lock().await.take() {
-                c.client.close("shutdown");
-            }
-        }
+        let closes = std::iter::once(&self.local)
+            .chain(self.slots.values().map(|s| &s.conn))
+            .map(|conn| async move {
+                if let Ok(mut conn) = tokio::time::timeout(SHUTDOWN_WAIT, conn.lock()).await
+                    && let Some(c) = conn.take()
+                {
+                    c.client.close("shutdown");
+                }
+            });
+        futures::future::join_all(closes).await;
     }
 }

@@ -2019,6 +2019,41 @@ async fn a_hung_host_slows_only_the_first_listing() {
     let v = mcp.ok("get_active_sandbox", json!({})).await;
     assert!(t.elapsed() < Duration::from_millis(1500), "{v}");
     assert_eq!(v["connection_alive"], false, "{v}");
+
+    // `rsb sandboxes` is the health check, one process per run with nothing to remember: it
+    // probes every sandbox, in parallel, each within the same short deadline, so two hung
+    // hosts cost one deadline, not two connect timeouts.
+    let home = mcp._tmp.path().join("home");
+    let mut c = std::process::Command::new(rsb_bin());
+    c.args(["--json", "sandboxes"])
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", &home)
+        .env("XDG_CONFIG_HOME", home.join(".config"))
+        .env("XDG_DATA_HOME", home.join(".local/share"))
+        .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
+        .env("RSB_STATE_DIR", mcp._tmp.path().join("cli-state"))
+        .env("REMOTE_SANDBOX_LIST", list(&entries));
+    let t = Instant::now();
+    let o = rsb_tests::output_with_timeout(&mut c, Duration::from_secs(60)).unwrap();
+    let took = t.elapsed();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    println!("rsb sandboxes with two hung hosts: {took:?}");
+    assert!(o.status.success(), "{out}");
+    assert!(took < Duration::from_secs(8), "took {took:?}: {out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(row(&v, "live")["connection_alive"], true, "{v}");
+    for n in ["hung", "hung2"] {
+        let r = row(&v, n);
+        assert_eq!(r["connection_alive"], false, "{v}");
+        assert!(
+            r["connection_error"]
+                .as_str()
+                .unwrap()
+                .contains("connect_timeout_s"),
+            "{v}"
+        );
+    }
     mcp.close().await;
 }
 
