@@ -349,6 +349,13 @@ fn signals_are_reported() {
             false,
         )
         .unwrap();
+    // The trap is set once `up` is in the log; a kill before that (a loaded box can take that
+    // long to start bash) would find SIGTERM still fatal.
+    let deadline = Instant::now() + WAIT;
+    while !f.log("stubborn").contains("up\n") {
+        assert!(Instant::now() < deadline, "stubborn never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let t0 = Instant::now();
     let k = kill_in(
         &f.ctx,

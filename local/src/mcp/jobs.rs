@@ -501,6 +501,7 @@ impl RsbServer {
         });
         match r {
             Ok(reg) => {
+                self.followed.watch(reg.watch_id);
                 v["watch_id"] = serde_json::json!(reg.watch_id);
                 if let Some(s) = reg.watchdog_setup {
                     v["watchdog_setup"] = serde_json::to_value(s).unwrap_or_default();

@@ -4,6 +4,7 @@
 //! `tools/list`). Domain errors are `isError: true` with `{"error", "hint"}`. Calls run
 //! concurrently; a cancelled call's future is dropped, which cancels its agent request.
 
+mod channel;
 mod edit;
 mod exec;
 mod forward;
@@ -51,6 +52,9 @@ pub struct RsbServer {
     /// Set once the session's first tool reply went out: that reply says which configured
     /// sandboxes are this machine ([`local_notice`]).
     first_reply_sent: Arc<std::sync::atomic::AtomicBool>,
+    /// The watches and background transfers this session started: what the channel pushes
+    /// about ([`channel`]).
+    pub(crate) followed: Arc<channel::Followed>,
 }
 
 impl RsbServer {
@@ -80,6 +84,7 @@ impl RsbServer {
             full_schemas,
             config_error: None,
             first_reply_sent: Default::default(),
+            followed: Default::default(),
         }
     }
 
@@ -407,7 +412,15 @@ impl ServerHandler for RsbServer {
     }
 
     fn get_info(&self) -> ServerConfig {
-        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+        let mut caps = ServerCapabilities::builder().enable_tools().build();
+        // Claude Code listens for channel notifications from a server that declares this
+        // (and was started with its channels flag); other clients ignore an unknown
+        // experimental capability and notification.
+        caps.experimental = Some(std::collections::BTreeMap::from([(
+            channel::CAPABILITY.to_string(),
+            JsonObject::new(),
+        )]));
+        ServerConfig::new(caps)
             .with_server_info(Implementation::new(
                 "remote-sandbox",
                 env!("CARGO_PKG_VERSION"),
@@ -421,7 +434,10 @@ fn instructions(pool: &Pool) -> String {
     let mut s = String::from(
         "Remote machines over SSH as sandboxes. list_sandboxes(check_resources=true) then \
          select_sandbox (or \"auto\"); exec_bash for commands; exec_bash_background + \
-         check_background_task for long jobs; sync_* tools move files.",
+         check_background_task for long jobs; sync_* tools move files. A <channel> message \
+         from this server says that a watched job or a background transfer you started ended \
+         or changed state; its watch_id / task_id attributes are what check_background_task \
+         and check_file_transfer_task take.",
     );
     if let Some(n) = local_notice(pool) {
         s.push(' ');
@@ -482,6 +498,8 @@ pub async fn serve_config_error(err: ConfigError) -> anyhow::Result<()> {
 async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
     let pool = server.pool.clone();
     let forwards = server.forwards.clone();
+    let followed = server.followed.clone();
+    let state_dir = pool.config().state_dir.clone();
     let (transport, writer) = stdio::transport(
         tokio::io::stdin(),
         tokio::io::stdout(),
@@ -489,7 +507,16 @@ async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
     );
     match server.serve(transport).await {
         Ok(running) => {
+            let ct = tokio_util::sync::CancellationToken::new();
+            let pusher = tokio::spawn(channel::run(
+                running.peer().clone(),
+                followed,
+                state_dir,
+                ct.clone(),
+            ));
             let _ = running.waiting().await;
+            ct.cancel();
+            let _ = pusher.await;
         }
         // A client that closes stdin before initializing is not an error worth a stack trace.
         Err(e) => tracing::info!("MCP session ended before initialization: {e}"),

@@ -270,6 +270,11 @@ impl RsbServer {
             ops::sync_local_to_remote(&pool, args, cb, &cancel).await
         })
         .await;
+        if let Ok(v) = &r
+            && let Some(id) = v["task_id"].as_i64()
+        {
+            self.followed.transfer(id);
+        }
         let tool = ("sync_local_to_remote", sandbox.as_str(), Some(what));
         super::audited(self.pool.config(), &ctx, tool, t0, r)
     }
@@ -309,6 +314,11 @@ impl RsbServer {
             ops::sync_remote_to_local(&pool, args, cb, &cancel).await
         })
         .await;
+        if let Ok(v) = &r
+            && let Some(id) = v["task_id"].as_i64()
+        {
+            self.followed.transfer(id);
+        }
         let tool = ("sync_remote_to_local", sandbox.as_str(), Some(what));
         super::audited(self.pool.config(), &ctx, tool, t0, r)
     }

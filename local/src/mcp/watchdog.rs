@@ -329,7 +329,11 @@ impl RsbServer {
         let dir = self.state_dir();
         let sandboxes = self.pool.config().sandboxes.clone();
         let ensure = p.ensure_watchdog;
-        typed(blocking(move || wops::register(&dir, &sandboxes, nw, ensure)).await)
+        let r = blocking(move || wops::register(&dir, &sandboxes, nw, ensure)).await;
+        if let Ok(reg) = &r {
+            self.followed.watch(reg.watch_id);
+        }
+        typed(r)
     }
 
     #[tool(description = "Alias of exec_bash_background with watch=true.")]

@@ -1,0 +1,551 @@
+//! Push: Claude Code's channel. `rsb mcp` declares `experimental: {"claude/channel": {}}` and
+//! sends `notifications/claude/channel` (`{content, meta}`) when a watched job this session
+//! started changes state (completed with its exit code, interrupted, resume_started, stalled,
+//! ssh_unreachable, gave_up, ...), and when a background transfer it started ends. Claude Code
+//! shows each as a `<channel source="..." k="v">content</channel>` turn, so "wake me when
+//! training completes" needs no polling by the model.
+//!
+//! The events come from the store that the watchdog daemon and the transfer workers write; the
+//! server never asks SSH for them. It reads the store only when `PRAGMA data_version` says
+//! another connection committed, on one blocking thread, so a tick with nothing new costs one
+//! pragma and no runtime thread ever waits on SQLite.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    path::PathBuf,
+    sync::Arc,
+    time::Duration,
+};
+
+use rmcp::{
+    Peer, RoleServer,
+    model::{CustomNotification, ServerNotification},
+};
+use rusqlite::{Connection, OptionalExtension, params};
+use serde_json::{Map, Value, json};
+use tokio_util::sync::CancellationToken;
+
+/// The notification's method and the capability that announces it.
+pub const METHOD: &str = "notifications/claude/channel";
+pub const CAPABILITY: &str = "claude/channel";
+
+/// How often the store's version is compared. A pragma on an open connection costs
+/// microseconds; half a second keeps the push well under the daemon's own check period.
+const TICK: Duration = Duration::from_millis(500);
+/// The longest content line: one line of what, where, the outcome, the duration and the last
+/// log line, never a log.
+const MAX_CONTENT_CHARS: usize = 400;
+const MAX_LAST_LINE_CHARS: usize = 160;
+
+/// What this session started and wants to hear about. Handlers add to it; the pusher drops an
+/// entry once it has reported the end.
+#[derive(Default)]
+pub struct Followed {
+    state: parking_lot::Mutex<State>,
+    wake: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct State {
+    /// Watch id → the last event id reported for it (0: none yet, so an event written between
+    /// the registration and this entry is still reported).
+    watches: BTreeMap<i64, i64>,
+    /// Background transfer task ids.
+    transfers: BTreeSet<i64>,
+}
+
+impl Followed {
+    pub fn watch(&self, id: i64) {
+        if id > 0 {
+            self.state.lock().watches.entry(id).or_insert(0);
+            self.wake.notify_one();
+        }
+    }
+
+    pub fn transfer(&self, id: i64) {
+        if id > 0 {
+            self.state.lock().transfers.insert(id);
+            self.wake.notify_one();
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        let s = self.state.lock();
+        s.watches.is_empty() && s.transfers.is_empty()
+    }
+
+    fn snapshot(&self) -> (BTreeMap<i64, i64>, BTreeSet<i64>) {
+        let s = self.state.lock();
+        (s.watches.clone(), s.transfers.clone())
+    }
+
+    fn apply(&self, done: &Scan) {
+        let mut s = self.state.lock();
+        for (id, last) in &done.watch_cursors {
+            if let Some(c) = s.watches.get_mut(id) {
+                *c = (*c).max(*last);
+            }
+        }
+        for id in &done.watches_ended {
+            s.watches.remove(id);
+        }
+        for id in &done.transfers_ended {
+            s.transfers.remove(id);
+        }
+    }
+}
+
+/// One push: the line a model reads, and the ids it needs to follow up (`meta` values are
+/// strings, and keys are identifiers, as Claude Code turns them into tag attributes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Message {
+    pub content: String,
+    pub meta: BTreeMap<&'static str, String>,
+}
+
+impl Message {
+    fn notification(&self) -> ServerNotification {
+        let meta: Map<String, Value> = self
+            .meta
+            .iter()
+            .map(|(k, v)| (k.to_string(), json!(v)))
+            .collect();
+        ServerNotification::CustomNotification(CustomNotification::new(
+            METHOD,
+            Some(json!({"content": self.content, "meta": meta})),
+        ))
+    }
+}
+
+#[derive(Default)]
+struct Scan {
+    messages: Vec<Message>,
+    watch_cursors: Vec<(i64, i64)>,
+    watches_ended: Vec<i64>,
+    transfers_ended: Vec<i64>,
+}
+
+/// Runs until `ct` is cancelled (the session ended) or the client stops taking
+/// notifications. Store errors are logged and retried on the next tick: a push that is late is
+/// better than a session whose tools fail because its pusher gave up.
+pub async fn run(
+    peer: Peer<RoleServer>,
+    followed: Arc<Followed>,
+    state_dir: PathBuf,
+    ct: CancellationToken,
+) {
+    let mut conn: Option<Connection> = None;
+    let mut seen_version: Option<i64> = None;
+    loop {
+        if followed.is_empty() {
+            tokio::select! {
+                _ = ct.cancelled() => return,
+                _ = followed.wake.notified() => {}
+            }
+            // Something new to follow: read the store now, whatever its version says.
+            seen_version = None;
+        } else {
+            tokio::select! {
+                _ = ct.cancelled() => return,
+                _ = tokio::time::sleep(TICK) => {}
+                _ = followed.wake.notified() => seen_version = None,
+            }
+        }
+        let (watches, transfers) = followed.snapshot();
+        let dir = state_dir.clone();
+        let taken = conn.take();
+        let last = seen_version;
+        let joined = tokio::task::spawn_blocking(move || {
+            let c = match taken {
+                Some(c) => c,
+                None => crate::store::open(&dir).map_err(|e| e.to_string())?,
+            };
+            let version: i64 = c
+                .query_row("PRAGMA data_version", [], |r| r.get(0))
+                .map_err(|e| e.to_string())?;
+            if last == Some(version) {
+                return Ok((c, version, Scan::default()));
+            }
+            let scan = scan(&c, &watches, &transfers).map_err(|e| e.to_string())?;
+            Ok::<_, String>((c, version, scan))
+        })
+        .await;
+        match joined {
+            Ok(Ok((c, version, found))) => {
+                conn = Some(c);
+                seen_version = Some(version);
+                for m in &found.messages {
+                    if peer.send_notification(m.notification()).await.is_err() {
+                        // The client is gone; the session's end cancels `ct` too.
+                        return;
+                    }
+                }
+                followed.apply(&found);
+            }
+            Ok(Err(e)) => tracing::warn!("channel: cannot read the store: {e}"),
+            Err(e) => tracing::warn!("channel: store read failed: {e}"),
+        }
+    }
+}
+
+fn scan(
+    c: &Connection,
+    watches: &BTreeMap<i64, i64>,
+    transfers: &BTreeSet<i64>,
+) -> rusqlite::Result<Scan> {
+    let mut out = Scan::default();
+    let mut events = c.prepare_cached(
+        "SELECT e.id, e.event_type, e.summary, e.payload_json, e.created_ts,
+                w.created_ts, w.sandbox_name, w.tmux_session, w.name, w.run_id, w.status
+         FROM watch_events e JOIN watches w ON w.id = e.watch_id
+         WHERE e.watch_id = ?1 AND e.id > ?2 ORDER BY e.id LIMIT 50",
+    )?;
+    for (&watch_id, &after) in watches {
+        let rows = events
+            .query_map(params![watch_id, after], |r| {
+                Ok(JobEvent {
+                    event_id: r.get(0)?,
+                    watch_id,
+                    event_type: r.get(1)?,
+                    summary: r.get(2)?,
+                    payload: serde_json::from_str(&r.get::<_, String>(3)?).unwrap_or(Value::Null),
+                    at: r.get(4)?,
+                    started: r.get(5)?,
+                    sandbox: r.get(6)?,
+                    session: r.get(7)?,
+                    name: r.get(8)?,
+                    run_id: r.get(9)?,
+                    watch_status: r.get(10)?,
+                })
+            })?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        let mut cursor = after;
+        for e in &rows {
+            cursor = cursor.max(e.event_id);
+            out.messages.push(e.message());
+        }
+        out.watch_cursors.push((watch_id, cursor));
+        // The watch's own status says when nothing more will come (completed, gave_up,
+        // cancelled); a watch that was deleted ends too.
+        let status: Option<String> = c
+            .query_row(
+                "SELECT status FROM watches WHERE id = ?1",
+                [watch_id],
+                |r| r.get(0),
+            )
+            .optional()?;
+        if status.as_deref().is_none_or(|s| s != "active") {
+            out.watches_ended.push(watch_id);
+        }
+    }
+    let mut task = c.prepare_cached(
+        "SELECT direction, sandbox_name, local_path, remote_path, status, started_ts,
+                finished_ts, created_ts, last_error, result_json
+         FROM transfer_tasks WHERE id = ?1",
+    )?;
+    for &id in transfers {
+        let row = task
+            .query_row([id], |r| {
+                Ok(Transfer {
+                    id,
+                    direction: r.get(0)?,
+                    sandbox: r.get(1)?,
+                    local_path: r.get(2)?,
+                    remote_path: r.get(3)?,
+                    status: r.get(4)?,
+                    started: r.get(5)?,
+                    finished: r.get(6)?,
+                    created: r.get(7)?,
+                    last_error: r.get(8)?,
+                    result: serde_json::from_str(&r.get::<_, String>(9)?).unwrap_or(Value::Null),
+                })
+            })
+            .optional()?;
+        match row {
+            Some(t) if is_terminal(&t.status) => {
+                out.messages.push(t.message());
+                out.transfers_ended.push(id);
+            }
+            Some(_) => {}
+            // Pruned or never there: nothing will ever be reported.
+            None => out.transfers_ended.push(id),
+        }
+    }
+    Ok(out)
+}
+
+fn is_terminal(status: &str) -> bool {
+    matches!(status, "completed" | "failed" | "cancelled" | "interrupted")
+}
+
+struct JobEvent {
+    event_id: i64,
+    watch_id: i64,
+    event_type: String,
+    summary: String,
+    payload: Value,
+    at: i64,
+    started: i64,
+    sandbox: String,
+    session: String,
+    name: String,
+    run_id: String,
+    watch_status: String,
+}
+
+impl JobEvent {
+    fn message(&self) -> Message {
+        let exit = self.payload["exit_code"].as_i64();
+        let outcome = match (self.event_type.as_str(), exit) {
+            ("completed", Some(0)) => "completed (exit 0)".to_string(),
+            ("completed", Some(c)) => format!("failed (exit {c})"),
+            (t, _) => t.replace('_', " "),
+        };
+        let label = if self.name.is_empty() || self.name == self.session {
+            format!("job `{}`", self.session)
+        } else {
+            format!("job `{}` ({})", self.session, self.name)
+        };
+        let mut content = format!(
+            "{label} on {}: {outcome} after {}",
+            self.sandbox,
+            duration(self.at - self.started)
+        );
+        match last_line(self.payload["log_tail"].as_str().unwrap_or_default()) {
+            Some(l) => content.push_str(&format!("; last line: {l}")),
+            None if !self.summary.is_empty() && self.event_type != "completed" => {
+                content.push_str(&format!("; {}", crate::watchdog::one_line(&self.summary)))
+            }
+            None => {}
+        }
+        let mut meta = BTreeMap::from([
+            ("kind", "job".to_string()),
+            ("event", self.event_type.clone()),
+            ("sandbox_name", self.sandbox.clone()),
+            ("session_name", self.session.clone()),
+            ("watch_id", self.watch_id.to_string()),
+            ("watch_status", self.watch_status.clone()),
+        ]);
+        if let Some(c) = exit {
+            meta.insert("exit_code", c.to_string());
+        }
+        if !self.run_id.is_empty() {
+            meta.insert("run_id", self.run_id.clone());
+        }
+        Message {
+            content: clip(&content, MAX_CONTENT_CHARS),
+            meta,
+        }
+    }
+}
+
+struct Transfer {
+    id: i64,
+    direction: String,
+    sandbox: String,
+    local_path: String,
+    remote_path: String,
+    status: String,
+    started: f64,
+    finished: f64,
+    created: f64,
+    last_error: String,
+    result: Value,
+}
+
+impl Transfer {
+    fn message(&self) -> Message {
+        let (tool, what) = if self.direction == "remote_to_local" {
+            (
+                "sync_remote_to_local",
+                format!(
+                    "{}:{} -> {}",
+                    self.sandbox, self.remote_path, self.local_path
+                ),
+            )
+        } else {
+            (
+                "sync_local_to_remote",
+                format!(
+                    "{} -> {}:{}",
+                    self.local_path, self.sandbox, self.remote_path
+                ),
+            )
+        };
+        let from = if self.started > 0.0 {
+            self.started
+        } else {
+            self.created
+        };
+        let took = duration((self.finished - from).max(0.0).round() as i64);
+        let mut content = format!("transfer {} ({tool} {what}): {}", self.id, self.status);
+        if self.status == "completed" {
+            // The seed's reply keys, which the stored report keeps (`SyncReport::to_json`).
+            let n = |k: &str| self.result[k].as_u64().unwrap_or(0);
+            let files = n("uploaded_files") + n("downloaded_files");
+            content.push_str(&format!(
+                ", {files} files, {} bytes sent, {} deleted",
+                n("bytes_sent"),
+                n("deleted_files")
+            ));
+        } else if !self.last_error.is_empty() {
+            content.push_str(&format!(
+                ": {}",
+                crate::watchdog::one_line(&self.last_error)
+            ));
+        }
+        content.push_str(&format!(", after {took}"));
+        Message {
+            content: clip(&content, MAX_CONTENT_CHARS),
+            meta: BTreeMap::from([
+                ("kind", "transfer".to_string()),
+                ("event", self.status.clone()),
+                ("sandbox_name", self.sandbox.clone()),
+                ("task_id", self.id.to_string()),
+                ("tool", tool.to_string()),
+            ]),
+        }
+    }
+}
+
+/// The log's last line with text in it, as one line (control characters out, so remote text
+/// can never start a second line or a terminal escape). The job runner's own `EXIT_CODE=N`
+/// marker is the exit code, which the line already says.
+fn last_line(tail: &str) -> Option<String> {
+    let marker = |l: &str| {
+        l.strip_prefix("EXIT_CODE=")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+    };
+    tail.lines()
+        .rev()
+        .map(crate::watchdog::one_line)
+        .find(|l| !l.is_empty() && !marker(l))
+        .map(|l| clip(&l, MAX_LAST_LINE_CHARS))
+}
+
+fn clip(s: &str, max: usize) -> String {
+    if s.chars().count() <= max {
+        return s.to_string();
+    }
+    let mut out: String = s.chars().take(max - 1).collect();
+    out.push('…');
+    out
+}
+
+/// `2h03m`, `4m05s`, `7s`.
+fn duration(secs: i64) -> String {
+    let s = secs.max(0);
+    match (s / 3600, (s % 3600) / 60, s % 60) {
+        (0, 0, s) => format!("{s}s"),
+        (0, m, s) => format!("{m}m{s:02}s"),
+        (h, m, _) => format!("{h}h{m:02}m"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(event_type: &str, payload: Value) -> JobEvent {
+        JobEvent {
+            event_id: 7,
+            watch_id: 3,
+            event_type: event_type.into(),
+            summary: "Background task completed".into(),
+            payload,
+            at: 1_000_125,
+            started: 1_000_000,
+            sandbox: "gpu1".into(),
+            session: "train".into(),
+            name: String::new(),
+            run_id: "r1".into(),
+            watch_status: "completed".into(),
+        }
+    }
+
+    #[test]
+    fn a_job_message_is_one_line_with_the_ids_to_follow_up() {
+        let m = job(
+            "completed",
+            json!({"exit_code": 3, "log_tail": "epoch 9\nloss nan\x1b]52;c;x\x07\n\nEXIT_CODE=3\n"}),
+        )
+        .message();
+        assert_eq!(
+            m.content,
+            "job `train` on gpu1: failed (exit 3) after 2m05s; last line: loss nan ]52;c;x"
+        );
+        assert_eq!(m.meta["exit_code"], "3");
+        assert_eq!(m.meta["watch_id"], "3");
+        assert_eq!(m.meta["session_name"], "train");
+        assert_eq!(m.meta["event"], "completed");
+        assert_eq!(m.meta["run_id"], "r1");
+        assert!(
+            m.meta
+                .keys()
+                .all(|k| k.chars().all(|c| c.is_ascii_lowercase() || c == '_'))
+        );
+        let ok = job("completed", json!({"exit_code": 0, "log_tail": "done"})).message();
+        assert_eq!(
+            ok.content,
+            "job `train` on gpu1: completed (exit 0) after 2m05s; last line: done"
+        );
+        let gone = job("ssh_unreachable", json!({"log_tail": ""})).message();
+        assert!(
+            gone.content
+                .starts_with("job `train` on gpu1: ssh unreachable after 2m05s; "),
+            "{}",
+            gone.content
+        );
+        assert!(!gone.meta.contains_key("exit_code"));
+        // A log line of any length stays one bounded line.
+        let long = job("stalled", json!({"log_tail": "x".repeat(100_000) + "\n"})).message();
+        assert!(long.content.chars().count() <= MAX_CONTENT_CHARS);
+        assert!(!long.content.contains('\n'));
+    }
+
+    #[test]
+    fn a_transfer_message_names_the_tool_the_counts_and_the_error() {
+        let t = Transfer {
+            id: 12,
+            direction: "local_to_remote".into(),
+            sandbox: "gpu1".into(),
+            local_path: "./proj".into(),
+            remote_path: "proj".into(),
+            status: "completed".into(),
+            started: 100.0,
+            finished: 141.4,
+            created: 99.0,
+            last_error: String::new(),
+            result: json!({"uploaded_files": 120, "bytes_sent": 3_200_000, "deleted_files": 2}),
+        };
+        let m = t.message();
+        assert_eq!(
+            m.content,
+            "transfer 12 (sync_local_to_remote ./proj -> gpu1:proj): completed, 120 files, \
+             3200000 bytes sent, 2 deleted, after 41s"
+        );
+        assert_eq!(m.meta["task_id"], "12");
+        assert_eq!(m.meta["kind"], "transfer");
+        let failed = Transfer {
+            status: "failed".into(),
+            last_error: "remote disk full\nsecond line".into(),
+            ..t
+        }
+        .message();
+        assert!(
+            failed
+                .content
+                .ends_with("failed: remote disk full second line, after 41s"),
+            "{}",
+            failed.content
+        );
+    }
+
+    #[test]
+    fn durations_read_as_a_person_writes_them() {
+        assert_eq!(duration(7), "7s");
+        assert_eq!(duration(245), "4m05s");
+        assert_eq!(duration(7380), "2h03m");
+        assert_eq!(duration(-5), "0s");
+    }
+}

@@ -1,0 +1,226 @@
+//! Issue 23, push: `rsb mcp` declares Claude Code's `claude/channel` capability and sends
+//! `notifications/claude/channel` when a watched job this session started ends, and when a
+//! background transfer it started ends, through a real MCP client against the sshd fixture
+//! and a real watchdog daemon. The events come from the store; nothing polls SSH for them.
+
+use std::{
+    path::PathBuf,
+    process::Stdio,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use rmcp::{
+    ClientHandler, RoleClient, ServiceExt,
+    model::{CallToolRequestParams, CustomNotification},
+    service::{NotificationContext, RunningService},
+    transport::TokioChildProcess,
+};
+use rsb_tests::{Sshd, workspace_root};
+use serde_json::{Value, json};
+
+fn rsb_bin() -> PathBuf {
+    let p = workspace_root().join("target/debug/rsb");
+    assert!(
+        p.exists(),
+        "{} does not exist: build the workspace's bins first",
+        p.display()
+    );
+    p
+}
+
+/// Keeps every custom notification, with when it arrived.
+#[derive(Clone, Default)]
+struct Listener {
+    got: Arc<Mutex<Vec<(Instant, String, Value)>>>,
+}
+
+impl ClientHandler for Listener {
+    fn on_custom_notification(
+        &self,
+        n: CustomNotification,
+        _context: NotificationContext<RoleClient>,
+    ) -> impl Future<Output = ()> + Send + '_ {
+        self.got
+            .lock()
+            .unwrap()
+            .push((Instant::now(), n.method, n.params.unwrap_or(Value::Null)));
+        std::future::ready(())
+    }
+}
+
+async fn call(svc: &RunningService<RoleClient, Listener>, tool: &str, args: Value) -> Value {
+    let Value::Object(a) = args.clone() else {
+        panic!()
+    };
+    let r = tokio::time::timeout(
+        Duration::from_secs(60),
+        svc.call_tool(CallToolRequestParams::new(tool.to_string()).with_arguments(a)),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let raw = serde_json::to_value(&r).unwrap();
+    let text = raw["content"][0]["text"].as_str().unwrap_or_default();
+    assert_ne!(r.is_error, Some(true), "{tool}({args}): {text}");
+    serde_json::from_str(text).unwrap_or(Value::Null)
+}
+
+/// The channel messages whose `meta` has `key` = `value`, waiting (bounded) for `n` of them.
+async fn wait_for(l: &Listener, key: &str, value: &str, n: usize, within: Duration) -> Vec<Value> {
+    let t0 = Instant::now();
+    loop {
+        let found: Vec<Value> = l
+            .got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, m, p)| m == "notifications/claude/channel" && p["meta"][key] == value)
+            .map(|(_, _, p)| p.clone())
+            .collect();
+        if found.len() >= n {
+            return found;
+        }
+        assert!(
+            t0.elapsed() < within,
+            "no channel message with {key}={value} within {within:?}; got {:?}",
+            l.got.lock().unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_session_hears_when_its_job_and_its_transfer_end() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let state = tmp.path().join("state");
+    let list = json!([{
+        "name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+        "key_file": sshd.client_key().display().to_string(),
+    }])
+    .to_string();
+    let mut cmd = tokio::process::Command::new(rsb_bin());
+    cmd.arg("mcp")
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", &home)
+        .env("XDG_CONFIG_HOME", home.join(".config"))
+        .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
+        .env("RSB_STATE_DIR", &state)
+        .env("REMOTE_SANDBOX_LIST", &list)
+        // Every directory sync runs as a background transfer.
+        .env("REMOTE_SANDBOX_INLINE_SYNC_MAX_FILES", "1");
+    let (transport, _) = TokioChildProcess::builder(cmd)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let listener = Listener::default();
+    let svc = tokio::time::timeout(Duration::from_secs(20), listener.clone().serve(transport))
+        .await
+        .unwrap()
+        .unwrap();
+
+    // The capability Claude Code looks for.
+    let info = serde_json::to_value(svc.peer_info().unwrap()).unwrap();
+    assert_eq!(
+        info["capabilities"]["experimental"]["claude/channel"],
+        json!({}),
+        "{info}"
+    );
+
+    // A watched job that fails: the message says so, with its exit code and last line.
+    let v = call(
+        &svc,
+        "exec_bash_background",
+        json!({"command": "echo step 1; sleep 1; echo 'last words'; exit 3",
+               "session_name": "pushed", "interval_s": 1, "notify_local": false}),
+    )
+    .await;
+    let watch_id = v["watch_id"].as_i64().unwrap_or_else(|| panic!("{v}"));
+    let _daemon = KillOnDrop(v["watchdog_setup"]["pid"].as_i64().unwrap_or(0));
+    let result = async {
+        let t0 = Instant::now();
+        let msgs = wait_for(
+            &listener,
+            "watch_id",
+            &watch_id.to_string(),
+            1,
+            Duration::from_secs(40),
+        )
+        .await;
+        println!(
+            "job end pushed {:?} after the start: {msgs:?}",
+            t0.elapsed()
+        );
+        let m = &msgs[0];
+        let content = m["content"].as_str().unwrap();
+        assert!(
+            content.starts_with("job `pushed` on s: failed (exit 3) after "),
+            "{m}"
+        );
+        assert!(content.ends_with("; last line: last words"), "{m}");
+        assert!(!content.contains('\n'), "{m}");
+        assert_eq!(m["meta"]["kind"], "job", "{m}");
+        assert_eq!(m["meta"]["event"], "completed", "{m}");
+        assert_eq!(m["meta"]["exit_code"], "3", "{m}");
+        assert_eq!(m["meta"]["session_name"], "pushed", "{m}");
+        assert_eq!(m["meta"]["sandbox_name"], "s", "{m}");
+
+        // A background transfer: its end is pushed with the task id and the counts.
+        let proj = tmp.path().join("proj");
+        std::fs::create_dir_all(&proj).unwrap();
+        for i in 0..5 {
+            std::fs::write(proj.join(format!("f{i}.txt")), format!("file {i}\n")).unwrap();
+        }
+        let v = call(
+            &svc,
+            "sync_local_to_remote",
+            json!({"local_path": proj.display().to_string(), "remote_path": "pushed-proj"}),
+        )
+        .await;
+        let task_id = v["task_id"]
+            .as_i64()
+            .unwrap_or_else(|| panic!("not a background transfer: {v}"));
+        let msgs = wait_for(
+            &listener,
+            "task_id",
+            &task_id.to_string(),
+            1,
+            Duration::from_secs(40),
+        )
+        .await;
+        let m = &msgs[0];
+        let content = m["content"].as_str().unwrap();
+        assert!(
+            content.starts_with(&format!("transfer {task_id} (sync_local_to_remote ")),
+            "{m}"
+        );
+        assert!(content.contains("): completed, 5 files, "), "{m}");
+        assert_eq!(m["meta"]["kind"], "transfer", "{m}");
+        assert_eq!(m["meta"]["event"], "completed", "{m}");
+        assert!(sshd.home().join("pushed-proj/f4.txt").is_file());
+
+        // Each end is said once: a second look finds no repeat.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let n = listener.got.lock().unwrap().len();
+        assert_eq!(n, 2, "{:?}", listener.got.lock().unwrap());
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(120), result).await;
+    let _ = svc.cancel().await;
+    outcome.expect("the test ran past 120 s");
+}
+
+/// The detached daemon the server spawned for the test, killed however the test ends.
+struct KillOnDrop(i64);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if self.0 > 1 {
+            // SAFETY: the pid of the daemon the server spawned for this test.
+            unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
+        }
+    }
+}
