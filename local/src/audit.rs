@@ -92,7 +92,7 @@ pub fn record(config: &Config, sandbox: &str, action: &Action) {
         .map(|d| d.as_secs_f64())
         .unwrap_or(0.0);
     let mut v = match serde_json::to_value(Line {
-        time: crate::transfers::utc_stamp(now),
+        time: crate::store::transfers::utc_stamp(now),
         sandbox,
         host,
         user,
@@ -105,7 +105,10 @@ pub fn record(config: &Config, sandbox: &str, action: &Action) {
     let mut line = v.to_string();
     line.push('\n');
     let dir = dir(&config.state_dir);
-    let file = dir.join(format!("{}.jsonl", &crate::transfers::utc_stamp(now)[..7]));
+    let file = dir.join(format!(
+        "{}.jsonl",
+        &crate::store::transfers::utc_stamp(now)[..7]
+    ));
     if let Err(e) = append(&dir, &file, line.as_bytes()) {
         tracing::warn!("cannot write the audit log {}: {e}", file.display());
     }

@@ -10,14 +10,14 @@ pub mod connect;
 pub mod error;
 pub mod exec_stream;
 pub mod forward;
+#[cfg(test)]
+mod layering;
 pub mod mcp;
 pub mod ops;
 pub mod pool;
 pub mod server_env;
-pub mod slurm;
 pub mod ssh;
 pub mod store;
 pub mod sync;
 pub mod term;
-pub mod transfers;
 pub mod watchdog;

@@ -104,7 +104,7 @@ enum Cmd {
     /// does: SANDBOX:PORT, SANDBOX:HOST:PORT or SANDBOX:/path/to.sock (`:PORT` = the active
     /// sandbox). Runs until Ctrl-C, printing a line per connection; survives reconnects.
     /// `--detach` lets the watchdog daemon serve it instead.
-    Forward(rsb::forward::cli::ForwardArgs),
+    Forward(cli::forward::ForwardArgs),
     /// Background jobs supervised by the agent.
     Jobs {
         #[command(subcommand)]
@@ -113,12 +113,12 @@ enum Cmd {
     /// The local daemon that watches long jobs: run, install, uninstall, status.
     Watchdog {
         #[command(subcommand)]
-        cmd: rsb::watchdog::cli::WatchdogCmd,
+        cmd: cli::watchdog::WatchdogCmd,
     },
     /// Watches of long jobs: list, show, events, cancel.
     Watch {
         #[command(subcommand)]
-        cmd: rsb::watchdog::cli::WatchCmd,
+        cmd: cli::watchdog::WatchCmd,
     },
     /// The state dir: what it holds and its size, `check` (is the store usable), `prune`
     /// (apply the retention policy now).
@@ -144,7 +144,7 @@ enum Cmd {
     #[command(hide = true)]
     Transfer {
         #[command(subcommand)]
-        cmd: rsb::sync::cli::TransferCmd,
+        cmd: cli::transfer::TransferCmd,
     },
 }
 
@@ -211,7 +211,7 @@ fn main() -> ExitCode {
     let daemon = matches!(
         cli.cmd,
         Cmd::Watchdog {
-            cmd: rsb::watchdog::cli::WatchdogCmd::Run { .. }
+            cmd: cli::watchdog::WatchdogCmd::Run { .. }
         }
     );
     let records = daemon || matches!(cli.cmd, Cmd::Mcp | Cmd::Watchdog { .. });
@@ -233,15 +233,15 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> u8 {
-    rsb::transfers::enable_workers();
+    rsb::sync::transfers::enable_workers();
     let json = cli.json;
     // Commands that need no sandbox configuration.
     match cli.cmd {
         Cmd::Watchdog { cmd } => {
-            return rsb::watchdog::cli::watchdog(cmd, json, &rsb::config::state_dir()).await;
+            return cli::watchdog::watchdog(cmd, json, &rsb::config::state_dir()).await;
         }
         Cmd::Watch { cmd } => {
-            return rsb::watchdog::cli::watch(cmd, json, &rsb::config::state_dir()).await;
+            return cli::watchdog::watch(cmd, json, &rsb::config::state_dir()).await;
         }
         Cmd::Config { cmd } => return cli::config::run(cmd, json),
         Cmd::State { cmd } => return cli::state::run(cmd, json, &rsb::config::state_dir()),
@@ -249,7 +249,7 @@ async fn run(cli: Cli) -> u8 {
         Cmd::Man => return cli::meta::man(command()),
         Cmd::Version => return cli::meta::version(json),
         Cmd::Transfer { cmd } => {
-            return rsb::sync::cli::transfer(cmd, &rsb::config::state_dir()).await;
+            return cli::transfer::transfer(cmd, &rsb::config::state_dir()).await;
         }
         _ => {}
     }
@@ -380,7 +380,7 @@ async fn run(cli: Cli) -> u8 {
         Cmd::Forward(a) => {
             ctx.warnings_for(&[]);
             // forward/cli.rs says 2 for a bad argument and 1 when it cannot start.
-            match rsb::forward::cli::main(ctx.pool.clone(), a, json).await {
+            match cli::forward::main(ctx.pool.clone(), a, json).await {
                 2 => exit::USAGE,
                 1 => exit::CONNECTION,
                 c => c,

@@ -71,7 +71,7 @@ pub struct Pool {
     /// rsb's own agent as a child process: the local end of every sync (started lazily).
     local: Mutex<Option<Connection>>,
     /// Background transfer tasks (opened lazily: SQLite in the state dir).
-    transfers: parking_lot::Mutex<Option<Arc<crate::transfers::Transfers>>>,
+    transfers: parking_lot::Mutex<Option<Arc<crate::store::transfers::Transfers>>>,
 }
 
 /// Result of a liveness check for `list_sandboxes` / `get_active_sandbox`.
@@ -131,7 +131,7 @@ impl Pool {
     }
 
     /// `name`'s Slurm defaults when it is a Slurm login node (`scheduler = "slurm"`).
-    pub fn slurm(&self, name: &str) -> Option<crate::slurm::SlurmDefaults> {
+    pub fn slurm(&self, name: &str) -> Option<crate::config::SlurmDefaults> {
         self.sandbox_config(name)?.slurm.clone()
     }
 
@@ -371,12 +371,14 @@ impl Pool {
     }
 
     /// The background transfer registry (SQLite under the state dir), opened on first use.
-    pub fn transfers(&self) -> Result<Arc<crate::transfers::Transfers>> {
+    pub fn transfers(&self) -> Result<Arc<crate::store::transfers::Transfers>> {
         let mut g = self.transfers.lock();
         if let Some(t) = g.as_ref() {
             return Ok(t.clone());
         }
-        let t = Arc::new(crate::transfers::Transfers::open(&self.config.state_dir)?);
+        let t = Arc::new(crate::store::transfers::Transfers::open(
+            &self.config.state_dir,
+        )?);
         *g = Some(t.clone());
         Ok(t)
     }

@@ -38,6 +38,21 @@ pub fn shown_lines(s: &str) -> Cow<'_, str> {
     Cow::Owned(s.split('\n').map(shown).collect::<Vec<_>>().join("\n"))
 }
 
+/// Byte counts as people read them (binary units, one decimal), for CLI tables and summaries.
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    format!("{v:.1} {}", UNITS[u])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

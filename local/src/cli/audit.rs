@@ -13,7 +13,9 @@ pub fn run(ctx: &Ctx, since: Option<&str>, grep: Option<&str>) -> u8 {
                     .duration_since(std::time::UNIX_EPOCH)
                     .map(|d| d.as_secs())
                     .unwrap_or(0);
-                Some(rsb::transfers::utc_stamp(now.saturating_sub(secs) as f64))
+                Some(rsb::store::transfers::utc_stamp(
+                    now.saturating_sub(secs) as f64
+                ))
             }
             None => {
                 return fail(

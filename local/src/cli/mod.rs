@@ -7,6 +7,7 @@ pub mod config;
 pub mod doctor;
 pub mod edit;
 pub mod exec;
+pub mod forward;
 pub mod fs;
 pub mod jobs;
 pub mod meta;
@@ -14,6 +15,8 @@ pub mod sandboxes;
 pub mod search;
 pub mod state;
 pub mod sync;
+pub mod transfer;
+pub mod watchdog;
 
 use std::sync::Arc;
 

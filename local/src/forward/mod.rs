@@ -9,10 +9,9 @@
 //! for a session, which reconnects, and repeated failures back off so a dead host is not
 //! hammered.
 
-pub mod cli;
+pub mod request;
 
 use std::{
-    fmt,
     net::{IpAddr, SocketAddr},
     sync::{
         Arc, Weak,
@@ -50,34 +49,8 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 const COPY_BUF: usize = 64 * 1024;
 const STOPPED: &str = "the forward was stopped";
 
-/// What a forward connects to, as the sandbox host sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Target {
-    Tcp { host: String, port: u16 },
-    Unix { path: String },
-}
-
-impl fmt::Display for Target {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Target::Tcp { host, port } if host.contains(':') => write!(f, "[{host}]:{port}"),
-            Target::Tcp { host, port } => write!(f, "{host}:{port}"),
-            Target::Unix { path } => f.write_str(path),
-        }
-    }
-}
-
-/// Which local port to listen on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LocalPort {
-    /// This port or an error.
-    Exact(u16),
-    /// This port when free, else any (the default: the remote port number, as `ssh -L` users
-    /// usually pick, without failing when it is taken).
-    Prefer(u16),
-    /// Whatever the OS hands out.
-    Any,
-}
+/// The forward vocabulary is the store's too (a detached forward is a row); it is named here.
+pub use crate::store::forwards::{LocalPort, StatsSnapshot, Target};
 
 /// Bind the listener, with errors that say which port and what to do.
 pub async fn bind(ip: IpAddr, port: LocalPort) -> Result<TcpListener> {
@@ -165,19 +138,6 @@ struct Stats {
     bytes_received: AtomicU64,
     reconnects: AtomicU64,
     last_error: Mutex<Option<String>>,
-}
-
-/// A point-in-time copy of a forward's counters (also what the daemon records for a detached
-/// forward, so it round-trips through the store).
-#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
-pub struct StatsSnapshot {
-    pub connections_total: u64,
-    pub connections_active: u64,
-    pub connections_failed: u64,
-    pub bytes_sent: u64,
-    pub bytes_received: u64,
-    pub reconnects: u64,
-    pub last_error: Option<String>,
 }
 
 /// A running forward. [`Forward::stop`] returns once the port is free; dropping it stops it

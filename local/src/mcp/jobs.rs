@@ -11,8 +11,7 @@ use serde::Deserialize;
 use super::{RsbServer, ToolResult, fail, reply, wait, with_progress_msg};
 use crate::{
     error::RsbError,
-    ops::{jobs, watchdog as wops},
-    slurm,
+    ops::{jobs, slurm, watchdog as wops},
     watchdog::settings,
 };
 
@@ -170,7 +169,7 @@ pub struct ExecBackgroundParams {
     pub stall_after_s: i64,
     #[serde(default)]
     #[schemars(schema_with = "slurm_schema")]
-    pub slurm: Option<crate::slurm::SlurmOptions>,
+    pub slurm: Option<crate::ops::slurm::SlurmOptions>,
 }
 
 impl ExecBackgroundParams {
@@ -568,12 +567,12 @@ impl RsbServer {
 mod tests {
     use super::*;
 
-    /// The hand-written `slurm` schema names every key of [`crate::slurm::SlurmOptions`] with
+    /// The hand-written `slurm` schema names every key of [`crate::ops::slurm::SlurmOptions`] with
     /// the type its derived schema gives it, so a key added to the options appears here or
     /// fails this test.
     #[test]
     fn the_slurm_schema_matches_the_options_it_describes() {
-        let derived = serde_json::to_value(schemars::schema_for!(crate::slurm::SlurmOptions))
+        let derived = serde_json::to_value(schemars::schema_for!(crate::ops::slurm::SlurmOptions))
             .expect("a schema serializes");
         let mut written: Vec<(String, String)> = SLURM_KEYS
             .split_once(". ")

@@ -10,5 +10,6 @@ pub mod output;
 pub mod resources;
 pub mod sandboxes;
 pub mod search;
+pub mod slurm;
 pub mod sync;
 pub mod watchdog;

@@ -266,7 +266,7 @@ pub struct SandboxStatus {
     pub connection_error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourcesOrError>,
-    /// A Slurm login node's partitions, GPUs and queue (`crate::slurm::resources`).
+    /// A Slurm login node's partitions, GPUs and queue (`crate::ops::slurm::resources`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slurm: Option<Value>,
 }
@@ -384,9 +384,9 @@ pub async fn list(pool: &Arc<Pool>, depth: Listing) -> SandboxList {
 async fn slurm_resources(
     pool: &Arc<Pool>,
     name: &str,
-) -> Result<crate::slurm::resources::SlurmResources> {
+) -> Result<crate::ops::slurm::resources::SlurmResources> {
     let c = pool.client(name).await?;
-    crate::slurm::resources::get(&c).await
+    crate::ops::slurm::resources::get(&c).await
 }
 
 /// `"auto"` picks the idlest reachable sandbox (unless a sandbox is literally named `auto`).

@@ -258,6 +258,8 @@ pub fn prepare(a: &WatchArgs, hooks_allowed: bool, launching: bool) -> Result<Ne
         run_id: a.run_id.trim().to_string(),
         name: a.name.clone(),
         sandbox_name: a.sandbox_name.clone(),
+        // Set by `register`, which knows the server's definition of the sandbox.
+        sandbox_fp: String::new(),
         tmux_session: a.tmux_session.trim().to_string(),
         log_file: a.log_file.trim().to_string(),
         cwd: a.cwd.clone(),
@@ -338,14 +340,18 @@ pub struct Registered {
 pub fn register(
     state_dir: &Path,
     configured: &[SandboxConfig],
-    w: NewWatch,
+    mut w: NewWatch,
     ensure: bool,
 ) -> Result<Registered> {
     let conn = open(state_dir)?;
     let count = sandboxes::persist(&conn, state_dir, configured, settings::store_passwords())?;
-    let warning = sandboxes::load(&conn, &w.sandbox_name)?.and_then(|p| {
-        p.missing_credentials(sandboxes::read_secrets(state_dir).get(&w.sandbox_name))
-    });
+    w.sandbox_fp = configured
+        .iter()
+        .find(|s| s.name == w.sandbox_name)
+        .map(sandboxes::fingerprint)
+        .unwrap_or_default();
+    let warning =
+        sandboxes::resolve(&conn, state_dir, &w.sandbox_fp, &w.sandbox_name)?.and_then(|r| r.err());
     let watch = db::insert(&conn, &w)?;
     let setup = ensure.then(|| match service::ensure(&conn, state_dir) {
         Ok(r) => Setup::Ensured(r),

@@ -2,13 +2,17 @@
 //! `stopping` → deleted once the port is free). The daemon that serves them is
 //! `watchdog::forwards`; this module only reads and writes rows.
 
-use std::net::{IpAddr, SocketAddr};
+use std::{
+    fmt,
+    net::{IpAddr, SocketAddr},
+};
 
 use rusqlite::{Connection, OptionalExtension, Row as SqlRow, params};
 
+use serde::Serialize;
+
 use crate::{
     error::Result,
-    forward::{LocalPort, StatsSnapshot, Target},
     store::{db_err, now_s},
 };
 
@@ -21,11 +25,55 @@ pub const LISTENING: &str = "listening";
 pub const FAILED: &str = "failed";
 pub const STOPPING: &str = "stopping";
 
+/// What a forward connects to, as the sandbox host sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Target {
+    Tcp { host: String, port: u16 },
+    Unix { path: String },
+}
+
+impl fmt::Display for Target {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Target::Tcp { host, port } if host.contains(':') => write!(f, "[{host}]:{port}"),
+            Target::Tcp { host, port } => write!(f, "{host}:{port}"),
+            Target::Unix { path } => f.write_str(path),
+        }
+    }
+}
+
+/// Which local port to listen on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalPort {
+    /// This port or an error.
+    Exact(u16),
+    /// This port when free, else any (the default: the remote port number, as `ssh -L` users
+    /// usually pick, without failing when it is taken).
+    Prefer(u16),
+    /// Whatever the OS hands out.
+    Any,
+}
+
+/// A point-in-time copy of a forward's counters (also what the daemon records for a detached
+/// forward, so it round-trips through the store).
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize)]
+pub struct StatsSnapshot {
+    pub connections_total: u64,
+    pub connections_active: u64,
+    pub connections_failed: u64,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    pub reconnects: u64,
+    pub last_error: Option<String>,
+}
+
 #[derive(Debug, Clone)]
 pub struct Row {
     pub id: i64,
     pub sandbox_name: String,
-    /// [`Target`]'s display form, which [`crate::ops::forward::parse_target`] reads back.
+    /// The persisted definition the daemon connects with.
+    pub sandbox_fp: String,
+    /// [`Target`]'s display form, which `forward::request::parse_target` reads back.
     pub target: String,
     pub bind: String,
     /// [`encode_port`] of the requested [`LocalPort`].
@@ -62,7 +110,7 @@ pub fn decode_port(s: &str) -> LocalPort {
 }
 
 const COLUMNS: &str = "id, sandbox_name, target, bind, local_port, state, local_address, error, \
-                       stats_json, daemon_pid, created_ts";
+                       stats_json, daemon_pid, created_ts, sandbox_fp";
 
 fn from_sql(r: &SqlRow<'_>) -> rusqlite::Result<Row> {
     let stats: String = r.get(8)?;
@@ -78,27 +126,31 @@ fn from_sql(r: &SqlRow<'_>) -> rusqlite::Result<Row> {
         stats: serde_json::from_str(&stats).unwrap_or_default(),
         daemon_pid: r.get(9)?,
         created_ts: r.get(10)?,
+        sandbox_fp: r.get(11)?,
     })
 }
 
 pub fn insert(
     conn: &Connection,
     sandbox: &str,
+    sandbox_fp: &str,
     target: &Target,
     bind: IpAddr,
     port: LocalPort,
 ) -> Result<i64> {
     let ts = now_s();
     conn.execute(
-        "INSERT INTO forwards (sandbox_name, target, bind, local_port, state, created_ts, updated_ts)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6)",
+        "INSERT INTO forwards (sandbox_name, target, bind, local_port, state, created_ts, updated_ts,
+           sandbox_fp)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6, ?7)",
         params![
             sandbox,
             target.to_string(),
             bind.to_string(),
             encode_port(port),
             STARTING,
-            ts
+            ts,
+            sandbox_fp
         ],
     )
     .map_err(db_err)?;

@@ -23,6 +23,8 @@ pub mod forwards;
 pub mod retention;
 pub mod sandboxes;
 pub mod schema;
+pub mod transfers;
+pub mod watch_model;
 pub mod watches;
 
 use schema::MIGRATIONS;
@@ -90,19 +92,9 @@ pub fn check(conn: &Connection) -> Result<(), RsbError> {
     }
 }
 
-/// Creates `dir` (and parents) 0700, tightening an existing one that others can read.
-pub fn ensure_private_dir(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
-    std::fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)?;
-    let mode = std::fs::metadata(dir)?.permissions().mode();
-    if mode & 0o077 != 0 {
-        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-    }
-    Ok(())
-}
+/// Lives in config, which creates the state dir before any store exists and must not depend
+/// on the store.
+pub use crate::config::ensure_private_dir;
 
 /// Writes `bytes` to `path` atomically (a 0600 temp file in the same directory, fsynced, then
 /// renamed), so a reader never sees a half-written file and it is never world-readable.

@@ -1,7 +1,8 @@
 //! What the state dir holds ([`usage`]) and how long it keeps it ([`Policy`], [`prune`]), with
 //! defaults a user never has to think about: events and logs 30 days or a size cap, finished
 //! transfers 7 days, baselines of roots not synced for 90 days, the daemon log rotated at a
-//! size. The daemon prunes once an hour and `rsb state prune` prunes now.
+//! size. A persisted sandbox definition goes when no server has stored it for 90 days and no
+//! watch, task or forward still names it (each config change adds one, [`super::sandboxes`]). The daemon prunes once an hour and `rsb state prune` prunes now.
 //!
 //! A baseline's `updated_ts` says when its root was last synced (a no-change resync touches it
 //! at most once a day, [`super::baselines::touch`]), so a root that keeps being synced keeps
@@ -102,9 +103,14 @@ const TABLES: &[(&str, &str, &str)] = &[
     ),
     ("sync_baselines", "length(entries_json)", "sync baselines"),
     (
-        "sandboxes",
+        "sandbox_defs",
         "length(def_json)",
         "persisted sandbox definitions",
+    ),
+    (
+        "sandboxes",
+        "length(def_json)",
+        "sandbox definitions from before fingerprints",
     ),
     ("forwards", "length(stats_json) + 128", "detached forwards"),
     (
@@ -188,6 +194,8 @@ pub struct Pruned {
     pub transfers: u64,
     pub transfer_logs: u64,
     pub baselines: u64,
+    /// Persisted sandbox definitions nothing refers to any more.
+    pub sandboxes: u64,
     pub daemon_log_rotated: bool,
     /// Bytes the state dir's files shrank by (after the WAL checkpoint and vacuum).
     pub bytes_freed: u64,
@@ -269,6 +277,16 @@ pub fn prune(state_dir: &Path, conn: &Connection, policy: &Policy, now: i64) -> 
     out.baselines = tx
         .execute(
             "DELETE FROM sync_baselines WHERE updated_ts < ?1",
+            params![now - policy.baselines_days * DAY],
+        )
+        .map_err(db_err)? as u64;
+    // After the rows above went, so a definition only they named goes in the same pass.
+    out.sandboxes = tx
+        .execute(
+            "DELETE FROM sandbox_defs WHERE updated_ts < ?1
+             AND fingerprint NOT IN (SELECT sandbox_fp FROM watches)
+             AND fingerprint NOT IN (SELECT sandbox_fp FROM transfer_tasks)
+             AND fingerprint NOT IN (SELECT sandbox_fp FROM forwards)",
             params![now - policy.baselines_days * DAY],
         )
         .map_err(db_err)? as u64;
@@ -379,7 +397,11 @@ mod tests {
                     ('upload', 's', '/a', 'b', 'completed', {t_new}, 0, 0),
                     ('upload', 's', '/a', 'b', 'running', 0, 0, 0);
              INSERT INTO sync_baselines VALUES ('/a', 's', 'b', '{{}}', {b_old}),
-                                               ('/c', 's', 'd', '{{}}', {b_new});",
+                                               ('/c', 's', 'd', '{{}}', {b_new});
+             UPDATE watches SET sandbox_fp = 'fp-watched' WHERE id = 2;
+             INSERT INTO sandbox_defs VALUES ('fp-old', 's', '{{}}', {b_old}),
+                                             ('fp-watched', 's', '{{}}', {b_old}),
+                                             ('fp-new', 's', '{{}}', {b_new});",
             t_old = now - 8 * DAY,
             t_new = now - 6 * DAY,
             b_old = now - 91 * DAY,
@@ -392,8 +414,15 @@ mod tests {
         std::fs::write(ev.join("event-2.json"), "{}").unwrap();
         let p = prune(d.path(), &c, &Policy::default(), now).unwrap();
         assert_eq!(
-            (p.events, p.event_files, p.watches, p.transfers, p.baselines),
-            (1, 1, 1, 1, 1),
+            (
+                p.events,
+                p.event_files,
+                p.watches,
+                p.transfers,
+                p.baselines,
+                p.sandboxes
+            ),
+            (1, 1, 1, 1, 1, 1),
             "{p:?}"
         );
         assert!(!ev.join("event-1.json").exists() && ev.join("event-2.json").exists());
@@ -406,14 +435,15 @@ mod tests {
                 n("watches"),
                 n("watch_events"),
                 n("transfer_tasks"),
-                n("sync_baselines")
+                n("sync_baselines"),
+                n("sandbox_defs")
             ),
-            (1, 1, 2, 1)
+            (1, 1, 2, 1, 2)
         );
         // Nothing left past the policy: a second prune removes nothing.
         let again = prune(d.path(), &c, &Policy::default(), now).unwrap();
         assert_eq!(
-            again.events + again.transfers + again.baselines + again.watches,
+            again.events + again.transfers + again.baselines + again.watches + again.sandboxes,
             0
         );
     }

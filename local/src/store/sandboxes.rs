@@ -8,6 +8,13 @@
 //! `<state_dir>/watchdog-secrets.json` (0600, written atomically), never into the database.
 //! Without it, a watch on a password-only sandbox says `needs credentials` in one line.
 //!
+//! A definition is stored under its [`fingerprint`]: a digest of everything it resolves to
+//! (transport, address, user, auth kind and key paths, jumps, host-key settings; secrets only
+//! by reference). Rows that connect later keep the fingerprint they were registered with, so
+//! a second server with another `gpu` adds a second definition instead of re-pointing the
+//! first one's watches. Secrets are keyed the same way, and the secrets file is rewritten
+//! only under its lock, so concurrent servers never drop each other's entries.
+//!
 //! [`Persisted`] is rsb's own serialisable form, mapped from [`SandboxConfig`] in exactly one
 //! place ([`Persisted::from_config`]) and back in [`Persisted::to_config`].
 
@@ -27,6 +34,16 @@ use crate::{
 };
 
 pub const SECRETS_FILE: &str = "watchdog-secrets.json";
+/// The user's opt-in to storing passwords and passphrases in [`SECRETS_FILE`].
+pub const STORE_PASSWORDS_VAR: &str = "RSB_WATCHDOG_STORE_PASSWORDS";
+
+/// Whether this process may store secrets (read from its environment each time).
+pub fn store_passwords() -> bool {
+    crate::config::env_truthy(STORE_PASSWORDS_VAR)
+}
+
+/// Held (exclusively) around every read-modify-write of [`SECRETS_FILE`].
+pub const SECRETS_LOCK: &str = "watchdog-secrets.lock";
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Persisted {
@@ -278,53 +295,109 @@ impl Persisted {
     }
 }
 
-/// Upsert the definitions of `sandboxes`; secrets go to the secrets file only when
-/// `store_secrets` (the user's opt-in), and are removed from it otherwise.
+impl Persisted {
+    /// The key a definition is stored under: blake3 of its canonical JSON (which holds no
+    /// secret), shortened to 32 hex digits. Equal definitions from any server share it.
+    pub fn fingerprint(&self) -> String {
+        let json = serde_json::to_vec(self).unwrap_or_default();
+        blake3::hash(&json).to_hex()[..32].to_string()
+    }
+}
+
+/// The fingerprint a row records for a configured sandbox (see [`Persisted::fingerprint`]).
+pub fn fingerprint(s: &SandboxConfig) -> String {
+    Persisted::from_config(s).0.fingerprint()
+}
+
+/// Which key a row's definition and secret are under: its fingerprint, or its name for a row
+/// written before fingerprints.
+pub fn key<'a>(fingerprint: &'a str, name: &'a str) -> &'a str {
+    if fingerprint.is_empty() {
+        name
+    } else {
+        fingerprint
+    }
+}
+
+/// Store the definitions of `sandboxes`, each under its fingerprint. Secrets go to the secrets
+/// file only when `store_secrets` (the user's opt-in). Without it, this server's own secret
+/// (the same value under the same fingerprint) is removed, and no other entry is touched.
 pub fn persist(
     conn: &Connection,
     state_dir: &Path,
     sandboxes: &[SandboxConfig],
     store_secrets: bool,
 ) -> Result<usize> {
-    let mut secrets = read_secrets(state_dir);
-    let before = secrets.clone();
     let ts = now_ms() / 1000;
+    let mut wanted: Vec<(String, StoredSecret)> = Vec::new();
     for s in sandboxes {
         let (p, secret) = Persisted::from_config(s);
+        let fp = p.fingerprint();
         let json = serde_json::to_string(&p).map_err(db_err)?;
         conn.execute(
-            "INSERT INTO sandboxes (name, def_json, updated_ts) VALUES (?1, ?2, ?3)
-             ON CONFLICT(name) DO UPDATE SET def_json = excluded.def_json,
-               updated_ts = excluded.updated_ts",
-            params![p.name, json, ts],
+            "INSERT INTO sandbox_defs (fingerprint, name, def_json, updated_ts)
+             VALUES (?1, ?2, ?3, ?4)
+             ON CONFLICT(fingerprint) DO UPDATE SET updated_ts = excluded.updated_ts",
+            params![fp, p.name, json, ts],
         )
         .map_err(db_err)?;
-        if store_secrets && !secret.is_empty() {
-            secrets.insert(p.name.clone(), secret);
-        } else {
-            secrets.remove(&p.name);
+        if !secret.is_empty() {
+            wanted.push((fp, secret));
         }
     }
-    if secrets != before {
-        write_secrets(state_dir, &secrets).map_err(db_err)?;
+    if !wanted.is_empty() {
+        update_secrets(state_dir, |m| {
+            for (fp, secret) in wanted {
+                if store_secrets {
+                    m.insert(fp, secret);
+                } else if m.get(&fp) == Some(&secret) {
+                    m.remove(&fp);
+                }
+            }
+        })
+        .map_err(db_err)?;
     }
     Ok(sandboxes.len())
 }
 
-pub fn load(conn: &Connection, name: &str) -> Result<Option<Persisted>> {
-    let json: Option<String> = conn
-        .query_row(
+/// The definition a row refers to: by fingerprint, or by name in the table of rsb before
+/// fingerprints when the row has none.
+pub fn load(conn: &Connection, fingerprint: &str, name: &str) -> Result<Option<Persisted>> {
+    let json: Option<String> = if fingerprint.is_empty() {
+        conn.query_row(
             "SELECT def_json FROM sandboxes WHERE name = ?1",
             params![name],
             |r| r.get(0),
         )
-        .optional()
-        .map_err(db_err)?;
+    } else {
+        conn.query_row(
+            "SELECT def_json FROM sandbox_defs WHERE fingerprint = ?1",
+            params![fingerprint],
+            |r| r.get(0),
+        )
+    }
+    .optional()
+    .map_err(db_err)?;
     Ok(json.and_then(|j| serde_json::from_str(&j).ok()))
 }
 
+/// The definition and its stored secret as one config the pool connects with, or the one
+/// line saying why not (`Ok(Err)`): not stored, or a secret that is not.
+pub fn resolve(
+    conn: &Connection,
+    state_dir: &Path,
+    fingerprint: &str,
+    name: &str,
+) -> Result<Option<std::result::Result<SandboxConfig, String>>> {
+    let Some(def) = load(conn, fingerprint, name)? else {
+        return Ok(None);
+    };
+    let secrets = read_secrets(state_dir);
+    Ok(Some(def.to_config(secrets.get(key(fingerprint, name)))))
+}
+
 pub fn count(conn: &Connection) -> Result<i64> {
-    conn.query_row("SELECT COUNT(*) FROM sandboxes", [], |r| r.get(0))
+    conn.query_row("SELECT COUNT(*) FROM sandbox_defs", [], |r| r.get(0))
         .map_err(db_err)
 }
 
@@ -333,6 +406,31 @@ pub fn read_secrets(state_dir: &Path) -> BTreeMap<String, StoredSecret> {
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default()
+}
+
+/// Read, change and write the secrets file under [`SECRETS_LOCK`], so two servers updating it
+/// at once both keep their entries. The write is atomic (a temporary file renamed over it);
+/// an emptied map removes the file.
+fn update_secrets(
+    state_dir: &Path,
+    change: impl FnOnce(&mut BTreeMap<String, StoredSecret>),
+) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let lock = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(state_dir.join(SECRETS_LOCK))?;
+    lock.lock()?;
+    let mut m = read_secrets(state_dir);
+    let before = m.clone();
+    change(&mut m);
+    if m != before {
+        write_secrets(state_dir, &m)?;
+    }
+    Ok(())
 }
 
 fn write_secrets(state_dir: &Path, m: &BTreeMap<String, StoredSecret>) -> std::io::Result<()> {
@@ -403,14 +501,15 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let conn = crate::store::open(d.path()).unwrap();
         let c = ssh(Auth::Password(Secret::new("S3cr3t-pw!")));
+        let fp = fingerprint(&c);
         persist(&conn, d.path(), std::slice::from_ref(&c), false).unwrap();
-        let p = load(&conn, "gpu").unwrap().unwrap();
-        let e = p.to_config(read_secrets(d.path()).get("gpu")).unwrap_err();
+        let p = load(&conn, &fp, "gpu").unwrap().unwrap();
+        let e = p.to_config(read_secrets(d.path()).get(&fp)).unwrap_err();
         assert!(e.starts_with("needs credentials"), "{e}");
         assert!(!d.path().join(SECRETS_FILE).exists());
         persist(&conn, d.path(), std::slice::from_ref(&c), true).unwrap();
         let secrets = read_secrets(d.path());
-        assert_eq!(p.to_config(secrets.get("gpu")).unwrap(), c);
+        assert_eq!(p.to_config(secrets.get(&fp)).unwrap(), c);
         use std::os::unix::fs::PermissionsExt;
         let mode = std::fs::metadata(d.path().join(SECRETS_FILE))
             .unwrap()
@@ -428,5 +527,101 @@ mod tests {
         let conn = crate::store::open(d.path()).unwrap();
         persist(&conn, d.path(), &[c], false).unwrap();
         assert!(!d.path().join(SECRETS_FILE).exists());
+    }
+
+    fn at(host: &str, pw: &str) -> SandboxConfig {
+        let mut c = ssh(Auth::Password(Secret::new(pw)));
+        if let Transport::Ssh(t) = &mut c.transport {
+            t.host = host.into();
+        }
+        c
+    }
+
+    #[test]
+    fn one_name_two_definitions_never_redirect_each_other() {
+        let d = tempfile::tempdir().unwrap();
+        let conn = crate::store::open(d.path()).unwrap();
+        // Server A's `gpu` and server B's `gpu` are different machines with different secrets.
+        let a = at("10.0.0.5", "pw-of-a");
+        let b = at("10.0.0.9", "pw-of-b");
+        let (fa, fb) = (fingerprint(&a), fingerprint(&b));
+        assert_ne!(fa, fb);
+        assert_eq!(fa, fingerprint(&a.clone()), "a fingerprint is stable");
+        persist(&conn, d.path(), std::slice::from_ref(&a), true).unwrap();
+        persist(&conn, d.path(), std::slice::from_ref(&b), true).unwrap();
+        // The last writer did not win: each row's fingerprint still finds its own host.
+        let ra = resolve(&conn, d.path(), &fa, "gpu")
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let rb = resolve(&conn, d.path(), &fb, "gpu")
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!(ra, a);
+        assert_eq!(rb, b);
+        assert_eq!(count(&conn).unwrap(), 2);
+        // A server without the opt-in removes only a secret that is its own: B's stays.
+        let a_again = at("10.0.0.5", "pw-of-a");
+        persist(&conn, d.path(), std::slice::from_ref(&a_again), false).unwrap();
+        let secrets = read_secrets(d.path());
+        assert!(
+            !secrets.contains_key(&fa),
+            "A opted out: its secret is gone"
+        );
+        assert_eq!(
+            secrets.get(&fb).and_then(|s| s.password.as_deref()),
+            Some("pw-of-b")
+        );
+        // And a third server with A's target but another password leaves B's and its own alone.
+        persist(&conn, d.path(), &[at("10.0.0.9", "other")], false).unwrap();
+        assert!(read_secrets(d.path()).contains_key(&fb));
+        // A row from before fingerprints is found by name in the old table.
+        assert!(load(&conn, "", "gpu").unwrap().is_none());
+        conn.execute(
+            "INSERT INTO sandboxes (name, def_json, updated_ts) VALUES ('gpu', ?1, 0)",
+            [serde_json::to_string(&Persisted::from_config(&a).0).unwrap()],
+        )
+        .unwrap();
+        assert_eq!(load(&conn, "", "gpu").unwrap().unwrap().host, "10.0.0.5");
+    }
+
+    #[test]
+    fn concurrent_writers_keep_every_secret() {
+        let d = tempfile::tempdir().unwrap();
+        drop(crate::store::open(d.path()).unwrap());
+        let dir = d.path().to_path_buf();
+        let threads: Vec<_> = (0..8)
+            .map(|i| {
+                let dir = dir.clone();
+                std::thread::spawn(move || {
+                    // Each its own connection, as separate servers have.
+                    let conn = crate::store::open(&dir).unwrap();
+                    // Every round changes the entry, so every round rewrites the file.
+                    for round in 0..5 {
+                        let c = at(&format!("10.0.1.{i}"), &format!("pw-{i}-{round}"));
+                        persist(&conn, &dir, &[c], true).unwrap();
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        let secrets = read_secrets(&dir);
+        assert_eq!(
+            secrets.len(),
+            8,
+            "a writer lost another's entry: {:?}",
+            secrets.keys()
+        );
+        for i in 0..8 {
+            // The password is not part of the fingerprint.
+            let fp = fingerprint(&at(&format!("10.0.1.{i}"), "x"));
+            assert_eq!(
+                secrets.get(&fp).and_then(|s| s.password.clone()),
+                Some(format!("pw-{i}-4"))
+            );
+        }
     }
 }

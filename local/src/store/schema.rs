@@ -145,4 +145,18 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     // host's clock with its own.
     "ALTER TABLE watches ADD COLUMN resume_launch_id TEXT NOT NULL DEFAULT '';
     ALTER TABLE watches ADD COLUMN resume_launch_session TEXT NOT NULL DEFAULT '';",
+    // 6: persisted sandboxes keyed by the fingerprint of what they resolve to, not by name,
+    // and each row that connects later (a watch, a worker's task, a detached forward) names
+    // the fingerprint it was registered with: two servers whose configs differ for one name
+    // never send each other's daemon or worker to the wrong host. Rows from before keep an
+    // empty fingerprint and are found by name in the old table.
+    "CREATE TABLE IF NOT EXISTS sandbox_defs (
+        fingerprint TEXT PRIMARY KEY,
+        name TEXT NOT NULL,
+        def_json TEXT NOT NULL,
+        updated_ts INTEGER NOT NULL
+    );
+    ALTER TABLE watches ADD COLUMN sandbox_fp TEXT NOT NULL DEFAULT '';
+    ALTER TABLE transfer_tasks ADD COLUMN sandbox_fp TEXT NOT NULL DEFAULT '';
+    ALTER TABLE forwards ADD COLUMN sandbox_fp TEXT NOT NULL DEFAULT '';",
 ];

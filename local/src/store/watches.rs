@@ -6,13 +6,12 @@ use std::{collections::BTreeMap, path::Path};
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 use serde_json::{Map, Value, json};
 
-use crate::watchdog::{
-    Watch, WatchEvent,
-    checks::{NewEvent, payload},
-};
 use crate::{
     error::{Result, RsbError},
-    store::{db_err, now_ms},
+    store::{
+        db_err, now_ms,
+        watch_model::{NewEvent, Watch, WatchEvent, one_line},
+    },
 };
 
 /// A watch as registered (validated by `ops::watchdog`).
@@ -21,6 +20,8 @@ pub struct NewWatch {
     pub run_id: String,
     pub name: String,
     pub sandbox_name: String,
+    /// The persisted definition the daemon connects with ([`crate::store::sandboxes`]).
+    pub sandbox_fp: String,
     pub tmux_session: String,
     pub log_file: String,
     pub cwd: String,
@@ -59,9 +60,9 @@ pub fn insert(conn: &Connection, w: &NewWatch) -> Result<Watch> {
            launch_command, resume_command, resume_plan_json, checkpoint_path, checkpoint_format,
            checkpoint_command, interval_s, max_log_lines, webhook_url, event_command, auto_resume,
            max_resume_attempts, metadata_json, notify_local, alert_after_failures, resume_delay_s,
-           stall_after_s, created_ts, updated_ts, next_check_ts, next_check_ms)
+           stall_after_s, created_ts, updated_ts, next_check_ts, next_check_ms, sandbox_fp)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18,
-           ?19, ?20, ?21, ?22, ?23, ?24, ?24, ?24, ?25)",
+           ?19, ?20, ?21, ?22, ?23, ?24, ?24, ?24, ?25, ?26)",
         params![
             if w.run_id.is_empty() {
                 &w.tmux_session
@@ -92,6 +93,7 @@ pub fn insert(conn: &Connection, w: &NewWatch) -> Result<Watch> {
             w.stall_after_s,
             ts,
             ms,
+            w.sandbox_fp,
         ],
     )
     .map_err(db_err)?;
@@ -244,12 +246,15 @@ pub fn meta_set(conn: &Connection, key: &str, value: &Value) -> Result<()> {
 
 /// Write `after` (a check's outcome for the watch read at revision `before_rev`) and insert its
 /// events, in one transaction. `None` when the watch changed meanwhile (cancelled by a server,
-/// say): nothing is written, and the next tick starts from the new row.
+/// say): nothing is written, and the next tick starts from the new row. `payload` builds each
+/// event's payload from the watch as committed (what the payload looks like is the daemon's
+/// business, that it is written with the row is the store's).
 pub fn commit(
     conn: &mut Connection,
     before_rev: i64,
     after: &Watch,
     events: &[NewEvent],
+    payload: impl Fn(&Watch, &NewEvent) -> Value,
 ) -> Result<Option<Vec<WatchEvent>>> {
     let tx = conn
         .transaction_with_behavior(TransactionBehavior::Immediate)
@@ -342,7 +347,7 @@ pub fn record_error(conn: &Connection, id: i64, column: &str, msg: &str) -> Resu
     };
     conn.execute(
         &format!("UPDATE watches SET {col} = ?2, updated_ts = ?3 WHERE id = ?1"),
-        params![id, crate::watchdog::one_line(msg), now_ms() / 1000],
+        params![id, one_line(msg), now_ms() / 1000],
     )
     .map(|_| ())
     .map_err(db_err)
@@ -355,7 +360,7 @@ pub fn record_failed_check(conn: &Connection, id: i64, msg: &str, interval_s: i6
     conn.execute(
         "UPDATE watches SET last_error = ?2, last_checked_ts = ?3, next_check_ms = ?4,
            next_check_ts = ?4 / 1000, updated_ts = ?3 WHERE id = ?1",
-        params![id, crate::watchdog::one_line(msg), now_ms() / 1000, next],
+        params![id, one_line(msg), now_ms() / 1000, next],
     )
     .map(|_| ())
     .map_err(db_err)
@@ -426,13 +431,27 @@ mod tests {
             ..Default::default()
         });
         let o = decide(&w, &exited, now_ms());
-        let evs = commit(&mut c, w.rev, &o.after, &o.events).unwrap().unwrap();
+        let evs = commit(
+            &mut c,
+            w.rev,
+            &o.after,
+            &o.events,
+            crate::watchdog::checks::payload,
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(evs.len(), 1);
         // The same outcome again (a stale revision) writes nothing: no repeated event.
         assert!(
-            commit(&mut c, w.rev, &o.after, &o.events)
-                .unwrap()
-                .is_none()
+            commit(
+                &mut c,
+                w.rev,
+                &o.after,
+                &o.events,
+                crate::watchdog::checks::payload
+            )
+            .unwrap()
+            .is_none()
         );
         let all = events(&c, 0, 20).unwrap();
         assert_eq!(all.len(), 1);

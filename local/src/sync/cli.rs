@@ -1,7 +1,7 @@
 //! The sync CLI's own pieces: conflict/safety flags of `rsb sync`, and `rsb transfer …`, the
 //! background transfer worker's entry (hidden; started by the server).
 
-use clap::{Args, Subcommand};
+use clap::Args;
 
 /// Conflict and delete-safety flags of `rsb sync`.
 #[derive(Args, Debug, Clone, Default)]
@@ -46,41 +46,6 @@ pub fn print_conflicts(rep: &super::SyncReport) {
     eprintln!("  hint: sync again with --force to take the source's side");
 }
 
-#[derive(Subcommand)]
-pub enum TransferCmd {
-    /// Run a recorded background transfer to its end (started detached by `rsb mcp`).
-    Run {
-        /// The task id from the server's reply.
-        id: i64,
-        /// A socket to an agent the server started on its own connection (set by the server).
-        #[arg(long, hide = true)]
-        agent_fd: Option<i32>,
-    },
-}
-
-/// Exit code: 0 when the task ran (whatever its outcome, which is in its record), 1 when it
-/// could not be run at all.
-pub async fn transfer(cmd: TransferCmd, state_dir: &std::path::Path) -> u8 {
-    match cmd {
-        TransferCmd::Run { id, agent_fd } => {
-            let t = match crate::transfers::Transfers::open(state_dir) {
-                Ok(t) => std::sync::Arc::new(t),
-                Err(e) => {
-                    eprintln!("rsb transfer run: {}\n  hint: {}", e.message, e.hint);
-                    return 1;
-                }
-            };
-            match t.run_worker(id, agent_fd).await {
-                Ok(()) => 0,
-                Err(msg) => {
-                    eprintln!("rsb transfer run: {msg}");
-                    1
-                }
-            }
-        }
-    }
-}
-
 /// `n word`/`n words`.
 fn count(n: u64, word: &str) -> String {
     if n == 1 {
@@ -92,7 +57,7 @@ fn count(n: u64, word: &str) -> String {
 
 /// The CLI's one-line summary of a sync, in human units ("sent 1 file (4.0 KiB)").
 pub fn summary(rep: &super::SyncReport, upload: bool) -> String {
-    use crate::ops::output::human_bytes;
+    use crate::term::human_bytes;
     let (from, to) = if upload {
         (&rep.local_path, &rep.remote_path)
     } else {

@@ -23,6 +23,8 @@ pub mod compress;
 pub mod engine;
 mod held;
 pub mod plan;
+pub mod runner;
+pub mod transfers;
 pub mod watch;
 
 use std::{path::PathBuf, sync::Arc};

@@ -6,7 +6,7 @@
 //! collected until the tree has been quiet for [`WatchOptions::debounce`] (or
 //! [`WatchOptions::max_burst`] has passed since the burst's first event, so a process that
 //! never stops writing still gets synced), then the whole burst is sent as one ordinary sync
-//! ([`crate::ops::sync::run`]: the same excludes, conflict checks, staging and atomic renames
+//! ([`super::runner::run`]: the same excludes, conflict checks, staging and atomic renames
 //! as a one-shot `rsb sync`). Each sync rescans both sides, so a burst never needs its event
 //! list to be complete or ordered: a `git checkout` storm of renames and deletes, or an
 //! inotify queue overflow, costs one rescan and leaves the remote identical. Events on excluded
@@ -607,7 +607,7 @@ pub async fn watch(
         sandbox.to_string(),
         anchor_home(&spec.remote_path),
     );
-    // Refuse up front: every burst's sync needs the store (see `ops::sync::run_with`).
+    // Refuse up front: every burst's sync needs the store (see `runner::run_with`).
     let store = Some(pool.transfers()?);
     let mut armed = arm(&root, opts)?;
     armed.gitignores = spec.rules.gitignore.then(Gitignores::default);
@@ -671,7 +671,7 @@ pub async fn watch(
             let started = Instant::now();
             let run_opts = options(opts);
             let r = tokio::select! {
-                r = crate::ops::sync::run_with(pool, sandbox, spec, &run_opts, None, cancel) => r,
+                r = super::runner::run_with(pool, sandbox, spec, &run_opts, None, cancel) => r,
                 _ = cancel.cancelled() => return Ok(()),
             };
             match r {

@@ -14,7 +14,7 @@
 use rsb_protocol::JobState;
 use serde_json::{Map, Value, json};
 
-use super::{MAX_TEXT_CHARS, Watch, clip_tail, event, one_line};
+use super::{MAX_TEXT_CHARS, NewEvent, Watch, clip_tail, event, one_line};
 
 /// What one check found out.
 #[derive(Debug, Clone, PartialEq)]
@@ -43,14 +43,6 @@ pub struct JobSeen {
     /// The checkpoint text, when one is configured and was read; `None` keeps the stored one
     /// (a failed read never erases it).
     pub checkpoint: Option<String>,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct NewEvent {
-    pub event_type: &'static str,
-    pub summary: String,
-    /// Keys added to the payload after the seed's common ones.
-    pub extra: Map<String, Value>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -466,6 +458,7 @@ mod tests {
             run_id: "r".into(),
             name: String::new(),
             sandbox_name: "s".into(),
+            sandbox_fp: String::new(),
             tmux_session: "train".into(),
             log_file: "/h/train.log".into(),
             cwd: "/h".into(),

@@ -1,6 +1,6 @@
 //! `rsb watchdog run`: the loop.
 //!
-//! One daemon per state dir (an `flock` on `watchdog.lock`, which also holds its pid). Every
+//! One daemon per state dir ([`super::lock`]: `watchdog.lock`, which also holds its pid). Every
 //! tick (1 s by default) it starts a check for each due watch that is
 //! not already being checked; checks run concurrently as tasks, each network step under its
 //! own deadline, so a dead host or a slow hook never delays another watch. Connections are one
@@ -14,9 +14,6 @@
 
 use std::{
     collections::{HashMap, HashSet},
-    fs::File,
-    io::{Read, Seek, Write},
-    os::fd::AsRawFd,
     path::{Path, PathBuf},
     sync::Arc,
     time::{Duration, Instant},
@@ -27,6 +24,7 @@ use rsb_protocol::{ExecRequest, JobStartRequest, JobStatusRequest, ReadFileReque
 use rusqlite::Connection;
 use serde_json::json;
 
+pub use super::lock::{LOCK_FILE, Lock, acquire_lock, is_daemon_pid, lock_holder};
 use super::{
     MAX_TEXT_CHARS, Watch, WatchEvent, alerts,
     checks::{self, JobSeen, Observed},
@@ -41,7 +39,6 @@ use crate::{
     store::{self, now_ms},
 };
 
-pub const LOCK_FILE: &str = "watchdog.lock";
 const STATUS_DEADLINE: Duration = Duration::from_secs(10);
 const CHECKPOINT_DEADLINE: Duration = Duration::from_secs(15);
 const RESUME_DEADLINE: Duration = Duration::from_secs(30);
@@ -72,83 +69,6 @@ impl Options {
             idle_exit: None,
         }
     }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The lock
-
-/// The held lock; released when dropped (or when the process dies, however it dies).
-pub struct Lock(#[allow(dead_code)] File);
-
-fn open_lock_file(state_dir: &Path) -> std::io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .open(state_dir.join(LOCK_FILE))
-}
-
-fn read_pid(f: &mut File) -> Option<i64> {
-    let mut s = String::new();
-    f.rewind().ok()?;
-    f.read_to_string(&mut s).ok()?;
-    s.trim().parse().ok()
-}
-
-/// Take the daemon lock, retrying briefly (a status probe may hold it for an instant);
-/// `Err` names the pid that holds it.
-pub fn acquire_lock(state_dir: &Path) -> Result<Lock> {
-    store::ensure_private_dir(state_dir).map_err(|e| {
-        RsbError::new(
-            Kind::Config,
-            format!("cannot create {}: {}", state_dir.display(), e.kind()),
-            "set RSB_STATE_DIR to a writable directory",
-        )
-    })?;
-    let mut f = open_lock_file(state_dir).map_err(store::db_err)?;
-    let deadline = Instant::now() + Duration::from_secs(2);
-    loop {
-        // SAFETY: flock on a descriptor we own.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
-            f.set_len(0).map_err(store::db_err)?;
-            f.rewind().map_err(store::db_err)?;
-            write!(f, "{}", std::process::id()).map_err(store::db_err)?;
-            f.flush().map_err(store::db_err)?;
-            return Ok(Lock(f));
-        }
-        if Instant::now() >= deadline {
-            let pid = read_pid(&mut f)
-                .map(|p| p.to_string())
-                .unwrap_or_else(|| "unknown".into());
-            return Err(RsbError::new(
-                Kind::Config,
-                format!(
-                    "a watchdog is already running for {} (pid {pid})",
-                    state_dir.display()
-                ),
-                "only one runs per state dir; stop it first, or set RSB_STATE_DIR to another directory",
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-/// The pid of the daemon holding the lock of `state_dir`, if one does.
-pub fn lock_holder(state_dir: &Path) -> Option<i64> {
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .open(state_dir.join(LOCK_FILE))
-        .ok()?;
-    // SAFETY: flock on a descriptor we own; a shared probe fails only under the daemon's lock.
-    let held = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } != 0;
-    if !held {
-        unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
-        return None;
-    }
-    Some(read_pid(&mut f).unwrap_or(0))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -360,30 +280,6 @@ impl Daemon {
     }
 }
 
-/// Whether `pid` is a live `rsb watchdog run`: the lock file names a pid, and a pid can be
-/// reused; on Linux its command line must say so (elsewhere, being alive must do).
-pub fn is_daemon_pid(pid: i64) -> bool {
-    let Ok(p) = i32::try_from(pid) else {
-        return false;
-    };
-    if p <= 1 {
-        return false;
-    }
-    // SAFETY: signal 0 only checks that the process exists.
-    let alive = unsafe { libc::kill(p, 0) } == 0
-        || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM);
-    if !alive {
-        return false;
-    }
-    match std::fs::read(format!("/proc/{p}/cmdline")) {
-        Ok(c) => {
-            let args: Vec<&[u8]> = c.split(|&b| b == 0).collect();
-            args.iter().any(|a| *a == b"watchdog") && args.iter().any(|a| *a == b"run")
-        }
-        Err(_) => true,
-    }
-}
-
 /// Run `fut` as its own task; a panic inside it becomes `Err(message)` instead of taking the
 /// loop down.
 pub async fn supervise<F>(fut: F) -> std::result::Result<(), String>
@@ -447,7 +343,9 @@ impl Daemon {
             }
             let due = db::due(&c, ms, MAX_STARTS_PER_TICK)?;
             let active = db::counts(&c)?.get("active").copied().unwrap_or(0);
-            let forwards = self.forwards.tick(&c, |c, name| self.pool_for(c, name)) as i64;
+            let forwards =
+                self.forwards
+                    .tick(&c, |c, fp, name| self.pool_for(c, fp, name)) as i64;
             (due, active + forwards)
         };
         let mut started = 0;
@@ -484,24 +382,29 @@ impl Daemon {
 
     /// The pool of a persisted sandbox, for a detached forward (`conn` is the store, already
     /// locked by the tick).
-    fn pool_for(&self, conn: &Connection, name: &str) -> std::result::Result<Arc<Pool>, String> {
-        let def = sandboxes::load(conn, name)
+    fn pool_for(
+        &self,
+        conn: &Connection,
+        fp: &str,
+        name: &str,
+    ) -> std::result::Result<Arc<Pool>, String> {
+        let cfg = sandboxes::resolve(conn, &self.state_dir, fp, name)
             .map_err(|e| e.message)?
-            .ok_or_else(|| format!("sandbox '{name}' is not in the watchdog's store"))?;
-        let secrets = sandboxes::read_secrets(&self.state_dir);
-        let cfg = def.to_config(secrets.get(name))?;
-        Ok(self.host(cfg).pool.clone())
+            .ok_or_else(|| format!("sandbox '{name}' is not in the watchdog's store"))??;
+        Ok(self.host(sandboxes::key(fp, name), cfg).pool.clone())
     }
 
-    fn host(&self, cfg: SandboxConfig) -> Arc<Host> {
+    /// The connection for one persisted definition, by its key (fingerprint): watches of two
+    /// servers' different `gpu` each keep their own.
+    fn host(&self, key: &str, cfg: SandboxConfig) -> Arc<Host> {
         let mut hosts = self.hosts.lock();
-        if let Some(h) = hosts.get(&cfg.name)
+        if let Some(h) = hosts.get(key)
             && h.cfg == cfg
         {
             return h.clone();
         }
         let h = Arc::new(Host::new(cfg.clone(), &self.state_dir));
-        if let Some(old) = hosts.insert(cfg.name.clone(), h.clone()) {
+        if let Some(old) = hosts.insert(key.to_string(), h.clone()) {
             // The definition changed: drop the old connection off the loop.
             tokio::spawn(async move { old.pool.shutdown().await });
         }
@@ -557,9 +460,15 @@ impl Daemon {
         &self,
         before: &Watch,
         mut after: Watch,
-        events: &[checks::NewEvent],
+        events: &[super::NewEvent],
     ) -> Option<Watch> {
-        let r = db::commit(&mut self.conn.lock(), before.rev, &after, events);
+        let r = db::commit(
+            &mut self.conn.lock(),
+            before.rev,
+            &after,
+            events,
+            super::checks::payload,
+        );
         match r {
             Ok(Some(evs)) => {
                 after.rev = before.rev + 1;
@@ -582,17 +491,19 @@ impl Daemon {
 
     /// Gather what the watch's sandbox says about the job (never parsing its log).
     async fn observe(&self, w: &Watch, since: Instant) -> (Observed, Option<AgentClient>) {
-        let def = match sandboxes::load(&self.conn.lock(), &w.sandbox_name) {
-            Ok(Some(d)) => d,
+        let resolved = sandboxes::resolve(
+            &self.conn.lock(),
+            &self.state_dir,
+            &w.sandbox_fp,
+            &w.sandbox_name,
+        );
+        let cfg = match resolved {
+            Ok(Some(Ok(c))) => c,
+            Ok(Some(Err(msg))) => return (Observed::NeedsCredentials(msg), None),
             Ok(None) => return (Observed::ConfigMissing, None),
             Err(e) => return (Observed::Error(e.message), None),
         };
-        let secrets = sandboxes::read_secrets(&self.state_dir);
-        let cfg = match def.to_config(secrets.get(&w.sandbox_name)) {
-            Ok(c) => c,
-            Err(msg) => return (Observed::NeedsCredentials(msg), None),
-        };
-        let host = self.host(cfg);
+        let host = self.host(sandboxes::key(&w.sandbox_fp, &w.sandbox_name), cfg);
         let client = match host.client(since).await {
             Ok(c) => c,
             Err(e) => return (Observed::Unreachable(e.message), None),
@@ -828,7 +739,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_idle_daemon_leaves_the_baseline_cache_hitting() {
         let d = tempfile::tempdir().unwrap();
-        let t = crate::transfers::Transfers::open(d.path()).unwrap();
+        let t = crate::store::transfers::Transfers::open(d.path()).unwrap();
         let b: crate::store::baselines::Baseline = [("f".to_string(), [3; 32])].into();
         t.save_baseline("l", "s", "r", &b).unwrap();
         let mut opts = Options::new(d.path().to_path_buf());

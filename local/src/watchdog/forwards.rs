@@ -19,8 +19,10 @@ use rusqlite::Connection;
 
 use crate::{
     error::{Result, RsbError},
-    forward::{Forward, LocalPort},
-    ops::forward::{self as fwd_ops, ForwardRequest},
+    forward::{
+        Forward,
+        request::{self as fwd_ops, ForwardRequest},
+    },
     pool::Pool,
     store,
 };
@@ -70,12 +72,12 @@ impl Served {
         }
     }
 
-    /// One reconcile pass. `pool_for(sandbox)` resolves a sandbox the way watches do (the
+    /// One reconcile pass. `pool_for(fingerprint, sandbox)` resolves a sandbox the way watches do (the
     /// persisted definition and any opted-in secret). Returns how many forwards the store wants
     /// served, which keeps a detached daemon from exiting idle.
     pub fn tick<F>(self: &Arc<Self>, conn: &Connection, pool_for: F) -> usize
     where
-        F: Fn(&Connection, &str) -> std::result::Result<Arc<Pool>, String>,
+        F: Fn(&Connection, &str, &str) -> std::result::Result<Arc<Pool>, String>,
     {
         let rows = match list(conn) {
             Ok(r) => r,
@@ -117,7 +119,7 @@ impl Served {
 
     fn start<F>(self: &Arc<Self>, conn: &Connection, row: Row, pool_for: &F)
     where
-        F: Fn(&Connection, &str) -> std::result::Result<Arc<Pool>, String>,
+        F: Fn(&Connection, &str, &str) -> std::result::Result<Arc<Pool>, String>,
     {
         if let Some(at) = self.retry_at.lock().get(&row.id)
             && Instant::now() < *at
@@ -129,7 +131,7 @@ impl Served {
         }
         let prepared = request_of(&row)
             .map_err(|e| e.message)
-            .and_then(|req| pool_for(conn, &row.sandbox_name).map(|p| (req, p)));
+            .and_then(|req| pool_for(conn, &row.sandbox_fp, &row.sandbox_name).map(|p| (req, p)));
         let (req, pool) = match prepared {
             Ok(x) => x,
             Err(msg) => {
@@ -280,6 +282,7 @@ mod tests {
         let id = insert(
             &c,
             "gpu",
+            "fp1",
             &t,
             "127.0.0.1".parse().unwrap(),
             LocalPort::Prefer(8888),
@@ -290,9 +293,18 @@ mod tests {
             (r.state.as_str(), r.target.as_str()),
             (STARTING, "localhost:8888")
         );
+        assert_eq!(r.sandbox_fp, "fp1");
         set_error(&c, id, "boom").unwrap();
         assert_eq!(get(&c, id).unwrap().unwrap().state, FAILED);
-        let id2 = insert(&c, "gpu", &t, "127.0.0.1".parse().unwrap(), LocalPort::Any).unwrap();
+        let id2 = insert(
+            &c,
+            "gpu",
+            "",
+            &t,
+            "127.0.0.1".parse().unwrap(),
+            LocalPort::Any,
+        )
+        .unwrap();
         set_listening(&c, id2, "127.0.0.1:4000".parse().unwrap()).unwrap();
         let r2 = get(&c, id2).unwrap().unwrap();
         assert_eq!(r2.state, LISTENING);

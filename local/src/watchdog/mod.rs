@@ -8,7 +8,8 @@
 //! - [`sandboxes`]: the secret-free sandbox definitions the daemon connects with.
 //! - [`checks`]: the state machine, a pure function from (watch, what the agent said) to
 //!   (updates, events, resume).
-//! - [`daemon`]: `rsb watchdog run`, the loop: lock, heartbeat, concurrent checks with
+//! - [`lock`]: one daemon per state dir, and who holds it.
+//! - [`daemon`]: `rsb watchdog run`, the loop: heartbeat, concurrent checks with
 //!   deadlines, connections reused between ticks.
 //! - [`forwards`]: detached port forwards the daemon serves (`forward_port(detach=true)`).
 //! - [`alerts`]: desktop notification, webhook, `event_command`, each off the loop with a
@@ -19,10 +20,9 @@
 
 pub mod alerts;
 pub mod checks;
-pub mod cli;
 pub mod daemon;
 pub mod forwards;
-pub mod model;
+pub mod lock;
 pub mod service;
 pub mod settings;
 
@@ -30,7 +30,8 @@ pub mod settings;
 /// `watchdog::db` and `watchdog::sandboxes` paths working for callers.
 pub use crate::store::{sandboxes, watches as db};
 
-pub use model::{Watch, WatchEvent};
+/// The watch model is the store's; watchdog code names it from here.
+pub use crate::store::watch_model::{self as model, NewEvent, Watch, WatchEvent, one_line};
 
 /// The seed's defaults (`DEFAULT_WATCH_INTERVAL_S`, `DEFAULT_MAX_LOG_LINES`, …).
 pub const DEFAULT_INTERVAL_S: i64 = 300;
@@ -73,13 +74,4 @@ pub(crate) fn clip_tail(s: &str, max: usize) -> String {
     } else {
         s.chars().skip(n - max).collect()
     }
-}
-
-/// One line: newlines and other control characters become spaces (summaries, errors).
-pub(crate) fn one_line(s: &str) -> String {
-    s.chars()
-        .map(|c| if c.is_control() { ' ' } else { c })
-        .collect::<String>()
-        .trim()
-        .to_string()
 }

@@ -20,26 +20,17 @@ use std::time::Duration;
 use serde::Deserialize;
 
 pub const ALLOW_HOOKS_VAR: &str = "RSB_ALLOW_WATCH_HOOKS";
-pub const STORE_PASSWORDS_VAR: &str = "RSB_WATCHDOG_STORE_PASSWORDS";
 pub const DEFAULT_HOOK_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// `1/true/yes/on`, any case (the seed's truthiness).
-pub fn env_truthy(var: &str) -> bool {
-    std::env::var(var).is_ok_and(|v| {
-        matches!(
-            v.trim().to_ascii_lowercase().as_str(),
-            "1" | "true" | "yes" | "on"
-        )
-    })
-}
+pub use crate::config::env_truthy;
+/// The secrets opt-in belongs to the store that keeps them; named here for the watchdog's
+/// callers.
+pub use crate::store::sandboxes::{STORE_PASSWORDS_VAR, store_passwords};
 
 pub fn hooks_allowed() -> bool {
     env_truthy(ALLOW_HOOKS_VAR)
 }
 
-pub fn store_passwords() -> bool {
-    env_truthy(STORE_PASSWORDS_VAR)
-}
 
 /// What a webhook's body is: rsb's event as JSON, a chat message (Slack's `{"text"}`, which
 /// Mattermost and Rocket.Chat take too; Discord's `{"content"}`), or an ntfy notification

@@ -10,7 +10,8 @@
 //! (options, paths, the spec) travels in the environment, so nothing a user writes is ever
 //! spliced into a shell string.
 //!
-//! - [`options`]: the options (sandbox defaults and per job) and the sbatch argv;
+//! - [`options`]: the options (sandbox defaults and per job; the type and its checks are
+//!   [`crate::config`]'s) and the sbatch argv;
 //! - [`remote`]: the constant scripts and how they are run;
 //! - [`poll`]: one squeue per sandbox per tick for all its jobs, shared by every caller;
 //! - [`jobs`]: submit, status, kill and list, as the job tools see them;
@@ -23,29 +24,3 @@ pub mod remote;
 pub mod resources;
 
 pub use options::{SlurmDefaults, SlurmOptions};
-
-/// Turn a sandbox entry's `scheduler` and `slurm` keys into its Slurm defaults: `Some` for a
-/// Slurm login node. The error is (message, hint), for the config layer to label.
-pub fn from_config(
-    scheduler: Option<&str>,
-    slurm: Option<SlurmDefaults>,
-) -> Result<Option<SlurmDefaults>, (String, String)> {
-    match scheduler.map(str::trim) {
-        None | Some("") | Some("none") => match slurm {
-            None => Ok(None),
-            Some(_) => Err((
-                "has 'slurm' options but no scheduler = \"slurm\"".into(),
-                "Add scheduler = \"slurm\" to the sandbox, or remove its 'slurm' table.".into(),
-            )),
-        },
-        Some("slurm") => {
-            let d = slurm.unwrap_or_default();
-            d.check().map_err(|e| (e.message, e.hint))?;
-            Ok(Some(d))
-        }
-        Some(_) => Err((
-            "has an unknown scheduler (only \"slurm\" is supported)".into(),
-            "Write scheduler = \"slurm\" for a Slurm login node, or remove the key.".into(),
-        )),
-    }
-}

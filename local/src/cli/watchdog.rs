@@ -6,8 +6,11 @@ use std::{path::Path, time::Duration};
 use clap::Subcommand;
 use serde::Serialize;
 
-use super::{Watch, WatchEvent, daemon};
-use crate::{error::RsbError, ops::watchdog as ops};
+use rsb::{
+    error::RsbError,
+    ops::watchdog as ops,
+    watchdog::{Watch, WatchEvent, daemon},
+};
 
 #[derive(Debug, Subcommand)]
 pub enum WatchdogCmd {
@@ -71,7 +74,7 @@ fn print_err(json: bool, e: &RsbError) {
     }
 }
 
-fn out<T: Serialize>(json: bool, r: crate::error::Result<T>, human: impl FnOnce(&T)) -> u8 {
+fn out<T: Serialize>(json: bool, r: rsb::error::Result<T>, human: impl FnOnce(&T)) -> u8 {
     match r {
         Ok(v) if json => {
             println!("{}", serde_json::to_string(&v).unwrap_or_default());
@@ -161,7 +164,7 @@ pub async fn watchdog(cmd: WatchdogCmd, json: bool, state_dir: &Path) -> u8 {
         }
         WatchdogCmd::Restart => {
             let r = ops::open(state_dir).and_then(|c| {
-                tokio::task::block_in_place(|| super::service::restart(&c, state_dir))
+                tokio::task::block_in_place(|| rsb::watchdog::service::restart(&c, state_dir))
             });
             out(json, r, |r| {
                 println!(
@@ -214,7 +217,7 @@ fn ago(ts: i64) -> String {
     if ts <= 0 {
         return "-".into();
     }
-    let d = (crate::store::now_s() - ts).max(0);
+    let d = (rsb::store::now_s() - ts).max(0);
     match d {
         0..60 => format!("{d}s ago"),
         60..3600 => format!("{}m ago", d / 60),

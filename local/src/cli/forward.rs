@@ -4,7 +4,7 @@
 
 use std::{io::Write, sync::Arc};
 
-use crate::{
+use rsb::{
     error::RsbError,
     forward::{Event, EventSink},
     ops::forward::{self, ForwardInfo},
@@ -128,7 +128,7 @@ async fn detach(pool: Arc<Pool>, req: &forward::ForwardRequest, json: bool) -> u
 
 /// 2 for what the user asked wrong (a taken port, an unknown id), 1 for what failed on the way.
 fn failure_code(e: &RsbError) -> u8 {
-    if e.kind == crate::error::Kind::InvalidArgument {
+    if e.kind == rsb::error::Kind::InvalidArgument {
         2
     } else {
         1

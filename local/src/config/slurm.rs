@@ -1,6 +1,7 @@
-//! Slurm options as data: a sandbox's defaults (`slurm = { ... }` in its config entry) and a
-//! job's own (`exec_bash_background`'s `slurm` parameter), merged field by field, then turned
-//! into sbatch's argv. Each value is one argv element; none is ever parsed by a shell.
+//! A sandbox's Slurm options as data, and the checks a value must pass before it can be one
+//! sbatch argument. They live in config because a sandbox entry stores them and its checks run
+//! at load time; the Slurm backend (`slurm/options.rs`) merges them per job and builds the
+//! argv, and re-exports the type.
 
 use rmcp::schemars::{self, JsonSchema};
 use serde::{Deserialize, Serialize};
@@ -56,33 +57,6 @@ const CONTROLLED_LONG: &[&str] = &[
 const CONTROLLED_SHORT: &[char] = &['o', 'e', 'J', 'a', 'W'];
 
 impl SlurmOptions {
-    /// The job's options over the sandbox's defaults; `sbatch_args` are the defaults' then the
-    /// job's.
-    pub fn over(&self, defaults: &SlurmOptions) -> SlurmOptions {
-        let pick = |a: &Option<String>, b: &Option<String>| a.clone().or_else(|| b.clone());
-        SlurmOptions {
-            partition: pick(&self.partition, &defaults.partition),
-            gpus: self.gpus.or(defaults.gpus),
-            gres: pick(&self.gres, &defaults.gres),
-            cpus: self.cpus.or(defaults.cpus),
-            mem: pick(&self.mem, &defaults.mem),
-            time: pick(&self.time, &defaults.time),
-            account: pick(&self.account, &defaults.account),
-            qos: pick(&self.qos, &defaults.qos),
-            constraint: pick(&self.constraint, &defaults.constraint),
-            requeue: self.requeue.or(defaults.requeue),
-            signal_before_timeout_s: self
-                .signal_before_timeout_s
-                .or(defaults.signal_before_timeout_s),
-            sbatch_args: defaults
-                .sbatch_args
-                .iter()
-                .chain(&self.sbatch_args)
-                .cloned()
-                .collect(),
-        }
-    }
-
     fn texts(&self) -> [(&'static str, &Option<String>); 7] {
         [
             ("partition", &self.partition),
@@ -127,52 +101,6 @@ impl SlurmOptions {
         }
         Ok(())
     }
-
-    /// sbatch's argv after `sbatch`: the user's extra options first, then the typed ones, then
-    /// the ones rsb controls (later options win in sbatch, and [`check`](Self::check) refused
-    /// them in the extras anyway), then the script.
-    pub fn sbatch_argv(
-        &self,
-        job_name: &str,
-        comment: &str,
-        out: &str,
-        script: &str,
-    ) -> Vec<String> {
-        let mut v: Vec<String> = self.sbatch_args.clone();
-        let mut opt = |k: &str, val: &Option<String>| {
-            if let Some(x) = val {
-                v.push(format!("--{k}={x}"));
-            }
-        };
-        opt("partition", &self.partition);
-        opt("gres", &self.gres);
-        opt("mem", &self.mem);
-        opt("time", &self.time);
-        opt("account", &self.account);
-        opt("qos", &self.qos);
-        opt("constraint", &self.constraint);
-        if let Some(g) = self.gpus {
-            v.push(format!("--gpus={g}"));
-        }
-        if let Some(c) = self.cpus {
-            v.push(format!("--cpus-per-task={c}"));
-        }
-        match self.requeue {
-            Some(true) => v.push("--requeue".into()),
-            Some(false) => v.push("--no-requeue".into()),
-            None => {}
-        }
-        if let Some(s) = self.signal_before_timeout_s {
-            v.push(format!("--signal=B:USR1@{s}"));
-        }
-        v.push("--parsable".into());
-        v.push(format!("--job-name={job_name}"));
-        v.push(format!("--comment={comment}"));
-        v.push(format!("--output={out}"));
-        v.push("--open-mode=append".into());
-        v.push(script.into());
-        v
-    }
 }
 
 fn check_value(key: &str, v: &str) -> Result<()> {
@@ -205,28 +133,35 @@ fn controlled(a: &str) -> Option<String> {
     CONTROLLED_SHORT.contains(&c).then(|| format!("-{c}"))
 }
 
+/// Turn a sandbox entry's `scheduler` and `slurm` keys into its Slurm defaults: `Some` for a
+/// Slurm login node. The error is (message, hint), for the caller to label with the entry.
+pub(super) fn slurm_defaults(
+    scheduler: Option<&str>,
+    slurm: Option<SlurmDefaults>,
+) -> Result<Option<SlurmDefaults>, (String, String)> {
+    match scheduler.map(str::trim) {
+        None | Some("") | Some("none") => match slurm {
+            None => Ok(None),
+            Some(_) => Err((
+                "has 'slurm' options but no scheduler = \"slurm\"".into(),
+                "Add scheduler = \"slurm\" to the sandbox, or remove its 'slurm' table.".into(),
+            )),
+        },
+        Some("slurm") => {
+            let d = slurm.unwrap_or_default();
+            d.check().map_err(|e| (e.message, e.hint))?;
+            Ok(Some(d))
+        }
+        Some(_) => Err((
+            "has an unknown scheduler (only \"slurm\" is supported)".into(),
+            "Write scheduler = \"slurm\" for a Slurm login node, or remove the key.".into(),
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn job_options_override_defaults_and_extras_concatenate() {
-        let d = SlurmOptions {
-            partition: Some("gpu".into()),
-            mem: Some("1G".into()),
-            sbatch_args: vec!["--nodes=1".into()],
-            ..Default::default()
-        };
-        let j = SlurmOptions {
-            partition: Some("debug".into()),
-            sbatch_args: vec!["--hold".into()],
-            ..Default::default()
-        };
-        let m = j.over(&d);
-        assert_eq!(m.partition.as_deref(), Some("debug"));
-        assert_eq!(m.mem.as_deref(), Some("1G"));
-        assert_eq!(m.sbatch_args, vec!["--nodes=1", "--hold"]);
-    }
 
     #[test]
     fn controlled_options_are_refused_in_any_spelling() {
@@ -286,34 +221,5 @@ mod tests {
         for o in bad {
             assert!(o.check().is_err(), "{o:?}");
         }
-    }
-
-    #[test]
-    fn argv_puts_controlled_options_last_and_each_value_in_one_element() {
-        let o = SlurmOptions {
-            partition: Some("a b;'c\"".into()),
-            gpus: Some(2),
-            signal_before_timeout_s: Some(60),
-            requeue: Some(false),
-            sbatch_args: vec!["--nodes=1".into()],
-            ..Default::default()
-        };
-        let v = o.sbatch_argv("rsb-j", "rsb:L", "/h/out-%j", "/h/batch.sh");
-        assert_eq!(
-            v,
-            vec![
-                "--nodes=1",
-                "--partition=a b;'c\"",
-                "--gpus=2",
-                "--no-requeue",
-                "--signal=B:USR1@60",
-                "--parsable",
-                "--job-name=rsb-j",
-                "--comment=rsb:L",
-                "--output=/h/out-%j",
-                "--open-mode=append",
-                "/h/batch.sh",
-            ]
-        );
     }
 }

@@ -12,6 +12,8 @@ pub struct Watch {
     pub run_id: String,
     pub name: String,
     pub sandbox_name: String,
+    /// Which persisted definition of `sandbox_name` this watch was registered with.
+    pub sandbox_fp: String,
     pub tmux_session: String,
     pub log_file: String,
     pub cwd: String,
@@ -95,6 +97,7 @@ impl Watch {
             run_id: r.get("run_id")?,
             name: r.get("name")?,
             sandbox_name: r.get("sandbox_name")?,
+            sandbox_fp: r.get("sandbox_fp")?,
             tmux_session: r.get("tmux_session")?,
             log_file: r.get("log_file")?,
             cwd: r.get("cwd")?,
@@ -246,4 +249,22 @@ impl WatchEvent {
                 .unwrap_or(Value::Null),
         })
     }
+}
+
+/// An event a check decided on, before the store gives it an id and its payload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEvent {
+    pub event_type: &'static str,
+    pub summary: String,
+    /// Keys added to the payload after the seed's common ones.
+    pub extra: Map<String, Value>,
+}
+
+/// One line: newlines and other control characters become spaces (summaries, errors).
+pub fn one_line(s: &str) -> String {
+    s.chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect::<String>()
+        .trim()
+        .to_string()
 }

@@ -1,0 +1,95 @@
+//! A sync between this machine and a sandbox, as every caller runs it (the CLI, `--watch`,
+//! the MCP tools and the background transfer worker): both agents connected through the
+//! pool, and the last-synced baseline of the pair of roots loaded from the store and saved
+//! back, which is what tells a remote edit from a conflict.
+
+use tokio_util::sync::CancellationToken;
+
+use crate::{
+    error::Result,
+    pool::Pool,
+    sync::{self, ProgressFn, RunOptions, SyncReport, SyncSpec},
+};
+
+/// Connect both ends and run the engine.
+pub async fn run(
+    pool: &Pool,
+    sandbox: &str,
+    spec: &SyncSpec,
+    progress: Option<ProgressFn>,
+    cancel: &CancellationToken,
+) -> Result<SyncReport> {
+    run_with(
+        pool,
+        sandbox,
+        spec,
+        &RunOptions::default(),
+        progress,
+        cancel,
+    )
+    .await
+}
+
+/// [`run`] with options, and the last-synced baseline of this pair of roots: loaded from the
+/// store for conflict detection, saved after a sync that completed, and after one that failed
+/// or was cancelled for what it did commit.
+pub async fn run_with(
+    pool: &Pool,
+    sandbox: &str,
+    spec: &SyncSpec,
+    opts: &RunOptions,
+    progress: Option<ProgressFn>,
+    cancel: &CancellationToken,
+) -> Result<SyncReport> {
+    let (remote, local) = tokio::try_join!(pool.client(sandbox), pool.local_agent())?;
+    let key = (
+        spec.local_path.display().to_string(),
+        sandbox.to_string(),
+        sync::engine::anchor_home(&spec.remote_path),
+    );
+    // The baseline is what tells a remote edit from a conflict: a store that cannot be read
+    // refuses the sync (never a first sync that would overwrite the edit).
+    let store = Some(pool.transfers()?);
+    let mut opts = opts.clone();
+    if opts.baseline.is_none()
+        && let Some(t) = &store
+    {
+        opts.baseline = t.load_baseline_shared(&key.0, &key.1, &key.2)?;
+    }
+    let sink = std::sync::Arc::new(parking_lot::Mutex::new(None));
+    opts.baseline_sink = Some(sink.clone());
+    let mut report = match sync::run_with(&local, &remote, spec, progress, cancel, &opts).await {
+        Ok(r) => r,
+        Err(e) => {
+            // A failed or cancelled run saves what it did commit, so an edit after the cut
+            // reads as an edit, not a conflict.
+            let b = sink.lock().take();
+            if let (Some(t), Some(b)) = (&store, b)
+                && !spec.dry_run
+                && opts.baseline.as_deref() != Some(&b)
+                && let Err(se) = t.save_baseline(&key.0, &key.1, &key.2, &b)
+            {
+                tracing::warn!("the sync baseline was not saved: {}", se.message);
+            }
+            return Err(e);
+        }
+    };
+    if let (Some(t), Some(b)) = (&store, report.baseline_out.take())
+        && !spec.dry_run
+        && !report.handed_off
+    {
+        // A no-change resync leaves it as it was: no write (a 2,000-file baseline is ~150 KB),
+        // only its "last synced" day, which retention goes by.
+        let r = if opts.baseline.as_deref() == Some(&b) {
+            t.touch_baseline(&key.0, &key.1, &key.2)
+        } else {
+            t.save_baseline(&key.0, &key.1, &key.2, &b)
+        };
+        if let Err(e) = r {
+            report
+                .warnings
+                .push(format!("the sync baseline was not saved: {}", e.message));
+        }
+    }
+    Ok(report)
+}
