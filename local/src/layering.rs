@@ -144,11 +144,10 @@ fn ident_char_before(b: &[char], i: usize) -> bool {
 
 /// Tells `'a'` and `'\n'` from a lifetime such as `'a`.
 fn is_char_literal(b: &[char], i: usize) -> bool {
-    match (b.get(i + 1), b.get(i + 2)) {
-        (Some('\\'), _) => true,
-        (Some(_), Some('\'')) => true,
-        _ => false,
-    }
+    matches!(
+        (b.get(i + 1), b.get(i + 2)),
+        (Some('\\'), _) | (Some(_), Some('\''))
+    )
 }
 
 fn char_literal_end(b: &[char], i: usize) -> usize {

@@ -1127,10 +1127,17 @@ local = true
         ] {
             let e = serde_json::from_str::<Value>(bad).unwrap_err();
             let text = json_error_text(&e);
-            assert_eq!(text, e.to_string(), "a syntax reason is kept as serde_json wrote it");
+            assert_eq!(
+                text,
+                e.to_string(),
+                "a syntax reason is kept as serde_json wrote it"
+            );
         }
         let e = serde_json::from_str::<Value>("[1,").unwrap_err();
-        assert_eq!(json_error_text(&e), "EOF while parsing a value at line 1 column 3");
+        assert_eq!(
+            json_error_text(&e),
+            "EOF while parsing a value at line 1 column 3"
+        );
         // A data error quotes what it read: only its class is named.
         let e = serde_json::from_str::<Vec<u8>>("[\"S3cr3t\"]").unwrap_err();
         assert!(e.to_string().contains("S3cr3t"), "{e}");

@@ -31,7 +31,6 @@ pub fn hooks_allowed() -> bool {
     env_truthy(ALLOW_HOOKS_VAR)
 }
 
-
 /// What a webhook's body is: rsb's event as JSON, a chat message (Slack's `{"text"}`, which
 /// Mattermost and Rocket.Chat take too; Discord's `{"content"}`), or an ntfy notification
 /// (plain text, with a `Title` header).
