@@ -3259,3 +3259,94 @@ async fn a_cancelled_search_of_a_huge_tree_stops_within_a_second() {
     assert_eq!(v["stdout"], "ok\n");
     mcp.close().await;
 }
+
+/// Every change through MCP is on the record (issue 23): writes, edits, patches (a refused
+/// one too), forwards started and stopped, watch changes. Each line names the tool, the
+/// sandbox and the path or target, and none holds the content that was written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_change_is_audited_without_the_content() {
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start_with(
+        &list(&[key_entry("s", &sshd)]),
+        &[("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "1")],
+    )
+    .await;
+    let body = "written-content-7Qx\n";
+    mcp.ok(
+        "write_remote_file",
+        json!({"remote_path": "au/f.txt", "content": body, "make_dirs": true}),
+    )
+    .await;
+    mcp.ok(
+        "edit_remote_file",
+        json!({"remote_path": "au/f.txt", "old_string": "7Qx", "new_string": "edited-content-9Zy"}),
+    )
+    .await;
+    mcp.err(
+        "edit_remote_file",
+        json!({"remote_path": "au/f.txt", "old_string": "not there", "new_string": "x"}),
+    )
+    .await;
+    mcp.ok(
+        "apply_patch",
+        json!({"patch": "*** Begin Patch\n*** Add File: au/g.txt\n+patched-content-3Kw\n*** End Patch\n"}),
+    )
+    .await;
+    let f = mcp.ok("forward_port", json!({"remote_port": 9})).await;
+    let id = f["forward_id"].as_u64().unwrap();
+    mcp.ok("stop_forward", json!({"forward_id": id})).await;
+    assert_eq!(
+        std::fs::read_to_string(sshd.home().join("au/f.txt")).unwrap(),
+        "written-content-edited-content-9Zy\n"
+    );
+
+    let dir = mcp.state_dir().join("audit");
+    let text: String = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .flatten()
+        .map(|f| std::fs::read_to_string(f.path()).unwrap())
+        .collect();
+    for secret in ["7Qx\n", "edited-content-9Zy", "patched-content-3Kw"] {
+        assert!(
+            !text.contains(secret),
+            "content {secret:?} in the audit log:\n{text}"
+        );
+    }
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("torn line {l:?}: {e}")))
+        .collect();
+    let of = |tool: &str| -> Vec<&Value> { lines.iter().filter(|l| l["tool"] == tool).collect() };
+    let w = of("write_remote_file");
+    assert_eq!(w.len(), 1, "{text}");
+    assert_eq!(w[0]["sandbox"], "s");
+    assert_eq!(w[0]["command"], "au/f.txt");
+    assert_eq!(w[0]["bytes"], body.len());
+    assert!(
+        w[0]["origin"].as_str().unwrap().starts_with("mcp"),
+        "{}",
+        w[0]
+    );
+    let e = of("edit_remote_file");
+    assert_eq!(e.len(), 2, "{text}");
+    assert!(
+        e[0]["error"].is_null() && e[1]["error"].is_string(),
+        "{text}"
+    );
+    let p = of("apply_patch");
+    assert_eq!(p.len(), 1, "{text}");
+    assert_eq!(p[0]["command"], "au/g.txt");
+    let fw = of("forward_port");
+    assert_eq!(fw.len(), 1, "{text}");
+    assert!(
+        fw[0]["command"].as_str().unwrap().ends_with(":9"),
+        "{}",
+        fw[0]
+    );
+    assert_eq!(fw[0]["detail"]["forward_id"], id, "{}", fw[0]);
+    assert_eq!(of("stop_forward").len(), 1, "{text}");
+    for l in &lines {
+        assert!(l["duration_ms"].is_u64(), "{l}");
+    }
+    mcp.close().await;
+}
