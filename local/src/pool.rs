@@ -372,15 +372,18 @@ impl Pool {
 
     /// The background transfer registry (SQLite under the state dir), opened on first use.
     pub fn transfers(&self) -> Result<Arc<crate::store::transfers::Transfers>> {
-        let mut g = self.transfers.lock();
-        if let Some(t) = g.as_ref() {
-            return Ok(t.clone());
-        }
-        let t = Arc::new(crate::store::transfers::Transfers::open(
-            &self.config.state_dir,
-        )?);
-        *g = Some(t.clone());
-        Ok(t)
+        // Opening migrates and checks the database, which waits on another process's lock.
+        crate::store::blocking(|| {
+            let mut g = self.transfers.lock();
+            if let Some(t) = g.as_ref() {
+                return Ok(t.clone());
+            }
+            let t = Arc::new(crate::store::transfers::Transfers::open(
+                &self.config.state_dir,
+            )?);
+            *g = Some(t.clone());
+            Ok(t)
+        })
     }
 
     /// Whether the last connect of `name` uploaded the agent (for tests and diagnostics).

@@ -190,6 +190,11 @@ impl Mcp {
         std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
     }
 
+    /// The server's `RSB_STATE_DIR`.
+    fn state_dir(&self) -> PathBuf {
+        self._tmp.path().join("state")
+    }
+
     /// A tool call; `Err` is a protocol-level error (not a tool result).
     async fn try_call(&self, tool: &str, args: Value) -> Result<Reply, String> {
         let Value::Object(args) = args else {
@@ -946,6 +951,100 @@ async fn concurrent_calls_across_two_sandboxes() {
     println!("select + exec while a 3 s exec runs: {:?}", t.elapsed());
     assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
     slow.await.unwrap();
+}
+
+/// A store that another process holds locked never stalls `exec_bash` (issue 20). exec needs
+/// no database; what does (here four `check_file_transfer_task` calls, as many as the
+/// runtime has threads and more) waits out the lock without holding a runtime thread, so the
+/// exec calls made meanwhile run at their usual speed. Before `store::blocking`, the four
+/// calls held both runtime threads for the whole hold and an exec waited ~3 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_held_by_another_process_never_stalls_exec_bash() {
+    let s = Sshd::start().unwrap();
+    let mcp = Arc::new(Mcp::start(&list(&[key_entry("a", &s)])).await);
+    for _ in 0..3 {
+        mcp.ok("exec_bash", json!({"command": "true"})).await;
+    }
+    // The server opens its store (an unknown task is an ordinary error).
+    let r = mcp
+        .err("check_file_transfer_task", json!({"task_id": 1}))
+        .await;
+    assert!(r.text.contains("Unknown transfer task id"), "{}", r.text);
+    let time_exec = async || {
+        let t = Instant::now();
+        mcp.ok("exec_bash", json!({"command": "true"})).await;
+        t.elapsed()
+    };
+    let mut before = Vec::new();
+    for _ in 0..20 {
+        before.push(time_exec().await);
+    }
+
+    // The deliberate writer: an exclusive lock that no reader or writer gets past, for 3 s.
+    let hold = Duration::from_secs(3);
+    let dir = mcp.state_dir();
+    let (locked_tx, locked_rx) = std::sync::mpsc::channel();
+    let holder = std::thread::spawn(move || {
+        let c = rsb::store::open(&dir).unwrap();
+        c.execute_batch(
+            "PRAGMA locking_mode = EXCLUSIVE; BEGIN EXCLUSIVE;
+             CREATE TABLE IF NOT EXISTS test_hold (x); INSERT INTO test_hold VALUES (1);",
+        )
+        .unwrap();
+        locked_tx.send(Instant::now()).unwrap();
+        std::thread::sleep(hold);
+        c.execute_batch("ROLLBACK").unwrap();
+    });
+    let locked_at = locked_rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    let waiters: Vec<_> = (0..4)
+        .map(|i| {
+            let mcp = mcp.clone();
+            tokio::spawn(async move {
+                let t = Instant::now();
+                let r = mcp
+                    .call("check_file_transfer_task", json!({"task_id": 100 + i}))
+                    .await;
+                (t.elapsed(), r)
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut during = Vec::new();
+    while locked_at.elapsed() < hold - Duration::from_millis(300) && during.len() < 500 {
+        during.push(time_exec().await);
+    }
+    holder.join().unwrap();
+    let mut waited = Vec::new();
+    for w in waiters {
+        let (took, r) = w.await.unwrap();
+        assert!(r.text.contains("Unknown transfer task id"), "{}", r.text);
+        waited.push(took);
+    }
+    let median = |v: &mut Vec<Duration>| {
+        v.sort();
+        v[v.len() / 2]
+    };
+    let (b_med, b_max) = (median(&mut before), *before.iter().max().unwrap());
+    let (d_med, d_max) = (median(&mut during), *during.iter().max().unwrap());
+    println!(
+        "exec_bash before the hold: median {b_med:?}, max {b_max:?} (20 calls); during it: \
+         median {d_med:?}, max {d_max:?} ({} calls); the store's callers waited {waited:?}",
+        during.len()
+    );
+    // The hold was real: every store call waited for it.
+    assert!(
+        waited.iter().all(|w| *w >= Duration::from_secs(2)),
+        "the lock did not hold: {waited:?}"
+    );
+    assert!(
+        during.len() >= 10,
+        "only {} exec calls in the hold",
+        during.len()
+    );
+    let ms = Duration::from_millis;
+    assert!(d_med <= b_med + ms(10), "median {d_med:?} vs {b_med:?}");
+    // A 2-core machine's scheduler noise aside, no call waited on the store (~3 s).
+    assert!(d_max <= b_max + ms(100), "max {d_max:?} vs {b_max:?}");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -3158,5 +3257,96 @@ async fn a_cancelled_search_of_a_huge_tree_stops_within_a_second() {
     assert!(agent_ticks(sshd.home()) <= a + 2, "the search resumed");
     let v = mcp.ok("exec_bash", json!({"command": "echo ok"})).await;
     assert_eq!(v["stdout"], "ok\n");
+    mcp.close().await;
+}
+
+/// Every change through MCP is on the record (issue 23): writes, edits, patches (a refused
+/// one too), forwards started and stopped, watch changes. Each line names the tool, the
+/// sandbox and the path or target, and none holds the content that was written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_change_is_audited_without_the_content() {
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start_with(
+        &list(&[key_entry("s", &sshd)]),
+        &[("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "1")],
+    )
+    .await;
+    let body = "written-content-7Qx\n";
+    mcp.ok(
+        "write_remote_file",
+        json!({"remote_path": "au/f.txt", "content": body, "make_dirs": true}),
+    )
+    .await;
+    mcp.ok(
+        "edit_remote_file",
+        json!({"remote_path": "au/f.txt", "old_string": "7Qx", "new_string": "edited-content-9Zy"}),
+    )
+    .await;
+    mcp.err(
+        "edit_remote_file",
+        json!({"remote_path": "au/f.txt", "old_string": "not there", "new_string": "x"}),
+    )
+    .await;
+    mcp.ok(
+        "apply_patch",
+        json!({"patch": "*** Begin Patch\n*** Add File: au/g.txt\n+patched-content-3Kw\n*** End Patch\n"}),
+    )
+    .await;
+    let f = mcp.ok("forward_port", json!({"remote_port": 9})).await;
+    let id = f["forward_id"].as_u64().unwrap();
+    mcp.ok("stop_forward", json!({"forward_id": id})).await;
+    assert_eq!(
+        std::fs::read_to_string(sshd.home().join("au/f.txt")).unwrap(),
+        "written-content-edited-content-9Zy\n"
+    );
+
+    let dir = mcp.state_dir().join("audit");
+    let text: String = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .flatten()
+        .map(|f| std::fs::read_to_string(f.path()).unwrap())
+        .collect();
+    for secret in ["7Qx\n", "edited-content-9Zy", "patched-content-3Kw"] {
+        assert!(
+            !text.contains(secret),
+            "content {secret:?} in the audit log:\n{text}"
+        );
+    }
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("torn line {l:?}: {e}")))
+        .collect();
+    let of = |tool: &str| -> Vec<&Value> { lines.iter().filter(|l| l["tool"] == tool).collect() };
+    let w = of("write_remote_file");
+    assert_eq!(w.len(), 1, "{text}");
+    assert_eq!(w[0]["sandbox"], "s");
+    assert_eq!(w[0]["command"], "au/f.txt");
+    assert_eq!(w[0]["bytes"], body.len());
+    assert!(
+        w[0]["origin"].as_str().unwrap().starts_with("mcp"),
+        "{}",
+        w[0]
+    );
+    let e = of("edit_remote_file");
+    assert_eq!(e.len(), 2, "{text}");
+    assert!(
+        e[0]["error"].is_null() && e[1]["error"].is_string(),
+        "{text}"
+    );
+    let p = of("apply_patch");
+    assert_eq!(p.len(), 1, "{text}");
+    assert_eq!(p[0]["command"], "au/g.txt");
+    let fw = of("forward_port");
+    assert_eq!(fw.len(), 1, "{text}");
+    assert!(
+        fw[0]["command"].as_str().unwrap().ends_with(":9"),
+        "{}",
+        fw[0]
+    );
+    assert_eq!(fw[0]["detail"]["forward_id"], id, "{}", fw[0]);
+    assert_eq!(of("stop_forward").len(), 1, "{text}");
+    for l in &lines {
+        assert!(l["duration_ms"].is_u64(), "{l}");
+    }
     mcp.close().await;
 }

@@ -48,6 +48,11 @@ impl Env {
     }
 
     async fn server(&self) -> Mcp {
+        self.server_for(&self.list, &[]).await
+    }
+
+    /// A server with its own sandbox list and more environment, on this place's state dir.
+    async fn server_for(&self, list: &str, more: &[(&str, &str)]) -> Mcp {
         let home = self.path().join("home");
         let stderr = std::fs::OpenOptions::new()
             .create(true)
@@ -63,8 +68,9 @@ impl Env {
             .env("XDG_DATA_HOME", home.join(".local/share"))
             .env("RSB_STATE_DIR", self.path().join("state"))
             .env("RSB_LOG", "debug")
-            .env("REMOTE_SANDBOX_LIST", &self.list)
-            .envs(self.vars.iter().map(|(k, v)| (k, v)));
+            .env("REMOTE_SANDBOX_LIST", list)
+            .envs(self.vars.iter().map(|(k, v)| (*k, v.as_str())))
+            .envs(more.iter().copied());
         let (transport, _) = TokioChildProcess::builder(cmd)
             .stderr(stderr)
             .spawn()
@@ -697,4 +703,180 @@ async fn background_syncs_past_max_sessions_are_counted_and_say_so() {
         assert!(sshd.home().join(format!("mx{i}/big.bin")).exists());
     }
     mcp.close().await;
+}
+
+/// SIGKILL a detached daemon a server spawned for this test (bounded wait for it to go).
+fn kill_pid(pid: i64) {
+    if pid <= 1 {
+        return;
+    }
+    // SAFETY: a pid the server reported for the daemon it spawned for this test.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let t0 = Instant::now();
+    while pid_alive(pid) && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Two servers on one state dir, each with its own definition of `gpu` (issue 20): each
+/// one's background sync and watched job reach its own host, and the one that stores no
+/// secrets leaves the other's stored password alone. Before fingerprint-keyed definitions,
+/// the last server to register re-pointed every `gpu` row: the daemon read one watch's job
+/// on the other host and a worker synced to the wrong one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_servers_defining_gpu_differently_never_redirect_each_other() {
+    let a = Sshd::start().unwrap();
+    let b = Sshd::start().unwrap();
+    let env = Env::new(&[]);
+    // A's `gpu` logs in with a password where the fixture has a password user (as root),
+    // and stores it for the daemon; B's uses a key and stores nothing.
+    let a_pw = a.password_user();
+    let a_entry = match &a_pw {
+        Some((user, pw)) => json!({"name": "gpu", "host": "127.0.0.1", "port": a.port(),
+                                   "user": user, "password": pw}),
+        None => entry("gpu", &a, a.port()),
+    };
+    let a_home = a
+        .password_home()
+        .filter(|_| a_pw.is_some())
+        .unwrap_or(a.home())
+        .to_path_buf();
+    let list_a = Value::Array(vec![a_entry]).to_string();
+    let list_b = Value::Array(vec![entry("gpu", &b, b.port())]).to_string();
+    let common = [
+        ("REMOTE_SANDBOX_INLINE_SYNC_MAX_FILES", "5"),
+        ("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "yes"),
+    ];
+    let mut with_secrets = common.to_vec();
+    with_secrets.push(("RSB_WATCHDOG_STORE_PASSWORDS", "1"));
+    let sa = env.server_for(&list_a, &with_secrets).await;
+    let sb = env.server_for(&list_b, &common).await;
+    let (src_a, src_b) = (env.path().join("src-a"), env.path().join("src-b"));
+    make_tree(&src_a, 20, 0);
+    make_tree(&src_b, 30, 0);
+
+    // Both background syncs at once, to the same remote path on each one's own `gpu`.
+    let up = |src: &Path| json!({"local_path": src.display().to_string(), "remote_path": "two"});
+    let (va, vb) = tokio::join!(
+        sa.ok("sync_local_to_remote", up(&src_a)),
+        sb.ok("sync_local_to_remote", up(&src_b))
+    );
+    assert_eq!(
+        (va["mode"].as_str(), vb["mode"].as_str()),
+        (Some("background"), Some("background"))
+    );
+    let done = |v: &Value| v["status"] != "running" && v["status"] != "queued";
+    let (ta, tb) = (
+        va["task_id"].as_i64().unwrap(),
+        vb["task_id"].as_i64().unwrap(),
+    );
+    let (ra, rb) = tokio::join!(
+        sa.wait_task(ta, Duration::from_secs(60), done),
+        sb.wait_task(tb, Duration::from_secs(60), done)
+    );
+    assert_eq!(ra["status"], "completed", "{ra}");
+    assert_eq!(rb["status"], "completed", "{rb}");
+    assert_eq!(ra["result"]["uploaded_files"], 20, "{ra}");
+    assert_eq!(rb["result"]["uploaded_files"], 30, "{rb}");
+    let count = |home: &Path| {
+        std::fs::read_dir(home.join("two/d"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        (count(&a_home), count(b.home())),
+        (20, 30),
+        "each tree on its own host"
+    );
+
+    // A watched job of the same name on each, ending with its own code: the daemon (one per
+    // state dir, spawned by the first) must read each on its own host.
+    let job = |code: i32| {
+        json!({"command": format!("sleep 2; exit {code}"), "session_name": "train",
+                                 "interval_s": 1, "notify_local": false})
+    };
+    let wa = sa.ok("exec_bash_background_watch", job(3)).await;
+    let daemon = wa["watchdog_setup"]["pid"].as_i64().unwrap_or(0);
+    let result = async {
+        let wb = sb.ok("exec_bash_background_watch", job(4)).await;
+        let (ida, idb) = (
+            wa["watch_id"].as_i64().unwrap(),
+            wb["watch_id"].as_i64().unwrap(),
+        );
+        assert_ne!(ida, idb);
+        let ended = async |mcp: &Mcp, id: i64| {
+            let t0 = Instant::now();
+            loop {
+                let w = mcp
+                    .ok("get_background_watch", json!({"watch_id": id}))
+                    .await;
+                let st = w["watch"]["status"]
+                    .as_str()
+                    .or(w["status"].as_str())
+                    .unwrap_or("")
+                    .to_string();
+                if !matches!(st.as_str(), "active" | "running" | "") {
+                    return w;
+                }
+                assert!(
+                    t0.elapsed() < Duration::from_secs(60),
+                    "watch {id} never ended: {w}"
+                );
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        };
+        let (fa, fb) = tokio::join!(ended(&sa, ida), ended(&sb, idb));
+        let of = |w: &Value| {
+            let w = if w["watch"].is_object() {
+                &w["watch"]
+            } else {
+                w
+            };
+            (
+                w["status"].as_str().unwrap_or("").to_string(),
+                w["last_exit_code"].as_i64(),
+            )
+        };
+        assert_eq!(
+            of(&fa),
+            ("completed".to_string(), Some(3)),
+            "A's watch: {fa}"
+        );
+        assert_eq!(
+            of(&fb),
+            ("completed".to_string(), Some(4)),
+            "B's watch: {fb}"
+        );
+        // Nothing was read as interrupted, nothing resumed.
+        for (mcp, id) in [(&sa, ida), (&sb, idb)] {
+            let ev = mcp
+                .ok("list_background_watch_events", json!({"watch_id": id}))
+                .await;
+            let types: Vec<&str> = ev["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|e| e["event_type"].as_str().or(e["type"].as_str()))
+                .collect();
+            assert!(
+                !types
+                    .iter()
+                    .any(|t| *t == "interrupted" || *t == "resume_started"),
+                "{ev}"
+            );
+        }
+        // A's password is still stored: B, which stores none, removed nothing of A's.
+        if let Some((_, pw)) = &a_pw {
+            let secrets = std::fs::read_to_string(env.path().join("state/watchdog-secrets.json"))
+                .unwrap_or_default();
+            assert!(secrets.contains(pw.as_str()), "A's stored password is gone");
+        }
+    };
+    let r = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(result)).await;
+    kill_pid(daemon);
+    sa.close().await;
+    sb.close().await;
+    if let Err(p) = r {
+        std::panic::resume_unwind(p);
+    }
 }

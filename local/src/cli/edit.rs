@@ -21,7 +21,28 @@ pub async fn run(ctx: &Ctx, target: &str) -> u8 {
             );
         }
     };
-    match edit_once(ctx, name, path).await {
+    let t0 = std::time::Instant::now();
+    let r = edit_once(ctx, name, path).await;
+    let sandbox = if name.is_empty() {
+        ctx.resolve().unwrap_or_default()
+    } else {
+        name.to_string()
+    };
+    // The path only: what was written is file content, which the audit never holds.
+    rsb::audit::record(
+        ctx.pool.config(),
+        &sandbox,
+        &rsb::audit::Action {
+            origin: "cli".into(),
+            tool: "rsb edit".into(),
+            command: Some(path.to_string()),
+            exit_code: r.as_ref().ok().map(|c| i64::from(*c)),
+            duration_ms: Some(t0.elapsed().as_millis() as u64),
+            error: r.as_ref().err().map(|e| e.message.clone()),
+            ..Default::default()
+        },
+    );
+    match r {
         Ok(code) => code,
         Err(e) => fail(false, &e),
     }

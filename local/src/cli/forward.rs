@@ -167,7 +167,21 @@ fn print_table(list: &[ForwardInfo]) {
 /// start.
 async fn run(pool: Arc<Pool>, req: &forward::ForwardRequest, json: bool) -> u8 {
     let sink: EventSink = Arc::new(move |e: &Event| print_event(json, e));
-    let fwd = match forward::start(&pool, req, Some(sink)).await {
+    let t0 = std::time::Instant::now();
+    let started = forward::start(&pool, req, Some(sink)).await;
+    rsb::audit::record(
+        pool.config(),
+        &pool.resolve(&req.sandbox).unwrap_or_default(),
+        &rsb::audit::Action {
+            origin: "cli".into(),
+            tool: "rsb forward".into(),
+            command: Some(req.target.to_string()),
+            duration_ms: Some(t0.elapsed().as_millis() as u64),
+            error: started.as_ref().err().map(|e| e.message.clone()),
+            ..Default::default()
+        },
+    );
+    let fwd = match started {
         Ok(f) => f,
         Err(e) => {
             print_error(json, &e);

@@ -164,7 +164,27 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
         };
         return rsb::sync::watch::run_cli(pool, &sandbox, &spec, json, opts).await;
     }
-    once(pool, json, &sandbox, &spec, &a).await
+    let t0 = std::time::Instant::now();
+    let code = once(pool, json, &sandbox, &spec, &a).await;
+    rsb::audit::record(
+        pool.config(),
+        &sandbox,
+        &rsb::audit::Action {
+            origin: "cli".into(),
+            tool: "rsb sync".into(),
+            command: Some(format!(
+                "{} -> {}{}{}",
+                a.src,
+                a.dst,
+                if a.delete { " (delete extras)" } else { "" },
+                if a.dry_run { " (dry run)" } else { "" }
+            )),
+            exit_code: Some(code.into()),
+            duration_ms: Some(t0.elapsed().as_millis() as u64),
+            ..Default::default()
+        },
+    );
+    code
 }
 
 /// A sync that kept conflicting files, or left a file that kept changing uncommitted, did not

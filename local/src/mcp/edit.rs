@@ -2,11 +2,12 @@
 //! if it still holds what a read returned (`expected_hash`).
 
 use rmcp::{
-    handler::server::wrapper::Parameters, schemars, schemars::JsonSchema, tool, tool_router,
+    RoleServer, handler::server::wrapper::Parameters, schemars, schemars::JsonSchema,
+    service::RequestContext, tool, tool_router,
 };
 use serde::Deserialize;
 
-use super::{RsbServer, ToolResult, fail, reply};
+use super::{RsbServer, ToolResult, audited};
 use crate::ops::edit;
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -70,16 +71,29 @@ impl RsbServer {
         annotations(destructive_hint = true, open_world_hint = false),
         description = "Apply a Codex-format patch (*** Add/Update/Delete File, @@ hunks) on the sandbox. Every hunk of every file is checked first: one that does not apply changes no file. Each file is replaced atomically."
     )]
-    async fn apply_patch(&self, Parameters(p): Parameters<ApplyPatchParams>) -> ToolResult {
-        let req = match edit::parse_patch(&p.patch) {
-            Ok(r) => r,
-            Err(e) => return fail(&e),
+    async fn apply_patch(
+        &self,
+        Parameters(p): Parameters<ApplyPatchParams>,
+        ctx: RequestContext<RoleServer>,
+    ) -> ToolResult {
+        let t0 = std::time::Instant::now();
+        let parsed = edit::parse_patch(&p.patch);
+        // The audit line names the files, never the patch's text (file content).
+        let what = match &parsed {
+            Ok(req) => {
+                let paths: Vec<&str> = req.files.iter().map(|f| f.path.as_str()).collect();
+                paths.join(", ")
+            }
+            Err(_) => "(unparsable patch)".into(),
         };
-        let client = match self.pool.client(&p.sandbox_name).await {
-            Ok(c) => c,
-            Err(e) => return fail(&e),
-        };
-        reply(client.call(req).await.and_then(edit::patch_outcome))
+        let r = async {
+            let client = self.pool.client(&p.sandbox_name).await?;
+            client.call(parsed?).await.and_then(edit::patch_outcome)
+        }
+        .await;
+        let sandbox = self.pool.resolve(&p.sandbox_name).unwrap_or_default();
+        let tool = ("apply_patch", sandbox.as_str(), Some(what));
+        audited(self.pool.config(), &ctx, tool, t0, r)
     }
 }
 
@@ -92,32 +106,33 @@ impl RsbServer {
     async fn edit_remote_file(
         &self,
         Parameters(p): Parameters<EditRemoteFileParams>,
+        ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let req = match edit::edit_request(
-            &p.remote_path,
-            &p.old_string,
-            &p.new_string,
-            p.replace_all.unwrap_or(false),
-            p.expected_hash.as_deref().unwrap_or(""),
-        ) {
-            Ok(r) => r,
-            Err(e) => return fail(&e),
-        };
-        let client = match self
-            .pool
-            .client(p.sandbox_name.as_deref().unwrap_or(""))
-            .await
-        {
-            Ok(c) => c,
-            Err(e) => return fail(&e),
-        };
-        let expected = req.expected_hash.clone();
-        reply(
+        let t0 = std::time::Instant::now();
+        let name = p.sandbox_name.as_deref().unwrap_or("");
+        let r = async {
+            let req = edit::edit_request(
+                &p.remote_path,
+                &p.old_string,
+                &p.new_string,
+                p.replace_all.unwrap_or(false),
+                p.expected_hash.as_deref().unwrap_or(""),
+            )?;
+            let client = self.pool.client(name).await?;
+            let expected = req.expected_hash.clone();
             client
                 .call(req)
                 .await
-                .and_then(|o| edit::outcome(&p.remote_path, expected.as_deref(), o)),
-        )
+                .and_then(|o| edit::outcome(&p.remote_path, expected.as_deref(), o))
+        }
+        .await;
+        let sandbox = self.pool.resolve(name).unwrap_or_default();
+        let tool = (
+            "edit_remote_file",
+            sandbox.as_str(),
+            Some(p.remote_path.clone()),
+        );
+        audited(self.pool.config(), &ctx, tool, t0, r)
     }
 
     #[tool(
@@ -131,31 +146,43 @@ impl RsbServer {
     async fn write_remote_file(
         &self,
         Parameters(p): Parameters<WriteRemoteFileParams>,
+        ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let req = match edit::write_request(
-            &p.remote_path,
-            p.content.as_deref(),
-            p.content_base64.as_deref(),
-            p.expected_hash.as_deref().unwrap_or(""),
-            p.create_only.unwrap_or(false),
-            p.make_dirs.unwrap_or(false),
-        ) {
-            Ok(r) => r,
-            Err(e) => return fail(&e),
-        };
-        let client = match self.pool.client(&p.sandbox_name).await {
-            Ok(c) => c,
-            Err(e) => return fail(&e),
-        };
-        let expected = match &req.condition {
-            rsb_protocol::WriteCondition::Hash(h) => Some(h.clone()),
-            _ => None,
-        };
-        reply(
+        let t0 = std::time::Instant::now();
+        let mut bytes = None;
+        let r = async {
+            let req = edit::write_request(
+                &p.remote_path,
+                p.content.as_deref(),
+                p.content_base64.as_deref(),
+                p.expected_hash.as_deref().unwrap_or(""),
+                p.create_only.unwrap_or(false),
+                p.make_dirs.unwrap_or(false),
+            )?;
+            bytes = Some(req.data.len() as u64);
+            let client = self.pool.client(&p.sandbox_name).await?;
+            let expected = match &req.condition {
+                rsb_protocol::WriteCondition::Hash(h) => Some(h.clone()),
+                _ => None,
+            };
             client
                 .call(req)
                 .await
-                .and_then(|o| edit::outcome(&p.remote_path, expected.as_deref(), o)),
+                .and_then(|o| edit::outcome(&p.remote_path, expected.as_deref(), o))
+        }
+        .await;
+        let sandbox = self.pool.resolve(&p.sandbox_name).unwrap_or_default();
+        super::audited_bytes(
+            self.pool.config(),
+            &ctx,
+            (
+                "write_remote_file",
+                sandbox.as_str(),
+                Some(p.remote_path.clone()),
+            ),
+            t0,
+            bytes,
+            r,
         )
     }
 }

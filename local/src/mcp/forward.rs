@@ -3,11 +3,12 @@
 //! the watchdog daemon that serves it.
 
 use rmcp::{
-    handler::server::wrapper::Parameters, schemars, schemars::JsonSchema, tool, tool_router,
+    RoleServer, handler::server::wrapper::Parameters, schemars, schemars::JsonSchema,
+    service::RequestContext, tool, tool_router,
 };
 use serde::Deserialize;
 
-use super::{RsbServer, ToolResult, fail, ok};
+use super::{RsbServer, ToolResult, audited, fail, ok};
 use crate::{
     error::RsbError,
     ops::forward::{self, DEFAULT_REMOTE_HOST, ForwardRequest},
@@ -85,6 +86,10 @@ pub struct StopForwardParams {
     pub forward_id: u64,
 }
 
+fn to_value<T: serde::Serialize>(v: &T) -> Result<serde_json::Value, RsbError> {
+    serde_json::to_value(v).map_err(|e| RsbError::internal(format!("cannot encode reply: {e}")))
+}
+
 fn json<T: serde::Serialize>(v: &T) -> ToolResult {
     match serde_json::to_value(v) {
         Ok(v) => ok(v),
@@ -97,21 +102,36 @@ impl RsbServer {
     #[tool(
         description = "Forward a local port to a sandbox port or Unix socket over SSH (like ssh -L); returns local_url."
     )]
-    async fn forward_port(&self, Parameters(p): Parameters<ForwardPortParams>) -> ToolResult {
-        let req = match p.request() {
-            Ok(r) => r,
-            Err(e) => return fail(&e),
+    async fn forward_port(
+        &self,
+        Parameters(p): Parameters<ForwardPortParams>,
+        ctx: RequestContext<RoleServer>,
+    ) -> ToolResult {
+        let t0 = std::time::Instant::now();
+        let what = match (&p.socket_path, p.remote_port) {
+            (s, _) if !s.is_empty() => format!("unix:{s}"),
+            (_, Some(port)) => format!("{}:{port}", p.remote_host),
+            _ => String::new(),
         };
-        if p.detach {
-            return match forward::detach(&self.pool, &req).await {
-                Ok(info) => json(&info),
-                Err(e) => fail(&e),
-            };
+        let r = async {
+            let req = p.request()?;
+            if p.detach {
+                return forward::detach(&self.pool, &req)
+                    .await
+                    .and_then(|info| to_value(&info));
+            }
+            let f = forward::start(&self.pool, &req, None).await?;
+            to_value(&self.forwards.add(f))
         }
-        match forward::start(&self.pool, &req, None).await {
-            Ok(f) => json(&self.forwards.add(f)),
-            Err(e) => fail(&e),
-        }
+        .await;
+        let sandbox = self.pool.resolve(&p.sandbox_name).unwrap_or_default();
+        audited(
+            self.pool.config(),
+            &ctx,
+            ("forward_port", sandbox.as_str(), Some(what)),
+            t0,
+            r,
+        )
     }
 
     #[tool(
@@ -125,14 +145,18 @@ impl RsbServer {
     }
 
     #[tool(description = "Stop a port forward and free its local port.")]
-    async fn stop_forward(&self, Parameters(p): Parameters<StopForwardParams>) -> ToolResult {
-        match self
+    async fn stop_forward(
+        &self,
+        Parameters(p): Parameters<StopForwardParams>,
+        ctx: RequestContext<RoleServer>,
+    ) -> ToolResult {
+        let t0 = std::time::Instant::now();
+        let r = self
             .forwards
             .stop(&self.pool.config().state_dir, p.forward_id)
             .await
-        {
-            Ok(info) => json(&info),
-            Err(e) => fail(&e),
-        }
+            .and_then(|info| to_value(&info));
+        let what = Some(format!("forward {}", p.forward_id));
+        audited(self.pool.config(), &ctx, ("stop_forward", "", what), t0, r)
     }
 }

@@ -332,8 +332,20 @@ fn check_args(
 pub(crate) fn audited<T: serde::Serialize>(
     config: &Config,
     ctx: &RequestContext<RoleServer>,
+    what: (&str, &str, Option<String>),
+    t0: std::time::Instant,
+    r: crate::error::Result<T>,
+) -> ToolResult {
+    audited_bytes(config, ctx, what, t0, None, r)
+}
+
+/// [`audited`] with the number of bytes the action wrote (a file write's length).
+pub(crate) fn audited_bytes<T: serde::Serialize>(
+    config: &Config,
+    ctx: &RequestContext<RoleServer>,
     (tool, sandbox, command): (&str, &str, Option<String>),
     t0: std::time::Instant,
+    bytes: Option<u64>,
     r: crate::error::Result<T>,
 ) -> ToolResult {
     let r = r.and_then(|v| {
@@ -348,6 +360,7 @@ pub(crate) fn audited<T: serde::Serialize>(
             tool: tool.into(),
             command,
             duration_ms: Some(t0.elapsed().as_millis() as u64),
+            bytes,
             error: r.as_ref().err().map(|e| e.message.clone()),
             detail: r.as_ref().ok().and_then(crate::audit::reply_summary),
             ..Default::default()

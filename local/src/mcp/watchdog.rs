@@ -286,7 +286,10 @@ impl RsbServer {
     async fn watch_background_task(
         &self,
         Parameters(p): Parameters<WatchTaskParams>,
+        ctx: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> ToolResult {
+        let t0 = std::time::Instant::now();
+        let what = Some(format!("watch {}", p.tmux_session));
         let args = wops::WatchArgs {
             tmux_session: p.tmux_session,
             log_file: p.log_file,
@@ -314,26 +317,25 @@ impl RsbServer {
             codex_command: String::new(),
             stall_after_s: p.stall_after_s,
         };
-        let mut nw = match wops::prepare(&args, settings::hooks_allowed(), false) {
-            Ok(w) => w,
-            Err(e) => return fail(&e),
-        };
-        nw.sandbox_name = match self.pool.resolve(&args.sandbox_name) {
-            Ok(n) => n,
-            Err(e) => return fail(&e),
-        };
-        if !nw.cwd.is_empty() {
-            let (job, log, cwd) = (nw.tmux_session.clone(), nw.log_file.clone(), nw.cwd.clone());
-            wops::fill_from_job(&mut nw, &job, &log, &cwd);
-        }
-        let dir = self.state_dir();
-        let sandboxes = self.pool.config().sandboxes.clone();
+        let sandbox = self.pool.resolve(&args.sandbox_name).unwrap_or_default();
         let ensure = p.ensure_watchdog;
-        let r = blocking(move || wops::register(&dir, &sandboxes, nw, ensure)).await;
-        if let Ok(reg) = &r {
+        let r = async {
+            let mut nw = wops::prepare(&args, settings::hooks_allowed(), false)?;
+            nw.sandbox_name = self.pool.resolve(&args.sandbox_name)?;
+            if !nw.cwd.is_empty() {
+                let (job, log, cwd) =
+                    (nw.tmux_session.clone(), nw.log_file.clone(), nw.cwd.clone());
+                wops::fill_from_job(&mut nw, &job, &log, &cwd);
+            }
+            let dir = self.state_dir();
+            let sandboxes = self.pool.config().sandboxes.clone();
+            let reg = blocking(move || wops::register(&dir, &sandboxes, nw, ensure)).await?;
             self.followed.watch(reg.watch_id);
+            Ok(reg)
         }
-        typed(r)
+        .await;
+        let tool = ("watch_background_task", sandbox.as_str(), what);
+        super::audited(self.pool.config(), &ctx, tool, t0, r)
     }
 
     #[tool(description = "Alias of exec_bash_background with watch=true.")]
@@ -449,9 +451,18 @@ impl RsbServer {
     async fn cancel_background_watch(
         &self,
         Parameters(p): Parameters<WatchIdParams>,
+        ctx: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> ToolResult {
+        let t0 = std::time::Instant::now();
         let dir = self.state_dir();
-        typed(blocking(move || wops::cancel(&dir, p.watch_id)).await)
+        let r = blocking(move || wops::cancel(&dir, p.watch_id)).await;
+        let sandbox = r
+            .as_ref()
+            .map(|c| c.watch.sandbox_name.clone())
+            .unwrap_or_default();
+        let what = Some(format!("watch {}", p.watch_id));
+        let tool = ("cancel_background_watch", sandbox.as_str(), what);
+        super::audited(self.pool.config(), &ctx, tool, t0, r)
     }
 
     #[tool(description = "Watchdog events, newest first, of one watch or all (watch_id=0).")]

@@ -188,32 +188,34 @@ impl Transfers {
     }
 
     pub(crate) fn row(&self, id: i64) -> Result<Option<Row>> {
-        let db = self.db.lock();
-        db.query_row(
-            "SELECT status, pid, owner_start, log_file, last_error, result_json, progress_json,
+        crate::store::blocking(|| {
+            let db = self.db.lock();
+            db.query_row(
+                "SELECT status, pid, owner_start, log_file, last_error, result_json, progress_json,
                     finished_ts, started_ts, in_process FROM transfer_tasks WHERE id = ?1",
-            params![id],
-            |r| {
-                Ok(Row {
-                    status: r.get(0)?,
-                    pid: r.get(1)?,
-                    owner_start: r.get(2)?,
-                    log_file: r.get(3)?,
-                    last_error: r.get(4)?,
-                    result_json: r.get(5)?,
-                    progress_json: r.get(6)?,
-                    finished_ts: r.get(7)?,
-                    started_ts: r.get(8)?,
-                    in_process: r.get::<_, i64>(9)? != 0,
-                })
-            },
-        )
-        .optional()
-        .map_err(db_err)
+                params![id],
+                |r| {
+                    Ok(Row {
+                        status: r.get(0)?,
+                        pid: r.get(1)?,
+                        owner_start: r.get(2)?,
+                        log_file: r.get(3)?,
+                        last_error: r.get(4)?,
+                        result_json: r.get(5)?,
+                        progress_json: r.get(6)?,
+                        finished_ts: r.get(7)?,
+                        started_ts: r.get(8)?,
+                        in_process: r.get::<_, i64>(9)? != 0,
+                    })
+                },
+            )
+            .optional()
+            .map_err(db_err)
+        })
     }
 
     pub(crate) fn exec(&self, sql: &str, p: impl rusqlite::Params) -> Result<()> {
-        self.db.lock().execute(sql, p).map(|_| ()).map_err(db_err)
+        crate::store::blocking(|| self.db.lock().execute(sql, p).map(|_| ()).map_err(db_err))
     }
 
     pub(crate) fn unknown(id: i64) -> RsbError {
@@ -244,25 +246,27 @@ impl Transfers {
         sandbox: &str,
         remote: &str,
     ) -> Result<Option<Arc<Baseline>>> {
-        let key = (local.to_string(), sandbox.to_string(), remote.to_string());
-        let db = self.db.lock();
-        let version = data_version(&db);
-        use std::sync::atomic::Ordering::Relaxed;
-        if let Some((v, b)) = self.baselines.lock().get(&key)
-            && Some(*v) == version
-        {
-            self.baseline_hits.fetch_add(1, Relaxed);
-            return Ok(Some(b.clone()));
-        }
-        self.baseline_misses.fetch_add(1, Relaxed);
-        let Some(b) = baselines::load(&db, &key)? else {
-            return Ok(None);
-        };
-        let b = Arc::new(b);
-        if let Some(v) = version {
-            self.baselines.lock().insert(key, (v, b.clone()));
-        }
-        Ok(Some(b))
+        crate::store::blocking(|| {
+            let key = (local.to_string(), sandbox.to_string(), remote.to_string());
+            let db = self.db.lock();
+            let version = data_version(&db);
+            use std::sync::atomic::Ordering::Relaxed;
+            if let Some((v, b)) = self.baselines.lock().get(&key)
+                && Some(*v) == version
+            {
+                self.baseline_hits.fetch_add(1, Relaxed);
+                return Ok(Some(b.clone()));
+            }
+            self.baseline_misses.fetch_add(1, Relaxed);
+            let Some(b) = baselines::load(&db, &key)? else {
+                return Ok(None);
+            };
+            let b = Arc::new(b);
+            if let Some(v) = version {
+                self.baselines.lock().insert(key, (v, b.clone()));
+            }
+            Ok(Some(b))
+        })
     }
 
     /// (hits, misses) of the in-memory baseline cache since this store was opened.
@@ -276,8 +280,10 @@ impl Transfers {
 
     /// See [`baselines::touch`]: a root synced without a change keeps its baseline.
     pub fn touch_baseline(&self, local: &str, sandbox: &str, remote: &str) -> Result<()> {
-        let key = (local.to_string(), sandbox.to_string(), remote.to_string());
-        baselines::touch(&self.db.lock(), &key, crate::store::now_s())
+        crate::store::blocking(|| {
+            let key = (local.to_string(), sandbox.to_string(), remote.to_string());
+            baselines::touch(&self.db.lock(), &key, crate::store::now_s())
+        })
     }
 
     pub fn save_baseline(
@@ -287,26 +293,28 @@ impl Transfers {
         remote: &str,
         entries: &HashMap<String, [u8; 32]>,
     ) -> Result<()> {
-        let key = (local.to_string(), sandbox.to_string(), remote.to_string());
-        let db = self.db.lock();
-        // Read before the write: a commit by another connection after it changes the version.
-        let version = data_version(&db);
-        let written = baselines::save(&db, &key, entries);
-        let mut cache = self.baselines.lock();
-        match (written, version) {
-            (Ok(_), Some(v)) => {
-                cache.insert(key, (v, Arc::new(entries.clone())));
-                Ok(())
+        crate::store::blocking(|| {
+            let key = (local.to_string(), sandbox.to_string(), remote.to_string());
+            let db = self.db.lock();
+            // Read before the write: a commit by another connection after it changes the version.
+            let version = data_version(&db);
+            let written = baselines::save(&db, &key, entries);
+            let mut cache = self.baselines.lock();
+            match (written, version) {
+                (Ok(_), Some(v)) => {
+                    cache.insert(key, (v, Arc::new(entries.clone())));
+                    Ok(())
+                }
+                (Ok(_), None) => {
+                    cache.remove(&key);
+                    Ok(())
+                }
+                (Err(e), _) => {
+                    cache.remove(&key);
+                    Err(e)
+                }
             }
-            (Ok(_), None) => {
-                cache.remove(&key);
-                Ok(())
-            }
-            (Err(e), _) => {
-                cache.remove(&key);
-                Err(e)
-            }
-        }
+        })
     }
 
     fn is_live(&self, id: i64) -> bool {
@@ -505,33 +513,35 @@ impl Transfers {
     /// Record a queued task owned by this process, and hold it as "being started" until
     /// [`Transfers::started`]: a concurrent check must not read it as `interrupted`.
     pub fn record(&self, t: &NewTask<'_>) -> Result<i64> {
-        let db = self.db.lock();
-        db.execute(
-            "INSERT INTO transfer_tasks (direction, sandbox_name, local_path, remote_path,
+        crate::store::blocking(|| {
+            let db = self.db.lock();
+            db.execute(
+                "INSERT INTO transfer_tasks (direction, sandbox_name, local_path, remote_path,
                delete_extras, excludes_json, exclude_file, status, pid, owner_start,
                progress_json, created_ts, updated_ts, spec_json, sandbox_fp)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'queued', ?8, ?9, ?10, ?11, ?11, ?12, ?13)",
-            params![
-                t.direction,
-                t.sandbox,
-                t.local_path,
-                t.remote_path,
-                t.delete_extras as i64,
-                serde_json::to_string(t.excludes).unwrap_or_else(|_| "[]".into()),
-                t.exclude_file,
-                std::process::id() as i64,
-                self.my_start,
-                json!({"phase": "queued"}).to_string(),
-                t.created_ts,
-                t.spec_json,
-                t.sandbox_fp,
-            ],
-        )
-        .map_err(db_err)?;
-        let id = db.last_insert_rowid();
-        // Before the lock goes, for the same reason.
-        self.spawning.lock().insert(id);
-        Ok(id)
+                params![
+                    t.direction,
+                    t.sandbox,
+                    t.local_path,
+                    t.remote_path,
+                    t.delete_extras as i64,
+                    serde_json::to_string(t.excludes).unwrap_or_else(|_| "[]".into()),
+                    t.exclude_file,
+                    std::process::id() as i64,
+                    self.my_start,
+                    json!({"phase": "queued"}).to_string(),
+                    t.created_ts,
+                    t.spec_json,
+                    t.sandbox_fp,
+                ],
+            )
+            .map_err(db_err)?;
+            let id = db.last_insert_rowid();
+            // Before the lock goes, for the same reason.
+            self.spawning.lock().insert(id);
+            Ok(id)
+        })
     }
 
     /// The task has a worker or a live in-process run now (or failed to get one).
@@ -629,18 +639,19 @@ impl Transfers {
     /// A worker takes its queued task, or gets `None` when the task is unknown or not queued
     /// (another worker took it, or it was cancelled meanwhile).
     pub fn claim(&self, id: i64) -> Result<Option<Claimed>> {
-        let db = self.db.lock();
-        let claimed = db
-            .execute(
-                "UPDATE transfer_tasks SET pid = ?1, owner_start = ?2, in_process = 0
+        crate::store::blocking(|| {
+            let db = self.db.lock();
+            let claimed = db
+                .execute(
+                    "UPDATE transfer_tasks SET pid = ?1, owner_start = ?2, in_process = 0
                  WHERE id = ?3 AND status = 'queued'",
-                params![std::process::id() as i64, self.my_start, id],
-            )
-            .map_err(db_err)?;
-        if claimed == 0 {
-            return Ok(None);
-        }
-        db.query_row(
+                    params![std::process::id() as i64, self.my_start, id],
+                )
+                .map_err(db_err)?;
+            if claimed == 0 {
+                return Ok(None);
+            }
+            db.query_row(
             "SELECT sandbox_name, sandbox_fp, spec_json, log_file FROM transfer_tasks WHERE id = ?1",
             params![id],
             |r| {
@@ -654,6 +665,7 @@ impl Transfers {
         )
         .optional()
         .map_err(db_err)
+        })
     }
 
     /// A claimed task that could not run at all.

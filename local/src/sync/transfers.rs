@@ -294,18 +294,20 @@ impl Transfers {
         let cfg = pool
             .sandbox_config(sandbox)
             .ok_or_else(|| format!("sandbox '{sandbox}' is not configured"))?;
-        let db = self.conn();
-        sandboxes::persist(
-            &db,
-            &self.state_dir,
-            std::slice::from_ref(cfg),
-            sandboxes::store_passwords(),
-        )
-        .map_err(|e| e.message)?;
-        sandboxes::resolve(&db, &self.state_dir, &sandboxes::fingerprint(cfg), sandbox)
-            .map_err(|e| e.message)?
-            .ok_or_else(|| format!("sandbox '{sandbox}' could not be stored"))?
-            .map(|_| ())
+        crate::store::blocking(|| {
+            let db = self.conn();
+            sandboxes::persist(
+                &db,
+                &self.state_dir,
+                std::slice::from_ref(cfg),
+                sandboxes::store_passwords(),
+            )
+            .map_err(|e| e.message)?;
+            sandboxes::resolve(&db, &self.state_dir, &sandboxes::fingerprint(cfg), sandbox)
+                .map_err(|e| e.message)?
+                .ok_or_else(|| format!("sandbox '{sandbox}' could not be stored"))?
+                .map(|_| ())
+        })
     }
 
     /// Start `rsb transfer run <id>` in its own session, stdio to the task log, with the
@@ -539,7 +541,9 @@ impl Transfers {
             Ok(s) => s,
             Err(e) => return Err(fail(self, format!("unreadable task record: {e}"))),
         };
-        let resolved = sandboxes::resolve(&self.conn(), &self.state_dir, &sandbox_fp, &sandbox);
+        let resolved = crate::store::blocking(|| {
+            sandboxes::resolve(&self.conn(), &self.state_dir, &sandbox_fp, &sandbox)
+        });
         let cfg = match resolved {
             Ok(Some(Ok(c))) => c,
             Ok(Some(Err(msg))) => return Err(fail(self, msg)),
