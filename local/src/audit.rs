@@ -17,7 +17,7 @@ use std::{
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::config::{Auth, Config, Transport};
+use crate::config::{Config, Transport};
 
 /// Months of audit files kept.
 pub const RETENTION_MONTHS: u32 = 12;
@@ -170,21 +170,12 @@ fn target(config: &Config, sandbox: &str) -> (String, String) {
 
 /// Every password and passphrase in the configuration (sandboxes and their jump hosts).
 fn secrets(config: &Config) -> Vec<String> {
-    let mut out = Vec::new();
-    for sb in &config.sandboxes {
-        if let Transport::Ssh(t) = &sb.transport {
-            for auth in std::iter::once(&t.auth).chain(t.proxy_jump.iter().map(|h| &h.auth)) {
-                let s = match auth {
-                    Auth::Password(s) => Some(s),
-                    Auth::KeyFile { passphrase, .. } | Auth::Auto { passphrase, .. } => {
-                        passphrase.as_ref()
-                    }
-                    Auth::Agent => None,
-                };
-                out.extend(s.map(|s| s.expose().to_string()));
-            }
-        }
-    }
+    let mut out: Vec<String> = config
+        .sandboxes
+        .iter()
+        .flat_map(|sb| sb.secrets())
+        .map(|s| s.expose().to_string())
+        .collect();
     out.retain(|s| !s.is_empty());
     // Longest first, so a secret containing another is replaced whole.
     out.sort_by_key(|s| std::cmp::Reverse(s.len()));

@@ -745,17 +745,7 @@ fn config_vars_and_secrets() -> (Vec<String>, Vec<String>) {
     let mut secrets = Vec::new();
     if let Ok(cfg) = &loaded {
         for sb in &cfg.sandboxes {
-            if let Transport::Ssh(t) = &sb.transport {
-                for auth in std::iter::once(&t.auth).chain(t.proxy_jump.iter().map(|h| &h.auth)) {
-                    let secret = match auth {
-                        crate::config::Auth::Password(s) => Some(s),
-                        crate::config::Auth::KeyFile { passphrase, .. }
-                        | crate::config::Auth::Auto { passphrase, .. } => passphrase.as_ref(),
-                        crate::config::Auth::Agent => None,
-                    };
-                    secrets.extend(secret.map(|s| s.expose().trim().to_string()));
-                }
-            }
+            secrets.extend(sb.secrets().iter().map(|s| s.expose().trim().to_string()));
         }
     }
     secrets.retain(|s| !s.is_empty());

@@ -167,6 +167,7 @@ async fn agent_bench(sshd: &Sshd, state: &std::path::Path) -> Stats {
             name: "bench".into(),
             transport: Transport::Ssh(target),
             slurm: None,
+            sudo: None,
         }],
         expose_advanced_tools: false,
         inline_sync_max_files: 200,

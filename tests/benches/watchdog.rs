@@ -48,6 +48,7 @@ fn sandbox(name: &str, sshd: &Sshd, known: &Path) -> SandboxConfig {
             connect_timeout: Duration::from_secs(10),
         }),
         slurm: None,
+        sudo: None,
     }
 }
 

@@ -724,6 +724,7 @@ async fn the_local_sandbox_relays_tcp_and_unix_without_ssh() {
         name: "local".into(),
         transport: Transport::Local,
         slurm: None,
+        sudo: None,
     };
     let pool = pool_of(vec![local], dir.path());
     let echo_addr = tcp_echo().await;

@@ -390,6 +390,7 @@ async fn tools_list_matches_the_seed_and_fits_the_budget() {
                 ("timeout_s", json!(120)),
                 ("max_output_chars", json!(20000)),
                 ("sandbox_name", json!("")),
+                ("sudo", json!(false)),
             ],
         ),
         (

@@ -19,6 +19,10 @@ pub struct ExecArgs {
     /// Run on a pseudo-terminal (like `ssh -t`), sized like the local window.
     #[arg(long, short = 't')]
     pub tty: bool,
+    /// Run as root through sudo, with the password from the sandbox's `sudo_password_env`
+    /// (fed to sudo through the agent, never in argv, env or a file). stdin is not forwarded.
+    #[arg(long, conflicts_with = "tty")]
+    pub sudo: bool,
     /// One argument is a bash command line (`'make | tee log'`); several are words whose
     /// boundaries are kept (`-- printf '%s\n' "a b"`).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
@@ -76,6 +80,27 @@ async fn run_on(
     req: ExecRequest,
     a: &ExecArgs,
 ) -> u8 {
+    if a.sudo {
+        let Some(sb) = ctx.pool.sandbox_config(client.sandbox()) else {
+            return fail(
+                ctx.json,
+                &rsb::error::RsbError::internal("the sandbox has no config"),
+            );
+        };
+        return match exec::run_sudo(client, sb, req).await {
+            Ok(r) if ctx.json => {
+                print_json(&exec::reply(&r, a.timeout.unwrap_or(0) as i64));
+                exit_code(&r)
+            }
+            Ok(r) => {
+                use std::io::Write;
+                let _ = std::io::stdout().write_all(&exec::joined(&r.stdout));
+                let _ = std::io::stderr().write_all(&exec::joined(&r.stderr));
+                exit_code(&r)
+            }
+            Err(e) => fail(ctx.json, &e),
+        };
+    }
     if ctx.json {
         // stdin is forwarded here too: `… | rsb --json exec -- wc -l` counts the input.
         return match rsb::exec_stream::run_collected(client, req).await {

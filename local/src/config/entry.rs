@@ -17,7 +17,9 @@ use super::hops::{resolve_hop, unbracket};
 use super::secrets::{SecretText, resolve_secret};
 use super::slurm::{SlurmDefaults, slurm_defaults};
 use super::ssh_config::host_key_settings;
-use super::{Auth, BuildCtx, ConfigError, HostKeyPolicy, SandboxConfig, SshTarget, Transport};
+use super::{
+    Auth, BuildCtx, ConfigError, HostKeyPolicy, SandboxConfig, SshTarget, SudoPassword, Transport,
+};
 
 /// One sandbox entry as written, from `REMOTE_SANDBOX_LIST`, a `[[sandbox]]` table or the legacy
 /// variables. serde checks the shape (and, for the TOML file, rejects unknown keys); each field's
@@ -35,6 +37,7 @@ pub(super) struct Entry {
     pub(super) key_file: Text,
     pub(super) key_passphrase: SecretText,
     pub(super) key_passphrase_env: Text,
+    pub(super) sudo_password_env: Text,
     pub(super) ssh_config_host: Text,
     pub(super) host_key_policy: Policy,
     pub(super) local: Flag,
@@ -337,6 +340,16 @@ pub(super) fn build_sandbox(
         label,
         ctx.env,
     )?;
+    let sudo_var = e.sudo_password_env.0.clone();
+    let sudo = resolve_secret(
+        SecretText(None),
+        e.sudo_password_env,
+        "sudo_password",
+        label,
+        ctx.env,
+    )?
+    .zip(sudo_var)
+    .map(|(password, var)| SudoPassword { var, password });
     let Entry {
         name: Text(name),
         host: Text(explicit_host),
@@ -373,6 +386,7 @@ pub(super) fn build_sandbox(
             name: name.unwrap_or_else(|| "local".to_string()),
             transport: Transport::Local,
             slurm,
+            sudo,
         });
     }
 
@@ -479,6 +493,7 @@ pub(super) fn build_sandbox(
         name,
         transport: Transport::Ssh(target),
         slurm,
+        sudo,
     })
 }
 
@@ -601,6 +616,7 @@ mod tests {
                 name: "box".into(),
                 transport: Transport::Local,
                 slurm: None,
+                sudo: None,
             }
         );
         assert_eq!(ssh(&c, 1).host_key_policy, HostKeyPolicy::Strict);

@@ -33,7 +33,7 @@
 //!   means "always background". A value that is not a non-negative integer falls back to the
 //!   default with a warning.
 //! - Extras: `ssh_config_host`, `host_key_policy`, `local`, `connect_timeout_s`, `password_env`,
-//!   `key_passphrase_env` per sandbox; unknown fields in `REMOTE_SANDBOX_LIST` are ignored with a
+//!   `key_passphrase_env`, `sudo_password_env` per sandbox; unknown fields in `REMOTE_SANDBOX_LIST` are ignored with a
 //!   warning (the seed ignored them silently); unknown keys in the TOML file are errors.
 //! - Host keys are checked (accept-new by default) against `~/.ssh/known_hosts` and rsb's own
 //!   `<state_dir>/known_hosts`; the seed accepted any key.
@@ -183,6 +183,37 @@ pub struct SandboxConfig {
     /// `scheduler = "slurm"`: a login node whose background jobs go through Slurm, with the
     /// sandbox's `slurm = { ... }` defaults, under each job's own options.
     pub slurm: Option<SlurmDefaults>,
+    /// `sudo_password_env`: the password `exec_bash(sudo=true)` gives sudo, read from that
+    /// variable when the configuration loads; kept in memory only, never stored or passed on.
+    pub sudo: Option<SudoPassword>,
+}
+
+impl SandboxConfig {
+    /// Every secret this sandbox holds: its login password or key passphrase, its jump hosts'
+    /// and its sudo password. What the audit log redacts and local children never see.
+    pub fn secrets(&self) -> Vec<&Secret> {
+        let mut out = Vec::new();
+        if let Transport::Ssh(t) = &self.transport {
+            for auth in std::iter::once(&t.auth).chain(t.proxy_jump.iter().map(|h| &h.auth)) {
+                match auth {
+                    Auth::Password(s) => out.push(s),
+                    Auth::KeyFile { passphrase, .. } | Auth::Auto { passphrase, .. } => {
+                        out.extend(passphrase.as_ref())
+                    }
+                    Auth::Agent => {}
+                }
+            }
+        }
+        out.extend(self.sudo.as_ref().map(|s| &s.password));
+        out
+    }
+}
+
+/// The sudo password of a sandbox and the variable it came from (for messages).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SudoPassword {
+    pub var: String,
+    pub password: Secret,
 }
 
 #[derive(Clone, Debug)]

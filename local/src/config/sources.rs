@@ -225,6 +225,7 @@ fn builtin_local() -> SandboxConfig {
         name: "local".to_string(),
         transport: Transport::Local,
         slurm: None,
+        sudo: None,
     }
 }
 

@@ -33,6 +33,9 @@ pub struct ExecBashParams {
     /// ""=active sandbox
     #[serde(default)]
     pub sandbox_name: String,
+    /// As root via sudo.
+    #[serde(default)]
+    pub sudo: bool,
 }
 
 #[tool_router(router = exec_router, vis = "pub(super)")]
@@ -66,7 +69,14 @@ impl RsbServer {
                 Err(e) => return fail(&e),
             };
             let t0 = std::time::Instant::now();
-            let r = if streamed {
+            let r = if p.sudo {
+                match self.pool.sandbox_config(client.sandbox()) {
+                    Some(sb) => exec::run_sudo(&client, sb, req).await,
+                    None => Err(crate::error::RsbError::internal(
+                        "the sandbox has no config",
+                    )),
+                }
+            } else if streamed {
                 client.call_streaming(req, wait::track(last.clone())).await
             } else {
                 client.call(req).await
@@ -76,7 +86,12 @@ impl RsbServer {
                 client.sandbox(),
                 &crate::audit::Action {
                     origin: super::origin(&ctx),
-                    tool: "exec_bash".into(),
+                    tool: if p.sudo {
+                        "exec_bash(sudo)"
+                    } else {
+                        "exec_bash"
+                    }
+                    .into(),
                     command: Some(p.command.clone()),
                     cwd: p.cwd.clone(),
                     exit_code: r.as_ref().ok().map(|r| exec::exit_status(r) as i64),

@@ -31,7 +31,7 @@ pub struct NoParams {}
 impl RsbServer {
     #[tool(
         annotations(read_only_hint = true, open_world_hint = false),
-        description = "List sandboxes and their connection state as known (no dialing without check_resources)."
+        description = "List sandboxes and their known state (check_resources dials)."
     )]
     async fn list_sandboxes(&self, Parameters(p): Parameters<ListSandboxesParams>) -> ToolResult {
         let depth = if p.check_resources {

@@ -27,7 +27,7 @@ pub struct SearchRemoteFilesParams {
     /// Match case-insensitively.
     #[serde(default)]
     pub ignore_case: Option<bool>,
-    /// Files to search, e.g. "*.py" or "*.{ts,tsx} !*.min.js".
+    /// Files to search, e.g. *.py or *.{ts,tsx} !*.min.js
     #[serde(default)]
     pub glob: Option<String>,
     /// Lines around each match.
@@ -54,7 +54,7 @@ pub struct SearchRemoteFilesParams {
 impl RsbServer {
     #[tool(
         annotations(read_only_hint = true, open_world_hint = false),
-        description = "Search file contents like ripgrep (.gitignore respected, binary skipped)."
+        description = "Search file contents like ripgrep (.gitignore on, binary skipped)."
     )]
     async fn search_remote_files(
         &self,

@@ -241,7 +241,7 @@ impl RsbServer {
             idempotent_hint = true,
             open_world_hint = false
         ),
-        description = "Upload a file/dir exactly, only changes. Default excludes: .git, node_modules, __pycache__, *.pyc, editor dirs. Big plans run in background; remote edits since the last sync are kept as conflicts."
+        description = "Upload a file/dir exactly, only changes (excludes .git, node_modules, __pycache__, *.pyc, editor dirs). Big plans go background; remote edits since last sync stay conflicts."
     )]
     async fn sync_local_to_remote(
         &self,

@@ -1,10 +1,13 @@
 //! `exec_bash`: validation, the request sent to the agent, and the seed-compatible reply.
 
-use rsb_protocol::{ExecRequest, ExecResult};
+use rsb_protocol::{Chunk, ExecInput, ExecRequest, ExecResult};
 use serde::Serialize;
+use tokio::sync::mpsc;
 
 use crate::{
-    error::{Result, RsbError},
+    client::AgentClient,
+    config::SandboxConfig,
+    error::{Kind, Result, RsbError},
     ops::output::render,
 };
 
@@ -167,5 +170,168 @@ pub fn reply(res: &ExecResult, timeout_s: i64) -> ExecReply {
         signal: res.signal,
         duration_s: (res.duration_ms as f64 / 1000.0 * 1000.0).round() / 1000.0,
         survivors: res.survivors.clone(),
+    }
+}
+
+/// A capture's bytes as one run, with a marker where the middle was left out.
+pub fn joined(c: &rsb_protocol::Captured) -> Vec<u8> {
+    let mut out = c.head.clone();
+    if c.truncated() {
+        out.extend_from_slice(
+            format!(
+                "\n[... {} bytes omitted ...]\n",
+                c.total - (c.head.len() + c.tail.len()) as u64
+            )
+            .as_bytes(),
+        );
+    }
+    out.extend_from_slice(&c.tail);
+    out
+}
+
+/// What a sudo exec runs: rsb's own constant text, never the command. sudo reads the password
+/// from stdin (`-S`, an empty prompt); once it lets the command in, one marker byte on stderr
+/// says so, and the command runs with stdin from /dev/null, so a password sudo did not read
+/// (a NOPASSWD rule) can never reach it. The command is data: `$RSB_SUDO_COMMAND`, expanded
+/// into one argument of sudo.
+pub const SUDO_SCRIPT: &str = r#"exec sudo -S -p '' -- bash -c 'printf "\036" >&2; exec bash -c "$1" </dev/null' rsb-sudo "$RSB_SUDO_COMMAND""#;
+const SUDO_COMMAND_VAR: &str = "RSB_SUDO_COMMAND";
+const SUDO_MARK: u8 = 0x1e;
+
+/// Run `req` through sudo on `sandbox`, its password fed to sudo through the agent's stdin
+/// channel: it is in no argv, environment or file, on either machine.
+pub async fn run_sudo(
+    client: &AgentClient,
+    sandbox: &SandboxConfig,
+    mut req: ExecRequest,
+) -> Result<ExecResult> {
+    let sudo = sandbox.sudo.as_ref().ok_or_else(|| {
+        RsbError::invalid(
+            format!("sandbox '{}' has no sudo password configured", sandbox.name),
+            "set sudo_password_env = \"VAR\" on the sandbox and export VAR (the password sudo \
+             asks for) in the environment rsb starts with",
+        )
+    })?;
+    let command = std::mem::replace(&mut req.command, SUDO_SCRIPT.to_string());
+    req.env.push((SUDO_COMMAND_VAR.into(), command));
+    req.stdin = true;
+    let (input, input_rx) = mpsc::channel(1);
+    let mut line = sudo.password.expose().as_bytes().to_vec();
+    line.push(b'\n');
+    // Room for one message: the sender is dropped after it, which closes stdin (EOF).
+    let _ = input.try_send(ExecInput::Data(line));
+    drop(input);
+    // stdin implies streamed chunks; the reply carries the capped output again.
+    let (out_tx, mut out_rx) = mpsc::channel::<Chunk>(64);
+    let drain = tokio::spawn(async move { while out_rx.recv().await.is_some() {} });
+    let r = client.exec_with_input(req, out_tx, input_rx).await;
+    let _ = drain.await;
+    let mut r = r?;
+    settle_sudo(&sandbox.name, &sudo.var, &mut r)?;
+    Ok(r)
+}
+
+/// Takes what sudo wrote before the command (its lecture, the marker) out of stderr, or, when
+/// the marker never came, turns sudo's refusal into one error that names the variable.
+fn settle_sudo(sandbox: &str, var: &str, r: &mut ExecResult) -> Result<()> {
+    if let Some(i) = r.stderr.head.iter().position(|&b| b == SUDO_MARK) {
+        r.stderr.head.drain(..=i);
+        r.stderr.total = r.stderr.total.saturating_sub(i as u64 + 1);
+        return Ok(());
+    }
+    if r.timed_out || r.cancelled {
+        return Ok(());
+    }
+    let text = String::from_utf8_lossy(&r.stderr.head);
+    let said = text
+        .lines()
+        .map(str::trim)
+        .rfind(|l| !l.is_empty())
+        .unwrap_or("no message");
+    if r.exit_code == Some(127) && text.contains("sudo") {
+        return Err(RsbError::new(
+            Kind::Config,
+            format!("sudo is not installed on '{sandbox}' ({said})"),
+            "install sudo there, or run the command without sudo",
+        ));
+    }
+    Err(RsbError::new(
+        Kind::Auth,
+        format!("sudo on '{sandbox}' did not run the command: {said}"),
+        format!(
+            "check the password in {var} (the sandbox's sudo_password_env) and that the login \
+             user may use sudo there"
+        ),
+    ))
+}
+
+#[cfg(test)]
+mod sudo_tests {
+    use super::*;
+    use rsb_protocol::Captured;
+
+    fn result(code: i32, stderr: &[u8]) -> ExecResult {
+        ExecResult {
+            exit_code: Some(code),
+            signal: None,
+            timed_out: false,
+            cancelled: false,
+            duration_ms: 1,
+            stdout: Captured {
+                head: b"0\n".to_vec(),
+                tail: vec![],
+                total: 2,
+            },
+            stderr: Captured {
+                head: stderr.to_vec(),
+                tail: vec![],
+                total: stderr.len() as u64,
+            },
+            survivors: vec![],
+        }
+    }
+
+    #[test]
+    fn what_sudo_said_before_the_marker_is_not_the_commands() {
+        let mut r = result(
+            0,
+            b"\nWe trust you have received the usual lecture\n\x1ewarn\n",
+        );
+        settle_sudo("s", "PW", &mut r).unwrap();
+        assert_eq!(r.stderr.head, b"warn\n");
+        assert_eq!(r.stderr.total, 5);
+        // A command that fails after sudo let it in is its own failure, not sudo's.
+        let mut r = result(3, b"\x1e");
+        settle_sudo("s", "PW", &mut r).unwrap();
+        assert_eq!((r.exit_code, r.stderr.total), (Some(3), 0));
+    }
+
+    #[test]
+    fn a_refused_password_is_one_error_naming_the_variable() {
+        let mut r = result(
+            1,
+            b"Sorry, try again.\nsudo: 1 incorrect password attempt\n",
+        );
+        let e = settle_sudo("gpu", "GPU_SUDO_PW", &mut r).unwrap_err();
+        assert_eq!(e.kind, Kind::Auth);
+        assert_eq!(
+            e.message,
+            "sudo on 'gpu' did not run the command: sudo: 1 incorrect password attempt"
+        );
+        assert!(e.hint.contains("GPU_SUDO_PW"), "{}", e.hint);
+        let mut r = result(127, b"bash: line 1: sudo: command not found\n");
+        let e = settle_sudo("gpu", "V", &mut r).unwrap_err();
+        assert!(
+            e.message.starts_with("sudo is not installed on 'gpu'"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn the_command_is_data_and_never_in_the_script() {
+        assert!(SUDO_SCRIPT.contains("\"$RSB_SUDO_COMMAND\""));
+        assert!(SUDO_SCRIPT.starts_with("exec sudo -S -p '' -- "));
+        assert!(SUDO_SCRIPT.contains("</dev/null"));
     }
 }

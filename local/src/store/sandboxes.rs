@@ -236,6 +236,7 @@ impl Persisted {
                 name: self.name.clone(),
                 transport: Transport::Local,
                 slurm: None,
+                sudo: None,
             });
         }
         let needs = |what: &str, whose: String| {
@@ -286,6 +287,7 @@ impl Persisted {
                 }),
             }),
             slurm: None,
+            sudo: None,
         })
     }
 
@@ -473,6 +475,7 @@ mod tests {
                 connect_timeout: Duration::from_secs(7),
             }),
             slurm: None,
+            sudo: None,
         }
     }
 
@@ -489,6 +492,7 @@ mod tests {
             name: "local".into(),
             transport: Transport::Local,
             slurm: None,
+            sudo: None,
         };
         assert_eq!(
             Persisted::from_config(&local).0.to_config(None).unwrap(),

@@ -46,6 +46,7 @@ pub fn sandbox(name: &str, t: SshTarget) -> SandboxConfig {
         name: name.into(),
         transport: Transport::Ssh(t),
         slurm: None,
+        sudo: None,
     }
 }
 
