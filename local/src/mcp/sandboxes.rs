@@ -48,7 +48,7 @@ impl RsbServer {
             idempotent_hint = true,
             open_world_hint = false
         ),
-        description = "Set the active sandbox for later calls."
+        description = "Set the active sandbox."
     )]
     async fn select_sandbox(&self, Parameters(p): Parameters<SelectSandboxParams>) -> ToolResult {
         match sandboxes::select(&self.pool, &p.sandbox_name).await {
