@@ -138,3 +138,73 @@ fn concurrent_appends_stay_whole_lines_and_nothing_forges_or_leaks() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--since '2x' is not a duration"));
 }
+
+/// The CLI's changes are on the record as the MCP tools' are: a job started and killed, a
+/// sync (paths as given, its exit code), and a refused sync with its error.
+#[test]
+fn cli_jobs_and_syncs_are_audited() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let list = json!([
+        {"name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+         "key_file": sshd.client_key().display().to_string()},
+    ])
+    .to_string();
+    let run = |args: &[&str]| {
+        let out = rsb(tmp.path(), &list, args).output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, err) = run(&[
+        "jobs", "start", "-s", "s", "--name", "au-job", "--", "sleep 30",
+    ]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, err) = run(&["jobs", "kill", "-s", "s", "au-job", "--grace", "1"]);
+    assert_eq!(code, Some(0), "{err}");
+    let src = tmp.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("a.txt"), "a\n").unwrap();
+    let (code, err) = run(&["sync", src.to_str().unwrap(), "s:au-up"]);
+    assert_eq!(code, Some(0), "{err}");
+    let (code, _) = run(&["sync", "/nonexistent-rsb-src", "s:au-up"]);
+    assert_ne!(code, Some(0));
+    assert_eq!(
+        std::fs::read_to_string(sshd.home().join("au-up/a.txt")).unwrap(),
+        "a\n"
+    );
+
+    let text: String = std::fs::read_dir(tmp.path().join("state/audit"))
+        .unwrap()
+        .flatten()
+        .map(|f| std::fs::read_to_string(f.path()).unwrap())
+        .collect();
+    let lines: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let of = |tool: &str| -> Vec<&Value> { lines.iter().filter(|l| l["tool"] == tool).collect() };
+    let start = of("rsb jobs start");
+    assert_eq!(start.len(), 1, "{text}");
+    assert_eq!(start[0]["command"], "sleep 30");
+    assert_eq!(start[0]["origin"], "cli");
+    let kill = of("rsb jobs kill");
+    assert_eq!(kill.len(), 1, "{text}");
+    assert_eq!(kill[0]["command"], "au-job");
+    assert!(kill[0]["error"].is_null(), "{text}");
+    let syncs = of("rsb sync");
+    assert_eq!(
+        syncs.len(),
+        1,
+        "a refused sync before any sandbox is resolved: {text}"
+    );
+    assert_eq!(syncs[0]["exit_code"], 0);
+    assert!(
+        syncs[0]["command"]
+            .as_str()
+            .unwrap()
+            .ends_with("-> s:au-up"),
+        "{text}"
+    );
+}

@@ -93,6 +93,31 @@ fn job_error(name: &str, e: RsbError) -> RsbError {
     }
 }
 
+/// The audit line of a job started or killed from the CLI, as the MCP job tools write theirs.
+fn audit(
+    ctx: &Ctx,
+    client: &rsb::client::AgentClient,
+    tool: &str,
+    command: Option<String>,
+    cwd: Option<String>,
+    t0: std::time::Instant,
+    err: Option<&rsb::error::RsbError>,
+) {
+    rsb::audit::record(
+        ctx.pool.config(),
+        client.sandbox(),
+        &rsb::audit::Action {
+            origin: "cli".into(),
+            tool: tool.into(),
+            command,
+            cwd,
+            duration_ms: Some(t0.elapsed().as_millis() as u64),
+            error: err.map(|e| e.message.clone()),
+            ..Default::default()
+        },
+    );
+}
+
 pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
     let client = match ctx.client().await {
         Ok(c) => c,
@@ -106,14 +131,25 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             log,
             command,
         } => {
+            let t0 = std::time::Instant::now();
+            let line = super::command_line(&command);
             let r = jobs::start(
                 &client,
-                &super::command_line(&command),
+                &line,
                 name.as_deref().unwrap_or(""),
                 log.as_deref().unwrap_or(""),
                 cwd.as_deref().unwrap_or(""),
             )
             .await;
+            audit(
+                ctx,
+                &client,
+                "rsb jobs start",
+                Some(line),
+                cwd,
+                t0,
+                r.as_ref().err(),
+            );
             match r {
                 Ok(s) if json => {
                     print_json(&s);
@@ -157,7 +193,20 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             }
             Err(e) => fail(json, &e),
         },
-        JobsCmd::Kill { name, grace } => match jobs::kill(&client, &name, grace).await {
+        JobsCmd::Kill { name, grace } => match {
+            let t0 = std::time::Instant::now();
+            let r = jobs::kill(&client, &name, grace).await;
+            audit(
+                ctx,
+                &client,
+                "rsb jobs kill",
+                Some(name.clone()),
+                None,
+                t0,
+                r.as_ref().err(),
+            );
+            r
+        } {
             Ok(k) if json => {
                 print_json(&k);
                 exit::OK
