@@ -369,3 +369,73 @@ async fn slurm_time_limit_is_reported_as_timeout() {
     assert_eq!(v["slurm_state"], "TIMEOUT", "{v}");
     assert_eq!(v["state"], "exited", "{v}");
 }
+
+/// Discovery (issue 22): `rsb doctor` on a host where sbatch and sinfo answer tells a sandbox
+/// not declared `scheduler = "slurm"` how to declare it, and reports a declared one's
+/// partitions; either way it reports the host's tools.
+#[test]
+fn doctor_notices_a_login_node_and_reports_its_partitions() {
+    if slurm().is_none() {
+        return;
+    }
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let doctor = |declared: bool| -> (Option<i32>, Vec<Value>) {
+        let mut e = json!({"name": "login", "host": sshd.host(), "port": sshd.port(),
+                           "user": sshd.user(),
+                           "key_file": sshd.client_key().display().to_string()});
+        if declared {
+            e["scheduler"] = "slurm".into();
+        }
+        let out = std::process::Command::new(workspace_root().join("target/debug/rsb"))
+            .args(["--json", "doctor"])
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &home)
+            .env("XDG_CONFIG_HOME", home.join(".config"))
+            .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
+            .env("RSB_STATE_DIR", tmp.path().join("state"))
+            .env("REMOTE_SANDBOX_LIST", Value::Array(vec![e]).to_string())
+            .output()
+            .unwrap();
+        let v: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+        let checks = v["checks"].as_array().unwrap().clone();
+        (
+            out.status.code(),
+            checks
+                .into_iter()
+                .filter(|c| c["sandbox"] == "login")
+                .collect(),
+        )
+    };
+    let check = |cs: &[Value], name: &str| -> Value {
+        cs.iter()
+            .find(|c| c["check"] == name)
+            .cloned()
+            .unwrap_or_else(|| panic!("no {name} check in {cs:?}"))
+    };
+    let (code, cs) = doctor(false);
+    assert_eq!(code, Some(0), "{cs:?}");
+    let s = check(&cs, "slurm");
+    assert_eq!(s["verdict"], "warn", "{s}");
+    let d = s["detail"].as_str().unwrap();
+    assert!(
+        d.contains("scheduler = \"slurm\"") && d.contains("gpu"),
+        "{d}"
+    );
+    assert_eq!(check(&cs, "host")["verdict"], "ok");
+    let (code, cs) = doctor(true);
+    assert_eq!(code, Some(0), "{cs:?}");
+    let s = check(&cs, "slurm");
+    assert_eq!(s["verdict"], "ok", "{s}");
+    assert!(
+        s["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("partitions: debug*"),
+        "{s}"
+    );
+}

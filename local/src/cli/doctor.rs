@@ -137,7 +137,117 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
         )
     });
     out.push(clock(name, &client).await);
+    let slurm = ctx
+        .pool
+        .sandbox_config(name)
+        .is_some_and(|c| c.slurm.is_some());
+    out.extend(host_tools(name, &client, slurm).await);
     out
+}
+
+/// What the host offers that a user needs to know before running there: a Slurm login node's
+/// sbatch and sinfo, the NVIDIA driver and its CUDA version, Python, conda, environment
+/// modules and scratch space. rsb's own constant text; each tool is bounded by `timeout`.
+const HOST_PROBE: &str = r#"p() { printf '%s=%s\n' "$1" "$2"; }
+p sbatch "$(command -v sbatch 2>/dev/null)"
+command -v sinfo >/dev/null 2>&1 && p sinfo "$(timeout 5 sinfo -h -o %P 2>/dev/null | tr '\n' ' ')"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  p driver "$(timeout 5 nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
+  p cuda "$(timeout 5 nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -n 1)"
+fi
+command -v python3 >/dev/null 2>&1 && p python "$(python3 --version 2>&1 | head -n 1)"
+command -v conda >/dev/null 2>&1 && p conda "$(conda --version 2>&1 | head -n 1)"
+if [ -n "${MODULESHOME:-}${LMOD_CMD:-}" ] || command -v modulecmd >/dev/null 2>&1; then p modules yes; fi
+p scratch "${SCRATCH:-}"
+[ -d /scratch ] && p scratch_dir /scratch
+exit 0"#;
+
+/// The `key=value` lines of [`HOST_PROBE`]'s output.
+fn probe_values(out: &str) -> std::collections::BTreeMap<String, String> {
+    out.lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.trim().to_string()))
+        .collect()
+}
+
+/// The `slurm` and `host` verdicts from a probe's values. A host where sbatch and sinfo
+/// answer is a cluster's login node: background jobs there belong to the scheduler, so a
+/// sandbox not declared `scheduler = "slurm"` is told how to declare it.
+fn host_checks(
+    name: &str,
+    declared_slurm: bool,
+    v: &std::collections::BTreeMap<String, String>,
+) -> Vec<Check> {
+    let get = |k: &str| v.get(k).map(String::as_str).filter(|s| !s.is_empty());
+    let mut out = Vec::new();
+    match (get("sbatch"), get("sinfo"), declared_slurm) {
+        (Some(_), Some(parts), false) => out.push(line(
+            name,
+            "slurm",
+            "warn",
+            format!(
+                "sbatch and sinfo answer here (partitions: {parts}): a Slurm login node; add \
+                 scheduler = \"slurm\" to this sandbox so background jobs go through sbatch \
+                 instead of running on the login node"
+            ),
+        )),
+        (Some(_), Some(parts), true) => {
+            out.push(line(name, "slurm", "ok", format!("partitions: {parts}")))
+        }
+        (_, _, true) => out.push(line(
+            name,
+            "slurm",
+            "FAIL",
+            "declared scheduler = \"slurm\", but sbatch or sinfo does not answer here".into(),
+        )),
+        _ => {}
+    }
+    let mut have = Vec::new();
+    match (get("driver"), get("cuda")) {
+        (Some(d), Some(c)) => have.push(format!("NVIDIA driver {d} (CUDA {c})")),
+        (Some(d), None) => have.push(format!("NVIDIA driver {d}")),
+        _ => have.push("no NVIDIA driver".into()),
+    }
+    have.push(get("python").unwrap_or("no python3").to_string());
+    if let Some(c) = get("conda") {
+        have.push(c.to_string());
+    }
+    if get("modules").is_some() {
+        have.push("environment modules".into());
+    }
+    let scratch: Vec<&str> = [get("scratch"), get("scratch_dir")]
+        .into_iter()
+        .flatten()
+        .collect();
+    if !scratch.is_empty() {
+        have.push(format!("scratch {}", scratch.join(", ")));
+    }
+    out.push(line(name, "host", "ok", have.join("; ")));
+    out
+}
+
+async fn host_tools(
+    name: &str,
+    client: &rsb::client::AgentClient,
+    declared_slurm: bool,
+) -> Vec<Check> {
+    let req = match exec::build_request_ms(HOST_PROBE, None, 20_000, 16 * 1024) {
+        Ok(r) => r,
+        Err(e) => return vec![line(name, "host", "warn", e.message)],
+    };
+    match client.call(req).await {
+        Ok(r) => host_checks(
+            name,
+            declared_slurm,
+            &probe_values(&String::from_utf8_lossy(&r.stdout.head)),
+        ),
+        Err(e) => vec![line(
+            name,
+            "host",
+            "warn",
+            format!("cannot probe the host: {}", e.message),
+        )],
+    }
 }
 
 /// A changed host key, said as what changed, where the old key is, and the command that
@@ -459,4 +569,54 @@ pub async fn run(ctx: &Ctx) -> u8 {
         }
     }
     if failed { exit::CONNECTION } else { exit::OK }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn verdicts(declared: bool, out: &str) -> Vec<(String, String, String)> {
+        host_checks("s", declared, &probe_values(out))
+            .into_iter()
+            .map(|c| (c.check.to_string(), c.verdict.to_string(), c.detail))
+            .collect()
+    }
+
+    #[test]
+    fn a_login_node_not_declared_slurm_is_told_how_to_declare_it() {
+        let out = "sbatch=/usr/bin/sbatch\nsinfo=debug* gpu \ndriver=550.54.15\ncuda=12.4\n\
+                   python=Python 3.11.2\nmodules=yes\nscratch=/scratch/me\nscratch_dir=/scratch\n";
+        let v = verdicts(false, out);
+        assert_eq!(v[0].0, "slurm");
+        assert_eq!(v[0].1, "warn");
+        assert!(v[0].2.contains("scheduler = \"slurm\""), "{}", v[0].2);
+        assert!(v[0].2.contains("debug* gpu"), "{}", v[0].2);
+        assert_eq!(
+            v[1],
+            (
+                "host".into(),
+                "ok".into(),
+                "NVIDIA driver 550.54.15 (CUDA 12.4); Python 3.11.2; environment modules; \
+                 scratch /scratch/me, /scratch"
+                    .into()
+            )
+        );
+        let v = verdicts(true, out);
+        assert_eq!(
+            (v[0].1.as_str(), v[0].2.as_str()),
+            ("ok", "partitions: debug* gpu")
+        );
+    }
+
+    #[test]
+    fn a_plain_host_has_no_slurm_line_and_a_declared_one_without_sbatch_fails() {
+        let v = verdicts(false, "sbatch=\nscratch=\n");
+        assert_eq!(v.len(), 1);
+        assert_eq!(v[0].2, "no NVIDIA driver; no python3");
+        // sbatch without a controller that answers is not a login node yet.
+        let v = verdicts(false, "sbatch=/usr/bin/sbatch\nsinfo=\n");
+        assert_eq!(v[0].0, "host");
+        let v = verdicts(true, "sbatch=\n");
+        assert_eq!((v[0].0.as_str(), v[0].1.as_str()), ("slurm", "FAIL"));
+    }
 }
