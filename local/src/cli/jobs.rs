@@ -118,6 +118,27 @@ fn audit(
     );
 }
 
+async fn kill_audited(
+    ctx: &Ctx,
+    client: &rsb::client::AgentClient,
+    name: &str,
+    grace: f64,
+) -> rsb::error::Result<rsb::ops::jobs::JobSummary> {
+    let t0 = std::time::Instant::now();
+    let r = jobs::kill(client, name, grace).await;
+    let err = r.as_ref().err();
+    audit(
+        ctx,
+        client,
+        "rsb jobs kill",
+        Some(name.into()),
+        None,
+        t0,
+        err,
+    );
+    r
+}
+
 pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
     let client = match ctx.client().await {
         Ok(c) => c,
@@ -193,20 +214,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             }
             Err(e) => fail(json, &e),
         },
-        JobsCmd::Kill { name, grace } => match {
-            let t0 = std::time::Instant::now();
-            let r = jobs::kill(&client, &name, grace).await;
-            audit(
-                ctx,
-                &client,
-                "rsb jobs kill",
-                Some(name.clone()),
-                None,
-                t0,
-                r.as_ref().err(),
-            );
-            r
-        } {
+        JobsCmd::Kill { name, grace } => match kill_audited(ctx, &client, &name, grace).await {
             Ok(k) if json => {
                 print_json(&k);
                 exit::OK
