@@ -94,8 +94,8 @@ async fn run_on(
             }
             Ok(r) => {
                 use std::io::Write;
-                let _ = std::io::stdout().write_all(&exec::joined(&r.stdout));
-                let _ = std::io::stderr().write_all(&exec::joined(&r.stderr));
+                let _ = std::io::stdout().write_all(&rsb::ops::output::raw(&r.stdout));
+                let _ = std::io::stderr().write_all(&rsb::ops::output::raw(&r.stderr));
                 exit_code(&r)
             }
             Err(e) => fail(ctx.json, &e),

@@ -173,22 +173,6 @@ pub fn reply(res: &ExecResult, timeout_s: i64) -> ExecReply {
     }
 }
 
-/// A capture's bytes as one run, with a marker where the middle was left out.
-pub fn joined(c: &rsb_protocol::Captured) -> Vec<u8> {
-    let mut out = c.head.clone();
-    if c.truncated() {
-        out.extend_from_slice(
-            format!(
-                "\n[... {} bytes omitted ...]\n",
-                c.total - (c.head.len() + c.tail.len()) as u64
-            )
-            .as_bytes(),
-        );
-    }
-    out.extend_from_slice(&c.tail);
-    out
-}
-
 /// What a sudo exec runs: rsb's own constant text, never the command. sudo reads the password
 /// from stdin (`-S`, an empty prompt); once it lets the command in, one marker byte on stderr
 /// says so, and the command runs with stdin from /dev/null, so a password sudo did not read

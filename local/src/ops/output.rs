@@ -28,13 +28,29 @@ pub fn render(c: &Captured) -> Rendered {
     let tail = trim_partial_start(&c.tail);
     let lossy = std::str::from_utf8(head).is_err() || std::str::from_utf8(tail).is_err();
     let mut text = String::from_utf8_lossy(head).into_owned();
-    text.push_str(&format!("\n...<truncated {} bytes>...\n", c.omitted()));
+    text.push_str(&marker(c));
     text.push_str(&String::from_utf8_lossy(tail));
     Rendered {
         text,
         truncated: true,
         lossy,
     }
+}
+
+/// The bytes of `c` as they were (for a terminal or a pipe, not a model), with
+/// [`render`]'s marker where the middle was dropped.
+pub fn raw(c: &Captured) -> Vec<u8> {
+    let mut out = c.head.clone();
+    if c.truncated() {
+        out.extend_from_slice(marker(c).as_bytes());
+    }
+    out.extend_from_slice(&c.tail);
+    out
+}
+
+/// Where the middle of a truncated capture was, and how much of it there was.
+fn marker(c: &Captured) -> String {
+    format!("\n...<truncated {} bytes>...\n", c.omitted())
 }
 
 fn trim_incomplete_end(b: &[u8]) -> &[u8] {
