@@ -372,6 +372,12 @@ impl Pool {
 
     /// The background transfer registry (SQLite under the state dir), opened on first use.
     pub fn transfers(&self) -> Result<Arc<crate::store::transfers::Transfers>> {
+        // Once open it is only a clone, on every sync: no hand-off of the runtime thread.
+        if let Some(g) = self.transfers.try_lock()
+            && let Some(t) = g.as_ref()
+        {
+            return Ok(t.clone());
+        }
         // Opening migrates and checks the database, which waits on another process's lock.
         crate::store::blocking(|| {
             let mut g = self.transfers.lock();
