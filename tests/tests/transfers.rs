@@ -893,3 +893,79 @@ async fn two_servers_defining_gpu_differently_never_redirect_each_other() {
         std::panic::resume_unwind(p);
     }
 }
+
+/// Issue 21: two syncs of one pair of roots at once. Each loads the baseline when it starts
+/// and saves it when it ends; before the roots' lock, the one that finished last saved its
+/// whole view, even when it was the older. Here a slow background sync (A) holds a 5 MiB file
+/// on the wire while a second sync of the same roots (B, which excludes that file) commits a
+/// newer `f3.txt`. A finished last and recorded `f3.txt` at the hash it had planned with, so
+/// the next local edit of `f3.txt` read as a conflict with the sandbox. Now B waits for A,
+/// says so, and the baseline follows the commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_syncs_of_the_same_roots_take_turns_and_the_baseline_follows_the_commits() {
+    let sshd = Sshd::start().unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    let mut env = Env::new(&[entry("s", &sshd, proxy.port())]);
+    env.vars
+        .push(("REMOTE_SANDBOX_INLINE_SYNC_MAX_BYTES", "1000000".into()));
+    env.vars.push(("RSB_SYNC_HANDOFF_S", "1".into()));
+    let local = env.path().join("turns");
+    std::fs::create_dir_all(&local).unwrap();
+    for i in 0..20 {
+        std::fs::write(local.join(format!("f{i}.txt")), format!("v1 {i}\n")).unwrap();
+    }
+    let remote = sshd.home().join("turns");
+    let mcp = env.server().await;
+    let args = json!({"local_path": local.display().to_string(), "remote_path": "turns"});
+    let v = mcp.ok("sync_local_to_remote", args.clone()).await;
+    assert_eq!(v["uploaded_files"], 20, "{v}");
+
+    // A: a 5 MiB file at 8 Mbit/s, over the inline limit, so a worker sends it for ~5 s.
+    std::fs::write(local.join("big.bin"), common::gen_bytes(11, 5 << 20)).unwrap();
+    proxy.set_rate_mbit(8);
+    let a = mcp.ok("sync_local_to_remote", args.clone()).await;
+    assert_eq!(a["mode"], "background", "{a}");
+    let a_id = a["task_id"].as_i64().unwrap();
+    let sending = mcp
+        .wait_task(a_id, Duration::from_secs(60), |t| {
+            t["progress"]["phase"] == "transferring" || t["status"] != "running"
+        })
+        .await;
+    assert_eq!(
+        sending["status"], "running",
+        "A ended before B could start: {sending}"
+    );
+
+    // B, while A is on the wire: a newer f3.txt, and not the big file.
+    std::fs::write(local.join("f3.txt"), "v2\n").unwrap();
+    let mut b_args = args.clone();
+    b_args["excludes"] = json!(["big.bin"]);
+    let b = mcp.ok("sync_local_to_remote", b_args).await;
+    assert_eq!(b["mode"], "background", "B did not wait for A: {b}");
+    assert!(
+        b["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("another sync of the same roots is running"),
+        "{b}"
+    );
+    let ended = |t: &Value| t["status"] != "running" && t["status"] != "queued";
+    let a_done = mcp.wait_task(a_id, Duration::from_secs(90), ended).await;
+    assert_eq!(a_done["status"], "completed", "{a_done}");
+    let b_id = b["task_id"].as_i64().unwrap();
+    let b_done = mcp.wait_task(b_id, Duration::from_secs(90), ended).await;
+    assert_eq!(b_done["status"], "completed", "{b_done}");
+    assert_eq!(std::fs::read(remote.join("f3.txt")).unwrap(), b"v2\n");
+
+    // The next edit of f3.txt is an edit, not a conflict.
+    proxy.set_rate(None);
+    std::fs::write(local.join("f3.txt"), "v3\n").unwrap();
+    let c = mcp.ok("sync_local_to_remote", args.clone()).await;
+    assert!(c.get("conflicts").is_none(), "{c}");
+    assert_eq!(std::fs::read(remote.join("f3.txt")).unwrap(), b"v3\n");
+    assert_eq!(
+        std::fs::read(remote.join("big.bin")).unwrap(),
+        std::fs::read(local.join("big.bin")).unwrap()
+    );
+    mcp.close().await;
+}

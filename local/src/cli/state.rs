@@ -90,13 +90,14 @@ pub fn run(cmd: Option<StateCmd>, json: bool, state_dir: &Path) -> u8 {
                 Ok(p) => {
                     println!(
                         "pruned: {} events ({} files), {} watches, {} transfers ({} logs), {} \
-                         baselines, {} sandbox definitions{}; {} freed",
+                         baselines ({} sync locks), {} sandbox definitions{}; {} freed",
                         p.events,
                         p.event_files,
                         p.watches,
                         p.transfers,
                         p.transfer_logs,
                         p.baselines,
+                        p.sync_locks,
                         p.sandboxes,
                         if p.daemon_log_rotated {
                             ", daemon log rotated"

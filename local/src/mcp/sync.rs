@@ -152,6 +152,10 @@ where
         *l2.lock() = Some(p.clone());
     });
     let ticker = super::progress_ticker(ctx, move |secs| match latest.lock().clone() {
+        Some(p) if p.phase == crate::sync::Phase::Waiting => format!(
+            "sync waiting for another sync of the same roots ({}) for {secs}s",
+            p.waiting_for
+        ),
         Some(p) => format!(
             "sync {}: {}/{} files, {}/{} bytes, {:.1} MB/s {}",
             p.phase.as_str(),

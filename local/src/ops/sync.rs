@@ -277,6 +277,21 @@ async fn sync_for_tool(
         }
         Ok(v)
     };
+    // Who this sync waits for while another of the same roots holds them, for the reason a
+    // hand-off gives.
+    let waiting = Arc::new(parking_lot::Mutex::new(String::new()));
+    let progress: Option<ProgressFn> = {
+        let waiting = waiting.clone();
+        Some(Arc::new(move |p: &sync::Progress| {
+            *waiting.lock() = match p.phase {
+                sync::Phase::Waiting => p.waiting_for.clone(),
+                _ => String::new(),
+            };
+            if let Some(f) = &progress {
+                f(p);
+            }
+        }))
+    };
     let inline_cancel = cancel.child_token();
     let work = run_with(pool, &sandbox, &spec, &opts, progress, &inline_cancel);
     tokio::pin!(work);
@@ -286,6 +301,12 @@ async fn sync_for_tool(
         _ = tokio::time::sleep(limit), if !spec.dry_run => {
             inline_cancel.cancel();
             let _ = work.await;
+            let who = waiting.lock().clone();
+            if !who.is_empty() {
+                return background(format!(
+                    "another sync of the same roots is running ({who}); this one waits for it in the background"
+                )).await;
+            }
             return background(format!(
                 "still running after {}s inline; continued in the background (files already committed are kept)",
                 limit.as_secs_f64()

@@ -21,6 +21,7 @@ use crate::error::{Kind, RsbError};
 pub mod baselines;
 pub mod forwards;
 pub mod retention;
+pub mod roots_lock;
 pub mod sandboxes;
 pub mod schema;
 pub mod transfers;

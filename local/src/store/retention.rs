@@ -194,6 +194,8 @@ pub struct Pruned {
     pub transfers: u64,
     pub transfer_logs: u64,
     pub baselines: u64,
+    /// `sync-locks/` files of roots not synced for as long as a baseline is kept.
+    pub sync_locks: u64,
     /// Persisted sandbox definitions nothing refers to any more.
     pub sandboxes: u64,
     pub daemon_log_rotated: bool,
@@ -310,6 +312,7 @@ pub fn prune(state_dir: &Path, conn: &Connection, policy: &Policy, now: i64) -> 
         }
     }
     out.transfer_logs += remove_older(&tr_dir, "transfer-", policy.transfers_days);
+    out.sync_locks = super::roots_lock::prune(state_dir, policy.baselines_days);
     out.daemon_log_rotated =
         rotate_log(&state_dir.join("watchdog.log"), policy.daemon_log_max_bytes);
     // Give the space back: the WAL to the database, then the database's free pages.

@@ -136,6 +136,7 @@ pub fn progress_bar() -> (indicatif::ProgressBar, super::ProgressFn) {
                     Phase::Transferring | Phase::Deleting => {
                         format!("{} {}/{} files", ph.as_str(), p.files_done, p.files_total)
                     }
+                    Phase::Waiting => format!("waiting for another sync ({})", p.waiting_for),
                     _ => format!("{}…", ph.as_str()),
                 });
             }

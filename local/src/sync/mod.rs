@@ -84,6 +84,8 @@ impl SyncSpec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum Phase {
+    /// Another sync of the same roots holds them ([`crate::store::roots_lock`]).
+    Waiting,
     #[default]
     Scanning,
     Planning,
@@ -95,6 +97,7 @@ pub enum Phase {
 impl Phase {
     pub fn as_str(self) -> &'static str {
         match self {
+            Phase::Waiting => "waiting",
             Phase::Scanning => "scanning",
             Phase::Planning => "planning",
             Phase::Transferring => "transferring",
@@ -123,6 +126,9 @@ pub struct Progress {
     /// Bytes per second since the transfer phase began.
     pub rate_bps: f64,
     pub elapsed_s: f64,
+    /// While [`Phase::Waiting`]: the sync it waits for ("pid 123, rsb mcp").
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub waiting_for: String,
 }
 
 pub type ProgressFn = Arc<dyn Fn(&Progress) + Send + Sync>;

@@ -64,6 +64,9 @@ fn progress_json(p: &Progress, synced_type: &str) -> Value {
     if !synced_type.is_empty() {
         v["synced_type"] = json!(synced_type);
     }
+    if !p.waiting_for.is_empty() {
+        v["waiting_for"] = json!(p.waiting_for);
+    }
     v
 }
 

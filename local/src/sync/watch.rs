@@ -632,9 +632,35 @@ pub async fn watch(
             && let Some(k) = known.as_mut()
         {
             let started = Instant::now();
-            let r = tokio::select! {
-                r = fast_sync(pool, sandbox, &root, &rules, spec.delete_extras, k, &burst.paths) => r,
-                _ = cancel.cancelled() => return Ok(()),
+            // Under the roots' lock, from the store's baseline: another sync of these roots
+            // (a manual one, a background transfer) may have run since the last burst, and
+            // the save below must not put back what it replaced.
+            let held = match crate::store::blocking(|| {
+                crate::store::roots_lock::try_lock(&pool.config().state_dir, &key)
+            }) {
+                Ok(crate::store::roots_lock::Attempt::Held(l)) => Some(l),
+                _ => None,
+            };
+            let fresh = held.as_ref().and_then(|_| {
+                store
+                    .as_ref()
+                    .and_then(|t| t.load_baseline_shared(&key.0, &key.1, &key.2).ok())
+                    .flatten()
+            });
+            let r = match fresh {
+                Some(b) => {
+                    if *b != k.baseline {
+                        k.baseline = (*b).clone();
+                    }
+                    tokio::select! {
+                        r = fast_sync(pool, sandbox, &root, &rules, spec.delete_extras, k, &burst.paths) => r,
+                        _ = cancel.cancelled() => return Ok(()),
+                    }
+                }
+                None if held.is_none() => Ok(Fast::Fallback(
+                    "another sync of these roots is running; a full sync waits for it".into(),
+                )),
+                None => Ok(Fast::Fallback("the baseline is not in the store".into())),
             };
             match r {
                 Ok(Fast::Done(mut report)) => {
@@ -655,6 +681,7 @@ pub async fn watch(
                         tracing::warn!("the sync baseline was not saved: {}", e.message);
                         known = None;
                     }
+                    drop(held);
                     burst = next_burst(&mut armed, &root, &rules, opts, cancel).await?;
                     burst_no += 1;
                     continue;
