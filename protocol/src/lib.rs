@@ -53,8 +53,9 @@ pub use sync::{
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
 /// 7: ReadText/Edit/Write (code tools). 8: zstd frames replace raw deflate in every compressed
 /// payload, and `ApplyOp::Packed` carries a batch of small files as one frame. 9: Search.
-/// 10: `ToAgent::Credit`, the per-request window of streamed chunks.
-pub const PROTOCOL_VERSION: u32 = 11;
+/// 10: `ToAgent::Credit`, the per-request window of streamed chunks. 11: launch ids.
+/// 12: `ReadFileZRequest::{compress, whole}` and `ReadFileZResult::settled`.
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops

@@ -226,7 +226,7 @@ pub struct ApplyResult {
     pub resumed: Vec<[u8; 32]>,
 }
 
-/// `ReadFile` for a sync's source on a slow link: the agent compresses what it read
+/// `ReadFile` for a sync's source: with `compress`, the agent compresses what it read
 /// ([`crate::compress`]) when that saves at least a tenth, else answers raw. At most
 /// [`crate::compress::MAX_RAW`] bytes are read, whatever `max_bytes` asks.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -234,6 +234,13 @@ pub struct ReadFileZRequest {
     pub path: String,
     pub offset: u64,
     pub max_bytes: u64,
+    pub compress: bool,
+    /// Read the file from `offset` as one version: the open file's identity (size, mtime,
+    /// ctime) the same before and after the read, and unchanged in the clock tick the read
+    /// began, else read again (a few times). [`ReadFileZResult::settled`] says whether it got
+    /// one. A small file is read in one request, so this is what keeps a file rewritten in
+    /// place mid-read from being committed as a mix of versions.
+    pub whole: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -245,6 +252,9 @@ pub struct ReadFileZResult {
     pub data: Vec<u8>,
     /// True when the file has bytes beyond `offset + raw_len`.
     pub truncated: bool,
+    /// With `whole`: the bytes are one version of the file. False when it kept changing
+    /// during every try; the bytes are then the last try's, and must not be committed.
+    pub settled: bool,
 }
 
 /// Finish a session after its last `Apply`: restore directory modes and mtimes, remove the

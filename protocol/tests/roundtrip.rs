@@ -139,6 +139,8 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             path: "/f".into(),
             offset: 5,
             max_bytes: 1 << 20,
+            compress: true,
+            whole: true,
         }),
         Request::ReadText(ReadTextRequest {
             path: "~/a.rs".into(),
@@ -369,6 +371,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             compressed: true,
             data: vec![7; 3],
             truncated: false,
+            settled: true,
         }),
         Reply::ReadText(ReadTextResult {
             path: "/h/a.rs".into(),

@@ -394,3 +394,78 @@ async fn a_source_that_keeps_changing_is_reported_not_committed() {
     );
     pool.shutdown().await;
 }
+
+/// Issue 21: the same for a small file (≤ 1 MiB, sent whole in one read). Its bytes were
+/// committed as read, and a read that overlapped a rewrite in place (a page-by-page copy that
+/// the kernel does not lock against writers) committed a mix of two versions. Now the source
+/// agent reads it as one version (identity unchanged across a read that began after its last
+/// change), or answers that it kept changing, and then nothing is committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_file_rewritten_during_its_read_is_never_committed_torn() {
+    const LEN: usize = (1 << 20) - 4096;
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    let file = src.join("hot.bin");
+    std::fs::write(&file, vec![b'a'; LEN]).unwrap();
+    let pool = pool_on(&sshd, sshd.port(), &dir.path().join("state"));
+    let r = upload(&pool, &src, &CancellationToken::new())
+        .await
+        .unwrap();
+    assert_eq!(r.files_transferred, 1);
+    let remote = sshd.home().join("up/hot.bin");
+    // Rewritten in place, one write of the whole file at a time, alternating two versions,
+    // with a pause between writes so the scan can hash it (bounded: 60 s).
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = std::thread::spawn({
+        let (stop, file) = (stop.clone(), file.clone());
+        move || {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new().write(true).open(&file).unwrap();
+            let versions = [vec![b'b'; LEN], vec![b'a'; LEN]];
+            let t0 = Instant::now();
+            let mut i = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && t0.elapsed() < Duration::from_secs(60)
+            {
+                f.write_all_at(&versions[i % 2], 0).unwrap();
+                i += 1;
+                std::thread::sleep(Duration::from_micros(150));
+            }
+            i
+        }
+    });
+    let (mut committed, mut unsettled, mut torn) = (0, 0, 0);
+    let t0 = Instant::now();
+    for _ in 0..40 {
+        if t0.elapsed() > Duration::from_secs(30) {
+            break;
+        }
+        let Ok(r) = upload(&pool, &src, &CancellationToken::new()).await else {
+            continue;
+        };
+        committed += r.files_transferred;
+        unsettled += r.unsettled;
+        let got = std::fs::read(&remote).unwrap();
+        if got.len() != LEN || got.iter().any(|&c| c != got[0]) {
+            torn += 1;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let writes = writer.join().unwrap();
+    eprintln!("{writes} rewrites; {committed} commits, {unsettled} unsettled, {torn} torn");
+    assert_eq!(torn, 0, "a mix of versions was committed");
+    assert!(committed + unsettled > 0, "the file was never sent");
+    // Quiet now: it is committed, exactly.
+    let r = upload(&pool, &src, &CancellationToken::new())
+        .await
+        .unwrap();
+    assert!(r.errors.is_empty(), "{:?}", r.errors);
+    assert!(
+        std::fs::read(&remote).unwrap() == std::fs::read(&file).unwrap(),
+        "the quiet file did not arrive: {}",
+        r.to_json()
+    );
+    pool.shutdown().await;
+}

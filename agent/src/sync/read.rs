@@ -1,27 +1,179 @@
-//! A sync's source reads on a slow link: `ReadFile`, deflated when that pays.
+//! A sync's source reads: `ReadFile`, compressed when asked and when that pays, and for a
+//! small file, one version of it.
+
+use std::{io::Read, path::Path, time::Duration};
 
 use rsb_protocol::{
     AgentError, ReadFileRequest, ReadFileZRequest, ReadFileZResult,
     compress::{MAX_RAW, compress},
 };
 
-/// Read as `ReadFile` does (at most [`MAX_RAW`] bytes) and deflate the bytes when they shrink
-/// by a tenth; the local side inflates them, bounded by `raw_len`.
+use super::{cache::Key, fs_clock_ns};
+
+/// Tries at one version before a small file is answered as unsettled (as the scan's).
+const WHOLE_ATTEMPTS: usize = 3;
+/// Between tries: past the coarse clock's tick (4 ms at HZ=250), so a file last changed in
+/// the tick a read began can settle on the next.
+const RETRY_AFTER: Duration = Duration::from_millis(5);
+
+/// Read as `ReadFile` does (at most [`MAX_RAW`] bytes); compress the bytes when asked and
+/// they shrink by a tenth; the local side decompresses them, bounded by `raw_len`.
 pub fn read_file_z(req: &ReadFileZRequest) -> Result<ReadFileZResult, AgentError> {
-    let r = crate::fs::read_file(&ReadFileRequest {
-        path: req.path.clone(),
-        offset: req.offset,
-        max_bytes: req.max_bytes.min(MAX_RAW as u64),
-    })?;
-    let raw_len = r.data.len() as u64;
-    let (compressed, data) = match compress(&r.data) {
+    let max = req.max_bytes.min(MAX_RAW as u64);
+    let (data, truncated, settled) = if req.whole {
+        read_whole(&req.path, req.offset, max)?
+    } else {
+        let r = crate::fs::read_file(&ReadFileRequest {
+            path: req.path.clone(),
+            offset: req.offset,
+            max_bytes: max,
+        })?;
+        (r.data, r.truncated, false)
+    };
+    let raw_len = data.len() as u64;
+    let (compressed, data) = match req.compress.then(|| compress(&data)).flatten() {
         Some(z) => (true, z),
-        None => (false, r.data),
+        None => (false, data),
     };
     Ok(ReadFileZResult {
         raw_len,
         compressed,
         data,
-        truncated: r.truncated,
+        truncated,
+        settled,
     })
+}
+
+/// A file's bytes as [`read_one_version`] read them.
+#[derive(Debug)]
+pub struct OneVersion {
+    pub data: Vec<u8>,
+    /// More bytes follow `offset + data.len()`.
+    pub truncated: bool,
+    /// The bytes are one version of the file; false when it kept changing during every try
+    /// (the bytes are then the last try's).
+    pub settled: bool,
+}
+
+/// `path` from `offset` (at most `max` bytes), read until its identity held across a read
+/// that began in a later clock tick than its last change (see [`Key::settled`]): a write
+/// during the read changes the ctime (no one can set it), and one in the tick the read began
+/// could leave it equal, so that tick is waited out. The sync's reads at the source and
+/// `--watch`'s local reads both use this, so neither commits a file torn by a writer.
+pub fn read_one_version(path: &Path, offset: u64, max: u64) -> std::io::Result<OneVersion> {
+    let mut last = None;
+    for attempt in 0..WHOLE_ATTEMPTS {
+        if attempt > 0 {
+            std::thread::sleep(RETRY_AFTER);
+        }
+        let clock = fs_clock_ns();
+        let (data, truncated, before, after) = read_once(path, offset, max)?;
+        let whole = truncated || offset + data.len() as u64 == before.size;
+        if before == after && whole && before.settled(clock) {
+            return Ok(OneVersion {
+                data,
+                truncated,
+                settled: true,
+            });
+        }
+        last = Some((data, truncated));
+    }
+    let (data, truncated) = last.expect("at least one attempt");
+    Ok(OneVersion {
+        data,
+        truncated,
+        settled: false,
+    })
+}
+
+fn read_whole(path: &str, offset: u64, max: u64) -> Result<(Vec<u8>, bool, bool), AgentError> {
+    let path = crate::util::expand_home(path);
+    let shown = crate::util::path_string(&path);
+    let r = read_one_version(&path, offset, max)
+        .map_err(|e| AgentError::from_io(&e, "read_file", &shown))?;
+    Ok((r.data, r.truncated, r.settled))
+}
+
+fn read_once(path: &Path, offset: u64, max: u64) -> std::io::Result<(Vec<u8>, bool, Key, Key)> {
+    use std::io::{Seek, SeekFrom};
+    let (mut file, meta) = crate::fs::open_regular(path)?;
+    let before = Key::of(&meta);
+    file.seek(SeekFrom::Start(offset))?;
+    let expected = before.size.saturating_sub(offset).min(max) + 1;
+    let mut data = Vec::with_capacity(expected as usize);
+    (&mut file).take(max + 1).read_to_end(&mut data)?;
+    let after = Key::of(&file.metadata()?);
+    let truncated = data.len() as u64 > max;
+    data.truncate(max as usize);
+    Ok((data, truncated, before, after))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(path: &Path, whole: bool) -> ReadFileZRequest {
+        ReadFileZRequest {
+            path: path.display().to_string(),
+            offset: 0,
+            max_bytes: 1 << 20,
+            compress: false,
+            whole,
+        }
+    }
+
+    #[test]
+    fn a_quiet_file_is_one_version_and_compression_is_only_when_asked() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("a");
+        std::fs::write(&p, "x".repeat(100_000)).unwrap();
+        // Changed just now: the first try may fall in its tick; a later one settles.
+        let r = read_file_z(&req(&p, true)).unwrap();
+        assert!(r.settled && !r.compressed && !r.truncated);
+        assert_eq!(r.data.len(), 100_000);
+        let r = read_file_z(&ReadFileZRequest {
+            compress: true,
+            ..req(&p, true)
+        })
+        .unwrap();
+        assert!(r.compressed && r.raw_len == 100_000);
+        // Without `whole` nothing is claimed.
+        assert!(!read_file_z(&req(&p, false)).unwrap().settled);
+    }
+
+    #[test]
+    fn a_file_rewritten_during_every_read_is_not_settled() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("hot");
+        std::fs::write(&p, vec![b'a'; 256 << 10]).unwrap();
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let writer = {
+            let (p, stop) = (p.clone(), stop.clone());
+            std::thread::spawn(move || {
+                use std::os::unix::fs::FileExt;
+                let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+                let (a, b) = (vec![b'a'; 256 << 10], vec![b'b'; 256 << 10]);
+                for i in 0..2_000_000u64 {
+                    if stop.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    f.write_all_at(if i % 2 == 0 { &b } else { &a }, 0).unwrap();
+                }
+            })
+        };
+        let mut settled_mixed = 0;
+        for _ in 0..20 {
+            let r = read_file_z(&req(&p, true)).unwrap();
+            let mixed = r.data.iter().any(|&c| c != r.data[0]);
+            if r.settled && mixed {
+                settled_mixed += 1;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap();
+        assert_eq!(settled_mixed, 0, "a mix of versions was answered as one");
+        let r = read_file_z(&req(&p, true)).unwrap();
+        assert!(r.settled, "a quiet file settles");
+    }
 }

@@ -910,14 +910,20 @@ fn plan_fast(
                 if p.bytes + size > FAST_MAX_BYTES {
                     return Err(format!("more than {FAST_MAX_BYTES} bytes changed"));
                 }
-                let data = match std::fs::read(path) {
-                    Ok(d) => d,
+                // One version of it, as a full sync reads one (a writer rewriting it in
+                // place mid-read would give a mix): else the full sync says it kept changing.
+                let read = match rsb_agent::sync::read_one_version(path, 0, FAST_MAX_BYTES) {
+                    Ok(r) => r,
                     // Gone between the stat and the read: the next burst has it.
                     Err(e) => return Err(format!("{rel}: {e}")),
                 };
-                if p.bytes + data.len() as u64 > FAST_MAX_BYTES {
+                if read.truncated || p.bytes + read.data.len() as u64 > FAST_MAX_BYTES {
                     return Err(format!("more than {FAST_MAX_BYTES} bytes changed"));
                 }
+                if !read.settled {
+                    return Err(format!("{rel} kept changing while it was read"));
+                }
+                let data = read.data;
                 // What is committed is what was read, hashed here: never a torn file.
                 let hash = *blake3::hash(&data).as_bytes();
                 let base = baseline.get(&rel).copied();

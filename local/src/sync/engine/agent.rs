@@ -126,23 +126,32 @@ pub(super) struct SmallFile {
     /// blake3 of `data`, when taken off the runtime (compression on: the runtime then has the
     /// batches to compress).
     pub(super) hash: Option<[u8; 32]>,
+    /// The bytes are one version of the file (see [`ReadFileZRequest::whole`]); a file that
+    /// kept changing during every try is not committed.
+    pub(super) settled: bool,
 }
 
-/// Read a whole small file (owned arguments: the future is `'static`); with compression on,
-/// hash it on a blocking thread, so files hash in parallel with each other and with the
-/// reads. Small files compress by batch ([`Compress::pack`]), not one by one.
+/// Read a whole small file (owned arguments: the future is `'static`) as one version, in
+/// one request; with compression on, hash it on a blocking thread, so files hash in parallel
+/// with each other and with the reads. Small files compress by batch ([`Compress::pack`]),
+/// not one by one.
 pub(super) async fn read_small(
     src: AgentClient,
     path: String,
     f: FileXfer,
     comp: Arc<Compress>,
 ) -> Result<SmallFile> {
-    let data = read_range(&src, &path, 0, f.size, true, Some((&comp, None))).await?;
+    let want = f.size.max(64 * 1024).min(MAX_RAW as u64);
+    let comp_at_source = comp.at_source().then_some((&*comp, None));
+    let (data, truncated, settled) = read_z(&src, &path, 0, want, true, comp_at_source).await?;
+    // Grown past one request since the scan: it is changing, and is not committed.
+    let settled = settled && !truncated;
     if !comp.here() {
         return Ok(SmallFile {
             f,
             data,
             hash: None,
+            settled,
         });
     }
     let work = move || {
@@ -151,6 +160,7 @@ pub(super) async fn read_small(
             f,
             data,
             hash: Some(hash),
+            settled,
         }
     };
     tokio::task::spawn_blocking(work)
@@ -170,7 +180,7 @@ pub(super) async fn read_block(
     skip: Arc<std::sync::atomic::AtomicBool>,
 ) -> Result<Block> {
     let z = (!skip.load(Ordering::Relaxed)).then_some((&*comp, Some(&*skip)));
-    let d = read_range(&src, &path, off, len, false, z).await?;
+    let d = read_range(&src, &path, off, len, z).await?;
     if !comp.here() || skip.load(Ordering::Relaxed) {
         return Ok((off, d, None));
     }
@@ -207,20 +217,23 @@ pub(super) async fn block_hashes(c: &AgentClient, path: &str) -> Result<Vec<[u8;
     Ok(c.call(req).await?.hashes)
 }
 
-/// `ReadFile` through the source agent's compression: `(data, truncated)`. A block that
-/// did not shrink sets `skip`, so the rest of its file is read plain.
+/// `ReadFileZ`, compressed at the source when `comp` is given: `(data, truncated,
+/// settled)`. A block that did not shrink sets `skip`, so the rest of its file is read plain.
 async fn read_z(
     src: &AgentClient,
     path: &str,
     offset: u64,
     max_bytes: u64,
-    (comp, skip): (&Compress, Option<&std::sync::atomic::AtomicBool>),
-) -> Result<(Vec<u8>, bool)> {
+    whole: bool,
+    comp: Option<(&Compress, Option<&std::sync::atomic::AtomicBool>)>,
+) -> Result<(Vec<u8>, bool, bool)> {
     let r = src
         .call(ReadFileZRequest {
             path: path.to_string(),
             offset,
             max_bytes,
+            compress: comp.is_some(),
+            whole,
         })
         .await?;
     if r.raw_len > max_bytes {
@@ -229,48 +242,49 @@ async fn read_z(
             r.raw_len
         )));
     }
+    let Some((comp, skip)) = comp else {
+        return Ok((r.data, r.truncated, r.settled));
+    };
     if !r.compressed {
         if let Some(s) = skip.filter(|_| r.raw_len > 0) {
             s.store(true, Ordering::Relaxed);
         }
-        return Ok((r.data, r.truncated));
+        return Ok((r.data, r.truncated, r.settled));
     }
     let raw = rsb_protocol::compress::decompress(&r.data, r.raw_len)
         .map_err(|m| RsbError::internal(format!("read of {path}: {m}")))?;
     comp.record(r.raw_len, r.data.len() as u64);
-    Ok((raw, r.truncated))
+    Ok((raw, r.truncated, r.settled))
 }
 
-/// Read `[offset, offset + len)`; with `to_eof`, keep reading while the file has more. With
-/// `comp` compressing at the source, through [`read_z`].
+/// Read `[offset, offset + len)` of a large file, with `comp` compressing at the source
+/// through [`read_z`].
 async fn read_range(
     src: &AgentClient,
     path: &str,
     offset: u64,
     len: u64,
-    to_eof: bool,
     comp: Option<(&Compress, Option<&std::sync::atomic::AtomicBool>)>,
 ) -> Result<Vec<u8>> {
     let comp = comp.filter(|c| c.0.at_source());
     let mut data = Vec::new();
     let mut off = offset;
     loop {
-        let want = if to_eof {
-            (len.saturating_sub(data.len() as u64)).max(64 * 1024)
-        } else {
-            len - data.len() as u64
-        };
-        let (chunk, truncated) = match comp {
-            Some(c) => read_z(src, path, off, want.min(MAX_RAW as u64), c).await?,
+        let want = len - data.len() as u64;
+        let chunk = match comp {
+            Some(c) => {
+                read_z(src, path, off, want.min(MAX_RAW as u64), false, Some(c))
+                    .await?
+                    .0
+            }
             None => {
-                let r = src
-                    .call(ReadFileRequest {
-                        path: path.to_string(),
-                        offset: off,
-                        max_bytes: want,
-                    })
-                    .await?;
-                (r.data, r.truncated)
+                src.call(ReadFileRequest {
+                    path: path.to_string(),
+                    offset: off,
+                    max_bytes: want,
+                })
+                .await?
+                .data
             }
         };
         let n = chunk.len() as u64;
@@ -280,12 +294,7 @@ async fn read_range(
             data.extend_from_slice(&chunk);
         }
         off += n;
-        let done = if to_eof {
-            !truncated || n == 0
-        } else {
-            data.len() as u64 >= len || n == 0
-        };
-        if done {
+        if data.len() as u64 >= len || n == 0 {
             return Ok(data);
         }
     }

@@ -492,13 +492,23 @@ fn baseline_planned(
         .chain(plan.files.iter().map(|f| f.rel.as_str()))
         .collect();
     let mut out = std::collections::HashMap::new();
+    let old = |rel: &str| opts.baseline.as_ref().and_then(|b| b.get(rel)).copied();
     for e in sents {
-        let Some(h) = e.hash.filter(|_| e.kind == FileKind::File) else {
+        if e.kind != FileKind::File {
+            continue;
+        }
+        let Some(h) = e.hash else {
+            // Not hashed (it kept changing during the scan): skipped, so the destination
+            // still holds what the last sync left, and the entry stays. Dropping it made the
+            // next sync read the destination's copy as a change made there: a conflict.
+            if let Some(old) = old(&e.rel) {
+                out.insert(e.rel.clone(), old);
+            }
             continue;
         };
         if kept.contains(e.rel.as_str()) {
-            if let Some(old) = opts.baseline.as_ref().and_then(|b| b.get(&e.rel)) {
-                out.insert(e.rel.clone(), *old);
+            if let Some(old) = old(&e.rel) {
+                out.insert(e.rel.clone(), old);
             }
         } else {
             out.insert(e.rel.clone(), h);

@@ -231,7 +231,20 @@ impl Ctx<'_> {
                 self.tracker.batch_acked(r?);
             }
             let Some(r) = reads.recv().await else { break };
-            let SmallFile { f, data, hash } = r?;
+            let SmallFile {
+                f,
+                data,
+                hash,
+                settled,
+            } = r?;
+            if !settled {
+                self.changed.lock().push(format!(
+                    "source {}: changed while it was being read (every try); not committed, \
+                     the destination keeps what it had; sync again once it is quiet",
+                    f.rel
+                ));
+                continue;
+            }
             // What is committed is exactly what was read: a file changed since the scan is
             // sent as read (its hash taken here), never torn.
             let hash = hash.unwrap_or_else(|| *blake3::hash(&data).as_bytes());
