@@ -64,7 +64,9 @@ fn lock_path(state_dir: &Path, key: &Key) -> PathBuf {
     state_dir.join(DIR).join(format!("{}.lock", &hex[..32]))
 }
 
-fn open(path: &Path) -> std::io::Result<File> {
+/// A lock file of the state dir: created 0600, never truncated on open (its holder's text
+/// stays readable), and never through a symlink (the state dir's files are ours).
+pub fn open_lock_file(path: &Path) -> std::io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
     std::fs::OpenOptions::new()
         .read(true)
@@ -124,7 +126,7 @@ pub fn try_lock(state_dir: &Path, key: &Key) -> Result<Attempt> {
     // A file pruned between our open and our lock is retried on the new one; pruning is
     // rare (once an hour, on files idle for months), so a few tries always settle.
     for _ in 0..8 {
-        let mut f = open(&path).map_err(err)?;
+        let mut f = open_lock_file(&path).map_err(err)?;
         match f.try_lock() {
             Ok(()) => {
                 if !still_at(&f, &path) {
@@ -157,7 +159,9 @@ pub fn prune(state_dir: &Path, days: i64) -> u64 {
         if !idle || path.extension().is_none_or(|x| x != "lock") {
             continue;
         }
-        let Ok(f) = open(&path) else { continue };
+        let Ok(f) = open_lock_file(&path) else {
+            continue;
+        };
         if f.try_lock().is_ok() && still_at(&f, &path) && std::fs::remove_file(&path).is_ok() {
             n += 1;
         }
@@ -215,7 +219,7 @@ mod tests {
         );
         // A file unlinked under an open descriptor: a lock taken on it is not the lock.
         let path = lock_path(d.path(), &key("c"));
-        let stale = open(&path).unwrap();
+        let stale = open_lock_file(&path).unwrap();
         std::fs::remove_file(&path).unwrap();
         stale.try_lock().unwrap();
         assert!(!still_at(&stale, &path));

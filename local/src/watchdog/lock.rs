@@ -23,14 +23,7 @@ pub const LOCK_FILE: &str = "watchdog.lock";
 pub struct Lock(#[allow(dead_code)] File);
 
 fn open_lock_file(state_dir: &Path) -> std::io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .mode(0o600)
-        .open(state_dir.join(LOCK_FILE))
+    store::roots_lock::open_lock_file(&state_dir.join(LOCK_FILE))
 }
 
 fn read_pid(f: &mut File) -> Option<i64> {
