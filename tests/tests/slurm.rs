@@ -10,12 +10,28 @@ use rmcp::{
     RoleClient, ServiceExt, model::CallToolRequestParams, service::RunningService,
     transport::TokioChildProcess,
 };
-use rsb_tests::{Sshd, SshdOptions, slurm::slurm, workspace_root};
+use rsb_tests::{
+    Sshd, SshdOptions,
+    slurm::{slurm, slurm_exclusive},
+    workspace_root,
+};
 use serde_json::{Value, json};
 
 struct Mcp {
     svc: RunningService<RoleClient, ()>,
+    home: PathBuf,
+    state: PathBuf,
     _tmp: tempfile::TempDir,
+}
+
+/// A real `rsb watchdog run` on the server's state dir, SIGKILLed when dropped.
+struct Daemon(std::process::Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 impl Mcp {
@@ -45,7 +61,91 @@ impl Mcp {
             .await
             .expect("MCP initialize timed out")
             .unwrap();
-        Mcp { svc, _tmp: tmp }
+        Mcp {
+            svc,
+            state: tmp.path().join("state"),
+            home,
+            _tmp: tmp,
+        }
+    }
+
+    /// The watchdog daemon for this server's watches, ticking every second.
+    fn daemon(&self) -> Daemon {
+        let log = std::fs::File::create(self.home.join("daemon.log")).unwrap();
+        let child = std::process::Command::new(workspace_root().join("target/debug/rsb"))
+            .args(["watchdog", "run", "--loop-sleep", "1"])
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &self.home)
+            .env("XDG_CONFIG_HOME", self.home.join(".config"))
+            .env("XDG_DATA_HOME", self.home.join(".local/share"))
+            .env("RSB_SSH_CONFIG", self.home.join(".ssh/config"))
+            .env("RSB_STATE_DIR", &self.state)
+            .env("RSB_LOG", "info")
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        Daemon(child)
+    }
+
+    fn daemon_log(&self) -> String {
+        std::fs::read_to_string(self.home.join("daemon.log")).unwrap_or_default()
+    }
+
+    /// Submit `command` as job `name` with a watch that resumes it by `resume` (checked
+    /// every second, resumed at once, once).
+    async fn submit_watched(&self, name: &str, command: &str, slurm: Value, resume: bool) -> Value {
+        let s = self
+            .ok(
+                "exec_bash_background",
+                json!({"command": command, "session_name": name, "slurm": slurm,
+                       "watch": true, "ensure_watchdog": false, "interval_s": 1,
+                       "auto_resume": resume, "resume_delay_s": 0, "max_resume_attempts": 1,
+                       "resume_command": "echo resumed-$RSB_RESUME_ATTEMPT; exit 0",
+                       "checkpoint_path": "ck.txt", "notify_local": false}),
+            )
+            .await;
+        assert!(s["watch_id"].as_i64().is_some(), "{s}");
+        assert!(s.get("watch_error").is_none(), "{s}");
+        s
+    }
+
+    fn watch(&self, id: i64) -> rsb::watchdog::Watch {
+        let c = rsb::store::open(&self.state).unwrap();
+        rsb::watchdog::db::require(&c, id).unwrap()
+    }
+
+    fn events(&self, id: i64) -> Vec<rsb::watchdog::WatchEvent> {
+        let c = rsb::store::open(&self.state).unwrap();
+        let mut e = rsb::watchdog::db::events(&c, id, 100).unwrap();
+        e.sort_by_key(|e| e.id);
+        e
+    }
+
+    /// Wait (bounded) until the watch's events satisfy `pred`.
+    async fn until_events(
+        &self,
+        id: i64,
+        secs: u64,
+        pred: impl Fn(&[rsb::watchdog::WatchEvent]) -> bool,
+    ) -> Vec<rsb::watchdog::WatchEvent> {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let e = self.events(id);
+            if pred(&e) {
+                return e;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "watch {id}: events not as expected in {secs} s: {:?}\nwatch: {:?}\ndaemon log:\n{}",
+                types(&e),
+                self.watch(id),
+                self.daemon_log()
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
 
     /// (isError, parsed JSON or the text as a string)
@@ -99,6 +199,14 @@ impl Mcp {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
+}
+
+fn types(e: &[rsb::watchdog::WatchEvent]) -> Vec<String> {
+    e.iter().map(|e| e.event_type.clone()).collect()
+}
+
+fn has(e: &[rsb::watchdog::WatchEvent], t: &str) -> bool {
+    e.iter().any(|e| e.event_type == t)
 }
 
 fn finished(v: &Value) -> bool {
@@ -375,9 +483,7 @@ async fn slurm_time_limit_is_reported_as_timeout() {
 /// partitions; either way it reports the host's tools.
 #[test]
 fn doctor_notices_a_login_node_and_reports_its_partitions() {
-    if slurm().is_none() {
-        return;
-    }
+    let Some(_bed) = slurm() else { return };
     let sshd = Sshd::start().unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let home = tmp.path().join("home");
@@ -437,5 +543,345 @@ fn doctor_notices_a_login_node_and_reports_its_partitions() {
             .unwrap()
             .starts_with("partitions: debug*"),
         "{s}"
+    );
+}
+
+/// A node set DOWN ends a `--no-requeue` job as NODE_FAIL: the watchdog calls it interrupted
+/// and resumes it by its plan, resubmitting once (the launch id); the same node failure
+/// with `requeue=true` is Slurm's own restart: resuming, and never resubmitted by rsb.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_node_down_interrupts_and_resubmits_or_is_requeued_by_slurm_alone() {
+    let Some(bed) = slurm_exclusive() else { return };
+    let node = bed.env["RSB_SLURM_NODE"].clone();
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let _daemon = mcp.daemon();
+    let a = mcp
+        .submit_watched("nd-norq", "sleep 300", json!({"requeue": false}), true)
+        .await;
+    let b = mcp
+        .submit_watched("nd-rq", "sleep 300", json!({"requeue": true}), true)
+        .await;
+    let (wa, wb) = (
+        a["watch_id"].as_i64().unwrap(),
+        b["watch_id"].as_i64().unwrap(),
+    );
+    let (ida, idb) = (
+        a["slurm_job_id"].as_str().unwrap().to_string(),
+        b["slurm_job_id"].as_str().unwrap().to_string(),
+    );
+    mcp.until("nd-norq", 60, |v| v["state"] == "running").await;
+    mcp.until("nd-rq", 60, |v| v["state"] == "running").await;
+    // The daemon saw both running before the failure.
+    for w in [wa, wb] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while mcp.watch(w).last_state != "running" {
+            assert!(Instant::now() < deadline, "{:?}", mcp.watch(w));
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+    let down = Instant::now();
+    bed.cmd(
+        "scontrol",
+        &[
+            "update",
+            &format!("nodename={node}"),
+            "state=down",
+            "reason=rsb-test",
+        ],
+    )
+    .unwrap();
+
+    // --no-requeue: interrupted (node_fail), then resubmitted once.
+    let e = mcp
+        .until_events(wa, 60, |e| {
+            has(e, "interrupted") && has(e, "resume_started")
+        })
+        .await;
+    let took = down.elapsed();
+    let i = e.iter().find(|e| e.event_type == "interrupted").unwrap();
+    assert_eq!(i.payload["job_state"], "node_fail", "{:?}", i.payload);
+    assert_eq!(i.payload["slurm_state"], "NODE_FAIL", "{:?}", i.payload);
+    assert_eq!(i.payload["slurm_job_id"], ida.as_str());
+    let v = mcp.check("nd-norq").await;
+    let resubmitted = v["slurm_job_id"].as_str().unwrap().to_string();
+    assert_ne!(resubmitted, ida, "resumed by a new Slurm job: {v}");
+    eprintln!(
+        "node DOWN -> interrupted + resubmitted in {:.1} s",
+        took.as_secs_f64()
+    );
+
+    // requeue=true: resuming by Slurm's own restart; rsb does not resubmit.
+    let e = mcp.until_events(wb, 60, |e| has(e, "requeued")).await;
+    let r = e.iter().find(|e| e.event_type == "requeued").unwrap();
+    assert_eq!(r.payload["restarts"], 1, "{:?}", r.payload);
+    let v = mcp.check("nd-rq").await;
+    assert_eq!(v["state"], "resuming", "{v}");
+    assert_eq!(v["restarts"], 1, "{v}");
+    assert_eq!(v["slurm_job_id"], idb.as_str(), "{v}");
+    // Several more checks of both watches: still one resubmit of the first, none of the
+    // second, whatever the record of its killed first run says.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(mcp.watch(wb).last_state, "resuming");
+    assert!(
+        !has(&mcp.events(wb), "resume_started"),
+        "{:?}",
+        types(&mcp.events(wb))
+    );
+    assert!(
+        !has(&mcp.events(wb), "interrupted"),
+        "{:?}",
+        types(&mcp.events(wb))
+    );
+    let starts = mcp
+        .events(wa)
+        .iter()
+        .filter(|e| e.event_type == "resume_started")
+        .count();
+    assert_eq!(starts, 1, "{:?}", types(&mcp.events(wa)));
+    assert_eq!(mcp.check("nd-rq").await["slurm_job_id"], idb.as_str());
+
+    // The node back: the resubmitted job runs its resume command and completes.
+    bed.restore();
+    let e = mcp.until_events(wa, 90, |e| has(e, "completed")).await;
+    let c = e.iter().find(|e| e.event_type == "completed").unwrap();
+    assert_eq!(c.payload["exit_code"], 0, "{:?}", c.payload);
+    assert_eq!(c.payload["slurm_job_id"], resubmitted.as_str());
+    let v = mcp.check("nd-norq").await;
+    assert!(v["log_tail"].as_str().unwrap().contains("resumed-1"), "{v}");
+    mcp.ok("kill_background_task", json!({"tmux_session": "nd-rq"}))
+        .await;
+}
+
+/// A job of a higher-tier partition (`urgent`) preempts a `--no-requeue` job: interrupted
+/// (preempted), never completed, in the tool's reply and in the watch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_preemption_is_interrupted_never_completed() {
+    let Some(_bed) = slurm_exclusive() else {
+        return;
+    };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let _daemon = mcp.daemon();
+    let low = mcp
+        .submit_watched(
+            "low",
+            "sleep 300",
+            json!({"partition": "debug", "cpus": 2, "requeue": false}),
+            false,
+        )
+        .await;
+    let w = low["watch_id"].as_i64().unwrap();
+    mcp.until("low", 60, |v| v["state"] == "running").await;
+    mcp.submit(
+        "high",
+        "sleep 300",
+        json!({"partition": "urgent", "cpus": 3}),
+    )
+    .await;
+    let v = mcp.until("low", 90, finished).await;
+    assert_eq!(v["state"], "interrupted", "{v}");
+    assert_eq!(v["reason"], "preempted", "{v}");
+    assert_eq!(v["slurm_state"], "PREEMPTED", "{v}");
+    let e = mcp.until_events(w, 30, |e| has(e, "interrupted")).await;
+    assert!(!has(&e, "completed"), "{:?}", types(&e));
+    let i = e.iter().find(|e| e.event_type == "interrupted").unwrap();
+    assert_eq!(i.payload["job_state"], "preempted", "{:?}", i.payload);
+    mcp.until("high", 60, |v| v["state"] == "running").await;
+    mcp.ok("kill_background_task", json!({"tmux_session": "high"}))
+        .await;
+}
+
+/// MinJobAge=10: the job is purged before rsb ever polls it, and still gets its exit code,
+/// from the wrapper's record. The bed is restarted with the knob, and back without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_a_job_purged_before_the_first_poll_gets_its_code_from_the_record() {
+    let Some(bed) = slurm_exclusive() else { return };
+    // start.sh leaves running daemons (and their config) alone: a new knob needs a stop.
+    bed.stop().unwrap();
+    bed.start_with(&[("RSB_SLURM_MIN_JOB_AGE", "10")]).unwrap();
+    let age = bed.cmd("scontrol", &["show", "config"]).unwrap();
+    assert!(
+        age.lines()
+            .any(|l| l.starts_with("MinJobAge") && l.contains("10 sec")),
+        "the bed did not take MinJobAge=10"
+    );
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let s = mcp.submit("purged", "exit 5", json!({})).await;
+    let id = s["slurm_job_id"].as_str().unwrap().to_string();
+    // Not through rsb: wait until the controller no longer knows the job.
+    let t0 = Instant::now();
+    loop {
+        let out = std::process::Command::new("squeue")
+            .args(["-h", "-t", "all", "-j", &id, "-o", "%T"])
+            .output()
+            .unwrap();
+        if !out.status.success() || out.stdout.trim_ascii().is_empty() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(90),
+            "job {id} never purged"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!(
+        "job {id} purged {:.0} s after its submit",
+        t0.elapsed().as_secs_f64()
+    );
+    let v = mcp.check("purged").await;
+    assert_eq!(v["state"], "exited", "{v}");
+    assert_eq!(v["exit_code"], 5, "{v}");
+    assert_eq!(v["running"], false, "{v}");
+    assert!(
+        v.get("slurm_state").is_none(),
+        "Slurm had nothing to say: {v}"
+    );
+}
+
+/// The controller stopped while a job ends: `scheduler_unreachable` (in the reply, within
+/// its own bound, and as the watch's state), never lost or final; after the restart, the
+/// right end (FAILED, exit 4) in both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_controller_down_is_scheduler_unreachable_then_the_right_end() {
+    let Some(bed) = slurm_exclusive() else { return };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let _daemon = mcp.daemon();
+    let s = mcp
+        .submit_watched("ctl", "sleep 6; exit 4", json!({}), true)
+        .await;
+    let w = s["watch_id"].as_i64().unwrap();
+    mcp.until("ctl", 60, |v| v["state"] == "running").await;
+    bed.stop_controller().unwrap();
+    let killed = Instant::now();
+    // Every call answers within the poll's bound, controller or not.
+    let mut slowest = Duration::ZERO;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let v = loop {
+        let t = Instant::now();
+        let v = mcp.check("ctl").await;
+        slowest = slowest.max(t.elapsed());
+        if v["state"] == "scheduler_unreachable" && v["exit_code"] == 4 {
+            break v;
+        }
+        assert_ne!(v["state"], "lost", "{v}");
+        assert!(Instant::now() < deadline, "{v}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(v["running"], false, "{v}");
+    assert!(v["scheduler_error"].as_str().is_some(), "{v}");
+    assert!(
+        slowest < Duration::from_secs(8),
+        "a check took {slowest:?} while the controller was down"
+    );
+    let e = mcp
+        .until_events(w, 60, |e| has(e, "scheduler_unreachable"))
+        .await;
+    assert!(
+        !has(&e, "completed") && !has(&e, "interrupted"),
+        "{:?}",
+        types(&e)
+    );
+    assert_eq!(mcp.watch(w).status, "active");
+    eprintln!(
+        "controller down {:.0} s; slowest check {:.2} s",
+        killed.elapsed().as_secs_f64(),
+        slowest.as_secs_f64()
+    );
+    bed.restore();
+    let v = mcp
+        .until("ctl", 120, |v| v["slurm_state"] == "FAILED")
+        .await;
+    assert_eq!(
+        (v["state"].clone(), v["exit_code"].clone()),
+        (json!("exited"), json!(4)),
+        "{v}"
+    );
+    let e = mcp.until_events(w, 60, |e| has(e, "completed")).await;
+    let c = e.iter().find(|e| e.event_type == "completed").unwrap();
+    assert_eq!(c.payload["exit_code"], 4, "{:?}", c.payload);
+    assert!(
+        !has(&e, "interrupted") && !has(&e, "resume_started"),
+        "{:?}",
+        types(&e)
+    );
+}
+
+/// `--mem=50M` and a command that needs far more: OUT_OF_MEMORY. This bed enforces memory
+/// through a cgroup (task/cgroup) where the kernel gives it a writable tree; without one it
+/// can only kill the job (FAILED 0:9, JobLaunchFailure) and Slurm never says OUT_OF_MEMORY,
+/// so then the test expects that and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_over_the_memory_limit_is_out_of_memory() {
+    let Some(bed) = slurm() else { return };
+    let cgroup = bed.env.get("RSB_SLURM_CGROUP").cloned().unwrap_or_default();
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let _daemon = mcp.daemon();
+    let s = mcp
+        .submit_watched(
+            "oom",
+            "s=$(head -c 400000000 /dev/zero | tr '\\0' x); echo ${#s}",
+            json!({"mem": "50M"}),
+            true,
+        )
+        .await;
+    let w = s["watch_id"].as_i64().unwrap();
+    let v = mcp.until("oom", 90, finished).await;
+    if cgroup == "none" {
+        eprintln!("no writable cgroup here: Slurm kills the job without saying OUT_OF_MEMORY");
+        assert_eq!(v["slurm_state"], "FAILED", "{v}");
+        return;
+    }
+    assert_eq!(v["slurm_state"], "OUT_OF_MEMORY", "{v}");
+    assert_eq!(v["reason"], "out_of_memory", "{v}");
+    let e = mcp.until_events(w, 30, |e| has(e, "out_of_memory")).await;
+    assert!(!has(&e, "resume_started"), "not resumed: {:?}", types(&e));
+    assert_eq!(mcp.watch(w).status, "completed");
+}
+
+/// A watched job's end reaches the watch within a tick or two, and the check tool sees it
+/// within the poll's tick plus 2 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_a_watched_jobs_end_is_seen_within_a_tick_and_two_seconds() {
+    let Some(_bed) = slurm() else { return };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let _daemon = mcp.daemon();
+    let marker = sshd.home().join("ended-at");
+    let m = marker.display().to_string();
+    let s = mcp
+        .submit_watched(
+            "quick",
+            &format!("sleep 3; date +%s.%N > {m}; exit 7"),
+            json!({}),
+            true,
+        )
+        .await;
+    let w = s["watch_id"].as_i64().unwrap();
+    let v = mcp.until("quick", 60, finished).await;
+    let seen_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert_eq!(v["exit_code"], 7, "{v}");
+    let ended: f64 = std::fs::read_to_string(&marker)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let lag = seen_at - ended;
+    let e = mcp.until_events(w, 30, |e| has(e, "completed")).await;
+    let c = e.iter().find(|e| e.event_type == "completed").unwrap();
+    assert_eq!(c.payload["exit_code"], 7);
+    let watch_lag = c.created_ts as f64 - ended;
+    eprintln!("job end -> check_background_task {lag:.2} s; -> watch event {watch_lag:.1} s");
+    // 0.5 s between this test's polls on top of the 2 s tick, plus 2 s.
+    assert!(lag <= 2.0 + 2.0 + 0.5, "the end showed {lag:.2} s late");
+    assert!(
+        watch_lag <= 6.0,
+        "the watch saw the end {watch_lag:.1} s late"
     );
 }
