@@ -19,6 +19,8 @@ use serde_json::{Value, json};
 
 struct Mcp {
     svc: RunningService<RoleClient, ()>,
+    /// The `REMOTE_SANDBOX_LIST` it runs with, for the CLI beside it.
+    list: String,
     home: PathBuf,
     state: PathBuf,
     _tmp: tempfile::TempDir,
@@ -63,6 +65,7 @@ impl Mcp {
             .unwrap();
         Mcp {
             svc,
+            list: list.to_string(),
             state: tmp.path().join("state"),
             home,
             _tmp: tmp,
@@ -88,6 +91,27 @@ impl Mcp {
             .spawn()
             .unwrap();
         Daemon(child)
+    }
+
+    /// `rsb ARGS` with this server's configuration and state: (exit code, stdout).
+    fn cli(&self, args: &[&str]) -> (Option<i32>, String) {
+        let out = rsb_tests::output_with_timeout(
+            std::process::Command::new(workspace_root().join("target/debug/rsb"))
+                .args(args)
+                .env_clear()
+                .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+                .env("HOME", &self.home)
+                .env("XDG_CONFIG_HOME", self.home.join(".config"))
+                .env("RSB_SSH_CONFIG", self.home.join(".ssh/config"))
+                .env("RSB_STATE_DIR", &self.state)
+                .env("REMOTE_SANDBOX_LIST", &self.list),
+            Duration::from_secs(60),
+        )
+        .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
     }
 
     fn daemon_log(&self) -> String {
@@ -246,6 +270,55 @@ async fn slurm_exit_code_is_the_commands_and_comes_from_the_record() {
         .unwrap_or_else(|| panic!("{l}"));
     assert_eq!(t["exit_code"], 3, "{t}");
     assert_eq!(t["scheduler"], "slurm", "{t}");
+    assert_eq!(t["restarts"], 0, "{t}");
+    assert_eq!(v["restarts"], 0, "{v}");
+    // `rsb jobs list` shows Slurm's columns for it.
+    let (code, out) = mcp.cli(&["jobs", "list"]);
+    assert_eq!(code, Some(0), "{out}");
+    let mut lines = out.lines();
+    let head: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        head,
+        [
+            "NAME",
+            "STATE",
+            "EXIT",
+            "DURATION",
+            "SCHEDULER",
+            "SLURM_JOB_ID",
+            "SLURM_STATE",
+            "PENDING_REASON",
+            "NODE",
+            "RESTARTS",
+            "COMMAND"
+        ],
+        "{out}"
+    );
+    let row: Vec<&str> = lines
+        .find(|l| l.starts_with("exit3 "))
+        .unwrap_or_else(|| panic!("{out}"))
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        &row[..10],
+        [
+            "exit3",
+            "exited",
+            "3",
+            row[3],
+            "slurm",
+            id.as_str(),
+            "FAILED",
+            "-",
+            "rsbnode",
+            "0"
+        ],
+        "{out}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -619,6 +692,20 @@ async fn slurm_node_down_interrupts_and_resubmits_or_is_requeued_by_slurm_alone(
     assert_eq!(v["state"], "resuming", "{v}");
     assert_eq!(v["restarts"], 1, "{v}");
     assert_eq!(v["slurm_job_id"], idb.as_str(), "{v}");
+    let (_, out) = mcp.cli(&["--json", "jobs", "list"]);
+    let l: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let t = l["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tmux_session"] == "nd-rq")
+        .cloned()
+        .unwrap_or_else(|| panic!("{l}"));
+    assert_eq!(
+        (t["state"].clone(), t["restarts"].clone()),
+        (json!("resuming"), json!(1)),
+        "{t}"
+    );
     // Several more checks of both watches: still one resubmit of the first, none of the
     // second, whatever the record of its killed first run says.
     tokio::time::sleep(Duration::from_secs(6)).await;
