@@ -38,14 +38,22 @@ impl Drop for Daemon {
 
 impl Mcp {
     async fn start(sshd: &Sshd, slurm_defaults: Value) -> Mcp {
+        Self::start_entry(sshd, json!({"scheduler": "slurm", "slurm": slurm_defaults})).await
+    }
+
+    /// A server whose one sandbox, `cluster`, is the fixture plus `extra` keys.
+    async fn start_entry(sshd: &Sshd, extra: Value) -> Mcp {
         let tmp = tempfile::tempdir().unwrap();
         let home = tmp.path().join("home");
         std::fs::create_dir_all(&home).unwrap();
-        let list = json!([{
+        let mut entry = json!({
             "name": "cluster", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
             "key_file": sshd.client_key().display().to_string(),
-            "scheduler": "slurm", "slurm": slurm_defaults,
-        }]);
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            entry[k] = v.clone();
+        }
+        let list = json!([entry]);
         let bin = workspace_root().join("target/debug/rsb");
         assert!(bin.exists(), "build rsb first: cargo build -p rsb");
         let mut cmd = tokio::process::Command::new(bin);
@@ -970,5 +978,55 @@ async fn slurm_a_watched_jobs_end_is_seen_within_a_tick_and_two_seconds() {
     assert!(
         watch_lag <= 6.0,
         "the watch saw the end {watch_lag:.1} s late"
+    );
+}
+
+/// First-connect discovery: a sandbox not declared `scheduler = "slurm"` whose host answers
+/// sbatch and sinfo gets the hint (in `list_sandboxes` and the server's log) from a probe
+/// run once, after its first connect and off its path; a declared one gets none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_first_connect_notices_an_undeclared_login_node_in_the_background() {
+    let Some(_bed) = slurm() else { return };
+    let sshd = Sshd::start().unwrap();
+    // The agent's first deploy to this home, so both timings below are of a warm connect.
+    Mcp::start(&sshd, json!({}))
+        .await
+        .ok("exec_bash", json!({"command": "true"}))
+        .await;
+    let mut firsts = Vec::new();
+    for declared in [false, true] {
+        let mcp = if declared {
+            Mcp::start(&sshd, json!({})).await
+        } else {
+            Mcp::start_entry(&sshd, json!({})).await
+        };
+        let t0 = Instant::now();
+        mcp.ok("exec_bash", json!({"command": "true"})).await;
+        firsts.push(t0.elapsed());
+        let deadline = Instant::now() + Duration::from_secs(if declared { 3 } else { 20 });
+        let row = loop {
+            let l = mcp.ok("list_sandboxes", json!({})).await;
+            let row = l["sandboxes"][0].clone();
+            if row.get("hint").is_some() || Instant::now() >= deadline {
+                break row;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        if declared {
+            assert!(row.get("hint").is_none(), "{row}");
+        } else {
+            let h = row["hint"]
+                .as_str()
+                .unwrap_or_else(|| panic!("no hint: {row}"));
+            assert!(
+                h.contains("scheduler = \"slurm\"") && h.contains("debug"),
+                "{h}"
+            );
+        }
+    }
+    eprintln!(
+        "first exec_bash (connect included): {:.0} ms undeclared (probe in the background), {:.0} ms declared (no probe)",
+        firsts[0].as_secs_f64() * 1000.0,
+        firsts[1].as_secs_f64() * 1000.0
     );
 }

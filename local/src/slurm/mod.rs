@@ -9,9 +9,12 @@
 //!   never holding a caller longer than [`poll::WAIT`];
 //! - [`submit`]: the record first, then one sbatch; a repeated launch id returns the job it
 //!   already submitted;
+//! - [`discover`]: the host probe and the "this is a login node" verdict, for `rsb doctor`
+//!   and a sandbox's first connect;
 //! - [`state`]: what a Slurm state and the wrapper's record mean together, for the tools'
 //!   replies and the watchdog's decisions alike.
 
+pub mod discover;
 pub mod options;
 pub mod poll;
 pub mod remote;
