@@ -260,10 +260,10 @@ impl SlurmBed {
         {
             eprintln!("restoring the Slurm bed: {e:#}");
         }
-        if self.config_value("MinJobAge").as_deref() != Some("300 sec") {
-            if let Err(e) = self.stop().and_then(|()| self.start_with(&[])) {
-                eprintln!("restoring the Slurm bed's MinJobAge: {e:#}");
-            }
+        if self.config_value("MinJobAge").as_deref() != Some("300 sec")
+            && let Err(e) = self.stop().and_then(|()| self.start_with(&[]))
+        {
+            eprintln!("restoring the Slurm bed's MinJobAge: {e:#}");
         }
         let node = self
             .env
