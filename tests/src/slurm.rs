@@ -62,6 +62,10 @@ fn start() -> Result<SlurmBed> {
 /// The test bed's lock file: shared by every Slurm test, exclusive for one that disrupts it.
 /// Outside the bed's own dir, which a restart may wipe.
 const LOCK: &str = "/tmp/rsb-slurm-tests.lock";
+/// Held (exclusive) by a disruptive test while it waits for [`LOCK`], and passed through
+/// (shared) by every other test on its way in: flock has no writer preference, so without it
+/// a stream of overlapping shared holders would keep a disruptive test waiting.
+const GATE: &str = "/tmp/rsb-slurm-tests.gate";
 /// The longest a test waits for the lock: every disruptive test is bounded well below this.
 const LOCK_WAIT: Duration = Duration::from_secs(900);
 
@@ -79,12 +83,17 @@ impl std::ops::Deref for Bed {
 }
 
 fn lock(exclusive: bool) -> File {
+    let _gate = flock(GATE, exclusive);
+    flock(LOCK, exclusive)
+}
+
+fn flock(path: &str, exclusive: bool) -> File {
     let f = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
-        .open(LOCK)
-        .unwrap_or_else(|e| panic!("cannot open {LOCK}: {e}"));
+        .open(path)
+        .unwrap_or_else(|e| panic!("cannot open {path}: {e}"));
     let t0 = Instant::now();
     loop {
         let r = if exclusive {
@@ -97,12 +106,12 @@ fn lock(exclusive: bool) -> File {
             Err(std::fs::TryLockError::WouldBlock) => {
                 assert!(
                     t0.elapsed() < LOCK_WAIT,
-                    "the Slurm test bed's lock {LOCK} was held for {} s",
+                    "the Slurm test bed's lock {path} was held for {} s",
                     LOCK_WAIT.as_secs()
                 );
                 std::thread::sleep(Duration::from_millis(100));
             }
-            Err(std::fs::TryLockError::Error(e)) => panic!("cannot lock {LOCK}: {e}"),
+            Err(std::fs::TryLockError::Error(e)) => panic!("cannot lock {path}: {e}"),
         }
     }
 }

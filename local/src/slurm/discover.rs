@@ -57,9 +57,14 @@ pub async fn probe(client: &AgentClient) -> crate::error::Result<BTreeMap<String
     Ok(probe_values(&String::from_utf8_lossy(&r.stdout.head)))
 }
 
+/// How long the first-connect look waits before probing: the call that connected is usually
+/// about to use the host, and the probe should not compete with it.
+pub const FIRST_CONNECT_DELAY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The first-connect look ([`crate::pool::Pool::on_first_connect`]): the probe, then the
 /// hint for an undeclared login node, logged once.
 pub async fn first_connect(client: AgentClient) -> Option<String> {
+    tokio::time::sleep(FIRST_CONNECT_DELAY).await;
     let v = probe(&client).await.ok()?;
     let hint = undeclared_login_node(&v)?;
     tracing::warn!(sandbox = %client.sandbox(), "{hint}");
