@@ -1030,3 +1030,88 @@ async fn slurm_first_connect_notices_an_undeclared_login_node_in_the_background(
         firsts[1].as_secs_f64() * 1000.0
     );
 }
+
+/// Mark watch `id` as a daemon killed mid-resume leaves it: attempt counted, intent recorded
+/// with `launch_id` for job `session`.
+fn cut_resume(state: &std::path::Path, id: i64, launch_id: &str, session: &str) {
+    let n = rsb::store::open(state)
+        .unwrap()
+        .execute(
+            "UPDATE watches SET resume_attempts = 1, resume_intent_ms = ?2,
+               resume_launch_id = ?3, resume_launch_session = ?4, last_state = 'resuming'
+             WHERE id = ?1",
+            (id, rsb::store::now_ms(), launch_id, session),
+        )
+        .unwrap();
+    assert_eq!(n, 1);
+}
+
+/// The Slurm jobs whose comment carries `launch_id` (as root, not through rsb).
+fn jobs_of_launch(launch_id: &str) -> Vec<String> {
+    let out = std::process::Command::new("squeue")
+        .args(["-h", "-t", "all", "-o", "%i|%k"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().split_once('|'))
+        .filter(|(_, c)| *c == format!("rsb:{launch_id}"))
+        .map(|(i, _)| i.to_string())
+        .collect()
+}
+
+/// A Slurm resume cut by a daemon kill is repeated with its launch id and submitted once: the
+/// repeat after a cut between sbatch and the record (no `slurm_job` file) finds the job by its
+/// name and comment, records it again, and submits nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_a_resume_cut_by_a_daemon_kill_is_submitted_once() {
+    let Some(_bed) = slurm() else { return };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let s = mcp
+        .ok(
+            "exec_bash_background",
+            json!({"command": "sleep 300", "session_name": "cutj", "watch": true,
+                   "ensure_watchdog": false, "interval_s": 1, "auto_resume": true,
+                   "resume_delay_s": 0, "max_resume_attempts": 3,
+                   "resume_command": "echo run >> ran.txt; sleep 3",
+                   "resume_plan_json": json!({"tmux_session": "cutj-r"}).to_string(),
+                   "checkpoint_path": "ck.txt", "notify_local": false}),
+        )
+        .await;
+    let w = s["watch_id"].as_i64().unwrap();
+    let launch = format!("LS{}", rsb::store::now_ms());
+    cut_resume(&mcp.state, w, &launch, "cutj-r");
+    let daemon = mcp.daemon();
+    mcp.until_events(w, 30, |e| has(e, "resume_started")).await;
+    drop(daemon);
+    let first = jobs_of_launch(&launch);
+    assert_eq!(first.len(), 1, "{first:?}");
+    // The cut: sbatch took the job, its id never reached the record.
+    let record = sshd.home().join(".cache/rsb/jobs/cutj-r/slurm_job");
+    std::fs::remove_file(&record).unwrap();
+    cut_resume(&mcp.state, w, &launch, "cutj-r");
+    let _daemon = mcp.daemon();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while mcp.watch(w).resume_intent_ms != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}\n{}",
+            mcp.watch(w),
+            mcp.daemon_log()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_eq!(jobs_of_launch(&launch), first, "submitted again");
+    assert_eq!(
+        std::fs::read_to_string(&record).unwrap().trim(),
+        first[0],
+        "the found job is recorded again"
+    );
+    let e = mcp.until_events(w, 60, |e| has(e, "completed")).await;
+    assert!(!has(&e, "resume_failed"), "{:?}", types(&e));
+    let ran = std::fs::read_to_string(sshd.home().join("ran.txt")).unwrap();
+    assert_eq!(ran, "run\n", "the resume command ran once");
+    mcp.ok("kill_background_task", json!({"tmux_session": "cutj"}))
+        .await;
+}
