@@ -851,6 +851,32 @@ async fn slurm_controller_down_is_scheduler_unreachable_then_the_right_end() {
     mcp.until("ctl", 60, |v| v["state"] == "running").await;
     bed.stop_controller().unwrap();
     let killed = Instant::now();
+    // The first answer that says so comes from the first poll after the stop, still held by
+    // squeue (9-18 s): a submit now is refused at once, in one line, instead of waiting on
+    // sbatch for the whole of its timeout.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while mcp.check("ctl").await["state"] != "scheduler_unreachable" {
+        assert!(Instant::now() < deadline, "never scheduler_unreachable");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let t = Instant::now();
+    let (err, r) = mcp
+        .call(
+            "exec_bash_background",
+            json!({"command": "true", "session_name": "while-down", "watch": false}),
+        )
+        .await;
+    assert!(err, "{r}");
+    let msg = r["error"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("controller is not answering") && !msg.contains('\n'),
+        "{r}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        t.elapsed()
+    );
     // Every call answers within the poll's bound, controller or not.
     let mut slowest = Duration::ZERO;
     let deadline = Instant::now() + Duration::from_secs(60);

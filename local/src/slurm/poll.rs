@@ -109,6 +109,22 @@ impl Poller {
         self.cache.lock().at = None;
     }
 
+    /// Why the controller is taken to be down right now (the poll in flight has outlasted
+    /// [`WAIT`], or the last poll failed and its backoff runs), without asking it. Once the
+    /// backoff ends the next caller asks again, so a controller back up is never refused for
+    /// longer than that.
+    pub fn down(&self) -> Option<String> {
+        let c = self.cache.lock();
+        if let Some(t) = c.polling.filter(|t| t.elapsed() >= WAIT) {
+            return Some(format!(
+                "squeue has not answered for {} s",
+                t.elapsed().as_secs()
+            ));
+        }
+        let backing_off = c.next_try.is_some_and(|t| Instant::now() < t);
+        c.error.clone().filter(|_| backing_off)
+    }
+
     /// The state of each id, from a poll at most [`TICK`] old, waiting at most [`WAIT`].
     pub async fn states(
         self: &Arc<Self>,

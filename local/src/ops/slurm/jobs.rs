@@ -54,6 +54,15 @@ pub async fn start(
     }
     let opts = job.over(defaults);
     opts.check()?;
+    // A controller known to be down would hold sbatch (and the lookup after it) for the
+    // whole of each call's 25 s: say so at once instead.
+    if let Some(why) = poll::poller(client.sandbox()).down() {
+        return Err(RsbError::new(
+            Kind::Timeout,
+            format!("the Slurm controller is not answering ({why}), so nothing was submitted"),
+            "submit again once `scontrol ping` answers on the login node",
+        ));
+    }
     let name = if session_name.trim().is_empty() {
         ojobs::default_session_name()
     } else {
