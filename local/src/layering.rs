@@ -31,6 +31,7 @@ pub const LAYERS: &[&[&str]] = &[
     &["audit"],
     &["sync"],
     &["forward"],
+    &["slurm"],
     &["watchdog"],
     &["ops"],
     &["mcp"],

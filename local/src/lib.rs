@@ -16,6 +16,7 @@ pub mod mcp;
 pub mod ops;
 pub mod pool;
 pub mod server_env;
+pub mod slurm;
 pub mod ssh;
 pub mod store;
 pub mod sync;

@@ -36,6 +36,10 @@ struct Slot {
     /// The last failed probe (`list_sandboxes`, `select_sandbox("auto")`): when, and why.
     /// Cleared by a new connection.
     failure: parking_lot::Mutex<Option<(Instant, String)>>,
+    /// Whether this slot's first connection was handed to [`Pool::on_first_connect`]'s hook.
+    discovered: std::sync::atomic::AtomicBool,
+    /// What that hook found (a hint for the user), once it has answered.
+    hint: parking_lot::Mutex<Option<String>>,
     /// Set while [`Pool::client_with_generation`] dials (the `conn` lock is held that long),
     /// so [`Pool::known_state`] can say "connecting" without waiting for the lock.
     connecting: std::sync::atomic::AtomicBool,
@@ -72,7 +76,19 @@ pub struct Pool {
     local: Mutex<Option<Connection>>,
     /// Background transfer tasks (opened lazily: SQLite in the state dir).
     transfers: parking_lot::Mutex<Option<Arc<crate::store::transfers::Transfers>>>,
+    /// Run once per sandbox, in the background, after its first connect (see
+    /// [`Pool::on_first_connect`]).
+    first_connect: parking_lot::Mutex<Option<FirstConnect>>,
 }
+
+/// A look at a sandbox after its first connect; `Some(hint)` is kept for the listing.
+pub type FirstConnect = Arc<
+    dyn Fn(
+            AgentClient,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<String>> + Send>>
+        + Send
+        + Sync,
+>;
 
 /// Result of a liveness check for `list_sandboxes` / `get_active_sandbox`.
 #[derive(Debug, Clone)]
@@ -98,6 +114,8 @@ impl Pool {
                         generation: Default::default(),
                         failure: Default::default(),
                         connecting: Default::default(),
+                        discovered: Default::default(),
+                        hint: Default::default(),
                     }),
                 )
             })
@@ -110,7 +128,21 @@ impl Pool {
             active,
             local: Mutex::new(None),
             transfers: parking_lot::Mutex::new(None),
+            first_connect: parking_lot::Mutex::new(None),
         }
+    }
+
+    /// Run `f` once per sandbox not declared `scheduler = "slurm"`, on a task of its own
+    /// after that sandbox's first connect, so the connect never waits for it; what it
+    /// returns is [`Pool::hint`]. The hook is set from above (the server), because what it
+    /// looks for lives above the pool.
+    pub fn on_first_connect(&self, f: FirstConnect) {
+        *self.first_connect.lock() = Some(f);
+    }
+
+    /// What the first-connect hook found for `name`, once it has answered.
+    pub fn hint(&self, name: &str) -> Option<String> {
+        self.slots.get(name)?.hint.lock().clone()
     }
 
     pub fn config(&self) -> &Config {
@@ -205,6 +237,18 @@ impl Pool {
         *guard = Some(conn);
         *slot.failure.lock() = None;
         let generation = slot.generation.fetch_add(1, Ordering::SeqCst) + 1;
+        let hook = self.first_connect.lock().clone();
+        if let Some(hook) = hook
+            && slot.cfg.slurm.is_none()
+            && !slot.discovered.swap(true, Ordering::SeqCst)
+        {
+            let (slot, look) = (slot.clone(), hook(client.clone()));
+            tokio::spawn(async move {
+                if let Some(h) = look.await {
+                    *slot.hint.lock() = Some(h);
+                }
+            });
+        }
         Ok((client, generation))
     }
 

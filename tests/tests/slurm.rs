@@ -10,24 +10,50 @@ use rmcp::{
     RoleClient, ServiceExt, model::CallToolRequestParams, service::RunningService,
     transport::TokioChildProcess,
 };
-use rsb_tests::{Sshd, SshdOptions, slurm::slurm, workspace_root};
+use rsb_tests::{
+    Sshd, SshdOptions,
+    slurm::{slurm, slurm_exclusive},
+    workspace_root,
+};
 use serde_json::{Value, json};
 
 struct Mcp {
     svc: RunningService<RoleClient, ()>,
+    /// The `REMOTE_SANDBOX_LIST` it runs with, for the CLI beside it.
+    list: String,
+    home: PathBuf,
+    state: PathBuf,
     _tmp: tempfile::TempDir,
+}
+
+/// A real `rsb watchdog run` on the server's state dir, SIGKILLed when dropped.
+struct Daemon(std::process::Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 impl Mcp {
     async fn start(sshd: &Sshd, slurm_defaults: Value) -> Mcp {
+        Self::start_entry(sshd, json!({"scheduler": "slurm", "slurm": slurm_defaults})).await
+    }
+
+    /// A server whose one sandbox, `cluster`, is the fixture plus `extra` keys.
+    async fn start_entry(sshd: &Sshd, extra: Value) -> Mcp {
         let tmp = tempfile::tempdir().unwrap();
         let home = tmp.path().join("home");
         std::fs::create_dir_all(&home).unwrap();
-        let list = json!([{
+        let mut entry = json!({
             "name": "cluster", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
             "key_file": sshd.client_key().display().to_string(),
-            "scheduler": "slurm", "slurm": slurm_defaults,
-        }]);
+        });
+        for (k, v) in extra.as_object().unwrap() {
+            entry[k] = v.clone();
+        }
+        let list = json!([entry]);
         let bin = workspace_root().join("target/debug/rsb");
         assert!(bin.exists(), "build rsb first: cargo build -p rsb");
         let mut cmd = tokio::process::Command::new(bin);
@@ -45,7 +71,113 @@ impl Mcp {
             .await
             .expect("MCP initialize timed out")
             .unwrap();
-        Mcp { svc, _tmp: tmp }
+        Mcp {
+            svc,
+            list: list.to_string(),
+            state: tmp.path().join("state"),
+            home,
+            _tmp: tmp,
+        }
+    }
+
+    /// The watchdog daemon for this server's watches, ticking every second.
+    fn daemon(&self) -> Daemon {
+        let log = std::fs::File::create(self.home.join("daemon.log")).unwrap();
+        let child = std::process::Command::new(workspace_root().join("target/debug/rsb"))
+            .args(["watchdog", "run", "--loop-sleep", "1"])
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &self.home)
+            .env("XDG_CONFIG_HOME", self.home.join(".config"))
+            .env("XDG_DATA_HOME", self.home.join(".local/share"))
+            .env("RSB_SSH_CONFIG", self.home.join(".ssh/config"))
+            .env("RSB_STATE_DIR", &self.state)
+            .env("RSB_LOG", "info")
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        Daemon(child)
+    }
+
+    /// `rsb ARGS` with this server's configuration and state: (exit code, stdout).
+    fn cli(&self, args: &[&str]) -> (Option<i32>, String) {
+        let out = rsb_tests::output_with_timeout(
+            std::process::Command::new(workspace_root().join("target/debug/rsb"))
+                .args(args)
+                .env_clear()
+                .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+                .env("HOME", &self.home)
+                .env("XDG_CONFIG_HOME", self.home.join(".config"))
+                .env("RSB_SSH_CONFIG", self.home.join(".ssh/config"))
+                .env("RSB_STATE_DIR", &self.state)
+                .env("REMOTE_SANDBOX_LIST", &self.list),
+            Duration::from_secs(60),
+        )
+        .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+        )
+    }
+
+    fn daemon_log(&self) -> String {
+        std::fs::read_to_string(self.home.join("daemon.log")).unwrap_or_default()
+    }
+
+    /// Submit `command` as job `name` with a watch that resumes it by `resume` (checked
+    /// every second, resumed at once, once).
+    async fn submit_watched(&self, name: &str, command: &str, slurm: Value, resume: bool) -> Value {
+        let s = self
+            .ok(
+                "exec_bash_background",
+                json!({"command": command, "session_name": name, "slurm": slurm,
+                       "watch": true, "ensure_watchdog": false, "interval_s": 1,
+                       "auto_resume": resume, "resume_delay_s": 0, "max_resume_attempts": 1,
+                       "resume_command": "echo resumed-$RSB_RESUME_ATTEMPT; exit 0",
+                       "checkpoint_path": "ck.txt", "notify_local": false}),
+            )
+            .await;
+        assert!(s["watch_id"].as_i64().is_some(), "{s}");
+        assert!(s.get("watch_error").is_none(), "{s}");
+        s
+    }
+
+    fn watch(&self, id: i64) -> rsb::watchdog::Watch {
+        let c = rsb::store::open(&self.state).unwrap();
+        rsb::watchdog::db::require(&c, id).unwrap()
+    }
+
+    fn events(&self, id: i64) -> Vec<rsb::watchdog::WatchEvent> {
+        let c = rsb::store::open(&self.state).unwrap();
+        let mut e = rsb::watchdog::db::events(&c, id, 100).unwrap();
+        e.sort_by_key(|e| e.id);
+        e
+    }
+
+    /// Wait (bounded) until the watch's events satisfy `pred`.
+    async fn until_events(
+        &self,
+        id: i64,
+        secs: u64,
+        pred: impl Fn(&[rsb::watchdog::WatchEvent]) -> bool,
+    ) -> Vec<rsb::watchdog::WatchEvent> {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let e = self.events(id);
+            if pred(&e) {
+                return e;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "watch {id}: events not as expected in {secs} s: {:?}\nwatch: {:?}\ndaemon log:\n{}",
+                types(&e),
+                self.watch(id),
+                self.daemon_log()
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
     }
 
     /// (isError, parsed JSON or the text as a string)
@@ -101,6 +233,14 @@ impl Mcp {
     }
 }
 
+fn types(e: &[rsb::watchdog::WatchEvent]) -> Vec<String> {
+    e.iter().map(|e| e.event_type.clone()).collect()
+}
+
+fn has(e: &[rsb::watchdog::WatchEvent], t: &str) -> bool {
+    e.iter().any(|e| e.event_type == t)
+}
+
 fn finished(v: &Value) -> bool {
     v["running"] == json!(false)
 }
@@ -138,6 +278,55 @@ async fn slurm_exit_code_is_the_commands_and_comes_from_the_record() {
         .unwrap_or_else(|| panic!("{l}"));
     assert_eq!(t["exit_code"], 3, "{t}");
     assert_eq!(t["scheduler"], "slurm", "{t}");
+    assert_eq!(t["restarts"], 0, "{t}");
+    assert_eq!(v["restarts"], 0, "{v}");
+    // `rsb jobs list` shows Slurm's columns for it.
+    let (code, out) = mcp.cli(&["jobs", "list"]);
+    assert_eq!(code, Some(0), "{out}");
+    let mut lines = out.lines();
+    let head: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        head,
+        [
+            "NAME",
+            "STATE",
+            "EXIT",
+            "DURATION",
+            "SCHEDULER",
+            "SLURM_JOB_ID",
+            "SLURM_STATE",
+            "PENDING_REASON",
+            "NODE",
+            "RESTARTS",
+            "COMMAND"
+        ],
+        "{out}"
+    );
+    let row: Vec<&str> = lines
+        .find(|l| l.starts_with("exit3 "))
+        .unwrap_or_else(|| panic!("{out}"))
+        .split_whitespace()
+        .collect();
+    assert_eq!(
+        &row[..10],
+        [
+            "exit3",
+            "exited",
+            "3",
+            row[3],
+            "slurm",
+            id.as_str(),
+            "FAILED",
+            "-",
+            "rsbnode",
+            "0"
+        ],
+        "{out}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -375,9 +564,7 @@ async fn slurm_time_limit_is_reported_as_timeout() {
 /// partitions; either way it reports the host's tools.
 #[test]
 fn doctor_notices_a_login_node_and_reports_its_partitions() {
-    if slurm().is_none() {
-        return;
-    }
+    let Some(_bed) = slurm() else { return };
     let sshd = Sshd::start().unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let home = tmp.path().join("home");
@@ -438,4 +625,525 @@ fn doctor_notices_a_login_node_and_reports_its_partitions() {
             .starts_with("partitions: debug*"),
         "{s}"
     );
+}
+
+/// A node set DOWN ends a `--no-requeue` job as NODE_FAIL: the watchdog calls it interrupted
+/// and resumes it by its plan, resubmitting once (the launch id); the same node failure
+/// with `requeue=true` is Slurm's own restart: resuming, and never resubmitted by rsb.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_node_down_interrupts_and_resubmits_or_is_requeued_by_slurm_alone() {
+    let Some(bed) = slurm_exclusive() else { return };
+    let node = bed.env["RSB_SLURM_NODE"].clone();
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let _daemon = mcp.daemon();
+    let a = mcp
+        .submit_watched("nd-norq", "sleep 300", json!({"requeue": false}), true)
+        .await;
+    let b = mcp
+        .submit_watched("nd-rq", "sleep 300", json!({"requeue": true}), true)
+        .await;
+    let (wa, wb) = (
+        a["watch_id"].as_i64().unwrap(),
+        b["watch_id"].as_i64().unwrap(),
+    );
+    let (ida, idb) = (
+        a["slurm_job_id"].as_str().unwrap().to_string(),
+        b["slurm_job_id"].as_str().unwrap().to_string(),
+    );
+    mcp.until("nd-norq", 60, |v| v["state"] == "running").await;
+    mcp.until("nd-rq", 60, |v| v["state"] == "running").await;
+    // The daemon saw both running before the failure.
+    for w in [wa, wb] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while mcp.watch(w).last_state != "running" {
+            assert!(Instant::now() < deadline, "{:?}", mcp.watch(w));
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+    let down = Instant::now();
+    bed.cmd(
+        "scontrol",
+        &[
+            "update",
+            &format!("nodename={node}"),
+            "state=down",
+            "reason=rsb-test",
+        ],
+    )
+    .unwrap();
+
+    // --no-requeue: interrupted (node_fail), then resubmitted once.
+    let e = mcp
+        .until_events(wa, 60, |e| {
+            has(e, "interrupted") && has(e, "resume_started")
+        })
+        .await;
+    let took = down.elapsed();
+    let i = e.iter().find(|e| e.event_type == "interrupted").unwrap();
+    assert_eq!(i.payload["job_state"], "node_fail", "{:?}", i.payload);
+    assert_eq!(i.payload["slurm_state"], "NODE_FAIL", "{:?}", i.payload);
+    assert_eq!(i.payload["slurm_job_id"], ida.as_str());
+    let v = mcp.check("nd-norq").await;
+    let resubmitted = v["slurm_job_id"].as_str().unwrap().to_string();
+    assert_ne!(resubmitted, ida, "resumed by a new Slurm job: {v}");
+    eprintln!(
+        "node DOWN -> interrupted + resubmitted in {:.1} s",
+        took.as_secs_f64()
+    );
+
+    // requeue=true: resuming by Slurm's own restart; rsb does not resubmit.
+    let e = mcp.until_events(wb, 60, |e| has(e, "requeued")).await;
+    let r = e.iter().find(|e| e.event_type == "requeued").unwrap();
+    assert_eq!(r.payload["slurm_job_id"], idb.as_str(), "{:?}", r.payload);
+    // Slurm may list the requeued job as PENDING a moment before its Restarts count goes up
+    // (seen once: Priority, Restarts=0): resuming either way, since it had run.
+    let v = mcp
+        .until("nd-rq", 30, |v| {
+            v["restarts"] == 1 || v["state"] != "resuming"
+        })
+        .await;
+    assert_eq!(v["state"], "resuming", "{v}");
+    assert_eq!(v["restarts"], 1, "{v}");
+    assert_eq!(v["slurm_job_id"], idb.as_str(), "{v}");
+    let (_, out) = mcp.cli(&["--json", "jobs", "list"]);
+    let l: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    let t = l["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tmux_session"] == "nd-rq")
+        .cloned()
+        .unwrap_or_else(|| panic!("{l}"));
+    assert_eq!(
+        (t["state"].clone(), t["restarts"].clone()),
+        (json!("resuming"), json!(1)),
+        "{t}"
+    );
+    // Several more checks of both watches: still one resubmit of the first, none of the
+    // second, whatever the record of its killed first run says.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(mcp.watch(wb).last_state, "resuming");
+    assert!(
+        !has(&mcp.events(wb), "resume_started"),
+        "{:?}",
+        types(&mcp.events(wb))
+    );
+    assert!(
+        !has(&mcp.events(wb), "interrupted"),
+        "{:?}",
+        types(&mcp.events(wb))
+    );
+    let starts = mcp
+        .events(wa)
+        .iter()
+        .filter(|e| e.event_type == "resume_started")
+        .count();
+    assert_eq!(starts, 1, "{:?}", types(&mcp.events(wa)));
+    assert_eq!(mcp.check("nd-rq").await["slurm_job_id"], idb.as_str());
+
+    // The node back: the resubmitted job runs its resume command and completes.
+    bed.restore();
+    let e = mcp.until_events(wa, 90, |e| has(e, "completed")).await;
+    let c = e.iter().find(|e| e.event_type == "completed").unwrap();
+    assert_eq!(c.payload["exit_code"], 0, "{:?}", c.payload);
+    assert_eq!(c.payload["slurm_job_id"], resubmitted.as_str());
+    let v = mcp.check("nd-norq").await;
+    assert!(v["log_tail"].as_str().unwrap().contains("resumed-1"), "{v}");
+    mcp.ok("kill_background_task", json!({"tmux_session": "nd-rq"}))
+        .await;
+}
+
+/// A job of a higher-tier partition (`urgent`) preempts a `--no-requeue` job: interrupted
+/// (preempted), never completed, in the tool's reply and in the watch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_preemption_is_interrupted_never_completed() {
+    let Some(_bed) = slurm_exclusive() else {
+        return;
+    };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let _daemon = mcp.daemon();
+    let low = mcp
+        .submit_watched(
+            "low",
+            "sleep 300",
+            json!({"partition": "debug", "cpus": 2, "requeue": false}),
+            false,
+        )
+        .await;
+    let w = low["watch_id"].as_i64().unwrap();
+    mcp.until("low", 60, |v| v["state"] == "running").await;
+    mcp.submit(
+        "high",
+        "sleep 300",
+        json!({"partition": "urgent", "cpus": 3}),
+    )
+    .await;
+    let v = mcp.until("low", 90, finished).await;
+    assert_eq!(v["state"], "interrupted", "{v}");
+    assert_eq!(v["reason"], "preempted", "{v}");
+    assert_eq!(v["slurm_state"], "PREEMPTED", "{v}");
+    let e = mcp.until_events(w, 30, |e| has(e, "interrupted")).await;
+    assert!(!has(&e, "completed"), "{:?}", types(&e));
+    let i = e.iter().find(|e| e.event_type == "interrupted").unwrap();
+    assert_eq!(i.payload["job_state"], "preempted", "{:?}", i.payload);
+    mcp.until("high", 60, |v| v["state"] == "running").await;
+    mcp.ok("kill_background_task", json!({"tmux_session": "high"}))
+        .await;
+}
+
+/// MinJobAge=10: the job is purged before rsb ever polls it, and still gets its exit code,
+/// from the wrapper's record. The bed is restarted with the knob, and back without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_a_job_purged_before_the_first_poll_gets_its_code_from_the_record() {
+    let Some(bed) = slurm_exclusive() else { return };
+    // start.sh leaves running daemons (and their config) alone: a new knob needs a stop.
+    bed.stop().unwrap();
+    bed.start_with(&[("RSB_SLURM_MIN_JOB_AGE", "10")]).unwrap();
+    let age = bed.cmd("scontrol", &["show", "config"]).unwrap();
+    assert!(
+        age.lines()
+            .any(|l| l.starts_with("MinJobAge") && l.contains("10 sec")),
+        "the bed did not take MinJobAge=10"
+    );
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let s = mcp.submit("purged", "exit 5", json!({})).await;
+    let id = s["slurm_job_id"].as_str().unwrap().to_string();
+    // Not through rsb: wait until the controller no longer knows the job.
+    let t0 = Instant::now();
+    loop {
+        let out = std::process::Command::new("squeue")
+            .args(["-h", "-t", "all", "-j", &id, "-o", "%T"])
+            .output()
+            .unwrap();
+        if !out.status.success() || out.stdout.trim_ascii().is_empty() {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(90),
+            "job {id} never purged"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!(
+        "job {id} purged {:.0} s after its submit",
+        t0.elapsed().as_secs_f64()
+    );
+    let v = mcp.check("purged").await;
+    assert_eq!(v["state"], "exited", "{v}");
+    assert_eq!(v["exit_code"], 5, "{v}");
+    assert_eq!(v["running"], false, "{v}");
+    assert!(
+        v.get("slurm_state").is_none(),
+        "Slurm had nothing to say: {v}"
+    );
+}
+
+/// The controller stopped while a job ends: `scheduler_unreachable` (in the reply, within
+/// its own bound, and as the watch's state), never lost or final; after the restart, the
+/// right end (FAILED, exit 4) in both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_controller_down_is_scheduler_unreachable_then_the_right_end() {
+    let Some(bed) = slurm_exclusive() else { return };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let _daemon = mcp.daemon();
+    let s = mcp
+        .submit_watched("ctl", "sleep 6; exit 4", json!({}), true)
+        .await;
+    let w = s["watch_id"].as_i64().unwrap();
+    mcp.until("ctl", 60, |v| v["state"] == "running").await;
+    bed.stop_controller().unwrap();
+    let killed = Instant::now();
+    // The first answer that says so comes from the first poll after the stop, still held by
+    // squeue (9-18 s): a submit now is refused at once, in one line, instead of waiting on
+    // sbatch for the whole of its timeout.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while mcp.check("ctl").await["state"] != "scheduler_unreachable" {
+        assert!(Instant::now() < deadline, "never scheduler_unreachable");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let t = Instant::now();
+    let (err, r) = mcp
+        .call(
+            "exec_bash_background",
+            json!({"command": "true", "session_name": "while-down", "watch": false}),
+        )
+        .await;
+    assert!(err, "{r}");
+    let msg = r["error"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("controller is not answering") && !msg.contains('\n'),
+        "{r}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "took {:?}",
+        t.elapsed()
+    );
+    // Every call answers within the poll's bound, controller or not.
+    let mut slowest = Duration::ZERO;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let v = loop {
+        let t = Instant::now();
+        let v = mcp.check("ctl").await;
+        slowest = slowest.max(t.elapsed());
+        if v["state"] == "scheduler_unreachable" && v["exit_code"] == 4 {
+            break v;
+        }
+        assert_ne!(v["state"], "lost", "{v}");
+        assert!(Instant::now() < deadline, "{v}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(v["running"], false, "{v}");
+    assert!(v["scheduler_error"].as_str().is_some(), "{v}");
+    assert!(
+        slowest < Duration::from_secs(8),
+        "a check took {slowest:?} while the controller was down"
+    );
+    let e = mcp
+        .until_events(w, 60, |e| has(e, "scheduler_unreachable"))
+        .await;
+    assert!(
+        !has(&e, "completed") && !has(&e, "interrupted"),
+        "{:?}",
+        types(&e)
+    );
+    assert_eq!(mcp.watch(w).status, "active");
+    eprintln!(
+        "controller down {:.0} s; slowest check {:.2} s",
+        killed.elapsed().as_secs_f64(),
+        slowest.as_secs_f64()
+    );
+    bed.restore();
+    let v = mcp
+        .until("ctl", 120, |v| v["slurm_state"] == "FAILED")
+        .await;
+    assert_eq!(
+        (v["state"].clone(), v["exit_code"].clone()),
+        (json!("exited"), json!(4)),
+        "{v}"
+    );
+    let e = mcp.until_events(w, 60, |e| has(e, "completed")).await;
+    let c = e.iter().find(|e| e.event_type == "completed").unwrap();
+    assert_eq!(c.payload["exit_code"], 4, "{:?}", c.payload);
+    assert!(
+        !has(&e, "interrupted") && !has(&e, "resume_started"),
+        "{:?}",
+        types(&e)
+    );
+}
+
+/// `--mem=50M` and a command that needs far more: OUT_OF_MEMORY. This bed enforces memory
+/// through a cgroup (task/cgroup) where the kernel gives it a writable tree; without one it
+/// can only kill the job (FAILED 0:9, JobLaunchFailure) and Slurm never says OUT_OF_MEMORY,
+/// so then the test expects that and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_over_the_memory_limit_is_out_of_memory() {
+    let Some(bed) = slurm() else { return };
+    let cgroup = bed.env.get("RSB_SLURM_CGROUP").cloned().unwrap_or_default();
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let _daemon = mcp.daemon();
+    let s = mcp
+        .submit_watched(
+            "oom",
+            "s=$(head -c 400000000 /dev/zero | tr '\\0' x); echo ${#s}",
+            json!({"mem": "50M"}),
+            true,
+        )
+        .await;
+    let w = s["watch_id"].as_i64().unwrap();
+    let v = mcp.until("oom", 90, finished).await;
+    if cgroup == "none" {
+        eprintln!("no writable cgroup here: Slurm kills the job without saying OUT_OF_MEMORY");
+        assert_eq!(v["slurm_state"], "FAILED", "{v}");
+        return;
+    }
+    assert_eq!(v["slurm_state"], "OUT_OF_MEMORY", "{v}");
+    assert_eq!(v["reason"], "out_of_memory", "{v}");
+    let e = mcp.until_events(w, 30, |e| has(e, "out_of_memory")).await;
+    assert!(!has(&e, "resume_started"), "not resumed: {:?}", types(&e));
+    assert_eq!(mcp.watch(w).status, "completed");
+}
+
+/// A watched job's end reaches the watch within a tick or two, and the check tool sees it
+/// within the poll's tick plus 2 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_a_watched_jobs_end_is_seen_within_a_tick_and_two_seconds() {
+    let Some(_bed) = slurm() else { return };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let _daemon = mcp.daemon();
+    let marker = sshd.home().join("ended-at");
+    let m = marker.display().to_string();
+    let s = mcp
+        .submit_watched(
+            "quick",
+            &format!("sleep 3; date +%s.%N > {m}; exit 7"),
+            json!({}),
+            true,
+        )
+        .await;
+    let w = s["watch_id"].as_i64().unwrap();
+    let v = mcp.until("quick", 60, finished).await;
+    let seen_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    assert_eq!(v["exit_code"], 7, "{v}");
+    let ended: f64 = std::fs::read_to_string(&marker)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let lag = seen_at - ended;
+    let e = mcp.until_events(w, 30, |e| has(e, "completed")).await;
+    let c = e.iter().find(|e| e.event_type == "completed").unwrap();
+    assert_eq!(c.payload["exit_code"], 7);
+    let watch_lag = c.created_ts as f64 - ended;
+    eprintln!("job end -> check_background_task {lag:.2} s; -> watch event {watch_lag:.1} s");
+    // 0.5 s between this test's polls on top of the 2 s tick, plus 2 s.
+    assert!(lag <= 2.0 + 2.0 + 0.5, "the end showed {lag:.2} s late");
+    assert!(
+        watch_lag <= 6.0,
+        "the watch saw the end {watch_lag:.1} s late"
+    );
+}
+
+/// First-connect discovery: a sandbox not declared `scheduler = "slurm"` whose host answers
+/// sbatch and sinfo gets the hint (in `list_sandboxes` and the server's log) from a probe
+/// run once, after its first connect and off its path; a declared one gets none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_first_connect_notices_an_undeclared_login_node_in_the_background() {
+    let Some(_bed) = slurm() else { return };
+    let sshd = Sshd::start().unwrap();
+    // The agent's first deploy to this home, so both timings below are of a warm connect.
+    Mcp::start(&sshd, json!({}))
+        .await
+        .ok("exec_bash", json!({"command": "true"}))
+        .await;
+    let mut firsts = Vec::new();
+    for declared in [false, true] {
+        let mcp = if declared {
+            Mcp::start(&sshd, json!({})).await
+        } else {
+            Mcp::start_entry(&sshd, json!({})).await
+        };
+        let t0 = Instant::now();
+        mcp.ok("exec_bash", json!({"command": "true"})).await;
+        firsts.push(t0.elapsed());
+        let deadline = Instant::now() + Duration::from_secs(if declared { 3 } else { 20 });
+        let row = loop {
+            let l = mcp.ok("list_sandboxes", json!({})).await;
+            let row = l["sandboxes"][0].clone();
+            if row.get("hint").is_some() || Instant::now() >= deadline {
+                break row;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        if declared {
+            assert!(row.get("hint").is_none(), "{row}");
+        } else {
+            let h = row["hint"]
+                .as_str()
+                .unwrap_or_else(|| panic!("no hint: {row}"));
+            assert!(
+                h.contains("scheduler = \"slurm\"") && h.contains("debug"),
+                "{h}"
+            );
+        }
+    }
+    eprintln!(
+        "first exec_bash (connect included): {:.0} ms undeclared (probe in the background), {:.0} ms declared (no probe)",
+        firsts[0].as_secs_f64() * 1000.0,
+        firsts[1].as_secs_f64() * 1000.0
+    );
+}
+
+/// Mark watch `id` as a daemon killed mid-resume leaves it: attempt counted, intent recorded
+/// with `launch_id` for job `session`.
+fn cut_resume(state: &std::path::Path, id: i64, launch_id: &str, session: &str) {
+    let n = rsb::store::open(state)
+        .unwrap()
+        .execute(
+            "UPDATE watches SET resume_attempts = 1, resume_intent_ms = ?2,
+               resume_launch_id = ?3, resume_launch_session = ?4, last_state = 'resuming'
+             WHERE id = ?1",
+            (id, rsb::store::now_ms(), launch_id, session),
+        )
+        .unwrap();
+    assert_eq!(n, 1);
+}
+
+/// The Slurm jobs whose comment carries `launch_id` (as root, not through rsb).
+fn jobs_of_launch(launch_id: &str) -> Vec<String> {
+    let out = std::process::Command::new("squeue")
+        .args(["-h", "-t", "all", "-o", "%i|%k"])
+        .output()
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().split_once('|'))
+        .filter(|(_, c)| *c == format!("rsb:{launch_id}"))
+        .map(|(i, _)| i.to_string())
+        .collect()
+}
+
+/// A Slurm resume cut by a daemon kill is repeated with its launch id and submitted once: the
+/// repeat after a cut between sbatch and the record (no `slurm_job` file) finds the job by its
+/// name and comment, records it again, and submits nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_a_resume_cut_by_a_daemon_kill_is_submitted_once() {
+    let Some(_bed) = slurm() else { return };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let s = mcp
+        .ok(
+            "exec_bash_background",
+            json!({"command": "sleep 300", "session_name": "cutj", "watch": true,
+                   "ensure_watchdog": false, "interval_s": 1, "auto_resume": true,
+                   "resume_delay_s": 0, "max_resume_attempts": 3,
+                   "resume_command": "echo run >> ran.txt; sleep 3",
+                   "resume_plan_json": json!({"tmux_session": "cutj-r"}).to_string(),
+                   "checkpoint_path": "ck.txt", "notify_local": false}),
+        )
+        .await;
+    let w = s["watch_id"].as_i64().unwrap();
+    let launch = format!("LS{}", rsb::store::now_ms());
+    cut_resume(&mcp.state, w, &launch, "cutj-r");
+    let daemon = mcp.daemon();
+    mcp.until_events(w, 30, |e| has(e, "resume_started")).await;
+    drop(daemon);
+    let first = jobs_of_launch(&launch);
+    assert_eq!(first.len(), 1, "{first:?}");
+    // The cut: sbatch took the job, its id never reached the record.
+    let record = sshd.home().join(".cache/rsb/jobs/cutj-r/slurm_job");
+    std::fs::remove_file(&record).unwrap();
+    cut_resume(&mcp.state, w, &launch, "cutj-r");
+    let _daemon = mcp.daemon();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while mcp.watch(w).resume_intent_ms != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "{:?}\n{}",
+            mcp.watch(w),
+            mcp.daemon_log()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_eq!(jobs_of_launch(&launch), first, "submitted again");
+    assert_eq!(
+        std::fs::read_to_string(&record).unwrap().trim(),
+        first[0],
+        "the found job is recorded again"
+    );
+    let e = mcp.until_events(w, 60, |e| has(e, "completed")).await;
+    assert!(!has(&e, "resume_failed"), "{:?}", types(&e));
+    let ran = std::fs::read_to_string(sshd.home().join("ran.txt")).unwrap();
+    assert_eq!(ran, "run\n", "the resume command ran once");
+    mcp.ok("kill_background_task", json!({"tmux_session": "cutj"}))
+        .await;
 }

@@ -8,6 +8,7 @@ use rsb::{
     config::{Auth, Transport},
     error::Kind,
     ops::{exec, sandboxes},
+    slurm::discover::{probe, undeclared_login_node},
 };
 use serde::Serialize;
 
@@ -145,31 +146,6 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
     out
 }
 
-/// What the host offers that a user needs to know before running there: a Slurm login node's
-/// sbatch and sinfo, the NVIDIA driver and its CUDA version, Python, conda, environment
-/// modules and scratch space. rsb's own constant text; each tool is bounded by `timeout`.
-const HOST_PROBE: &str = r#"p() { printf '%s=%s\n' "$1" "$2"; }
-p sbatch "$(command -v sbatch 2>/dev/null)"
-command -v sinfo >/dev/null 2>&1 && p sinfo "$(timeout 5 sinfo -h -o %P 2>/dev/null | tr '\n' ' ')"
-if command -v nvidia-smi >/dev/null 2>&1; then
-  p driver "$(timeout 5 nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)"
-  p cuda "$(timeout 5 nvidia-smi 2>/dev/null | sed -n 's/.*CUDA Version: *\([0-9.]*\).*/\1/p' | head -n 1)"
-fi
-command -v python3 >/dev/null 2>&1 && p python "$(python3 --version 2>&1 | head -n 1)"
-command -v conda >/dev/null 2>&1 && p conda "$(conda --version 2>&1 | head -n 1)"
-if [ -n "${MODULESHOME:-}${LMOD_CMD:-}" ] || command -v modulecmd >/dev/null 2>&1; then p modules yes; fi
-p scratch "${SCRATCH:-}"
-[ -d /scratch ] && p scratch_dir /scratch
-exit 0"#;
-
-/// The `key=value` lines of [`HOST_PROBE`]'s output.
-fn probe_values(out: &str) -> std::collections::BTreeMap<String, String> {
-    out.lines()
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.trim().to_string()))
-        .collect()
-}
-
 /// The `slurm` and `host` verdicts from a probe's values. A host where sbatch and sinfo
 /// answer is a cluster's login node: background jobs there belong to the scheduler, so a
 /// sandbox not declared `scheduler = "slurm"` is told how to declare it.
@@ -181,16 +157,11 @@ fn host_checks(
     let get = |k: &str| v.get(k).map(String::as_str).filter(|s| !s.is_empty());
     let mut out = Vec::new();
     match (get("sbatch"), get("sinfo"), declared_slurm) {
-        (Some(_), Some(parts), false) => out.push(line(
-            name,
-            "slurm",
-            "warn",
-            format!(
-                "sbatch and sinfo answer here (partitions: {parts}): a Slurm login node; add \
-                 scheduler = \"slurm\" to this sandbox so background jobs go through sbatch \
-                 instead of running on the login node"
-            ),
-        )),
+        (Some(_), Some(_), false) => {
+            if let Some(hint) = undeclared_login_node(v) {
+                out.push(line(name, "slurm", "warn", hint));
+            }
+        }
         (Some(_), Some(parts), true) => {
             out.push(line(name, "slurm", "ok", format!("partitions: {parts}")))
         }
@@ -231,16 +202,8 @@ async fn host_tools(
     client: &rsb::client::AgentClient,
     declared_slurm: bool,
 ) -> Vec<Check> {
-    let req = match exec::build_request_ms(HOST_PROBE, None, 20_000, 16 * 1024) {
-        Ok(r) => r,
-        Err(e) => return vec![line(name, "host", "warn", e.message)],
-    };
-    match client.call(req).await {
-        Ok(r) => host_checks(
-            name,
-            declared_slurm,
-            &probe_values(&String::from_utf8_lossy(&r.stdout.head)),
-        ),
+    match probe(client).await {
+        Ok(v) => host_checks(name, declared_slurm, &v),
         Err(e) => vec![line(
             name,
             "host",
@@ -574,6 +537,7 @@ pub async fn run(ctx: &Ctx) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rsb::slurm::discover::probe_values;
 
     fn verdicts(declared: bool, out: &str) -> Vec<(String, String, String)> {
         host_checks("s", declared, &probe_values(out))

@@ -190,6 +190,19 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
                 Err(e) => fail(json, &e),
             }
         }
+        JobsCmd::List if ctx.pool.slurm(client.sandbox()).is_some() => {
+            match rsb::ops::slurm::jobs::list(&client).await {
+                Ok(l) if json => {
+                    print_json(&l);
+                    exit::OK
+                }
+                Ok(l) => {
+                    print_table(&SLURM_COLUMNS, &slurm_rows(&l));
+                    exit::OK
+                }
+                Err(e) => fail(json, &e),
+            }
+        }
         JobsCmd::List => match jobs::list(&client).await {
             Ok(l) if json => {
                 print_json(&l);
@@ -269,6 +282,62 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
         },
         JobsCmd::Prune { older_than } => prune(&client, json, older_than).await,
     }
+}
+
+/// `rsb jobs list` on a Slurm login node: the common columns, then Slurm's.
+const SLURM_COLUMNS: [&str; 11] = [
+    "NAME",
+    "STATE",
+    "EXIT",
+    "DURATION",
+    "SCHEDULER",
+    "SLURM_JOB_ID",
+    "SLURM_STATE",
+    "PENDING_REASON",
+    "NODE",
+    "RESTARTS",
+    "COMMAND",
+];
+
+/// The rows of [`SLURM_COLUMNS`] from `list_background_tasks`' reply (the same keys), `-`
+/// where a key is absent.
+fn slurm_rows(l: &serde_json::Value) -> Vec<Vec<String>> {
+    let cell = |t: &serde_json::Value, k: &str| match &t[k] {
+        serde_json::Value::Null => "-".to_string(),
+        serde_json::Value::String(s) if s.is_empty() => "-".to_string(),
+        serde_json::Value::String(s) => s.clone(),
+        v => v.to_string(),
+    };
+    l["tasks"]
+        .as_array()
+        .map(|ts| {
+            ts.iter()
+                .map(|t| {
+                    let exit = match (&t["exit_code"], &t["signal"]) {
+                        (c, _) if c.is_i64() => c.to_string(),
+                        (_, s) if s.is_i64() => format!("signal {s}"),
+                        _ => "-".into(),
+                    };
+                    let duration = t["duration_s"]
+                        .as_f64()
+                        .map_or("-".into(), |d| format!("{d:.0}s"));
+                    vec![
+                        cell(t, "tmux_session"),
+                        cell(t, "state"),
+                        exit,
+                        duration,
+                        cell(t, "scheduler"),
+                        cell(t, "slurm_job_id"),
+                        cell(t, "slurm_state"),
+                        cell(t, "pending_reason"),
+                        cell(t, "node"),
+                        cell(t, "restarts"),
+                        cell(t, "command"),
+                    ]
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// `exit 0`, `signal 9`, `lost`, or `-` while running.

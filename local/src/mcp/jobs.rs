@@ -455,36 +455,68 @@ impl RsbServer {
         let sandbox = self.pool.resolve(&p.sandbox_name)?;
         let client = self.pool.client(&sandbox).await?;
         if let Some(defaults) = self.pool.slurm(&sandbox) {
-            return self.start_slurm(&client, &defaults, &p).await;
+            let (v, cwd, options) = self.start_slurm(&client, &defaults, &p).await?;
+            let mut nw = prepared;
+            // The resume resubmits with the same options (the plan's own, when it has them).
+            nw.resume_plan
+                .entry("slurm")
+                .or_insert_with(|| serde_json::to_value(options).unwrap_or_default());
+            let (name, log) = (
+                v["tmux_session"].as_str().unwrap_or_default().to_string(),
+                v["log_file"].as_str().unwrap_or_default().to_string(),
+            );
+            return self
+                .register_watch(v, &p, nw, sandbox, &name, &log, &cwd)
+                .await;
         }
-        if p.slurm.is_some() {
+        if p.slurm.is_some() || prepared.resume_plan.contains_key("slurm") {
             return Err(RsbError::invalid(
                 format!(
-                    "sandbox '{sandbox}' is not a Slurm login node, so 'slurm' options do not apply"
+                    "sandbox '{sandbox}' is not a Slurm login node, so 'slurm' options (or a resume plan's) do not apply"
                 ),
                 "declare it with scheduler = \"slurm\" in the config, or drop the slurm parameter",
             ));
         }
         let started =
             jobs::start(&client, &p.command, &p.session_name, &p.log_file, &p.cwd).await?;
-        let mut v = serde_json::to_value(&started).unwrap_or_default();
+        let v = serde_json::to_value(&started).unwrap_or_default();
+        let (name, log) = (started.tmux_session, started.log_file);
+        // The job's resolved cwd (where a relative checkpoint_path lives).
+        let cwd = if !p.watch {
+            String::new()
+        } else {
+            match jobs::status_request(&name, "", 1, None, 1) {
+                Ok(req) => client
+                    .call(req)
+                    .await
+                    .ok()
+                    .and_then(|r| r.info)
+                    .map(|i| i.cwd)
+                    .unwrap_or_default(),
+                Err(_) => String::new(),
+            }
+        };
+        self.register_watch(v, &p, prepared, sandbox, &name, &log, &cwd)
+            .await
+    }
+
+    /// With `watch`, register the watch of a job just started and add its keys to `v`.
+    #[allow(clippy::too_many_arguments)]
+    async fn register_watch(
+        &self,
+        mut v: serde_json::Value,
+        p: &ExecBackgroundParams,
+        prepared: crate::store::watches::NewWatch,
+        sandbox: String,
+        name: &str,
+        log: &str,
+        cwd: &str,
+    ) -> Result<serde_json::Value, RsbError> {
         if !p.watch {
             return Ok(v);
         }
-        let (name, log) = (started.tmux_session, started.log_file);
-        // The job's resolved cwd (where a relative checkpoint_path lives).
-        let cwd = match jobs::status_request(&name, "", 1, None, 1) {
-            Ok(req) => client
-                .call(req)
-                .await
-                .ok()
-                .and_then(|r| r.info)
-                .map(|i| i.cwd)
-                .unwrap_or_default(),
-            Err(_) => String::new(),
-        };
         let mut nw = prepared;
-        wops::fill_from_job(&mut nw, &name, &log, &cwd);
+        wops::fill_from_job(&mut nw, name, log, cwd);
         nw.sandbox_name = sandbox;
         let state_dir = self.pool.config().state_dir.clone();
         let configured = self.pool.config().sandboxes.clone();
@@ -515,34 +547,37 @@ impl RsbServer {
         Ok(v)
     }
 
-    /// `exec_bash_background` on a Slurm login node: submitted through sbatch.
+    /// `exec_bash_background` on a Slurm login node: submitted through sbatch. Returns the
+    /// reply, the job's resolved cwd and its options over the sandbox's defaults.
     async fn start_slurm(
         &self,
         client: &crate::client::AgentClient,
         defaults: &slurm::SlurmDefaults,
         p: &ExecBackgroundParams,
-    ) -> Result<serde_json::Value, RsbError> {
+    ) -> Result<(serde_json::Value, String, slurm::SlurmOptions), RsbError> {
         let agent = self
             .pool
             .agent_path(client.sandbox())
             .ok_or_else(|| RsbError::internal("the agent's path on the login node is not known"))?;
-        let mut v = slurm::jobs::start(
+        let job = p.slurm.clone().unwrap_or_default();
+        let v = slurm::jobs::start(
             client,
             &agent,
             defaults,
-            &p.slurm.clone().unwrap_or_default(),
+            &job,
             &p.command,
             &p.session_name,
             &p.log_file,
             &p.cwd,
+            &[],
         )
         .await?;
-        if p.watch {
-            v["watch_warning"] = serde_json::json!(
-                "the watchdog does not watch Slurm jobs yet; poll check_background_task (it reports Slurm's state)"
-            );
-        }
-        Ok(v)
+        let name = v["tmux_session"].as_str().unwrap_or_default();
+        let cwd = match p.watch {
+            true => slurm::jobs::cwd_of(client, name).await,
+            false => String::new(),
+        };
+        Ok((v, cwd, job.over(defaults)))
     }
 
     /// Cancel the active watches of a job, if the store exists; never fails the caller.

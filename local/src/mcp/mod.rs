@@ -61,6 +61,11 @@ impl RsbServer {
     pub fn new(config: Config) -> Self {
         let advanced = config.expose_advanced_tools;
         let pool = Arc::new(Pool::new(Arc::new(config)));
+        // Once per sandbox, after its first connect and off its path: is it a Slurm login
+        // node that is not declared one?
+        pool.on_first_connect(Arc::new(|c| {
+            Box::pin(crate::slurm::discover::first_connect(c))
+        }));
         let mut tool_router = Self::sandbox_router()
             + Self::exec_router()
             + Self::jobs_router()

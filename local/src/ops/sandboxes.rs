@@ -269,6 +269,10 @@ pub struct SandboxStatus {
     /// A Slurm login node's partitions, GPUs and queue (`crate::ops::slurm::resources`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slurm: Option<Value>,
+    /// What the first connect noticed about the host: a Slurm login node not declared
+    /// `scheduler = "slurm"`, and how to declare it (`crate::slurm::discover`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hint: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -361,6 +365,7 @@ pub async fn list(pool: &Arc<Pool>, depth: Listing) -> SandboxList {
                     Err(e) => ResourcesOrError::Err(e.into()),
                 }),
                 slurm: None,
+                hint: pool.hint(&p.name),
             }
         })
         .collect::<Vec<_>>();

@@ -10,6 +10,14 @@
 //! - `Running` → `running` (and `running_restored` after an announced outage or interruption;
 //!   `stalled` once when the log has not grown for `stall_after_s`);
 //! - no connection → one `ssh_unreachable` after `alert_after_failures` failed checks.
+//!
+//! A Slurm job ([`JobSeen::slurm`], judged by [`crate::slurm::state::judge`]) adds Slurm's
+//! word: pending stays `pending`; requeued by Slurm itself (`requeue=true`: node failure,
+//! preemption) is `resuming` with one `requeued` event, and rsb never resubmits on top of it;
+//! NODE_FAIL or PREEMPTED (`--no-requeue`) is an interruption, resumed by resubmitting;
+//! TIMEOUT, OUT_OF_MEMORY and CANCELLED end the watch with an event of that name (the
+//! record's code or signal in it); a controller that does not answer is
+//! `scheduler_unreachable`, never an interruption, until it answers again.
 
 use rsb_protocol::JobState;
 use serde_json::{Map, Value, json};
@@ -43,6 +51,141 @@ pub struct JobSeen {
     /// The checkpoint text, when one is configured and was read; `None` keeps the stored one
     /// (a failed read never erases it).
     pub checkpoint: Option<String>,
+    /// Slurm's side, for a job submitted through Slurm.
+    pub slurm: Option<SlurmSeen>,
+}
+
+/// What Slurm and the record say together ([`crate::slurm::state::Judged`]).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SlurmSeen {
+    pub job_id: String,
+    /// The judged state; `None` where the record alone decides.
+    pub state: Option<&'static str>,
+    /// `timeout | out_of_memory | cancelled | node_fail | preempted`.
+    pub reason: Option<&'static str>,
+    pub slurm_state: String,
+    pub pending_reason: String,
+    pub restarts: u32,
+    /// How the controller failed to answer.
+    pub error: String,
+}
+
+/// What a check concluded about the job, whichever backend ran it.
+enum Verdict {
+    Running,
+    Exited(i32),
+    /// Slurm ended it, for `reason` (timeout, out_of_memory, cancelled): final, never resumed.
+    Ended(&'static str),
+    Interrupted {
+        reason: String,
+        kind: &'static str,
+    },
+}
+
+/// The verdict from the agent's record alone (tmux and setsid jobs, purged Slurm jobs).
+fn record_verdict(seen: &JobSeen) -> Verdict {
+    match (seen.state, seen.exit_code, seen.signal) {
+        (Some(JobState::Running), _, _) => Verdict::Running,
+        (Some(JobState::Exited), Some(code), _) => Verdict::Exited(code),
+        (Some(JobState::Exited), None, Some(sig)) => Verdict::Interrupted {
+            reason: format!("was killed by signal {sig}"),
+            kind: "signal",
+        },
+        (Some(JobState::Exited), None, None) => Verdict::Interrupted {
+            reason: "ended without an exit code".into(),
+            kind: "lost",
+        },
+        (Some(_), _, _) => Verdict::Interrupted {
+            reason: "was lost before it recorded an exit (tmux session killed or host rebooted)"
+                .into(),
+            kind: "lost",
+        },
+        (None, _, _) => Verdict::Interrupted {
+            reason: "has no record on the sandbox (it never started, or its records were removed)"
+                .into(),
+            kind: "missing",
+        },
+    }
+}
+
+/// A Slurm job: the states only Slurm has are settled here (`true`: nothing more to decide);
+/// otherwise the verdict the generic transition applies.
+fn slurm_verdict(
+    w: &Watch,
+    a: &mut Watch,
+    seen: &JobSeen,
+    s: &SlurmSeen,
+    events: &mut Vec<NewEvent>,
+) -> Option<Verdict> {
+    let prev = w.last_state.as_str();
+    let quiet = |a: &mut Watch, state: &str, summary: String| {
+        a.last_state = state.into();
+        a.last_summary = summary;
+        a.last_error = String::new();
+        a.interrupted_ts = 0;
+        a.resume_due_ts = 0;
+    };
+    match s.state {
+        Some("scheduler_unreachable") => {
+            a.last_state = "scheduler_unreachable".into();
+            a.last_summary = format!(
+                "The Slurm controller did not answer about job {} ({}); its state is unknown until it does",
+                s.job_id,
+                one_line(&s.error)
+            );
+            a.last_error = a.last_summary.clone();
+            if prev != "scheduler_unreachable" {
+                events.push(ev(
+                    event::SCHEDULER_UNREACHABLE,
+                    &a.last_summary,
+                    json!({"slurm_job_id": s.job_id}),
+                ));
+            }
+            None
+        }
+        Some("pending") => {
+            quiet(
+                a,
+                "pending",
+                format!(
+                    "Slurm job {} is pending ({})",
+                    s.job_id,
+                    one_line(&s.pending_reason)
+                ),
+            );
+            None
+        }
+        Some("resuming") => {
+            quiet(
+                a,
+                "resuming",
+                format!(
+                    "Slurm requeued job {} (restart {}, pending: {}); Slurm runs it again, so rsb does not resubmit it",
+                    s.job_id,
+                    s.restarts,
+                    one_line(&s.pending_reason)
+                ),
+            );
+            if prev != "resuming" {
+                events.push(ev(
+                    event::REQUEUED,
+                    &a.last_summary,
+                    json!({"slurm_job_id": s.job_id, "restarts": s.restarts,
+                           "pending_reason": s.pending_reason}),
+                ));
+            }
+            None
+        }
+        Some("running" | "completing" | "suspended" | "unknown") => Some(Verdict::Running),
+        Some("interrupted") => Some(Verdict::Interrupted {
+            reason: format!("was ended by Slurm ({}, job {})", s.slurm_state, s.job_id),
+            kind: s.reason.unwrap_or("interrupted"),
+        }),
+        _ => match s.reason {
+            Some(r @ ("timeout" | "out_of_memory" | "cancelled")) => Some(Verdict::Ended(r)),
+            _ => Some(record_verdict(seen)),
+        },
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -171,9 +314,26 @@ fn job(
     }
 
     let prev = a.last_state.clone();
+    let verdict = match &seen.slurm {
+        Some(sl) => match slurm_verdict(w, a, seen, sl, events) {
+            Some(v) => v,
+            None => return,
+        },
+        None => record_verdict(seen),
+    };
+    // The Slurm job's keys in every event it causes.
+    let slurm_extra = |extra: &mut Value| {
+        if let Some(sl) = &seen.slurm {
+            extra["slurm_job_id"] = json!(sl.job_id);
+            extra["slurm_state"] = json!(sl.slurm_state);
+            if let Some(r) = sl.reason {
+                extra["reason"] = json!(r);
+            }
+        }
+    };
 
-    match (seen.state, seen.exit_code) {
-        (Some(JobState::Running), _) => {
+    match verdict {
+        Verdict::Running => {
             a.last_state = "running".into();
             a.last_error = String::new();
             a.interrupted_ts = 0;
@@ -181,7 +341,11 @@ fn job(
             let restored = announced_outage
                 || matches!(
                     prev.as_str(),
-                    "interrupted" | "config_missing" | "needs_credentials" | "error"
+                    "interrupted"
+                        | "config_missing"
+                        | "needs_credentials"
+                        | "error"
+                        | "scheduler_unreachable"
                 );
             let stalled_for = now - a.log_changed_ts;
             if w.stall_after_s > 0 && !a.stall_alert_sent && stalled_for >= w.stall_after_s {
@@ -203,7 +367,7 @@ fn job(
                 ));
             }
         }
-        (Some(JobState::Exited), Some(code)) => {
+        Verdict::Exited(code) => {
             a.status = "completed".into();
             a.last_state = "completed".into();
             a.last_summary = format!("Background task completed with exit code {code}");
@@ -214,29 +378,37 @@ fn job(
             a.resume_due_ts = 0;
             a.next_check_ms = 0;
             a.next_check_ts = 0;
-            events.push(ev(
-                event::COMPLETED,
-                &a.last_summary,
-                json!({"exit_code": code}),
-            ));
+            let mut extra = json!({"exit_code": code});
+            slurm_extra(&mut extra);
+            events.push(ev(event::COMPLETED, &a.last_summary, extra));
         }
-        (state, _) => {
-            let (reason, kind) = match (state, seen.signal) {
-                (Some(JobState::Exited), Some(sig)) => {
-                    (format!("was killed by signal {sig}"), "signal")
-                }
-                (Some(JobState::Exited), None) => ("ended without an exit code".into(), "lost"),
-                (Some(_), _) => (
-                    "was lost before it recorded an exit (tmux session killed or host rebooted)"
-                        .into(),
-                    "lost",
-                ),
-                (None, _) => (
-                    "has no record on the sandbox (it never started, or its records were removed)"
-                        .into(),
-                    "missing",
-                ),
+        Verdict::Ended(reason) => {
+            let sl = seen.slurm.clone().unwrap_or_default();
+            a.status = "completed".into();
+            a.last_state = reason.into();
+            let how = match (seen.exit_code, seen.signal) {
+                (Some(c), _) => format!("; its command exited with code {c}"),
+                (None, Some(sig)) => format!("; its command was killed by signal {sig}"),
+                _ => String::new(),
             };
+            a.last_summary = format!("Slurm ended job {} ({}){how}", sl.job_id, sl.slurm_state);
+            a.last_error = a.last_summary.clone();
+            a.last_exit_code = seen.exit_code.map(i64::from);
+            a.last_signal = seen.signal.map(i64::from);
+            a.interrupted_ts = 0;
+            a.resume_due_ts = 0;
+            a.next_check_ms = 0;
+            a.next_check_ts = 0;
+            let mut extra = json!({"exit_code": seen.exit_code, "signal": seen.signal});
+            slurm_extra(&mut extra);
+            let kind = match reason {
+                "timeout" => event::TIMEOUT,
+                "out_of_memory" => event::OUT_OF_MEMORY,
+                _ => event::CANCELLED,
+            };
+            events.push(ev(kind, &a.last_summary, extra));
+        }
+        Verdict::Interrupted { reason, kind } => {
             let first = w.interrupted_ts == 0;
             a.interrupted_ts = if first { now } else { w.interrupted_ts };
             if a.resume_due_ts == 0 {
@@ -264,6 +436,7 @@ fn job(
                 if let Some(sig) = seen.signal {
                     extra["signal"] = json!(sig);
                 }
+                slurm_extra(&mut extra);
                 events.push(ev(event::INTERRUPTED, &a.last_summary, extra));
             }
             *resume = can_resume && now >= a.resume_due_ts;
@@ -731,6 +904,125 @@ mod tests {
         );
         assert_eq!(types(&o), ["needs_credentials"]);
         assert!(!o.after.last_error.contains('\n'));
+    }
+
+    fn slurm(state: Option<&'static str>, reason: Option<&'static str>, rec: Observed) -> Observed {
+        let Observed::Job(mut j) = rec else {
+            unreachable!()
+        };
+        j.slurm = Some(SlurmSeen {
+            job_id: "41".into(),
+            state,
+            reason,
+            slurm_state: "X".into(),
+            pending_reason: "BeginTime".into(),
+            restarts: 1,
+            error: "squeue has not answered".into(),
+        });
+        Observed::Job(j)
+    }
+
+    /// `requeue=true`: Slurm puts the job back in its queue after a node failure or a
+    /// preemption. That is resuming (one `requeued` event), and never a resubmit by rsb, even
+    /// though the record holds the first run's end by signal.
+    #[test]
+    fn a_job_slurm_requeued_is_resuming_and_never_resubmitted() {
+        let mut w = watch();
+        w.last_state = "running".into();
+        let killed = seen(Some(JobState::Exited), None, Some(15));
+        let o = decide(&w, &slurm(Some("resuming"), None, killed.clone()), 1_000);
+        assert_eq!(types(&o), ["requeued"]);
+        assert_eq!(o.events[0].extra["restarts"], 1);
+        assert_eq!((o.after.last_state.as_str(), o.resume), ("resuming", false));
+        let o2 = decide(&o.after, &slurm(Some("resuming"), None, killed), 2_000);
+        assert!(o2.events.is_empty() && !o2.resume);
+        let back = decide(
+            &o2.after,
+            &slurm(
+                Some("running"),
+                None,
+                seen(Some(JobState::Running), None, None),
+            ),
+            3_000,
+        );
+        assert_eq!(back.after.last_state, "running");
+        assert_eq!(back.after.status, "active");
+    }
+
+    /// `--no-requeue`: NODE_FAIL or PREEMPTED is an interruption, resumed by plan.
+    #[test]
+    fn node_fail_without_requeue_is_interrupted_and_resumed() {
+        let o = decide(
+            &watch(),
+            &slurm(
+                Some("interrupted"),
+                Some("node_fail"),
+                seen(Some(JobState::Exited), None, Some(15)),
+            ),
+            1_000,
+        );
+        assert_eq!(types(&o), ["interrupted"]);
+        assert_eq!(o.events[0].extra["job_state"], "node_fail");
+        assert_eq!(o.events[0].extra["slurm_job_id"], "41");
+        assert!(o.resume);
+    }
+
+    /// The exit code on record, but only Slurm can say how the job ended: no decision while
+    /// the controller is silent, one event, and the right end once it answers.
+    #[test]
+    fn an_unreachable_controller_decides_nothing_until_it_answers() {
+        let mut w = watch();
+        w.last_state = "running".into();
+        let ended = seen(Some(JobState::Exited), Some(4), None);
+        let o = decide(
+            &w,
+            &slurm(Some("scheduler_unreachable"), None, ended.clone()),
+            1_000,
+        );
+        assert_eq!(types(&o), ["scheduler_unreachable"]);
+        assert_eq!(o.after.last_state, "scheduler_unreachable");
+        assert_eq!(o.after.status, "active");
+        assert!(!o.resume);
+        let o2 = decide(
+            &o.after,
+            &slurm(Some("scheduler_unreachable"), None, ended.clone()),
+            2_000,
+        );
+        assert!(o2.events.is_empty());
+        let o3 = decide(&o2.after, &slurm(None, None, ended), 3_000);
+        assert_eq!(types(&o3), ["completed"]);
+        assert_eq!(o3.after.last_exit_code, Some(4));
+    }
+
+    #[test]
+    fn slurm_timeouts_and_oom_end_the_watch_with_their_own_event() {
+        for (reason, t) in [
+            ("timeout", "timeout"),
+            ("out_of_memory", "out_of_memory"),
+            ("cancelled", "cancelled"),
+        ] {
+            let o = decide(
+                &watch(),
+                &slurm(
+                    None,
+                    Some(reason),
+                    seen(Some(JobState::Exited), None, Some(9)),
+                ),
+                1_000,
+            );
+            assert_eq!(types(&o), [t]);
+            assert_eq!(o.after.status, "completed");
+            assert_eq!(o.after.last_state, reason);
+            assert_eq!(o.events[0].extra["signal"], 9);
+            assert!(!o.resume);
+        }
+        let o = decide(
+            &watch(),
+            &slurm(Some("pending"), None, seen(None, None, None)),
+            1_000,
+        );
+        assert!(o.events.is_empty() && !o.resume);
+        assert_eq!(o.after.last_state, "pending");
     }
 
     #[test]

@@ -27,7 +27,7 @@ use serde_json::json;
 pub use super::lock::{LOCK_FILE, Lock, acquire_lock, is_daemon_pid, lock_holder};
 use super::{
     MAX_TEXT_CHARS, Watch, WatchEvent, alerts,
-    checks::{self, JobSeen, Observed},
+    checks::{self, JobSeen, Observed, SlurmSeen},
     db, sandboxes,
     settings::{DEFAULT_HOOK_TIMEOUT, FileSettings},
 };
@@ -36,6 +36,12 @@ use crate::{
     config::{Config, SandboxConfig},
     error::{Kind, Result, RsbError},
     pool::Pool,
+    slurm::{
+        SlurmOptions,
+        poll::{Poller, Seen},
+        state::judge,
+        submit,
+    },
     store::{self, now_ms},
 };
 
@@ -79,6 +85,9 @@ struct Host {
     pool: Arc<Pool>,
     /// The last failed connect, shared by the checks waiting for it.
     gate: tokio::sync::Mutex<Option<(Instant, RsbError)>>,
+    /// One squeue per tick for every Slurm job watched on this definition (the process-wide
+    /// pollers are keyed by name, and two definitions may share one).
+    slurm: Arc<Poller>,
 }
 
 impl Host {
@@ -96,6 +105,7 @@ impl Host {
             cfg,
             pool: Arc::new(Pool::new(Arc::new(config))),
             gate: tokio::sync::Mutex::new(None),
+            slurm: Arc::new(Poller::default()),
         }
     }
 
@@ -536,6 +546,10 @@ impl Daemon {
             Ok(Err(e)) => return (Observed::Error(e.message), Some(client)),
             Ok(Ok(r)) => r,
         };
+        let slurm = match self.slurm_seen(&host, &client, w, &r).await {
+            Ok(s) => s,
+            Err(o) => return (o, None),
+        };
         let checkpoint = read_checkpoint(&client, w).await.ok();
         let info = r.info.as_ref();
         let seen = JobSeen {
@@ -546,8 +560,54 @@ impl Daemon {
             log_size: r.log_size,
             log_tail: None,
             checkpoint,
+            slurm,
         };
         (Observed::Job(seen), Some(client))
+    }
+
+    /// Slurm's side of a job it ran (its id is on record): one shared squeue per tick,
+    /// waited for at most [`crate::slurm::poll::WAIT`], judged with the record.
+    async fn slurm_seen(
+        &self,
+        host: &Host,
+        client: &AgentClient,
+        w: &Watch,
+        r: &rsb_protocol::JobStatusResult,
+    ) -> std::result::Result<Option<SlurmSeen>, Observed> {
+        let id =
+            match tokio::time::timeout(STATUS_DEADLINE, submit::slurm_id(client, &w.tmux_session))
+                .await
+            {
+                Ok(Ok(Some(id))) => id,
+                Ok(Ok(None)) => return Ok(None),
+                Ok(Err(e)) => return Err(Observed::Error(e.message)),
+                Err(_) => {
+                    return Err(Observed::Unreachable(format!(
+                        "SSH unreachable: no answer from sandbox '{}' within {}s",
+                        w.sandbox_name,
+                        STATUS_DEADLINE.as_secs()
+                    )));
+                }
+            };
+        let seen = host
+            .slurm
+            .states(client, std::slice::from_ref(&id))
+            .await
+            .remove(&id)
+            .unwrap_or(Seen::Gone);
+        let info = r.info.as_ref();
+        let recorded_end = info
+            .is_some_and(|i| i.ended_ms.is_some() && i.state != rsb_protocol::JobState::Running);
+        let j = judge(&seen, recorded_end, info.is_some());
+        Ok(Some(SlurmSeen {
+            job_id: id,
+            state: j.state,
+            reason: j.reason,
+            slurm_state: j.slurm_state.unwrap_or_default(),
+            pending_reason: j.pending_reason.unwrap_or_default(),
+            restarts: j.restarts.unwrap_or(0),
+            error: j.scheduler_error.unwrap_or_default(),
+        }))
     }
 
     /// Record the attempt and its launch id, then launch it.
@@ -571,16 +631,55 @@ impl Daemon {
         };
         let cwd = w.resume_cwd();
         let checkpoint = w.last_checkpoint_text.clone();
+        let env = vec![
+            ("RSB_CHECKPOINT".to_string(), checkpoint.clone()),
+            ("RSB_RESUME_ATTEMPT".into(), w.resume_attempts.to_string()),
+            ("RSB_WATCH_ID".into(), w.id.to_string()),
+        ];
+        // A Slurm job is resubmitted: the plan carries its options (registered with it), and
+        // a job found on record as Slurm's without them is resubmitted with no options (the
+        // daemon does not hold the sandbox's defaults).
+        let slurm = match w.resume_plan.get("slurm") {
+            Some(o) => Some(o.clone()),
+            None => submit::slurm_id(&client, &w.tmux_session)
+                .await
+                .ok()
+                .flatten()
+                .map(|_| json!({})),
+        };
+        if let Some(opts) = slurm {
+            let r = match tokio::time::timeout(
+                RESUME_DEADLINE,
+                self.resubmit(&w, &client, &opts, &session, &cwd, &env),
+            )
+            .await
+            {
+                Ok(Ok(name)) => Ok(name),
+                // As below: the intent stays, and the next check repeats this launch id, which
+                // finds the job if sbatch took it.
+                Ok(Err(e))
+                    if matches!(e.kind, Kind::ConnectionLost | Kind::Connect | Kind::Timeout) =>
+                {
+                    return;
+                }
+                Err(_) => return,
+                Ok(Err(e)) => Err(e.message),
+            };
+            let (after, e) = checks::resume_result(
+                &w,
+                r.as_deref().map_err(String::as_str),
+                &checkpoint,
+                now_ms(),
+            );
+            self.commit(&w, after, &[e]);
+            return;
+        }
         let req = JobStartRequest {
             name: session,
             command: w.resume_command_to_run(),
             cwd: (!cwd.trim().is_empty()).then_some(cwd),
             log_file: w.log_file.clone(),
-            env: vec![
-                ("RSB_CHECKPOINT".into(), checkpoint.clone()),
-                ("RSB_RESUME_ATTEMPT".into(), w.resume_attempts.to_string()),
-                ("RSB_WATCH_ID".into(), w.id.to_string()),
-            ],
+            env,
             prefer_tmux: true,
             // An intent from an rsb before launch ids has none: it is launched afresh.
             launch_id: (!w.resume_launch_id.is_empty()).then(|| w.resume_launch_id.clone()),
@@ -608,6 +707,62 @@ impl Daemon {
             now_ms(),
         );
         self.commit(&w, after, &[e]);
+    }
+
+    /// Resume a Slurm job by submitting it again, with the options it was submitted with
+    /// (the plan's `slurm`) and the intent's launch id, so a repeat finds the job instead of
+    /// submitting a second one.
+    async fn resubmit(
+        &self,
+        w: &Watch,
+        client: &AgentClient,
+        opts: &serde_json::Value,
+        session: &str,
+        cwd: &str,
+        env: &[(String, String)],
+    ) -> Result<String> {
+        let opts: SlurmOptions = serde_json::from_value(opts.clone()).map_err(|e| {
+            RsbError::invalid(
+                format!("the resume plan's slurm options are not valid: {e}"),
+                "fix resume_plan_json.slurm",
+            )
+        })?;
+        opts.check()?;
+        let host = self
+            .hosts
+            .lock()
+            .get(sandboxes::key(&w.sandbox_fp, &w.sandbox_name))
+            .cloned()
+            .ok_or_else(|| RsbError::internal("the watch's sandbox has no connection"))?;
+        let agent = host
+            .pool
+            .agent_path(client.sandbox())
+            .ok_or_else(|| RsbError::internal("the agent's path on the login node is not known"))?;
+        let home = client.hello().home.clone();
+        let cwd = if cwd.trim().is_empty() {
+            home.clone()
+        } else {
+            submit::resolve(&home, &home, cwd)
+        };
+        let log = submit::resolve(&home, &cwd, &w.log_file);
+        let command = w.resume_command_to_run();
+        let launch_id = (!w.resume_launch_id.is_empty()).then_some(w.resume_launch_id.as_str());
+        let sub = submit::submit(
+            client,
+            &submit::Job {
+                agent_path: &agent,
+                options: &opts,
+                name: session,
+                command: &command,
+                cwd: &cwd,
+                log: &log,
+                env,
+                launch_id,
+            },
+        )
+        .await?;
+        host.slurm.register([sub.id.as_str()]);
+        Ok(session.to_string())
     }
 
     /// Event file, then alerts (off the loop), then `delivered`.

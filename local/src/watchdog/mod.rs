@@ -50,7 +50,8 @@ pub const HEARTBEAT_EVERY: std::time::Duration = std::time::Duration::from_secs(
 /// Checkpoint text and log tails kept per watch (the seed's 20,000 characters).
 pub const MAX_TEXT_CHARS: usize = 20_000;
 
-/// The event types: the seed's, plus `stalled`, `needs_credentials` and `gave_up`.
+/// The event types: the seed's, plus `stalled`, `needs_credentials` and `gave_up`, and the
+/// Slurm ones: `requeued`, `timeout`, `out_of_memory`, `cancelled`, `scheduler_unreachable`.
 pub mod event {
     pub const COMPLETED: &str = "completed";
     pub const INTERRUPTED: &str = "interrupted";
@@ -64,6 +65,18 @@ pub mod event {
     /// The job is interrupted and every resume attempt is used up: the watch ends (status
     /// `gave_up`) instead of polling a dead job forever.
     pub const GAVE_UP: &str = "gave_up";
+    /// Slurm put the job back in its queue (node failure or preemption with `requeue`): it
+    /// will run again by itself, so rsb does not resubmit it.
+    pub const REQUEUED: &str = "requeued";
+    /// Slurm ended the job at its time limit.
+    pub const TIMEOUT: &str = "timeout";
+    /// Slurm ended the job over its memory limit.
+    pub const OUT_OF_MEMORY: &str = "out_of_memory";
+    /// The job was cancelled outside rsb (`scancel`); `kill_background_task` ends the watch
+    /// before it kills, so it never raises this.
+    pub const CANCELLED: &str = "cancelled";
+    /// The Slurm controller did not answer: the job's state is unknown (never "lost").
+    pub const SCHEDULER_UNREACHABLE: &str = "scheduler_unreachable";
 }
 
 /// Keeps the last `max` characters (the end of a log or checkpoint is what matters).

@@ -6,71 +6,28 @@
 //! decides the exit code; squeue decides pending / running / why it ended. A job Slurm no
 //! longer lists (purged after MinJobAge) is still reported from the record.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
-use rsb_agent::jobs::record::Record;
-use rsb_protocol::{JobState, JobStatusRequest, ReadFileRequest};
+use rsb_protocol::{JobState, JobStatusRequest};
 use serde_json::{Map, Value, json};
 
-use super::{
-    SlurmOptions,
-    poll::{self, Row, Seen},
-    remote,
-};
+pub use crate::slurm::{state::meaning, submit::slurm_id};
 use crate::{
     client::AgentClient,
     error::{Kind, Result, RsbError},
     ops::jobs as ojobs,
+    slurm::{
+        SlurmOptions,
+        poll::{self, Seen},
+        remote,
+        state::judge,
+        submit::{self, jobs_root, now_ms, resolve, validate_name},
+    },
 };
 
-const JOBS_ROOT: &str = ".cache/rsb/jobs";
 /// How long kill waits for Slurm to report the job ended (KillWait is 30 s by default).
 const KILL_VERIFY_S: u64 = 40;
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
-fn job_dir(home: &str, name: &str) -> String {
-    format!("{}/{JOBS_ROOT}/{name}", home.trim_end_matches('/'))
-}
-
-/// `~`, `~/x` and relative paths the way the agent resolves a job's cwd and log.
-fn resolve(home: &str, base: &str, p: &str) -> String {
-    let p = p.trim();
-    if p == "~" {
-        home.to_string()
-    } else if let Some(rest) = p.strip_prefix("~/") {
-        format!("{home}/{rest}")
-    } else if p.starts_with('/') {
-        p.to_string()
-    } else {
-        format!("{}/{p}", base.trim_end_matches('/'))
-    }
-}
-
-fn validate_name(name: &str) -> Result<()> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
-    if ok {
-        Ok(())
-    } else {
-        Err(RsbError::invalid(
-            format!("session_name {name:?} must match [A-Za-z0-9_-]{{1,64}}"),
-            "pick a name of letters, digits, '_' and '-'",
-        ))
-    }
-}
-
-/// Submit `command` as a Slurm batch job. The spec (with a fresh launch id) is written before
-/// sbatch runs; when the reply to the submit is lost, the job is looked up by its name and
-/// the launch id in its comment, and never submitted a second time.
+/// Submit `command` as a Slurm batch job ([`submit::submit`]): checks and paths here, the
+/// record and sbatch there.
 #[allow(clippy::too_many_arguments)]
 pub async fn start(
     client: &AgentClient,
@@ -81,6 +38,7 @@ pub async fn start(
     session_name: &str,
     log_file: &str,
     cwd: &str,
+    env: &[(String, String)],
 ) -> Result<Value> {
     if command.trim().is_empty() {
         return Err(RsbError::invalid(
@@ -96,6 +54,15 @@ pub async fn start(
     }
     let opts = job.over(defaults);
     opts.check()?;
+    // A controller known to be down would hold sbatch (and the lookup after it) for the
+    // whole of each call's 25 s: say so at once instead.
+    if let Some(why) = poll::poller(client.sandbox()).down() {
+        return Err(RsbError::new(
+            Kind::Timeout,
+            format!("the Slurm controller is not answering ({why}), so nothing was submitted"),
+            "submit again once `scontrol ping` answers on the login node",
+        ));
+    }
     let name = if session_name.trim().is_empty() {
         ojobs::default_session_name()
     } else {
@@ -113,113 +80,39 @@ pub async fn start(
     } else {
         resolve(&home, &cwd, log_file)
     };
-    let dir = job_dir(&home, &name);
-    let root = format!("{}/{JOBS_ROOT}", home.trim_end_matches('/'));
-    let launch = format!("{}-{}-slurm", now_ms(), std::process::id());
-    let mut spec = Record::new();
-    spec.set("name", &name);
-    spec.set("command", command);
-    spec.set("cwd", &cwd);
-    spec.set("log_file", &log);
-    spec.set("prefer_tmux", "0");
-    spec.set("created_ms", now_ms().to_string());
-    spec.set("inherit_env", "1");
-    spec.set("launch", &launch);
-    let q = rsb_deploy::shell_quote;
-    // rsb's own values only: the agent path and root are paths it chose, the name matched
-    // [A-Za-z0-9_-] and the launch id is digits; quoted all the same.
-    let script = format!(
-        "#!/bin/sh\n# rsb: Slurm batch script of job {name}, launch {launch}.\n\
-         # The agent's job-run wrapper runs the command; its exit status is the job's.\n\
-         exec {} job-run --root {} --name {} --launch {} --runner slurm\n",
-        q(agent_path),
-        q(&root),
-        q(&name),
-        q(&launch)
-    );
-    let job_name = format!("rsb-{name}");
-    let comment = format!("rsb:{launch}");
-    let argv = opts.sbatch_argv(
-        &job_name,
-        &comment,
-        &format!("{dir}/slurm-%j.out"),
-        &format!("{dir}/batch.sh"),
-    );
-    let env = vec![
-        ("RSB_D".to_string(), dir.clone()),
-        ("RSB_CWD".into(), cwd.clone()),
-        ("RSB_LOG".into(), log.clone()),
-        ("RSB_AGENT".into(), agent_path.to_string()),
-        (
-            "RSB_SPEC".into(),
-            String::from_utf8_lossy(&spec.render()).into_owned(),
-        ),
-        ("RSB_SCRIPT".into(), script),
-    ];
-    let out = match remote::run(client, remote::SUBMIT, &argv, env).await {
-        Ok(o) => o,
-        Err(e) if matches!(e.kind, Kind::ConnectionLost | Kind::Timeout) => {
-            // The submit may have happened: look, never submit again.
-            return match find(client, &job_name, &comment).await {
-                Some(id) => Ok(started(client, &name, &log, &id, None, true)),
-                None => Err(RsbError::new(
-                    e.kind,
-                    format!(
-                        "{}; no Slurm job named {job_name} with launch {launch} was found, so it was not submitted",
-                        e.message
-                    ),
-                    "run exec_bash_background again",
-                )),
-            };
-        }
-        Err(e) => return Err(e),
-    };
-    let err_line = || {
-        out.stderr
-            .trim()
-            .lines()
-            .filter(|l| !l.trim().is_empty())
-            .collect::<Vec<_>>()
-            .join(" | ")
-    };
-    match out.code {
-        Some(0) => {}
-        Some(17) => {
-            return Err(RsbError::new(
-                Kind::Agent(rsb_protocol::ErrorCode::AlreadyExists),
-                err_line(),
-                "pick another session_name, or kill the running job first",
-            ));
-        }
-        Some(30) => {
-            return Err(RsbError::invalid(
-                format!("sbatch refused the job: {}", err_line()),
-                "check the partition, gpus, mem and time against sinfo (list_sandboxes with check_resources)",
-            ));
-        }
-        _ => {
-            return Err(RsbError::invalid(
-                format!("submitting the job failed: {}", err_line()),
-                "check cwd and log_file",
-            ));
-        }
-    }
-    let kv: Map<String, Value> = out
-        .stdout
-        .lines()
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.to_string(), json!(v.trim())))
-        .collect();
-    let id = kv
-        .get("id")
-        .and_then(Value::as_str)
-        .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
-        .ok_or_else(|| {
-            RsbError::internal(format!("sbatch printed no job id: {:?}", out.stdout.trim()))
-        })?
-        .to_string();
-    poll::poller(client.sandbox()).register([id.as_str()]);
-    Ok(started(client, &name, &log, &id, path_warning(&kv), false))
+    let sub = submit::submit(
+        client,
+        &submit::Job {
+            agent_path,
+            options: &opts,
+            name: &name,
+            command,
+            cwd: &cwd,
+            log: &log,
+            env,
+            launch_id: None,
+        },
+    )
+    .await?;
+    poll::poller(client.sandbox()).register([sub.id.as_str()]);
+    Ok(started(
+        client,
+        &name,
+        &log,
+        &sub.id,
+        path_warning(&sub.facts),
+        sub.recovered,
+    ))
+}
+
+/// The cwd a submitted job runs in, from its spec ("" when it cannot be read).
+pub async fn cwd_of(client: &AgentClient, name: &str) -> String {
+    submit::spec(client, name)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|s| s.get("cwd").map(str::to_string))
+        .unwrap_or_default()
 }
 
 /// Is the job's record (and the agent) on a path the compute node sees? A network file system
@@ -277,126 +170,42 @@ fn started(
     v
 }
 
-/// The id of the job named `job_name` whose comment is `comment`.
-async fn find(client: &AgentClient, job_name: &str, comment: &str) -> Option<String> {
-    let out = remote::run(
-        client,
-        remote::FIND,
-        &[],
-        vec![("RSB_JOBNAME".into(), job_name.into())],
-    )
-    .await
-    .ok()?;
-    out.stdout.lines().find_map(|l| {
-        let (id, c) = l.trim().split_once('|')?;
-        (c == comment).then(|| id.to_string())
-    })
-}
-
-async fn read_small(client: &AgentClient, path: String) -> Result<Option<Vec<u8>>> {
-    match client
-        .call(ReadFileRequest {
-            path,
-            offset: 0,
-            max_bytes: 1 << 20,
-        })
-        .await
-    {
-        Ok(r) => Ok(Some(r.data)),
-        Err(e) if e.kind == Kind::Agent(rsb_protocol::ErrorCode::NotFound) => Ok(None),
-        Err(e) => Err(e),
-    }
-}
-
-/// The Slurm id of job `name`, when it was submitted through Slurm.
-pub async fn slurm_id(client: &AgentClient, name: &str) -> Result<Option<String>> {
-    let dir = job_dir(&client.hello().home, name);
-    Ok(read_small(client, format!("{dir}/slurm_job"))
-        .await?
-        .map(|b| String::from_utf8_lossy(&b).trim().to_string())
-        .filter(|s| !s.is_empty()))
-}
-
-/// What a Slurm state means for the job: (rsb state, finished, reason).
-pub fn meaning(state: &str) -> (&'static str, bool, Option<&'static str>) {
-    match state {
-        "PENDING" | "REQUEUED" | "REQUEUE_HOLD" | "REQUEUE_FED" => ("pending", false, None),
-        "RUNNING" | "CONFIGURING" | "COMPLETING" | "SIGNALING" | "STAGE_OUT" | "RESIZING" => {
-            ("running", false, None)
-        }
-        "SUSPENDED" | "STOPPED" => ("suspended", false, None),
-        "COMPLETED" => ("exited", true, None),
-        "FAILED" | "BOOT_FAIL" | "DEADLINE" => ("exited", true, None),
-        "TIMEOUT" => ("exited", true, Some("timeout")),
-        "OUT_OF_MEMORY" => ("exited", true, Some("out_of_memory")),
-        "CANCELLED" => ("exited", true, Some("cancelled")),
-        "NODE_FAIL" => ("interrupted", true, Some("node_fail")),
-        "PREEMPTED" => ("interrupted", true, Some("preempted")),
-        _ => ("unknown", false, None),
-    }
-}
-
-/// Put Slurm's view over a reply already holding the record's (`ops::jobs` keys).
+/// Put Slurm's view ([`judge`]) over a reply already holding the record's (`ops::jobs` keys).
 fn overlay(m: &mut Map<String, Value>, id: &str, seen: &Seen, recorded_end: bool) {
     m.insert("scheduler".into(), json!("slurm"));
     m.insert("runner".into(), json!("slurm"));
     m.insert("slurm_job_id".into(), json!(id));
-    let set = |m: &mut Map<String, Value>, state: &str, running: bool| {
+    let ran = m.contains_key("started_ms");
+    let j = judge(seen, recorded_end, ran);
+    if let (Some(state), Some(running)) = (j.state, j.running) {
         m.insert("state".into(), json!(state));
         m.insert("running".into(), json!(running));
+    }
+    let mut put = |k: &str, v: Option<Value>| {
+        if let Some(v) = v {
+            m.insert(k.into(), v);
+        }
     };
-    match seen {
-        Seen::Row(Row {
-            state,
-            reason,
-            node,
-            ..
-        }) => {
-            m.insert("slurm_state".into(), json!(state));
-            if !node.is_empty() && node != "(null)" {
-                m.insert("node".into(), json!(node));
-            }
-            let (word, finished, why) = meaning(state);
-            if let Some(w) = why {
-                m.insert("reason".into(), json!(w));
-            }
-            if word == "pending" {
-                m.insert("pending_reason".into(), json!(reason));
-                // Back in the queue after it ran: Slurm requeued it (node failure, preemption).
-                let ran = m.contains_key("started_ms") || recorded_end;
-                set(m, if ran { "resuming" } else { "pending" }, true);
-            } else if recorded_end && !finished {
-                // The command ended (its code is on record) but Slurm has not closed the job
-                // yet (COMPLETING, epilog): why it ended is known only once Slurm says so.
-                set(m, "completing", true);
-            } else if recorded_end {
-                // The record has the exit code; Slurm only adds why.
-                if word == "interrupted" {
-                    set(m, word, false);
-                }
-            } else if finished {
-                set(m, word, false);
-            } else {
-                set(m, word, true);
-            }
+    put("slurm_state", j.slurm_state.map(Value::from));
+    put("reason", j.reason.map(Value::from));
+    put("pending_reason", j.pending_reason.map(Value::from));
+    put("node", j.node.map(Value::from));
+    put("restarts", j.restarts.map(Value::from));
+    put("scheduler_error", j.scheduler_error.map(Value::from));
+    match j.state {
+        Some("lost") => {
+            m.insert(
+                "note".into(),
+                json!("Slurm no longer knows this job and its wrapper recorded no end (it never started, or was killed before it could record)"),
+            );
         }
-        Seen::Gone => {
-            if !recorded_end {
-                // Purged by the controller and nothing on record: it never reported.
-                m.insert("slurm_state".into(), json!("unknown"));
-                set(m, "lost", false);
-                m.insert(
-                    "note".into(),
-                    json!("Slurm no longer knows this job and its wrapper recorded no end (it never started, or was killed before it could record)"),
-                );
-            }
+        Some("scheduler_unreachable") if recorded_end => {
+            m.insert(
+                "note".into(),
+                json!("the command's end is on record, but only the Slurm controller can say how the job ended (timeout, preemption, requeue); ask again once it answers"),
+            );
         }
-        Seen::Unreachable(e) => {
-            if !recorded_end {
-                set(m, "scheduler_unreachable", true);
-            }
-            m.insert("scheduler_error".into(), json!(e));
-        }
+        _ => {}
     }
 }
 
@@ -439,10 +248,7 @@ async fn pending_reply(
     cursor: bool,
     next_offset: u64,
 ) -> Result<Value> {
-    let dir = job_dir(&client.hello().home, name);
-    let spec = read_small(client, format!("{dir}/spec"))
-        .await?
-        .and_then(|b| Record::parse(&b).ok());
+    let spec = submit::spec(client, name).await?;
     let text = |k: &str| {
         spec.as_ref()
             .and_then(|s| s.get_bytes(k))
@@ -517,7 +323,7 @@ pub async fn kill(client: &AgentClient, name: &str, id: &str) -> Result<Value> {
 /// through one squeue for all of them.
 pub async fn list(client: &AgentClient) -> Result<Value> {
     let base = ojobs::list(client).await?;
-    let root = format!("{}/{JOBS_ROOT}", client.hello().home.trim_end_matches('/'));
+    let root = jobs_root(&client.hello().home);
     let out = remote::run(
         client,
         remote::INVENTORY,

@@ -10,17 +10,14 @@
 //! (options, paths, the spec) travels in the environment, so nothing a user writes is ever
 //! spliced into a shell string.
 //!
-//! - [`options`]: the options (sandbox defaults and per job; the type and its checks are
-//!   [`crate::config`]'s) and the sbatch argv;
-//! - [`remote`]: the constant scripts and how they are run;
-//! - [`poll`]: one squeue per sandbox per tick for all its jobs, shared by every caller;
+//! The mechanism (options → argv, the constant scripts, the shared squeue poll, submit, and
+//! what a state means) is [`crate::slurm`]'s, one layer down, because the watchdog daemon
+//! uses it too; re-exported here under the names the job tools use.
+//!
 //! - [`jobs`]: submit, status, kill and list, as the job tools see them;
 //! - [`resources`]: partitions, nodes, CPUs and GPUs from sinfo, cached.
 
 pub mod jobs;
-pub mod options;
-pub mod poll;
-pub mod remote;
 pub mod resources;
 
-pub use options::{SlurmDefaults, SlurmOptions};
+pub use crate::slurm::{SlurmDefaults, SlurmOptions, options, poll, remote};

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use serde::Serialize;
 
-use super::remote;
+use crate::slurm::remote;
 use crate::{
     client::AgentClient,
     error::{Kind, Result, RsbError},

@@ -6,6 +6,11 @@
 //! jobs submitted or listed through this process, at most 100 per call), and every waiting
 //! caller gets that answer. A failed poll (controller down: each call blocks 9-18 s) is
 //! retried with exponential backoff; meanwhile callers get [`Seen::Unreachable`] at once.
+//!
+//! The poll runs as a task of its own, and a caller waits for it at most [`WAIT`]: a down
+//! controller holds squeue for 9-18 s, and no tool call or watchdog check may wait that long
+//! on it. A caller that gives up gets [`Seen::Unreachable`]; the poll carries on, and its
+//! answer (or its failure, with backoff) serves the next callers.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, LazyLock};
@@ -18,13 +23,15 @@ use crate::client::AgentClient;
 
 /// How long one poll's answer serves every caller.
 pub const TICK: Duration = Duration::from_secs(2);
+/// The longest a caller waits for a poll in flight (a healthy squeue answers in ~10 ms).
+pub const WAIT: Duration = Duration::from_secs(4);
 /// Ids not asked about for this long are no longer polled.
 const FORGET: Duration = Duration::from_secs(600);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// squeue's `-j` list is kept short, as sites expect.
 const IDS_PER_CALL: usize = 100;
 
-/// One squeue row: `%i|%T|%r|%M|%l|%N`.
+/// One squeue row: id, state, reason, elapsed, limit, node, restarts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Row {
     pub state: String,
@@ -32,6 +39,8 @@ pub struct Row {
     pub elapsed: String,
     pub limit: String,
     pub node: String,
+    /// Slurm's `Restarts`: how often it requeued the job.
+    pub restarts: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,13 +60,25 @@ struct Cache {
     error: Option<String>,
     failures: u32,
     next_try: Option<Instant>,
+    /// When the poll now in flight started.
+    polling: Option<Instant>,
 }
 
-#[derive(Default)]
 pub struct Poller {
     known: Mutex<HashMap<String, Instant>>,
     cache: Mutex<Cache>,
-    gate: tokio::sync::Mutex<()>,
+    /// Counts finished polls; waiting callers watch it.
+    done: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for Poller {
+    fn default() -> Self {
+        Poller {
+            known: Mutex::default(),
+            cache: Mutex::default(),
+            done: tokio::sync::watch::channel(0).0,
+        }
+    }
 }
 
 static POLLERS: LazyLock<Mutex<HashMap<String, Arc<Poller>>>> =
@@ -88,27 +109,94 @@ impl Poller {
         self.cache.lock().at = None;
     }
 
-    /// The state of each id, from a poll at most [`TICK`] old.
-    pub async fn states(&self, client: &AgentClient, ids: &[String]) -> HashMap<String, Seen> {
+    /// Why the controller is taken to be down right now (the poll in flight has outlasted
+    /// [`WAIT`], or the last poll failed and its backoff runs), without asking it. Once the
+    /// backoff ends the next caller asks again, so a controller back up is never refused for
+    /// longer than that.
+    pub fn down(&self) -> Option<String> {
+        let c = self.cache.lock();
+        if let Some(t) = c.polling.filter(|t| t.elapsed() >= WAIT) {
+            return Some(format!(
+                "squeue has not answered for {} s",
+                t.elapsed().as_secs()
+            ));
+        }
+        let backing_off = c.next_try.is_some_and(|t| Instant::now() < t);
+        c.error.clone().filter(|_| backing_off)
+    }
+
+    /// The state of each id, from a poll at most [`TICK`] old, waiting at most [`WAIT`].
+    pub async fn states(
+        self: &Arc<Self>,
+        client: &AgentClient,
+        ids: &[String],
+    ) -> HashMap<String, Seen> {
         self.register(ids.iter().map(String::as_str));
-        let _g = self.gate.lock().await;
-        let now = Instant::now();
-        let fresh = {
-            let c = self.cache.lock();
-            let covered = ids.iter().all(|i| c.polled.contains(i));
-            let young = c.at.is_some_and(|t| now.duration_since(t) < TICK);
-            let backing_off = c.next_try.is_some_and(|t| now < t);
-            (young && covered) || backing_off
-        };
-        if !fresh {
-            let all: Vec<String> = {
-                let mut k = self.known.lock();
-                k.retain(|_, t| now.duration_since(*t) < FORGET);
-                k.keys().cloned().collect()
+        let deadline = tokio::time::Instant::now() + WAIT;
+        let mut timed_out = false;
+        // Twice at most: a poll already in flight may have left out an id registered after
+        // it started.
+        for _ in 0..2 {
+            let now = Instant::now();
+            let mut done = self.done.subscribe();
+            let start = {
+                let mut c = self.cache.lock();
+                let covered = ids.iter().all(|i| c.polled.contains(i));
+                let young = c.at.is_some_and(|t| now.duration_since(t) < TICK);
+                let backing_off = c.next_try.is_some_and(|t| now < t);
+                if (young && covered) || backing_off {
+                    break;
+                }
+                let start = c.polling.is_none();
+                if start {
+                    c.polling = Some(now);
+                }
+                start
             };
-            let r = poll(client, &all).await;
+            if start {
+                let me = self.clone();
+                let client = client.clone();
+                tokio::spawn(async move { me.poll_now(&client).await });
+            }
+            if tokio::time::timeout_at(deadline, done.changed())
+                .await
+                .is_err()
+            {
+                timed_out = true;
+                break;
+            }
+        }
+        let c = self.cache.lock();
+        let slow = c.polling.filter(|_| timed_out).map(|t| t.elapsed());
+        ids.iter()
+            .map(|i| {
+                let seen = match (slow, &c.error, c.rows.get(i)) {
+                    (Some(d), _, _) => Seen::Unreachable(format!(
+                        "squeue has not answered for {} s (is the Slurm controller down?)",
+                        d.as_secs()
+                    )),
+                    (None, Some(e), _) => Seen::Unreachable(e.clone()),
+                    (None, None, Some(r)) => Seen::Row(r.clone()),
+                    (None, None, None) => Seen::Gone,
+                };
+                (i.clone(), seen)
+            })
+            .collect()
+    }
+
+    /// One poll for every known id; its answer (or its failure) replaces the cache.
+    async fn poll_now(&self, client: &AgentClient) {
+        let now = Instant::now();
+        let all: Vec<String> = {
+            let mut k = self.known.lock();
+            k.retain(|_, t| now.duration_since(*t) < FORGET);
+            k.keys().cloned().collect()
+        };
+        let r = poll(client, &all).await;
+        {
             let mut c = self.cache.lock();
             c.at = Some(Instant::now());
+            c.polling = None;
             match r {
                 Ok(rows) => {
                     c.polled = all.into_iter().collect();
@@ -125,17 +213,7 @@ impl Poller {
                 }
             }
         }
-        let c = self.cache.lock();
-        ids.iter()
-            .map(|i| {
-                let seen = match (&c.error, c.rows.get(i)) {
-                    (Some(e), _) => Seen::Unreachable(e.clone()),
-                    (None, Some(r)) => Seen::Row(r.clone()),
-                    (None, None) => Seen::Gone,
-                };
-                (i.clone(), seen)
-            })
-            .collect()
+        self.done.send_modify(|n| *n += 1);
     }
 }
 
@@ -161,12 +239,12 @@ async fn poll(client: &AgentClient, ids: &[String]) -> Result<HashMap<String, Ro
     Ok(rows)
 }
 
-/// Rows of `%i|%T|%r|%M|%l|%N`, keyed by job id.
+/// Rows of [`remote::SQUEUE`]'s `id|state|reason|elapsed|limit|node|restarts|`, keyed by id.
 pub fn parse_rows(text: &str) -> HashMap<String, Row> {
     text.lines()
         .filter_map(|l| {
-            let f: Vec<&str> = l.trim().splitn(6, '|').collect();
-            (f.len() == 6).then(|| {
+            let f: Vec<&str> = l.trim().split('|').collect();
+            (f.len() >= 7).then(|| {
                 (
                     f[0].to_string(),
                     Row {
@@ -174,7 +252,8 @@ pub fn parse_rows(text: &str) -> HashMap<String, Row> {
                         reason: f[2].to_string(),
                         elapsed: f[3].to_string(),
                         limit: f[4].to_string(),
-                        node: f[5].to_string(),
+                        node: f[5].trim().to_string(),
+                        restarts: f[6].trim().parse().unwrap_or(0),
                     },
                 )
             })
@@ -189,10 +268,11 @@ mod tests {
     #[test]
     fn rows_parse_and_skip_garbage() {
         let r = parse_rows(
-            "12|RUNNING|None|0:05|1:00|rsbnode\n13|PENDING|Resources|0:00|UNLIMITED|\nnoise\n",
+            "12|RUNNING|None|0:05|1:00|rsbnode|0|\n13|PENDING|Resources|0:00|UNLIMITED||2|\nnoise\n",
         );
         assert_eq!(r.len(), 2);
         assert_eq!(r["12"].node, "rsbnode");
+        assert_eq!((r["12"].restarts, r["13"].restarts), (0, 2));
         assert_eq!(r["13"].reason, "Resources");
         assert_eq!(r["13"].node, "");
     }

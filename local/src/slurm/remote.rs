@@ -77,9 +77,10 @@ pub async fn run(
     })
 }
 
-/// `squeue` for the ids in args, every state, one `|`-separated row per job.
+/// `squeue` for the ids in args, every state, one `|`-separated row per job: id, state,
+/// reason, elapsed, limit, node, restarts (`-O`, because `-o` has no restart count).
 pub const SQUEUE: &str = r#"ids=$(IFS=,; printf '%s' "${args[*]}")
-exec squeue -h -t all -j "$ids" -o '%i|%T|%r|%M|%l|%N'
+exec squeue -h -t all -j "$ids" -O 'JobID:|,State:|,Reason:|,TimeUsed:|,TimeLimit:|,NodeList:|,RestartCnt:|'
 "#;
 
 /// `scancel` the ids in args.
@@ -87,6 +88,11 @@ pub const SCANCEL: &str = "exec scancel \"${args[@]}\"\n";
 
 /// Find jobs by name: `squeue -h -t all -u ME -n NAME -o '%i|%k'` (id and comment).
 pub const FIND: &str = r#"exec squeue -h -t all -u "$(id -un)" -n "$RSB_JOBNAME" -o '%i|%k'
+"#;
+
+/// Record the Slurm id of a job found by [`FIND`] (its submit's reply was lost), so later
+/// calls find it by its name.
+pub const ADOPT: &str = r#"printf '%s\n' "$RSB_ID" > "$RSB_D/slurm_job.tmp" && mv -f "$RSB_D/slurm_job.tmp" "$RSB_D/slurm_job"
 "#;
 
 /// Everything resources need in one call: partitions, nodes, and the user's jobs.
@@ -117,6 +123,7 @@ fi
 mkdir -p "$(dirname -- "$RSB_LOG")" || { echo "cannot create the log directory for $RSB_LOG" >&2; exit 23; }
 rm -f "$d/state" "$d/slurm_job"
 printf '%s' "$RSB_SPEC" > "$d/spec.tmp" && mv -f "$d/spec.tmp" "$d/spec" || exit 23
+printf '%s\n' "$RSB_LAUNCH_ID" > "$d/launch_id.tmp" && mv -f "$d/launch_id.tmp" "$d/launch_id" || exit 23
 printf '%s' "$RSB_SCRIPT" > "$d/batch.sh.tmp" && chmod 700 "$d/batch.sh.tmp" && mv -f "$d/batch.sh.tmp" "$d/batch.sh" || exit 23
 fs=$(stat -f -c %T "$d" 2>/dev/null || echo unknown)
 afs=$(stat -f -c %T "$RSB_AGENT" 2>/dev/null || echo unknown)
