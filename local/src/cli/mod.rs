@@ -11,6 +11,7 @@ pub mod forward;
 pub mod fs;
 pub mod jobs;
 pub mod meta;
+pub mod policy;
 pub mod sandboxes;
 pub mod search;
 pub mod state;

@@ -273,6 +273,24 @@ impl RsbServer {
             cwd: (!p.cwd.is_empty()).then(|| p.cwd.clone()),
             ..Default::default()
         };
+        let commands: Vec<&str> = [&p.command, &p.resume_command, &p.checkpoint_command]
+            .into_iter()
+            .map(String::as_str)
+            .filter(|c| !c.is_empty())
+            .collect();
+        if !sandbox.is_empty()
+            && let Err(e) = super::policy::gate(
+                self,
+                &ctx,
+                &sandbox,
+                "exec_bash_background",
+                commands,
+                (!p.cwd.is_empty()).then_some(p.cwd.as_str()),
+            )
+            .await
+        {
+            return fail(&e);
+        }
         let r = self.start_background(p).await;
         if let Err(e) = &r {
             action.error = Some(e.message.clone());

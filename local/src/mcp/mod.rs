@@ -10,6 +10,7 @@ mod exec;
 mod forward;
 mod fs;
 mod jobs;
+mod policy;
 mod sandboxes;
 mod search;
 mod stdio;
