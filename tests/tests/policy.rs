@@ -337,6 +337,13 @@ async fn the_bypass_table_is_denied_and_nothing_ran_on_the_host() {
         )
         .await;
     assert!(r.is_error && r.text.contains("shutdown*"), "{}", r.text);
+    let r = mcp
+        .call(
+            "exec_bash_background",
+            json!({"command": "sleep 1", "resume_plan_json": r#"{"resume_command": "mkfs.ext4 /dev/sdz9"}"#}),
+        )
+        .await;
+    assert!(r.is_error && r.text.contains("mkfs*"), "{}", r.text);
     assert!(victim.join("keep").exists() && !marks.exists());
     let _ = mcp.svc.cancel().await;
 }

@@ -38,6 +38,25 @@ pub(super) async fn gate(
     policy::gate(server.pool.config(), &req, |question| ask(ctx, question)).await
 }
 
+/// The commands among `fields` (empty ones dropped) and those a resume plan carries.
+pub(super) fn commands_of(fields: &[&str], plan_json: &str) -> Vec<String> {
+    let mut out: Vec<String> = fields
+        .iter()
+        .filter(|c| !c.trim().is_empty())
+        .map(|c| c.to_string())
+        .collect();
+    if let Ok(serde_json::Value::Object(plan)) = serde_json::from_str(plan_json) {
+        for k in ["launch_command", "resume_command", "checkpoint_command"] {
+            if let Some(c) = plan.get(k).and_then(serde_json::Value::as_str)
+                && !c.trim().is_empty()
+            {
+                out.push(c.to_string());
+            }
+        }
+    }
+    out
+}
+
 async fn ask(ctx: &RequestContext<RoleServer>, question: String) -> Answer {
     if !ctx
         .peer
