@@ -16,6 +16,8 @@ pub enum Kind {
     /// The agent refused or failed the request.
     Agent(ErrorCode),
     InvalidArgument,
+    /// The command policy denied the command, or it needed an approval that was not given.
+    Policy,
     Timeout,
     Internal,
 }

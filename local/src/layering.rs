@@ -29,6 +29,7 @@ pub const LAYERS: &[&[&str]] = &[
     &["server_env"],
     &["pool"],
     &["audit"],
+    &["policy"],
     &["sync"],
     &["forward"],
     &["slurm"],

@@ -14,6 +14,7 @@ pub mod forward;
 mod layering;
 pub mod mcp;
 pub mod ops;
+pub mod policy;
 pub mod pool;
 pub mod server_env;
 pub mod slurm;

@@ -68,6 +68,7 @@ fn pool_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<Pool> {
         expose_advanced_tools: false,
         inline_sync_max_files: 100_000,
         inline_sync_max_bytes: 1 << 40,
+        policy: Default::default(),
         state_dir: state.to_path_buf(),
         source: "bench".into(),
         warnings: vec![],

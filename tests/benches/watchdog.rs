@@ -49,6 +49,7 @@ fn sandbox(name: &str, sshd: &Sshd, known: &Path) -> SandboxConfig {
         }),
         slurm: None,
         sudo: None,
+        policy: Default::default(),
     }
 }
 
@@ -152,6 +153,7 @@ async fn main() {
         expose_advanced_tools: false,
         inline_sync_max_files: 200,
         inline_sync_max_bytes: 64 << 20,
+        policy: Default::default(),
         state_dir: tmp.path().to_path_buf(),
         source: "bench".into(),
         warnings: vec![],

@@ -192,6 +192,7 @@ fn pool_with(sshd: &Sshd, port: u16, state: &Path, max_files: u64, max_bytes: u6
         expose_advanced_tools: false,
         inline_sync_max_files: max_files,
         inline_sync_max_bytes: max_bytes,
+        policy: Default::default(),
         state_dir: state.to_path_buf(),
         source: "test".into(),
         warnings: vec![],

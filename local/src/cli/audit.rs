@@ -48,10 +48,11 @@ pub fn run(ctx: &Ctx, since: Option<&str>, grep: Option<&str>) -> u8 {
             print_json(v);
         } else {
             let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
-            let code = v["exit_code"]
-                .as_i64()
-                .map(|c| format!("exit {c}"))
-                .unwrap_or_else(|| s("error"));
+            let code = match (v["exit_code"].as_i64(), v["detail"]["policy"].as_str()) {
+                (Some(c), _) => format!("exit {c}"),
+                (None, Some(p)) => format!("policy {p}"),
+                (None, None) => s("error"),
+            };
             super::out_line(&format!(
                 "{}  {}  {}  {}  {}  {}",
                 s("time"),

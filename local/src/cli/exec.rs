@@ -23,6 +23,9 @@ pub struct ExecArgs {
     /// (fed to sudo through the agent, never in argv, env or a file). stdin is not forwarded.
     #[arg(long, conflicts_with = "tty")]
     pub sudo: bool,
+    /// Approve a command the policy's `ask` rules hold for approval, without the question.
+    #[arg(long, short = 'y')]
+    pub yes: bool,
     /// One argument is a bash command line (`'make | tee log'`); several are words whose
     /// boundaries are kept (`-- printf '%s\n' "a b"`).
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
@@ -55,6 +58,23 @@ pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
         Ok(c) => c,
         Err(e) => return fail(ctx.json, &e),
     };
+    let tool = if a.sudo {
+        "rsb exec --sudo"
+    } else {
+        "rsb exec"
+    };
+    if let Err(e) = super::policy::gate(
+        ctx,
+        client.sandbox(),
+        tool,
+        vec![&command],
+        a.cwd.as_deref(),
+        a.yes,
+    )
+    .await
+    {
+        return fail(ctx.json, &e);
+    }
     let t0 = std::time::Instant::now();
     let cwd = a.cwd.clone();
     let code = run_on(ctx, &client, req, &a).await;

@@ -26,6 +26,9 @@ pub enum JobsCmd {
         /// Log file (default .codex_logs/NAME.log under the working directory).
         #[arg(long)]
         log: Option<String>,
+        /// Approve a command the policy's `ask` rules hold for approval, without the question.
+        #[arg(long, short = 'y')]
+        yes: bool,
         /// One argument is a bash command line; several are words, boundaries kept.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
@@ -150,10 +153,23 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             name,
             cwd,
             log,
+            yes,
             command,
         } => {
-            let t0 = std::time::Instant::now();
             let line = super::command_line(&command);
+            if let Err(e) = super::policy::gate(
+                ctx,
+                client.sandbox(),
+                "rsb jobs start",
+                vec![&line],
+                cwd.as_deref(),
+                yes,
+            )
+            .await
+            {
+                return fail(json, &e);
+            }
+            let t0 = std::time::Instant::now();
             let r = jobs::start(
                 &client,
                 &line,

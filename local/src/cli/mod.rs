@@ -11,6 +11,7 @@ pub mod forward;
 pub mod fs;
 pub mod jobs;
 pub mod meta;
+pub mod policy;
 pub mod sandboxes;
 pub mod search;
 pub mod state;
@@ -47,6 +48,9 @@ pub mod exit {
     /// changing was left uncommitted: the destination does not match the source (as rsync's
     /// 23 says a transfer was partial).
     pub const CONFLICTS: u8 = 6;
+    /// The command policy denied the command, or it needed an approval that was not given
+    /// (`[policy]` in the configuration); nothing ran.
+    pub const POLICY: u8 = 7;
     /// `rsb exec --timeout` expired; the remote command's session was killed.
     pub const TIMEOUT: u8 = 124;
     /// Interrupted by Ctrl-C.
@@ -70,6 +74,8 @@ Exit codes:
   6    rsb sync: conflicts (files changed on both sides were kept, not replaced;
        --force takes the source's side), or a file that kept changing while it was
        sent was left uncommitted (sync again once it is quiet)
+  7    the command policy denied the command, or it needed an approval that was not
+       given (see [policy] in the README); nothing ran
   0/1/2 rsb grep, as rg: a match / no match / an error
   124  rsb exec --timeout expired (the remote command's session was killed)
   130  interrupted (Ctrl-C: SIGINT to the remote command, SIGTERM 5 s later, then killed)
@@ -94,6 +100,7 @@ pub fn code_of(e: &RsbError) -> u8 {
         | Kind::Timeout => exit::CONNECTION,
         Kind::Agent(_) => exit::REMOTE,
         Kind::Internal => exit::INTERNAL,
+        Kind::Policy => exit::POLICY,
     }
 }
 

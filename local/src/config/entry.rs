@@ -13,6 +13,7 @@ use serde::{
     de::{self, DeserializeOwned},
 };
 
+use super::PolicyRules;
 use super::hops::{resolve_hop, unbracket};
 use super::secrets::{SecretText, resolve_secret};
 use super::slurm::{SlurmDefaults, slurm_defaults};
@@ -44,6 +45,7 @@ pub(super) struct Entry {
     pub(super) connect_timeout_s: Seconds,
     pub(super) scheduler: Text,
     pub(super) slurm: Option<SlurmDefaults>,
+    pub(super) policy: Option<PolicyRules>,
 }
 
 /// What a field's value must be: the whole of a type error's text, so no character of the
@@ -362,8 +364,10 @@ pub(super) fn build_sandbox(
         connect_timeout_s: Seconds(explicit_timeout),
         scheduler: Text(scheduler),
         slurm,
+        policy,
         ..
     } = e;
+    let policy = policy.unwrap_or_default();
     let slurm = slurm_defaults(scheduler.as_deref(), slurm)
         .map_err(|(m, h)| ConfigError::new(format!("{label}: {m}"), h))?;
     if local {
@@ -387,6 +391,7 @@ pub(super) fn build_sandbox(
             transport: Transport::Local,
             slurm,
             sudo,
+            policy,
         });
     }
 
@@ -494,6 +499,7 @@ pub(super) fn build_sandbox(
         transport: Transport::Ssh(target),
         slurm,
         sudo,
+        policy,
     })
 }
 
@@ -617,6 +623,7 @@ mod tests {
                 transport: Transport::Local,
                 slurm: None,
                 sudo: None,
+                policy: Default::default(),
             }
         );
         assert_eq!(ssh(&c, 1).host_key_policy, HostKeyPolicy::Strict);

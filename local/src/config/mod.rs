@@ -43,6 +43,7 @@
 
 mod entry;
 mod hops;
+mod policy;
 mod secrets;
 mod slurm;
 mod sources;
@@ -56,6 +57,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use hops::{Hop, host_port};
+pub use policy::{ASK_VAR as POLICY_ASK_VAR, DENY_VAR as POLICY_DENY_VAR, PolicyRules};
 pub use secrets::Secret;
 pub use slurm::{SlurmDefaults, SlurmOptions};
 pub use sources::{BUILTIN_LOCAL, check_unconfigured_env, config_file_path, env_truthy};
@@ -186,6 +188,8 @@ pub struct SandboxConfig {
     /// `sudo_password_env`: the password `exec_bash(sudo=true)` gives sudo, read from that
     /// variable when the configuration loads; kept in memory only, never stored or passed on.
     pub sudo: Option<SudoPassword>,
+    /// The sandbox's own `policy` rules, on top of the global ones ([`Config::policy`]).
+    pub policy: PolicyRules,
 }
 
 impl SandboxConfig {
@@ -223,6 +227,9 @@ pub struct Config {
     pub expose_advanced_tools: bool,
     pub inline_sync_max_files: u64,
     pub inline_sync_max_bytes: u64,
+    /// The global `[policy]` rules (the file's table and `RSB_POLICY_DENY`/`RSB_POLICY_ASK`);
+    /// each sandbox adds its own.
+    pub policy: PolicyRules,
     pub state_dir: PathBuf,
     /// `REMOTE_SANDBOX_LIST` | `REMOTE_HOST` | `config file <path>` | `built-in local`.
     pub source: String,
@@ -366,6 +373,7 @@ impl Config {
                 connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             },
             warnings: &mut warnings,
+            policy: PolicyRules::default(),
         };
         let label = format!("-s {alias}");
         let params = ctx.ssh_query(alias, &label)?;
@@ -441,15 +449,18 @@ impl Config {
                 connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             },
             warnings: &mut warnings,
+            policy: policy::from_env(env)?,
         };
 
         let (sandboxes, source) = sources::sandboxes(env, config_file, env_policy, &mut ctx)?;
+        let policy = std::mem::take(&mut ctx.policy);
 
         Ok(Config {
             sandboxes,
             expose_advanced_tools,
             inline_sync_max_files,
             inline_sync_max_bytes,
+            policy,
             state_dir,
             source,
             warnings,
@@ -477,6 +488,8 @@ struct BuildCtx<'a> {
     state_dir: &'a Path,
     defaults: Defaults,
     warnings: &'a mut Vec<String>,
+    /// The global policy rules read so far (the environment's, then the file's table).
+    policy: PolicyRules,
 }
 
 impl BuildCtx<'_> {

@@ -119,6 +119,8 @@ const KNOWN_VARS: &[&str] = &[
     "RSB_SANDBOX",
     "RSB_LOG",
     "RSB_HOST_KEY_POLICY",
+    "RSB_POLICY_DENY",
+    "RSB_POLICY_ASK",
     "RSB_ALLOW_WATCH_HOOKS",
     "RSB_WATCHDOG_STORE_PASSWORDS",
     "RSB_AGENT_DIR",
@@ -226,6 +228,7 @@ fn builtin_local() -> SandboxConfig {
         transport: Transport::Local,
         slurm: None,
         sudo: None,
+        policy: Default::default(),
     }
 }
 
@@ -282,6 +285,8 @@ struct FileConfig {
     host_key_policy: Policy,
     connect_timeout_s: Seconds,
     sandbox: Vec<Entry>,
+    /// The global command rules (`[policy]`), under each sandbox's own.
+    policy: Option<super::PolicyRules>,
     /// Read and checked by the watchdog's own settings (alert hooks the user allows in their
     /// own file); accepted here so the rest of the file parses.
     #[allow(dead_code)]
@@ -490,6 +495,9 @@ fn parse_toml_file(
     }
     if let Some(t) = file.connect_timeout_s.0 {
         ctx.defaults.connect_timeout = t;
+    }
+    if let Some(p) = file.policy {
+        ctx.policy.extend(p);
     }
     let open_to_others = readable_by_others(path);
     let mut out = Vec::with_capacity(file.sandbox.len());
@@ -912,6 +920,52 @@ password_env = "PW_VAR"
 name = "local"
 local = true
 "#;
+
+    #[test]
+    fn policy_rules_come_from_the_file_the_list_and_the_environment() {
+        let home = TempDir::new();
+        let file = home.write(
+            "rsb/config.toml",
+            r#"
+[policy]
+deny = ["shutdown*"]
+
+[[sandbox]]
+name = "a"
+local = true
+policy = { ask = ["git push*"] }
+
+[[sandbox]]
+name = "b"
+local = true
+"#,
+        );
+        let c = load_with(
+            &home,
+            &[("RSB_POLICY_DENY", r#"["mkfs*"]"#)],
+            Some(&file),
+            None,
+        )
+        .unwrap();
+        assert_eq!(c.policy.deny, ["mkfs*", "shutdown*"]);
+        assert_eq!(c.sandbox("a").unwrap().policy.ask, ["git push*"]);
+        assert!(c.sandbox("b").unwrap().policy.is_empty());
+        let bad = home.write(
+            "rsb/bad.toml",
+            "[policy]
+den = [\"x\"]\n",
+        );
+        let e = load_with(&home, &[], Some(&bad), None).unwrap_err();
+        assert!(e.message.contains("den"), "{}", e.message);
+        let c = env_only(&[(
+            LIST_VAR,
+            r#"[{"name": "s", "local": true, "policy": {"deny": ["rm -rf /*"]}}]"#,
+        )])
+        .unwrap();
+        assert_eq!(c.sandboxes[0].policy.deny, ["rm -rf /*"]);
+        let e = err(&[(LIST_VAR, r#"[{"local": true, "policy": {"deny": "rm"}}]"#)]);
+        assert!(e.message.contains("policy"), "{}", e.message);
+    }
 
     #[test]
     fn toml_happy_path() {

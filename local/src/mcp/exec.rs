@@ -64,6 +64,24 @@ impl RsbServer {
         let streamed = ctx.meta.get_progress_token().is_some();
         req.stream = streamed;
         let work = async {
+            let tool = if p.sudo {
+                "exec_bash(sudo)"
+            } else {
+                "exec_bash"
+            };
+            if let Ok(sandbox) = self.pool.resolve(&p.sandbox_name)
+                && let Err(e) = super::policy::gate(
+                    self,
+                    &ctx,
+                    &sandbox,
+                    tool,
+                    vec![&p.command],
+                    p.cwd.as_deref(),
+                )
+                .await
+            {
+                return fail(&e);
+            }
             let client = match self.pool.client(&p.sandbox_name).await {
                 Ok(c) => c,
                 Err(e) => return fail(&e),
@@ -86,12 +104,7 @@ impl RsbServer {
                 client.sandbox(),
                 &crate::audit::Action {
                     origin: super::origin(&ctx),
-                    tool: if p.sudo {
-                        "exec_bash(sudo)"
-                    } else {
-                        "exec_bash"
-                    }
-                    .into(),
+                    tool: tool.into(),
                     command: Some(p.command.clone()),
                     cwd: p.cwd.clone(),
                     exit_code: r.as_ref().ok().map(|r| exec::exit_status(r) as i64),

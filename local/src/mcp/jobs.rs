@@ -273,6 +273,9 @@ impl RsbServer {
             cwd: (!p.cwd.is_empty()).then(|| p.cwd.clone()),
             ..Default::default()
         };
+        if let Err(e) = self.gate_background(&ctx, &p, "exec_bash_background").await {
+            return fail(&e);
+        }
         let r = self.start_background(p).await;
         if let Err(e) = &r {
             action.error = Some(e.message.clone());
@@ -446,6 +449,34 @@ impl RsbServer {
 impl RsbServer {
     /// Start a background job and, with `watch`, register its watch: validation first (nothing
     /// starts on a bad call), then the launch, then the registration.
+    /// The policy over every command a background call would have the sandbox run: the
+    /// job's, its resume and checkpoint commands (the plan's too).
+    pub(super) async fn gate_background(
+        &self,
+        ctx: &RequestContext<RoleServer>,
+        p: &ExecBackgroundParams,
+        tool: &str,
+    ) -> Result<(), RsbError> {
+        let Ok(sandbox) = self.pool.resolve(&p.sandbox_name) else {
+            // start_background reports the unknown sandbox.
+            return Ok(());
+        };
+        let commands = super::policy::commands_of(
+            &[&p.command, &p.resume_command, &p.checkpoint_command],
+            &p.resume_plan_json,
+        );
+        let cwd = (!p.cwd.is_empty()).then_some(p.cwd.as_str());
+        super::policy::gate(
+            self,
+            ctx,
+            &sandbox,
+            tool,
+            commands.iter().map(String::as_str).collect(),
+            cwd,
+        )
+        .await
+    }
+
     pub(super) async fn start_background(
         &self,
         p: ExecBackgroundParams,

@@ -10,6 +10,7 @@ mod exec;
 mod forward;
 mod fs;
 mod jobs;
+mod policy;
 mod sandboxes;
 mod search;
 mod stdio;
@@ -100,6 +101,7 @@ impl RsbServer {
             expose_advanced_tools: false,
             inline_sync_max_files: crate::config::DEFAULT_INLINE_SYNC_MAX_FILES,
             inline_sync_max_bytes: crate::config::DEFAULT_INLINE_SYNC_MAX_BYTES,
+            policy: Default::default(),
             state_dir: std::path::PathBuf::new(),
             source: "invalid configuration".into(),
             warnings: Vec::new(),

@@ -319,6 +319,28 @@ impl RsbServer {
         };
         let sandbox = self.pool.resolve(&args.sandbox_name).unwrap_or_default();
         let ensure = p.ensure_watchdog;
+        if !sandbox.is_empty() {
+            let commands = super::policy::commands_of(
+                &[
+                    &args.launch_command,
+                    &args.resume_command,
+                    &args.checkpoint_command,
+                ],
+                &args.resume_plan_json,
+            );
+            if let Err(e) = super::policy::gate(
+                self,
+                &ctx,
+                &sandbox,
+                "watch_background_task",
+                commands.iter().map(String::as_str).collect(),
+                (!args.cwd.is_empty()).then_some(args.cwd.as_str()),
+            )
+            .await
+            {
+                return fail(&e);
+            }
+        }
         let r = async {
             let mut nw = wops::prepare(&args, settings::hooks_allowed(), false)?;
             nw.sandbox_name = self.pool.resolve(&args.sandbox_name)?;
@@ -342,6 +364,7 @@ impl RsbServer {
     async fn exec_bash_background_watch(
         &self,
         Parameters(p): Parameters<ExecWatchParams>,
+        ctx: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> ToolResult {
         let q = ExecBackgroundParams {
             command: p.command,
@@ -373,6 +396,12 @@ impl RsbServer {
             stall_after_s: p.stall_after_s,
             slurm: None,
         };
+        if let Err(e) = self
+            .gate_background(&ctx, &q, "exec_bash_background_watch")
+            .await
+        {
+            return fail(&e);
+        }
         reply(self.start_background(q).await)
     }
 

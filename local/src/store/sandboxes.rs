@@ -237,6 +237,7 @@ impl Persisted {
                 transport: Transport::Local,
                 slurm: None,
                 sudo: None,
+                policy: Default::default(),
             });
         }
         let needs = |what: &str, whose: String| {
@@ -288,6 +289,7 @@ impl Persisted {
             }),
             slurm: None,
             sudo: None,
+            policy: Default::default(),
         })
     }
 
@@ -476,6 +478,7 @@ mod tests {
             }),
             slurm: None,
             sudo: None,
+            policy: Default::default(),
         }
     }
 
@@ -493,6 +496,7 @@ mod tests {
             transport: Transport::Local,
             slurm: None,
             sudo: None,
+            policy: Default::default(),
         };
         assert_eq!(
             Persisted::from_config(&local).0.to_config(None).unwrap(),

@@ -565,6 +565,7 @@ impl Transfers {
             expose_advanced_tools: false,
             inline_sync_max_files: crate::config::DEFAULT_INLINE_SYNC_MAX_FILES,
             inline_sync_max_bytes: crate::config::DEFAULT_INLINE_SYNC_MAX_BYTES,
+            policy: Default::default(),
             state_dir: self.state_dir.clone(),
             source: "transfer worker".into(),
             warnings: Vec::new(),

@@ -97,6 +97,7 @@ impl Host {
             expose_advanced_tools: false,
             inline_sync_max_files: crate::config::DEFAULT_INLINE_SYNC_MAX_FILES,
             inline_sync_max_bytes: crate::config::DEFAULT_INLINE_SYNC_MAX_BYTES,
+            policy: Default::default(),
             state_dir: state_dir.to_path_buf(),
             source: "watchdog".into(),
             warnings: Vec::new(),

@@ -47,6 +47,7 @@ pub fn sandbox(name: &str, t: SshTarget) -> SandboxConfig {
         transport: Transport::Ssh(t),
         slurm: None,
         sudo: None,
+        policy: Default::default(),
     }
 }
 
@@ -57,6 +58,7 @@ pub fn config_of(sandboxes: Vec<SandboxConfig>, state: &Path) -> Config {
         expose_advanced_tools: false,
         inline_sync_max_files: 200,
         inline_sync_max_bytes: 64 << 20,
+        policy: Default::default(),
         state_dir: state.to_path_buf(),
         source: "test".into(),
         warnings: vec![],
@@ -74,6 +76,7 @@ pub fn pool_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<Pool> {
     Arc::new(Pool::new(Arc::new(Config {
         inline_sync_max_files: 100_000,
         inline_sync_max_bytes: 1 << 40,
+        policy: Default::default(),
         ..config_of(vec![sandbox("s", t)], state)
     })))
 }

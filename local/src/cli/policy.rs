@@ -1,0 +1,55 @@
+//! The policy's `ask` on the command line: a y/N question on the terminal, `--yes` to
+//! approve without one, and a refusal where nobody can answer (no terminal).
+
+use std::io::{BufRead, IsTerminal, Write};
+
+use rsb::{
+    error::RsbError,
+    policy::{self, Answer},
+};
+
+use super::Ctx;
+
+/// Check `commands` of `tool` on `sandbox` against the policy; `Ok`: run them.
+pub async fn gate(
+    ctx: &Ctx,
+    sandbox: &str,
+    tool: &str,
+    commands: Vec<&str>,
+    cwd: Option<&str>,
+    yes: bool,
+) -> Result<(), RsbError> {
+    let req = policy::Request {
+        sandbox,
+        origin: "cli".into(),
+        tool,
+        commands,
+        cwd,
+    };
+    policy::gate(ctx.pool.config(), &req, |question| async move {
+        if yes {
+            return Answer::Approved;
+        }
+        tokio::task::spawn_blocking(move || prompt(&question))
+            .await
+            .unwrap_or(Answer::Cancelled)
+    })
+    .await
+}
+
+fn prompt(question: &str) -> Answer {
+    if !std::io::stdin().is_terminal() || !std::io::stderr().is_terminal() {
+        return Answer::CannotAsk(
+            "stdin is not a terminal, so nobody can be asked (--yes approves it)".into(),
+        );
+    }
+    let mut err = std::io::stderr().lock();
+    let _ = write!(err, "{question}\nRun it? [y/N] ");
+    let _ = err.flush();
+    let mut line = String::new();
+    match std::io::stdin().lock().read_line(&mut line) {
+        Ok(0) | Err(_) => Answer::Cancelled,
+        Ok(_) if matches!(line.trim(), "y" | "Y" | "yes" | "YES" | "Yes") => Answer::Approved,
+        Ok(_) => Answer::Declined,
+    }
+}

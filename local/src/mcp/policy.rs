@@ -1,0 +1,91 @@
+//! The policy's `ask`, as MCP elicitation: the client shows the question and the user
+//! accepts or declines. A client that did not declare elicitation cannot be asked, and the
+//! call is refused with a reply that says how to allow the command instead.
+
+use std::time::Duration;
+
+use rmcp::{
+    RoleServer,
+    model::{ElicitRequestParams, ElicitationAction, ElicitationSchema},
+    service::{ElicitationMode, RequestContext},
+};
+
+use crate::{
+    error::RsbError,
+    policy::{self, Answer},
+};
+
+/// How long a question may wait for the user; past it the command does not run.
+const ASK_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// Check `commands` of a call to `tool` on `sandbox` against the policy, asking the user
+/// when a rule says so; `Ok`: run it.
+pub(super) async fn gate(
+    server: &super::RsbServer,
+    ctx: &RequestContext<RoleServer>,
+    sandbox: &str,
+    tool: &str,
+    commands: Vec<&str>,
+    cwd: Option<&str>,
+) -> Result<(), RsbError> {
+    let req = policy::Request {
+        sandbox,
+        origin: super::origin(ctx),
+        tool,
+        commands,
+        cwd,
+    };
+    policy::gate(server.pool.config(), &req, |question| ask(ctx, question)).await
+}
+
+/// The commands among `fields` (empty ones dropped) and those a resume plan carries.
+pub(super) fn commands_of(fields: &[&str], plan_json: &str) -> Vec<String> {
+    let mut out: Vec<String> = fields
+        .iter()
+        .filter(|c| !c.trim().is_empty())
+        .map(|c| c.to_string())
+        .collect();
+    if let Ok(serde_json::Value::Object(plan)) = serde_json::from_str(plan_json) {
+        for k in ["launch_command", "resume_command", "checkpoint_command"] {
+            if let Some(c) = plan.get(k).and_then(serde_json::Value::as_str)
+                && !c.trim().is_empty()
+            {
+                out.push(c.to_string());
+            }
+        }
+    }
+    out
+}
+
+async fn ask(ctx: &RequestContext<RoleServer>, question: String) -> Answer {
+    if !ctx
+        .peer
+        .supported_elicitation_modes()
+        .contains(&ElicitationMode::Form)
+    {
+        return Answer::CannotAsk(
+            "this MCP client does not support elicitation, so the user cannot be asked".into(),
+        );
+    }
+    // No fields: the answer is the action itself (accept runs the command).
+    let params = ElicitRequestParams::FormElicitationParams {
+        meta: None,
+        message: question,
+        requested_schema: ElicitationSchema::new(Default::default()),
+    };
+    match ctx
+        .peer
+        .create_elicitation_with_timeout(params, Some(ASK_TIMEOUT))
+        .await
+    {
+        Ok(r) => match r.action {
+            ElicitationAction::Accept => Answer::Approved,
+            ElicitationAction::Decline => Answer::Declined,
+            _ => Answer::Cancelled,
+        },
+        Err(e) => {
+            tracing::info!("policy: the approval question failed: {e}");
+            Answer::Cancelled
+        }
+    }
+}

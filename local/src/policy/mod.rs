@@ -1,0 +1,342 @@
+//! The command policy (issue 23): `deny` and `ask` rules over every simple command of the
+//! bash an agent asks rsb to run, global and per sandbox, off until a rule is configured.
+//!
+//! A guard-rail for an agent, not a security boundary: a shell user on the sandbox is not
+//! stopped by it, and a program that runs code its own way (`python -c`, a script file, a
+//! Makefile) is not looked into. What it does promise is that the ways bash itself offers to
+//! spell a command (quotes, escapes, `$(…)`, `eval`, `bash -c`, wrappers, aliases) do not get
+//! past a rule, and that what cannot be known before bash runs counts as matching, so the
+//! policy fails closed ([`shell`]).
+//!
+//! A rule is words: the first is a glob over the command name (its basename, unless the
+//! glob holds a `/`), each further one must match some argument, in any order; a word like
+//! `-rf` is a set of short flags (`-r -f`, `-fr`, `-rfv` all hold it). Asking is the caller's
+//! ([`gate`] takes how): MCP elicitation in `mcp/`, a terminal prompt in the CLI. Every
+//! decision that stops or asks is one audit line.
+
+mod glob;
+pub mod shell;
+mod wrappers;
+
+use std::future::Future;
+
+use serde_json::json;
+
+pub use crate::config::PolicyRules;
+use crate::{
+    config::Config,
+    error::{Kind, RsbError},
+};
+use shell::{Arg, Simple};
+
+/// One configured rule.
+#[derive(Clone, Debug)]
+pub struct Rule {
+    /// As written in the configuration; what messages and the audit log name.
+    pub text: String,
+    name: String,
+    args: Vec<ArgPat>,
+}
+
+#[derive(Clone, Debug)]
+enum ArgPat {
+    /// `-rf`: each letter must be among the command's short options.
+    Flags(Vec<char>),
+    Glob(String),
+}
+
+impl Rule {
+    /// `None` for a blank rule.
+    pub fn parse(text: &str) -> Option<Rule> {
+        let mut words = text.split_whitespace();
+        let name = words.next()?.to_string();
+        let args = words
+            .map(|w| {
+                let letters = w.strip_prefix('-').filter(|l| {
+                    !l.is_empty()
+                        && !l.starts_with('-')
+                        && l.chars().all(|c| c.is_ascii_alphanumeric())
+                });
+                match letters {
+                    Some(l) => ArgPat::Flags(l.chars().collect()),
+                    None => ArgPat::Glob(w.to_string()),
+                }
+            })
+            .collect();
+        Some(Rule {
+            text: text.trim().to_string(),
+            name,
+            args,
+        })
+    }
+
+    /// Could `c` be what this rule names? Unknown words match anything.
+    pub fn matches(&self, c: &Simple) -> bool {
+        let Some(first) = c.words.first() else {
+            return false;
+        };
+        let name_ok = match first {
+            Arg::Lit(n) => {
+                glob::matches(&self.name, n)
+                    || (!self.name.contains('/')
+                        && glob::matches(&self.name, n.rsplit('/').next().unwrap_or(n)))
+            }
+            Arg::Unknown { .. } => true,
+        };
+        if !name_ok {
+            return false;
+        }
+        // An unquoted unknown name may expand into the name and arguments alike.
+        let args = &c.words[1..];
+        let unknown = matches!(first, Arg::Unknown { many: true })
+            || args.iter().any(|a| matches!(a, Arg::Unknown { .. }));
+        if unknown {
+            return true;
+        }
+        let lits: Vec<&str> = args.iter().filter_map(Arg::lit).collect();
+        self.args.iter().all(|p| match p {
+            ArgPat::Flags(want) => {
+                let have = short_flags(&lits);
+                want.iter().all(|f| have.contains(f))
+            }
+            ArgPat::Glob(g) => lits.iter().any(|a| glob::matches(g, a)),
+        })
+    }
+}
+
+/// The letters of the short options before `--` (`-r -f x -v` → `rfv`).
+fn short_flags(args: &[&str]) -> Vec<char> {
+    args.iter()
+        .take_while(|a| **a != "--")
+        .filter(|a| a.len() > 1 && a.starts_with('-') && !a.starts_with("--"))
+        .flat_map(|a| a[1..].chars())
+        .collect()
+}
+
+/// Where a command stopped or asked, for the reply and the audit line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Finding {
+    /// The rule's text; `None`: no rule, a command name only known at run time.
+    pub rule: Option<String>,
+    /// The simple command that matched, unknown words as `…`.
+    pub command: String,
+    /// The command name (or the whole command) is only known when bash runs it.
+    pub unknown: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    Allow,
+    Ask(Finding),
+    Deny(Finding),
+}
+
+/// The rules that apply on one sandbox: the global ones and the sandbox's own.
+#[derive(Clone, Debug, Default)]
+pub struct Policy {
+    deny: Vec<Rule>,
+    ask: Vec<Rule>,
+}
+
+impl Policy {
+    pub fn new(rules: &[&PolicyRules]) -> Policy {
+        let mut p = Policy::default();
+        for r in rules {
+            p.deny.extend(r.deny.iter().filter_map(|t| Rule::parse(t)));
+            p.ask.extend(r.ask.iter().filter_map(|t| Rule::parse(t)));
+        }
+        p
+    }
+
+    pub fn for_sandbox(config: &Config, sandbox: &str) -> Policy {
+        let mut rules = vec![&config.policy];
+        if let Some(sb) = config.sandbox(sandbox) {
+            rules.push(&sb.policy);
+        }
+        Policy::new(&rules)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.deny.is_empty() && self.ask.is_empty()
+    }
+
+    /// The strictest decision over every simple command of `script`: a deny anywhere wins;
+    /// else the first ask (by rule, or a command name only known at run time).
+    pub fn check(&self, script: &str) -> Decision {
+        if self.is_empty() {
+            return Decision::Allow;
+        }
+        let mut ask = None;
+        for c in shell::commands(script) {
+            let finding = |rule: Option<&Rule>| Finding {
+                rule: rule.map(|r| r.text.clone()),
+                command: c.display(),
+                unknown: matches!(c.words.first(), Some(Arg::Unknown { .. })),
+            };
+            if let Some(r) = self.deny.iter().find(|r| r.matches(&c)) {
+                return Decision::Deny(finding(Some(r)));
+            }
+            if ask.is_none() {
+                if let Some(r) = self.ask.iter().find(|r| r.matches(&c)) {
+                    ask = Some(finding(Some(r)));
+                } else if matches!(c.words.first(), Some(Arg::Unknown { .. })) {
+                    ask = Some(finding(None));
+                }
+            }
+        }
+        ask.map(Decision::Ask).unwrap_or(Decision::Allow)
+    }
+}
+
+/// What the user said to an `ask`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer {
+    Approved,
+    Declined,
+    /// Dismissed without a choice, or the question could not be delivered.
+    Cancelled,
+    /// Nobody can be asked here (an MCP client without elicitation, no terminal); the text
+    /// says why, for the refusal.
+    CannotAsk(String),
+}
+
+/// Who is running what, for the audit line of a decision.
+pub struct Request<'a> {
+    pub sandbox: &'a str,
+    /// `mcp:<client>` or `cli`.
+    pub origin: String,
+    pub tool: &'a str,
+    /// The commands the call would run (a job's command, its resume command, ...).
+    pub commands: Vec<&'a str>,
+    pub cwd: Option<&'a str>,
+}
+
+/// Check every command of `req` against the sandbox's policy; ask through `ask` when a rule
+/// says so. `Ok` means run. Each deny and each answer is an audit line.
+pub async fn gate<F, Fut>(config: &Config, req: &Request<'_>, ask: F) -> Result<(), RsbError>
+where
+    F: FnOnce(String) -> Fut,
+    Fut: Future<Output = Answer>,
+{
+    let policy = Policy::for_sandbox(config, req.sandbox);
+    if policy.is_empty() {
+        return Ok(());
+    }
+    let mut first_ask = None;
+    for c in &req.commands {
+        match policy.check(c) {
+            Decision::Allow => {}
+            Decision::Deny(f) => {
+                record(config, req, c, "deny", &f);
+                return Err(denied(&f));
+            }
+            Decision::Ask(f) => {
+                if first_ask.is_none() {
+                    first_ask = Some((*c, f));
+                }
+            }
+        }
+    }
+    let Some((command, f)) = first_ask else {
+        return Ok(());
+    };
+    let answer = ask(question(req, command, &f)).await;
+    let (word, result) = match answer {
+        Answer::Approved => ("approved", Ok(())),
+        Answer::Declined => ("declined", Err(declined(&f, "the user declined it"))),
+        Answer::Cancelled => ("cancelled", Err(declined(&f, "the approval was cancelled"))),
+        Answer::CannotAsk(why) => ("not_asked", Err(cannot_ask(&f, &why))),
+    };
+    record(config, req, command, word, &f);
+    result
+}
+
+/// What the user is asked: the sandbox, the command as given, and why.
+fn question(req: &Request<'_>, command: &str, f: &Finding) -> String {
+    let why = match &f.rule {
+        Some(r) => format!("it matches the ask rule \"{r}\""),
+        None => "its command name is only known when it runs".to_string(),
+    };
+    format!(
+        "rsb: run this on sandbox '{}' ({})? {why}.\n\n{command}",
+        req.sandbox, req.tool
+    )
+}
+
+fn what(f: &Finding) -> String {
+    if f.unknown {
+        format!(
+            "`{}`, whose command is only known when it runs, so it counts as matching",
+            f.command
+        )
+    } else {
+        format!("`{}`", f.command)
+    }
+}
+
+fn denied(f: &Finding) -> RsbError {
+    RsbError::new(
+        Kind::Policy,
+        format!(
+            "policy: denied by rule \"{}\": {}",
+            f.rule.as_deref().unwrap_or_default(),
+            what(f)
+        ),
+        "a deny rule cannot be approved; run a command that does not match it, or change the \
+         rule in [policy] deny of the config (global or the sandbox's policy)",
+    )
+}
+
+fn declined(f: &Finding, why: &str) -> RsbError {
+    RsbError::new(
+        Kind::Policy,
+        format!("policy: not run, {why} ({}: {})", rule_name(f), what(f)),
+        "nothing ran; ask the user, or run a command that needs no approval",
+    )
+}
+
+fn cannot_ask(f: &Finding, why: &str) -> RsbError {
+    RsbError::new(
+        Kind::Policy,
+        format!(
+            "policy: this command needs the user's approval ({}: {}), and {why}",
+            rule_name(f),
+            what(f)
+        ),
+        "nothing ran; use a client that supports MCP elicitation, or `rsb exec` from a \
+         terminal, or allow it by removing the rule from [policy] ask of the config \
+         (RSB_POLICY_ASK, or the sandbox's policy)",
+    )
+}
+
+fn rule_name(f: &Finding) -> String {
+    match &f.rule {
+        Some(r) => format!("ask rule \"{r}\""),
+        None => "a command name only known at run time".to_string(),
+    }
+}
+
+/// The audit line of a decision: the tool, the command as given, and `detail.policy`
+/// (`deny`, `approved`, `declined`, `cancelled`, `not_asked`) with the rule and the simple
+/// command that matched.
+fn record(config: &Config, req: &Request<'_>, command: &str, decision: &str, f: &Finding) {
+    crate::audit::record(
+        config,
+        req.sandbox,
+        &crate::audit::Action {
+            origin: req.origin.clone(),
+            tool: req.tool.to_string(),
+            command: Some(command.to_string()),
+            cwd: req.cwd.map(str::to_string),
+            detail: Some(json!({
+                "policy": decision,
+                "rule": f.rule,
+                "matched": f.command,
+            })),
+            ..Default::default()
+        },
+    );
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,232 @@
+use super::*;
+
+/// The issue's deny list.
+fn issue_policy() -> Policy {
+    Policy::new(&[&PolicyRules {
+        deny: vec![
+            "rm -rf /*".into(),
+            "shutdown*".into(),
+            "mkfs*".into(),
+            "dd of=/dev/*".into(),
+        ],
+        ask: vec![],
+    }])
+}
+
+fn rule(text: &str, cmd: &str) -> bool {
+    let r = Rule::parse(text).unwrap();
+    shell::commands(cmd).iter().any(|c| r.matches(c))
+}
+
+#[test]
+fn rules_match_names_flags_and_arguments() {
+    assert!(rule("rm -rf /*", "rm -rf /"));
+    assert!(rule("rm -rf /*", "rm -fr /"));
+    assert!(rule("rm -rf /*", "rm -r -f /home"));
+    assert!(rule("rm -rf /*", "rm -rfv -- /"));
+    assert!(rule("rm -rf /*", "/bin/rm -rf /"));
+    assert!(!rule("rm -rf /*", "rm -r /"));
+    assert!(!rule("rm -rf /*", "rm -rf build"));
+    assert!(!rule("rm -rf /*", "rmdir -rf /"));
+    assert!(rule("shutdown*", "shutdown -h now"));
+    assert!(rule("mkfs*", "mkfs.ext4 /dev/sdb1"));
+    assert!(rule("dd of=/dev/*", "dd if=/dev/zero of=/dev/sda bs=1M"));
+    assert!(!rule("dd of=/dev/*", "dd if=/dev/zero of=disk.img"));
+    assert!(rule("/usr/bin/*", "/usr/bin/python x"));
+    assert!(!rule("/usr/bin/*", "python x"));
+    assert!(rule(
+        "git push --force*",
+        "git push origin --force-with-lease"
+    ));
+    assert!(!rule("git push --force*", "git push origin main"));
+    // Unknown words could be anything.
+    assert!(rule("rm -rf /*", "rm -rf $DIR"));
+    assert!(rule("rm -rf /*", "$CMD"));
+    assert!(rule("shutdown*", "\"$CMD\""));
+    assert!(!rule("rm -rf /*", "\"$CMD\" -la"));
+}
+
+/// The same bypass table the integration test runs end to end (`tests/tests/policy.rs`),
+/// here with the decision each one must get.
+const BYPASSES: &[&str] = &[
+    "rm -rf /",
+    "r''m -rf /",
+    "\"rm\" -rf /",
+    "'rm' -rf /",
+    "\\rm -rf /",
+    "r\\m -rf /",
+    "$'\\x72m' -rf /",
+    "$(echo rm) -rf /",
+    "`echo rm` -rf /",
+    "eval rm -rf /",
+    "eval 'rm -rf /'",
+    "eval \"$(echo rm -rf /)\"",
+    "env rm -rf /",
+    "env -i PATH=/bin rm -rf /",
+    "env -S 'rm -rf /'",
+    "command rm -rf /",
+    "command -p rm -rf /",
+    "builtin eval 'rm -rf /'",
+    "exec rm -rf /",
+    "nohup rm -rf / &",
+    "sudo rm -rf /",
+    "sudo -u root -- rm -rf /",
+    "nice -n 5 rm -rf /",
+    "timeout 5 rm -rf /",
+    "time rm -rf /",
+    "echo / | xargs rm -rf",
+    "echo / | xargs -I{} rm -rf {}",
+    "find / -maxdepth 0 -exec rm -rf {} \\;",
+    "bash -c 'rm -rf /'",
+    "sh -c \"rm -rf /\"",
+    "sh -c \"bash -c 'rm -rf /'\"",
+    "bash -c \"sh -c \\\"bash -c 'rm -rf /'\\\"\"",
+    "bash <<< 'rm -rf /'",
+    "sh <<EOF\nrm -rf /\nEOF",
+    "echo 'rm -rf /' | bash",
+    "ls; rm -rf /",
+    "true && rm -rf /",
+    "false || rm -rf /",
+    "ls | rm -rf /",
+    "ls\nrm -rf /",
+    "(rm -rf /)",
+    "{ rm -rf /; }",
+    "echo $(rm -rf /)",
+    "cat <(rm -rf /)",
+    "alias x='rm -rf /'; x",
+    "alias x=rm; x -rf /",
+    "f() { rm -rf /; }; f",
+    "X=rm; $X -rf /",
+    "\"$X\" -rf /",
+    "${X} -rf /",
+    "/bin/r? -rf /",
+    "{rm,-rf,/}",
+    "shutdown -h now",
+    "/sbin/shutdown now",
+    "sudo shutdown -r now",
+    "mkfs.ext4 /dev/sdb1",
+    "env mkfs -t ext4 /dev/sdb",
+    "dd if=/dev/zero of=/dev/sda",
+    "timeout 9 dd if=/dev/zero of=/dev/sda",
+    "if true; then rm -rf /; fi",
+    "for i in 1; do rm -rf /; done",
+    "trap 'rm -rf /' EXIT",
+    "watch -n 1 rm -rf /",
+    "ssh localhost rm -rf /",
+    "echo ${x:-$(rm -rf /)}",
+    "rm -rf / ((( unbalanced",
+];
+
+/// Ordinary commands: must pass untouched.
+const ORDINARY: &[&str] = &[
+    "ls",
+    "ls -la ~/project",
+    "python train.py --epochs 10",
+    "git status",
+    "git log --oneline | head -20",
+    "cd ~/proj && make -j8 2>&1 | tail -50",
+    "ps aux | grep python | grep -v grep",
+    "rm -rf build/ dist/",
+    "rm -f /tmp/x.log",
+    "nvidia-smi --query-gpu=utilization.gpu --format=csv",
+    "find . -name '*.py' -exec wc -l {} +",
+    "cat data.csv | cut -d, -f2 | sort | uniq -c | sort -rn",
+    "export CUDA_VISIBLE_DEVICES=0; python -c 'import torch; print(torch.cuda.is_available())'",
+    "for f in *.log; do echo \"$f\"; done",
+    "timeout 60 python eval.py",
+    "tar czf out.tgz results/",
+    "dd if=/dev/zero of=test.img bs=1M count=10",
+    "echo $(date) >> log.txt",
+    "bash run.sh",
+    "sudo apt-get install -y htop",
+    "command -v mkfs.ext4",
+    "du -sh * | sort -h",
+];
+
+#[test]
+fn every_bypass_is_denied_and_ordinary_commands_pass() {
+    let p = issue_policy();
+    assert!(BYPASSES.len() >= 40);
+    for b in BYPASSES {
+        match p.check(b) {
+            Decision::Deny(_) => {}
+            other => panic!("not denied: {b:?} → {other:?}"),
+        }
+    }
+    for o in ORDINARY {
+        assert_eq!(p.check(o), Decision::Allow, "{o:?}");
+    }
+}
+
+#[test]
+fn ask_rules_and_unknown_names_ask() {
+    let p = Policy::new(&[&PolicyRules {
+        deny: vec!["mkfs*".into()],
+        ask: vec!["git push*".into()],
+    }]);
+    let Decision::Ask(f) = p.check("make && git push origin main") else {
+        panic!()
+    };
+    assert_eq!(f.rule.as_deref(), Some("git push*"));
+    assert_eq!(f.command, "git push origin main");
+    // No rule can be excluded for `"$X" -la` but deny's `mkfs*` (no argument words):
+    // denied; with a narrower deny list it asks.
+    assert!(matches!(p.check("\"$X\" -la"), Decision::Deny(_)));
+    let narrow = Policy::new(&[&PolicyRules {
+        deny: vec!["rm -rf /*".into()],
+        ask: vec![],
+    }]);
+    let Decision::Ask(f) = narrow.check("\"$X\" -la") else {
+        panic!()
+    };
+    assert_eq!((f.rule, f.unknown), (None, true));
+    // A deny anywhere beats an earlier ask.
+    assert!(matches!(
+        p.check("git push; mkfs /dev/x"),
+        Decision::Deny(_)
+    ));
+    // No rules: nothing is parsed, everything runs.
+    assert_eq!(Policy::default().check("$(("), Decision::Allow);
+}
+
+#[test]
+fn sandbox_rules_add_to_the_global_ones() {
+    let global = PolicyRules {
+        deny: vec!["shutdown*".into()],
+        ask: vec![],
+    };
+    let own = PolicyRules {
+        deny: vec![],
+        ask: vec!["git push*".into()],
+    };
+    let p = Policy::new(&[&global, &own]);
+    assert!(matches!(p.check("shutdown now"), Decision::Deny(_)));
+    assert!(matches!(p.check("git push"), Decision::Ask(_)));
+}
+
+/// The exec path's parsing cost, measured: p50 over many ordinary commands (printed; the
+/// issue's bound is 0.2 ms). Run with `--nocapture` to see it; the assertion is generous
+/// (a debug build on a loaded machine), `tests/benches/policy.rs` measures the release build.
+#[test]
+fn parsing_cost_is_measured() {
+    let p = issue_policy();
+    let mut times = Vec::new();
+    for round in 0..20 {
+        for c in ORDINARY {
+            let t0 = std::time::Instant::now();
+            let d = p.check(c);
+            times.push(t0.elapsed());
+            if round == 0 {
+                assert_eq!(d, Decision::Allow);
+            }
+        }
+    }
+    times.sort();
+    let p50 = times[times.len() / 2];
+    println!(
+        "policy check p50 {:.3} ms over {} checks (debug build)",
+        p50.as_secs_f64() * 1e3,
+        times.len()
+    );
+    assert!(p50 < std::time::Duration::from_millis(20), "p50 {p50:?}");
+}

@@ -1,0 +1,515 @@
+//! Issue 23, the command policy: `rsb mcp` driven by rmcp's own client against the sshd
+//! fixture, with the issue's deny list in the sandbox's `policy`.
+//!
+//! The fixture's user may be root, so no attempt may be harmful if the guard failed: the
+//! `rm -rf /*` attempts target an absolute victim directory (which the rule's `/*` matches),
+//! and `shutdown`, `mkfs*` and `dd` resolve to shims first in the session's PATH that only
+//! append to a marks file. Attempts that would skip PATH (`/sbin/shutdown`, `sudo shutdown`,
+//! `command -p shutdown`) are in the unit table (`local/src/policy/tests.rs`) instead.
+//!
+//! Needs the `rsb` binary: `cargo build -p rsb --bins`.
+
+use std::{
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use rmcp::{
+    ClientHandler, ErrorData, RoleClient, ServiceExt,
+    model::{
+        CallToolRequestParams, ClientCapabilities, ClientConfig, ElicitRequestParams, ElicitResult,
+        ElicitationAction, ElicitationCapability,
+    },
+    service::{RequestContext, RunningService},
+    transport::TokioChildProcess,
+};
+use rsb_tests::{Sshd, SshdOptions, workspace_root};
+use serde_json::{Value, json};
+
+const DENY: [&str; 4] = ["rm -rf /*", "shutdown*", "mkfs*", "dd of=/dev/*"];
+
+fn rsb_bin() -> PathBuf {
+    let p = workspace_root().join("target/debug/rsb");
+    assert!(p.exists(), "run `cargo build -p rsb --bins` first");
+    p
+}
+
+/// A client that answers elicitation with `answer` (when it declares the capability) and
+/// keeps every question it was asked.
+#[derive(Clone)]
+struct Client {
+    elicitation: bool,
+    answer: Arc<Mutex<ElicitationAction>>,
+    asked: Arc<Mutex<Vec<String>>>,
+}
+
+impl ClientHandler for Client {
+    fn get_info(&self) -> ClientConfig {
+        let mut caps = ClientCapabilities::default();
+        if self.elicitation {
+            caps.elicitation = Some(ElicitationCapability::default());
+        }
+        let mut info = ClientConfig::default();
+        info.capabilities = caps;
+        info
+    }
+
+    async fn create_elicitation(
+        &self,
+        request: ElicitRequestParams,
+        _context: RequestContext<RoleClient>,
+    ) -> Result<ElicitResult, ErrorData> {
+        if let ElicitRequestParams::FormElicitationParams { message, .. } = request {
+            self.asked.lock().unwrap().push(message);
+        }
+        Ok(ElicitResult::new(self.answer.lock().unwrap().clone()))
+    }
+}
+
+struct Mcp {
+    svc: RunningService<RoleClient, Client>,
+    client: Client,
+    tmp: tempfile::TempDir,
+}
+
+#[derive(Debug)]
+struct Reply {
+    is_error: bool,
+    text: String,
+    v: Value,
+}
+
+impl Mcp {
+    async fn start(sshd: &Sshd, policy: Value, elicitation: bool) -> Mcp {
+        let tmp = tempfile::tempdir().unwrap();
+        let home = tmp.path().join("home");
+        std::fs::create_dir_all(&home).unwrap();
+        let list = json!([{
+            "name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+            "key_file": sshd.client_key().display().to_string(),
+            "policy": policy,
+        }])
+        .to_string();
+        let stderr = std::fs::File::create(tmp.path().join("rsb-mcp.stderr")).unwrap();
+        let mut cmd = tokio::process::Command::new(rsb_bin());
+        cmd.arg("mcp")
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &home)
+            .env("XDG_CONFIG_HOME", home.join(".config"))
+            .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
+            .env("RSB_STATE_DIR", tmp.path().join("state"))
+            .env("REMOTE_SANDBOX_LIST", list);
+        let (transport, _) = TokioChildProcess::builder(cmd)
+            .stderr(stderr)
+            .spawn()
+            .unwrap();
+        let client = Client {
+            elicitation,
+            answer: Arc::new(Mutex::new(ElicitationAction::Decline)),
+            asked: Default::default(),
+        };
+        let svc = tokio::time::timeout(Duration::from_secs(20), client.clone().serve(transport))
+            .await
+            .expect("initialize timed out")
+            .expect("initialize");
+        Mcp { svc, client, tmp }
+    }
+
+    async fn call(&self, tool: &str, args: Value) -> Reply {
+        let Value::Object(args) = args else { panic!() };
+        let params = CallToolRequestParams::new(tool.to_string()).with_arguments(args);
+        let r = tokio::time::timeout(Duration::from_secs(60), self.svc.call_tool(params))
+            .await
+            .unwrap_or_else(|_| panic!("{tool} did not answer in 60 s"))
+            .unwrap();
+        let raw = serde_json::to_value(&r).unwrap();
+        let text = raw["content"][0]["text"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        Reply {
+            is_error: r.is_error == Some(true),
+            v: serde_json::from_str(&text).unwrap_or(Value::Null),
+            text,
+        }
+    }
+
+    async fn exec(&self, command: &str) -> Reply {
+        self.call("exec_bash", json!({"command": command, "timeout_s": 10}))
+            .await
+    }
+
+    /// The audit lines that record a policy decision.
+    fn decisions(&self) -> Vec<Value> {
+        let dir = self.tmp.path().join("state/audit");
+        let mut out = Vec::new();
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            for l in std::fs::read_to_string(e.path()).unwrap().lines() {
+                let v: Value = serde_json::from_str(l).unwrap();
+                if v["detail"]["policy"].is_string() {
+                    out.push(v);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Shims for `shutdown`, `mkfs`, `mkfs.ext4` and `dd` that only record that they ran, in a
+/// directory the fixture's sessions put first in PATH.
+fn shims(dir: &Path, marks: &Path) -> String {
+    for name in ["shutdown", "mkfs", "mkfs.ext4", "dd"] {
+        let p = dir.join(name);
+        std::fs::write(
+            &p,
+            format!("#!/bin/sh\necho \"$0 $*\" >> '{}'\n", marks.display()),
+        )
+        .unwrap();
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    format!(
+        "{}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+        dir.display()
+    )
+}
+
+/// The bypass table: `{V}` is the victim directory (absolute, so `/*` matches it).
+const BYPASSES: &[&str] = &[
+    r#"rm -rf {V}"#,
+    r#"r''m -rf {V}"#,
+    r#""rm" -rf {V}"#,
+    r#"\rm -rf {V}"#,
+    r#"r\m -rf {V}"#,
+    r#"$'\x72m' -rf {V}"#,
+    r#"$(echo rm) -rf {V}"#,
+    r#"`echo rm` -rf {V}"#,
+    r#"eval rm -rf {V}"#,
+    r#"eval 'rm -rf {V}'"#,
+    r#"eval "$(echo rm -rf {V})""#,
+    r#"env rm -rf {V}"#,
+    r#"env -i rm -rf {V}"#,
+    r#"command rm -rf {V}"#,
+    r#"command -p rm -rf {V}"#,
+    r#"echo {V} | xargs rm -rf"#,
+    r#"echo {V} | xargs -I{} rm -rf {}"#,
+    r#"bash -c 'rm -rf {V}'"#,
+    r#"sh -c "rm -rf {V}""#,
+    r#"sh -c "bash -c 'rm -rf {V}'""#,
+    r#"bash -c "sh -c \"bash -c 'rm -rf {V}'\"""#,
+    r#"bash <<< 'rm -rf {V}'"#,
+    "sh <<'EOF'\nrm -rf {V}\nEOF",
+    r#"echo 'rm -rf {V}' | bash"#,
+    r#"true; rm -rf {V}"#,
+    r#"true && rm -rf {V}"#,
+    r#"false || rm -rf {V}"#,
+    r#"echo x | rm -rf {V}"#,
+    "echo start\nrm -rf {V}",
+    r#"(rm -rf {V})"#,
+    r#"{ rm -rf {V}; }"#,
+    r#"echo $(rm -rf {V})"#,
+    r#"cat <(rm -rf {V})"#,
+    r#"alias x='rm -rf {V}'; x"#,
+    "shopt -s expand_aliases\nalias x=rm\nx -rf {V}",
+    r#"f() { rm -rf {V}; }; f"#,
+    r#"X=rm; $X -rf {V}"#,
+    r#"sudo rm -rf {V}"#,
+    r#"nice -n 5 rm -rf {V}"#,
+    r#"timeout 5 rm -rf {V}"#,
+    r#"nohup rm -rf {V}"#,
+    r#"exec rm -rf {V}"#,
+    r#"find {V} -maxdepth 0 -exec rm -rf {} \;"#,
+    r#"trap 'rm -rf {V}' EXIT"#,
+    r#"/bin/r? -rf {V}"#,
+    r#"shutdown -h now"#,
+    r#"sh -c 'shutdown -r now'"#,
+    r#"$(echo shutdown) now"#,
+    r#"mkfs.ext4 /dev/sdz9"#,
+    r#"env mkfs -t ext4 /dev/sdz9"#,
+    r#"dd if=/dev/zero of=/dev/sdz9 count=1"#,
+    r#"eval "d""d of=/dev/sdz9""#,
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bypass_table_is_denied_and_nothing_ran_on_the_host() {
+    let shim_dir = tempfile::tempdir().unwrap();
+    let marks = shim_dir.path().join("marks");
+    let path = shims(shim_dir.path(), &marks);
+    let sshd = Sshd::start_with(SshdOptions {
+        set_env: vec![("PATH".into(), path)],
+        ..Default::default()
+    })
+    .unwrap();
+    let victim = sshd.home().join("victim");
+    std::fs::create_dir_all(&victim).unwrap();
+    std::fs::write(victim.join("keep"), "x").unwrap();
+    let mcp = Mcp::start(&sshd, json!({"deny": DENY}), true).await;
+
+    // The shims and the victim are live: without the guard, these would have been hit.
+    let probe = mcp
+        .exec(&format!(
+            "test -f {}/keep && command -v dd",
+            victim.display()
+        ))
+        .await;
+    assert!(!probe.is_error, "{}", probe.text);
+    assert!(
+        probe.v["stdout"]
+            .as_str()
+            .unwrap()
+            .starts_with(&shim_dir.path().display().to_string()),
+        "{}",
+        probe.text
+    );
+
+    assert!(BYPASSES.len() >= 40);
+    let v = victim.display().to_string();
+    for b in BYPASSES {
+        let cmd = b.replace("{V}", &v);
+        let r = mcp.exec(&cmd).await;
+        assert!(r.is_error, "not refused: {cmd:?} → {}", r.text);
+        let err = r.v["error"].as_str().unwrap_or_default();
+        assert!(
+            err.starts_with("policy: denied by rule \""),
+            "{cmd:?} → {}",
+            r.text
+        );
+        assert!(!err.contains('\n') && r.v["hint"].is_string(), "{}", r.text);
+        assert!(
+            victim.join("keep").exists(),
+            "{cmd:?} ran: the victim is gone"
+        );
+        assert!(
+            !marks.exists(),
+            "{cmd:?} ran: {}",
+            std::fs::read_to_string(&marks).unwrap_or_default()
+        );
+    }
+    assert!(
+        mcp.client.asked.lock().unwrap().is_empty(),
+        "a deny never asks"
+    );
+    let decisions = mcp.decisions();
+    assert_eq!(decisions.len(), BYPASSES.len(), "{decisions:#?}");
+    assert!(
+        decisions
+            .iter()
+            .all(|d| d["detail"]["policy"] == "deny" && d["tool"] == "exec_bash")
+    );
+    assert_eq!(decisions[0]["detail"]["rule"], "rm -rf /*");
+
+    // Ordinary commands pass untouched, pipelines included.
+    for (cmd, want) in [
+        ("ls -a", "."),
+        ("python3 -c 'print(6*7)'", "42"),
+        ("git --version && git status 2>&1 | head -1", "git version"),
+        ("ls -a | grep -c . | tr -d ' '", ""),
+        (
+            "mkdir -p scratch && rm -rf scratch && echo removed",
+            "removed",
+        ),
+    ] {
+        let r = mcp.exec(cmd).await;
+        assert!(!r.is_error, "{cmd}: {}", r.text);
+        assert!(
+            r.v["stdout"].as_str().unwrap_or_default().contains(want),
+            "{cmd}: {}",
+            r.text
+        );
+    }
+    // The background tool is guarded the same way, its resume command too.
+    let r = mcp
+        .call(
+            "exec_bash_background",
+            json!({"command": format!("sh -c 'rm -rf {v}'")}),
+        )
+        .await;
+    assert!(
+        r.is_error && r.text.contains("policy: denied"),
+        "{}",
+        r.text
+    );
+    let r = mcp
+        .call(
+            "exec_bash_background",
+            json!({"command": "sleep 1", "resume_command": "shutdown now"}),
+        )
+        .await;
+    assert!(r.is_error && r.text.contains("shutdown*"), "{}", r.text);
+    let r = mcp
+        .call(
+            "exec_bash_background",
+            json!({"command": "sleep 1", "resume_plan_json": r#"{"resume_command": "mkfs.ext4 /dev/sdz9"}"#}),
+        )
+        .await;
+    assert!(r.is_error && r.text.contains("mkfs*"), "{}", r.text);
+    assert!(victim.join("keep").exists() && !marks.exists());
+    let _ = mcp.svc.cancel().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ask_uses_elicitation_and_a_client_without_it_is_refused() {
+    let sshd = Sshd::start().unwrap();
+    let home = sshd.home().to_path_buf();
+    let policy = json!({"ask": ["touch *"], "deny": ["rm -rf /*"]});
+    let victim = home.join("victim");
+    std::fs::create_dir_all(&victim).unwrap();
+    let mcp = Mcp::start(&sshd, policy.clone(), true).await;
+
+    // Accepted: it runs, once asked.
+    *mcp.client.answer.lock().unwrap() = ElicitationAction::Accept;
+    let yes = home.join("approved");
+    let r = mcp.exec(&format!("touch {}", yes.display())).await;
+    assert!(!r.is_error, "{}", r.text);
+    assert!(yes.exists());
+    {
+        let asked = mcp.client.asked.lock().unwrap();
+        assert_eq!(asked.len(), 1);
+        assert!(
+            asked[0].contains("touch *") && asked[0].contains(&yes.display().to_string()),
+            "{}",
+            asked[0]
+        );
+    }
+
+    // Declined: nothing runs, and the reply names the rule.
+    *mcp.client.answer.lock().unwrap() = ElicitationAction::Decline;
+    let no = home.join("declined");
+    let r = mcp
+        .exec(&format!("echo hi && touch {}", no.display()))
+        .await;
+    assert!(r.is_error, "{}", r.text);
+    assert!(
+        r.v["error"].as_str().unwrap().contains("declined") && r.text.contains("touch *"),
+        "{}",
+        r.text
+    );
+    assert!(!no.exists());
+
+    // Cancelled: the same.
+    *mcp.client.answer.lock().unwrap() = ElicitationAction::Cancel;
+    let r = mcp.exec(&format!("touch {}", no.display())).await;
+    assert!(r.is_error && r.text.contains("cancelled"), "{}", r.text);
+    assert!(!no.exists());
+
+    // A deny rule is never asked about, even with an approving client.
+    *mcp.client.answer.lock().unwrap() = ElicitationAction::Accept;
+    let r = mcp
+        .exec(&format!("bash -c 'rm -rf {}'", victim.display()))
+        .await;
+    assert!(r.is_error && r.text.contains("denied"), "{}", r.text);
+    assert!(victim.exists());
+    assert_eq!(mcp.client.asked.lock().unwrap().len(), 3);
+
+    let words: Vec<String> = mcp
+        .decisions()
+        .iter()
+        .map(|d| d["detail"]["policy"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(words, ["approved", "declined", "cancelled", "deny"]);
+    let _ = mcp.svc.cancel().await;
+
+    // A client that did not declare elicitation: a clear refusal, nothing runs.
+    let mcp = Mcp::start(&sshd, policy, false).await;
+    let r = mcp.exec(&format!("touch {}", no.display())).await;
+    assert!(r.is_error, "{}", r.text);
+    let err = r.v["error"].as_str().unwrap();
+    assert!(
+        err.contains("needs the user's approval") && err.contains("elicitation"),
+        "{err}"
+    );
+    assert!(
+        r.v["hint"].as_str().unwrap().contains("[policy]"),
+        "{}",
+        r.text
+    );
+    assert!(!no.exists());
+    assert!(mcp.client.asked.lock().unwrap().is_empty());
+    assert_eq!(mcp.decisions()[0]["detail"]["policy"], "not_asked");
+    let _ = mcp.svc.cancel().await;
+}
+
+/// `rsb exec` and `rsb jobs start`: a deny is exit 7 and one line; an ask with no terminal
+/// is refused (exit 7) unless `--yes` approves it; every decision is an audit line.
+#[test]
+fn the_cli_refuses_asks_without_a_terminal_unless_told_yes() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    let list = json!([{
+        "name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+        "key_file": sshd.client_key().display().to_string(),
+        "policy": {"ask": ["touch *"]},
+    }])
+    .to_string();
+    let rsb = |args: &[&str]| {
+        std::process::Command::new(rsb_bin())
+            .args(args)
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &home)
+            .env("XDG_CONFIG_HOME", home.join(".config"))
+            .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
+            .env("RSB_STATE_DIR", tmp.path().join("state"))
+            .env("REMOTE_SANDBOX_LIST", &list)
+            .env("RSB_POLICY_DENY", r#"["rm -rf /*"]"#)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let f = sshd.home().join("cli-touched");
+    let victim = sshd.home().join("victim");
+    std::fs::create_dir_all(&victim).unwrap();
+    let touch = format!("touch {}", f.display());
+
+    let out = rsb(&[
+        "exec",
+        "-s",
+        "s",
+        &format!("bash -c 'rm -rf {}'", victim.display()),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{err}");
+    assert!(
+        err.contains("policy: denied by rule \"rm -rf /*\""),
+        "{err}"
+    );
+    assert!(victim.exists());
+
+    let out = rsb(&["exec", "-s", "s", &touch]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{err}");
+    assert!(
+        err.contains("needs the user's approval") && err.contains("--yes"),
+        "{err}"
+    );
+    assert!(!f.exists());
+    let out = rsb(&["jobs", "start", "-s", "s", &touch]);
+    assert_eq!(
+        out.status.code(),
+        Some(7),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!f.exists());
+
+    let out = rsb(&["exec", "-s", "s", "--yes", &touch]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(f.exists());
+
+    let out = rsb(&["audit", "--json"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let words: Vec<String> = text
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .filter_map(|l| l["detail"]["policy"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(words, ["deny", "not_asked", "not_asked", "approved"]);
+}
