@@ -10,6 +10,7 @@ pub mod jobs;
 pub mod proc;
 pub mod reaper;
 pub mod resources;
+pub mod responder;
 pub mod search;
 pub mod serve;
 pub mod stale;

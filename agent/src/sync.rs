@@ -15,6 +15,7 @@ mod apply;
 mod beneath;
 mod blocks;
 mod cache;
+mod hash;
 mod manifest;
 mod read;
 

@@ -51,7 +51,7 @@ use super::beneath::{
 };
 use super::blocks::{MAX_BLOCK, MAX_BLOCKS, MIN_BLOCK, hash_blocks};
 use super::cache::{self, Key};
-use super::manifest::hash_threads;
+use super::hash::hash_threads;
 use super::{blocking, cancelled, fs_clock_ns, mtime_ns};
 use crate::util::{expand_home, path_string};
 

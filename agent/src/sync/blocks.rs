@@ -7,7 +7,7 @@ use rsb_protocol::{AgentError, BlockHashesRequest, BlockHashesResult, ErrorCode,
 use tokio_util::sync::CancellationToken;
 
 use super::cancelled;
-use super::manifest::hash_threads;
+use super::hash::hash_threads;
 use crate::util::{expand_home, path_string};
 
 pub const MIN_BLOCK: u64 = 4 * 1024;
