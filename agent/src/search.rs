@@ -5,8 +5,9 @@
 //!    `!glob` excludes; with any plain glob, a file that matches none is left out.
 //! 2. Ignore files, each kind with its own precedence, the deepest file of a kind first:
 //!    `.rgignore` over `.ignore` over `.gitignore` over `.git/info/exclude`. The git ones apply
-//!    only inside a git repository (a `.git` in the directory or above it). The ignore files of
-//!    the root's parents up to the repository's top apply too. `no_ignore` turns all off.
+//!    only inside a git repository (a `.git` in the directory or above it). The root's parents'
+//!    ignore files apply too: `.ignore` and `.rgignore` up to `/`, the git ones up to the
+//!    repository's top. `no_ignore` turns all off.
 //! 3. Hidden names (a leading `.`) are left out unless an ignore file's `!` line re-includes
 //!    them.
 //!
@@ -253,63 +254,72 @@ impl<'a> Walker<'a> {
         if req.no_ignore {
             return w;
         }
-        // The parents up to the repository's top: their ignore files apply below them.
+        // The root's parents, nearest first, up to `/`: their `.ignore` and `.rgignore` apply
+        // below them wherever they are (as ripgrep's parent rule), their git ones only from the
+        // repository's top down (a `.gitignore` above a repository does not reach into it).
         let canonical = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_path_buf());
-        let mut chain: Vec<PathBuf> = Vec::new();
-        let mut top: Option<PathBuf> = None;
-        let mut cur = canonical.parent();
-        while let Some(dir) = cur {
-            chain.push(dir.to_path_buf());
-            if dir.join(".git").exists() {
-                top = Some(dir.to_path_buf());
-                break;
-            }
-            cur = dir.parent();
-        }
-        if canonical.join(".git").exists() {
-            w.in_git = true;
-            w.top_layers =
-                w.enter_layers(&Layers::default(), root, "", errors, true, exists_in(root));
-            return w;
-        }
-        let Some(top) = top else {
-            // In no repository: the root's own `.ignore` and `.rgignore` still apply (its
-            // parents' are not read; ripgrep reads them up to `/`).
-            w.top_layers =
-                w.enter_layers(&Layers::default(), root, "", errors, false, exists_in(root));
-            return w;
+        let chain: Vec<&Path> = canonical.ancestors().skip(1).collect();
+        let repo_top: Option<&Path> = if canonical.join(".git").exists() {
+            Some(canonical.as_path())
+        } else {
+            chain.iter().copied().find(|d| d.join(".git").exists())
         };
-        w.in_git = true;
+        w.in_git = repo_top.is_some();
+        let has_own = |d: &Path| d.join(".ignore").exists() || d.join(".rgignore").exists();
+        // The top: the highest parent whose ignore files apply (the repository's top, or one
+        // holding a `.ignore`/`.rgignore`); the root itself when none does, so the common case
+        // matches paths as they are, with no prefix to build per entry.
+        let top: &Path = chain
+            .iter()
+            .rev()
+            .copied()
+            .find(|d| Some(*d) == repo_top || has_own(d))
+            .unwrap_or(canonical.as_path());
         let rel_of = |d: &Path| -> String {
-            d.strip_prefix(&top)
+            d.strip_prefix(top)
                 .map(|r| r.to_string_lossy().into_owned())
                 .unwrap_or_default()
         };
-        w.prefix = format!("{}/", rel_of(&canonical));
+        if top != canonical.as_path() {
+            w.prefix = format!("{}/", rel_of(&canonical));
+        }
+        let below_repo_top = |d: &Path| repo_top.is_some_and(|t| d.starts_with(t));
         let mut layers = Layers::default();
-        for dir in chain.iter().rev() {
-            let rel = rel_of(dir);
-            layers = w.enter_layers(&layers, dir, &rel, errors, dir == &top, exists_in(dir));
+        for dir in chain.iter().rev().filter(|d| d.starts_with(top)) {
+            let git_files = below_repo_top(dir);
+            layers = w.enter_layers(
+                &layers,
+                dir,
+                &rel_of(dir),
+                errors,
+                git_files,
+                Some(*dir) == repo_top,
+                exists_in(dir),
+            );
         }
         layers = w.enter_layers(
             &layers,
             root,
             w.prefix.trim_end_matches('/'),
             errors,
-            false,
+            w.in_git,
+            repo_top == Some(canonical.as_path()),
             exists_in(root),
         );
         w.top_layers = layers;
         w
     }
 
-    /// The layers below `dir` (at `rel` from the top): its own ignore files added.
+    /// The layers below `dir` (at `rel` from the top): its own ignore files added, its git
+    /// ones only with `git_files` (a parent above the repository's top has none that apply).
+    #[allow(clippy::too_many_arguments)]
     fn enter_layers(
         &self,
         above: &Layers,
         dir: &Path,
         rel: &str,
         errors: &Errors,
+        git_files: bool,
         repo_top: bool,
         has: impl Fn(&str) -> bool,
     ) -> Layers {
@@ -332,16 +342,15 @@ impl<'a> Walker<'a> {
                 into.push(layer);
             }
         };
-        for (into, name) in [
-            (&mut l.gitignore, ".gitignore"),
-            (&mut l.ignore, ".ignore"),
-            (&mut l.rgignore, ".rgignore"),
-        ] {
+        if git_files && has(".gitignore") {
+            add(&mut l.gitignore, &dir.join(".gitignore"));
+        }
+        for (into, name) in [(&mut l.ignore, ".ignore"), (&mut l.rgignore, ".rgignore")] {
             if has(name) {
                 add(into, &dir.join(name));
             }
         }
-        if repo_top || (has(".git") && dir.join(".git").is_dir()) {
+        if git_files && (repo_top || (has(".git") && dir.join(".git").is_dir())) {
             add(&mut l.exclude, &dir.join(".git/info/exclude"));
         }
         l
@@ -510,8 +519,10 @@ impl<'a> Walker<'a> {
                     // stat of a name that is not there.
                     let git_here = *git || (!self.no_ignore && sub.has(".git"));
                     let top_rel = format!("{}{rel_str}", self.prefix);
-                    let below = self
-                        .enter_layers(layers, &sub.dir, &top_rel, errors, false, |n| sub.has(n));
+                    let below =
+                        self.enter_layers(layers, &sub.dir, &top_rel, errors, true, false, |n| {
+                            sub.has(n)
+                        });
                     stack.push((sub, below, git_here));
                 }
                 FileKind::File => {

@@ -2914,8 +2914,14 @@ fn rsb_tests_gen(seed: u64) -> String {
 /// cwd; search anchors them at `remote_path`), with `proj/` put before each path, `\r`
 /// dropped before line ends (search replies strip it) and names read lossily.
 fn rg_lines(home: &std::path::Path, args: &[&str]) -> Vec<String> {
+    rg_lines_in(home, "proj", args)
+}
+
+/// rg run in `home/rel` (the search's root as its working directory, the way rg applies
+/// its parents' anchored ignore patterns), its paths given from `home`.
+fn rg_lines_in(home: &std::path::Path, rel: &str, args: &[&str]) -> Vec<String> {
     let out = std::process::Command::new("rg")
-        .current_dir(home.join("proj"))
+        .current_dir(home.join(rel))
         .args([
             "--no-config",
             "--no-heading",
@@ -2937,7 +2943,7 @@ fn rg_lines(home: &std::path::Path, args: &[&str]) -> Vec<String> {
             if l == "--" {
                 l.to_string()
             } else {
-                format!("proj/{l}")
+                format!("{rel}/{l}")
             }
         })
         .collect()
@@ -3117,6 +3123,61 @@ async fn search_of_nested_repos_rgignore_and_deep_dirs_matches_rg() {
         );
         assert_eq!(page_lines(&v), want, "search {args} vs rg {rg_args:?}");
         assert_eq!(v["complete"], true, "{args}");
+    }
+    mcp.close().await;
+}
+
+/// The root's parents' ignore files, as rg reads them: `.ignore` and `.rgignore` up to `/`
+/// (anchored lines relative to their own directory), the git ones only from the repository's
+/// top down, so a `.gitignore` above the repository does not reach into it, and outside any
+/// repository none applies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn search_applies_the_parents_ignore_files_as_rg_does() {
+    let sshd = Sshd::start().unwrap();
+    let home = sshd.home().to_path_buf();
+    let w = |rel: &str, text: &str| {
+        let p = home.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, text).unwrap();
+    };
+    w(
+        "proj/.ignore",
+        "ign_parent.txt\n/a/b/anch.txt\na/b/c/anch2.txt\n",
+    );
+    w("proj/.rgignore", "rg_parent.txt\n");
+    w("proj/.gitignore", "git_above.txt\n");
+    w("proj/a/.git/HEAD", "ref: x\n");
+    w("proj/a/.gitignore", "git_top.txt\n/b/c/top_anch.txt\n");
+    for f in [
+        "ign_parent",
+        "rg_parent",
+        "git_above",
+        "git_top",
+        "kept",
+        "anch",
+        "c/ign_parent",
+        "c/anch2",
+        "c/top_anch",
+        "c/anch",
+    ] {
+        w(&format!("proj/a/b/{f}.txt"), "needle\n");
+    }
+    for f in ["ign_parent", "rg_parent", "git_above", "kept"] {
+        w(&format!("proj/z/{f}.txt"), "needle\n");
+    }
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    for (root, want_kept) in [
+        ("proj/a/b", &["git_above.txt", "kept.txt", "c/anch.txt"][..]),
+        ("proj/z", &["git_above.txt", "kept.txt"][..]),
+    ] {
+        let args = json!({"pattern": "needle", "remote_path": root,
+                          "output_mode": "files_with_matches", "head_limit": 100});
+        let v = mcp.ok("search_remote_files", args).await;
+        let want = rg_lines_in(&home, root, &["-l", "needle"]);
+        assert_eq!(page_lines(&v), want, "search of {root} vs rg");
+        let mut kept: Vec<String> = want_kept.iter().map(|f| format!("{root}/{f}")).collect();
+        kept.sort();
+        assert_eq!(want, kept, "what rg keeps at {root}");
     }
     mcp.close().await;
 }
