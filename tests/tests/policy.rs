@@ -513,3 +513,229 @@ fn the_cli_refuses_asks_without_a_terminal_unless_told_yes() {
         .collect();
     assert_eq!(words, ["deny", "not_asked", "not_asked", "approved"]);
 }
+
+/// `ask_actions`: a sync's `delete_extras` and `overwrite`, and `kill_background_task`, are
+/// asked about with what they would destroy; a decline changes nothing; a sync with nothing
+/// to destroy is not asked about; a client that cannot be asked is refused; the CLI's
+/// `rsb sync --delete` and `rsb jobs kill` refuse without a terminal unless `--yes`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn destructive_actions_are_asked_with_what_they_would_destroy() {
+    let sshd = Sshd::start().unwrap();
+    let home = sshd.home().to_path_buf();
+    let policy = json!({"ask_actions": ["delete_extras", "kill", "overwrite"]});
+    let mcp = Mcp::start(&sshd, policy.clone(), true).await;
+    let asked = || mcp.client.asked.lock().unwrap().clone();
+    let answer = |a: ElicitationAction| *mcp.client.answer.lock().unwrap() = a;
+    let src = mcp.tmp.path().join("src");
+    std::fs::create_dir_all(&src).unwrap();
+    std::fs::write(src.join("a.txt"), "a1").unwrap();
+    let remote = home.join("proj");
+    let up = |extra: Value| {
+        let mut args = json!({"local_path": src.display().to_string(), "remote_path": "proj"});
+        args.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        args
+    };
+
+    // Nothing destroyed: never asked.
+    let r = mcp.call("sync_local_to_remote", up(json!({}))).await;
+    assert!(!r.is_error, "{}", r.text);
+    let r = mcp
+        .call("sync_local_to_remote", up(json!({"delete_extras": true})))
+        .await;
+    assert!(!r.is_error, "{}", r.text);
+    assert!(asked().is_empty(), "{:?}", asked());
+
+    // An extra on the destination: asked, with its name; declined, it stays.
+    std::fs::write(remote.join("extra.txt"), "keep me").unwrap();
+    answer(ElicitationAction::Decline);
+    let r = mcp
+        .call("sync_local_to_remote", up(json!({"delete_extras": true})))
+        .await;
+    assert!(r.is_error, "{}", r.text);
+    let err = r.v["error"].as_str().unwrap();
+    assert!(
+        err.contains("delete_extras") && err.contains("declined"),
+        "{err}"
+    );
+    assert!(remote.join("extra.txt").exists());
+    let q = asked();
+    assert_eq!(q.len(), 1);
+    assert!(
+        q[0].contains("\n  extra.txt") && q[0].contains("would delete 1 destination entry"),
+        "{}",
+        q[0]
+    );
+    assert!(
+        !q[0].contains("\n  a.txt"),
+        "only what it destroys: {}",
+        q[0]
+    );
+    // Approved, it goes.
+    answer(ElicitationAction::Accept);
+    let r = mcp
+        .call("sync_local_to_remote", up(json!({"delete_extras": true})))
+        .await;
+    assert!(!r.is_error, "{}", r.text);
+    assert!(!remote.join("extra.txt").exists());
+    assert_eq!(r.v["deleted_files"], 1, "{}", r.text);
+
+    // An edit on the destination since the last sync, and a local one: overwrite asks.
+    std::fs::write(remote.join("a.txt"), "remote edit").unwrap();
+    std::fs::write(src.join("a.txt"), "a2").unwrap();
+    let r = mcp.call("sync_local_to_remote", up(json!({}))).await;
+    assert_eq!(
+        r.v["conflict_count"], 1,
+        "a plain sync keeps it: {}",
+        r.text
+    );
+    assert_eq!(asked().len(), 2, "a plain sync asks nothing");
+    answer(ElicitationAction::Decline);
+    let r = mcp
+        .call("sync_local_to_remote", up(json!({"overwrite": true})))
+        .await;
+    assert!(r.is_error && r.text.contains("overwrite"), "{}", r.text);
+    assert_eq!(
+        std::fs::read_to_string(remote.join("a.txt")).unwrap(),
+        "remote edit"
+    );
+    let q = asked();
+    assert!(
+        q[2].contains("would replace 1 destination file") && q[2].contains("\n  a.txt"),
+        "{}",
+        q[2]
+    );
+
+    // kill_background_task: declined, the job runs on; approved, it stops.
+    let r = mcp
+        .call(
+            "exec_bash_background",
+            json!({"command": "sleep 300", "session_name": "k"}),
+        )
+        .await;
+    assert!(!r.is_error, "{}", r.text);
+    let r = mcp
+        .call("kill_background_task", json!({"tmux_session": "k"}))
+        .await;
+    assert!(r.is_error && r.text.contains("kill"), "{}", r.text);
+    assert!(asked()[3].contains("'k'"), "{}", asked()[3]);
+    let r = mcp
+        .call("check_background_task", json!({"tmux_session": "k"}))
+        .await;
+    assert_eq!(r.v["state"], "running", "{}", r.text);
+    answer(ElicitationAction::Accept);
+    let r = mcp
+        .call(
+            "kill_background_task",
+            json!({"tmux_session": "k", "grace_s": 0.5}),
+        )
+        .await;
+    assert!(!r.is_error, "{}", r.text);
+    assert_ne!(r.v["state"], "running", "{}", r.text);
+
+    let decisions: Vec<(String, String)> = mcp
+        .decisions()
+        .iter()
+        .map(|d| {
+            (
+                d["detail"]["action"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                d["detail"]["policy"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let want = [
+        ("delete_extras", "declined"),
+        ("delete_extras", "approved"),
+        ("overwrite", "declined"),
+        ("kill", "declined"),
+        ("kill", "approved"),
+    ];
+    let want: Vec<(String, String)> = want
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+    assert_eq!(decisions, want);
+    let _ = mcp.svc.cancel().await;
+
+    // A client without elicitation: refused, nothing deleted.
+    std::fs::write(remote.join("extra2.txt"), "keep me").unwrap();
+    let mcp2 = Mcp::start(&sshd, policy.clone(), false).await;
+    let r = mcp2
+        .call("sync_local_to_remote", up(json!({"delete_extras": true})))
+        .await;
+    assert!(r.is_error, "{}", r.text);
+    assert!(
+        r.v["error"]
+            .as_str()
+            .unwrap()
+            .contains("needs the user's approval")
+            && r.v["hint"].as_str().unwrap().contains("ask_actions"),
+        "{}",
+        r.text
+    );
+    assert!(remote.join("extra2.txt").exists());
+    let _ = mcp2.svc.cancel().await;
+
+    // The CLI: no terminal, no --yes: exit 7, nothing deleted or killed; --yes does it.
+    let list = json!([{
+        "name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+        "key_file": sshd.client_key().display().to_string(),
+        "policy": policy,
+    }])
+    .to_string();
+    let cli_home = mcp2.tmp.path().join("home");
+    let rsb = |args: &[&str]| {
+        std::process::Command::new(rsb_bin())
+            .args(args)
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &cli_home)
+            .env("XDG_CONFIG_HOME", cli_home.join(".config"))
+            .env("RSB_SSH_CONFIG", cli_home.join(".ssh/config"))
+            .env("RSB_STATE_DIR", mcp2.tmp.path().join("state"))
+            .env("REMOTE_SANDBOX_LIST", &list)
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let src_s = format!("{}/", src.display());
+    let out = rsb(&["sync", "--delete", &src_s, "s:proj"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{err}");
+    assert!(err.contains("extra2.txt") || err.contains("--yes"), "{err}");
+    assert!(remote.join("extra2.txt").exists());
+    let out = rsb(&["sync", "--delete", "--force", "-y", &src_s, "s:proj"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!remote.join("extra2.txt").exists());
+    assert_eq!(std::fs::read_to_string(remote.join("a.txt")).unwrap(), "a2");
+    let out = rsb(&["jobs", "start", "-s", "s", "--name", "k2", "sleep 300"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = rsb(&["jobs", "kill", "-s", "s", "k2"]);
+    assert_eq!(
+        out.status.code(),
+        Some(7),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = rsb(&["jobs", "kill", "-s", "s", "-y", "--grace", "0.5", "k2"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

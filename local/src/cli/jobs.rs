@@ -51,6 +51,9 @@ pub enum JobsCmd {
         /// Seconds between SIGTERM and SIGKILL.
         #[arg(long, default_value_t = 5.0)]
         grace: f64,
+        /// Approve it without asking, where the policy's ask_actions holds "kill".
+        #[arg(long, short)]
+        yes: bool,
     },
     /// Forget an ended job (its record; the log file stays).
     Rm { name: String },
@@ -119,6 +122,32 @@ fn audit(
             ..Default::default()
         },
     );
+}
+
+/// `rsb jobs kill`, once approved: the job's line, or its error.
+async fn kill(
+    ctx: &Ctx,
+    client: &rsb::client::AgentClient,
+    name: &str,
+    grace: f64,
+    json: bool,
+) -> u8 {
+    match kill_audited(ctx, client, name, grace).await {
+        Ok(k) if json => {
+            print_json(&k);
+            exit::OK
+        }
+        Ok(k) => {
+            println!(
+                "{}  {}  {}",
+                shown(&k.tmux_session),
+                k.state,
+                shown(&outcome(&k))
+            );
+            exit::OK
+        }
+        Err(e) => fail(json, &job_error(name, e)),
+    }
 }
 
 async fn kill_audited(
@@ -243,22 +272,26 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             }
             Err(e) => fail(json, &e),
         },
-        JobsCmd::Kill { name, grace } => match kill_audited(ctx, &client, &name, grace).await {
-            Ok(k) if json => {
-                print_json(&k);
-                exit::OK
+        JobsCmd::Kill { name, grace, yes } => {
+            let what = format!(
+                "rsb jobs kill would stop the job '{}' on sandbox '{}'",
+                shown(&name),
+                client.sandbox()
+            );
+            let approved = super::policy::approve_action(
+                ctx,
+                client.sandbox(),
+                "rsb jobs kill",
+                rsb::policy::Action::Kill,
+                what,
+                yes,
+            )
+            .await;
+            if let Err(e) = approved {
+                return fail(json, &e);
             }
-            Ok(k) => {
-                println!(
-                    "{}  {}  {}",
-                    shown(&k.tmux_session),
-                    k.state,
-                    shown(&outcome(&k))
-                );
-                exit::OK
-            }
-            Err(e) => fail(json, &job_error(&name, e)),
-        },
+            kill(ctx, &client, &name, grace, json).await
+        }
         JobsCmd::Logs {
             name, follow: true, ..
         } => follow_logs(&client, &name).await,

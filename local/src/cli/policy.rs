@@ -26,15 +26,36 @@ pub async fn gate(
         commands,
         cwd,
     };
-    policy::gate(ctx.pool.config(), &req, |question| async move {
-        if yes {
-            return Answer::Approved;
-        }
-        tokio::task::spawn_blocking(move || prompt(&question))
-            .await
-            .unwrap_or(Answer::Cancelled)
-    })
-    .await
+    policy::gate(ctx.pool.config(), &req, |question| terminal(question, yes)).await
+}
+
+/// One of rsb's own destructive actions through the policy's `ask_actions`; `Ok`: do it.
+pub async fn approve_action(
+    ctx: &Ctx,
+    sandbox: &str,
+    tool: &str,
+    action: policy::Action,
+    what: String,
+    yes: bool,
+) -> Result<(), RsbError> {
+    let req = policy::ActionRequest {
+        sandbox,
+        origin: "cli".into(),
+        tool,
+        action,
+        what,
+    };
+    policy::gate_action(ctx.pool.config(), &req, |question| terminal(question, yes)).await
+}
+
+/// The answer from the terminal, or `--yes`.
+pub async fn terminal(question: String, yes: bool) -> Answer {
+    if yes {
+        return Answer::Approved;
+    }
+    tokio::task::spawn_blocking(move || prompt(&question))
+        .await
+        .unwrap_or(Answer::Cancelled)
 }
 
 fn prompt(question: &str) -> Answer {

@@ -48,6 +48,10 @@ pub struct SyncArgs {
     debounce: u64,
     #[command(flatten)]
     safety: rsb::sync::cli::SafetyArgs,
+    /// Approve a --delete or --force the policy's ask_actions hold for approval, without the
+    /// question.
+    #[arg(long, short = 'y')]
+    yes: bool,
     /// Accepted for rsync habits and ignored: rsb always keeps modes, mtimes and symlinks.
     #[arg(short = 'a', long = "archive")]
     archive: bool,
@@ -153,6 +157,9 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
         Ok(x) => x,
         Err(e) => return fail(json, &e),
     };
+    if let Err(e) = approve(ctx, &sandbox, &spec, &a).await {
+        return fail(json, &e);
+    }
     if a.watch {
         let opts = rsb::sync::watch::WatchOptions {
             poll: a.poll.then_some(std::time::Duration::from_millis(500)),
@@ -185,6 +192,48 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
         },
     );
     code
+}
+
+/// The policy's `ask_actions` for `--delete` and `--force`: asked with what the first sync
+/// would destroy; with `--watch`, a `--delete` is asked about up front, since every later
+/// burst deletes what goes from the local tree.
+async fn approve(ctx: &Ctx, sandbox: &str, spec: &SyncSpec, a: &SyncArgs) -> Result<(), RsbError> {
+    let cfg = ctx.pool.config();
+    if a.watch
+        && spec.delete_extras
+        && rsb::policy::asks(cfg, sandbox, rsb::policy::Action::DeleteExtras)
+    {
+        let what = format!(
+            "rsb sync --watch --delete {} -> {} deletes destination entries as they go from the \
+             local tree, for as long as it runs",
+            shown(&a.src),
+            shown(&a.dst)
+        );
+        return super::policy::approve_action(
+            ctx,
+            sandbox,
+            "rsb sync",
+            rsb::policy::Action::DeleteExtras,
+            what,
+            a.yes,
+        )
+        .await;
+    }
+    let who = rsb::ops::sync::Requester {
+        origin: "cli".into(),
+        tool: "rsb sync",
+    };
+    let cancel = rsb::sync::CancellationToken::new();
+    rsb::ops::sync::approve_spec(
+        &ctx.pool,
+        sandbox,
+        spec,
+        &a.safety.options(),
+        &who,
+        |question| super::policy::terminal(question, a.yes),
+        &cancel,
+    )
+    .await
 }
 
 /// A sync that kept conflicting files, or left a file that kept changing uncommitted, did not

@@ -57,7 +57,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 pub use hops::{Hop, host_port};
-pub use policy::{ASK_VAR as POLICY_ASK_VAR, DENY_VAR as POLICY_DENY_VAR, PolicyRules};
+pub use policy::{
+    ASK_ACTIONS_VAR as POLICY_ASK_ACTIONS_VAR, ASK_VAR as POLICY_ASK_VAR, Action as PolicyAction,
+    DENY_VAR as POLICY_DENY_VAR, PolicyRules,
+};
 pub use secrets::Secret;
 pub use slurm::{SlurmDefaults, SlurmOptions};
 pub use sources::{BUILTIN_LOCAL, check_unconfigured_env, config_file_path, env_truthy};

@@ -392,6 +392,22 @@ impl RsbServer {
             Ok(c) => c,
             Err(e) => return fail(&e),
         };
+        if let Err(e) = super::policy::approve_action(
+            self,
+            &ctx,
+            client.sandbox(),
+            "kill_background_task",
+            crate::policy::Action::Kill,
+            format!(
+                "kill_background_task would stop the background task '{}' on sandbox '{}'",
+                crate::term::shown(&p.tmux_session),
+                client.sandbox()
+            ),
+        )
+        .await
+        {
+            return fail(&e);
+        }
         // A deliberate kill is not an interruption: stop watching first, so the watchdog
         // neither alerts nor resumes it.
         let cancelled = self.cancel_watches_of(client.sandbox(), &p.tmux_session);

@@ -38,6 +38,49 @@ pub(super) async fn gate(
     policy::gate(server.pool.config(), &req, |question| ask(ctx, question)).await
 }
 
+/// A sync call's `delete_extras` / `overwrite` through the policy's `ask_actions`
+/// (`ops::sync::approve`); `Ok`: run it.
+pub(super) async fn approve_sync(
+    server: &super::RsbServer,
+    ctx: &RequestContext<RoleServer>,
+    args: &crate::ops::sync::SyncArgs,
+    direction: crate::sync::Direction,
+    tool: &str,
+) -> Result<(), RsbError> {
+    let who = crate::ops::sync::Requester {
+        origin: super::origin(ctx),
+        tool,
+    };
+    crate::ops::sync::approve(
+        &server.pool,
+        args,
+        direction,
+        &who,
+        |question| ask(ctx, question),
+        &ctx.ct,
+    )
+    .await
+}
+
+/// One of rsb's own destructive actions through the policy's `ask_actions`; `Ok`: do it.
+pub(super) async fn approve_action(
+    server: &super::RsbServer,
+    ctx: &RequestContext<RoleServer>,
+    sandbox: &str,
+    tool: &str,
+    action: policy::Action,
+    what: String,
+) -> Result<(), RsbError> {
+    let req = policy::ActionRequest {
+        sandbox,
+        origin: super::origin(ctx),
+        tool,
+        action,
+        what,
+    };
+    policy::gate_action(server.pool.config(), &req, |question| ask(ctx, question)).await
+}
+
 /// The commands among `fields` (empty ones dropped) and those a resume plan carries.
 pub(super) fn commands_of(fields: &[&str], plan_json: &str) -> Vec<String> {
     let mut out: Vec<String> = fields

@@ -268,6 +268,17 @@ impl RsbServer {
                 ""
             }
         );
+        if let Err(e) = super::policy::approve_sync(
+            self,
+            &ctx,
+            &args,
+            crate::sync::Direction::Upload,
+            "sync_local_to_remote",
+        )
+        .await
+        {
+            return fail(&e);
+        }
         let pool = self.pool.clone();
         let cancel = ctx.ct.clone();
         let r = with_sync_progress(&ctx, |cb| async move {
@@ -312,6 +323,17 @@ impl RsbServer {
         let t0 = std::time::Instant::now();
         let sandbox = self.pool.resolve(&args.sandbox).unwrap_or_default();
         let what = format!("{sandbox}:{} -> {}", args.remote_path, args.local_path);
+        if let Err(e) = super::policy::approve_sync(
+            self,
+            &ctx,
+            &args,
+            crate::sync::Direction::Download,
+            "sync_remote_to_local",
+        )
+        .await
+        {
+            return fail(&e);
+        }
         let pool = self.pool.clone();
         let cancel = ctx.ct.clone();
         let r = with_sync_progress(&ctx, |cb| async move {

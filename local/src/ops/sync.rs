@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 pub use crate::sync::runner::{run, run_with};
 use crate::{
     error::{Result, RsbError},
+    policy::{self, Action},
     pool::Pool,
     sync::{self, Direction, ProgressFn, RunOptions, SyncRules, SyncSpec},
 };
@@ -330,26 +331,7 @@ pub async fn sync_local_to_remote(
     progress: Option<ProgressFn>,
     cancel: &CancellationToken,
 ) -> Result<Value> {
-    let local = expand_local(non_empty("local_path", &args.local_path, ".")?)?;
-    let remote_path = non_empty("remote_path", &args.remote_path, ".")?.to_string();
-    let meta = check_local_source(&local)?;
-    let mut rules = load_rules(&args.excludes, args.exclude_file.as_deref())?;
-    rules.gitignore = args.gitignore;
-    if args.delete_extras && !meta.is_dir() {
-        return Err(RsbError::invalid(
-            "delete_extras is only supported when local_path is a directory",
-            "pass delete_extras=false to sync a single file",
-        ));
-    }
-    let sandbox = pool.resolve(&args.sandbox)?;
-    let spec = SyncSpec {
-        direction: Direction::Upload,
-        local_path: local,
-        remote_path,
-        delete_extras: args.delete_extras,
-        rules,
-        dry_run: args.dry_run,
-    };
+    let (sandbox, spec) = spec_for(pool, &args, Direction::Upload)?;
     sync_for_tool(pool, sandbox, spec, &args, progress, cancel).await
 }
 
@@ -361,24 +343,181 @@ pub async fn sync_remote_to_local(
     progress: Option<ProgressFn>,
     cancel: &CancellationToken,
 ) -> Result<Value> {
-    let local = expand_local(non_empty(
-        "local_path",
-        &args.local_path,
-        "./remote_mirror",
-    )?)?;
+    let (sandbox, spec) = spec_for(pool, &args, Direction::Download)?;
+    sync_for_tool(pool, sandbox, spec, &args, progress, cancel).await
+}
+
+/// The sandbox and the engine's spec of a sync tool's call, with the seed's checks and
+/// messages.
+fn spec_for(pool: &Pool, args: &SyncArgs, direction: Direction) -> Result<(String, SyncSpec)> {
+    let default_local = match direction {
+        Direction::Upload => ".",
+        Direction::Download => "./remote_mirror",
+    };
+    let local = expand_local(non_empty("local_path", &args.local_path, default_local)?)?;
     let remote_path = non_empty("remote_path", &args.remote_path, ".")?.to_string();
+    if direction == Direction::Upload {
+        let meta = check_local_source(&local)?;
+        if args.delete_extras && !meta.is_dir() {
+            return Err(RsbError::invalid(
+                "delete_extras is only supported when local_path is a directory",
+                "pass delete_extras=false to sync a single file",
+            ));
+        }
+    }
     let mut rules = load_rules(&args.excludes, args.exclude_file.as_deref())?;
     rules.gitignore = args.gitignore;
     let sandbox = pool.resolve(&args.sandbox)?;
     let spec = SyncSpec {
-        direction: Direction::Download,
+        direction,
         local_path: local,
         remote_path,
         delete_extras: args.delete_extras,
         rules,
         dry_run: args.dry_run,
     };
-    sync_for_tool(pool, sandbox, spec, &args, progress, cancel).await
+    Ok((sandbox, spec))
+}
+
+/// Who asks for a sync, for the approval's question and its audit line.
+pub struct Requester<'a> {
+    /// `mcp:<client>` or `cli`.
+    pub origin: String,
+    pub tool: &'a str,
+}
+
+/// A sync tool's call through the policy's `ask_actions`: see [`approve_spec`].
+pub async fn approve<F, Fut>(
+    pool: &Pool,
+    args: &SyncArgs,
+    direction: Direction,
+    who: &Requester<'_>,
+    ask: F,
+    cancel: &CancellationToken,
+) -> Result<()>
+where
+    F: FnMut(String) -> Fut,
+    Fut: std::future::Future<Output = policy::Answer>,
+{
+    if args.dry_run || !(args.delete_extras || args.overwrite) {
+        return Ok(());
+    }
+    let (sandbox, spec) = spec_for(pool, args, direction)?;
+    let opts = RunOptions {
+        overwrite: args.overwrite,
+        safe: args.safe,
+        confirm_delete: args.confirm_delete,
+        ..Default::default()
+    };
+    approve_spec(pool, &sandbox, &spec, &opts, who, ask, cancel).await
+}
+
+/// Before a sync that deletes destination entries (`delete_extras`) or replaces edits made
+/// on the destination (`overwrite`), where the sandbox's policy asks before that action: a
+/// dry run finds what it would destroy, and the user is asked with those paths. Nothing to
+/// destroy, nothing asked, so an agent that always passes `delete_extras` is not asked on
+/// every sync. `Ok`: run it. What appears between the dry run and the sync itself is
+/// handled as the approved option says.
+pub async fn approve_spec<F, Fut>(
+    pool: &Pool,
+    sandbox: &str,
+    spec: &SyncSpec,
+    opts: &RunOptions,
+    who: &Requester<'_>,
+    mut ask: F,
+    cancel: &CancellationToken,
+) -> Result<()>
+where
+    F: FnMut(String) -> Fut,
+    Fut: std::future::Future<Output = policy::Answer>,
+{
+    let cfg = pool.config();
+    let delete = spec.delete_extras && policy::asks(cfg, sandbox, Action::DeleteExtras);
+    let overwrite = opts.overwrite && policy::asks(cfg, sandbox, Action::Overwrite);
+    if spec.dry_run || !(delete || overwrite) {
+        return Ok(());
+    }
+    let mut preview = spec.clone();
+    preview.dry_run = true;
+    // Without overwrite, what an overwrite would replace is what the plan calls conflicts.
+    let plan_opts = RunOptions {
+        overwrite: false,
+        safe: opts.safe,
+        confirm_delete: opts.confirm_delete,
+        ..Default::default()
+    };
+    let rep = run_with(pool, sandbox, &preview, &plan_opts, None, cancel).await?;
+    let (from, to) = match spec.direction {
+        Direction::Upload => (
+            rep.local_path.clone(),
+            format!("{sandbox}:{}", rep.remote_path),
+        ),
+        Direction::Download => (
+            format!("{sandbox}:{}", rep.remote_path),
+            rep.local_path.clone(),
+        ),
+    };
+    let deletions: Vec<&str> = rep
+        .actions
+        .iter()
+        .filter_map(|a| a.strip_prefix("delete  "))
+        .collect();
+    let replaced: Vec<&str> = rep
+        .conflicts
+        .iter()
+        .map(|(rel, _, _)| rel.as_str())
+        .collect();
+    let checks = [
+        (
+            delete,
+            Action::DeleteExtras,
+            &deletions,
+            "delete",
+            ("entry", "entries"),
+            "missing from",
+        ),
+        (
+            overwrite,
+            Action::Overwrite,
+            &replaced,
+            "replace",
+            ("file", "files"),
+            "changed since the last sync, with the versions of",
+        ),
+    ];
+    for (on, action, paths, verb, (one, many), what) in checks {
+        if !on || paths.is_empty() {
+            continue;
+        }
+        let noun = if paths.len() == 1 { one } else { many };
+        let req = policy::ActionRequest {
+            sandbox,
+            origin: who.origin.clone(),
+            tool: who.tool,
+            action,
+            what: format!(
+                "{} {from} -> {to} would {verb} {} destination {noun} {what} {from}:\n{}",
+                who.tool,
+                paths.len(),
+                listed(paths, 20)
+            ),
+        };
+        policy::gate_action(cfg, &req, &mut ask).await?;
+    }
+    Ok(())
+}
+
+/// Up to `n` paths, a line each, escaped for a terminal or a dialog, then how many more.
+fn listed(paths: &[&str], n: usize) -> String {
+    let mut lines: Vec<String> = paths
+        .iter()
+        .take(n)
+        .map(|p| format!("  {}", crate::term::shown(p)))
+        .collect();
+    if paths.len() > n {
+        lines.push(format!("  … and {} more", paths.len() - n));
+    }
+    lines.join("\n")
 }
 
 #[cfg(test)]

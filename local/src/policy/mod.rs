@@ -22,7 +22,7 @@ use std::future::Future;
 
 use serde_json::json;
 
-pub use crate::config::PolicyRules;
+pub use crate::config::{PolicyAction as Action, PolicyRules};
 use crate::{
     config::Config,
     error::{Kind, RsbError},
@@ -136,6 +136,7 @@ pub enum Decision {
 pub struct Policy {
     deny: Vec<Rule>,
     ask: Vec<Rule>,
+    actions: Vec<Action>,
 }
 
 impl Policy {
@@ -144,6 +145,7 @@ impl Policy {
         for r in rules {
             p.deny.extend(r.deny.iter().filter_map(|t| Rule::parse(t)));
             p.ask.extend(r.ask.iter().filter_map(|t| Rule::parse(t)));
+            p.actions.extend(r.ask_actions.iter().copied());
         }
         p
     }
@@ -156,8 +158,14 @@ impl Policy {
         Policy::new(&rules)
     }
 
+    /// No command rules (rsb's own actions are asked about apart: [`Policy::asks`]).
     pub fn is_empty(&self) -> bool {
         self.deny.is_empty() && self.ask.is_empty()
+    }
+
+    /// Does `action` need the user's approval on this sandbox?
+    pub fn asks(&self, action: Action) -> bool {
+        self.actions.contains(&action)
     }
 
     /// The strictest decision over every simple command of `script`: a deny anywhere wins;
@@ -249,6 +257,90 @@ where
     };
     record(config, req, command, word, &f);
     result
+}
+
+/// One of rsb's own destructive operations, about to happen.
+pub struct ActionRequest<'a> {
+    pub sandbox: &'a str,
+    /// `mcp:<client>` or `cli`.
+    pub origin: String,
+    pub tool: &'a str,
+    pub action: Action,
+    /// What it would destroy, in a line or a few: the user decides from this.
+    pub what: String,
+}
+
+/// Does the policy of `sandbox` put `action` behind an approval? A caller that must work out
+/// what the action would destroy (a sync's dry run) asks this first, so an unguarded sync
+/// pays nothing.
+pub fn asks(config: &Config, sandbox: &str, action: Action) -> bool {
+    Policy::for_sandbox(config, sandbox).asks(action)
+}
+
+/// Ask the user through `ask` whether `req.action` may go ahead, if the sandbox's policy says
+/// so; `Ok` means go ahead. The answer is an audit line.
+pub async fn gate_action<F, Fut>(
+    config: &Config,
+    req: &ActionRequest<'_>,
+    ask: F,
+) -> Result<(), RsbError>
+where
+    F: FnOnce(String) -> Fut,
+    Fut: Future<Output = Answer>,
+{
+    if !asks(config, req.sandbox, req.action) {
+        return Ok(());
+    }
+    let name = req.action.as_str();
+    let question = format!(
+        "rsb: allow {name} on sandbox '{}' ({})? The policy asks before it.\n\n{}",
+        req.sandbox, req.tool, req.what
+    );
+    let (word, result) = match ask(question).await {
+        Answer::Approved => ("approved", Ok(())),
+        Answer::Declined => (
+            "declined",
+            Err(action_declined(name, "the user declined it")),
+        ),
+        Answer::Cancelled => (
+            "cancelled",
+            Err(action_declined(name, "the approval was cancelled")),
+        ),
+        Answer::CannotAsk(why) => ("not_asked", Err(action_cannot_ask(name, &why))),
+    };
+    crate::audit::record(
+        config,
+        req.sandbox,
+        &crate::audit::Action {
+            origin: req.origin.clone(),
+            tool: req.tool.to_string(),
+            command: Some(req.what.clone()),
+            detail: Some(json!({ "policy": word, "action": name })),
+            ..Default::default()
+        },
+    );
+    result
+}
+
+fn action_declined(name: &str, why: &str) -> RsbError {
+    RsbError::new(
+        Kind::Policy,
+        format!("policy: {name} not done, {why} (ask_actions \"{name}\")"),
+        "nothing was changed; ask the user, or do it without this option",
+    )
+}
+
+/// Nobody could be asked, so the hint says how to allow it instead.
+fn action_cannot_ask(name: &str, why: &str) -> RsbError {
+    RsbError::new(
+        Kind::Policy,
+        format!("policy: {name} needs the user's approval, and {why}"),
+        format!(
+            "nothing was changed; use a client that supports MCP elicitation, or the CLI from a \
+             terminal (--yes approves), or remove \"{name}\" from [policy] ask_actions \
+             (RSB_POLICY_ASK_ACTIONS, or the sandbox's policy)"
+        ),
+    )
 }
 
 /// What the user is asked: the sandbox, the command as given, and why.

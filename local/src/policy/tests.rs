@@ -10,6 +10,7 @@ fn issue_policy() -> Policy {
             "dd of=/dev/*".into(),
         ],
         ask: vec![],
+        ..Default::default()
     }])
 }
 
@@ -163,6 +164,7 @@ fn ask_rules_and_unknown_names_ask() {
     let p = Policy::new(&[&PolicyRules {
         deny: vec!["mkfs*".into()],
         ask: vec!["git push*".into()],
+        ..Default::default()
     }]);
     let Decision::Ask(f) = p.check("make && git push origin main") else {
         panic!()
@@ -175,6 +177,7 @@ fn ask_rules_and_unknown_names_ask() {
     let narrow = Policy::new(&[&PolicyRules {
         deny: vec!["rm -rf /*".into()],
         ask: vec![],
+        ..Default::default()
     }]);
     let Decision::Ask(f) = narrow.check("\"$X\" -la") else {
         panic!()
@@ -193,15 +196,25 @@ fn ask_rules_and_unknown_names_ask() {
 fn sandbox_rules_add_to_the_global_ones() {
     let global = PolicyRules {
         deny: vec!["shutdown*".into()],
-        ask: vec![],
+        ask_actions: vec![Action::Kill],
+        ..Default::default()
     };
     let own = PolicyRules {
-        deny: vec![],
         ask: vec!["git push*".into()],
+        ask_actions: vec![Action::DeleteExtras],
+        ..Default::default()
     };
     let p = Policy::new(&[&global, &own]);
     assert!(matches!(p.check("shutdown now"), Decision::Deny(_)));
     assert!(matches!(p.check("git push"), Decision::Ask(_)));
+    assert!(p.asks(Action::Kill) && p.asks(Action::DeleteExtras));
+    assert!(!p.asks(Action::Overwrite));
+    // Actions alone leave commands unchecked: no parse, no ask for `$X`.
+    let actions_only = Policy::new(&[&PolicyRules {
+        ask_actions: vec![Action::Kill],
+        ..Default::default()
+    }]);
+    assert_eq!(actions_only.check("$X -rf /"), Decision::Allow);
 }
 
 /// The exec path's parsing cost, measured: p50 over many ordinary commands (printed; the
