@@ -406,11 +406,25 @@ async fn slurm_three_two_gpu_jobs_one_runs_two_pend_on_resources_and_resources_r
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
-    let run = states.iter().find(|x| x["state"] == "running").unwrap();
-    assert!(
-        run["log_tail"].as_str().unwrap().contains("CUDA=0,1"),
-        "{run}"
-    );
+    // RUNNING comes before the batch script's first line reaches the log (the job's wrapper
+    // still starting, on a loaded machine): wait for the line, bounded.
+    let name = states.iter().find(|x| x["state"] == "running").unwrap()["tmux_session"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let run = mcp.check(&name).await;
+        if run["log_tail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("CUDA=0,1")
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no CUDA=0,1 in the log: {run}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     for n in ["g1", "g2", "g3"] {
         let k = mcp
             .ok("kill_background_task", json!({"tmux_session": n}))
