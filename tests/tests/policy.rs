@@ -35,6 +35,34 @@ fn rsb_bin() -> PathBuf {
     p
 }
 
+/// The fixture as sandbox `s`, with `policy` as its own.
+fn sandbox_list(sshd: &Sshd, policy: &Value) -> String {
+    json!([{
+        "name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+        "key_file": sshd.client_key().display().to_string(),
+        "policy": policy,
+    }])
+    .to_string()
+}
+
+/// `rsb ARGS` with no terminal, its home and state under `tmp`, the sandboxes of `list`.
+fn cli(tmp: &Path, list: &str, env: &[(&str, &str)], args: &[&str]) -> std::process::Output {
+    let home = tmp.join("home");
+    std::process::Command::new(rsb_bin())
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", &home)
+        .env("XDG_CONFIG_HOME", home.join(".config"))
+        .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
+        .env("RSB_STATE_DIR", tmp.join("state"))
+        .env("REMOTE_SANDBOX_LIST", list)
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap()
+}
+
 /// A client that answers elicitation with `answer` (when it declares the capability) and
 /// keeps every question it was asked.
 #[derive(Clone)]
@@ -85,12 +113,7 @@ impl Mcp {
         let tmp = tempfile::tempdir().unwrap();
         let home = tmp.path().join("home");
         std::fs::create_dir_all(&home).unwrap();
-        let list = json!([{
-            "name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
-            "key_file": sshd.client_key().display().to_string(),
-            "policy": policy,
-        }])
-        .to_string();
+        let list = sandbox_list(sshd, &policy);
         let stderr = std::fs::File::create(tmp.path().join("rsb-mcp.stderr")).unwrap();
         let mut cmd = tokio::process::Command::new(rsb_bin());
         cmd.arg("mcp")
@@ -438,26 +461,14 @@ fn the_cli_refuses_asks_without_a_terminal_unless_told_yes() {
     let tmp = tempfile::tempdir().unwrap();
     let home = tmp.path().join("home");
     std::fs::create_dir_all(&home).unwrap();
-    let list = json!([{
-        "name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
-        "key_file": sshd.client_key().display().to_string(),
-        "policy": {"ask": ["touch *"]},
-    }])
-    .to_string();
+    let list = sandbox_list(&sshd, &json!({"ask": ["touch *"]}));
     let rsb = |args: &[&str]| {
-        std::process::Command::new(rsb_bin())
-            .args(args)
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("HOME", &home)
-            .env("XDG_CONFIG_HOME", home.join(".config"))
-            .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
-            .env("RSB_STATE_DIR", tmp.path().join("state"))
-            .env("REMOTE_SANDBOX_LIST", &list)
-            .env("RSB_POLICY_DENY", r#"["rm -rf /*"]"#)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .unwrap()
+        cli(
+            tmp.path(),
+            &list,
+            &[("RSB_POLICY_DENY", r#"["rm -rf /*"]"#)],
+            args,
+        )
     };
     let f = sshd.home().join("cli-touched");
     let victim = sshd.home().join("victim");
@@ -681,27 +692,8 @@ async fn destructive_actions_are_asked_with_what_they_would_destroy() {
     let _ = mcp2.svc.cancel().await;
 
     // The CLI: no terminal, no --yes: exit 7, nothing deleted or killed; --yes does it.
-    let list = json!([{
-        "name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
-        "key_file": sshd.client_key().display().to_string(),
-        "policy": policy,
-    }])
-    .to_string();
-    let cli_home = mcp2.tmp.path().join("home");
-    let rsb = |args: &[&str]| {
-        std::process::Command::new(rsb_bin())
-            .args(args)
-            .env_clear()
-            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-            .env("HOME", &cli_home)
-            .env("XDG_CONFIG_HOME", cli_home.join(".config"))
-            .env("RSB_SSH_CONFIG", cli_home.join(".ssh/config"))
-            .env("RSB_STATE_DIR", mcp2.tmp.path().join("state"))
-            .env("REMOTE_SANDBOX_LIST", &list)
-            .stdin(std::process::Stdio::null())
-            .output()
-            .unwrap()
-    };
+    let list = sandbox_list(&sshd, &policy);
+    let rsb = |args: &[&str]| cli(mcp2.tmp.path(), &list, &[], args);
     let src_s = format!("{}/", src.display());
     let out = rsb(&["sync", "--delete", &src_s, "s:proj"]);
     let err = String::from_utf8_lossy(&out.stderr);
