@@ -196,17 +196,19 @@ pub async fn run(opts: Options) -> Result<()> {
         last_prune: Mutex::new(None),
     });
     let started = store::now_s();
-    db::meta_set(
-        &d.conn.lock(),
-        "daemon",
-        &json!({
-            "pid": std::process::id(),
-            "mode": opts.mode,
-            "started_ts": started,
-            "version": env!("CARGO_PKG_VERSION"),
-            "state_dir": opts.state_dir.display().to_string(),
-        }),
-    )?;
+    d.db(|c| {
+        db::meta_set(
+            c,
+            "daemon",
+            &json!({
+                "pid": std::process::id(),
+                "mode": opts.mode,
+                "started_ts": started,
+                "version": env!("CARGO_PKG_VERSION"),
+                "state_dir": opts.state_dir.display().to_string(),
+            }),
+        )
+    })?;
     tracing::info!(
         state_dir = %opts.state_dir.display(),
         mode = %opts.mode,
@@ -248,7 +250,7 @@ pub async fn run(opts: Options) -> Result<()> {
     }
     // Gone means gone: no reader may take a heartbeat younger than 30 s for a live daemon
     // (liveness is the lock holder's anyway, see `service::daemon_info`).
-    if let Err(e) = db::meta_delete(&d.conn.lock(), "heartbeat") {
+    if let Err(e) = d.db(|c| db::meta_delete(c, "heartbeat")) {
         tracing::warn!("[watchdog] cannot clear the heartbeat: {}", e.message);
     }
     d.forwards.stop_all().await;
@@ -313,19 +315,27 @@ where
 }
 
 impl Daemon {
+    /// Store work, off the runtime's scheduling: a query may wait out another process's write
+    /// lock (the busy timeout), and so may a task waiting for this connection's mutex meanwhile;
+    /// on a runtime thread either would stall the forwards this daemon serves and every other
+    /// check ([`store::blocking`]).
+    fn db<T>(&self, f: impl FnOnce(&mut Connection) -> T) -> T {
+        store::blocking(|| f(&mut self.conn.lock()))
+    }
+
     /// One tick: heartbeat, then a check task for every due watch. Returns the number of
     /// active watches.
     fn tick(self: &Arc<Self>, opts: &Options) -> Result<i64> {
         let ms = now_ms();
-        let (due, active) = {
-            let c = self.conn.lock();
+        let (due, active) = self.db(|c| -> Result<_> {
+            let c = &*c;
             let beat_due = self
                 .last_beat
                 .lock()
                 .is_none_or(|t| t.elapsed() >= super::HEARTBEAT_EVERY);
             if beat_due {
                 db::meta_set(
-                    &c,
+                    c,
                     "heartbeat",
                     &json!({
                         "ts": ms / 1000,
@@ -344,7 +354,7 @@ impl Daemon {
                 .is_none_or(|t| t.elapsed() >= PRUNE_EVERY);
             if prune_due {
                 *self.last_prune.lock() = Some(Instant::now());
-                match store::retention::prune_now(&self.state_dir, &c, &Default::default()) {
+                match store::retention::prune_now(&self.state_dir, c, &Default::default()) {
                     Ok(p) if p.bytes_freed > 0 => {
                         tracing::info!("[watchdog] retention: {p:?}")
                     }
@@ -352,13 +362,13 @@ impl Daemon {
                     Err(e) => tracing::warn!("[watchdog] retention failed: {}", e.message),
                 }
             }
-            let due = db::due(&c, ms, MAX_STARTS_PER_TICK)?;
-            let active = db::counts(&c)?.get("active").copied().unwrap_or(0);
+            let due = db::due(c, ms, MAX_STARTS_PER_TICK)?;
+            let active = db::counts(c)?.get("active").copied().unwrap_or(0);
             let forwards =
                 self.forwards
-                    .tick(&c, |c, fp, name| self.pool_for(c, fp, name)) as i64;
-            (due, active + forwards)
-        };
+                    .tick(c, |c, fp, name| self.pool_for(c, fp, name)) as i64;
+            Ok((due, active + forwards))
+        })?;
         let mut started = 0;
         for id in due {
             if !self.inflight.lock().insert(id) {
@@ -370,23 +380,26 @@ impl Daemon {
                 let d2 = d.clone();
                 if let Err(msg) = supervise(async move { d2.check(id).await }).await {
                     tracing::error!(watch = id, "[watchdog] {msg}");
-                    let c = d.conn.lock();
-                    let interval = db::get(&c, id)
-                        .ok()
-                        .flatten()
-                        .map(|w| w.interval_s)
-                        .unwrap_or(60);
-                    let _ = db::record_failed_check(&c, id, &msg, interval);
+                    d.db(|c| {
+                        let interval = db::get(c, id)
+                            .ok()
+                            .flatten()
+                            .map(|w| w.interval_s)
+                            .unwrap_or(60);
+                        let _ = db::record_failed_check(c, id, &msg, interval);
+                    });
                 }
                 d.inflight.lock().remove(&id);
             });
         }
         if started > 0 {
-            let _ = db::meta_set(
-                &self.conn.lock(),
-                "last_scan",
-                &json!({"ts": ms / 1000, "due_watch_count": started}),
-            );
+            let _ = self.db(|c| {
+                db::meta_set(
+                    c,
+                    "last_scan",
+                    &json!({"ts": ms / 1000, "due_watch_count": started}),
+                )
+            });
         }
         Ok(active)
     }
@@ -423,7 +436,7 @@ impl Daemon {
     }
 
     async fn check(self: Arc<Self>, id: i64) {
-        let w = match db::get(&self.conn.lock(), id) {
+        let w = match self.db(|c| db::get(c, id)) {
             Ok(Some(w)) if w.status == "active" => w,
             Ok(_) => return,
             Err(e) => {
@@ -473,13 +486,7 @@ impl Daemon {
         mut after: Watch,
         events: &[super::NewEvent],
     ) -> Option<Watch> {
-        let r = db::commit(
-            &mut self.conn.lock(),
-            before.rev,
-            &after,
-            events,
-            super::checks::payload,
-        );
+        let r = self.db(|c| db::commit(c, before.rev, &after, events, super::checks::payload));
         match r {
             Ok(Some(evs)) => {
                 after.rev = before.rev + 1;
@@ -502,12 +509,8 @@ impl Daemon {
 
     /// Gather what the watch's sandbox says about the job (never parsing its log).
     async fn observe(&self, w: &Watch, since: Instant) -> (Observed, Option<AgentClient>) {
-        let resolved = sandboxes::resolve(
-            &self.conn.lock(),
-            &self.state_dir,
-            &w.sandbox_fp,
-            &w.sandbox_name,
-        );
+        let resolved =
+            self.db(|c| sandboxes::resolve(c, &self.state_dir, &w.sandbox_fp, &w.sandbox_name));
         let cfg = match resolved {
             Ok(Some(Ok(c))) => c,
             Ok(Some(Err(msg))) => return (Observed::NeedsCredentials(msg), None),
@@ -778,7 +781,7 @@ impl Daemon {
 
     /// Finish deliveries a previous daemon committed but did not complete.
     async fn redeliver(&self) {
-        let pending = match db::undelivered(&self.conn.lock()) {
+        let pending = match self.db(|c| db::undelivered(c)) {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!("[watchdog] cannot read undelivered events: {}", e.message);
@@ -786,7 +789,7 @@ impl Daemon {
             }
         };
         for (e, created_ms) in pending {
-            let w = db::get(&self.conn.lock(), e.watch_id).ok().flatten();
+            let w = self.db(|c| db::get(c, e.watch_id)).ok().flatten();
             let Some(w) = w else { continue };
             let targets = alerts::Targets::for_watch(&w, &self.settings.lock(), self.hook_timeout);
             let alert = now_ms() - created_ms < REPLAY_ALERTS_WITHIN_MS;
