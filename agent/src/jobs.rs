@@ -207,14 +207,9 @@ pub fn job_run_main(args: &[String]) -> i32 {
 // ---------------------------------------------------------------------------------------------
 // Names and paths
 
-/// Names become directory names and tmux session names, so only characters that are inert in
-/// both are allowed; tmux would silently rewrite `.` and `:`, which broke the seed's lookups.
+/// See [`rsb_protocol::jobs::valid_job_name`].
 fn validate_name(name: &str) -> Result<(), AgentError> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    let ok = rsb_protocol::jobs::valid_job_name(name);
     if ok {
         Ok(())
     } else {

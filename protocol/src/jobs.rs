@@ -83,3 +83,14 @@ pub struct JobKillRequest {
 /// Every job recorded on the host, running or ended.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobListRequest;
+
+/// A job name becomes a directory name and a tmux session name (and a Slurm job's name), so
+/// only characters inert in all of them are allowed; tmux would silently rewrite `.` and `:`.
+/// One rule for the agent and for `rsb`, which checks before it submits to Slurm.
+pub fn valid_job_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}

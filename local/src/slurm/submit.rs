@@ -50,11 +50,7 @@ pub fn resolve(home: &str, base: &str, p: &str) -> String {
 }
 
 pub fn validate_name(name: &str) -> Result<()> {
-    let ok = !name.is_empty()
-        && name.len() <= 64
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    let ok = rsb_protocol::jobs::valid_job_name(name);
     if ok {
         Ok(())
     } else {
