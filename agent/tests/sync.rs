@@ -1692,67 +1692,6 @@ fn aborted_large_file_is_kept_and_resumed() {
     assert!(staging_dirs(&root).is_empty());
 }
 
-#[test]
-fn compressed_data_lands_exact_and_a_bomb_or_a_lying_length_is_refused() {
-    use rsb_protocol::compress::{MAX_RAW, compress};
-    let t = tempfile::tempdir().unwrap();
-    let root = t.path();
-    let mut agent = Agent::start();
-    let s = agent.open(root, false).session;
-    let text: Vec<u8> = (0..30_000u32)
-        .flat_map(|i| format!("{i} lorem ipsum {}\n", i % 97).into_bytes())
-        .collect();
-    let z = compress(&text).expect("text shrinks");
-    let ops = vec![
-        ApplyOp::FileDataZ {
-            rel: "t.txt".into(),
-            offset: 0,
-            raw_len: text.len() as u64,
-            data: z.clone(),
-        },
-        ApplyOp::FileCommit {
-            rel: "t.txt".into(),
-            size: text.len() as u64,
-            mode: 0o644,
-            mtime_ns: 1_000_000_000,
-            hash: b3(&text),
-        },
-    ];
-    assert_eq!(agent.apply(s, ops), Ok(2));
-    assert_eq!(fs::read(root.join("t.txt")).unwrap(), text);
-
-    // A length smaller than the payload decompresses to, a larger one, one past the limit (a
-    // 4 MiB-of-zeros bomb claiming more), and bytes that are not zstd: each an error naming
-    // the file, nothing written.
-    let bomb = compress(&vec![0u8; MAX_RAW]).unwrap();
-    let cases: Vec<(Vec<u8>, u64, &str)> = vec![
-        (z.clone(), text.len() as u64 - 1, "larger than"),
-        (z.clone(), text.len() as u64 + 1, "not the"),
-        (bomb.clone(), 64 * 1024, "larger than"),
-        (bomb, u64::MAX, "limit"),
-        (b"not zstd at all".to_vec(), 100, "corrupt"),
-    ];
-    for (data, raw_len, needle) in cases {
-        let e = expect_err(
-            agent.apply(
-                s,
-                vec![ApplyOp::FileDataZ {
-                    rel: "bad.txt".into(),
-                    offset: 0,
-                    raw_len,
-                    data,
-                }],
-            ),
-            ErrorCode::InvalidArgument,
-            needle,
-        );
-        assert!(e.message.contains("bad.txt"), "{}", e.message);
-    }
-    agent.close(s, vec![]).unwrap();
-    assert!(!root.join("bad.txt").exists());
-    assert_eq!(staged_files(root), Vec::<String>::new());
-}
-
 /// A sparse source arrives sparse: all-zero 4 KiB blocks past the staged file's end become
 /// holes (a trailing one too), and the bytes are exact.
 #[test]
@@ -1799,29 +1738,28 @@ fn zero_blocks_of_a_new_file_stay_holes() {
     );
 }
 
-#[test]
-fn packed_small_files_land_exact_and_a_bad_frame_runs_nothing() {
-    use rsb_protocol::{codec::encode, compress::compress};
-    let t = tempfile::tempdir().unwrap();
-    let root = t.path();
-    let mut agent = Agent::start();
-    let s = agent.open(root, false).session;
-    let files: Vec<(String, Vec<u8>)> = (0..20u32)
+fn source_files(seed: u32, n: u32) -> Vec<(String, Vec<u8>)> {
+    (0..n)
         .map(|i| {
             let body: Vec<u8> = (0..2_000u32)
-                .flat_map(|j| format!("fn f{i}_{j}() {{ return {}; }}\n", j % 13).into_bytes())
+                .flat_map(|j| {
+                    format!("fn f{seed}_{i}_{j}() {{ return {}; }}\n", j % 13).into_bytes()
+                })
                 .collect();
-            (format!("f{i}.rs"), body)
+            (format!("s{seed}/f{i}.rs"), body)
         })
-        .collect();
-    let mut inner = Vec::new();
-    for (rel, body) in &files {
-        inner.push(ApplyOp::FileData {
+        .collect()
+}
+
+fn write_ops(files: &[(String, Vec<u8>)]) -> Vec<ApplyOp> {
+    let mut ops = Vec::new();
+    for (rel, body) in files {
+        ops.push(ApplyOp::FileData {
             rel: rel.clone(),
             offset: 0,
             data: body.clone(),
         });
-        inner.push(ApplyOp::FileCommit {
+        ops.push(ApplyOp::FileCommit {
             rel: rel.clone(),
             size: body.len() as u64,
             mode: 0o644,
@@ -1829,55 +1767,175 @@ fn packed_small_files_land_exact_and_a_bad_frame_runs_nothing() {
             hash: b3(body),
         });
     }
-    let raw = encode(&inner).unwrap();
-    let z = compress(&raw).expect("a batch of source text shrinks");
-    assert!(z.len() < raw.len() / 4, "{} of {}", z.len(), raw.len());
-    let packed = ApplyOp::Packed {
+    ops
+}
+
+/// The next piece of `enc`'s stream carrying `ops`.
+fn piece(enc: &mut rsb_protocol::compress::StreamEncoder, ops: &[ApplyOp]) -> ApplyOp {
+    let raw = encode(&ops.to_vec()).unwrap();
+    let (pos, data) = enc.piece(&raw).unwrap();
+    ApplyOp::Stream {
+        pos,
         raw_len: raw.len() as u64,
-        data: z.clone(),
+        data,
+    }
+}
+
+/// An upload stream over several requests: every piece lands exact, counted op by op, and a
+/// piece carrying what an earlier one did costs next to nothing (the stream's context).
+#[test]
+fn stream_pieces_land_exact_with_earlier_pieces_as_context() {
+    use rsb_protocol::compress::StreamEncoder;
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path();
+    let mut agent = Agent::start();
+    let s = agent.open(root, false).session;
+    agent
+        .apply(
+            s,
+            vec![
+                ApplyOp::Mkdir {
+                    rel: "s1".into(),
+                    mode: 0o755,
+                },
+                ApplyOp::Mkdir {
+                    rel: "s2".into(),
+                    mode: 0o755,
+                },
+            ],
+        )
+        .unwrap();
+    let mut enc = StreamEncoder::new().unwrap();
+    let first = write_ops(&source_files(1, 20));
+    let one = piece(&mut enc, &first);
+    // Raw ops beside a piece run in their places.
+    let ops = vec![
+        ApplyOp::Mkdir {
+            rel: "d".into(),
+            mode: 0o755,
+        },
+        one,
+    ];
+    assert_eq!(agent.apply(s, ops), Ok(1 + first.len() as u32));
+    // The same files under other names: the second piece has the first as context.
+    let again: Vec<(String, Vec<u8>)> = source_files(1, 20)
+        .into_iter()
+        .map(|(rel, body)| (rel.replace("s1/", "s2/"), body))
+        .collect();
+    let second = write_ops(&again);
+    let two = piece(&mut enc, &second);
+    let ApplyOp::Stream { data, raw_len, .. } = &two else {
+        unreachable!()
     };
-    // Counted op by op, as if the ops stood in the request.
-    assert_eq!(agent.apply(s, vec![packed]), Ok(inner.len() as u32));
-    for (rel, body) in &files {
+    assert!(
+        (data.len() as u64) < raw_len / 50,
+        "{} bytes for {raw_len} seen before",
+        data.len()
+    );
+    assert_eq!(agent.apply(s, vec![two]), Ok(second.len() as u32));
+    agent.close(s, vec![]).unwrap();
+    for (rel, body) in source_files(1, 20).iter().chain(&again) {
         assert_eq!(&fs::read(root.join(rel)).unwrap(), body, "{rel}");
     }
+    assert!(root.join("d").is_dir());
+    assert_eq!(staged_files(root), Vec::<String>::new());
+}
 
-    // A lying length, bytes that are not zstd, a frame that is not ops, and a nested pack:
-    // each fails before any op runs.
-    let nested = encode(&vec![ApplyOp::Packed {
-        raw_len: raw.len() as u64,
-        data: z.clone(),
-    }])
-    .unwrap();
-    let not_ops = vec![0xffu8; 4096];
-    let cases: Vec<(Vec<u8>, u64, &str)> = vec![
-        (z.clone(), raw.len() as u64 - 1, "larger than"),
-        (b"not zstd at all".to_vec(), 100, "corrupt"),
-        (compress(&not_ops).unwrap(), not_ops.len() as u64, "decode"),
-    ];
-    for (data, raw_len, needle) in cases {
-        let before = vec![ApplyOp::Mkdir {
-            rel: "must-not-exist".into(),
-            mode: 0o755,
-        }];
-        let mut ops = before;
-        ops.push(ApplyOp::Packed { raw_len, data });
-        expect_err(agent.apply(s, ops), ErrorCode::InvalidArgument, needle);
-        assert!(!root.join("must-not-exist").exists());
-    }
-    let nested_z = compress(&nested).expect("the nested frame compresses");
-    expect_err(
-        agent.apply(
-            s,
-            vec![ApplyOp::Packed {
-                raw_len: nested.len() as u64,
-                data: nested_z,
-            }],
+/// A piece that lies about its length, is not zstd, is out of position, does not decode to
+/// ops, or nests another piece fails its request before any op runs, and the stream is broken
+/// for the rest of the session: a good piece after it is refused too.
+#[test]
+fn a_bad_stream_piece_runs_nothing_and_breaks_the_stream() {
+    use rsb_protocol::compress::{MAX_RAW, StreamEncoder};
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path();
+    let files = source_files(7, 5);
+    let good = write_ops(&files);
+    let mkdir = ApplyOp::Mkdir {
+        rel: "must-not-exist".into(),
+        mode: 0o755,
+    };
+    type Bad = Box<dyn Fn(&mut StreamEncoder) -> ApplyOp>;
+    let g = good.clone();
+    let cases: Vec<(Bad, &str)> = vec![
+        (
+            Box::new(move |e: &mut StreamEncoder| match piece(e, &g) {
+                ApplyOp::Stream { pos, raw_len, data } => ApplyOp::Stream {
+                    pos,
+                    raw_len: raw_len - 1,
+                    data,
+                },
+                _ => unreachable!(),
+            }),
+            "more than",
         ),
-        ErrorCode::InvalidArgument,
-        "another packed op",
-    );
-    agent.close(s, vec![]).unwrap();
+        (
+            Box::new(|_| ApplyOp::Stream {
+                pos: 0,
+                raw_len: 100,
+                data: b"not zstd at all".to_vec(),
+            }),
+            "corrupt",
+        ),
+        (
+            Box::new(|_| ApplyOp::Stream {
+                pos: 0,
+                raw_len: MAX_RAW as u64 + 1,
+                data: vec![0; 10],
+            }),
+            "limit",
+        ),
+        (
+            Box::new(|e: &mut StreamEncoder| {
+                let skipped = piece(e, &[]);
+                drop(skipped);
+                piece(e, &[ApplyOp::Delete { rel: "x".into() }])
+            }),
+            "out of order",
+        ),
+        (
+            Box::new(|e: &mut StreamEncoder| {
+                let raw = vec![0xffu8; 4096];
+                let (pos, data) = e.piece(&raw).unwrap();
+                ApplyOp::Stream {
+                    pos,
+                    raw_len: raw.len() as u64,
+                    data,
+                }
+            }),
+            "decode",
+        ),
+        (
+            Box::new(|e: &mut StreamEncoder| {
+                let inner = ApplyOp::Stream {
+                    pos: 0,
+                    raw_len: 1,
+                    data: vec![1],
+                };
+                piece(e, &[inner])
+            }),
+            "another stream piece",
+        ),
+    ];
+    let mut agent = Agent::start();
+    for (make, needle) in cases {
+        let s = agent.open(root, false).session;
+        let mut enc = StreamEncoder::new().unwrap();
+        let bad = make(&mut enc);
+        expect_err(
+            agent.apply(s, vec![mkdir.clone(), bad]),
+            ErrorCode::InvalidArgument,
+            needle,
+        );
+        assert!(!root.join("must-not-exist").exists(), "{needle}");
+        // Whatever the stream's state, the session takes no more pieces.
+        let mut fresh = StreamEncoder::new().unwrap();
+        let next = piece(&mut fresh, &good);
+        let e = agent.apply(s, vec![next]).unwrap_err();
+        assert_eq!(e.code, ErrorCode::InvalidArgument, "{needle}: {e:?}");
+        agent.close(s, vec![]).unwrap_or_default();
+        assert!(!root.join("s7").exists(), "{needle}");
+    }
     assert_eq!(staged_files(root), Vec::<String>::new());
 }
 

@@ -52,10 +52,11 @@ pub use sync::{
 
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
 /// 7: ReadText/Edit/Write (code tools). 8: zstd frames replace raw deflate in every compressed
-/// payload, and `ApplyOp::Packed` carries a batch of small files as one frame. 9: Search.
+/// payload, and `ApplyOp::Packed` (gone in 13) carried a batch of small files as one frame. 9: Search.
 /// 10: `ToAgent::Credit`, the per-request window of streamed chunks. 11: launch ids.
-/// 12: `ReadFileZRequest::{compress, whole}` and `ReadFileZResult::settled`.
-pub const PROTOCOL_VERSION: u32 = 12;
+/// 12: `ReadFileZRequest::{compress, whole}` and `ReadFileZResult::settled`. 13: one zstd
+/// stream per apply session (`ApplyOp::Stream`) replaces `Packed` and `FileDataZ`.
+pub const PROTOCOL_VERSION: u32 = 13;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops

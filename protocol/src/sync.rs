@@ -177,26 +177,18 @@ pub enum ApplyOp {
         rel: String,
         block_size: u64,
     },
-    /// [`ApplyOp::FileData`] whose bytes are a zstd frame ([`crate::compress`]) of `raw_len`
-    /// bytes, sent instead of it on slow links (a large file's chunk). The agent decompresses
-    /// with its output bounded by `raw_len` (at most [`crate::compress::MAX_RAW`]); any other
-    /// outcome fails the op.
-    FileDataZ {
-        rel: String,
-        offset: u64,
-        raw_len: u64,
-        #[serde(with = "serde_bytes")]
-        data: Vec<u8>,
-    },
-    /// A run of ops as one zstd frame ([`crate::compress`]) of their encoding
-    /// ([`crate::codec::encode`] of a `Vec<ApplyOp>`, none of them `Packed`), sent instead of
-    /// them on slow links: a batch of small files compresses as one payload, each file with its
-    /// neighbours as context (about a third fewer bytes than file by file on source text). The
-    /// agent decompresses it bounded by `raw_len` (at most [`crate::compress::MAX_RAW`]) and
-    /// runs the ops in its place, in order, counted one by one in `applied` and in errors'
-    /// op numbers; a frame that is corrupt, lies about its length or nests another `Packed`
-    /// fails the request before any op runs.
-    Packed {
+    /// The next piece of the session's upload stream ([`crate::compress::StreamEncoder`]),
+    /// sent instead of the ops it carries on slow links: one zstd stream runs for the whole
+    /// session, so every piece has all earlier ones as context, and a source tree compresses
+    /// as a tarball does rather than file by file. The piece inflates to `raw_len` bytes (at
+    /// most [`crate::compress::MAX_RAW`]), the [`crate::codec::encode`] of a `Vec<ApplyOp>`
+    /// none of which is a `Stream`, and starts at raw position `pos` of the stream. The agent
+    /// decodes the pieces in `seq` order and runs the ops in the piece's place, counted one by
+    /// one in `applied` and in errors' op numbers. A piece out of position, corrupt, lying
+    /// about its length or nesting another `Stream` fails the request before any op runs, and
+    /// breaks the stream: the session then accepts no more pieces.
+    Stream {
+        pos: u64,
         raw_len: u64,
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,

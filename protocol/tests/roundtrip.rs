@@ -111,13 +111,8 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                     rel: "big".into(),
                     block_size: 1 << 18,
                 },
-                ApplyOp::FileDataZ {
-                    rel: "a/b".into(),
-                    offset: 3,
-                    raw_len: 100,
-                    data: vec![1, 2],
-                },
-                ApplyOp::Packed {
+                ApplyOp::Stream {
+                    pos: 300,
                     raw_len: 200,
                     data: vec![3, 4, 5],
                 },

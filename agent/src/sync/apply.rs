@@ -159,26 +159,40 @@ fn write_sparse(file: &File, data: &[u8], offset: u64) -> std::io::Result<()> {
     Ok(())
 }
 
-/// `ops` with each [`ApplyOp::Packed`] replaced by the ops it carries, so the runner, the
-/// `applied` count and the op numbers in errors see the ops one by one. A frame that does not
-/// decompress to its stated length, does not decode, or nests another `Packed` fails the
-/// request before any op runs.
-fn unpack(ops: Vec<ApplyOp>) -> Result<Vec<ApplyOp>, AgentError> {
-    if !ops.iter().any(|o| matches!(o, ApplyOp::Packed { .. })) {
+/// `ops` with each [`ApplyOp::Stream`] piece replaced by the ops it carries, decoded by the
+/// session's stream decoder (made on the first piece), so the runner, the `applied` count and
+/// the op numbers in errors see the ops one by one. A piece that is out of position, does not
+/// inflate to its stated length, does not decode, or nests another `Stream` fails the request
+/// before any op runs, and breaks the stream for the rest of the session.
+fn unstream(
+    dec: &mut Option<rsb_protocol::compress::StreamDecoder>,
+    ops: Vec<ApplyOp>,
+) -> Result<Vec<ApplyOp>, AgentError> {
+    if !ops.iter().any(|o| matches!(o, ApplyOp::Stream { .. })) {
         return Ok(ops);
     }
+    let bad = |m: String| err(ErrorCode::InvalidArgument, format!("upload stream: {m}"));
     let mut out = Vec::with_capacity(ops.len());
     for op in ops {
-        let ApplyOp::Packed { raw_len, data } = op else {
+        let ApplyOp::Stream { pos, raw_len, data } = op else {
             out.push(op);
             continue;
         };
-        let bad = |m: String| err(ErrorCode::InvalidArgument, format!("packed ops: {m}"));
-        let raw = rsb_protocol::compress::decompress(&data, raw_len).map_err(bad)?;
-        let inner: Vec<ApplyOp> =
-            rsb_protocol::codec::decode(&raw).map_err(|e| bad(format!("do not decode: {e}")))?;
-        if inner.iter().any(|o| matches!(o, ApplyOp::Packed { .. })) {
-            return Err(bad("a packed op holds another packed op".into()));
+        if dec.is_none() {
+            *dec = Some(rsb_protocol::compress::StreamDecoder::new().map_err(bad)?);
+        }
+        let d = dec.as_mut().expect("made above");
+        let raw = d.piece(pos, &data, raw_len).map_err(bad)?;
+        let inner: Vec<ApplyOp> = match rsb_protocol::codec::decode(&raw) {
+            Ok(v) => v,
+            Err(e) => {
+                d.poison(format!("a piece did not decode: {e}"));
+                return Err(bad(format!("a piece does not decode: {e}")));
+            }
+        };
+        if inner.iter().any(|o| matches!(o, ApplyOp::Stream { .. })) {
+            d.poison("a piece held another piece".into());
+            return Err(bad("a piece holds another stream piece".into()));
         }
         out.extend(inner);
     }
@@ -340,6 +354,7 @@ fn open(req: &ApplyOpenRequest) -> Result<Session, AgentError> {
             deferred_modes: HashMap::new(),
             committed: Vec::new(),
             resumed: Vec::new(),
+            stream: None,
         });
     }
     Err(err(

@@ -73,6 +73,8 @@ pub(super) struct Session {
     pub(super) committed: Vec<(Key, [u8; 32])>,
     /// Block hashes taken over by a `FileResume` of the running request, for its reply.
     pub(super) resumed: Vec<[u8; 32]>,
+    /// The decoder of the session's upload stream, from its first [`ApplyOp::Stream`] piece.
+    pub(super) stream: Option<rsb_protocol::compress::StreamDecoder>,
 }
 
 impl Session {
@@ -130,7 +132,7 @@ impl Session {
         if self.closed {
             return Err(err(ErrorCode::NotFound, "the sync session is closed"));
         }
-        let ops = unpack(ops)?;
+        let ops = unstream(&mut self.stream, ops)?;
         let n = ops.len();
         for (i, op) in ops.into_iter().enumerate() {
             if cancel.is_cancelled() {
@@ -138,7 +140,7 @@ impl Session {
                 return Err(cancelled());
             }
             let flush_first = match &op {
-                ApplyOp::FileData { .. } | ApplyOp::FileDataZ { .. } => false,
+                ApplyOp::FileData { .. } => false,
                 ApplyOp::FileCommit { rel, .. }
                 | ApplyOp::FileResume { rel, .. }
                 | ApplyOp::Mkdir { rel, .. }
@@ -146,7 +148,7 @@ impl Session {
                 ApplyOp::FileBase { .. } | ApplyOp::SetAttr { .. } | ApplyOp::Delete { .. } => {
                     !self.pending.is_empty()
                 }
-                ApplyOp::Packed { .. } => unreachable!("unpack expanded every Packed op"),
+                ApplyOp::Stream { .. } => unreachable!("unstream expanded every piece"),
             };
             if flush_first {
                 self.flush(n)?;
@@ -189,19 +191,9 @@ impl Session {
             } => self.set_attr(&rel, mode, mtime_ns),
             ApplyOp::Delete { rel } => self.delete(&rel),
             ApplyOp::FileResume { rel, block_size } => self.file_resume(&rel, block_size),
-            ApplyOp::FileDataZ {
-                rel,
-                offset,
-                raw_len,
-                data,
-            } => {
-                let raw = rsb_protocol::compress::decompress(&data, raw_len)
-                    .map_err(|m| err(ErrorCode::InvalidArgument, format!("write {rel}: {m}")))?;
-                self.file_data(&rel, offset, &raw)
-            }
-            ApplyOp::Packed { .. } => Err(err(
+            ApplyOp::Stream { .. } => Err(err(
                 ErrorCode::Internal,
-                "a packed op reached the op runner unexpanded",
+                "a stream piece reached the op runner undecoded",
             )),
         }
     }

@@ -133,8 +133,8 @@ pub(super) struct SmallFile {
 
 /// Read a whole small file (owned arguments: the future is `'static`) as one version, in
 /// one request; with compression on, hash it on a blocking thread, so files hash in parallel
-/// with each other and with the reads. Small files compress by batch ([`Compress::pack`]),
-/// not one by one.
+/// with each other and with the reads. Small files are compressed by batch, as pieces of
+/// the session's upload stream (`Session::send`), not one by one.
 pub(super) async fn read_small(
     src: AgentClient,
     path: String,
@@ -168,9 +168,11 @@ pub(super) async fn read_small(
         .map_err(|e| RsbError::internal(format!("hashing a file: {e}")))
 }
 
-/// One block of a large file: `(offset, raw bytes, deflated bytes when on and they shrank)`.
-pub(super) type Block = (u64, Vec<u8>, Option<Vec<u8>>);
+/// One block of a large file: `(offset, bytes)`.
+pub(super) type Block = (u64, Vec<u8>);
 
+/// Read one block of a large file, compressed by the source agent when that is where the
+/// link is (a download).
 pub(super) async fn read_block(
     src: AgentClient,
     path: String,
@@ -180,32 +182,15 @@ pub(super) async fn read_block(
     skip: Arc<std::sync::atomic::AtomicBool>,
 ) -> Result<Block> {
     let z = (!skip.load(Ordering::Relaxed)).then_some((&*comp, Some(&*skip)));
-    let d = read_range(&src, &path, off, len, z).await?;
-    if !comp.here() || skip.load(Ordering::Relaxed) {
-        return Ok((off, d, None));
-    }
-    tokio::task::spawn_blocking(move || {
-        let z = comp.compress(&d, Some(&skip));
-        (off, d, z)
-    })
-    .await
-    .map_err(|e| RsbError::internal(format!("compressing a block: {e}")))
+    Ok((off, read_range(&src, &path, off, len, z).await?))
 }
 
-/// The op that writes `data` at `offset`: deflated when `z` holds it.
-pub(super) fn data_op(rel: &str, offset: u64, data: Vec<u8>, z: Option<Vec<u8>>) -> ApplyOp {
-    match z {
-        Some(z) => ApplyOp::FileDataZ {
-            rel: rel.to_string(),
-            offset,
-            raw_len: data.len() as u64,
-            data: z,
-        },
-        None => ApplyOp::FileData {
-            rel: rel.to_string(),
-            offset,
-            data,
-        },
+/// The op that writes `data` at `offset`.
+pub(super) fn data_op(rel: &str, offset: u64, data: Vec<u8>) -> ApplyOp {
+    ApplyOp::FileData {
+        rel: rel.to_string(),
+        offset,
+        data,
     }
 }
 

@@ -32,8 +32,7 @@ use std::{sync::Arc, time::Duration};
 
 use parking_lot::Mutex;
 use rsb_protocol::{
-    ApplyOpenRequest, ErrorCode, FileKind, ManifestEntry, SyncRules, compress::MAX_RAW,
-    sync::PARTIAL_MIN,
+    ApplyOpenRequest, ErrorCode, FileKind, ManifestEntry, SyncRules, sync::PARTIAL_MIN,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -57,13 +56,9 @@ use crate::{
 
 /// Files up to this size travel whole inside a batch (data and commit in one request).
 const SMALL_MAX: u64 = 1024 * 1024;
-/// A batch is sent once it holds this much file data…
+/// A batch is sent once it holds this much file data (compressed or not: the upload stream
+/// gives each piece all earlier ones as context, so its size does not change the ratio)…
 const BATCH_BYTES: usize = 1024 * 1024;
-/// …or this much when it travels packed ([`Compress::pack`]): a larger frame gives each file
-/// more neighbours as context (source text: 9.3 MB on the wire per 42.7 MB in 1 MiB batches,
-/// 8.9 MB in 2 MiB ones, at zstd level 3), and the batch plus one more small file stays within
-/// [`MAX_RAW`].
-const BATCH_BYTES_PACKED: usize = MAX_RAW / 2;
 /// …or this many ops.
 const BATCH_OPS: usize = 512;
 /// Apply requests in flight for small batches, and for one large file (see [`window`]).
@@ -662,7 +657,6 @@ async fn execute(
         compress_on,
         spec.direction == Direction::Download,
     ));
-    let session = Session::new(dst, opened.session);
     // Whatever happens from here (error, cancel, this future dropped), the session is aborted
     // so its staging dir goes; a session left open would keep its staging until the
     // connection ends.
@@ -671,6 +665,7 @@ async fn execute(
         session: opened.session,
         armed: true,
     };
+    let session = Session::new(dst, opened.session, comp.clone())?;
     tmark(tracker, "opened");
     // A destination root that did not exist was only known as given (`~/x`): show it expanded.
     if !roots.single {

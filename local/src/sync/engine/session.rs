@@ -7,12 +7,15 @@
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::Instant,
 };
 
-use rsb_protocol::{ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyRequest};
+use rsb_protocol::{
+    ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyRequest,
+    compress::{MAX_RAW, SAVE_DIV, StreamEncoder},
+};
 
 use super::progress::BatchInfo;
 use crate::{
@@ -30,15 +33,29 @@ pub(super) struct Session {
     pub(super) dst: AgentClient,
     pub(super) id: u64,
     next_seq: AtomicU64,
+    comp: Arc<Compress>,
+    /// The session's upload stream, when this process compresses. Its lock is held from
+    /// compressing a piece until the piece's request is numbered, so stream order is `seq`
+    /// order, which is the order the agent decodes in.
+    stream: Option<Arc<tokio::sync::Mutex<StreamEncoder>>>,
 }
 
 impl Session {
-    pub(super) fn new(dst: &AgentClient, id: u64) -> Session {
-        Session {
+    pub(super) fn new(dst: &AgentClient, id: u64, comp: Arc<Compress>) -> Result<Session> {
+        let stream = if comp.here() {
+            let enc = StreamEncoder::new()
+                .map_err(|e| RsbError::internal(format!("starting the upload stream: {e}")))?;
+            Some(Arc::new(tokio::sync::Mutex::new(enc)))
+        } else {
+            None
+        };
+        Ok(Session {
             dst: dst.clone(),
             id,
             next_seq: AtomicU64::new(0),
-        }
+            comp,
+            stream,
+        })
     }
 
     fn seq(&self) -> u64 {
@@ -67,36 +84,89 @@ impl Session {
         Ok(self.dst.call_with(req).await?.resumed)
     }
 
-    /// Apply one batch of small files, packed into one compressed op when `comp` compresses
-    /// here (on a blocking thread, so batches compress in parallel). Batches of small files
-    /// are independent of each other, so the order they reach the agent in, which packing
-    /// may change, does not matter.
+    /// Apply `ops` as the next piece of the upload stream when this process compresses
+    /// (else as they are): `(applied, bytes on the wire)`. `skip` is a large file's memory
+    /// that a piece of it did not shrink by a tenth, after which its bytes travel raw.
+    async fn send(&self, ops: Vec<ApplyOp>, skip: Option<&AtomicBool>) -> Result<(u32, u64)> {
+        let stream = match &self.stream {
+            Some(s) if !skip.is_some_and(|s| s.load(Ordering::Relaxed)) => s,
+            _ => {
+                let wire = data_bytes(&ops);
+                return Ok((self.apply(ops).await?, wire));
+            }
+        };
+        let turn = stream.clone().lock_owned().await;
+        // Encoding and compressing take a few ms per MiB: off the runtime.
+        let work = move || {
+            let mut turn = turn;
+            let raw = match rsb_protocol::codec::encode(&ops) {
+                Ok(raw) if raw.len() <= MAX_RAW => raw,
+                _ => return (turn, Err(ops)),
+            };
+            let piece = turn.piece(&raw).map(|(pos, data)| (pos, raw.len(), data));
+            (turn, Ok(piece))
+        };
+        let (turn, piece) = tokio::task::spawn_blocking(work)
+            .await
+            .map_err(|e| RsbError::internal(format!("compressing the upload stream: {e}")))?;
+        let (pos, raw_len, data) = match piece {
+            Ok(Ok(p)) => p,
+            Ok(Err(e)) => {
+                return Err(RsbError::internal(format!(
+                    "compressing the upload stream: {e}"
+                )));
+            }
+            // Too large for one piece (never made by the batching): as it is.
+            Err(ops) => {
+                drop(turn);
+                let wire = data_bytes(&ops);
+                return Ok((self.apply(ops).await?, wire));
+            }
+        };
+        let wire = data.len() as u64;
+        self.comp.record(raw_len as u64, wire);
+        if let Some(s) = skip.filter(|_| data.len() > raw_len - raw_len / SAVE_DIV) {
+            s.store(true, Ordering::Relaxed);
+        }
+        let ops = vec![ApplyOp::Stream {
+            pos,
+            raw_len: raw_len as u64,
+            data,
+        }];
+        let req = move || {
+            let req = ApplyRequest {
+                session: self.id,
+                seq: self.seq(),
+                ops,
+            };
+            // Numbered: the next piece may be made.
+            drop(turn);
+            req
+        };
+        Ok((self.dst.call_with(req).await?.applied, wire))
+    }
+
+    /// Apply one batch of small files (through the upload stream when compressing).
     pub(super) async fn apply_batch(
         &self,
         ops: Vec<ApplyOp>,
         info: BatchInfo,
-        comp: Arc<Compress>,
     ) -> Result<BatchInfo> {
-        let ops = if comp.here() {
-            tokio::task::spawn_blocking(move || comp.pack(ops))
-                .await
-                .map_err(|e| RsbError::internal(format!("compressing a batch: {e}")))?
-        } else {
-            ops
-        };
-        self.apply(ops).await?;
+        self.send(ops, None).await?;
         Ok(info)
     }
 
-    /// Apply, answering with `(raw, wire)` bytes and when the request was handed to the
-    /// channel.
+    /// Apply a large file's chunks, answering with `(raw, wire)` bytes and when the request
+    /// was handed to the channel. `(raw, wire)` are the ones given, which the window counted
+    /// when it was sent.
     pub(super) async fn apply_timed(
         &self,
         ops: Vec<ApplyOp>,
         bytes: (u64, u64),
+        skip: Arc<AtomicBool>,
     ) -> Result<((u64, u64), Instant)> {
         let at = Instant::now();
-        self.apply(ops).await?;
+        self.send(ops, Some(&skip)).await?;
         Ok((bytes, at))
     }
 
@@ -112,6 +182,16 @@ impl Session {
         };
         self.dst.call_with(req).await
     }
+}
+
+/// File bytes in `ops`: what they cost on the wire uncompressed (near enough).
+fn data_bytes(ops: &[ApplyOp]) -> u64 {
+    ops.iter()
+        .map(|o| match o {
+            ApplyOp::FileData { data, .. } => data.len() as u64,
+            _ => 0,
+        })
+        .sum()
 }
 
 /// Give up a session out of order: batches not yet run fail, the staging dir goes.

@@ -11,8 +11,8 @@ use rsb_protocol::{ApplyOp, BlockHashesRequest, ErrorCode, sync::PARTIAL_MIN};
 use tokio::sync::mpsc;
 
 use super::{
-    BATCH_BYTES, BATCH_BYTES_PACKED, BATCH_OPS, LARGE_READS, LARGE_WINDOW, META_OPS, SMALL_MAX,
-    SMALL_READS, SMALL_WINDOW,
+    BATCH_BYTES, BATCH_OPS, LARGE_READS, LARGE_WINDOW, META_OPS, SMALL_MAX, SMALL_READS,
+    SMALL_WINDOW,
     agent::{SmallFile, block_hashes, data_op, read_block, read_small},
     paths::Roots,
     progress::{BatchInfo, Tracker, tmark},
@@ -171,11 +171,6 @@ impl Ctx<'_> {
             commits: Vec::new(),
         };
         let mut data_bytes = 0usize;
-        let batch_bytes = if self.comp.here() {
-            BATCH_BYTES_PACKED
-        } else {
-            BATCH_BYTES
-        };
 
         macro_rules! flush {
             () => {
@@ -199,7 +194,7 @@ impl Ctx<'_> {
                     {
                         data_bytes = 0;
                     }
-                    inflight.push(self.session.apply_batch(batch, bi, self.comp.clone()));
+                    inflight.push(self.session.apply_batch(batch, bi));
                 }
             };
         }
@@ -254,7 +249,7 @@ impl Ctx<'_> {
             info.bytes += size;
             info.last = Some(f.rel.clone());
             info.commits.push((f.rel.clone(), hash));
-            ops.push(data_op(&f.rel, 0, data, None));
+            ops.push(data_op(&f.rel, 0, data));
             ops.push(ApplyOp::FileCommit {
                 rel: f.rel.clone(),
                 size,
@@ -262,7 +257,7 @@ impl Ctx<'_> {
                 mtime_ns: f.mtime_ns,
                 hash,
             });
-            if data_bytes >= batch_bytes || ops.len() >= BATCH_OPS {
+            if data_bytes >= BATCH_BYTES || ops.len() >= BATCH_OPS {
                 flush!();
             }
         }
@@ -413,7 +408,7 @@ impl Ctx<'_> {
             let next = if eof { None } else { reads.next().await };
             let last = next.is_none();
             if let Some(r) = next {
-                let (off, data, z) = r?;
+                let (off, data) = r?;
                 if let Some(want) = expect {
                     let i = (off / BLOCK_SIZE) as usize;
                     if want.get(i) != Some(blake3::hash(&data).as_bytes()) {
@@ -434,9 +429,13 @@ impl Ctx<'_> {
                     eof = true;
                 }
                 pending_bytes += n;
-                pending_wire += z.as_ref().map_or(n, |z| z.len() as u64);
+                pending_wire += if skip.load(std::sync::atomic::Ordering::Relaxed) {
+                    n
+                } else {
+                    self.comp.estimate(n)
+                };
                 if n > 0 {
-                    pending.push(data_op(&f.rel, off, data, z));
+                    pending.push(data_op(&f.rel, off, data));
                 }
             }
             let full = pending.len() >= window.chunks();
@@ -455,7 +454,9 @@ impl Ctx<'_> {
                 let wire = std::mem::take(&mut pending_wire);
                 self.sent(bytes);
                 if !first_awaited {
-                    self.session.apply(ops).await?;
+                    self.session
+                        .apply_timed(ops, (bytes, wire), skip.clone())
+                        .await?;
                     self.tracker.acked(0, bytes, Some(&f.rel));
                     held(bytes);
                     first_awaited = true;
@@ -470,7 +471,7 @@ impl Ctx<'_> {
                         held(b);
                     }
                     window.sent(wire);
-                    inflight.push(self.session.apply_timed(ops, (bytes, wire)));
+                    inflight.push(self.session.apply_timed(ops, (bytes, wire), skip.clone()));
                     // Poll now: the new request takes its place in the channel at once (its
                     // send time is its first poll), and acknowledgements that came are counted.
                     while let Some(Some(r)) = futures::FutureExt::now_or_never(inflight.next()) {
