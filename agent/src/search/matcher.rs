@@ -188,11 +188,12 @@ pub fn required_literal(pattern: &str) -> Option<Vec<u8>> {
                 if e.is_ascii_punctuation() {
                     run.push(e);
                     last_len = 1;
+                    i += 2;
                 } else {
                     flush(&mut run, &mut best);
                     last_len = 0;
+                    i = skip_escape(b, i)?;
                 }
-                i += 2;
             }
             b'[' => {
                 flush(&mut run, &mut best);
@@ -251,6 +252,37 @@ pub fn required_literal(pattern: &str) -> Option<Vec<u8>> {
     }
     flush(&mut run, &mut best);
     (!best.is_empty()).then_some(best)
+}
+
+/// Index just past the escape that starts at `b[i] == b'\\'` and is not escaped punctuation,
+/// with its argument: `\x41`, `\x{41}`, `\u0041`, `\U00000041`, `\pL`, `\p{Greek}`. The
+/// argument's characters are not literal text (`\x41BC` must not require `41BC`). Only hex
+/// digits are skipped after `\x`, `\u`, `\U`, so a `|`, `(` or `[` after a short one is
+/// still seen; `None` for a brace that never closes (the regex then reports the error).
+fn skip_escape(b: &[u8], i: usize) -> Option<usize> {
+    let e = *b.get(i + 1)?;
+    let mut j = i + 2;
+    let digits = match e {
+        b'x' => 2,
+        b'u' => 4,
+        b'U' => 8,
+        b'p' | b'P' => {
+            return match b.get(j) {
+                Some(b'{') => b[j..].iter().position(|&c| c == b'}').map(|k| j + k + 1),
+                Some(&c) => Some(j + utf8_len(c)),
+                None => Some(j),
+            };
+        }
+        _ => return Some(j),
+    };
+    if b.get(j) == Some(&b'{') {
+        return b[j..].iter().position(|&c| c == b'}').map(|k| j + k + 1);
+    }
+    let end = (j + digits).min(b.len());
+    while j < end && b[j].is_ascii_hexdigit() {
+        j += 1;
+    }
+    Some(j)
 }
 
 fn utf8_len(first: u8) -> usize {
@@ -316,6 +348,125 @@ mod tests {
         assert_eq!(lit("\\d\\d"), None);
         assert_eq!(lit("déjà vu"), Some("déjà vu".into()));
         assert_eq!(lit("[]x]abc"), Some("abc".into()));
+        // An escape's argument is not literal text (issue 50: `\x41BC` required "41BC").
+        assert_eq!(lit("\\x41BC"), Some("BC".into()));
+        assert_eq!(lit("\\u0041BC"), Some("BC".into()));
+        assert_eq!(lit("\\U00000041BC"), Some("BC".into()));
+        assert_eq!(lit("\\x{41}BC"), Some("BC".into()));
+        assert_eq!(lit("\\x{41BC"), None);
+        assert_eq!(lit("xy\\pLz"), Some("xy".into()));
+        assert_eq!(lit("xy\\p{Greek}zz"), Some("xy".into()));
+        assert_eq!(lit("\\x4|abc"), None);
+    }
+
+    /// A tiny deterministic generator (xorshift), so the property test needs no crate and
+    /// fails the same way every run.
+    struct Rng(u64);
+
+    impl Rng {
+        fn below(&mut self, n: usize) -> usize {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            (self.0 % n as u64) as usize
+        }
+
+        fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
+            xs[self.below(xs.len())]
+        }
+    }
+
+    /// A random pattern from a grammar of literals, escapes (with and without arguments),
+    /// classes, groups, alternations and quantifiers.
+    fn pattern(r: &mut Rng, depth: usize) -> String {
+        const ATOMS: &[&str] = &[
+            "a",
+            "b",
+            "c",
+            "A",
+            "B",
+            "1",
+            " ",
+            "\\.",
+            "\\x41",
+            "\\x{62}",
+            "\\x6",
+            "\\u0061",
+            "\\u{43}",
+            "\\U00000042",
+            "\\d",
+            "\\w",
+            "\\s",
+            "\\b",
+            "\\B",
+            "\\t",
+            "[a-c]",
+            "[^b]",
+            "[\\x41-\\x43]",
+            "[]a]",
+            ".",
+            "^",
+            "$",
+            "\\x2E",
+            "\\(",
+            "\\|",
+        ];
+        const QUANT: &[&str] = &[
+            "", "", "", "", "?", "*", "+", "{0,2}", "{1}", "{2,}", "??", "*?", "+?",
+        ];
+        let mut p = String::new();
+        for _ in 0..1 + r.below(5) {
+            match r.below(10) {
+                0 if depth < 2 => {
+                    p.push('(');
+                    p.push_str(&pattern(r, depth + 1));
+                    if r.below(2) == 0 {
+                        p.push('|');
+                        p.push_str(&pattern(r, depth + 1));
+                    }
+                    p.push(')');
+                }
+                1 if depth == 0 && !p.is_empty() => p.push('|'),
+                _ => p.push_str(r.pick(ATOMS)),
+            }
+            p.push_str(r.pick(QUANT));
+        }
+        p
+    }
+
+    /// Issue 50: for 10,000 random patterns (either case mode) and a haystack of random lines,
+    /// the prefiltered search returns exactly the lines a plain regex scan does.
+    #[test]
+    fn the_prefiltered_search_equals_a_plain_scan_for_random_patterns() {
+        let mut r = Rng(0x9e37_79b9_7f4a_7c15);
+        const CH: &[&str] = &["a", "b", "c", "A", "B", "C", "1", ".", " ", "(", "|", "\t"];
+        let hay: String = (0..200)
+            .map(|_| (0..r.below(9)).map(|_| r.pick(CH)).collect::<String>())
+            .collect::<Vec<_>>()
+            .join("\n");
+        let (mut tried, mut filtered) = (0, 0);
+        for _ in 0..10_000 {
+            let p = pattern(&mut r, 0);
+            let ic = r.below(3) == 0;
+            let Ok(m) = Matcher::new(&p, false, ic) else {
+                continue;
+            };
+            tried += 1;
+            filtered += usize::from(m.prefilter.is_some());
+            let expect: Vec<String> = hay
+                .split('\n')
+                .filter(|l| m.re.is_match(l))
+                .map(String::from)
+                .collect();
+            assert_eq!(
+                matching(&m, &hay),
+                expect,
+                "pattern {p:?}, ignore_case {ic}"
+            );
+        }
+        // The generator makes mostly valid patterns, and many of them get a prefilter.
+        assert!(tried > 6_000, "{tried} valid patterns");
+        assert!(filtered > 2_000, "{filtered} prefiltered");
     }
 
     fn matching(m: &Matcher, hay: &str) -> Vec<String> {
