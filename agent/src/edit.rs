@@ -283,7 +283,12 @@ fn stage(
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let (tmp, mut file) = stage_file(&dir, &name).map_err(|e| {
+    // A file that exists is staged owner-only until its bytes are all written and its mode is
+    // set: a co-tenant who opens the staged name the moment it appears (inotify) must not keep
+    // a descriptor to a private file's new content. A new file gets 0666 less the umask from
+    // the start, which is what it ends up with anyway.
+    let create_mode = if old.is_some() { 0o600 } else { 0o666 };
+    let (tmp, mut file) = stage_file(&dir, &name, create_mode).map_err(|e| {
         let mut err = AgentError::from_io(&e, what, &shown);
         if err.code == ErrorCode::PermissionDenied {
             err.message = format!(
@@ -296,13 +301,14 @@ fn stage(
     let result = (|| -> std::io::Result<()> {
         file.write_all(data)?;
         if let Some(m) = old {
-            file.set_permissions(std::fs::Permissions::from_mode(m.mode() & 0o7777))?;
             // Best effort: only root, or a group this user is in, can keep another owner.
+            // Owner first: a chown clears the set-id bits, which the mode then restores.
             if m.uid() != rustix::process::geteuid().as_raw()
                 || m.gid() != rustix::process::getegid().as_raw()
             {
                 let _ = std::os::unix::fs::fchown(&file, Some(m.uid()), Some(m.gid()));
             }
+            file.set_permissions(std::fs::Permissions::from_mode(m.mode() & 0o7777))?;
         }
         Ok(())
     })();
@@ -353,8 +359,8 @@ fn commit(
 }
 
 /// A new file in `dir` that nobody else can have opened (O_EXCL, O_NOFOLLOW), created with
-/// 0666 so that the umask decides a new file's mode.
-fn stage_file(dir: &Path, name: &str) -> std::io::Result<(PathBuf, File)> {
+/// `mode` less the umask.
+fn stage_file(dir: &Path, name: &str, mode: u32) -> std::io::Result<(PathBuf, File)> {
     use std::sync::atomic::{AtomicU64, Ordering};
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let short: String = name.chars().take(40).collect();
@@ -371,7 +377,7 @@ fn stage_file(dir: &Path, name: &str) -> std::io::Result<(PathBuf, File)> {
         match File::options()
             .write(true)
             .create_new(true)
-            .mode(0o666)
+            .mode(mode)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&tmp)
         {

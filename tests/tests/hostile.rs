@@ -1153,3 +1153,138 @@ async fn a_parent_swapped_for_a_link_never_redirects_a_sync_s_deletes() {
         outcomes.len()
     );
 }
+
+/// Watches a directory for new files (inotify through ctypes) and opens each staged
+/// `.rsb-*` file the moment it appears, as a co-tenant would, keeping every descriptor it
+/// gets. At the end it reads what each held descriptor sees now: a staged file that was
+/// later renamed into place shows the new content.
+const OPENER: &str = r#"
+import ctypes, os, select, struct, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+d, stop, secs = sys.argv[1].encode(), sys.argv[2], float(sys.argv[3])
+fd = libc.inotify_init1(os.O_NONBLOCK)
+assert fd >= 0, 'inotify_init1'
+assert libc.inotify_add_watch(fd, d, 0x100) >= 0, 'inotify_add_watch'
+print('ready', flush=True)
+held = []; seen = denied = gone = 0
+t0 = time.time()
+while time.time() - t0 < secs and not os.path.exists(stop):
+    r, _, _ = select.select([fd], [], [], 0.05)
+    if not r:
+        continue
+    buf = os.read(fd, 65536)
+    i = 0
+    while i + 16 <= len(buf):
+        _, _, _, n = struct.unpack_from('iIII', buf, i)
+        name = buf[i + 16:i + 16 + n].rstrip(b'\0'); i += 16 + n
+        if b'.rsb-' not in name:
+            continue
+        seen += 1
+        try:
+            held.append(os.open(os.path.join(d, name), os.O_RDONLY))
+        except PermissionError:
+            denied += 1
+        except FileNotFoundError:
+            gone += 1
+leaked = 0
+for h in held:
+    os.lseek(h, 0, 0)
+    if b'SECRET' in os.read(h, 1 << 20):
+        leaked += 1
+print('seen=%d denied=%d gone=%d held=%d leaked=%d' % (seen, denied, gone, len(held), leaked))
+"#;
+
+/// Issue 50, case 3: the file a change stages is never readable by anyone else while it is
+/// written. 20 edits and writes of the victim's 0600 `notes.txt` in a shared (0777) directory,
+/// while another user opens every staged file the moment inotify reports it: before the fix
+/// the staged file was created 0666 & umask and the co-tenant held descriptors that read the
+/// new secret (4–7 of 10 edits in the issue); now every open is refused, and the file keeps
+/// its mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_co_tenant_never_opens_a_staged_edit_of_a_private_file() {
+    let Some(attacker) = other_local_user() else {
+        eprintln!("skipped: no second local user (creating one needs root; CI runs as root)");
+        return;
+    };
+    let (area, dest) = shared_area();
+    let notes = dest.join("notes.txt");
+    std::fs::write(&notes, "private: nothing yet\n").unwrap();
+    std::fs::set_permissions(&notes, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let script = area.path().join("open.py");
+    std::fs::write(&script, OPENER).unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let stop = area.path().join("stop");
+    let mut opener = tokio::process::Command::new("/usr/bin/setpriv")
+        .arg(format!("--reuid={}", attacker.uid))
+        .arg(format!("--regid={}", attacker.gid))
+        .arg("--clear-groups")
+        .arg("/usr/bin/python3")
+        .arg(&script)
+        .arg(&dest)
+        .arg(&stop)
+        .arg("60")
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("setpriv and python3 (util-linux, python3)");
+    let mut lines = BufReader::new(opener.stdout.take().unwrap()).lines();
+    let ready = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+        .await
+        .expect("the opener starts within 20 s")
+        .unwrap();
+    assert_eq!(ready.as_deref(), Some("ready"));
+
+    let sshd = Sshd::start().unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let pool = pool_on(&sshd, sshd.port(), state.path());
+    let client = pool.client("s").await.expect("connect");
+    let path = notes.display().to_string();
+    let mut current = "private: nothing yet\n".to_string();
+    for i in 0..20 {
+        let next = format!("private: SECRET-{i}\n");
+        if i % 2 == 0 {
+            let req =
+                rsb::ops::edit::write_request(&path, Some(&next), None, "", false, false).unwrap();
+            client.call(req).await.expect("write_remote_file");
+        } else {
+            let req =
+                rsb::ops::edit::edit_request(&path, current.trim_end(), next.trim_end(), false, "")
+                    .unwrap();
+            client.call(req).await.expect("edit_remote_file");
+        }
+        current = next;
+        // Give the opener its chance at each staged file.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    pool.shutdown().await;
+    std::fs::write(&stop, "").unwrap();
+    let report = tokio::time::timeout(Duration::from_secs(20), lines.next_line())
+        .await
+        .expect("the opener reports within 20 s")
+        .unwrap()
+        .unwrap_or_default();
+    let _ = opener.wait().await;
+    eprintln!("co-tenant: {report}");
+    let count = |k: &str| -> u32 {
+        report
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{k}=")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{k} in {report:?}"))
+    };
+    assert!(
+        count("seen") >= 20,
+        "the co-tenant saw every staged file: {report}"
+    );
+    assert_eq!(
+        count("held"),
+        0,
+        "the co-tenant opened a staged file: {report}"
+    );
+    assert_eq!(count("leaked"), 0, "{report}");
+    assert_eq!(std::fs::read_to_string(&notes).unwrap(), current);
+    assert_eq!(owner_and_mode(&notes), (0, 0o600));
+}
