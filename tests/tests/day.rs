@@ -823,3 +823,107 @@ fn doctor_calls_a_forward_listening_only_when_its_port_accepts() {
         "{line}"
     );
 }
+
+/// Kills, when dropped, every process whose argv holds the marker (a test's jobs), also when
+/// the test fails.
+struct KillMarked(String);
+
+impl Drop for KillMarked {
+    fn drop(&mut self) {
+        let _ = Command::new("pkill").args(["-f", &self.0]).status();
+    }
+}
+
+/// Issue 41, item 2: `rsb sync --delete` into a job's working directory deleted the running
+/// job's default log (`.codex_logs/web.log`), and `rsb jobs logs web` then printed nothing and
+/// exited 0. Now an upload never deletes or overwrites rsb's own job logs (a stale local copy
+/// of the log is not sent either), and a job whose log is gone says so.
+#[test]
+fn an_upload_with_delete_keeps_a_running_job_s_log() {
+    let u = User::new();
+    let m = marker();
+    let _guard = KillMarked(m.clone());
+    let proj = u.tmp.path().join("proj");
+    std::fs::create_dir_all(proj.join(".codex_logs")).unwrap();
+    std::fs::write(proj.join("serve.py"), "print('serving')\n").unwrap();
+    let p = proj.display().to_string();
+    let o = u.run(
+        &mut u.cmd(&["sync", &p, "gpu1:proj"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let o = u.run(
+        &mut u.cmd(&[
+            "jobs",
+            "start",
+            "--name",
+            "web",
+            "--cwd",
+            "proj",
+            &format!("echo serving; sleep {m}"),
+        ]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let log = u.sshd.home().join("proj/.codex_logs/web.log");
+    let t0 = Instant::now();
+    while !std::fs::read_to_string(&log).is_ok_and(|l| l.contains("serving")) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the job never logged"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // An extra file on the box for --delete to remove, and a stale local copy of the log.
+    std::fs::write(u.sshd.home().join("proj/old.txt"), "old\n").unwrap();
+    std::fs::write(proj.join(".codex_logs/web.log"), "stale copy\n").unwrap();
+    let o = u.run(
+        &mut u.cmd(&["sync", "--delete", "-v", &p, "gpu1:proj"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(
+        !u.sshd.home().join("proj/old.txt").exists(),
+        "--delete ran: {}",
+        show(&o)
+    );
+    assert!(!show(&o).contains("codex_logs"), "{}", show(&o));
+    let now = std::fs::read_to_string(&log).expect("the job's log is still there");
+    assert!(now.contains("serving") && !now.contains("stale"), "{now:?}");
+    let o = u.run(
+        &mut u.cmd(&["jobs", "logs", "web"]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(text(&o.stdout).contains("serving"), "{}", show(&o));
+    // A download brings the log home like any file.
+    let back = u.tmp.path().join("back");
+    let o = u.run(
+        &mut u.cmd(&["sync", "gpu1:proj", &back.display().to_string()]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(
+        std::fs::read_to_string(back.join(".codex_logs/web.log"))
+            .unwrap()
+            .contains("serving")
+    );
+
+    // The log removed by hand: `logs` and `logs -f` say so, and exit 4, not 0 with nothing.
+    std::fs::remove_file(&log).unwrap();
+    for args in [&["jobs", "logs", "web"][..], &["jobs", "logs", "-f", "web"]] {
+        let o = u.run(&mut u.cmd(args), Duration::from_secs(30));
+        assert_eq!(o.status.code(), Some(4), "{args:?}: {}", show(&o));
+        assert!(
+            text(&o.stderr).contains("log") && text(&o.stderr).contains("is gone"),
+            "{args:?}: {}",
+            show(&o)
+        );
+        assert!(text(&o.stdout).is_empty(), "{}", show(&o));
+    }
+    let o = u.run(
+        &mut u.cmd(&["jobs", "kill", "web", "--grace", "1"]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+}

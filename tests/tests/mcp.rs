@@ -3432,3 +3432,47 @@ async fn every_change_is_audited_without_the_content() {
     }
     mcp.close().await;
 }
+
+/// Issue 41, item 2: a job whose log file is gone says so. Through the cursor
+/// (`offset`) the reply had `output: ""` and nothing else, as if the job printed nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_log_is_gone_says_so() {
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    let name = unique("gone");
+    let log = sshd.home().join(format!("{name}.log"));
+    mcp.ok(
+        "exec_bash_background",
+        json!({"command": "echo printed", "session_name": name, "watch": false,
+               "log_file": log.display().to_string()}),
+    )
+    .await;
+    let v = mcp
+        .ok(
+            "check_background_task",
+            json!({"tmux_session": name, "wait_s": 20}),
+        )
+        .await;
+    assert_eq!(v["running"], false, "{v}");
+    assert!(v["log_tail"].as_str().unwrap().contains("printed"), "{v}");
+    assert!(v.get("note").is_none(), "{v}");
+    std::fs::remove_file(&log).unwrap();
+    let v = mcp
+        .ok(
+            "check_background_task",
+            json!({"tmux_session": name, "offset": 0}),
+        )
+        .await;
+    assert_eq!(v["output"], "", "{v}");
+    assert!(
+        v["note"]
+            .as_str()
+            .is_some_and(|n| n.contains("log file is gone")),
+        "{v}"
+    );
+    let v = mcp
+        .ok("check_background_task", json!({"tmux_session": name}))
+        .await;
+    assert_eq!(v["log_tail"], "[log file not found]", "{v}");
+    mcp.close().await;
+}

@@ -82,6 +82,19 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs(n.saturating_mul(mult)))
 }
 
+/// A job whose log file is gone: said, not printed as an empty log.
+fn log_gone(name: &str, info: &rsb_protocol::JobInfo) -> RsbError {
+    RsbError::new(
+        Kind::Agent(ErrorCode::NotFound),
+        format!(
+            "job `{}`'s log {} is gone (deleted or moved); nothing to show",
+            shown(name),
+            shown(&info.log_file)
+        ),
+        "`rsb jobs list` still shows the job's state and exit code",
+    )
+}
+
 fn no_such_job(name: &str) -> RsbError {
     RsbError::new(
         Kind::Agent(ErrorCode::NotFound),
@@ -302,6 +315,10 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             };
             match r {
                 Ok(r) if r.info.is_none() => fail(json, &no_such_job(&name)),
+                Ok(r) if !r.log_found && !json => fail(
+                    false,
+                    &log_gone(&name, r.info.as_ref().expect("checked above")),
+                ),
                 Ok(r) if json => match jobs::status_reply(&name, false, &r) {
                     Ok(v) => {
                         print_json(&v);
@@ -482,6 +499,9 @@ async fn follow_logs(client: &AgentClient, name: &str) -> u8 {
         let Some(info) = r.info.as_ref() else {
             return fail(false, &no_such_job(name));
         };
+        if !r.log_found {
+            return fail(false, &log_gone(name, info));
+        }
         let mut o = std::io::stdout().lock();
         let _ = o.write_all(&r.log);
         let _ = o.flush();

@@ -234,6 +234,12 @@ pub fn status_reply(name: &str, cursor: bool, r: &JobStatusResult) -> Result<Val
     if cursor {
         m.insert("output".into(), json!(text));
         m.insert("more".into(), json!(r.log_truncated));
+        if !r.log_found {
+            m.insert(
+                "note".into(),
+                json!("the log file is gone (deleted or moved): there is no output to read"),
+            );
+        }
     } else if r.log_found {
         m.insert("log_tail".into(), json!(text));
     } else {

@@ -70,6 +70,11 @@ pub struct SyncSpec {
     pub dry_run: bool,
 }
 
+/// rsb's own files on a sandbox, which an upload never deletes or overwrites, whatever the
+/// rules: the default job logs (`<cwd>/.codex_logs/NAME.log`), which a running job appends
+/// to. An upload with `delete_extras` into a job's working directory deleted its log.
+pub const UPLOAD_PROTECTED: &[&str] = &[".codex_logs/"];
+
 impl SyncSpec {
     /// The default excludes plus `lines` (exclude_file lines, then excludes).
     pub fn rules(lines: Vec<String>) -> SyncRules {
@@ -78,6 +83,24 @@ impl SyncSpec {
             lines,
             ..Default::default()
         }
+    }
+
+    /// The rules a sync runs with: for an upload, [`UPLOAD_PROTECTED`] after every other line,
+    /// so no `!` re-includes them and both sides leave them out (neither sent nor deleted).
+    /// A download brings them home like any file. Idempotent.
+    pub fn effective_rules(&self) -> SyncRules {
+        let mut rules = self.rules.clone();
+        let done = rules.lines.len() >= UPLOAD_PROTECTED.len()
+            && rules.lines[rules.lines.len() - UPLOAD_PROTECTED.len()..]
+                .iter()
+                .zip(UPLOAD_PROTECTED)
+                .all(|(a, b)| a == b);
+        if self.direction == Direction::Upload && !done {
+            rules
+                .lines
+                .extend(UPLOAD_PROTECTED.iter().map(|l| l.to_string()));
+        }
+        rules
     }
 }
 

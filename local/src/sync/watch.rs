@@ -599,6 +599,11 @@ pub async fn watch(
             "run `rsb sync -n LOCAL SANDBOX:REMOTE` once to see what would change",
         ));
     }
+    // The fast path deletes and writes without the engine: it filters by the same rules.
+    let spec = &SyncSpec {
+        rules: spec.effective_rules(),
+        ..spec.clone()
+    };
     let rules = rsb_rules::Rules::for_sync(spec.rules.default_excludes, &spec.rules.lines)
         .map_err(|e| RsbError::invalid(e.to_string(), "patterns use gitignore syntax"))?;
     let root = spec.local_path.clone();

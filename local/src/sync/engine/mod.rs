@@ -174,6 +174,10 @@ pub async fn run_with(
     opts: &RunOptions,
 ) -> Result<SyncReport> {
     let compress_mode = Mode::from_env()?;
+    let spec = &SyncSpec {
+        rules: spec.effective_rules(),
+        ..spec.clone()
+    };
     let tracker = Arc::new(Tracker::new(progress));
     let local_str = spec.local_path.to_string_lossy().into_owned();
     let remote_str = anchor_home(&spec.remote_path);
