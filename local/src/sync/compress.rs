@@ -135,7 +135,7 @@ impl Compress {
     /// before the stream has compressed them.
     pub fn estimate(&self, raw: u64) -> u64 {
         let (r, w) = self.saved();
-        if !self.here() || r == 0 {
+        if !self.here() || r == 0 || raw == 0 {
             return raw;
         }
         (raw as u128 * w as u128 / r as u128).clamp(1, raw.max(1) as u128) as u64
