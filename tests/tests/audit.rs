@@ -208,3 +208,39 @@ fn cli_jobs_and_syncs_are_audited() {
         "{text}"
     );
 }
+
+/// Issue 50, case 6: `rsb audit` printed the `error` column raw, so a failing edit whose path
+/// held a newline printed a forged row, and an OSC sequence reached the terminal. Every field
+/// is escaped: one entry is one line, and no control byte is printed.
+#[test]
+fn a_hostile_path_in_an_error_cannot_forge_an_audit_row() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let list = json!([
+        {"name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+         "key_file": sshd.client_key().display().to_string()},
+    ])
+    .to_string();
+    let path = "missing\n2099-01-01T00:00:00Z  s  cli  rsb exec  exit 0\x1b]0;owned\x07.txt";
+    let out = rsb(tmp.path(), &list, &["edit", &format!("s:{path}")])
+        .env("EDITOR", "true")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let out = rsb(tmp.path(), &list, &["audit"]).output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(text.lines().count(), 1, "{text:?}");
+    assert!(
+        text.starts_with("20") && !text.contains("\n2099"),
+        "{text:?}"
+    );
+    assert!(
+        !text.trim_end_matches('\n').chars().any(|c| c.is_control()),
+        "{text:?}"
+    );
+    assert!(
+        text.contains("rsb edit") && text.contains("\\u{1b}]0;owned"),
+        "{text:?}"
+    );
+}

@@ -1780,3 +1780,56 @@ async fn https_webhooks_are_verified_and_a_down_server_is_retried() {
     assert_eq!(got.lock().unwrap().len(), before);
     pool.shutdown().await;
 }
+
+/// Issue 50, case 6: `rsb watch list|show|cancel` printed a watch's name and job name raw, so
+/// ESC, BEL and CR LF chosen by the model reached the terminal (a retitled window, a forged
+/// row). Every such field is escaped; `--json` keeps the exact text.
+#[test]
+fn watch_commands_escape_a_hostile_name() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let hostile = "x\x1b]0;owned\x07\r\n   9  completed  forged";
+    let mut nw = wops::prepare(
+        &wops::WatchArgs {
+            name: hostile.into(),
+            ..args()
+        },
+        true,
+        true,
+    )
+    .unwrap();
+    wops::fill_from_job(&mut nw, hostile, "/tmp/none.log", "/tmp");
+    nw.sandbox_name = "s".into();
+    let id = wops::register(&state, &[], nw, false).unwrap().watch_id;
+    let cli = |a: &[&str]| {
+        let mut cmd = Command::new(rsb_bin());
+        cmd.args(a);
+        base_env(&mut cmd, tmp.path(), &state);
+        let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(20)).unwrap();
+        assert!(
+            out.status.success(),
+            "rsb {a:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let clean = |t: &str| {
+        assert!(
+            !t.chars().any(|c| c.is_control() && c != '\n'),
+            "a control character was printed: {t:?}"
+        );
+        assert!(!t.contains("\n   9  completed"), "a forged row: {t:?}");
+    };
+    let t = cli(&["watch", "list"]);
+    clean(&t);
+    assert_eq!(t.lines().count(), 2, "{t:?}");
+    assert!(t.contains("\\u{1b}]0;owned"), "{t:?}");
+    let t = cli(&["watch", "show", &id.to_string()]);
+    clean(&t);
+    assert!(t.contains("name: x\\u{1b}]0;owned"), "{t:?}");
+    let t = cli(&["watch", "cancel", &id.to_string()]);
+    clean(&t);
+    assert_eq!(t.lines().count(), 1, "{t:?}");
+    let j: Value = serde_json::from_str(&cli(&["--json", "watch", "list"])).unwrap();
+    assert_eq!(j["watches"][0]["name"], hostile);
+}

@@ -1,6 +1,6 @@
 //! `rsb audit`: the audit log's lines, filtered (see `rsb::audit`).
 
-use rsb::error::RsbError;
+use rsb::{error::RsbError, term::shown};
 
 use super::{Ctx, fail, print_json};
 
@@ -47,7 +47,10 @@ pub fn run(ctx: &Ctx, since: Option<&str>, grep: Option<&str>) -> u8 {
         if ctx.json {
             print_json(v);
         } else {
-            let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+            // Every field may hold the model's or a host's text (a path with a newline, an
+            // error quoting remote output): escaped, so no line can forge another row or
+            // reach the terminal as an escape sequence.
+            let s = |k: &str| shown(v[k].as_str().unwrap_or_default()).into_owned();
             let code = match (v["exit_code"].as_i64(), v["detail"]["policy"].as_str()) {
                 (Some(c), _) => format!("exit {c}"),
                 (None, Some(p)) => format!("policy {p}"),

@@ -9,6 +9,7 @@ use serde::Serialize;
 use rsb::{
     error::RsbError,
     ops::watchdog as ops,
+    term::{shown, shown_lines},
     watchdog::{Watch, WatchEvent, daemon},
 };
 
@@ -234,6 +235,19 @@ fn cut(s: &str, n: usize) -> String {
     }
 }
 
+/// The fields of a watch whose text has lines of its own (`rsb watch show` indents them).
+const MULTILINE_FIELDS: &[&str] = &[
+    "last_log_tail",
+    "last_checkpoint_text",
+    "launch_command",
+    "resume_command",
+    "checkpoint_command",
+    "event_command",
+    "last_summary",
+    "last_error",
+    "last_alert_error",
+];
+
 fn watch_table(ws: &[Watch]) {
     println!(
         "{:>4}  {:<10} {:<16} {:<14} {:<24} {:>9}  SUMMARY",
@@ -243,12 +257,12 @@ fn watch_table(ws: &[Watch]) {
         println!(
             "{:>4}  {:<10} {:<16} {:<14} {:<24} {:>9}  {}",
             w.id,
-            w.status,
-            cut(&w.last_state, 16),
-            cut(&w.sandbox_name, 14),
-            cut(w.label(), 24),
+            shown(&w.status),
+            cut(&shown(&w.last_state), 16),
+            cut(&shown(&w.sandbox_name), 14),
+            cut(&shown(w.label()), 24),
             ago(w.last_checked_ts),
-            cut(&w.last_summary, 60)
+            cut(&shown(&w.last_summary), 60)
         );
     }
 }
@@ -263,9 +277,9 @@ fn event_table(es: &[WatchEvent]) {
             "{:>5}  {:>5}  {:<18} {:>9}  {}",
             e.id,
             e.watch_id,
-            e.event_type,
+            shown(&e.event_type),
             ago(e.created_ts),
-            cut(&e.summary, 80)
+            cut(&shown(&e.summary), 80)
         );
     }
 }
@@ -283,8 +297,14 @@ pub async fn watch(cmd: WatchCmd, json: bool, state_dir: &Path) -> u8 {
             let w = &w.watch;
             let v = serde_json::to_value(w).unwrap_or_default();
             for (k, val) in v.as_object().into_iter().flatten() {
+                // Names and summaries are the model's and the host's: escaped. Line breaks
+                // are kept (indented below the key) only where text has lines: a log tail, a
+                // checkpoint, a command; a name, an id or a path is one line whatever it holds.
                 let shown = match val {
-                    serde_json::Value::String(s) => s.clone(),
+                    serde_json::Value::String(s) if MULTILINE_FIELDS.contains(&k.as_str()) => {
+                        shown_lines(s).into_owned()
+                    }
+                    serde_json::Value::String(s) => shown(s).into_owned(),
                     other => other.to_string(),
                 };
                 if shown.contains('\n') {
@@ -307,21 +327,25 @@ pub async fn watch(cmd: WatchCmd, json: bool, state_dir: &Path) -> u8 {
             let w = &c.watch;
             // Say what was last seen of the job, not that it "keeps running": it may have
             // ended or been lost long ago.
+            let sandbox = shown(&w.sandbox_name);
             let job = match w.last_state.as_str() {
-                "running" | "" | "pending" => format!("keeps running on {}", w.sandbox_name),
+                "running" | "" | "pending" => format!("keeps running on {sandbox}"),
                 "completed" => format!(
-                    "had completed on {} (exit code {})",
-                    w.sandbox_name,
+                    "had completed on {sandbox} (exit code {})",
                     w.last_exit_code
                         .map(|c| c.to_string())
                         .unwrap_or_else(|| "?".into())
                 ),
                 other => format!(
-                    "was last seen {other} on {}; it is not running",
-                    w.sandbox_name
+                    "was last seen {} on {sandbox}; it is not running",
+                    shown(other)
                 ),
             };
-            println!("watch {} cancelled; job {} {job}", w.id, w.tmux_session);
+            println!(
+                "watch {} cancelled; job {} {job}",
+                w.id,
+                shown(&w.tmux_session)
+            );
         }),
     }
 }
