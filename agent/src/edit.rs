@@ -9,12 +9,21 @@
 //! succeed, in one agent or in two. Blocking functions; `serve` runs them on the blocking pool
 //! and lets them finish even if the caller cancels (a change is short, and its reply is then
 //! the truth about the file).
+//!
+//! Every step after the path is resolved goes through the file's parent directory, opened once
+//! and held ([`at`]): a co-tenant who swaps a directory on the path for a symlink, or plants a
+//! link at the file, cannot redirect a change into another directory.
 
+mod at;
+
+use std::ffi::{OsStr, OsString};
 use std::fs::{File, Metadata};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::time::{Duration, Instant};
+
+use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
+use rustix::io::Errno;
 
 use rsb_protocol::edit::{MAX_DIFF_LINES, MAX_EDIT_BYTES};
 use rsb_protocol::{
@@ -23,7 +32,9 @@ use rsb_protocol::{
 };
 
 use crate::fs::{MAX_READ, open_regular};
+use crate::sync::beneath::file_type;
 use crate::util::{expand_home, path_string};
+use at::{Opts, Target, resolve};
 
 /// The hash every read reply carries and every precondition names.
 pub fn content_hash(data: &[u8]) -> ContentHash {
@@ -182,22 +193,24 @@ struct Locked {
 /// How long a change waits for another process's lock on the file.
 const LOCK_WAIT: Duration = Duration::from_secs(5);
 
-/// Where a change goes: a symlink's final target (so the link stays a link), else the path.
-fn target_of(path: &Path) -> std::io::Result<PathBuf> {
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.file_type().is_symlink() => std::fs::canonicalize(path),
-        _ => Ok(path.to_path_buf()),
-    }
-}
+/// A change follows a link at the file (where safe: see [`at`]), so the link stays a link.
+const FOLLOW: Opts = Opts {
+    follow_last: true,
+    make_dirs: false,
+};
 
 /// Open, lock and read the file at `target`; `None` when nothing is there. Refuses anything
 /// but a regular file, and a file over [`MAX_EDIT_BYTES`].
-fn lock_current(target: &Path, what: &str) -> Result<Result<Option<Locked>, Refusal>, AgentError> {
-    let shown = path_string(target);
+#[allow(clippy::unnecessary_cast)] // `st_dev` and `st_ino` are narrower on macOS
+fn lock_current(
+    target: &Target,
+    what: &str,
+) -> Result<Result<Option<Locked>, Refusal>, AgentError> {
+    let shown = target.shown();
     let io_err = |e: std::io::Error| AgentError::from_io(&e, what, &shown);
     let deadline = Instant::now() + LOCK_WAIT;
     loop {
-        let (file, meta) = match open_regular(target) {
+        let (file, meta) = match open_regular_at(target) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Ok(None)),
             Err(e) => return Err(io_err(e)),
@@ -222,8 +235,9 @@ fn lock_current(target: &Path, what: &str) -> Result<Result<Option<Locked>, Refu
         }
         // A change that held the lock before us has renamed a new file over this one: take
         // the lock on that one instead, and read what it holds.
-        match std::fs::metadata(target) {
-            Ok(now) if now.dev() == meta.dev() && now.ino() == meta.ino() => {}
+        match target.lstat() {
+            Ok(Some(now)) if now.st_dev as u64 == meta.dev() && now.st_ino as u64 == meta.ino() => {
+            }
             Ok(_) | Err(_) if Instant::now() < deadline => continue,
             Ok(_) => {
                 return Err(AgentError::new(
@@ -262,39 +276,91 @@ fn lock_current(target: &Path, what: &str) -> Result<Result<Option<Locked>, Refu
     }
 }
 
-fn writable(p: &Path) -> bool {
-    rustix::fs::access(p, rustix::fs::Access::WRITE_OK).is_ok()
+fn writable(t: &Target) -> bool {
+    rfs::accessat(&t.dir, &*t.name, rfs::Access::WRITE_OK, AtFlags::empty()).is_ok()
 }
 
-/// `data` written to a new file next to `target`, with the old file's mode (and owner where
-/// this user may keep it); the caller moves it into place ([`place`]) or removes it.
+/// [`open_regular`] of the target's name in its held directory, never through a link: a link
+/// there now was put there after the path was resolved.
+fn open_regular_at(t: &Target) -> std::io::Result<(File, Metadata)> {
+    let fd = rfs::openat(
+        &t.dir,
+        &*t.name,
+        OFlags::RDONLY | OFlags::NONBLOCK | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| match e {
+        Errno::LOOP => std::io::Error::other("a symlink appeared at the file while it was opened"),
+        e => e.into(),
+    })?;
+    let file = File::from(fd);
+    let meta = file.metadata()?;
+    let ft = meta.file_type();
+    if ft.is_dir() {
+        return Err(std::io::Error::from(std::io::ErrorKind::IsADirectory));
+    }
+    if !ft.is_file() {
+        let kind = format!("{:?}", crate::fs::kind_of(ft)).to_lowercase();
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("not a regular file ({kind}); refusing to replace it"),
+        ));
+    }
+    Ok((file, meta))
+}
+
+/// The mode and owner a replaced file keeps.
+#[derive(Clone, Copy)]
+struct Owner {
+    mode: u32,
+    uid: u32,
+    gid: u32,
+}
+
+impl Owner {
+    fn of(m: &Metadata) -> Owner {
+        Owner {
+            mode: m.mode(),
+            uid: m.uid(),
+            gid: m.gid(),
+        }
+    }
+
+    #[allow(clippy::unnecessary_cast)]
+    fn of_stat(st: &rfs::Stat) -> Owner {
+        Owner {
+            mode: st.st_mode as u32,
+            uid: st.st_uid,
+            gid: st.st_gid,
+        }
+    }
+}
+
+/// `data` written to a new file next to `target` in its held directory, with the old file's
+/// mode (and owner where this user may keep it); the caller moves it into place ([`place`])
+/// or removes it. Returns the staged name.
 fn stage(
-    target: &Path,
+    target: &Target,
     data: &[u8],
-    old: Option<&Metadata>,
+    old: Option<Owner>,
     what: &str,
-) -> Result<PathBuf, AgentError> {
-    let shown = path_string(target);
-    let dir = match target.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
-        _ => PathBuf::from("."),
+) -> Result<OsString, AgentError> {
+    let shown = target.shown();
+    let dir = match target.path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => path_string(d),
+        _ => ".".to_string(),
     };
-    let name = target
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let name = target.name.to_string_lossy().into_owned();
     // A file that exists is staged owner-only until its bytes are all written and its mode is
     // set: a co-tenant who opens the staged name the moment it appears (inotify) must not keep
     // a descriptor to a private file's new content. A new file gets 0666 less the umask from
     // the start, which is what it ends up with anyway.
     let create_mode = if old.is_some() { 0o600 } else { 0o666 };
-    let (tmp, mut file) = stage_file(&dir, &name, create_mode).map_err(|e| {
+    let (tmp, mut file) = stage_file(&target.dir, &name, create_mode).map_err(|e| {
         let mut err = AgentError::from_io(&e, what, &shown);
         if err.code == ErrorCode::PermissionDenied {
-            err.message = format!(
-                "{what} {shown}: permission denied (cannot create a file in {})",
-                path_string(&dir)
-            );
+            err.message =
+                format!("{what} {shown}: permission denied (cannot create a file in {dir})");
         }
         err
     })?;
@@ -303,19 +369,19 @@ fn stage(
         if let Some(m) = old {
             // Best effort: only root, or a group this user is in, can keep another owner.
             // Owner first: a chown clears the set-id bits, which the mode then restores.
-            if m.uid() != rustix::process::geteuid().as_raw()
-                || m.gid() != rustix::process::getegid().as_raw()
+            if m.uid != rustix::process::geteuid().as_raw()
+                || m.gid != rustix::process::getegid().as_raw()
             {
-                let _ = std::os::unix::fs::fchown(&file, Some(m.uid()), Some(m.gid()));
+                let _ = std::os::unix::fs::fchown(&file, Some(m.uid), Some(m.gid));
             }
-            file.set_permissions(std::fs::Permissions::from_mode(m.mode() & 0o7777))?;
+            file.set_permissions(std::fs::Permissions::from_mode(m.mode & 0o7777))?;
         }
         Ok(())
     })();
     match result {
         Ok(()) => Ok(tmp),
         Err(e) => {
-            let _ = std::fs::remove_file(&tmp);
+            let _ = rfs::unlinkat(&target.dir, &*tmp, AtFlags::empty());
             Err(AgentError::from_io(&e, what, &shown))
         }
     }
@@ -324,33 +390,34 @@ fn stage(
 /// Move a staged file into place: renamed over `target`, or for `create_only` linked (so a
 /// file that appeared meanwhile is never replaced). The staged name is gone afterwards.
 fn place(
-    tmp: &Path,
-    target: &Path,
+    tmp: &OsStr,
+    target: &Target,
     create_only: bool,
     what: &str,
 ) -> Result<Result<(), Refusal>, AgentError> {
+    let d = &target.dir;
     let result = if create_only {
-        let r = match std::fs::hard_link(tmp, target) {
+        let r = match rfs::linkat(d, tmp, d, &*target.name, AtFlags::empty()) {
             Ok(()) => Ok(Ok(())),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(Err(Refusal::Exists)),
+            Err(Errno::EXIST) => Ok(Err(Refusal::Exists)),
             Err(e) => Err(e),
         };
-        let _ = std::fs::remove_file(tmp);
+        let _ = rfs::unlinkat(d, tmp, AtFlags::empty());
         r
     } else {
-        let r = std::fs::rename(tmp, target).map(Ok);
+        let r = rfs::renameat(d, tmp, d, &*target.name).map(Ok);
         if r.is_err() {
-            let _ = std::fs::remove_file(tmp);
+            let _ = rfs::unlinkat(d, tmp, AtFlags::empty());
         }
         r
     };
-    result.map_err(|e| AgentError::from_io(&e, what, &path_string(target)))
+    result.map_err(|e| AgentError::from_io(&e.into(), what, &target.shown()))
 }
 
 fn commit(
-    target: &Path,
+    target: &Target,
     data: &[u8],
-    old: Option<&Metadata>,
+    old: Option<Owner>,
     create_only: bool,
     what: &str,
 ) -> Result<Result<(), Refusal>, AgentError> {
@@ -360,7 +427,11 @@ fn commit(
 
 /// A new file in `dir` that nobody else can have opened (O_EXCL, O_NOFOLLOW), created with
 /// `mode` less the umask.
-fn stage_file(dir: &Path, name: &str, mode: u32) -> std::io::Result<(PathBuf, File)> {
+fn stage_file(
+    dir: &std::os::fd::OwnedFd,
+    name: &str,
+    mode: u32,
+) -> std::io::Result<(OsString, File)> {
     use std::sync::atomic::{AtomicU64, Ordering};
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let short: String = name.chars().take(40).collect();
@@ -369,23 +440,28 @@ fn stage_file(dir: &Path, name: &str, mode: u32) -> std::io::Result<(PathBuf, Fi
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);
-        let tmp = dir.join(format!(
+        let tmp = OsString::from(format!(
             ".{short}.rsb-{}-{}-{nanos:x}.tmp",
             std::process::id(),
             SEQ.fetch_add(1, Ordering::Relaxed)
         ));
-        match File::options()
-            .write(true)
-            .create_new(true)
-            .mode(mode)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-            .open(&tmp)
-        {
-            Ok(f) => return Ok((tmp, f)),
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(e),
+        match rfs::openat(
+            dir,
+            &*tmp,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            at_mode(mode),
+        ) {
+            Ok(f) => return Ok((tmp, File::from(f))),
+            Err(Errno::EXIST) => continue,
+            Err(e) => return Err(e.into()),
         }
     }
+}
+
+/// `Mode` of permission bits (`mode_t` is narrower than `u32` on macOS).
+#[allow(clippy::unnecessary_cast)]
+fn at_mode(bits: u32) -> Mode {
+    Mode::from_raw_mode((bits & 0o7777) as rfs::RawMode)
 }
 
 /// Line start offsets of `s` (the first is 0); a final line without `\n` counts.
@@ -684,14 +760,13 @@ pub fn edit(req: &EditRequest) -> Result<EditOutcome, AgentError> {
         return Ok(EditOutcome::Refused(Refusal::NoChange));
     }
     let path = expand_home(&req.path);
-    let target =
-        target_of(&path).map_err(|e| AgentError::from_io(&e, WHAT, &path_string(&path)))?;
+    let target = resolve(&path, FOLLOW, WHAT)?;
     let cur = match lock_current(&target, WHAT)? {
         Ok(Some(c)) => c,
         Ok(None) => {
             return Err(AgentError::new(
                 ErrorCode::NotFound,
-                format!("{WHAT} {}: no such file or directory", path_string(&target)),
+                format!("{WHAT} {}: no such file or directory", target.shown()),
             ));
         }
         Err(r) => return Ok(EditOutcome::Refused(r)),
@@ -730,12 +805,18 @@ pub fn edit(req: &EditRequest) -> Result<EditOutcome, AgentError> {
         last = i + old.len();
     }
     out.push_str(&text[last..]);
-    if let Err(r) = commit(&target, out.as_bytes(), Some(&cur.meta), false, WHAT)? {
+    if let Err(r) = commit(
+        &target,
+        out.as_bytes(),
+        Some(Owner::of(&cur.meta)),
+        false,
+        WHAT,
+    )? {
         return Ok(EditOutcome::Refused(r));
     }
     let (changed_lines, diff, diff_truncated) = describe(&cur.data, out.as_bytes(), &spans);
     Ok(EditOutcome::Done(Changed {
-        path: path_string(&target),
+        path: target.shown(),
         hash: content_hash(out.as_bytes()),
         created: false,
         replacements: found.len() as u64,
@@ -748,40 +829,63 @@ pub fn edit(req: &EditRequest) -> Result<EditOutcome, AgentError> {
 pub fn write(req: &WriteRequest) -> Result<EditOutcome, AgentError> {
     const WHAT: &str = "write";
     let path = expand_home(&req.path);
-    let shown = path_string(&path);
     if req.data.len() as u64 > MAX_EDIT_BYTES {
         return Ok(EditOutcome::Refused(Refusal::TooLarge {
             size: req.data.len() as u64,
         }));
     }
-    let target = target_of(&path).map_err(|e| AgentError::from_io(&e, WHAT, &shown))?;
-    let tshown = path_string(&target);
+    let target = resolve(
+        &path,
+        Opts {
+            follow_last: true,
+            make_dirs: req.make_dirs,
+        },
+        WHAT,
+    )
+    .map_err(|e| {
+        if e.code == ErrorCode::NotFound && !req.make_dirs {
+            AgentError::new(
+                e.code,
+                format!(
+                    "{}: pass make_dirs=true to create the missing directories",
+                    e.message
+                ),
+            )
+        } else {
+            e
+        }
+    })?;
+    let tshown = target.shown();
     // FIFOs, devices, sockets and directories are never replaced by a file.
-    match std::fs::metadata(&target) {
-        Ok(m) if m.is_dir() => {
+    let now = target
+        .lstat()
+        .map_err(|e| AgentError::from_io(&e, WHAT, &tshown))?;
+    match now.as_ref().map(file_type) {
+        Some(rfs::FileType::Directory) => {
             return Err(AgentError::new(
                 ErrorCode::IsADirectory,
                 format!("{WHAT} {tshown}: is a directory"),
             ));
         }
-        Ok(m) if !m.is_file() => {
-            let kind = format!("{:?}", crate::fs::kind_of(m.file_type())).to_lowercase();
+        Some(rfs::FileType::RegularFile) | None => {}
+        Some(t) => {
+            let kind = match t {
+                rfs::FileType::Symlink => "symlink",
+                rfs::FileType::Fifo => "fifo",
+                rfs::FileType::Socket => "socket",
+                rfs::FileType::BlockDevice => "blockdevice",
+                rfs::FileType::CharacterDevice => "chardevice",
+                _ => "other",
+            };
             return Err(AgentError::new(
                 ErrorCode::InvalidArgument,
                 format!("{WHAT} {tshown}: not a regular file ({kind}); refusing to replace it"),
             ));
         }
-        _ => {}
-    }
-    if req.make_dirs
-        && let Some(parent) = target.parent().filter(|p| !p.as_os_str().is_empty())
-    {
-        std::fs::create_dir_all(parent)
-            .map_err(|e| AgentError::from_io(&e, WHAT, &path_string(parent)))?;
     }
     let create_only = req.condition == WriteCondition::CreateOnly;
     let cur = if create_only {
-        if std::fs::symlink_metadata(&target).is_ok() {
+        if now.is_some() {
             return Ok(EditOutcome::Refused(Refusal::Exists));
         }
         None
@@ -800,11 +904,11 @@ pub fn write(req: &WriteRequest) -> Result<EditOutcome, AgentError> {
         }
     }
     let old_meta = match &cur {
-        Some(c) => Some(c.meta.clone()),
-        None if !create_only => std::fs::metadata(&target).ok(),
+        Some(c) => Some(Owner::of(&c.meta)),
+        None if !create_only => target.lstat().ok().flatten().map(|st| Owner::of_stat(&st)),
         None => None,
     };
-    if let Err(r) = commit(&target, &req.data, old_meta.as_ref(), create_only, WHAT)? {
+    if let Err(r) = commit(&target, &req.data, old_meta, create_only, WHAT)? {
         return Ok(EditOutcome::Refused(r));
     }
     Ok(EditOutcome::Done(Changed {
@@ -937,12 +1041,12 @@ fn apply_chunks(
 
 /// One file of a patch, checked and ready to be written.
 struct Planned {
-    target: PathBuf,
-    /// The new content; `None` deletes the file.
+    target: Target,
+    /// The new content; `None` deletes the file (a symlink itself, never what it points to).
     data: Option<Vec<u8>>,
     old: Option<Locked>,
-    /// A moved file's old path, removed once the new one is in place.
-    remove: Option<PathBuf>,
+    /// A moved file's old place, removed once the new one is in place.
+    remove: Option<Target>,
     replacements: u64,
     spans: Vec<(usize, usize, usize)>,
 }
@@ -962,22 +1066,40 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
     let mut seen = std::collections::HashSet::new();
     for f in &req.files {
         let path = expand_home(&f.path);
-        let target =
-            target_of(&path).map_err(|e| AgentError::from_io(&e, WHAT, &path_string(&path)))?;
-        if !seen.insert(target.clone()) {
+        // A Delete removes what the path names: a symlink itself, never its target.
+        let delete = matches!(f.op, PatchOp::Delete);
+        let target = resolve(
+            &path,
+            Opts {
+                follow_last: !delete,
+                make_dirs: false,
+            },
+            WHAT,
+        )?;
+        if !seen.insert(target.path.clone()) {
             return Err(AgentError::new(
                 ErrorCode::InvalidArgument,
                 format!("{WHAT}: {} appears twice in the patch", f.path),
             ));
         }
-        let cur = match lock_current(&target, WHAT)? {
-            Ok(c) => c,
-            Err(r) => return refused(&f.path, 0, r),
+        let is_link = delete
+            && target
+                .lstat()
+                .map_err(|e| AgentError::from_io(&e, WHAT, &target.shown()))?
+                .is_some_and(|st| file_type(&st) == rfs::FileType::Symlink);
+        let cur = if is_link {
+            None
+        } else {
+            match lock_current(&target, WHAT)? {
+                Ok(c) => c,
+                Err(r) => return refused(&f.path, 0, r),
+            }
         };
+        let tshown = target.shown();
         let missing = || {
             AgentError::new(
                 ErrorCode::NotFound,
-                format!("{WHAT} {}: no such file or directory", path_string(&target)),
+                format!("{WHAT} {tshown}: no such file or directory"),
             )
         };
         match &f.op {
@@ -990,13 +1112,13 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
                 spans: Vec::new(),
             }),
             PatchOp::Delete => {
-                let Some(cur) = cur else {
+                if cur.is_none() && !is_link {
                     return Err(missing());
-                };
+                }
                 plan.push(Planned {
                     target,
                     data: None,
-                    old: Some(cur),
+                    old: cur,
                     remove: None,
                     replacements: 0,
                     spans: Vec::new(),
@@ -1015,8 +1137,8 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
                 };
                 let (dest, remove) = match move_to {
                     Some(m) => {
-                        let dest = expand_home(m);
-                        if !seen.insert(dest.clone()) {
+                        let dest = resolve(&expand_home(m), FOLLOW, WHAT)?;
+                        if !seen.insert(dest.path.clone()) {
                             return Err(AgentError::new(
                                 ErrorCode::InvalidArgument,
                                 format!("{WHAT}: {m} appears twice in the patch"),
@@ -1038,17 +1160,24 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
         }
     }
     // Stage every new content; a failure removes what was staged, and nothing has changed.
-    let mut staged: Vec<Option<PathBuf>> = Vec::new();
+    let mut staged: Vec<Option<OsString>> = Vec::new();
     for p in &plan {
         let Some(data) = &p.data else {
             staged.push(None);
             continue;
         };
-        match stage(&p.target, data, p.old.as_ref().map(|o| &o.meta), WHAT) {
+        match stage(
+            &p.target,
+            data,
+            p.old.as_ref().map(|o| Owner::of(&o.meta)),
+            WHAT,
+        ) {
             Ok(t) => staged.push(Some(t)),
             Err(e) => {
-                for t in staged.into_iter().flatten() {
-                    let _ = std::fs::remove_file(t);
+                for (q, t) in plan.iter().zip(staged) {
+                    if let Some(t) = t {
+                        let _ = rfs::unlinkat(&q.target.dir, &*t, AtFlags::empty());
+                    }
                 }
                 return Err(e);
             }
@@ -1059,10 +1188,10 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
         match (tmp, &p.data) {
             (Some(tmp), Some(data)) => {
                 if let Err(r) = place(&tmp, &p.target, false, WHAT)? {
-                    return refused(&path_string(&p.target), 0, r);
+                    return refused(&p.target.shown(), 0, r);
                 }
                 if let Some(old) = &p.remove {
-                    let _ = std::fs::remove_file(old);
+                    let _ = rfs::unlinkat(&old.dir, &*old.name, AtFlags::empty());
                 }
                 let before = p.old.as_ref().map(|o| &o.data[..]).unwrap_or(b"");
                 let (changed_lines, diff, diff_truncated) = if p.spans.is_empty() {
@@ -1071,7 +1200,7 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
                     describe(before, data, &p.spans)
                 };
                 changed.push(Changed {
-                    path: path_string(&p.target),
+                    path: p.target.shown(),
                     hash: content_hash(data),
                     created: p.old.is_none() || p.remove.is_some(),
                     replacements: p.replacements,
@@ -1081,10 +1210,10 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
                 });
             }
             _ => {
-                std::fs::remove_file(&p.target)
-                    .map_err(|e| AgentError::from_io(&e, WHAT, &path_string(&p.target)))?;
+                rfs::unlinkat(&p.target.dir, &*p.target.name, AtFlags::empty())
+                    .map_err(|e| AgentError::from_io(&e.into(), WHAT, &p.target.shown()))?;
                 changed.push(Changed {
-                    path: path_string(&p.target),
+                    path: p.target.shown(),
                     hash: String::new(),
                     created: false,
                     replacements: 0,

@@ -12,7 +12,7 @@
 //!   their requests run in the order of their `seq`, and [`apply_abort`] gives one up.
 
 mod apply;
-mod beneath;
+pub(crate) mod beneath;
 mod blocks;
 mod cache;
 mod hash;

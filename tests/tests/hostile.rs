@@ -1288,3 +1288,280 @@ async fn a_co_tenant_never_opens_a_staged_edit_of_a_private_file() {
     assert_eq!(std::fs::read_to_string(&notes).unwrap(), current);
     assert_eq!(owner_and_mode(&notes), (0, 0o600));
 }
+
+/// A command run as the other local user (no shell: argv as given).
+fn as_attacker(attacker: &rsb_tests::LocalUser, argv: &[&str]) {
+    let st = std::process::Command::new("/usr/bin/setpriv")
+        .arg(format!("--reuid={}", attacker.uid))
+        .arg(format!("--regid={}", attacker.gid))
+        .arg("--clear-groups")
+        .args(argv)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .status()
+        .expect("setpriv (util-linux)");
+    assert!(st.success(), "{argv:?} as the other user");
+}
+
+/// Write `name` in `dir` only if `dir` itself is a directory, not a link (skipped otherwise).
+fn write_in_dir_nofollow(dir: &Path, name: &str, data: &[u8]) {
+    use std::os::unix::ffi::OsStrExt;
+    let d = std::ffi::CString::new(dir.as_os_str().as_bytes()).unwrap();
+    let n = std::ffi::CString::new(name).unwrap();
+    unsafe {
+        let fd = libc::open(
+            d.as_ptr(),
+            libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+        );
+        if fd < 0 {
+            return;
+        }
+        let f = libc::openat(
+            fd,
+            n.as_ptr(),
+            libc::O_WRONLY | libc::O_CREAT | libc::O_TRUNC | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o644,
+        );
+        if f >= 0 {
+            libc::write(f, data.as_ptr().cast(), data.len());
+            libc::close(f);
+        }
+        libc::close(fd);
+    }
+}
+
+/// The victim's private directory beside the shared one: `private/notes.txt` (0600).
+fn private_notes(area: &Path) -> PathBuf {
+    let private = area.join("private");
+    std::fs::create_dir(&private).unwrap();
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let notes = private.join("notes.txt");
+    std::fs::write(&notes, "shared line\nPRIVATE\n").unwrap();
+    std::fs::set_permissions(&notes, std::fs::Permissions::from_mode(0o600)).unwrap();
+    notes
+}
+
+/// Issue 50, case 1: edits, writes and patch deletes of `shared/sub/notes.txt` while the
+/// other user swaps `sub` for a link to the victim's private directory (which holds a
+/// `notes.txt` of its own, matching the edit). Before the fix the first edit replaced the
+/// private file with the shared one's content and mode 0644. Now every change goes through
+/// the directory it read from, and the attacker's link is never followed: the private file
+/// keeps its bytes and mode, and nothing new appears beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parent_swapped_for_a_link_never_redirects_an_edit() {
+    let Some(attacker) = other_local_user() else {
+        eprintln!("skipped: no second local user (creating one needs root; CI runs as root)");
+        return;
+    };
+    let (area, dest) = shared_area();
+    let private = private_notes(area.path());
+    let before = std::fs::read(&private).unwrap();
+    let sub = dest.join("sub");
+    let shared = sub.join("notes.txt");
+    std::fs::create_dir(&sub).unwrap();
+    let script = area.path().join("swap.py");
+    std::fs::write(&script, SWAPPER).unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let stop = area.path().join("stop");
+    let swapper = tokio::process::Command::new("/usr/bin/setpriv")
+        .arg(format!("--reuid={}", attacker.uid))
+        .arg(format!("--regid={}", attacker.gid))
+        .arg("--clear-groups")
+        .arg("/usr/bin/python3")
+        .arg(&script)
+        .arg(&dest)
+        .arg(private.parent().unwrap())
+        .arg(&stop)
+        .arg("30")
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("setpriv and python3");
+    let sshd = Sshd::start().unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let pool = pool_on(&sshd, sshd.port(), state.path());
+    let client = pool.client("s").await.expect("connect");
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let path = shared.display().to_string();
+    let (mut ok, mut refused) = (0, 0);
+    let t0 = std::time::Instant::now();
+    for i in 0..200 {
+        if t0.elapsed() > Duration::from_secs(6) {
+            break;
+        }
+        // The shared file, recreated if a delete removed it (only while `sub` is in place:
+        // the test must not write through the attacker's link itself).
+        write_in_dir_nofollow(&sub, "notes.txt", b"shared line\n");
+        let r = match i % 3 {
+            0 => client
+                .call(
+                    rsb::ops::edit::edit_request(
+                        &path,
+                        "shared line",
+                        &format!("edit {i}"),
+                        false,
+                        "",
+                    )
+                    .unwrap(),
+                )
+                .await
+                .map(|_| ()),
+            1 => client
+                .call(
+                    rsb::ops::edit::write_request(
+                        &path,
+                        Some(&format!("write {i}\n")),
+                        None,
+                        "",
+                        false,
+                        false,
+                    )
+                    .unwrap(),
+                )
+                .await
+                .map(|_| ()),
+            _ => client
+                .call(
+                    rsb::ops::edit::parse_patch(&format!(
+                        "*** Begin Patch\n*** Delete File: {path}\n*** End Patch\n"
+                    ))
+                    .unwrap(),
+                )
+                .await
+                .map(|_| ()),
+        };
+        match r {
+            Ok(()) => ok += 1,
+            Err(_) => refused += 1,
+        }
+    }
+    std::fs::write(&stop, "").unwrap();
+    let out = swapper.wait_with_output().await.unwrap();
+    pool.shutdown().await;
+    eprintln!(
+        "{ok} changes done, {refused} refused; swapper: {}",
+        String::from_utf8_lossy(&out.stdout).trim()
+    );
+    assert!(ok > 0, "no change went through at all");
+    assert_eq!(
+        std::fs::read(&private).unwrap(),
+        before,
+        "the private file changed"
+    );
+    assert_eq!(owner_and_mode(&private), (0, 0o600));
+    let beside: Vec<String> = std::fs::read_dir(private.parent().unwrap())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        beside,
+        ["notes.txt"],
+        "files appeared in the private directory"
+    );
+}
+
+/// Issue 50, case 2: a link planted by the other user in a sticky world-writable directory
+/// (as `/tmp`) at the path the model names is not followed: `write_remote_file` and
+/// `edit_remote_file` refuse in one line naming the link and its owner, an `apply_patch`
+/// Delete removes the link and never its target. A link of the user's own there is followed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_planted_link_in_a_shared_directory_is_never_followed() {
+    let Some(attacker) = other_local_user() else {
+        eprintln!("skipped: no second local user (creating one needs root; CI runs as root)");
+        return;
+    };
+    let area = tempfile::tempdir_in("/tmp").unwrap();
+    std::fs::set_permissions(area.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let private = private_notes(area.path());
+    let before = std::fs::read(&private).unwrap();
+    let tmp = area.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let link = tmp.join("notes.txt");
+    as_attacker(
+        attacker,
+        &[
+            "/bin/ln",
+            "-s",
+            &private.display().to_string(),
+            &link.display().to_string(),
+        ],
+    );
+    let sshd = Sshd::start().unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let pool = pool_on(&sshd, sshd.port(), state.path());
+    let client = pool.client("s").await.expect("connect");
+    let path = link.display().to_string();
+    let e = client
+        .call(
+            rsb::ops::edit::write_request(&path, Some("owned\n"), None, "", false, false).unwrap(),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        e.message.contains("refusing to follow the symlink")
+            && e.message.contains(&format!("uid {}", attacker.uid))
+            && !e.message.contains('\n'),
+        "{}",
+        e.message
+    );
+    let e = client
+        .call(rsb::ops::edit::edit_request(&path, "PRIVATE", "owned", false, "").unwrap())
+        .await
+        .unwrap_err();
+    assert!(e.message.contains("refusing to follow"), "{}", e.message);
+    assert_eq!(std::fs::read(&private).unwrap(), before);
+    // Delete File removes the link itself.
+    client
+        .call(
+            rsb::ops::edit::parse_patch(&format!(
+                "*** Begin Patch\n*** Delete File: {path}\n*** End Patch\n"
+            ))
+            .unwrap(),
+        )
+        .await
+        .expect("the link is deleted");
+    assert!(
+        std::fs::symlink_metadata(&link).is_err(),
+        "the link is gone"
+    );
+    assert_eq!(
+        std::fs::read(&private).unwrap(),
+        before,
+        "its target is kept"
+    );
+    // The user's own link in the same directory is followed, and stays a link.
+    std::os::unix::fs::symlink(&private, &link).unwrap();
+    client
+        .call(rsb::ops::edit::edit_request(&path, "PRIVATE", "MINE", false, "").unwrap())
+        .await
+        .expect("the user's own link is followed");
+    assert_eq!(
+        std::fs::read_to_string(&private).unwrap(),
+        "shared line\nMINE\n"
+    );
+    assert!(
+        std::fs::symlink_metadata(&link)
+            .unwrap()
+            .file_type()
+            .is_symlink()
+    );
+    assert_eq!(owner_and_mode(&private), (0, 0o600));
+    // A missing directory: the error names the parameter that creates it (issue 41, item 8),
+    // and make_dirs creates it through the same held directories.
+    let deep = tmp.join("new/dir/x.txt").display().to_string();
+    let e = client
+        .call(rsb::ops::edit::write_request(&deep, Some("x\n"), None, "", false, false).unwrap())
+        .await
+        .unwrap_err();
+    assert!(e.message.contains("make_dirs=true"), "{}", e.message);
+    client
+        .call(rsb::ops::edit::write_request(&deep, Some("x\n"), None, "", false, true).unwrap())
+        .await
+        .expect("make_dirs creates the directories");
+    assert_eq!(std::fs::read_to_string(&deep).unwrap(), "x\n");
+    pool.shutdown().await;
+}

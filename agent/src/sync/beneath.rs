@@ -19,12 +19,12 @@ use rustix::io::Errno;
 /// Flags of a held directory. On Linux `O_PATH`: it needs no read permission (a `d-wx`
 /// directory of the user's is still usable) and serves every `*at` call.
 #[cfg(any(target_os = "linux", target_os = "android"))]
-const DIR_FLAGS: OFlags = OFlags::PATH
+pub(crate) const DIR_FLAGS: OFlags = OFlags::PATH
     .union(OFlags::DIRECTORY)
     .union(OFlags::NOFOLLOW)
     .union(OFlags::CLOEXEC);
 #[cfg(not(any(target_os = "linux", target_os = "android")))]
-const DIR_FLAGS: OFlags = OFlags::RDONLY
+pub(crate) const DIR_FLAGS: OFlags = OFlags::RDONLY
     .union(OFlags::DIRECTORY)
     .union(OFlags::NOFOLLOW)
     .union(OFlags::CLOEXEC);
