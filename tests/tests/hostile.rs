@@ -933,6 +933,18 @@ while time.time() - t0 < secs and rounds < 100000 and not os.path.exists(stop):
 print('swaps=%d fail=%d rounds=%d' % (swaps, fail, rounds))
 "#;
 
+/// `setpriv` as the other local user, with no supplementary groups and a clean environment:
+/// append the program and its arguments.
+fn attacker_command(attacker: &rsb_tests::LocalUser) -> std::process::Command {
+    let mut c = std::process::Command::new("/usr/bin/setpriv");
+    c.arg(format!("--reuid={}", attacker.uid))
+        .arg(format!("--regid={}", attacker.gid))
+        .arg("--clear-groups")
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin");
+    c
+}
+
 /// One upload of `src` into `dest` (on the same host, through the sshd) while the other user
 /// runs [`SWAPPER`] against `dest/sub`, repeated for a few seconds (a single swap rarely lands).
 /// Returns each sync's error, if it failed.
@@ -960,18 +972,13 @@ async fn sync_while_swapped(
         }
         reset();
         let stop = area.join(format!("stop-{round}"));
-        let swapper = std::process::Command::new("/usr/bin/setpriv")
-            .arg(format!("--reuid={}", attacker.uid))
-            .arg(format!("--regid={}", attacker.gid))
-            .arg("--clear-groups")
+        let swapper = attacker_command(attacker)
             .arg("/usr/bin/python3")
             .arg(&script)
             .arg(dest)
             .arg(target)
             .arg(&stop)
             .arg("20")
-            .env_clear()
-            .env("PATH", "/usr/bin:/bin")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -1214,17 +1221,12 @@ async fn a_co_tenant_never_opens_a_staged_edit_of_a_private_file() {
     std::fs::write(&script, OPENER).unwrap();
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
     let stop = area.path().join("stop");
-    let mut opener = tokio::process::Command::new("/usr/bin/setpriv")
-        .arg(format!("--reuid={}", attacker.uid))
-        .arg(format!("--regid={}", attacker.gid))
-        .arg("--clear-groups")
+    let mut opener = tokio::process::Command::from(attacker_command(attacker))
         .arg("/usr/bin/python3")
         .arg(&script)
         .arg(&dest)
         .arg(&stop)
         .arg("60")
-        .env_clear()
-        .env("PATH", "/usr/bin:/bin")
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .kill_on_drop(true)
@@ -1291,13 +1293,8 @@ async fn a_co_tenant_never_opens_a_staged_edit_of_a_private_file() {
 
 /// A command run as the other local user (no shell: argv as given).
 fn as_attacker(attacker: &rsb_tests::LocalUser, argv: &[&str]) {
-    let st = std::process::Command::new("/usr/bin/setpriv")
-        .arg(format!("--reuid={}", attacker.uid))
-        .arg(format!("--regid={}", attacker.gid))
-        .arg("--clear-groups")
+    let st = attacker_command(attacker)
         .args(argv)
-        .env_clear()
-        .env("PATH", "/usr/bin:/bin")
         .status()
         .expect("setpriv (util-linux)");
     assert!(st.success(), "{argv:?} as the other user");
@@ -1363,18 +1360,13 @@ async fn a_parent_swapped_for_a_link_never_redirects_an_edit() {
     std::fs::write(&script, SWAPPER).unwrap();
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();
     let stop = area.path().join("stop");
-    let swapper = tokio::process::Command::new("/usr/bin/setpriv")
-        .arg(format!("--reuid={}", attacker.uid))
-        .arg(format!("--regid={}", attacker.gid))
-        .arg("--clear-groups")
+    let swapper = tokio::process::Command::from(attacker_command(attacker))
         .arg("/usr/bin/python3")
         .arg(&script)
         .arg(&dest)
         .arg(private.parent().unwrap())
         .arg(&stop)
         .arg("30")
-        .env_clear()
-        .env("PATH", "/usr/bin:/bin")
         .stdout(Stdio::piped())
         .kill_on_drop(true)
         .spawn()

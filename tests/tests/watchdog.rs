@@ -44,6 +44,20 @@ struct Daemon {
 }
 
 /// The environment every rsb child gets: nothing of the developer's (config, agent, keys).
+/// `rsb ARGS` with this test's home and state dir; must succeed; its stdout.
+fn cli_ok(home: &Path, state: &Path, a: &[&str]) -> String {
+    let mut cmd = Command::new(rsb_bin());
+    cmd.args(a);
+    base_env(&mut cmd, home, state);
+    let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(20)).unwrap();
+    assert!(
+        out.status.success(),
+        "rsb {a:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
 fn base_env(cmd: &mut Command, home: &Path, state: &Path) {
     cmd.env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
@@ -872,18 +886,7 @@ async fn one_daemon_per_state_dir_cli_tables_and_needs_credentials() {
     assert!(!e[0].summary.contains('\n'));
     assert_eq!(watch(&state, pw_id).last_state, "needs_credentials");
 
-    let cli = |a: &[&str]| {
-        let mut cmd = Command::new(rsb_bin());
-        cmd.args(a);
-        base_env(&mut cmd, tmp.path(), &state);
-        let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(20)).unwrap();
-        assert!(
-            out.status.success(),
-            "rsb {a:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let cli = |a: &[&str]| cli_ok(tmp.path(), &state, a);
     let t = cli(&["watch", "list"]);
     assert!(t.lines().next().unwrap().contains("STATUS"), "{t}");
     assert!(t.contains("clitest") && t.contains("completed"), "{t}");
@@ -1801,18 +1804,7 @@ fn watch_commands_escape_a_hostile_name() {
     wops::fill_from_job(&mut nw, hostile, "/tmp/none.log", "/tmp");
     nw.sandbox_name = "s".into();
     let id = wops::register(&state, &[], nw, false).unwrap().watch_id;
-    let cli = |a: &[&str]| {
-        let mut cmd = Command::new(rsb_bin());
-        cmd.args(a);
-        base_env(&mut cmd, tmp.path(), &state);
-        let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(20)).unwrap();
-        assert!(
-            out.status.success(),
-            "rsb {a:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
+    let cli = |a: &[&str]| cli_ok(tmp.path(), &state, a);
     let clean = |t: &str| {
         assert!(
             !t.chars().any(|c| c.is_control() && c != '\n'),
