@@ -449,19 +449,13 @@ fn stage_file(
             dir,
             &*tmp,
             OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            at_mode(mode),
+            crate::sync::beneath::mode(mode),
         ) {
             Ok(f) => return Ok((tmp, File::from(f))),
             Err(Errno::EXIST) => continue,
             Err(e) => return Err(e.into()),
         }
     }
-}
-
-/// `Mode` of permission bits (`mode_t` is narrower than `u32` on macOS).
-#[allow(clippy::unnecessary_cast)]
-fn at_mode(bits: u32) -> Mode {
-    Mode::from_raw_mode((bits & 0o7777) as rfs::RawMode)
 }
 
 /// Line start offsets of `s` (the first is 0); a final line without `\n` counts.
