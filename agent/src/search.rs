@@ -48,6 +48,8 @@ const MAX_ERRORS: usize = 20;
 const MAX_RANGES: usize = 32;
 /// An ignore file larger than this is reported and not applied.
 const MAX_IGNORE_FILE: u64 = 1 << 20;
+/// How long past the deadline the files holding the page may still be read.
+const PAGE_GRACE: Duration = Duration::from_millis(500);
 /// Batches of files queued between the walker and the matchers (each holds its directory's
 /// descriptor, see [`Batch`]).
 const QUEUE: usize = 64;
@@ -71,7 +73,7 @@ pub fn search(req: &SearchRequest, cancel: &CancellationToken) -> Result<SearchR
         AgentError::new(code, format!("{}: {e}", root.display()))
     })?;
     let deadline = Instant::now() + Duration::from_millis(req.deadline_ms.max(1));
-    let stop = Stop {
+    let mut stop = Stop {
         cancel,
         deadline,
         hit: AtomicBool::new(false),
@@ -94,8 +96,7 @@ pub fn search(req: &SearchRequest, cancel: &CancellationToken) -> Result<SearchR
             &matcher,
             &mut buf,
             &mut scratch,
-            &errors,
-            &stats,
+            (&stop, &errors, &stats),
         ) {
             found.push(f);
         }
@@ -124,7 +125,8 @@ pub fn search(req: &SearchRequest, cancel: &CancellationToken) -> Result<SearchR
         files_searched: stats.searched.load(Ordering::Relaxed),
         skipped_binary: stats.binary.load(Ordering::Relaxed),
         skipped_large: stats.large.load(Ordering::Relaxed),
-        complete: !stop.hit.load(Ordering::Relaxed),
+        skipped_slow_lines: stats.slow.load(Ordering::Relaxed),
+        complete: false,
         errors: Vec::new(),
     };
     match req.mode {
@@ -146,9 +148,12 @@ pub fn search(req: &SearchRequest, cancel: &CancellationToken) -> Result<SearchR
         }
         SearchMode::Content => {
             result.total = result.total_matches;
-            result.entries = page(&base, &found, req, &matcher, &errors);
+            // The page's files are read again: a little time past a deadline the walk met.
+            stop.deadline = deadline + PAGE_GRACE;
+            result.entries = page(&base, &found, req, &matcher, &stop, &errors);
         }
     }
+    result.complete = !stop.hit.load(Ordering::Relaxed);
     result.errors = errors.take();
     Ok(result)
 }
@@ -184,6 +189,7 @@ struct Stats {
     searched: AtomicU64,
     binary: AtomicU64,
     large: AtomicU64,
+    slow: AtomicU64,
 }
 
 #[derive(Default)]
@@ -434,8 +440,7 @@ impl<'a> Walker<'a> {
                                 matcher,
                                 &mut buf,
                                 &mut scratch,
-                                errors,
-                                stats,
+                                (stop, errors, stats),
                             ) {
                                 mine.push(f);
                             }
@@ -739,7 +744,6 @@ fn load(file: std::io::Result<File>, max: u64, buf: &mut Vec<u8>) -> std::io::Re
     Ok(Loaded::Text)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn search_file(
     file: std::io::Result<File>,
     rel: impl FnOnce() -> Vec<u8>,
@@ -747,8 +751,7 @@ fn search_file(
     matcher: &Matcher,
     buf: &mut Vec<u8>,
     scratch: &mut Vec<u8>,
-    errors: &Errors,
-    stats: &Stats,
+    (stop, errors, stats): (&Stop, &Errors, &Stats),
 ) -> Option<Found> {
     match load(file, req.max_filesize, buf) {
         Ok(Loaded::Text) => {}
@@ -770,11 +773,29 @@ fn search_file(
     stats.searched.fetch_add(1, Ordering::Relaxed);
     let first_only = req.mode == SearchMode::Files;
     let mut count = 0u64;
-    matcher.lines(buf, scratch, |_, _| {
+    let scan = matcher.lines(buf, scratch, &|| stop.now(), |_, _| {
         count += 1;
         !first_only
     });
-    (count > 0).then(|| Found { rel: rel(), count })
+    if count == 0 && scan.first_costly.is_none() {
+        return None;
+    }
+    let rel = rel();
+    if let Some((at, est)) = scan.first_costly {
+        stats.slow.fetch_add(scan.costly, Ordering::Relaxed);
+        let n = memchr::memchr_iter(b'\n', &buf[..at]).count() + 1;
+        let len = memchr::memchr(b'\n', &buf[at..]).unwrap_or(buf.len() - at);
+        let more = match scan.costly {
+            1 => String::new(),
+            k => format!(" and {} more long lines", k - 1),
+        };
+        errors.push(format!(
+            "{}: line {n} ({len} bytes){more} not searched: this pattern would take about {:.1} s on it; bound its repetitions (`{{1,30}}`, not `*`) or add a literal",
+            String::from_utf8_lossy(&rel),
+            est.as_secs_f64(),
+        ));
+    }
+    (count > 0).then_some(Found { rel, count })
 }
 
 /// The page of a content search: the matching lines `offset..offset+limit` of the sorted
@@ -784,6 +805,7 @@ fn page(
     found: &[Found],
     req: &SearchRequest,
     matcher: &Matcher,
+    stop: &Stop,
     errors: &Errors,
 ) -> Vec<SearchEntry> {
     let mut out = Vec::new();
@@ -814,8 +836,10 @@ fn page(
                 continue;
             }
         }
+        // A line judged too costly here may have been judged otherwise in the first pass (a
+        // time estimate): the page then shifts by that line, never shows a false match.
         let mut hits = Vec::new();
-        matcher.lines(&buf, &mut scratch, |s, e| {
+        let scan = matcher.lines(&buf, &mut scratch, &|| stop.now(), |s, e| {
             hits.push((s, e));
             true
         });
@@ -849,6 +873,9 @@ fn page(
                 after,
                 count: 1,
             });
+        }
+        if scan.stopped {
+            break;
         }
     }
     out

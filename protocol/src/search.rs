@@ -92,6 +92,9 @@ pub struct SearchResult {
     /// Files skipped as binary (a NUL byte) or as larger than the cap.
     pub skipped_binary: u64,
     pub skipped_large: u64,
+    /// Lines over 8 KiB not matched because the pattern would take too long on them (it
+    /// cannot be interrupted inside a line); `errors` names the first of each file.
+    pub skipped_slow_lines: u64,
     /// False when the deadline stopped the walk: the totals are then lower bounds.
     pub complete: bool,
     /// Unreadable entries, ignore files with lines not applied, as `path: reason` (capped).

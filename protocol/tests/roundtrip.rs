@@ -425,6 +425,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             files_searched: 10,
             skipped_binary: 1,
             skipped_large: 0,
+            skipped_slow_lines: 2,
             complete: false,
             errors: vec!["x: Permission denied".into()],
         }),

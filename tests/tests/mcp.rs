@@ -3338,6 +3338,85 @@ async fn a_cancelled_search_of_a_huge_tree_stops_within_a_second() {
     mcp.close().await;
 }
 
+/// Issue 50: a 2 MiB one-line file (minified code) and a pattern with no literal to prefilter,
+/// which regex-lite needs ~45 s for on that line and cannot be interrupted inside: the reply
+/// still comes by the 30 s deadline + 1 s, marked incomplete; after a cancel the agent uses
+/// under 0.5 s of CPU in the next 5 s; and an unbounded pattern that would take too long on
+/// the line is refused for that line at once, in the counts and in one error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_search_of_one_huge_line_keeps_its_deadline_and_its_cancel() {
+    let sshd = Sshd::start().unwrap();
+    let dir = sshd.home().join(unique("longline"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let letters: String = (0..2 << 20)
+        .map(|i| (b'a' + (i % 26) as u8) as char)
+        .collect();
+    std::fs::write(dir.join("min.js"), &letters).unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    mcp.ok("exec_bash", json!({"command": "true"})).await;
+    let root = dir.display().to_string();
+    let args = json!({"pattern": "(?:[a-z]{1,30}){1,30}[0-9]", "remote_path": root});
+
+    // The deadline.
+    let t = Instant::now();
+    let v = mcp.ok("search_remote_files", args.clone()).await;
+    let took = t.elapsed();
+    println!("one 2 MiB line: reply after {took:?}: {v}");
+    assert!(took <= Duration::from_secs(31), "{took:?}");
+    assert_eq!(v["complete"], false, "{v}");
+    assert!(v["output"].as_str().unwrap().contains("deadline"), "{v}");
+
+    // The cancel.
+    let idle = agent_ticks(sshd.home());
+    let handle = mcp
+        .svc
+        .peer()
+        .send_cancellable_request(
+            call_request("search_remote_files", args),
+            PeerRequestOptions::no_options(),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let busy = agent_ticks(sshd.home());
+    assert!(
+        busy > idle + 50,
+        "the search was not running: {idle} → {busy} ticks"
+    );
+    handle.cancel(Some("test cancels".into())).await.unwrap();
+    let at = agent_ticks(sshd.home());
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let used = agent_ticks(sshd.home()) - at;
+    println!("CPU in the 5 s after the cancel: {used} ticks");
+    // Ticks are 1/100 s (USER_HZ).
+    assert!(used < 50, "{used} ticks after the cancel");
+
+    // Unbounded (`+`): the line is skipped after a short probe, and said so.
+    let t = Instant::now();
+    let v = mcp
+        .ok(
+            "search_remote_files",
+            json!({"pattern": "(?:[a-z]{1,30}){1,30}[0-9]+", "remote_path": root}),
+        )
+        .await;
+    println!("unbounded: {:?}: {v}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert_eq!(v["skipped_slow_lines"], 1, "{v}");
+    let errors = v["errors"].to_string();
+    assert!(
+        errors.contains("min.js: line 1 (2097152 bytes) not searched"),
+        "{v}"
+    );
+    assert!(
+        v["output"]
+            .as_str()
+            .unwrap()
+            .contains("1 long line not searched"),
+        "{v}"
+    );
+    mcp.close().await;
+}
+
 /// Every change through MCP is on the record (issue 23): writes, edits, patches (a refused
 /// one too), forwards started and stopped, watch changes. Each line names the tool, the
 /// sandbox and the path or target, and none holds the content that was written.

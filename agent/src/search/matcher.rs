@@ -5,9 +5,38 @@
 //! every match must contain is found with SIMD `memmem` over the whole file, and only the
 //! lines holding it are given to the regex (a literal pattern needs no regex at all). Measured
 //! figures are in the README's search section.
+//!
+//! regex-lite's matcher cannot be interrupted, and its time grows with the pattern's size
+//! times the line's length (`(?:[a-z]{1,30}){1,30}[0-9]` takes ~45 s on a 2 MiB line). So a
+//! line over [`LONG`] bytes is matched in pieces that each take a bounded time, with the stop
+//! asked between them: in overlapping windows when every match spans a bounded number of
+//! characters (exact, see [`span`]), else whole only if a timed probe says that is quick;
+//! a line that would take longer is not matched and is reported ([`Scan::costly`]).
+
+use std::time::{Duration, Instant};
 
 use memchr::memmem;
 use regex_lite::{Regex, RegexBuilder};
+
+/// Lines longer than this are matched in bounded pieces.
+const LONG: usize = 8 << 10;
+/// Bytes matched between two questions to `stop`, and the first window or probe.
+const CHECK: usize = 2 << 10;
+/// The longest one uninterruptible match call should take.
+const SLICE: Duration = Duration::from_millis(300);
+/// Spans wider than this are not windowed (each window would be as costly as the line).
+const MAX_SPAN: usize = 16 << 10;
+
+/// What a scan of one file met besides its matches.
+#[derive(Default)]
+pub struct Scan {
+    /// `stop` ended the scan early.
+    pub stopped: bool,
+    /// Lines not matched because the match would take too long; the first one's start and
+    /// its estimated time.
+    pub costly: u64,
+    pub first_costly: Option<(usize, Duration)>,
+}
 
 /// How a line is tested.
 pub struct Matcher {
@@ -18,6 +47,8 @@ pub struct Matcher {
     exact: bool,
     /// Case-insensitive prefilter: the haystack is ASCII-lowercased before `memmem`.
     fold: bool,
+    /// The most characters a match spans, for a windowed match of long lines ([`span`]).
+    span: Option<usize>,
 }
 
 impl Matcher {
@@ -58,27 +89,34 @@ impl Matcher {
             prefilter,
             exact,
             fold,
+            span: span(&source).filter(|&n| n <= MAX_SPAN),
         })
     }
 
     /// Call `hit(start, end)` for each matching line of `hay` (bounds without the `\n`), in
-    /// order; stop when it returns false. `scratch` holds the folded copy of `hay`.
+    /// order; stop when it returns false, or when `stop()` says so (asked every [`CHECK`]
+    /// bytes matched). `scratch` holds the folded copy of `hay`.
     pub fn lines(
         &self,
         hay: &[u8],
         scratch: &mut Vec<u8>,
+        stop: &dyn Fn() -> bool,
         mut hit: impl FnMut(usize, usize) -> bool,
-    ) {
+    ) -> Scan {
+        let mut scan = Scan::default();
+        let mut pace = 0usize;
         let Some(finder) = &self.prefilter else {
             let mut start = 0;
             while start < hay.len() {
                 let end = memchr::memchr(b'\n', &hay[start..]).map_or(hay.len(), |i| start + i);
-                if self.is_match(&hay[start..end]) && !hit(start, end) {
-                    return;
+                match self.test(hay, start, end, stop, &mut pace, &mut scan) {
+                    None => return scan,
+                    Some(true) if !hit(start, end) => return scan,
+                    _ => {}
                 }
                 start = end + 1;
             }
-            return;
+            return scan;
         };
         let searched: &[u8] = if self.fold {
             scratch.clear();
@@ -90,16 +128,128 @@ impl Matcher {
         let mut from = 0;
         while from < hay.len() {
             let Some(at) = finder.find(&searched[from..]) else {
-                return;
+                return scan;
             };
             let at = from + at;
             let start = memchr::memrchr(b'\n', &hay[..at]).map_or(0, |i| i + 1);
             let end = memchr::memchr(b'\n', &hay[at..]).map_or(hay.len(), |i| at + i);
-            if (self.exact || self.is_match(&hay[start..end])) && !hit(start, end) {
-                return;
+            let matched = if self.exact {
+                Some(true)
+            } else {
+                self.test(hay, start, end, stop, &mut pace, &mut scan)
+            };
+            match matched {
+                None => return scan,
+                Some(true) if !hit(start, end) => return scan,
+                _ => {}
             }
             from = end + 1;
         }
+        scan
+    }
+
+    /// Whether line `hay[start..end]` matches; `None` when `stop` ended it. A line too costly
+    /// to match is counted in `scan` and taken as no match.
+    fn test(
+        &self,
+        hay: &[u8],
+        start: usize,
+        end: usize,
+        stop: &dyn Fn() -> bool,
+        pace: &mut usize,
+        scan: &mut Scan,
+    ) -> Option<bool> {
+        let line = &hay[start..end];
+        *pace += line.len();
+        if *pace >= CHECK {
+            *pace = 0;
+            if stop() {
+                scan.stopped = true;
+                return None;
+            }
+        }
+        if line.len() <= LONG {
+            return Some(self.is_match(line));
+        }
+        let text = String::from_utf8_lossy(line);
+        let long = match self.span {
+            Some(span) => self.windowed(&text, span, (CHECK, 1 << 20), stop),
+            None => self.probed(&text, stop),
+        };
+        match long {
+            Long::Decided(m) => Some(m),
+            Long::Stopped => {
+                scan.stopped = true;
+                None
+            }
+            Long::Costly(est) => {
+                scan.costly += 1;
+                scan.first_costly.get_or_insert((start, est));
+                Some(false)
+            }
+        }
+    }
+
+    /// Match a long line in windows of `sizes.0` to `sizes.1` bytes (adapted so each takes a
+    /// fraction of [`SLICE`]), each extended by `span` characters: every match of at most
+    /// `span` characters lies wholly in one window, and an assertion-free pattern matches a
+    /// window exactly when it matches that text in the line.
+    fn windowed(
+        &self,
+        text: &str,
+        span: usize,
+        sizes: (usize, usize),
+        stop: &dyn Fn() -> bool,
+    ) -> Long {
+        let mut size = sizes.0;
+        let mut start = 0;
+        loop {
+            // The next window starts at least one character further.
+            let mut next = (start + size).min(text.len());
+            while !text.is_char_boundary(next) {
+                next += 1;
+            }
+            let end = text[next..]
+                .char_indices()
+                .nth(span)
+                .map_or(text.len(), |(k, _)| next + k);
+            let t = Instant::now();
+            if self.re.is_match(&text[start..end]) {
+                return Long::Decided(true);
+            }
+            if end == text.len() {
+                return Long::Decided(false);
+            }
+            let took = t.elapsed();
+            if took < SLICE / 16 {
+                size = (size * 2).min(sizes.1);
+            } else if took > SLICE / 4 {
+                size = (size / 2).max(sizes.0.min(256));
+            }
+            start = next;
+            if stop() {
+                return Long::Stopped;
+            }
+        }
+    }
+
+    /// Match a long line whole if matching its first [`CHECK`] bytes says that takes at
+    /// most [`SLICE`].
+    fn probed(&self, text: &str, stop: &dyn Fn() -> bool) -> Long {
+        let mut cut = CHECK;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let t = Instant::now();
+        let _ = self.re.is_match(&text[..cut]);
+        let est = t.elapsed().mul_f64(text.len() as f64 / cut.max(1) as f64);
+        if est > SLICE {
+            return Long::Costly(est);
+        }
+        if stop() {
+            return Long::Stopped;
+        }
+        Long::Decided(self.re.is_match(text))
     }
 
     pub fn is_match(&self, line: &[u8]) -> bool {
@@ -118,6 +268,12 @@ impl Matcher {
             .map(|m| (m.start() as u32, m.end() as u32))
             .collect()
     }
+}
+
+enum Long {
+    Decided(bool),
+    Stopped,
+    Costly(Duration),
 }
 
 fn one_line(s: &str) -> String {
@@ -283,6 +439,94 @@ fn skip_escape(b: &[u8], i: usize) -> Option<usize> {
         j += 1;
     }
     Some(j)
+}
+
+/// The most characters a match of `pattern` can span, when that is bounded and the pattern
+/// has no assertion (`^`, `$`, `\b`, `\B`, `\A`, `\z`, `\<`, `\>`) and no inline flags:
+/// whether such a pattern matches depends only on the matched text, so a line matches
+/// exactly when one of its windows overlapping by the span does. `None` when unbounded
+/// (`*`, `+`, `{n,}`) or unsure: an over-estimate only costs time, an under-estimate would
+/// miss matches.
+fn span(pattern: &str) -> Option<usize> {
+    let b = pattern.as_bytes();
+    let mut i = 0;
+    let n = span_alt(b, &mut i)?;
+    (i == b.len()).then_some(n)
+}
+
+fn span_alt(b: &[u8], i: &mut usize) -> Option<usize> {
+    let mut most = span_seq(b, i)?;
+    while b.get(*i) == Some(&b'|') {
+        *i += 1;
+        most = most.max(span_seq(b, i)?);
+    }
+    Some(most)
+}
+
+fn span_seq(b: &[u8], i: &mut usize) -> Option<usize> {
+    let mut sum = 0usize;
+    while let Some(&c) = b.get(*i) {
+        let atom = match c {
+            b'|' | b')' => break,
+            b'(' => {
+                *i += match b.get(*i + 1..*i + 3) {
+                    Some(b"?:") => 3,
+                    _ if b.get(*i + 1) == Some(&b'?') => return None,
+                    _ => 1,
+                };
+                let n = span_alt(b, i)?;
+                if b.get(*i) != Some(&b')') {
+                    return None;
+                }
+                *i += 1;
+                n
+            }
+            b'[' => {
+                *i = skip_class(b, *i)?;
+                1
+            }
+            b'\\' => {
+                let e = *b.get(*i + 1)?;
+                if matches!(e, b'b' | b'B' | b'A' | b'z' | b'<' | b'>') {
+                    return None;
+                }
+                *i = if e.is_ascii_punctuation() {
+                    *i + 2
+                } else {
+                    skip_escape(b, *i)?
+                };
+                1
+            }
+            b'^' | b'$' | b'*' | b'+' | b'?' | b'{' => return None,
+            _ => {
+                *i += utf8_len(c);
+                1
+            }
+        };
+        let times = match b.get(*i) {
+            Some(b'*' | b'+') => return None,
+            Some(b'?') => Some(1),
+            Some(b'{') => {
+                let close = *i + b[*i..].iter().position(|&c| c == b'}')?;
+                let inner = std::str::from_utf8(&b[*i + 1..close]).ok()?;
+                *i = close;
+                Some(inner.rsplit(',').next()?.parse::<usize>().ok()?)
+            }
+            _ => None,
+        };
+        // After a quantifier, a lazy marker; any other repetition is left to `None` above.
+        if times.is_some() {
+            *i += 1;
+            if b.get(*i) == Some(&b'?') {
+                *i += 1;
+            }
+        }
+        sum = sum.saturating_add(atom.saturating_mul(times.unwrap_or(1)));
+        if sum > MAX_SPAN {
+            return None;
+        }
+    }
+    Some(sum)
 }
 
 fn utf8_len(first: u8) -> usize {
@@ -472,11 +716,112 @@ mod tests {
     fn matching(m: &Matcher, hay: &str) -> Vec<String> {
         let mut out = Vec::new();
         let mut scratch = Vec::new();
-        m.lines(hay.as_bytes(), &mut scratch, |s, e| {
+        m.lines(hay.as_bytes(), &mut scratch, &|| false, |s, e| {
             out.push(hay[s..e].to_string());
             true
         });
         out
+    }
+
+    #[test]
+    fn spans_are_bounded_only_when_sure() {
+        let cases: &[(&str, Option<usize>)] = &[
+            ("(?:[a-z]{1,30}){1,30}[0-9]", Some(901)),
+            ("abc", Some(3)),
+            ("a|bcd|ef", Some(3)),
+            ("(ab|c)d?", Some(3)),
+            ("a??b{0}c{2}?", Some(3)),
+            ("\\x{41}\\pL\\p{Greek}\\.[]a]é", Some(6)),
+            ("a{2,}", None),
+            ("a*b", None),
+            ("(a+)", None),
+            ("^a", None),
+            ("a$", None),
+            ("\\bword", None),
+            ("x\\B", None),
+            ("(?i)a", None),
+            ("(?i:a)", None),
+            ("a{1,}", None),
+            ("a{1,100000}", None),
+        ];
+        for (p, want) in cases {
+            assert_eq!(span(p), *want, "{p:?}");
+        }
+    }
+
+    /// For random bounded, assertion-free patterns, matching a long line in windows (from
+    /// several first window sizes, over multibyte text) agrees with one whole-line match.
+    #[test]
+    fn windowed_matches_equal_whole_line_matches() {
+        let mut r = Rng(0x2545_f491_4f6c_dd1d);
+        const CH: &[&str] = &["a", "b", "c", "A", "B", "1", ".", " ", "é", "日", "\t"];
+        let lines: Vec<String> = (0..8)
+            .map(|_| (0..40 + r.below(200)).map(|_| r.pick(CH)).collect())
+            .collect();
+        let (mut tried, mut matched) = (0, 0);
+        for _ in 0..10_000 {
+            let p = pattern(&mut r, 0);
+            let Ok(m) = Matcher::new(&p, false, r.below(3) == 0) else {
+                continue;
+            };
+            let Some(span) = m.span else { continue };
+            tried += 1;
+            let line = &lines[r.below(lines.len())];
+            let whole = m.re.is_match(line);
+            matched += usize::from(whole);
+            let size = 1 + r.below(8);
+            assert!(
+                matches!(m.windowed(line, span, (size, size), &|| false), Long::Decided(w) if w == whole),
+                "pattern {p:?}, window {size}, line {line:?}"
+            );
+        }
+        assert!(tried > 1_200, "{tried} windowed patterns");
+        assert!(
+            matched > 200 && matched < tried - 200,
+            "{matched} of {tried} matched"
+        );
+    }
+
+    /// Issue 50: the pattern that has no literal and took ~45 s on a 2 MiB line stops within
+    /// a slice of being asked to, and an unbounded one is refused after a short probe.
+    #[test]
+    fn long_lines_stop_when_asked_and_costly_ones_are_skipped() {
+        let letters: String = (0..2 << 20)
+            .map(|i| (b'a' + (i % 26) as u8) as char)
+            .collect();
+        let m = Matcher::new("(?:[a-z]{1,30}){1,30}[0-9]", false, false).unwrap();
+        assert_eq!(m.span, Some(901));
+        let t = Instant::now();
+        let stop = || t.elapsed() > Duration::from_millis(200);
+        let scan = m.lines(letters.as_bytes(), &mut Vec::new(), &stop, |_, _| true);
+        assert!(scan.stopped);
+        assert!(
+            t.elapsed() < Duration::from_millis(200) + SLICE * 2,
+            "{:?}",
+            t.elapsed()
+        );
+        // A match near the end of a long line is found by the windows.
+        let near = format!("{}7", &letters[..40_000]);
+        let mut hits = 0;
+        let scan = m.lines(near.as_bytes(), &mut Vec::new(), &|| false, |_, _| {
+            hits += 1;
+            true
+        });
+        assert!(!scan.stopped && scan.costly == 0 && hits == 1);
+        // Unbounded (`+`): not windowed; the probe says the line would take too long.
+        let m = Matcher::new("(?:[a-z]{1,30}){1,30}[0-9]+", false, false).unwrap();
+        assert_eq!(m.span, None);
+        let hay = format!("short1\n{letters}\nlast2");
+        let t = Instant::now();
+        let mut hits = Vec::new();
+        let scan = m.lines(hay.as_bytes(), &mut Vec::new(), &|| false, |s, e| {
+            hits.push(hay[s..e].to_string());
+            true
+        });
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+        assert_eq!(hits, ["short1", "last2"]);
+        assert_eq!(scan.costly, 1);
+        assert!(matches!(scan.first_costly, Some((7, est)) if est > SLICE));
     }
 
     #[test]

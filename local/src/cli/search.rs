@@ -142,7 +142,8 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
                 out_line(
                     &json!({"type": "summary", "total": found.total, "files_matched": found.files_matched,
                         "more": found.more, "complete": found.complete,
-                        "skipped_binary": found.skipped_binary, "skipped_large": found.skipped_large})
+                        "skipped_binary": found.skipped_binary, "skipped_large": found.skipped_large,
+                        "skipped_slow_lines": found.skipped_slow_lines})
                     .to_string(),
                 );
             } else {

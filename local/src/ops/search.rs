@@ -178,6 +178,9 @@ pub struct Found {
     pub skipped_binary: u64,
     #[serde(skip_serializing_if = "is_zero")]
     pub skipped_large: u64,
+    /// Long lines the pattern was too costly to match on (`errors` names them).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub skipped_slow_lines: u64,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<String>,
     /// The page as data, for programs (`rsb grep --json`); not in MCP replies.
@@ -346,6 +349,13 @@ pub fn reply(q: &Query, req: &SearchRequest, r: SearchResult) -> Found {
     } else if !r.complete {
         output.push_str("[search stopped at its deadline; narrow remote_path or glob]\n");
     }
+    if r.skipped_slow_lines > 0 {
+        let n = r.skipped_slow_lines;
+        let (s, them) = if n == 1 { ("", "it") } else { ("s", "them") };
+        output.push_str(&format!(
+            "[{n} long line{s} not searched: the pattern is too costly on {them} (see errors)]\n"
+        ));
+    }
     Found {
         output,
         total: r.total,
@@ -355,6 +365,7 @@ pub fn reply(q: &Query, req: &SearchRequest, r: SearchResult) -> Found {
         complete: r.complete,
         skipped_binary: r.skipped_binary,
         skipped_large: r.skipped_large,
+        skipped_slow_lines: r.skipped_slow_lines,
         errors: r.errors,
         entries,
     }
@@ -466,6 +477,7 @@ mod tests {
             files_searched: 1,
             skipped_binary: 0,
             skipped_large: 0,
+            skipped_slow_lines: 0,
             complete: true,
             errors: vec![],
         };
