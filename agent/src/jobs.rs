@@ -139,7 +139,8 @@ async fn blocking<T: Send + 'static>(
 /// `state`, `wrapper.log`) moves to `<name>/history/<started_ms>/`, the newest
 /// [`HISTORY_KEEP`] such records are kept, and the log file itself is appended to (a new
 /// `== session:` header marks the new run; status tails start at that header, so the previous
-/// run's `EXIT_CODE=` is never mistaken for this one's).
+/// run's `EXIT_CODE=` is never mistaken for this one's). The reply carries that ended run as
+/// `previous` and this run's `log_start`, so a caller can say where the earlier output is.
 pub async fn start(req: JobStartRequest) -> Result<JobInfo, AgentError> {
     blocking(move |ctx| start_in(ctx, req)).await
 }
@@ -362,6 +363,8 @@ impl Job {
             signal: st.get_i32("signal"),
             ended_ms,
             launch_id: text(&self.spec, "launch_id"),
+            log_start: self.spec.get_u64("log_start").unwrap_or(0),
+            previous: None,
         })
     }
 
@@ -575,8 +578,13 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     }
     // Only now touch the filesystem for the new run: a refused duplicate leaves no trace.
     prepare_log(&log)?;
+    let log_start = std::fs::metadata(&log).map_or(0, |m| m.len());
+    let mut previous = None;
     match old {
-        Some(old) if old.state.is_some() => archive(&dir, &old)?,
+        Some(old) if old.state.is_some() => {
+            previous = old.info().map(Box::new);
+            archive(&dir, &old)?;
+        }
         // A spec without a state is a launch that never came up: nothing to keep.
         Some(_) => {
             let _ = std::fs::remove_file(dir.join("spec"));
@@ -592,6 +600,7 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     spec.set("prefer_tmux", if req.prefer_tmux { "1" } else { "0" });
     spec.set("launch_id", launch_id);
     spec.set("created_ms", now_ms().to_string());
+    spec.set("log_start", log_start.to_string());
     let mut env: Vec<(OsString, OsString)> = ctx.env.clone();
     for (k, v) in &req.env {
         env.retain(|(ek, _)| ek.as_bytes() != k.as_bytes());
@@ -610,12 +619,18 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     } else {
         None
     };
+    let started = |id: &str| {
+        finish_start(&dir, &req.name, id).map(|mut info| {
+            info.previous = previous.clone();
+            info
+        })
+    };
     let mut tmux_failure = None;
     if let Some(tmux) = tmux {
         let id = format!("{launch}-t");
         write_spec(&dir, &mut spec, &id)?;
         match launch_tmux(ctx, &dir, &tmux, &req.name, &id) {
-            Ok(()) => return finish_start(&dir, &req.name, &id),
+            Ok(()) => return started(&id),
             // A stale or foreign tmux session with this name, or a broken tmux, is no reason
             // to refuse the job: fall back to the setsid runner (the result names the runner).
             Err(e) => tmux_failure = Some(e),
@@ -627,7 +642,7 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
         Some(t) => internal(format!("{e} (tmux also failed: {t})")),
         None => internal(e),
     })?;
-    finish_start(&dir, &req.name, &id)
+    started(&id)
 }
 
 /// Write the spec with this launch's id. A wrapper from an earlier, abandoned launch reads a

@@ -45,6 +45,12 @@ pub struct JobInfo {
     pub ended_ms: Option<u64>,
     /// The [`JobStartRequest::launch_id`] this run was started with (empty without one).
     pub launch_id: String,
+    /// Where this run's output begins in `log_file` (a reused name appends to the log; 0 for
+    /// records older than this field).
+    pub log_start: u64,
+    /// In a start's reply only: the ended run of the same name that this start moved aside
+    /// (its record kept in the job's history, its output in its log before this run's).
+    pub previous: Option<Box<JobInfo>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

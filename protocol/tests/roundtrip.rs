@@ -235,6 +235,13 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         signal: None,
         ended_ms: Some(2),
         launch_id: "L".into(),
+        log_start: 0,
+        previous: None,
+    };
+    let again = JobInfo {
+        log_start: 31,
+        previous: Some(Box::new(job.clone())),
+        ..job.clone()
     };
     let replies = vec![
         Reply::Pong(vec![9]),
@@ -324,6 +331,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             },
         }),
         Reply::Job(job.clone()),
+        Reply::Job(again),
         Reply::JobStatus(JobStatusResult {
             info: Some(job.clone()),
             log_found: true,

@@ -927,3 +927,66 @@ fn an_upload_with_delete_keeps_a_running_job_s_log() {
     );
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
 }
+
+/// Issue 41, item 1: a second `rsb jobs start --name j1` wiped the first run's log and exit
+/// code. Now a name whose job runs is refused, and reusing an ended job's name keeps the
+/// earlier run's output in the log (before the new run's) and says where it is and how that
+/// run ended.
+#[test]
+fn a_reused_job_name_keeps_the_earlier_run() {
+    let u = User::new();
+    let m = marker();
+    let _guard = KillMarked(m.clone());
+    let start = |cmd: &str| {
+        u.run(
+            &mut u.cmd(&["jobs", "start", "--name", "j1", "--", cmd]),
+            Duration::from_secs(60),
+        )
+    };
+    let o = start("echo CRASH-TRACEBACK; exit 1");
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    // `logs -f` follows to the end and exits with the job's code.
+    let o = u.run(
+        &mut u.cmd(&["jobs", "logs", "-f", "j1"]),
+        Duration::from_secs(60),
+    );
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(text(&o.stdout).contains("CRASH-TRACEBACK"), "{}", show(&o));
+
+    let o = start(&format!("echo second-run; sleep {m}"));
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("the earlier run of 'j1' exited with code 1; its output is kept in the first"),
+        "{}",
+        show(&o)
+    );
+    // Running now: the name is refused and the running job is untouched.
+    let o = start("echo third-run");
+    assert_ne!(o.status.code(), Some(0), "{}", show(&o));
+    assert!(text(&o.stderr).contains("already running"), "{}", show(&o));
+
+    let log = u.sshd.home().join(".codex_logs/j1.log");
+    let t0 = Instant::now();
+    let body = loop {
+        let body = std::fs::read_to_string(&log).unwrap_or_default();
+        if body.contains("second-run") {
+            break body;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "{body:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (first, second) = (
+        body.find("CRASH-TRACEBACK")
+            .expect("the first run's output is kept"),
+        body.find("second-run").unwrap(),
+    );
+    assert!(first < second && body.contains("EXIT_CODE=1\n"), "{body:?}");
+    assert!(!body.contains("third-run"), "{body:?}");
+    // The tail is this run's alone.
+    let o = u.run(&mut u.cmd(&["jobs", "logs", "j1"]), Duration::from_secs(30));
+    assert!(text(&o.stdout).contains("second-run"), "{}", show(&o));
+    assert!(!text(&o.stdout).contains("CRASH"), "{}", show(&o));
+    let o = u.run(&mut u.cmd(&["jobs", "kill", "j1"]), Duration::from_secs(60));
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+}

@@ -3338,6 +3338,86 @@ async fn a_cancelled_search_of_a_huge_tree_stops_within_a_second() {
     mcp.close().await;
 }
 
+/// Issue 41, item 1, through MCP at default settings: a second `exec_bash_background` named
+/// `train` answered `started` and the first run's log and exit code were gone. Now the reply
+/// says how the earlier run ended and where its output is, a cursor read from 0 returns it,
+/// the tail is the new run's, and a name in use by a running job is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reused_job_name_keeps_the_earlier_run_through_mcp() {
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    let name = unique("train");
+    let v = mcp
+        .ok(
+            "exec_bash_background",
+            json!({"command": "echo CRASH-TRACEBACK; exit 1", "session_name": name}),
+        )
+        .await;
+    assert!(v.get("previous_run").is_none(), "{v}");
+    let v = mcp
+        .ok(
+            "check_background_task",
+            json!({"tmux_session": name, "wait_s": 30}),
+        )
+        .await;
+    assert_eq!(v["exit_code"], 1, "{v}");
+    let marker = format!("second-run-{}", unique("m"));
+    let v = mcp
+        .ok(
+            "exec_bash_background",
+            json!({"command": format!("echo {marker}; sleep 60"), "session_name": name}),
+        )
+        .await;
+    assert_eq!(v["previous_run"]["exit_code"], 1, "{v}");
+    assert_eq!(v["previous_run"]["state"], "exited", "{v}");
+    assert!(
+        v["previous_run"]["command"]
+            .as_str()
+            .unwrap()
+            .contains("CRASH"),
+        "{v}"
+    );
+    let note = v["note"].as_str().unwrap_or_default();
+    assert!(
+        note.contains("exited with code 1") && note.contains("offset=0"),
+        "{v}"
+    );
+    let e = mcp
+        .err(
+            "exec_bash_background",
+            json!({"command": "echo third", "session_name": name}),
+        )
+        .await;
+    assert!(e.s("error").contains("already running"), "{}", e.text);
+    let v = mcp
+        .ok(
+            "check_background_task",
+            json!({"tmux_session": name, "wait_s": 10}),
+        )
+        .await;
+    let tail = v["log_tail"].as_str().unwrap();
+    assert!(tail.contains(&marker) && !tail.contains("CRASH"), "{v}");
+    let v = mcp
+        .ok(
+            "check_background_task",
+            json!({"tmux_session": name, "offset": 0}),
+        )
+        .await;
+    let all = v["output"].as_str().unwrap();
+    let (crash, second) = (all.find("CRASH-TRACEBACK"), all.find(&marker));
+    assert!(
+        matches!((crash, second), (Some(a), Some(b)) if a < b),
+        "{v}"
+    );
+    assert!(
+        all.contains("EXIT_CODE=1\n") && !all.contains("third"),
+        "{v}"
+    );
+    mcp.ok("kill_background_task", json!({"tmux_session": name}))
+        .await;
+    mcp.close().await;
+}
+
 /// Issue 50: a 2 MiB one-line file (minified code) and a pattern with no literal to prefilter,
 /// which regex-lite needs ~45 s for on that line and cannot be interrupted inside: the reply
 /// still comes by the 30 s deadline + 1 s, marked incomplete; after a cancel the agent uses

@@ -534,9 +534,25 @@ fn duplicate_running_name_is_refused_and_the_job_untouched() {
 fn finished_names_are_reused_with_history() {
     let f = Fixture::new();
     for i in 1..=7 {
-        f.start("again", &format!("echo run {i}; exit {i}"), false)
+        let info = f
+            .start("again", &format!("echo run {i}; exit {i}"), false)
             .unwrap();
+        // The reply names the run it moved aside, and where this run's output begins.
+        let prev = info.previous.as_ref().map(|p| (p.exit_code, p.state));
+        let want = (i > 1).then_some((Some(i - 1), JobState::Exited));
+        assert_eq!(prev, want, "run {i}");
         assert_eq!(f.wait_done("again").exit_code, Some(i));
+        let log = f.log("again");
+        let (before, mine) = log.split_at(info.log_start as usize);
+        assert!(mine.starts_with("== session: again\n"), "{mine}");
+        assert!(
+            mine.ends_with(&format!("run {i}\nEXIT_CODE={i}\n")),
+            "{mine}"
+        );
+        if i > 1 {
+            let k = i - 1;
+            assert!(before.ends_with(&format!("run {k}\nEXIT_CODE={k}\n")));
+        }
     }
     let hist: Vec<_> = std::fs::read_dir(f.ctx.job_dir("again").join("history"))
         .unwrap()

@@ -243,6 +243,9 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
                         s.pid,
                         shown(&s.log_file)
                     );
+                    if let Some(note) = &s.note {
+                        eprintln!("rsb: {note}");
+                    }
                     exit::OK
                 }
                 Err(e) => fail(json, &e),

@@ -42,6 +42,13 @@ pub struct Started {
     pub sandbox: String,
     pub runner: String,
     pub pid: u32,
+    /// The ended run of this name that the start moved aside: how it ended, its command and
+    /// log (its record is kept in the job's history on the host).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub previous_run: Option<JobSummary>,
+    /// Where the earlier run's output is, when there was one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 pub async fn start(
@@ -78,6 +85,12 @@ pub async fn start(
             launch_id: None,
         })
         .await?;
+    let note = info.previous.as_deref().map(|p| previous_note(&info, p));
+    let previous_run = info.previous.as_deref().map(|p| JobSummary {
+        log_file: Some(p.log_file.clone()),
+        command: Some(p.command.clone()),
+        ..summary(p)
+    });
     Ok(Started {
         status: "started",
         tmux_session: info.name,
@@ -85,7 +98,32 @@ pub async fn start(
         sandbox: client.sandbox().to_string(),
         runner: info.runner,
         pid: info.pid,
+        previous_run,
+        note,
     })
+}
+
+/// What a reused name did to the run before: nothing is lost, and this says where it is.
+fn previous_note(now: &JobInfo, p: &JobInfo) -> String {
+    let ended = match (p.state, p.exit_code, p.signal) {
+        (JobState::Lost, _, _) => "was lost".to_string(),
+        (_, Some(c), _) => format!("exited with code {c}"),
+        (_, None, Some(s)) => format!("was killed by signal {s}"),
+        _ => "ended".to_string(),
+    };
+    let name = crate::term::shown(&p.name);
+    if p.log_file == now.log_file {
+        format!(
+            "the earlier run of '{name}' {ended}; its output is kept in the first {} bytes of the same log, {} (check_background_task with offset=0 reads from there; the tail shows this run)",
+            now.log_start,
+            crate::term::shown(&now.log_file)
+        )
+    } else {
+        format!(
+            "the earlier run of '{name}' {ended}; its output is kept in {}",
+            crate::term::shown(&p.log_file)
+        )
+    }
 }
 
 /// How a job stands, as `list_background_tasks` and `kill_background_task` report it.
