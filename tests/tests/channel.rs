@@ -12,7 +12,7 @@ use std::{
 
 use rmcp::{
     ClientHandler, RoleClient, ServiceExt,
-    model::{CallToolRequestParams, CustomNotification},
+    model::{CallToolRequestParams, ClientConfig, CustomNotification},
     service::{NotificationContext, RunningService},
     transport::TokioChildProcess,
 };
@@ -29,13 +29,25 @@ fn rsb_bin() -> PathBuf {
     p
 }
 
-/// Keeps every custom notification, with when it arrived.
+/// Keeps every custom notification, with when it arrived. `declare`: the client announces
+/// `experimental: {"claude/channel": {}}`, as a client that takes channel notifications does.
 #[derive(Clone, Default)]
 struct Listener {
     got: Arc<Mutex<Vec<(Instant, String, Value)>>>,
+    declare: bool,
 }
 
 impl ClientHandler for Listener {
+    fn get_info(&self) -> ClientConfig {
+        let mut info = ClientConfig::default();
+        if self.declare {
+            let mut exp = std::collections::BTreeMap::new();
+            exp.insert("claude/channel".to_string(), serde_json::Map::new());
+            info.capabilities.experimental = Some(exp);
+        }
+        info
+    }
+
     fn on_custom_notification(
         &self,
         n: CustomNotification,
@@ -90,8 +102,16 @@ async fn wait_for(l: &Listener, key: &str, value: &str, n: usize, within: Durati
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_session_hears_when_its_job_and_its_transfer_end() {
+/// `rsb mcp` on the fixture with a private home and state; every directory sync runs as a
+/// background transfer.
+struct Session {
+    sshd: Sshd,
+    tmp: tempfile::TempDir,
+    svc: RunningService<RoleClient, Listener>,
+    listener: Listener,
+}
+
+async fn session(declare: bool, env: &[(&str, &str)]) -> Session {
     let sshd = Sshd::start().unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let home = tmp.path().join("home");
@@ -111,17 +131,36 @@ async fn the_session_hears_when_its_job_and_its_transfer_end() {
         .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
         .env("RSB_STATE_DIR", &state)
         .env("REMOTE_SANDBOX_LIST", &list)
-        // Every directory sync runs as a background transfer.
-        .env("REMOTE_SANDBOX_INLINE_SYNC_MAX_FILES", "1");
+        .env("REMOTE_SANDBOX_INLINE_SYNC_MAX_FILES", "1")
+        .envs(env.iter().copied());
     let (transport, _) = TokioChildProcess::builder(cmd)
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let listener = Listener::default();
+    let listener = Listener {
+        declare,
+        ..Listener::default()
+    };
     let svc = tokio::time::timeout(Duration::from_secs(20), listener.clone().serve(transport))
         .await
         .unwrap()
         .unwrap();
+    Session {
+        sshd,
+        tmp,
+        svc,
+        listener,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_session_hears_when_its_job_and_its_transfer_end() {
+    let Session {
+        sshd,
+        tmp,
+        svc,
+        listener,
+    } = session(true, &[]).await;
 
     // The capability Claude Code looks for.
     let info = serde_json::to_value(svc.peer_info().unwrap()).unwrap();
@@ -223,4 +262,83 @@ impl Drop for KillOnDrop {
             unsafe { libc::kill(self.0 as i32, libc::SIGKILL) };
         }
     }
+}
+
+/// Issue 40: a client that never declared `claude/channel` (and is not Claude Code) gets no
+/// channel notification, neither for a watched job's end nor for a cancelled transfer. The
+/// official Python client failed on one that arrived as it closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_did_not_ask_gets_no_channel_notification() {
+    let Session {
+        sshd: _sshd,
+        tmp,
+        svc,
+        listener,
+    } = session(false, &[("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "1")]).await;
+    let v = call(
+        &svc,
+        "exec_bash_background",
+        json!({"command": "echo quiet; exit 3", "session_name": "quiet",
+               "interval_s": 1, "notify_local": false}),
+    )
+    .await;
+    let watch_id = v["watch_id"].as_i64().unwrap_or_else(|| panic!("{v}"));
+    let _daemon = KillOnDrop(v["watchdog_setup"]["pid"].as_i64().unwrap_or(0));
+    let result = async {
+        // The daemon records the end (what a listening client would have been told).
+        let t0 = Instant::now();
+        loop {
+            let w = call(&svc, "get_background_watch", json!({"watch_id": watch_id})).await;
+            if w.to_string().contains("\"completed\"") {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(40), "{w}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // A background transfer, cancelled (or ended first): either way a terminal status.
+        let proj = tmp.path().join("proj");
+        std::fs::create_dir_all(&proj).unwrap();
+        for i in 0..200 {
+            std::fs::write(proj.join(format!("f{i}.txt")), format!("file {i}\n")).unwrap();
+        }
+        let v = call(
+            &svc,
+            "sync_local_to_remote",
+            json!({"local_path": proj.display().to_string(), "remote_path": "quiet-proj"}),
+        )
+        .await;
+        let task_id = v["task_id"].as_i64().unwrap_or_else(|| panic!("{v}"));
+        let _ = svc
+            .call_tool(
+                CallToolRequestParams::new("cancel_file_transfer_task")
+                    .with_arguments(json!({"task_id": task_id}).as_object().unwrap().clone()),
+            )
+            .await;
+        let t0 = Instant::now();
+        loop {
+            let t = call(
+                &svc,
+                "check_file_transfer_task",
+                json!({"task_id": task_id}),
+            )
+            .await;
+            let status = t["status"].as_str().unwrap_or_default().to_string();
+            if ["completed", "cancelled", "failed", "interrupted"].contains(&status.as_str()) {
+                break;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(40), "{t}");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // Four of the pusher's ticks.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let got = listener.got.lock().unwrap().clone();
+        assert!(
+            got.iter()
+                .all(|(_, m, _)| m != "notifications/claude/channel"),
+            "{got:?}"
+        );
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(120), result).await;
+    let _ = svc.cancel().await;
+    outcome.expect("the test ran past 120 s");
 }

@@ -3,7 +3,8 @@
 //! started changes state (completed with its exit code, interrupted, resume_started, stalled,
 //! ssh_unreachable, gave_up, ...), and when a background transfer it started ends. Claude Code
 //! shows each as a `<channel source="..." k="v">content</channel>` turn, so "wake me when
-//! training completes" needs no polling by the model.
+//! training completes" needs no polling by the model. Only a client that listens gets them
+//! ([`listens`]): one that never asked may fail on a method it does not know.
 //!
 //! The events come from the store that the watchdog daemon and the transfer workers write; the
 //! server never asks SSH for them. It reads the store only when `PRAGMA data_version` says
@@ -28,6 +29,18 @@ use tokio_util::sync::CancellationToken;
 /// The notification's method and the capability that announces it.
 pub const METHOD: &str = "notifications/claude/channel";
 pub const CAPABILITY: &str = "claude/channel";
+
+/// Whether the client takes channel notifications: it declared the capability
+/// (`experimental: {"claude/channel": {}}`), or it is Claude Code, which listens when the user
+/// turned channels on and ignores them otherwise.
+pub fn listens(client: &rmcp::model::ClientConfig) -> bool {
+    let declared = client
+        .capabilities
+        .experimental
+        .as_ref()
+        .is_some_and(|e| e.contains_key(CAPABILITY));
+    declared || client.client_info.name == "claude-code"
+}
 
 /// How often the store's version is compared. A pragma on an open connection costs
 /// microseconds; half a second keeps the push well under the daemon's own check period.
@@ -200,7 +213,21 @@ pub async fn run(
     }
 }
 
+/// Read what is new in one snapshot: a watch's events and its status come from the same
+/// transaction, so an end committed between two reads can never mark a watch ended whose
+/// completion event was not read.
 fn scan(
+    c: &Connection,
+    watches: &BTreeMap<i64, i64>,
+    transfers: &BTreeSet<i64>,
+) -> rusqlite::Result<Scan> {
+    let tx = c.unchecked_transaction()?;
+    let out = scan_in(&tx, watches, transfers)?;
+    tx.commit()?;
+    Ok(out)
+}
+
+fn scan_in(
     c: &Connection,
     watches: &BTreeMap<i64, i64>,
     transfers: &BTreeSet<i64>,
@@ -417,17 +444,27 @@ impl Transfer {
     }
 }
 
-/// The log's last line with text in it, as one line (control characters out, so remote text
-/// can never start a second line or a terminal escape). The job runner's own `EXIT_CODE=N`
-/// marker is the exit code, which the line already says.
+/// The job's last line with text in it, as one line (control characters out, so remote text
+/// can never start a second line or a terminal escape), or none when it printed nothing. The
+/// job runner's own `EXIT_CODE=N` marker is the exit code, which the line already says, and
+/// its header (`== session:`, `== started_at:`, `== command:`) is not the job's output: the
+/// search stops there.
 fn last_line(tail: &str) -> Option<String> {
     let marker = |l: &str| {
         l.strip_prefix("EXIT_CODE=")
             .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
     };
-    tail.lines()
+    let lines: Vec<&str> = tail.lines().collect();
+    let header = |i: usize| {
+        lines[i].starts_with("== command: ")
+            && i >= 2
+            && lines[i - 1].starts_with("== started_at: ")
+            && lines[i - 2].starts_with("== session: ")
+    };
+    (0..lines.len())
         .rev()
-        .map(crate::watchdog::one_line)
+        .take_while(|&i| !header(i))
+        .map(|i| crate::watchdog::one_line(lines[i]))
         .find(|l| !l.is_empty() && !marker(l))
         .map(|l| clip(&l, MAX_LAST_LINE_CHARS))
 }
@@ -493,6 +530,88 @@ mod tests {
             run_id: "r1".into(),
             watch_status: "completed".into(),
         }
+    }
+
+    #[test]
+    fn the_last_line_is_the_job_s_own_or_none() {
+        let header =
+            "== session: t\n== started_at: 2026-12-06T08:00:00Z\n== command: python train.py\n";
+        assert_eq!(last_line(header), None);
+        assert_eq!(last_line(&format!("{header}EXIT_CODE=1\n")), None);
+        assert_eq!(
+            last_line(&format!("{header}epoch 1\n\nEXIT_CODE=0\n")).as_deref(),
+            Some("epoch 1")
+        );
+        // A job that prints lines like a header is still heard.
+        assert_eq!(
+            last_line("== command: mine\n").as_deref(),
+            Some("== command: mine")
+        );
+        // The previous run's output before this run's header is not this run's.
+        assert_eq!(last_line(&format!("old run\nEXIT_CODE=1\n{header}")), None);
+    }
+
+    /// Issue 40: the scan read a watch's events, then its status, in two transactions; a
+    /// completion committed between them ended the watch unreported. A writer commits each
+    /// watch's completion event and status together while scans race it: every watch seen
+    /// ended had its completion read, once.
+    #[test]
+    fn an_end_committed_between_two_reads_is_never_dropped() {
+        const N: i64 = 1500;
+        let d = tempfile::tempdir().unwrap();
+        let w = crate::store::open(d.path()).unwrap();
+        let r = crate::store::open(d.path()).unwrap();
+        let followed = Followed::default();
+        for id in 1..=N {
+            w.execute(
+                "INSERT INTO watches (id, run_id, name, sandbox_name, tmux_session, log_file, cwd,
+                   launch_command, resume_command, status, created_ts, updated_ts)
+                 VALUES (?1, 'r', '', 's', 't', 'l', '', '', '', 'active', 0, 0)",
+                [id],
+            )
+            .unwrap();
+            followed.watch(id);
+        }
+        let writer = std::thread::spawn(move || {
+            for id in 1..=N {
+                let tx = w.unchecked_transaction().unwrap();
+                tx.execute(
+                    "INSERT INTO watch_events (watch_id, event_type, summary, payload_json, created_ts)
+                     VALUES (?1, 'completed', 'done', '{\"exit_code\": 0}', 1)",
+                    [id],
+                )
+                .unwrap();
+                tx.execute(
+                    "UPDATE watches SET status = 'completed' WHERE id = ?1",
+                    [id],
+                )
+                .unwrap();
+                tx.commit().unwrap();
+            }
+        });
+        let mut heard = BTreeMap::<String, usize>::new();
+        let t0 = std::time::Instant::now();
+        while !followed.is_empty() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(30),
+                "scans never caught up"
+            );
+            let (watches, transfers) = followed.snapshot();
+            let found = scan(&r, &watches, &transfers).unwrap();
+            for m in &found.messages {
+                *heard.entry(m.meta["watch_id"].clone()).or_default() += 1;
+            }
+            for id in &found.watches_ended {
+                assert_eq!(
+                    heard.get(&id.to_string()),
+                    Some(&1),
+                    "watch {id} ended unheard"
+                );
+            }
+            followed.apply(&found);
+        }
+        writer.join().unwrap();
+        assert_eq!(heard.len(), N as usize);
     }
 
     #[test]

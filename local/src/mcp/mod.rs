@@ -211,13 +211,26 @@ pub(crate) fn progress_ticker(
         let start = tokio::time::Instant::now();
         let mut tick =
             tokio::time::interval_at(start + Duration::from_secs(2), Duration::from_secs(2));
+        // Under load, missed ticks are skipped rather than fired back to back.
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut last = None;
         loop {
             tick.tick().await;
-            let secs = start.elapsed().as_secs_f64().round();
+            let Some(secs) = next_progress(last, start.elapsed()) else {
+                continue;
+            };
+            last = Some(secs);
             let p = ProgressNotificationParam::new(token.clone(), secs).with_message(message(secs));
             let _ = peer.notify_progress(p).await;
         }
     }
+}
+
+/// The progress value for a tick (whole seconds elapsed), or none when it would not exceed the
+/// last one sent: MCP requires progress to increase with each notification.
+fn next_progress(last: Option<f64>, elapsed: Duration) -> Option<f64> {
+    let secs = elapsed.as_secs_f64().round();
+    last.is_none_or(|l| secs > l).then_some(secs)
 }
 
 /// Run `work` unless the client cancels; while it runs longer than a few seconds and the
@@ -528,15 +541,25 @@ async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
     match server.serve(transport).await {
         Ok(running) => {
             let ct = tokio_util::sync::CancellationToken::new();
-            let pusher = tokio::spawn(channel::run(
-                running.peer().clone(),
-                followed,
-                state_dir,
-                ct.clone(),
-            ));
+            // Only a client that listens gets channel notifications: one that never asked
+            // may fail on a method it does not know.
+            let listens = running
+                .peer()
+                .peer_info()
+                .is_some_and(|i| channel::listens(&i));
+            let pusher = listens.then(|| {
+                tokio::spawn(channel::run(
+                    running.peer().clone(),
+                    followed,
+                    state_dir,
+                    ct.clone(),
+                ))
+            });
             let _ = running.waiting().await;
             ct.cancel();
-            let _ = pusher.await;
+            if let Some(p) = pusher {
+                let _ = p.await;
+            }
         }
         // A client that closes stdin before initializing is not an error worth a stack trace.
         Err(e) => tracing::info!("MCP session ended before initialization: {e}"),
@@ -552,6 +575,23 @@ async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn progress_only_ever_increases() {
+        let ms = Duration::from_millis;
+        assert_eq!(next_progress(None, ms(2_000)), Some(2.0));
+        // Two late ticks 0.2 s apart round to the same second: the second is not sent.
+        assert_eq!(next_progress(Some(4.0), ms(4_400)), None);
+        assert_eq!(next_progress(Some(4.0), ms(3_900)), None);
+        assert_eq!(next_progress(Some(4.0), ms(6_100)), Some(6.0));
+        let mut last = None;
+        for t in [2_000, 3_900, 4_100, 4_400, 6_000, 6_001, 8_500] {
+            if let Some(v) = next_progress(last, ms(t)) {
+                assert!(last.is_none_or(|l| v > l));
+                last = Some(v);
+            }
+        }
+    }
 
     fn schema() -> serde_json::Map<String, Value> {
         json!({
