@@ -191,7 +191,10 @@ fn redact_value(v: &mut Value, secrets: &[String]) {
     }
 }
 
-/// `s` with configured secrets and token-looking words replaced by `***`.
+/// `s` with configured secrets and token-looking words replaced by `***`: secret-named
+/// assignments and options (`API_KEY=x`, `--password x`, `--token=x`), bearer tokens, known
+/// token formats, a URL's password (`https://user:***@host`), `curl -u user:***` and mysql's
+/// `-p***`. A best effort over text: a secret spelled otherwise stays.
 pub fn redact(s: &str, secrets: &[String]) -> String {
     let mut s = s.to_string();
     for secret in secrets {
@@ -199,22 +202,115 @@ pub fn redact(s: &str, secrets: &[String]) -> String {
             s = s.replace(secret.as_str(), "***");
         }
     }
+    // mysql's `-pSECRET` only where a mysql client is named (`-p` means other things elsewhere).
+    let mysql = s.split_whitespace().any(|w| {
+        let prog = w.rsplit('/').next().unwrap_or(w);
+        prog.starts_with("mysql") || prog.starts_with("mariadb")
+    });
     let mut out = String::with_capacity(s.len());
-    let mut redact_next = false;
+    let mut next = Next::Keep;
     for (i, word) in s.split_inclusive(char::is_whitespace).enumerate() {
         let w = word.trim_end();
         let tail = &word[w.len()..];
-        if i > 0 && redact_next && !w.is_empty() {
-            out.push_str("***");
+        if i > 0 && next != Next::Keep && !w.is_empty() {
+            match next {
+                Next::Whole => out.push_str("***"),
+                _ => out.push_str(&after_colon(w)),
+            }
             out.push_str(tail);
-            redact_next = false;
+            next = Next::Keep;
             continue;
         }
-        redact_next = w.eq_ignore_ascii_case("bearer") || w.eq_ignore_ascii_case("token");
-        out.push_str(&redact_word(w));
+        next = next_is_secret(w);
+        if mysql && let Some(pw) = w.strip_prefix("-p").filter(|p| !p.is_empty()) {
+            out.push_str(if pw.starts_with('-') { w } else { "-p***" });
+        } else {
+            out.push_str(&redact_word(w));
+        }
         out.push_str(tail);
     }
     out
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Next {
+    Keep,
+    /// The next word is a secret (`--password X`, `Bearer X`).
+    Whole,
+    /// The next word is `user:secret` (`curl -u user:pass`).
+    AfterColon,
+}
+
+fn next_is_secret(w: &str) -> Next {
+    let bare = w.trim_start_matches(['\'', '"']);
+    if bare.eq_ignore_ascii_case("bearer") || bare.eq_ignore_ascii_case("token") {
+        return Next::Whole;
+    }
+    if matches!(w, "-u" | "--user" | "--proxy-user") {
+        return Next::AfterColon;
+    }
+    match w.strip_prefix("--") {
+        Some(name) if !name.contains('=') && secret_name(name) => Next::Whole,
+        _ => Next::Keep,
+    }
+}
+
+/// A name that holds a secret: `*PASSWORD*`, `*PASSWD*`, `*PASSPHRASE*`, `*SECRET*`,
+/// `*TOKEN*`, `*_KEY`, `*API_KEY`, `*APIKEY`, in any case, `-` read as `_`.
+fn secret_name(name: &str) -> bool {
+    let n = name
+        .trim_start_matches('-')
+        .to_ascii_uppercase()
+        .replace('-', "_");
+    ["PASSWORD", "PASSWD", "PASSPHRASE", "SECRET", "TOKEN"]
+        .iter()
+        .any(|k| n.contains(k))
+        || n.ends_with("_KEY")
+        || n.ends_with("APIKEY")
+        || n == "KEY"
+}
+
+/// `user:secret` → `user:***` (a word with no colon is kept).
+fn after_colon(w: &str) -> String {
+    match w.split_once(':') {
+        Some((user, pw)) if !pw.is_empty() => format!("{user}:***"),
+        _ => w.to_string(),
+    }
+}
+
+/// A URL's password: `scheme://user:secret@host` → `scheme://user:***@host`.
+fn redact_url_password(w: &str) -> String {
+    let Some(at) = w.find("://") else {
+        return w.to_string();
+    };
+    let start = at + 3;
+    let rest = &w[start..];
+    let auth_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let auth = &rest[..auth_end];
+    match auth.rfind('@') {
+        Some(k) if auth[..k].contains(':') => {
+            let user = &auth[..auth[..k].find(':').unwrap_or(k)];
+            format!("{}{user}:***{}", &w[..start], &w[start + k..])
+        }
+        _ => w.to_string(),
+    }
+}
+
+fn redact_word(w: &str) -> String {
+    // NAME=value with a secret-ish NAME (`--password=x`, `API_KEY=x`, `AWS_SECRET_X=x`), and
+    // `--user=name:secret`.
+    if let Some((k, val)) = w.split_once('=')
+        && !val.is_empty()
+        && !k.contains("://")
+    {
+        if secret_name(k.trim_start_matches(['\'', '"'])) {
+            return format!("{k}=***");
+        }
+        if k == "--user" || k == "--proxy-user" {
+            return format!("{k}={}", after_colon(val));
+        }
+    }
+    redact_tokens(&redact_url_password(w))
 }
 
 const TOKEN_PREFIXES: [&str; 8] = [
@@ -227,29 +323,6 @@ const TOKEN_PREFIXES: [&str; 8] = [
     "xoxp-",
     "hf_",
 ];
-
-fn redact_word(w: &str) -> String {
-    // NAME=value with a secret-ish NAME (`--password=x`, `API_KEY=x`, `-p=x` is left alone).
-    if let Some((k, val)) = w.split_once('=') {
-        let k_up = k.trim_start_matches('-').to_ascii_uppercase();
-        if !val.is_empty()
-            && [
-                "PASSWORD",
-                "PASSWD",
-                "SECRET",
-                "TOKEN",
-                "API_KEY",
-                "APIKEY",
-                "PASSPHRASE",
-            ]
-            .iter()
-            .any(|n| k_up.ends_with(n))
-        {
-            return format!("{k}=***");
-        }
-    }
-    redact_tokens(w)
-}
 
 /// Runs that start with a known token prefix (at a word boundary) and go on for at least 16
 /// token characters, and AWS access key ids, become `***` wherever they sit in the word (a
@@ -379,6 +452,61 @@ mod tests {
             "task-0123456789abcdefghijk"
         );
         assert_eq!(redact("ls -la", &[]), "ls -la");
+    }
+
+    /// Issue 39: what the audit log used to keep in plain text.
+    #[test]
+    fn secret_spellings_are_redacted() {
+        let cases = [
+            (
+                "export AWS_SECRET_ACCESS_KEY=abc123",
+                "export AWS_SECRET_ACCESS_KEY=***",
+            ),
+            ("MY_SECRET_THING=x ./run", "MY_SECRET_THING=*** ./run"),
+            ("HF_TOKEN_RW=x python t.py", "HF_TOKEN_RW=*** python t.py"),
+            ("OPENAI_KEY=x make", "OPENAI_KEY=*** make"),
+            ("deploy --password hunter2 --x", "deploy --password *** --x"),
+            ("deploy --password=hunter2", "deploy --password=***"),
+            (
+                "tool --api-key abc --db-password=p",
+                "tool --api-key *** --db-password=***",
+            ),
+            ("mysql -u root -pS3cret db", "mysql -u root -p*** db"),
+            (
+                "/usr/bin/mysqldump -psecret x",
+                "/usr/bin/mysqldump -p*** x",
+            ),
+            (
+                "git clone https://alice:pa55@example.com/r.git",
+                "git clone https://alice:***@example.com/r.git",
+            ),
+            (
+                "pip install --index-url https://u:p%40ss@pypi.example/simple x",
+                "pip install --index-url https://u:***@pypi.example/simple x",
+            ),
+            ("curl -u bob:s3cr3t https://x", "curl -u bob:*** https://x"),
+            (
+                "curl --user=bob:s3cr3t https://x",
+                "curl --user=bob:*** https://x",
+            ),
+        ];
+        for (raw, want) in cases {
+            assert_eq!(redact(raw, &[]), want, "{raw}");
+        }
+        // Ordinary commands keep their words.
+        for keep in [
+            "sort -u names.txt",
+            "git add -u",
+            "ps -u root",
+            "ssh -p 2222 host",
+            "tar -cpf a.tar dir",
+            "python -m pytest -k key_test",
+            "grep -r KEYBOARD src",
+            "git clone https://example.com/r.git",
+            "cp a b -p",
+        ] {
+            assert_eq!(redact(keep, &[]), keep);
+        }
     }
 
     #[test]
