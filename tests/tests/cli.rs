@@ -404,16 +404,21 @@ fn cli_table() {
             .no_out("\u{1b}")
             .no_out("\u{7}"),
         rsb(&["--json", "ls", "~/evil"]).out("/evil/x\\u001b]52;c;aGk=\\u0007.txt\""),
-        // Sandboxes: a table; warnings only about the sandboxes a command uses.
+        // Sandboxes: a table; warnings only about the sandboxes a command uses. A sandbox
+        // down is a failed health check (issue 41, item 9): exit 3 after the listing.
         rsb(&["sandboxes"])
+            .code(3)
             .out("NAME")
             .out("gpu1")
             .out("dead")
-            .err("rsb: warning: REMOTE_SANDBOX_LIST[1]: key_file"),
+            .err("rsb: warning: REMOTE_SANDBOX_LIST[1]: key_file")
+            .err("rsb: 1 of 2 sandboxes down: dead"),
         rsb(&["sandboxes", "--resources", "-s", "gpu1"])
+            .code(3)
             .out("CPU%")
             .out("IDLE"),
         rsb(&["--json", "sandboxes"])
+            .code(3)
             .out("\"active_sandbox\":\"gpu1\"")
             .out("\"connection_alive\":false"),
         rsb(&["exec", "true"]).quiet(),
@@ -502,6 +507,13 @@ fn cli_table() {
             .no_out("send")
             .out("3 unchanged"),
         rsb(&["sync", "-n", &proj, "gpu1:cli-n"]).out("send    sub/b.txt"),
+        // rsync's habit `-avz` (issue 41, item 9): -z turns compression on, even on loopback,
+        // where rsb would not compress by itself.
+        rsb(&["sync", "-avz", &proj, "gpu1:cli-z"])
+            .err("-a is implied")
+            .out("sent 4 files")
+            .out("compressed"),
+        rsb(&["sync", &proj, "gpu1:cli-z2"]).no_out("compressed"),
         // About rsb itself.
         rsb(&["version"])
             .out("rsb ")

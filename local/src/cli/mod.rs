@@ -68,7 +68,7 @@ Exit codes:
   1    usage: a bad flag, argument, sandbox or command name
   2    configuration missing or invalid (see `rsb config check`)
   3    connection: cannot connect, authenticate, verify the host key, deploy the agent,
-       or the link dropped (see `rsb doctor`)
+       or the link dropped (see `rsb doctor`); rsb sandboxes: a sandbox is down
   4    the operation failed on the sandbox (no such file or job, permission denied, ...)
   5    internal error (a bug in rsb)
   6    rsb sync: conflicts (files changed on both sides were kept, not replaced;

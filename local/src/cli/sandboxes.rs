@@ -1,4 +1,5 @@
-//! `rsb sandboxes [--resources]`.
+//! `rsb sandboxes [--resources]`: exits 3 (connection) when any sandbox is down, as a health
+//! check would, after the listing.
 
 use rsb::ops::sandboxes::{self, ResourcesOrError};
 
@@ -14,9 +15,20 @@ pub async fn run(ctx: &Ctx, resources: bool) -> u8 {
         sandboxes::Listing::Probe
     };
     let list = sandboxes::list(&ctx.pool, depth).await;
+    let down: Vec<&str> = list
+        .sandboxes
+        .iter()
+        .filter(|s| !s.connection_alive)
+        .map(|s| s.name.as_str())
+        .collect();
+    let code = if down.is_empty() {
+        exit::OK
+    } else {
+        exit::CONNECTION
+    };
     if ctx.json {
         print_json(&list);
-        return exit::OK;
+        return code;
     }
     let mut header = vec!["", "NAME", "ADDRESS", "ALIVE"];
     if resources {
@@ -60,5 +72,16 @@ pub async fn run(ctx: &Ctx, resources: bool) -> u8 {
         })
         .collect();
     print_table(&header, &rows);
-    exit::OK
+    if !down.is_empty() {
+        eprintln!(
+            "rsb: {} of {} sandboxes down: {} (rsb doctor says why)",
+            down.len(),
+            list.sandboxes.len(),
+            down.iter()
+                .map(|n| rsb::term::shown(n))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    code
 }

@@ -55,6 +55,17 @@ pub struct SyncArgs {
     /// Accepted for rsync habits and ignored: rsb always keeps modes, mtimes and symlinks.
     #[arg(short = 'a', long = "archive")]
     archive: bool,
+    /// Compress file bytes on the wire, as rsync -z. Without it rsb compresses when the link is
+    /// slow (a round trip of 5 ms or more; RSB_SYNC_COMPRESS=on|off|auto).
+    #[arg(short = 'z', long = "compress")]
+    compress: bool,
+}
+
+impl SyncArgs {
+    /// `-z` as the engine's compression mode.
+    fn compress_mode(&self) -> Option<rsb::sync::compress::Mode> {
+        self.compress.then_some(rsb::sync::compress::Mode::On)
+    }
 }
 
 impl SyncArgs {
@@ -167,6 +178,7 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
             // A writer that never pauses still gets synced; 1 s at the default debounce.
             max_burst: std::time::Duration::from_millis(a.debounce.saturating_mul(20).max(1000)),
             confirm_delete: a.safety.confirm_delete,
+            compress: a.compress_mode(),
             ..Default::default()
         };
         return rsb::sync::watch::run_cli(pool, &sandbox, &spec, json, opts).await;
@@ -264,6 +276,7 @@ async fn once(pool: &Pool, json: bool, sandbox: &str, spec: &SyncSpec, a: &SyncA
     });
     let mut opts = a.safety.options();
     opts.list_actions = a.verbose && !json;
+    opts.compress = a.compress_mode();
     let r = rsb::ops::sync::run_with(pool, sandbox, spec, &opts, progress, &cancel).await;
     ctrl_c.abort();
     if let Some(b) = bar {

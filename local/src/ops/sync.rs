@@ -250,6 +250,7 @@ async fn sync_for_tool(
         baseline: None,
         list_actions: false,
         baseline_sink: None,
+        compress: None,
     };
     let exclude_file = args
         .exclude_file

@@ -81,6 +81,8 @@ pub struct WatchOptions {
     /// guard applies to every burst, not only the initial sync: an accidental `rm -rf` of the
     /// local tree is refused (a `failed` event), not mirrored.
     pub confirm_delete: bool,
+    /// Compression asked for (`rsb sync -w -z`), over `RSB_SYNC_COMPRESS`.
+    pub compress: Option<crate::sync::compress::Mode>,
 }
 
 impl Default for WatchOptions {
@@ -93,6 +95,7 @@ impl Default for WatchOptions {
             retry_min: Duration::from_millis(250),
             retry_max: Duration::from_secs(8),
             confirm_delete: false,
+            compress: None,
         }
     }
 }
@@ -1053,6 +1056,7 @@ async fn fast_sync(
 fn options(opts: &WatchOptions) -> crate::sync::RunOptions {
     crate::sync::RunOptions {
         confirm_delete: opts.confirm_delete,
+        compress: opts.compress,
         ..Default::default()
     }
 }

@@ -139,6 +139,8 @@ pub struct RunOptions {
     /// did commit), for the caller to store as a completed run's
     /// [`SyncReport::baseline_out`] is.
     pub baseline_sink: Option<BaselineSink>,
+    /// Compression asked for by this call (`rsb sync -z`); wins over `RSB_SYNC_COMPRESS`.
+    pub compress: Option<Mode>,
 }
 
 /// Where a failed run leaves the baseline of what it committed ([`RunOptions::baseline_sink`]).
@@ -173,7 +175,10 @@ pub async fn run_with(
     cancel: &CancellationToken,
     opts: &RunOptions,
 ) -> Result<SyncReport> {
-    let compress_mode = Mode::from_env()?;
+    let compress_mode = match opts.compress {
+        Some(m) => m,
+        None => Mode::from_env()?,
+    };
     let spec = &SyncSpec {
         rules: spec.effective_rules(),
         ..spec.clone()
