@@ -990,3 +990,48 @@ fn a_reused_job_name_keeps_the_earlier_run() {
     let o = u.run(&mut u.cmd(&["jobs", "kill", "j1"]), Duration::from_secs(60));
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
 }
+
+/// Issue 41, item 7: with REMOTE_HOST set, a misspelt `REMOTE_PORTT` was ignored and rsb
+/// dialled port 22; `REMOTE_USER` left beside a sandbox list was ignored while `rsb config
+/// check` said ok. Now the typo is a configuration error naming the variable it likely
+/// means, and the leftover is named by `config check` and `doctor`.
+#[test]
+fn config_typos_and_leftovers_are_named() {
+    let u = User::new();
+    let mut c = u.cmd(&["exec", "echo reached"]);
+    c.env_remove("REMOTE_SANDBOX_LIST")
+        .env("REMOTE_HOST", u.sshd.host())
+        .env("REMOTE_USER", u.sshd.user())
+        .env("REMOTE_KEY_FILE", u.sshd.client_key())
+        .env("REMOTE_PORTT", u.sshd.port().to_string());
+    let o = u.run(&mut c, Duration::from_secs(60));
+    assert_eq!(o.status.code(), Some(2), "{}", show(&o));
+    let err = text(&o.stderr);
+    assert!(
+        err.contains("REMOTE_PORTT is not a variable rsb reads"),
+        "{err}"
+    );
+    assert!(err.contains("did you mean REMOTE_PORT?"), "{err}");
+    assert!(!text(&o.stdout).contains("reached"), "{}", show(&o));
+    // Spelt right, it reaches the fixture's port.
+    let mut c = u.cmd(&["exec", "echo reached"]);
+    c.env_remove("REMOTE_SANDBOX_LIST")
+        .env("REMOTE_HOST", u.sshd.host())
+        .env("REMOTE_USER", u.sshd.user())
+        .env("REMOTE_KEY_FILE", u.sshd.client_key())
+        .env("REMOTE_PORT", u.sshd.port().to_string());
+    let o = u.run(&mut c, Duration::from_secs(60));
+    assert_eq!(text(&o.stdout), "reached\n", "{}", show(&o));
+
+    // A leftover REMOTE_USER beside the sandbox list.
+    for args in [&["config", "check"][..], &["doctor"][..]] {
+        let mut c = u.cmd(args);
+        c.env("REMOTE_USER", "bob");
+        let o = u.run(&mut c, Duration::from_secs(60));
+        let all = show(&o);
+        assert!(
+            all.contains("REMOTE_USER is ignored: it only completes REMOTE_HOST, and the sandboxes come from REMOTE_SANDBOX_LIST"),
+            "{args:?}: {all}"
+        );
+    }
+}

@@ -63,7 +63,9 @@ pub use policy::{
 };
 pub use secrets::Secret;
 pub use slurm::{SlurmDefaults, SlurmOptions};
-pub use sources::{BUILTIN_LOCAL, check_unconfigured_env, config_file_path, env_truthy};
+pub use sources::{
+    BUILTIN_LOCAL, check_unconfigured_env, check_unknown_vars, config_file_path, env_truthy,
+};
 pub use ssh_config::ssh_config_file;
 pub use state_dir::{default_state_dir, ensure_private_dir, state_dir};
 
@@ -325,13 +327,13 @@ impl Config {
             &home,
             &ssh_home(&home),
         )?;
+        let vars: Vec<(String, String)> = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.to_string_lossy().into_owned())))
+            .collect();
         if cfg.source == BUILTIN_LOCAL {
-            let vars: Vec<(String, String)> = std::env::vars_os()
-                .filter_map(|(k, v)| {
-                    Some((k.into_string().ok()?, v.to_string_lossy().into_owned()))
-                })
-                .collect();
             check_unconfigured_env(&vars)?;
+        } else {
+            check_unknown_vars(&vars)?;
         }
         ensure_private_dir(&cfg.state_dir).map_err(|e| {
             ConfigError::new(

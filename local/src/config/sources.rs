@@ -58,6 +58,23 @@ pub(super) fn sandboxes(
     let list = env(LIST_VAR).filter(|s| !s.trim().is_empty());
     let legacy_host = env("REMOTE_HOST").filter(|s| !s.trim().is_empty());
     let file = config_file.filter(|p| p.is_file());
+    // REMOTE_USER & co. only complete REMOTE_HOST: beside another source they do nothing.
+    let other = match (&list, file) {
+        (Some(_), _) => Some(LIST_VAR.to_string()),
+        (None, Some(f)) => Some(format!("config file {}", f.display())),
+        (None, None) => None,
+    };
+    if legacy_host.is_none()
+        && let Some(source) = other
+    {
+        for k in LEGACY_PART_VARS {
+            if env(k).is_some_and(|v| !v.trim().is_empty()) {
+                ctx.warn(format!(
+                    "{k} is ignored: it only completes REMOTE_HOST, and the sandboxes come from {source}"
+                ));
+            }
+        }
+    }
 
     let chosen = if let Some(list) = list {
         if legacy_host.is_some() {
@@ -140,6 +157,20 @@ const KNOWN_VARS: &[&str] = &[
     "RSB_RESUME_ATTEMPT",
     "RSB_WATCH_ID",
     "RSB_JOB_NAME",
+    "RSB_REQUIRE_SLURM",
+    "RSB_AGENTS_WITH_ZIG",
+    // Set by rsb for the commands it runs (Slurm submission, sudo), so an rsb run from one of
+    // them sees them.
+    "RSB_LAUNCH_ID",
+    "RSB_JOBNAME",
+    "RSB_CWD",
+    "RSB_SPEC",
+    "RSB_SCRIPT",
+    "RSB_ROOT",
+    "RSB_ID",
+    "RSB_D",
+    "RSB_AGENT",
+    "RSB_SUDO_COMMAND",
 ];
 /// Prefixes of the harness's own variables (tests, benches, the job wrapper's children).
 const KNOWN_VAR_PREFIXES: &[&str] = &[
@@ -149,6 +180,7 @@ const KNOWN_VAR_PREFIXES: &[&str] = &[
     "RSB_SWEEP_",
     "RSB_WATCH_BENCH_",
     "RSB_JOBS_CHILD_",
+    "RSB_SLURM_",
 ];
 /// The variables that name where sandboxes come from: one of them set but empty, or a
 /// connection variable without `REMOTE_HOST`, means the user meant a remote sandbox.
@@ -185,6 +217,29 @@ pub fn check_unconfigured_env(vars: &[(String, String)]) -> Result<(), ConfigErr
             format!("set REMOTE_HOST (or REMOTE_SANDBOX_LIST) too, or unset {k}; {hint_tail}"),
         ));
     }
+    match unknown_var(vars) {
+        Some((k, dym)) => Err(ConfigError::new(
+            format!("{k} is not a variable rsb reads, and nothing else configures a sandbox"),
+            format!("{dym}see the README's Configuration table for the names; {hint_tail}"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// A `REMOTE_*` / `RSB_*` name rsb does not read, with the one it most likely misspells: a
+/// configured rsb would otherwise ignore `REMOTE_PORTT=2231` and dial port 22.
+pub fn check_unknown_vars(vars: &[(String, String)]) -> Result<(), ConfigError> {
+    match unknown_var(vars) {
+        Some((k, dym)) => Err(ConfigError::new(
+            format!("{k} is not a variable rsb reads"),
+            format!("{dym}see the README's Configuration table for the names, or unset {k}"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The first unknown rsb-like variable and a "did you mean" for it.
+fn unknown_var(vars: &[(String, String)]) -> Option<(&str, String)> {
     let mut unknown: Vec<&str> = vars
         .iter()
         .map(|(k, _)| k.as_str())
@@ -200,17 +255,12 @@ pub fn check_unconfigured_env(vars: &[(String, String)]) -> Result<(), ConfigErr
         })
         .collect();
     unknown.sort_unstable();
-    if let Some(k) = unknown.first() {
-        let dym = match nearest_var(k) {
-            Some(n) => format!("did you mean {n}? "),
-            None => String::new(),
-        };
-        return Err(ConfigError::new(
-            format!("{k} is not a variable rsb reads, and nothing else configures a sandbox"),
-            format!("{dym}see the README's Configuration table for the names; {hint_tail}"),
-        ));
-    }
-    Ok(())
+    let k = unknown.first()?;
+    let dym = match nearest_var(k) {
+        Some(n) => format!("did you mean {n}? "),
+        None => String::new(),
+    };
+    Some((k, dym))
 }
 
 /// The known variable `name` is most likely a typo of.
