@@ -28,6 +28,9 @@ struct Cli {
         value_name = "SANDBOX"
     )]
     sandbox: Option<String>,
+    /// `-s` was on the command line (not only `RSB_SANDBOX`).
+    #[arg(skip)]
+    sandbox_flag: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -175,9 +178,12 @@ fn command() -> clap::Command {
 }
 
 fn parse() -> Result<Cli, u8> {
-    let parsed = command()
-        .try_get_matches()
-        .and_then(|m| Cli::from_arg_matches(&m));
+    let parsed = command().try_get_matches().and_then(|m| {
+        let mut cli = Cli::from_arg_matches(&m)?;
+        cli.sandbox_flag =
+            m.value_source("sandbox") == Some(clap::parser::ValueSource::CommandLine);
+        Ok(cli)
+    });
     parsed.map_err(|e| {
         let _ = e.print();
         match e.kind() {
@@ -306,6 +312,8 @@ async fn run(cli: Cli) -> u8 {
             sandbox: Some(s), ..
         } => Some(s.clone()),
         _ if cli.sandbox.is_some() => cli.sandbox.clone(),
+        // `rsb exec ALIAS cmd`, as `ssh ALIAS cmd`.
+        Cmd::Exec(a) if a.command.len() >= 2 => Some(a.command[0].clone()),
         Cmd::Ls { path, .. }
         | Cmd::Cat { path, .. }
         | Cmd::Grep(cli::search::GrepArgs { path, .. })
@@ -338,6 +346,25 @@ async fn run(cli: Cli) -> u8 {
     {
         sandbox = Some(name);
         *path = rest;
+    }
+    // `rsb exec gpu1 hostname`, as `ssh gpu1 hostname`: a first word that names a configured
+    // sandbox picks it unless `-s` was given (RSB_SANDBOX is a default, not a choice here).
+    if let Cmd::Exec(a) = &mut cmd
+        && !cli.sandbox_flag
+        && let Some(first) = a.command.first()
+        && config.sandbox(first).is_some()
+    {
+        if a.command.len() == 1 || (a.command.len() == 2 && a.command[1] == "--") {
+            let name = rsb::term::shown(first);
+            eprintln!(
+                "rsb: `{name}` names a sandbox, not a command\n  hint: `rsb exec {name} -- CMD` runs CMD there (`rsb shell {name}` for a shell; `rsb exec -s SANDBOX -- {name}` runs a command of that name)"
+            );
+            return exit::USAGE;
+        }
+        sandbox = Some(a.command.remove(0));
+        if a.command.first().is_some_and(|w| w == "--") {
+            a.command.remove(0);
+        }
     }
     let ctx = Ctx::new(config, json, sandbox);
     let code = match cmd {

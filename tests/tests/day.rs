@@ -1035,3 +1035,45 @@ fn config_typos_and_leftovers_are_named() {
         );
     }
 }
+
+/// Issue 41, item 6: `rsb exec box hostname` ran a command called `box` (exit 127). As with
+/// `ssh box hostname`, a first word naming a configured sandbox picks it unless `-s` was
+/// given; alone, it gets a hint instead of a "command not found".
+#[test]
+fn exec_takes_the_sandbox_as_ssh_does() {
+    let u = User::new();
+    let run = |args: &[&str]| u.run(&mut u.cmd(args), Duration::from_secs(60));
+    let o = run(&["exec", "gpu1", "echo", "on-gpu1"]);
+    assert_eq!(
+        (o.status.code(), text(&o.stdout)),
+        (Some(0), "on-gpu1\n".into()),
+        "{}",
+        show(&o)
+    );
+    let o = run(&["exec", "gpu1", "--", "printf", "%s\\n", "a b"]);
+    assert_eq!(text(&o.stdout), "a b\n", "{}", show(&o));
+    let o = run(&["exec", "gpu1", "echo $HOME"]);
+    assert_eq!(
+        text(&o.stdout).trim(),
+        u.sshd.home().display().to_string(),
+        "{}",
+        show(&o)
+    );
+    let o = run(&["exec", "gpu1"]);
+    assert_eq!(o.status.code(), Some(1), "{}", show(&o));
+    assert!(
+        text(&o.stderr).contains("`gpu1` names a sandbox, not a command"),
+        "{}",
+        show(&o)
+    );
+    assert!(
+        text(&o.stderr).contains("rsb exec gpu1 -- CMD"),
+        "{}",
+        show(&o)
+    );
+    // A word that names no sandbox is the command; with -s the words are the command.
+    let o = run(&["exec", "echo", "gpu1"]);
+    assert_eq!(text(&o.stdout), "gpu1\n", "{}", show(&o));
+    let o = run(&["-s", "gpu1", "exec", "gpu1", "x"]);
+    assert_eq!(o.status.code(), Some(127), "{}", show(&o));
+}
