@@ -12,7 +12,7 @@
 use std::{
     path::{Path, PathBuf},
     sync::{Arc, Mutex},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use rmcp::{
@@ -64,12 +64,15 @@ fn cli(tmp: &Path, list: &str, env: &[(&str, &str)], args: &[&str]) -> std::proc
 }
 
 /// A client that answers elicitation with `answer` (when it declares the capability) and
-/// keeps every question it was asked.
+/// keeps every question it was asked. With `hold` set, an answer waits until the test
+/// releases it (the user thinking), and `pending` is signalled when the question arrives.
 #[derive(Clone)]
 struct Client {
     elicitation: bool,
     answer: Arc<Mutex<ElicitationAction>>,
     asked: Arc<Mutex<Vec<String>>>,
+    hold: Arc<Mutex<Option<Arc<tokio::sync::Notify>>>>,
+    pending: Arc<tokio::sync::Notify>,
 }
 
 impl ClientHandler for Client {
@@ -91,6 +94,11 @@ impl ClientHandler for Client {
         if let ElicitRequestParams::FormElicitationParams { message, .. } = request {
             self.asked.lock().unwrap().push(message);
         }
+        let hold = self.hold.lock().unwrap().clone();
+        if let Some(h) = hold {
+            self.pending.notify_one();
+            h.notified().await;
+        }
         Ok(ElicitResult::new(self.answer.lock().unwrap().clone()))
     }
 }
@@ -110,10 +118,13 @@ struct Reply {
 
 impl Mcp {
     async fn start(sshd: &Sshd, policy: Value, elicitation: bool) -> Mcp {
+        Mcp::start_list(sandbox_list(sshd, &policy), elicitation).await
+    }
+
+    async fn start_list(list: String, elicitation: bool) -> Mcp {
         let tmp = tempfile::tempdir().unwrap();
         let home = tmp.path().join("home");
         std::fs::create_dir_all(&home).unwrap();
-        let list = sandbox_list(sshd, &policy);
         let stderr = std::fs::File::create(tmp.path().join("rsb-mcp.stderr")).unwrap();
         let mut cmd = tokio::process::Command::new(rsb_bin());
         cmd.arg("mcp")
@@ -132,6 +143,8 @@ impl Mcp {
             elicitation,
             answer: Arc::new(Mutex::new(ElicitationAction::Decline)),
             asked: Default::default(),
+            hold: Default::default(),
+            pending: Default::default(),
         };
         let svc = tokio::time::timeout(Duration::from_secs(20), client.clone().serve(transport))
             .await
@@ -730,4 +743,63 @@ async fn destructive_actions_are_asked_with_what_they_would_destroy() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// Issue 39: the exec and background tools checked the policy of the sandbox they resolved,
+/// then resolved it again to run, so a `select_sandbox` while the user decided ran the
+/// approved command elsewhere. Now a call resolves once: the command runs on the sandbox the
+/// question named, or not at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_runs_where_it_was_asked_even_after_select_sandbox() {
+    let (a, b) = (Sshd::start().unwrap(), Sshd::start().unwrap());
+    let policy = json!({"ask": ["touch *"]});
+    let entry = |name: &str, sshd: &Sshd| {
+        json!({"name": name, "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+               "key_file": sshd.client_key().display().to_string(), "policy": policy})
+    };
+    let list = json!([entry("a", &a), entry("b", &b)]).to_string();
+    let mcp = Mcp::start_list(list, true).await;
+    *mcp.client.answer.lock().unwrap() = ElicitationAction::Accept;
+    for (tool, extra) in [
+        ("exec_bash", json!({"timeout_s": 10})),
+        ("exec_bash_background", json!({"watch": false})),
+    ] {
+        let r = mcp
+            .call("select_sandbox", json!({"sandbox_name": "a"}))
+            .await;
+        assert!(!r.is_error, "{}", r.text);
+        let hold = Arc::new(tokio::sync::Notify::new());
+        *mcp.client.hold.lock().unwrap() = Some(hold.clone());
+        let marker = format!("approved-{tool}");
+        let mut args = json!({"command": format!("touch ~/{marker}")});
+        args.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let call = mcp.call(tool, args);
+        let switch = async {
+            mcp.client.pending.notified().await;
+            // The user is still deciding: the model switches the active sandbox.
+            let r = mcp
+                .call("select_sandbox", json!({"sandbox_name": "b"}))
+                .await;
+            assert!(!r.is_error, "{}", r.text);
+            *mcp.client.hold.lock().unwrap() = None;
+            hold.notify_one();
+        };
+        let (r, ()) = tokio::join!(call, switch);
+        assert!(!r.is_error, "{tool}: {}", r.text);
+        let asked = mcp.client.asked.lock().unwrap().last().cloned().unwrap();
+        assert!(asked.contains("on sandbox 'a'"), "{asked}");
+        let (on_a, on_b) = (a.home().join(&marker), b.home().join(&marker));
+        let t0 = Instant::now();
+        while !on_a.exists() && t0.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(
+            on_a.exists(),
+            "{tool}: the approved command did not run on a"
+        );
+        assert!(!on_b.exists(), "{tool}: the approved command ran on b");
+    }
+    let _ = mcp.svc.cancel().await;
 }

@@ -69,20 +69,25 @@ impl RsbServer {
             } else {
                 "exec_bash"
             };
-            if let Ok(sandbox) = self.pool.resolve(&p.sandbox_name)
-                && let Err(e) = super::policy::gate(
-                    self,
-                    &ctx,
-                    &sandbox,
-                    tool,
-                    vec![&p.command],
-                    p.cwd.as_deref(),
-                )
-                .await
+            // One sandbox for the whole call: the one the policy asks about is the one that
+            // runs it, whatever select_sandbox does while the user decides.
+            let sandbox = match self.pool.resolve(&p.sandbox_name) {
+                Ok(s) => s,
+                Err(e) => return fail(&e),
+            };
+            if let Err(e) = super::policy::gate(
+                self,
+                &ctx,
+                &sandbox,
+                tool,
+                vec![&p.command],
+                p.cwd.as_deref(),
+            )
+            .await
             {
                 return fail(&e);
             }
-            let client = match self.pool.client(&p.sandbox_name).await {
+            let client = match self.pool.client(&sandbox).await {
                 Ok(c) => c,
                 Err(e) => return fail(&e),
             };

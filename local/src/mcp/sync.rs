@@ -252,12 +252,16 @@ impl RsbServer {
         Parameters(p): Parameters<SyncUpParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let args = match args_up(p) {
+        let mut args = match args_up(p) {
             Ok(a) => a,
             Err(e) => return fail(&e),
         };
         let t0 = std::time::Instant::now();
         let sandbox = self.pool.resolve(&args.sandbox).unwrap_or_default();
+        // One sandbox for the whole call (see `exec_bash`): approved, synced, audited.
+        if !sandbox.is_empty() {
+            args.sandbox = sandbox.clone();
+        }
         let what = format!(
             "{} -> {sandbox}:{}{}",
             args.local_path,
@@ -307,7 +311,7 @@ impl RsbServer {
             Ok(e) => e,
             Err(e) => return fail(&e),
         };
-        let args = SyncArgs {
+        let mut args = SyncArgs {
             local_path: p.local_path,
             remote_path: p.remote_path,
             delete_extras: false,
@@ -322,6 +326,10 @@ impl RsbServer {
         };
         let t0 = std::time::Instant::now();
         let sandbox = self.pool.resolve(&args.sandbox).unwrap_or_default();
+        // One sandbox for the whole call (see `exec_bash`): approved, synced, audited.
+        if !sandbox.is_empty() {
+            args.sandbox = sandbox.clone();
+        }
         let what = format!("{sandbox}:{} -> {}", args.remote_path, args.local_path);
         if let Err(e) = super::policy::approve_sync(
             self,

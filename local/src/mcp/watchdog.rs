@@ -290,7 +290,7 @@ impl RsbServer {
     ) -> ToolResult {
         let t0 = std::time::Instant::now();
         let what = Some(format!("watch {}", p.tmux_session));
-        let args = wops::WatchArgs {
+        let mut args = wops::WatchArgs {
             tmux_session: p.tmux_session,
             log_file: p.log_file,
             sandbox_name: p.sandbox_name,
@@ -317,7 +317,11 @@ impl RsbServer {
             codex_command: String::new(),
             stall_after_s: p.stall_after_s,
         };
+        // One sandbox for the whole call (see `exec_bash`).
         let sandbox = self.pool.resolve(&args.sandbox_name).unwrap_or_default();
+        if !sandbox.is_empty() {
+            args.sandbox_name = sandbox.clone();
+        }
         let ensure = p.ensure_watchdog;
         if !sandbox.is_empty() {
             let commands = super::policy::commands_of(
@@ -396,6 +400,11 @@ impl RsbServer {
             stall_after_s: p.stall_after_s,
             slurm: None,
         };
+        // One sandbox for the whole call (see `exec_bash`).
+        let mut q = q;
+        if let Ok(s) = self.pool.resolve(&q.sandbox_name) {
+            q.sandbox_name = s;
+        }
         if let Err(e) = self
             .gate_background(&ctx, &q, "exec_bash_background_watch")
             .await
