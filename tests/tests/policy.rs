@@ -803,3 +803,40 @@ async fn an_approval_runs_where_it_was_asked_even_after_select_sandbox() {
     }
     let _ = mcp.svc.cancel().await;
 }
+
+/// Issue 39: `sudo: true` and `rsb exec --sudo` are checked as `sudo -- bash -c '…'`, so a
+/// rule naming sudo applies (before, the policy saw only the command); the same command
+/// without sudo still runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sudo_calls_meet_rules_that_name_sudo() {
+    let sshd = Sshd::start().unwrap();
+    let policy = json!({"deny": ["sudo *"]});
+    let mcp = Mcp::start(&sshd, policy.clone(), false).await;
+    let marker = sshd.home().join("made-as-root");
+    let cmd = format!("touch {}", marker.display());
+    let r = mcp
+        .call("exec_bash", json!({"command": cmd, "sudo": true}))
+        .await;
+    assert!(r.is_error && r.text.contains("denied"), "{}", r.text);
+    assert!(r.text.contains("sudo *"), "{}", r.text);
+    assert!(!marker.exists());
+    let r = mcp.exec(&cmd).await;
+    assert!(!r.is_error, "{}", r.text);
+    assert!(marker.exists());
+    std::fs::remove_file(&marker).unwrap();
+    let _ = mcp.svc.cancel().await;
+
+    let tmp = tempfile::tempdir().unwrap();
+    let out = cli(
+        tmp.path(),
+        &sandbox_list(&sshd, &policy),
+        &[],
+        &["exec", "--sudo", "-s", "s", &cmd],
+    );
+    assert_eq!(out.status.code(), Some(7), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("sudo *"),
+        "{out:?}"
+    );
+    assert!(!marker.exists());
+}

@@ -63,11 +63,16 @@ pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
     } else {
         "rsb exec"
     };
+    let checked = if a.sudo {
+        rsb::policy::as_sudo(&command)
+    } else {
+        command.clone()
+    };
     if let Err(e) = super::policy::gate(
         ctx,
         client.sandbox(),
         tool,
-        vec![&command],
+        vec![&checked],
         a.cwd.as_deref(),
         a.yes,
     )

@@ -75,15 +75,14 @@ impl RsbServer {
                 Ok(s) => s,
                 Err(e) => return fail(&e),
             };
-            if let Err(e) = super::policy::gate(
-                self,
-                &ctx,
-                &sandbox,
-                tool,
-                vec![&p.command],
-                p.cwd.as_deref(),
-            )
-            .await
+            let checked = if p.sudo {
+                crate::policy::as_sudo(&p.command)
+            } else {
+                p.command.clone()
+            };
+            if let Err(e) =
+                super::policy::gate(self, &ctx, &sandbox, tool, vec![&checked], p.cwd.as_deref())
+                    .await
             {
                 return fail(&e);
             }

@@ -209,6 +209,13 @@ pub enum Answer {
 }
 
 /// Who is running what, for the audit line of a decision.
+/// What a `sudo: true` / `rsb exec --sudo` call runs, as the policy checks it: `sudo -- bash -c
+/// 'COMMAND'`, so a rule naming sudo applies and the command inside is still walked (the
+/// agent runs it as `sudo -S -- bash -c "$1"` with the command as data).
+pub fn as_sudo(command: &str) -> String {
+    format!("sudo -- bash -c '{}'", command.replace('\'', r"'\''"))
+}
+
 pub struct Request<'a> {
     pub sandbox: &'a str,
     /// `mcp:<client>` or `cli`.

@@ -243,3 +243,20 @@ fn parsing_cost_is_measured() {
     );
     assert!(p50 < std::time::Duration::from_millis(20), "p50 {p50:?}");
 }
+
+/// Issue 39: `sudo: true` is checked as `sudo -- bash -c '…'`: a rule naming sudo applies, and
+/// the command inside is still walked, whatever quotes it holds.
+#[test]
+fn sudo_calls_are_checked_as_sudo() {
+    assert_eq!(as_sudo("id"), "sudo -- bash -c 'id'");
+    let words = |c: &str| -> Vec<String> {
+        super::shell::commands(&as_sudo(c))
+            .iter()
+            .map(|s| s.display())
+            .collect()
+    };
+    let w = words("echo 'it''s'; rm -rf /x");
+    assert!(w.iter().any(|c| c.starts_with("sudo ")), "{w:?}");
+    assert!(w.iter().any(|c| c == "rm -rf /x"), "{w:?}");
+    assert!(w.iter().any(|c| c == "echo its"), "{w:?}");
+}
