@@ -265,6 +265,10 @@ const BYPASSES: &[&str] = &[
     r#"env mkfs -t ext4 /dev/sdz9"#,
     r#"dd if=/dev/zero of=/dev/sdz9 count=1"#,
     r#"eval "d""d of=/dev/sdz9""#,
+    // The same path, another spelling (issue 39).
+    r#"dd if=/dev/zero of=//dev/sdz9 count=1"#,
+    r#"dd if=/dev/zero of=/./dev/sdz9 count=1"#,
+    r#"dd if=/dev/zero of=/tmp/../dev/sdz9 count=1"#,
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

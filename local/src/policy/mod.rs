@@ -99,9 +99,43 @@ impl Rule {
                 let have = short_flags(&lits);
                 want.iter().all(|f| have.contains(f))
             }
-            ArgPat::Glob(g) => lits.iter().any(|a| glob::matches(g, a)),
+            ArgPat::Glob(g) => lits.iter().any(|a| {
+                glob::matches(g, a) || normalized(a).is_some_and(|n| glob::matches(g, &n))
+            }),
         })
     }
+}
+
+/// An argument's absolute path spelt the short way, when it is spelt otherwise: `//dev/sda`,
+/// `/tmp/./x` and `/tmp/../home/x` name `/dev/sda`, `/tmp/x` and `/home/x` to the kernel (`..`
+/// read lexically, which a symlinked directory could change: a rule then still matches the
+/// spelling given). Also after `NAME=` (`of=//dev/sda`). `None` when already short or not a
+/// path.
+fn normalized(arg: &str) -> Option<String> {
+    let (prefix, path) = match arg.find('=') {
+        Some(i) if arg[i + 1..].starts_with('/') => arg.split_at(i + 1),
+        _ => ("", arg),
+    };
+    if !path.starts_with('/') {
+        return None;
+    }
+    let mut parts: Vec<&str> = Vec::new();
+    for p in path.split('/') {
+        match p {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            p => parts.push(p),
+        }
+    }
+    let trailing = path.len() > 1 && path.ends_with('/') && !parts.is_empty();
+    let short = format!(
+        "{prefix}/{}{}",
+        parts.join("/"),
+        if trailing { "/" } else { "" }
+    );
+    (short != arg).then_some(short)
 }
 
 /// The letters of the short options before `--` (`-r -f x -v` → `rfv`).

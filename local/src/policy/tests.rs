@@ -260,3 +260,24 @@ fn sudo_calls_are_checked_as_sudo() {
     assert!(w.iter().any(|c| c == "rm -rf /x"), "{w:?}");
     assert!(w.iter().any(|c| c == "echo its"), "{w:?}");
 }
+
+/// Issue 39, item 5: the same path, another spelling.
+#[test]
+fn paths_are_matched_the_short_way_too() {
+    for (r, cmd) in [
+        ("dd of=/dev/*", "dd if=/dev/zero of=//dev/sda"),
+        ("dd of=/dev/*", "dd of=/./dev/sda"),
+        ("rm -rf /home/*", "rm -rf /tmp/../home/x"),
+        ("rm -rf /home/*", "rm -rf //home//x"),
+        ("rm -rf /home/*", "rm -rf /../../home/x/."),
+    ] {
+        assert!(rule(r, cmd), "{r} / {cmd}");
+    }
+    assert!(!rule("rm -rf /home/*", "rm -rf /tmp/home/x"));
+    assert!(!rule("rm -rf /home/*", "rm -rf home/x"));
+    assert_eq!(normalized("/a/b"), None);
+    assert_eq!(normalized("of=//dev/sda").as_deref(), Some("of=/dev/sda"));
+    assert_eq!(normalized("/a/../"), Some("/".into()));
+    assert_eq!(normalized("/a/b/"), None);
+    assert_eq!(normalized("x=y"), None);
+}
