@@ -998,13 +998,17 @@ fn a_reused_job_name_keeps_the_earlier_run() {
 #[test]
 fn config_typos_and_leftovers_are_named() {
     let u = User::new();
-    let mut c = u.cmd(&["exec", "echo reached"]);
-    c.env_remove("REMOTE_SANDBOX_LIST")
-        .env("REMOTE_HOST", u.sshd.host())
-        .env("REMOTE_USER", u.sshd.user())
-        .env("REMOTE_KEY_FILE", u.sshd.client_key())
-        .env("REMOTE_PORTT", u.sshd.port().to_string());
-    let o = u.run(&mut c, Duration::from_secs(60));
+    // The single-host variables, the port under `port_var`.
+    let legacy = |port_var: &str| {
+        let mut c = u.cmd(&["exec", "echo reached"]);
+        c.env_remove("REMOTE_SANDBOX_LIST")
+            .env("REMOTE_HOST", u.sshd.host())
+            .env("REMOTE_USER", u.sshd.user())
+            .env("REMOTE_KEY_FILE", u.sshd.client_key())
+            .env(port_var, u.sshd.port().to_string());
+        u.run(&mut c, Duration::from_secs(60))
+    };
+    let o = legacy("REMOTE_PORTT");
     assert_eq!(o.status.code(), Some(2), "{}", show(&o));
     let err = text(&o.stderr);
     assert!(
@@ -1014,13 +1018,7 @@ fn config_typos_and_leftovers_are_named() {
     assert!(err.contains("did you mean REMOTE_PORT?"), "{err}");
     assert!(!text(&o.stdout).contains("reached"), "{}", show(&o));
     // Spelt right, it reaches the fixture's port.
-    let mut c = u.cmd(&["exec", "echo reached"]);
-    c.env_remove("REMOTE_SANDBOX_LIST")
-        .env("REMOTE_HOST", u.sshd.host())
-        .env("REMOTE_USER", u.sshd.user())
-        .env("REMOTE_KEY_FILE", u.sshd.client_key())
-        .env("REMOTE_PORT", u.sshd.port().to_string());
-    let o = u.run(&mut c, Duration::from_secs(60));
+    let o = legacy("REMOTE_PORT");
     assert_eq!(text(&o.stdout), "reached\n", "{}", show(&o));
 
     // A leftover REMOTE_USER beside the sandbox list.

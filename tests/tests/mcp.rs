@@ -2305,6 +2305,7 @@ async fn read_remote_file_by_lines_with_numbers_and_hash() {
     assert_eq!(v["content"], ten.as_str());
     assert_eq!(v["hash"], content_hash(ten.as_bytes()), "{v}");
     assert!(v.get("first_line").is_none(), "{v}");
+    assert!(v.get("next").is_none(), "{v}");
     let v = mcp
         .ok(
             "read_remote_file",
@@ -2316,6 +2317,11 @@ async fn read_remote_file_by_lines_with_numbers_and_hash() {
         v["hash"],
         content_hash(ten.as_bytes()),
         "the whole file's hash: {v}"
+    );
+    // A truncated read says how to read on (issue 41, item 8); a whole one does not.
+    assert!(
+        v["next"].as_str().unwrap().contains("offset=1 continues"),
+        "{v}"
     );
 
     // By lines: offset is 1-based, limit counts lines, the reply says where it is.
@@ -2360,6 +2366,30 @@ async fn read_remote_file_by_lines_with_numbers_and_hash() {
         .await;
     assert_eq!(v["content"], "line 1\n", "{v}");
     assert_eq!(v["truncated"], true, "{v}");
+    assert!(
+        v["next"].as_str().unwrap().contains("offset=2 continues"),
+        "{v}"
+    );
+    let v = mcp
+        .ok(
+            "read_remote_file",
+            json!({"remote_path": "~/ten.txt", "offset": 2, "limit": 1}),
+        )
+        .await;
+    assert_eq!(v["content"], "line 2\n", "{v}");
+    assert!(
+        v["next"].as_str().unwrap().contains("offset=3 continues"),
+        "{v}"
+    );
+    // A job name that does not exist is not a path (issue 41, item 8).
+    let r = mcp
+        .err(
+            "kill_background_task",
+            json!({"tmux_session": "no-such-job"}),
+        )
+        .await;
+    assert!(r.s("hint").contains("list_background_tasks"), "{}", r.text);
+    assert!(!r.s("hint").contains("path"), "{}", r.text);
     // Past the end: nothing, and nothing more.
     let v = mcp
         .ok(
@@ -3234,6 +3264,32 @@ async fn search_pages_are_exact() {
 }
 
 /// CPU ticks (user + system) of this fixture's `rsb-agent serve` processes: the ones whose
+/// Send a cancellable search and return once the agent is busy with it (its CPU time grew by
+/// more than 0.5 s in 1.5 s).
+async fn busy_search(
+    mcp: &Mcp,
+    sshd: &Sshd,
+    args: Value,
+) -> rmcp::service::RequestHandle<rmcp::RoleClient> {
+    let idle = agent_ticks(sshd.home());
+    let handle = mcp
+        .svc
+        .peer()
+        .send_cancellable_request(
+            call_request("search_remote_files", args),
+            PeerRequestOptions::no_options(),
+        )
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let busy = agent_ticks(sshd.home());
+    assert!(
+        busy > idle + 50,
+        "the search was not running: {idle} → {busy} ticks"
+    );
+    handle
+}
+
 /// `HOME` is the fixture's home, so other tests' agents are not counted.
 fn agent_ticks(home: &Path) -> u64 {
     let want = format!("HOME={}", home.display());
@@ -3293,26 +3349,11 @@ async fn a_cancelled_search_of_a_huge_tree_stops_within_a_second() {
     println!("500,000 links in {:?}", t.elapsed());
     let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
     mcp.ok("exec_bash", json!({"command": "true"})).await;
-    let idle = agent_ticks(sshd.home());
     // No literal for the prefilter: every line goes through the regex, so the whole search
     // would take far longer than the test (it would end at the 30 s deadline).
     let args =
         json!({"pattern": "[a-c]{3}[0-9]{2}q", "remote_path": tree.path().display().to_string()});
-    let handle = mcp
-        .svc
-        .peer()
-        .send_cancellable_request(
-            call_request("search_remote_files", args),
-            PeerRequestOptions::no_options(),
-        )
-        .await
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let busy = agent_ticks(sshd.home());
-    assert!(
-        busy > idle + 50,
-        "the search was not running: {idle} → {busy} ticks"
-    );
+    let handle = busy_search(&mcp, &sshd, args).await;
     handle.cancel(Some("test cancels".into())).await.unwrap();
     let cancelled = Instant::now();
     // Bounded: 30 samples of 100 ms.
@@ -3448,22 +3489,7 @@ async fn a_search_of_one_huge_line_keeps_its_deadline_and_its_cancel() {
     assert!(v["output"].as_str().unwrap().contains("deadline"), "{v}");
 
     // The cancel.
-    let idle = agent_ticks(sshd.home());
-    let handle = mcp
-        .svc
-        .peer()
-        .send_cancellable_request(
-            call_request("search_remote_files", args),
-            PeerRequestOptions::no_options(),
-        )
-        .await
-        .unwrap();
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let busy = agent_ticks(sshd.home());
-    assert!(
-        busy > idle + 50,
-        "the search was not running: {idle} → {busy} ticks"
-    );
+    let handle = busy_search(&mcp, &sshd, args).await;
     handle.cancel(Some("test cancels".into())).await.unwrap();
     let at = agent_ticks(sshd.home());
     tokio::time::sleep(Duration::from_secs(5)).await;

@@ -793,7 +793,9 @@ fn rsb_sandboxes_resources_cli() {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success());
+    // `gone` is down: the health check fails (exit 3) after the listing, and names it.
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("1 of 3 sandboxes down: gone"));
     let lines: Vec<&str> = stdout.lines().collect();
     assert!(
         lines[0].contains("NAME") && lines[0].contains("IDLE"),
@@ -829,7 +831,7 @@ fn rsb_sandboxes_resources_cli() {
         Duration::from_secs(60),
     )
     .unwrap();
-    assert!(out.status.success());
+    assert_eq!(out.status.code(), Some(3));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     let r = resources(&v, "alpha");
     assert_eq!(r["gpu_source"], "nvidia-smi");

@@ -164,6 +164,9 @@ pub struct FileContent {
     pub lines: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub total_lines: Option<u64>,
+    /// When `truncated`: how to read on (the `offset` that continues).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub next: Option<String>,
 }
 
 /// Text when the bytes are UTF-8 without NUL bytes (a multibyte char cut by `max_bytes` is
@@ -190,12 +193,32 @@ pub fn read_reply(res: &ReadTextResult, by_lines: bool, numbered: bool) -> FileC
             base64::engine::general_purpose::STANDARD.encode(data),
         ),
     };
+    let next = res.truncated.then(|| match text {
+        Some(s) => {
+            // By lines, whole lines came back; by bytes, the last line may be cut: it is read
+            // again whole.
+            let from = if by_lines {
+                res.first_line + res.lines
+            } else {
+                s.matches('\n').count() as u64 + 1
+            };
+            format!(
+                "truncated at {returned_bytes} of {} bytes: offset={from} continues (1-based line; limit sets how many lines, max_bytes how many bytes)",
+                res.size
+            )
+        }
+        None => format!(
+            "truncated at {returned_bytes} of {} bytes of binary content: a larger max_bytes reads more",
+            res.size
+        ),
+    });
     FileContent {
         size: res.size,
         returned_bytes,
         truncated: res.truncated,
         encoding,
         content,
+        next,
         hash: res.hash.clone(),
         first_line: lines_meta.then_some(res.first_line),
         lines: lines_meta.then_some(res.lines),

@@ -305,7 +305,15 @@ pub async fn kill(client: &AgentClient, name: &str, grace_s: f64) -> Result<JobS
             name: name.into(),
             grace_ms: (grace_s * 1000.0) as u64,
         })
-        .await?;
+        .await
+        .map_err(|e| match e.kind {
+            // Not a path: the job's name.
+            crate::error::Kind::Agent(rsb_protocol::ErrorCode::NotFound) => RsbError {
+                hint: "names are exact; list_background_tasks (rsb jobs list) shows this sandbox's jobs".into(),
+                ..e
+            },
+            _ => e,
+        })?;
     Ok(summary(&i))
 }
 
