@@ -881,9 +881,11 @@ fn job_run_forwards_usr1_to_the_job() {
         .spawn()
         .unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    // The job's own line, not the header's `== command: … echo up …`: the trap is set only
+    // once the job printed it (a signal sent on the header's word killed bash before its trap).
     while !std::fs::read_to_string(&log)
         .unwrap_or_default()
-        .contains("up")
+        .contains("\nup\n")
     {
         assert!(std::time::Instant::now() < deadline, "job never started");
         std::thread::sleep(Duration::from_millis(20));
