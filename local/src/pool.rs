@@ -172,6 +172,20 @@ impl Pool {
     }
 
     /// `""` means the active sandbox; anything else must name a configured sandbox exactly.
+    /// Resolve `name` once for a whole call and write the result back, so every later step
+    /// (the policy's question, the run, the audit) uses that sandbox even if `select_sandbox`
+    /// changes the active one meanwhile. `""` when it does not resolve (`name` is left as
+    /// given, for the run to report).
+    pub fn pin(&self, name: &mut String) -> String {
+        match self.resolve(name) {
+            Ok(s) => {
+                name.clone_from(&s);
+                s
+            }
+            Err(_) => String::new(),
+        }
+    }
+
     pub fn resolve(&self, name: &str) -> Result<String> {
         if name.is_empty() {
             return self.active().ok_or_else(|| {

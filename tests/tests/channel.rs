@@ -78,6 +78,29 @@ async fn call(svc: &RunningService<RoleClient, Listener>, tool: &str, args: Valu
     serde_json::from_str(text).unwrap_or(Value::Null)
 }
 
+/// Start a background upload of `files` small files from `<tmp>/proj` to `remote`; its task id.
+async fn upload(
+    svc: &RunningService<RoleClient, Listener>,
+    tmp: &std::path::Path,
+    files: usize,
+    remote: &str,
+) -> i64 {
+    let proj = tmp.join("proj");
+    std::fs::create_dir_all(&proj).unwrap();
+    for i in 0..files {
+        std::fs::write(proj.join(format!("f{i}.txt")), format!("file {i}\n")).unwrap();
+    }
+    let v = call(
+        svc,
+        "sync_local_to_remote",
+        json!({"local_path": proj.display().to_string(), "remote_path": remote}),
+    )
+    .await;
+    v["task_id"]
+        .as_i64()
+        .unwrap_or_else(|| panic!("not a background transfer: {v}"))
+}
+
 /// The channel messages whose `meta` has `key` = `value`, waiting (bounded) for `n` of them.
 async fn wait_for(l: &Listener, key: &str, value: &str, n: usize, within: Duration) -> Vec<Value> {
     let t0 = Instant::now();
@@ -209,20 +232,7 @@ async fn the_session_hears_when_its_job_and_its_transfer_end() {
         assert_eq!(m["meta"]["sandbox_name"], "s", "{m}");
 
         // A background transfer: its end is pushed with the task id and the counts.
-        let proj = tmp.path().join("proj");
-        std::fs::create_dir_all(&proj).unwrap();
-        for i in 0..5 {
-            std::fs::write(proj.join(format!("f{i}.txt")), format!("file {i}\n")).unwrap();
-        }
-        let v = call(
-            &svc,
-            "sync_local_to_remote",
-            json!({"local_path": proj.display().to_string(), "remote_path": "pushed-proj"}),
-        )
-        .await;
-        let task_id = v["task_id"]
-            .as_i64()
-            .unwrap_or_else(|| panic!("not a background transfer: {v}"));
+        let task_id = upload(&svc, tmp.path(), 5, "pushed-proj").await;
         let msgs = wait_for(
             &listener,
             "task_id",
@@ -296,18 +306,7 @@ async fn a_client_that_did_not_ask_gets_no_channel_notification() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
         // A background transfer, cancelled (or ended first): either way a terminal status.
-        let proj = tmp.path().join("proj");
-        std::fs::create_dir_all(&proj).unwrap();
-        for i in 0..200 {
-            std::fs::write(proj.join(format!("f{i}.txt")), format!("file {i}\n")).unwrap();
-        }
-        let v = call(
-            &svc,
-            "sync_local_to_remote",
-            json!({"local_path": proj.display().to_string(), "remote_path": "quiet-proj"}),
-        )
-        .await;
-        let task_id = v["task_id"].as_i64().unwrap_or_else(|| panic!("{v}"));
+        let task_id = upload(&svc, tmp.path(), 200, "quiet-proj").await;
         let _ = svc
             .call_tool(
                 CallToolRequestParams::new("cancel_file_transfer_task")

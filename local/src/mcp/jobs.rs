@@ -265,11 +265,7 @@ impl RsbServer {
         Parameters(mut p): Parameters<ExecBackgroundParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        // One sandbox for the whole call (see `exec_bash`): the policy's, the run's, the audit's.
-        let sandbox = self.pool.resolve(&p.sandbox_name).unwrap_or_default();
-        if !sandbox.is_empty() {
-            p.sandbox_name = sandbox.clone();
-        }
+        let sandbox = self.pool.pin(&mut p.sandbox_name);
         let mut action = crate::audit::Action {
             origin: super::origin(&ctx),
             tool: "exec_bash_background".into(),

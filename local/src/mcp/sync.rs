@@ -257,11 +257,7 @@ impl RsbServer {
             Err(e) => return fail(&e),
         };
         let t0 = std::time::Instant::now();
-        let sandbox = self.pool.resolve(&args.sandbox).unwrap_or_default();
-        // One sandbox for the whole call (see `exec_bash`): approved, synced, audited.
-        if !sandbox.is_empty() {
-            args.sandbox = sandbox.clone();
-        }
+        let sandbox = self.pool.pin(&mut args.sandbox);
         let what = format!(
             "{} -> {sandbox}:{}{}",
             args.local_path,
@@ -325,11 +321,7 @@ impl RsbServer {
             gitignore: p.gitignore,
         };
         let t0 = std::time::Instant::now();
-        let sandbox = self.pool.resolve(&args.sandbox).unwrap_or_default();
-        // One sandbox for the whole call (see `exec_bash`): approved, synced, audited.
-        if !sandbox.is_empty() {
-            args.sandbox = sandbox.clone();
-        }
+        let sandbox = self.pool.pin(&mut args.sandbox);
         let what = format!("{sandbox}:{} -> {}", args.remote_path, args.local_path);
         if let Err(e) = super::policy::approve_sync(
             self,

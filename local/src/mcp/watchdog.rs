@@ -317,11 +317,7 @@ impl RsbServer {
             codex_command: String::new(),
             stall_after_s: p.stall_after_s,
         };
-        // One sandbox for the whole call (see `exec_bash`).
-        let sandbox = self.pool.resolve(&args.sandbox_name).unwrap_or_default();
-        if !sandbox.is_empty() {
-            args.sandbox_name = sandbox.clone();
-        }
+        let sandbox = self.pool.pin(&mut args.sandbox_name);
         let ensure = p.ensure_watchdog;
         if !sandbox.is_empty() {
             let commands = super::policy::commands_of(
@@ -400,11 +396,8 @@ impl RsbServer {
             stall_after_s: p.stall_after_s,
             slurm: None,
         };
-        // One sandbox for the whole call (see `exec_bash`).
         let mut q = q;
-        if let Ok(s) = self.pool.resolve(&q.sandbox_name) {
-            q.sandbox_name = s;
-        }
+        self.pool.pin(&mut q.sandbox_name);
         if let Err(e) = self
             .gate_background(&ctx, &q, "exec_bash_background_watch")
             .await
