@@ -100,8 +100,9 @@ fn class(p: &[char], at: usize, c: char) -> Option<(bool, usize)> {
 }
 
 /// Does `s` hold an unescaped glob character (for a word the shell would expand)?
+/// A `[` only opens a bracket expression when a `]` follows (`[` alone is `test`).
 pub fn has_glob(s: &str) -> bool {
-    s.contains(['*', '?', '['])
+    s.contains(['*', '?']) || s.find('[').is_some_and(|i| s[i + 1..].contains(']'))
 }
 
 #[cfg(test)]

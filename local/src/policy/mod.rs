@@ -14,6 +14,7 @@
 //! ([`gate`] takes how): MCP elicitation in `mcp/`, a terminal prompt in the CLI. Every
 //! decision that stops or asks is one audit line.
 
+mod evaluated;
 mod glob;
 pub mod shell;
 mod wrappers;

@@ -10,13 +10,14 @@
 //! variable or a substitution, a script it cannot parse) becomes [`Arg::Unknown`], which the
 //! rules treat as matching anything: the policy fails closed.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use brush_parser::{
     ParserOptions, ast,
-    word::{self, WordPiece, WordPieceWithSource},
+    word::{self, ParameterExpr, ParameterTransformOp, WordPiece, WordPieceWithSource},
 };
 
+use super::evaluated::{self, POSITIONAL, Val, Vars};
 use super::wrappers::{self, Inner};
 
 /// One word of a simple command, after quote removal.
@@ -44,13 +45,13 @@ impl Arg {
 pub struct Simple {
     pub words: Vec<Arg>,
     /// Why the whole command is unknown (a script that does not parse, say), for messages.
-    pub opaque: Option<&'static str>,
+    pub opaque: Option<String>,
 }
 
 impl Simple {
     /// The command for a message: unknown words as `…`.
     pub fn display(&self) -> String {
-        if let Some(why) = self.opaque {
+        if let Some(why) = &self.opaque {
             return format!("({why})");
         }
         self.words
@@ -69,6 +70,8 @@ pub struct WordVal {
     pub raw: String,
     /// Unquoted glob characters: as a command name, the shell may expand it to anything.
     pub glob: bool,
+    /// A `NAME=value` argument the parser recognised (`export X=1`).
+    pub assignment: bool,
 }
 
 impl WordVal {
@@ -77,6 +80,7 @@ impl WordVal {
             arg: Arg::Unknown { many },
             raw: String::new(),
             glob: false,
+            assignment: false,
         }
     }
     pub fn lit(&self) -> Option<&str> {
@@ -109,8 +113,25 @@ pub fn commands(script: &str) -> Vec<Simple> {
         out: Vec::new(),
         aliases: HashMap::new(),
         depth: 0,
+        vars: Vars::default(),
+        functions: HashSet::new(),
+        in_function: None,
+        runs_args: HashSet::new(),
     };
     w.script(script);
+    if let Some(name) = w.vars.tainted_read() {
+        let why = if name == POSITIONAL {
+            "the positional parameters are read as arithmetic or as a name, and may hold a \
+             subscript that runs code"
+                .to_string()
+        } else {
+            format!(
+                "${name} is read as arithmetic or as a name, and its value may hold a subscript \
+                 that runs code"
+            )
+        };
+        w.opaque(why);
+    }
     w.out
 }
 
@@ -121,13 +142,22 @@ struct Walker {
     /// guard assumes it was told).
     aliases: HashMap<String, String>,
     depth: usize,
+    /// What bash may evaluate from a variable's value ([`evaluated`]).
+    vars: Vars,
+    /// Functions defined so far: a call assigns the positional parameters.
+    functions: HashSet<String>,
+    /// The function whose body is being walked.
+    in_function: Option<String>,
+    /// Functions that run their arguments as a command (`retry() { "$@"; }`): a call runs
+    /// its arguments.
+    runs_args: HashSet<String>,
 }
 
 impl Walker {
-    fn opaque(&mut self, why: &'static str) {
+    fn opaque(&mut self, why: impl Into<String>) {
         self.out.push(Simple {
             words: vec![Arg::Unknown { many: true }],
-            opaque: Some(why),
+            opaque: Some(why.into()),
         });
     }
 
@@ -184,7 +214,10 @@ impl Walker {
                 self.redirects(redirs.as_ref());
             }
             ast::Command::Function(f) => {
+                self.functions.insert(f.fname.value.clone());
+                let outer = self.in_function.replace(f.fname.value.clone());
                 self.compound(&f.body.0);
+                self.in_function = outer;
                 self.redirects(f.body.1.as_ref());
             }
             ast::Command::ExtendedTest(t, redirs) => {
@@ -217,9 +250,22 @@ impl Walker {
             C::BraceGroup(b) => self.list(&b.list),
             C::Subshell(s) => self.list(&s.list),
             C::ForClause(f) => {
-                for w in f.values.iter().flatten() {
-                    self.word(&w.value);
+                let mut v = Val::default();
+                match &f.values {
+                    Some(values) => {
+                        for w in values {
+                            self.word(&w.value);
+                            v.add(evaluated::classify(
+                                &w.value,
+                                &self.opts,
+                                true,
+                                &self.vars.assoc,
+                            ));
+                        }
+                    }
+                    None => v.deps.push(POSITIONAL.to_string()),
                 }
+                self.vars.assign(&f.variable_name, v);
                 self.list(&f.body.list);
             }
             C::CaseClause(c) => {
@@ -259,21 +305,195 @@ impl Walker {
                 self.test(b);
             }
             E::Not(a) | E::Parenthesized(a) => self.test(a),
-            E::UnaryTest(_, w) => {
-                self.word(&w.value);
+            E::UnaryTest(op, w) => {
+                let v = self.word(&w.value);
+                if matches!(
+                    op,
+                    ast::UnaryPredicate::ShellVariableIsSetAndAssigned
+                        | ast::UnaryPredicate::ShellVariableIsSetAndNameRef
+                ) {
+                    self.name_operand(&v);
+                }
             }
-            E::BinaryTest(_, a, b) => {
+            E::BinaryTest(op, a, b) => {
+                use ast::BinaryPredicate as B;
                 self.word(&a.value);
                 self.word(&b.value);
+                // `[[ $x -eq 0 ]]` evaluates both sides as arithmetic.
+                if matches!(
+                    op,
+                    B::ArithmeticEqualTo
+                        | B::ArithmeticNotEqualTo
+                        | B::ArithmeticLessThan
+                        | B::ArithmeticLessThanOrEqualTo
+                        | B::ArithmeticGreaterThan
+                        | B::ArithmeticGreaterThanOrEqualTo
+                ) {
+                    self.arith_of(&a.value);
+                    self.arith_of(&b.value);
+                }
             }
         }
     }
 
-    /// An arithmetic expression runs the substitutions it holds.
+    /// An arithmetic expression: the substitutions in it run, and bash evaluates the value
+    /// of every name it reads in turn ([`evaluated`]).
     fn arith(&mut self, text: &str) {
-        if text.contains("$(") || text.contains('`') {
-            self.word(text);
+        self.arith_in(text, true);
+    }
+
+    /// A word, walked already, whose value bash evaluates as arithmetic (`[[ $x -eq 0 ]]`,
+    /// `let`, `declare -i`).
+    fn arith_of(&mut self, text: &str) {
+        self.arith_in(text, false);
+    }
+
+    fn arith_in(&mut self, text: &str, walk: bool) {
+        match word::parse(text, &self.opts) {
+            Ok(pieces) => self.arith_pieces(text, &pieces, walk),
+            Err(_) => self.opaque("arithmetic that does not parse"),
         }
+    }
+
+    fn arith_pieces(&mut self, src: &str, pieces: &[WordPieceWithSource], walk: bool) {
+        for p in pieces {
+            match &p.piece {
+                WordPiece::Text(t) | WordPiece::SingleQuotedText(t) => self.arith_names(t),
+                WordPiece::AnsiCQuotedText(t) => self.arith_names(&ansi_c(t)),
+                WordPiece::EscapeSequence(_) | WordPiece::TildeExpansion(_) => {}
+                WordPiece::DoubleQuotedSequence(inner)
+                | WordPiece::GettextDoubleQuotedSequence(inner) => {
+                    self.arith_pieces(src, inner, walk)
+                }
+                WordPiece::ParameterExpansion(e) => {
+                    if walk {
+                        self.param(src.get(p.start_index..p.end_index).unwrap_or(src), e);
+                    }
+                    // Its value is pasted into the expression.
+                    let v = evaluated::param_val(e);
+                    if v.unsafe_ {
+                        self.opaque("arithmetic over a value only known when it runs");
+                    }
+                    for d in &v.deps {
+                        self.vars.read(d);
+                    }
+                }
+                WordPiece::CommandSubstitution(inner) => {
+                    if walk {
+                        self.nested(inner);
+                    }
+                    if !evaluated::numeric_output(inner, &self.opts) {
+                        self.opaque("arithmetic over a command's output, which may hold code");
+                    }
+                }
+                WordPiece::BackquotedCommandSubstitution(inner) => {
+                    let inner = unbackquote(inner);
+                    if walk {
+                        self.nested(&inner);
+                    }
+                    if !evaluated::numeric_output(&inner, &self.opts) {
+                        self.opaque("arithmetic over a command's output, which may hold code");
+                    }
+                }
+                WordPiece::ArithmeticExpression(e) => {
+                    if walk {
+                        self.arith(&e.value);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The names an expression's text reads, and their subscripts.
+    fn arith_names(&mut self, text: &str) {
+        if text.contains("$[") {
+            // `$[…]`, bash's old arithmetic expansion, which the parser reads as text.
+            self.opaque("a $[…] arithmetic expansion");
+        }
+        for (name, sub) in evaluated::names(text) {
+            self.vars.read(&name);
+            if let Some(sub) = sub {
+                self.subscript(&name, &sub);
+            }
+        }
+    }
+
+    /// `name[sub]`: an expression for an indexed array, a string for an associative one.
+    fn subscript(&mut self, name: &str, sub: &str) {
+        if self.vars.assoc.contains(name) {
+            self.word(sub);
+        } else {
+            self.arith(sub);
+        }
+    }
+
+    /// A `${…}` expansion: what in it bash evaluates.
+    fn param(&mut self, src: &str, e: &ParameterExpr) {
+        // `${x:-$(cmd)}` runs cmd; its text is not split out by the parser.
+        if src.contains("$(") || src.contains('`') || src.contains("<(") {
+            self.opaque("a substitution inside ${…}");
+        }
+        if let Some((p, indirect)) = evaluated::parts(e) {
+            if indirect && let Some(n) = evaluated::param_name(p) {
+                // `${!x}`: x's value is used as a name, subscript and all.
+                self.vars.read(n);
+            }
+            if let word::Parameter::NamedWithIndex { name, index } = p {
+                self.subscript(name, index);
+            }
+        }
+        match e {
+            ParameterExpr::Substring { offset, length, .. } => {
+                self.arith(&offset.value);
+                if let Some(l) = length {
+                    self.arith(&l.value);
+                }
+            }
+            ParameterExpr::Transform {
+                op: ParameterTransformOp::PromptExpand,
+                ..
+            } => self.opaque("${x@P}, which runs the substitutions in its value"),
+            _ => {}
+        }
+    }
+
+    /// A word that names a variable (`printf -v`, `read`, `unset`, `test -v`): a subscript in
+    /// it is evaluated.
+    fn name_operand(&mut self, w: &WordVal) {
+        match w.lit() {
+            Some(l) => {
+                if let Some((n, Some(sub))) = evaluated::reference(l) {
+                    self.subscript(n, sub);
+                }
+            }
+            None => self.opaque("a variable name only known when it runs"),
+        }
+    }
+
+    /// Assigning `value` (as written) to `name`: names bash runs code from, `declare -i`
+    /// names, and what the name may hold from now on.
+    fn assigned(&mut self, name: &str, value: &str) {
+        match name {
+            "PS1" | "PS2" | "PS3" | "PS4" if value.contains(['$', '`']) => {
+                self.opaque("a prompt (PS4 under set -x) runs the substitutions in its value")
+            }
+            "PROMPT_COMMAND" => self.opaque("PROMPT_COMMAND runs its value as code"),
+            "BASH_ENV" | "ENV" if !value.is_empty() => {
+                self.opaque("BASH_ENV names a script every new bash runs")
+            }
+            "BASH_CMDS" | "BASH_ALIASES" => {
+                self.opaque("BASH_CMDS and BASH_ALIASES change what a command name runs")
+            }
+            n if n.starts_with("BASH_FUNC_") => {
+                self.opaque("an exported function runs its value as code")
+            }
+            _ => {}
+        }
+        if self.vars.integer.contains(name) {
+            self.arith_of(value);
+        }
+        let v = evaluated::classify(value, &self.opts, false, &self.vars.assoc);
+        self.vars.assign(name, v);
     }
 
     fn simple(&mut self, sc: &ast::SimpleCommand, piped: bool) {
@@ -284,6 +504,7 @@ impl Walker {
         } else {
             Stdin::Inherited
         };
+        let mut assigns: Vec<&ast::Assignment> = Vec::new();
         let prefix = sc.prefix.iter().flat_map(|p| p.0.iter());
         let suffix = sc.suffix.iter().flat_map(|s| s.0.iter());
         for item in prefix {
@@ -302,32 +523,141 @@ impl Walker {
                 I::IoRedirect(r) => self.redirect(r, &mut stdin),
                 I::Word(w) => words.push(self.word(&w.value)),
                 // `export X=$(…)`, `declare -a a=(…)`: an argument, whose value runs too.
-                I::AssignmentWord(_, w) => words.push(self.word(&w.value)),
+                I::AssignmentWord(a, w) => {
+                    let mut v = self.word(&w.value);
+                    v.assignment = true;
+                    words.push(v);
+                    assigns.push(a);
+                }
                 I::ProcessSubstitution(_, s) => {
                     self.list(&s.list);
                     words.push(WordVal::unknown(false));
                 }
             }
         }
+        self.declared(&words, &assigns);
         self.resolve(words, &stdin);
     }
 
+    /// `export`/`declare`/`local`/`readonly`/`typeset` arguments: what they assign and
+    /// declare. Another command's `NAME=value` arguments are only words.
+    fn declared(&mut self, words: &[WordVal], assigns: &[&ast::Assignment]) {
+        let base = words
+            .first()
+            .and_then(WordVal::lit)
+            .map(|n| n.rsplit('/').next().unwrap_or(n));
+        if !matches!(
+            base,
+            Some("export" | "declare" | "typeset" | "local" | "readonly")
+        ) {
+            return;
+        }
+        let mut flags = String::new();
+        for w in &words[1..] {
+            if let Some(l) = w.lit().filter(|l| l.len() > 1 && l.starts_with('-')) {
+                flags.push_str(&l[1..]);
+            }
+        }
+        let mut names: Vec<(String, Option<String>)> = Vec::new();
+        for a in assigns {
+            if let ast::AssignmentName::ArrayElementName(n, index) = &a.name {
+                self.subscript(n, index);
+            }
+            let value = match &a.value {
+                ast::AssignmentValue::Scalar(w) => w.value.clone(),
+                ast::AssignmentValue::Array(_) => String::new(),
+            };
+            names.push((assignment_name(a).to_string(), Some(value)));
+        }
+        for w in words[1..].iter().filter(|w| !w.assignment) {
+            match w.lit() {
+                Some(l) if l.starts_with(['-', '+']) => {}
+                Some(l) => {
+                    let (n, v) = match l.split_once('=') {
+                        Some((n, v)) => (n, Some(v)),
+                        None => (l, None),
+                    };
+                    if let Some((name, sub)) = evaluated::reference(n) {
+                        if let Some(sub) = sub {
+                            self.subscript(name, sub);
+                        }
+                        // The value is text here: quote it again for what follows.
+                        let quoted = v.map(|v| format!("'{}'", v.replace('\'', r"'\''")));
+                        names.push((name.to_string(), quoted));
+                    }
+                }
+                None => self.opaque("a variable name only known when it runs"),
+            }
+        }
+        for (name, value) in names {
+            if flags.contains('A') {
+                self.vars.assoc.insert(name.clone());
+            }
+            if flags.contains('i') {
+                self.vars.integer.insert(name.clone());
+            }
+            if flags.contains('n') {
+                // A nameref: every use of `name` reads the named variable, subscript and all.
+                match value
+                    .as_deref()
+                    .map(|v| evaluated::classify(v, &self.opts, false, &self.vars.assoc))
+                {
+                    Some(v) if !v.unsafe_ => {
+                        let target = value
+                            .as_deref()
+                            .unwrap_or_default()
+                            .trim_matches(['\'', '"']);
+                        if let Some((_, Some(sub))) = evaluated::reference(target) {
+                            self.arith(sub);
+                        }
+                        self.vars.assign(&name, v);
+                    }
+                    Some(_) => self.opaque("a nameref to a name only known when it runs"),
+                    None => {}
+                }
+                continue;
+            }
+            if let Some(v) = value {
+                self.assigned(&name, &v);
+            }
+        }
+        for a in assigns {
+            if let ast::AssignmentValue::Array(items) = &a.value {
+                self.array_items(assignment_name(a), items);
+            }
+        }
+    }
+
     fn assignment(&mut self, a: &ast::Assignment) {
+        let name = assignment_name(a);
+        if let ast::AssignmentName::ArrayElementName(_, index) = &a.name {
+            self.subscript(name, index);
+        }
         match &a.value {
             ast::AssignmentValue::Scalar(w) => {
                 self.word(&w.value);
+                self.assigned(name, &w.value);
             }
             ast::AssignmentValue::Array(items) => {
-                for (k, v) in items {
-                    if let Some(k) = k {
-                        self.word(&k.value);
-                    }
+                for (_, v) in items {
                     self.word(&v.value);
                 }
+                self.array_items(name, items);
             }
         }
-        if let ast::AssignmentName::ArrayElementName(_, index) = &a.name {
-            self.arith(index);
+    }
+
+    /// `a=([k]=v …)`: keys are subscripts, values may be globbed.
+    fn array_items(&mut self, name: &str, items: &[(Option<ast::Word>, ast::Word)]) {
+        if name.starts_with("BASH_CMDS") || name.starts_with("BASH_ALIASES") {
+            self.assigned(name, "");
+        }
+        for (k, v) in items {
+            if let Some(k) = k {
+                self.subscript(name, &k.value);
+            }
+            let c = evaluated::classify(&v.value, &self.opts, true, &self.vars.assoc);
+            self.vars.assign(name, c);
         }
     }
 
@@ -393,6 +723,7 @@ impl Walker {
                     arg: Arg::Unknown { many: true },
                     raw: text.to_string(),
                     glob: false,
+                    assignment: false,
                 };
             }
         };
@@ -410,6 +741,7 @@ impl Walker {
             arg,
             raw: text.to_string(),
             glob: super::glob::has_glob(&v.unquoted),
+            assignment: false,
         }
     }
 
@@ -427,14 +759,10 @@ impl Walker {
                 WordPiece::DoubleQuotedSequence(inner)
                 | WordPiece::GettextDoubleQuotedSequence(inner) => self.pieces(src, inner, true, v),
                 WordPiece::TildeExpansion(_) => v.unknown = true,
-                WordPiece::ParameterExpansion(_) => {
+                WordPiece::ParameterExpansion(e) => {
                     v.unknown = true;
                     v.many |= !quoted;
-                    // `${x:-$(cmd)}` runs cmd; its text is not split out by the parser.
-                    let s = src.get(p.start_index..p.end_index).unwrap_or(src);
-                    if s.contains("$(") || s.contains('`') || s.contains("<(") {
-                        self.opaque("a substitution inside ${…}");
-                    }
+                    self.param(src.get(p.start_index..p.end_index).unwrap_or(src), e);
                 }
                 WordPiece::CommandSubstitution(inner) => {
                     self.nested(inner);
@@ -469,6 +797,14 @@ impl Walker {
         if self.depth > MAX_DEPTH {
             return self.opaque("nested too deeply to check");
         }
+        if let Some(f) = &self.in_function
+            && words.len() == 1
+            && matches!(first.raw.as_str(), "\"$@\"" | "$@" | "\"${@}\"" | "${@}")
+        {
+            // Runs the function's arguments: checked at each call instead.
+            self.runs_args.insert(f.clone());
+            return;
+        }
         let mut args: Vec<Arg> = words.iter().map(|w| w.arg.clone()).collect();
         if first.glob {
             args[0] = Arg::Unknown { many: true };
@@ -501,6 +837,7 @@ impl Walker {
             }
             return;
         }
+        self.builtin(&base, &words);
         for inner in wrappers::inner(&base, &words[1..]) {
             self.depth += 1;
             match inner {
@@ -518,6 +855,148 @@ impl Walker {
     }
 }
 
+impl Walker {
+    /// What bash evaluates in the arguments of its builtins and functions, and what they
+    /// assign ([`evaluated`]).
+    fn builtin(&mut self, base: &str, words: &[WordVal]) {
+        let args = &words[1..];
+        let lits = || args.iter().filter_map(WordVal::lit);
+        if self.functions.contains(base)
+            || wrappers::is_shell(base)
+            || (base == "set"
+                && lits()
+                    .next()
+                    .is_some_and(|a| a == "--" || !a.starts_with(['-', '+'])))
+        {
+            for w in args {
+                let v = evaluated::classify(&w.raw, &self.opts, true, &self.vars.assoc);
+                self.vars.assign(POSITIONAL, v);
+            }
+        }
+        if self.runs_args.contains(base) && !args.is_empty() {
+            self.depth += 1;
+            self.resolve(args.to_vec(), &Stdin::Inherited);
+            self.depth -= 1;
+        }
+        match base {
+            "let" => {
+                for w in args {
+                    self.arith_of(&w.raw);
+                }
+            }
+            "printf" => {
+                let mut it = args.iter();
+                while let Some(w) = it.next() {
+                    match w.lit() {
+                        Some("-v") => {
+                            if let Some(n) = it.next() {
+                                self.name_operand(n);
+                                if let Some((n, _)) = n.lit().and_then(evaluated::reference) {
+                                    self.vars.assign(n, Val::unknown());
+                                }
+                            }
+                        }
+                        Some(l) if l.starts_with("-v") => {
+                            let n = WordVal {
+                                arg: Arg::Lit(l[2..].to_string()),
+                                ..WordVal::unknown(false)
+                            };
+                            self.name_operand(&n);
+                            if let Some((n, _)) = evaluated::reference(&l[2..]) {
+                                self.vars.assign(n, Val::unknown());
+                            }
+                        }
+                        Some("--") => break,
+                        Some(l) if l.starts_with('-') => {}
+                        _ => break,
+                    }
+                }
+            }
+            "read" | "mapfile" | "readarray" => {
+                let takes = if base == "read" {
+                    "adinNptu"
+                } else {
+                    "dnOsuCc"
+                };
+                let mut i = 0;
+                let mut names = Vec::new();
+                while i < args.len() {
+                    match args[i].lit() {
+                        Some(l) if l.len() > 1 && l.starts_with('-') && l != "--" => {
+                            for (j, c) in l[1..].char_indices() {
+                                if takes.contains(c) {
+                                    let attached = &l[1 + j + c.len_utf8()..];
+                                    let value = if attached.is_empty() {
+                                        i += 1;
+                                        args.get(i).map(|w| w.arg.clone())
+                                    } else {
+                                        Some(Arg::Lit(attached.to_string()))
+                                    };
+                                    match (c, value) {
+                                        ('a', Some(v)) if base == "read" => names.push(v),
+                                        ('C', Some(Arg::Lit(cb))) => self.nested(&cb),
+                                        ('C', _) => self
+                                            .opaque("a mapfile callback only known when it runs"),
+                                        _ => {}
+                                    }
+                                    break;
+                                }
+                            }
+                        }
+                        Some("--") => {}
+                        _ => names.push(args[i].arg.clone()),
+                    }
+                    i += 1;
+                }
+                for n in names {
+                    let w = WordVal {
+                        arg: n,
+                        ..WordVal::unknown(false)
+                    };
+                    self.name_operand(&w);
+                    if let Some((n, _)) = w.lit().and_then(evaluated::reference) {
+                        self.vars.assign(n, Val::unknown());
+                    }
+                }
+            }
+            "unset" if !lits().any(|a| a.starts_with('-') && a.contains('f')) => {
+                for w in args
+                    .iter()
+                    .filter(|w| !w.lit().is_some_and(|l| l.starts_with('-')))
+                {
+                    self.name_operand(w);
+                }
+            }
+            "test" | "[" => {
+                for (i, w) in args.iter().enumerate() {
+                    if matches!(w.lit(), Some("-v" | "-R"))
+                        && let Some(n) = args.get(i + 1)
+                    {
+                        self.name_operand(n);
+                    }
+                }
+            }
+            "hash" if lits().any(|a| a.starts_with('-') && a.contains('p')) => {
+                self.opaque("hash -p makes a command name run another program")
+            }
+            "enable" if lits().any(|a| a.starts_with('-') && a.contains('f')) => {
+                self.opaque("enable -f loads a builtin from a shared library")
+            }
+            "env" | "sudo" | "doas" => {
+                for l in lits() {
+                    if let Some((n, v)) = l.split_once('=')
+                        && evaluated::reference(n).is_some()
+                    {
+                        let quoted = format!("'{}'", v.replace('\'', r"'\''"));
+                        self.assigned(n, &quoted);
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
 #[derive(Default)]
 struct Value {
     text: String,
@@ -525,6 +1004,12 @@ struct Value {
     unquoted: String,
     unknown: bool,
     many: bool,
+}
+
+fn assignment_name(a: &ast::Assignment) -> &str {
+    match &a.name {
+        ast::AssignmentName::VariableName(n) | ast::AssignmentName::ArrayElementName(n, _) => n,
+    }
 }
 
 /// `{a,b}` or `{1..3}` in unquoted text: bash turns the word into several.
@@ -540,7 +1025,7 @@ fn has_brace_expansion(s: &str) -> bool {
 }
 
 /// The script inside backquotes: `\\`, `` \` `` and `\$` lose their backslash.
-fn unbackquote(s: &str) -> String {
+pub(super) fn unbackquote(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     let mut it = s.chars().peekable();
     while let Some(c) = it.next() {
@@ -558,7 +1043,7 @@ fn unbackquote(s: &str) -> String {
 }
 
 /// The value of `$'…'`: bash's escapes (`\n`, `\x72`, `\162`, `\u0072`, `\cX`, ...).
-fn ansi_c(s: &str) -> String {
+pub(super) fn ansi_c(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     let b: Vec<char> = s.chars().collect();
     let mut i = 0;
@@ -687,7 +1172,16 @@ mod tests {
         assert_eq!(c[0].words[0], Arg::Unknown { many: false });
         assert_eq!(shown("X=$(rm a) ls"), ["rm a", "ls"]);
         assert_eq!(shown("echo > $(rm a)"), ["rm a", "echo"]);
-        assert_eq!(shown("echo $(( $(rm a) + 1 ))"), ["rm a", "echo …"]);
+        // rm's output is evaluated as an expression too: it could hold code.
+        assert_eq!(
+            shown("echo $(( $(rm a) + 1 ))"),
+            [
+                "rm a",
+                "(arithmetic over a command's output, which may hold code)",
+                "echo …"
+            ]
+        );
+        assert_eq!(shown("echo $(( $(nproc) / 2 ))"), ["nproc", "echo …"]);
         assert_eq!(
             shown("echo ${x:-$(rm a)}")[0],
             "(a substitution inside ${…})"

@@ -116,6 +116,36 @@ const BYPASSES: &[&str] = &[
     "ssh localhost rm -rf /",
     "echo ${x:-$(rm -rf /)}",
     "rm -rf / ((( unbalanced",
+    // Strings bash evaluates (issue 39).
+    "x='a[$(rm -rf /)]'; (( x ))",
+    "x='a[$(rm -rf /)]'; [[ $x -eq 0 ]]",
+    "x='a[$(rm -rf /)]'; echo $((x))",
+    "x='a[$(rm -rf /)]'; let x",
+    "x='a[$(rm -rf /)]'; y=x; (( y + 1 ))",
+    "for ((i = 0; i < 1; i++)); do (( x )); x='a[$(rm -rf /)]'; done",
+    "read x; (( x ))",
+    "(( $(echo 'a[$(rm -rf /)]') ))",
+    "printf -v 'a[$(rm -rf /)]' 1",
+    "declare 'a[$(rm -rf /)]=1'",
+    "read 'a[$(rm -rf /)]' <<< 1",
+    "unset 'a[$(rm -rf /)]'",
+    "test -v 'a[$(rm -rf /)]'",
+    "[[ -v a[$(rm -rf /)] ]]",
+    "declare -n r='a[$(rm -rf /)]'; echo $r",
+    "x='a[$(rm -rf /)]'; echo ${!x}",
+    "x='$(rm -rf /)'; echo \"${x@P}\"",
+    "PS4='$(rm -rf /)'; set -x; true",
+    "hash -p /bin/rm ls; ls -rf /",
+    "BASH_CMDS[ls]=/bin/rm; ls -rf /",
+    "x='a[$(rm -rf /)]'; declare -i n; n=$x",
+    "x='a[$(rm -rf /)]'; echo $[x]",
+    "x='a[$(rm -rf /)]'; b=(1); echo ${b[x]}",
+    "x='a[$(rm -rf /)]'; s=abc; echo ${s:x}",
+    "f() { echo $(( $1 )); }; f 'a[$(rm -rf /)]'",
+    "mapfile -C 'rm -rf /' -c 1 < /etc/hosts",
+    "env BASH_ENV=/tmp/x bash -c true",
+    "retry() { for i in 1 2; do \"$@\" && return; done; }; retry rm -rf /",
+    "find / -name x -exec rm -rf {} +",
 ];
 
 /// Ordinary commands: must pass untouched.
@@ -280,4 +310,34 @@ fn paths_are_matched_the_short_way_too() {
     assert_eq!(normalized("/a/../"), Some("/".into()));
     assert_eq!(normalized("/a/b/"), None);
     assert_eq!(normalized("x=y"), None);
+}
+/// 200-odd commands agents run every day (builds, git, pip, python, tests, sed, find, loops
+/// with arithmetic): not one may be stopped or asked about.
+#[test]
+fn a_corpus_of_everyday_commands_passes_without_a_question() {
+    let mut rules = PolicyRules {
+        deny: vec![
+            "rm -rf /*".into(),
+            "shutdown*".into(),
+            "mkfs*".into(),
+            "dd of=/dev/*".into(),
+        ],
+        ask: vec!["git push*".into()],
+        ..Default::default()
+    };
+    let p = Policy::new(&[&rules]);
+    let corpus: Vec<&str> = include_str!("ordinary.txt").lines().collect();
+    assert!(corpus.len() >= 200, "{}", corpus.len());
+    let stopped: Vec<String> = corpus
+        .iter()
+        .filter_map(|c| match p.check(c) {
+            Decision::Allow => None,
+            d => Some(format!("{c:?} → {d:?}")),
+        })
+        .collect();
+    assert!(stopped.is_empty(), "{}", stopped.join("\n"));
+    // The rules are live: the same policy stops what it names.
+    rules.deny.clear();
+    assert!(matches!(p.check("git push --force"), Decision::Ask(_)));
+    assert!(matches!(p.check("rm -rf /home"), Decision::Deny(_)));
 }

@@ -181,10 +181,15 @@ const SHELLS: [&str; 11] = [
     "busybox-sh",
 ];
 
+/// A shell: its arguments become the positional parameters of what it runs.
+pub fn is_shell(name: &str) -> bool {
+    SHELLS.contains(&name) || name == "csh" || name == "tcsh"
+}
+
 /// What the command `name` (a basename) with `args` runs besides itself.
 pub fn inner(name: &str, args: &[WordVal]) -> Vec<Inner> {
     match name {
-        n if SHELLS.contains(&n) || n == "csh" || n == "tcsh" => shell(args),
+        n if is_shell(n) => shell(args),
         "eval" => vec![match joined(args) {
             Inner::Unknown(_) => Inner::Unknown("eval of a string not known before it runs"),
             known => known,
@@ -511,6 +516,12 @@ pub fn inner(name: &str, args: &[WordVal]) -> Vec<Inner> {
             }
         }
         "source" | "." => match args.first().map(|w| &w.arg) {
+            // `. ~/venv/bin/activate`: a file under the home directory.
+            Some(Arg::Unknown { .. })
+                if args[0].raw.starts_with("~/") && !args[0].raw.contains(['$', '`', '<']) =>
+            {
+                Vec::new()
+            }
             Some(Arg::Unknown { .. }) => {
                 vec![Inner::Unknown("a sourced script not known before it runs")]
             }
@@ -696,12 +707,21 @@ fn xargs(args: &[WordVal]) -> Vec<Inner> {
     })
 }
 
-/// `find … -exec CMD {} ;` (also `-execdir`, `-ok`, `-okdir`, `+`-terminated).
+/// `find … -exec CMD {} ;` (also `-execdir`, `-ok`, `-okdir`, `+`-terminated). `{}` is a
+/// path found under the start paths: relative when they all are (`find . -exec rm {} +`
+/// removes `./…`, never `/…`), and always for `-execdir`; else unknown.
 fn find(args: &[WordVal]) -> Vec<Inner> {
+    let starts = args
+        .iter()
+        .take_while(|w| !w.lit().is_some_and(|s| s.starts_with(['-', '(', '!'])));
+    let relative = starts
+        .clone()
+        .all(|w| w.lit().is_some_and(|s| !s.starts_with('/')));
     let mut out = Vec::new();
     let mut i = 0;
     while i < args.len() {
-        if matches!(args[i].lit(), Some("-exec" | "-execdir" | "-ok" | "-okdir")) {
+        if let Some(action @ ("-exec" | "-execdir" | "-ok" | "-okdir")) = args[i].lit() {
+            let dir = action.ends_with("dir");
             let start = i + 1;
             let mut end = start;
             while end < args.len() && !matches!(args[end].lit(), Some(";" | "+")) {
@@ -709,12 +729,13 @@ fn find(args: &[WordVal]) -> Vec<Inner> {
             }
             let ws: Vec<WordVal> = args[start..end]
                 .iter()
-                .map(|w| {
-                    if w.lit().is_some_and(|s| s.contains("{}")) {
-                        WordVal::unknown(false)
-                    } else {
-                        w.clone()
-                    }
+                .map(|w| match w.lit() {
+                    Some(s) if s.contains("{}") && (relative || dir) && s == "{}" => WordVal {
+                        arg: Arg::Lit("./{}".to_string()),
+                        ..w.clone()
+                    },
+                    Some(s) if s.contains("{}") => WordVal::unknown(false),
+                    _ => w.clone(),
                 })
                 .collect();
             if !ws.is_empty() {
