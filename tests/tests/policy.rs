@@ -47,9 +47,43 @@ fn sandbox_list(sshd: &Sshd, policy: &Value) -> String {
 
 /// `rsb ARGS` with no terminal, its home and state under `tmp`, the sandboxes of `list`.
 fn cli(tmp: &Path, list: &str, env: &[(&str, &str)], args: &[&str]) -> std::process::Output {
+    cli_command(tmp, list, env, args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap()
+}
+
+/// [`cli`] with `input` piped to rsb's stdin.
+fn cli_piped(
+    tmp: &Path,
+    list: &str,
+    env: &[(&str, &str)],
+    args: &[&str],
+    input: &str,
+) -> std::process::Output {
+    use std::io::Write;
+    let mut child = cli_command(tmp, list, env, args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    // rsb may refuse before reading it all: a broken pipe is part of the answer.
+    let _ = stdin.write_all(input.as_bytes());
+    drop(stdin);
+    child.wait_with_output().unwrap()
+}
+
+fn cli_command(
+    tmp: &Path,
+    list: &str,
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> std::process::Command {
     let home = tmp.join("home");
-    std::process::Command::new(rsb_bin())
-        .args(args)
+    let mut c = std::process::Command::new(rsb_bin());
+    c.args(args)
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("HOME", &home)
@@ -57,10 +91,8 @@ fn cli(tmp: &Path, list: &str, env: &[(&str, &str)], args: &[&str]) -> std::proc
         .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
         .env("RSB_STATE_DIR", tmp.join("state"))
         .env("REMOTE_SANDBOX_LIST", list)
-        .envs(env.iter().copied())
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap()
+        .envs(env.iter().copied());
+    c
 }
 
 /// A client that answers elicitation with `answer` (when it declares the capability) and
@@ -292,6 +324,26 @@ const BYPASSES: &[&str] = &[
     r#"x='a[$(rm -rf {V})]'; b=(1); echo ${b[x]}"#,
     r#"f() { echo $(( $1 )); }; f 'a[$(rm -rf {V})]'"#,
     r#"retry() { "$@"; }; retry rm -rf {V}"#,
+    // Wrapper options read right (item 2).
+    r#"env --split-string='rm -rf {V}'"#,
+    r#"script -qc 'rm -rf {V}' /dev/null"#,
+    r#"echo {V} | xargs -I{} sh -c 'rm -rf {}'"#,
+    r#"echo {V} | xargs -i sh -c 'rm -rf {}'"#,
+    // Launchers outside the table (item 3).
+    r#"/lib64/ld-linux-x86-64.so.2 /bin/rm -rf {V}"#,
+    r#"setpriv rm -rf {V}"#,
+    r#"prlimit --nofile=1024 rm -rf {V}"#,
+    r#"tmux new -d 'rm -rf {V}'"#,
+    r#"sbatch --wrap='rm -rf {V}'"#,
+    // A shell reading its script from stdin (item 4).
+    r#"{ bash; } <<< 'rm -rf {V}'"#,
+    "( sh ) <<EOF\nrm -rf {V}\nEOF",
+    r#"f() { bash; }; f <<< 'rm -rf {V}'"#,
+    r#"exec 0<<<'rm -rf {V}'; bash"#,
+    r#"bash 3<<<'rm -rf {V}' 0<&3"#,
+    r#"echo 'rm -rf {V}' | { bash; }"#,
+    r#"bash /dev/stdin <<< 'rm -rf {V}'"#,
+    r#"timeout 5 bash <<< 'rm -rf {V}'"#,
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -563,6 +615,84 @@ fn the_cli_refuses_asks_without_a_terminal_unless_told_yes() {
         .filter_map(|l| l["detail"]["policy"].as_str().map(str::to_string))
         .collect();
     assert_eq!(words, ["deny", "not_asked", "not_asked", "approved"]);
+}
+
+/// A shell reading its script from rsb's own stdin runs code the policy never saw: `… | rsb
+/// exec sb bash` and `rsb shell sb <<< …` count as matching every rule (issue 39 item 4).
+/// Without a policy, `rsb shell` runs and leaves its audit line.
+#[test]
+fn a_shell_fed_through_the_cli_counts_as_matching() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(tmp.path().join("home")).unwrap();
+    let victim = sshd.home().join("victim");
+    std::fs::create_dir_all(&victim).unwrap();
+    let script = format!("rm -rf {}\n", victim.display());
+    let guarded = sandbox_list(&sshd, &json!({"deny": ["rm -rf /*"]}));
+    for args in [
+        &["exec", "-s", "s", "bash"][..],
+        &["exec", "-s", "s", "sh -s"],
+        &["shell", "s"],
+    ] {
+        let out = cli_piped(tmp.path(), &guarded, &[], args, &script);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(7), "{args:?}: {err}");
+        assert!(
+            err.contains("policy: denied by rule \"rm -rf /*\"")
+                && err.contains("reads its script from stdin"),
+            "{args:?}: {err}"
+        );
+        assert!(victim.exists(), "{args:?} ran");
+    }
+    // A command that does not run its input as code is not affected.
+    let out = cli_piped(
+        tmp.path(),
+        &guarded,
+        &[],
+        &["exec", "-s", "s", "wc -l"],
+        "a\nb\n",
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "2");
+
+    let open = sandbox_list(&sshd, &json!({}));
+    let out = cli_piped(
+        tmp.path(),
+        &open,
+        &[],
+        &["shell", "s"],
+        "echo from-shell; exit 3\n",
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("from-shell"));
+    let out = cli(tmp.path(), &open, &[], &["audit", "--json"]);
+    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let shell = lines
+        .iter()
+        .find(|l| l["tool"] == "rsb shell" && l["detail"].is_null());
+    let shell = shell.unwrap_or_else(|| panic!("{lines:#?}"));
+    assert_eq!(shell["exit_code"], 3, "{shell}");
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|l| l["detail"]["policy"] == "deny")
+            .count(),
+        3,
+        "{lines:#?}"
+    );
 }
 
 /// `ask_actions`: a sync's `delete_extras` and `overwrite`, and `kill_background_task`, are

@@ -68,6 +68,9 @@ pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
     } else {
         command.clone()
     };
+    // Piped stdin is forwarded (not under --sudo): a shell reading it runs what the policy
+    // never saw (`echo 'rm -rf /' | rsb exec sb bash`). A terminal is a person typing.
+    let forwarded = !a.sudo && !std::io::IsTerminal::is_terminal(&std::io::stdin());
     if let Err(e) = super::policy::gate(
         ctx,
         client.sandbox(),
@@ -75,6 +78,7 @@ pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
         vec![&checked],
         a.cwd.as_deref(),
         a.yes,
+        forwarded,
     )
     .await
     {
@@ -170,10 +174,47 @@ pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u
     // commands from stdin (`rsb shell gpu1 <<< 'nvidia-smi'`), prints, and exits with its status
     // at EOF, instead of waiting on a pty for input that never comes.
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdin());
-    match client {
-        Ok(c) => stream(&c, req, tty, 0).await,
-        Err(e) => fail(false, &e),
+    let client = match client {
+        Ok(c) => c,
+        Err(e) => return fail(false, &e),
+    };
+    // A person at a terminal types what they like (audited, not checked: the policy guards
+    // an agent's commands). Piped, the shell runs a script nobody saw: under a policy that
+    // counts as matching every rule, like `… | rsb exec sb bash`.
+    if !tty
+        && let Err(e) = super::policy::gate(
+            ctx,
+            client.sandbox(),
+            "rsb shell",
+            vec!["bash -l"],
+            cwd.as_deref(),
+            false,
+            true,
+        )
+        .await
+    {
+        return fail(false, &e);
     }
+    let t0 = std::time::Instant::now();
+    let code = stream(&client, req, tty, 0).await;
+    rsb::audit::record(
+        ctx.pool.config(),
+        client.sandbox(),
+        &rsb::audit::Action {
+            origin: "cli".into(),
+            tool: "rsb shell".into(),
+            command: Some(if tty {
+                "(interactive login shell)".into()
+            } else {
+                "(login shell reading stdin)".into()
+            }),
+            cwd,
+            exit_code: Some(code.into()),
+            duration_ms: Some(t0.elapsed().as_millis() as u64),
+            ..Default::default()
+        },
+    );
+    code
 }
 
 /// Local stdin forwarded, output written live (on a pty with `tty`), the remote code returned.

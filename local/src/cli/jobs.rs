@@ -206,6 +206,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
                 vec![&line],
                 cwd.as_deref(),
                 yes,
+                false,
             )
             .await
             {

@@ -11,6 +11,7 @@ use rsb::{
 use super::Ctx;
 
 /// Check `commands` of `tool` on `sandbox` against the policy; `Ok`: run them.
+/// `stdin_forwarded`: rsb's own stdin reaches the command (`rsb exec`, `rsb shell`, piped).
 pub async fn gate(
     ctx: &Ctx,
     sandbox: &str,
@@ -18,6 +19,7 @@ pub async fn gate(
     commands: Vec<&str>,
     cwd: Option<&str>,
     yes: bool,
+    stdin_forwarded: bool,
 ) -> Result<(), RsbError> {
     let req = policy::Request {
         sandbox,
@@ -25,6 +27,7 @@ pub async fn gate(
         tool,
         commands,
         cwd,
+        stdin_forwarded,
     };
     policy::gate(ctx.pool.config(), &req, |question| terminal(question, yes)).await
 }

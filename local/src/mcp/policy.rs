@@ -34,6 +34,7 @@ pub(super) async fn gate(
         tool,
         commands,
         cwd,
+        stdin_forwarded: false,
     };
     policy::gate(server.pool.config(), &req, |question| ask(ctx, question)).await
 }

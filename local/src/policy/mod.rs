@@ -206,11 +206,23 @@ impl Policy {
     /// The strictest decision over every simple command of `script`: a deny anywhere wins;
     /// else the first ask (by rule, or a command name only known at run time).
     pub fn check(&self, script: &str) -> Decision {
+        self.check_with(script, false)
+    }
+
+    /// [`Policy::check`] of a script whose stdin is data the caller forwards (`… | rsb exec
+    /// sb bash`): a shell reading it runs code nobody saw.
+    pub fn check_with(&self, script: &str, stdin_forwarded: bool) -> Decision {
         if self.is_empty() {
             return Decision::Allow;
         }
+        let programs: Vec<String> = self
+            .deny
+            .iter()
+            .chain(&self.ask)
+            .map(|r| r.name.clone())
+            .collect();
         let mut ask = None;
-        for c in shell::commands(script) {
+        for c in shell::commands_for(script, &programs, stdin_forwarded) {
             let finding = |rule: Option<&Rule>| Finding {
                 rule: rule.map(|r| r.text.clone()),
                 command: c.display(),
@@ -259,6 +271,9 @@ pub struct Request<'a> {
     /// The commands the call would run (a job's command, its resume command, ...).
     pub commands: Vec<&'a str>,
     pub cwd: Option<&'a str>,
+    /// The caller's stdin reaches the command (`… | rsb exec sb bash`): a shell reading its
+    /// script from it runs code nobody saw.
+    pub stdin_forwarded: bool,
 }
 
 /// Check every command of `req` against the sandbox's policy; ask through `ask` when a rule
@@ -274,7 +289,7 @@ where
     }
     let mut first_ask = None;
     for c in &req.commands {
-        match policy.check(c) {
+        match policy.check_with(c, req.stdin_forwarded) {
             Decision::Allow => {}
             Decision::Deny(f) => {
                 record(config, req, c, "deny", &f);

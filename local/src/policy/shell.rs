@@ -97,6 +97,8 @@ enum Stdin {
     Known(String),
     /// A pipe, a file or an expanded here-document.
     Unknown,
+    /// In a function's body: whatever each call gives it.
+    Caller,
 }
 
 /// How deep `bash -c`, `eval`, substitutions and aliases may nest before the rest counts as
@@ -108,6 +110,13 @@ const MAX_COMMANDS: usize = 10_000;
 /// Every simple command of `script`, in source order, wrappers looked through (the wrapper
 /// and the command it runs are both listed).
 pub fn commands(script: &str) -> Vec<Simple> {
+    commands_for(script, &[], false)
+}
+
+/// [`commands`], with the policy's rule names (`programs`: an unknown launcher's argument
+/// naming one is a command too) and whether the script's stdin is data from the caller
+/// (`… | rsb exec sb bash`), which a shell would read as its script.
+pub fn commands_for(script: &str, programs: &[String], stdin_forwarded: bool) -> Vec<Simple> {
     let mut w = Walker {
         opts: ParserOptions::default(),
         out: Vec::new(),
@@ -117,6 +126,13 @@ pub fn commands(script: &str) -> Vec<Simple> {
         functions: HashSet::new(),
         in_function: None,
         runs_args: HashSet::new(),
+        reads_stdin: HashSet::new(),
+        stdin: if stdin_forwarded {
+            Stdin::Unknown
+        } else {
+            Stdin::Inherited
+        },
+        programs: programs.to_vec(),
     };
     w.script(script);
     if let Some(name) = w.vars.tainted_read() {
@@ -151,7 +167,102 @@ struct Walker {
     /// Functions that run their arguments as a command (`retry() { "$@"; }`): a call runs
     /// its arguments.
     runs_args: HashSet<String>,
+    /// Functions whose body runs a shell on the function's stdin.
+    reads_stdin: HashSet<String>,
+    /// The stdin commands inherit here: the script's, a group's redirection, `exec 0<…`.
+    stdin: Stdin,
+    /// The command names of the policy's rules (globs): an unknown program's argument that
+    /// names one is checked as a command ([`Walker::launched`]).
+    programs: Vec<String>,
 }
+
+/// Programs that never run their arguments as a command: their arguments are not looked at
+/// as one (`echo rm -rf /`, `grep -r sudo .`, `man bash`).
+const NOT_LAUNCHERS: &[&str] = &[
+    "echo",
+    "printf",
+    "cat",
+    "ls",
+    "grep",
+    "egrep",
+    "fgrep",
+    "rg",
+    "ag",
+    "head",
+    "tail",
+    "less",
+    "more",
+    "wc",
+    "sort",
+    "uniq",
+    "cut",
+    "tr",
+    "man",
+    "info",
+    "help",
+    "which",
+    "whereis",
+    "whatis",
+    "apropos",
+    "type",
+    "test",
+    "[",
+    "true",
+    "false",
+    ":",
+    "cd",
+    "pwd",
+    "mkdir",
+    "touch",
+    "basename",
+    "dirname",
+    "realpath",
+    "readlink",
+    "stat",
+    "file",
+    "diff",
+    "cmp",
+    "tee",
+    "seq",
+    "sleep",
+    "kill",
+    "pkill",
+    "pgrep",
+    "killall",
+    "jq",
+    "yq",
+    "export",
+    "declare",
+    "typeset",
+    "local",
+    "readonly",
+    "unset",
+    "read",
+    "set",
+    "shift",
+    "return",
+    "exit",
+    "wait",
+    "history",
+    "alias",
+    "unalias",
+    "let",
+    "hash",
+    "enable",
+    "pip",
+    "pip3",
+    "apt",
+    "apt-get",
+    "dnf",
+    "yum",
+    "brew",
+    "conda-env",
+    "mv",
+    "cp",
+    "ln",
+    "chmod",
+    "chown",
+];
 
 impl Walker {
     fn opaque(&mut self, why: impl Into<String>) {
@@ -210,27 +321,53 @@ impl Walker {
         match c {
             ast::Command::Simple(sc) => self.simple(sc, piped),
             ast::Command::Compound(cc, redirs) => {
+                // `{ bash; } <<< '…'`, `echo … | ( sh )`: the body reads what the group does.
+                let start = if piped {
+                    Stdin::Unknown
+                } else {
+                    self.stdin.clone()
+                };
+                let stdin = self.redirects(redirs.as_ref(), start);
+                let outer = std::mem::replace(&mut self.stdin, stdin);
                 self.compound(cc);
-                self.redirects(redirs.as_ref());
+                self.stdin = outer;
             }
             ast::Command::Function(f) => {
                 self.functions.insert(f.fname.value.clone());
                 let outer = self.in_function.replace(f.fname.value.clone());
+                let stdin = self.redirects(f.body.1.as_ref(), Stdin::Caller);
+                let outer_stdin = std::mem::replace(&mut self.stdin, stdin);
                 self.compound(&f.body.0);
+                self.stdin = outer_stdin;
                 self.in_function = outer;
-                self.redirects(f.body.1.as_ref());
             }
             ast::Command::ExtendedTest(t, redirs) => {
                 self.test(&t.expr);
-                self.redirects(redirs.as_ref());
+                self.redirects(redirs.as_ref(), Stdin::Inherited);
             }
         }
     }
 
-    fn redirects(&mut self, r: Option<&ast::RedirectList>) {
-        let mut stdin = Stdin::Inherited;
+    /// Walk redirections; what stdin becomes, from `start`.
+    fn redirects(&mut self, r: Option<&ast::RedirectList>, start: Stdin) -> Stdin {
+        let mut stdin = start;
         for r in r.iter().flat_map(|r| r.0.iter()) {
             self.redirect(r, &mut stdin);
+        }
+        stdin
+    }
+
+    /// A shell (or a function holding one) reads its script from `stdin`.
+    fn feed(&mut self, stdin: &Stdin) {
+        match stdin {
+            Stdin::Inherited => {}
+            Stdin::Known(s) => self.script(&s.clone()),
+            Stdin::Unknown => self.opaque("a shell that reads its script from stdin"),
+            Stdin::Caller => {
+                if let Some(f) = self.in_function.clone() {
+                    self.reads_stdin.insert(f);
+                }
+            }
         }
     }
 
@@ -293,7 +430,8 @@ impl Walker {
                 self.list(&w.0);
                 self.list(&w.1.list);
             }
-            C::Coprocess(c) => self.command(&c.body, false),
+            // Its stdin is a pipe from the shell.
+            C::Coprocess(c) => self.command(&c.body, true),
         }
     }
 
@@ -502,7 +640,7 @@ impl Walker {
         let mut stdin = if piped {
             Stdin::Unknown
         } else {
-            Stdin::Inherited
+            self.stdin.clone()
         };
         let mut assigns: Vec<&ast::Assignment> = Vec::new();
         let prefix = sc.prefix.iter().flat_map(|p| p.0.iter());
@@ -536,6 +674,10 @@ impl Walker {
             }
         }
         self.declared(&words, &assigns);
+        if words.len() == 1 && words[0].lit() == Some("exec") {
+            // `exec 0<<<'…'`: the rest of the script reads that.
+            self.stdin = stdin.clone();
+        }
         self.resolve(words, &stdin);
     }
 
@@ -665,8 +807,9 @@ impl Walker {
         use ast::{IoFileRedirectKind as K, IoFileRedirectTarget as T, IoRedirect as R};
         match r {
             R::File(fd, kind, target) => {
-                let reads_stdin =
-                    matches!(kind, K::Read | K::ReadAndWrite) && fd.is_none_or(|fd| fd == 0);
+                // `< file`, `<> file`, `0<&3`: stdin from a file or another descriptor.
+                let reads_stdin = matches!(kind, K::Read | K::ReadAndWrite | K::DuplicateInput)
+                    && fd.is_none_or(|fd| fd == 0);
                 match target {
                     T::Filename(w) | T::Duplicate(w) => {
                         self.word(&w.value);
@@ -838,20 +981,91 @@ impl Walker {
             return;
         }
         self.builtin(&base, &words);
-        for inner in wrappers::inner(&base, &words[1..]) {
+        if self.reads_stdin.contains(&base) {
+            self.feed(stdin);
+        }
+        let Some(inners) = wrappers::inner(&base, &words[1..]) else {
+            return self.launched(&base, &words);
+        };
+        // What a wrapper runs reads the wrapper's stdin; xargs and parallel read it themselves.
+        let inner_stdin = if matches!(base.as_str(), "xargs" | "parallel") {
+            Stdin::Inherited
+        } else {
+            stdin.clone()
+        };
+        for inner in inners {
             self.depth += 1;
             match inner {
-                Inner::Command(ws) => self.resolve(ws, &Stdin::Inherited),
-                Inner::Script(s) => self.script(&s),
-                Inner::Stdin => match stdin {
-                    Stdin::Inherited => {}
-                    Stdin::Known(s) => self.script(&s.clone()),
-                    Stdin::Unknown => self.opaque("a shell that reads its script from stdin"),
-                },
+                Inner::Command(ws) => self.resolve(ws, &inner_stdin),
+                Inner::Script(s) => {
+                    let outer = std::mem::replace(&mut self.stdin, inner_stdin.clone());
+                    self.script(&s);
+                    self.stdin = outer;
+                }
+                Inner::Stdin => self.feed(stdin),
                 Inner::Unknown(why) => self.opaque(why),
             }
             self.depth -= 1;
         }
+    }
+
+    /// A program rsb does not know that may run its arguments (`srun`, `mpirun`, `numactl`,
+    /// `ld.so`, `systemd-run`, `tmux new`, `apptainer exec`, `conda run`, `valgrind`, …):
+    /// an argument that names a rule's program, a shell or a wrapper is checked as the command
+    /// it starts, and one that is shell code starting so (`tmux new 'rm -rf /'`,
+    /// `sbatch --wrap='…'`) as a script.
+    fn launched(&mut self, base: &str, words: &[WordVal]) {
+        if NOT_LAUNCHERS.contains(&base) || self.depth > MAX_DEPTH {
+            return;
+        }
+        for i in 1..words.len() {
+            let Some(arg) = words[i].lit() else { continue };
+            if self.starts_command(arg) {
+                self.depth += 1;
+                self.resolve(words[i..].to_vec(), &Stdin::Inherited);
+                self.depth -= 1;
+                return;
+            }
+            let code = match arg.split_once('=') {
+                Some((opt, v)) if opt.starts_with('-') => v,
+                _ => arg,
+            };
+            if code.contains(char::is_whitespace)
+                && code
+                    .split_whitespace()
+                    .next()
+                    .is_some_and(|w| self.starts_command(w))
+            {
+                self.depth += 1;
+                let mut parser = brush_parser::Parser::new(code.as_bytes(), &self.opts);
+                if parser.parse_program().is_ok() {
+                    self.script(code);
+                } else {
+                    let ws = code
+                        .split_whitespace()
+                        .map(|w| WordVal {
+                            arg: Arg::Lit(w.to_string()),
+                            raw: w.to_string(),
+                            ..WordVal::unknown(false)
+                        })
+                        .collect();
+                    self.resolve(ws, &Stdin::Inherited);
+                }
+                self.depth -= 1;
+            }
+        }
+    }
+
+    /// Does a word name a program some rule names, a shell or a wrapper?
+    fn starts_command(&self, word: &str) -> bool {
+        let base = word.rsplit('/').next().unwrap_or(word);
+        if base.is_empty() || word.starts_with('-') {
+            return false;
+        }
+        wrappers::inner(base, &[]).is_some()
+            || self.programs.iter().any(|p| {
+                super::glob::matches(p, word) || (!p.contains('/') && super::glob::matches(p, base))
+            })
     }
 }
 

@@ -146,6 +146,50 @@ const BYPASSES: &[&str] = &[
     "env BASH_ENV=/tmp/x bash -c true",
     "retry() { for i in 1 2; do \"$@\" && return; done; }; retry rm -rf /",
     "find / -name x -exec rm -rf {} +",
+    // Wrapper options read right (issue 39 item 2).
+    "env --split-string='rm -rf /'",
+    "env --split-string 'rm -rf /'",
+    "script -qc 'rm -rf /' /dev/null",
+    "script -q -c 'rm -rf /' /dev/null",
+    "script --command='rm -rf /' /dev/null",
+    "su -lc 'rm -rf /'",
+    "su - root -c 'rm -rf /'",
+    "su --session-command='rm -rf /'",
+    "runuser -l root -c 'rm -rf /'",
+    "runuser -lc 'rm -rf /' root",
+    "echo / | xargs -I{} sh -c 'rm -rf {}'",
+    "echo / | xargs -i sh -c 'rm -rf {}'",
+    "echo / | xargs --replace=X sh -c 'rm -rf X'",
+    "parallel sh -c 'rm -rf {}' ::: /",
+    "echo 'rm -rf /' | parallel",
+    "echo 'rm -rf /' | su",
+    "echo 'rm -rf /' | sudo -s",
+    // Launchers outside the table (item 3).
+    "srun rm -rf /",
+    "srun -N1 -n1 rm -rf /",
+    "mpirun -np 2 rm -rf /",
+    "numactl -C0 rm -rf /",
+    "/lib64/ld-linux-x86-64.so.2 /bin/rm -rf /",
+    "systemd-run --user rm -rf /",
+    "tmux new -d 'rm -rf /'",
+    "screen -dm bash -c 'rm -rf /'",
+    "apptainer exec img.sif rm -rf /",
+    "conda run -n base rm -rf /",
+    "uv run rm -rf /",
+    "valgrind rm -rf /",
+    "sbatch --wrap='rm -rf /'",
+    // A shell reading its script from stdin (item 4).
+    "{ bash; } <<< 'rm -rf /'",
+    "( sh ) <<EOF\nrm -rf /\nEOF",
+    "f() { bash; }; f <<< 'rm -rf /'",
+    "f() { bash; }; echo 'rm -rf /' | f",
+    "exec 0<<<'rm -rf /'; bash",
+    "bash 3<<<'rm -rf /' 0<&3",
+    "echo 'rm -rf /' | { bash; }",
+    "coproc sh",
+    "bash /dev/stdin <<< 'rm -rf /'",
+    "timeout 5 bash <<< 'rm -rf /'",
+    "ssh localhost bash <<< 'rm -rf /'",
 ];
 
 /// Ordinary commands: must pass untouched.
@@ -311,6 +355,15 @@ fn paths_are_matched_the_short_way_too() {
     assert_eq!(normalized("/a/b/"), None);
     assert_eq!(normalized("x=y"), None);
 }
+#[test]
+fn a_shell_reading_forwarded_stdin_counts_as_matching() {
+    let p = issue_policy();
+    assert!(matches!(p.check_with("bash", true), Decision::Deny(_)));
+    assert!(matches!(p.check_with("sh -s", true), Decision::Deny(_)));
+    assert_eq!(p.check_with("wc -l", true), Decision::Allow);
+    assert_eq!(p.check("bash"), Decision::Allow);
+}
+
 /// 200-odd commands agents run every day (builds, git, pip, python, tests, sed, find, loops
 /// with arithmetic): not one may be stopped or asked about.
 #[test]

@@ -37,6 +37,21 @@ struct Parsed {
     long: Vec<String>,
     /// Arguments of options, by letter (`-c STR`).
     values: Vec<(char, Arg)>,
+    /// Arguments of long options (`--split-string=STR`, `--replace=R`).
+    long_values: Vec<(String, Arg)>,
+}
+
+impl Parsed {
+    /// The argument of `-c` or `--long` (the last one given).
+    fn value(&self, short: char, long: &str) -> Option<&Arg> {
+        let s = self.values.iter().rev().find(|(c, _)| *c == short);
+        s.map(|(_, v)| v).or(self.long_value(long))
+    }
+
+    fn long_value(&self, long: &str) -> Option<&Arg> {
+        let l = self.long_values.iter().rev().find(|(n, _)| n == long);
+        l.map(|(_, v)| v)
+    }
 }
 
 fn parse(o: &Opts, args: &[WordVal]) -> Result<Parsed, &'static str> {
@@ -45,6 +60,7 @@ fn parse(o: &Opts, args: &[WordVal]) -> Result<Parsed, &'static str> {
         seen: String::new(),
         long: Vec::new(),
         values: Vec::new(),
+        long_values: Vec::new(),
     };
     let mut i = 0;
     while i < args.len() {
@@ -60,10 +76,22 @@ fn parse(o: &Opts, args: &[WordVal]) -> Result<Parsed, &'static str> {
             let name = long.split('=').next().unwrap_or(long);
             let full = format!("--{name}");
             if o.long_arg.contains(&full.as_str()) {
-                if !long.contains('=') {
-                    i += 1;
+                let value = match long.split_once('=') {
+                    Some((_, v)) => Arg::Lit(v.to_string()),
+                    None => {
+                        i += 1;
+                        args.get(i)
+                            .map(|w| w.arg.clone())
+                            .unwrap_or(Arg::Unknown { many: false })
+                    }
+                };
+                p.long_values.push((full.clone(), value));
+            } else if o.long_flag.contains(&full.as_str()) {
+                if let Some((_, v)) = long.split_once('=') {
+                    // An optional argument (`--replace=R`).
+                    p.long_values.push((full.clone(), Arg::Lit(v.to_string())));
                 }
-            } else if !o.long_flag.contains(&full.as_str()) {
+            } else {
                 return Err("a wrapper option this guard does not know");
             }
             p.long.push(full);
@@ -186,9 +214,10 @@ pub fn is_shell(name: &str) -> bool {
     SHELLS.contains(&name) || name == "csh" || name == "tcsh"
 }
 
-/// What the command `name` (a basename) with `args` runs besides itself.
-pub fn inner(name: &str, args: &[WordVal]) -> Vec<Inner> {
-    match name {
+/// What the command `name` (a basename) with `args` runs besides itself; `None` when it is
+/// not a wrapper this table knows.
+pub fn inner(name: &str, args: &[WordVal]) -> Option<Vec<Inner>> {
+    Some(match name {
         n if is_shell(n) => shell(args),
         "eval" => vec![match joined(args) {
             Inner::Unknown(_) => Inner::Unknown("eval of a string not known before it runs"),
@@ -353,7 +382,14 @@ pub fn inner(name: &str, args: &[WordVal]) -> Vec<Inner> {
             args,
             |p| {
                 let rest = skip_assignments(&args[p.operands.min(args.len())..]);
-                command_at(rest, 0)
+                let shell = p.seen.contains(['s', 'i'])
+                    || p.long.iter().any(|l| l == "--shell" || l == "--login");
+                if rest.is_empty() && shell {
+                    // `sudo -s` / `sudo -i`: a root shell reading its script from stdin.
+                    vec![Inner::Stdin]
+                } else {
+                    command_at(rest, 0)
+                }
             },
         ),
         "doas" => with(
@@ -380,18 +416,18 @@ pub fn inner(name: &str, args: &[WordVal]) -> Vec<Inner> {
         "xargs" => xargs(args),
         "parallel" => {
             // GNU parallel has too many options to follow; only its plain form is known.
-            if args
-                .first()
-                .and_then(WordVal::lit)
-                .is_none_or(|a| a.starts_with('-'))
-            {
-                return vec![Inner::Unknown("parallel with options")];
+            match args.first().and_then(WordVal::lit) {
+                // No command: it runs its input lines as commands.
+                None if args.is_empty() => return Some(vec![Inner::Stdin]),
+                Some(a) if !a.starts_with('-') => {}
+                _ => return Some(vec![Inner::Unknown("parallel with options")]),
             }
             let end = args
                 .iter()
                 .position(|w| w.lit().is_some_and(|s| s.starts_with(":::")))
                 .unwrap_or(args.len());
-            let mut ws = words(&args[..end]);
+            // `{}`, `{.}`, `{1}`…: the input, pasted into the word (a script too).
+            let mut ws = replaced(&args[..end], |s| s.contains('{') && s.contains('}'));
             ws.push(WordVal::unknown(true));
             vec![Inner::Command(ws)]
         }
@@ -530,8 +566,8 @@ pub fn inner(name: &str, args: &[WordVal]) -> Vec<Inner> {
             }
             _ => Vec::new(),
         },
-        _ => Vec::new(),
-    }
+        _ => return None,
+    })
 }
 
 /// `bash [opts] -c STRING [name args]`, `bash [opts] FILE`, or `bash` reading stdin.
@@ -541,6 +577,10 @@ fn shell(args: &[WordVal]) -> Vec<Inner> {
     let mut i = 0;
     while i < args.len() {
         let Some(a) = args[i].lit() else {
+            if dash_c {
+                // The script itself (`sh -c "$CMD"`).
+                break;
+            }
             return vec![Inner::Unknown("a shell option not known before it runs")];
         };
         if a == "--" || a == "-" {
@@ -568,7 +608,16 @@ fn shell(args: &[WordVal]) -> Vec<Inner> {
     match args.get(i) {
         Some(w) if dash_c => vec![script_of(&w.arg)],
         _ if dash_c => Vec::new(),
-        Some(_) if !from_stdin => Vec::new(),
+        // `bash /dev/stdin <<< …`: a script file that is a stream.
+        Some(w) if !from_stdin => match w.lit() {
+            Some("/dev/stdin" | "/dev/fd/0" | "/proc/self/fd/0") => vec![Inner::Stdin],
+            Some(f) if f.starts_with("/dev/") || f.starts_with("/proc/") => {
+                vec![Inner::Unknown("a shell script read from a stream")]
+            }
+            Some(_) => Vec::new(),
+            // Could be /dev/stdin: as a shell reading stdin (nothing there under exec_bash).
+            None => vec![Inner::Stdin],
+        },
         _ => vec![Inner::Stdin],
     }
 }
@@ -593,7 +642,7 @@ fn env(args: &[WordVal]) -> Vec<Inner> {
     let args = &args[start..];
     with(&o, args, |p| {
         let rest = skip_assignments(&args[p.operands.min(args.len())..]);
-        let split = p.values.iter().find(|(c, _)| *c == 'S').map(|(_, v)| v);
+        let split = p.value('S', "--split-string");
         match split {
             // `env -S 'rm -rf /'`: the string is split into the command's first words.
             Some(Arg::Lit(s)) => {
@@ -637,36 +686,121 @@ fn nice(args: &[WordVal]) -> Vec<Inner> {
     )
 }
 
-/// `su -c STR`, `runuser -c STR` / `runuser -u USER CMD…`, `sg GROUP -c STR` / `sg GROUP
-/// CMD…`, `script -c STR`: the `-c` string anywhere among the arguments.
+/// `su [opts] [-] [user] [-c STR]`, `runuser … [-c STR]` / `runuser -u USER CMD…`,
+/// `script [opts] [-c STR] [file]`, `sg GROUP [-c] STR…`: options may come after the
+/// operands (`su - root -c …`), clustered (`su -lc …`, `script -qc …`) or long
+/// (`--command=…`, `--session-command …`). Without a command, su, runuser and script start a
+/// shell that reads its script from stdin.
 fn dash_c(name: &str, args: &[WordVal]) -> Vec<Inner> {
-    for (i, w) in args.iter().enumerate() {
-        match w.lit() {
-            Some("-c" | "--command") => {
-                return match args.get(i + 1) {
-                    Some(s) => vec![script_of(&s.arg)],
-                    None => Vec::new(),
+    if name == "sg" {
+        let rest = args.get(1..).unwrap_or_default();
+        let rest = match rest.first().and_then(WordVal::lit) {
+            Some("-c") => &rest[1..],
+            _ => rest,
+        };
+        return if rest.is_empty() {
+            Vec::new()
+        } else {
+            vec![joined(rest)]
+        };
+    }
+    let o = match name {
+        "script" => Opts {
+            short_arg: "cEIOBTm",
+            short_flag: "aefqtVh",
+            long_arg: &[
+                "--command",
+                "--echo",
+                "--log-in",
+                "--log-out",
+                "--log-io",
+                "--log-timing",
+                "--logging-format",
+                "--output-limit",
+            ],
+            long_flag: &[
+                "--append",
+                "--return",
+                "--flush",
+                "--force",
+                "--quiet",
+                "--timing",
+                "--version",
+                "--help",
+            ],
+        },
+        _ => Opts {
+            short_arg: "cgGswuC",
+            short_flag: "flmpPhV",
+            long_arg: &[
+                "--command",
+                "--session-command",
+                "--group",
+                "--supp-group",
+                "--shell",
+                "--whitelist-environment",
+                "--user",
+            ],
+            long_flag: &[
+                "--login",
+                "--preserve-environment",
+                "--pty",
+                "--fast",
+                "--help",
+                "--version",
+            ],
+        },
+    };
+    // Options anywhere: parse each run of them between operands.
+    let mut operands: Vec<usize> = Vec::new();
+    let mut command = None;
+    let mut user_flag = false;
+    let mut i = 0;
+    while i < args.len() {
+        match args[i].lit() {
+            Some("-") => i += 1,
+            Some("--") => {
+                operands.extend(i + 1..args.len());
+                break;
+            }
+            Some(a) if a.starts_with('-') => {
+                // A run of options, up to the next operand.
+                let p = match parse(&o, &args[i..]) {
+                    Ok(p) => p,
+                    Err(why) => return vec![Inner::Unknown(why)],
                 };
+                if let Some(c) = p
+                    .value('c', "--command")
+                    .or(p.long_value("--session-command"))
+                {
+                    command = Some(c.clone());
+                }
+                user_flag |= p.seen.contains('u') || p.long.iter().any(|l| l == "--user");
+                let end = i + p.operands.max(1);
+                if args[i..end].last().and_then(WordVal::lit) == Some("--") {
+                    operands.extend(end..args.len());
+                    break;
+                }
+                i = end;
             }
-            Some(s) if s.starts_with("--command=") => {
-                return vec![Inner::Script(s["--command=".len()..].to_string())];
+            Some(_) => {
+                operands.push(i);
+                i += 1;
             }
-            _ => {}
+            None => return vec![Inner::Unknown("a wrapper option not known before it runs")],
         }
     }
+    if let Some(c) = command {
+        return vec![script_of(&c)];
+    }
     match name {
-        "runuser" if args.iter().any(|w| w.lit() == Some("-u")) => with(
-            &Opts {
-                short_arg: "ugGsw",
-                short_flag: "lfmp",
-                long_arg: &["--user", "--group", "--supp-group", "--shell"],
-                long_flag: &["--login", "--preserve-environment", "--pty"],
-            },
-            args,
-            |p| command_at(args, p.operands),
-        ),
-        "sg" if args.len() > 1 => vec![joined(&args[1..])],
-        _ => Vec::new(),
+        // `runuser -u USER CMD…`: the operands are the command.
+        "runuser" if user_flag => match operands.first() {
+            Some(&at) => command_at(args, at),
+            None => vec![Inner::Stdin],
+        },
+        // `script FILE` records a shell; `su USER` and `runuser USER` start one.
+        _ => vec![Inner::Stdin],
     }
 }
 
@@ -700,11 +834,39 @@ fn xargs(args: &[WordVal]) -> Vec<Inner> {
         if rest.is_empty() {
             return Vec::new();
         }
+        // `-I R` / `-i` / `--replace[=R]`: each R in the command becomes a line of input, so
+        // a word holding it (a `sh -c '… R …'` script too) is only known when it runs.
+        let replace = match p.value('I', "--replace") {
+            Some(Arg::Lit(r)) => Some(r.clone()),
+            Some(Arg::Unknown { .. }) => {
+                return vec![Inner::Unknown(
+                    "xargs -I with a replace string not known before it runs",
+                )];
+            }
+            None if p.seen.contains('i') || p.long.iter().any(|l| l == "--replace") => {
+                Some("{}".to_string())
+            }
+            None => None,
+        };
+        if let Some(r) = replace.filter(|r| !r.is_empty()) {
+            return vec![Inner::Command(replaced(rest, |s| s.contains(r.as_str())))];
+        }
         // Its input becomes more arguments, any number of them.
         let mut ws = words(rest);
         ws.push(WordVal::unknown(true));
         vec![Inner::Command(ws)]
     })
+}
+
+/// `words` with each one `holds` says is replaced by input as unknown.
+fn replaced(words: &[WordVal], holds: impl Fn(&str) -> bool) -> Vec<WordVal> {
+    words
+        .iter()
+        .map(|w| match w.lit() {
+            Some(s) if holds(s) => WordVal::unknown(false),
+            _ => w.clone(),
+        })
+        .collect()
 }
 
 /// `find … -exec CMD {} ;` (also `-execdir`, `-ok`, `-okdir`, `+`-terminated). `{}` is a
