@@ -523,6 +523,47 @@ async fn ask_uses_elicitation_and_a_client_without_it_is_refused() {
         .map(|d| d["detail"]["policy"].as_str().unwrap().to_string())
         .collect();
     assert_eq!(words, ["approved", "declined", "cancelled", "deny"]);
+
+    // The whole job is shown: every command that needs asking, each with the simple command
+    // its rule matched, escaped for a terminal (an OSC 52 in a command cannot act).
+    *mcp.client.answer.lock().unwrap() = ElicitationAction::Decline;
+    let a = home.join("job-a");
+    let b = home.join("job-b");
+    let r = mcp
+        .call(
+            "exec_bash_background",
+            json!({
+                "command": format!("sleep 1; touch {}", a.display()),
+                "resume_command": format!("touch {} # \u{1b}]52;c;aGk=\u{7}", b.display()),
+            }),
+        )
+        .await;
+    assert!(r.is_error && r.text.contains("declined"), "{}", r.text);
+    {
+        let asked = mcp.client.asked.lock().unwrap();
+        let q = asked.last().unwrap();
+        assert!(q.contains("before 2 of its commands"), "{q}");
+        assert!(
+            q.contains(&format!("command:\nsleep 1; touch {}", a.display()))
+                && q.contains(&format!(
+                    "(matches the ask rule \"touch *\": `touch {}`)",
+                    a.display()
+                )),
+            "{q}"
+        );
+        assert!(
+            q.contains("resume_command:\ntouch ") && q.contains("\\u{1b}]52;c;aGk=\\u{7}"),
+            "{q}"
+        );
+        assert!(!q.contains('\u{1b}') && !q.contains('\u{7}'), "{q:?}");
+    }
+    assert!(!a.exists() && !b.exists());
+    let declined = mcp
+        .decisions()
+        .iter()
+        .filter(|d| d["detail"]["policy"] == "declined" && d["tool"] == "exec_bash_background")
+        .count();
+    assert_eq!(declined, 2, "one audit line per asked command");
     let _ = mcp.svc.cancel().await;
 
     // A client that did not declare elicitation: a clear refusal, nothing runs.

@@ -203,7 +203,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
                 ctx,
                 client.sandbox(),
                 "rsb jobs start",
-                vec![&line],
+                vec![("command", &line)],
                 cwd.as_deref(),
                 yes,
                 false,

@@ -16,7 +16,7 @@ pub async fn gate(
     ctx: &Ctx,
     sandbox: &str,
     tool: &str,
-    commands: Vec<&str>,
+    commands: Vec<(&str, &str)>,
     cwd: Option<&str>,
     yes: bool,
     stdin_forwarded: bool,

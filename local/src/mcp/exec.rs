@@ -80,9 +80,15 @@ impl RsbServer {
             } else {
                 p.command.clone()
             };
-            if let Err(e) =
-                super::policy::gate(self, &ctx, &sandbox, tool, vec![&checked], p.cwd.as_deref())
-                    .await
+            if let Err(e) = super::policy::gate(
+                self,
+                &ctx,
+                &sandbox,
+                tool,
+                vec![("command", &checked)],
+                p.cwd.as_deref(),
+            )
+            .await
             {
                 return fail(&e);
             }

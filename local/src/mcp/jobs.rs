@@ -478,7 +478,11 @@ impl RsbServer {
             return Ok(());
         };
         let commands = super::policy::commands_of(
-            &[&p.command, &p.resume_command, &p.checkpoint_command],
+            &[
+                ("command", &p.command),
+                ("resume_command", &p.resume_command),
+                ("checkpoint_command", &p.checkpoint_command),
+            ],
             &p.resume_plan_json,
         );
         let cwd = (!p.cwd.is_empty()).then_some(p.cwd.as_str());
@@ -487,7 +491,7 @@ impl RsbServer {
             ctx,
             &sandbox,
             tool,
-            commands.iter().map(String::as_str).collect(),
+            commands.iter().map(|(k, c)| (*k, c.as_str())).collect(),
             cwd,
         )
         .await

@@ -25,7 +25,7 @@ pub(super) async fn gate(
     ctx: &RequestContext<RoleServer>,
     sandbox: &str,
     tool: &str,
-    commands: Vec<&str>,
+    commands: Vec<(&str, &str)>,
     cwd: Option<&str>,
 ) -> Result<(), RsbError> {
     let req = policy::Request {
@@ -82,19 +82,27 @@ pub(super) async fn approve_action(
     policy::gate_action(server.pool.config(), &req, |question| ask(ctx, question)).await
 }
 
-/// The commands among `fields` (empty ones dropped) and those a resume plan carries.
-pub(super) fn commands_of(fields: &[&str], plan_json: &str) -> Vec<String> {
-    let mut out: Vec<String> = fields
+/// The commands among `fields` (parameter name, value; empty ones dropped) and those a
+/// resume plan carries, each with where it came from.
+pub(super) fn commands_of(
+    fields: &[(&'static str, &str)],
+    plan_json: &str,
+) -> Vec<(&'static str, String)> {
+    let mut out: Vec<(&'static str, String)> = fields
         .iter()
-        .filter(|c| !c.trim().is_empty())
-        .map(|c| c.to_string())
+        .filter(|(_, c)| !c.trim().is_empty())
+        .map(|(k, c)| (*k, c.to_string()))
         .collect();
     if let Ok(serde_json::Value::Object(plan)) = serde_json::from_str(plan_json) {
-        for k in ["launch_command", "resume_command", "checkpoint_command"] {
+        for (k, field) in [
+            ("launch_command", "resume_plan_json.launch_command"),
+            ("resume_command", "resume_plan_json.resume_command"),
+            ("checkpoint_command", "resume_plan_json.checkpoint_command"),
+        ] {
             if let Some(c) = plan.get(k).and_then(serde_json::Value::as_str)
                 && !c.trim().is_empty()
             {
-                out.push(c.to_string());
+                out.push((field, c.to_string()));
             }
         }
     }

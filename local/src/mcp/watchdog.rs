@@ -322,9 +322,9 @@ impl RsbServer {
         if !sandbox.is_empty() {
             let commands = super::policy::commands_of(
                 &[
-                    &args.launch_command,
-                    &args.resume_command,
-                    &args.checkpoint_command,
+                    ("launch_command", &args.launch_command),
+                    ("resume_command", &args.resume_command),
+                    ("checkpoint_command", &args.checkpoint_command),
                 ],
                 &args.resume_plan_json,
             );
@@ -333,7 +333,7 @@ impl RsbServer {
                 &ctx,
                 &sandbox,
                 "watch_background_task",
-                commands.iter().map(String::as_str).collect(),
+                commands.iter().map(|(k, c)| (*k, c.as_str())).collect(),
                 (!args.cwd.is_empty()).then_some(args.cwd.as_str()),
             )
             .await

@@ -268,8 +268,9 @@ pub struct Request<'a> {
     /// `mcp:<client>` or `cli`.
     pub origin: String,
     pub tool: &'a str,
-    /// The commands the call would run (a job's command, its resume command, ...).
-    pub commands: Vec<&'a str>,
+    /// The commands the call would run, each with the parameter it came in (`command`,
+    /// `resume_command`, `resume_plan_json.checkpoint_command`, ...).
+    pub commands: Vec<(&'a str, &'a str)>,
     pub cwd: Option<&'a str>,
     /// The caller's stdin reaches the command (`… | rsb exec sb bash`): a shell reading its
     /// script from it runs code nobody saw.
@@ -287,32 +288,31 @@ where
     if policy.is_empty() {
         return Ok(());
     }
-    let mut first_ask = None;
-    for c in &req.commands {
+    let mut asks: Vec<(&str, &str, Finding)> = Vec::new();
+    for &(field, c) in &req.commands {
         match policy.check_with(c, req.stdin_forwarded) {
             Decision::Allow => {}
             Decision::Deny(f) => {
                 record(config, req, c, "deny", &f);
                 return Err(denied(&f));
             }
-            Decision::Ask(f) => {
-                if first_ask.is_none() {
-                    first_ask = Some((*c, f));
-                }
-            }
+            Decision::Ask(f) => asks.push((field, c, f)),
         }
     }
-    let Some((command, f)) = first_ask else {
+    if asks.is_empty() {
         return Ok(());
-    };
-    let answer = ask(question(req, command, &f)).await;
+    }
+    let answer = ask(question(req, &asks)).await;
+    let f = &asks[0].2;
     let (word, result) = match answer {
         Answer::Approved => ("approved", Ok(())),
-        Answer::Declined => ("declined", Err(declined(&f, "the user declined it"))),
-        Answer::Cancelled => ("cancelled", Err(declined(&f, "the approval was cancelled"))),
-        Answer::CannotAsk(why) => ("not_asked", Err(cannot_ask(&f, &why))),
+        Answer::Declined => ("declined", Err(declined(f, "the user declined it"))),
+        Answer::Cancelled => ("cancelled", Err(declined(f, "the approval was cancelled"))),
+        Answer::CannotAsk(why) => ("not_asked", Err(cannot_ask(f, &why))),
     };
-    record(config, req, command, word, &f);
+    for (_, command, f) in &asks {
+        record(config, req, command, word, f);
+    }
     result
 }
 
@@ -400,16 +400,32 @@ fn action_cannot_ask(name: &str, why: &str) -> RsbError {
     )
 }
 
-/// What the user is asked: the sandbox, the command as given, and why.
-fn question(req: &Request<'_>, command: &str, f: &Finding) -> String {
-    let why = match &f.rule {
-        Some(r) => format!("it matches the ask rule \"{r}\""),
-        None => "its command name is only known when it runs".to_string(),
-    };
-    format!(
-        "rsb: run this on sandbox '{}' ({})? {why}.\n\n{command}",
-        req.sandbox, req.tool
-    )
+/// What the user is asked: the sandbox, and every command of the call that needs approval,
+/// whole and with the simple command each rule matched, escaped for a terminal (a command
+/// holding an escape sequence must not redraw the question it appears in).
+fn question(req: &Request<'_>, asks: &[(&str, &str, Finding)]) -> String {
+    let mut q = format!(
+        "rsb: run this on sandbox '{}' ({})? The policy asks before {}.",
+        crate::term::shown(req.sandbox),
+        req.tool,
+        if asks.len() == 1 {
+            "it".to_string()
+        } else {
+            format!("{} of its commands", asks.len())
+        }
+    );
+    for (field, command, f) in asks {
+        let why = match &f.rule {
+            Some(r) => format!("matches the ask rule \"{}\"", crate::term::shown(r)),
+            None => "its command name is only known when it runs".to_string(),
+        };
+        q.push_str(&format!(
+            "\n\n{field}:\n{}\n({why}: `{}`)",
+            crate::term::shown_lines(command),
+            crate::term::shown(&f.command)
+        ));
+    }
+    q
 }
 
 fn what(f: &Finding) -> String {
