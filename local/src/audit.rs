@@ -7,6 +7,13 @@
 //! passphrases, and token-looking words (`ghp_…`, `sk-…`, `Bearer …`, `KEY=value` for secret-ish
 //! names), are replaced by `***` before anything is written. Files older than
 //! [`RETENTION_MONTHS`] are removed when a new month's file is created.
+//!
+//! Lines are hash-chained: each holds `prev`, the blake3 of the line before it (the last line
+//! of the previous month's file for a month's first), written under an exclusive lock on the
+//! file so concurrent writers chain in order. [`verify`] finds where a chain breaks: a line
+//! edited, inserted or removed anywhere but at the end. A user with a shell can still rewrite
+//! a whole file consistently, or cut its tail; the chain makes tampering evident, not
+//! impossible.
 
 use std::{
     io::Write,
@@ -21,6 +28,36 @@ use crate::config::{Config, Transport};
 
 /// Months of audit files kept.
 pub const RETENTION_MONTHS: u32 = 12;
+
+/// Which MCP call an action belongs to, so a line can be tied to the transcript: the
+/// server's session, the JSON-RPC request id, and the client's tool-use id when its `_meta`
+/// carries one.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CallIds {
+    pub session: String,
+    pub request: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_use: Option<String>,
+}
+
+tokio::task_local! {
+    /// Set by the MCP server around each tool call: every line recorded inside carries it.
+    pub static CALL: CallIds;
+}
+
+/// The client's id for this tool use from a request's `_meta` (Claude Code's
+/// `claudecode/toolUseId`, or any key naming a tool-use or tool-call id).
+pub fn tool_use_id(meta: &serde_json::Map<String, Value>) -> Option<String> {
+    meta.iter().find_map(|(k, v)| {
+        let k: String = k
+            .chars()
+            .filter(char::is_ascii_alphanumeric)
+            .collect::<String>()
+            .to_ascii_lowercase();
+        let named = k.ends_with("tooluseid") || k.ends_with("toolcallid") || k.ends_with("callid");
+        named.then(|| v.as_str().map(|s| s.chars().take(200).collect()))?
+    })
+}
 
 /// One action, as the caller knows it; [`record`] adds time, sandbox, host and user.
 #[derive(Debug, Default, Serialize)]
@@ -73,6 +110,8 @@ struct Line<'a> {
     user: String,
     #[serde(flatten)]
     action: &'a Action,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    call: Option<CallIds>,
 }
 
 pub fn dir(state_dir: &Path) -> PathBuf {
@@ -97,41 +136,187 @@ pub fn record(config: &Config, sandbox: &str, action: &Action) {
         host,
         user,
         action,
+        call: CALL.try_with(CallIds::clone).ok(),
     }) {
         Ok(v) => v,
         Err(_) => return,
     };
     redact_value(&mut v, &secrets);
-    let mut line = v.to_string();
-    line.push('\n');
     let dir = dir(&config.state_dir);
     let file = dir.join(format!(
         "{}.jsonl",
         &crate::store::transfers::utc_stamp(now)[..7]
     ));
-    if let Err(e) = append(&dir, &file, line.as_bytes()) {
+    if let Err(e) = append(&dir, &file, v) {
         tracing::warn!("cannot write the audit log {}: {e}", file.display());
     }
 }
 
-fn append(dir: &Path, file: &Path, line: &[u8]) -> std::io::Result<()> {
+/// The chain's link to `line` (without its newline).
+fn link(line: &[u8]) -> String {
+    blake3::hash(line).to_hex()[..32].to_string()
+}
+
+fn append(dir: &Path, file: &Path, mut v: Value) -> std::io::Result<()> {
     use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-    let fresh = !file.exists();
     std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)?;
     let mut f = std::fs::OpenOptions::new()
         .create(true)
+        .read(true)
         .append(true)
         .mode(0o600)
         .open(file)?;
+    // Writers chain in turn: the previous line is read and this one written under the lock.
+    f.lock()?;
+    let fresh = f.metadata()?.len() == 0;
+    let prev = match last_line(&f)? {
+        Some(l) => Some(l),
+        None => match previous_file(dir, file) {
+            Some(p) => std::fs::File::open(p).and_then(|p| last_line(&p))?,
+            None => None,
+        },
+    };
+    if let (Some(p), Some(obj)) = (prev, v.as_object_mut()) {
+        obj.insert("prev".into(), Value::String(link(&p)));
+    }
+    let mut line = v.to_string();
+    line.push('\n');
     // One write: O_APPEND makes it atomic against other appenders on a local file system.
-    f.write_all(line)?;
+    f.write_all(line.as_bytes())?;
     if fresh {
         prune(dir, file);
     }
     Ok(())
+}
+
+/// The last line of `f` (without its newline), read from the end; `None` when empty.
+fn last_line(f: &std::fs::File) -> std::io::Result<Option<Vec<u8>>> {
+    use std::os::unix::fs::FileExt;
+    let len = f.metadata()?.len();
+    if len == 0 {
+        return Ok(None);
+    }
+    // A line ends with the file's last newline (a torn last line, without one, is a line).
+    let mut end = len;
+    let mut last = [0u8; 1];
+    f.read_exact_at(&mut last, len - 1)?;
+    if last[0] == b'\n' {
+        end -= 1;
+    }
+    let mut start = end;
+    let mut buf = vec![0u8; 8192];
+    'back: while start > 0 {
+        let n = (start.min(buf.len() as u64)) as usize;
+        f.read_exact_at(&mut buf[..n], start - n as u64)?;
+        for i in (0..n).rev() {
+            if buf[i] == b'\n' {
+                start = start - n as u64 + i as u64 + 1;
+                break 'back;
+            }
+        }
+        start -= n as u64;
+    }
+    let mut line = vec![0u8; (end - start) as usize];
+    f.read_exact_at(&mut line, start)?;
+    Ok(Some(line))
+}
+
+/// The newest month file before `file`, if any.
+fn previous_file(dir: &Path, file: &Path) -> Option<PathBuf> {
+    let name = file.file_name()?.to_str()?.to_string();
+    month_files(dir)
+        .ok()?
+        .into_iter()
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| *n < *name)
+        })
+        .next_back()
+}
+
+fn month_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
+        Ok(rd) => rd
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
+            .collect(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    files.sort();
+    Ok(files)
+}
+
+/// How far the log's hash chain holds ([`verify`]).
+#[derive(Debug, Default)]
+pub struct Verified {
+    pub files: usize,
+    pub lines: usize,
+    /// Lines written before the chain existed (no `prev`), not checked.
+    pub unchained: usize,
+    /// The first line whose `prev` is not the hash of the line before it.
+    pub broken: Option<Break>,
+}
+
+#[derive(Debug)]
+pub struct Break {
+    pub file: PathBuf,
+    /// 1-based.
+    pub line: usize,
+    pub why: String,
+}
+
+/// Check every line's `prev` against the line before it, across the month files in order.
+/// The oldest file's first line is the anchor (what it chained to may have been pruned).
+pub fn verify(state_dir: &Path) -> std::io::Result<Verified> {
+    let mut out = Verified::default();
+    let mut before: Option<Vec<u8>> = None;
+    let mut first = true;
+    for f in month_files(&dir(state_dir))? {
+        out.files += 1;
+        let bytes = std::fs::read(&f)?;
+        let mut lines: Vec<&[u8]> = bytes.split(|b| *b == b'\n').collect();
+        if lines.last().is_some_and(|l| l.is_empty()) {
+            lines.pop();
+        }
+        for (i, l) in lines.iter().enumerate() {
+            out.lines += 1;
+            let prev = serde_json::from_slice::<Value>(l)
+                .ok()
+                .and_then(|v| v.get("prev").and_then(Value::as_str).map(str::to_string));
+            match (&prev, &before) {
+                (None, _) => out.unchained += 1,
+                (Some(_), None) if first => {}
+                (Some(p), Some(b)) if *p == link(b) => {}
+                (Some(_), _) if out.broken.is_none() => {
+                    out.broken = Some(Break {
+                        file: f.clone(),
+                        line: i + 1,
+                        why: if i == 0 {
+                            "it does not follow the previous month's last line (that file was \
+                             changed or removed)"
+                                .into()
+                        } else {
+                            format!(
+                                "line {} before it was changed, or a line was inserted or removed \
+                                 there",
+                                i
+                            )
+                        },
+                    });
+                }
+                _ => {}
+            }
+            first = false;
+            before = Some(l.to_vec());
+        }
+    }
+    Ok(out)
 }
 
 /// Remove month files older than the retention (names sort by month).
@@ -376,17 +561,7 @@ pub fn read(
     since: Option<&str>,
     grep: Option<&str>,
 ) -> std::io::Result<Vec<Value>> {
-    let dir = dir(state_dir);
-    let mut files: Vec<PathBuf> = match std::fs::read_dir(&dir) {
-        Ok(rd) => rd
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|e| e == "jsonl"))
-            .collect(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(e),
-    };
-    files.sort();
+    let files = month_files(&dir(state_dir))?;
     let mut out = Vec::new();
     for f in files {
         if let Some(since) = since

@@ -36,6 +36,13 @@ struct Cli {
 }
 
 #[derive(Subcommand)]
+enum AuditCmd {
+    /// Check the log's hash chain: exit 0 when every line follows the one before it, 6 with
+    /// the first line that does not (one before it edited, inserted or removed).
+    Verify,
+}
+
+#[derive(Subcommand)]
 enum Cmd {
     /// Serve MCP on stdin/stdout (what MCP clients run).
     Mcp,
@@ -49,6 +56,8 @@ enum Cmd {
     Exec(cli::exec::ExecArgs),
     /// The audit log: what rsb ran, from MCP and the CLI (`-s` filters by sandbox).
     Audit {
+        #[command(subcommand)]
+        verify: Option<AuditCmd>,
         /// Only lines this recent: 90s, 30m, 2h, 7d.
         #[arg(long)]
         since: Option<String>,
@@ -379,7 +388,11 @@ async fn run(cli: Cli) -> u8 {
         | Cmd::Transfer { .. } => unreachable!(),
         Cmd::Sandboxes { resources } => cli::sandboxes::run(&ctx, resources).await,
         Cmd::Exec(a) => cli::exec::run(&ctx, a).await,
-        Cmd::Audit { since, grep } => cli::audit::run(&ctx, since.as_deref(), grep.as_deref()),
+        Cmd::Audit {
+            verify: Some(AuditCmd::Verify),
+            ..
+        } => cli::audit::verify(&ctx),
+        Cmd::Audit { since, grep, .. } => cli::audit::run(&ctx, since.as_deref(), grep.as_deref()),
         Cmd::Shell { sandbox, cwd } => cli::exec::shell(&ctx, sandbox, cwd).await,
         Cmd::Ls {
             path,

@@ -137,6 +137,72 @@ fn concurrent_appends_stay_whole_lines_and_nothing_forges_or_leaks() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--since '2x' is not a duration"));
+
+    // The ten concurrent writers chained in turn: every line but the first holds the hash of
+    // the one before it, and `rsb audit verify` says so.
+    assert!(lines[0]["prev"].is_null(), "{}", lines[0]);
+    assert!(lines[1..].iter().all(|v| v["prev"].is_string()), "{text}");
+    let verify = |want: i32| {
+        let out = rsb(tmp.path(), &list, &["audit", "verify"])
+            .output()
+            .unwrap();
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(out.status.code(), Some(want), "{said}");
+        said
+    };
+    assert!(verify(0).contains("audit log intact: 10 lines in 1 files"));
+
+    // One character of a line in the middle changed: the next line names it.
+    let mut edited: Vec<String> = text.lines().map(str::to_string).collect();
+    edited[4] = edited[4].replacen("exit", "exiT", 1);
+    std::fs::write(&path, edited.join("\n") + "\n").unwrap();
+    let said = verify(6);
+    assert!(
+        said.contains("line 6") && said.contains("line 5 before it was changed"),
+        "{said}"
+    );
+    // A line removed: also found.
+    let mut cut: Vec<&str> = text.lines().collect();
+    cut.remove(7);
+    std::fs::write(&path, cut.join("\n") + "\n").unwrap();
+    assert!(verify(6).contains("line 8"));
+    std::fs::write(&path, &text).unwrap();
+    verify(0);
+    let out = rsb(tmp.path(), &list, &["--json", "audit", "verify"])
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["ok"], true, "{v}");
+    assert_eq!(v["lines"], 10, "{v}");
+
+    // The chain crosses months: with these lines as last month's file, this month's first
+    // line links to its last, and a change there is found from here.
+    let month = path.file_stem().unwrap().to_str().unwrap().to_string();
+    let (y, m): (u32, u32) = (month[..4].parse().unwrap(), month[5..].parse().unwrap());
+    let before = if m == 1 {
+        format!("{}-12", y - 1)
+    } else {
+        format!("{y}-{:02}", m - 1)
+    };
+    let old = dir.join(format!("{before}.jsonl"));
+    std::fs::rename(&path, &old).unwrap();
+    let out = rsb(tmp.path(), &list, &["exec", "-s", "s", "true"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(verify(0).contains("11 lines in 2 files"));
+    let mut last: Vec<String> = text.lines().map(str::to_string).collect();
+    last[9] = last[9].replacen("exit", "exiT", 1);
+    std::fs::write(&old, last.join("\n") + "\n").unwrap();
+    let said = verify(6);
+    assert!(
+        said.contains(&format!("{month}.jsonl line 1")) && said.contains("previous month"),
+        "{said}"
+    );
 }
 
 /// The CLI's changes are on the record as the MCP tools' are: a job started and killed, a

@@ -3563,6 +3563,17 @@ async fn every_change_is_audited_without_the_content() {
         std::fs::read_to_string(sshd.home().join("au/f.txt")).unwrap(),
         "written-content-edited-content-9Zy\n"
     );
+    // A call whose `_meta` carries the client's tool-use id (as Claude Code's does).
+    let mut params = CallToolRequestParams::new("exec_bash")
+        .with_arguments(json!({"command": "true"}).as_object().unwrap().clone());
+    params.meta = Some(rmcp::model::RequestMetaObject(rmcp::model::MetaObject(
+        json!({"claudecode/toolUseId": "toolu_01AuditTie"})
+            .as_object()
+            .unwrap()
+            .clone(),
+    )));
+    let r = mcp.svc.call_tool(params).await.unwrap();
+    assert_ne!(r.is_error, Some(true));
 
     let dir = mcp.state_dir().join("audit");
     let text: String = std::fs::read_dir(&dir)
@@ -3581,6 +3592,21 @@ async fn every_change_is_audited_without_the_content() {
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("torn line {l:?}: {e}")))
         .collect();
     let of = |tool: &str| -> Vec<&Value> { lines.iter().filter(|l| l["tool"] == tool).collect() };
+    // Each line names the MCP session and the request, so it can be tied to the transcript.
+    let session = lines[0]["session"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(session.len(), 16, "{text}");
+    assert!(lines.iter().all(|l| l["session"] == session), "{text}");
+    let requests: std::collections::HashSet<&str> = lines
+        .iter()
+        .map(|l| l["request"].as_str().unwrap())
+        .collect();
+    assert_eq!(requests.len(), lines.len(), "one request per line: {text}");
+    let x = of("exec_bash");
+    assert_eq!(x.len(), 1, "{text}");
+    assert_eq!(x[0]["tool_use"], "toolu_01AuditTie", "{text}");
+    assert!(lines.iter().filter(|l| l["tool_use"].is_string()).count() == 1);
     let w = of("write_remote_file");
     assert_eq!(w.len(), 1, "{text}");
     assert_eq!(w[0]["sandbox"], "s");

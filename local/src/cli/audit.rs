@@ -69,3 +69,53 @@ pub fn run(ctx: &Ctx, since: Option<&str>, grep: Option<&str>) -> u8 {
     }
     0
 }
+
+/// `rsb audit verify`: where the hash chain breaks, if it does.
+pub fn verify(ctx: &Ctx) -> u8 {
+    let v = match rsb::audit::verify(&ctx.pool.config().state_dir) {
+        Ok(v) => v,
+        Err(e) => {
+            return fail(
+                ctx.json,
+                &RsbError::internal(format!("cannot read the audit log: {e}")),
+            );
+        }
+    };
+    if ctx.json {
+        print_json(&serde_json::json!({
+            "ok": v.broken.is_none(),
+            "files": v.files,
+            "lines": v.lines,
+            "unchained": v.unchained,
+            "broken": v.broken.as_ref().map(|b| serde_json::json!({
+                "file": b.file.display().to_string(),
+                "line": b.line,
+                "why": b.why,
+            })),
+        }));
+    } else {
+        match &v.broken {
+            None => super::out_line(&format!(
+                "audit log intact: {} lines in {} files{}",
+                v.lines,
+                v.files,
+                if v.unchained > 0 {
+                    format!(" ({} written before the chain, not checked)", v.unchained)
+                } else {
+                    String::new()
+                }
+            )),
+            Some(b) => eprintln!(
+                "rsb: the audit log's chain breaks at {} line {}: {}",
+                shown(&b.file.display().to_string()),
+                b.line,
+                b.why
+            ),
+        }
+    }
+    if v.broken.is_some() {
+        super::exit::CONFLICTS
+    } else {
+        super::exit::OK
+    }
+}

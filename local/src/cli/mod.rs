@@ -46,7 +46,7 @@ pub mod exit {
     pub const INTERNAL: u8 = 5;
     /// `rsb sync` finished, but files in conflict were kept, not replaced, or a file that kept
     /// changing was left uncommitted: the destination does not match the source (as rsync's
-    /// 23 says a transfer was partial).
+    /// 23 says a transfer was partial). `rsb audit verify`: the log's hash chain breaks.
     pub const CONFLICTS: u8 = 6;
     /// The command policy denied the command, or it needed an approval that was not given
     /// (`[policy]` in the configuration); nothing ran.
@@ -73,7 +73,8 @@ Exit codes:
   5    internal error (a bug in rsb)
   6    rsb sync: conflicts (files changed on both sides were kept, not replaced;
        --force takes the source's side), or a file that kept changing while it was
-       sent was left uncommitted (sync again once it is quiet)
+       sent was left uncommitted (sync again once it is quiet); rsb audit verify:
+       the audit log's hash chain breaks
   7    the command policy denied the command, or it needed an approval that was not
        given (see [policy] in the README); nothing ran
   0/1/2 rsb grep, as rg: a match / no match / an error

@@ -56,6 +56,8 @@ pub struct RsbServer {
     /// The watches and background transfers this session started: what the channel pushes
     /// about ([`channel`]).
     pub(crate) followed: Arc<channel::Followed>,
+    /// This server's session, as the audit log names it (random, per `rsb mcp` process).
+    session: Arc<str>,
 }
 
 impl RsbServer {
@@ -90,6 +92,7 @@ impl RsbServer {
             full_schemas,
             config_error: None,
             first_reply_sent: Default::default(),
+            session: session_id().into(),
             followed: Default::default(),
         }
     }
@@ -389,6 +392,17 @@ pub(crate) fn audited_bytes<T: serde::Serialize>(
     reply(r)
 }
 
+/// A session id no other `rsb mcp` shares: the process, the time and an address, hashed.
+fn session_id() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let local = 0u8;
+    let seed = format!("{} {now} {:p}", std::process::id(), &local);
+    blake3::hash(seed.as_bytes()).to_hex()[..16].to_string()
+}
+
 pub(crate) fn origin(ctx: &RequestContext<RoleServer>) -> String {
     match ctx.peer.peer_info() {
         Some(i) => format!("mcp:{}", i.client_info.name),
@@ -431,8 +445,21 @@ impl ServerHandler for RsbServer {
         {
             return fail(&e).map(Into::into);
         }
+        // Every audit line this call writes names it: the session, the request, the client's
+        // tool-use id.
+        let call = crate::audit::CallIds {
+            session: self.session.to_string(),
+            request: context.id.to_string(),
+            tool_use: request
+                .meta
+                .as_ref()
+                .and_then(|m| crate::audit::tool_use_id(m))
+                .or_else(|| crate::audit::tool_use_id(&context.meta)),
+        };
         let tcc = rmcp::handler::server::tool::ToolCallContext::new(self, request, context);
-        let mut reply = self.tool_router.call(tcc).await?;
+        let mut reply = crate::audit::CALL
+            .scope(call, self.tool_router.call(tcc))
+            .await?;
         if !self
             .first_reply_sent
             .swap(true, std::sync::atomic::Ordering::Relaxed)
