@@ -227,15 +227,11 @@ fn last_line(f: &std::fs::File) -> std::io::Result<Option<Vec<u8>>> {
 /// The newest month file before `file`, if any.
 fn previous_file(dir: &Path, file: &Path) -> Option<PathBuf> {
     let name = file.file_name()?.to_str()?.to_string();
-    month_files(dir)
-        .ok()?
-        .into_iter()
-        .filter(|p| {
-            p.file_name()
-                .and_then(|n| n.to_str())
-                .is_some_and(|n| *n < *name)
-        })
-        .next_back()
+    month_files(dir).ok()?.into_iter().rfind(|p| {
+        p.file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| *n < *name)
+    })
 }
 
 fn month_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
