@@ -45,6 +45,79 @@ tokio::task_local! {
     pub static CALL: CallIds;
 }
 
+/// A fresh random-enough id (16 hex): this process, the time, a counter, hashed.
+pub fn fresh_id() -> String {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let seed = format!("{} {now} {n}", std::process::id());
+    blake3::hash(seed.as_bytes()).to_hex()[..16].to_string()
+}
+
+/// An action that runs a while: its `start` line is on the record before it runs, so a
+/// cancelled call or a killed rsb still leaves it; [`Started::end`] writes the `end` line
+/// (the result, the duration). Dropped unfinished (an MCP call cancelled), it writes an
+/// `end` line saying so.
+pub struct Started<'a> {
+    config: &'a Config,
+    sandbox: String,
+    action: Action,
+    t0: std::time::Instant,
+    call: Option<CallIds>,
+    done: bool,
+}
+
+/// Write `action`'s start line on `sandbox`.
+pub fn start<'a>(config: &'a Config, sandbox: &str, mut action: Action) -> Started<'a> {
+    action.event = Some("start");
+    action.action_id = Some(fresh_id());
+    record(config, sandbox, &action);
+    Started {
+        config,
+        sandbox: sandbox.to_string(),
+        action,
+        t0: std::time::Instant::now(),
+        call: CALL.try_with(CallIds::clone).ok(),
+        done: false,
+    }
+}
+
+impl Started<'_> {
+    /// The end line: the start's fields, the duration, and what `result` sets (exit code,
+    /// bytes, error, detail).
+    pub fn end(mut self, result: impl FnOnce(&mut Action)) {
+        self.finish(result);
+    }
+
+    fn finish(&mut self, result: impl FnOnce(&mut Action)) {
+        self.done = true;
+        let mut a = std::mem::take(&mut self.action);
+        a.event = Some("end");
+        a.duration_ms = Some(self.t0.elapsed().as_millis() as u64);
+        result(&mut a);
+        match self.call.clone() {
+            // Dropped outside the call's scope: keep its ids.
+            Some(c) if CALL.try_with(|_| ()).is_err() => {
+                CALL.sync_scope(c, || record(self.config, &self.sandbox, &a))
+            }
+            _ => record(self.config, &self.sandbox, &a),
+        }
+    }
+}
+
+impl Drop for Started<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.finish(|a| {
+                a.error = Some("did not finish: the call was cancelled or rsb stopped".into())
+            });
+        }
+    }
+}
+
 /// The client's id for this tool use from a request's `_meta` (Claude Code's
 /// `claudecode/toolUseId`, or any key naming a tool-use or tool-call id).
 pub fn tool_use_id(meta: &serde_json::Map<String, Value>) -> Option<String> {
@@ -60,8 +133,15 @@ pub fn tool_use_id(meta: &serde_json::Map<String, Value>) -> Option<String> {
 }
 
 /// One action, as the caller knows it; [`record`] adds time, sandbox, host and user.
-#[derive(Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct Action {
+    /// `start` or `end` for an action that runs a while ([`start`]); absent for a one-line
+    /// action.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub event: Option<&'static str>,
+    /// Ties an `end` line to its `start`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub action_id: Option<String>,
     /// `mcp:<client name>` or `cli`.
     pub origin: String,
     /// The tool or command (`exec_bash`, `rsb exec`, ...).

@@ -75,11 +75,26 @@ fn concurrent_appends_stay_whole_lines_and_nothing_forges_or_leaks() {
     );
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(!text.contains(FAKE_SECRET), "{text}");
-    let lines: Vec<Value> = text
+    let all: Vec<Value> = text
         .lines()
         .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("torn line {l:?}: {e}")))
         .collect();
-    assert_eq!(lines.len(), 10, "{text}");
+    // Each command's start line, then its end line with the result.
+    assert_eq!(all.len(), 20, "{text}");
+    let (starts, lines): (Vec<Value>, Vec<Value>) =
+        all.into_iter().partition(|v| v["event"] == "start");
+    assert_eq!(starts.len(), 10, "{text}");
+    assert!(lines.iter().all(|v| v["event"] == "end"), "{text}");
+    for e in &lines {
+        assert_eq!(
+            starts
+                .iter()
+                .filter(|s| s["action_id"] == e["action_id"])
+                .count(),
+            1,
+            "{e}"
+        );
+    }
     let mut codes: Vec<i64> = lines
         .iter()
         .map(|v| v["exit_code"].as_i64().unwrap())
@@ -121,8 +136,8 @@ fn concurrent_appends_stay_whole_lines_and_nothing_forges_or_leaks() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(got.len(), 1, "{got:?}");
-    assert_eq!(got[0]["exit_code"], 3);
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(got[1]["exit_code"], 3);
     let out = rsb(tmp.path(), &list, &["-s", "other", "audit"])
         .output()
         .unwrap();
@@ -140,8 +155,12 @@ fn concurrent_appends_stay_whole_lines_and_nothing_forges_or_leaks() {
 
     // The ten concurrent writers chained in turn: every line but the first holds the hash of
     // the one before it, and `rsb audit verify` says so.
-    assert!(lines[0]["prev"].is_null(), "{}", lines[0]);
-    assert!(lines[1..].iter().all(|v| v["prev"].is_string()), "{text}");
+    let raw: Vec<Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(raw[0]["prev"].is_null(), "{}", raw[0]);
+    assert!(raw[1..].iter().all(|v| v["prev"].is_string()), "{text}");
     let verify = |want: i32| {
         let out = rsb(tmp.path(), &list, &["audit", "verify"])
             .output()
@@ -154,7 +173,7 @@ fn concurrent_appends_stay_whole_lines_and_nothing_forges_or_leaks() {
         assert_eq!(out.status.code(), Some(want), "{said}");
         said
     };
-    assert!(verify(0).contains("audit log intact: 10 lines in 1 files"));
+    assert!(verify(0).contains("audit log intact: 20 lines in 1 files"));
 
     // One character of a line in the middle changed: the next line names it.
     let mut edited: Vec<String> = text.lines().map(str::to_string).collect();
@@ -177,7 +196,7 @@ fn concurrent_appends_stay_whole_lines_and_nothing_forges_or_leaks() {
         .unwrap();
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["ok"], true, "{v}");
-    assert_eq!(v["lines"], 10, "{v}");
+    assert_eq!(v["lines"], 20, "{v}");
 
     // The chain crosses months: with these lines as last month's file, this month's first
     // line links to its last, and a change there is found from here.
@@ -194,9 +213,9 @@ fn concurrent_appends_stay_whole_lines_and_nothing_forges_or_leaks() {
         .output()
         .unwrap();
     assert!(out.status.success());
-    assert!(verify(0).contains("11 lines in 2 files"));
+    assert!(verify(0).contains("22 lines in 2 files"));
     let mut last: Vec<String> = text.lines().map(str::to_string).collect();
-    last[9] = last[9].replacen("exit", "exiT", 1);
+    last[19] = last[19].replacen("exit", "exiT", 1);
     std::fs::write(&old, last.join("\n") + "\n").unwrap();
     let said = verify(6);
     assert!(
@@ -259,12 +278,17 @@ fn cli_jobs_and_syncs_are_audited() {
     assert_eq!(kill.len(), 1, "{text}");
     assert_eq!(kill[0]["command"], "au-job");
     assert!(kill[0]["error"].is_null(), "{text}");
+    // A sync that runs a while is a start line, then an end line with its result.
     let syncs = of("rsb sync");
     assert_eq!(
         syncs.len(),
-        1,
+        2,
         "a refused sync before any sandbox is resolved: {text}"
     );
+    assert_eq!(syncs[0]["event"], "start");
+    assert_eq!(syncs[1]["event"], "end");
+    assert_eq!(syncs[0]["action_id"], syncs[1]["action_id"]);
+    let syncs = &syncs[1..];
     assert_eq!(syncs[0]["exit_code"], 0);
     assert!(
         syncs[0]["command"]

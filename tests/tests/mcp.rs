@@ -1124,6 +1124,32 @@ async fn cancelled_call_leaves_no_remote_process() {
     // Only this test's processes: other tests on this machine may run their own `sleep 60`.
     let left = sshd.ssh_run("pgrep -af 'cancel-[ab]' || true").unwrap();
     assert!(!left.contains("sleep 60"), "{left}");
+    // Each cancelled call left its start line on the audit record before it ran, and its
+    // end says it did not finish.
+    let audit: String = std::fs::read_dir(mcp._tmp.path().join("state/audit"))
+        .unwrap()
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect();
+    let lines: Vec<Value> = audit
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    for which in ["cancel-a", "cancel-b"] {
+        let of: Vec<&Value> = lines
+            .iter()
+            .filter(|l| l["command"].as_str().unwrap_or_default().contains(which))
+            .collect();
+        assert_eq!(of[0]["event"], "start", "{which}: {audit}");
+        assert!(
+            of.iter().skip(1).all(|l| l["event"] == "end"
+                && l["error"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .contains("did not finish")),
+            "{which}: {audit}"
+        );
+    }
     mcp.close().await;
 }
 
@@ -1218,10 +1244,13 @@ async fn progress_carries_the_last_output_line() {
         .flatten()
         .map(|e| std::fs::read_to_string(e.path()).unwrap())
         .collect();
+    // The end lines (each command also has its start line before it ran).
     let lines: Vec<Value> = text
         .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|v| v["event"] == "end")
         .collect();
+    assert_eq!(text.lines().count(), 4, "{text}");
     assert_eq!(lines.len(), 2, "{text}");
     assert_eq!(lines[0]["command"], "echo warm");
     assert_eq!(lines[1]["tool"], "exec_bash");
@@ -3598,15 +3627,26 @@ async fn every_change_is_audited_without_the_content() {
         .unwrap_or_else(|| panic!("{text}"));
     assert_eq!(session.len(), 16, "{text}");
     assert!(lines.iter().all(|l| l["session"] == session), "{text}");
+    // One request per action (a command's start and end lines share theirs).
     let requests: std::collections::HashSet<&str> = lines
         .iter()
+        .filter(|l| l["event"] != "start")
         .map(|l| l["request"].as_str().unwrap())
         .collect();
-    assert_eq!(requests.len(), lines.len(), "one request per line: {text}");
+    let ends = lines.iter().filter(|l| l["event"] != "start").count();
+    assert_eq!(requests.len(), ends, "one request per action: {text}");
     let x = of("exec_bash");
-    assert_eq!(x.len(), 1, "{text}");
-    assert_eq!(x[0]["tool_use"], "toolu_01AuditTie", "{text}");
-    assert!(lines.iter().filter(|l| l["tool_use"].is_string()).count() == 1);
+    assert_eq!(x.len(), 2, "{text}");
+    assert_eq!(
+        (&x[0]["event"], &x[1]["event"]),
+        (&json!("start"), &json!("end"))
+    );
+    assert_eq!(x[0]["request"], x[1]["request"], "{text}");
+    assert!(
+        x.iter().all(|l| l["tool_use"] == "toolu_01AuditTie"),
+        "{text}"
+    );
+    assert!(lines.iter().filter(|l| l["tool_use"].is_string()).count() == 2);
     let w = of("write_remote_file");
     assert_eq!(w.len(), 1, "{text}");
     assert_eq!(w[0]["sandbox"], "s");
@@ -3639,7 +3679,7 @@ async fn every_change_is_audited_without_the_content() {
     );
     assert_eq!(fw[0]["detail"]["forward_id"], id, "{}", fw[0]);
     assert_eq!(of("stop_forward").len(), 1, "{text}");
-    for l in &lines {
+    for l in lines.iter().filter(|l| l["event"] != "start") {
         assert!(l["duration_ms"].is_u64(), "{l}");
     }
     mcp.close().await;

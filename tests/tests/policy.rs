@@ -721,11 +721,14 @@ fn a_shell_fed_through_the_cli_counts_as_matching() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    let shell = lines
+    let shell: Vec<&Value> = lines
         .iter()
-        .find(|l| l["tool"] == "rsb shell" && l["detail"].is_null());
-    let shell = shell.unwrap_or_else(|| panic!("{lines:#?}"));
-    assert_eq!(shell["exit_code"], 3, "{shell}");
+        .filter(|l| l["tool"] == "rsb shell" && l["detail"].is_null())
+        .collect();
+    assert_eq!(shell.len(), 2, "{lines:#?}");
+    assert_eq!(shell[0]["event"], "start", "{}", shell[0]);
+    assert_eq!(shell[1]["event"], "end", "{}", shell[1]);
+    assert_eq!(shell[1]["exit_code"], 3, "{}", shell[1]);
     assert_eq!(
         lines
             .iter()

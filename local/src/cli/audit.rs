@@ -54,6 +54,7 @@ pub fn run(ctx: &Ctx, since: Option<&str>, grep: Option<&str>) -> u8 {
             let code = match (v["exit_code"].as_i64(), v["detail"]["policy"].as_str()) {
                 (Some(c), _) => format!("exit {c}"),
                 (None, Some(p)) => format!("policy {p}"),
+                (None, None) if v["event"] == "start" => "started".to_string(),
                 (None, None) => s("error"),
             };
             super::out_line(&format!(

@@ -84,22 +84,19 @@ pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
     {
         return fail(ctx.json, &e);
     }
-    let t0 = std::time::Instant::now();
-    let cwd = a.cwd.clone();
-    let code = run_on(ctx, &client, req, &a).await;
-    rsb::audit::record(
+    let started = rsb::audit::start(
         ctx.pool.config(),
         client.sandbox(),
-        &rsb::audit::Action {
+        rsb::audit::Action {
             origin: "cli".into(),
             tool: "rsb exec".into(),
             command: Some(command),
-            cwd,
-            exit_code: Some(code.into()),
-            duration_ms: Some(t0.elapsed().as_millis() as u64),
+            cwd: a.cwd.clone(),
             ..Default::default()
         },
     );
+    let code = run_on(ctx, &client, req, &a).await;
+    started.end(|l| l.exit_code = Some(code.into()));
     code
 }
 
@@ -195,12 +192,10 @@ pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u
     {
         return fail(false, &e);
     }
-    let t0 = std::time::Instant::now();
-    let code = stream(&client, req, tty, 0).await;
-    rsb::audit::record(
+    let started = rsb::audit::start(
         ctx.pool.config(),
         client.sandbox(),
-        &rsb::audit::Action {
+        rsb::audit::Action {
             origin: "cli".into(),
             tool: "rsb shell".into(),
             command: Some(if tty {
@@ -209,11 +204,11 @@ pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u
                 "(login shell reading stdin)".into()
             }),
             cwd,
-            exit_code: Some(code.into()),
-            duration_ms: Some(t0.elapsed().as_millis() as u64),
             ..Default::default()
         },
     );
+    let code = stream(&client, req, tty, 0).await;
+    started.end(|l| l.exit_code = Some(code.into()));
     code
 }
 

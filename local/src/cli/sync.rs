@@ -183,12 +183,10 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
         };
         return rsb::sync::watch::run_cli(pool, &sandbox, &spec, json, opts).await;
     }
-    let t0 = std::time::Instant::now();
-    let code = once(pool, json, &sandbox, &spec, &a).await;
-    rsb::audit::record(
+    let started = rsb::audit::start(
         pool.config(),
         &sandbox,
-        &rsb::audit::Action {
+        rsb::audit::Action {
             origin: "cli".into(),
             tool: "rsb sync".into(),
             command: Some(format!(
@@ -198,11 +196,11 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
                 if a.delete { " (delete extras)" } else { "" },
                 if a.dry_run { " (dry run)" } else { "" }
             )),
-            exit_code: Some(code.into()),
-            duration_ms: Some(t0.elapsed().as_millis() as u64),
             ..Default::default()
         },
     );
+    let code = once(pool, json, &sandbox, &spec, &a).await;
+    started.end(|l| l.exit_code = Some(code.into()));
     code
 }
 

@@ -96,7 +96,17 @@ impl RsbServer {
                 Ok(c) => c,
                 Err(e) => return fail(&e),
             };
-            let t0 = std::time::Instant::now();
+            let started = crate::audit::start(
+                self.pool.config(),
+                client.sandbox(),
+                crate::audit::Action {
+                    origin: super::origin(&ctx),
+                    tool: tool.into(),
+                    command: Some(p.command.clone()),
+                    cwd: p.cwd.clone(),
+                    ..Default::default()
+                },
+            );
             let r = if p.sudo {
                 match self.pool.sandbox_config(client.sandbox()) {
                     Some(sb) => exec::run_sudo(&client, sb, req).await,
@@ -109,21 +119,11 @@ impl RsbServer {
             } else {
                 client.call(req).await
             };
-            crate::audit::record(
-                self.pool.config(),
-                client.sandbox(),
-                &crate::audit::Action {
-                    origin: super::origin(&ctx),
-                    tool: tool.into(),
-                    command: Some(p.command.clone()),
-                    cwd: p.cwd.clone(),
-                    exit_code: r.as_ref().ok().map(|r| exec::exit_status(r) as i64),
-                    duration_ms: Some(t0.elapsed().as_millis() as u64),
-                    bytes: r.as_ref().ok().map(|r| r.stdout.total + r.stderr.total),
-                    error: r.as_ref().err().map(|e| e.message.clone()),
-                    detail: None,
-                },
-            );
+            started.end(|a| {
+                a.exit_code = r.as_ref().ok().map(|r| exec::exit_status(r) as i64);
+                a.bytes = r.as_ref().ok().map(|r| r.stdout.total + r.stderr.total);
+                a.error = r.as_ref().err().map(|e| e.message.clone());
+            });
             reply(r.map(|r| exec::reply(&r, p.timeout_s)))
         };
         let line = last.clone();

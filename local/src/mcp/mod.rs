@@ -92,7 +92,7 @@ impl RsbServer {
             full_schemas,
             config_error: None,
             first_reply_sent: Default::default(),
-            session: session_id().into(),
+            session: crate::audit::fresh_id().into(),
             followed: Default::default(),
         }
     }
@@ -392,15 +392,39 @@ pub(crate) fn audited_bytes<T: serde::Serialize>(
     reply(r)
 }
 
-/// A session id no other `rsb mcp` shares: the process, the time and an address, hashed.
-fn session_id() -> String {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    let local = 0u8;
-    let seed = format!("{} {now} {:p}", std::process::id(), &local);
-    blake3::hash(seed.as_bytes()).to_hex()[..16].to_string()
+/// The start line of an action that runs a while (a sync): `tool` on `sandbox` with
+/// `command`; [`ended`] writes its end and replies.
+pub(crate) fn starting<'a>(
+    config: &'a Config,
+    ctx: &RequestContext<RoleServer>,
+    (tool, sandbox, command): (&str, &str, Option<String>),
+) -> crate::audit::Started<'a> {
+    crate::audit::start(
+        config,
+        sandbox,
+        crate::audit::Action {
+            origin: origin(ctx),
+            tool: tool.into(),
+            command,
+            ..Default::default()
+        },
+    )
+}
+
+/// Reply with `r` after writing the end line of `started`: the reply's numbers or its error.
+pub(crate) fn ended<T: serde::Serialize>(
+    started: crate::audit::Started<'_>,
+    r: crate::error::Result<T>,
+) -> ToolResult {
+    let r = r.and_then(|v| {
+        serde_json::to_value(v)
+            .map_err(|e| RsbError::internal(format!("cannot encode the reply: {e}")))
+    });
+    started.end(|a| {
+        a.error = r.as_ref().err().map(|e| e.message.clone());
+        a.detail = r.as_ref().ok().and_then(crate::audit::reply_summary);
+    });
+    reply(r)
 }
 
 pub(crate) fn origin(ctx: &RequestContext<RoleServer>) -> String {

@@ -256,7 +256,6 @@ impl RsbServer {
             Ok(a) => a,
             Err(e) => return fail(&e),
         };
-        let t0 = std::time::Instant::now();
         let sandbox = self.pool.pin(&mut args.sandbox);
         let what = format!(
             "{} -> {sandbox}:{}{}",
@@ -279,6 +278,11 @@ impl RsbServer {
         {
             return fail(&e);
         }
+        let started = super::starting(
+            self.pool.config(),
+            &ctx,
+            ("sync_local_to_remote", sandbox.as_str(), Some(what)),
+        );
         let pool = self.pool.clone();
         let cancel = ctx.ct.clone();
         let r = with_sync_progress(&ctx, |cb| async move {
@@ -290,8 +294,7 @@ impl RsbServer {
         {
             self.followed.transfer(id);
         }
-        let tool = ("sync_local_to_remote", sandbox.as_str(), Some(what));
-        super::audited(self.pool.config(), &ctx, tool, t0, r)
+        super::ended(started, r)
     }
 
     #[tool(
@@ -320,7 +323,6 @@ impl RsbServer {
             confirm_delete: false,
             gitignore: p.gitignore,
         };
-        let t0 = std::time::Instant::now();
         let sandbox = self.pool.pin(&mut args.sandbox);
         let what = format!("{sandbox}:{} -> {}", args.remote_path, args.local_path);
         if let Err(e) = super::policy::approve_sync(
@@ -334,6 +336,11 @@ impl RsbServer {
         {
             return fail(&e);
         }
+        let started = super::starting(
+            self.pool.config(),
+            &ctx,
+            ("sync_remote_to_local", sandbox.as_str(), Some(what)),
+        );
         let pool = self.pool.clone();
         let cancel = ctx.ct.clone();
         let r = with_sync_progress(&ctx, |cb| async move {
@@ -345,8 +352,7 @@ impl RsbServer {
         {
             self.followed.transfer(id);
         }
-        let tool = ("sync_remote_to_local", sandbox.as_str(), Some(what));
-        super::audited(self.pool.config(), &ctx, tool, t0, r)
+        super::ended(started, r)
     }
 
     #[tool(
