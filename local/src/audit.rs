@@ -205,7 +205,37 @@ pub fn record(config: &Config, sandbox: &str, action: &Action) {
         return;
     }
     let (host, user) = target(config, sandbox);
-    let secrets = secrets(config);
+    write(
+        &config.state_dir,
+        sandbox,
+        host,
+        user,
+        &secrets(config),
+        action,
+    );
+}
+
+/// [`record`] where no configuration is loaded (`rsb watch cancel` reads only the state
+/// dir): no host or user, and only the token forms are redacted.
+pub fn record_in(state_dir: &Path, sandbox: &str, action: &Action) {
+    write(
+        state_dir,
+        sandbox,
+        String::new(),
+        String::new(),
+        &[],
+        action,
+    );
+}
+
+fn write(
+    state_dir: &Path,
+    sandbox: &str,
+    host: String,
+    user: String,
+    secrets: &[String],
+    action: &Action,
+) {
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
@@ -221,8 +251,8 @@ pub fn record(config: &Config, sandbox: &str, action: &Action) {
         Ok(v) => v,
         Err(_) => return,
     };
-    redact_value(&mut v, &secrets);
-    let dir = dir(&config.state_dir);
+    redact_value(&mut v, secrets);
+    let dir = dir(state_dir);
     let file = dir.join(format!(
         "{}.jsonl",
         &crate::store::transfers::utc_stamp(now)[..7]

@@ -716,15 +716,30 @@ const WITHHELD_VARS: [&str; 8] = [
 /// (which covers the names given in `password_env` / `key_passphrase_env`); and any variable
 /// whose value is one of the configured secrets, however it got there.
 pub fn child_env() -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    filtered_env(|name| name.starts_with("RSB_") && !AGENT_VARS.contains(&name))
+}
+
+/// The environment of rsb's own detached processes (the watchdog daemon): [`child_env`]'s
+/// rule, except that rsb's settings (`RSB_*`, such as `RSB_ALLOW_WATCH_HOOKS`) are its own to
+/// read. The configuration's secrets and the variables that name them (`password_env`,
+/// `key_passphrase_env`, `sudo_password_env`) are withheld all the same.
+pub fn rsb_child_env() -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    filtered_env(|_| false)
+}
+
+fn filtered_env(
+    withheld_rsb: impl Fn(&str) -> bool,
+) -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
     let (read_by_config, secrets) = config_vars_and_secrets();
     std::env::vars_os()
         .filter(|(k, v)| {
             let name = k.to_string_lossy();
             let value = v.to_string_lossy();
-            let withheld = (name.starts_with("RSB_") && !AGENT_VARS.contains(&name.as_ref()))
+            let rsb_own = name.starts_with("RSB_") && !withheld_rsb(&name);
+            let withheld = withheld_rsb(&name)
                 || name.starts_with("REMOTE_SANDBOX_")
                 || WITHHELD_VARS.contains(&name.as_ref())
-                || read_by_config.iter().any(|r| *r == name)
+                || (read_by_config.iter().any(|r| *r == name) && !rsb_own)
                 || secrets.iter().any(|s| s.as_str() == value.trim());
             // A child without PATH or HOME could not run anything; no config names them.
             !withheld || name == "PATH" || name == "HOME"

@@ -15,6 +15,8 @@ use rmcp::{
     transport::TokioChildProcess,
 };
 use rsb_tests::{Sshd, workspace_root};
+
+mod common;
 use serde_json::{Value, json};
 
 /// The variable the sandbox's `sudo_password_env` names.
@@ -72,13 +74,17 @@ async fn server(tmp: &Path, list: &str, password: &str) -> Server {
 
 /// `(isError, JSON body or {"text": …})`.
 async fn call(s: &rmcp::Peer<RoleClient>, args: Value) -> (bool, Value) {
+    call_tool(s, "exec_bash", args).await
+}
+
+async fn call_tool(s: &rmcp::Peer<RoleClient>, tool: &str, args: Value) -> (bool, Value) {
     let Value::Object(args) = args else {
         panic!("arguments must be an object")
     };
-    let params = CallToolRequestParams::new("exec_bash").with_arguments(args);
+    let params = CallToolRequestParams::new(tool.to_string()).with_arguments(args);
     let r = tokio::time::timeout(Duration::from_secs(60), s.call_tool(params))
         .await
-        .expect("exec_bash did not answer within 60 s")
+        .expect("the tool did not answer within 60 s")
         .expect("protocol error");
     let raw = serde_json::to_value(&r).unwrap();
     let text = raw["content"][0]["text"].as_str().unwrap_or_default();
@@ -145,6 +151,31 @@ async fn sudo_runs_as_root_and_the_password_is_nowhere_else() {
     };
 
     let s = server(tmp.path(), &list(true), &pw).await;
+    let _stop = common::StopDaemon(tmp.path().join("state"));
+    // A watched job starts the watchdog, detached: it outlives the session, and its
+    // environment must not hold the variable sudo_password_env names.
+    let (err, v) = call_tool(
+        s.svc.peer(),
+        "exec_bash_background",
+        json!({"command": "sleep 30", "session_name": "sudo-watched"}),
+    )
+    .await;
+    assert!(!err, "{v}");
+    let t0 = std::time::Instant::now();
+    let daemon = loop {
+        if let Some(pid) = rsb::watchdog::daemon::lock_holder(&tmp.path().join("state")) {
+            break pid;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "no watchdog: {v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let environ = std::fs::read(format!("/proc/{daemon}/environ")).unwrap();
+    let environ = String::from_utf8_lossy(&environ);
+    assert!(
+        !environ.contains(VAR) && !environ.contains(pw.as_str()),
+        "the watchdog's environment holds {VAR}"
+    );
+    assert!(environ.contains("RSB_STATE_DIR="), "{environ}");
     let (err, v) = call(s.svc.peer(), json!({"command": "id -u", "sudo": true})).await;
     assert!(!err, "{v}");
     assert_eq!(

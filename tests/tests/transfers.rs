@@ -249,6 +249,20 @@ async fn background_upload_outlives_its_server_and_a_new_server_reports_it() {
         .await;
     assert_eq!(v["status"], "completed", "{v}");
     third.close().await;
+    // The worker put the result on the audit record: what it moved.
+    let audit: String = std::fs::read_dir(env.path().join("state/audit"))
+        .unwrap()
+        .flatten()
+        .map(|f| std::fs::read_to_string(f.path()).unwrap())
+        .collect();
+    let done: Vec<Value> = audit
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|l| l["tool"] == "background sync" && l["command"] == format!("task {id}"))
+        .collect();
+    assert_eq!(done.len(), 1, "{audit}");
+    assert!(done[0]["error"].is_null(), "{audit}");
+    assert_eq!(done[0]["detail"]["uploaded_files"], 301, "{audit}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -318,6 +332,38 @@ async fn killed_worker_reads_interrupted_and_cancel_is_quick() {
         .await;
     assert_eq!(v["status"], "cancelled", "{v}");
     mcp.close().await;
+
+    // On the audit record: the cancel (the MCP call), and the cancelled sync's end, written by
+    // its worker.
+    let audit: String = std::fs::read_dir(env.path().join("state/audit"))
+        .unwrap()
+        .flatten()
+        .map(|f| std::fs::read_to_string(f.path()).unwrap())
+        .collect();
+    let lines: Vec<Value> = audit
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let task = format!("task {id}");
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["tool"] == "cancel_file_transfer_task"
+                && l["command"] == task.as_str()
+                && l["detail"]["status"] == "cancelled"),
+        "{audit}"
+    );
+    assert!(
+        lines.iter().any(|l| l["tool"] == "background sync"
+            && l["command"] == task.as_str()
+            && l["origin"] == "transfer"
+            && l["sandbox"] == "s"
+            && l["error"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with("cancelled")),
+        "{audit}"
+    );
 }
 
 /// A plan just over the inline limits goes to a worker, and the call holds its reply the

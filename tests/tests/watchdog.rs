@@ -1494,6 +1494,30 @@ async fn a_watch_with_no_resume_attempt_left_gives_up_and_says_so() {
         !said.contains("keeps running") && said.contains("not running"),
         "{said}"
     );
+    // The daemon's resume and the cancel are on the audit record, as the user's own actions.
+    let audit: String = std::fs::read_dir(state.join("audit"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|f| std::fs::read_to_string(f.path()).unwrap())
+                .collect()
+        })
+        .unwrap_or_default();
+    let lines: Vec<Value> = audit
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(
+        lines.iter().any(|l| l["origin"] == "watchdog"
+            && l["tool"] == "resume"
+            && l["detail"]["watch_id"] == id),
+        "{audit}"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["tool"] == "rsb watch cancel" && l["command"] == format!("watch {id}")),
+        "{audit}"
+    );
     // Item 10: a listing of events is bounded (each carried the watch row with its 20,000
     // character log tail, so 11 events came to 32 KB).
     let mut cmd = Command::new(rsb_bin());

@@ -248,6 +248,25 @@ const MULTILINE_FIELDS: &[&str] = &[
     "last_alert_error",
 ];
 
+/// `rsb watch cancel`, on the audit record.
+fn cancel_audited(state_dir: &Path, id: i64) -> rsb::error::Result<ops::Cancelled> {
+    let r = ops::cancel(state_dir, id);
+    rsb::audit::record_in(
+        state_dir,
+        r.as_ref()
+            .map(|c| c.watch.sandbox_name.as_str())
+            .unwrap_or(""),
+        &rsb::audit::Action {
+            origin: "cli".into(),
+            tool: "rsb watch cancel".into(),
+            command: Some(format!("watch {id}")),
+            error: r.as_ref().err().map(|e| e.message.clone()),
+            ..Default::default()
+        },
+    );
+    r
+}
+
 fn watch_table(ws: &[Watch]) {
     println!(
         "{:>4}  {:<10} {:<16} {:<14} {:<24} {:>9}  SUMMARY",
@@ -323,7 +342,7 @@ pub async fn watch(cmd: WatchCmd, json: bool, state_dir: &Path) -> u8 {
                 }
             })
         }
-        WatchCmd::Cancel { id } => out(json, ops::cancel(state_dir, id), |c| {
+        WatchCmd::Cancel { id } => out(json, cancel_audited(state_dir, id), |c| {
             let w = &c.watch;
             // Say what was last seen of the job, not that it "keeps running": it may have
             // ended or been lost long ago.

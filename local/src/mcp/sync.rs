@@ -381,6 +381,7 @@ impl RsbServer {
     async fn cancel_file_transfer_task(
         &self,
         Parameters(p): Parameters<CancelTransferParams>,
+        ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
         if p.task_id <= 0 {
             return fail(&RsbError::invalid(
@@ -392,6 +393,15 @@ impl RsbServer {
             Ok(t) => t,
             Err(e) => return fail(&e),
         };
-        reply(t.cancel(p.task_id, p.force_kill_after_s).await)
+        let t0 = std::time::Instant::now();
+        let r = t.cancel(p.task_id, p.force_kill_after_s).await;
+        let what = Some(format!("task {}", p.task_id));
+        super::audited(
+            self.pool.config(),
+            &ctx,
+            ("cancel_file_transfer_task", "", what),
+            t0,
+            r,
+        )
     }
 }

@@ -487,6 +487,30 @@ impl Transfers {
         writer.abort();
         let end = now();
         let p = shared.lock().0.clone();
+        // The result is on the audit record, written by whoever ran it (this server or the
+        // detached worker): what moved, or why not.
+        crate::audit::record(
+            pool.config(),
+            &sandbox,
+            &crate::audit::Action {
+                origin: "transfer".into(),
+                tool: "background sync".into(),
+                command: Some(format!("task {id}")),
+                duration_ms: Some(((end - started).max(0.0) * 1000.0) as u64),
+                error: res.as_ref().err().map(|e| {
+                    if cancel.is_cancelled() {
+                        format!("cancelled: {}", e.message)
+                    } else {
+                        e.message.clone()
+                    }
+                }),
+                detail: res
+                    .as_ref()
+                    .ok()
+                    .and_then(|r| crate::audit::reply_summary(&r.to_json())),
+                ..Default::default()
+            },
+        );
         match res {
             Ok(report) => {
                 let result = report.to_json();

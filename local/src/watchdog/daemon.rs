@@ -669,6 +669,7 @@ impl Daemon {
                 Err(_) => return,
                 Ok(Err(e)) => Err(e.message),
             };
+            self.audit_resume(&w, "slurm resubmit", &r);
             let (after, e) = checks::resume_result(
                 &w,
                 r.as_deref().map_err(String::as_str),
@@ -704,6 +705,7 @@ impl Daemon {
             }
             Ok(Err(e)) => Err(e.message),
         };
+        self.audit_resume(&w, "resume", &r);
         let (after, e) = checks::resume_result(
             &w,
             r.as_deref().map_err(String::as_str),
@@ -711,6 +713,34 @@ impl Daemon {
             now_ms(),
         );
         self.commit(&w, after, &[e]);
+    }
+
+    /// A resume or resubmit the daemon ran, on the audit record as the user's own are.
+    fn audit_resume(&self, w: &Watch, tool: &str, r: &std::result::Result<String, String>) {
+        let host = self
+            .hosts
+            .lock()
+            .get(sandboxes::key(&w.sandbox_fp, &w.sandbox_name))
+            .cloned();
+        let Some(host) = host else {
+            return;
+        };
+        crate::audit::record(
+            host.pool.config(),
+            &w.sandbox_name,
+            &crate::audit::Action {
+                origin: "watchdog".into(),
+                tool: tool.into(),
+                command: Some(w.resume_command_to_run()),
+                error: r.as_ref().err().cloned(),
+                detail: Some(json!({
+                    "watch_id": w.id,
+                    "attempt": w.resume_attempts,
+                    "session": r.as_ref().ok(),
+                })),
+                ..Default::default()
+            },
+        );
     }
 
     /// Resume a Slurm job by submitting it again, with the options it was submitted with

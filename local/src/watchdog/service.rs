@@ -737,9 +737,11 @@ pub fn spawn_detached(state_dir: &Path) -> Result<u32> {
         .stdin(Stdio::null())
         .stdout(out)
         .stderr(err);
+    // Without the configuration's secrets and the variables naming them (sudo_password_env's
+    // too), and without any variable holding a secret's value: a daemon outlives the session.
+    cmd.env_clear().envs(crate::connect::rsb_child_env());
     for (k, _) in std::env::vars_os() {
-        let k = k.to_string_lossy().to_string();
-        let up = k.to_ascii_uppercase();
+        let up = k.to_string_lossy().to_ascii_uppercase();
         if up.starts_with("REMOTE_") || up.contains("PASSWORD") || up.contains("PASSPHRASE") {
             cmd.env_remove(&k);
         }
