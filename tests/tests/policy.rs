@@ -344,6 +344,24 @@ const BYPASSES: &[&str] = &[
     r#"echo 'rm -rf {V}' | { bash; }"#,
     r#"bash /dev/stdin <<< 'rm -rf {V}'"#,
     r#"timeout 5 bash <<< 'rm -rf {V}'"#,
+    r#"coproc sh; echo 'rm -rf {V}' >&${COPROC[1]}"#,
+    r#"su -lc 'rm -rf {V}'"#,
+    r#"runuser -l root -c 'rm -rf {V}'"#,
+    r#"su --session-command='rm -rf {V}'"#,
+    // The issue's launchers, installed here or not: each is refused before anything runs.
+    r#"srun -N1 rm -rf {V}"#,
+    r#"mpirun -np 2 rm -rf {V}"#,
+    r#"numactl -C0 rm -rf {V}"#,
+    r#"systemd-run --user --wait rm -rf {V}"#,
+    r#"screen -dm bash -c 'rm -rf {V}'"#,
+    r#"apptainer exec img.sif rm -rf {V}"#,
+    r#"conda run -n base rm -rf {V}"#,
+    r#"uv run rm -rf {V}"#,
+    r#"valgrind rm -rf {V}"#,
+    r#"parallel sh -c 'rm -rf {}' ::: {V}"#,
+    // The same path, another spelling.
+    r#"rm -rf /tmp/..{V}"#,
+    r#"rm -rf /./{V}"#,
 ];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
