@@ -920,8 +920,9 @@ pub fn write(req: &WriteRequest) -> Result<EditOutcome, AgentError> {
 type Span = (usize, usize, usize);
 
 /// Where `pat` occurs in `lines` at or after `start`: exactly, then ignoring trailing
-/// whitespace, then ignoring surrounding whitespace (Codex's own tolerance); with `eof`, at
-/// the end of the file first. A line's `\r` never counts.
+/// whitespace, then ignoring surrounding whitespace, then with typographic punctuation read
+/// as ASCII (Codex's own tolerance, in its order); with `eof`, at the end of the file first.
+/// A line's `\r` never counts.
 fn seek(lines: &[&str], pat: &[String], start: usize, eof: bool) -> Option<usize> {
     if pat.is_empty() {
         return Some(start);
@@ -931,7 +932,13 @@ fn seek(lines: &[&str], pat: &[String], start: usize, eof: bool) -> Option<usize
     }
     let last = lines.len() - pat.len();
     let strip = |l: &str| l.strip_suffix('\r').unwrap_or(l).to_string();
-    let modes: [fn(&str) -> &str; 3] = [|l| l, str::trim_end, str::trim];
+    type Norm = fn(&str) -> std::borrow::Cow<'_, str>;
+    let modes: [Norm; 4] = [
+        |l| l.into(),
+        |l| l.trim_end().into(),
+        |l| l.trim().into(),
+        |l| ascii_punctuation(l.trim()),
+    ];
     for norm in modes {
         let at = |i: usize| {
             pat.iter()
@@ -946,6 +953,23 @@ fn seek(lines: &[&str], pat: &[String], start: usize, eof: bool) -> Option<usize
         }
     }
     None
+}
+
+/// Dashes, quotes and odd spaces as their ASCII look-alikes, so a patch written in ASCII finds
+/// a line holding `—`, `’` or a non-breaking space (and the other way round).
+fn ascii_punctuation(s: &str) -> std::borrow::Cow<'_, str> {
+    let map = |c: char| match c {
+        '\u{2010}'..='\u{2015}' | '\u{2212}' => '-',
+        '\u{2018}'..='\u{201B}' => '\'',
+        '\u{201C}'..='\u{201F}' => '"',
+        '\u{00A0}' | '\u{2002}'..='\u{200A}' | '\u{202F}' | '\u{205F}' | '\u{3000}' => ' ',
+        c => c,
+    };
+    if s.chars().all(|c| map(c) == c) {
+        s.into()
+    } else {
+        s.chars().map(map).collect::<String>().into()
+    }
 }
 
 /// The file's new text after every chunk, or the chunk that does not apply and why. Line
@@ -978,10 +1002,22 @@ fn apply_chunks(
             repl.push((lines.len(), 0, &c.new));
             continue;
         }
-        match seek(&lines, &c.old, pos, c.end_of_file) {
+        let mut old: &[String] = &c.old;
+        let mut new: &[String] = &c.new;
+        let mut found = seek(&lines, old, pos, c.end_of_file);
+        // A trailing empty line (the final newline, or a blank line before the next hunk) that
+        // the file does not have there: without it, as Codex retries.
+        if found.is_none() && old.last().is_some_and(String::is_empty) {
+            old = &old[..old.len() - 1];
+            if new.last().is_some_and(String::is_empty) {
+                new = &new[..new.len() - 1];
+            }
+            found = seek(&lines, old, pos, c.end_of_file);
+        }
+        match found {
             Some(k) => {
-                repl.push((k, c.old.len(), &c.new));
-                pos = k + c.old.len();
+                repl.push((k, old.len(), new));
+                pos = k + old.len();
             }
             None => {
                 let near = near_lines(text, &c.old.join("\n"));
@@ -1058,18 +1094,22 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
     // Check every file and hunk, holding each file's lock, before anything is written.
     let mut plan: Vec<Planned> = Vec::new();
     let mut seen = std::collections::HashSet::new();
+    // Directories made for an Add or a Move to (as Codex makes them): removed again unless
+    // the patch goes through.
+    let mut made = MadeDirs(Vec::new());
     for f in &req.files {
         let path = expand_home(&f.path);
         // A Delete removes what the path names: a symlink itself, never its target.
         let delete = matches!(f.op, PatchOp::Delete);
-        let target = resolve(
+        let mut target = resolve(
             &path,
             Opts {
                 follow_last: !delete,
-                make_dirs: false,
+                make_dirs: matches!(f.op, PatchOp::Add { .. }),
             },
             WHAT,
         )?;
+        made.0.append(&mut target.made);
         if !seen.insert(target.path.clone()) {
             return Err(AgentError::new(
                 ErrorCode::InvalidArgument,
@@ -1131,7 +1171,15 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
                 };
                 let (dest, remove) = match move_to {
                     Some(m) => {
-                        let dest = resolve(&expand_home(m), FOLLOW, WHAT)?;
+                        let mut dest = resolve(
+                            &expand_home(m),
+                            Opts {
+                                follow_last: true,
+                                make_dirs: true,
+                            },
+                            WHAT,
+                        )?;
+                        made.0.append(&mut dest.made);
                         if !seen.insert(dest.path.clone()) {
                             return Err(AgentError::new(
                                 ErrorCode::InvalidArgument,
@@ -1153,40 +1201,100 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
             }
         }
     }
-    // Stage every new content; a failure removes what was staged, and nothing has changed.
+    // Every name that is replaced or removed can be: its directory lets this user unlink it
+    // (writable, and a sticky one only for the file's or the directory's owner). Checked
+    // before the first write, so a patch that cannot finish does not start.
+    for p in &plan {
+        if p.old.is_some() || p.data.is_none() {
+            may_unlink(&p.target, WHAT)?;
+        }
+        if let Some(src) = &p.remove {
+            may_unlink(src, WHAT)?;
+        }
+    }
+    // Stage every new content, and keep every file that is replaced: a hard link to it (or,
+    // where the file system refuses one, a copy of what was read) beside it. A failure
+    // removes what was staged and kept, and nothing has changed.
     let mut staged: Vec<Option<OsString>> = Vec::new();
+    let mut kept: Vec<Option<OsString>> = Vec::new();
     for p in &plan {
         let Some(data) = &p.data else {
             staged.push(None);
+            kept.push(None);
             continue;
         };
-        match stage(
+        let tmp = match stage(
             &p.target,
             data,
             p.old.as_ref().map(|o| Owner::of(&o.meta)),
             WHAT,
         ) {
-            Ok(t) => staged.push(Some(t)),
-            Err(e) => {
-                for (q, t) in plan.iter().zip(staged) {
-                    if let Some(t) = t {
-                        let _ = rfs::unlinkat(&q.target.dir, &*t, AtFlags::empty());
-                    }
+            Ok(t) => t,
+            Err(e) => return Err(rollback(e, Vec::new(), &plan, &staged, &kept, 0)),
+        };
+        staged.push(Some(tmp));
+        let exists = p.target.lstat().map(|st| st.is_some());
+        // A moved file's destination may hold another file: kept too (no copy of it was read).
+        let copy = if p.remove.is_none() {
+            p.old.as_ref()
+        } else {
+            None
+        };
+        let k = match exists {
+            Ok(false) => Ok(None),
+            Ok(true) => keep(&p.target, copy, WHAT).map(Some),
+            Err(e) => Err(AgentError::from_io(&e, WHAT, &p.target.shown())),
+        };
+        match k {
+            Ok(k) => kept.push(k),
+            Err(e) => return Err(rollback(e, Vec::new(), &plan, &staged, &kept, 0)),
+        }
+    }
+    // Put each in place; a step that fails undoes the ones before it, newest first.
+    let mut undo: Vec<Undo<'_>> = Vec::new();
+    for (i, p) in plan.iter().enumerate() {
+        if let Some(tmp) = &staged[i] {
+            if let Err(e) = rfs::renameat(&p.target.dir, &**tmp, &p.target.dir, &*p.target.name) {
+                let e = AgentError::from_io(&e.into(), WHAT, &p.target.shown());
+                return Err(rollback(e, undo, &plan, &staged, &kept, i));
+            }
+            undo.push(match &kept[i] {
+                Some(k) => Undo::Put(&p.target, k.clone()),
+                None => Undo::Remove(&p.target),
+            });
+        }
+        // A delete, or a moved file's old place: renamed aside, removed once all is in place.
+        let gone = match (&p.data, &p.remove) {
+            (None, _) => Some(&p.target),
+            (Some(_), Some(src)) => Some(src),
+            _ => None,
+        };
+        if let Some(t) = gone {
+            #[cfg(test)]
+            if tests::FAIL_HIDE.with(|f| f.get()) == Some(i) {
+                let e = AgentError::new(ErrorCode::Io, format!("{WHAT} {}: injected", t.shown()));
+                return Err(rollback(e, undo, &plan, &staged, &kept, i + 1));
+            }
+            match hide(t) {
+                Ok(aside) => undo.push(Undo::Put(t, aside)),
+                Err(e) => {
+                    let e = AgentError::from_io(&e.into(), WHAT, &t.shown());
+                    return Err(rollback(e, undo, &plan, &staged, &kept, i + 1));
                 }
-                return Err(e);
             }
         }
     }
+    // Done: what was kept aside goes.
+    for u in &undo {
+        if let Undo::Put(t, aside) = u {
+            let _ = rfs::unlinkat(&t.dir, &**aside, AtFlags::empty());
+        }
+    }
+    made.0.clear();
     let mut changed = Vec::new();
-    for (p, tmp) in plan.iter().zip(staged) {
-        match (tmp, &p.data) {
-            (Some(tmp), Some(data)) => {
-                if let Err(r) = place(&tmp, &p.target, false, WHAT)? {
-                    return refused(&p.target.shown(), 0, r);
-                }
-                if let Some(old) = &p.remove {
-                    let _ = rfs::unlinkat(&old.dir, &*old.name, AtFlags::empty());
-                }
+    for p in &plan {
+        match &p.data {
+            Some(data) => {
                 let before = p.old.as_ref().map(|o| &o.data[..]).unwrap_or(b"");
                 let (changed_lines, diff, diff_truncated) = if p.spans.is_empty() {
                     (Vec::new(), String::new(), false)
@@ -1203,22 +1311,162 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
                     diff_truncated,
                 });
             }
-            _ => {
-                rfs::unlinkat(&p.target.dir, &*p.target.name, AtFlags::empty())
-                    .map_err(|e| AgentError::from_io(&e.into(), WHAT, &p.target.shown()))?;
-                changed.push(Changed {
-                    path: p.target.shown(),
-                    hash: String::new(),
-                    created: false,
-                    replacements: 0,
-                    changed_lines: Vec::new(),
-                    diff: String::new(),
-                    diff_truncated: false,
-                });
-            }
+            None => changed.push(Changed {
+                path: p.target.shown(),
+                hash: String::new(),
+                created: false,
+                replacements: 0,
+                changed_lines: Vec::new(),
+                diff: String::new(),
+                diff_truncated: false,
+            }),
         }
     }
     Ok(PatchOutcome::Done(changed))
+}
+
+/// Directories a patch made, removed (if still empty) unless it went through.
+struct MadeDirs(Vec<std::path::PathBuf>);
+
+impl Drop for MadeDirs {
+    fn drop(&mut self) {
+        for d in self.0.iter().rev() {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+/// How to take back one step of a patch: put a kept file back under the target's name, or
+/// remove a file the patch created.
+enum Undo<'a> {
+    Put(&'a Target, OsString),
+    Remove(&'a Target),
+}
+
+/// Undo `undo` newest first after `e`; remove what was staged and kept for the steps from
+/// `from` on (not yet in `undo`). The error says whether every file is as it was.
+fn rollback(
+    mut e: AgentError,
+    undo: Vec<Undo<'_>>,
+    plan: &[Planned],
+    staged: &[Option<OsString>],
+    kept: &[Option<OsString>],
+    from: usize,
+) -> AgentError {
+    for (i, p) in plan.iter().enumerate().skip(from) {
+        for t in [staged.get(i), kept.get(i)].into_iter().flatten().flatten() {
+            let _ = rfs::unlinkat(&p.target.dir, &**t, AtFlags::empty());
+        }
+    }
+    let mut stuck = Vec::new();
+    for u in undo.into_iter().rev() {
+        let r = match &u {
+            Undo::Put(t, aside) => rfs::renameat(&t.dir, &**aside, &t.dir, &*t.name),
+            Undo::Remove(t) => rfs::unlinkat(&t.dir, &*t.name, AtFlags::empty()),
+        };
+        if r.is_err() {
+            stuck.push(match u {
+                Undo::Put(t, _) | Undo::Remove(t) => t.shown(),
+            });
+        }
+    }
+    if stuck.is_empty() {
+        e.message = format!("{}; no file was changed", e.message);
+    } else {
+        e.message = format!(
+            "{}; and these could not be put back as they were: {}",
+            e.message,
+            stuck.join(", ")
+        );
+    }
+    e
+}
+
+/// May this user unlink (or rename over) `t`'s name? Its directory must be writable and
+/// searchable, and in a sticky directory the file or the directory must be the user's.
+fn may_unlink(t: &Target, what: &str) -> Result<(), AgentError> {
+    let denied = || {
+        AgentError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "{what} {}: permission denied (its directory does not let this user replace or \
+                 remove it); no file was changed",
+                t.shown()
+            ),
+        )
+    };
+    let euid = rustix::process::geteuid();
+    if euid.is_root() {
+        return Ok(());
+    }
+    rfs::accessat(
+        &t.dir,
+        ".",
+        rfs::Access::WRITE_OK | rfs::Access::EXEC_OK,
+        AtFlags::EACCESS,
+    )
+    .map_err(|_| denied())?;
+    let dir = rfs::fstat(&t.dir).map_err(|e| AgentError::from_io(&e.into(), what, &t.shown()))?;
+    if dir.st_mode & 0o1000 != 0 && dir.st_uid != euid.as_raw() {
+        let mine = t
+            .lstat()
+            .map_err(|e| AgentError::from_io(&e, what, &t.shown()))?
+            .is_none_or(|st| st.st_uid == euid.as_raw());
+        if !mine {
+            return Err(denied());
+        }
+    }
+    Ok(())
+}
+
+/// A free name beside `t` for a file kept aside: `.NAME.rsb-PID-N-NANOS.kept`.
+fn aside_name(t: &Target, n: u32) -> OsString {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let short: String = t.name.to_string_lossy().chars().take(40).collect();
+    OsString::from(format!(
+        ".{short}.rsb-{}-{n}-{nanos:x}.kept",
+        std::process::id()
+    ))
+}
+
+/// Keep the file `t` names, to be put back if the patch cannot finish: a hard link (the same
+/// file, links and attributes and all), else a copy of `read` (what was read of it).
+fn keep(t: &Target, read: Option<&Locked>, what: &str) -> Result<OsString, AgentError> {
+    for n in 0..100 {
+        let name = aside_name(t, n);
+        match rfs::linkat(&t.dir, &*t.name, &t.dir, &*name, AtFlags::empty()) {
+            Ok(()) => return Ok(name),
+            Err(Errno::EXIST) => continue,
+            Err(_) => break,
+        }
+    }
+    match read {
+        Some(old) => stage(t, &old.data, Some(Owner::of(&old.meta)), what),
+        None => Err(AgentError::new(
+            ErrorCode::Io,
+            format!(
+                "{what} {}: cannot keep the file there aside to put it back if the patch fails \
+                 (no hard link here); no file was changed",
+                t.shown()
+            ),
+        )),
+    }
+}
+
+/// Rename `t` aside (a delete, a moved file's old place) until the patch is through.
+fn hide(t: &Target) -> Result<OsString, Errno> {
+    for n in 0..100 {
+        let name = aside_name(t, n);
+        match rfs::statat(&t.dir, &*name, AtFlags::SYMLINK_NOFOLLOW) {
+            Err(Errno::NOENT) => {}
+            _ => continue,
+        }
+        return rfs::renameat(&t.dir, &*t.name, &t.dir, &*name).map(|()| name);
+    }
+    Err(Errno::EXIST)
 }
 
 #[cfg(test)]
@@ -1314,6 +1562,127 @@ mod tests {
         assert!(matches!(e, Err((1, Refusal::NoMatch { .. }))), "{e:?}");
         let (out, _) = apply_chunks("a\n", &[chunk(None, &[], &["tail"])]).unwrap();
         assert_eq!(out, "a\ntail\n");
+    }
+
+    thread_local! {
+        /// The step whose renaming aside fails (a test's injected fault), by plan index.
+        pub(super) static FAIL_HIDE: std::cell::Cell<Option<usize>> =
+            const { std::cell::Cell::new(None) };
+    }
+
+    #[test]
+    fn codex_tolerance_unicode_punctuation_and_the_trailing_empty_line() {
+        // A patch in ASCII finds a line with typographic dashes, quotes and spaces.
+        let text = "let s = \u{201C}hi\u{201D} \u{2014} it\u{2019}s\u{00A0}x;\nz\n";
+        let (out, _) = apply_chunks(
+            text,
+            &[chunk(None, &["let s = \"hi\" - it's x;"], &["let s = 1;"])],
+        )
+        .unwrap();
+        assert_eq!(out, "let s = 1;\nz\n");
+        // A hunk ending in an empty line the file does not have there: retried without it.
+        let (out, _) = apply_chunks("a\nb\n", &[chunk(None, &["b", ""], &["c", ""])]).unwrap();
+        assert_eq!(out, "a\nc\n");
+        let mut eof = chunk(None, &["b", ""], &["c"]);
+        eof.end_of_file = true;
+        let (out, _) = apply_chunks("a\nb", &[eof]).unwrap();
+        assert_eq!(out, "a\nc");
+    }
+
+    fn files_in(d: &std::path::Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// The last of three operations fails after the first two are in place: both are undone
+    /// (the replaced file is the same file again, the added file and its new directory gone,
+    /// a moved file back where it was), and nothing is left beside them.
+    #[test]
+    fn a_patch_that_fails_midway_puts_every_file_back() {
+        use rsb_protocol::{PatchFile, PatchOp, PatchOutcome, PatchRequest};
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        std::fs::write(d.join("a.txt"), "one\ntwo\n").unwrap();
+        std::fs::hard_link(d.join("a.txt"), d.join("a-link.txt")).unwrap();
+        std::fs::write(d.join("m.txt"), "move me\n").unwrap();
+        std::fs::write(d.join("gone.txt"), "stays\n").unwrap();
+        let ino = |p: &str| std::fs::metadata(d.join(p)).unwrap().ino();
+        let a_ino = ino("a.txt");
+        let before = files_in(d);
+        let path = |p: &str| d.join(p).display().to_string();
+        let req = PatchRequest {
+            files: vec![
+                PatchFile {
+                    path: path("a.txt"),
+                    op: PatchOp::Update {
+                        move_to: None,
+                        chunks: vec![chunk(None, &["two"], &["TWO"])],
+                    },
+                },
+                PatchFile {
+                    path: path("new/deeper/b.txt"),
+                    op: PatchOp::Add { text: "b\n".into() },
+                },
+                PatchFile {
+                    path: path("m.txt"),
+                    op: PatchOp::Update {
+                        move_to: Some(path("moved/m.txt")),
+                        chunks: vec![chunk(None, &["move me"], &["moved"])],
+                    },
+                },
+                PatchFile {
+                    path: path("gone.txt"),
+                    op: PatchOp::Delete,
+                },
+            ],
+        };
+        FAIL_HIDE.with(|f| f.set(Some(3)));
+        let e = match patch(&req) {
+            Err(e) => e,
+            Ok(o) => panic!("{o:?}"),
+        };
+        FAIL_HIDE.with(|f| f.set(None));
+        assert!(e.message.ends_with("no file was changed"), "{}", e.message);
+        assert_eq!(
+            std::fs::read_to_string(d.join("a.txt")).unwrap(),
+            "one\ntwo\n"
+        );
+        assert_eq!(ino("a.txt"), a_ino, "the same file, not a copy");
+        assert_eq!(std::fs::metadata(d.join("a.txt")).unwrap().nlink(), 2);
+        assert_eq!(
+            std::fs::read_to_string(d.join("m.txt")).unwrap(),
+            "move me\n"
+        );
+        assert!(d.join("gone.txt").exists());
+        assert_eq!(files_in(d), before, "nothing added, nothing left aside");
+
+        // The same patch goes through when nothing fails: parents made, the link kept.
+        let o = patch(&req).unwrap();
+        assert!(
+            matches!(o, PatchOutcome::Done(ref f) if f.len() == 4),
+            "{o:?}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(d.join("a.txt")).unwrap(),
+            "one\nTWO\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(d.join("new/deeper/b.txt")).unwrap(),
+            "b\n"
+        );
+        assert_eq!(
+            std::fs::read_to_string(d.join("moved/m.txt")).unwrap(),
+            "moved\n"
+        );
+        assert!(!d.join("m.txt").exists() && !d.join("gone.txt").exists());
+        let mut want = vec!["a-link.txt", "a.txt", "moved", "new"];
+        want.sort();
+        assert_eq!(files_in(d), want, "nothing left aside");
     }
 
     #[test]

@@ -2911,6 +2911,150 @@ async fn apply_patch_checks_every_hunk_before_writing() {
     mcp.close().await;
 }
 
+/// Issue 42 item 2: patches Codex applies, rsb applies. Add and Move into directories that do
+/// not exist yet; padded markers and hunk headers; a hunk ending in a blank line before the
+/// next one (retried without it); ASCII quotes and dashes against typographic ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_patch_takes_what_codex_takes() {
+    let sshd = Sshd::start().unwrap();
+    let h = sshd.home().to_path_buf();
+    let mcp = Mcp::start_with(
+        &list(&[key_entry("s", &sshd)]),
+        &[("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "1")],
+    )
+    .await;
+    let d = unique("codex");
+    std::fs::create_dir_all(h.join(&d)).unwrap();
+    std::fs::write(
+        h.join(format!("{d}/doc.md")),
+        "# Title\n\nIt\u{2019}s \u{201C}fine\u{201D} \u{2014} really.\n\nend\n",
+    )
+    .unwrap();
+    std::fs::write(
+        h.join(format!("{d}/lib.py")),
+        "def f():\n    return 1\n\ndef g():\n    return 2\n",
+    )
+    .unwrap();
+    let patch = format!(
+        " *** Begin Patch \n\
+         *** Add File: {d}/pkg/sub/new.py \n\
+         +x = 1\n\
+         *** Update File: {d}/doc.md\n\
+         *** Move to: {d}/docs/guide/doc.md\n\
+         @@ # Title\n\
+         -It's \"fine\" - really.\n\
+         +It is fine.\n\
+         *** Update File: {d}/lib.py\n  \
+         @@  def f():  \n\
+         -    return 1\n\
+         +    return 10\n\
+         \n\
+         @@ def g():\n\
+         -    return 2\n\
+         +    return 20\n\
+         \x20*** End Patch \n"
+    );
+    let v = mcp.ok("apply_patch", json!({"patch": patch})).await;
+    assert_eq!(v["files"].as_array().unwrap().len(), 3, "{v}");
+    assert_eq!(
+        std::fs::read_to_string(h.join(format!("{d}/pkg/sub/new.py"))).unwrap(),
+        "x = 1\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(h.join(format!("{d}/docs/guide/doc.md"))).unwrap(),
+        "# Title\n\nIt is fine.\n\nend\n"
+    );
+    assert!(!h.join(format!("{d}/doc.md")).exists());
+    assert_eq!(
+        std::fs::read_to_string(h.join(format!("{d}/lib.py"))).unwrap(),
+        "def f():\n    return 10\n\ndef g():\n    return 20\n"
+    );
+    // A patch that cannot apply leaves no directory it would have made.
+    let r = mcp
+        .err(
+            "apply_patch",
+            json!({"patch": format!("*** Begin Patch\n*** Add File: {d}/made/here/x.txt\n+x\n*** Update File: {d}/lib.py\n-nothing like this\n+y\n*** End Patch\n")}),
+        )
+        .await;
+    assert!(r.s("error").contains("no file was changed"), "{}", r.text);
+    assert!(!h.join(format!("{d}/made")).exists());
+    mcp.close().await;
+}
+
+/// A patch that could not finish does not start: a Delete this user may not do (a directory
+/// that is not theirs) is refused before the Update before it writes anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn apply_patch_checks_removals_before_the_first_write() {
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: needs root, for a second user");
+        return;
+    }
+    let sshd = Sshd::start().unwrap();
+    let Some((user, pw)) = sshd.password_user() else {
+        eprintln!("skipped: the fixture has no password user");
+        return;
+    };
+    let (uid, gid) = sshd.password_user_ids().unwrap();
+    let mine = sshd.password_home().unwrap().join(unique("pc"));
+    std::fs::create_dir_all(&mine).unwrap();
+    std::fs::write(mine.join("a.txt"), "one\n").unwrap();
+    for p in [&mine, &mine.join("a.txt")] {
+        std::os::unix::fs::chown(p, Some(uid), Some(gid)).unwrap();
+    }
+    // Root's directory, readable by all, writable by root alone.
+    let theirs = tempfile::Builder::new()
+        .prefix("rsb-pc-")
+        .tempdir_in("/tmp")
+        .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(theirs.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    // The file itself is writable by all: only its directory forbids removing it.
+    std::fs::write(theirs.path().join("r.txt"), "root's\n").unwrap();
+    std::fs::set_permissions(
+        theirs.path().join("r.txt"),
+        std::fs::Permissions::from_mode(0o666),
+    )
+    .unwrap();
+    let mcp = Mcp::start_with(
+        &list(&[pw_entry("p", &sshd, &user, &pw)]),
+        &[("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "1")],
+    )
+    .await;
+    let patch = format!(
+        "*** Begin Patch\n*** Update File: {}\n-one\n+ONE\n*** Delete File: {}\n*** End Patch\n",
+        mine.join("a.txt").display(),
+        theirs.path().join("r.txt").display()
+    );
+    let r = mcp.err("apply_patch", json!({"patch": patch})).await;
+    assert!(
+        r.s("error").contains("permission denied") && r.s("error").contains("no file was changed"),
+        "{}",
+        r.text
+    );
+    // Found by the check before any write (a failure while writing would be rolled back).
+    assert!(
+        r.s("error").contains("r.txt") && r.s("error").contains("its directory does not let"),
+        "{}",
+        r.text
+    );
+    assert_eq!(
+        std::fs::read_to_string(mine.join("a.txt")).unwrap(),
+        "one\n"
+    );
+    assert!(theirs.path().join("r.txt").exists());
+    let left: Vec<_> = std::fs::read_dir(&mine)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(
+        left,
+        [std::ffi::OsString::from("a.txt")],
+        "nothing staged or kept is left"
+    );
+    mcp.close().await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // search_remote_files
 // ---------------------------------------------------------------------------------------------

@@ -38,6 +38,9 @@ pub struct Target {
     pub name: OsString,
     /// The path as resolved (links followed), for replies and errors.
     pub path: PathBuf,
+    /// Directories [`resolve`] created on the way (`make_dirs`), outermost first: what a
+    /// change that does not go ahead removes again.
+    pub made: Vec<PathBuf>,
 }
 
 impl Target {
@@ -154,6 +157,7 @@ pub fn resolve(path: &Path, opts: Opts, what: &str) -> Result<Target, AgentError
     let (mut dir, mut at) = start(path).map_err(|e| io(e.into(), path))?;
     let mut todo = parts(path);
     let mut links = 0usize;
+    let mut made = Vec::new();
     loop {
         let Some(c) = todo.pop_front() else {
             return Err(err(
@@ -212,6 +216,7 @@ pub fn resolve(path: &Path, opts: Opts, what: &str) -> Result<Target, AgentError
                         dir,
                         name: c,
                         path: here,
+                        made,
                     });
                 }
             }
@@ -223,7 +228,8 @@ pub fn resolve(path: &Path, opts: Opts, what: &str) -> Result<Target, AgentError
             }
             Err(Errno::NOENT) if opts.make_dirs => {
                 match rfs::mkdirat(&dir, &*c, Mode::from_raw_mode(0o777)) {
-                    Ok(()) | Err(Errno::EXIST) => {}
+                    Ok(()) => made.push(here.clone()),
+                    Err(Errno::EXIST) => {}
                     Err(e) => return Err(io(e.into(), &here)),
                 }
                 // Opened, not assumed: whatever is there now is checked as any component.

@@ -88,7 +88,11 @@ impl RsbServer {
         };
         let r = async {
             let client = self.pool.client(&p.sandbox_name).await?;
-            client.call(parsed?).await.and_then(edit::patch_outcome)
+            client
+                .call(parsed?)
+                .await
+                .map_err(edit::patch_error)
+                .and_then(edit::patch_outcome)
         }
         .await;
         let sandbox = self.pool.resolve(&p.sandbox_name).unwrap_or_default();

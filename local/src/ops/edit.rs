@@ -225,7 +225,10 @@ pub fn refusal(path: &str, expected: Option<&str>, r: Refusal) -> RsbError {
 
 /// Codex's patch format (`*** Begin Patch` … `*** End Patch`: Add / Delete / Update File,
 /// `*** Move to:`, `@@` hunks of ` `/`-`/`+` lines, `*** End of File`), parsed into what the
-/// agent checks and applies. A malformed patch is refused here, naming its line.
+/// agent checks and applies. As lenient as Codex's own parser (openai/codex,
+/// `codex-rs/apply-patch`), where models rely on it: markers and hunk headers with whitespace
+/// around them, a patch wrapped in a `<<'EOF'` … `EOF` here-document, blank lines between
+/// hunks. A malformed patch is refused here, naming its line.
 pub fn parse_patch(patch: &str) -> Result<rsb_protocol::PatchRequest> {
     use rsb_protocol::{PatchChunk, PatchFile, PatchOp};
     let bad = |n: usize, what: &str| {
@@ -234,10 +237,22 @@ pub fn parse_patch(patch: &str) -> Result<rsb_protocol::PatchRequest> {
             "use Codex's format: *** Begin Patch, *** Add/Update/Delete File: PATH, @@ hunks of ' ', '-', '+' lines, *** End Patch",
         )
     };
-    let lines: Vec<&str> = patch
+    let mut lines: Vec<&str> = patch
         .lines()
         .map(|l| l.strip_suffix('\r').unwrap_or(l))
         .collect();
+    // `<<'EOF'` … `EOF` around the patch (a here-document passed as the argument).
+    let first = lines.iter().position(|l| !l.trim().is_empty());
+    let last = lines.iter().rposition(|l| !l.trim().is_empty());
+    if let (Some(a), Some(b)) = (first, last)
+        && b > a
+        && matches!(lines[a].trim(), "<<EOF" | "<<'EOF'" | "<<\"EOF\"")
+        && lines[b].trim() == "EOF"
+    {
+        lines[a] = "";
+        lines[b] = "";
+    }
+    let marker = |l: &str| l.trim().to_string();
     let mut it = lines
         .iter()
         .enumerate()
@@ -254,7 +269,8 @@ pub fn parse_patch(patch: &str) -> Result<rsb_protocol::PatchRequest> {
     let mut files = Vec::new();
     let mut ended = false;
     while let Some((n, l)) = it.next() {
-        if l.trim() == "*** End Patch" {
+        let m = marker(l);
+        if m == "*** End Patch" {
             ended = true;
             break;
         }
@@ -265,7 +281,7 @@ pub fn parse_patch(patch: &str) -> Result<rsb_protocol::PatchRequest> {
             }
             Ok(home_relative(p))
         };
-        if let Some(rest) = l.strip_prefix("*** Add File:") {
+        if let Some(rest) = m.strip_prefix("*** Add File:") {
             let path = path_of(rest)?;
             let mut text = String::new();
             while let Some((_, l)) = it.peek() {
@@ -280,40 +296,40 @@ pub fn parse_patch(patch: &str) -> Result<rsb_protocol::PatchRequest> {
                 path,
                 op: PatchOp::Add { text },
             });
-        } else if let Some(rest) = l.strip_prefix("*** Delete File:") {
+        } else if let Some(rest) = m.strip_prefix("*** Delete File:") {
             files.push(PatchFile {
                 path: path_of(rest)?,
                 op: PatchOp::Delete,
             });
-        } else if let Some(rest) = l.strip_prefix("*** Update File:") {
+        } else if let Some(rest) = m.strip_prefix("*** Update File:") {
             let path = path_of(rest)?;
             let mut move_to = None;
-            if let Some((m, l)) = it.peek().copied()
-                && let Some(rest) = l.strip_prefix("*** Move to:")
+            if let Some((k, l)) = it.peek().copied()
+                && let Some(rest) = marker(l).strip_prefix("*** Move to:")
             {
                 let to = rest.trim();
                 if to.is_empty() {
-                    return Err(bad(m, "*** Move to: needs a path"));
+                    return Err(bad(k, "*** Move to: needs a path"));
                 }
                 move_to = Some(home_relative(to));
                 it.next();
             }
             let mut chunks: Vec<PatchChunk> = Vec::new();
-            while let Some((m, l)) = it.peek().copied() {
-                if l.trim() == "*** End of File" {
+            while let Some((k, l)) = it.peek().copied() {
+                let m = marker(l);
+                if m == "*** End of File" {
                     match chunks.last_mut() {
                         Some(c) => c.end_of_file = true,
-                        None => return Err(bad(m, "*** End of File before any hunk")),
+                        None => return Err(bad(k, "*** End of File before any hunk")),
                     }
                     it.next();
                     continue;
                 }
-                if l.starts_with("*** ") {
+                if is_header(&m) {
                     break;
                 }
                 it.next();
-                if let Some(ctx) = l.strip_prefix("@@") {
-                    let ctx = ctx.trim();
+                if let Some(ctx) = hunk_header(l) {
                     chunks.push(PatchChunk {
                         context: (!ctx.is_empty()).then(|| ctx.to_string()),
                         old: Vec::new(),
@@ -339,7 +355,10 @@ pub fn parse_patch(patch: &str) -> Result<rsb_protocol::PatchRequest> {
                     }
                     Some('-') => c.old.push(l[1..].to_string()),
                     Some('+') => c.new.push(l[1..].to_string()),
-                    _ => return Err(bad(m, "a hunk line must start with ' ', '-' or '+'")),
+                    // Whitespace that is not a context line's leading space: skipped, as Codex
+                    // skips blank lines between hunks.
+                    _ if l.trim().is_empty() => {}
+                    _ => return Err(bad(k, "a hunk line must start with ' ', '-' or '+'")),
                 }
             }
             if chunks.iter().all(|c| c.old == c.new) && move_to.is_none() {
@@ -367,6 +386,36 @@ pub fn parse_patch(patch: &str) -> Result<rsb_protocol::PatchRequest> {
     Ok(rsb_protocol::PatchRequest { files })
 }
 
+/// A file header or the end of the patch (whitespace around it allowed).
+fn is_header(m: &str) -> bool {
+    m == "*** End Patch"
+        || [
+            "*** Add File:",
+            "*** Delete File:",
+            "*** Update File:",
+            "*** Move to:",
+        ]
+        .iter()
+        .any(|h| m.starts_with(h))
+}
+
+/// `@@` or `@@ CONTEXT` (whitespace around it allowed): the context, possibly empty. A line
+/// of one space and `@@…` is a context line holding `@@…`, as Codex reads it.
+fn hunk_header(l: &str) -> Option<&str> {
+    let padded = l.starts_with("  ") || l.starts_with('\t');
+    if !(l.starts_with("@@") || padded) {
+        return None;
+    }
+    let t = l.trim();
+    let rest = t.strip_prefix("@@")?;
+    if !(rest.is_empty() || rest.starts_with(char::is_whitespace)) {
+        return None;
+    }
+    // `@@ fn main() @@` (git's form) carries its context between the markers.
+    let rest = rest.trim();
+    Some(rest.strip_suffix("@@").map(str::trim_end).unwrap_or(rest))
+}
+
 /// A relative path is relative to `$HOME`, as every remote path of rsb's tools (the agent's
 /// working directory need not be `$HOME`).
 pub fn home_relative(p: &str) -> String {
@@ -389,6 +438,20 @@ pub struct PatchedFile {
     pub change: EditReply,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub deleted: bool,
+}
+
+/// An error the agent gave for a patch: it checks everything and keeps what it replaces
+/// before the first write, and puts it back if a later step fails, so unless it says some
+/// file could not be put back, no file was changed (a link lost mid-patch is not the agent's
+/// answer, and says nothing of the sort).
+pub fn patch_error(mut e: RsbError) -> RsbError {
+    if matches!(e.kind, Kind::Agent(_))
+        && !e.message.contains("no file was changed")
+        && !e.message.contains("could not be put back")
+    {
+        e.message = format!("{}; no file was changed", e.message);
+    }
+    e
 }
 
 pub fn patch_outcome(o: rsb_protocol::PatchOutcome) -> Result<PatchReply> {
@@ -446,6 +509,28 @@ mod tests {
         assert_eq!(chunks[0].new, ["    new", "    keep"]);
         assert!(chunks[0].end_of_file);
         assert_eq!(p.files[2].op, PatchOp::Delete);
+        // As lenient as Codex: padded markers and hunk headers, a here-document around it,
+        // blank lines between hunks, whitespace-only lines.
+        let p = parse_patch(
+            "<<'EOF'\n *** Begin Patch \n  *** Update File: x.py  \n  @@  def f():  \n-    a\n+    b\n\t\n@@ class C: @@\n     keep\n-    c\n+    d\n *** End Patch \nEOF\n",
+        )
+        .unwrap();
+        let PatchOp::Update { chunks, .. } = &p.files[0].op else {
+            panic!("{:?}", p.files[0])
+        };
+        assert_eq!(p.files[0].path, "~/x.py");
+        assert_eq!(chunks.len(), 2, "{chunks:?}");
+        assert_eq!(chunks[0].context.as_deref(), Some("def f():"));
+        assert_eq!(chunks[0].old, ["    a"]);
+        assert_eq!(chunks[1].context.as_deref(), Some("class C:"));
+        assert_eq!(chunks[1].old, ["    keep", "    c"]);
+        // One space then `@@`: a context line holding `@@`, as Codex reads it.
+        let p = parse_patch("*** Begin Patch\n*** Update File: y\n @@ x\n-a\n+b\n*** End Patch")
+            .unwrap();
+        let PatchOp::Update { chunks, .. } = &p.files[0].op else {
+            panic!()
+        };
+        assert_eq!(chunks[0].old, ["@@ x", "a"]);
         for (bad, want) in [
             ("", "empty"),
             ("*** Update File: x\n", "Begin Patch"),
