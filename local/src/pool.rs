@@ -40,24 +40,6 @@ struct Slot {
     discovered: std::sync::atomic::AtomicBool,
     /// What that hook found (a hint for the user), once it has answered.
     hint: parking_lot::Mutex<Option<String>>,
-    /// Set while [`Pool::client_with_generation`] dials (the `conn` lock is held that long),
-    /// so [`Pool::known_state`] can say "connecting" without waiting for the lock.
-    connecting: std::sync::atomic::AtomicBool,
-}
-
-/// What the pool knows of a sandbox's connection, without any I/O ([`Pool::known_state`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KnownState {
-    /// A pooled connection whose agent channel and SSH session are up.
-    Connected,
-    /// A connect is in progress right now; the last probe failure, if any, and its age.
-    Connecting {
-        last_failure: Option<(String, Duration)>,
-    },
-    /// The last probe failed this long ago, for this reason (no connection since).
-    Failed { why: String, age: Duration },
-    /// Never connected, or the connection ended without a failed probe since.
-    NotConnected,
 }
 
 struct Sample {
@@ -113,7 +95,6 @@ impl Pool {
                         sample: parking_lot::Mutex::new(None),
                         generation: Default::default(),
                         failure: Default::default(),
-                        connecting: Default::default(),
                         discovered: Default::default(),
                         hint: Default::default(),
                     }),
@@ -242,10 +223,7 @@ impl Pool {
             *guard = None;
         }
         let known = slot.agent_path.lock().clone();
-        slot.connecting.store(true, Ordering::SeqCst);
-        let conn = connect::connect(&slot.cfg, known.as_deref()).await;
-        slot.connecting.store(false, Ordering::SeqCst);
-        let conn = conn?;
+        let conn = connect::connect(&slot.cfg, known.as_deref()).await?;
         *slot.agent_path.lock() = Some(conn.agent_path.clone());
         let client = conn.client.clone();
         *guard = Some(conn);
@@ -303,39 +281,6 @@ impl Pool {
         let g = slot.failure.lock();
         let (at, why) = g.as_ref()?;
         (at.elapsed() < within).then(|| (why.clone(), at.elapsed()))
-    }
-
-    /// What the pool knows of `name`'s connection, without dialing or sending anything (a
-    /// listing without resources must never wait on a hung host). The connection lock is only
-    /// held briefly when nobody is connecting; a holder past 50 ms counts as connecting.
-    pub async fn known_state(&self, name: &str) -> KnownState {
-        let Some(slot) = self.slots.get(name) else {
-            return KnownState::NotConnected;
-        };
-        if !slot.connecting.load(Ordering::SeqCst) {
-            if let Ok(guard) =
-                tokio::time::timeout(Duration::from_millis(50), slot.conn.lock()).await
-            {
-                if let Some(c) = guard.as_ref()
-                    && c.client.is_alive()
-                    && c.ssh.as_ref().is_none_or(|s| !s.is_closed())
-                {
-                    return KnownState::Connected;
-                }
-            } else {
-                return KnownState::Connecting {
-                    last_failure: self.recent_failure(name, Duration::MAX),
-                };
-            }
-        } else {
-            return KnownState::Connecting {
-                last_failure: self.recent_failure(name, Duration::MAX),
-            };
-        }
-        match self.recent_failure(name, Duration::MAX) {
-            Some((why, age)) => KnownState::Failed { why, age },
-            None => KnownState::NotConnected,
-        }
     }
 
     /// `name`'s last resources sample and its age, when it is younger than `max_age` and the

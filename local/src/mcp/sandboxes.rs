@@ -11,7 +11,7 @@ use crate::ops::sandboxes;
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ListSandboxesParams {
-    /// Probe each now: health, load, idle_score (1=idle).
+    /// Also sample load: CPU, memory, GPUs, idle_score (1=idle).
     #[serde(default)]
     pub check_resources: bool,
 }
@@ -31,13 +31,14 @@ pub struct NoParams {}
 impl RsbServer {
     #[tool(
         annotations(read_only_hint = true, open_world_hint = false),
-        description = "List sandboxes and their known state (check_resources dials)."
+        description = "List sandboxes; each probed now (at most 5 s)."
     )]
     async fn list_sandboxes(&self, Parameters(p): Parameters<ListSandboxesParams>) -> ToolResult {
         let depth = if p.check_resources {
             sandboxes::Listing::Resources
         } else {
-            sandboxes::Listing::Known
+            // The seed's contract: connection_alive is each sandbox's health, probed now.
+            sandboxes::Listing::Probe
         };
         ok(sandboxes::list(&self.pool, depth).await)
     }

@@ -13,7 +13,7 @@ use serde_json::{Map, Value, json};
 use crate::{
     error::{Kind, Result, RsbError},
     ops::resources::{Resources, idle_score, resources},
-    pool::{KnownState, Pool},
+    pool::Pool,
 };
 
 /// Deadline for getting a client: connect, authenticate and deploy if needed; instant when the
@@ -284,55 +284,16 @@ pub struct SandboxList {
 /// How deep a listing looks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Listing {
-    /// What the pool knows, without dialing or sending anything: `list_sandboxes` without
-    /// resources must answer at once even when a host hangs.
-    Known,
     /// A ping to each (connecting as needed, within [`PROBE_WAIT`]).
     Probe,
     /// A ping and a resources sample from each.
     Resources,
 }
 
-/// A row's connection state from [`Pool::known_state`], as a [`Probe`] without resources.
-async fn known(pool: &Pool, name: &str) -> Probe {
-    let error = match pool.known_state(name).await {
-        KnownState::Connected => None,
-        KnownState::Connecting {
-            last_failure: Some((why, age)),
-        } => {
-            let e = remembered(&why, age);
-            Some(RsbError::new(
-                e.kind,
-                format!("{}; connecting again now", e.message),
-                e.hint,
-            ))
-        }
-        KnownState::Connecting { last_failure: None } => Some(RsbError::new(
-            Kind::Connect,
-            "connecting now",
-            "list_sandboxes(check_resources=true) waits for it",
-        )),
-        KnownState::Failed { why, age } => Some(remembered(&why, age)),
-        KnownState::NotConnected => Some(RsbError::new(
-            Kind::Connect,
-            "not connected yet (a listing without check_resources dials nothing); the next call on it connects",
-            "list_sandboxes(check_resources=true) probes it now",
-        )),
-    };
-    Probe {
-        name: name.into(),
-        alive: error.is_none(),
-        error,
-        resources: None,
-        sample_age: None,
-    }
-}
-
 pub async fn list(pool: &Arc<Pool>, depth: Listing) -> SandboxList {
     let active = pool.active();
     let probes = join_all(pool.names().iter().map(|n| async move {
         match depth {
-            Listing::Known => known(pool, n).await,
             Listing::Probe => probe(pool, n, false).await,
             Listing::Resources => probe_fresh(pool, n, true).await,
         }
