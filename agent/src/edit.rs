@@ -351,6 +351,7 @@ fn stage(
         _ => ".".to_string(),
     };
     let name = target.name.to_string_lossy().into_owned();
+    remove_stale(target);
     // A file that exists is staged owner-only until its bytes are all written and its mode is
     // set: a co-tenant who opens the staged name the moment it appears (inotify) must not keep
     // a descriptor to a private file's new content. A new file gets 0666 less the umask from
@@ -376,7 +377,9 @@ fn stage(
             }
             file.set_permissions(std::fs::Permissions::from_mode(m.mode & 0o7777))?;
         }
-        Ok(())
+        // On disk before it is renamed over the old file: a power cut after the rename
+        // finds the new content, never an empty file.
+        file.sync_all()
     })();
     match result {
         Ok(()) => Ok(tmp),
@@ -411,7 +414,119 @@ fn place(
         }
         r
     };
+    // The directory's new entry on disk too.
+    let _ = rfs::fsync(d);
     result.map_err(|e| AgentError::from_io(&e.into(), what, &target.shown()))
+}
+
+/// Staged and kept-aside files of this file's name that a process which is gone left behind
+/// (a crash, a kill between staging and renaming): removed, if they are this user's.
+fn remove_stale(target: &Target) {
+    let short: String = target.name.to_string_lossy().chars().take(40).collect();
+    let prefix = format!(".{short}.rsb-");
+    // The held descriptor may be O_PATH, which cannot be read: its `.` opened for reading.
+    let Ok(fd) = rfs::openat(
+        &target.dir,
+        ".",
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) else {
+        return;
+    };
+    let Ok(dir) = rfs::Dir::read_from(&fd) else {
+        return;
+    };
+    let me = rustix::process::geteuid().as_raw();
+    for e in dir.flatten().take(100_000) {
+        let n = e.file_name().to_string_lossy();
+        let Some(rest) = n.strip_prefix(prefix.as_str()) else {
+            continue;
+        };
+        if !(rest.ends_with(".tmp") || rest.ends_with(".kept")) {
+            continue;
+        }
+        let pid = rest.split('-').next().and_then(|p| p.parse::<i32>().ok());
+        let gone = pid
+            .and_then(rustix::process::Pid::from_raw)
+            .is_some_and(|p| matches!(rustix::process::test_kill_process(p), Err(Errno::SRCH)));
+        let mine = rfs::statat(&target.dir, e.file_name(), AtFlags::SYMLINK_NOFOLLOW)
+            .is_ok_and(|st| st.st_uid == me && file_type(&st) == rfs::FileType::RegularFile);
+        if gone && mine {
+            let _ = rfs::unlinkat(&target.dir, e.file_name(), AtFlags::empty());
+        }
+    }
+}
+
+/// Should `cur` be written in place rather than replaced? A rename puts a new file under the
+/// name: the old one's other hard links keep the old content, and its extended attributes
+/// (ACLs, SELinux labels, user attributes) stay with it. Claude Code's Edit writes in place;
+/// so does rsb, for such a file.
+fn keeps_identity(cur: &Locked) -> bool {
+    let mut names = [0u8; 256];
+    cur.meta.nlink() > 1
+        || match rfs::flistxattr(&cur._file, &mut names[..]) {
+            Ok(n) => n > 0,
+            // More names than the buffer holds: there are some.
+            Err(Errno::RANGE) => true,
+            Err(_) => false,
+        }
+}
+
+/// Write `data` over the file `target` names, which must still be the file `(dev, ino)`
+/// (locked and read): from the start, then cut to length, then flushed to disk. Not atomic:
+/// a crash midway leaves a mix of the old and the new content, never an empty file.
+fn write_in_place(
+    target: &Target,
+    dev: u64,
+    ino: u64,
+    data: &[u8],
+    what: &str,
+) -> Result<(), AgentError> {
+    use std::os::unix::fs::FileExt;
+    let shown = target.shown();
+    let io = |e: std::io::Error| AgentError::from_io(&e, what, &shown);
+    let fd = rfs::openat(
+        &target.dir,
+        &*target.name,
+        OFlags::WRONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| io(e.into()))?;
+    let file = File::from(fd);
+    let meta = file.metadata().map_err(io)?;
+    if meta.dev() != dev || meta.ino() != ino {
+        return Err(AgentError::new(
+            ErrorCode::Io,
+            format!("{what} {shown}: the file was replaced while it was being changed"),
+        ));
+    }
+    file.write_all_at(data, 0).map_err(io)?;
+    file.set_len(data.len() as u64).map_err(io)?;
+    file.sync_all().map_err(io)
+}
+
+/// Replace `target` (locked and read as `cur`) with `data`: in place when its identity must
+/// be kept ([`keeps_identity`]) or its directory does not let this user stage a new file
+/// beside it (a writable file in a read-only directory), else staged and renamed over it.
+/// `Ok(in_place)`.
+fn replace(
+    target: &Target,
+    cur: &Locked,
+    data: &[u8],
+    what: &str,
+) -> Result<Result<bool, Refusal>, AgentError> {
+    if keeps_identity(cur) {
+        write_in_place(target, cur.meta.dev(), cur.meta.ino(), data, what)?;
+        return Ok(Ok(true));
+    }
+    match commit(target, data, Some(Owner::of(&cur.meta)), false, what) {
+        Ok(r) => Ok(r.map(|()| false)),
+        Err(e) if e.code == ErrorCode::PermissionDenied => {
+            write_in_place(target, cur.meta.dev(), cur.meta.ino(), data, what)?;
+            Ok(Ok(true))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 fn commit(
@@ -799,15 +914,10 @@ pub fn edit(req: &EditRequest) -> Result<EditOutcome, AgentError> {
         last = i + old.len();
     }
     out.push_str(&text[last..]);
-    if let Err(r) = commit(
-        &target,
-        out.as_bytes(),
-        Some(Owner::of(&cur.meta)),
-        false,
-        WHAT,
-    )? {
-        return Ok(EditOutcome::Refused(r));
-    }
+    let in_place = match replace(&target, &cur, out.as_bytes(), WHAT)? {
+        Ok(p) => p,
+        Err(r) => return Ok(EditOutcome::Refused(r)),
+    };
     let (changed_lines, diff, diff_truncated) = describe(&cur.data, out.as_bytes(), &spans);
     Ok(EditOutcome::Done(Changed {
         path: target.shown(),
@@ -817,6 +927,7 @@ pub fn edit(req: &EditRequest) -> Result<EditOutcome, AgentError> {
         changed_lines,
         diff,
         diff_truncated,
+        in_place,
     }))
 }
 
@@ -902,9 +1013,14 @@ pub fn write(req: &WriteRequest) -> Result<EditOutcome, AgentError> {
         None if !create_only => target.lstat().ok().flatten().map(|st| Owner::of_stat(&st)),
         None => None,
     };
-    if let Err(r) = commit(&target, &req.data, old_meta, create_only, WHAT)? {
-        return Ok(EditOutcome::Refused(r));
-    }
+    let done = match &cur {
+        Some(c) => replace(&target, c, &req.data, WHAT)?,
+        None => commit(&target, &req.data, old_meta, create_only, WHAT)?.map(|()| false),
+    };
+    let in_place = match done {
+        Ok(p) => p,
+        Err(r) => return Ok(EditOutcome::Refused(r)),
+    };
     Ok(EditOutcome::Done(Changed {
         path: tshown,
         hash: content_hash(&req.data),
@@ -913,6 +1029,7 @@ pub fn write(req: &WriteRequest) -> Result<EditOutcome, AgentError> {
         changed_lines: Vec::new(),
         diff: String::new(),
         diff_truncated: false,
+        in_place,
     }))
 }
 
@@ -1079,6 +1196,8 @@ struct Planned {
     remove: Option<Target>,
     replacements: u64,
     spans: Vec<(usize, usize, usize)>,
+    /// Written in place ([`keeps_identity`]): not staged, put back by writing the old content.
+    in_place: bool,
 }
 
 pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutcome, AgentError> {
@@ -1138,6 +1257,7 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
         };
         match &f.op {
             PatchOp::Add { text } => plan.push(Planned {
+                in_place: cur.as_ref().is_some_and(keeps_identity),
                 target,
                 data: Some(text.as_bytes().to_vec()),
                 old: cur,
@@ -1156,6 +1276,7 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
                     remove: None,
                     replacements: 0,
                     spans: Vec::new(),
+                    in_place: false,
                 });
             }
             PatchOp::Update { move_to, chunks } => {
@@ -1190,6 +1311,7 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
                     }
                     None => (target, None),
                 };
+                let in_place = remove.is_none() && keeps_identity(&cur);
                 plan.push(Planned {
                     target: dest,
                     data: Some(new.into_bytes()),
@@ -1197,6 +1319,7 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
                     remove,
                     replacements: chunks.len() as u64,
                     spans,
+                    in_place,
                 });
             }
         }
@@ -1218,7 +1341,7 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
     let mut staged: Vec<Option<OsString>> = Vec::new();
     let mut kept: Vec<Option<OsString>> = Vec::new();
     for p in &plan {
-        let Some(data) = &p.data else {
+        let Some(data) = p.data.as_ref().filter(|_| !p.in_place) else {
             staged.push(None);
             kept.push(None);
             continue;
@@ -1253,6 +1376,15 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
     // Put each in place; a step that fails undoes the ones before it, newest first.
     let mut undo: Vec<Undo<'_>> = Vec::new();
     for (i, p) in plan.iter().enumerate() {
+        if let (true, Some(data), Some(old)) = (p.in_place, &p.data, &p.old) {
+            let (dev, ino) = (old.meta.dev(), old.meta.ino());
+            if let Err(e) = write_in_place(&p.target, dev, ino, data, WHAT) {
+                // Partly written, maybe: put the old content back first.
+                let _ = write_in_place(&p.target, dev, ino, &old.data, WHAT);
+                return Err(rollback(e, undo, &plan, &staged, &kept, i));
+            }
+            undo.push(Undo::Rewrite(&p.target, dev, ino, &old.data));
+        }
         if let Some(tmp) = &staged[i] {
             if let Err(e) = rfs::renameat(&p.target.dir, &**tmp, &p.target.dir, &*p.target.name) {
                 let e = AgentError::from_io(&e.into(), WHAT, &p.target.shown());
@@ -1309,6 +1441,7 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
                     changed_lines,
                     diff,
                     diff_truncated,
+                    in_place: p.in_place,
                 });
             }
             None => changed.push(Changed {
@@ -1319,6 +1452,7 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
                 changed_lines: Vec::new(),
                 diff: String::new(),
                 diff_truncated: false,
+                in_place: false,
             }),
         }
     }
@@ -1341,6 +1475,8 @@ impl Drop for MadeDirs {
 enum Undo<'a> {
     Put(&'a Target, OsString),
     Remove(&'a Target),
+    /// A file written in place (its device and inode), and its old content.
+    Rewrite(&'a Target, u64, u64, &'a [u8]),
 }
 
 /// Undo `undo` newest first after `e`; remove what was staged and kept for the steps from
@@ -1360,13 +1496,14 @@ fn rollback(
     }
     let mut stuck = Vec::new();
     for u in undo.into_iter().rev() {
-        let r = match &u {
-            Undo::Put(t, aside) => rfs::renameat(&t.dir, &**aside, &t.dir, &*t.name),
-            Undo::Remove(t) => rfs::unlinkat(&t.dir, &*t.name, AtFlags::empty()),
+        let ok = match &u {
+            Undo::Put(t, aside) => rfs::renameat(&t.dir, &**aside, &t.dir, &*t.name).is_ok(),
+            Undo::Remove(t) => rfs::unlinkat(&t.dir, &*t.name, AtFlags::empty()).is_ok(),
+            Undo::Rewrite(t, dev, ino, old) => write_in_place(t, *dev, *ino, old, "").is_ok(),
         };
-        if r.is_err() {
+        if !ok {
             stuck.push(match u {
-                Undo::Put(t, _) | Undo::Remove(t) => t.shown(),
+                Undo::Put(t, _) | Undo::Remove(t) | Undo::Rewrite(t, ..) => t.shown(),
             });
         }
     }
@@ -1683,6 +1820,83 @@ mod tests {
         let mut want = vec!["a-link.txt", "a.txt", "moved", "new"];
         want.sort();
         assert_eq!(files_in(d), want, "nothing left aside");
+    }
+
+    fn edit_file(path: &std::path::Path, old: &str, new: &str) -> Changed {
+        let req = EditRequest {
+            path: path.display().to_string(),
+            old: old.into(),
+            new: new.into(),
+            replace_all: false,
+            expected_hash: None,
+        };
+        match edit(&req).unwrap() {
+            EditOutcome::Done(c) => c,
+            o => panic!("{o:?}"),
+        }
+    }
+
+    /// A file with other hard links or extended attributes keeps them: written in place. A
+    /// plain file is replaced by a rename, and staged files a killed agent left are removed.
+    #[test]
+    fn edits_keep_a_files_identity_and_clear_what_a_crash_left() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        // Hard links: both names see the change, the link count stays.
+        std::fs::write(d.join("a.txt"), "one\n").unwrap();
+        std::fs::hard_link(d.join("a.txt"), d.join("b.txt")).unwrap();
+        let ino = std::fs::metadata(d.join("a.txt")).unwrap().ino();
+        let c = edit_file(&d.join("a.txt"), "one", "ONE");
+        assert!(c.in_place, "{c:?}");
+        assert_eq!(std::fs::read_to_string(d.join("b.txt")).unwrap(), "ONE\n");
+        let m = std::fs::metadata(d.join("a.txt")).unwrap();
+        assert_eq!((m.nlink(), m.ino()), (2, ino));
+        // An extended attribute survives (where the file system has them).
+        std::fs::write(d.join("x.txt"), "one\n").unwrap();
+        use std::os::unix::ffi::OsStrExt;
+        let cpath = std::ffi::CString::new(d.join("x.txt").as_os_str().as_bytes()).unwrap();
+        // SAFETY: valid C strings and buffer, as setxattr(2) asks.
+        let set = unsafe {
+            libc::setxattr(
+                cpath.as_ptr(),
+                c"user.rsb".as_ptr(),
+                b"kept".as_ptr().cast(),
+                4,
+                0,
+            )
+        };
+        if set == 0 {
+            let c = edit_file(&d.join("x.txt"), "one", "two");
+            assert!(c.in_place, "{c:?}");
+            let mut buf = [0u8; 16];
+            // SAFETY: as above, getxattr(2) with a buffer of its length.
+            let n = unsafe {
+                libc::getxattr(
+                    cpath.as_ptr(),
+                    c"user.rsb".as_ptr(),
+                    buf.as_mut_ptr().cast(),
+                    16,
+                )
+            };
+            assert_eq!(&buf[..n.max(0) as usize], b"kept");
+            assert_eq!(std::fs::read_to_string(d.join("x.txt")).unwrap(), "two\n");
+        }
+        // A plain file: replaced; what a killed agent staged beside it (its pid gone) is
+        // removed, a live process's is not.
+        std::fs::write(d.join("p.txt"), "one\n").unwrap();
+        let dead = (400_000..4_000_000)
+            .step_by(7919)
+            .find(|p| unsafe { libc::kill(*p, 0) } != 0)
+            .unwrap();
+        let stale = d.join(format!(".p.txt.rsb-{dead}-0-1f.tmp"));
+        let live = d.join(format!(".p.txt.rsb-{}-9-1f.kept", std::process::id()));
+        std::fs::write(&stale, "a whole staged copy\n").unwrap();
+        std::fs::write(&live, "another edit's\n").unwrap();
+        let c = edit_file(&d.join("p.txt"), "one", "two");
+        assert!(!c.in_place, "{c:?}");
+        assert!(!stale.exists(), "a crash's leftover is removed");
+        assert!(live.exists(), "a live process's file is not");
+        assert_eq!(std::fs::read_to_string(d.join("p.txt")).unwrap(), "two\n");
     }
 
     #[test]

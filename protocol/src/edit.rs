@@ -82,6 +82,10 @@ pub struct Changed {
     /// Unified diff, ±3 lines of context, capped ([`MAX_DIFF_LINES`]).
     pub diff: String,
     pub diff_truncated: bool,
+    /// Written in place rather than replaced by a new file: it has other hard links or
+    /// extended attributes (ACLs, SELinux labels), which a rename would lose, or its directory
+    /// does not let this user create the new file beside it.
+    pub in_place: bool,
 }
 
 /// Lines of diff a reply carries at most.

@@ -56,7 +56,7 @@ pub use sync::{
 /// 10: `ToAgent::Credit`, the per-request window of streamed chunks. 11: launch ids.
 /// 12: `ReadFileZRequest::{compress, whole}` and `ReadFileZResult::settled`. 13: one zstd
 /// stream per apply session (`ApplyOp::Stream`) replaces `Packed` and `FileDataZ`.
-pub const PROTOCOL_VERSION: u32 = 15;
+pub const PROTOCOL_VERSION: u32 = 16;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops

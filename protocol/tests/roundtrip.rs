@@ -387,6 +387,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             total_lines: None,
         }),
         Reply::Edited(EditOutcome::Done(Changed {
+            in_place: false,
             path: "/h/a.rs".into(),
             hash: "cd".repeat(16),
             created: false,

@@ -3027,6 +3027,88 @@ async fn apply_patch_takes_what_codex_takes() {
     mcp.close().await;
 }
 
+/// Issue 42 item 3: an edit keeps the file what it was. A file with another hard link, or an
+/// extended attribute, is written in place (both names see the change, the attribute stays,
+/// `in_place: true`); a plain file is replaced by an atomic rename (`in_place` absent).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edits_keep_hard_links_and_extended_attributes() {
+    use std::os::unix::fs::MetadataExt;
+    let sshd = Sshd::start().unwrap();
+    let h = sshd.home().join(unique("ident"));
+    std::fs::create_dir_all(&h).unwrap();
+    let mcp = Mcp::start(&list(&[key_entry("s", &sshd)])).await;
+    std::fs::write(h.join("a.txt"), "one\n").unwrap();
+    std::fs::hard_link(h.join("a.txt"), h.join("b.txt")).unwrap();
+    let ino = std::fs::metadata(h.join("a.txt")).unwrap().ino();
+    let v = mcp
+        .ok(
+            "edit_remote_file",
+            json!({"remote_path": h.join("a.txt").display().to_string(), "old_string": "one", "new_string": "ONE"}),
+        )
+        .await;
+    assert_eq!(v["in_place"], true, "{v}");
+    let m = std::fs::metadata(h.join("a.txt")).unwrap();
+    assert_eq!((m.nlink(), m.ino()), (2, ino), "{v}");
+    assert_eq!(std::fs::read_to_string(h.join("b.txt")).unwrap(), "ONE\n");
+
+    std::fs::write(h.join("x.txt"), "one\n").unwrap();
+    use std::os::unix::ffi::OsStrExt;
+    let cpath = std::ffi::CString::new(h.join("x.txt").as_os_str().as_bytes()).unwrap();
+    // SAFETY: valid C strings and a buffer of the length given, as setxattr(2) asks.
+    let set = unsafe {
+        libc::setxattr(
+            cpath.as_ptr(),
+            c"user.rsb".as_ptr(),
+            b"kept".as_ptr().cast(),
+            4,
+            0,
+        )
+    };
+    if set == 0 {
+        let v = mcp
+            .ok(
+                "write_remote_file",
+                json!({"remote_path": h.join("x.txt").display().to_string(), "content": "two\n"}),
+            )
+            .await;
+        assert_eq!(v["in_place"], true, "{v}");
+        let mut buf = [0u8; 16];
+        // SAFETY: as above, getxattr(2) with a buffer of its length.
+        let n = unsafe {
+            libc::getxattr(
+                cpath.as_ptr(),
+                c"user.rsb".as_ptr(),
+                buf.as_mut_ptr().cast(),
+                16,
+            )
+        };
+        assert_eq!(
+            &buf[..n.max(0) as usize],
+            b"kept",
+            "the attribute survives the write"
+        );
+        assert_eq!(std::fs::read_to_string(h.join("x.txt")).unwrap(), "two\n");
+    } else {
+        eprintln!("the file system has no user attributes: that part skipped");
+    }
+
+    std::fs::write(h.join("p.txt"), "one\n").unwrap();
+    let ino = std::fs::metadata(h.join("p.txt")).unwrap().ino();
+    let v = mcp
+        .ok(
+            "edit_remote_file",
+            json!({"remote_path": h.join("p.txt").display().to_string(), "old_string": "one", "new_string": "two"}),
+        )
+        .await;
+    assert!(v["in_place"].is_null(), "{v}");
+    assert_ne!(
+        std::fs::metadata(h.join("p.txt")).unwrap().ino(),
+        ino,
+        "replaced"
+    );
+    mcp.close().await;
+}
+
 /// A patch that could not finish does not start: a Delete this user may not do (a directory
 /// that is not theirs) is refused before the Update before it writes anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

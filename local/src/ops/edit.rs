@@ -131,6 +131,11 @@ pub struct EditReply {
     pub diff: String,
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub diff_truncated: bool,
+    /// Written in place, so the file keeps its identity (other hard links, ACLs, SELinux
+    /// labels, extended attributes), or because its directory is not writable; otherwise the
+    /// new content replaced it by an atomic rename.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub in_place: bool,
 }
 
 /// The agent's outcome as the reply, or a refusal as an error naming `path`.
@@ -160,6 +165,7 @@ fn reply_of(c: Changed) -> EditReply {
             .collect(),
         diff: c.diff,
         diff_truncated: c.diff_truncated,
+        in_place: c.in_place,
     }
 }
 
