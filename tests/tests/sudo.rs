@@ -259,11 +259,7 @@ async fn sudo_runs_as_root_and_the_password_is_nowhere_else() {
     let _ = s.svc.cancel().await;
 
     // Neither the audit log nor rsb's own log holds the password.
-    let audit: String = std::fs::read_dir(tmp.path().join("state/audit"))
-        .unwrap()
-        .flatten()
-        .map(|f| std::fs::read_to_string(f.path()).unwrap())
-        .collect();
+    let (audit, _) = common::audit_log(&tmp.path().join("state"));
     assert!(audit.contains("exec_bash(sudo)"), "{audit}");
     assert!(
         !audit.contains(pw.as_str()),

@@ -250,14 +250,9 @@ async fn background_upload_outlives_its_server_and_a_new_server_reports_it() {
     assert_eq!(v["status"], "completed", "{v}");
     third.close().await;
     // The worker put the result on the audit record: what it moved.
-    let audit: String = std::fs::read_dir(env.path().join("state/audit"))
-        .unwrap()
-        .flatten()
-        .map(|f| std::fs::read_to_string(f.path()).unwrap())
-        .collect();
-    let done: Vec<Value> = audit
-        .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+    let (audit, lines) = common::audit_log(&env.path().join("state"));
+    let done: Vec<&Value> = lines
+        .iter()
         .filter(|l| l["tool"] == "background sync" && l["command"] == format!("task {id}"))
         .collect();
     assert_eq!(done.len(), 1, "{audit}");
@@ -335,15 +330,7 @@ async fn killed_worker_reads_interrupted_and_cancel_is_quick() {
 
     // On the audit record: the cancel (the MCP call), and the cancelled sync's end, written by
     // its worker.
-    let audit: String = std::fs::read_dir(env.path().join("state/audit"))
-        .unwrap()
-        .flatten()
-        .map(|f| std::fs::read_to_string(f.path()).unwrap())
-        .collect();
-    let lines: Vec<Value> = audit
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let (audit, lines) = common::audit_log(&env.path().join("state"));
     let task = format!("task {id}");
     assert!(
         lines

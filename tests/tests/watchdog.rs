@@ -1495,17 +1495,7 @@ async fn a_watch_with_no_resume_attempt_left_gives_up_and_says_so() {
         "{said}"
     );
     // The daemon's resume and the cancel are on the audit record, as the user's own actions.
-    let audit: String = std::fs::read_dir(state.join("audit"))
-        .map(|rd| {
-            rd.flatten()
-                .map(|f| std::fs::read_to_string(f.path()).unwrap())
-                .collect()
-        })
-        .unwrap_or_default();
-    let lines: Vec<Value> = audit
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let (audit, lines) = common::audit_log(&state);
     assert!(
         lines.iter().any(|l| l["origin"] == "watchdog"
             && l["tool"] == "resume"

@@ -249,3 +249,21 @@ impl Drop for StopDaemon {
         }
     }
 }
+
+/// The audit log under the state dir `state`: every month file oldest first, as text and as
+/// parsed lines (none when there is no log yet).
+pub fn audit_log(state: &Path) -> (String, Vec<serde_json::Value>) {
+    let mut files: Vec<_> = std::fs::read_dir(state.join("audit"))
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    files.sort();
+    let text: String = files
+        .iter()
+        .map(|f| std::fs::read_to_string(f).unwrap())
+        .collect();
+    let lines = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("torn line {l:?}: {e}")))
+        .collect();
+    (text, lines)
+}
