@@ -308,6 +308,7 @@ fn cli_table() {
     std::fs::create_dir_all(h.join("gdir/.git")).unwrap();
     std::fs::write(h.join("gdir/a.py"), "x needle\ny\n").unwrap();
     std::fs::write(h.join("gdir/b.log"), "needle\n").unwrap();
+    std::fs::write(h.join("gdir/c.txt"), "back\\slash\ttab\n").unwrap();
     // A small tree for the sync rows, with a .gitignore.
     let proj = tmp.path().join("proj");
     std::fs::create_dir_all(proj.join("sub")).unwrap();
@@ -354,7 +355,9 @@ fn cli_table() {
         rsb(&["grep", "(", "gdir"]).code(2).err("invalid regex"),
         rsb(&["grep", "x", "no/such/dir"]).code(2).err("No such file"),
         // A remote name with an escape sequence is printed as text, never raw.
-        rsb(&["grep", "e", "evil"]).out("\\u{1b}]52").no_out("\u{1b}]52"),
+        // Piped, the bytes as rg prints them (a terminal gets them escaped).
+        rsb(&["grep", "e", "evil"]).out("\u{1b}]52"),
+        rsb(&["grep", "slash", "gdir"]).out_eq("gdir/c.txt:1:back\\slash\ttab\n"),
         // Usage errors and did-you-mean.
         rsb(&["exce", "ls"]).code(1).err("'exec'"),
         rsb(&[]).code(1).err("Usage: rsb"),

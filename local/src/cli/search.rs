@@ -75,10 +75,17 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
     } else {
         "content"
     };
+    let terminal = std::io::stdout().is_terminal();
     let colour = match a.color {
         Color::Always => true,
         Color::Never => false,
-        Color::Auto => std::io::stdout().is_terminal() && std::env::var_os("NO_COLOR").is_none(),
+        Color::Auto => terminal && std::env::var_os("NO_COLOR").is_none(),
+    };
+    // On a terminal, remote text is escaped (a name or line holding an escape sequence must
+    // not act on it); piped, the bytes are printed as they are, as rg prints them.
+    let look = Look {
+        colour,
+        escape: terminal,
     };
     let client = match ctx.client().await {
         Ok(c) => c,
@@ -131,7 +138,7 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
                 out_line("--");
             }
             for p in &lines {
-                out_line(&human(p, colour));
+                out_line(&human(p, look));
             }
         }
         left = left.saturating_sub(found.shown);
@@ -181,8 +188,23 @@ fn error(json: bool, e: &RsbError) -> u8 {
     exit::ERROR
 }
 
+/// How a line is printed: coloured, and escaped for a terminal.
+#[derive(Clone, Copy)]
+struct Look {
+    colour: bool,
+    escape: bool,
+}
+
 /// ripgrep's colours: path magenta, line number green, match bold red.
-fn human(p: &Printed, colour: bool) -> String {
+fn human(p: &Printed, look: Look) -> String {
+    let colour = look.colour;
+    let shown = |s: &str| -> String {
+        if look.escape {
+            shown(s).into_owned()
+        } else {
+            s.to_string()
+        }
+    };
     let paint = |code: &str, s: &str| {
         if colour {
             format!("\x1b[{code}m{s}\x1b[0m")
@@ -206,7 +228,7 @@ fn human(p: &Printed, colour: bool) -> String {
                 "{}{sep}{}{sep}{}{cut}",
                 paint("35", &shown(path)),
                 paint("32", &line.number.to_string()),
-                painted_text(line, colour)
+                painted_text(line, look)
             )
         }
         Printed::Gap => "--".into(),
@@ -217,9 +239,16 @@ fn human(p: &Printed, colour: bool) -> String {
 
 /// The line's text, escaped for the terminal segment by segment so the match ranges (byte
 /// offsets in the raw text) still fall where they belong.
-fn painted_text(line: &SearchLine, colour: bool) -> String {
-    if !colour || line.matches.is_empty() {
-        return shown(&line.text).into_owned();
+fn painted_text(line: &SearchLine, look: Look) -> String {
+    let shown = |s: &str| -> String {
+        if look.escape {
+            shown(s).into_owned()
+        } else {
+            s.to_string()
+        }
+    };
+    if !look.colour || line.matches.is_empty() {
+        return shown(&line.text);
     }
     let t = &line.text;
     let mut out = String::new();
