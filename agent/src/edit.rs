@@ -1416,7 +1416,14 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
             }
         }
     }
-    // Done: what was kept aside goes.
+    // Done: every changed directory's entries on disk (the new files were flushed when staged),
+    // then what was kept aside goes.
+    for p in &plan {
+        let _ = rfs::fsync(&p.target.dir);
+        if let Some(src) = &p.remove {
+            let _ = rfs::fsync(&src.dir);
+        }
+    }
     for u in &undo {
         if let Undo::Put(t, aside) = u {
             let _ = rfs::unlinkat(&t.dir, &**aside, AtFlags::empty());

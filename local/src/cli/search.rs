@@ -196,15 +196,14 @@ struct Look {
 }
 
 /// ripgrep's colours: path magenta, line number green, match bold red.
+/// Remote text as `look` prints it: escaped for a terminal, else its bytes.
+fn text(s: &str, look: Look) -> std::borrow::Cow<'_, str> {
+    if look.escape { shown(s) } else { s.into() }
+}
+
 fn human(p: &Printed, look: Look) -> String {
     let colour = look.colour;
-    let shown = |s: &str| -> String {
-        if look.escape {
-            shown(s).into_owned()
-        } else {
-            s.to_string()
-        }
-    };
+    let shown = |s: &str| text(s, look).into_owned();
     let paint = |code: &str, s: &str| {
         if colour {
             format!("\x1b[{code}m{s}\x1b[0m")
@@ -240,13 +239,7 @@ fn human(p: &Printed, look: Look) -> String {
 /// The line's text, escaped for the terminal segment by segment so the match ranges (byte
 /// offsets in the raw text) still fall where they belong.
 fn painted_text(line: &SearchLine, look: Look) -> String {
-    let shown = |s: &str| -> String {
-        if look.escape {
-            shown(s).into_owned()
-        } else {
-            s.to_string()
-        }
-    };
+    let shown = |s: &str| text(s, look).into_owned();
     if !look.colour || line.matches.is_empty() {
         return shown(&line.text);
     }

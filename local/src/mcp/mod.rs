@@ -371,10 +371,7 @@ pub(crate) fn audited_bytes<T: serde::Serialize>(
     bytes: Option<u64>,
     r: crate::error::Result<T>,
 ) -> ToolResult {
-    let r = r.and_then(|v| {
-        serde_json::to_value(v)
-            .map_err(|e| RsbError::internal(format!("cannot encode the reply: {e}")))
-    });
+    let r = r.and_then(encoded);
     crate::audit::record(
         config,
         sandbox,
@@ -390,6 +387,11 @@ pub(crate) fn audited_bytes<T: serde::Serialize>(
         },
     );
     reply(r)
+}
+
+/// A reply as JSON, for its audit line's numbers.
+fn encoded<T: serde::Serialize>(v: T) -> crate::error::Result<Value> {
+    serde_json::to_value(v).map_err(|e| RsbError::internal(format!("cannot encode the reply: {e}")))
 }
 
 /// The start line of an action that runs a while (a sync): `tool` on `sandbox` with
@@ -416,10 +418,7 @@ pub(crate) fn ended<T: serde::Serialize>(
     started: crate::audit::Started<'_>,
     r: crate::error::Result<T>,
 ) -> ToolResult {
-    let r = r.and_then(|v| {
-        serde_json::to_value(v)
-            .map_err(|e| RsbError::internal(format!("cannot encode the reply: {e}")))
-    });
+    let r = r.and_then(encoded);
     started.end(|a| {
         a.error = r.as_ref().err().map(|e| e.message.clone());
         a.detail = r.as_ref().ok().and_then(crate::audit::reply_summary);
