@@ -1860,32 +1860,13 @@ mod tests {
         assert_eq!((m.nlink(), m.ino()), (2, ino));
         // An extended attribute survives (where the file system has them).
         std::fs::write(d.join("x.txt"), "one\n").unwrap();
-        use std::os::unix::ffi::OsStrExt;
-        let cpath = std::ffi::CString::new(d.join("x.txt").as_os_str().as_bytes()).unwrap();
-        // SAFETY: valid C strings and buffer, as setxattr(2) asks.
-        let set = unsafe {
-            libc::setxattr(
-                cpath.as_ptr(),
-                c"user.rsb".as_ptr(),
-                b"kept".as_ptr().cast(),
-                4,
-                0,
-            )
-        };
-        if set == 0 {
-            let c = edit_file(&d.join("x.txt"), "one", "two");
+        let x = d.join("x.txt");
+        if rfs::setxattr(&x, "user.rsb", b"kept", rfs::XattrFlags::empty()).is_ok() {
+            let c = edit_file(&x, "one", "two");
             assert!(c.in_place, "{c:?}");
             let mut buf = [0u8; 16];
-            // SAFETY: as above, getxattr(2) with a buffer of its length.
-            let n = unsafe {
-                libc::getxattr(
-                    cpath.as_ptr(),
-                    c"user.rsb".as_ptr(),
-                    buf.as_mut_ptr().cast(),
-                    16,
-                )
-            };
-            assert_eq!(&buf[..n.max(0) as usize], b"kept");
+            let n = rfs::getxattr(&x, "user.rsb", &mut buf[..]).unwrap();
+            assert_eq!(&buf[..n], b"kept");
             assert_eq!(std::fs::read_to_string(d.join("x.txt")).unwrap(), "two\n");
         }
         // A plain file: replaced; what a killed agent staged beside it (its pid gone) is

@@ -3052,19 +3052,9 @@ async fn edits_keep_hard_links_and_extended_attributes() {
     assert_eq!(std::fs::read_to_string(h.join("b.txt")).unwrap(), "ONE\n");
 
     std::fs::write(h.join("x.txt"), "one\n").unwrap();
-    use std::os::unix::ffi::OsStrExt;
-    let cpath = std::ffi::CString::new(h.join("x.txt").as_os_str().as_bytes()).unwrap();
-    // SAFETY: valid C strings and a buffer of the length given, as setxattr(2) asks.
-    let set = unsafe {
-        libc::setxattr(
-            cpath.as_ptr(),
-            c"user.rsb".as_ptr(),
-            b"kept".as_ptr().cast(),
-            4,
-            0,
-        )
-    };
-    if set == 0 {
+    let x = h.join("x.txt");
+    // rustix spells setxattr(2) for Linux and macOS alike (macOS adds a position argument).
+    if rustix::fs::setxattr(&x, "user.rsb", b"kept", rustix::fs::XattrFlags::empty()).is_ok() {
         let v = mcp
             .ok(
                 "write_remote_file",
@@ -3073,20 +3063,8 @@ async fn edits_keep_hard_links_and_extended_attributes() {
             .await;
         assert_eq!(v["in_place"], true, "{v}");
         let mut buf = [0u8; 16];
-        // SAFETY: as above, getxattr(2) with a buffer of its length.
-        let n = unsafe {
-            libc::getxattr(
-                cpath.as_ptr(),
-                c"user.rsb".as_ptr(),
-                buf.as_mut_ptr().cast(),
-                16,
-            )
-        };
-        assert_eq!(
-            &buf[..n.max(0) as usize],
-            b"kept",
-            "the attribute survives the write"
-        );
+        let n = rustix::fs::getxattr(&x, "user.rsb", &mut buf[..]).unwrap_or(0);
+        assert_eq!(&buf[..n], b"kept", "the attribute survives the write");
         assert_eq!(std::fs::read_to_string(h.join("x.txt")).unwrap(), "two\n");
     } else {
         eprintln!("the file system has no user attributes: that part skipped");
