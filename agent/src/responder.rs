@@ -18,6 +18,7 @@ use rsb_protocol::{
 use tokio::io::AsyncWrite;
 use tokio::sync::mpsc;
 use tokio_util::codec::FramedWrite;
+use tokio_util::sync::CancellationToken;
 
 use crate::stale;
 
@@ -151,6 +152,47 @@ impl Responder {
         })?;
         self.window.acquire(frame.len() as u64).await;
         self.outbox.send_frame(frame, true).await
+    }
+
+    /// Runs `job` on a blocking thread and sends each batch it hands to its `emit` as a chunk
+    /// of this request (`to_chunk`), in order, under the request's window: a caller that stops
+    /// reading stops the job. `emit` returns false once nobody listens (a cancel, a closed
+    /// channel), and the job should stop then. A cancel answers at once.
+    pub async fn stream_blocking<T, B>(
+        &mut self,
+        cancel: &CancellationToken,
+        job: impl FnOnce(&mut dyn FnMut(B) -> bool) -> Result<T, AgentError> + Send + 'static,
+        to_chunk: impl Fn(B) -> Chunk,
+    ) -> Result<T, AgentError>
+    where
+        T: Send + 'static,
+        B: Send + 'static,
+    {
+        self.set_streaming();
+        let cancelled = || AgentError::new(ErrorCode::Cancelled, "request cancelled");
+        let (tx, mut rx) = mpsc::channel::<B>(2);
+        let job = tokio::task::spawn_blocking(move || job(&mut |b| tx.blocking_send(b).is_ok()));
+        loop {
+            let batch = tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return Err(cancelled()),
+                b = rx.recv() => b,
+            };
+            let Some(batch) = batch else { break };
+            tokio::select! {
+                biased;
+                _ = cancel.cancelled() => return Err(cancelled()),
+                r = self.chunk(to_chunk(batch)) => if r.is_err() {
+                    return Err(AgentError::new(ErrorCode::Io, "the channel closed"));
+                },
+            }
+        }
+        job.await.unwrap_or_else(|e| {
+            Err(AgentError::new(
+                ErrorCode::Internal,
+                format!("worker failed: {e}"),
+            ))
+        })
     }
 
     pub async fn reply(mut self, body: Reply) {

@@ -54,7 +54,14 @@ const PAGE_GRACE: Duration = Duration::from_millis(500);
 /// descriptor, see [`Batch`]).
 const QUEUE: usize = 64;
 
-pub fn search(req: &SearchRequest, cancel: &CancellationToken) -> Result<SearchResult, AgentError> {
+/// Search as `req` asks. With [`SearchRequest::stream`] the entries go to `emit` in batches (it
+/// returns false once nobody listens, and the search stops); otherwise they are in the reply
+/// and `emit` is not called.
+pub fn search(
+    req: &SearchRequest,
+    cancel: &CancellationToken,
+    emit: &mut dyn FnMut(Vec<SearchEntry>) -> bool,
+) -> Result<SearchResult, AgentError> {
     let matcher = Matcher::new(&req.pattern, req.literal, req.ignore_case)
         .map_err(|m| AgentError::new(ErrorCode::InvalidArgument, m))?;
     let globs = Rules::new(req.globs.iter().map(String::as_str)).map_err(|e| {
@@ -129,40 +136,119 @@ pub fn search(req: &SearchRequest, cancel: &CancellationToken) -> Result<SearchR
         complete: false,
         errors: Vec::new(),
     };
+    let mut out = Out::new(req.stream, emit);
     match req.mode {
         SearchMode::Files | SearchMode::Count => {
             result.total = found.len() as u64;
-            result.entries = found
+            let page = found
                 .iter()
                 .skip(req.offset.min(usize::MAX as u64) as usize)
-                .take(req.limit.min(usize::MAX as u64) as usize)
-                .map(|f| SearchEntry {
+                .take(req.limit.min(usize::MAX as u64) as usize);
+            for f in page {
+                let entry = SearchEntry {
                     path: String::from_utf8_lossy(&f.rel).into_owned(),
                     exact_path: std::str::from_utf8(&f.rel).is_ok(),
                     line: None,
                     before: Vec::new(),
                     after: Vec::new(),
                     count: f.count,
-                })
-                .collect();
+                };
+                if !out.push(entry) {
+                    break;
+                }
+            }
         }
         SearchMode::Content => {
             result.total = result.total_matches;
-            // The page's files are read again: a little time past a deadline the walk met.
-            stop.deadline = deadline + PAGE_GRACE;
-            result.entries = page(&base, &found, req, &matcher, &stop, &errors);
+            // The page's files are read again: a little time past a deadline the walk met; a
+            // streamed result, as long again as the walk had.
+            stop.deadline = if req.stream {
+                Instant::now() + Duration::from_millis(req.deadline_ms.max(1))
+            } else {
+                deadline + PAGE_GRACE
+            };
+            page(&base, found, req, &matcher, &stop, &errors, &mut out);
         }
+    }
+    result.entries = out.finish();
+    if cancel.is_cancelled() || out.gone {
+        return Err(AgentError::new(ErrorCode::Cancelled, "request cancelled"));
     }
     result.complete = !stop.hit.load(Ordering::Relaxed);
     result.errors = errors.take();
     Ok(result)
 }
 
+/// Where the result's entries go: into the reply, or to the caller in batches of about
+/// [`BATCH_BYTES`] (a streamed search).
+struct Out<'e> {
+    emit: Option<&'e mut dyn FnMut(Vec<SearchEntry>) -> bool>,
+    entries: Vec<SearchEntry>,
+    /// Text bytes in `entries` (a streamed batch is sent once past [`BATCH_BYTES`]).
+    bytes: usize,
+    /// The caller stopped listening.
+    gone: bool,
+}
+
+/// A streamed batch is sent once its entries hold this many bytes of text (or
+/// [`BATCH_ENTRIES`] entries): large enough that a frame's cost is nothing per line, small
+/// enough that the first lines reach a pipe at once.
+const BATCH_BYTES: usize = 256 * 1024;
+const BATCH_ENTRIES: usize = 4096;
+
+impl<'e> Out<'e> {
+    fn new(stream: bool, emit: &'e mut dyn FnMut(Vec<SearchEntry>) -> bool) -> Out<'e> {
+        Out {
+            emit: stream.then_some(emit),
+            entries: Vec::new(),
+            bytes: 0,
+            gone: false,
+        }
+    }
+
+    /// Adds an entry; false once the caller has gone (stop producing).
+    fn push(&mut self, e: SearchEntry) -> bool {
+        let Some(emit) = self.emit.as_mut() else {
+            self.entries.push(e);
+            return true;
+        };
+        self.bytes += entry_bytes(&e);
+        self.entries.push(e);
+        if self.bytes >= BATCH_BYTES || self.entries.len() >= BATCH_ENTRIES {
+            self.bytes = 0;
+            self.gone = !emit(std::mem::take(&mut self.entries));
+        }
+        !self.gone
+    }
+
+    /// The reply's entries: all of them, or none when they were streamed (the last batch is
+    /// sent here).
+    fn finish(&mut self) -> Vec<SearchEntry> {
+        let entries = std::mem::take(&mut self.entries);
+        match self.emit.as_mut() {
+            None => entries,
+            Some(emit) => {
+                if !entries.is_empty() && !self.gone {
+                    self.gone = !emit(entries);
+                }
+                Vec::new()
+            }
+        }
+    }
+}
+
 /// A file with matches: its path relative to the root, and how many matching lines.
 struct Found {
     rel: Vec<u8>,
     count: u64,
+    /// A streamed content search's entries for this file, built by the walk while
+    /// [`KEEP_BYTES`] lasts, so that the second pass does not read the file again.
+    kept: Option<Vec<SearchEntry>>,
 }
+
+/// Bytes of entries a streamed search keeps from its walk (beyond them, files are read again
+/// in the second pass, one at a time, as a paged search reads its page's files).
+const KEEP_BYTES: u64 = 64 << 20;
 
 struct Stop<'a> {
     cancel: &'a CancellationToken,
@@ -190,6 +276,8 @@ struct Stats {
     binary: AtomicU64,
     large: AtomicU64,
     slow: AtomicU64,
+    /// Bytes of entries kept by the walk (see [`KEEP_BYTES`]).
+    kept: AtomicU64,
 }
 
 #[derive(Default)]
@@ -772,15 +860,30 @@ fn search_file(
     }
     stats.searched.fetch_add(1, Ordering::Relaxed);
     let first_only = req.mode == SearchMode::Files;
+    let keep = req.stream
+        && req.mode == SearchMode::Content
+        && stats.kept.load(Ordering::Relaxed) < KEEP_BYTES;
     let mut count = 0u64;
-    let scan = matcher.lines(buf, scratch, &|| stop.now(), |_, _| {
+    let mut hits = Vec::new();
+    let scan = matcher.lines(buf, scratch, &|| stop.now(), |s, e| {
         count += 1;
+        if keep {
+            hits.push((s, e));
+        }
         !first_only
     });
     if count == 0 && scan.first_costly.is_none() {
         return None;
     }
     let rel = rel();
+    let kept = (keep && count > 0).then(|| {
+        let entries: Vec<SearchEntry> = Entries::new(buf, &rel, req, matcher)
+            .of(hits.iter().copied())
+            .collect();
+        let bytes: usize = entries.iter().map(entry_bytes).sum();
+        stats.kept.fetch_add(bytes as u64, Ordering::Relaxed);
+        entries
+    });
     if let Some((at, est)) = scan.first_costly {
         stats.slow.fetch_add(scan.costly, Ordering::Relaxed);
         let n = memchr::memchr_iter(b'\n', &buf[..at]).count() + 1;
@@ -795,20 +898,21 @@ fn search_file(
             est.as_secs_f64(),
         ));
     }
-    (count > 0).then_some(Found { rel, count })
+    (count > 0).then_some(Found { rel, count, kept })
 }
 
 /// The page of a content search: the matching lines `offset..offset+limit` of the sorted
-/// result, each with its context, read again from the few files that hold them.
+/// result, each with its context, read again from the few files that hold them (or, streamed,
+/// as the walk kept them).
 fn page(
     base: &Path,
-    found: &[Found],
+    found: Vec<Found>,
     req: &SearchRequest,
     matcher: &Matcher,
     stop: &Stop,
     errors: &Errors,
-) -> Vec<SearchEntry> {
-    let mut out = Vec::new();
+    out: &mut Out,
+) {
     let (from, upto) = (req.offset, req.offset.saturating_add(req.limit));
     let mut seen = 0u64;
     let mut buf = Vec::new();
@@ -821,6 +925,25 @@ fn page(
         }
         if first >= upto {
             break;
+        }
+        // The entries numbered `from..upto` of this file's, which start at `first`.
+        let wanted = |i: usize| (first + i as u64) >= from;
+        let take = (upto - first).min(usize::MAX as u64) as usize;
+        if let Some(kept) = f.kept {
+            for (_, e) in kept
+                .into_iter()
+                .enumerate()
+                .take(take)
+                .filter(|(i, _)| wanted(*i))
+            {
+                if !out.push(e) {
+                    return;
+                }
+            }
+            if stop.now() {
+                break;
+            }
+            continue;
         }
         let path = if f.rel.is_empty() {
             base.to_path_buf()
@@ -843,42 +966,81 @@ fn page(
             hits.push((s, e));
             true
         });
-        let name = String::from_utf8_lossy(&f.rel).into_owned();
-        let exact = std::str::from_utf8(&f.rel).is_ok();
-        let lines = LineIndex::new(&buf);
-        for (i, (s, e)) in hits.into_iter().enumerate() {
-            let k = first + i as u64;
-            if k < from {
-                continue;
+        let hits = hits
+            .into_iter()
+            .enumerate()
+            .take(take)
+            .filter(|(i, _)| wanted(*i))
+            .map(|(_, h)| h);
+        for e in Entries::new(&buf, &f.rel, req, matcher).of(hits) {
+            if !out.push(e) {
+                return;
             }
-            if k >= upto {
-                break;
-            }
-            let n = lines.number_at(s);
-            let ctx = req.context as usize;
-            // Context lines that match carry their ranges, so a printer can tell them apart.
-            let context = |range: std::ops::Range<usize>| -> Vec<SearchLine> {
-                range
-                    .filter_map(|m| lines.line(&buf, m).map(|r| (m, r)))
-                    .map(|(m, (a, b))| line_of(&buf[a..b], m as u64, Some(matcher), req))
-                    .collect()
-            };
-            let before = context(n.saturating_sub(ctx).max(1)..n);
-            let after = context(n + 1..n + 1 + ctx);
-            out.push(SearchEntry {
-                path: name.clone(),
-                exact_path: exact,
-                line: Some(line_of(&buf[s..e], n as u64, Some(matcher), req)),
-                before,
-                after,
-                count: 1,
-            });
         }
         if scan.stopped {
             break;
         }
     }
-    out
+}
+
+/// The entries of one file's matching lines, each with its context lines.
+struct Entries<'a> {
+    buf: &'a [u8],
+    lines: LineIndex,
+    name: String,
+    exact: bool,
+    req: &'a SearchRequest,
+    matcher: &'a Matcher,
+}
+
+impl<'a> Entries<'a> {
+    fn new(buf: &'a [u8], rel: &[u8], req: &'a SearchRequest, matcher: &'a Matcher) -> Entries<'a> {
+        Entries {
+            buf,
+            lines: LineIndex::new(buf),
+            name: String::from_utf8_lossy(rel).into_owned(),
+            exact: std::str::from_utf8(rel).is_ok(),
+            req,
+            matcher,
+        }
+    }
+
+    /// The entry of each match (byte range in the file), in order.
+    fn of(
+        &'a self,
+        hits: impl Iterator<Item = (usize, usize)> + 'a,
+    ) -> impl Iterator<Item = SearchEntry> + 'a {
+        hits.map(move |(s, e)| self.entry(s, e))
+    }
+
+    fn entry(&self, s: usize, e: usize) -> SearchEntry {
+        let (buf, req, matcher) = (self.buf, self.req, Some(self.matcher));
+        let n = self.lines.number_at(s);
+        let ctx = req.context as usize;
+        // Context lines that match carry their ranges, so a printer can tell them apart.
+        let context = |range: std::ops::Range<usize>| -> Vec<SearchLine> {
+            range
+                .filter_map(|m| self.lines.line(buf, m).map(|r| (m, r)))
+                .map(|(m, (a, b))| line_of(&buf[a..b], m as u64, matcher, req))
+                .collect()
+        };
+        SearchEntry {
+            path: self.name.clone(),
+            exact_path: self.exact,
+            line: Some(line_of(&buf[s..e], n as u64, matcher, req)),
+            before: context(n.saturating_sub(ctx).max(1)..n),
+            after: context(n + 1..n + 1 + ctx),
+            count: 1,
+        }
+    }
+}
+
+/// About how many bytes an entry takes (its text; paths and numbers as a small constant).
+fn entry_bytes(e: &SearchEntry) -> usize {
+    let line = |l: &SearchLine| l.text.len() + l.raw.as_ref().map_or(0, Vec::len) + 16;
+    e.path.len()
+        + e.line.as_ref().map_or(0, line)
+        + e.before.iter().chain(&e.after).map(line).sum::<usize>()
 }
 
 /// Line starts of one file, for line numbers and context.
@@ -919,8 +1081,8 @@ impl LineIndex {
     }
 }
 
-fn line_of(raw: &[u8], number: u64, matcher: Option<&Matcher>, req: &SearchRequest) -> SearchLine {
-    let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+fn line_of(full: &[u8], number: u64, matcher: Option<&Matcher>, req: &SearchRequest) -> SearchLine {
+    let raw = full.strip_suffix(b"\r").unwrap_or(full);
     let max = req.max_line_bytes as usize;
     let text = String::from_utf8_lossy(raw);
     let (text, cut) = if text.len() > max {
@@ -936,8 +1098,15 @@ fn line_of(raw: &[u8], number: u64, matcher: Option<&Matcher>, req: &SearchReque
         (text.into_owned(), 0)
     };
     let matches = matcher.map_or_else(Vec::new, |m| m.ranges(&text, MAX_RANGES));
+    // The bytes as the file has them, cut where `text` is.
+    let exact = if cut == 0 {
+        full
+    } else {
+        &raw[..raw.len() - cut as usize]
+    };
     SearchLine {
         number,
+        raw: (exact != text.as_bytes()).then(|| exact.to_vec()),
         text,
         cut,
         matches,

@@ -163,12 +163,9 @@ async fn handle(
         Request::JobList(JobListRequest) => cancellable(&cancel, jobs::list())
             .await
             .map(JobListRequest::into_reply),
-        Request::Manifest(req) => {
-            responder.set_streaming();
-            sync::manifest(req, &cancel, &responder)
-                .await
-                .map(ManifestRequest::into_reply)
-        }
+        Request::Manifest(req) => sync::manifest(req, &cancel, &mut responder)
+            .await
+            .map(ManifestRequest::into_reply),
         Request::BlockHashes(req) => {
             let token = cancel.clone();
             blocking(&cancel, move || sync::block_hashes(&req, &token))
@@ -206,9 +203,20 @@ async fn handle(
             .await
             .map(rsb_protocol::PatchRequest::into_reply),
         // The walk checks the token itself, so a cancel also stops its threads.
+        Request::Search(req) if req.stream => {
+            let token = cancel.clone();
+            responder
+                .stream_blocking(
+                    &cancel,
+                    move |emit| search::search(&req, &token, emit),
+                    rsb_protocol::Chunk::Search,
+                )
+                .await
+                .map(rsb_protocol::SearchRequest::into_reply)
+        }
         Request::Search(req) => {
             let token = cancel.clone();
-            blocking(&cancel, move || search::search(&req, &token))
+            blocking(&cancel, move || search::search(&req, &token, &mut |_| true))
                 .await
                 .map(rsb_protocol::SearchRequest::into_reply)
         }

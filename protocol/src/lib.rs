@@ -56,7 +56,8 @@ pub use sync::{
 /// 10: `ToAgent::Credit`, the per-request window of streamed chunks. 11: launch ids.
 /// 12: `ReadFileZRequest::{compress, whole}` and `ReadFileZResult::settled`. 13: one zstd
 /// stream per apply session (`ApplyOp::Stream`) replaces `Packed` and `FileDataZ`.
-pub const PROTOCOL_VERSION: u32 = 16;
+/// 17: `SearchRequest::stream` and [`Chunk::Search`].
+pub const PROTOCOL_VERSION: u32 = 17;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops
@@ -353,4 +354,6 @@ pub enum Chunk {
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
+    /// A batch of a streamed search's entries ([`SearchRequest::stream`]), in result order.
+    Search(Vec<SearchEntry>),
 }

@@ -43,6 +43,11 @@ pub struct SearchRequest {
     /// The walk stops after this long and answers with what it found ([`SearchResult::complete`]
     /// false).
     pub deadline_ms: u64,
+    /// Send the entries as [`Chunk::Search`](crate::Chunk::Search) batches, in order, as the
+    /// second pass reads them, instead of in the reply (whose `entries` is then empty): a
+    /// result of any size from one walk, held by neither end (`rsb grep`). The second pass then
+    /// has a deadline of its own, as long as the walk's.
+    pub stream: bool,
 }
 
 /// One line of a file: a match or a context line.
@@ -57,6 +62,11 @@ pub struct SearchLine {
     pub cut: u64,
     /// Byte ranges of the matches within `text` (empty for a context line).
     pub matches: Vec<(u32, u32)>,
+    /// The line's own bytes (its `\r` included, cut as `text` is) when they differ from
+    /// `text`: not UTF-8, or a `\r` before the `\n`. What `rsb grep` prints into a pipe, as rg
+    /// prints the bytes.
+    #[serde(with = "serde_bytes")]
+    pub raw: Option<Vec<u8>>,
 }
 
 /// One entry of the page.

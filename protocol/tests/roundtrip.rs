@@ -196,6 +196,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             max_filesize: 1 << 24,
             max_line_bytes: 500,
             deadline_ms: 30_000,
+            stream: true,
         }),
     ];
     let mut to_agent: Vec<ToAgent> = requests
@@ -421,6 +422,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                     text: "fn é()".into(),
                     cut: 9,
                     matches: vec![(0, 5)],
+                    raw: Some(b"fn \xe9()\r".to_vec()),
                 }),
                 before: vec![],
                 after: vec![SearchLine {
@@ -428,6 +430,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                     text: String::new(),
                     cut: 0,
                     matches: vec![],
+                    raw: None,
                 }],
                 count: 1,
             }],
@@ -476,6 +479,17 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
     from_agent.push(FromAgent::Chunk {
         id: 4,
         chunk: Chunk::InputConsumed(65536),
+    });
+    from_agent.push(FromAgent::Chunk {
+        id: 5,
+        chunk: Chunk::Search(vec![SearchEntry {
+            path: "a.rs".into(),
+            exact_path: true,
+            line: None,
+            before: vec![],
+            after: vec![],
+            count: 3,
+        }]),
     });
     (to_agent, from_agent)
 }

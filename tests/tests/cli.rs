@@ -309,6 +309,38 @@ fn cli_table() {
     std::fs::write(h.join("gdir/a.py"), "x needle\ny\n").unwrap();
     std::fs::write(h.join("gdir/b.log"), "needle\n").unwrap();
     std::fs::write(h.join("gdir/c.txt"), "back\\slash\ttab\n").unwrap();
+    // A tree whose result spans several streamed batches (6,000 matching lines, a file's lines
+    // cut between two batches), with a CRLF line, bytes that are not UTF-8, `a.b` beside `a/`
+    // (path order), and a hidden file: `rsb grep` must print what rg prints, byte for byte.
+    let gbig = h.join("gbig");
+    std::fs::create_dir_all(gbig.join("a")).unwrap();
+    for f in 0..30 {
+        let text: String = (0..300)
+            .map(|i| {
+                if i % 3 == 2 {
+                    format!("plain {f} {i}\n")
+                } else {
+                    format!("needle {f} {i} {}\n", "x".repeat(i % 7))
+                }
+            })
+            .collect();
+        std::fs::write(gbig.join(format!("f{f:02}.txt")), text).unwrap();
+    }
+    std::fs::write(gbig.join("a/inner.txt"), "needle inner\n").unwrap();
+    std::fs::write(gbig.join("a.b"), "x\nneedle crlf\r\ny\r\n").unwrap();
+    std::fs::write(gbig.join("latin.txt"), b"caf\xe9 needle \xff\xfe\n").unwrap();
+    std::fs::write(gbig.join(".hidden"), "needle hidden\n").unwrap();
+    // What rg prints (sorted as rsb sorts), then what rsb grep prints: the same bytes.
+    let same_as_rg = |flags: &str| {
+        bash(&format!(
+            "a=$(mktemp) b=$(mktemp); RSB grep {flags} needle gbig > \"$a\"; \
+             (cd '{}' && rg --no-config --no-heading -n --sort path {flags} needle gbig) > \"$b\"; \
+             if cmp \"$a\" \"$b\"; then echo same; else diff \"$a\" \"$b\" | head -20; fi; \
+             wc -l < \"$a\" >&2; rm -f \"$a\" \"$b\"",
+            h.display()
+        ))
+        .out_eq("same\n")
+    };
     // A small tree for the sync rows, with a .gitignore.
     let proj = tmp.path().join("proj");
     std::fs::create_dir_all(proj.join("sub")).unwrap();
@@ -358,6 +390,19 @@ fn cli_table() {
         // Piped, the bytes as rg prints them (a terminal gets them escaped).
         rsb(&["grep", "e", "evil"]).out("\u{1b}]52"),
         rsb(&["grep", "slash", "gdir"]).out_eq("gdir/c.txt:1:back\\slash\ttab\n"),
+        same_as_rg("").err("6003"),
+        same_as_rg("-C 1").err("9037"),
+        same_as_rg("-C 3 -i -g '*.txt' -g '!f2*'"),
+        same_as_rg("-l"),
+        // A reader that leaves early ends the stream (no hang, nothing printed after).
+        bash("RSB grep needle gbig | head -1").out_eq("gbig/a/inner.txt:1:needle inner\n"),
+        same_as_rg("-c"),
+        // One file searched: no path printed, as rg prints it.
+        rsb(&["grep", "--head-limit", "2", "--offset", "3", "needle", "gbig/f00.txt"])
+            .out_eq("5:needle 0 4 xxxx\n7:needle 0 6 xxxxxx\n")
+            .err("195 more matching lines; --offset 5 continues"),
+        rsb(&["grep", "-c", "needle", "gbig/f00.txt"]).out_eq("200\n"),
+        rsb(&["grep", "-l", "needle", "gbig/f00.txt"]).out_eq("gbig/f00.txt\n"),
         // Usage errors and did-you-mean.
         rsb(&["exce", "ls"]).code(1).err("'exec'"),
         rsb(&[]).code(1).err("Usage: rsb"),

@@ -21,13 +21,12 @@ use rsb_protocol::{
     AgentError, Chunk, ErrorCode, FileKind, ManifestEntry, ManifestRequest, ManifestSummary,
 };
 use rsb_rules::{Layer, Rules};
-use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::cache::{self, HashCache, Key};
 use super::hash::hash_files;
-use super::{cancelled, internal, kind_of};
-use crate::serve::Responder;
+use super::{cancelled, kind_of};
+use crate::responder::Responder;
 use crate::util::{expand_home, path_string};
 
 /// Entries per `Chunk::Manifest`.
@@ -57,35 +56,22 @@ enum Gitignore {
 pub async fn manifest(
     req: ManifestRequest,
     cancel: &CancellationToken,
-    out: &Responder,
+    out: &mut Responder,
 ) -> Result<ManifestSummary, AgentError> {
-    let (tx, mut rx) = mpsc::channel::<Vec<ManifestEntry>>(2);
     let compress = req.compress;
     let token = cancel.clone();
-    let job = tokio::task::spawn_blocking(move || {
-        scan(&req, &token, &mut |batch| tx.blocking_send(batch).is_ok())
-    });
-    loop {
-        let batch = tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return Err(cancelled()),
-            b = rx.recv() => b,
-        };
-        let Some(batch) = batch else { break };
-        let chunk = if compress {
-            compress_batch(batch)
-        } else {
-            Chunk::Manifest(batch)
-        };
-        tokio::select! {
-            biased;
-            _ = cancel.cancelled() => return Err(cancelled()),
-            r = out.chunk(chunk) => if r.is_err() {
-                return Err(AgentError::new(ErrorCode::Io, "the channel closed"));
-            },
-        }
-    }
-    job.await.unwrap_or_else(|e| Err(internal(e)))
+    out.stream_blocking(
+        cancel,
+        move |emit| scan(&req, &token, emit),
+        move |batch| {
+            if compress {
+                compress_batch(batch)
+            } else {
+                Chunk::Manifest(batch)
+            }
+        },
+    )
+    .await
 }
 
 /// A batch as [`Chunk::ManifestZ`] when that saves a tenth (paths and times shrink, the

@@ -1,16 +1,16 @@
 //! `rsb grep PATTERN [PATH]`: `search_remote_files` printed as ripgrep prints, with ripgrep's
 //! exit codes (0 a match, 1 none, 2 an error), so scripts written for `rg` keep working.
 
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write};
 
 use clap::{Args, ValueEnum};
 use rsb::error::RsbError;
-use rsb::ops::search::{self, Printed, Query};
+use rsb::ops::search::{self, Cursor, Printed, Query};
 use rsb::term::shown;
-use rsb_protocol::{SearchLine, SearchMode};
+use rsb_protocol::{Chunk, SearchEntry, SearchLine, SearchMode};
 use serde_json::json;
 
-use super::{Ctx, out_line, warn};
+use super::{Ctx, warn};
 
 /// ripgrep's exit codes.
 pub mod exit {
@@ -18,9 +18,6 @@ pub mod exit {
     pub const NONE: u8 = 1;
     pub const ERROR: u8 = 2;
 }
-
-/// Entries asked per round trip; a larger result takes one walk per page.
-const PAGE: i64 = search::MAX_HEAD_LIMIT;
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
 pub enum Color {
@@ -91,95 +88,116 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
         Ok(c) => c,
         Err(e) => return error(ctx.json, &e),
     };
-    let mut offset = a.offset;
-    let mut left = a.head_limit.unwrap_or(u64::MAX);
-    let mut matched = false;
-    let mut errors = false;
-    loop {
-        let q = Query {
-            pattern: a.pattern.clone(),
-            remote_path: a.path.clone(),
-            literal: a.fixed_strings,
-            ignore_case: a.ignore_case,
-            globs: a
-                .globs
-                .iter()
-                .flat_map(|g| search::split_globs(g))
-                .collect(),
-            context: a.context,
-            output_mode: mode.into(),
-            head_limit: left.min(PAGE as u64) as i64,
-            offset,
-            no_ignore: a.no_ignore,
-        };
-        let req = match search::request(&q) {
-            Ok(r) => r,
-            Err(e) => return error(ctx.json, &e),
-        };
-        let found = match client.call(req.clone()).await {
-            Ok(r) => search::reply(&q, &req, r),
-            Err(e) => return error(ctx.json, &e),
-        };
-        matched |= found.total > 0;
-        for e in &found.errors {
-            errors = true;
-            warn(e);
-        }
-        let context = req.context > 0;
-        let lines = search::printed(&a.path, req.mode, &found.entries, context);
-        if ctx.json {
-            for p in &lines {
-                if let Some(v) = json_line(p) {
-                    out_line(&v.to_string());
-                }
-            }
-        } else {
-            if context && offset > a.offset && !lines.is_empty() {
-                out_line("--");
-            }
-            for p in &lines {
-                out_line(&human(p, look));
-            }
-        }
-        left = left.saturating_sub(found.shown);
-        offset += found.shown as i64;
-        let done = found.more == 0 || left == 0 || found.shown == 0;
-        if done {
+    let q = Query {
+        pattern: a.pattern.clone(),
+        remote_path: a.path.clone(),
+        literal: a.fixed_strings,
+        ignore_case: a.ignore_case,
+        globs: a
+            .globs
+            .iter()
+            .flat_map(|g| search::split_globs(g))
+            .collect(),
+        context: a.context,
+        output_mode: mode.into(),
+        head_limit: 1,
+        offset: a.offset,
+        no_ignore: a.no_ignore,
+    };
+    let req = match search::streamed(&q, a.head_limit) {
+        Ok(r) => r,
+        Err(e) => return error(ctx.json, &e),
+    };
+    // One walk: the entries arrive in batches as the agent reads them and are printed as they
+    // come, a batch per write.
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<Chunk>(4);
+    let call = client.call_streaming(req.clone(), tx);
+    tokio::pin!(call);
+    let mut out = std::io::BufWriter::with_capacity(256 * 1024, std::io::stdout().lock());
+    let mut cursor = Cursor::default();
+    let mut shown = 0u64;
+    let mut print = |entries: &[SearchEntry], out: &mut dyn Write| {
+        shown += entries.len() as u64;
+        let lines = search::printed_after(&a.path, req.mode, entries, req.context > 0, &mut cursor);
+        // One file searched (its entries have no path of their own): rg prints no path.
+        let bare = entries.first().is_some_and(|e| e.path.is_empty());
+        let mut buf = Vec::new();
+        for p in &lines {
             if ctx.json {
-                out_line(
-                    &json!({"type": "summary", "total": found.total, "files_matched": found.files_matched,
-                        "more": found.more, "complete": found.complete,
-                        "skipped_binary": found.skipped_binary, "skipped_large": found.skipped_large,
-                        "skipped_slow_lines": found.skipped_slow_lines})
-                    .to_string(),
-                );
-            } else {
-                if found.more > 0 {
-                    warn(&format!(
-                        "{} more {}; --offset {offset} continues",
-                        found.more,
-                        if req.mode == SearchMode::Content {
-                            "matching lines"
-                        } else {
-                            "files"
-                        }
-                    ));
+                if let Some(v) = json_line(p) {
+                    buf.extend_from_slice(v.to_string().as_bytes());
+                    buf.push(b'\n');
                 }
-                if !found.complete {
-                    warn(
-                        "the search stopped at its 30 s deadline: counts are lower bounds; narrow PATH or -g",
-                    );
+            } else {
+                human(p, look, bare, &mut buf);
+            }
+        }
+        written(out.write_all(&buf).and_then(|()| out.flush()));
+    };
+    let result = loop {
+        tokio::select! {
+            r = &mut call => {
+                // Batches sent before the reply are queued already.
+                while let Ok(c) = rx.try_recv() {
+                    if let Chunk::Search(entries) = c {
+                        print(&entries, &mut out);
+                    }
+                }
+                break r;
+            }
+            Some(c) = rx.recv() => {
+                if let Chunk::Search(entries) = c {
+                    print(&entries, &mut out);
                 }
             }
-            break;
+        }
+    };
+    let found = match result {
+        Ok(r) => r,
+        Err(e) => return error(ctx.json, &e),
+    };
+    for e in &found.errors {
+        warn(e);
+    }
+    let more = found.total.saturating_sub(req.offset).saturating_sub(shown);
+    if ctx.json {
+        let summary = json!({"type": "summary", "total": found.total, "files_matched": found.files_matched,
+            "more": more, "complete": found.complete,
+            "skipped_binary": found.skipped_binary, "skipped_large": found.skipped_large,
+            "skipped_slow_lines": found.skipped_slow_lines});
+        written(writeln!(out, "{summary}").and_then(|()| out.flush()));
+    } else {
+        if more > 0 {
+            warn(&format!(
+                "{more} more {}; --offset {} continues",
+                if req.mode == SearchMode::Content {
+                    "matching lines"
+                } else {
+                    "files"
+                },
+                req.offset + shown
+            ));
+        }
+        if !found.complete {
+            warn(
+                "the search stopped at its 30 s deadline: counts are lower bounds; narrow PATH or -g",
+            );
         }
     }
-    if errors {
+    if !found.errors.is_empty() {
         exit::ERROR
-    } else if matched {
+    } else if found.total > 0 {
         exit::MATCH
     } else {
         exit::NONE
+    }
+}
+
+/// A failed write to stdout is its reader gone (`rsb grep … | head -1`): exit as a writer
+/// killed by SIGPIPE would, as rg does.
+fn written(r: std::io::Result<()>) {
+    if r.is_err() {
+        std::process::exit(i32::from(super::exit::PIPE));
     }
 }
 
@@ -201,7 +219,10 @@ fn text(s: &str, look: Look) -> std::borrow::Cow<'_, str> {
     if look.escape { shown(s) } else { s.into() }
 }
 
-fn human(p: &Printed, look: Look) -> String {
+/// One printed line, with its newline, appended to `buf`. Piped and uncoloured, a line's own
+/// bytes are printed (as rg prints them: a `\r`, bytes that are not UTF-8).
+/// `bare`: a line or count is printed without its path (one file searched, as rg does).
+fn human(p: &Printed, look: Look, bare: bool, buf: &mut Vec<u8>) {
     let colour = look.colour;
     let shown = |s: &str| text(s, look).into_owned();
     let paint = |code: &str, s: &str| {
@@ -218,22 +239,27 @@ fn human(p: &Printed, look: Look) -> String {
             is_match,
         } => {
             let sep = if *is_match { ':' } else { '-' };
-            let cut = if line.cut > 0 {
-                format!(" […{} more bytes]", line.cut)
-            } else {
-                String::new()
-            };
-            format!(
-                "{}{sep}{}{sep}{}{cut}",
-                paint("35", &shown(path)),
-                paint("32", &line.number.to_string()),
-                painted_text(line, look)
-            )
+            if !bare {
+                buf.extend_from_slice(format!("{}{sep}", paint("35", &shown(path))).as_bytes());
+            }
+            let number = paint("32", &line.number.to_string());
+            buf.extend_from_slice(format!("{number}{sep}").as_bytes());
+            match &line.raw {
+                Some(raw) if !look.escape && !colour => buf.extend_from_slice(raw),
+                _ => buf.extend_from_slice(painted_text(line, look).as_bytes()),
+            }
+            if line.cut > 0 {
+                buf.extend_from_slice(format!(" […{} more bytes]", line.cut).as_bytes());
+            }
         }
-        Printed::Gap => "--".into(),
-        Printed::Path(path) => paint("35", &shown(path)),
-        Printed::Count(path, n) => format!("{}:{n}", paint("35", &shown(path))),
+        Printed::Gap => buf.extend_from_slice(b"--"),
+        Printed::Path(path) => buf.extend_from_slice(paint("35", &shown(path)).as_bytes()),
+        Printed::Count(_, n) if bare => buf.extend_from_slice(n.to_string().as_bytes()),
+        Printed::Count(path, n) => {
+            buf.extend_from_slice(format!("{}:{n}", paint("35", &shown(path))).as_bytes());
+        }
     }
+    buf.push(b'\n');
 }
 
 /// The line's text, escaped for the terminal segment by segment so the match ranges (byte

@@ -1,5 +1,6 @@
 //! `search_remote_files` and `rsb grep`: ripgrep's contract (what is searched, how a result
-//! reads), one page at a time with an exact count of what is left.
+//! reads), one page at a time with an exact count of what is left (the MCP tool), or the
+//! whole result from one walk, streamed in batches as the agent reads it (`rsb grep`).
 //!
 //! Paths are printed as `rg PATTERN DIR` prints them: joined to the `remote_path` the caller
 //! gave, so every path in a reply can be passed to `read_remote_file` as it is.
@@ -155,7 +156,26 @@ pub fn request(q: &Query) -> Result<SearchRequest> {
         max_filesize: MAX_FILESIZE,
         max_line_bytes: MAX_LINE_BYTES,
         deadline_ms: DEADLINE_MS,
+        stream: false,
     })
+}
+
+/// Longest text kept of one line in a streamed result: rg prints whole lines, and a line this
+/// long (a minified bundle's) is printed cut with its count of bytes left out. 41 such lines
+/// (a match and 20 of context each side) still fit one frame.
+pub const STREAM_LINE_BYTES: u32 = 256 * 1024;
+
+/// `rsb grep`'s request: the whole result from `q.offset` (at most `limit` entries, all when
+/// `None`), streamed from one walk. `q.head_limit` is not used.
+pub fn streamed(q: &Query, limit: Option<u64>) -> Result<SearchRequest> {
+    let mut req = request(&Query {
+        head_limit: 1,
+        ..q.clone()
+    })?;
+    req.limit = limit.unwrap_or(u64::MAX);
+    req.stream = true;
+    req.max_line_bytes = STREAM_LINE_BYTES;
+    Ok(req)
 }
 
 /// The reply: the page as ripgrep would print it, and the counts a caller pages by.
@@ -183,9 +203,6 @@ pub struct Found {
     pub skipped_slow_lines: u64,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub errors: Vec<String>,
-    /// The page as data, for programs (`rsb grep --json`); not in MCP replies.
-    #[serde(skip)]
-    pub entries: Vec<SearchEntry>,
 }
 
 fn is_zero(n: &u64) -> bool {
@@ -195,8 +212,11 @@ fn is_zero(n: &u64) -> bool {
 /// `remote_path` as a prefix of printed paths (`rg pat dir` prints `dir/x`).
 fn prefix_of(remote_path: &str) -> String {
     let t = remote_path.trim();
-    if t.is_empty() || t == "." || t == "./" {
+    if t.is_empty() {
         return String::new();
+    }
+    if t == "." || t == "./" {
+        return "./".into();
     }
     format!("{}/", t.trim_end_matches('/'))
 }
@@ -223,6 +243,14 @@ pub enum Printed<'a> {
     Count(String, u64),
 }
 
+/// Where printed output stands: the file and line printed last. A streamed result arrives in
+/// batches, and a file's lines may span two: with the cursor they print as one (no line
+/// twice, `--` only between groups that do not touch).
+#[derive(Debug, Default)]
+pub struct Cursor {
+    last: Option<(String, u64)>,
+}
+
 /// The page as ripgrep prints it: in content mode each file's lines in order, a line shown
 /// once even when it is context of two matches, `--` between groups that do not touch.
 pub fn printed<'a>(
@@ -230,6 +258,17 @@ pub fn printed<'a>(
     mode: SearchMode,
     entries: &'a [SearchEntry],
     context: bool,
+) -> Vec<Printed<'a>> {
+    printed_after(remote_path, mode, entries, context, &mut Cursor::default())
+}
+
+/// [`printed`] for the next batch of a result, after what `cursor` says was printed.
+pub fn printed_after<'a>(
+    remote_path: &str,
+    mode: SearchMode,
+    entries: &'a [SearchEntry],
+    context: bool,
+    cursor: &mut Cursor,
 ) -> Vec<Printed<'a>> {
     let mut out = Vec::new();
     match mode {
@@ -255,7 +294,7 @@ pub fn printed<'a>(
                 while j < entries.len() && &entries[j].path == path {
                     j += 1;
                 }
-                // This file's lines on the page, by number; a match wins over context.
+                // This file's lines in the batch, by number; a match wins over context.
                 let mut lines: std::collections::BTreeMap<u64, (&SearchLine, bool)> =
                     std::collections::BTreeMap::new();
                 for e in &entries[i..j] {
@@ -267,23 +306,28 @@ pub fn printed<'a>(
                         lines.insert(l.number, (l, true));
                     }
                 }
+                // Lines the last batch printed of this file are not printed again.
+                let printed_to = match &cursor.last {
+                    Some((p, n)) if p == path => *n,
+                    _ => 0,
+                };
                 let shown = shown_path(remote_path, &entries[i]);
-                let mut last: Option<u64> = None;
-                for (n, (l, is_match)) in lines {
-                    if context && last.is_some_and(|p| n > p + 1) {
-                        out.push(Printed::Gap);
+                for (n, (l, is_match)) in lines.range(printed_to + 1..) {
+                    if context {
+                        let touches =
+                            matches!(&cursor.last, Some((p, last)) if p == path && *n == last + 1);
+                        if cursor.last.is_some() && !touches {
+                            out.push(Printed::Gap);
+                        }
                     }
-                    last = Some(n);
+                    cursor.last = Some((path.clone(), *n));
                     out.push(Printed::Line {
                         path: shown.clone(),
                         line: l,
-                        is_match,
+                        is_match: *is_match,
                     });
                 }
                 i = j;
-                if context && i < entries.len() {
-                    out.push(Printed::Gap);
-                }
             }
         }
     }
@@ -367,7 +411,6 @@ pub fn reply(q: &Query, req: &SearchRequest, r: SearchResult) -> Found {
         skipped_large: r.skipped_large,
         skipped_slow_lines: r.skipped_slow_lines,
         errors: r.errors,
-        entries,
     }
 }
 
@@ -381,6 +424,7 @@ mod tests {
             text: text.into(),
             cut: 0,
             matches: if m { vec![(0, 1)] } else { vec![] },
+            raw: None,
         }
     }
 
@@ -439,11 +483,53 @@ mod tests {
         assert_eq!(text("", &bare, false), ["a:1:m", "a:5:m"]);
     }
 
+    /// A streamed result cuts a file's lines between batches anywhere: printed batch by batch
+    /// with one cursor, it reads as the whole printed at once.
+    #[test]
+    fn batches_print_as_the_whole_result() {
+        let e = vec![
+            entry(
+                "a.rs",
+                2,
+                vec![line(1, "x", false)],
+                vec![line(3, "m", true)],
+            ),
+            entry(
+                "a.rs",
+                3,
+                vec![line(2, "m", true)],
+                vec![line(4, "y", false)],
+            ),
+            entry(
+                "a.rs",
+                5,
+                vec![line(4, "y", false)],
+                vec![line(6, "z", false)],
+            ),
+            entry("a.rs", 9, vec![line(8, "z", false)], vec![]),
+            entry("b.rs", 1, vec![], vec![line(2, "w", false)]),
+            entry("b.rs", 3, vec![line(2, "w", false)], vec![]),
+        ];
+        for context in [false, true] {
+            let whole = text("src", &e, context);
+            for cut in 1..e.len() {
+                let mut cursor = Cursor::default();
+                let mut got: Vec<String> = Vec::new();
+                for part in [&e[..cut], &e[cut..]] {
+                    let p = printed_after("src", SearchMode::Content, part, context, &mut cursor);
+                    got.extend(p.iter().map(plain));
+                }
+                assert_eq!(got, whole, "cut after {cut}, context {context}");
+            }
+        }
+    }
+
     #[test]
     fn paths_join_the_given_remote_path_as_rg_prints_them() {
         let e = entry("x/y.py", 1, vec![], vec![]);
         assert_eq!(shown_path("", &e), "x/y.py");
-        assert_eq!(shown_path(".", &e), "x/y.py");
+        assert_eq!(shown_path(".", &e), "./x/y.py");
+        assert_eq!(shown_path("./", &e), "./x/y.py");
         assert_eq!(shown_path("proj/", &e), "proj/x/y.py");
         assert_eq!(shown_path("~/proj", &e), "~/proj/x/y.py");
         let file = SearchEntry {
