@@ -1021,13 +1021,13 @@ impl<'a> Entries<'a> {
         let context = |range: std::ops::Range<usize>| -> Vec<SearchLine> {
             range
                 .filter_map(|m| self.lines.line(buf, m).map(|r| (m, r)))
-                .map(|(m, (a, b))| line_of(&buf[a..b], m as u64, matcher, req))
+                .map(|(m, (a, b))| line_of(&buf[a..b], m as u64, matcher, false, req))
                 .collect()
         };
         SearchEntry {
             path: self.name.clone(),
             exact_path: self.exact,
-            line: Some(line_of(&buf[s..e], n as u64, matcher, req)),
+            line: Some(line_of(&buf[s..e], n as u64, matcher, true, req)),
             before: context(n.saturating_sub(ctx).max(1)..n),
             after: context(n + 1..n + 1 + ctx),
             count: 1,
@@ -1081,7 +1081,15 @@ impl LineIndex {
     }
 }
 
-fn line_of(full: &[u8], number: u64, matcher: Option<&Matcher>, req: &SearchRequest) -> SearchLine {
+/// One line as sent: its text (cut), its own bytes where they differ, and its match ranges
+/// (`matched`: the caller knows the line matches).
+fn line_of(
+    full: &[u8],
+    number: u64,
+    matcher: Option<&Matcher>,
+    matched: bool,
+    req: &SearchRequest,
+) -> SearchLine {
     let raw = full.strip_suffix(b"\r").unwrap_or(full);
     let max = req.max_line_bytes as usize;
     let text = String::from_utf8_lossy(raw);
@@ -1097,7 +1105,12 @@ fn line_of(full: &[u8], number: u64, matcher: Option<&Matcher>, req: &SearchRequ
     } else {
         (text.into_owned(), 0)
     };
-    let matches = matcher.map_or_else(Vec::new, |m| m.ranges(&text, MAX_RANGES));
+    let matches = match matcher {
+        None => Vec::new(),
+        Some(m) if req.ranges => m.ranges(&text, MAX_RANGES),
+        Some(m) if matched || m.is_match(raw) => vec![(0, 0)],
+        Some(_) => Vec::new(),
+    };
     // The bytes as the file has them, cut where `text` is.
     let exact = if cut == 0 {
         full

@@ -48,6 +48,10 @@ pub struct SearchRequest {
     /// result of any size from one walk, held by neither end (`rsb grep`). The second pass then
     /// has a deadline of its own, as long as the walk's.
     pub stream: bool,
+    /// Find each line's match ranges ([`SearchLine::matches`]) for colour or JSON. Without, a
+    /// line that matches has the one range `(0, 0)`, which tells it from a context line: the
+    /// pattern is not run again on a matching line, and once on a context line.
+    pub ranges: bool,
 }
 
 /// One line of a file: a match or a context line.
@@ -60,7 +64,8 @@ pub struct SearchLine {
     pub text: String,
     /// Bytes of the line left out of `text`.
     pub cut: u64,
-    /// Byte ranges of the matches within `text` (empty for a context line).
+    /// Byte ranges of the matches within `text` (empty for a context line; `(0, 0)` when the
+    /// request asked for no [`SearchRequest::ranges`]).
     pub matches: Vec<(u32, u32)>,
     /// The line's own bytes (its `\r` included, cut as `text` is) when they differ from
     /// `text`: not UTF-8, or a `\r` before the `\n`. What `rsb grep` prints into a pipe, as rg

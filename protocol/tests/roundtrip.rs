@@ -197,6 +197,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             max_line_bytes: 500,
             deadline_ms: 30_000,
             stream: true,
+            ranges: false,
         }),
     ];
     let mut to_agent: Vec<ToAgent> = requests

@@ -104,7 +104,7 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
         offset: a.offset,
         no_ignore: a.no_ignore,
     };
-    let req = match search::streamed(&q, a.head_limit) {
+    let req = match search::streamed(&q, a.head_limit, colour || ctx.json) {
         Ok(r) => r,
         Err(e) => return error(ctx.json, &e),
     };

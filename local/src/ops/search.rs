@@ -157,6 +157,8 @@ pub fn request(q: &Query) -> Result<SearchRequest> {
         max_line_bytes: MAX_LINE_BYTES,
         deadline_ms: DEADLINE_MS,
         stream: false,
+        // The tool's text tells a match from context by its separator only.
+        ranges: false,
     })
 }
 
@@ -167,13 +169,15 @@ pub const STREAM_LINE_BYTES: u32 = 256 * 1024;
 
 /// `rsb grep`'s request: the whole result from `q.offset` (at most `limit` entries, all when
 /// `None`), streamed from one walk. `q.head_limit` is not used.
-pub fn streamed(q: &Query, limit: Option<u64>) -> Result<SearchRequest> {
+/// `ranges`: the printer colours matches or prints them as JSON.
+pub fn streamed(q: &Query, limit: Option<u64>, ranges: bool) -> Result<SearchRequest> {
     let mut req = request(&Query {
         head_limit: 1,
         ..q.clone()
     })?;
     req.limit = limit.unwrap_or(u64::MAX);
     req.stream = true;
+    req.ranges = ranges;
     req.max_line_bytes = STREAM_LINE_BYTES;
     Ok(req)
 }
