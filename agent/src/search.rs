@@ -97,7 +97,7 @@ pub fn search(
         let mut buf = Vec::new();
         let mut scratch = Vec::new();
         if let Some(f) = search_file(
-            open_path(&root),
+            open_root(&root),
             Vec::new,
             req,
             &matcher,
@@ -768,6 +768,16 @@ fn open_path(path: &Path) -> std::io::Result<File> {
     )?))
 }
 
+/// The root when it is a file: a symlink named as the root is followed, as rg follows a path
+/// it is given (links met by the walk are not).
+fn open_root(path: &Path) -> std::io::Result<File> {
+    Ok(File::from(rustix::fs::open(
+        path,
+        OPEN_FLAGS.difference(rustix::fs::OFlags::NOFOLLOW),
+        rustix::fs::Mode::empty(),
+    )?))
+}
+
 const OPEN_FLAGS: rustix::fs::OFlags = rustix::fs::OFlags::RDONLY
     .union(rustix::fs::OFlags::NOFOLLOW)
     .union(rustix::fs::OFlags::NONBLOCK)
@@ -945,13 +955,13 @@ fn page(
             }
             continue;
         }
-        let path = if f.rel.is_empty() {
-            base.to_path_buf()
+        let file = if f.rel.is_empty() {
+            open_root(base)
         } else {
-            base.join(std::ffi::OsStr::from_bytes(&f.rel))
+            open_path(&base.join(std::ffi::OsStr::from_bytes(&f.rel)))
         };
         // The walk's size cap still holds: a file that grew past it since is skipped.
-        match load(open_path(&path), req.max_filesize, &mut buf) {
+        match load(file, req.max_filesize, &mut buf) {
             Ok(Loaded::Text) => {}
             Ok(_) => continue,
             Err(e) => {

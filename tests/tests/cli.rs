@@ -330,6 +330,10 @@ fn cli_table() {
     std::fs::write(gbig.join("a.b"), "x\nneedle crlf\r\ny\r\n").unwrap();
     std::fs::write(gbig.join("latin.txt"), b"caf\xe9 needle \xff\xfe\n").unwrap();
     std::fs::write(gbig.join(".hidden"), "needle hidden\n").unwrap();
+    std::fs::write(h.join("gbin"), b"needle\n\0needle\n").unwrap();
+    // Roots named through a symlink are followed, as rg follows the paths it is given.
+    std::os::unix::fs::symlink("gbig/f00.txt", h.join("gfile-link")).unwrap();
+    std::os::unix::fs::symlink("gbig", h.join("gdir-link")).unwrap();
     // What rg prints (sorted as rsb sorts), then what rsb grep prints: the same bytes.
     let same_as_rg = |flags: &str| {
         bash(&format!(
@@ -402,6 +406,13 @@ fn cli_table() {
             .out_eq("5:needle 0 4 xxxx\n7:needle 0 6 xxxxxx\n")
             .err("195 more matching lines; --offset 5 continues"),
         rsb(&["grep", "-c", "needle", "gbig/f00.txt"]).out_eq("200\n"),
+        rsb(&["grep", "-c", "needle", "gfile-link"]).out_eq("200\n"),
+        rsb(&["grep", "needle", "gbin"])
+            .code(1)
+            .out_eq("")
+            .err("1 binary file (a NUL byte) not searched"),
+        rsb(&["grep", "-n", "needle 0 4 x", "gfile-link"]).out_eq("5:needle 0 4 xxxx\n"),
+        rsb(&["grep", "needle inner", "gdir-link"]).out_eq("gdir-link/a/inner.txt:1:needle inner\n"),
         rsb(&["grep", "-l", "needle", "gbig/f00.txt"]).out_eq("gbig/f00.txt\n"),
         // Usage errors and did-you-mean.
         rsb(&["exce", "ls"]).code(1).err("'exec'"),

@@ -48,6 +48,9 @@ pub struct GrepArgs {
     /// Print only the paths of files with matches.
     #[arg(short = 'l', long, conflicts_with = "count")]
     pub files_with_matches: bool,
+    /// Line numbers: always printed (accepted for rg's habit; rsb grep prints as `rg -n`).
+    #[arg(short = 'n', long)]
+    pub line_number: bool,
     /// Print each file's count of matching lines.
     #[arg(short = 'c', long)]
     pub count: bool,
@@ -182,6 +185,14 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
             warn(
                 "the search stopped at its 30 s deadline: counts are lower bounds; narrow PATH or -g",
             );
+        }
+        // rg skips binary files silently; with nothing found, say why a named one was.
+        if found.total == 0 && found.skipped_binary > 0 {
+            let n = found.skipped_binary;
+            warn(&format!(
+                "{n} binary file{} (a NUL byte) not searched",
+                if n == 1 { "" } else { "s" }
+            ));
         }
     }
     if !found.errors.is_empty() {
