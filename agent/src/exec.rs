@@ -521,6 +521,8 @@ pub async fn run(
         cmd.env(k, v);
     }
 
+    // The orphan reaper runs before the command does, so registering it below is quick.
+    crate::reaper::ready();
     let start = Instant::now();
     let mut child = cmd.spawn().map_err(|e| {
         let mut err = AgentError::from_io(&e, "exec: cannot start", &path_string(&bash));

@@ -66,11 +66,20 @@ fn start() -> std::io::Result<Watcher> {
     Ok(Watcher { child, stdin })
 }
 
-fn send(line: &str) {
-    if !ENABLED.load(std::sync::atomic::Ordering::SeqCst) {
-        return;
+/// Start the watcher now if it is not running, so that the [`register`] right after a spawn
+/// is one pipe write: a watcher started by the registration itself (a fork and exec) left the
+/// new command unregistered for that long, and an agent SIGKILLed then orphaned it.
+pub fn ready() {
+    if let Ok(mut w) = WATCHER.lock() {
+        running(&mut w);
     }
-    let Ok(mut w) = WATCHER.lock() else { return };
+}
+
+/// The watcher, started (again, if it died) when needed; `None` when disabled or it cannot be.
+fn running(w: &mut Option<Watcher>) -> Option<&mut Watcher> {
+    if !ENABLED.load(std::sync::atomic::Ordering::SeqCst) {
+        return None;
+    }
     if w.as_mut()
         .is_some_and(|w| matches!(w.child.try_wait(), Ok(Some(_))))
     {
@@ -82,13 +91,18 @@ fn send(line: &str) {
             Ok(s) => *w = Some(s),
             Err(e) => {
                 eprintln!("rsb-agent: cannot start the orphan reaper: {e}");
-                return;
+                return None;
             }
         }
     }
+    w.as_mut()
+}
+
+fn send(line: &str) {
+    let Ok(mut w) = WATCHER.lock() else { return };
     // A line is far below PIPE_BUF and the reaper reads all the time, so this does not block
     // the runtime in practice.
-    if let Some(watcher) = w.as_mut()
+    if let Some(watcher) = running(&mut w)
         && watcher.stdin.write_all(line.as_bytes()).is_err()
     {
         *w = None;
