@@ -23,6 +23,7 @@
 //!
 //! Both records use the `key=value` format in [`record`] and are replaced atomically.
 
+mod events;
 mod logread;
 pub mod record;
 mod wrapper;
@@ -153,6 +154,16 @@ pub async fn status(req: JobStatusRequest) -> Result<JobStatusResult, AgentError
 /// SIGTERM the job's process group, SIGKILL it after `grace_ms`, and return how it ended.
 pub async fn kill(req: JobKillRequest) -> Result<JobInfo, AgentError> {
     blocking(move |ctx| kill_in(ctx, &req)).await
+}
+
+/// Job starts, ends and losses as they happen (see [`events`]); runs on the calling (blocking)
+/// thread until cancelled, or until the named jobs have ended with `until_ended`.
+pub fn events(
+    req: &rsb_protocol::JobEventsRequest,
+    cancel: &tokio_util::sync::CancellationToken,
+    emit: &mut dyn FnMut(rsb_protocol::JobEvent) -> bool,
+) -> Result<Vec<JobInfo>, AgentError> {
+    events::events_in(&Ctx::from_process()?, req, cancel, emit)
 }
 
 /// Every recorded job, newest first.

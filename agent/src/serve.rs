@@ -203,6 +203,17 @@ async fn handle(
             .await
             .map(rsb_protocol::PatchRequest::into_reply),
         // The walk checks the token itself, so a cancel also stops its threads.
+        Request::JobEvents(req) => {
+            let token = cancel.clone();
+            responder
+                .stream_blocking(
+                    &cancel,
+                    move |emit| jobs::events(&req, &token, emit),
+                    |e| rsb_protocol::Chunk::JobEvent(Box::new(e)),
+                )
+                .await
+                .map(rsb_protocol::JobEventsRequest::into_reply)
+        }
         Request::Search(req) if req.stream => {
             let token = cancel.clone();
             responder

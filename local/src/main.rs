@@ -65,6 +65,20 @@ enum Cmd {
         #[arg(long)]
         grep: Option<String>,
     },
+    /// Wait for a job to end: prints its last lines and exits with its exit code (128+signal;
+    /// 4 when lost; 124 after --timeout). The end arrives the moment the job's supervisor
+    /// records it, so a client without notifications can run this in the background.
+    Wait {
+        /// `SANDBOX JOB`, or `JOB` on the -s (or first) sandbox.
+        first: String,
+        job: Option<String>,
+        /// Give up after this long (30s, 10m, 2h); the job keeps running.
+        #[arg(long, value_name = "DUR", value_parser = cli::jobs::parse_duration)]
+        timeout: Option<std::time::Duration>,
+        /// Lines of the run's log printed once it ended (0: none).
+        #[arg(long, short = 'n', default_value_t = 10)]
+        lines: i64,
+    },
     /// An interactive login shell on a sandbox (like `ssh HOST`); exits with the shell's code.
     Shell {
         /// The sandbox (default: -s, RSB_SANDBOX, or the first configured one).
@@ -320,6 +334,11 @@ async fn run(cli: Cli) -> u8 {
         Cmd::Shell {
             sandbox: Some(s), ..
         } => Some(s.clone()),
+        Cmd::Wait {
+            first,
+            job: Some(_),
+            ..
+        } => Some(first.clone()),
         _ if cli.sandbox.is_some() => cli.sandbox.clone(),
         // `rsb exec ALIAS cmd`, as `ssh ALIAS cmd`.
         Cmd::Exec(a) if a.command.len() >= 2 => Some(a.command[0].clone()),
@@ -355,6 +374,15 @@ async fn run(cli: Cli) -> u8 {
     {
         sandbox = Some(name);
         *path = rest;
+    }
+    // `rsb wait gpu1 train`: the first of two words is the sandbox.
+    if let Cmd::Wait {
+        first,
+        job: Some(_),
+        ..
+    } = &cmd
+    {
+        sandbox = Some(first.clone());
     }
     // `rsb exec gpu1 hostname`, as `ssh gpu1 hostname`: a first word that names a configured
     // sandbox picks it unless `-s` was given (RSB_SANDBOX is a default, not a choice here).
@@ -416,6 +444,12 @@ async fn run(cli: Cli) -> u8 {
         Cmd::Edit { target } => cli::edit::run(&ctx, &target).await,
         Cmd::Grep(a) => cli::search::run(&ctx, a).await,
         Cmd::Jobs { cmd } => cli::jobs::run(&ctx, cmd).await,
+        Cmd::Wait {
+            first,
+            job,
+            timeout,
+            lines,
+        } => cli::jobs::wait(&ctx, job.as_deref().unwrap_or(&first), timeout, lines).await,
         Cmd::Doctor => cli::doctor::run(&ctx).await,
         Cmd::Forward(a) => {
             ctx.warnings_for(&[]);

@@ -90,6 +90,44 @@ pub struct JobKillRequest {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobListRequest;
 
+/// Subscribe to job events on the host, as they happen: the agent watches the jobs' records
+/// (inotify on Linux, a re-read every [`JOB_EVENTS_RESCAN_MS`] besides, for ends inotify cannot
+/// see: a supervisor that died) and sends each as a [`Chunk::JobEvent`](crate::Chunk::JobEvent).
+/// Without `until_ended` the request runs until cancelled, and its reply is never sent.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobEventsRequest {
+    /// Only these jobs (exact names); empty: every job on the host.
+    pub names: Vec<String>,
+    /// A job that ended at or after this time (ms since the epoch) before the subscription
+    /// began is reported at once, as an end the subscriber missed; 0 reports none.
+    pub since_ms: u64,
+    /// Reply (with the jobs' records) once every named job has ended or been lost: `rsb wait`.
+    /// A named job that is not recorded is an error. Needs `names`.
+    pub until_ended: bool,
+}
+
+/// How often a subscription re-reads every record even without a file event.
+pub const JOB_EVENTS_RESCAN_MS: u64 = 2_000;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobEventKind {
+    /// A run began (a new `started_ms` for the name).
+    Started,
+    /// The run ended on its own or was killed: `info.exit_code` or `info.signal`.
+    Ended,
+    /// Its supervisor vanished without recording an end.
+    Lost,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobEvent {
+    pub kind: JobEventKind,
+    pub info: JobInfo,
+    /// The last line the run printed (never rsb's own header or `EXIT_CODE=` line), lossily
+    /// UTF-8, at most 500 bytes; `None` when it printed nothing. Text from the host.
+    pub last_line: Option<String>,
+}
+
 /// A job name becomes a directory name and a tmux session name (and a Slurm job's name), so
 /// only characters inert in all of them are allowed; tmux would silently rewrite `.` and `:`.
 /// One rule for the agent and for `rsb`, which checks before it submits to Slurm.

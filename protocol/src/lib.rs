@@ -36,8 +36,8 @@ pub use fs::{
 };
 pub use hello::{Capabilities, Hello, MAGIC};
 pub use jobs::{
-    JobInfo, JobKillRequest, JobListRequest, JobStartRequest, JobState, JobStatusRequest,
-    JobStatusResult,
+    JOB_EVENTS_RESCAN_MS, JobEvent, JobEventKind, JobEventsRequest, JobInfo, JobKillRequest,
+    JobListRequest, JobStartRequest, JobState, JobStatusRequest, JobStatusResult,
 };
 pub use resources::{
     CpuInfo, DiskInfo, GpuInfo, GpuProcess, GpuReport, GpuSource, MemoryInfo, ResourceSnapshot,
@@ -56,7 +56,8 @@ pub use sync::{
 /// 10: `ToAgent::Credit`, the per-request window of streamed chunks. 11: launch ids.
 /// 12: `ReadFileZRequest::{compress, whole}` and `ReadFileZResult::settled`. 13: one zstd
 /// stream per apply session (`ApplyOp::Stream`) replaces `Packed` and `FileDataZ`.
-/// 17: `SearchRequest::stream` and [`Chunk::Search`].
+/// 17: `SearchRequest::{stream, ranges}`, `SearchLine::raw`, [`Chunk::Search`]; `JobEvents` and
+/// [`Chunk::JobEvent`].
 pub const PROTOCOL_VERSION: u32 = 17;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
@@ -186,6 +187,7 @@ call!(EditRequest, Edit, "edit" => Edited(EditOutcome));
 call!(WriteRequest, Write, "write" => Edited(EditOutcome));
 call!(PatchRequest, Patch, "patch" => Patched(PatchOutcome));
 call!(SearchRequest, Search, "search" => Searched(SearchResult));
+call!(JobEventsRequest, JobEvents, "job_events" => JobList(Vec<JobInfo>));
 
 /// Echoed back unchanged: a round trip through the agent's loop (liveness, latency).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -220,6 +222,7 @@ pub enum Request {
     Write(WriteRequest),
     Patch(PatchRequest),
     Search(SearchRequest),
+    JobEvents(JobEventsRequest),
 }
 
 impl Request {
@@ -248,6 +251,7 @@ impl Request {
         WriteRequest::NAME,
         PatchRequest::NAME,
         SearchRequest::NAME,
+        JobEventsRequest::NAME,
     ];
 
     /// Short name for logs and error messages.
@@ -276,6 +280,7 @@ impl Request {
             Request::Write(_) => WriteRequest::NAME,
             Request::Patch(_) => PatchRequest::NAME,
             Request::Search(_) => SearchRequest::NAME,
+            Request::JobEvents(_) => JobEventsRequest::NAME,
         }
     }
 }
@@ -356,4 +361,6 @@ pub enum Chunk {
     },
     /// A batch of a streamed search's entries ([`SearchRequest::stream`]), in result order.
     Search(Vec<SearchEntry>),
+    /// A job started, ended or was lost ([`JobEventsRequest`]).
+    JobEvent(Box<JobEvent>),
 }

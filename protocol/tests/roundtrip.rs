@@ -199,6 +199,11 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             stream: true,
             ranges: false,
         }),
+        Request::JobEvents(JobEventsRequest {
+            names: vec!["train".into()],
+            since_ms: 1_700_000_000_000,
+            until_ended: true,
+        }),
     ];
     let mut to_agent: Vec<ToAgent> = requests
         .into_iter()
@@ -333,7 +338,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             },
         }),
         Reply::Job(job.clone()),
-        Reply::Job(again),
+        Reply::Job(again.clone()),
         Reply::JobStatus(JobStatusResult {
             info: Some(job.clone()),
             log_found: true,
@@ -491,6 +496,14 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             after: vec![],
             count: 3,
         }]),
+    });
+    from_agent.push(FromAgent::Chunk {
+        id: 6,
+        chunk: Chunk::JobEvent(Box::new(JobEvent {
+            kind: JobEventKind::Lost,
+            info: again.clone(),
+            last_line: Some("epoch 3/10".into()),
+        })),
     });
     (to_agent, from_agent)
 }
@@ -742,6 +755,9 @@ fn each_call_unwraps_only_its_own_reply() {
             Request::Write(q) => check(q, EditOutcome::Refused(Refusal::Exists)),
             Request::Patch(q) => check(q, PatchRequest::from_reply(reply("patched")).unwrap()),
             Request::Search(q) => check(q, SearchRequest::from_reply(reply("searched")).unwrap()),
+            Request::JobEvents(q) => {
+                check(q, JobEventsRequest::from_reply(reply("job_list")).unwrap())
+            }
         }
     }
     assert_eq!(checked, Request::KINDS.len());

@@ -547,6 +547,23 @@ fn cli_table() {
         rsb(&["jobs", "prune", "--older-than", "5x"])
             .code(1)
             .err("unknown unit"),
+        // wait: the end at once (the agent pushes it), the last lines, the job's exit code.
+        bash("RSB jobs start --name w1 -- 'sleep 1; echo bye; exit 5' >/dev/null && RSB wait w1")
+            .code(5)
+            .out_eq("bye\n")
+            .err("job `w1` exited 5 after 1.")
+            .took(secs(1), secs(3)),
+        rsb(&["wait", "gpu1", "w1", "-n", "0"])
+            .code(5)
+            .out_eq("")
+            .took(Duration::ZERO, secs(2)),
+        rsb(&["wait", "nope"]).code(4).err("no job named `nope`"),
+        bash("RSB jobs start --name w2 -- \"trap '' TERM; sleep 30\" >/dev/null && RSB wait --timeout 1 w2")
+            .code(124)
+            .err("job `w2` is still running after 1 s")
+            .took(secs(1), secs(4)),
+        rsb(&["jobs", "kill", "--grace", "0", "w2"]).out("w2"),
+        rsb(&["wait", "w2"]).code(137).err("killed by signal 9"),
         // Sync: quiet by default, -v lists each file sent (rsync-like), --gitignore.
         rsb(&["sync", &proj, "gpu1:cli-q"])
             .out("sent 4 files")

@@ -1054,3 +1054,217 @@ fn a_start_repeated_with_its_launch_id_runs_once() {
     // The record names the launch that made it.
     assert_eq!(f.status("idem").info.unwrap().launch_id, "L2");
 }
+
+/// A subscription on its own thread, as the agent serves one: its events with the wall-clock
+/// time each arrived, and its cancel token. Dropped, it is cancelled and joined.
+struct Subscription {
+    rx: std::sync::mpsc::Receiver<(u64, rsb_protocol::JobEvent)>,
+    cancel: tokio_util::sync::CancellationToken,
+    thread: Option<std::thread::JoinHandle<Result<Vec<JobInfo>, AgentError>>>,
+}
+
+impl Subscription {
+    fn new(ctx: &Ctx, req: rsb_protocol::JobEventsRequest) -> Subscription {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let cancel = tokio_util::sync::CancellationToken::new();
+        let (ctx, token) = (ctx.clone(), cancel.clone());
+        let thread = std::thread::spawn(move || {
+            events::events_in(&ctx, &req, &token, &mut |e| tx.send((now_ms(), e)).is_ok())
+        });
+        Subscription {
+            rx,
+            cancel,
+            thread: Some(thread),
+        }
+    }
+
+    fn all(names: &[&str]) -> rsb_protocol::JobEventsRequest {
+        rsb_protocol::JobEventsRequest {
+            names: names.iter().map(|n| n.to_string()).collect(),
+            since_ms: 0,
+            until_ended: false,
+        }
+    }
+
+    /// Events until `done` says enough (bounded by [`WAIT`]).
+    fn until(
+        &self,
+        mut done: impl FnMut(&[(u64, rsb_protocol::JobEvent)]) -> bool,
+    ) -> Vec<(u64, rsb_protocol::JobEvent)> {
+        let deadline = Instant::now() + WAIT;
+        let mut got = Vec::new();
+        while !done(&got) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok(e) => got.push(e),
+                Err(_) => panic!("events so far: {got:#?}"),
+            }
+        }
+        got
+    }
+
+    fn stop(mut self) -> Result<Vec<JobInfo>, AgentError> {
+        self.cancel.cancel();
+        let t = Instant::now();
+        let r = self.thread.take().unwrap().join().unwrap();
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "cancel took {:?}",
+            t.elapsed()
+        );
+        r
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn ends(got: &[(u64, rsb_protocol::JobEvent)]) -> usize {
+    got.iter()
+        .filter(|(_, e)| e.kind != rsb_protocol::JobEventKind::Started)
+        .count()
+}
+
+/// Issue 40: the agent reports each end the moment the wrapper records it (inotify), not at
+/// a poll: within 500 ms of `ended_ms`, once per job, with the exit code and the last line
+/// the job printed; a job that printed nothing has no last line (never rsb's own header).
+#[test]
+fn job_events_report_each_end_at_once_and_once() {
+    use rsb_protocol::JobEventKind::{Ended, Started};
+    let f = Fixture::new();
+    std::fs::create_dir_all(&f.ctx.root).unwrap();
+    let sub = Subscription::new(&f.ctx, Subscription::all(&[]));
+    let jobs = [
+        ("a", "sleep 0.3; echo done-a; exit 3", 3),
+        ("b", "sleep 0.7; exit 0", 0),
+        ("c", "sleep 1.1; echo 'last c'", 0),
+    ];
+    for (name, cmd, _) in jobs {
+        f.start(name, cmd, false).unwrap();
+    }
+    let got = sub.until(|g| ends(g) == 3);
+    for (name, _, code) in jobs {
+        let of: Vec<_> = got.iter().filter(|(_, e)| e.info.name == name).collect();
+        let kinds: Vec<_> = of.iter().map(|(_, e)| e.kind).collect();
+        assert!(
+            kinds == [Started, Ended] || kinds == [Ended],
+            "{name}: {kinds:?}"
+        );
+        let (at, end) = of.last().unwrap();
+        assert_eq!(end.info.exit_code, Some(code), "{name}");
+        let late = at.saturating_sub(end.info.ended_ms.unwrap());
+        assert!(
+            late < 500,
+            "{name}'s end arrived {late} ms after it was recorded"
+        );
+    }
+    let last = |n: &str| {
+        got.iter()
+            .rev()
+            .find(|(_, e)| e.info.name == n)
+            .unwrap()
+            .1
+            .last_line
+            .clone()
+    };
+    assert_eq!(last("a").as_deref(), Some("done-a"));
+    assert_eq!(last("b"), None, "b printed nothing");
+    assert_eq!(last("c").as_deref(), Some("last c"));
+    // Nothing more: no end twice.
+    std::thread::sleep(Duration::from_millis(2_500));
+    let extra: Vec<_> = sub.rx.try_iter().collect();
+    assert!(extra.is_empty(), "{extra:#?}");
+    assert!(matches!(sub.stop(), Err(e) if e.code == ErrorCode::Cancelled));
+}
+
+/// An end the subscriber missed (it ended before the subscription, at or after `since_ms`) is
+/// reported at once; `until_ended` replies once the named job ends, or at once when it has;
+/// a name not recorded is an error.
+#[test]
+fn job_events_since_and_until_ended() {
+    let f = Fixture::new();
+    let t0 = now_ms();
+    f.start("early", "echo hi", false).unwrap();
+    f.wait_done("early");
+    let sub = Subscription::new(
+        &f.ctx,
+        rsb_protocol::JobEventsRequest {
+            since_ms: t0,
+            ..Subscription::all(&["early"])
+        },
+    );
+    let got = sub.until(|g| !g.is_empty());
+    assert_eq!(got[0].1.kind, rsb_protocol::JobEventKind::Ended);
+    assert_eq!(got[0].1.last_line.as_deref(), Some("hi"));
+    drop(sub);
+
+    f.start("later", "sleep 0.5; exit 4", false).unwrap();
+    let until = |names: &[&str]| rsb_protocol::JobEventsRequest {
+        until_ended: true,
+        ..Subscription::all(names)
+    };
+    let t = Instant::now();
+    let infos = Subscription::new(&f.ctx, until(&["later"])).stop_when_done();
+    assert_eq!(infos[0].exit_code, Some(4));
+    assert!(
+        t.elapsed() < Duration::from_millis(1_500),
+        "{:?}",
+        t.elapsed()
+    );
+    // Ended already: at once.
+    let t = Instant::now();
+    let infos = Subscription::new(&f.ctx, until(&["later"])).stop_when_done();
+    assert_eq!(infos[0].exit_code, Some(4));
+    assert!(t.elapsed() < Duration::from_millis(300));
+    let e = Subscription::new(&f.ctx, until(&["nope"])).stop_when_done_err();
+    assert_eq!(e.code, ErrorCode::NotFound, "{e:?}");
+    let e = Subscription::new(&f.ctx, until(&[])).stop_when_done_err();
+    assert_eq!(e.code, ErrorCode::InvalidArgument, "{e:?}");
+}
+
+impl Subscription {
+    fn join_done(mut self) -> Result<Vec<JobInfo>, AgentError> {
+        let t = self.thread.take().unwrap();
+        let deadline = Instant::now() + WAIT;
+        while !t.is_finished() {
+            assert!(Instant::now() < deadline, "the subscription never ended");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        t.join().unwrap()
+    }
+
+    fn stop_when_done(self) -> Vec<JobInfo> {
+        self.join_done().unwrap()
+    }
+
+    fn stop_when_done_err(self) -> AgentError {
+        self.join_done().unwrap_err()
+    }
+}
+
+/// A supervisor killed outright records nothing: the re-read sees the job lost within
+/// [`rsb_protocol::JOB_EVENTS_RESCAN_MS`] (and a bit).
+#[test]
+fn job_events_see_a_lost_job_by_the_rescan() {
+    let f = Fixture::new();
+    f.start("orphan", "sleep 30", false).unwrap();
+    let sub = Subscription::new(&f.ctx, Subscription::all(&["orphan"]));
+    std::thread::sleep(Duration::from_millis(300));
+    let wrapper = f.state("orphan").get_u64("wrapper_pid").unwrap() as i32;
+    let t = Instant::now();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(wrapper).unwrap(),
+        crate::proc::Signal::KILL,
+    )
+    .unwrap();
+    let got = sub.until(|g| ends(g) == 1);
+    assert_eq!(got[0].1.kind, rsb_protocol::JobEventKind::Lost);
+    let bound = Duration::from_millis(rsb_protocol::JOB_EVENTS_RESCAN_MS + 1_000);
+    assert!(t.elapsed() < bound, "lost seen after {:?}", t.elapsed());
+}

@@ -8,7 +8,7 @@ use rsb::{
     error::{Kind, RsbError},
     ops::{exec, jobs},
 };
-use rsb_protocol::{ErrorCode, JobListRequest, JobState};
+use rsb_protocol::{ErrorCode, JobEventsRequest, JobListRequest, JobState};
 
 use super::{Ctx, exit, fail, print_json, print_table};
 use rsb::term::shown;
@@ -487,6 +487,108 @@ async fn prune(client: &AgentClient, json: bool, older_than: Option<Duration>) -
     exit::OK
 }
 
+/// `rsb wait [SANDBOX] JOB`: blocks until the job ends (the agent answers the moment the job's
+/// supervisor records the end; nothing is polled), prints the run's last `lines` lines, and
+/// exits with the job's code (128+signal; 4 when it was lost; 124 after `timeout`).
+pub async fn wait(ctx: &Ctx, name: &str, timeout: Option<Duration>, lines: i64) -> u8 {
+    let client = match ctx.client().await {
+        Ok(c) => c,
+        Err(e) => return fail(ctx.json, &e),
+    };
+    let req = JobEventsRequest {
+        names: vec![name.to_string()],
+        since_ms: 0,
+        until_ended: true,
+    };
+    let call = client.call(req);
+    let ended = match timeout {
+        Some(t) => match tokio::time::timeout(t, call).await {
+            Ok(r) => r,
+            Err(_) => {
+                let e = RsbError::new(
+                    Kind::Timeout,
+                    format!(
+                        "job `{}` is still running after {:.0} s",
+                        shown(name),
+                        t.as_secs_f64()
+                    ),
+                    "wait again, or `rsb jobs kill` it",
+                );
+                super::fail(ctx.json, &e);
+                return exit::TIMEOUT;
+            }
+        },
+        None => call.await,
+    };
+    let info = match ended.map(|mut v| v.pop()) {
+        Ok(Some(info)) => info,
+        Ok(None) => return fail(ctx.json, &no_such_job(name)),
+        Err(e) => return fail(ctx.json, &job_error(name, e)),
+    };
+    if lines > 0
+        && let Ok(req) = jobs::status_request(name, "", lines, None, jobs::MAX_CURSOR_BYTES)
+        && let Ok(r) = client.call(req).await
+        && !ctx.json
+    {
+        let mut o = std::io::stdout().lock();
+        let _ = o.write_all(own_lines(&r.log)).and_then(|()| o.flush());
+    }
+    let took = info
+        .ended_ms
+        .map(|e| Duration::from_millis(e.saturating_sub(info.started_ms)));
+    if ctx.json {
+        print_json(&serde_json::json!({
+            "name": info.name, "state": format!("{:?}", info.state).to_lowercase(),
+            "exit_code": info.exit_code, "signal": info.signal,
+            "started_ms": info.started_ms, "ended_ms": info.ended_ms,
+        }));
+    }
+    let after = took.map_or(String::new(), |d| {
+        format!(" after {:.1} s", d.as_secs_f64())
+    });
+    match (info.state, info.exit_code, info.signal) {
+        (JobState::Lost, _, _) => {
+            super::warn(&format!(
+                "job `{}` ended without an exit record (lost: its supervisor vanished)",
+                shown(name)
+            ));
+            exit::REMOTE
+        }
+        (_, Some(c), _) => {
+            eprintln!("rsb: job `{}` exited {c}{after}", shown(name));
+            c.clamp(0, 255) as u8
+        }
+        (_, None, Some(sig)) => {
+            eprintln!(
+                "rsb: job `{}` was killed by signal {sig}{after}",
+                shown(name)
+            );
+            (128 + sig).clamp(0, 255) as u8
+        }
+        _ => exit::REMOTE,
+    }
+}
+
+/// A run's log tail without rsb's own lines: the `== session:` header a short run's tail
+/// starts with, and the `EXIT_CODE=` line it ends with.
+fn own_lines(log: &[u8]) -> &[u8] {
+    let mut rest = log;
+    for p in [&b"== session: "[..], b"== started_at: ", b"== command: "] {
+        if rest.starts_with(p) {
+            rest = rest
+                .iter()
+                .position(|&b| b == b'\n')
+                .map_or(&[][..], |i| &rest[i + 1..]);
+        }
+    }
+    let body = rest.strip_suffix(b"\n").unwrap_or(rest);
+    match body.iter().rposition(|&b| b == b'\n') {
+        Some(i) if body[i + 1..].starts_with(b"EXIT_CODE=") => &rest[..i + 1],
+        None if body.starts_with(b"EXIT_CODE=") => &[],
+        _ => rest,
+    }
+}
+
 /// Print the log from the start, then every new byte, until the job ends (polling every
 /// 0.5 s); exit with the job's code, or 128+signal.
 async fn follow_logs(client: &AgentClient, name: &str) -> u8 {
@@ -524,5 +626,26 @@ async fn follow_logs(client: &AgentClient, name: &str) -> u8 {
         if !r.log_truncated {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::own_lines;
+
+    #[test]
+    fn the_printed_tail_is_the_jobs_own_lines() {
+        let run = b"== session: w\n== started_at: 2026\n== command: x\nbye\nEXIT_CODE=5\n";
+        assert_eq!(own_lines(run), b"bye\n");
+        assert_eq!(
+            own_lines(b"== session: w\n== started_at: t\n== command: x\nEXIT_CODE=0\n"),
+            b""
+        );
+        assert_eq!(own_lines(b"a\nb\nEXIT_CODE=1\n"), b"a\nb\n");
+        assert_eq!(
+            own_lines(b"a\n== session: not at the top\n"),
+            b"a\n== session: not at the top\n"
+        );
+        assert_eq!(own_lines(b"partial"), b"partial");
     }
 }

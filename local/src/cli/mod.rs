@@ -64,7 +64,7 @@ pub mod exit {
 Exit codes:
   0    success
   N    rsb exec: the remote command's exit code, or 128+SIGNAL if a signal killed it;
-       rsb jobs logs -f: the job's exit code, likewise
+       rsb jobs logs -f, rsb wait: the job's exit code, likewise
   1    usage: a bad flag, argument, sandbox or command name
   2    configuration missing or invalid (see `rsb config check`)
   3    connection: cannot connect, authenticate, verify the host key, deploy the agent,
