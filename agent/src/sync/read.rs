@@ -15,6 +15,12 @@ const WHOLE_ATTEMPTS: usize = 3;
 /// Between tries: past the coarse clock's tick (4 ms at HZ=250), so a file last changed in
 /// the tick a read began can settle on the next.
 const RETRY_AFTER: Duration = Duration::from_millis(5);
+/// How long a write may still be copying after it set the ctime: the kernel stamps the time
+/// when a write begins, so a read that began a tick later can still overlap that write's copy
+/// and see two versions with the identity unchanged across it. A file is read as one version
+/// only once its last change is this much older than the read (a 1 MiB write copies in well
+/// under a millisecond; the resume test once committed such a mix).
+const IN_FLIGHT: Duration = Duration::from_millis(20);
 
 /// Read as `ReadFile` does (at most [`MAX_RAW`] bytes); compress the bytes when asked and
 /// they shrink by a tenth; the local side decompresses them, bounded by `raw_len`.
@@ -62,20 +68,25 @@ pub struct OneVersion {
 /// `--watch`'s local reads both use this, so neither commits a file torn by a writer.
 pub fn read_one_version(path: &Path, offset: u64, max: u64) -> std::io::Result<OneVersion> {
     let mut last = None;
+    let in_flight = IN_FLIGHT.as_nanos() as i64;
+    let mut wait = Duration::ZERO;
     for attempt in 0..WHOLE_ATTEMPTS {
         if attempt > 0 {
-            std::thread::sleep(RETRY_AFTER);
+            std::thread::sleep(wait.max(RETRY_AFTER));
         }
         let clock = fs_clock_ns();
         let (data, truncated, before, after) = read_once(path, offset, max)?;
         let whole = truncated || offset + data.len() as u64 == before.size;
-        if before == after && whole && before.settled(clock) {
+        if before == after && whole && before.settled(clock.saturating_sub(in_flight)) {
             return Ok(OneVersion {
                 data,
                 truncated,
                 settled: true,
             });
         }
+        // Changed a moment ago (and not since): read again once the change is old enough.
+        let age = clock.saturating_sub(after.ctime_ns);
+        wait = Duration::from_nanos(in_flight.saturating_sub(age).max(0) as u64);
         last = Some((data, truncated));
     }
     let (data, truncated) = last.expect("at least one attempt");
