@@ -128,6 +128,33 @@ pub struct JobEvent {
     pub last_line: Option<String>,
 }
 
+/// The header the job runner writes into the log at the start of each run, one line each.
+pub const LOG_HEADER: [&str; 3] = ["== session: ", "== started_at: ", "== command: "];
+/// The line the job runner writes after the run's output: `EXIT_CODE=<n>`.
+pub const LOG_EXIT_CODE: &str = "EXIT_CODE=";
+
+/// A run's log tail (read from the run's `log_start`) without the runner's own lines: the
+/// header a short run's tail starts with (or its end, where the tail began inside it), and
+/// the `EXIT_CODE=` line it ends with.
+pub fn job_output(tail: &[u8]) -> &[u8] {
+    let mut rest = tail;
+    for p in LOG_HEADER {
+        if rest.starts_with(p.as_bytes()) {
+            rest = rest
+                .iter()
+                .position(|&b| b == b'\n')
+                .map_or(&[][..], |i| &rest[i + 1..]);
+        }
+    }
+    let exit = LOG_EXIT_CODE.as_bytes();
+    let body = rest.strip_suffix(b"\n").unwrap_or(rest);
+    match body.iter().rposition(|&b| b == b'\n') {
+        Some(i) if body[i + 1..].starts_with(exit) => &rest[..i + 1],
+        None if body.starts_with(exit) => &[],
+        _ => rest,
+    }
+}
+
 /// A job name becomes a directory name and a tmux session name (and a Slurm job's name), so
 /// only characters inert in all of them are allowed; tmux would silently rewrite `.` and `:`.
 /// One rule for the agent and for `rsb`, which checks before it submits to Slurm.
@@ -137,4 +164,25 @@ pub fn valid_job_name(name: &str) -> bool {
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::job_output;
+
+    #[test]
+    fn a_runs_output_is_its_own_lines() {
+        let run = b"== session: w\n== started_at: 2026\n== command: x\nbye\nEXIT_CODE=5\n";
+        assert_eq!(job_output(run), b"bye\n");
+        assert_eq!(
+            job_output(b"== session: w\n== started_at: t\n== command: x\nEXIT_CODE=0\n"),
+            b""
+        );
+        assert_eq!(job_output(b"a\nb\nEXIT_CODE=1\n"), b"a\nb\n");
+        assert_eq!(
+            job_output(b"a\n== session: not at the top\n"),
+            b"a\n== session: not at the top\n"
+        );
+        assert_eq!(job_output(b"partial"), b"partial");
+    }
 }

@@ -37,7 +37,8 @@ pub use fs::{
 pub use hello::{Capabilities, Hello, MAGIC};
 pub use jobs::{
     JOB_EVENTS_RESCAN_MS, JobEvent, JobEventKind, JobEventsRequest, JobInfo, JobKillRequest,
-    JobListRequest, JobStartRequest, JobState, JobStatusRequest, JobStatusResult,
+    JobListRequest, JobStartRequest, JobState, JobStatusRequest, JobStatusResult, LOG_EXIT_CODE,
+    LOG_HEADER, job_output,
 };
 pub use resources::{
     CpuInfo, DiskInfo, GpuInfo, GpuProcess, GpuReport, GpuSource, MemoryInfo, ResourceSnapshot,

@@ -133,26 +133,16 @@ fn changes(
     }
 }
 
-/// The last line this run printed: never rsb's own header (`== session:` …) or its
-/// `EXIT_CODE=` line.
+/// The last line this run printed: never the runner's own header (`== session:` …) or its
+/// `EXIT_CODE=` line ([`rsb_protocol::job_output`]).
 fn last_line(j: &JobInfo) -> Option<String> {
     let tail = logread::read_tail(Path::new(&j.log_file), 5, 16 * 1024, j.log_start).ok()?;
-    let text = String::from_utf8_lossy(&tail.data);
-    let own = |l: &str| {
-        [
-            "== session: ",
-            "== started_at: ",
-            "== command: ",
-            "EXIT_CODE=",
-        ]
-        .iter()
-        .any(|p| l.starts_with(p))
-    };
+    let text = String::from_utf8_lossy(rsb_protocol::job_output(&tail.data));
     let line = text
         .lines()
         .rev()
         .map(|l| l.trim_end_matches('\r'))
-        .find(|l| !l.trim().is_empty() && !own(l))?;
+        .find(|l| !l.trim().is_empty())?;
     let mut end = line.len().min(LAST_LINE_MAX);
     while !line.is_char_boundary(end) {
         end -= 1;

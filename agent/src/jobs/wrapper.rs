@@ -281,8 +281,9 @@ impl Pane {
 fn header(name: &str, started_ms: u64, command: &str) -> String {
     let collapsed = command.split_whitespace().collect::<Vec<_>>().join(" ");
     let preview: String = collapsed.chars().take(120).collect();
+    let [session, started_at, command] = rsb_protocol::LOG_HEADER;
     format!(
-        "== session: {name}\n== started_at: {}\n== command: {preview}\n",
+        "{session}{name}\n{started_at}{}\n{command}{preview}\n",
         utc_timestamp(started_ms)
     )
 }
@@ -407,7 +408,7 @@ fn run(opts: &Opts) -> Result<i32, String> {
             // Recorded as an ended job (127, like a shell that cannot find a command) so the
             // reason is in the log and the record, and `start` reports it as an error.
             let msg = format!("cannot start bash in {}: {e}", cwd.display());
-            log.write(format!("rsb-agent: {msg}\nEXIT_CODE=127\n").as_bytes());
+            log.write(format!("rsb-agent: {msg}\n{}127\n", rsb_protocol::LOG_EXIT_CODE).as_bytes());
             state.set("pid", "0");
             state.set("pgid", "0");
             state.set("error", &msg);
@@ -505,7 +506,7 @@ fn run(opts: &Opts) -> Result<i32, String> {
         (None, None) => (255, None),
     };
     log.line_start();
-    let tail = format!("EXIT_CODE={code}\n");
+    let tail = format!("{}{code}\n", rsb_protocol::LOG_EXIT_CODE);
     log.write(tail.as_bytes());
     pane.write(tail.as_bytes());
     match signal {

@@ -531,7 +531,9 @@ pub async fn wait(ctx: &Ctx, name: &str, timeout: Option<Duration>, lines: i64) 
         && !ctx.json
     {
         let mut o = std::io::stdout().lock();
-        let _ = o.write_all(own_lines(&r.log)).and_then(|()| o.flush());
+        let _ = o
+            .write_all(rsb_protocol::job_output(&r.log))
+            .and_then(|()| o.flush());
     }
     let took = info
         .ended_ms
@@ -566,26 +568,6 @@ pub async fn wait(ctx: &Ctx, name: &str, timeout: Option<Duration>, lines: i64) 
             (128 + sig).clamp(0, 255) as u8
         }
         _ => exit::REMOTE,
-    }
-}
-
-/// A run's log tail without rsb's own lines: the `== session:` header a short run's tail
-/// starts with, and the `EXIT_CODE=` line it ends with.
-fn own_lines(log: &[u8]) -> &[u8] {
-    let mut rest = log;
-    for p in [&b"== session: "[..], b"== started_at: ", b"== command: "] {
-        if rest.starts_with(p) {
-            rest = rest
-                .iter()
-                .position(|&b| b == b'\n')
-                .map_or(&[][..], |i| &rest[i + 1..]);
-        }
-    }
-    let body = rest.strip_suffix(b"\n").unwrap_or(rest);
-    match body.iter().rposition(|&b| b == b'\n') {
-        Some(i) if body[i + 1..].starts_with(b"EXIT_CODE=") => &rest[..i + 1],
-        None if body.starts_with(b"EXIT_CODE=") => &[],
-        _ => rest,
     }
 }
 
@@ -626,26 +608,5 @@ async fn follow_logs(client: &AgentClient, name: &str) -> u8 {
         if !r.log_truncated {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::own_lines;
-
-    #[test]
-    fn the_printed_tail_is_the_jobs_own_lines() {
-        let run = b"== session: w\n== started_at: 2026\n== command: x\nbye\nEXIT_CODE=5\n";
-        assert_eq!(own_lines(run), b"bye\n");
-        assert_eq!(
-            own_lines(b"== session: w\n== started_at: t\n== command: x\nEXIT_CODE=0\n"),
-            b""
-        );
-        assert_eq!(own_lines(b"a\nb\nEXIT_CODE=1\n"), b"a\nb\n");
-        assert_eq!(
-            own_lines(b"a\n== session: not at the top\n"),
-            b"a\n== session: not at the top\n"
-        );
-        assert_eq!(own_lines(b"partial"), b"partial");
     }
 }
