@@ -332,7 +332,16 @@ fn load(ctx: &Ctx, name: &str) -> Result<Option<Job>, AgentError> {
         let Some(spec) = read_optional(&dir.join("spec"))? else {
             return Ok(None);
         };
-        let state = read_optional(&dir.join("state"))?;
+        let mut state = read_optional(&dir.join("state"))?;
+        // A wrapper writes its end, then exits. Read before that write and judged after the
+        // exit, a job that ended would read as lost (and a watch would resume it): once the
+        // wrapper is seen gone, the record is read again, which then holds any end it wrote.
+        if let Some(st) = &state
+            && st.get("ended_ms").is_none()
+            && !wrapper_alive(st)
+        {
+            state = read_optional(&dir.join("state"))?;
+        }
         match state {
             Some(st) if st.get("launch") != spec.get("launch") => std::thread::sleep(POLL),
             state => return Ok(Some(Job { spec, state })),

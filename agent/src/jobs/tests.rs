@@ -1268,3 +1268,40 @@ fn job_events_see_a_lost_job_by_the_rescan() {
     let bound = Duration::from_millis(rsb_protocol::JOB_EVENTS_RESCAN_MS + 1_000);
     assert!(t.elapsed() < bound, "lost seen after {:?}", t.elapsed());
 }
+
+/// A wrapper writes its end, then exits: a read of the record from before the write, with the
+/// liveness check after the exit, read a job that ended as lost (and a watch would then
+/// resume a finished job). The record is now read again once the wrapper is seen dead. Each
+/// of 30 short jobs is read as fast as possible until it ends: none is ever lost.
+#[test]
+fn a_job_ending_while_its_record_is_read_is_never_lost() {
+    const JOBS: usize = 30;
+    let f = Fixture::new();
+    let (mut lost, mut reads) = (0, 0);
+    for i in 0..JOBS {
+        let name = format!("brief{i}");
+        f.start(&name, "sleep 0.05", false).unwrap();
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let info = load(&f.ctx, &name).unwrap().and_then(|j| j.info()).unwrap();
+            reads += 1;
+            match info.state {
+                JobState::Running => {}
+                JobState::Lost => {
+                    lost += 1;
+                    break;
+                }
+                JobState::Exited => break,
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name} still running after {WAIT:?}"
+            );
+        }
+    }
+    println!("{reads} reads of {JOBS} ending jobs, {lost} read as lost");
+    assert_eq!(lost, 0);
+    for j in list_in(&f.ctx).unwrap() {
+        assert_eq!((j.state, j.exit_code), (JobState::Exited, Some(0)), "{j:?}");
+    }
+}
