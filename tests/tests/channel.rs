@@ -262,6 +262,96 @@ async fn the_session_hears_when_its_job_and_its_transfer_end() {
     outcome.expect("the test ran past 120 s");
 }
 
+/// Issue 40, acceptance: at default settings (no `interval_s`: the watchdog checks every
+/// 300 s), 20 jobs of 1-5 s, half watched and half not, each reach a listening client within
+/// 2 s (p95) of their end, once. The ends come from the agent's job-event stream. Each job's
+/// last line is the time it ended (ms, this machine's clock: the host is loopback), which the
+/// push carries, so the latency is measured from the job's own end, before the agent records it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn twenty_job_ends_reach_the_session_within_two_seconds_at_default_settings() {
+    const JOBS: usize = 20;
+    let Session {
+        sshd: _sshd,
+        tmp: _tmp,
+        svc,
+        listener,
+    } = session(true, &[]).await;
+    let anchor = (Instant::now(), std::time::SystemTime::now());
+    let mut daemons = Vec::new();
+    let result = async {
+        // Lengths 1-5 s from a fixed LCG (printed, so a failure can be replayed).
+        let mut x: u64 = 0x9e37_79b9;
+        for i in 0..JOBS {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let secs = 1 + (x >> 33) % 5;
+            let watched = i % 2 == 0;
+            let v = call(
+                &svc,
+                "exec_bash_background",
+                json!({"command": format!("sleep {secs}; date +%s%3N"),
+                       "session_name": format!("j{i}"), "watch": watched,
+                       "notify_local": false}),
+            )
+            .await;
+            assert_eq!(v["watch_id"].is_i64(), watched, "{v}");
+            if let Some(pid) = v["watchdog_setup"]["pid"].as_i64() {
+                daemons.push(KillOnDrop(pid));
+            }
+            println!("j{i}: {secs} s, watched: {watched}");
+        }
+        let msgs = wait_for(&listener, "kind", "job", JOBS, Duration::from_secs(30)).await;
+        // A second look: nothing is pushed twice (the watched jobs' stores are read too).
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let got = listener.got.lock().unwrap().clone();
+        let mut lags = Vec::new();
+        let mut names = std::collections::BTreeMap::<String, usize>::new();
+        for (at, method, p) in &got {
+            if method != "notifications/claude/channel" || p["meta"]["kind"] != "job" {
+                continue;
+            }
+            let name = p["meta"]["session_name"].as_str().unwrap().to_string();
+            *names.entry(name.clone()).or_default() += 1;
+            assert_eq!(p["meta"]["event"], "completed", "{p}");
+            assert_eq!(p["meta"]["exit_code"], "0", "{p}");
+            let i: usize = name[1..].parse().unwrap();
+            assert_eq!(
+                p["meta"]["watch_id"].is_string(),
+                i.is_multiple_of(2),
+                "{p}"
+            );
+            let content = p["content"].as_str().unwrap();
+            let ended_ms: u128 = content
+                .rsplit_once("; last line: ")
+                .and_then(|(_, l)| l.parse().ok())
+                .unwrap_or_else(|| panic!("no end time in {p}"));
+            let heard = anchor.1 + at.duration_since(anchor.0);
+            let heard_ms = heard
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis();
+            lags.push(heard_ms.saturating_sub(ended_ms) as u64);
+        }
+        assert_eq!(msgs.len(), JOBS);
+        assert_eq!(names.len(), JOBS, "{names:?}");
+        assert!(names.values().all(|&n| n == 1), "pushed twice: {names:?}");
+        lags.sort();
+        let p95 = lags[(lags.len() * 95).div_ceil(100) - 1];
+        println!(
+            "job end → channel push: p50 {} ms, p95 {p95} ms, max {} ms over {} jobs",
+            lags[lags.len() / 2],
+            lags[lags.len() - 1],
+            lags.len()
+        );
+        assert!(p95 <= 2_000, "p95 {p95} ms: {lags:?}");
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(120), result).await;
+    let _ = svc.cancel().await;
+    drop(daemons);
+    outcome.expect("the test ran past 120 s");
+}
+
 /// The detached daemon the server spawned for the test, killed however the test ends.
 struct KillOnDrop(i64);
 

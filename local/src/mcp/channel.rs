@@ -6,14 +6,16 @@
 //! training completes" needs no polling by the model. Only a client that listens gets them
 //! ([`listens`]): one that never asked may fail on a method it does not know.
 //!
-//! The events come from the store that the watchdog daemon and the transfer workers write; the
-//! server never asks SSH for them. It reads the store only when `PRAGMA data_version` says
-//! another connection committed, on one blocking thread, so a tick with nothing new costs one
-//! pragma and no runtime thread ever waits on SQLite.
+//! A job's end comes from the agent the moment it happens, for every job this session started,
+//! watched or not ([`super::job_ends`]: one event subscription per sandbox). The rest comes
+//! from the store that the watchdog daemon and the transfer workers write: a watch's other
+//! events (interrupted, resume_started, stalled, ...) and a transfer's end. The server reads
+//! the store only when `PRAGMA data_version` says another connection committed, on one
+//! blocking thread, so a tick with nothing new costs one pragma and no runtime thread ever
+//! waits on SQLite. A run's end that both report is sent once ([`Followed::claim_end`]).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    path::PathBuf,
     sync::Arc,
     time::Duration,
 };
@@ -25,6 +27,8 @@ use rmcp::{
 use rusqlite::{Connection, OptionalExtension, params};
 use serde_json::{Map, Value, json};
 use tokio_util::sync::CancellationToken;
+
+use crate::pool::Pool;
 
 /// The notification's method and the capability that announces it.
 pub const METHOD: &str = "notifications/claude/channel";
@@ -58,6 +62,15 @@ pub struct Followed {
     wake: tokio::sync::Notify,
 }
 
+impl State {
+    fn remember_end(&mut self, key: RunKey) {
+        if self.ended.len() >= ENDED_KEPT {
+            self.ended.pop_front();
+        }
+        self.ended.push_back(key);
+    }
+}
+
 #[derive(Default)]
 struct State {
     /// Watch id → the last event id reported for it (0: none yet, so an event written between
@@ -65,7 +78,22 @@ struct State {
     watches: BTreeMap<i64, i64>,
     /// Background transfer task ids.
     transfers: BTreeSet<i64>,
+    /// Jobs this session started (watched or not) whose end is not reported yet, each run by
+    /// its sandbox, name and start (ms, the agent's clock) → its watch id, 0 when unwatched.
+    /// The agent's event stream reports their ends ([`super::job_ends`]).
+    jobs: BTreeMap<RunKey, i64>,
+    /// The runs whose end was reported, oldest first, by whichever source came first: the
+    /// agent's stream or a watch's event in the store. The other's report of the same end is
+    /// dropped ([`Followed::claim_end`]).
+    ended: std::collections::VecDeque<RunKey>,
 }
+
+/// One run of a job: its sandbox, name and `started_ms`.
+pub type RunKey = (String, String, u64);
+
+/// How many reported ends are remembered for deduplication: far more than can be reported
+/// twice within the store's and the stream's lag of each other.
+const ENDED_KEPT: usize = 4096;
 
 impl Followed {
     pub fn watch(&self, id: i64) {
@@ -82,9 +110,64 @@ impl Followed {
         }
     }
 
+    /// A job this session started: its end is pushed from the agent's stream the moment it
+    /// happens, watched or not.
+    pub fn job(&self, sandbox: &str, name: &str, started_ms: u64, watch_id: i64) {
+        if started_ms == 0 || name.is_empty() {
+            return;
+        }
+        let key = (sandbox.to_string(), name.to_string(), started_ms);
+        let mut s = self.state.lock();
+        if !s.ended.contains(&key) {
+            s.jobs.insert(key, watch_id);
+            drop(s);
+            self.wake.notify_one();
+        }
+    }
+
+    /// The earliest start among this sandbox's unreported jobs: a subscription asks the agent
+    /// for every end since then, so one that came before it (or while it was down) is heard.
+    /// `None`: nothing left to hear about there.
+    pub(super) fn first_started(&self, sandbox: &str) -> Option<u64> {
+        let s = self.state.lock();
+        s.jobs
+            .keys()
+            .filter(|(sb, _, _)| sb == sandbox)
+            .map(|k| k.2)
+            .min()
+    }
+
+    /// The sandboxes with jobs whose end is not reported yet.
+    pub(super) fn job_sandboxes(&self) -> BTreeSet<String> {
+        let s = self.state.lock();
+        s.jobs.keys().map(|k| k.0.clone()).collect()
+    }
+
+    /// The stream saw this run end: `Some(watch id)` when it is this session's and its end
+    /// was not reported yet (the caller reports it), `None` otherwise.
+    pub(super) fn take_job(&self, key: &RunKey) -> Option<i64> {
+        let mut s = self.state.lock();
+        let watch_id = s.jobs.remove(key)?;
+        s.remember_end(key.clone());
+        Some(watch_id)
+    }
+
+    /// A watch's event in the store ends this run: whether it is the first report of that
+    /// end (send it) or the stream reported it already (drop it). Either way the stream will
+    /// not report it again.
+    pub(super) fn claim_end(&self, key: &RunKey) -> bool {
+        let mut s = self.state.lock();
+        if s.ended.contains(key) {
+            return false;
+        }
+        s.jobs.remove(key);
+        s.remember_end(key.clone());
+        true
+    }
+
     fn is_empty(&self) -> bool {
         let s = self.state.lock();
-        s.watches.is_empty() && s.transfers.is_empty()
+        s.watches.is_empty() && s.transfers.is_empty() && s.jobs.is_empty()
     }
 
     fn snapshot(&self) -> (BTreeMap<i64, i64>, BTreeSet<i64>) {
@@ -144,7 +227,8 @@ impl Message {
 
 #[derive(Default)]
 struct Scan {
-    messages: Vec<Message>,
+    /// Each with the run it reports the end of, when it does.
+    messages: Vec<(Message, Option<RunKey>)>,
     watch_cursors: Vec<(i64, i64)>,
     watches_ended: Vec<i64>,
     transfers_ended: Vec<i64>,
@@ -153,19 +237,50 @@ struct Scan {
 /// Runs until `ct` is cancelled (the session ended) or the client stops taking
 /// notifications. Store errors are logged and retried on the next tick: a push that is late is
 /// better than a session whose tools fail because its pusher gave up.
+///
+/// Job ends come from two sources through this one loop: the agent's stream for every job
+/// this session started ([`super::job_ends`], one subscription per sandbox, started here),
+/// and the store for what the watchdog saw of a watched job. Both claim a run's end in
+/// [`Followed`], so each end is sent once, by whichever source had it first.
 pub async fn run(
     peer: Peer<RoleServer>,
+    pool: Arc<Pool>,
     followed: Arc<Followed>,
-    state_dir: PathBuf,
     ct: CancellationToken,
 ) {
+    let state_dir = pool.config().state_dir.clone();
     let mut conn: Option<Connection> = None;
     let mut seen_version: Option<i64> = None;
+    let (ends_tx, mut ends) = tokio::sync::mpsc::channel::<Message>(256);
+    let mut subscriptions: BTreeMap<String, tokio::task::JoinHandle<()>> = BTreeMap::new();
+    let stop = ct.child_token();
+    let _stop_subscriptions = stop.clone().drop_guard();
     loop {
+        // A sandbox with an unreported job and no live subscription gets one (again: a
+        // subscription ends itself once nothing is left to hear about there).
+        subscriptions.retain(|_, h| !h.is_finished());
+        for sandbox in followed.job_sandboxes() {
+            if let std::collections::btree_map::Entry::Vacant(e) = subscriptions.entry(sandbox) {
+                let task = super::job_ends::follow(
+                    pool.clone(),
+                    e.key().clone(),
+                    followed.clone(),
+                    ends_tx.clone(),
+                    stop.clone(),
+                );
+                e.insert(tokio::spawn(task));
+            }
+        }
         if followed.is_empty() {
             tokio::select! {
                 _ = ct.cancelled() => return,
                 _ = followed.wake.notified() => {}
+                Some(m) = ends.recv() => {
+                    if peer.send_notification(m.notification()).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
             }
             // Something new to follow: read the store now, whatever its version says.
             seen_version = None;
@@ -174,6 +289,12 @@ pub async fn run(
                 _ = ct.cancelled() => return,
                 _ = tokio::time::sleep(TICK) => {}
                 _ = followed.wake.notified() => seen_version = None,
+                Some(m) = ends.recv() => {
+                    if peer.send_notification(m.notification()).await.is_err() {
+                        return;
+                    }
+                    continue;
+                }
             }
         }
         let (watches, transfers) = followed.snapshot();
@@ -199,7 +320,11 @@ pub async fn run(
             Ok(Ok((c, version, found))) => {
                 conn = Some(c);
                 seen_version = Some(version);
-                for m in &found.messages {
+                for (m, run) in &found.messages {
+                    // A run's end the stream reported already is not sent again.
+                    if run.as_ref().is_some_and(|k| !followed.claim_end(k)) {
+                        continue;
+                    }
                     if peer.send_notification(m.notification()).await.is_err() {
                         // The client is gone; the session's end cancels `ct` too.
                         return;
@@ -261,7 +386,7 @@ fn scan_in(
         let mut cursor = after;
         for e in &rows {
             cursor = cursor.max(e.event_id);
-            out.messages.push(e.message());
+            out.messages.push((e.message(), e.run()));
         }
         out.watch_cursors.push((watch_id, cursor));
         // The watch's own status says when nothing more will come (completed, gave_up,
@@ -302,7 +427,7 @@ fn scan_in(
             .optional()?;
         match row {
             Some(t) if is_terminal(&t.status) => {
-                out.messages.push(t.message());
+                out.messages.push((t.message(), None));
                 out.transfers_ended.push(id);
             }
             Some(_) => {}
@@ -333,6 +458,15 @@ struct JobEvent {
 }
 
 impl JobEvent {
+    /// The run this event reports the end of: the daemon records the run's start with every
+    /// event that ends one ([`crate::watchdog::event::ENDS_RUN`]).
+    fn run(&self) -> Option<RunKey> {
+        let started = self.payload["started_ms"].as_u64().filter(|&s| s > 0)?;
+        crate::watchdog::event::ENDS_RUN
+            .contains(&self.event_type.as_str())
+            .then(|| (self.sandbox.clone(), self.session.clone(), started))
+    }
+
     fn message(&self) -> Message {
         let exit = self.payload["exit_code"].as_i64();
         let outcome = match (self.event_type.as_str(), exit) {
@@ -373,6 +507,61 @@ impl JobEvent {
         }
         Message::new(content, meta)
     }
+}
+
+/// The push for a run's end as the agent's stream reported it ([`super::job_ends`]): the same
+/// line and meta keys as a watch's `completed` or `interrupted` event.
+pub(super) fn run_ended(sandbox: &str, e: &rsb_protocol::JobEvent, watch_id: i64) -> Message {
+    use rsb_protocol::JobEventKind;
+    let info = &e.info;
+    let (event, outcome) = match (e.kind, info.exit_code, info.signal) {
+        (JobEventKind::Lost, _, _) => (
+            crate::watchdog::event::INTERRUPTED,
+            "lost (it ended without recording an exit code)".to_string(),
+        ),
+        (_, Some(0), _) => (
+            crate::watchdog::event::COMPLETED,
+            "completed (exit 0)".into(),
+        ),
+        (_, Some(c), _) => (
+            crate::watchdog::event::COMPLETED,
+            format!("failed (exit {c})"),
+        ),
+        (_, None, Some(sig)) => (
+            crate::watchdog::event::INTERRUPTED,
+            format!("killed by signal {sig}"),
+        ),
+        _ => (crate::watchdog::event::INTERRUPTED, "ended".into()),
+    };
+    let mut content = format!("job `{}` on {sandbox}: {outcome}", info.name);
+    if let Some(end) = info.ended_ms {
+        let took = (end.saturating_sub(info.started_ms) as i64 + 500) / 1000;
+        content.push_str(&format!(" after {}", duration(took)));
+    }
+    if let Some(l) = e
+        .last_line
+        .as_deref()
+        .map(crate::watchdog::one_line)
+        .filter(|l| !l.is_empty())
+    {
+        content.push_str(&format!("; last line: {}", clip(&l, MAX_LAST_LINE_CHARS)));
+    }
+    let mut meta = BTreeMap::from([
+        ("kind", "job".to_string()),
+        ("event", event.to_string()),
+        ("sandbox_name", sandbox.to_string()),
+        ("session_name", info.name.clone()),
+    ]);
+    if let Some(c) = info.exit_code {
+        meta.insert("exit_code", c.to_string());
+    }
+    if let Some(sig) = info.signal {
+        meta.insert("signal", sig.to_string());
+    }
+    if watch_id > 0 {
+        meta.insert("watch_id", watch_id.to_string());
+    }
+    Message::new(content, meta)
 }
 
 struct Transfer {
@@ -598,7 +787,7 @@ mod tests {
             );
             let (watches, transfers) = followed.snapshot();
             let found = scan(&r, &watches, &transfers).unwrap();
-            for m in &found.messages {
+            for (m, _) in &found.messages {
                 *heard.entry(m.meta["watch_id"].clone()).or_default() += 1;
             }
             for id in &found.watches_ended {
@@ -720,6 +909,35 @@ mod tests {
         assert!(m.content.starts_with("job `x"), "{}", m.content);
         assert!(m.content.contains("failed (exit 1)"), "{}", m.content);
         assert_eq!(for_channel("plain text: ok"), "plain text: ok");
+    }
+
+    /// Issue 40: a run's end is sent once, by whichever of the agent's stream and the store
+    /// reports it first; a resumed run of the same name (another start) is its own end.
+    #[test]
+    fn each_run_s_end_is_claimed_once_by_the_stream_or_the_store() {
+        let f = Followed::default();
+        let run = |n: &str, t: u64| ("gpu1".to_string(), n.to_string(), t);
+        f.job("gpu1", "train", 1_000, 4);
+        f.job("gpu1", "eval", 2_000, 0);
+        f.job("gpu2", "x", 500, 0);
+        assert_eq!(f.first_started("gpu1"), Some(1_000));
+        assert_eq!(f.job_sandboxes().len(), 2);
+        // The stream first: the store's report of the same end is dropped.
+        assert_eq!(f.take_job(&run("train", 1_000)), Some(4));
+        assert!(!f.claim_end(&run("train", 1_000)));
+        assert_eq!(f.take_job(&run("train", 1_000)), None);
+        // The store first: the stream finds nothing left to report.
+        assert!(f.claim_end(&run("eval", 2_000)));
+        assert_eq!(f.take_job(&run("eval", 2_000)), None);
+        assert_eq!(f.first_started("gpu1"), None);
+        // A resumed run: a new start, heard on its own.
+        assert!(f.claim_end(&run("train", 9_000)));
+        // Not this session's job: the stream ignores it; a job whose end was already
+        // reported is not followed again.
+        assert_eq!(f.take_job(&run("other", 1_000)), None);
+        f.job("gpu1", "train", 1_000, 4);
+        assert_eq!(f.first_started("gpu1"), None);
+        assert!(!f.is_empty(), "gpu2's job is still followed");
     }
 
     #[test]

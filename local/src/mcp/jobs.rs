@@ -531,7 +531,7 @@ impl RsbServer {
         let started =
             jobs::start(&client, &p.command, &p.session_name, &p.log_file, &p.cwd).await?;
         let v = serde_json::to_value(&started).unwrap_or_default();
-        let (name, log) = (started.tmux_session, started.log_file);
+        let (name, log, started_ms) = (started.tmux_session, started.log_file, started.started_ms);
         // The job's resolved cwd (where a relative checkpoint_path lives).
         let cwd = if !p.watch {
             String::new()
@@ -547,8 +547,13 @@ impl RsbServer {
                 Err(_) => String::new(),
             }
         };
-        self.register_watch(v, &p, prepared, sandbox, &name, &log, &cwd)
-            .await
+        let v = self
+            .register_watch(v, &p, prepared, sandbox.clone(), &name, &log, &cwd)
+            .await?;
+        // Its end is pushed from the agent's stream, watched or not.
+        let watch_id = v["watch_id"].as_i64().unwrap_or(0);
+        self.followed.job(&sandbox, &name, started_ms, watch_id);
+        Ok(v)
     }
 
     /// With `watch`, register the watch of a job just started and add its keys to `v`.

@@ -9,6 +9,7 @@ mod edit;
 mod exec;
 mod forward;
 mod fs;
+mod job_ends;
 mod jobs;
 mod policy;
 mod sandboxes;
@@ -582,7 +583,6 @@ async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
     let pool = server.pool.clone();
     let forwards = server.forwards.clone();
     let followed = server.followed.clone();
-    let state_dir = pool.config().state_dir.clone();
     let (transport, writer) = stdio::transport(
         tokio::io::stdin(),
         tokio::io::stdout(),
@@ -600,8 +600,8 @@ async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
             let pusher = listens.then(|| {
                 tokio::spawn(channel::run(
                     running.peer().clone(),
+                    pool.clone(),
                     followed,
-                    state_dir,
                     ct.clone(),
                 ))
             });

@@ -274,6 +274,14 @@ pub fn decide(w: &Watch, obs: &Observed, now_ms: i64) -> Outcome {
         Observed::Job(_) if w.resume_intent_ms > 0 => {}
         Observed::Job(seen) => {
             job(w, &mut a, seen, now, &mut events, &mut resume);
+            if seen.started_ms > 0 {
+                for e in events
+                    .iter_mut()
+                    .filter(|e| event::ENDS_RUN.contains(&e.event_type))
+                {
+                    e.extra.insert("started_ms".into(), json!(seen.started_ms));
+                }
+            }
         }
     }
     Outcome {
@@ -710,6 +718,8 @@ mod tests {
             );
             assert_eq!(types(&o), ["completed"]);
             assert_eq!(o.events[0].extra["exit_code"], code);
+            // The run it ends, for a session that heard the end from the agent's stream.
+            assert_eq!(o.events[0].extra["started_ms"], 1_000_000);
             assert!(!o.resume);
             assert_eq!(o.after.status, "completed");
             assert_eq!(o.after.last_exit_code, Some(code as i64));

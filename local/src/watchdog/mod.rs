@@ -77,6 +77,9 @@ pub mod event {
     pub const CANCELLED: &str = "cancelled";
     /// The Slurm controller did not answer: the job's state is unknown (never "lost").
     pub const SCHEDULER_UNREACHABLE: &str = "scheduler_unreachable";
+    /// The events that report a run's end: each carries the run's `started_ms`, so a session
+    /// that heard the same end from the agent's stream tells it from a resumed run's.
+    pub const ENDS_RUN: [&str; 5] = [COMPLETED, INTERRUPTED, TIMEOUT, OUT_OF_MEMORY, CANCELLED];
 }
 
 /// Keeps the last `max` characters (the end of a log or checkpoint is what matters).
