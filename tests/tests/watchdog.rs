@@ -689,6 +689,164 @@ async fn webhooks_deliver_and_bad_hooks_are_recorded_without_stalling_the_loop()
     pool.shutdown().await;
 }
 
+/// Each request's body, with when it came.
+type TimedBodies = Arc<Mutex<Vec<(std::time::SystemTime, String)>>>;
+
+/// A one-thread HTTP server on 127.0.0.1 recording each request's body and when it came.
+fn timed_http_server() -> (u16, TimedBodies) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let g = got.clone();
+    std::thread::spawn(move || {
+        for s in l.incoming().flatten().take(100) {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            let (_, body) = read_request(&mut r);
+            g.lock().unwrap().push((std::time::SystemTime::now(), body));
+            let mut s = s;
+            let _ = s.write_all(b"HTTP/1.1 204 No Content\r\nContent-Length: 0\r\n\r\n");
+        }
+    });
+    (port, got)
+}
+
+/// Issue 40, acceptance: with no MCP server and no `interval_s` (the default 300 s), the
+/// daemon records `completed` and posts its webhook within 2 s of a job's end (p95 over 10
+/// jobs): its job-event subscription starts the check the moment the agent sees the end. Each
+/// job's last line is when it ended (ms; the host is loopback, one clock), which the webhook's
+/// log tail carries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_default_settings_an_end_is_recorded_and_posted_within_two_seconds() {
+    const JOBS: usize = 10;
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let pool = key_pool(&sshd, tmp.path());
+    let (port, got) = timed_http_server();
+    let daemon = Daemon::start(tmp.path(), &state, &[]);
+    let mut ids = Vec::new();
+    for i in 0..JOBS {
+        let id = watch_job(
+            &pool,
+            &state,
+            "s",
+            &format!("e{i}"),
+            &format!("sleep {}; date +%s%3N", 1 + i % 3),
+            wops::WatchArgs {
+                interval_s: rsb::watchdog::DEFAULT_INTERVAL_S,
+                webhook_url: format!("http://127.0.0.1:{port}/rsb"),
+                ..args()
+            },
+        )
+        .await;
+        ids.push(id);
+    }
+    let t0 = Instant::now();
+    while got.lock().unwrap().len() < JOBS {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "{} of {JOBS} webhooks within 30 s:\n{}",
+            got.lock().unwrap().len(),
+            daemon.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut lags = Vec::new();
+    for (at, body) in got.lock().unwrap().iter() {
+        let v: Value = serde_json::from_str(body).unwrap();
+        assert_eq!(v["event_type"], "completed", "{v}");
+        assert_eq!(v["payload"]["exit_code"], 0, "{v}");
+        let tail = v["payload"]["log_tail"].as_str().unwrap_or_default();
+        let ended_ms: u128 = tail
+            .lines()
+            .rev()
+            .find_map(|l| l.parse().ok())
+            .unwrap_or_else(|| panic!("no end time in {tail:?}"));
+        let heard = at
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis();
+        lags.push(heard.saturating_sub(ended_ms) as u64);
+    }
+    lags.sort();
+    let p95 = lags[(lags.len() * 95).div_ceil(100) - 1];
+    println!(
+        "job end → webhook posted by the daemon: p50 {} ms, p95 {p95} ms, max {} ms over {} jobs",
+        lags[lags.len() / 2],
+        lags[lags.len() - 1],
+        lags.len()
+    );
+    assert!(p95 <= 2_000, "p95 {p95} ms: {lags:?}");
+    for id in ids {
+        assert_eq!(types(&events_of(&state, id)), ["completed"], "watch {id}");
+        assert_eq!(watch(&state, id).status, "completed");
+    }
+    drop(daemon);
+    pool.shutdown().await;
+}
+
+/// Issue 40: a job that ends while the daemon's connection is cut (chaos proxy) is recorded
+/// once the connection is back, once, with no interval check due (300 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_end_during_a_cut_is_recorded_on_reconnecting_once() {
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let (proxy, mut t) = proxied_target(&sshd, tmp.path());
+    t.connect_timeout = Duration::from_secs(3);
+    let pool = pool_of(vec![sandbox("flaky", t)], tmp.path());
+    let daemon = Daemon::start(tmp.path(), &state, &[]);
+    let id = watch_job(
+        &pool,
+        &state,
+        "flaky",
+        "cutoff",
+        "sleep 4; echo finished",
+        wops::WatchArgs {
+            interval_s: rsb::watchdog::DEFAULT_INTERVAL_S,
+            ..args()
+        },
+    )
+    .await;
+    pool.shutdown().await;
+    wait_events(&state, id, Duration::from_secs(20), "running", |_| {
+        watch(&state, id).last_state == "running"
+    })
+    .await;
+    // The daemon's subscription is up (a tick after the watch); then the host goes away
+    // while the job ends.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    proxy.refuse(true);
+    proxy.cut();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        events_of(&state, id).is_empty(),
+        "nothing can be known during the cut"
+    );
+    let back = Instant::now();
+    proxy.refuse(false);
+    let e = wait_events(
+        &state,
+        id,
+        Duration::from_secs(40),
+        "completed",
+        has("completed"),
+    )
+    .await;
+    println!("recorded {:?} after the link came back", back.elapsed());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(types(&events_of(&state, id)), ["completed"]);
+    assert_eq!(e[0].payload["exit_code"], 0);
+    assert!(
+        e[0].payload["log_tail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("finished")
+    );
+    drop(daemon);
+}
+
 /// Issue 26, item 5: hooks added to the config file were read only when the daemon started.
 /// Now a running daemon picks up a changed `[watchdog]` table on its next tick: a job that ends
 /// after the edit runs the new `event_command`, with no restart.

@@ -207,6 +207,35 @@ pub fn due(conn: &Connection, now_ms: i64, limit: i64) -> Result<Vec<i64>> {
         .map_err(db_err)
 }
 
+/// The sandboxes (fingerprint, name) with an active watch: where the daemon holds a job-event
+/// subscription.
+pub fn active_sandboxes(conn: &Connection) -> Result<Vec<(String, String)>> {
+    let mut st = conn
+        .prepare_cached(
+            "SELECT DISTINCT sandbox_fp, sandbox_name FROM watches WHERE status = 'active'
+             ORDER BY sandbox_fp, sandbox_name",
+        )
+        .map_err(db_err)?;
+    st.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .map_err(db_err)?
+        .collect::<rusqlite::Result<_>>()
+        .map_err(db_err)
+}
+
+/// The active watches of job `job` on one sandbox (fingerprint, name).
+pub fn active_on(conn: &Connection, fp: &str, sandbox: &str, job: &str) -> Result<Vec<i64>> {
+    let mut st = conn
+        .prepare_cached(
+            "SELECT id FROM watches WHERE status = 'active' AND sandbox_fp = ?1
+             AND sandbox_name = ?2 AND tmux_session = ?3 ORDER BY id",
+        )
+        .map_err(db_err)?;
+    st.query_map(params![fp, sandbox, job], |r| r.get(0))
+        .map_err(db_err)?
+        .collect::<rusqlite::Result<_>>()
+        .map_err(db_err)
+}
+
 /// The earliest `next_check_ms` of an active watch.
 pub fn next_due_ms(conn: &Connection) -> Result<Option<i64>> {
     conn.query_row(

@@ -172,7 +172,18 @@ pub struct Daemon {
     last_beat: Mutex<Option<Instant>>,
     /// When retention last ran ([`PRUNE_EVERY`]).
     last_prune: Mutex<Option<Instant>>,
+    /// One job-event subscription per sandbox with an active watch, by its key
+    /// ([`Daemon::follow`]): a job's end starts its watch's check at once.
+    subscriptions: Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
+    /// Watches whose job ended while a check of theirs was running: checked again after it,
+    /// since that check may have looked before the end.
+    recheck: Mutex<HashSet<i64>>,
 }
+
+/// The first wait before a failed subscription is tried again; it doubles up to
+/// [`FOLLOW_RETRY_MAX`] while the sandbox stays unreachable (the interval checks go on).
+const FOLLOW_RETRY_FIRST: Duration = Duration::from_millis(500);
+const FOLLOW_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// How often the daemon applies the retention policy (`rsb state prune` does it at once).
 const PRUNE_EVERY: Duration = Duration::from_secs(3600);
@@ -194,6 +205,8 @@ pub async fn run(opts: Options) -> Result<()> {
         forwards: Arc::new(super::forwards::Served::new(&opts.state_dir)),
         last_beat: Mutex::new(None),
         last_prune: Mutex::new(None),
+        subscriptions: Mutex::new(HashMap::new()),
+        recheck: Mutex::new(HashSet::new()),
     });
     let started = store::now_s();
     d.db(|c| {
@@ -252,6 +265,9 @@ pub async fn run(opts: Options) -> Result<()> {
     // (liveness is the lock holder's anyway, see `service::daemon_info`).
     if let Err(e) = d.db(|c| db::meta_delete(c, "heartbeat")) {
         tracing::warn!("[watchdog] cannot clear the heartbeat: {}", e.message);
+    }
+    for (_, h) in d.subscriptions.lock().drain() {
+        h.abort();
     }
     d.forwards.stop_all().await;
     let hosts: Vec<Arc<Host>> = d.hosts.lock().values().cloned().collect();
@@ -327,70 +343,60 @@ impl Daemon {
     /// active watches.
     fn tick(self: &Arc<Self>, opts: &Options) -> Result<i64> {
         let ms = now_ms();
-        let (due, active) = self.db(|c| -> Result<_> {
-            let c = &*c;
-            let beat_due = self
-                .last_beat
-                .lock()
-                .is_none_or(|t| t.elapsed() >= super::HEARTBEAT_EVERY);
-            if beat_due {
-                db::meta_set(
-                    c,
-                    "heartbeat",
-                    &json!({
-                        "ts": ms / 1000,
-                        "stale_after_s": super::HEARTBEAT_STALE_S,
-                        "db_path": store::db_path(&self.state_dir).display().to_string(),
-                        "config_path": crate::config::config_file_path().display().to_string(),
-                        "pid": std::process::id(),
-                        "mode": opts.mode,
-                    }),
-                )?;
-                *self.last_beat.lock() = Some(Instant::now());
-            }
-            let prune_due = self
-                .last_prune
-                .lock()
-                .is_none_or(|t| t.elapsed() >= PRUNE_EVERY);
-            if prune_due {
-                *self.last_prune.lock() = Some(Instant::now());
-                match store::retention::prune_now(&self.state_dir, c, &Default::default()) {
-                    Ok(p) if p.bytes_freed > 0 => {
-                        tracing::info!("[watchdog] retention: {p:?}")
-                    }
-                    Ok(_) => {}
-                    Err(e) => tracing::warn!("[watchdog] retention failed: {}", e.message),
+        let (due, active) = self
+            .db(|c| -> Result<_> {
+                let c = &*c;
+                let beat_due = self
+                    .last_beat
+                    .lock()
+                    .is_none_or(|t| t.elapsed() >= super::HEARTBEAT_EVERY);
+                if beat_due {
+                    db::meta_set(
+                        c,
+                        "heartbeat",
+                        &json!({
+                            "ts": ms / 1000,
+                            "stale_after_s": super::HEARTBEAT_STALE_S,
+                            "db_path": store::db_path(&self.state_dir).display().to_string(),
+                            "config_path": crate::config::config_file_path().display().to_string(),
+                            "pid": std::process::id(),
+                            "mode": opts.mode,
+                        }),
+                    )?;
+                    *self.last_beat.lock() = Some(Instant::now());
                 }
-            }
-            let due = db::due(c, ms, MAX_STARTS_PER_TICK)?;
-            let active = db::counts(c)?.get("active").copied().unwrap_or(0);
-            let forwards =
-                self.forwards
-                    .tick(c, |c, fp, name| self.pool_for(c, fp, name)) as i64;
-            Ok((due, active + forwards))
-        })?;
+                let prune_due = self
+                    .last_prune
+                    .lock()
+                    .is_none_or(|t| t.elapsed() >= PRUNE_EVERY);
+                if prune_due {
+                    *self.last_prune.lock() = Some(Instant::now());
+                    match store::retention::prune_now(&self.state_dir, c, &Default::default()) {
+                        Ok(p) if p.bytes_freed > 0 => {
+                            tracing::info!("[watchdog] retention: {p:?}")
+                        }
+                        Ok(_) => {}
+                        Err(e) => tracing::warn!("[watchdog] retention failed: {}", e.message),
+                    }
+                }
+                let due = db::due(c, ms, MAX_STARTS_PER_TICK)?;
+                let active = db::counts(c)?.get("active").copied().unwrap_or(0);
+                let forwards = self
+                    .forwards
+                    .tick(c, |c, fp, name| self.pool_for(c, fp, name))
+                    as i64;
+                let followed = db::active_sandboxes(c)?;
+                Ok((due, active + forwards, followed))
+            })
+            .map(|(due, active, followed)| {
+                self.follow_sandboxes(followed);
+                (due, active)
+            })?;
         let mut started = 0;
         for id in due {
-            if !self.inflight.lock().insert(id) {
-                continue;
+            if self.start_check(id, false) {
+                started += 1;
             }
-            started += 1;
-            let d = self.clone();
-            tokio::spawn(async move {
-                let d2 = d.clone();
-                if let Err(msg) = supervise(async move { d2.check(id).await }).await {
-                    tracing::error!(watch = id, "[watchdog] {msg}");
-                    d.db(|c| {
-                        let interval = db::get(c, id)
-                            .ok()
-                            .flatten()
-                            .map(|w| w.interval_s)
-                            .unwrap_or(60);
-                        let _ = db::record_failed_check(c, id, &msg, interval);
-                    });
-                }
-                d.inflight.lock().remove(&id);
-            });
         }
         if started > 0 {
             let _ = self.db(|c| {
@@ -402,6 +408,117 @@ impl Daemon {
             });
         }
         Ok(active)
+    }
+
+    /// Start a check of watch `id` unless one is running; `again` (a job's end was just heard):
+    /// if one is running, check once more after it, as it may have looked before the end.
+    /// Whether a check started.
+    fn start_check(self: &Arc<Self>, id: i64, again: bool) -> bool {
+        if !self.inflight.lock().insert(id) {
+            if again {
+                self.recheck.lock().insert(id);
+            }
+            return false;
+        }
+        let d = self.clone();
+        tokio::spawn(async move {
+            let d2 = d.clone();
+            if let Err(msg) = supervise(async move { d2.check(id).await }).await {
+                tracing::error!(watch = id, "[watchdog] {msg}");
+                d.db(|c| {
+                    let interval = db::get(c, id)
+                        .ok()
+                        .flatten()
+                        .map(|w| w.interval_s)
+                        .unwrap_or(60);
+                    let _ = db::record_failed_check(c, id, &msg, interval);
+                });
+            }
+            d.inflight.lock().remove(&id);
+            if d.recheck.lock().remove(&id) {
+                d.start_check(id, false);
+            }
+        });
+        true
+    }
+
+    /// Hold one job-event subscription per sandbox in `wanted` (those with an active watch);
+    /// end those no longer wanted.
+    fn follow_sandboxes(self: &Arc<Self>, wanted: Vec<(String, String)>) {
+        let mut subs = self.subscriptions.lock();
+        let keys: HashSet<String> = wanted
+            .iter()
+            .map(|(fp, name)| sandboxes::key(fp, name).to_string())
+            .collect();
+        subs.retain(|k, h| {
+            let keep = keys.contains(k) && !h.is_finished();
+            if !keep {
+                h.abort();
+            }
+            keep
+        });
+        for (fp, name) in wanted {
+            let key = sandboxes::key(&fp, &name).to_string();
+            if !subs.contains_key(&key) {
+                let d = self.clone();
+                subs.insert(key, tokio::spawn(async move { d.follow(fp, name).await }));
+            }
+        }
+    }
+
+    /// A job's end on this sandbox starts its watch's check the moment the agent sees it, so
+    /// `completed`, alerts, webhooks and resumes follow within a second; `interval_s` stays
+    /// the check for what a subscription cannot see (the connection down, the host gone).
+    /// Every (re)subscription asks for every run that ended (`since_ms` 1): the agent sends
+    /// each job's last end at once, so an end missed while the connection was down is checked
+    /// on reconnecting. Slurm login nodes keep their scheduler poll.
+    async fn follow(self: Arc<Self>, fp: String, name: String) {
+        let mut retry = FOLLOW_RETRY_FIRST;
+        loop {
+            let resolved = self.db(|c| sandboxes::resolve(c, &self.state_dir, &fp, &name));
+            if let Ok(Some(Ok(cfg))) = resolved {
+                if cfg.slurm.is_some() {
+                    // Until the tick ends it: no watch left there.
+                    return std::future::pending().await;
+                }
+                let host = self.host(sandboxes::key(&fp, &name), cfg);
+                match host.client(Instant::now()).await {
+                    Ok(client) => {
+                        let mut ends = crate::ops::jobs::JobEnds::subscribe(&client, 1);
+                        loop {
+                            match ends.next().await {
+                                Ok(e) => {
+                                    retry = FOLLOW_RETRY_FIRST;
+                                    self.job_ended(&fp, &name, &e.info.name);
+                                }
+                                Err(e) => {
+                                    tracing::info!(
+                                        "[watchdog] job events on {name}: {}; following again",
+                                        e.message
+                                    );
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => tracing::debug!("[watchdog] job events on {name}: {}", e.message),
+                }
+            }
+            tokio::time::sleep(retry).await;
+            retry = (retry * 2).min(FOLLOW_RETRY_MAX);
+        }
+    }
+
+    /// A run of job `job` ended on the sandbox: check its active watches now.
+    fn job_ended(self: &Arc<Self>, fp: &str, sandbox: &str, job: &str) {
+        match self.db(|c| db::active_on(c, fp, sandbox, job)) {
+            Ok(ids) => {
+                for id in ids {
+                    self.start_check(id, true);
+                }
+            }
+            Err(e) => tracing::warn!("[watchdog] cannot read the watches: {}", e.message),
+        }
     }
 
     /// The pool of a persisted sandbox, for a detached forward (`conn` is the store, already
