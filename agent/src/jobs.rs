@@ -309,6 +309,9 @@ fn prepare_log(log: &Path) -> Result<(), AgentError> {
 struct Job {
     spec: Record,
     state: Option<Record>,
+    /// The wrapper was seen gone after the state was read ([`load`]): without an end in the
+    /// record, the run is lost.
+    wrapper_gone: bool,
 }
 
 fn read_optional(path: &Path) -> Result<Option<Record>, AgentError> {
@@ -327,24 +330,36 @@ fn read_optional(path: &Path) -> Result<Option<Record>, AgentError> {
 /// replace them between the two reads; the launch id both carry detects that, and the read
 /// is retried, so an old command is never paired with a new run's state.
 fn load(ctx: &Ctx, name: &str) -> Result<Option<Job>, AgentError> {
-    let dir = ctx.job_dir(name);
+    load_dir(&ctx.job_dir(name))
+}
+
+fn load_dir(dir: &Path) -> Result<Option<Job>, AgentError> {
     for _ in 0..3 {
         let Some(spec) = read_optional(&dir.join("spec"))? else {
             return Ok(None);
         };
         let mut state = read_optional(&dir.join("state"))?;
         // A wrapper writes its end, then exits. Read before that write and judged after the
-        // exit, a job that ended would read as lost (and a watch would resume it): once the
-        // wrapper is seen gone, the record is read again, which then holds any end it wrote.
+        // exit, a job that ended would read as lost (and a watch would resume it): liveness
+        // is judged once, here, and once the wrapper is seen gone the record is read again,
+        // which then holds any end it wrote.
+        let mut wrapper_gone = false;
         if let Some(st) = &state
             && st.get("ended_ms").is_none()
             && !wrapper_alive(st)
         {
+            wrapper_gone = true;
             state = read_optional(&dir.join("state"))?;
         }
         match state {
             Some(st) if st.get("launch") != spec.get("launch") => std::thread::sleep(POLL),
-            state => return Ok(Some(Job { spec, state })),
+            state => {
+                return Ok(Some(Job {
+                    spec,
+                    state,
+                    wrapper_gone,
+                }));
+            }
         }
     }
     Ok(None)
@@ -362,10 +377,10 @@ impl Job {
             } else {
                 JobState::Exited
             }
-        } else if wrapper_alive(st) {
-            JobState::Running
-        } else {
+        } else if self.wrapper_gone {
             JobState::Lost
+        } else {
+            JobState::Running
         };
         let text = |r: &Record, k: &str| {
             String::from_utf8_lossy(r.get_bytes(k).unwrap_or_default()).into_owned()
@@ -843,19 +858,17 @@ fn finish_start(dir: &Path, name: &str, id: &str) -> Result<JobInfo, AgentError>
         if let Some(st) = read_optional(&dir.join("state"))?
             && st.get("launch") == Some(id)
         {
-            let spec = Record::read(&dir.join("spec"))
-                .map_err(|e| AgentError::from_io(&e, "job spec", &dir.display().to_string()))?;
             if let Some(err) = st.get("error") {
                 return Err(AgentError::new(
                     ErrorCode::Io,
                     format!("job '{name}' could not start: {err}"),
                 ));
             }
-            let job = Job {
-                spec,
-                state: Some(st),
-            };
-            return job.info().ok_or_else(|| internal("job state vanished"));
+            // Both records, read as any status read does (a job that ends at once is not
+            // taken for lost).
+            return load_dir(dir)?
+                .and_then(|job| job.info())
+                .ok_or_else(|| internal("job state vanished"));
         }
         let wlog = std::fs::read(dir.join("wrapper.log")).unwrap_or_default();
         let wlog = String::from_utf8_lossy(&wlog);
