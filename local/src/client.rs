@@ -598,6 +598,9 @@ impl AgentClient {
             armed: true,
         };
         permit.send(frame);
+        // `RSB_LOG=rsb::requests=debug` lists every request sent (what a wait or an idle
+        // daemon costs the host, counted by the tests).
+        tracing::debug!(target: "rsb::requests", sandbox = %self.inner.sandbox, id, kind, "request");
         // A close that raced with the insert above must not leave us waiting forever.
         if self.inner.closed.load(Ordering::SeqCst)
             && let Some(p) = self.inner.pending.lock().remove(&id)

@@ -104,6 +104,10 @@ pub struct JobEventsRequest {
     /// Reply (with the jobs' records) once every named job has ended or been lost: `rsb wait`.
     /// A named job that is not recorded is an error. Needs `names`.
     pub until_ended: bool,
+    /// Also send one [`JobEventKind::Output`] when a named job that runs has a log larger than
+    /// this many bytes (looked at every 250 ms): `check_background_task(wait_s)`, which
+    /// answers at the job's end or its next output. Needs `names`.
+    pub output_after: Option<u64>,
 }
 
 /// How often a subscription re-reads every record even without a file event.
@@ -117,6 +121,9 @@ pub enum JobEventKind {
     Ended,
     /// Its supervisor vanished without recording an end.
     Lost,
+    /// The running job's log grew past [`JobEventsRequest::output_after`] (`info.log_file`;
+    /// `last_line` its last line so far). Sent once.
+    Output,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

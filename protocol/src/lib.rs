@@ -58,8 +58,8 @@ pub use sync::{
 /// 12: `ReadFileZRequest::{compress, whole}` and `ReadFileZResult::settled`. 13: one zstd
 /// stream per apply session (`ApplyOp::Stream`) replaces `Packed` and `FileDataZ`.
 /// 17: `SearchRequest::{stream, ranges}`, `SearchLine::raw`, [`Chunk::Search`]; `JobEvents` and
-/// [`Chunk::JobEvent`].
-pub const PROTOCOL_VERSION: u32 = 17;
+/// [`Chunk::JobEvent`]. 18: `JobEventsRequest::output_after`, `JobEventKind::Output`.
+pub const PROTOCOL_VERSION: u32 = 18;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops

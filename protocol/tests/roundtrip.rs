@@ -203,6 +203,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             names: vec!["train".into()],
             since_ms: 1_700_000_000_000,
             until_ended: true,
+            output_after: Some(4096),
         }),
     ];
     let mut to_agent: Vec<ToAgent> = requests

@@ -190,6 +190,17 @@ impl Mcp {
         std::fs::read_to_string(&self.stderr_path).unwrap_or_default()
     }
 
+    /// The requests tool calls have sent to agents (`rsb::requests` debug lines in a call's
+    /// `serve_inner` span; the server's own background work, such as the first connect's
+    /// Slurm probe, is not a call's).
+    fn call_requests(&self) -> Vec<String> {
+        self.stderr()
+            .lines()
+            .filter(|l| l.contains("rsb::requests") && l.contains("serve_inner"))
+            .map(str::to_string)
+            .collect()
+    }
+
     /// The server's `RSB_STATE_DIR`.
     fn state_dir(&self) -> PathBuf {
         self._tmp.path().join("state")
@@ -1295,12 +1306,17 @@ async fn check_background_task_waits_for_the_end_or_new_output() {
         )
         .await;
         let t0 = Instant::now();
+        let before = mcp.call_requests().len();
         let v = mcp
             .ok(
                 "check_background_task",
                 json!({"tmux_session": name, "wait_s": 60}),
             )
             .await;
+        // Issue 40: the wait is one request to the agent, between a status read on each side
+        // (it asked every 50 ms before).
+        let asked = mcp.call_requests()[before..].to_vec();
+        assert!(asked.len() <= 3, "{asked:#?}");
         let now_ns = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .unwrap()

@@ -36,9 +36,9 @@ pub(crate) fn events_in(
     cancel: &CancellationToken,
     emit: &mut dyn FnMut(JobEvent) -> bool,
 ) -> Result<Vec<JobInfo>, AgentError> {
-    if req.until_ended && req.names.is_empty() {
+    if (req.until_ended || req.output_after.is_some()) && req.names.is_empty() {
         return Err(invalid(
-            "until_ended needs the names of the jobs to wait for",
+            "until_ended and output_after need the names of the jobs to wait for",
         ));
     }
     for n in &req.names {
@@ -49,6 +49,9 @@ pub(crate) fn events_in(
     let mut seen: HashMap<String, (u64, JobState)> = HashMap::new();
     let mut first = true;
     let mut last_read = Instant::now();
+    // `output_after`: the logs of the named jobs that run, until one grew past it (then the
+    // one Output event is sent and this is None).
+    let mut output_after = req.output_after;
     loop {
         if cancel.is_cancelled() {
             return Err(AgentError::new(ErrorCode::Cancelled, "request cancelled"));
@@ -89,6 +92,19 @@ pub(crate) fn events_in(
         if req.until_ended && jobs.iter().all(|j| j.state != JobState::Running) {
             return Ok(jobs);
         }
+        if let Some(after) = output_after
+            && let Some(j) = grown(&jobs, after)
+        {
+            output_after = None;
+            let event = JobEvent {
+                kind: JobEventKind::Output,
+                last_line: last_line(j),
+                info: j.clone(),
+            };
+            if !emit(event) {
+                return Err(AgentError::new(ErrorCode::Cancelled, "nobody listens"));
+            }
+        }
         // Sleep until a record changes, the next re-read, or the next cancel check.
         let rescan = Duration::from_millis(JOB_EVENTS_RESCAN_MS);
         loop {
@@ -96,6 +112,10 @@ pub(crate) fn events_in(
                 break;
             }
             if watch.wait(TICK) || last_read.elapsed() >= rescan {
+                break;
+            }
+            // A log's growth has no record event: its size is looked at every tick.
+            if output_after.is_some_and(|after| grown(&jobs, after).is_some()) {
                 break;
             }
         }
@@ -131,6 +151,14 @@ fn changes(
         // Already reported as ended or lost.
         Some(_) => Vec::new(),
     }
+}
+
+/// A running job among `jobs` whose log is larger than `after` bytes.
+fn grown(jobs: &[JobInfo], after: u64) -> Option<&JobInfo> {
+    jobs.iter().find(|j| {
+        j.state == JobState::Running
+            && std::fs::metadata(&j.log_file).is_ok_and(|m| m.len() > after)
+    })
 }
 
 /// The last line this run printed: never the runner's own header (`== session:` …) or its

@@ -1083,6 +1083,7 @@ impl Subscription {
             names: names.iter().map(|n| n.to_string()).collect(),
             since_ms: 0,
             until_ended: false,
+            output_after: None,
         }
     }
 
@@ -1225,6 +1226,69 @@ fn job_events_since_and_until_ended() {
     let e = Subscription::new(&f.ctx, until(&["nope"])).stop_when_done_err();
     assert_eq!(e.code, ErrorCode::NotFound, "{e:?}");
     let e = Subscription::new(&f.ctx, until(&[])).stop_when_done_err();
+    assert_eq!(e.code, ErrorCode::InvalidArgument, "{e:?}");
+}
+
+/// `output_after` (check_background_task's wait): one Output event once the running job's
+/// log passes the size, with its last line, within a tick or two; none for a job that prints
+/// nothing more; the end still replies.
+#[test]
+fn job_events_output_after_a_size() {
+    let f = Fixture::new();
+    f.start(
+        "talk",
+        "echo one; sleep 1; echo two; sleep 1; exit 5",
+        false,
+    )
+    .unwrap();
+    wait_until("the first line", || f.log("talk").contains("one\n"));
+    let size = f.status("talk").log_size;
+    let sub = Subscription::new(
+        &f.ctx,
+        rsb_protocol::JobEventsRequest {
+            until_ended: true,
+            output_after: Some(size),
+            ..Subscription::all(&["talk"])
+        },
+    );
+    let got = sub.until(|g| {
+        g.iter()
+            .any(|(_, e)| e.kind == rsb_protocol::JobEventKind::Output)
+    });
+    let out = &got.last().unwrap().1;
+    assert_eq!(out.last_line.as_deref(), Some("two"));
+    assert_eq!(out.info.state, JobState::Running);
+    let at = got.last().unwrap().0;
+    let grew = std::fs::metadata(&out.info.log_file)
+        .unwrap()
+        .modified()
+        .unwrap();
+    let grew_ms = grew
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    assert!(at.saturating_sub(grew_ms) < 600, "{} ms", at - grew_ms);
+    // Once: the end comes, with no second Output, and replies.
+    let rest = sub.until(|g| {
+        g.iter()
+            .any(|(_, e)| e.kind == rsb_protocol::JobEventKind::Ended)
+    });
+    assert!(
+        rest.iter()
+            .all(|(_, e)| e.kind != rsb_protocol::JobEventKind::Output),
+        "{rest:#?}"
+    );
+    let infos = sub.join_done().unwrap();
+    assert_eq!(infos[0].exit_code, Some(5));
+    let e = Subscription::new(
+        &f.ctx,
+        rsb_protocol::JobEventsRequest {
+            output_after: Some(0),
+            ..Subscription::all(&[])
+        },
+    )
+    .join_done()
+    .unwrap_err();
     assert_eq!(e.code, ErrorCode::InvalidArgument, "{e:?}");
 }
 

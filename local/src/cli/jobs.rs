@@ -499,6 +499,7 @@ pub async fn wait(ctx: &Ctx, name: &str, timeout: Option<Duration>, lines: i64) 
         names: vec![name.to_string()],
         since_ms: 0,
         until_ended: true,
+        output_after: None,
     };
     let call = client.call(req);
     let ended = match timeout {

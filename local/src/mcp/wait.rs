@@ -8,7 +8,9 @@
 use std::{sync::Arc, time::Duration};
 
 use parking_lot::Mutex;
-use rsb_protocol::{Chunk, JobState, JobStatusRequest, JobStatusResult};
+use rsb_protocol::{
+    Chunk, JobEventKind, JobEventsRequest, JobState, JobStatusRequest, JobStatusResult,
+};
 
 use crate::{
     client::AgentClient,
@@ -17,10 +19,6 @@ use crate::{
 
 /// The longest `wait_s`.
 pub(crate) const MAX_WAIT_S: f64 = 110.0;
-/// How often a wait asks the agent whether the job ended or its log grew: one small request on
-/// the open agent channel (no new SSH session), so the answer comes ≤ this + one round trip
-/// after the change.
-const POLL: Duration = Duration::from_millis(50);
 /// Characters of the last line a progress message carries.
 const LINE_CHARS: usize = 200;
 /// Bytes of an unfinished line kept (its tail).
@@ -130,8 +128,13 @@ fn running(r: &JobStatusResult) -> bool {
 }
 
 /// Wait until the job of `first` (a reply already in hand) ends or its log grows past what
-/// `first` saw, or until `wait` passed; new log bytes go to `last`. Returns at once for a job
-/// that is not running (or has no record: a bare log has nothing to wait for).
+/// `first` saw, or until `wait` passed. Returns at once for a job that is not running (or has
+/// no record: a bare log has nothing to wait for).
+///
+/// One request waits: the agent's job-event subscription for this job (`until_ended`, which
+/// replies at the end, and `output_after`, one event when the log grows), so the answer comes
+/// the moment the agent sees the end (inotify on the job's record) or within its 250 ms look
+/// at the log, and nothing is asked meanwhile.
 pub(crate) async fn until_change(
     client: &AgentClient,
     req: &JobStatusRequest,
@@ -143,56 +146,44 @@ pub(crate) async fn until_change(
         return Ok(());
     }
     last.feed(&first.log);
-    let deadline = tokio::time::Instant::now() + wait;
-    let size = first.log_size;
+    let (tx, mut chunks) = tokio::sync::mpsc::channel(16);
+    let events = JobEventsRequest {
+        names: vec![req.name.clone()],
+        since_ms: 0,
+        until_ended: true,
+        output_after: Some(first.log_size),
+    };
+    let call = client.call_streaming(events, tx);
+    tokio::pin!(call);
+    let deadline = tokio::time::sleep(wait);
+    tokio::pin!(deadline);
     loop {
-        let now = tokio::time::Instant::now();
-        if now >= deadline {
-            return Ok(());
-        }
-        tokio::time::sleep(POLL.min(deadline - now)).await;
-        let r = client
-            .call(JobStatusRequest {
-                name: req.name.clone(),
-                log_file: req.log_file.clone(),
-                last_n_lines: 1,
-                offset: Some(size),
-                max_bytes: PARTIAL_CAP as u64,
-            })
-            .await?;
-        last.feed(&r.log);
-        if !running(&r) {
-            return Ok(());
-        }
-        if r.log_size > size {
-            // A job's last line and its end come moments apart (the wrapper logs the exit
-            // code, then records it): look again briefly, so a job that printed and ended is
-            // answered as ended, not as running with one more call to make.
-            for _ in 0..SETTLE_POLLS {
-                tokio::time::sleep(SETTLE_EVERY).await;
-                let r = client
-                    .call(JobStatusRequest {
-                        name: req.name.clone(),
-                        log_file: req.log_file.clone(),
-                        last_n_lines: 1,
-                        offset: Some(r.log_size),
-                        max_bytes: PARTIAL_CAP as u64,
-                    })
-                    .await?;
-                last.feed(&r.log);
-                if !running(&r) {
-                    break;
+        tokio::select! {
+            biased;
+            // The end (or an error, such as the record removed meanwhile): the status read
+            // that follows says how the job stands.
+            _ = &mut call => return Ok(()),
+            Some(c) = chunks.recv() => {
+                if let Chunk::JobEvent(e) = c
+                    && e.kind == JobEventKind::Output
+                {
+                    if let Some(l) = &e.last_line {
+                        last.feed(format!("{l}\n").as_bytes());
+                    }
+                    // A job's last line and its end come moments apart (the wrapper logs the
+                    // exit code, then records it): a job that printed and ended is answered
+                    // as ended, not as running with one more call to make.
+                    let _ = tokio::time::timeout(SETTLE, &mut call).await;
+                    return Ok(());
                 }
             }
-            return Ok(());
+            _ = &mut deadline => return Ok(()),
         }
     }
 }
 
-/// After new output, how often and how many times a wait looks for the job's end (at most
-/// 100 ms more).
-const SETTLE_EVERY: Duration = Duration::from_millis(25);
-const SETTLE_POLLS: usize = 4;
+/// After new output, how long a wait looks for the job's end.
+const SETTLE: Duration = Duration::from_millis(100);
 
 #[cfg(test)]
 mod tests {

@@ -30,6 +30,7 @@ impl JobEnds {
             names: Vec::new(),
             since_ms,
             until_ended: false,
+            output_after: None,
         };
         let client = client.clone();
         JobEnds {
@@ -47,7 +48,10 @@ impl JobEnds {
                 biased;
                 chunk = self.chunks.recv() => match chunk {
                     Some(rsb_protocol::Chunk::JobEvent(e))
-                        if e.kind != rsb_protocol::JobEventKind::Started => return Ok(*e),
+                        if matches!(
+                            e.kind,
+                            rsb_protocol::JobEventKind::Ended | rsb_protocol::JobEventKind::Lost
+                        ) => return Ok(*e),
                     Some(_) => {}
                     None => return Err(Self::over((&mut self.call).await)),
                 },
