@@ -71,12 +71,18 @@ fn base_env(cmd: &mut Command, home: &Path, state: &Path) {
 
 impl Daemon {
     fn start(home: &Path, state: &Path, extra: &[&str]) -> Daemon {
+        Daemon::start_env(home, state, extra, &[])
+    }
+
+    /// [`Daemon::start`] with more environment (over [`base_env`]).
+    fn start_env(home: &Path, state: &Path, extra: &[&str], env: &[(&str, &str)]) -> Daemon {
         let log = home.join(format!("daemon-{}.log", unique_n()));
         let f = std::fs::File::create(&log).unwrap();
         let mut cmd = Command::new(rsb_bin());
         cmd.args(["watchdog", "run", "--loop-sleep", "1"])
             .args(extra);
         base_env(&mut cmd, home, state);
+        cmd.envs(env.iter().copied());
         cmd.stdin(Stdio::null())
             .stdout(f.try_clone().unwrap())
             .stderr(f);
@@ -845,6 +851,101 @@ async fn an_end_during_a_cut_is_recorded_on_reconnecting_once() {
             .contains("finished")
     );
     drop(daemon);
+}
+
+/// Issue 40, acceptance: the subscriptions cost nothing while nothing ends. 50 watched jobs
+/// on 3 sandboxes, default interval (300 s): once every watch was checked, the daemon sends no
+/// request to any agent for 60 s but heartbeats (`ping`), counted from its
+/// `RSB_LOG=rsb::requests=debug` lines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_daemon_sends_nothing_but_heartbeats() {
+    const JOBS: usize = 50;
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let t = target(
+        &sshd,
+        sshd.port(),
+        key_auth(&sshd),
+        &tmp.path().join("known_hosts"),
+    );
+    let names = ["a", "b", "c"];
+    let pool = pool_of(
+        names.iter().map(|n| sandbox(n, t.clone())).collect(),
+        tmp.path(),
+    );
+    let mut ids = Vec::new();
+    for i in 0..JOBS {
+        let id = watch_job(
+            &pool,
+            &state,
+            names[i % 3],
+            &format!("idle{i}"),
+            "sleep 600",
+            wops::WatchArgs {
+                interval_s: rsb::watchdog::DEFAULT_INTERVAL_S,
+                ..args()
+            },
+        )
+        .await;
+        ids.push(id);
+    }
+    let daemon = Daemon::start_env(
+        tmp.path(),
+        &state,
+        &[],
+        &[("RSB_LOG", "info,rsb::requests=debug")],
+    );
+    let result = async {
+        let t0 = Instant::now();
+        while !ids
+            .iter()
+            .all(|&id| watch(&state, id).last_state == "running")
+        {
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "{}",
+                daemon.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        // The subscriptions start a tick after the watches' sandboxes are seen.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let requests = || -> Vec<String> {
+            daemon
+                .log_text()
+                .lines()
+                .filter(|l| l.contains("rsb::requests"))
+                .map(str::to_string)
+                .collect()
+        };
+        let before = requests();
+        let subscribed = before
+            .iter()
+            .filter(|l| l.contains("kind=\"job_events\""))
+            .count();
+        assert_eq!(subscribed, 3, "one subscription per sandbox: {before:#?}");
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let during = requests()[before.len()..].to_vec();
+        let pings = during
+            .iter()
+            .filter(|l| l.contains("kind=\"ping\""))
+            .count();
+        println!(
+            "60 s idle with {JOBS} watches on 3 sandboxes ({subscribed} subscriptions): {} requests, {pings} pings",
+            during.len()
+        );
+        assert_eq!(during.len(), pings, "{during:#?}");
+    };
+    let outcome = tokio::time::timeout(Duration::from_secs(180), result).await;
+    drop(daemon);
+    for i in 0..JOBS {
+        if let Ok(c) = pool.client(names[i % 3]).await {
+            let _ = jobs::kill(&c, &format!("idle{i}"), 0.0).await;
+        }
+    }
+    pool.shutdown().await;
+    outcome.expect("the test ran past 180 s");
 }
 
 /// Issue 26, item 5: hooks added to the config file were read only when the daemon started.
