@@ -431,3 +431,111 @@ async fn a_client_that_did_not_ask_gets_no_channel_notification() {
     let _ = svc.cancel().await;
     outcome.expect("the test ran past 120 s");
 }
+
+/// The official Python MCP client, from the venv `.ci/run` makes (`RSB_TEST_MCP_PYTHON`
+/// names another interpreter). Skipped with a message where it is missing, unless
+/// `RSB_REQUIRE_PYTHON_MCP=1` (CI) makes that a failure.
+fn python_mcp() -> Option<PathBuf> {
+    let python = std::env::var_os("RSB_TEST_MCP_PYTHON")
+        .map(PathBuf::from)
+        .or_else(|| {
+            let cache = std::env::var_os("XDG_CACHE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+            Some(cache.join("rsb-ci/mcp-venv/bin/python"))
+        })?;
+    let ok = std::process::Command::new(&python)
+        .args(["-c", "import mcp.client.stdio"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    let required = std::env::var("RSB_REQUIRE_PYTHON_MCP").is_ok_and(|v| v == "1");
+    match (ok, required) {
+        (true, _) => Some(python),
+        (false, true) => panic!(
+            "RSB_REQUIRE_PYTHON_MCP=1 but {} cannot import mcp (run .ci/run's setup)",
+            python.display()
+        ),
+        (false, false) => {
+            eprintln!(
+                "skipped: no Python MCP client at {} (pip install mcp into a venv there, or set RSB_TEST_MCP_PYTHON)",
+                python.display()
+            );
+            None
+        }
+    }
+}
+
+/// Issue 40, acceptance: the official Python client, which never declares `claude/channel`,
+/// gets no `notifications/claude/channel` through a watched job's end and a cancelled
+/// transfer, and its stdio reader does not fail (it raised `BrokenResourceError` on a push
+/// that arrived as it closed).
+#[test]
+fn the_official_python_client_gets_no_channel_notification() {
+    let Some(python) = python_mcp() else { return };
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("home");
+    let proj = tmp.path().join("proj");
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::create_dir_all(&proj).unwrap();
+    for i in 0..200 {
+        std::fs::write(proj.join(format!("f{i}.txt")), format!("file {i}\n")).unwrap();
+    }
+    let list = json!([{
+        "name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+        "key_file": sshd.client_key().display().to_string(),
+    }])
+    .to_string();
+    let script = rsb_tests::workspace_root().join("tests/python/mcp_client_quiet.py");
+    // What the server writes is taped on its way to the client: a client may drop a
+    // notification it does not know before its handler sees it.
+    let tape = tmp.path().join("server-stdout.jsonl");
+    let mut cmd = std::process::Command::new(&python);
+    cmd.arg(&script)
+        .arg(&proj)
+        .args(["sh", "-c", r#""$0" "$@" | tee "$MCP_TAPE""#])
+        .arg(rsb_bin())
+        .arg("mcp")
+        .env_clear()
+        .env("MCP_TAPE", &tape)
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("HOME", &home)
+        .env("XDG_CONFIG_HOME", home.join(".config"))
+        .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
+        .env("RSB_STATE_DIR", tmp.path().join("state"))
+        .env("REMOTE_SANDBOX_LIST", &list)
+        .env("REMOTE_SANDBOX_INLINE_SYNC_MAX_FILES", "1")
+        .env("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "1");
+    let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(120)).unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let v: Value = serde_json::from_str(stdout.trim()).unwrap_or(Value::Null);
+    // The daemon the watch started, however the checks below go.
+    let _daemon = KillOnDrop(v["job"]["watchdog_setup"]["pid"].as_i64().unwrap_or(0));
+    assert!(out.status.success(), "{}\n{stdout}\n{stderr}", out.status);
+    assert!(
+        !stderr.contains("Traceback") && !stderr.contains("BrokenResourceError"),
+        "{stderr}"
+    );
+    assert_eq!(v["errors"], json!([]), "{v}");
+    let received = v["received"].as_array().unwrap();
+    assert!(
+        received.iter().all(|m| m != "notifications/claude/channel"),
+        "{v}"
+    );
+    let sent = std::fs::read_to_string(&tape).unwrap();
+    assert!(
+        sent.contains("\"result\""),
+        "the tape holds the session: {sent}"
+    );
+    assert!(
+        !sent.contains("notifications/claude/channel"),
+        "sent to a client that did not ask: {sent}"
+    );
+    assert!(
+        ["completed", "cancelled", "failed", "interrupted"]
+            .contains(&v["transfer_status"].as_str().unwrap_or_default()),
+        "{v}"
+    );
+    println!("the Python client heard: {received:?}");
+}
