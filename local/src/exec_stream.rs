@@ -123,12 +123,15 @@ pub enum Interrupted {
 pub const INTERRUPT_GRACE: Duration = Duration::from_secs(5);
 /// After SIGPIPE (our stdout closed), how long before SIGTERM follows.
 pub const PIPE_GRACE: Duration = Duration::from_secs(1);
-/// After SIGTERM, how long before the call is cancelled (the agent then sends SIGTERM and,
-/// 2 s later, SIGKILL to what is left).
+/// After SIGTERM, how long before SIGKILL follows.
 pub const TERM_GRACE: Duration = Duration::from_secs(3);
+/// After SIGKILL, how long rsb waits for the command's end before it cancels the call (the
+/// agent then kills what is left of its session) and exits.
+pub const KILL_GRACE: Duration = Duration::from_secs(2);
 
 /// The terminal's escalation: the first signal (INT for ^C, PIPE for a closed stdout), then
-/// TERM, then a cancel, each after its grace or at the next ^C.
+/// TERM, then KILL, then a cancel, each after its grace or at the next ^C; each step says so
+/// on stderr (after ^C), so a wait is never silent.
 struct Escalation {
     first: Option<i32>,
     step: u8,
@@ -146,13 +149,30 @@ impl Escalation {
                 let grace = if first == libc::SIGPIPE {
                     PIPE_GRACE
                 } else {
+                    eprintln!(
+                        "\r\nrsb: sent SIGINT to the remote command; SIGTERM follows in {} s (^C again: now)\r",
+                        INTERRUPT_GRACE.as_secs()
+                    );
                     INTERRUPT_GRACE
                 };
                 self.deadline = Some(now + grace);
             }
             1 => {
                 let _ = to_call.try_send(ExecInput::Signal(libc::SIGTERM));
+                if first != libc::SIGPIPE {
+                    eprintln!(
+                        "rsb: sent SIGTERM to the remote command; SIGKILL follows in {} s (^C again: now)\r",
+                        TERM_GRACE.as_secs()
+                    );
+                }
                 self.deadline = Some(now + TERM_GRACE);
+            }
+            2 => {
+                let _ = to_call.try_send(ExecInput::Signal(libc::SIGKILL));
+                if first != libc::SIGPIPE {
+                    eprintln!("rsb: sent SIGKILL to the remote command\r");
+                }
+                self.deadline = Some(now + KILL_GRACE);
             }
             _ => return Some(first),
         }
@@ -165,9 +185,10 @@ impl Escalation {
 /// a pty sized like the local terminal (24x80 when there is none) and `TERM` is passed on.
 ///
 /// Like `ssh host cmd`: ^C (without a raw terminal) sends SIGINT to the remote command, then
-/// SIGTERM after [`INTERRUPT_GRACE`], then cancels it; a closed stdout (`| head -1`) sends
-/// SIGPIPE, then SIGTERM, then cancels. Either way rsb waits for the command's end and exits
-/// with its status.
+/// SIGTERM after [`INTERRUPT_GRACE`], then SIGKILL after [`TERM_GRACE`]; a closed stdout
+/// (`| head -1`) sends SIGPIPE, then SIGTERM, then SIGKILL. rsb waits for the command's end
+/// and exits with its status, or, once it had to kill it, as interrupted (130 for ^C); a
+/// command still there [`KILL_GRACE`] after SIGKILL is cancelled.
 pub async fn run(
     client: &AgentClient,
     mut req: ExecRequest,
@@ -220,8 +241,10 @@ pub async fn run(
     let raw = if tty { RawMode::enter() } else { None };
     let interrupt = !tty || raw.is_none();
     let pump = pump_input(stdin, input_tx, tty && raw.is_some());
-    let call = client.exec_with_input(req, out_tx, input_rx);
-    tokio::pin!(pump, call);
+    // Boxed, so it can be dropped (cancelling the command) before the printer is awaited: the
+    // printer ends when the call's output sender does.
+    let mut call = Box::pin(client.exec_with_input(req, out_tx, input_rx));
+    tokio::pin!(pump);
     let mut signals = Signals::new(interrupt);
     let mut esc = Escalation {
         first: None,
@@ -232,7 +255,13 @@ pub async fn run(
     let res = loop {
         let deadline = esc.deadline;
         tokio::select! {
-            r = &mut call => break Ok(r),
+            r = &mut call => {
+                // Ended by our SIGKILL: the user's interrupt, not the command's own status.
+                if esc.step > 2 {
+                    break Err(Interrupted::Signal(esc.first.unwrap_or(libc::SIGINT)));
+                }
+                break Ok(r);
+            }
             sig = signals.next() => {
                 if sig != libc::SIGINT {
                     break Err(Interrupted::Signal(sig));
@@ -261,6 +290,9 @@ pub async fn run(
             () = &mut pump => unreachable!("the input pump ends only when its receiver does"),
         }
     };
+    // A command that outlasted every signal: dropping the call cancels it (the agent sends
+    // SIGTERM, then SIGKILL 2 s later, to its whole session).
+    drop(call);
     drop(raw);
     let _ = printer.await;
     res

@@ -341,6 +341,43 @@ fn ctrl_c_is_sigint_then_sigterm() {
         took >= Duration::from_secs(6),
         "SIGTERM came before the 5 s grace: {took:?}"
     );
+
+    // Issue 41, item 6: a command that ignores SIGINT and SIGTERM is killed after both graces,
+    // rsb says at each step what it waits for, and exits 130 as the table says (it waited
+    // forever before: the output printer outlived the call).
+    let pidfile = u.tmp.path().join("ign.pid");
+    let t0 = Instant::now();
+    let o = u.run(
+        &mut u.sh(&format!(
+            "timeout --foreground --preserve-status -s INT 2 RSB exec 'echo $$ > {}; trap \"\" INT TERM; \
+             while :; do sleep 0.1; done'; echo \"status $?\"",
+            pidfile.display()
+        )),
+        Duration::from_secs(60),
+    );
+    let took = t0.elapsed();
+    assert!(text(&o.stdout).contains("status 130"), "{}", show(&o));
+    let err = text(&o.stderr);
+    for step in [
+        "sent SIGINT to the remote command; SIGTERM follows in 5 s",
+        "sent SIGTERM to the remote command; SIGKILL follows in 3 s",
+        "sent SIGKILL to the remote command",
+    ] {
+        assert!(err.contains(step), "{}", show(&o));
+    }
+    assert!(
+        took >= Duration::from_secs(10) && took < Duration::from_secs(20),
+        "{took:?}"
+    );
+    let pid: i32 = std::fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "the remote command {pid} outlived rsb"
+    );
 }
 
 /// Item 8: a sync that kept a conflicting file exited 0, so `rsb sync . gpu:proj && rsb exec

@@ -79,7 +79,7 @@ Exit codes:
        given (see [policy] in the README); nothing ran
   0/1/2 rsb grep, as rg: a match / no match / an error
   124  rsb exec --timeout expired (the remote command's session was killed)
-  130  interrupted (Ctrl-C: SIGINT to the remote command, SIGTERM 5 s later, then killed)
+  130  interrupted (Ctrl-C: SIGINT to the remote command, SIGTERM 5 s later, SIGKILL 3 s after)
   141  stdout closed by its reader (rsb exec: the remote command was sent SIGPIPE and stopped)";
 }
 
