@@ -716,3 +716,64 @@ async fn heartbeat(inner: Weak<Inner>) {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Job ends
+
+/// The ends of jobs on one host, as the agent sees them (a [`rsb_protocol::JobEventsRequest`] subscription):
+/// each run that ended or was lost, the moment its record says so, and at once every one that
+/// ended at or after `since_ms` before the subscription began. Used by the session's channel
+/// push and by the watchdog daemon. Dropping it cancels the subscription on the agent.
+pub struct JobEnds {
+    chunks: tokio::sync::mpsc::Receiver<rsb_protocol::Chunk>,
+    call: std::pin::Pin<Box<dyn Future<Output = Result<Vec<rsb_protocol::JobInfo>>> + Send>>,
+}
+
+impl JobEnds {
+    pub fn subscribe(client: &AgentClient, since_ms: u64) -> JobEnds {
+        let (tx, chunks) = tokio::sync::mpsc::channel(64);
+        let req = rsb_protocol::JobEventsRequest {
+            names: Vec::new(),
+            since_ms,
+            until_ended: false,
+            output_after: None,
+        };
+        let client = client.clone();
+        JobEnds {
+            chunks,
+            call: Box::pin(async move { client.call_streaming(req, tx).await }),
+        }
+    }
+
+    /// The next end; an error once the subscription is over (the connection dropped, the
+    /// agent failed it): nothing more comes, and a new one with `since_ms` catches up.
+    pub async fn next(&mut self) -> Result<rsb_protocol::JobEvent> {
+        loop {
+            tokio::select! {
+                // What the agent sent before the call ended is read first.
+                biased;
+                chunk = self.chunks.recv() => match chunk {
+                    Some(rsb_protocol::Chunk::JobEvent(e))
+                        if matches!(
+                            e.kind,
+                            rsb_protocol::JobEventKind::Ended | rsb_protocol::JobEventKind::Lost
+                        ) => return Ok(*e),
+                    Some(_) => {}
+                    None => return Err(Self::over((&mut self.call).await)),
+                },
+                r = &mut self.call => return Err(Self::over(r)),
+            }
+        }
+    }
+
+    fn over(r: Result<Vec<rsb_protocol::JobInfo>>) -> RsbError {
+        match r {
+            Ok(_) => RsbError::new(
+                Kind::ConnectionLost,
+                "the agent ended the job-event subscription",
+                "subscribe again",
+            ),
+            Err(e) => e,
+        }
+    }
+}

@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use super::channel::{Followed, Message, run_ended};
-use crate::ops::jobs::JobEnds;
+use crate::client::JobEnds;
 use crate::pool::Pool;
 
 /// The first wait before reconnecting a subscription that failed; it doubles up to

@@ -484,7 +484,7 @@ impl Daemon {
                 let host = self.host(sandboxes::key(&fp, &name), cfg);
                 match host.client(Instant::now()).await {
                     Ok(client) => {
-                        let mut ends = crate::ops::jobs::JobEnds::subscribe(&client, 1);
+                        let mut ends = crate::client::JobEnds::subscribe(&client, 1);
                         loop {
                             match ends.next().await {
                                 Ok(e) => {
