@@ -33,8 +33,9 @@ use futures::{SinkExt, StreamExt};
 use parking_lot::Mutex;
 use rsb_protocol::{
     ApplyAbortRequest, ApplyCloseRequest, ApplyOpenRequest, ApplyRequest, Call, Chunk, ExecInput,
-    ExecRequest, ExecResult, FromAgent, Hello, INPUT_WINDOW, MAGIC, PROTOCOL_VERSION, PingRequest,
-    Reply, Request, ToAgent, decode, encode, frame_codec,
+    ExecRequest, ExecResult, FromAgent, Hello, INPUT_WINDOW, JobEvent, JobEventKind,
+    JobEventsRequest, JobInfo, MAGIC, PROTOCOL_VERSION, PingRequest, Reply, Request, ToAgent,
+    decode, encode, frame_codec,
 };
 use tokio::{
     io::{AsyncRead, AsyncWrite},
@@ -720,19 +721,19 @@ async fn heartbeat(inner: Weak<Inner>) {
 // ---------------------------------------------------------------------------------------------
 // Job ends
 
-/// The ends of jobs on one host, as the agent sees them (a [`rsb_protocol::JobEventsRequest`] subscription):
+/// The ends of jobs on one host, as the agent sees them (a [`JobEventsRequest`] subscription):
 /// each run that ended or was lost, the moment its record says so, and at once every one that
 /// ended at or after `since_ms` before the subscription began. Used by the session's channel
 /// push and by the watchdog daemon. Dropping it cancels the subscription on the agent.
 pub struct JobEnds {
-    chunks: tokio::sync::mpsc::Receiver<rsb_protocol::Chunk>,
-    call: std::pin::Pin<Box<dyn Future<Output = Result<Vec<rsb_protocol::JobInfo>>> + Send>>,
+    chunks: mpsc::Receiver<Chunk>,
+    call: std::pin::Pin<Box<dyn Future<Output = Result<Vec<JobInfo>>> + Send>>,
 }
 
 impl JobEnds {
     pub fn subscribe(client: &AgentClient, since_ms: u64) -> JobEnds {
-        let (tx, chunks) = tokio::sync::mpsc::channel(64);
-        let req = rsb_protocol::JobEventsRequest {
+        let (tx, chunks) = mpsc::channel(64);
+        let req = JobEventsRequest {
             names: Vec::new(),
             since_ms,
             until_ended: false,
@@ -747,16 +748,16 @@ impl JobEnds {
 
     /// The next end; an error once the subscription is over (the connection dropped, the
     /// agent failed it): nothing more comes, and a new one with `since_ms` catches up.
-    pub async fn next(&mut self) -> Result<rsb_protocol::JobEvent> {
+    pub async fn next(&mut self) -> Result<JobEvent> {
         loop {
             tokio::select! {
                 // What the agent sent before the call ended is read first.
                 biased;
                 chunk = self.chunks.recv() => match chunk {
-                    Some(rsb_protocol::Chunk::JobEvent(e))
+                    Some(Chunk::JobEvent(e))
                         if matches!(
                             e.kind,
-                            rsb_protocol::JobEventKind::Ended | rsb_protocol::JobEventKind::Lost
+                            JobEventKind::Ended | JobEventKind::Lost
                         ) => return Ok(*e),
                     Some(_) => {}
                     None => return Err(Self::over((&mut self.call).await)),
@@ -766,7 +767,7 @@ impl JobEnds {
         }
     }
 
-    fn over(r: Result<Vec<rsb_protocol::JobInfo>>) -> RsbError {
+    fn over(r: Result<Vec<JobInfo>>) -> RsbError {
         match r {
             Ok(_) => RsbError::new(
                 Kind::ConnectionLost,

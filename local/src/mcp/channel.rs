@@ -271,30 +271,18 @@ pub async fn run(
                 e.insert(tokio::spawn(task));
             }
         }
-        if followed.is_empty() {
-            tokio::select! {
-                _ = ct.cancelled() => return,
-                _ = followed.wake.notified() => {}
-                Some(m) = ends.recv() => {
-                    if peer.send_notification(m.notification()).await.is_err() {
-                        return;
-                    }
-                    continue;
-                }
-            }
+        // With nothing followed, only a wake (something new to follow) or a stream's end.
+        let idle = followed.is_empty();
+        tokio::select! {
+            _ = ct.cancelled() => return,
+            _ = tokio::time::sleep(TICK), if !idle => {}
             // Something new to follow: read the store now, whatever its version says.
-            seen_version = None;
-        } else {
-            tokio::select! {
-                _ = ct.cancelled() => return,
-                _ = tokio::time::sleep(TICK) => {}
-                _ = followed.wake.notified() => seen_version = None,
-                Some(m) = ends.recv() => {
-                    if peer.send_notification(m.notification()).await.is_err() {
-                        return;
-                    }
-                    continue;
+            _ = followed.wake.notified() => seen_version = None,
+            Some(m) = ends.recv() => {
+                if peer.send_notification(m.notification()).await.is_err() {
+                    return;
                 }
+                continue;
             }
         }
         let (watches, transfers) = followed.snapshot();
