@@ -230,10 +230,9 @@ async fn supervise(
     };
     let grace = Duration::from_millis(req.kill_grace_ms).min(MAX_GRACE);
     let (status, stopped) = proc::terminate(child, group, grace, KILL_VERIFY).await;
-    let survivors = if stopped == Stopped::Unconfirmed {
-        group.survivors()
-    } else {
-        Vec::new()
+    let survivors = match stopped {
+        Stopped::Unconfirmed(pids) => pids,
+        Stopped::ByTerm | Stopped::ByKill => Vec::new(),
     };
     done.cancel();
     (status, ending, Instant::now(), survivors)
@@ -434,10 +433,12 @@ async fn feed_input(
 fn controlling_terminal(cmd: &mut std::process::Command) {
     use std::os::unix::process::CommandExt;
     // SAFETY: runs between fork and exec and makes only the setsid and ioctl system calls
-    // (issued directly by rustix), which are async-signal-safe; nothing is allocated.
+    // (issued directly by rustix), which are async-signal-safe; nothing is allocated. The
+    // command is a subreaper, as `proc::new_session` makes it.
     unsafe {
         cmd.pre_exec(|| {
             rustix::process::setsid()?;
+            crate::proc::keep_descendants()?;
             let stdin = BorrowedFd::borrow_raw(0);
             rustix::process::ioctl_tiocsctty(stdin)?;
             Ok(())

@@ -988,12 +988,14 @@ pub(crate) fn kill_in(ctx: &Ctx, req: &JobKillRequest) -> Result<JobInfo, AgentE
     });
     match (stopped, last?) {
         (proc::Stopped::ByTerm | proc::Stopped::ByKill, Some(done)) => Ok(done),
-        (_, Some(done)) if done.state != JobState::Running => Err(internal(format!(
-            "job '{}' ended, but its session {pgid} still has live members {} s after SIGKILL: pids {}",
-            req.name,
-            KILL_SETTLE.as_secs(),
-            proc::pid_list(&group.survivors())
-        ))),
+        (proc::Stopped::Unconfirmed(pids), Some(done)) if done.state != JobState::Running => {
+            Err(internal(format!(
+                "job '{}' ended, but processes it started still run {} s after SIGKILL: pids {}",
+                req.name,
+                KILL_SETTLE.as_secs(),
+                proc::pid_list(&pids)
+            )))
+        }
         _ => Err(internal(format!(
             "job '{}' (process group {pgid}) was sent SIGKILL but its wrapper has not recorded an end after {} s",
             req.name,

@@ -11,6 +11,7 @@
 //! Everything here blocks (it is called from plain threads or `spawn_blocking`) except
 //! [`terminate`], which must reap a tokio child while it waits.
 
+use std::collections::BTreeMap;
 use std::ffi::OsStr;
 use std::io;
 use std::os::unix::process::CommandExt;
@@ -264,27 +265,25 @@ pub mod darwin {
         })
     }
 
-    /// The pids of process group `pgid` (`proc_listpids(PROC_PGRP_ONLY)`); `None` if the
-    /// call fails.
+    /// Every pid on the system (`proc_listpids(PROC_ALL_PIDS)`); `None` if the call fails.
     #[cfg(target_vendor = "apple")]
-    pub fn group_pids(pgid: u32) -> Option<Vec<u32>> {
+    pub fn all_pids() -> Option<Vec<u32>> {
         /// `<sys/proc_info.h>`; the libc crate does not define it.
-        const PROC_PGRP_ONLY: u32 = 2;
-        let mut buf = vec![0 as libc::c_int; 64];
+        const PROC_ALL_PIDS: u32 = 1;
+        let mut buf = vec![0 as libc::c_int; 1024];
         loop {
             let bytes =
                 libc::c_int::try_from(buf.len() * std::mem::size_of::<libc::c_int>()).ok()?;
             // SAFETY: the buffer holds `bytes` bytes of c_int.
-            let n = unsafe {
-                libc::proc_listpids(PROC_PGRP_ONLY, pgid, buf.as_mut_ptr().cast(), bytes)
-            };
+            let n =
+                unsafe { libc::proc_listpids(PROC_ALL_PIDS, 0, buf.as_mut_ptr().cast(), bytes) };
             let n = usize::try_from(n).ok()? / std::mem::size_of::<libc::c_int>();
             // A full buffer may have been cut short: ask again with more room (bounded).
-            if n < buf.len() || buf.len() >= 1 << 16 {
+            if n < buf.len() || buf.len() >= 1 << 20 {
                 buf.truncate(n);
                 return Some(
                     buf.into_iter()
-                        .filter_map(|p| u32::try_from(p).ok())
+                        .filter_map(|p| u32::try_from(p).ok().filter(|&p| p > 0))
                         .collect(),
                 );
             }
@@ -378,6 +377,12 @@ pub fn new_group(cmd: &mut Command) -> &mut Command {
 /// controlling terminal: neither a closing SSH connection nor a terminal's job control reaches
 /// it. `parent_death` (Linux only) is sent to the child when the thread that spawned it exits,
 /// so a supervisor killed outright does not leave its work running unsupervised.
+///
+/// On Linux the child is also made a child subreaper (kept across its exec): what it starts
+/// stays its descendant even after leaving the session (`setsid cmd &`) or losing its parent
+/// (a double fork), since such orphans are handed to it rather than to init. [`Group`] follows
+/// descendants, so a stop reaches them. The shell reaps the orphans it is handed as it reaps
+/// its own children.
 pub fn new_session(cmd: &mut Command, parent_death: Option<Signal>) -> &mut Command {
     // SAFETY: the closure runs between fork and exec and makes only the setsid and prctl
     // system calls (rustix issues them directly), which are async-signal-safe; it allocates
@@ -385,6 +390,7 @@ pub fn new_session(cmd: &mut Command, parent_death: Option<Signal>) -> &mut Comm
     unsafe {
         cmd.pre_exec(move || {
             rustix::process::setsid()?;
+            keep_descendants()?;
             #[cfg(any(target_os = "linux", target_os = "android"))]
             if let Some(sig) = parent_death {
                 rustix::process::set_parent_process_death_signal(Some(sig))?;
@@ -394,6 +400,18 @@ pub fn new_session(cmd: &mut Command, parent_death: Option<Signal>) -> &mut Comm
             Ok(())
         })
     }
+}
+
+/// Make the calling process a child subreaper (see [`new_session`]); for `pre_exec` closures,
+/// so it makes one system call and allocates nothing. A kernel without it (before 3.4) leaves
+/// descendants to be followed while their parents live. Elsewhere there is no such thing.
+pub fn keep_descendants() -> io::Result<()> {
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    match rustix::process::set_child_subreaper(Some(Pid::INIT)) {
+        Ok(()) | Err(rustix::io::Errno::INVAL) => {}
+        Err(e) => return Err(e.into()),
+    }
+    Ok(())
 }
 
 /// Spawns `cmd`, retrying a few times on ETXTBSY: an executable written a moment ago can
@@ -438,13 +456,13 @@ pub fn wait_deadline(child: &mut Child, deadline: Instant) -> io::Result<Option<
 /// group id, cannot belong to anyone else yet. Returns whether the group was seen gone within
 /// `verify` (members other than the child may take a moment to die).
 pub fn kill_and_reap(child: &mut Child, verify: Duration) -> bool {
-    let group = Group::new(child.id());
-    if let Some(g) = group {
-        g.signal(Signal::KILL);
+    let mut run = Group::new(child.id()).map(Group::track);
+    if let Some(r) = &mut run {
+        r.signal(Signal::KILL);
     }
     let _ = child.kill();
     let _ = child.wait();
-    group.is_none_or(|g| g.wait_gone(Instant::now() + verify, &mut || true))
+    run.is_none_or(|mut r| r.wait_gone(Instant::now() + verify, &mut || true))
 }
 
 /// Why [`output_with_deadline`] has no output to give.
@@ -546,21 +564,66 @@ pub fn output_with_deadline(
 // ---------------------------------------------------------------------------------------------
 // Process groups
 
-/// Pids that may belong to group `pgid` (the caller checks each one's group): all of /proc on
-/// Linux, the group's own list on macOS; `None` where neither can be read.
+/// Every process the table lists, with its stat (zombies included), or `None` where it cannot
+/// be read: /proc on Linux, libproc on macOS.
 #[cfg(not(target_vendor = "apple"))]
-fn group_candidates(_pgid: Pid) -> Option<Vec<u32>> {
+fn process_table() -> Option<Vec<(u32, Stat)>> {
+    if !proc_available() {
+        return None;
+    }
     let dir = std::fs::read_dir("/proc").ok()?;
     Some(
         dir.flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .filter_map(|e| {
+                let pid = e.file_name().to_str()?.parse().ok()?;
+                Some((pid, Stat::read(pid)?))
+            })
             .collect(),
     )
 }
 
 #[cfg(target_vendor = "apple")]
-fn group_candidates(pgid: Pid) -> Option<Vec<u32>> {
-    darwin::group_pids(pgid.as_raw_nonzero().get() as u32)
+fn process_table() -> Option<Vec<(u32, Stat)>> {
+    Some(
+        darwin::all_pids()?
+            .into_iter()
+            .filter_map(|pid| Some((pid, Stat::read(pid)?)))
+            .collect(),
+    )
+}
+
+/// The live members of run `id` in `table`: its process group, the session it leads, every
+/// live process of `known` that still has the start time it was seen with (a member whose
+/// parent died was handed to init, out of the tree), and every descendant of these. What left
+/// the session (`setsid`, a double fork) is a descendant: [`new_session`] made the leader a
+/// subreaper, so while it lives nothing it started can leave its tree.
+fn run_members(id: i32, table: &[(u32, Stat)], known: &BTreeMap<u32, Stat>) -> BTreeMap<u32, Stat> {
+    let mut found: BTreeMap<u32, Stat> = table
+        .iter()
+        .filter(|(pid, s)| {
+            !s.is_dead()
+                && (s.pgrp == id
+                    || s.session == id
+                    || known
+                        .get(pid)
+                        .is_some_and(|k| k.start_ticks == s.start_ticks))
+        })
+        .map(|&(pid, s)| (pid, s))
+        .collect();
+    // One pass per generation (a child's pid is usually above its parent's, so most trees
+    // take one); bounded by the table's size.
+    for _ in 0..table.len() {
+        let before = found.len();
+        for &(pid, s) in table {
+            if !s.is_dead() && !found.contains_key(&pid) && found.contains_key(&s.ppid) {
+                found.insert(pid, s);
+            }
+        }
+        if found.len() == before {
+            break;
+        }
+    }
+    found
 }
 
 /// A process group, named by its leader's pid. Ids 0 and 1 are refused: signalling "group 0"
@@ -569,14 +632,14 @@ fn group_candidates(pgid: Pid) -> Option<Vec<u32>> {
 pub struct Group(Pid);
 
 /// How [`Group::terminate_blocking`] or [`terminate`] ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Stopped {
     /// Everything was gone within the grace after SIGTERM.
     ByTerm,
     /// SIGKILL was needed, and afterwards everything was gone.
     ByKill,
-    /// Something was still alive when the time after SIGKILL ran out.
-    Unconfirmed,
+    /// These pids were still alive when the time after SIGKILL ran out.
+    Unconfirmed(Vec<u32>),
 }
 
 impl Group {
@@ -588,70 +651,30 @@ impl Group {
         self.0.as_raw_nonzero().get() as u32
     }
 
-    /// Signal every member: the process group, and every process of the session the leader
-    /// started (exec commands and jobs are session leaders), whatever group it moved to. GNU
-    /// `timeout`, `setpgid` in a script and shells' job control make groups of their own inside
-    /// the session; signalling only the group left those running after a timeout or a kill.
-    /// (A process that calls `setsid` itself leaves the session too: that is a daemon by
-    /// intent.) A group that is already gone is not an error: there is nothing left to
-    /// signal, which is what the caller wanted.
+    /// Follow this group's run (see [`Tracked`]) from now on.
+    pub fn track(self) -> Tracked {
+        Tracked {
+            group: self,
+            known: BTreeMap::new(),
+            readable: true,
+        }
+    }
+
+    /// Signal every member as it is now (see [`Tracked::signal`]).
     pub fn signal(self, sig: Signal) {
-        let _ = kill_process_group(self.0, sig);
-        let id = self.0.as_raw_nonzero().get();
-        for (pid, st) in session_members(id) {
-            if st.pgrp != id
-                && let Some(p) = pid_of(pid)
-            {
-                let _ = rustix::process::kill_process(p, sig);
-            }
-        }
+        self.track().signal(sig);
     }
 
-    /// True while any member (of the group or, on Linux, of the session it leads) still runs.
-    /// Zombies do not count (see [`Stat::is_dead`]). Without /proc (macOS) the kernel's "no
-    /// such group" answer counts as gone, and a group whose list cannot be read as alive.
+    /// True while any member still runs (see [`Tracked::is_alive`]).
     pub fn is_alive(self) -> bool {
-        if !proc_available() {
-            if let Err(rustix::io::Errno::SRCH) = test_kill_process_group(self.0) {
-                return false;
-            }
-            if group_candidates(self.0).is_none() {
-                return true;
-            }
-        }
-        !self.survivors().is_empty()
+        self.track().is_alive()
     }
 
-    /// The pids of the members that still run, for an error that names them: the session's
-    /// and the group's from /proc on Linux; the group's own list on macOS, which has no /proc
-    /// to find a session's members in other groups by.
+    /// The pids of the members that still run, for an error that names them.
     pub fn survivors(self) -> Vec<u32> {
-        let id = self.0.as_raw_nonzero().get();
-        let mut pids: Vec<u32> = if proc_available() {
-            session_members(id).into_iter().map(|(p, _)| p).collect()
-        } else {
-            group_candidates(self.0)
-                .unwrap_or_default()
-                .into_iter()
-                .filter(|&pid| Stat::read(pid).is_some_and(|s| s.pgrp == id && !s.is_dead()))
-                .collect()
-        };
-        pids.sort_unstable();
-        pids
-    }
-
-    /// Polls until no member runs and `settled()` holds, or `deadline` passes.
-    fn wait_gone(self, deadline: Instant, settled: &mut dyn FnMut() -> bool) -> bool {
-        loop {
-            if !self.is_alive() && settled() {
-                return true;
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            std::thread::sleep(POLL.min(deadline - now));
-        }
+        let mut t = self.track();
+        t.is_alive();
+        t.survivors()
     }
 
     /// SIGTERM the group (with SIGCONT, so a stopped member can act on it), wait up to `grace`
@@ -665,32 +688,109 @@ impl Group {
         verify: Duration,
         mut settled: impl FnMut() -> bool,
     ) -> Stopped {
-        self.signal(Signal::TERM);
-        self.signal(Signal::CONT);
-        if self.wait_gone(Instant::now() + grace, &mut settled) {
+        let mut run = self.track();
+        run.signal(Signal::TERM);
+        run.signal(Signal::CONT);
+        if run.wait_gone(Instant::now() + grace, &mut settled) {
             return Stopped::ByTerm;
         }
-        self.signal(Signal::KILL);
-        if self.wait_gone(Instant::now() + verify, &mut settled) {
+        run.signal(Signal::KILL);
+        if run.wait_gone(Instant::now() + verify, &mut settled) {
             Stopped::ByKill
         } else {
-            Stopped::Unconfirmed
+            Stopped::Unconfirmed(run.survivors())
         }
     }
 }
 
-/// The live processes (not zombies) of `/proc` whose process group or session is `id`.
-fn session_members(id: i32) -> Vec<(u32, Stat)> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    dir.flatten()
-        .filter_map(|entry| {
-            let pid = entry.file_name().to_str()?.parse::<u32>().ok()?;
-            let st = Stat::read(pid)?;
-            ((st.pgrp == id || st.session == id) && !st.is_dead()).then_some((pid, st))
-        })
-        .collect()
+/// A group's run followed through a stop: its process group, the session its leader started
+/// (exec commands and jobs are session leaders) whatever groups its members moved to (GNU
+/// `timeout`, `setpgid`, job control), and every descendant of theirs, including those that
+/// left the session with `setsid` or a double fork (see [`run_members`]). Each member is
+/// remembered by pid and start time, so one cut from the tree by its parent's death (when the
+/// leader itself was killed first) is still followed, and a reused pid is never taken for it.
+///
+/// What a member asks another process to start (a tmux server, `systemd-run`, `at`) is that
+/// process's descendant, not the run's, and is not followed.
+#[derive(Debug)]
+pub struct Tracked {
+    group: Group,
+    known: BTreeMap<u32, Stat>,
+    /// False where no process table can be read: the group alone is then signalled, and the
+    /// kernel's "no such group" decides whether it is gone.
+    readable: bool,
+}
+
+impl Tracked {
+    fn id(&self) -> i32 {
+        self.group.0.as_raw_nonzero().get()
+    }
+
+    /// Read the process table and update the members. False when it cannot be read.
+    fn refresh(&mut self) -> bool {
+        let Some(table) = process_table() else {
+            self.readable = false;
+            return false;
+        };
+        self.known = run_members(self.id(), &table, &self.known);
+        true
+    }
+
+    /// Signal every member: the process group at once, then each member outside it by pid.
+    /// A member of the group is not signalled twice (a second SIGINT can mean "quit now" to
+    /// it). A group that is already gone is not an error: there is nothing left to signal,
+    /// which is what the caller wanted.
+    pub fn signal(&mut self, sig: Signal) {
+        // The table is read first: a leader killed by this signal hands what it started to
+        // init at once, out of the tree.
+        let readable = self.refresh();
+        let _ = kill_process_group(self.group.0, sig);
+        if !readable {
+            return;
+        }
+        let id = self.id();
+        for (&pid, st) in &self.known {
+            if st.pgrp != id
+                && let Some(p) = pid_of(pid)
+            {
+                let _ = rustix::process::kill_process(p, sig);
+            }
+        }
+    }
+
+    /// True while any member still runs. Zombies do not count (see [`Stat::is_dead`]). Where no
+    /// process table can be read, the kernel's answer for the group decides.
+    pub fn is_alive(&mut self) -> bool {
+        if self.refresh() {
+            return !self.known.is_empty();
+        }
+        !matches!(
+            test_kill_process_group(self.group.0),
+            Err(rustix::io::Errno::SRCH)
+        )
+    }
+
+    /// The members that ran at the last look, sorted; empty where no table can be read.
+    pub fn survivors(&self) -> Vec<u32> {
+        if !self.readable {
+            return Vec::new();
+        }
+        self.known.keys().copied().collect()
+    }
+
+    /// Polls until no member runs and `settled()` holds, or `deadline` passes.
+    fn wait_gone(&mut self, deadline: Instant, settled: &mut dyn FnMut() -> bool) -> bool {
+        loop {
+            if !self.is_alive() && settled() {
+                return true;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            std::thread::sleep(POLL.min(deadline - now));
+        }
+    }
 }
 
 /// "pids 12, 13" for an error about what outlived SIGKILL.
@@ -701,24 +801,35 @@ pub fn pid_list(pids: &[u32]) -> String {
         .join(", ")
 }
 
-async fn group_alive(group: Group) -> bool {
-    tokio::task::spawn_blocking(move || group.is_alive())
-        .await
-        .unwrap_or(true)
+/// [`Tracked::is_alive`] off the runtime's threads (it reads the whole process table).
+async fn run_alive(run: &mut Tracked) -> bool {
+    let mut moved = std::mem::replace(run, run.group.track());
+    match tokio::task::spawn_blocking(move || {
+        let alive = moved.is_alive();
+        (moved, alive)
+    })
+    .await
+    {
+        Ok((back, alive)) => {
+            *run = back;
+            alive
+        }
+        Err(_) => true,
+    }
 }
 
-/// Reaps the leader (a tokio child) and waits for the whole group to go, up to `deadline`.
+/// Reaps the leader (a tokio child) and waits for the whole run to go, up to `deadline`.
 /// `status` keeps the leader's exit once it has been collected.
-async fn wait_group_gone(
+async fn wait_run_gone(
     leader: &mut tokio::process::Child,
-    group: Group,
+    run: &mut Tracked,
     status: &mut Option<Option<ExitStatus>>,
     deadline: tokio::time::Instant,
 ) -> bool {
     loop {
         let tick = (tokio::time::Instant::now() + POLL).min(deadline);
         if status.is_some() {
-            if !group_alive(group).await {
+            if !run_alive(run).await {
                 return true;
             }
             if tokio::time::Instant::now() >= deadline {
@@ -740,7 +851,7 @@ async fn wait_group_gone(
 
 /// [`Group::terminate_blocking`] for a group led by a tokio child of this process, which is
 /// reaped while waiting (an unreaped leader would be a zombie, and its exit status is wanted).
-/// Returns the leader's exit status when it was collected in time, and how the group ended.
+/// Returns the leader's exit status when it was collected in time, and how the run ended.
 pub async fn terminate(
     leader: &mut tokio::process::Child,
     group: Group,
@@ -748,17 +859,18 @@ pub async fn terminate(
     verify: Duration,
 ) -> (Option<ExitStatus>, Stopped) {
     let mut status = None;
-    group.signal(Signal::TERM);
-    group.signal(Signal::CONT);
+    let mut run = group.track();
+    run.signal(Signal::TERM);
+    run.signal(Signal::CONT);
     let now = tokio::time::Instant::now;
-    let stopped = if wait_group_gone(leader, group, &mut status, now() + grace).await {
+    let stopped = if wait_run_gone(leader, &mut run, &mut status, now() + grace).await {
         Stopped::ByTerm
     } else {
-        group.signal(Signal::KILL);
-        if wait_group_gone(leader, group, &mut status, now() + verify).await {
+        run.signal(Signal::KILL);
+        if wait_run_gone(leader, &mut run, &mut status, now() + verify).await {
             Stopped::ByKill
         } else {
-            Stopped::Unconfirmed
+            Stopped::Unconfirmed(run.survivors())
         }
     };
     (status.flatten(), stopped)
@@ -951,6 +1063,105 @@ mod tests {
         assert!(!is_alive(bg_pid, None), "the background member survived");
         let status = child.wait().unwrap();
         assert_eq!(status.signal(), Some(Signal::KILL.as_raw()));
+    }
+
+    /// SIGKILLs the listed pids when dropped, so a failed test leaves nothing running.
+    struct KillPids(Vec<u32>);
+
+    impl Drop for KillPids {
+        fn drop(&mut self) {
+            for &pid in &self.0 {
+                if let Some(p) = pid_of(pid) {
+                    let _ = rustix::process::kill_process(p, Signal::KILL);
+                }
+            }
+        }
+    }
+
+    /// Starts a session leader that starts two processes outside its session, both ignoring
+    /// SIGTERM: one by `setsid`, one by `setsid` in a subshell that exits at once (a double
+    /// fork, so its parent is gone). The leader ignores SIGTERM too when `leader_stays`.
+    /// Returns the leader and both pids.
+    fn leader_with_escapees(dir: &Path, leader_stays: bool) -> (Child, u32, u32) {
+        let (a, b) = (dir.join("a.pid"), dir.join("b.pid"));
+        let script = format!(
+            "{}setsid sh -c 'trap \"\" TERM; echo $$ > \"$0\"; exec sleep 30' '{}' & \
+             (setsid sh -c 'trap \"\" TERM; exec sleep 30' & echo $! > '{}'); sleep 30",
+            if leader_stays { "trap '' TERM; " } else { "" },
+            a.display(),
+            b.display()
+        );
+        let child = spawn(new_session(&mut sh(&script), None)).unwrap();
+        (child, read_pid(&a), read_pid(&b))
+    }
+
+    #[test]
+    fn members_that_left_the_session_are_followed_and_killed() {
+        for leader_stays in [true, false] {
+            let dir = tempfile::tempdir().unwrap();
+            let (mut child, a, b) = leader_with_escapees(dir.path(), leader_stays);
+            let _cleanup = KillPids(vec![a, b, child.id()]);
+            let leader = child.id();
+            for pid in [a, b] {
+                let st = Stat::read(pid).unwrap();
+                assert_ne!(st.session, leader as i32, "{pid} left the session");
+            }
+            // The double-forked one was handed to the leader, not to init: the leader is a
+            // subreaper, so it stays in the tree.
+            wait_for("the orphan to be handed to the leader", || {
+                Stat::read(b).is_some_and(|s| s.ppid == leader)
+            });
+            let group = Group::new(leader).unwrap();
+            let found = group.survivors();
+            assert!(
+                found.contains(&a) && found.contains(&b) && found.contains(&leader),
+                "{found:?}"
+            );
+            // When the leader obeys SIGTERM, it dies first and hands both to init: they are
+            // still followed, since they were seen before the signal.
+            let stopped = group.terminate_blocking(
+                Duration::from_millis(300),
+                Duration::from_secs(5),
+                || true,
+            );
+            assert_eq!(stopped, Stopped::ByKill, "leader_stays {leader_stays}");
+            assert!(!is_alive(a, None), "the setsid member survived");
+            assert!(!is_alive(b, None), "the double-forked member survived");
+            child.wait().unwrap();
+        }
+    }
+
+    #[test]
+    fn a_member_cut_from_the_tree_by_its_leader_s_death_is_still_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mut child, a, b) = leader_with_escapees(dir.path(), true);
+        let _cleanup = KillPids(vec![a, b, child.id()]);
+        let group = Group::new(child.id()).unwrap();
+        let mut run = group.track();
+        assert!(run.is_alive());
+        // The leader dies alone: its members go to init (or the test's own subreaper), out
+        // of the tree and out of the session, where a fresh look no longer finds them.
+        child.kill().unwrap();
+        child.wait().unwrap();
+        wait_for("the members to be handed on", || {
+            [a, b]
+                .iter()
+                .all(|&p| Stat::read(p).is_some_and(|s| s.ppid != group.id()))
+        });
+        // (The leader's own `sleep` is still in its session, so a fresh look finds that.)
+        let fresh = group.survivors();
+        assert!(!fresh.contains(&a) && !fresh.contains(&b), "{fresh:?}");
+        assert!(run.is_alive());
+        let followed = run.survivors();
+        assert!(
+            followed.contains(&a) && followed.contains(&b),
+            "the run that saw them lost them: {followed:?}"
+        );
+        run.signal(Signal::KILL);
+        wait_for("both to be killed", || {
+            !is_alive(a, None) && !is_alive(b, None)
+        });
+        wait_for("the run to be gone", || !run.is_alive());
     }
 
     #[test]

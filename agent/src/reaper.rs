@@ -23,7 +23,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::proc::{self, Group, Signal, Stat};
+use crate::proc::{self, Group, Signal, Stat, Tracked};
 
 /// How long the groups get to act on SIGTERM before SIGKILL.
 const GRACE: Duration = Duration::from_secs(2);
@@ -168,22 +168,27 @@ fn stop_all(groups: &[Group]) {
     if groups.is_empty() {
         return;
     }
-    for g in groups {
-        g.signal(Signal::TERM);
-        g.signal(Signal::CONT);
+    // Each run is followed from before the first signal, so what its leader's death cuts
+    // from the tree is still known (see `proc::Tracked`).
+    let mut runs: Vec<Tracked> = groups.iter().map(|g| g.track()).collect();
+    for r in &mut runs {
+        r.signal(Signal::TERM);
+        r.signal(Signal::CONT);
     }
-    if wait_all_gone(groups, Instant::now() + GRACE) {
+    if wait_all_gone(&mut runs, Instant::now() + GRACE) {
         return;
     }
-    for g in groups {
-        g.signal(Signal::KILL);
+    for r in &mut runs {
+        r.signal(Signal::KILL);
     }
-    wait_all_gone(groups, Instant::now() + VERIFY);
+    wait_all_gone(&mut runs, Instant::now() + VERIFY);
 }
 
-fn wait_all_gone(groups: &[Group], deadline: Instant) -> bool {
+fn wait_all_gone(runs: &mut [Tracked], deadline: Instant) -> bool {
     loop {
-        if groups.iter().all(|g| !g.is_alive()) {
+        // Every run looks each time (no short cut), so each keeps up with its members.
+        let alive = runs.iter_mut().fold(false, |any, r| r.is_alive() | any);
+        if !alive {
             return true;
         }
         if Instant::now() >= deadline {

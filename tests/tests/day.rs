@@ -223,6 +223,68 @@ fn timeout_and_kill_stop_the_whole_session() {
     let _ = &u.sshd;
 }
 
+/// Issue 41, item 3: what left the command's session (`setsid cmd &`, or a double fork whose
+/// middle process is gone) outlived a timeout and `rsb jobs kill`, and the kill said the job
+/// ended. The command's leader is now a subreaper, so nothing it starts leaves its tree, and a
+/// stop follows the whole tree; members that ignore SIGTERM get SIGKILL after the grace.
+#[test]
+fn processes_that_left_the_session_are_stopped_too() {
+    let u = User::new();
+    let m = marker();
+    let _cleanup = KillMarked(m.clone());
+    // One ignores SIGTERM (`trap` is inherited through setsid and exec).
+    let script = format!(
+        "setsid sleep {m}1 & (setsid sleep {m}2 &); \
+         setsid sh -c \"trap '' TERM; sleep {m}3\" & sleep 100"
+    );
+    let o = u.run(
+        &mut u.cmd(&["exec", "--timeout", "2", "--", &script]),
+        Duration::from_secs(40),
+    );
+    assert_eq!(o.status.code(), Some(124), "{}", show(&o));
+    assert_eq!(
+        processes_with(&m),
+        Vec::<String>::new(),
+        "what left the session survived the timeout"
+    );
+
+    let m = marker();
+    let _cleanup_job = KillMarked(m.clone());
+    let script = format!(
+        "setsid sleep {m}4 & (setsid sleep {m}5 &); \
+         setsid sh -c \"trap '' TERM; sleep {m}6\" & sleep 100"
+    );
+    let o = u.run(
+        &mut u.cmd(&["jobs", "start", "--name", "escapees", "--", &script]),
+        Duration::from_secs(40),
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !["4", "5", "6"]
+        .iter()
+        .all(|n| !processes_with(&format!("sleep {m}{n}")).is_empty())
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the job's processes never all started: {:?}",
+            processes_with(&m)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o = u.run(
+        &mut u.cmd(&["jobs", "kill", "escapees"]),
+        Duration::from_secs(40),
+    );
+    assert!(o.status.success(), "{}", show(&o));
+    assert_eq!(
+        processes_with(&m),
+        Vec::<String>::new(),
+        "what left the job's session survived the kill: {}",
+        show(&o)
+    );
+    let _ = &u.sshd;
+}
+
 /// Item 4: a reader that goes away (`| head -1`) used to leave `rsb exec yes` writing into a
 /// closed pipe forever (ssh returns in 0.2 s), and `--json` or `completions` panicked with exit
 /// 101. Now the remote command gets SIGPIPE and rsb exits as ssh does; nothing panics.
@@ -861,13 +923,15 @@ fn doctor_calls_a_forward_listening_only_when_its_port_accepts() {
     );
 }
 
-/// Kills, when dropped, every process whose argv holds the marker (a test's jobs), also when
-/// the test fails.
+/// SIGKILLs, when dropped, every process whose argv holds the marker (a test's jobs), also
+/// when the test fails or they ignore SIGTERM.
 struct KillMarked(String);
 
 impl Drop for KillMarked {
     fn drop(&mut self) {
-        let _ = Command::new("pkill").args(["-f", &self.0]).status();
+        let _ = Command::new("pkill")
+            .args(["-KILL", "-f", &self.0])
+            .status();
     }
 }
 
