@@ -2800,6 +2800,7 @@ async fn write_remote_file_is_atomic_and_conditional() {
         )
         .await;
     assert!(r.s("error").contains("missing"), "{}", r.text);
+    assert!(r.s("hint").contains("make_dirs: true"), "{}", r.text);
 
     // Bytes, create_only, expected_hash; an existing file's mode is kept.
     let f = h.join("w.bin");

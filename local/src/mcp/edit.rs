@@ -164,6 +164,7 @@ impl RsbServer {
                 p.make_dirs.unwrap_or(false),
             )?;
             bytes = Some(req.data.len() as u64);
+            let make_dirs = req.make_dirs;
             let client = self.pool.client(&p.sandbox_name).await?;
             let expected = match &req.condition {
                 rsb_protocol::WriteCondition::Hash(h) => Some(h.clone()),
@@ -172,6 +173,7 @@ impl RsbServer {
             client
                 .call(req)
                 .await
+                .map_err(|e| edit::write_failed(e, make_dirs))
                 .and_then(|o| edit::outcome(&p.remote_path, expected.as_deref(), o))
         }
         .await;

@@ -113,6 +113,18 @@ pub fn write_request(
     })
 }
 
+/// A write's error with the hint that fixes it: a missing directory is created by `make_dirs`
+/// (the generic "check the path" would send a model looking for a typo).
+pub fn write_failed(e: RsbError, make_dirs: bool) -> RsbError {
+    if e.kind == Kind::Agent(rsb_protocol::ErrorCode::NotFound) && !make_dirs {
+        return RsbError {
+            hint: "pass make_dirs: true to create the missing directories".to_string(),
+            ..e
+        };
+    }
+    e
+}
+
 /// What a successful edit or write replies.
 #[derive(Debug, Clone, Serialize)]
 pub struct EditReply {
