@@ -364,6 +364,22 @@ pub fn is_alive(pid: u32, started: Option<u64>) -> bool {
     }
 }
 
+/// Send `sig` to `pid` only if it is still the process that started at `started` (see
+/// [`is_alive`]); false when it is gone or another process has its pid. On Linux the process
+/// is pinned by a pidfd before its start time is checked, so the signal cannot reach a process
+/// that took the pid in between; elsewhere (or before Linux 5.3) the check and the signal are
+/// two steps, a window of microseconds.
+pub fn signal_exact(pid: u32, started: Option<u64>, sig: Signal) -> bool {
+    let Some(p) = pid_of(pid) else {
+        return false;
+    };
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    if let Ok(fd) = rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()) {
+        return is_alive(pid, started) && rustix::process::pidfd_send_signal(&fd, sig).is_ok();
+    }
+    is_alive(pid, started) && rustix::process::kill_process(p, sig).is_ok()
+}
+
 // ---------------------------------------------------------------------------------------------
 // Spawning
 
@@ -1248,6 +1264,21 @@ mod tests {
         assert_eq!(start_ticks(pid), None);
         child.wait().unwrap();
         assert!(!is_alive(pid, None), "reaped");
+    }
+
+    #[test]
+    fn signal_exact_spares_a_process_that_is_not_the_recorded_one() {
+        let mut child = spawn(&mut sh("sleep 30")).unwrap();
+        let _cleanup = KillPids(vec![child.id()]);
+        let pid = child.id();
+        let start = start_ticks(pid).unwrap();
+        // Another start time: the pid now names another process, which is left alone.
+        assert!(!signal_exact(pid, Some(start + 1), Signal::KILL));
+        assert!(is_alive(pid, Some(start)));
+        assert!(signal_exact(pid, Some(start), Signal::KILL));
+        assert_eq!(child.wait().unwrap().signal(), Some(Signal::KILL.as_raw()));
+        assert!(!signal_exact(pid, Some(start), Signal::KILL), "reaped");
+        assert!(!signal_exact(0, None, Signal::KILL));
     }
 
     #[test]

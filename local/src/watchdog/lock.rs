@@ -26,11 +26,72 @@ fn open_lock_file(state_dir: &Path) -> std::io::Result<File> {
     store::roots_lock::open_lock_file(&state_dir.join(LOCK_FILE))
 }
 
-fn read_pid(f: &mut File) -> Option<i64> {
+/// What the lock file says of the daemon holding it: its pid and, since the pid alone can be
+/// handed to another process after the daemon died, its start time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holder {
+    pub pid: i64,
+    /// `None` in a file written by an older rsb, or where the process table cannot be read.
+    pub start: Option<u64>,
+}
+
+impl Holder {
+    /// This process, as the lock file records it.
+    fn me() -> Holder {
+        let pid = std::process::id();
+        Holder {
+            pid: i64::from(pid),
+            start: rsb_agent::proc::start_ticks(pid),
+        }
+    }
+
+    /// `PID START` (or `PID`), the lock file's text.
+    fn line(&self) -> String {
+        match self.start {
+            Some(s) => format!("{} {s}", self.pid),
+            None => self.pid.to_string(),
+        }
+    }
+
+    fn parse(text: &str) -> Option<Holder> {
+        let mut f = text.split_ascii_whitespace();
+        let pid = f.next()?.parse().ok()?;
+        let start = match f.next() {
+            Some(s) => Some(s.parse().ok()?),
+            None => None,
+        };
+        Some(Holder { pid, start })
+    }
+
+    /// Whether this is a live `rsb watchdog run`: the same process that wrote the lock (its
+    /// start time), whose command line says so (from /proc on Linux, `KERN_PROCARGS2` on
+    /// macOS). Where the process table cannot be read, being alive must do.
+    pub fn is_daemon(&self) -> bool {
+        let Ok(p) = u32::try_from(self.pid) else {
+            return false;
+        };
+        if p <= 1 || !rsb_agent::proc::is_alive(p, self.start) {
+            return false;
+        }
+        match rsb_agent::proc::args(p) {
+            Some(args) => args.iter().any(|a| a == b"watchdog") && args.iter().any(|a| a == b"run"),
+            None => !rsb_agent::proc::proc_available(),
+        }
+    }
+
+    /// Send `sig` to the daemon if it is still the process that wrote the lock (see
+    /// `rsb_agent::proc::signal_exact`): never to a process that took its pid since.
+    pub fn signal(&self, sig: rsb_agent::proc::Signal) -> bool {
+        u32::try_from(self.pid)
+            .is_ok_and(|p| p > 1 && rsb_agent::proc::signal_exact(p, self.start, sig))
+    }
+}
+
+fn read_holder(f: &mut File) -> Option<Holder> {
     let mut s = String::new();
     f.rewind().ok()?;
     f.read_to_string(&mut s).ok()?;
-    s.trim().parse().ok()
+    Holder::parse(&s)
 }
 
 /// Take the daemon lock, retrying briefly (a status probe may hold it for an instant);
@@ -50,7 +111,7 @@ pub fn acquire_lock(state_dir: &Path) -> Result<Lock> {
             Ok(()) => {
                 f.set_len(0).map_err(store::db_err)?;
                 f.rewind().map_err(store::db_err)?;
-                write!(f, "{}", std::process::id()).map_err(store::db_err)?;
+                write!(f, "{}", Holder::me().line()).map_err(store::db_err)?;
                 f.flush().map_err(store::db_err)?;
                 return Ok(Lock(f));
             }
@@ -58,8 +119,8 @@ pub fn acquire_lock(state_dir: &Path) -> Result<Lock> {
             Err(TryLockError::WouldBlock) => {}
         }
         if Instant::now() >= deadline {
-            let pid = read_pid(&mut f)
-                .map(|p| p.to_string())
+            let pid = read_holder(&mut f)
+                .map(|h| h.pid.to_string())
                 .unwrap_or_else(|| "unknown".into());
             return Err(RsbError::new(
                 Kind::Config,
@@ -74,9 +135,15 @@ pub fn acquire_lock(state_dir: &Path) -> Result<Lock> {
     }
 }
 
-/// The pid of the daemon holding the lock of `state_dir`, if one does. A shared probe
-/// fails only under the daemon's exclusive lock, and is let go at once.
+/// The pid of the daemon holding the lock of `state_dir`, if one does (see [`holder`]).
 pub fn lock_holder(state_dir: &Path) -> Option<i64> {
+    holder(state_dir).map(|h| h.pid)
+}
+
+/// What the lock file says of the daemon holding the lock of `state_dir`, if one does. A
+/// shared probe fails only under the daemon's exclusive lock, and is let go at once. A holder
+/// whose file cannot be read yet (it is written right after the lock is taken) has pid 0.
+pub fn holder(state_dir: &Path) -> Option<Holder> {
     let mut f = std::fs::OpenOptions::new()
         .read(true)
         .open(state_dir.join(LOCK_FILE))
@@ -86,25 +153,18 @@ pub fn lock_holder(state_dir: &Path) -> Option<i64> {
             let _ = f.unlock();
             None
         }
-        Err(TryLockError::WouldBlock) => Some(read_pid(&mut f).unwrap_or(0)),
+        Err(TryLockError::WouldBlock) => Some(read_holder(&mut f).unwrap_or(Holder {
+            pid: 0,
+            start: None,
+        })),
         Err(TryLockError::Error(_)) => None,
     }
 }
 
-/// Whether `pid` is a live `rsb watchdog run`: the lock file names a pid, and a pid can be
-/// reused, so its command line must say so (from /proc on Linux, `KERN_PROCARGS2` on macOS).
-/// Where the process table cannot be read, being alive must do.
-pub fn is_daemon_pid(pid: i64) -> bool {
-    let Ok(p) = u32::try_from(pid) else {
-        return false;
-    };
-    if p <= 1 || !rsb_agent::proc::is_alive(p, None) {
-        return false;
-    }
-    match rsb_agent::proc::args(p) {
-        Some(args) => args.iter().any(|a| a == b"watchdog") && args.iter().any(|a| a == b"run"),
-        None => !rsb_agent::proc::proc_available(),
-    }
+/// The daemon serving `state_dir`: the lock's holder, if it is a live `rsb watchdog run` and
+/// the very process that took the lock.
+pub fn running_daemon(state_dir: &Path) -> Option<Holder> {
+    holder(state_dir).filter(Holder::is_daemon)
 }
 
 #[cfg(test)]
@@ -124,30 +184,72 @@ mod tests {
         // A released lock is taken again, and the pid is rewritten, not appended.
         let again = acquire_lock(d.path()).unwrap();
         let text = std::fs::read_to_string(d.path().join(LOCK_FILE)).unwrap();
-        assert_eq!(text, std::process::id().to_string());
+        assert_eq!(Holder::parse(&text), Some(Holder::me()));
         drop(again);
     }
 
     #[test]
-    fn only_a_watchdog_command_line_is_a_daemon_pid() {
-        assert!(!is_daemon_pid(0));
-        assert!(!is_daemon_pid(1));
-        assert!(!is_daemon_pid(-5));
+    fn only_a_watchdog_command_line_with_its_start_time_is_a_daemon() {
+        let at = |pid: i64, start: Option<u64>| Holder { pid, start };
+        assert!(!at(0, None).is_daemon());
+        assert!(!at(1, None).is_daemon());
+        assert!(!at(-5, None).is_daemon());
         // This test binary is alive but is not `… watchdog run`.
-        assert!(!is_daemon_pid(std::process::id() as i64));
+        assert!(!at(std::process::id() as i64, None).is_daemon());
         let mut fake = std::process::Command::new("sh")
             .args(["-c", "sleep 30; :", "watchdog", "run"])
             .spawn()
             .unwrap();
+        let pid = fake.id() as i64;
         // sh's own argv holds both words (the `:` keeps sh from exec'ing sleep). Until
         // the child has exec'd it still carries this binary's argv, so wait for that, bounded.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !is_daemon_pid(fake.id() as i64) && Instant::now() < deadline {
+        while !at(pid, None).is_daemon() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
         }
-        assert!(is_daemon_pid(fake.id() as i64));
-        fake.kill().unwrap();
+        let start = rsb_agent::proc::start_ticks(fake.id());
+        assert!(start.is_some());
+        assert!(
+            at(pid, None).is_daemon(),
+            "a lock file without a start time"
+        );
+        assert!(at(pid, start).is_daemon());
+        // The pid with another start time: the daemon that wrote it died and the pid went
+        // to a process that merely looks like one. It is neither reported nor signalled.
+        let reused = at(pid, start.map(|s| s + 1));
+        assert!(!reused.is_daemon());
+        assert!(!reused.signal(rsb_agent::proc::Signal::KILL));
+        assert!(at(pid, start).is_daemon(), "spared");
+        assert!(at(pid, start).signal(rsb_agent::proc::Signal::KILL));
         fake.wait().unwrap();
-        assert!(!is_daemon_pid(fake.id() as i64), "a reaped pid is gone");
+        assert!(!at(pid, start).is_daemon(), "a reaped pid is gone");
+    }
+
+    #[test]
+    fn the_lock_file_records_pid_and_start_time() {
+        let d = tempfile::tempdir().unwrap();
+        let held = acquire_lock(d.path()).unwrap();
+        let me = std::process::id();
+        let text = std::fs::read_to_string(d.path().join(LOCK_FILE)).unwrap();
+        let start = rsb_agent::proc::start_ticks(me).unwrap();
+        assert_eq!(text, format!("{me} {start}"));
+        assert_eq!(
+            holder(d.path()),
+            Some(Holder {
+                pid: me as i64,
+                start: Some(start)
+            })
+        );
+        drop(held);
+        // An older rsb wrote the pid alone; a damaged file names nobody.
+        assert_eq!(
+            Holder::parse("4242\n"),
+            Some(Holder {
+                pid: 4242,
+                start: None
+            })
+        );
+        assert_eq!(Holder::parse("4242 x"), None);
+        assert_eq!(Holder::parse(""), None);
     }
 }

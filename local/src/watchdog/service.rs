@@ -591,7 +591,7 @@ pub fn daemon_info(conn: &Connection, state_dir: &Path) -> Result<DaemonInfo> {
     // process died) and the pid it wrote is a live `rsb watchdog run`. A heartbeat row alone
     // proves nothing: a daemon SIGKILLed, SIGTERMed or idle-exited a moment ago left a fresh
     // one, and a watch registered then would never be checked.
-    let holder = daemon::lock_holder(state_dir).filter(|&pid| daemon::is_daemon_pid(pid));
+    let holder = daemon::running_daemon(state_dir).map(|h| h.pid);
     let hb = db::meta_get(conn, "heartbeat")?;
     let now = crate::store::now_s();
     let age = hb
@@ -686,7 +686,8 @@ pub fn ensure(conn: &Connection, state_dir: &Path) -> Result<EnsureReport> {
 /// lock 10 s later) and start one as [`ensure`] does (the installed service, else detached),
 /// so it runs the current binary with the current config.
 pub fn restart(conn: &Connection, state_dir: &Path) -> Result<EnsureReport> {
-    if let Some(pid) = daemon::lock_holder(state_dir).filter(|&p| daemon::is_daemon_pid(p)) {
+    if let Some(daemon) = daemon::running_daemon(state_dir) {
+        let pid = daemon.pid;
         let stopped = |within: Duration| {
             let deadline = Instant::now() + within;
             loop {
@@ -699,10 +700,11 @@ pub fn restart(conn: &Connection, state_dir: &Path) -> Result<EnsureReport> {
                 std::thread::sleep(Duration::from_millis(50));
             }
         };
-        // SAFETY: plain signals to the pid the lock holder wrote, checked to be a watchdog.
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        // Only to the process that wrote the lock (pid and start time), checked to be a
+        // watchdog: never to one that took its pid since.
+        daemon.signal(rsb_agent::proc::Signal::TERM);
         if !stopped(Duration::from_secs(10)) {
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            daemon.signal(rsb_agent::proc::Signal::KILL);
             if !stopped(Duration::from_secs(3)) {
                 return Err(RsbError::internal(format!(
                     "the watchdog (pid {pid}) still holds its lock after SIGKILL"
