@@ -111,6 +111,24 @@ pub struct BlockHashesResult {
     pub hashes: Vec<[u8; 32]>,
 }
 
+impl BlockHashesResult {
+    /// The file's blocks as `(offset, len)`, one per hash; `None` when the count of hashes is
+    /// not the count `size` makes (a bug or a lying peer). The list is as long as the hashes
+    /// that arrived, so a claimed size cannot make it grow beyond what was received.
+    pub fn spans(&self, block_size: u64) -> Option<Vec<(u64, u64)>> {
+        let n = u64::try_from(self.hashes.len()).ok()?;
+        if block_size == 0 || self.size.div_ceil(block_size) != n {
+            return None;
+        }
+        (0..n)
+            .map(|i| {
+                let off = i.checked_mul(block_size)?;
+                Some((off, block_size.min(self.size.checked_sub(off)?)))
+            })
+            .collect()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ApplyOpenRequest {
     pub root: String,
@@ -285,4 +303,25 @@ pub struct ApplyOnceRequest {
     pub ops: Vec<ApplyOp>,
     /// As [`ApplyCloseRequest::dir_mtimes`].
     pub dir_mtimes: Vec<(String, i64)>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_spans_match_the_size_or_are_refused() {
+        let r = |size, n| BlockHashesResult {
+            size,
+            hashes: vec![[0; 32]; n],
+        };
+        assert_eq!(r(0, 0).spans(4), Some(vec![]));
+        assert_eq!(r(4, 1).spans(4), Some(vec![(0, 4)]));
+        assert_eq!(r(9, 3).spans(4), Some(vec![(0, 4), (4, 4), (8, 1)]));
+        // Too few, too many, a size no count of hashes could match, a zero block size.
+        assert_eq!(r(9, 2).spans(4), None);
+        assert_eq!(r(9, 4).spans(4), None);
+        assert_eq!(r(u64::MAX, 1).spans(4), None);
+        assert_eq!(r(4, 1).spans(0), None);
+    }
 }

@@ -526,9 +526,14 @@ impl Ctx<'_> {
                 Err(e) => return Err(e),
             };
             let size = fresh.size;
-            let blocks: Vec<(u64, u64)> = (0..size.div_ceil(BLOCK_SIZE))
-                .map(|i| (i * BLOCK_SIZE, BLOCK_SIZE.min(size - i * BLOCK_SIZE)))
-                .collect();
+            // The size and the count of hashes come from the source's agent: they must
+            // agree, or the list of blocks would be as long as a claimed size makes it.
+            let Some(blocks) = fresh.spans(BLOCK_SIZE) else {
+                return Err(RsbError::internal(format!(
+                    "block hashes of {src_path}: {} hashes for {size} bytes",
+                    fresh.hashes.len()
+                )));
+            };
             self.tracker.update(false, |p| p.bytes_total += size);
             let pass = self
                 .send_blocks(f, src_path, size, blocks, true, true, Some(&fresh.hashes))
