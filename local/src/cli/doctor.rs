@@ -22,6 +22,25 @@ struct Check {
     detail: String,
 }
 
+impl Check {
+    /// The line a terminal gets. A detail quotes the host (an error, a path, a version) and
+    /// a sandbox name may come from an ssh_config alias: escaped (`term::shown`), so a host
+    /// cannot act on the user's terminal; `--json` keeps the bytes.
+    fn human(&self) -> String {
+        let who = if self.sandbox.is_empty() {
+            String::new()
+        } else {
+            format!("{}: ", rsb::term::shown(&self.sandbox))
+        };
+        format!(
+            "{:<5} {who}{}: {}",
+            self.verdict,
+            self.check,
+            rsb::term::shown(&self.detail)
+        )
+    }
+}
+
 fn line(sandbox: &str, check: &'static str, verdict: &'static str, detail: String) -> Check {
     Check {
         sandbox: sandbox.into(),
@@ -523,12 +542,7 @@ pub async fn run(ctx: &Ctx) -> u8 {
         print_json(&serde_json::json!({"ok": !failed, "checks": checks}));
     } else {
         for c in &checks {
-            let who = if c.sandbox.is_empty() {
-                String::new()
-            } else {
-                format!("{}: ", c.sandbox)
-            };
-            println!("{:<5} {who}{}: {}", c.verdict, c.check, c.detail);
+            println!("{}", c.human());
         }
     }
     if failed { exit::CONNECTION } else { exit::OK }
@@ -537,6 +551,26 @@ pub async fn run(ctx: &Ctx) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_host_s_text_is_escaped_on_the_terminal() {
+        // OSC 52 would write the user's clipboard; a newline would forge a second check line.
+        let c = line(
+            "gpu1",
+            "agent",
+            "FAIL",
+            "cannot start: \u{1b}]52;c;cm0gLXJmIH4=\u{7}\nok    gpu1: agent: fine".into(),
+        );
+        let shown = c.human();
+        assert!(!shown.chars().any(|ch| ch.is_control()), "{shown:?}");
+        assert!(
+            shown.starts_with("FAIL  gpu1: agent: cannot start: \\u{1b}]52"),
+            "{shown}"
+        );
+        // --json keeps the exact text.
+        let v = serde_json::to_value(&c).unwrap();
+        assert!(v["detail"].as_str().unwrap().contains('\u{1b}'));
+    }
     use rsb::slurm::discover::probe_values;
 
     fn verdicts(declared: bool, out: &str) -> Vec<(String, String, String)> {
