@@ -19,24 +19,36 @@ pub type Baseline = HashMap<String, [u8; 32]>;
 /// (local root, sandbox, remote root), the row's key.
 pub type Key = (String, String, String);
 
-/// `PRAGMA data_version`: unchanged while no other connection committed anything, which is
-/// what lets a caller keep a baseline in memory.
-pub fn data_version(conn: &Connection) -> Option<i64> {
-    conn.query_row("PRAGMA data_version", [], |r| r.get(0)).ok()
+/// The generation of `key`'s row (see [`save`]): a read of one small column, which is how a
+/// copy in memory is checked. `None` when there is no row.
+pub fn generation(conn: &Connection, key: &Key) -> Result<Option<i64>> {
+    conn.query_row(
+        "SELECT generation FROM sync_baselines
+         WHERE local_root = ?1 AND sandbox_name = ?2 AND remote_root = ?3",
+        params![key.0, key.1, key.2],
+        |r| r.get(0),
+    )
+    .optional()
+    .map_err(db_err)
 }
 
 /// The baseline of `key`; `None` only when no sync of it ever completed.
 pub fn load(conn: &Connection, key: &Key) -> Result<Option<Baseline>> {
-    let json: Option<String> = conn
+    Ok(load_with_generation(conn, key)?.map(|(_, b)| b))
+}
+
+/// [`load`] with the row's generation, read in the same statement.
+pub fn load_with_generation(conn: &Connection, key: &Key) -> Result<Option<(i64, Baseline)>> {
+    let row: Option<(i64, String)> = conn
         .query_row(
-            "SELECT entries_json FROM sync_baselines
+            "SELECT generation, entries_json FROM sync_baselines
              WHERE local_root = ?1 AND sandbox_name = ?2 AND remote_root = ?3",
             params![key.0, key.1, key.2],
-            |r| r.get(0),
+            |r| Ok((r.get(0)?, r.get(1)?)),
         )
         .optional()
         .map_err(db_err)?;
-    let Some(json) = json else {
+    let Some((generation, json)) = row else {
         return Ok(None);
     };
     let damaged = || {
@@ -57,11 +69,24 @@ pub fn load(conn: &Connection, key: &Key) -> Result<Option<Baseline>> {
             Ok((k, *h.as_bytes()))
         })
         .collect::<Result<Baseline>>()
-        .map(Some)
+        .map(|b| Some((generation, b)))
 }
 
-/// Write (replace) the baseline of `key`.
-pub fn save(conn: &Connection, key: &Key, entries: &Baseline) -> Result<()> {
+/// A fresh generation: random, positive and never 0, so a row deleted (by retention) and
+/// written again never repeats the generation a server cached for the old one.
+fn new_generation() -> i64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    ((h.finish() >> 1) as i64).max(1)
+}
+
+/// Write (replace) the baseline of `key`; returns the row's new generation.
+pub fn save(conn: &Connection, key: &Key, entries: &Baseline) -> Result<i64> {
     let hexes: HashMap<&str, String> = entries
         .iter()
         .map(|(k, h)| {
@@ -72,20 +97,21 @@ pub fn save(conn: &Connection, key: &Key, entries: &Baseline) -> Result<()> {
         })
         .collect();
     let json = serde_json::to_string(&hexes).map_err(db_err)?;
+    let generation = new_generation();
     conn.execute(
         "INSERT INTO sync_baselines (local_root, sandbox_name, remote_root, entries_json,
-           updated_ts) VALUES (?1, ?2, ?3, ?4, ?5)
+           updated_ts, generation) VALUES (?1, ?2, ?3, ?4, ?5, ?6)
          ON CONFLICT(local_root, sandbox_name, remote_root) DO UPDATE SET
-           entries_json = excluded.entries_json, updated_ts = excluded.updated_ts",
-        params![key.0, key.1, key.2, json, now_s()],
+           entries_json = excluded.entries_json, updated_ts = excluded.updated_ts,
+           generation = excluded.generation",
+        params![key.0, key.1, key.2, json, now_s(), generation],
     )
-    .map(|_| ())
+    .map(|_| generation)
     .map_err(db_err)
 }
 
 /// Mark `key` as synced now, at most once a day (a no-change resync writes no baseline, and
-/// retention drops baselines by this time). An update that matches nothing writes no page, so
-/// other connections' `data_version` (and their baseline caches) stay as they are.
+/// retention drops baselines by this time). The content is the same, so the generation stays.
 pub fn touch(conn: &Connection, key: &Key, now: i64) -> Result<()> {
     conn.execute(
         "UPDATE sync_baselines SET updated_ts = ?4

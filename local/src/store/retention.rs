@@ -399,8 +399,9 @@ mod tests {
              VALUES ('upload', 's', '/a', 'b', 'completed', {t_old}, 0, 0),
                     ('upload', 's', '/a', 'b', 'completed', {t_new}, 0, 0),
                     ('upload', 's', '/a', 'b', 'running', 0, 0, 0);
-             INSERT INTO sync_baselines VALUES ('/a', 's', 'b', '{{}}', {b_old}),
-                                               ('/c', 's', 'd', '{{}}', {b_new});
+             INSERT INTO sync_baselines (local_root, sandbox_name, remote_root, entries_json,
+               updated_ts) VALUES ('/a', 's', 'b', '{{}}', {b_old}),
+                                  ('/c', 's', 'd', '{{}}', {b_new});
              UPDATE watches SET sandbox_fp = 'fp-watched' WHERE id = 2;
              INSERT INTO sandbox_defs VALUES ('fp-old', 's', '{{}}', {b_old}),
                                              ('fp-watched', 's', '{{}}', {b_old}),

@@ -159,4 +159,9 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     ALTER TABLE watches ADD COLUMN sandbox_fp TEXT NOT NULL DEFAULT '';
     ALTER TABLE transfer_tasks ADD COLUMN sandbox_fp TEXT NOT NULL DEFAULT '';
     ALTER TABLE forwards ADD COLUMN sandbox_fp TEXT NOT NULL DEFAULT '';",
+    // 7: each baseline row's generation, a random id written with every save, so a server's
+    // in-memory copy is checked against its own row rather than against every commit to the
+    // file (`PRAGMA data_version`, which a daemon's check or a worker's progress changes).
+    // 0 (rows from before) is never taken as current.
+    "ALTER TABLE sync_baselines ADD COLUMN generation INTEGER NOT NULL DEFAULT 0;",
 ];

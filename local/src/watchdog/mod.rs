@@ -43,9 +43,8 @@ pub const DEFAULT_RESUME_DELAY_S: i64 = 300;
 /// the loop beats at most every [`HEARTBEAT_EVERY`], and the row is cleared when the daemon
 /// exits.
 pub const HEARTBEAT_STALE_S: i64 = 30;
-/// How often the daemon writes its heartbeat. Not every tick: each commit changes every other
-/// connection's `PRAGMA data_version`, which is what their in-memory caches (sync baselines)
-/// go by, so an idle daemon that committed every second made every cache miss.
+/// How often the daemon writes its heartbeat. Not every tick: an idle daemon should not write
+/// the state file every second (each commit is a write and an fsync of the WAL).
 pub const HEARTBEAT_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 /// Checkpoint text and log tails kept per watch (the seed's 20,000 characters).
 pub const MAX_TEXT_CHARS: usize = 20_000;
