@@ -137,3 +137,79 @@ async fn an_unusable_store_refuses_the_sync_and_keeps_the_remote_edit() {
         pool.shutdown().await;
     }
 }
+
+/// Issue 46, item 4: `store::check` ran only where transfers open, so the daemon, watches and
+/// forwards used a store with damaged pages (missing rows read as "none"). Every path now
+/// opens through `store::open`, which checks the pages once per process before anything is
+/// written: one error naming `rsb state check`, and the damaged file is left byte for byte.
+#[test]
+fn every_path_that_relies_on_the_store_refuses_damaged_pages_and_writes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let home = tmp.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    {
+        let c = store::open(&state).unwrap();
+        for i in 0..100 {
+            c.execute(
+                "INSERT INTO sync_baselines (local_root, sandbox_name, remote_root,
+                   entries_json, updated_ts) VALUES (?1, 's', 'r', ?2, 0)",
+                [format!("/l{i}"), "x".repeat(400)],
+            )
+            .unwrap();
+        }
+    }
+    let db = store::db_path(&state);
+    for suffix in ["-wal", "-shm"] {
+        let _ = std::fs::remove_file(format!("{}{suffix}", db.display()));
+    }
+    // The last pages hold the rows just written: the damage is in sync_baselines only, so
+    // the tables a watch or a forward reads still answer, and only a check finds it.
+    let mut bytes = std::fs::read(&db).unwrap();
+    let pages = bytes.len() / 4096;
+    assert!(pages > 8, "{pages} pages");
+    bytes[(pages - 3) * 4096..].fill(0xA5);
+    std::fs::write(&db, &bytes).unwrap();
+    let before = std::fs::read(&db).unwrap();
+    let bin = rsb_tests::workspace_root().join("target/debug/rsb");
+    for args in [
+        &["watch", "list"][..],
+        &["watch", "events"],
+        &["forward", "--list"],
+        &[
+            "watchdog",
+            "run",
+            "--mode",
+            "foreground",
+            "--idle-exit",
+            "1",
+        ],
+        &["state", "check"],
+    ] {
+        let mut cmd = std::process::Command::new(&bin);
+        cmd.args(args)
+            .env_clear()
+            .env("HOME", &home)
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("RSB_STATE_DIR", &state);
+        let o =
+            rsb_tests::output_with_timeout(&mut cmd, std::time::Duration::from_secs(30)).unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        println!("rsb {}: {:?}\n{err}", args.join(" "), o.status.code());
+        assert!(
+            !o.status.success(),
+            "rsb {}: succeeded on damaged pages",
+            args.join(" ")
+        );
+        assert!(
+            err.contains("state database is unusable") && err.contains("rsb state check"),
+            "rsb {}: {err}",
+            args.join(" ")
+        );
+        assert!(
+            std::fs::read(&db).unwrap() == before,
+            "rsb {} changed the damaged file",
+            args.join(" ")
+        );
+    }
+}

@@ -30,7 +30,8 @@ fn fail(e: &rsb::error::RsbError, json: bool) -> u8 {
 }
 
 pub fn run(cmd: Option<StateCmd>, json: bool, state_dir: &Path) -> u8 {
-    let opened = store::open(state_dir).and_then(|c| store::check(&c).map(|()| c));
+    // Opening checks the pages (`store::open`).
+    let opened = store::open(state_dir);
     match cmd.unwrap_or(StateCmd::Show) {
         StateCmd::Show => {
             let u = match store::retention::usage(state_dir, opened.as_ref().ok()) {

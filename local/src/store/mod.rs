@@ -93,18 +93,44 @@ fn unusable(why: impl std::fmt::Display) -> RsbError {
     )
 }
 
-/// `PRAGMA quick_check`: every page and index readable. Run once per process that relies on
-/// the store for correctness (a server's transfers and sync baselines, the daemon), so page
-/// damage is an error up front and never comes out later as a missing row.
+/// `PRAGMA quick_check`: every page and index readable. [`open`] runs it once per process (see
+/// [`check_once`]), so page damage is an error up front and never comes out later as a missing
+/// row.
 pub fn check(conn: &Connection) -> Result<(), RsbError> {
-    let first: String = conn
-        .query_row("PRAGMA quick_check(1)", [], |r| r.get(0))
+    // The first lines say what is wrong; a "*** in database main ***" heading says nothing.
+    let mut stmt = conn.prepare("PRAGMA quick_check(3)").map_err(db_err)?;
+    let lines: Vec<String> = stmt
+        .query_map([], |r| r.get(0))
+        .and_then(|rows| rows.collect())
         .map_err(db_err)?;
-    if first == "ok" {
-        Ok(())
-    } else {
-        Err(unusable(first))
+    if lines == ["ok"] {
+        return Ok(());
     }
+    // A row may hold several lines (a heading, then the problem).
+    let what = lines
+        .iter()
+        .flat_map(|l| l.lines())
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with("*** in database"))
+        .unwrap_or("the integrity check failed");
+    Err(unusable(what))
+}
+
+/// [`check`] once per process and database: every path that relies on the store (a server's
+/// transfers and baselines, the daemon, watches, forwards, the CLI) opens it through [`open`],
+/// so damage is found before the first write, whichever path comes first, and costs one scan
+/// per process. A failed check is not remembered: the next open checks again.
+fn check_once(conn: &Connection, path: &Path) -> Result<(), RsbError> {
+    static CHECKED: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+    let key = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut checked = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
+    if checked.contains(&key) {
+        return Ok(());
+    }
+    // Under the lock: two threads opening at once check once.
+    check(conn)?;
+    checked.push(key);
+    Ok(())
 }
 
 /// Lives in config, which creates the state dir before any store exists and must not depend
@@ -162,6 +188,9 @@ pub fn open(state_dir: &Path) -> Result<Connection, RsbError> {
     }
     let conn = Connection::open(&path).map_err(db_err)?;
     conn.busy_timeout(Duration::from_secs(5)).map_err(db_err)?;
+    // Before anything writes (the journal mode, a migration): damaged pages are one error
+    // here, and the damaged file is left as it was for `rsb state check` and the user.
+    check_once(&conn, &path)?;
     let _: String = conn
         .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
         .map_err(db_err)?;

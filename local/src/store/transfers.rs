@@ -167,9 +167,9 @@ impl Transfers {
     /// Open (creating, 0600) and migrate `<state_dir>/rsb.sqlite3`.
     pub fn open(state_dir: &Path) -> Result<Transfers> {
         // The schema, its migrations and the file modes live in the shared store.
+        // Page damage is an error here (`store::open` checks), not a missing task or baseline
+        // later.
         let conn = crate::store::open(state_dir)?;
-        // Page damage is an error here, not a missing task or baseline later.
-        crate::store::check(&conn)?;
         Ok(Transfers {
             state_dir: state_dir.to_path_buf(),
             db: Mutex::new(conn),
