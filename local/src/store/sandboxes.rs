@@ -350,11 +350,22 @@ pub fn persist(
         }
     }
     if !wanted.is_empty() {
+        // Without the opt-in, a stored secret of ours is removed (the user turned storing
+        // off), but never one that a row still connects with: another server that opted in
+        // may have stored it for an active watch, a live detached forward or a transfer.
+        let mut in_use = std::collections::BTreeSet::new();
+        if !store_secrets {
+            for (fp, _) in &wanted {
+                if referenced(conn, fp)? {
+                    in_use.insert(fp.clone());
+                }
+            }
+        }
         update_secrets(state_dir, |m| {
             for (fp, secret) in wanted {
                 if store_secrets {
                     m.insert(fp, secret);
-                } else if m.get(&fp) == Some(&secret) {
+                } else if m.get(&fp) == Some(&secret) && !in_use.contains(&fp) {
                     m.remove(&fp);
                 }
             }
@@ -362,6 +373,21 @@ pub fn persist(
         .map_err(db_err)?;
     }
     Ok(sandboxes.len())
+}
+
+/// Whether a row that connects later (an active watch, a detached forward starting or
+/// listening, a queued or running transfer) names definition `fp`.
+fn referenced(conn: &Connection, fp: &str) -> Result<bool> {
+    conn.query_row(
+        "SELECT EXISTS(SELECT 1 FROM watches WHERE status = 'active' AND sandbox_fp = ?1)
+             OR EXISTS(SELECT 1 FROM forwards WHERE state IN ('starting', 'listening')
+                       AND sandbox_fp = ?1)
+             OR EXISTS(SELECT 1 FROM transfer_tasks WHERE status IN ('queued', 'running')
+                       AND sandbox_fp = ?1)",
+        params![fp],
+        |r| r.get(0),
+    )
+    .map_err(db_err)
 }
 
 /// The definition a row refers to: by fingerprint, or by name in the table of rsb before
@@ -535,6 +561,49 @@ mod tests {
         let conn = crate::store::open(d.path()).unwrap();
         persist(&conn, d.path(), &[c], false).unwrap();
         assert!(!d.path().join(SECRETS_FILE).exists());
+    }
+
+    /// Issue 46, item 10: server A (opted in) watches a job on a password sandbox; server B,
+    /// same state dir and definition, without the opt-in, persisted its sandboxes and removed
+    /// A's secret, so A's watch turned `needs_credentials`. Now a secret an active row names
+    /// is kept; once nothing names it, opting out removes it as before.
+    #[test]
+    fn a_server_without_the_opt_in_keeps_a_secret_an_active_watch_uses() {
+        let d = tempfile::tempdir().unwrap();
+        let conn = crate::store::open(d.path()).unwrap();
+        let c = ssh(Auth::Password(Secret::new("pw-of-a")));
+        let fp = fingerprint(&c);
+        persist(&conn, d.path(), std::slice::from_ref(&c), true).unwrap();
+        conn.execute(
+            "INSERT INTO watches (id, sandbox_name, sandbox_fp, tmux_session, log_file,
+               created_ts, updated_ts) VALUES (1, 'gpu', ?1, 'train', '/l', 0, 0)",
+            [&fp],
+        )
+        .unwrap();
+        let secret_of_a = || read_secrets(d.path()).get(&fp).cloned();
+        assert!(secret_of_a().is_some());
+        // Server B, no opt-in: A's watch still connects.
+        persist(&conn, d.path(), std::slice::from_ref(&c), false).unwrap();
+        assert!(secret_of_a().is_some(), "server B removed A's secret");
+        let p = load(&conn, &fp, "gpu").unwrap().unwrap();
+        assert_eq!(p.to_config(secret_of_a().as_ref()).unwrap(), c);
+        // A detached forward or a running transfer holds it the same way.
+        conn.execute("UPDATE watches SET status = 'cancelled'", [])
+            .unwrap();
+        conn.execute(
+            "INSERT INTO transfer_tasks (direction, sandbox_name, sandbox_fp, local_path,
+               remote_path, status, created_ts, updated_ts)
+             VALUES ('upload', 'gpu', ?1, '/a', 'b', 'running', 0, 0)",
+            [&fp],
+        )
+        .unwrap();
+        persist(&conn, d.path(), std::slice::from_ref(&c), false).unwrap();
+        assert!(secret_of_a().is_some(), "removed under a running transfer");
+        // Nothing uses it any more: opting out removes it.
+        conn.execute("UPDATE transfer_tasks SET status = 'completed'", [])
+            .unwrap();
+        persist(&conn, d.path(), std::slice::from_ref(&c), false).unwrap();
+        assert!(secret_of_a().is_none());
     }
 
     fn at(host: &str, pw: &str) -> SandboxConfig {
