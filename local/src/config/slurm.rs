@@ -38,23 +38,47 @@ pub struct SlurmOptions {
 /// A sandbox's defaults have the same shape as a job's options.
 pub type SlurmDefaults = SlurmOptions;
 
-/// Options rsb sets itself: the record, the log and the lost-reply lookup depend on them, so
-/// they cannot come from `sbatch_args` (in full or as one of getopt's abbreviations).
-const CONTROLLED_LONG: &[&str] = &[
-    "output",
-    "error",
-    "job-name",
-    "comment",
-    "parsable",
-    "wrap",
-    "array",
-    "open-mode",
-    "wait",
-    "signal",
-    "requeue",
-    "no-requeue",
+/// Options that cannot come from `sbatch_args` (in full, as one of getopt's abbreviations, or
+/// as a short flag anywhere in a cluster such as `-vW`), each with why: rsb sets them for
+/// every job (its record, log and lost-reply lookup depend on them), or they would take the
+/// job where rsb cannot follow it.
+const CONTROLLED: &[(&str, Option<char>, &str)] = &[
+    ("output", Some('o'), SETS),
+    ("job-name", Some('J'), SETS),
+    ("comment", None, SETS),
+    ("parsable", None, SETS),
+    ("open-mode", None, SETS),
+    ("signal", None, SETS),
+    ("requeue", None, SETS),
+    ("no-requeue", None, SETS),
+    (
+        "error",
+        Some('e'),
+        "the job's stderr goes to its log with stdout, where rsb reads it",
+    ),
+    ("wrap", None, "rsb submits its own batch script"),
+    (
+        "array",
+        Some('a'),
+        "rsb follows one Slurm job per rsb job; start one job per task instead",
+    ),
+    (
+        "wait",
+        Some('W'),
+        "sbatch would not return until the job ends; rsb wait and the watchdog follow it",
+    ),
+    (
+        "clusters",
+        Some('M'),
+        "rsb follows jobs on the login node's own cluster; configure a sandbox on the other cluster's login node",
+    ),
 ];
-const CONTROLLED_SHORT: &[char] = &['o', 'e', 'J', 'a', 'W'];
+const SETS: &str = "rsb sets it for every job";
+
+/// sbatch's short options that take no argument, so the next letter of a cluster (`-vW`,
+/// `-Ha1-3`) is another option. Every other letter takes the rest of the cluster as its value
+/// (required, or optional like `-k`).
+const SHORT_FLAGS: &[char] = &['H', 'h', 'O', 'Q', 's', 'u', 'V', 'v', 'W'];
 
 impl SlurmOptions {
     fn texts(&self) -> [(&'static str, &Option<String>); 7] {
@@ -92,9 +116,9 @@ impl SlurmOptions {
                     "write each extra option as one element, with its value: \"--nodes=2\"",
                 ));
             }
-            if let Some(o) = controlled(a) {
+            if let Some((o, why)) = controlled(a) {
                 return Err(RsbError::invalid(
-                    format!("slurm sbatch_args cannot set {o}: rsb sets it for every job"),
+                    format!("slurm sbatch_args cannot set {o}: {why}"),
                     "use the job's log_file / session_name, or the requeue and signal_before_timeout_s options",
                 ));
             }
@@ -119,18 +143,26 @@ fn check_value(key: &str, v: &str) -> Result<()> {
     Ok(())
 }
 
-/// The controlled option an extra argument would set, if any: `--name[=v]` and every getopt
-/// abbreviation of a controlled long name, or a short flag `-X...`.
-fn controlled(a: &str) -> Option<String> {
+/// The controlled option an extra argument would set, if any, and why it cannot: `--name[=v]`
+/// and every getopt abbreviation of a controlled long name, or a controlled letter anywhere in
+/// a short cluster before the first letter that takes the rest as its value.
+fn controlled(a: &str) -> Option<(String, &'static str)> {
     if let Some(long) = a.strip_prefix("--") {
         let name = long.split('=').next().unwrap_or_default();
-        return CONTROLLED_LONG
+        return CONTROLLED
             .iter()
-            .find(|c| c.starts_with(name))
-            .map(|c| format!("--{c}"));
+            .find(|(c, _, _)| !name.is_empty() && c.starts_with(name))
+            .map(|(c, _, why)| (format!("--{c}"), *why));
     }
-    let c = a.strip_prefix('-')?.chars().next()?;
-    CONTROLLED_SHORT.contains(&c).then(|| format!("-{c}"))
+    for c in a.strip_prefix('-')?.chars() {
+        if let Some((_, _, why)) = CONTROLLED.iter().find(|(_, s, _)| *s == Some(c)) {
+            return Some((format!("-{c}"), *why));
+        }
+        if !SHORT_FLAGS.contains(&c) {
+            break;
+        }
+    }
+    None
 }
 
 /// Turn a sandbox entry's `scheduler` and `slurm` keys into its Slurm defaults: `Some` for a
@@ -174,9 +206,6 @@ mod tests {
             "--job=y",
             "--comment=z",
             "--parsable",
-            "--wrap=id",
-            "-W",
-            "--array=1-3",
             "--signal=USR2",
             "--no-requeue",
         ] {
@@ -187,12 +216,45 @@ mod tests {
             let e = o.check().unwrap_err();
             assert!(e.message.contains("rsb sets it"), "{a}: {}", e.message);
         }
+        // Issue 43: a controlled letter later in a cluster of flags, and options that would
+        // take the job where rsb cannot follow it, each refused with its own reason.
+        for (a, says) in [
+            ("-Ha1-3", "-a: rsb follows one Slurm job"),
+            ("-vW", "-W: sbatch would not return"),
+            ("-ve/tmp/x", "-e: the job's stderr"),
+            ("-QvJname", "-J: rsb sets it"),
+            ("--array=1-3", "--array: rsb follows one Slurm job"),
+            ("--clusters=other", "--clusters: rsb follows jobs"),
+            ("--cluster=other", "--clusters"),
+            ("-Mother", "-M: rsb follows jobs"),
+            ("-e", "-e"),
+            ("--wrap=id", "--wrap: rsb submits its own"),
+            ("-W", "-W: sbatch would not return"),
+        ] {
+            let o = SlurmOptions {
+                sbatch_args: vec![a.into()],
+                ..Default::default()
+            };
+            let e = o.check().unwrap_err();
+            assert!(e.message.contains(says), "{a}: {}", e.message);
+            assert!(
+                !e.message.contains("rsb sets it") || says.contains("sets"),
+                "{a}: {}",
+                e.message
+            );
+        }
         for a in [
             "--nodes=2",
             "--exclusive",
             "--constraint=a100",
             "-N2",
             "--export=ALL",
+            // The letters after one that takes a value are that value: a partition named
+            // "aW" and a node list are not -a or -W.
+            "-paW",
+            "-wnode-a1",
+            "-HvN2",
+            "-kW",
         ] {
             let o = SlurmOptions {
                 sbatch_args: vec![a.into()],
