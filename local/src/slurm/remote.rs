@@ -33,6 +33,10 @@ impl Out {
     }
 }
 
+/// The most stdout a Slurm command may reply with (a node list of a large cluster is a few
+/// MiB); more is an error, never a silent cut.
+const MAX_REPLY: u64 = 8 << 20;
+
 fn text(c: &rsb_protocol::Captured) -> String {
     let mut b = c.head.clone();
     b.extend_from_slice(&c.tail);
@@ -48,6 +52,7 @@ pub async fn run(
 ) -> Result<Out> {
     let mut req = ExecRequest::new(format!("{ARGS}{script}"));
     req.timeout_ms = CALL_TIMEOUT.as_millis() as u64;
+    req.max_stdout = MAX_REPLY;
     req.env = env;
     req.env.push(("RSB_N".into(), args.len().to_string()));
     for (i, a) in args.iter().enumerate() {
@@ -68,6 +73,19 @@ pub async fn run(
                 CALL_TIMEOUT.as_secs()
             ),
             "check `scontrol ping` on the login node; rsb retries with backoff",
+        ));
+    }
+    // A cut reply joins its head and tail mid-line: rows would be lost or garbled without a
+    // word. Say so instead.
+    if r.stdout.truncated() {
+        return Err(RsbError::new(
+            Kind::Agent(rsb_protocol::ErrorCode::Io),
+            format!(
+                "the Slurm command's reply was {} bytes, over rsb's {} MiB limit",
+                r.stdout.total,
+                MAX_REPLY >> 20
+            ),
+            "this cluster answers with more than rsb reads; please report it with the cluster's size",
         ));
     }
     Ok(Out {
@@ -95,13 +113,14 @@ pub const FIND: &str = r#"exec squeue -h -t all -u "$(id -un)" -n "$RSB_JOBNAME"
 pub const ADOPT: &str = r#"printf '%s\n' "$RSB_ID" > "$RSB_D/slurm_job.tmp" && mv -f "$RSB_D/slurm_job.tmp" "$RSB_D/slurm_job"
 "#;
 
-/// Everything resources need in one call: partitions, nodes, and the user's jobs.
+/// Everything resources need in one call: partitions, nodes, and the user's own jobs (a
+/// cluster's whole queue can be 100,000 jobs: the controller is not asked for it).
 pub const SINFO: &str = r#"echo '@partitions'
 sinfo -h -o '%P|%a|%D|%C|%G|%m|%l' || exit 31
 echo '@nodes'
 sinfo -h -N -O 'NodeList:|,Partition:|,StateCompact:|,CPUsState:|,Memory:|,AllocMem:|,Gres:|,GresUsed:' || exit 31
 echo '@queue'
-squeue -h -o '%P|%T|%u' || exit 31
+squeue -h -u "$(id -un)" -o '%P|%T|%u' || exit 31
 echo "@me $(id -un)"
 "#;
 

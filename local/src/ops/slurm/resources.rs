@@ -33,6 +33,7 @@ pub struct Partition {
     pub gpus_free: u32,
     pub memory_mb_per_node: u64,
     pub time_limit: String,
+    /// The user's own jobs in the partition (the controller is not asked for everyone's).
     pub pending_jobs: u32,
     pub running_jobs: u32,
 }
@@ -92,6 +93,21 @@ pub fn gpu_count(gres: &str) -> u32 {
         .sum()
 }
 
+/// Whether a node in this `StateCompact` (`idle`, `mix`, `alloc`, with flag characters such as
+/// `~` powered down or `#` powering up) takes new jobs. Not responding (`*`), down, drained or
+/// draining, failing, in maintenance, completing and every other state do not count.
+fn schedulable(state: &str) -> bool {
+    let s = state.trim();
+    if s.contains('*') {
+        return false;
+    }
+    let base: String = s.chars().take_while(|c| c.is_ascii_alphabetic()).collect();
+    matches!(
+        base.to_ascii_lowercase().as_str(),
+        "idle" | "mix" | "alloc" | "mixed" | "allocated"
+    )
+}
+
 /// `alloc/idle/other/total`.
 fn cpus(s: &str) -> (u32, u32) {
     let f: Vec<u32> = s.split('/').filter_map(|x| x.parse().ok()).collect();
@@ -110,12 +126,18 @@ pub fn parse(text: &str) -> SlurmResources {
     // counts once in the totals.
     let mut nodes: BTreeMap<String, (u32, u32, u32, u32)> = BTreeMap::new();
     let mut queue: Vec<(String, String, String)> = Vec::new();
+    // partition -> CPUs (total, idle) of its schedulable nodes.
+    let mut node_cpus: BTreeMap<String, (u32, u32)> = BTreeMap::new();
+    let mut saw_nodes = false;
     for l in text.lines() {
         if let Some(s) = l.strip_prefix('@') {
             let (s, rest) = s.split_once(' ').unwrap_or((s, ""));
             section = match s {
                 "partitions" => "p",
-                "nodes" => "n",
+                "nodes" => {
+                    saw_nodes = true;
+                    "n"
+                }
                 "queue" => "q",
                 "me" => {
                     me = rest.trim().to_string();
@@ -149,11 +171,19 @@ pub fn parse(text: &str) -> SlurmResources {
             }
             "n" if f.len() >= 8 => {
                 let part = f[1].trim_end_matches('*');
+                // A node that is down, drained, draining, failing or not responding runs
+                // nothing new: its CPUs and GPUs are neither free nor part of the total.
+                if !schedulable(f[2]) {
+                    continue;
+                }
                 let (ct, ci) = cpus(f[3]);
                 let (gt, gu) = (gpu_count(f[6]), gpu_count(f[7]));
                 if let Some(p) = parts.get_mut(part) {
                     p.gpus_total += gt;
                     p.gpus_free += gt.saturating_sub(gu);
+                    let (t, i) = node_cpus.entry(part.to_string()).or_default();
+                    *t += ct;
+                    *i += ci;
                 }
                 nodes.insert(f[0].to_string(), (ct, ci, gt, gu));
             }
@@ -163,6 +193,15 @@ pub fn parse(text: &str) -> SlurmResources {
                 f[2].to_string(),
             )),
             _ => {}
+        }
+    }
+    // The partition line's CPU counts include its down and drained nodes; the node lines
+    // say which are schedulable.
+    if saw_nodes {
+        for (name, p) in parts.iter_mut() {
+            let (t, i) = node_cpus.get(name).copied().unwrap_or_default();
+            p.cpus_total = t;
+            p.cpus_free = i;
         }
     }
     let mut r = SlurmResources {
@@ -240,6 +279,50 @@ mod tests {
         );
         assert_eq!((r.my_running_jobs, r.my_pending_jobs), (1, 0));
         assert_eq!(r.idle_score, 0.6);
+    }
+
+    /// Issue 43: GPUs and CPUs of down and drained nodes counted as free.
+    #[test]
+    fn only_schedulable_nodes_count() {
+        let text = "@partitions\n\
+            gpu*|up|4|8/40/16/64|gpu:a100:4|4096|1-00:00:00\n\
+            @nodes\n\
+            n1|gpu*|mix|8/8/0/16|4096|256|gpu:a100:4|gpu:a100:2(IDX:0-1)|\n\
+            n2|gpu*|idle~|0/16/0/16|4096|0|gpu:a100:4|gpu:a100:0(IDX:N/A)|\n\
+            n3|gpu*|drain|0/16/0/16|4096|0|gpu:a100:4|gpu:a100:0(IDX:N/A)|\n\
+            n4|gpu*|idle*|0/0/16/16|4096|0|gpu:a100:4|gpu:a100:0(IDX:N/A)|\n\
+            n5|gpu*|down*|0/0/16/16|4096|0|gpu:a100:4|gpu:a100:0(IDX:N/A)|\n\
+            n6|gpu*|drng|16/0/0/16|4096|0|gpu:a100:4|gpu:a100:4(IDX:0-3)|\n\
+            @queue\n\
+            @me sbx\n";
+        let r = parse(text);
+        // n1 (mixed) and n2 (idle, powered down until a job needs it) only.
+        assert_eq!(
+            (r.gpus_total, r.gpus_free, r.cpus_total, r.cpus_free),
+            (8, 6, 32, 24)
+        );
+        let p = &r.partitions[0];
+        assert_eq!(
+            (p.gpus_total, p.gpus_free, p.cpus_total, p.cpus_free),
+            (8, 6, 32, 24)
+        );
+        for (state, ok) in [
+            ("idle", true),
+            ("mix", true),
+            ("alloc", true),
+            ("idle~", true),
+            ("mix#", true),
+            ("idle*", false),
+            ("drain", false),
+            ("drng", false),
+            ("down*", false),
+            ("fail", false),
+            ("maint", false),
+            ("comp", false),
+            ("", false),
+        ] {
+            assert_eq!(schedulable(state), ok, "{state}");
+        }
     }
 
     #[test]
