@@ -251,7 +251,12 @@ async fn slurm_exit_code_is_the_commands_and_comes_from_the_record() {
     let sshd = Sshd::start().unwrap();
     let mcp = Mcp::start(&sshd, json!({})).await;
     let s = mcp
-        .submit("exit3", "echo out-$SLURM_JOB_ID; exit 3", json!({}))
+        .submit(
+            "exit3",
+            "echo out-$SLURM_JOB_ID; echo rsb-vars=$(env | grep -c '^RSB_'); \
+             scontrol show job $SLURM_JOB_ID | grep -o 'Requeue=[0-9]'; exit 3",
+            json!({}),
+        )
         .await;
     assert_eq!(s["scheduler"], "slurm", "{s}");
     let id = s["slurm_job_id"].as_str().unwrap().to_string();
@@ -269,6 +274,11 @@ async fn slurm_exit_code_is_the_commands_and_comes_from_the_record() {
             .contains(&format!("out-{id}")),
         "{v}"
     );
+    // Issue 43: rsb's submit variables (the spec, the batch script) stayed in the job's
+    // environment, and with `requeue` unset the site's default applied.
+    let tail = v["log_tail"].as_str().unwrap();
+    assert!(tail.contains("rsb-vars=0"), "{v}");
+    assert!(tail.contains("Requeue=0"), "{v}");
     let l = mcp.ok("list_background_tasks", json!({})).await;
     let t = l["tasks"]
         .as_array()

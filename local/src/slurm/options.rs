@@ -64,10 +64,12 @@ impl SlurmOptions {
         if let Some(c) = self.cpus {
             v.push(format!("--cpus-per-task={c}"));
         }
-        match self.requeue {
-            Some(true) => v.push("--requeue".into()),
-            Some(false) => v.push("--no-requeue".into()),
-            None => {}
+        // Not requeued unless asked: a site's default of requeueing would rerun the command
+        // from the start under the same record, behind the watch's back.
+        if self.requeue == Some(true) {
+            v.push("--requeue".into());
+        } else {
+            v.push("--no-requeue".into());
         }
         if let Some(s) = self.signal_before_timeout_s {
             v.push(format!("--signal=B:USR1@{s}"));
@@ -103,6 +105,22 @@ mod tests {
         assert_eq!(m.partition.as_deref(), Some("debug"));
         assert_eq!(m.mem.as_deref(), Some("1G"));
         assert_eq!(m.sbatch_args, vec!["--nodes=1", "--hold"]);
+    }
+
+    #[test]
+    fn a_job_is_not_requeued_unless_asked() {
+        let argv = |requeue| {
+            SlurmOptions {
+                requeue,
+                ..Default::default()
+            }
+            .sbatch_argv("rsb-j", "rsb:L", "/o", "/b")
+        };
+        assert!(argv(None).contains(&"--no-requeue".to_string()));
+        assert!(argv(Some(false)).contains(&"--no-requeue".to_string()));
+        let asked = argv(Some(true));
+        assert!(asked.contains(&"--requeue".to_string()));
+        assert!(!asked.contains(&"--no-requeue".to_string()));
     }
 
     #[test]

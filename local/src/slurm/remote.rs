@@ -146,7 +146,16 @@ printf '%s\n' "$RSB_LAUNCH_ID" > "$d/launch_id.tmp" && mv -f "$d/launch_id.tmp" 
 printf '%s' "$RSB_SCRIPT" > "$d/batch.sh.tmp" && chmod 700 "$d/batch.sh.tmp" && mv -f "$d/batch.sh.tmp" "$d/batch.sh" || exit 23
 fs=$(stat -f -c %T "$d" 2>/dev/null || echo unknown)
 afs=$(stat -f -c %T "$RSB_AGENT" 2>/dev/null || echo unknown)
-nodes=$(sinfo -h -o %n 2>/dev/null | sort -u | tr '\n' ' ')
+# The cluster's node list matters only when the record or the agent is on a local file system
+# (is the login node the only node?): no controller call otherwise.
+nodes=
+case "$fs" in *nfs*|*lustre*|*gpfs*|*beegfs*|*cifs*|*smb*|*fuse*|*ceph*|*panfs*|*wekafs*) ;;
+  *) nodes=$(sinfo -h -o %n 2>/dev/null | sort -u | tr '\n' ' ');; esac
+case "$afs" in *nfs*|*lustre*|*gpfs*|*beegfs*|*cifs*|*smb*|*fuse*|*ceph*|*panfs*|*wekafs*) ;;
+  *) [ -n "$nodes" ] || nodes=$(sinfo -h -o %n 2>/dev/null | sort -u | tr '\n' ' ');; esac
+# sbatch exports this shell's environment to the job (--export=ALL): rsb's own variables (the
+# spec, the script) are not the job's.
+for v in $(compgen -e); do case $v in RSB_*) unset "$v";; esac; done
 out=$(sbatch "${args[@]}" 2>"$d/sbatch.err"); rc=$?
 if [ "$rc" -ne 0 ]; then cat "$d/sbatch.err" >&2; rm -f "$d/spec"; exit 30; fi
 id=${out%%;*}

@@ -119,6 +119,8 @@ pub async fn cwd_of(client: &AgentClient, name: &str) -> String {
 /// is; a local one is only when the login node is the cluster's only node.
 fn path_warning(kv: &Map<String, Value>) -> Option<String> {
     let s = |k: &str| kv.get(k).and_then(Value::as_str).unwrap_or_default();
+    // The same list as the submit script's `case`, which asks sinfo for the nodes only when
+    // one of the two is not on a shared file system.
     let shared = |fs: &str| {
         [
             "nfs", "lustre", "gpfs", "beegfs", "cifs", "smb", "fuse", "ceph", "panfs", "wekafs",
