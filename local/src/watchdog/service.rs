@@ -294,8 +294,13 @@ fn path_env() -> String {
         .unwrap_or_else(|| DEFAULT_PATH.into())
 }
 
+/// The path the service (and a detached daemon) runs rsb by: the one the user ran it by when
+/// that is the same file (`/opt/homebrew/bin/rsb`, `~/.nix-profile/bin/rsb`, a symlink that
+/// an upgrade re-points), else the binary itself. The resolved path
+/// (`…/Cellar/rsb/1.2/bin/rsb`, `/nix/store/…-rsb-1.2/bin/rsb`) disappears with the next
+/// upgrade, and the service would fail to start from then on.
 fn rsb_binary() -> Result<PathBuf> {
-    std::env::current_exe()
+    let exe = std::env::current_exe()
         .and_then(|p| p.canonicalize())
         .map_err(|e| {
             RsbError::new(
@@ -303,7 +308,47 @@ fn rsb_binary() -> Result<PathBuf> {
                 format!("cannot find rsb's own binary: {e}"),
                 "run rsb from its installed path",
             )
-        })
+        })?;
+    let argv0 = std::env::args_os().next().map(PathBuf::from);
+    let cwd = std::env::current_dir().ok();
+    Ok(stable_binary(
+        &exe,
+        argv0.as_deref(),
+        std::env::var_os("PATH").as_deref(),
+        cwd.as_deref(),
+    ))
+}
+
+/// See [`rsb_binary`]: `argv0` (made absolute against `cwd`, or looked up on `path_var` when
+/// it is a bare name) if it resolves to `exe`, else `exe`.
+fn stable_binary(
+    exe: &Path,
+    argv0: Option<&Path>,
+    path_var: Option<&std::ffi::OsStr>,
+    cwd: Option<&Path>,
+) -> PathBuf {
+    let same = |p: &Path| p.canonicalize().is_ok_and(|c| c == exe);
+    let candidate = argv0.and_then(|a| {
+        if a.components().count() > 1 {
+            let abs = if a.is_absolute() {
+                a.to_path_buf()
+            } else {
+                cwd?.join(a)
+            };
+            Some(abs)
+        } else {
+            let name = a.to_str()?;
+            rsb_agent::proc::find_executable(name, path_var)
+        }
+    });
+    match candidate {
+        // Without `.` or `..` parts, which would tie the path to directories of the moment.
+        Some(c) if same(&c) => c
+            .components()
+            .filter(|c| !matches!(c, std::path::Component::CurDir))
+            .collect::<PathBuf>(),
+        _ => exe.to_path_buf(),
+    }
 }
 
 /// Run a service manager command with a deadline; Ok(stdout) or Err(one line).
@@ -775,6 +820,48 @@ pub fn spawn_detached(state_dir: &Path) -> Result<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 44: the plist named the canonical binary (Homebrew's versioned Cellar path), which
+    /// an upgrade removes. The path the user ran rsb by is kept when it is the same file.
+    #[test]
+    fn the_service_runs_rsb_by_the_path_that_survives_an_upgrade() {
+        use std::os::unix::fs::{PermissionsExt, symlink};
+        let d = tempfile::tempdir().unwrap();
+        let d = d.path().canonicalize().unwrap();
+        let cellar = d.join("Cellar/rsb/1.2/bin");
+        let bin = d.join("bin");
+        std::fs::create_dir_all(&cellar).unwrap();
+        std::fs::create_dir_all(&bin).unwrap();
+        let exe = cellar.join("rsb");
+        std::fs::write(&exe, "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        symlink("../Cellar/rsb/1.2/bin/rsb", bin.join("rsb")).unwrap();
+        let path = std::ffi::OsString::from(format!("/nonexistent:{}", bin.display()));
+        // Run as `rsb` from PATH, as `/…/bin/rsb`, or as `./bin/rsb` from its parent.
+        for (argv0, cwd) in [
+            (Path::new("rsb"), None),
+            (&*bin.join("rsb"), None),
+            (Path::new("./bin/rsb"), Some(&*d)),
+        ] {
+            assert_eq!(
+                stable_binary(&exe, Some(argv0), Some(&path), cwd),
+                bin.join("rsb"),
+                "{argv0:?}"
+            );
+        }
+        // A name on PATH that is another program, or no argv0: the binary itself.
+        let other = d.join("other");
+        std::fs::create_dir_all(&other).unwrap();
+        std::fs::write(other.join("rsb"), "#!/bin/sh\n").unwrap();
+        std::fs::set_permissions(other.join("rsb"), std::fs::Permissions::from_mode(0o755))
+            .unwrap();
+        let elsewhere = std::ffi::OsString::from(other.display().to_string());
+        assert_eq!(
+            stable_binary(&exe, Some(Path::new("rsb")), Some(&elsewhere), None),
+            exe
+        );
+        assert_eq!(stable_binary(&exe, None, Some(&path), None), exe);
+    }
 
     #[test]
     fn unit_quotes_paths_and_names_the_state_dir() {
