@@ -17,7 +17,7 @@ use tokio::io::AsyncWriteExt;
 
 use crate::{
     client::{AgentClient, StartError},
-    config::{Auth, Hop, HostKeyPolicy, SshTarget},
+    config::{AgentSocket, Auth, Hop, HostKeyPolicy, SshTarget},
     error::{Kind, Result, RsbError},
 };
 
@@ -958,13 +958,26 @@ async fn auth_with_key(
     Ok(r.success())
 }
 
+/// Sign in with the keys of the ssh-agent at `socket` (`SSH_AUTH_SOCK` for [`AgentSocket::Env`];
+/// the caller skips [`AgentSocket::Off`]).
 async fn auth_with_agent(
     h: &mut client::Handle<Checker>,
     user: &str,
+    socket: &AgentSocket,
 ) -> std::result::Result<bool, String> {
-    let mut agent = keys::agent::client::AgentClient::connect_env()
-        .await
-        .map_err(|e| format!("cannot reach ssh-agent (SSH_AUTH_SOCK): {e}"))?;
+    let mut agent = match socket {
+        AgentSocket::Path(p) => keys::agent::client::AgentClient::connect_uds(p)
+            .await
+            .map_err(|e| {
+                format!(
+                    "cannot reach the ssh-agent at {} (IdentityAgent): {e}",
+                    p.display()
+                )
+            })?,
+        _ => keys::agent::client::AgentClient::connect_env()
+            .await
+            .map_err(|e| format!("cannot reach ssh-agent (SSH_AUTH_SOCK): {e}"))?,
+    };
     let ids = agent
         .request_identities()
         .await
@@ -1049,7 +1062,7 @@ async fn authenticate(
                 Err(e) => Err(fail(&method, e, "check the server")),
             }
         }
-        Auth::Agent => match auth_with_agent(h, user).await {
+        Auth::Agent => match auth_with_agent(h, user, &AgentSocket::Env).await {
             Ok(true) => Ok(()),
             Ok(false) => Err(fail(
                 "ssh-agent",
@@ -1066,14 +1079,16 @@ async fn authenticate(
             identity_files,
             default_keys,
             passphrase,
+            agent,
         } => {
             let mut tried = Vec::new();
             let pass = passphrase.as_ref().map(|p| p.expose());
             if try_keys(h, user, identity_files, pass, &mut tried).await {
                 return Ok(());
             }
-            if std::env::var_os("SSH_AUTH_SOCK").is_some() {
-                match auth_with_agent(h, user).await {
+            let env = |k: &str| std::env::var(k).ok();
+            if agent.available(&env) {
+                match auth_with_agent(h, user, agent).await {
                     Ok(true) => return Ok(()),
                     Ok(false) => tried.push("ssh-agent".to_string()),
                     Err(e) => tried.push(format!("ssh-agent ({e})")),

@@ -166,6 +166,7 @@ async fn auth_methods_and_one_line_errors() {
         identity_files: vec![stray.clone()],
         default_keys: vec![sshd.client_key().to_path_buf()],
         passphrase: None,
+        agent: Default::default(),
     };
     let p = pool_of(
         vec![sandbox("auto", target(&sshd, sshd.port(), auto, &kh))],
@@ -179,6 +180,7 @@ async fn auth_methods_and_one_line_errors() {
         identity_files: vec![stray.clone()],
         default_keys: vec![],
         passphrase: None,
+        agent: Default::default(),
     };
     let p = pool_of(
         vec![sandbox("auto", target(&sshd, sshd.port(), auto, &kh))],
@@ -193,6 +195,22 @@ async fn auth_methods_and_one_line_errors() {
     // ssh-agent.
     let agent = SshAgentProc::start().unwrap();
     agent.add_key(sshd.client_key(), None).unwrap();
+    // IdentityAgent (issue 44): the agent at a path, whatever SSH_AUTH_SOCK says (under
+    // launchd it is the system's, not the user's 1Password or Secretive agent).
+    let via_path = Auth::Auto {
+        identity_files: vec![],
+        default_keys: vec![],
+        passphrase: None,
+        agent: rsb::config::AgentSocket::Path(agent.sock().to_path_buf()),
+    };
+    let p = pool_of(
+        vec![sandbox("ia", target(&sshd, sshd.port(), via_path, &kh))],
+        dir.path(),
+    );
+    p.client("ia")
+        .await
+        .expect("auth through the IdentityAgent path");
+    p.shutdown().await;
     // SAFETY: this test binary sets SSH_AUTH_SOCK once, before any agent auth in this test.
     unsafe { std::env::set_var("SSH_AUTH_SOCK", agent.sock()) };
     let p = pool_of(
@@ -200,6 +218,20 @@ async fn auth_methods_and_one_line_errors() {
         dir.path(),
     );
     p.client("ag").await.expect("ssh-agent auth");
+    p.shutdown().await;
+    // `IdentityAgent none`: the agent is not asked, though SSH_AUTH_SOCK now holds the key.
+    let off = Auth::Auto {
+        identity_files: vec![],
+        default_keys: vec![],
+        passphrase: None,
+        agent: rsb::config::AgentSocket::Off,
+    };
+    let p = pool_of(
+        vec![sandbox("off", target(&sshd, sshd.port(), off, &kh))],
+        dir.path(),
+    );
+    let e = p.client("off").await.unwrap_err();
+    assert!(e.message.contains("no password, key_file"), "{e:?}");
     p.shutdown().await;
 
     // Password (needs root to create the test user).

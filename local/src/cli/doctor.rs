@@ -445,9 +445,10 @@ fn keys(name: &str, auth: &Auth) -> Check {
         Auth::Auto {
             identity_files,
             default_keys,
+            agent,
             ..
         } => {
-            let agent = std::env::var_os("SSH_AUTH_SOCK").is_some();
+            let agent = agent.available(&|k| std::env::var(k).ok());
             let n = identity_files.len() + default_keys.len();
             if n == 0 && !agent {
                 line(

@@ -454,16 +454,20 @@ pub(super) fn build_sandbox(
             ));
         }
         let default_keys = ctx.default_keys();
-        let agent = (ctx.env)("SSH_AUTH_SOCK").is_some_and(|s| !s.is_empty());
-        if identity_files.is_empty() && default_keys.is_empty() && !agent {
+        let agent = match &params {
+            Some(p) => super::ssh_config::identity_agent(p, label, ctx),
+            None => super::AgentSocket::Env,
+        };
+        if identity_files.is_empty() && default_keys.is_empty() && !agent.available(ctx.env) {
             ctx.warn(format!(
-                "{label} ('{name}') has no password or key_file, no IdentityFile, no ssh-agent (SSH_AUTH_SOCK unset) and no ~/.ssh/id_* key; connecting will fail"
+                "{label} ('{name}') has no password or key_file, no IdentityFile, no ssh-agent (SSH_AUTH_SOCK unset, or IdentityAgent none) and no ~/.ssh/id_* key; connecting will fail"
             ));
         }
         Auth::Auto {
             identity_files,
             default_keys,
             passphrase: key_passphrase.clone(),
+            agent,
         }
     };
 

@@ -148,6 +148,7 @@ pub(super) fn resolve_hop(
             identity_files,
             default_keys: ctx.default_keys(),
             passphrase: None,
+            agent: super::ssh_config::identity_agent(&params, label, ctx),
         }
     };
     let hop_label = format!("{label} ProxyJump hop {}", index + 1);
@@ -258,6 +259,7 @@ Host j3
             identity_files: vec![k.to_path_buf()],
             default_keys: vec![],
             passphrase: None,
+            agent: Default::default(),
         };
         let [h1, h2, h3] = &t.proxy_jump[..] else {
             panic!("three hops: {:?}", t.proxy_jump)

@@ -105,7 +105,36 @@ pub enum Auth {
         default_keys: Vec<PathBuf>,
         /// `key_passphrase` given without `key_file`.
         passphrase: Option<Secret>,
+        /// Which ssh-agent to ask (`IdentityAgent` of the alias).
+        agent: AgentSocket,
     },
+}
+
+/// Which ssh-agent [`Auth::Auto`] asks: `IdentityAgent` of the ssh config, as ssh reads it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum AgentSocket {
+    /// `SSH_AUTH_SOCK` of the process that connects (the default, and `IdentityAgent
+    /// SSH_AUTH_SOCK`).
+    #[default]
+    Env,
+    /// `IdentityAgent none`: no agent is asked.
+    Off,
+    /// A socket path, with `~` and `$VAR` expanded when the config is read (1Password,
+    /// Secretive, a forwarded agent). It travels with the sandbox's stored definition, so the
+    /// watchdog daemon, which launchd starts with the system's `SSH_AUTH_SOCK`, still asks
+    /// the user's agent.
+    Path(PathBuf),
+}
+
+impl AgentSocket {
+    /// Whether there is an agent to ask: a path, or `SSH_AUTH_SOCK` set (in `env`).
+    pub fn available(&self, env: &dyn Fn(&str) -> Option<String>) -> bool {
+        match self {
+            AgentSocket::Env => env("SSH_AUTH_SOCK").is_some_and(|s| !s.is_empty()),
+            AgentSocket::Off => false,
+            AgentSocket::Path(_) => true,
+        }
+    }
 }
 
 /// What to do with a server host key.
@@ -139,6 +168,8 @@ impl HostKeyPolicy {
     }
 }
 
+// One per sandbox, built once and read in place: boxing the SSH target would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Transport {
     /// The agent runs as a local subprocess, no SSH.

@@ -787,7 +787,8 @@ mod tests {
             Auth::Auto {
                 identity_files: vec![],
                 default_keys: vec![k],
-                passphrase: Some(Secret::new("kp"))
+                passphrase: Some(Secret::new("kp")),
+                agent: Default::default(),
             }
         );
         // a default key exists, so no "connecting will fail" warning
@@ -1060,7 +1061,8 @@ den = [\"x\"]\n",
             Auth::Auto {
                 identity_files: vec![],
                 default_keys: vec![key.clone()],
-                passphrase: None
+                passphrase: None,
+                agent: Default::default(),
             },
             "gpu1_key does not exist in this home; id_ed25519 does"
         );

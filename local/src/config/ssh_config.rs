@@ -146,6 +146,51 @@ pub(super) fn host_key_settings(
     (policy, files)
 }
 
+/// `IdentityAgent` of a Host block, as ssh reads it: `none`, `SSH_AUTH_SOCK`, `$VAR` (the
+/// variable's value; unset means no agent), or a path with `~` expanded. `%` tokens are not
+/// expanded: such a value is reported and the default agent used.
+pub(super) fn identity_agent(
+    params: &ssh2_config::HostParams,
+    label: &str,
+    ctx: &mut BuildCtx<'_>,
+) -> super::AgentSocket {
+    use super::AgentSocket;
+    let Some(v) = params
+        .unsupported_fields
+        .get("identityagent")
+        .and_then(|args| args.first())
+        .map(|a| a.trim().trim_matches('"').to_string())
+        .filter(|a| !a.is_empty())
+    else {
+        return AgentSocket::Env;
+    };
+    if v.eq_ignore_ascii_case("none") {
+        return AgentSocket::Off;
+    }
+    if v == "SSH_AUTH_SOCK" {
+        return AgentSocket::Env;
+    }
+    if v.contains('%') {
+        ctx.warn(format!(
+            "{label}: IdentityAgent {v} in the ssh config uses % tokens, which rsb does not expand; SSH_AUTH_SOCK is used"
+        ));
+        return AgentSocket::Env;
+    }
+    if let Some(var) = v.strip_prefix('$') {
+        let var = var.trim_start_matches('{').trim_end_matches('}');
+        return match (ctx.env)(var).filter(|s| !s.is_empty()) {
+            Some(path) => AgentSocket::Path(PathBuf::from(path)),
+            None => {
+                ctx.warn(format!(
+                    "{label}: IdentityAgent ${var} in the ssh config names an unset variable; no agent is asked"
+                ));
+                AgentSocket::Off
+            }
+        };
+    }
+    AgentSocket::Path(expand_tilde(&v, ctx.ssh_home))
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
@@ -156,6 +201,60 @@ mod tests {
 
     use super::*;
     use crate::config::test_support::*;
+
+    /// Issue 44: `IdentityAgent` (1Password, Secretive) was not read, so rsb asked the agent of
+    /// `SSH_AUTH_SOCK`, which under launchd is the system's.
+    #[test]
+    fn identity_agent_is_read_as_ssh_reads_it() {
+        use crate::config::AgentSocket;
+        let home = TempDir::new();
+        let cfg = home.write(
+            ".ssh/config",
+            "Host op\n  HostName 10.0.0.1\n  User u\n  \
+             IdentityAgent \"~/Library/Group Containers/2BUA8C4S2C.com.1password/t/agent.sock\"\n\
+             Host off\n  HostName 10.0.0.2\n  User u\n  IdentityAgent none\n\
+             Host env\n  HostName 10.0.0.3\n  User u\n  IdentityAgent SSH_AUTH_SOCK\n\
+             Host var\n  HostName 10.0.0.4\n  User u\n  IdentityAgent $MY_AGENT\n\
+             Host tok\n  HostName 10.0.0.5\n  User u\n  IdentityAgent ~/.ssh/%h.sock\n\
+             Host plain\n  HostName 10.0.0.6\n  User u\n",
+        );
+        let list = r#"[{"ssh_config_host":"op"},{"ssh_config_host":"off"},{"ssh_config_host":"env"},
+            {"ssh_config_host":"var"},{"ssh_config_host":"tok"},{"ssh_config_host":"plain"}]"#;
+        let c = load_with(
+            &home,
+            &[(LIST_VAR, list), ("MY_AGENT", "/run/user/1/agent.sock")],
+            None,
+            Some(&cfg),
+        )
+        .unwrap();
+        let agent = |i| match &ssh(&c, i).auth {
+            Auth::Auto { agent, .. } => agent.clone(),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            agent(0),
+            AgentSocket::Path(
+                home.path()
+                    .join("Library/Group Containers/2BUA8C4S2C.com.1password/t/agent.sock")
+            )
+        );
+        assert_eq!(agent(1), AgentSocket::Off);
+        assert_eq!(agent(2), AgentSocket::Env);
+        assert_eq!(agent(3), AgentSocket::Path("/run/user/1/agent.sock".into()));
+        assert_eq!(agent(4), AgentSocket::Env, "% tokens are not expanded");
+        assert!(
+            c.warnings.iter().any(|w| w.contains("% tokens")),
+            "{:?}",
+            c.warnings
+        );
+        assert_eq!(agent(5), AgentSocket::Env);
+        // The stored definition (what the daemon connects with) keeps it.
+        for i in 0..6 {
+            let s = &c.sandboxes[i];
+            let (p, _) = crate::store::sandboxes::Persisted::from_config(s);
+            assert_eq!(&p.to_config(None).unwrap(), s, "sandbox {i}");
+        }
+    }
 
     #[test]
     fn ssh_config_alias_resolution() {
@@ -184,7 +283,8 @@ mod tests {
             Auth::Auto {
                 identity_files: vec![key],
                 default_keys: vec![],
-                passphrase: None
+                passphrase: None,
+                agent: Default::default(),
             }
         );
         // no HostName: the alias itself is the host, like ssh
@@ -298,6 +398,7 @@ mod tests {
                 identity_files: vec![pw.path().join(".ssh/box_key")],
                 default_keys: vec![pw.path().join(".ssh/id_ed25519")],
                 passphrase: None,
+                agent: Default::default(),
             }
         );
         assert_eq!(

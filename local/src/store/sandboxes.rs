@@ -28,7 +28,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    config::{Auth, Hop, HostKeyPolicy, SandboxConfig, Secret, SshTarget, Transport},
+    config::{AgentSocket, Auth, Hop, HostKeyPolicy, SandboxConfig, Secret, SshTarget, Transport},
     error::Result,
     store::{db_err, now_ms},
 };
@@ -84,6 +84,10 @@ pub struct PersistedAuth {
     pub identity_files: Vec<PathBuf>,
     #[serde(default)]
     pub default_keys: Vec<PathBuf>,
+    /// `IdentityAgent` for `auto`: a socket path, or `none`; absent means `SSH_AUTH_SOCK` of
+    /// whoever connects (and keeps the fingerprints of definitions stored before it existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub identity_agent: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -140,10 +144,16 @@ impl PersistedAuth {
                 identity_files,
                 default_keys,
                 passphrase,
+                agent,
             } => {
                 p.auth = "auto".into();
                 p.identity_files = identity_files.clone();
                 p.default_keys = default_keys.clone();
+                p.identity_agent = match agent {
+                    AgentSocket::Env => None,
+                    AgentSocket::Off => Some("none".into()),
+                    AgentSocket::Path(path) => Some(path.display().to_string()),
+                };
                 p.needs_passphrase = passphrase.is_some();
                 secret.key_passphrase = passphrase.as_ref().map(|s| s.expose().to_string());
             }
@@ -179,6 +189,11 @@ impl PersistedAuth {
                 identity_files: self.identity_files.clone(),
                 default_keys: self.default_keys.clone(),
                 passphrase: passphrase(),
+                agent: match self.identity_agent.as_deref() {
+                    None => AgentSocket::Env,
+                    Some("none") => AgentSocket::Off,
+                    Some(path) => AgentSocket::Path(PathBuf::from(path)),
+                },
             },
         })
     }
