@@ -744,7 +744,14 @@ impl Tracked {
 
     /// Read the process table and update the members. False when it cannot be read.
     fn refresh(&mut self) -> bool {
-        let Some(table) = process_table() else {
+        self.look(process_table())
+    }
+
+    /// Update the members from one reading of the process table (`None`: unreadable). The
+    /// decision is the same for /proc (Linux) and libproc (macOS) readings, so tests feed it
+    /// tables of either shape.
+    fn look(&mut self, table: Option<Vec<(u32, Stat)>>) -> bool {
+        let Some(table) = table else {
             self.readable = false;
             return false;
         };
@@ -1079,6 +1086,99 @@ mod tests {
         assert!(!is_alive(bg_pid, None), "the background member survived");
         let status = child.wait().unwrap();
         assert_eq!(status.signal(), Some(Signal::KILL.as_raw()));
+    }
+
+    /// A process table row: pid, state, ppid, group, session, start.
+    fn row(pid: u32, state: u8, ppid: u32, pgrp: i32, session: i32, start: u64) -> (u32, Stat) {
+        (
+            pid,
+            Stat {
+                state,
+                ppid,
+                pgrp,
+                session,
+                start_ticks: start,
+            },
+        )
+    }
+
+    /// The decision of what belongs to a run, on tables as a stop sees them one after another
+    /// (no process is started or signalled: the same logic runs for Linux's /proc and macOS's
+    /// libproc readings).
+    #[test]
+    fn a_run_s_members_are_decided_from_the_table_alone() {
+        let group = Group::new(100).unwrap();
+        let mut run = group.track();
+        // 100 leads; 101 is in its group; 102 left by setsid and started 103; 104 is a zombie
+        // child; 105 moved to a group of its own inside the session; 200 is a stranger.
+        let first = vec![
+            row(100, b'S', 50, 100, 100, 1000),
+            row(101, b'R', 100, 100, 100, 1001),
+            row(102, b'S', 100, 102, 102, 1002),
+            row(103, b'S', 102, 102, 102, 1003),
+            row(104, b'Z', 100, 100, 100, 1004),
+            row(105, b'S', 100, 105, 100, 1005),
+            row(200, b'S', 1, 200, 200, 900),
+        ];
+        assert!(run.look(Some(first)));
+        assert_eq!(run.survivors(), vec![100, 101, 102, 103, 105]);
+        // The leader died: 102 went to init, out of the tree and the session, and started
+        // 106; 103 was given pid-reuse's worst case: a stranger now has its pid.
+        let second = vec![
+            row(101, b'S', 1, 100, 100, 1001),
+            row(102, b'S', 1, 102, 102, 1002),
+            row(103, b'S', 1, 300, 300, 5000),
+            row(106, b'S', 102, 102, 102, 1006),
+            row(105, b'S', 1, 105, 100, 1005),
+            row(200, b'S', 1, 200, 200, 900),
+        ];
+        assert!(run.look(Some(second)));
+        assert_eq!(run.survivors(), vec![101, 102, 105, 106]);
+        // A fresh look at the same table no longer finds 102 and 106.
+        let mut fresh = group.track();
+        assert!(fresh.look(Some(vec![
+            row(101, b'S', 1, 100, 100, 1001),
+            row(102, b'S', 1, 102, 102, 1002),
+            row(106, b'S', 102, 102, 102, 1006),
+        ])));
+        assert_eq!(fresh.survivors(), vec![101]);
+        // Everything exited or is a zombie: gone.
+        assert!(run.look(Some(vec![
+            row(102, b'Z', 1, 102, 102, 1002),
+            row(200, b'S', 1, 200, 200, 900),
+        ])));
+        assert_eq!(run.survivors(), Vec::<u32>::new());
+        // An unreadable table: nothing is claimed.
+        assert!(!run.look(None));
+        assert_eq!(run.survivors(), Vec::<u32>::new());
+    }
+
+    /// The same decision on rows as macOS's libproc gives them (`proc_bsdinfo` mapped by
+    /// `BsdInfo::stat`): a zombie by `SZOMB`, start times in microseconds.
+    #[test]
+    fn a_run_s_members_from_a_macos_shaped_table() {
+        let bsd_row = |pid: u32, status: u32, ppid: u32, pgid: u32, sid: i32, usec: u64| {
+            let info = darwin::BsdInfo {
+                status,
+                ppid,
+                pgid,
+                sid,
+                start_tvsec: 1_764_750_000,
+                start_tvusec: usec,
+            };
+            (pid, info.stat())
+        };
+        let mut run = Group::new(700).unwrap().track();
+        let table = vec![
+            bsd_row(700, darwin::SSLEEP, 1, 700, 700, 1),
+            bsd_row(701, darwin::SRUN, 700, 700, 700, 2),
+            bsd_row(702, darwin::SSLEEP, 700, 702, 702, 3),
+            bsd_row(703, darwin::SZOMB, 700, 700, 700, 4),
+            bsd_row(704, darwin::SIDL, 702, 702, 702, 5),
+            bsd_row(800, darwin::SSLEEP, 1, 800, 800, 6),
+        ];
+        assert!(run.look(Some(table)));
+        assert_eq!(run.survivors(), vec![700, 701, 702, 704]);
     }
 
     /// SIGKILLs the listed pids when dropped, so a failed test leaves nothing running.
