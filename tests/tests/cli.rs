@@ -619,6 +619,27 @@ fn cli_table() {
         .err("your copy: "),
         rsb(&["edit", "nosuchpath"]).code(1).err("SANDBOX:PATH"),
         rsb(&["completions", "zsh"]).out("#compdef rsb"),
+        // The state dir: what it holds, whether the store is usable, pruning now (issue 46).
+        rsb(&["state"])
+            .out("rsb.sqlite3 ")
+            .out("the store")
+            .out("rows of sync baselines")
+            .out("rows of watched jobs"),
+        rsb(&["state", "check"])
+            .out(&format!(
+                "ok: {}/rsb.sqlite3 (schema {}, every page reads)",
+                env.state.display(),
+                rsb::store::SCHEMA_VERSION
+            ))
+            .no_err("rsb:"),
+        rsb(&["--json", "state", "check"]).out_eq(&format!(
+            "{{\"ok\":true,\"schema\":{}}}\n",
+            rsb::store::SCHEMA_VERSION
+        )),
+        rsb(&["--json", "state", "prune"])
+            .out("\"baselines\":")
+            .out("\"bytes_freed\":"),
+        rsb(&["state", "prune"]).out("pruned: ").out(" freed"),
         // Doctor: a verdict per line, healthy vs broken host.
         rsb(&["doctor", "-s", "gpu1"])
             .out("ok    watchdog: not running (nothing needs it")
