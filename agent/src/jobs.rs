@@ -96,7 +96,7 @@ impl Ctx {
         let exe = std::env::current_exe()
             .map_err(|e| internal(format!("cannot find the agent binary: {e}")))?;
         Ok(Ctx {
-            root: home.join(".cache/rsb/jobs"),
+            root: home.join(rsb_protocol::JOBS_ROOT),
             home,
             exe,
             env: std::env::vars_os().collect(),

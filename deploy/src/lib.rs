@@ -632,14 +632,24 @@ pub async fn install<R: Remote>(
     })
 }
 
-/// Keep the newest three agent versions next to `dir` (best effort; never touches `dir`).
-pub fn prune_command(dir: &str) -> String {
+/// Keep the newest three agent versions next to `dir` (best effort; never touches `dir`),
+/// and every version a Slurm job that has not ended will still exec: its batch script under
+/// `$HOME/<jobs_root>/<name>/batch.sh` names the agent's path, and a job pending in the queue
+/// across three upgrades would otherwise start on a deleted agent. A job has ended when its
+/// record's `state` holds `ended_ms=`.
+pub fn prune_command(dir: &str, jobs_root: &str) -> String {
     let parent = dir.rsplit_once('/').map(|(p, _)| p).unwrap_or(dir);
     let keep = dir.rsplit_once('/').map(|(_, n)| n).unwrap_or("");
     format!(
-        "cd {} 2>/dev/null && ls -1t | grep -v -x -F -e {} | tail -n +3 | while IFS= read -r d; do rm -rf -- \"$d\"; done; true",
-        shell_quote(parent),
-        shell_quote(keep)
+        "cd {parent} 2>/dev/null || exit 0\n\
+         held=$(for b in \"$HOME\"/{jobs}/*/batch.sh; do [ -f \"$b\" ] || continue; \
+         j=${{b%/batch.sh}}; grep -q '^ended_ms=' \"$j/state\" 2>/dev/null && continue; \
+         cat \"$b\"; done 2>/dev/null)\n\
+         ls -1t | grep -v -x -F -e {keep} | tail -n +3 | while IFS= read -r d; do \
+         case \"$held\" in *\"/$d/\"*) continue;; esac; rm -rf -- \"$d\"; done; true\n",
+        parent = shell_quote(parent),
+        keep = shell_quote(keep),
+        jobs = shell_quote(jobs_root.trim_matches('/')),
     )
 }
 
@@ -707,6 +717,67 @@ mod agent_builder_tests {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 43: the prune kept three versions, so a Slurm job pending across upgrades
+    /// exec'd a deleted agent. Versions named by an unended job's batch script are kept.
+    #[test]
+    fn prune_keeps_three_versions_and_those_unended_slurm_jobs_will_exec() {
+        let home =
+            std::env::temp_dir().join(format!("rsb-prune-{}-{}", std::process::id(), now_nanos()));
+        let agents = home.join(".cache/rsb/agent");
+        let jobs = home.join(".cache/rsb/jobs");
+        let versions = ["v1", "v2", "v3", "v4", "v5", "v6"];
+        for (i, v) in versions.iter().enumerate() {
+            let d = agents.join(v);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("rsb-agent"), "x").unwrap();
+            // Oldest first: v1 ten minutes ago, v6 now.
+            let t = std::process::Command::new("touch")
+                .arg("-d")
+                .arg(format!("-{} minutes", 10 - i))
+                .arg(&d)
+                .status()
+                .unwrap();
+            assert!(t.success());
+        }
+        let job = |name: &str, v: &str, ended: bool| {
+            let j = jobs.join(name);
+            std::fs::create_dir_all(&j).unwrap();
+            std::fs::write(
+                j.join("batch.sh"),
+                format!(
+                    "#!/bin/sh\nexec '{}' job-run --root x --name {name}\n",
+                    agents.join(v).join("rsb-agent").display()
+                ),
+            )
+            .unwrap();
+            if ended {
+                std::fs::write(j.join("state"), "name=x\nended_ms=5\n").unwrap();
+            } else {
+                std::fs::write(j.join("state"), "name=x\n").unwrap();
+            }
+        };
+        job("pending", "v1", false);
+        job("done", "v2", true);
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(prune_command(
+                &agents.join("v6").display().to_string(),
+                ".cache/rsb/jobs",
+            ))
+            .env("HOME", &home)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        let mut left: Vec<String> = std::fs::read_dir(&agents)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        // v6 (in use), the two newest others, and v1 that the pending job will exec.
+        assert_eq!(left, ["v1", "v4", "v5", "v6"]);
+        let _ = std::fs::remove_dir_all(&home);
+    }
 
     #[test]
     fn embedded_agents_are_named_with_their_hash() {

@@ -449,7 +449,10 @@ async fn deploy_and_start(
                     )
                 })?;
                 let _ = ssh
-                    .exec_collect(&rsb_deploy::prune_command(&dir), None)
+                    .exec_collect(
+                        &rsb_deploy::prune_command(&dir, rsb_protocol::JOBS_ROOT),
+                        None,
+                    )
                     .await;
                 return Ok(Connection {
                     client,

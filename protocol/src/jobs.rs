@@ -135,6 +135,10 @@ pub struct JobEvent {
     pub last_line: Option<String>,
 }
 
+/// Where the agent keeps its job records, relative to the remote home: `<JOBS_ROOT>/<name>/`
+/// holds a job's spec, state and (for Slurm) its batch script.
+pub const JOBS_ROOT: &str = ".cache/rsb/jobs";
+
 /// The header the job runner writes into the log at the start of each run, one line each.
 pub const LOG_HEADER: [&str; 3] = ["== session: ", "== started_at: ", "== command: "];
 /// The line the job runner writes after the run's output: `EXIT_CODE=<n>`.

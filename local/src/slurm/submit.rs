@@ -18,7 +18,7 @@ use crate::{
     error::{Kind, Result, RsbError},
 };
 
-pub const JOBS_ROOT: &str = ".cache/rsb/jobs";
+pub use rsb_protocol::JOBS_ROOT;
 
 pub fn now_ms() -> u64 {
     SystemTime::now()
