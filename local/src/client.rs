@@ -107,7 +107,17 @@ fn is_bulk(kind: &str) -> bool {
 /// request; the reader, the heartbeat and every other request go on.
 enum Pending {
     Direct(ReplyTx),
-    Stream(mpsc::UnboundedSender<Routed>),
+    /// The pump's queue, and the chunk bytes routed to it that it has not credited yet.
+    Stream(mpsc::UnboundedSender<Routed>, Arc<AtomicU64>),
+}
+
+/// Whether a chunk of `n` bytes, arriving with `held` bytes of its request uncredited, is one
+/// the agent's window ([`rsb_protocol::OUTPUT_WINDOW`]) lets it send: one frame alone, or
+/// within the window. Credits leave here before they reach the agent, so an honest agent's
+/// count is never below ours: a chunk past this bound comes from an agent that does not
+/// keep the window, and would grow the client's memory without limit.
+fn within_window(held: u64, n: u64) -> bool {
+    held == 0 || held.saturating_add(n) <= rsb_protocol::OUTPUT_WINDOW
 }
 
 /// What the reader hands a streaming request's pump, in arrival order.
@@ -129,14 +139,18 @@ impl Pending {
             return Pending::Direct(reply);
         };
         // Unbounded, and bounded all the same: the agent never has more than OUTPUT_WINDOW of
-        // this request's chunks uncredited, and credit follows the consumer.
+        // this request's chunks uncredited (the reader fails a request whose agent does),
+        // and credit follows the consumer.
         let (tx, mut rx) = mpsc::unbounded_channel();
+        let held = Arc::new(AtomicU64::new(0));
+        let pump_held = held.clone();
         tokio::spawn(async move {
             while let Some(m) = rx.recv().await {
                 match m {
                     Routed::Chunk(chunk, n) => {
                         // A consumer that went away still frees the window.
                         let _ = consumer.send(chunk).await;
+                        pump_held.fetch_sub(n, Ordering::SeqCst);
                         match inner.upgrade() {
                             Some(i) => i.credit(id, n).await,
                             None => return,
@@ -151,7 +165,7 @@ impl Pending {
                 }
             }
         });
-        Pending::Stream(tx)
+        Pending::Stream(tx, held)
     }
 
     /// Deliver the final reply (through the pump, behind the chunks queued there).
@@ -160,7 +174,7 @@ impl Pending {
             Pending::Direct(tx) => {
                 let _ = tx.send(r);
             }
-            Pending::Stream(tx) => {
+            Pending::Stream(tx, _) => {
                 let _ = tx.send(Routed::Reply(Box::new(r)));
             }
         }
@@ -378,10 +392,39 @@ impl AgentClient {
                     FromAgent::Chunk { id, chunk } => {
                         // Never waits: the request's pump takes it (see `Pending`).
                         let n = buf.len() as u64;
-                        let routed = match inner.pending.lock().get(&id) {
-                            Some(Pending::Stream(tx)) => tx.send(Routed::Chunk(chunk, n)).is_ok(),
-                            _ => false,
+                        let mut overrun = None;
+                        let routed = {
+                            let mut pending = inner.pending.lock();
+                            match pending.get(&id) {
+                                Some(Pending::Stream(tx, held)) => {
+                                    let before = held.fetch_add(n, Ordering::SeqCst);
+                                    if within_window(before, n) {
+                                        tx.send(Routed::Chunk(chunk, n)).is_ok()
+                                    } else {
+                                        held.fetch_sub(n, Ordering::SeqCst);
+                                        overrun = pending.remove(&id).map(|p| (p, before));
+                                        false
+                                    }
+                                }
+                                _ => false,
+                            }
                         };
+                        if let Some((p, before)) = overrun {
+                            // The agent does not keep its window: this request fails (its
+                            // chunks queued so far are still delivered) and is cancelled.
+                            p.finish(Err(RsbError::new(
+                                Kind::Agent(rsb_protocol::ErrorCode::Io),
+                                format!(
+                                    "the agent on '{}' sent more output than its {} MiB window allows ({before} bytes not yet taken, {n} more)",
+                                    inner.sandbox,
+                                    rsb_protocol::OUTPUT_WINDOW >> 20
+                                ),
+                                "the agent does not follow the protocol: redeploy it (rsb doctor), or report it",
+                            )));
+                            if let Ok(frame) = encode(&ToAgent::Cancel { id }) {
+                                let _ = inner.out.try_send(frame);
+                            }
+                        }
                         if !routed {
                             // Nobody takes it (the call ended): still free the agent's window.
                             let i = inner.clone();
@@ -776,5 +819,94 @@ impl JobEnds {
             ),
             Err(e) => e,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 46, item 5: a request's chunks were routed however many the agent sent, so an
+    /// agent that ignores its output window (a hostile host, a bug) could grow the client's
+    /// memory without limit while the caller's consumer was slow. Past the window the request
+    /// fails and is cancelled; what was routed stays within the window.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_agent_that_ignores_its_window_fails_its_request() {
+        const CHUNK: usize = 256 << 10;
+        let (client_side, agent_side) = tokio::io::duplex(1 << 20);
+        let (cr, cw) = tokio::io::split(client_side);
+        let (ar, aw) = tokio::io::split(agent_side);
+        let agent = tokio::spawn(async move {
+            let mut out = FramedWrite::new(aw, frame_codec());
+            let mut inp = FramedRead::new(ar, frame_codec());
+            let hello = encode(&FromAgent::Hello(rsb_agent::hello::hello())).unwrap();
+            out.send(hello).await.unwrap();
+            let id = loop {
+                let f = inp.next().await.unwrap().unwrap();
+                if let Ok(ToAgent::Request { id, .. }) = decode::<ToAgent>(&f) {
+                    break id;
+                }
+            };
+            // 8 MiB, twice the window, without waiting for a single credit.
+            for _ in 0..32 {
+                let c = FromAgent::Chunk {
+                    id,
+                    chunk: Chunk::Stdout(vec![b'x'; CHUNK]),
+                };
+                out.send(encode(&c).unwrap()).await.unwrap();
+            }
+            // The client cancels the request (credits may come first).
+            loop {
+                match inp.next().await {
+                    Some(Ok(f)) => {
+                        if let Ok(ToAgent::Cancel { id: c }) = decode::<ToAgent>(&f) {
+                            return c == id;
+                        }
+                    }
+                    _ => return false,
+                }
+            }
+        });
+        let client = AgentClient::start("fake", cr, cw, Box::new(()), Duration::from_secs(5))
+            .await
+            .unwrap();
+        // A consumer that takes nothing until the agent has sent everything.
+        let (tx, mut rx) = mpsc::channel(1);
+        let call = tokio::spawn({
+            let client = client.clone();
+            async move {
+                client
+                    .call_streaming(ExecRequest::new("yes"), tx)
+                    .await
+                    .map(|_| ())
+            }
+        });
+        let cancelled = tokio::time::timeout(Duration::from_secs(20), agent)
+            .await
+            .expect("the client never cancelled the request")
+            .unwrap();
+        assert!(cancelled);
+        let mut got = 0usize;
+        while let Some(c) = rx.recv().await {
+            if let Chunk::Stdout(b) = c {
+                got += b.len();
+            }
+        }
+        let e = call.await.unwrap().unwrap_err();
+        assert!(e.message.contains("window"), "{}", e.message);
+        assert!(
+            got as u64 <= rsb_protocol::OUTPUT_WINDOW + CHUNK as u64,
+            "{got} bytes routed to the consumer"
+        );
+        assert!(got > 0);
+    }
+
+    #[test]
+    fn the_window_allows_one_frame_alone_or_what_fits() {
+        let w = rsb_protocol::OUTPUT_WINDOW;
+        assert!(within_window(0, 16 << 20), "one large frame alone");
+        assert!(within_window(w - 10, 10));
+        assert!(!within_window(w - 10, 11));
+        assert!(!within_window(1, u64::MAX));
     }
 }
