@@ -97,16 +97,20 @@ fn unusable(why: impl std::fmt::Display) -> RsbError {
 /// [`check_once`]), so page damage is an error up front and never comes out later as a missing
 /// row.
 pub fn check(conn: &Connection) -> Result<(), RsbError> {
-    // The first lines say what is wrong; a "*** in database main ***" heading says nothing.
-    let mut stmt = conn.prepare("PRAGMA quick_check(3)").map_err(db_err)?;
-    let lines: Vec<String> = stmt
-        .query_map([], |r| r.get(0))
-        .and_then(|rows| rows.collect())
-        .map_err(db_err)?;
+    verdict(quick_check(conn).map_err(db_err)?)
+}
+
+fn quick_check(conn: &Connection) -> rusqlite::Result<Vec<String>> {
+    let mut stmt = conn.prepare("PRAGMA quick_check(3)")?;
+    stmt.query_map([], |r| r.get(0))?.collect()
+}
+
+/// Ok when `quick_check` said `ok`; else the problem it names. The first lines say what is
+/// wrong; a row may hold several lines, and a "*** in database main ***" heading says nothing.
+fn verdict(lines: Vec<String>) -> Result<(), RsbError> {
     if lines == ["ok"] {
         return Ok(());
     }
-    // A row may hold several lines (a heading, then the problem).
     let what = lines
         .iter()
         .flat_map(|l| l.lines())
@@ -119,18 +123,42 @@ pub fn check(conn: &Connection) -> Result<(), RsbError> {
 /// [`check`] once per process and database: every path that relies on the store (a server's
 /// transfers and baselines, the daemon, watches, forwards, the CLI) opens it through [`open`],
 /// so damage is found before the first write, whichever path comes first, and costs one scan
-/// per process. A failed check is not remembered: the next open checks again.
+/// per process. A failed check is not remembered: the next open checks again. An empty file
+/// (a store being created) has nothing to check. Another process creating the store or
+/// switching it to WAL can hold it for a moment: the check waits for it.
 fn check_once(conn: &Connection, path: &Path) -> Result<(), RsbError> {
     static CHECKED: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+    if std::fs::metadata(path).is_ok_and(|m| m.len() == 0) {
+        return Ok(());
+    }
     let key = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
     let mut checked = CHECKED.lock().unwrap_or_else(|e| e.into_inner());
     if checked.contains(&key) {
         return Ok(());
     }
     // Under the lock: two threads opening at once check once.
-    check(conn)?;
+    verdict(retry_busy(|| quick_check(conn)).map_err(db_err)?)?;
     checked.push(key);
     Ok(())
+}
+
+/// `f` again while it fails with SQLite's busy or locked, for up to 5 s (the busy timeout):
+/// for the statements SQLite answers at once instead of waiting for the lock.
+fn retry_busy<T>(mut f: impl FnMut() -> rusqlite::Result<T>) -> rusqlite::Result<T> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match f() {
+            Err(e)
+                if matches!(
+                    e.sqlite_error_code(),
+                    Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+                ) && std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Lives in config, which creates the state dir before any store exists and must not depend
@@ -191,8 +219,10 @@ pub fn open(state_dir: &Path) -> Result<Connection, RsbError> {
     // Before anything writes (the journal mode, a migration): damaged pages are one error
     // here, and the damaged file is left as it was for `rsb state check` and the user.
     check_once(&conn, &path)?;
-    let _: String = conn
-        .query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))
+    // Switching a store that another process is creating to WAL can fail at once with "database
+    // is locked" (SQLite does not wait for that lock): `rsb watchdog status` while a daemon
+    // started said so. Wait for it like any other lock.
+    let _: String = retry_busy(|| conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0)))
         .map_err(db_err)?;
     // WAL makes NORMAL durable against process crashes (only a power loss can drop the last
     // commits), and it spares the daemon an fsync per tick.
