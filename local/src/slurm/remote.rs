@@ -146,13 +146,13 @@ printf '%s\n' "$RSB_LAUNCH_ID" > "$d/launch_id.tmp" && mv -f "$d/launch_id.tmp" 
 printf '%s' "$RSB_SCRIPT" > "$d/batch.sh.tmp" && chmod 700 "$d/batch.sh.tmp" && mv -f "$d/batch.sh.tmp" "$d/batch.sh" || exit 23
 fs=$(stat -f -c %T "$d" 2>/dev/null || echo unknown)
 afs=$(stat -f -c %T "$RSB_AGENT" 2>/dev/null || echo unknown)
+# Which file systems the compute nodes share with the login node (the one list of them).
+shared() { case "$1" in *nfs*|*lustre*|*gpfs*|*beegfs*|*cifs*|*smb*|*fuse*|*ceph*|*panfs*|*wekafs*) echo yes;; *) echo no;; esac; }
+fss=$(shared "$fs"); afss=$(shared "$afs")
 # The cluster's node list matters only when the record or the agent is on a local file system
 # (is the login node the only node?): no controller call otherwise.
 nodes=
-case "$fs" in *nfs*|*lustre*|*gpfs*|*beegfs*|*cifs*|*smb*|*fuse*|*ceph*|*panfs*|*wekafs*) ;;
-  *) nodes=$(sinfo -h -o %n 2>/dev/null | sort -u | tr '\n' ' ');; esac
-case "$afs" in *nfs*|*lustre*|*gpfs*|*beegfs*|*cifs*|*smb*|*fuse*|*ceph*|*panfs*|*wekafs*) ;;
-  *) [ -n "$nodes" ] || nodes=$(sinfo -h -o %n 2>/dev/null | sort -u | tr '\n' ' ');; esac
+[ "$fss$afss" = yesyes ] || nodes=$(sinfo -h -o %n 2>/dev/null | sort -u | tr '\n' ' ')
 # sbatch exports this shell's environment to the job (--export=ALL): rsb's own variables (the
 # spec, the script) are not the job's.
 for v in $(compgen -e); do case $v in RSB_*) unset "$v";; esac; done
@@ -160,7 +160,7 @@ out=$(sbatch "${args[@]}" 2>"$d/sbatch.err"); rc=$?
 if [ "$rc" -ne 0 ]; then cat "$d/sbatch.err" >&2; rm -f "$d/spec"; exit 30; fi
 id=${out%%;*}
 printf '%s\n' "$id" > "$d/slurm_job"
-printf 'id=%s\nfs=%s\nagent_fs=%s\nhost=%s\nnodes=%s\n' "$id" "$fs" "$afs" "$(hostname -s)" "$nodes"
+printf 'id=%s\nfs=%s\nfs_shared=%s\nagent_fs=%s\nagent_fs_shared=%s\nhost=%s\nnodes=%s\n' "$id" "$fs" "$fss" "$afs" "$afss" "$(hostname -s)" "$nodes"
 "#;
 
 /// Every rsb job with a Slurm id under the jobs root: `@NAME`, the id line, then its spec.

@@ -119,22 +119,17 @@ pub async fn cwd_of(client: &AgentClient, name: &str) -> String {
 /// is; a local one is only when the login node is the cluster's only node.
 fn path_warning(kv: &Map<String, Value>) -> Option<String> {
     let s = |k: &str| kv.get(k).and_then(Value::as_str).unwrap_or_default();
-    // The same list as the submit script's `case`, which asks sinfo for the nodes only when
-    // one of the two is not on a shared file system.
-    let shared = |fs: &str| {
-        [
-            "nfs", "lustre", "gpfs", "beegfs", "cifs", "smb", "fuse", "ceph", "panfs", "wekafs",
-        ]
-        .iter()
-        .any(|n| fs.to_ascii_lowercase().contains(n))
-    };
     let nodes: Vec<&str> = s("nodes").split_whitespace().collect();
     let only_here = !nodes.is_empty() && nodes.iter().all(|n| *n == s("host"));
-    let local: Vec<String> = [("job directory", s("fs")), ("agent", s("agent_fs"))]
-        .iter()
-        .filter(|(_, fs)| !shared(fs))
-        .map(|(w, fs)| format!("the {w} is on {fs}"))
-        .collect();
+    // The submit script decides which file systems are shared (`fs_shared`, one list there).
+    let local: Vec<String> = [
+        ("job directory", s("fs"), s("fs_shared")),
+        ("agent", s("agent_fs"), s("agent_fs_shared")),
+    ]
+    .iter()
+    .filter(|(_, _, shared)| *shared != "yes")
+    .map(|(w, fs, _)| format!("the {w} is on {fs}"))
+    .collect();
     (!only_here && !local.is_empty()).then(|| {
         format!(
             "{}, which may not be shared with the compute nodes ({}): if the job never starts, put $HOME on the shared file system",
