@@ -62,14 +62,31 @@ pub fn search(
     cancel: &CancellationToken,
     emit: &mut dyn FnMut(Vec<SearchEntry>) -> bool,
 ) -> Result<SearchResult, AgentError> {
-    let matcher = Matcher::new(&req.pattern, req.literal, req.ignore_case)
+    let flags = matcher::Flags {
+        literal: req.literal,
+        ignore_case: req.ignore_case,
+        word: req.word,
+        invert: req.invert,
+    };
+    let matcher = Matcher::new(&req.pattern, flags)
         .map_err(|m| AgentError::new(ErrorCode::InvalidArgument, m))?;
-    let globs = Rules::new(req.globs.iter().map(String::as_str)).map_err(|e| {
-        AgentError::new(
-            ErrorCode::InvalidArgument,
-            format!("glob {:?}: {}", e.line, e.reason),
-        )
-    })?;
+    let rules = |globs: &[String]| {
+        Rules::new(globs.iter().map(String::as_str)).map_err(|e| {
+            AgentError::new(
+                ErrorCode::InvalidArgument,
+                format!("glob {:?}: {}", e.line, e.reason),
+            )
+        })
+    };
+    let globs = rules(&req.globs)?;
+    let types = Types {
+        only: (!req.types.is_empty())
+            .then(|| rules(&req.types))
+            .transpose()?,
+        not: (!req.types_not.is_empty())
+            .then(|| rules(&req.types_not))
+            .transpose()?,
+    };
     let root = expand_home(&req.root);
     let meta = std::fs::metadata(&root).map_err(|e| {
         let code = if e.kind() == std::io::ErrorKind::NotFound {
@@ -89,7 +106,7 @@ pub fn search(
     let stats = Stats::default();
     let mut found: Vec<Found> = Vec::new();
     if meta.is_dir() {
-        let walk = Walker::new(&root, req, &globs, &errors);
+        let walk = Walker::new(&root, req, (&globs, &types), &errors);
         found = walk.run(req, &matcher, &stop, &errors, &stats)?;
     } else if meta.is_file() {
         // An explicit file is searched whatever the ignore rules say, as rg does; its entries
@@ -328,21 +345,37 @@ struct Walker<'a> {
     /// A `.git` in or above the root.
     in_git: bool,
     no_ignore: bool,
+    /// Hidden names are searched (`rg --hidden`).
+    hidden: bool,
     globs: &'a Rules,
     /// Any plain glob: files matching no glob are left out.
     whitelist: bool,
+    types: &'a Types,
     top_layers: Layers,
 }
 
+/// The file types asked for (`rg -t`) and left out (`rg -T`), as rules of file-name globs.
+struct Types {
+    only: Option<Rules>,
+    not: Option<Rules>,
+}
+
 impl<'a> Walker<'a> {
-    fn new(root: &Path, req: &SearchRequest, globs: &'a Rules, errors: &Errors) -> Walker<'a> {
+    fn new(
+        root: &Path,
+        req: &SearchRequest,
+        (globs, types): (&'a Rules, &'a Types),
+        errors: &Errors,
+    ) -> Walker<'a> {
         let mut w = Walker {
             root: root.to_path_buf(),
             prefix: String::new(),
             in_git: false,
             no_ignore: req.no_ignore,
+            hidden: req.hidden,
             globs,
             whitelist: globs.has_plain(),
+            types,
             top_layers: Layers::default(),
         };
         if req.no_ignore {
@@ -480,7 +513,21 @@ impl<'a> Walker<'a> {
                 None => {}
             }
         }
-        !whitelisted && name.first() == Some(&b'.')
+        // File types, after the ignore files and before the hidden rule, as ripgrep: a file
+        // of a type asked for is searched even when hidden.
+        if !is_dir {
+            let base = String::from_utf8_lossy(name);
+            let of = |r: &Option<Rules>| r.as_ref().map(|r| r.decide(&base, false) == Some(true));
+            if of(&self.types.not) == Some(true) {
+                return true;
+            }
+            match of(&self.types.only) {
+                Some(true) => whitelisted = true,
+                Some(false) => return true,
+                None => {}
+            }
+        }
+        !whitelisted && !self.hidden && name.first() == Some(&b'.')
     }
 
     /// Walk on this thread, match on the others; the per-file counts of the files that match.
@@ -1026,7 +1073,7 @@ impl<'a> Entries<'a> {
     fn entry(&self, s: usize, e: usize) -> SearchEntry {
         let (buf, req, matcher) = (self.buf, self.req, Some(self.matcher));
         let n = self.lines.number_at(s);
-        let ctx = req.context as usize;
+        let (before, after) = (req.before as usize, req.after as usize);
         // Context lines that match carry their ranges, so a printer can tell them apart.
         let context = |range: std::ops::Range<usize>| -> Vec<SearchLine> {
             range
@@ -1038,8 +1085,8 @@ impl<'a> Entries<'a> {
             path: self.name.clone(),
             exact_path: self.exact,
             line: Some(line_of(&buf[s..e], n as u64, matcher, true, req)),
-            before: context(n.saturating_sub(ctx).max(1)..n),
-            after: context(n + 1..n + 1 + ctx),
+            before: context(n.saturating_sub(before).max(1)..n),
+            after: context(n + 1..n + 1 + after),
             count: 1,
         }
     }
@@ -1117,8 +1164,8 @@ fn line_of(
     };
     let matches = match matcher {
         None => Vec::new(),
-        Some(m) if req.ranges => m.ranges(&text, MAX_RANGES),
-        Some(m) if matched || m.is_match(raw) => vec![(0, 0)],
+        Some(m) if req.ranges && !m.inverted() => m.ranges(&text, MAX_RANGES),
+        Some(m) if matched || m.hit(raw) => vec![(0, 0)],
         Some(_) => Vec::new(),
     };
     // The bytes as the file has them, cut where `text` is.

@@ -213,9 +213,21 @@ fn parse() -> Result<Cli, u8> {
             clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion => {
                 exit::OK
             }
+            // `rsb grep` keeps rg's codes: 1 means "no match", a bad flag is 2.
+            _ if subcommand_named() == Some("grep".into()) => cli::search::exit::ERROR,
             _ => exit::USAGE,
         }
     })
+}
+
+/// The subcommand of a command line that did not parse, as far as clap got.
+fn subcommand_named() -> Option<String> {
+    command()
+        .ignore_errors(true)
+        .try_get_matches()
+        .ok()?
+        .subcommand_name()
+        .map(String::from)
 }
 
 fn main() -> ExitCode {
@@ -342,10 +354,8 @@ async fn run(cli: Cli) -> u8 {
         _ if cli.sandbox.is_some() => cli.sandbox.clone(),
         // `rsb exec ALIAS cmd`, as `ssh ALIAS cmd`.
         Cmd::Exec(a) if a.command.len() >= 2 => Some(a.command[0].clone()),
-        Cmd::Ls { path, .. }
-        | Cmd::Cat { path, .. }
-        | Cmd::Grep(cli::search::GrepArgs { path, .. })
-        | Cmd::Edit { target: path } => prefix(path),
+        Cmd::Ls { path, .. } | Cmd::Cat { path, .. } | Cmd::Edit { target: path } => prefix(path),
+        Cmd::Grep(a) => a.paths().iter().find_map(|p| prefix(p)),
         Cmd::Sync(a) => a.paths().into_iter().find_map(prefix),
         _ => None,
     };
@@ -367,13 +377,32 @@ async fn run(cli: Cli) -> u8 {
     // names a configured sandbox picks it (over `-s`).
     let mut sandbox = cli.sandbox;
     let mut cmd = cli.cmd;
-    if let Cmd::Ls { path, .. }
-    | Cmd::Cat { path, .. }
-    | Cmd::Grep(cli::search::GrepArgs { path, .. }) = &mut cmd
+    if let Cmd::Ls { path, .. } | Cmd::Cat { path, .. } = &mut cmd
         && let Some((name, rest)) = cli::sandbox_path(&config, path)
     {
         sandbox = Some(name);
         *path = rest;
+    }
+    // `rsb grep PAT gpu1:src gpu1:tests`: every PATH on one sandbox.
+    if let Cmd::Grep(a) = &mut cmd {
+        let mut named: Option<String> = None;
+        for path in a.paths_mut() {
+            let Some((name, rest)) = cli::sandbox_path(&config, path) else {
+                continue;
+            };
+            if named.as_ref().is_some_and(|n| *n != name) {
+                eprintln!(
+                    "rsb: the PATHs name two sandboxes ({} and {name})\n  hint: search one sandbox per rsb grep",
+                    named.unwrap_or_default()
+                );
+                return cli::search::exit::ERROR;
+            }
+            named = Some(name);
+            *path = rest;
+        }
+        if let Some(name) = named {
+            sandbox = Some(name);
+        }
     }
     // `rsb wait gpu1 train`: the first of two words is the sandbox.
     if let Cmd::Wait {

@@ -59,7 +59,9 @@ pub use sync::{
 /// stream per apply session (`ApplyOp::Stream`) replaces `Packed` and `FileDataZ`.
 /// 17: `SearchRequest::{stream, ranges}`, `SearchLine::raw`, [`Chunk::Search`]; `JobEvents` and
 /// [`Chunk::JobEvent`]. 18: `JobEventsRequest::output_after`, `JobEventKind::Output`.
-pub const PROTOCOL_VERSION: u32 = 18;
+/// 19: `SearchRequest::{before, after}` replace `context`; `word`, `invert`, `hidden`, `types`,
+/// `types_not` (rg's -A/-B, -w, -v, --hidden, -t/-T).
+pub const PROTOCOL_VERSION: u32 = 19;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops

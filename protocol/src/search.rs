@@ -27,8 +27,24 @@ pub struct SearchRequest {
     /// ripgrep `-g` globs, gitignore syntax: `*.rs` includes only what matches (files),
     /// `!*.min.js` excludes. They take precedence over ignore files and hidden names.
     pub globs: Vec<String>,
-    /// Lines of context before and after each matching line (content mode).
-    pub context: u32,
+    /// Lines of context before each matching line (content mode; `rg -B`).
+    pub before: u32,
+    /// Lines of context after each matching line (content mode; `rg -A`).
+    pub after: u32,
+    /// A match must stand as a word: preceded by the line's start or a non-word character,
+    /// followed by its end or one (`rg -w`; word characters are ASCII `[0-9A-Za-z_]`).
+    pub word: bool,
+    /// The lines that do not match are the result (`rg -v`); their context lines are those
+    /// that do. No match ranges are sent for either.
+    pub invert: bool,
+    /// Hidden names (a leading `.`) are searched too (`rg --hidden`); ignore files still apply.
+    pub hidden: bool,
+    /// File-name globs of the selected file types (`rg -t`): a file that passed the ignore
+    /// rules is searched only when its name matches one, and then even when hidden. Empty:
+    /// every type.
+    pub types: Vec<String>,
+    /// File-name globs of the excluded file types (`rg -T`).
+    pub types_not: Vec<String>,
     pub mode: SearchMode,
     /// Entries of the sorted result to skip, then at most `limit` returned.
     pub offset: u64,

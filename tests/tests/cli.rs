@@ -337,13 +337,53 @@ fn cli_table() {
     // What rg prints (sorted as rsb sorts), then what rsb grep prints: the same bytes.
     let same_as_rg = |flags: &str| {
         bash(&format!(
-            "a=$(mktemp) b=$(mktemp); RSB grep {flags} needle gbig > \"$a\"; \
+            "a=$(mktemp) b=$(mktemp); RSB grep -n {flags} needle gbig > \"$a\"; \
              (cd '{}' && rg --no-config --no-heading -n --sort path {flags} needle gbig) > \"$b\"; \
              if cmp \"$a\" \"$b\"; then echo same; else diff \"$a\" \"$b\" | head -20; fi; \
              wc -l < \"$a\" >&2; rm -f \"$a\" \"$b\"",
             h.display()
         ))
         .out_eq("same\n")
+    };
+    // rg's habits, row by row (issue 41 item 5): the same stdout and exit code as rg run on
+    // the sandbox in the home (piped, so rg prints no line numbers unless asked).
+    let rgt = h.join("rgt");
+    std::fs::create_dir_all(rgt.join("src")).unwrap();
+    std::fs::create_dir_all(rgt.join("docs")).unwrap();
+    std::fs::create_dir_all(rgt.join(".git")).unwrap();
+    std::fs::write(rgt.join(".gitignore"), "*.log\n").unwrap();
+    std::fs::write(
+        rgt.join("src/main.rs"),
+        "fn main() {\n    let foo = 1;\n    let foobar = 2;\n    println!(\"{}\", foo);\n}\n",
+    )
+    .unwrap();
+    std::fs::write(
+        rgt.join("src/lib.py"),
+        "def foo():\n    return 'FOO'\n\nclass Bar:\n    pass\n",
+    )
+    .unwrap();
+    std::fs::write(
+        rgt.join("docs/readme.md"),
+        "# Foo\nUse foo-bar here.\nnothing\n",
+    )
+    .unwrap();
+    std::fs::write(rgt.join(".hidden.py"), "foo = 'hidden'\n").unwrap();
+    std::fs::write(rgt.join(".dot.txt"), "foo dot\n").unwrap();
+    std::fs::write(
+        rgt.join("notes.txt"),
+        "alpha\nbeta foo\ngamma\ndelta\nepsilon foo\nzeta\n",
+    )
+    .unwrap();
+    std::fs::write(rgt.join("build.log"), "foo in log\n").unwrap();
+    let like_rg = |args: &str| {
+        bash(&format!(
+            "a=$(mktemp) b=$(mktemp); RSB grep {args} > \"$a\" 2>/dev/null; ra=$?; \
+             (cd '{}' && rg --no-config --sort path {args}) > \"$b\" 2>/dev/null; rb=$?; \
+             if [ $ra = $rb ] && cmp -s \"$a\" \"$b\"; then echo same $ra; \
+             else echo \"rsb exit $ra, rg exit $rb\"; diff \"$a\" \"$b\" | head -20; fi; \
+             rm -f \"$a\" \"$b\"",
+            h.display()
+        ))
     };
     // A small tree for the sync rows, with a .gitignore.
     let proj = tmp.path().join("proj");
@@ -381,10 +421,10 @@ fn cli_table() {
         bash("printf 'a\\nb\\n' | RSB --json exec -- wc -l").out("\"stdout\":\"2\\n\""),
         rsb(&["exec", "--cwd", "~/dir", "--", "ls"]).out_eq("a.txt\nsub\n"),
         // grep: rg's output and exit codes (0 a match, 1 none, 2 an error).
-        rsb(&["grep", "needle", "gdir"]).out_eq("gdir/a.py:1:x needle\n"),
+        rsb(&["grep", "needle", "gdir"]).out_eq("gdir/a.py:x needle\n"),
         rsb(&["grep", "needle", "gpu1:gdir", "-l"]).out_eq("gdir/a.py\n"),
         rsb(&["grep", "-c", "--no-ignore", "needle", "gdir"]).out_eq("gdir/a.py:1\ngdir/b.log:1\n"),
-        rsb(&["grep", "-C", "1", "needle", "gdir"]).out_eq("gdir/a.py:1:x needle\ngdir/a.py-2-y\n"),
+        rsb(&["grep", "-C", "1", "needle", "gdir"]).out_eq("gdir/a.py:x needle\ngdir/a.py-y\n"),
         rsb(&["grep", "--color", "always", "need", "gdir"]).out("\u{1b}[1;31mneed\u{1b}[0mle"),
         rsb(&["--json", "grep", "needle", "gdir"]).out("\"type\":\"match\"").out("\"summary\""),
         rsb(&["grep", "zzz_none", "gdir"]).code(1).out_eq(""),
@@ -393,17 +433,53 @@ fn cli_table() {
         // A remote name with an escape sequence is printed as text, never raw.
         // Piped, the bytes as rg prints them (a terminal gets them escaped).
         rsb(&["grep", "e", "evil"]).out("\u{1b}]52"),
-        rsb(&["grep", "slash", "gdir"]).out_eq("gdir/c.txt:1:back\\slash\ttab\n"),
+        rsb(&["grep", "slash", "gdir"]).out_eq("gdir/c.txt:back\\slash\ttab\n"),
         same_as_rg("").err("6003"),
         same_as_rg("-C 1").err("9037"),
         same_as_rg("-C 3 -i -g '*.txt' -g '!f2*'"),
         same_as_rg("-l"),
         // A reader that leaves early ends the stream (no hang, nothing printed after).
-        bash("RSB grep needle gbig | head -1").out_eq("gbig/a/inner.txt:1:needle inner\n"),
+        bash("RSB grep needle gbig | head -1").out_eq("gbig/a/inner.txt:needle inner\n"),
         same_as_rg("-c"),
+        like_rg("foo rgt").out_eq("same 0\n"),
+        like_rg("-n foo rgt").out_eq("same 0\n"),
+        like_rg("-w foo rgt").out_eq("same 0\n"),
+        like_rg("-i foo rgt").out_eq("same 0\n"),
+        like_rg("-v foo rgt/notes.txt").out_eq("same 0\n"),
+        like_rg("-n -A 1 foo rgt/notes.txt").out_eq("same 0\n"),
+        like_rg("-B 2 -n foo rgt/notes.txt").out_eq("same 0\n"),
+        like_rg("-C 1 foo rgt").out_eq("same 0\n"),
+        like_rg("-e alpha -e zeta -e 'fo+' rgt").out_eq("same 0\n"),
+        like_rg("-t py foo rgt").out_eq("same 0\n"),
+        like_rg("-T py -T md -l foo rgt").out_eq("same 0\n"),
+        like_rg("--hidden foo rgt").out_eq("same 0\n"),
+        like_rg("-c foo rgt").out_eq("same 0\n"),
+        like_rg("-l foo rgt/src rgt/docs rgt/notes.txt").out_eq("same 0\n"),
+        like_rg("-nw foo rgt/src rgt/notes.txt").out_eq("same 0\n"),
+        like_rg("-F -e 'foo-bar' -e '{}' rgt").out_eq("same 0\n"),
+        like_rg("--no-ignore foo rgt").out_eq("same 0\n"),
+        like_rg("-H foo rgt/notes.txt").out_eq("same 0\n"),
+        like_rg("-S FOO rgt").out_eq("same 0\n"),
+        like_rg("-g '*.md' -i FOO rgt").out_eq("same 0\n"),
+        like_rg("-vc foo rgt/src").out_eq("same 0\n"),
+        like_rg("-uu -l foo rgt").out_eq("same 0\n"),
+        like_rg("-I -n foo rgt/src rgt/notes.txt").out_eq("same 0\n"),
+        like_rg("zzz rgt").out_eq("same 1\n"),
+        like_rg("-v foo rgt/notes.txt rgt/missing").out_eq("same 2\n"),
+        like_rg("--no-such-flag foo rgt").out_eq("same 2\n"),
+        like_rg("-A x foo rgt").out_eq("same 2\n"),
+        like_rg("-t nosuchtype foo rgt").out_eq("same 2\n"),
+        // rg's usage error, not a search for "-w" (the old hint said `-- -w`).
+        rsb(&["grep", "--frobnicate", "foo", "rgt"]).code(2).err("'--frobnicate'"),
+        like_rg("-q foo rgt").out_eq("same 0\n"),
+        like_rg("-q zzz rgt").out_eq("same 1\n"),
+        rsb(&["grep", "-t", "nosuchtype", "foo", "rgt"]).code(2).err("known types: asm"),
+        rsb(&["grep", "foo", "gpu1:rgt/src", "dead:rgt"]).code(2).err("two sandboxes"),
+        rsb(&["grep", "-l", "foo", "gpu1:rgt/src", "gpu1:rgt/docs"])
+            .out_eq("rgt/src/lib.py\nrgt/src/main.rs\nrgt/docs/readme.md\n"),
         // One file searched: no path printed, as rg prints it.
         rsb(&["grep", "--head-limit", "2", "--offset", "3", "needle", "gbig/f00.txt"])
-            .out_eq("5:needle 0 4 xxxx\n7:needle 0 6 xxxxxx\n")
+            .out_eq("needle 0 4 xxxx\nneedle 0 6 xxxxxx\n")
             .err("195 more matching lines; --offset 5 continues"),
         rsb(&["grep", "-c", "needle", "gbig/f00.txt"]).out_eq("200\n"),
         rsb(&["grep", "-c", "needle", "gfile-link"]).out_eq("200\n"),
@@ -412,7 +488,7 @@ fn cli_table() {
             .out_eq("")
             .err("1 binary file (a NUL byte) not searched"),
         rsb(&["grep", "-n", "needle 0 4 x", "gfile-link"]).out_eq("5:needle 0 4 xxxx\n"),
-        rsb(&["grep", "needle inner", "gdir-link"]).out_eq("gdir-link/a/inner.txt:1:needle inner\n"),
+        rsb(&["grep", "needle inner", "gdir-link"]).out_eq("gdir-link/a/inner.txt:needle inner\n"),
         rsb(&["grep", "-l", "needle", "gbig/f00.txt"]).out_eq("gbig/f00.txt\n"),
         // Usage errors and did-you-mean.
         rsb(&["exce", "ls"]).code(1).err("'exec'"),

@@ -49,10 +49,31 @@ pub struct Matcher {
     fold: bool,
     /// The most characters a match spans, for a windowed match of long lines ([`span`]).
     span: Option<usize>,
+    /// `rg -w`: `re` is the pattern between word boundaries, its group 1 the match.
+    word: bool,
+    /// `rg -v`: a line is a hit when the pattern does not match it.
+    invert: bool,
+}
+
+/// How a pattern is matched, beyond its text.
+#[derive(Clone, Copy, Default)]
+pub struct Flags {
+    pub literal: bool,
+    pub ignore_case: bool,
+    /// A match must stand as a word (`rg -w`).
+    pub word: bool,
+    /// Lines that do not match are the hits (`rg -v`).
+    pub invert: bool,
 }
 
 impl Matcher {
-    pub fn new(pattern: &str, literal: bool, ignore_case: bool) -> Result<Matcher, String> {
+    pub fn new(pattern: &str, flags: Flags) -> Result<Matcher, String> {
+        let Flags {
+            literal,
+            ignore_case,
+            word,
+            invert,
+        } = flags;
         if pattern.is_empty() {
             return Err("the pattern is empty".into());
         }
@@ -65,6 +86,14 @@ impl Matcher {
             regex_lite::escape(pattern)
         } else {
             pattern.to_string()
+        };
+        // As rg 13 spells `-w`: a non-word character or the line's edge on each side, so a
+        // pattern that starts or ends with punctuation still matches as a word (`\b` would
+        // not). The group is the match, for its ranges.
+        let source = if word {
+            format!(r"(?:^|\W)({source})(?:$|\W)")
+        } else {
+            source
         };
         let re = RegexBuilder::new(&source)
             .case_insensitive(ignore_case)
@@ -79,7 +108,7 @@ impl Matcher {
         // apply either; such a search runs the regex on every line.
         let needle = needle.filter(|n| !n.is_empty() && (!ignore_case || n.is_ascii()));
         let fold = ignore_case && needle.is_some();
-        let exact = literal && !ignore_case;
+        let exact = literal && !ignore_case && !word;
         let prefilter = needle.map(|n| {
             let n = if fold { n.to_ascii_lowercase() } else { n };
             memmem::Finder::new(&n).into_owned()
@@ -90,6 +119,8 @@ impl Matcher {
             exact,
             fold,
             span: span(&source).filter(|&n| n <= MAX_SPAN),
+            word,
+            invert,
         })
     }
 
@@ -105,13 +136,19 @@ impl Matcher {
     ) -> Scan {
         let mut scan = Scan::default();
         let mut pace = 0usize;
-        let Some(finder) = &self.prefilter else {
+        let prefilter = self.prefilter.as_ref().filter(|_| !self.invert);
+        let Some(finder) = prefilter else {
             let mut start = 0;
             while start < hay.len() {
                 let end = memchr::memchr(b'\n', &hay[start..]).map_or(hay.len(), |i| start + i);
+                let costly = scan.costly;
+                // Inverted, a line too costly to match is neither a hit nor not: it is
+                // counted in `scan` and left out.
                 match self.test(hay, start, end, stop, &mut pace, &mut scan) {
                     None => return scan,
-                    Some(true) if !hit(start, end) => return scan,
+                    Some(m) if m != self.invert && scan.costly == costly && !hit(start, end) => {
+                        return scan;
+                    }
                     _ => {}
                 }
                 start = end + 1;
@@ -252,21 +289,52 @@ impl Matcher {
         Long::Decided(self.re.is_match(text))
     }
 
-    pub fn is_match(&self, line: &[u8]) -> bool {
+    fn is_match(&self, line: &[u8]) -> bool {
         match std::str::from_utf8(line) {
             Ok(s) => self.re.is_match(s),
             Err(_) => self.re.is_match(&String::from_utf8_lossy(line)),
         }
     }
 
+    /// Whether `line` is a hit: it matches, or (inverted) it does not.
+    pub fn hit(&self, line: &[u8]) -> bool {
+        self.is_match(line) != self.invert
+    }
+
+    /// Whether hits are lines that do not match (which have no match ranges).
+    pub fn inverted(&self) -> bool {
+        self.invert
+    }
+
     /// Byte ranges of the matches in `text` (at most `max`).
     pub fn ranges(&self, text: &str, max: usize) -> Vec<(u32, u32)> {
-        self.re
-            .find_iter(text)
-            .filter(|m| m.end() > m.start())
-            .take(max)
-            .map(|m| (m.start() as u32, m.end() as u32))
-            .collect()
+        if !self.word {
+            return self
+                .re
+                .find_iter(text)
+                .filter(|m| m.end() > m.start())
+                .take(max)
+                .map(|m| (m.start() as u32, m.end() as u32))
+                .collect();
+        }
+        // Each next search starts where the last word ended, so the character after it can
+        // be the boundary before the next (`foo foo`: both).
+        let mut out = Vec::new();
+        let mut at = 0;
+        while out.len() < max && at <= text.len() {
+            let Some(m) = self.re.captures_at(text, at).and_then(|c| c.get(1)) else {
+                break;
+            };
+            if m.end() > m.start() {
+                out.push((m.start() as u32, m.end() as u32));
+            }
+            at = if m.end() > at {
+                m.end()
+            } else {
+                at + text[at..].chars().next().map_or(1, char::len_utf8)
+            };
+        }
+        out
     }
 }
 
@@ -573,6 +641,14 @@ fn skip_class(b: &[u8], mut i: usize) -> Option<usize> {
 mod tests {
     use super::*;
 
+    fn flags(literal: bool, ignore_case: bool) -> Flags {
+        Flags {
+            literal,
+            ignore_case,
+            ..Flags::default()
+        }
+    }
+
     fn lit(p: &str) -> Option<String> {
         required_literal(p).map(|v| String::from_utf8(v).unwrap())
     }
@@ -692,7 +768,7 @@ mod tests {
         for _ in 0..10_000 {
             let p = pattern(&mut r, 0);
             let ic = r.below(3) == 0;
-            let Ok(m) = Matcher::new(&p, false, ic) else {
+            let Ok(m) = Matcher::new(&p, flags(false, ic)) else {
                 continue;
             };
             tried += 1;
@@ -761,7 +837,7 @@ mod tests {
         let (mut tried, mut matched) = (0, 0);
         for _ in 0..10_000 {
             let p = pattern(&mut r, 0);
-            let Ok(m) = Matcher::new(&p, false, r.below(3) == 0) else {
+            let Ok(m) = Matcher::new(&p, flags(false, r.below(3) == 0)) else {
                 continue;
             };
             let Some(span) = m.span else { continue };
@@ -789,7 +865,7 @@ mod tests {
         let letters: String = (0..2 << 20)
             .map(|i| (b'a' + (i % 26) as u8) as char)
             .collect();
-        let m = Matcher::new("(?:[a-z]{1,30}){1,30}[0-9]", false, false).unwrap();
+        let m = Matcher::new("(?:[a-z]{1,30}){1,30}[0-9]", flags(false, false)).unwrap();
         assert_eq!(m.span, Some(901));
         let t = Instant::now();
         let stop = || t.elapsed() > Duration::from_millis(200);
@@ -809,7 +885,7 @@ mod tests {
         });
         assert!(!scan.stopped && scan.costly == 0 && hits == 1);
         // Unbounded (`+`): not windowed; the probe says the line would take too long.
-        let m = Matcher::new("(?:[a-z]{1,30}){1,30}[0-9]+", false, false).unwrap();
+        let m = Matcher::new("(?:[a-z]{1,30}){1,30}[0-9]+", flags(false, false)).unwrap();
         assert_eq!(m.span, None);
         let hay = format!("short1\n{letters}\nlast2");
         let t = Instant::now();
@@ -836,7 +912,7 @@ mod tests {
             ("gamma", true, true),
             ("a|f", false, false),
         ] {
-            let m = Matcher::new(p, lit, ic).unwrap();
+            let m = Matcher::new(p, flags(lit, ic)).unwrap();
             let expect: Vec<String> = hay
                 .split('\n')
                 .filter(|l| m.re.is_match(l))
@@ -848,11 +924,59 @@ mod tests {
 
     #[test]
     fn patterns_that_span_lines_are_refused() {
-        assert!(Matcher::new("a\\nb", false, false).is_err());
-        assert!(Matcher::new("a\nb", true, false).is_err());
-        assert!(Matcher::new("(unclosed", false, false).is_err());
-        assert!(Matcher::new("", false, false).is_err());
+        assert!(Matcher::new("a\\nb", flags(false, false)).is_err());
+        assert!(Matcher::new("a\nb", flags(true, false)).is_err());
+        assert!(Matcher::new("(unclosed", flags(false, false)).is_err());
+        assert!(Matcher::new("", flags(false, false)).is_err());
         // A literal `\n` (two characters) is fine when the pattern is literal.
-        assert!(Matcher::new("a\\nb", true, false).is_ok());
+        assert!(Matcher::new("a\\nb", flags(true, false)).is_ok());
+    }
+
+    #[test]
+    fn words_match_as_rg_spells_them() {
+        let hay = "foo\nfoobar\nbar foo baz\nx-foo-y\n_foo\n-x here\nfoo foo\n";
+        let word = |_: &str, literal: bool| Flags {
+            literal,
+            word: true,
+            ..Flags::default()
+        };
+        let m = Matcher::new("foo", word("foo", true)).unwrap();
+        assert_eq!(
+            matching(&m, hay),
+            ["foo", "bar foo baz", "x-foo-y", "foo foo"]
+        );
+        // Both words of `foo foo`, and only the word, as ranges.
+        assert_eq!(m.ranges("foo foo", 8), [(0, 3), (4, 7)]);
+        assert_eq!(m.ranges("x-foo-y", 8), [(2, 5)]);
+        // A pattern that starts with punctuation still matches as a word (`\b-x` would not).
+        let m = Matcher::new("-x", word("-x", true)).unwrap();
+        assert_eq!(matching(&m, hay), ["-x here"]);
+        let m = Matcher::new("fo+", word("fo+", false)).unwrap();
+        assert_eq!(
+            matching(&m, hay),
+            ["foo", "bar foo baz", "x-foo-y", "foo foo"]
+        );
+    }
+
+    #[test]
+    fn inverted_hits_are_the_lines_that_do_not_match() {
+        let hay = "alpha\nbeta\n\ngamma beta\nlast";
+        for literal in [false, true] {
+            let m = Matcher::new(
+                "beta",
+                Flags {
+                    literal,
+                    invert: true,
+                    ..Flags::default()
+                },
+            )
+            .unwrap();
+            assert_eq!(
+                matching(&m, hay),
+                ["alpha", "", "last"],
+                "literal {literal}"
+            );
+            assert!(m.hit(b"alpha") && !m.hit(b"a beta"));
+        }
     }
 }

@@ -26,37 +26,118 @@ pub enum Color {
     Never,
 }
 
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Sort {
+    /// By path (what rsb grep always does; accepted for scripts written for rg).
+    Path,
+}
+
 #[derive(Debug, Args)]
+#[command(
+    after_help = "As rg: the first word is the PATTERN and the rest are PATHs (with -e, every \
+    word is a PATH); piped, lines print as `path:text` (line numbers with -n), on a terminal \
+    grouped under each path with line numbers. Results are always sorted by path. Exit 0: a \
+    match; 1: none; 2: an error (a bad flag too)."
+)]
 pub struct GrepArgs {
-    /// A regex (Rust syntax; \w, \d and case folding are ASCII), matched per line.
-    pub pattern: String,
-    /// A directory or file, relative to the remote home (SANDBOX:PATH picks the sandbox).
-    #[arg(default_value = "")]
-    pub path: String,
+    /// PATTERN, then the PATHs searched (relative to the remote home; SANDBOX:PATH picks the
+    /// sandbox; none: the home).
+    #[arg(value_name = "PATTERN | PATH", allow_hyphen_values = false)]
+    pub words: Vec<String>,
+    /// A pattern to search for; repeatable: a line matching any matches. Every positional
+    /// word is then a PATH.
+    #[arg(
+        short = 'e',
+        long = "regexp",
+        value_name = "PATTERN",
+        allow_hyphen_values = true
+    )]
+    pub regexps: Vec<String>,
     /// Match case-insensitively.
-    #[arg(short = 'i', long)]
+    #[arg(short = 'i', long, overrides_with_all = ["case_sensitive", "smart_case"])]
     pub ignore_case: bool,
-    /// The pattern is a literal string.
+    /// Case-insensitive when the pattern has no upper-case letter.
+    #[arg(short = 'S', long, overrides_with_all = ["case_sensitive", "ignore_case"])]
+    pub smart_case: bool,
+    /// Match case-sensitively (the default; overrides -i and -S). rg's `-s` is rsb's
+    /// `--sandbox`, so only the long form.
+    #[arg(long, overrides_with_all = ["ignore_case", "smart_case"])]
+    pub case_sensitive: bool,
+    /// The patterns are literal strings.
     #[arg(short = 'F', long)]
     pub fixed_strings: bool,
+    /// A match must stand as a word (bounded by non-word characters or the line's edges).
+    #[arg(short = 'w', long)]
+    pub word_regexp: bool,
+    /// Select the lines that do not match.
+    #[arg(short = 'v', long)]
+    pub invert_match: bool,
     /// Include (GLOB) or exclude (!GLOB) files, gitignore syntax with {a,b}; repeatable.
-    #[arg(short = 'g', long = "glob", value_name = "GLOB")]
+    #[arg(
+        short = 'g',
+        long = "glob",
+        value_name = "GLOB",
+        allow_hyphen_values = true
+    )]
     pub globs: Vec<String>,
-    /// Lines of context around each match.
-    #[arg(short = 'C', long, default_value_t = 0)]
-    pub context: i64,
+    /// Search only files of this type (rg's names: rust, py, js, ts, go, c, cpp, md, ...; see
+    /// --type-list); repeatable.
+    #[arg(short = 't', long = "type", value_name = "TYPE")]
+    pub types: Vec<String>,
+    /// Do not search files of this type; repeatable.
+    #[arg(short = 'T', long = "type-not", value_name = "TYPE")]
+    pub types_not: Vec<String>,
+    /// Print the file types -t knows, with their globs.
+    #[arg(long)]
+    pub type_list: bool,
+    /// Lines of context after each match.
+    #[arg(short = 'A', long, value_name = "NUM")]
+    pub after_context: Option<i64>,
+    /// Lines of context before each match.
+    #[arg(short = 'B', long, value_name = "NUM")]
+    pub before_context: Option<i64>,
+    /// Lines of context before and after each match.
+    #[arg(short = 'C', long, value_name = "NUM")]
+    pub context: Option<i64>,
     /// Print only the paths of files with matches.
     #[arg(short = 'l', long, conflicts_with = "count")]
     pub files_with_matches: bool,
-    /// Line numbers: always printed (accepted for rg's habit; rsb grep prints as `rg -n`).
-    #[arg(short = 'n', long)]
-    pub line_number: bool,
     /// Print each file's count of matching lines.
     #[arg(short = 'c', long)]
     pub count: bool,
+    /// Print nothing; the exit code says whether anything matched.
+    #[arg(short = 'q', long)]
+    pub quiet: bool,
+    /// Print line numbers (the default on a terminal).
+    #[arg(short = 'n', long, overrides_with = "no_line_number")]
+    pub line_number: bool,
+    /// Print no line numbers.
+    #[arg(short = 'N', long, overrides_with = "line_number")]
+    pub no_line_number: bool,
+    /// Print the path with each line, even when one file is searched.
+    #[arg(short = 'H', long, overrides_with = "no_filename")]
+    pub with_filename: bool,
+    /// Never print the path with a line or count.
+    #[arg(short = 'I', long, overrides_with = "with_filename")]
+    pub no_filename: bool,
+    /// Print each file's path once, above its lines (the default on a terminal).
+    #[arg(long, overrides_with = "no_heading")]
+    pub heading: bool,
+    /// Print the path on every line.
+    #[arg(long, overrides_with = "heading")]
+    pub no_heading: bool,
+    /// Search hidden files and directories (a leading `.`); ignore files still apply.
+    #[arg(long)]
+    pub hidden: bool,
     /// Search files that .gitignore, .ignore and .rgignore leave out.
     #[arg(long)]
     pub no_ignore: bool,
+    /// -u: --no-ignore; -uu: and --hidden (binary files stay skipped).
+    #[arg(short = 'u', long = "unrestricted", action = clap::ArgAction::Count)]
+    pub unrestricted: u8,
+    /// Results are always sorted by path; `--sort path` is accepted.
+    #[arg(long, value_enum, value_name = "SORTBY")]
+    pub sort: Option<Sort>,
     /// Print at most N entries (matching lines, or files with -l/-c).
     #[arg(long, value_name = "N")]
     pub head_limit: Option<u64>,
@@ -67,15 +148,124 @@ pub struct GrepArgs {
     pub color: Color,
 }
 
-pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
-    let mode = if a.files_with_matches {
+impl GrepArgs {
+    /// The PATH words (every word after the pattern; every word with -e).
+    pub fn paths_mut(&mut self) -> &mut [String] {
+        let skip = usize::from(self.regexps.is_empty()).min(self.words.len());
+        &mut self.words[skip..]
+    }
+
+    pub fn paths(&self) -> &[String] {
+        let skip = usize::from(self.regexps.is_empty()).min(self.words.len());
+        &self.words[skip..]
+    }
+}
+
+/// What the flags ask, checked: the query (without its path) and how lines are printed.
+struct Plan {
+    query: Query,
+    paths: Vec<String>,
+    /// Print line numbers; each file's path above its lines; the path with each line.
+    numbers: bool,
+    heading: bool,
+    with_filename: Option<bool>,
+    /// Print nothing; stop at the first match.
+    quiet: bool,
+}
+
+fn plan(a: &GrepArgs, terminal: bool) -> Result<Plan, RsbError> {
+    let patterns: Vec<String> = if a.regexps.is_empty() {
+        match a.words.first() {
+            Some(p) => vec![p.clone()],
+            None => {
+                return Err(RsbError::invalid(
+                    "no pattern given",
+                    "rsb grep PATTERN [PATH ...], or -e PATTERN (repeatable)",
+                ));
+            }
+        }
+    } else {
+        a.regexps.clone()
+    };
+    let (pattern, literal) = search::one_pattern(&patterns, a.fixed_strings);
+    let ignore_case = a.ignore_case
+        || (a.smart_case && !patterns.iter().any(|p| p.chars().any(char::is_uppercase)));
+    let mut paths = a.paths().to_vec();
+    if paths.is_empty() {
+        paths.push(String::new());
+    }
+    let mode = if a.files_with_matches || a.quiet {
         "files_with_matches"
     } else if a.count {
         "count"
     } else {
         "content"
     };
+    let query = Query {
+        pattern,
+        remote_path: String::new(),
+        literal,
+        ignore_case,
+        globs: a
+            .globs
+            .iter()
+            .flat_map(|g| search::split_globs(g))
+            .collect(),
+        context: a.context.unwrap_or(0),
+        before: a.before_context,
+        after: a.after_context,
+        output_mode: mode.into(),
+        head_limit: 1,
+        offset: a.offset,
+        no_ignore: a.no_ignore || a.unrestricted >= 1,
+        word: a.word_regexp,
+        invert: a.invert_match,
+        hidden: a.hidden || a.unrestricted >= 2,
+        types: search::type_globs(&a.types)?,
+        types_not: search::type_globs(&a.types_not)?,
+    };
+    Ok(Plan {
+        query,
+        paths,
+        numbers: if a.line_number {
+            true
+        } else if a.no_line_number {
+            false
+        } else {
+            terminal
+        },
+        heading: if a.heading {
+            true
+        } else if a.no_heading {
+            false
+        } else {
+            terminal
+        },
+        quiet: a.quiet,
+        with_filename: if a.with_filename {
+            Some(true)
+        } else if a.no_filename {
+            Some(false)
+        } else {
+            None
+        },
+    })
+}
+
+pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
+    if a.type_list {
+        let mut out = String::new();
+        for (name, globs) in search::TYPES {
+            out.push_str(&format!("{name}: {}\n", globs.join(", ")));
+        }
+        written(std::io::stdout().lock().write_all(out.as_bytes()));
+        return exit::MATCH;
+    }
     let terminal = std::io::stdout().is_terminal();
+    let plan = match plan(&a, terminal) {
+        Ok(p) => p,
+        Err(e) => return error(ctx.json, &e),
+    };
     let colour = match a.color {
         Color::Always => true,
         Color::Never => false,
@@ -86,44 +276,102 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
     let look = Look {
         colour,
         escape: terminal,
+        numbers: plan.numbers,
     };
     let client = match ctx.client().await {
         Ok(c) => c,
         Err(e) => return error(ctx.json, &e),
     };
-    let q = Query {
-        pattern: a.pattern.clone(),
-        remote_path: a.path.clone(),
-        literal: a.fixed_strings,
-        ignore_case: a.ignore_case,
-        globs: a
-            .globs
-            .iter()
-            .flat_map(|g| search::split_globs(g))
-            .collect(),
-        context: a.context,
-        output_mode: mode.into(),
-        head_limit: 1,
-        offset: a.offset,
-        no_ignore: a.no_ignore,
+    let mut out = std::io::BufWriter::with_capacity(256 * 1024, std::io::stdout().lock());
+    let mut printer = Printer {
+        look,
+        heading: plan.heading && plan.query.output_mode == "content" && !ctx.json,
+        last_path: None,
+        shown: 0,
+        gap: false,
     };
-    let req = match search::streamed(&q, a.head_limit, colour || ctx.json) {
-        Ok(r) => r,
-        Err(e) => return error(ctx.json, &e),
-    };
+    let (mut matched, mut failed) = (false, false);
+    let mut left = if plan.quiet { Some(1) } else { a.head_limit };
+    for path in &plan.paths {
+        let q = Query {
+            remote_path: path.clone(),
+            ..plan.query.clone()
+        };
+        let several = plan.paths.len() > 1;
+        match one_path(
+            ctx,
+            &client,
+            &q,
+            left,
+            several,
+            &plan,
+            &mut printer,
+            &mut out,
+        )
+        .await
+        {
+            Ok(found) => {
+                matched |= found.total > 0;
+                failed |= !found.errors.is_empty();
+                if let Some(l) = &mut left {
+                    *l = l.saturating_sub(found.shown);
+                }
+            }
+            Err(e) => {
+                super::fail(ctx.json, &e);
+                failed = true;
+            }
+        }
+        if left == Some(0) || (plan.quiet && matched) {
+            break;
+        }
+    }
+    if failed {
+        exit::ERROR
+    } else if matched {
+        exit::MATCH
+    } else {
+        exit::NONE
+    }
+}
+
+/// What one PATH's search found.
+struct OnePath {
+    total: u64,
+    shown: u64,
+    errors: Vec<String>,
+}
+
+/// Search one PATH and print its result as it streams in.
+#[allow(clippy::too_many_arguments)]
+async fn one_path(
+    ctx: &Ctx,
+    client: &rsb::client::AgentClient,
+    q: &Query,
+    limit: Option<u64>,
+    several: bool,
+    plan: &Plan,
+    printer: &mut Printer,
+    out: &mut dyn Write,
+) -> Result<OnePath, RsbError> {
+    let req = search::streamed(q, limit, printer.look.colour || ctx.json)?;
     // One walk: the entries arrive in batches as the agent reads them and are printed as they
     // come, a batch per write.
     let (tx, mut rx) = tokio::sync::mpsc::channel::<Chunk>(4);
     let call = client.call_streaming(req.clone(), tx);
     tokio::pin!(call);
-    let mut out = std::io::BufWriter::with_capacity(256 * 1024, std::io::stdout().lock());
     let mut cursor = Cursor::default();
-    let mut shown = 0u64;
+    let context = req.before > 0 || req.after > 0;
+    let start = printer.shown;
     let mut print = |entries: &[SearchEntry], out: &mut dyn Write| {
-        shown += entries.len() as u64;
-        let lines = search::printed_after(&a.path, req.mode, entries, req.context > 0, &mut cursor);
+        printer.shown += entries.len() as u64;
+        if plan.quiet {
+            return;
+        }
+        let lines = search::printed_after(&q.remote_path, req.mode, entries, context, &mut cursor);
         // One file searched (its entries have no path of their own): rg prints no path.
-        let bare = entries.first().is_some_and(|e| e.path.is_empty());
+        let one_file = !several && entries.first().is_some_and(|e| e.path.is_empty());
+        let bare = !plan.with_filename.unwrap_or(!one_file);
         let mut buf = Vec::new();
         for p in &lines {
             if ctx.json {
@@ -132,7 +380,7 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
                     buf.push(b'\n');
                 }
             } else {
-                human(p, look, bare, &mut buf);
+                printer.human(p, bare, &mut buf);
             }
         }
         written(out.write_all(&buf).and_then(|()| out.flush()));
@@ -143,36 +391,41 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
                 // Batches sent before the reply are queued already.
                 while let Ok(c) = rx.try_recv() {
                     if let Chunk::Search(entries) = c {
-                        print(&entries, &mut out);
+                        print(&entries, out);
                     }
                 }
                 break r;
             }
             Some(c) = rx.recv() => {
                 if let Chunk::Search(entries) = c {
-                    print(&entries, &mut out);
+                    print(&entries, out);
                 }
             }
         }
     };
-    let found = match result {
-        Ok(r) => r,
-        Err(e) => return error(ctx.json, &e),
-    };
+    let found = result?;
+    let shown = printer.shown - start;
     for e in &found.errors {
         warn(e);
     }
     let more = found.total.saturating_sub(req.offset).saturating_sub(shown);
-    if ctx.json {
-        let summary = json!({"type": "summary", "total": found.total, "files_matched": found.files_matched,
-            "more": more, "complete": found.complete,
+    if plan.quiet {
+        // -q: the exit code is the whole answer.
+    } else if ctx.json {
+        let summary = json!({"type": "summary", "path": q.remote_path, "total": found.total,
+            "files_matched": found.files_matched, "more": more, "complete": found.complete,
             "skipped_binary": found.skipped_binary, "skipped_large": found.skipped_large,
             "skipped_slow_lines": found.skipped_slow_lines});
         written(writeln!(out, "{summary}").and_then(|()| out.flush()));
     } else {
+        let of = if several {
+            format!(" in {}", shown_or_home(&q.remote_path))
+        } else {
+            String::new()
+        };
         if more > 0 {
             warn(&format!(
-                "{more} more {}; --offset {} continues",
+                "{more} more {}{of}; --offset {} continues",
                 if req.mode == SearchMode::Content {
                     "matching lines"
                 } else {
@@ -182,26 +435,28 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
             ));
         }
         if !found.complete {
-            warn(
-                "the search stopped at its 30 s deadline: counts are lower bounds; narrow PATH or -g",
-            );
+            warn(&format!(
+                "the search{of} stopped at its 30 s deadline: counts are lower bounds; narrow PATH or -g"
+            ));
         }
         // rg skips binary files silently; with nothing found, say why a named one was.
         if found.total == 0 && found.skipped_binary > 0 {
             let n = found.skipped_binary;
             warn(&format!(
-                "{n} binary file{} (a NUL byte) not searched",
+                "{n} binary file{} (a NUL byte) not searched{of}",
                 if n == 1 { "" } else { "s" }
             ));
         }
     }
-    if !found.errors.is_empty() {
-        exit::ERROR
-    } else if found.total > 0 {
-        exit::MATCH
-    } else {
-        exit::NONE
-    }
+    Ok(OnePath {
+        total: found.total,
+        shown,
+        errors: found.errors,
+    })
+}
+
+fn shown_or_home(path: &str) -> &str {
+    if path.is_empty() { "~" } else { path }
 }
 
 /// A failed write to stdout is its reader gone (`rsb grep … | head -1`): exit as a writer
@@ -217,11 +472,53 @@ fn error(json: bool, e: &RsbError) -> u8 {
     exit::ERROR
 }
 
-/// How a line is printed: coloured, and escaped for a terminal.
+/// How a line is printed: coloured, escaped for a terminal, with its line number.
 #[derive(Clone, Copy)]
 struct Look {
     colour: bool,
     escape: bool,
+    numbers: bool,
+}
+
+/// Prints the result of every PATH: with a heading, a file's path once above its lines and a
+/// blank line between files, as rg on a terminal.
+struct Printer {
+    look: Look,
+    heading: bool,
+    /// The path whose heading was printed last.
+    last_path: Option<String>,
+    /// Entries printed so far.
+    shown: u64,
+    /// A `--` waits for the line after it.
+    gap: bool,
+}
+
+impl Printer {
+    fn human(&mut self, p: &Printed, bare: bool, buf: &mut Vec<u8>) {
+        if !self.heading {
+            return human(p, self.look, bare, buf);
+        }
+        match p {
+            // Held until the next line: between files the heading separates, not `--`.
+            Printed::Gap => self.gap = true,
+            Printed::Line { path, .. } => {
+                let gap = std::mem::take(&mut self.gap);
+                if self.last_path.as_deref() != Some(path.as_str()) {
+                    if self.last_path.is_some() {
+                        buf.push(b'\n');
+                    }
+                    if !bare {
+                        human(&Printed::Path(path.clone()), self.look, false, buf);
+                    }
+                    self.last_path = Some(path.clone());
+                } else if gap {
+                    human(&Printed::Gap, self.look, true, buf);
+                }
+                human(p, self.look, true, buf);
+            }
+            _ => human(p, self.look, bare, buf),
+        }
+    }
 }
 
 /// ripgrep's colours: path magenta, line number green, match bold red.
@@ -253,8 +550,10 @@ fn human(p: &Printed, look: Look, bare: bool, buf: &mut Vec<u8>) {
             if !bare {
                 buf.extend_from_slice(format!("{}{sep}", paint("35", &shown(path))).as_bytes());
             }
-            let number = paint("32", &line.number.to_string());
-            buf.extend_from_slice(format!("{number}{sep}").as_bytes());
+            if look.numbers {
+                let number = paint("32", &line.number.to_string());
+                buf.extend_from_slice(format!("{number}{sep}").as_bytes());
+            }
             match &line.raw {
                 Some(raw) if !look.escape && !colour => buf.extend_from_slice(raw),
                 _ => buf.extend_from_slice(painted_text(line, look).as_bytes()),

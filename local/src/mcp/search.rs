@@ -72,6 +72,7 @@ impl RsbServer {
             head_limit: p.head_limit,
             offset: p.offset.unwrap_or(0),
             no_ignore: p.no_ignore.unwrap_or(false),
+            ..Default::default()
         };
         let req = match search::request(&q) {
             Ok(r) => r,

@@ -33,11 +33,21 @@ pub struct Query {
     pub ignore_case: bool,
     pub globs: Vec<String>,
     pub context: i64,
+    /// Lines before and after each match, where they differ from `context` (`rg -B`, `-A`).
+    pub before: Option<i64>,
+    pub after: Option<i64>,
     /// `content`, `files_with_matches` or `count`.
     pub output_mode: String,
     pub head_limit: i64,
     pub offset: i64,
     pub no_ignore: bool,
+    /// `rg -w`, `-v`, `--hidden`.
+    pub word: bool,
+    pub invert: bool,
+    pub hidden: bool,
+    /// File-name globs of the file types searched (`rg -t`) and left out (`rg -T`).
+    pub types: Vec<String>,
+    pub types_not: Vec<String>,
 }
 
 /// The `glob` parameter as ripgrep `-g` globs: separated by whitespace, with `{a,b}`
@@ -93,6 +103,193 @@ fn expand_braces(glob: &str) -> Vec<String> {
     vec![glob.to_string()]
 }
 
+/// ripgrep's file types (`rg -t NAME`) that code and data trees hold, with rg 14's globs.
+pub const TYPES: &[(&str, &[&str])] = &[
+    ("asm", &["*.S", "*.asm", "*.s"]),
+    ("c", &["*.[chH]", "*.[chH].in", "*.cats"]),
+    ("cmake", &["*.cmake", "CMakeLists.txt"]),
+    ("config", &["*.cfg", "*.conf", "*.config", "*.ini"]),
+    (
+        "cpp",
+        &[
+            "*.[ChH]",
+            "*.[ChH].in",
+            "*.[ch]pp",
+            "*.[ch]pp.in",
+            "*.[ch]xx",
+            "*.[ch]xx.in",
+            "*.cc",
+            "*.cc.in",
+            "*.hh",
+            "*.hh.in",
+            "*.inl",
+        ],
+    ),
+    ("cs", &["*.cs"]),
+    ("css", &["*.css", "*.scss"]),
+    ("csv", &["*.csv"]),
+    ("cuda", &["*.cu", "*.cuh"]),
+    ("docker", &["*Dockerfile*"]),
+    ("go", &["*.go"]),
+    ("h", &["*.h", "*.hh", "*.hpp"]),
+    ("html", &["*.ejs", "*.htm", "*.html"]),
+    ("java", &["*.java", "*.jsp", "*.jspx", "*.properties"]),
+    ("js", &["*.cjs", "*.js", "*.jsx", "*.mjs", "*.vue"]),
+    ("json", &["*.json", "composer.lock", "*.sarif"]),
+    ("jsonl", &["*.jsonl"]),
+    ("julia", &["*.jl"]),
+    ("jupyter", &["*.ipynb", "*.jpynb"]),
+    ("kotlin", &["*.kt", "*.kts"]),
+    ("lock", &["*.lock", "package-lock.json"]),
+    ("lua", &["*.lua"]),
+    (
+        "make",
+        &[
+            "*.mak",
+            "*.mk",
+            "[Gg][Nn][Uu]makefile",
+            "[Gg][Nn][Uu]makefile.am",
+            "[Gg][Nn][Uu]makefile.in",
+            "[Mm]akefile",
+            "[Mm]akefile.am",
+            "[Mm]akefile.in",
+        ],
+    ),
+    (
+        "markdown",
+        &[
+            "*.markdown",
+            "*.md",
+            "*.mdown",
+            "*.mdwn",
+            "*.mkd",
+            "*.mkdn",
+            "*.mdx",
+        ],
+    ),
+    (
+        "md",
+        &[
+            "*.markdown",
+            "*.md",
+            "*.mdown",
+            "*.mdwn",
+            "*.mkd",
+            "*.mkdn",
+            "*.mdx",
+        ],
+    ),
+    ("nix", &["*.nix"]),
+    ("php", &["*.php", "*.php3", "*.php4", "*.php5", "*.phtml"]),
+    ("protobuf", &["*.proto"]),
+    ("py", &["*.py", "*.pyi"]),
+    ("python", &["*.py", "*.pyi"]),
+    ("r", &["*.R", "*.Rmd", "*.Rnw", "*.r"]),
+    (
+        "ruby",
+        &[
+            "*.gemspec",
+            "*.rb",
+            "*.rbw",
+            ".irbrc",
+            "Gemfile",
+            "Rakefile",
+            "config.ru",
+        ],
+    ),
+    ("rust", &["*.rs"]),
+    ("scala", &["*.sbt", "*.scala"]),
+    (
+        "sh",
+        &[
+            "*.bash", "*.bashrc", "*.csh", "*.ksh", "*.sh", "*.tcsh", "*.zsh", ".bashrc",
+            ".profile", ".zshrc",
+        ],
+    ),
+    ("sql", &["*.psql", "*.sql"]),
+    ("swift", &["*.swift"]),
+    (
+        "tex",
+        &[
+            "*.bib", "*.cls", "*.dtx", "*.ins", "*.ltx", "*.sty", "*.tex",
+        ],
+    ),
+    ("toml", &["*.toml", "Cargo.lock"]),
+    ("ts", &["*.cts", "*.mts", "*.ts", "*.tsx"]),
+    ("typescript", &["*.cts", "*.mts", "*.ts", "*.tsx"]),
+    ("txt", &["*.txt"]),
+    ("vim", &["*.vim", ".vimrc", "vimrc"]),
+    (
+        "xml",
+        &[
+            "*.dtd",
+            "*.rng",
+            "*.sch",
+            "*.xhtml",
+            "*.xjb",
+            "*.xml",
+            "*.xml.dist",
+            "*.xsd",
+            "*.xsl",
+            "*.xslt",
+        ],
+    ),
+    ("yaml", &["*.yaml", "*.yml"]),
+    ("zig", &["*.zig"]),
+];
+
+/// The globs of the file types named (`rg -t rust -t py`); an unknown name is an error that
+/// lists the known ones.
+pub fn type_globs(names: &[String]) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for n in names {
+        let Some((_, globs)) = TYPES.iter().find(|(t, _)| t == n) else {
+            let known: Vec<&str> = TYPES.iter().map(|(t, _)| *t).collect();
+            return Err(RsbError::invalid(
+                format!("unrecognized file type: {n}"),
+                format!(
+                    "known types: {}; or select files with -g GLOB",
+                    known.join(", ")
+                ),
+            ));
+        };
+        out.extend(globs.iter().map(|g| g.to_string()));
+    }
+    Ok(out)
+}
+
+/// Several patterns (`rg -e A -e B`) as one: a line matching any matches. Literal patterns
+/// are escaped; one pattern is passed as it is (a literal keeps its fast path).
+/// Returns the pattern and whether it is literal.
+pub fn one_pattern(patterns: &[String], literal: bool) -> (String, bool) {
+    if let [one] = patterns {
+        return (one.clone(), literal);
+    }
+    let alts: Vec<String> = patterns
+        .iter()
+        .map(|p| {
+            if literal {
+                regex_escape(p)
+            } else {
+                format!("(?:{p})")
+            }
+        })
+        .collect();
+    (alts.join("|"), false)
+}
+
+/// `text` as a regex that matches it literally.
+fn regex_escape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
 pub fn mode_of(name: &str) -> Result<SearchMode> {
     match name {
         "" | "content" => Ok(SearchMode::Content),
@@ -133,14 +330,18 @@ pub fn request(q: &Query) -> Result<SearchRequest> {
             "offset is the number of entries to skip",
         ));
     }
-    if !(0..=MAX_CONTEXT).contains(&q.context) {
-        return Err(RsbError::invalid(
-            format!(
-                "context must be between 0 and {MAX_CONTEXT} lines (got {})",
-                q.context
-            ),
-            "read more around a match with read_remote_file(offset, limit)",
-        ));
+    for (name, n) in [
+        ("context", Some(q.context)),
+        ("before", q.before),
+        ("after", q.after),
+    ] {
+        let Some(n) = n else { continue };
+        if !(0..=MAX_CONTEXT).contains(&n) {
+            return Err(RsbError::invalid(
+                format!("{name} must be between 0 and {MAX_CONTEXT} lines (got {n})"),
+                "read more around a match with read_remote_file(offset, limit)",
+            ));
+        }
     }
     Ok(SearchRequest {
         root: rsb_rules::path::anchor_home(&q.remote_path),
@@ -148,7 +349,13 @@ pub fn request(q: &Query) -> Result<SearchRequest> {
         literal: q.literal,
         ignore_case: q.ignore_case,
         globs: q.globs.clone(),
-        context: q.context as u32,
+        before: q.before.unwrap_or(q.context) as u32,
+        after: q.after.unwrap_or(q.context) as u32,
+        word: q.word,
+        invert: q.invert,
+        hidden: q.hidden,
+        types: q.types.clone(),
+        types_not: q.types_not.clone(),
         mode: mode_of(&q.output_mode)?,
         offset: q.offset as u64,
         limit: q.head_limit as u64,
@@ -360,7 +567,7 @@ fn plain(p: &Printed) -> String {
 }
 
 pub fn reply(q: &Query, req: &SearchRequest, r: SearchResult) -> Found {
-    let context = req.context > 0;
+    let context = req.before > 0 || req.after > 0;
     // Cut the page at an entry boundary once its text passes the cap (each entry measured
     // alone: merged context only makes the printed page shorter).
     let mut entries = r.entries;
