@@ -125,7 +125,7 @@ fn main() {
         let mut count_ms = Vec::new();
         for _ in 0..RUNS {
             count_ms.push(timed(rsb(&["grep", "-c", &pattern, "tree"])).0);
-            let (ms, o) = timed(rsb(&["grep", &pattern, "tree"]));
+            let (ms, o) = timed(rsb(&["grep", "-n", &pattern, "tree"]));
             rsb_ms.push(ms);
             out = o;
             let remote = format!(
