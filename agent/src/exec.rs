@@ -469,6 +469,12 @@ pub async fn run(
         )
     })?;
 
+    // Built before the fork, so a root that cannot be opened is reported by name and nothing
+    // runs; applied last in the child, after the session is set up.
+    let confined = match &req.confine {
+        None => None,
+        Some(c) => Some(crate::confine::prepare(c)?),
+    };
     let mut cmd = tokio::process::Command::new(&bash);
     cmd.arg("-c").arg(&req.command).kill_on_drop(true);
     let pty = match req.tty {
@@ -521,6 +527,14 @@ pub async fn run(
     for (k, v) in &req.env {
         cmd.env(k, v);
     }
+    let unconfined = match &confined {
+        Some(crate::confine::Decision::Confine(p)) => {
+            p.apply_in_child(cmd.as_std_mut());
+            None
+        }
+        Some(crate::confine::Decision::Unconfined(why)) => Some(why.clone()),
+        None => None,
+    };
 
     // The orphan reaper runs before the command does, so registering it below is quick.
     crate::reaper::ready();
@@ -586,6 +600,7 @@ pub async fn run(
         stdout: out,
         stderr: err,
         survivors,
+        unconfined,
     })
 }
 

@@ -2,6 +2,7 @@
 //! modules, and `rsb`'s tests drive [`serve`] in-process over an in-memory duplex stream
 //! instead of a child process, so client and sync-engine paths are tested fast and without sshd.
 
+pub mod confine;
 pub mod edit;
 pub mod exec;
 pub mod fs;

@@ -28,6 +28,22 @@ pub struct ExecRequest {
     /// stderr are the terminal, output arrives as stdout chunks, and input frames feed it
     /// whether or not `stdin` is set.
     pub tty: Option<TtySize>,
+    /// Confine the command (and all it starts) with Landlock before it runs; see [`Confine`].
+    pub confine: Option<Confine>,
+}
+
+/// The kernel as the boundary: what a confined command may change. Applied by the agent in the
+/// child between fork and exec (`no_new_privs`, then `landlock_restrict_self`), so the command
+/// and everything it starts inherit it, whatever they are written in.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Confine {
+    /// The only trees (or files) in which a command may create, change, rename or delete; a
+    /// leading `~` is the agent's `$HOME`. Everything else stays readable and executable.
+    /// Each must exist.
+    pub write: Vec<String>,
+    /// When the host cannot enforce this (no Landlock, or an older ABI than needed), refuse to
+    /// run; false: run unconfined and say so in [`ExecResult::unconfined`].
+    pub require: bool,
 }
 
 /// A terminal's size in character cells.
@@ -71,6 +87,7 @@ impl ExecRequest {
             stream: false,
             stdin: false,
             tty: None,
+            confine: None,
         }
     }
 }
@@ -113,4 +130,7 @@ pub struct ExecResult {
     /// Pids of the command's session still alive after the timeout's or cancel's SIGKILL and
     /// its verification wait (empty when everything is gone, as it should be).
     pub survivors: Vec<u32>,
+    /// The request asked for confinement with `require: false` and the host could not give
+    /// it: why (the command ran unconfined).
+    pub unconfined: Option<String>,
 }

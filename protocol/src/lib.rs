@@ -29,7 +29,7 @@ pub use edit::{
     WriteRequest,
 };
 pub use error::{AgentError, ErrorCode};
-pub use exec::{Captured, ExecInput, ExecRequest, ExecResult, INPUT_WINDOW, TtySize};
+pub use exec::{Captured, Confine, ExecInput, ExecRequest, ExecResult, INPUT_WINDOW, TtySize};
 pub use fs::{
     DirEntry, FileKind, FileStat, ListDirRequest, ListDirResult, ReadFileRequest, ReadFileResult,
     StatRequest,
@@ -60,8 +60,9 @@ pub use sync::{
 /// 17: `SearchRequest::{stream, ranges}`, `SearchLine::raw`, [`Chunk::Search`]; `JobEvents` and
 /// [`Chunk::JobEvent`]. 18: `JobEventsRequest::output_after`, `JobEventKind::Output`.
 /// 19: `SearchRequest::{before, after}` replace `context`; `word`, `invert`, `hidden`, `types`,
-/// `types_not` (rg's -A/-B, -w, -v, --hidden, -t/-T).
-pub const PROTOCOL_VERSION: u32 = 19;
+/// `types_not` (rg's -A/-B, -w, -v, --hidden, -t/-T). 20: `ExecRequest::confine` (Landlock),
+/// `ExecResult::unconfined`.
+pub const PROTOCOL_VERSION: u32 = 20;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops

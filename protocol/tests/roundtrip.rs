@@ -14,6 +14,10 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         stream: true,
         stdin: true,
         tty: Some(TtySize { rows: 24, cols: 80 }),
+        confine: Some(Confine {
+            write: vec!["~/work".into(), "/tmp".into()],
+            require: false,
+        }),
     };
     let requests = vec![
         Request::Ping(PingRequest {
@@ -272,6 +276,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             },
             stderr: Captured::default(),
             survivors: vec![4242],
+            unconfined: Some("no Landlock".into()),
         }),
         Reply::Stat(FileStat {
             path: "/x".into(),

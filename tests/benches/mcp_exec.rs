@@ -169,6 +169,7 @@ async fn agent_bench(sshd: &Sshd, state: &std::path::Path) -> Stats {
             slurm: None,
             sudo: None,
             policy: Default::default(),
+            confine: None,
         }],
         expose_advanced_tools: false,
         inline_sync_max_files: 200,

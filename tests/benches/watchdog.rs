@@ -50,6 +50,7 @@ fn sandbox(name: &str, sshd: &Sshd, known: &Path) -> SandboxConfig {
         slurm: None,
         sudo: None,
         policy: Default::default(),
+        confine: None,
     }
 }
 

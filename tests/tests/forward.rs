@@ -726,6 +726,7 @@ async fn the_local_sandbox_relays_tcp_and_unix_without_ssh() {
         slurm: None,
         sudo: None,
         policy: Default::default(),
+        confine: None,
     };
     let pool = pool_of(vec![local], dir.path());
     let echo_addr = tcp_echo().await;

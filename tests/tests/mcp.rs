@@ -3995,3 +3995,162 @@ async fn a_job_whose_log_is_gone_says_so() {
     assert_eq!(v["log_tail"], "[log file not found]", "{v}");
     mcp.close().await;
 }
+
+/// The Landlock ABI of this kernel (0: none).
+#[cfg(target_os = "linux")]
+fn landlock_abi() -> i64 {
+    // SAFETY: a null attribute with size 0 and the version flag only asks for the ABI.
+    unsafe { libc::syscall(444, std::ptr::null::<u8>(), 0usize, 1u32) }.max(0)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn landlock_abi() -> i64 {
+    0
+}
+
+/// Issue 48, first step: with `confine.write = [scratch]`, commands through `exec_bash` change
+/// nothing outside the scratch root however they are spelled or whatever they are written in,
+/// and work as usual inside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_bash_is_confined_by_the_kernel_to_its_write_roots() {
+    if landlock_abi() < 2 {
+        panic!(
+            "this kernel serves Landlock ABI {} (< 2): the confinement tests need Linux 5.19+ with landlock enabled",
+            landlock_abi()
+        );
+    }
+    let sshd = Sshd::start().unwrap();
+    let h = sshd.home().to_path_buf();
+    std::fs::create_dir_all(h.join("scratch")).unwrap();
+    std::fs::create_dir_all(h.join("outside/dir")).unwrap();
+    std::fs::write(h.join("outside/keep.txt"), "keep me\n").unwrap();
+    std::fs::write(h.join("outside/dir/a.txt"), "a\n").unwrap();
+    let snapshot = |root: &Path| -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let mut stack = vec![root.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap() {
+                let p = e.unwrap().path();
+                let meta = std::fs::symlink_metadata(&p).unwrap();
+                let what = if meta.is_dir() {
+                    stack.push(p.clone());
+                    "dir".to_string()
+                } else {
+                    blake3::hash(&std::fs::read(&p).unwrap_or_default())
+                        .to_hex()
+                        .to_string()
+                };
+                out.push((p.display().to_string(), what));
+            }
+        }
+        out.sort();
+        out
+    };
+    let before = snapshot(&h.join("outside"));
+    let mut entry = key_entry("box", &sshd);
+    entry["confine"] = json!({"write": ["~/scratch"]});
+    let mcp = Mcp::start(&list(&[entry])).await;
+    // Spellings a policy that reads bash misses, and programs that are not bash at all.
+    let attacks = [
+        "rm -rf ~/outside",
+        "echo x > ~/outside/keep.txt",
+        ": > ~/outside/keep.txt",
+        "truncate -s 0 ~/outside/keep.txt",
+        "$'\\x72\\x6d' -rf ~/outside",
+        "eval \"r\"\"m -rf ~/outside/dir\"",
+        "x=rm; $x -f ~/outside/keep.txt",
+        "find ~/outside -delete",
+        "mv ~/outside/keep.txt ~/scratch/stolen.txt",
+        "ln -s /etc/passwd ~/outside/link",
+        "cp /etc/hostname ~/outside/dir/",
+        "mkdir ~/outside/new",
+        "python3 -c \"import shutil, os; shutil.rmtree(os.path.expanduser('~/outside'))\"",
+        "perl -e 'unlink \"$ENV{HOME}/outside/keep.txt\" or die \"$!\\n\"'",
+        "cd ~/outside && sh -c 'rm dir/a.txt'",
+        "touch ~/new-in-home",
+    ];
+    for cmd in attacks {
+        let v = mcp.ok("exec_bash", json!({"command": cmd})).await;
+        assert_ne!(v["exit_code"], 0, "{cmd} succeeded: {v}");
+        assert!(
+            v["confinement"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("only under ~/scratch"),
+            "{cmd}: the reply should say the command is confined: {v}"
+        );
+    }
+    assert_eq!(
+        snapshot(&h.join("outside")),
+        before,
+        "a file outside the root changed"
+    );
+    assert!(!h.join("new-in-home").exists());
+    // Inside the root, work goes on as usual: a repository, renames, deletes, /dev/null.
+    let inside = "cd ~/scratch && git init -q repo && cd repo && echo hi > a && git add a \
+        && git -c user.email=t@t -c user.name=t commit -qm first && mkdir -p d/e && mv a d/e/ \
+        && rm -rf d && ls -a > /dev/null && echo done";
+    let v = mcp.ok("exec_bash", json!({"command": inside})).await;
+    assert_eq!(v["exit_code"], 0, "{v}");
+    assert_eq!(v["stdout"], "done\n");
+    assert!(v.get("confinement").is_none(), "{v}");
+    // sudo cannot gain root under no_new_privs: refused, never run unconfined.
+    let r = mcp
+        .err("exec_bash", json!({"command": "id", "sudo": true}))
+        .await;
+    assert!(r.text.contains("no_new_privs"), "{}", r.text);
+    mcp.close().await;
+
+    // A root that does not exist is named, and nothing runs.
+    let mut entry = key_entry("box", &sshd);
+    entry["confine"] = json!({"write": ["~/nope"]});
+    let mcp = Mcp::start(&list(&[entry])).await;
+    let r = mcp
+        .err("exec_bash", json!({"command": "touch ~/scratch/ran"}))
+        .await;
+    assert!(r.text.contains("~/nope cannot be opened"), "{}", r.text);
+    assert!(!h.join("scratch/ran").exists());
+    mcp.close().await;
+}
+
+/// A host that cannot confine fails closed; `require = false` runs unconfined and says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_without_landlock_refuses_confined_commands_unless_allowed() {
+    let sshd = Sshd::start_with(rsb_tests::SshdOptions {
+        set_env: vec![("RSB_TEST_LANDLOCK_ABI".into(), "0".into())],
+        ..Default::default()
+    })
+    .unwrap();
+    let h = sshd.home().to_path_buf();
+    std::fs::create_dir_all(h.join("scratch")).unwrap();
+    let mut strict = key_entry("strict", &sshd);
+    strict["confine"] = json!({"write": ["~/scratch"]});
+    let mut lax = key_entry("lax", &sshd);
+    lax["confine"] = json!({"write": ["~/scratch"], "require": false});
+    let mcp = Mcp::start(&list(&[strict, lax])).await;
+    let r = mcp
+        .err(
+            "exec_bash",
+            json!({"command": "touch ~/ran-strict", "sandbox_name": "strict"}),
+        )
+        .await;
+    assert!(r.text.contains("has no Landlock"), "{}", r.text);
+    assert!(r.text.contains("require = false"), "{}", r.text);
+    assert!(!h.join("ran-strict").exists(), "the command ran unconfined");
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "touch ~/ran-lax && echo ok", "sandbox_name": "lax"}),
+        )
+        .await;
+    assert_eq!(v["stdout"], "ok\n", "{v}");
+    assert!(
+        v["confinement"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("unconfined: "),
+        "{v}"
+    );
+    assert!(h.join("ran-lax").exists());
+    mcp.close().await;
+}

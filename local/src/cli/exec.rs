@@ -49,15 +49,16 @@ pub fn exit_code(r: &ExecResult) -> u8 {
 pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
     let timeout_ms = a.timeout.unwrap_or(0).saturating_mul(1000);
     let command = super::command_line(&a.command);
-    let req = match exec::build_request_ms(&command, a.cwd.as_deref(), timeout_ms, JSON_MAX_OUTPUT)
-    {
-        Ok(r) => r,
-        Err(e) => return fail(ctx.json, &e),
-    };
+    let mut req =
+        match exec::build_request_ms(&command, a.cwd.as_deref(), timeout_ms, JSON_MAX_OUTPUT) {
+            Ok(r) => r,
+            Err(e) => return fail(ctx.json, &e),
+        };
     let client = match ctx.client().await {
         Ok(c) => c,
         Err(e) => return fail(ctx.json, &e),
     };
+    req.confine = exec::confine_of(ctx.pool.sandbox_config(client.sandbox()));
     let tool = if a.sudo {
         "rsb exec --sudo"
     } else {
@@ -129,9 +130,12 @@ async fn run_on(
     }
     if ctx.json {
         // stdin is forwarded here too: `… | rsb --json exec -- wc -l` counts the input.
+        let confine = req.confine.clone();
         return match rsb::exec_stream::run_collected(client, req).await {
             Ok(Ok(r)) => {
-                print_json(&exec::reply(&r, a.timeout.unwrap_or(0) as i64));
+                let mut out = exec::reply(&r, a.timeout.unwrap_or(0) as i64);
+                out.confinement = exec::confinement_note(confine.as_ref(), &r);
+                print_json(&out);
                 exit_code(&r)
             }
             Ok(Err(e)) => fail(true, &e),
@@ -148,7 +152,7 @@ async fn run_on(
 /// terminal.
 pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u8 {
     // rsb's own string: the remote login shell, as a login shell (argv0 `-bash`).
-    let req = match exec::build_request_ms(
+    let mut req = match exec::build_request_ms(
         "exec -l \"${SHELL:-bash}\"",
         cwd.as_deref(),
         0,
@@ -175,6 +179,7 @@ pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u
         Ok(c) => c,
         Err(e) => return fail(false, &e),
     };
+    req.confine = exec::confine_of(ctx.pool.sandbox_config(client.sandbox()));
     // A person at a terminal types what they like (audited, not checked: the policy guards
     // an agent's commands). Piped, the shell runs a script nobody saw: under a policy that
     // counts as matching every rule, like `… | rsb exec sb bash`.
@@ -219,8 +224,12 @@ async fn stream(
     tty: bool,
     timeout_s: u64,
 ) -> u8 {
+    let confine = req.confine.clone();
     match rsb::exec_stream::run(client, req, tty).await {
         Ok(Ok(r)) => {
+            if let Some(note) = exec::confinement_note(confine.as_ref(), &r) {
+                eprintln!("rsb: {note}");
+            }
             if r.timed_out {
                 eprintln!(
                     "rsb: timed out after {timeout_s}s; the remote command's session was killed"

@@ -46,6 +46,7 @@ pub(super) struct Entry {
     pub(super) scheduler: Text,
     pub(super) slurm: Option<SlurmDefaults>,
     pub(super) policy: Option<PolicyRules>,
+    pub(super) confine: Option<super::ConfineRules>,
 }
 
 /// What a field's value must be: the whole of a type error's text, so no character of the
@@ -365,9 +366,14 @@ pub(super) fn build_sandbox(
         scheduler: Text(scheduler),
         slurm,
         policy,
+        confine,
         ..
     } = e;
     let policy = policy.unwrap_or_default();
+    let confine = confine.or_else(|| ctx.defaults.confine.clone());
+    if let Some(c) = &confine {
+        c.check(label)?;
+    }
     let slurm = slurm_defaults(scheduler.as_deref(), slurm)
         .map_err(|(m, h)| ConfigError::new(format!("{label}: {m}"), h))?;
     if local {
@@ -392,6 +398,7 @@ pub(super) fn build_sandbox(
             slurm,
             sudo,
             policy,
+            confine,
         });
     }
 
@@ -504,6 +511,7 @@ pub(super) fn build_sandbox(
         slurm,
         sudo,
         policy,
+        confine,
     })
 }
 
@@ -628,6 +636,7 @@ mod tests {
                 slurm: None,
                 sudo: None,
                 policy: Default::default(),
+                confine: None,
             }
         );
         assert_eq!(ssh(&c, 1).host_key_policy, HostKeyPolicy::Strict);

@@ -41,6 +41,7 @@
 //!   block (User, Port, IdentityFile, StrictHostKeyChecking, UserKnownHostsFile); `host` and hops
 //!   accept IPv6 literals (`[::1]`, `admin@[::1]:2222`).
 
+mod confine;
 mod entry;
 mod hops;
 mod policy;
@@ -56,6 +57,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+pub use confine::ConfineRules;
 pub use hops::{Hop, host_port};
 pub use policy::{
     ASK_ACTIONS_VAR as POLICY_ASK_ACTIONS_VAR, ASK_VAR as POLICY_ASK_VAR, Action as PolicyAction,
@@ -226,6 +228,8 @@ pub struct SandboxConfig {
     pub sudo: Option<SudoPassword>,
     /// The sandbox's own `policy` rules, on top of the global ones ([`Config::policy`]).
     pub policy: PolicyRules,
+    /// Landlock confinement of its commands: its own `confine`, else the file's `[confine]`.
+    pub confine: Option<ConfineRules>,
 }
 
 impl SandboxConfig {
@@ -407,6 +411,7 @@ impl Config {
             defaults: Defaults {
                 host_key_policy: policy,
                 connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+                confine: None,
             },
             warnings: &mut warnings,
             policy: PolicyRules::default(),
@@ -483,6 +488,7 @@ impl Config {
             defaults: Defaults {
                 host_key_policy: env_policy.unwrap_or_default(),
                 connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+                confine: None,
             },
             warnings: &mut warnings,
             policy: policy::from_env(env)?,
@@ -508,6 +514,8 @@ impl Config {
 struct Defaults {
     host_key_policy: HostKeyPolicy,
     connect_timeout: Duration,
+    /// The file's `[confine]`.
+    confine: Option<ConfineRules>,
 }
 
 /// Everything building a sandbox needs besides its entry, shared by all the sources so that

@@ -280,6 +280,7 @@ fn builtin_local() -> SandboxConfig {
         slurm: None,
         sudo: None,
         policy: Default::default(),
+        confine: None,
     }
 }
 
@@ -338,6 +339,8 @@ struct FileConfig {
     sandbox: Vec<Entry>,
     /// The global command rules (`[policy]`), under each sandbox's own.
     policy: Option<super::PolicyRules>,
+    /// Every sandbox's confinement (`[confine]`), unless it sets its own.
+    confine: Option<super::ConfineRules>,
     /// Read and checked by the watchdog's own settings (alert hooks the user allows in their
     /// own file); accepted here so the rest of the file parses.
     #[allow(dead_code)]
@@ -549,6 +552,10 @@ fn parse_toml_file(
     }
     if let Some(p) = file.policy {
         ctx.policy.extend(p);
+    }
+    if let Some(c) = file.confine {
+        c.check(&format!("config file {shown}: [confine]"))?;
+        ctx.defaults.confine = Some(c);
     }
     let open_to_others = readable_by_others(path);
     let mut out = Vec::with_capacity(file.sandbox.len());
@@ -1017,6 +1024,55 @@ den = [\"x\"]\n",
         assert_eq!(c.sandboxes[0].policy.deny, ["rm -rf /*"]);
         let e = err(&[(LIST_VAR, r#"[{"local": true, "policy": {"deny": "rm"}}]"#)]);
         assert!(e.message.contains("policy"), "{}", e.message);
+    }
+
+    #[test]
+    fn confine_comes_from_the_file_and_a_sandbox_replaces_it_whole() {
+        let home = TempDir::new();
+        let file = home.write(
+            "rsb/config.toml",
+            r#"
+[confine]
+write = ["~/work", "/tmp"]
+
+[[sandbox]]
+name = "a"
+local = true
+confine = { write = ["/scratch"], require = false }
+
+[[sandbox]]
+name = "b"
+local = true
+"#,
+        );
+        let c = load_with(&home, &[], Some(&file), None).unwrap();
+        let a = c.sandbox("a").unwrap().confine.clone().unwrap();
+        assert_eq!((a.write, a.require), (vec!["/scratch".to_string()], false));
+        let b = c.sandbox("b").unwrap().confine.clone().unwrap();
+        assert_eq!(
+            (b.write, b.require),
+            (vec!["~/work".into(), "/tmp".into()], true)
+        );
+        // A relative root has no fixed meaning on the host; an unknown key is a typo.
+        for (text, needle) in [
+            (
+                "[confine]\nwrite = [\"work\"]\n",
+                "not an absolute or ~ path",
+            ),
+            ("[confine]\nwrite = []\nrequire = 1\n", "require"),
+            ("[confine]\nwrites = [\"/x\"]\n", "writes"),
+        ] {
+            let bad = home.write("rsb/bad.toml", text);
+            let e = load_with(&home, &[], Some(&bad), None).unwrap_err();
+            assert!(e.message.contains(needle), "{text}: {}", e.message);
+        }
+        let c = env_only(&[(
+            LIST_VAR,
+            r#"[{"name": "s", "local": true, "confine": {"write": ["~"]}}]"#,
+        )])
+        .unwrap();
+        assert_eq!(c.sandboxes[0].confine.as_ref().unwrap().write, ["~"]);
+        assert!(c.sandboxes[0].confine.as_ref().unwrap().require);
     }
 
     #[test]

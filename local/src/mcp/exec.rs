@@ -96,6 +96,8 @@ impl RsbServer {
                 Ok(c) => c,
                 Err(e) => return fail(&e),
             };
+            req.confine = exec::confine_of(self.pool.sandbox_config(client.sandbox()));
+            let confine = req.confine.clone();
             let started = crate::audit::start(
                 self.pool.config(),
                 client.sandbox(),
@@ -124,7 +126,11 @@ impl RsbServer {
                 a.bytes = r.as_ref().ok().map(|r| r.stdout.total + r.stderr.total);
                 a.error = r.as_ref().err().map(|e| e.message.clone());
             });
-            reply(r.map(|r| exec::reply(&r, p.timeout_s)))
+            reply(r.map(|r| {
+                let mut out = exec::reply(&r, p.timeout_s);
+                out.confinement = exec::confinement_note(confine.as_ref(), &r);
+                out
+            }))
         };
         let line = last.clone();
         with_progress_msg(&ctx, move |secs| line.message("exec_bash", secs), work).await

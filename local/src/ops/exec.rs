@@ -91,6 +91,37 @@ pub fn build_request_ms(
     Ok(req)
 }
 
+/// The confinement `sandbox` asks for its commands (its `confine`, else the file's
+/// `[confine]`): for the requests that run what a user or model wrote, never rsb's own.
+pub fn confine_of(sandbox: Option<&SandboxConfig>) -> Option<rsb_protocol::Confine> {
+    sandbox
+        .and_then(|s| s.confine.as_ref())
+        .map(|c| c.request())
+}
+
+/// The lines a reply adds about confinement: that it was not applied (and why), or, when a
+/// confined command failed, which roots it may write, so a "Permission denied" reads as the
+/// boundary rather than something to retry.
+pub fn confinement_note(req: Option<&rsb_protocol::Confine>, res: &ExecResult) -> Option<String> {
+    let c = req?;
+    if let Some(why) = &res.unconfined {
+        return Some(format!(
+            "unconfined: {why}; the command ran without Landlock (confine.require = false)"
+        ));
+    }
+    let failed = res.exit_code != Some(0) && !res.timed_out && !res.cancelled;
+    failed.then(|| {
+        let roots = if c.write.is_empty() {
+            "none".to_string()
+        } else {
+            c.write.join(", ")
+        };
+        format!(
+            "confined: the command may change files only under {roots} (Landlock); a write elsewhere fails with Permission denied by design"
+        )
+    })
+}
+
 fn is_false(b: &bool) -> bool {
     !*b
 }
@@ -118,6 +149,9 @@ pub struct ExecReply {
     #[serde(skip_serializing_if = "is_false")]
     pub invalid_utf8: bool,
     pub duration_s: f64,
+    /// Set by the caller from [`confinement_note`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub confinement: Option<String>,
     /// Pids of the command's session that outlived the timeout's or cancel's SIGKILL.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub survivors: Vec<u32>,
@@ -170,6 +204,7 @@ pub fn reply(res: &ExecResult, timeout_s: i64) -> ExecReply {
         signal: res.signal,
         duration_s: (res.duration_ms as f64 / 1000.0 * 1000.0).round() / 1000.0,
         survivors: res.survivors.clone(),
+        confinement: None,
     }
 }
 
@@ -189,6 +224,15 @@ pub async fn run_sudo(
     sandbox: &SandboxConfig,
     mut req: ExecRequest,
 ) -> Result<ExecResult> {
+    if sandbox.confine.is_some() {
+        return Err(RsbError::invalid(
+            format!(
+                "sandbox '{}' confines its commands, and sudo cannot gain root under Landlock's no_new_privs",
+                sandbox.name
+            ),
+            "run the command without sudo, or remove confine from this sandbox's configuration",
+        ));
+    }
     let sudo = sandbox.sudo.as_ref().ok_or_else(|| {
         RsbError::invalid(
             format!("sandbox '{}' has no sudo password configured", sandbox.name),
@@ -272,6 +316,7 @@ mod sudo_tests {
                 total: stderr.len() as u64,
             },
             survivors: vec![],
+            unconfined: None,
         }
     }
 

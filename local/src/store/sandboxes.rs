@@ -28,6 +28,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 
 use crate::{
+    config::ConfineRules,
     config::{AgentSocket, Auth, Hop, HostKeyPolicy, SandboxConfig, Secret, SshTarget, Transport},
     error::Result,
     store::{db_err, now_ms},
@@ -67,6 +68,10 @@ pub struct Persisted {
     pub known_hosts: Vec<PathBuf>,
     #[serde(default)]
     pub connect_timeout_ms: u64,
+    /// The sandbox's Landlock confinement, so what the watchdog runs there (a resume) is
+    /// confined as the session's commands were.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confine: Option<ConfineRules>,
 }
 
 /// How a target or a hop authenticates, without the secret itself.
@@ -214,6 +219,7 @@ impl Persisted {
             host_key_policy: String::new(),
             known_hosts: Vec::new(),
             connect_timeout_ms: 0,
+            confine: s.confine.clone(),
         };
         let mut secret = StoredSecret::default();
         if let Transport::Ssh(t) = &s.transport {
@@ -253,6 +259,7 @@ impl Persisted {
                 slurm: None,
                 sudo: None,
                 policy: Default::default(),
+                confine: self.confine.clone(),
             });
         }
         let needs = |what: &str, whose: String| {
@@ -305,6 +312,7 @@ impl Persisted {
             slurm: None,
             sudo: None,
             policy: Default::default(),
+            confine: self.confine.clone(),
         })
     }
 
@@ -520,6 +528,10 @@ mod tests {
             slurm: None,
             sudo: None,
             policy: Default::default(),
+            confine: Some(ConfineRules {
+                write: vec!["~/work".into()],
+                require: true,
+            }),
         }
     }
 
@@ -538,6 +550,7 @@ mod tests {
             slurm: None,
             sudo: None,
             policy: Default::default(),
+            confine: None,
         };
         assert_eq!(
             Persisted::from_config(&local).0.to_config(None).unwrap(),

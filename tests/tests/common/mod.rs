@@ -48,6 +48,7 @@ pub fn sandbox(name: &str, t: SshTarget) -> SandboxConfig {
         slurm: None,
         sudo: None,
         policy: Default::default(),
+        confine: None,
     }
 }
 
