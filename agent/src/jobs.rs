@@ -400,6 +400,7 @@ impl Job {
             launch_id: text(&self.spec, "launch_id"),
             log_start: self.spec.get_u64("log_start").unwrap_or(0),
             previous: None,
+            unconfined: None,
         })
     }
 
@@ -611,6 +612,23 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
             ),
         ));
     }
+    // Confinement is decided here, so a host that cannot give it refuses before anything
+    // launches; the wrapper builds the same ruleset again from the spec's absolute roots.
+    let mut unconfined = None;
+    let mut confine_roots = None;
+    if let Some(c) = &req.confine {
+        match crate::confine::prepare(c)? {
+            crate::confine::Decision::Confine(_) => {
+                confine_roots = Some(
+                    c.write
+                        .iter()
+                        .map(|w| crate::util::expand_home(w))
+                        .collect::<Vec<_>>(),
+                );
+            }
+            crate::confine::Decision::Unconfined(why) => unconfined = Some(why),
+        }
+    }
     // Only now touch the filesystem for the new run: a refused duplicate leaves no trace.
     prepare_log(&log)?;
     let log_start = std::fs::metadata(&log).map_or(0, |m| m.len());
@@ -636,6 +654,12 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     spec.set("launch_id", launch_id);
     spec.set("created_ms", now_ms().to_string());
     spec.set("log_start", log_start.to_string());
+    if let Some(roots) = &confine_roots {
+        spec.set("confine", "1");
+        for r in roots {
+            spec.push("confine_write", r.as_os_str().as_bytes());
+        }
+    }
     let mut env: Vec<(OsString, OsString)> = ctx.env.clone();
     for (k, v) in &req.env {
         env.retain(|(ek, _)| ek.as_bytes() != k.as_bytes());
@@ -657,6 +681,7 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     let started = |id: &str| {
         finish_start(&dir, &req.name, id).map(|mut info| {
             info.previous = previous.clone();
+            info.unconfined = unconfined.clone();
             info
         })
     };

@@ -376,6 +376,7 @@ fn job_outlives_the_agent_that_started_it(with_tmux: bool) {
         env: vec![("MARK".into(), "m".into())],
         prefer_tmux: true,
         launch_id: None,
+        confine: None,
     });
     assert_eq!(info.state, JobState::Running);
     assert_eq!(info.runner, if with_tmux { "tmux" } else { "setsid" });
@@ -414,6 +415,7 @@ fn job_outlives_the_agent_that_started_it(with_tmux: bool) {
         env: Vec::new(),
         prefer_tmux: true,
         launch_id: None,
+        confine: None,
     });
     let deadline = Instant::now() + PATIENCE;
     let mut got = Vec::new();
@@ -467,6 +469,7 @@ fn serve_reports_job_errors_as_data() {
         env: Vec::new(),
         prefer_tmux: false,
         launch_id: None,
+        confine: None,
     };
     match serve.call(Request::JobStart(bad("a.b"))) {
         Reply::Error(e) => {

@@ -19,6 +19,9 @@ pub struct JobStartRequest {
     /// the reply (or died before reading it) repeats the request safely, and never decides by
     /// comparing its clock with the host's.
     pub launch_id: Option<String>,
+    /// Confine the job's command (and everything it starts) with Landlock, as an exec's
+    /// [`crate::Confine`]; the wrapper that supervises it and writes its log stays unconfined.
+    pub confine: Option<crate::Confine>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,6 +54,9 @@ pub struct JobInfo {
     /// In a start's reply only: the ended run of the same name that this start moved aside
     /// (its record kept in the job's history, its output in its log before this run's).
     pub previous: Option<Box<JobInfo>>,
+    /// In a start's reply only: the start asked for confinement with `require: false` and the
+    /// host could not give it: why (the job runs unconfined).
+    pub unconfined: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

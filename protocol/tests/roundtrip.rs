@@ -47,6 +47,10 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             env: vec![],
             prefer_tmux: true,
             launch_id: None,
+            confine: Some(Confine {
+                write: vec!["/scratch".into()],
+                require: true,
+            }),
         }),
         Request::JobStatus(JobStatusRequest {
             name: "j".into(),
@@ -255,10 +259,12 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         launch_id: "L".into(),
         log_start: 0,
         previous: None,
+        unconfined: None,
     };
     let again = JobInfo {
         log_start: 31,
         previous: Some(Box::new(job.clone())),
+        unconfined: Some("no Landlock".into()),
         ..job.clone()
     };
     let replies = vec![

@@ -673,6 +673,7 @@ async fn tmux_server_killed_while_a_job_runs() {
         env: vec![],
         prefer_tmux: true,
         launch_id: None,
+        confine: None,
     };
     let status = |name: &str| JobStatusRequest {
         name: name.into(),

@@ -19,6 +19,7 @@ fn start_req(name: &str, cmd: &str) -> JobStartRequest {
         env: vec![],
         prefer_tmux: true,
         launch_id: None,
+        confine: None,
     }
 }
 

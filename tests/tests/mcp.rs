@@ -4080,6 +4080,29 @@ async fn exec_bash_is_confined_by_the_kernel_to_its_write_roots() {
             "{cmd}: the reply should say the command is confined: {v}"
         );
     }
+    // A background job: its command and everything it starts are confined; its wrapper still
+    // writes the log (outside the root).
+    let job = "rm -rf ~/outside; python3 -c \"import os; os.remove(os.path.expanduser('~/outside/keep.txt'))\"; \
+        (sleep 0.2; rm -f ~/outside/dir/a.txt) & wait; echo inside > ~/scratch/job.txt; echo job-done";
+    mcp.ok(
+        "exec_bash_background",
+        json!({"command": job, "session_name": "confined-job", "watch": false}),
+    )
+    .await;
+    let v = mcp
+        .ok(
+            "check_background_task",
+            json!({"tmux_session": "confined-job", "wait_s": 30}),
+        )
+        .await;
+    assert_eq!(v["running"], false, "{v}");
+    let tail = v["log_tail"].as_str().unwrap_or_default();
+    assert!(tail.contains("job-done"), "{v}");
+    assert!(tail.contains("Permission denied"), "{v}");
+    assert_eq!(
+        std::fs::read_to_string(h.join("scratch/job.txt")).unwrap(),
+        "inside\n"
+    );
     assert_eq!(
         snapshot(&h.join("outside")),
         before,
@@ -4152,5 +4175,28 @@ async fn a_host_without_landlock_refuses_confined_commands_unless_allowed() {
         "{v}"
     );
     assert!(h.join("ran-lax").exists());
+    // Background jobs alike: refused before anything launches, or started and said so.
+    let r = mcp
+        .err(
+            "exec_bash_background",
+            json!({"command": "touch ~/job-strict", "session_name": "js", "sandbox_name": "strict", "watch": false}),
+        )
+        .await;
+    assert!(r.text.contains("has no Landlock"), "{}", r.text);
+    let v = mcp
+        .ok(
+            "exec_bash_background",
+            json!({"command": "true", "session_name": "jl", "sandbox_name": "lax", "watch": false}),
+        )
+        .await;
+    assert!(
+        v["confinement"]
+            .as_str()
+            .unwrap_or_default()
+            .starts_with("unconfined: "),
+        "{v}"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!h.join("job-strict").exists(), "the refused job ran");
     mcp.close().await;
 }

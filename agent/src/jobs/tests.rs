@@ -128,6 +128,7 @@ fn req(name: &str, command: &str, tmux: bool) -> JobStartRequest {
         env: Vec::new(),
         prefer_tmux: tmux,
         launch_id: None,
+        confine: None,
     }
 }
 
@@ -1032,6 +1033,7 @@ fn a_start_repeated_with_its_launch_id_runs_once() {
     let cmd = format!("echo run >> '{}'; sleep 1", count.display());
     let with_id = |id: &str| JobStartRequest {
         launch_id: Some(id.into()),
+        confine: None,
         ..req("idem", &cmd, false)
     };
     let first = start_in(&f.ctx, with_id("L1")).unwrap();

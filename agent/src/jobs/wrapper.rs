@@ -336,6 +336,31 @@ fn spawn_job(spec: &Record, cwd: &Path, out: OwnedFd) -> std::io::Result<Child> 
     // reported lost; SIGTERM ends it too. (It survives bash's exec of a single command, so it
     // usually reaches the real program.)
     proc::new_session(&mut cmd, Some(Signal::TERM));
+    // Confined as `start` decided (the roots are absolute in the spec): the job's command and
+    // all it starts; this wrapper, which writes the log and the record, stays outside.
+    let _ruleset = if spec.get("confine") == Some("1") {
+        let c = rsb_protocol::Confine {
+            write: spec
+                .get_all("confine_write")
+                .map(|r| String::from_utf8_lossy(r).into_owned())
+                .collect(),
+            require: true,
+        };
+        match crate::confine::prepare(&c) {
+            Ok(crate::confine::Decision::Confine(p)) => {
+                p.apply_in_child(&mut cmd);
+                Some(p)
+            }
+            Ok(crate::confine::Decision::Unconfined(why))
+            | Err(rsb_protocol::AgentError { message: why, .. }) => {
+                return Err(std::io::Error::other(format!(
+                    "not confined as asked: {why}"
+                )));
+            }
+        }
+    } else {
+        None
+    };
     proc::spawn(&mut cmd)
 }
 

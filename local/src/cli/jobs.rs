@@ -216,9 +216,12 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             let r = jobs::start(
                 &client,
                 &line,
-                name.as_deref().unwrap_or(""),
-                log.as_deref().unwrap_or(""),
-                cwd.as_deref().unwrap_or(""),
+                (
+                    name.as_deref().unwrap_or(""),
+                    log.as_deref().unwrap_or(""),
+                    cwd.as_deref().unwrap_or(""),
+                ),
+                rsb::ops::exec::confine_of(ctx.pool.sandbox_config(client.sandbox())),
             )
             .await;
             audit(

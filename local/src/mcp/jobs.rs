@@ -528,8 +528,13 @@ impl RsbServer {
                 "declare it with scheduler = \"slurm\" in the config, or drop the slurm parameter",
             ));
         }
-        let started =
-            jobs::start(&client, &p.command, &p.session_name, &p.log_file, &p.cwd).await?;
+        let started = jobs::start(
+            &client,
+            &p.command,
+            (&p.session_name, &p.log_file, &p.cwd),
+            crate::ops::exec::confine_of(self.pool.sandbox_config(client.sandbox())),
+        )
+        .await?;
         let v = serde_json::to_value(&started).unwrap_or_default();
         let (name, log, started_ms) = (started.tmux_session, started.log_file, started.started_ms);
         // The job's resolved cwd (where a relative checkpoint_path lives).

@@ -49,18 +49,23 @@ pub struct Started {
     /// Where the earlier run's output is, when there was one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub note: Option<String>,
+    /// The job runs unconfined although its sandbox asks for confinement (`require = false`
+    /// on a host without Landlock): why.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub confinement: Option<String>,
     /// When the run began (ms, the host's clock): with the name, what tells this run's end
     /// from another's. Not in the tool's reply.
     #[serde(skip)]
     pub started_ms: u64,
 }
 
+/// Start `command` as a background job, confined as `confine` says (the sandbox's
+/// [`crate::ops::exec::confine_of`]).
 pub async fn start(
     client: &AgentClient,
     command: &str,
-    session_name: &str,
-    log_file: &str,
-    cwd: &str,
+    (session_name, log_file, cwd): (&str, &str, &str),
+    confine: Option<rsb_protocol::Confine>,
 ) -> Result<Started> {
     if command.trim().is_empty() {
         return Err(RsbError::invalid(
@@ -87,6 +92,7 @@ pub async fn start(
             env: Vec::new(),
             prefer_tmux: true,
             launch_id: None,
+            confine,
         })
         .await?;
     let note = info.previous.as_deref().map(|p| previous_note(&info, p));
@@ -104,6 +110,9 @@ pub async fn start(
         pid: info.pid,
         previous_run,
         note,
+        confinement: info.unconfined.map(|why| {
+            format!("unconfined: {why}; the job runs without Landlock (confine.require = false)")
+        }),
         started_ms: info.started_ms,
     })
 }

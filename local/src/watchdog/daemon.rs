@@ -796,6 +796,12 @@ impl Daemon {
             self.commit(&w, after, &[e]);
             return;
         }
+        // Confined as the session's own commands on that sandbox were (its persisted config).
+        let confine = self
+            .hosts
+            .lock()
+            .get(sandboxes::key(&w.sandbox_fp, &w.sandbox_name))
+            .and_then(|h| h.cfg.confine.as_ref().map(|c| c.request()));
         let req = JobStartRequest {
             name: session,
             command: w.resume_command_to_run(),
@@ -805,6 +811,7 @@ impl Daemon {
             prefer_tmux: true,
             // An intent from an rsb before launch ids has none: it is launched afresh.
             launch_id: (!w.resume_launch_id.is_empty()).then(|| w.resume_launch_id.clone()),
+            confine,
         };
         let r = match tokio::time::timeout(RESUME_DEADLINE, client.call(req)).await {
             Ok(Ok(info)) => Ok(info.name),
