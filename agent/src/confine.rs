@@ -7,11 +7,14 @@
 //! `landlock_restrict_self`. The domain is inherited across exec and fork, so the command and
 //! everything it starts stay inside it; the agent itself is never confined.
 //!
-//! Raw system calls rather than the `landlock` crate: three calls and two structs, and the
+//! Raw system calls rather than the `landlock` crate: three calls and three structs, and the
 //! agent's 2 MiB budget has about 40 KB of room left. Only writes are handled (the access
 //! rights that create, change, rename or delete): reading and executing stay allowed
 //! everywhere. Renaming or linking across directories needs ABI 2 (`REFER`); truncation is
-//! covered from ABI 3. A test may lower the ABI the agent sees with `RSB_TEST_LANDLOCK_ABI`.
+//! covered from ABI 3; TCP connect and bind rules from ABI 4 (`net`); from ABI 6 the command is
+//! scoped: it cannot signal a process outside its domain (the agent, another command or job,
+//! another user's work) nor connect to an abstract unix socket made outside it. A test may
+//! lower the ABI the agent sees with `RSB_TEST_LANDLOCK_ABI`.
 
 use std::io;
 use std::os::fd::OwnedFd;
@@ -49,10 +52,16 @@ pub struct Prepared {
 
 /// What [`prepare`] decided.
 pub enum Decision {
-    Confine(Prepared),
+    /// Confined; with what the host could not enforce, when the request allowed that.
+    Confine(Prepared, Option<String>),
     /// The host cannot confine and the request allowed that: why.
     Unconfined(String),
 }
+
+/// Landlock ABI that TCP rules need.
+pub const NET_ABI: u32 = 4;
+/// Landlock ABI that signal and abstract-socket scoping need.
+const SCOPE_ABI: u32 = 6;
 
 /// Build the ruleset `c` asks for. Fails when a root cannot be opened, or when the host cannot
 /// confine and `c.require` is set.
@@ -73,6 +82,27 @@ pub fn prepare(c: &Confine) -> Result<Decision, AgentError> {
         }
         return Ok(Decision::Unconfined(why));
     }
+    let mut partial = None;
+    let net = match &c.net {
+        Some(ports) if abi < NET_ABI => {
+            let why = format!(
+                "the network: this kernel ({}) serves Landlock ABI {abi}, and TCP rules need ABI {NET_ABI} (Linux 6.7)",
+                sys::kernel()
+            );
+            if c.require {
+                return Err(AgentError::new(
+                    ErrorCode::Unsupported,
+                    format!(
+                        "confine: {why}; the command was not run (drop confine.net or set confine.require = false)"
+                    ),
+                ));
+            }
+            let _ = ports;
+            partial = Some(why);
+            None
+        }
+        other => other.as_deref(),
+    };
     let mut roots = Vec::with_capacity(c.write.len() + ALWAYS_WRITABLE.len());
     for w in &c.write {
         let path = expand_home(w);
@@ -95,13 +125,13 @@ pub fn prepare(c: &Confine) -> Result<Decision, AgentError> {
             roots.push(fd);
         }
     }
-    let ruleset = sys::ruleset(abi, &roots).map_err(|e| {
+    let ruleset = sys::ruleset(abi, &roots, net, abi >= SCOPE_ABI).map_err(|e| {
         AgentError::new(
             ErrorCode::Io,
             format!("confine: cannot build the Landlock ruleset: {e}"),
         )
     })?;
-    Ok(Decision::Confine(Prepared { ruleset }))
+    Ok(Decision::Confine(Prepared { ruleset }, partial))
 }
 
 impl Prepared {
@@ -173,9 +203,25 @@ mod sys {
         w
     }
 
+    const RULE_NET_PORT: u32 = 2;
+    const BIND_TCP: u64 = 1 << 0;
+    const CONNECT_TCP: u64 = 1 << 1;
+    const SCOPE_ABSTRACT_UNIX_SOCKET: u64 = 1 << 0;
+    const SCOPE_SIGNAL: u64 = 1 << 1;
+
     #[repr(C)]
     struct RulesetAttr {
         handled_access_fs: u64,
+        /// ABI 4.
+        handled_access_net: u64,
+        /// ABI 6.
+        scoped: u64,
+    }
+
+    #[repr(C)]
+    struct NetPortAttr {
+        allowed_access: u64,
+        port: u64,
     }
 
     #[repr(C, packed)]
@@ -217,20 +263,39 @@ mod sys {
 
     /// A ruleset handling every write right of `abi`, allowing them beneath each of `roots`
     /// (a file root gets the rights a file can have).
-    pub fn ruleset(abi: u32, roots: &[OwnedFd]) -> io::Result<OwnedFd> {
+    /// `net`: the TCP ports allowed (`None`: TCP not handled). `scope`: signals and abstract
+    /// unix sockets stay inside the domain.
+    pub fn ruleset(
+        abi: u32,
+        roots: &[OwnedFd],
+        net: Option<&[u16]>,
+        scope: bool,
+    ) -> io::Result<OwnedFd> {
         let handled = writes(abi);
         let attr = RulesetAttr {
             handled_access_fs: handled,
+            handled_access_net: if net.is_some() {
+                BIND_TCP | CONNECT_TCP
+            } else {
+                0
+            },
+            scoped: if scope {
+                SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL
+            } else {
+                0
+            },
         };
-        // SAFETY: `attr` is a valid ruleset attribute of the size passed.
-        let fd = unsafe {
-            libc::syscall(
-                SYS_CREATE_RULESET,
-                &attr as *const RulesetAttr,
-                std::mem::size_of::<RulesetAttr>(),
-                0u32,
-            )
+        // The size an older kernel knows when the newer fields are not used.
+        let size = if scope {
+            std::mem::size_of::<RulesetAttr>()
+        } else if net.is_some() {
+            16
+        } else {
+            8
         };
+        // SAFETY: `attr` is a valid ruleset attribute at least the size passed.
+        let fd =
+            unsafe { libc::syscall(SYS_CREATE_RULESET, &attr as *const RulesetAttr, size, 0u32) };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
@@ -256,6 +321,25 @@ mod sys {
                     ruleset.as_raw_fd(),
                     RULE_PATH_BENEATH,
                     &rule as *const PathBeneathAttr,
+                    0u32,
+                )
+            };
+            if r < 0 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        for &port in net.unwrap_or_default() {
+            let rule = NetPortAttr {
+                allowed_access: BIND_TCP | CONNECT_TCP,
+                port: u64::from(port),
+            };
+            // SAFETY: `rule` is a valid net-port attribute; the ruleset descriptor is open.
+            let r = unsafe {
+                libc::syscall(
+                    SYS_ADD_RULE,
+                    ruleset.as_raw_fd(),
+                    RULE_NET_PORT,
+                    &rule as *const NetPortAttr,
                     0u32,
                 )
             };
@@ -300,7 +384,12 @@ mod sys {
         Ok(std::fs::File::open(path)?.into())
     }
 
-    pub fn ruleset(_abi: u32, _roots: &[OwnedFd]) -> io::Result<OwnedFd> {
+    pub fn ruleset(
+        _abi: u32,
+        _roots: &[OwnedFd],
+        _net: Option<&[u16]>,
+        _scope: bool,
+    ) -> io::Result<OwnedFd> {
         Err(io::Error::new(
             io::ErrorKind::Unsupported,
             "Landlock is Linux's",

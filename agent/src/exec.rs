@@ -528,9 +528,9 @@ pub async fn run(
         cmd.env(k, v);
     }
     let unconfined = match &confined {
-        Some(crate::confine::Decision::Confine(p)) => {
+        Some(crate::confine::Decision::Confine(p, partial)) => {
             p.apply_in_child(cmd.as_std_mut());
-            None
+            partial.clone()
         }
         Some(crate::confine::Decision::Unconfined(why)) => Some(why.clone()),
         None => None,

@@ -618,7 +618,8 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     let mut confine_roots = None;
     if let Some(c) = &req.confine {
         match crate::confine::prepare(c)? {
-            crate::confine::Decision::Confine(_) => {
+            crate::confine::Decision::Confine(_, partial) => {
+                unconfined = partial;
                 confine_roots = Some(
                     c.write
                         .iter()
@@ -658,6 +659,15 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
         spec.set("confine", "1");
         for r in roots {
             spec.push("confine_write", r.as_os_str().as_bytes());
+        }
+        // Only what this host enforces (a net rule it cannot apply was allowed to go).
+        if let Some(ports) = req.confine.as_ref().and_then(|c| c.net.as_ref())
+            && crate::confine::abi() >= crate::confine::NET_ABI
+        {
+            spec.set("confine_net", "1");
+            for p in ports {
+                spec.push("confine_port", p.to_string());
+            }
         }
     }
     let mut env: Vec<(OsString, OsString)> = ctx.env.clone();

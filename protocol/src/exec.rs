@@ -41,8 +41,12 @@ pub struct Confine {
     /// leading `~` is the agent's `$HOME`. Everything else stays readable and executable.
     /// Each must exist.
     pub write: Vec<String>,
+    /// TCP the command may use: `None` any; `Some([])` none; else connect and bind only on
+    /// these ports (Landlock ABI 4, Linux 6.7). UDP and other protocols are not covered.
+    pub net: Option<Vec<u16>>,
     /// When the host cannot enforce this (no Landlock, or an older ABI than needed), refuse to
-    /// run; false: run unconfined and say so in [`ExecResult::unconfined`].
+    /// run; false: run with what the host can enforce and say what is not in
+    /// [`ExecResult::unconfined`].
     pub require: bool,
 }
 

@@ -61,8 +61,8 @@ pub use sync::{
 /// [`Chunk::JobEvent`]. 18: `JobEventsRequest::output_after`, `JobEventKind::Output`.
 /// 19: `SearchRequest::{before, after}` replace `context`; `word`, `invert`, `hidden`, `types`,
 /// `types_not` (rg's -A/-B, -w, -v, --hidden, -t/-T). 20: `ExecRequest::confine` (Landlock),
-/// `ExecResult::unconfined`, `JobStartRequest::confine`, `JobInfo::unconfined`.
-pub const PROTOCOL_VERSION: u32 = 20;
+/// `ExecResult::unconfined`, `JobStartRequest::confine`, `JobInfo::unconfined`. 21: `Confine::net`.
+pub const PROTOCOL_VERSION: u32 = 21;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops

@@ -16,6 +16,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         tty: Some(TtySize { rows: 24, cols: 80 }),
         confine: Some(Confine {
             write: vec!["~/work".into(), "/tmp".into()],
+            net: Some(vec![443, 22]),
             require: false,
         }),
     };
@@ -49,6 +50,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             launch_id: None,
             confine: Some(Confine {
                 write: vec!["/scratch".into()],
+                net: Some(vec![]),
                 require: true,
             }),
         }),

@@ -4199,4 +4199,142 @@ async fn a_host_without_landlock_refuses_confined_commands_unless_allowed() {
     std::thread::sleep(Duration::from_millis(500));
     assert!(!h.join("job-strict").exists(), "the refused job ran");
     mcp.close().await;
+
+    // A kernel with file rules but no TCP rules (ABI 3): a net rule fails closed, or, allowed,
+    // the files stay confined and the reply names what is not.
+    if landlock_abi() < 3 {
+        return;
+    }
+    let sshd = Sshd::start_with(rsb_tests::SshdOptions {
+        set_env: vec![("RSB_TEST_LANDLOCK_ABI".into(), "3".into())],
+        ..Default::default()
+    })
+    .unwrap();
+    let h = sshd.home().to_path_buf();
+    std::fs::create_dir_all(h.join("scratch")).unwrap();
+    let mut strict = key_entry("strict", &sshd);
+    strict["confine"] = json!({"write": ["~/scratch"], "net": "none"});
+    let mut lax = key_entry("lax", &sshd);
+    lax["confine"] = json!({"write": ["~/scratch"], "net": "none", "require": false});
+    let mcp = Mcp::start(&list(&[strict, lax])).await;
+    let r = mcp
+        .err(
+            "exec_bash",
+            json!({"command": "touch ~/scratch/ran", "sandbox_name": "strict"}),
+        )
+        .await;
+    assert!(r.text.contains("TCP rules need ABI 4"), "{}", r.text);
+    assert!(!h.join("scratch/ran").exists());
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "touch ~/scratch/ran && touch ~/outside", "sandbox_name": "lax"}),
+        )
+        .await;
+    assert_ne!(v["exit_code"], 0, "{v}");
+    assert!(h.join("scratch/ran").exists() && !h.join("outside").exists());
+    assert!(
+        v["confinement"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("unconfined: the network"),
+        "{v}"
+    );
+    mcp.close().await;
+}
+
+/// Issue 48: `net` keeps a confined command to its TCP ports (ABI 4), and scoping (ABI 6)
+/// keeps it from signalling the agent or another job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn confined_commands_keep_to_their_ports_and_cannot_signal_outside() {
+    if landlock_abi() < 6 {
+        panic!(
+            "this kernel serves Landlock ABI {} (< 6): net and scoping need Linux 6.12+",
+            landlock_abi()
+        );
+    }
+    let sshd = Sshd::start().unwrap();
+    std::fs::create_dir_all(sshd.home().join("scratch")).unwrap();
+    let open = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (p1, p2) = (
+        open.local_addr().unwrap().port(),
+        other.local_addr().unwrap().port(),
+    );
+    let sandbox = |name: &str, net: Value| {
+        let mut e = key_entry(name, &sshd);
+        e["confine"] = json!({"write": ["~/scratch"], "net": net});
+        e
+    };
+    let mcp = Mcp::start(&list(&[
+        sandbox("nonet", json!("none")),
+        sandbox("oneport", json!([p1.to_string()])),
+        key_entry("free", &sshd),
+    ]))
+    .await;
+    let connect = |port: u16| format!("exec 3<>/dev/tcp/127.0.0.1/{port} && echo connected");
+    for (sb, port, ok) in [
+        ("nonet", p1, false),
+        ("oneport", p1, true),
+        ("oneport", p2, false),
+        ("free", p2, true),
+    ] {
+        let v = mcp
+            .ok(
+                "exec_bash",
+                json!({"command": connect(port), "sandbox_name": sb}),
+            )
+            .await;
+        assert_eq!(v["exit_code"] == 0, ok, "{sb} to port {port}: {v}");
+    }
+    // The agent (the command's parent) and another confined job are outside its domain.
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "kill -0 $PPID", "sandbox_name": "oneport"}),
+        )
+        .await;
+    assert_ne!(v["exit_code"], 0, "{v}");
+    assert!(
+        v["stderr"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("not permitted"),
+        "{v}"
+    );
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "kill -0 $PPID", "sandbox_name": "free"}),
+        )
+        .await;
+    assert_eq!(v["exit_code"], 0, "{v}");
+    let job = mcp
+        .ok(
+            "exec_bash_background",
+            json!({"command": "sleep 60", "session_name": "victim", "sandbox_name": "oneport", "watch": false}),
+        )
+        .await;
+    let pid = job["pid"].as_u64().unwrap();
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": format!("kill {pid}"), "sandbox_name": "oneport"}),
+        )
+        .await;
+    assert_ne!(v["exit_code"], 0, "{v}");
+    let v = mcp
+        .ok(
+            "check_background_task",
+            json!({"tmux_session": "victim", "sandbox_name": "oneport"}),
+        )
+        .await;
+    assert_eq!(v["running"], true, "{v}");
+    mcp.ok(
+        "kill_background_task",
+        json!({"tmux_session": "victim", "sandbox_name": "oneport"}),
+    )
+    .await;
+    drop((open, other));
+    mcp.close().await;
 }

@@ -344,10 +344,15 @@ fn spawn_job(spec: &Record, cwd: &Path, out: OwnedFd) -> std::io::Result<Child> 
                 .get_all("confine_write")
                 .map(|r| String::from_utf8_lossy(r).into_owned())
                 .collect(),
+            net: (spec.get("confine_net") == Some("1")).then(|| {
+                spec.get_all("confine_port")
+                    .filter_map(|p| std::str::from_utf8(p).ok()?.parse().ok())
+                    .collect()
+            }),
             require: true,
         };
         match crate::confine::prepare(&c) {
-            Ok(crate::confine::Decision::Confine(p)) => {
+            Ok(crate::confine::Decision::Confine(p, _)) => {
                 p.apply_in_child(&mut cmd);
                 Some(p)
             }

@@ -14,8 +14,67 @@ use super::ConfigError;
 #[serde(deny_unknown_fields)]
 pub struct ConfineRules {
     pub write: Vec<String>,
+    /// `"any"` (the default), `"none"`, or the TCP ports a command may connect to and bind
+    /// (`["443", "22"]`, numbers or strings).
+    #[serde(default, skip_serializing_if = "Net::is_any")]
+    pub net: Net,
     #[serde(default = "required")]
     pub require: bool,
+}
+
+/// What network a confined command may use.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum Net {
+    /// `"any"` or `"none"`.
+    #[default]
+    #[serde(skip)]
+    Any,
+    Word(String),
+    Ports(Vec<Port>),
+}
+
+/// A port, written as a number or a string.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(untagged)]
+pub enum Port {
+    Number(u64),
+    Text(String),
+}
+
+impl Net {
+    fn is_any(&self) -> bool {
+        matches!(self, Net::Any) || matches!(self, Net::Word(w) if w == "any")
+    }
+
+    /// As the agent takes it: `None` any, `Some([])` none, else the ports.
+    fn ports(&self, label: &str) -> Result<Option<Vec<u16>>, ConfigError> {
+        let bad = |what: String| {
+            ConfigError::new(
+                format!("{label}: confine.net {what}"),
+                "Write net = \"any\", \"none\", or a list of TCP ports such as [\"443\", \"22\"].",
+            )
+        };
+        match self {
+            Net::Any => Ok(None),
+            Net::Word(w) if w == "any" => Ok(None),
+            Net::Word(w) if w == "none" => Ok(Some(Vec::new())),
+            Net::Word(w) => Err(bad(format!("is {w:?}, not \"any\" or \"none\""))),
+            Net::Ports(ports) => ports
+                .iter()
+                .map(|p| {
+                    let n = match p {
+                        Port::Number(n) => Some(*n),
+                        Port::Text(t) => t.trim().parse().ok(),
+                    };
+                    n.filter(|n| (1..=65535).contains(n))
+                        .map(|n| n as u16)
+                        .ok_or_else(|| bad(format!("has {p:?}, not a port between 1 and 65535")))
+                })
+                .collect::<Result<Vec<_>, _>>()
+                .map(Some),
+        }
+    }
 }
 
 fn required() -> bool {
@@ -25,6 +84,7 @@ fn required() -> bool {
 impl ConfineRules {
     /// Every root is a usable path: `~`, `~/…` or absolute, with no NUL or newline.
     pub(super) fn check(&self, label: &str) -> Result<(), ConfigError> {
+        self.net.ports(label)?;
         for w in &self.write {
             let ok = (w == "~" || w.starts_with("~/") || w.starts_with('/'))
                 && !w.contains(['\0', '\n']);
@@ -42,6 +102,8 @@ impl ConfineRules {
     pub fn request(&self) -> rsb_protocol::Confine {
         rsb_protocol::Confine {
             write: self.write.clone(),
+            // Checked when the configuration loaded.
+            net: self.net.ports("").unwrap_or(Some(Vec::new())),
             require: self.require,
         }
     }

@@ -1047,6 +1047,7 @@ local = true
         );
         let c = load_with(&home, &[], Some(&file), None).unwrap();
         let a = c.sandbox("a").unwrap().confine.clone().unwrap();
+        assert_eq!(a.request().net, None);
         assert_eq!((a.write, a.require), (vec!["/scratch".to_string()], false));
         let b = c.sandbox("b").unwrap().confine.clone().unwrap();
         assert_eq!(
@@ -1055,6 +1056,12 @@ local = true
         );
         // A relative root has no fixed meaning on the host; an unknown key is a typo.
         for (text, needle) in [
+            (
+                "[confine]\nwrite = []\nnet = \"nonе\"\n",
+                "not \"any\" or \"none\"",
+            ),
+            ("[confine]\nwrite = []\nnet = [\"http\"]\n", "not a port"),
+            ("[confine]\nwrite = []\nnet = [0]\n", "not a port"),
             (
                 "[confine]\nwrite = [\"work\"]\n",
                 "not an absolute or ~ path",
@@ -1073,6 +1080,18 @@ local = true
         .unwrap();
         assert_eq!(c.sandboxes[0].confine.as_ref().unwrap().write, ["~"]);
         assert!(c.sandboxes[0].confine.as_ref().unwrap().require);
+        for (net, want) in [
+            (r#""none""#, Some(vec![])),
+            (r#""any""#, None),
+            (r#"["443", 22]"#, Some(vec![443, 22])),
+        ] {
+            let list = format!(
+                r#"[{{"name": "s", "local": true, "confine": {{"write": [], "net": {net}}}}}]"#
+            );
+            let c = env_only(&[(LIST_VAR, list.as_str())]).unwrap();
+            let rules = c.sandboxes[0].confine.clone().unwrap();
+            assert_eq!(rules.request().net, want, "{net}");
+        }
     }
 
     #[test]

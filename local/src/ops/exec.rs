@@ -106,7 +106,7 @@ pub fn confinement_note(req: Option<&rsb_protocol::Confine>, res: &ExecResult) -
     let c = req?;
     if let Some(why) = &res.unconfined {
         return Some(format!(
-            "unconfined: {why}; the command ran without Landlock (confine.require = false)"
+            "unconfined: {why}; the command ran without that confinement (confine.require = false)"
         ));
     }
     let failed = res.exit_code != Some(0) && !res.timed_out && !res.cancelled;

@@ -111,7 +111,9 @@ pub async fn start(
         previous_run,
         note,
         confinement: info.unconfined.map(|why| {
-            format!("unconfined: {why}; the job runs without Landlock (confine.require = false)")
+            format!(
+                "unconfined: {why}; the job runs without that confinement (confine.require = false)"
+            )
         }),
         started_ms: info.started_ms,
     })

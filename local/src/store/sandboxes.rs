@@ -530,6 +530,7 @@ mod tests {
             policy: Default::default(),
             confine: Some(ConfineRules {
                 write: vec!["~/work".into()],
+                net: crate::config::Net::Word("none".into()),
                 require: true,
             }),
         }
