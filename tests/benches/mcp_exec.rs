@@ -193,6 +193,38 @@ async fn agent_bench(sshd: &Sshd, state: &std::path::Path) -> Stats {
         samples.push(ms(t.elapsed()));
         assert_eq!(r.stdout.head, b"hi\n");
     }
+    // Issue 48: `exec('true')` with and without Landlock confinement, interleaved on the same
+    // connection so both see the same machine (target: within 1 ms at p50).
+    let plain = || rsb::ops::exec::build_request("true", None, 120, 20_000).unwrap();
+    let confined = || {
+        let mut r = plain();
+        r.confine = Some(rsb_protocol::Confine {
+            write: vec!["/tmp".into(), "~".into()],
+            net: Some(vec![443]),
+            require: true,
+        });
+        r
+    };
+    for _ in 0..WARMUP {
+        client.call(confined()).await.unwrap();
+    }
+    let (mut off, mut on) = (Vec::new(), Vec::new());
+    for _ in 0..AGENT_N {
+        let t = Instant::now();
+        assert_eq!(client.call(plain()).await.unwrap().exit_code, Some(0));
+        off.push(ms(t.elapsed()));
+        let t = Instant::now();
+        assert_eq!(client.call(confined()).await.unwrap().exit_code, Some(0));
+        on.push(ms(t.elapsed()));
+    }
+    let (off, on) = (stats(off), stats(on));
+    show("agent exec('true'), unconfined", AGENT_N, &off);
+    show("agent exec('true'), confined", AGENT_N, &on);
+    let extra = on.p50 - off.p50;
+    println!(
+        "confinement cost (p50): {extra:.3} ms; target <= 1 ms: {}",
+        if extra <= 1.0 { "MET" } else { "MISSED" }
+    );
     pool.shutdown().await;
     stats(samples)
 }
