@@ -57,6 +57,7 @@ pub fn capabilities() -> Capabilities {
         tmux: proc::find_on_path("tmux").is_some(),
         nvidia_smi: proc::find_on_path("nvidia-smi").is_some(),
         nvml: nvml_available(),
+        landlock_abi: crate::confine::abi(),
     }
 }
 

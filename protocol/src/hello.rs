@@ -33,4 +33,7 @@ pub struct Capabilities {
     pub tmux: bool,
     pub nvidia_smi: bool,
     pub nvml: bool,
+    /// The Landlock ABI the host's kernel serves (0: none): what `confine` can enforce
+    /// (1: files, 2: renames across directories, 3: truncation, 4: TCP ports, 6: scoping).
+    pub landlock_abi: u32,
 }

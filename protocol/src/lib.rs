@@ -62,7 +62,8 @@ pub use sync::{
 /// 19: `SearchRequest::{before, after}` replace `context`; `word`, `invert`, `hidden`, `types`,
 /// `types_not` (rg's -A/-B, -w, -v, --hidden, -t/-T). 20: `ExecRequest::confine` (Landlock),
 /// `ExecResult::unconfined`, `JobStartRequest::confine`, `JobInfo::unconfined`. 21: `Confine::net`.
-pub const PROTOCOL_VERSION: u32 = 21;
+/// 22: `Capabilities::landlock_abi`.
+pub const PROTOCOL_VERSION: u32 = 22;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops

@@ -487,6 +487,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             tmux: false,
             nvidia_smi: true,
             nvml: false,
+            landlock_abi: 7,
         },
     })];
     from_agent.extend(

@@ -725,6 +725,7 @@ fn cli_table() {
             .out("ok    gpu1: host key: verified")
             .out("ok    gpu1: auth")
             .out("ok    gpu1: agent")
+            .out("ok    gpu1: confine: Landlock ABI ")
             .out("gpu1: clock")
             .no_out("FAIL"),
         rsb(&["doctor", "-s", "dead"])

@@ -156,6 +156,13 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
             "absent; jobs run under setsid (still supervised)".into(),
         )
     });
+    out.push(confine_check(
+        name,
+        h.capabilities.landlock_abi,
+        ctx.pool
+            .sandbox_config(name)
+            .and_then(|c| c.confine.as_ref()),
+    ));
     out.push(clock(name, &client).await);
     let slurm = ctx
         .pool
@@ -163,6 +170,53 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
         .is_some_and(|c| c.slurm.is_some());
     out.extend(host_tools(name, &client, slurm).await);
     out
+}
+
+/// What the host's Landlock can enforce, and whether the sandbox's `confine` asks for more: a
+/// confined sandbox on a host that cannot confine it fails (its commands are refused), or
+/// warns when `require = false` lets them run unconfined.
+fn confine_check(name: &str, abi: u32, rules: Option<&rsb::config::ConfineRules>) -> Check {
+    let can = match abi {
+        0 => "no Landlock".to_string(),
+        1 => "Landlock ABI 1 (files; no renames across directories)".to_string(),
+        2 | 3 => format!("Landlock ABI {abi} (files)"),
+        4 | 5 => format!("Landlock ABI {abi} (files, TCP ports)"),
+        _ => format!("Landlock ABI {abi} (files, TCP ports, scoping)"),
+    };
+    let Some(rules) = rules else {
+        return line(name, "confine", "ok", format!("{can}; not configured"));
+    };
+    let wants_net = rules.request().net.is_some();
+    let missing = if abi == 0 {
+        Some("any confinement")
+    } else if wants_net && abi < 4 {
+        Some("confine.net (TCP rules need ABI 4, Linux 6.7)")
+    } else {
+        None
+    };
+    let roots = rules.write.join(", ");
+    match missing {
+        None => line(
+            name,
+            "confine",
+            "ok",
+            format!("{can}; writes only under {roots}"),
+        ),
+        Some(m) if rules.require => line(
+            name,
+            "confine",
+            "FAIL",
+            format!(
+                "{can}: cannot enforce {m}, so its commands are refused; set confine.require = false to run them unconfined, or use a newer kernel"
+            ),
+        ),
+        Some(m) => line(
+            name,
+            "confine",
+            "warn",
+            format!("{can}: cannot enforce {m}; commands run without it (confine.require = false)"),
+        ),
+    }
 }
 
 /// The `slurm` and `host` verdicts from a probe's values. A host where sbatch and sinfo
@@ -552,6 +606,40 @@ pub async fn run(ctx: &Ctx) -> u8 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn confine_says_what_the_host_enforces_and_fails_what_it_cannot() {
+        use rsb::config::{ConfineRules, Net};
+        let rules = |net: Net, require: bool| ConfineRules {
+            write: vec!["~/work".into()],
+            net,
+            require,
+        };
+        let cases = [
+            (0, None, "ok", "no Landlock; not configured"),
+            (7, None, "ok", "scoping); not configured"),
+            (
+                7,
+                Some(rules(Net::Word("none".into()), true)),
+                "ok",
+                "writes only under ~/work",
+            ),
+            (0, Some(rules(Net::Any, true)), "FAIL", "are refused"),
+            (0, Some(rules(Net::Any, false)), "warn", "run without it"),
+            (
+                3,
+                Some(rules(Net::Word("none".into()), true)),
+                "FAIL",
+                "TCP rules need ABI 4",
+            ),
+            (3, Some(rules(Net::Any, true)), "ok", "ABI 3 (files)"),
+        ];
+        for (abi, r, verdict, needle) in cases {
+            let c = confine_check("box", abi, r.as_ref());
+            assert_eq!(c.verdict, verdict, "ABI {abi}: {}", c.detail);
+            assert!(c.detail.contains(needle), "ABI {abi}: {}", c.detail);
+        }
+    }
 
     #[test]
     fn a_host_s_text_is_escaped_on_the_terminal() {
