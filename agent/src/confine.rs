@@ -48,6 +48,8 @@ pub fn abi() -> u32 {
 pub struct Prepared {
     #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
     ruleset: OwnedFd,
+    /// The TCP ports enforced (`None`: TCP not confined, asked or not).
+    pub net: Option<Vec<u16>>,
 }
 
 /// What [`prepare`] decided.
@@ -59,7 +61,7 @@ pub enum Decision {
 }
 
 /// Landlock ABI that TCP rules need.
-pub const NET_ABI: u32 = 4;
+const NET_ABI: u32 = 4;
 /// Landlock ABI that signal and abstract-socket scoping need.
 const SCOPE_ABI: u32 = 6;
 
@@ -67,42 +69,42 @@ const SCOPE_ABI: u32 = 6;
 /// confine and `c.require` is set.
 pub fn prepare(c: &Confine) -> Result<Decision, AgentError> {
     let abi = abi();
+    // What the host lacks: refused, or (allowed by `require: false`) noted.
+    let refused = |why: &str, fix: &str| {
+        AgentError::new(
+            ErrorCode::Unsupported,
+            format!("confine: {why}; the command was not run ({fix})"),
+        )
+    };
     if abi == 0 {
         let why = format!(
             "this kernel ({}) has no Landlock (it needs Linux 5.13 or later with landlock in the lsm= list)",
             sys::kernel()
         );
         if c.require {
-            return Err(AgentError::new(
-                ErrorCode::Unsupported,
-                format!(
-                    "confine: {why}; the command was not run (set confine.require = false to run unconfined)"
-                ),
+            return Err(refused(
+                &why,
+                "set confine.require = false to run unconfined",
             ));
         }
         return Ok(Decision::Unconfined(why));
     }
     let mut partial = None;
-    let net = match &c.net {
-        Some(ports) if abi < NET_ABI => {
-            let why = format!(
-                "the network: this kernel ({}) serves Landlock ABI {abi}, and TCP rules need ABI {NET_ABI} (Linux 6.7)",
-                sys::kernel()
-            );
-            if c.require {
-                return Err(AgentError::new(
-                    ErrorCode::Unsupported,
-                    format!(
-                        "confine: {why}; the command was not run (drop confine.net or set confine.require = false)"
-                    ),
-                ));
-            }
-            let _ = ports;
-            partial = Some(why);
-            None
+    let mut net = c.net.clone();
+    if net.is_some() && abi < NET_ABI {
+        let why = format!(
+            "the network: this kernel ({}) serves Landlock ABI {abi}, and TCP rules need ABI {NET_ABI} (Linux 6.7)",
+            sys::kernel()
+        );
+        if c.require {
+            return Err(refused(
+                &why,
+                "drop confine.net or set confine.require = false",
+            ));
         }
-        other => other.as_deref(),
-    };
+        partial = Some(why);
+        net = None;
+    }
     let mut roots = Vec::with_capacity(c.write.len() + ALWAYS_WRITABLE.len());
     for w in &c.write {
         let path = expand_home(w);
@@ -125,13 +127,13 @@ pub fn prepare(c: &Confine) -> Result<Decision, AgentError> {
             roots.push(fd);
         }
     }
-    let ruleset = sys::ruleset(abi, &roots, net, abi >= SCOPE_ABI).map_err(|e| {
+    let ruleset = sys::ruleset(abi, &roots, net.as_deref(), abi >= SCOPE_ABI).map_err(|e| {
         AgentError::new(
             ErrorCode::Io,
             format!("confine: cannot build the Landlock ruleset: {e}"),
         )
     })?;
-    Ok(Decision::Confine(Prepared { ruleset }, partial))
+    Ok(Decision::Confine(Prepared { ruleset, net }, partial))
 }
 
 impl Prepared {

@@ -618,14 +618,10 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     let mut confine_roots = None;
     if let Some(c) = &req.confine {
         match crate::confine::prepare(c)? {
-            crate::confine::Decision::Confine(_, partial) => {
+            crate::confine::Decision::Confine(p, partial) => {
                 unconfined = partial;
-                confine_roots = Some(
-                    c.write
-                        .iter()
-                        .map(|w| crate::util::expand_home(w))
-                        .collect::<Vec<_>>(),
-                );
+                let roots = c.write.iter().map(|w| crate::util::expand_home(w));
+                confine_roots = Some((roots.collect::<Vec<_>>(), p.net));
             }
             crate::confine::Decision::Unconfined(why) => unconfined = Some(why),
         }
@@ -655,15 +651,13 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     spec.set("launch_id", launch_id);
     spec.set("created_ms", now_ms().to_string());
     spec.set("log_start", log_start.to_string());
-    if let Some(roots) = &confine_roots {
+    // What this host enforces (a net rule it cannot apply, allowed to go, is not written).
+    if let Some((roots, net)) = &confine_roots {
         spec.set("confine", "1");
         for r in roots {
             spec.push("confine_write", r.as_os_str().as_bytes());
         }
-        // Only what this host enforces (a net rule it cannot apply was allowed to go).
-        if let Some(ports) = req.confine.as_ref().and_then(|c| c.net.as_ref())
-            && crate::confine::abi() >= crate::confine::NET_ABI
-        {
+        if let Some(ports) = net {
             spec.set("confine_net", "1");
             for p in ports {
                 spec.push("confine_port", p.to_string());

@@ -4008,17 +4008,21 @@ fn landlock_abi() -> i64 {
     0
 }
 
+/// These tests enforce for real: a kernel without the ABI they need fails them, loudly.
+fn need_landlock(abi: i64, what: &str) {
+    let have = landlock_abi();
+    assert!(
+        have >= abi,
+        "this kernel serves Landlock ABI {have} (< {abi}): the confinement tests need {what}"
+    );
+}
+
 /// Issue 48, first step: with `confine.write = [scratch]`, commands through `exec_bash` change
 /// nothing outside the scratch root however they are spelled or whatever they are written in,
 /// and work as usual inside it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_bash_is_confined_by_the_kernel_to_its_write_roots() {
-    if landlock_abi() < 2 {
-        panic!(
-            "this kernel serves Landlock ABI {} (< 2): the confinement tests need Linux 5.19+ with landlock enabled",
-            landlock_abi()
-        );
-    }
+    need_landlock(2, "Linux 5.19+ with landlock enabled");
     let sshd = Sshd::start().unwrap();
     let h = sshd.home().to_path_buf();
     std::fs::create_dir_all(h.join("scratch")).unwrap();
@@ -4247,12 +4251,7 @@ async fn a_host_without_landlock_refuses_confined_commands_unless_allowed() {
 /// keeps it from signalling the agent or another job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn confined_commands_keep_to_their_ports_and_cannot_signal_outside() {
-    if landlock_abi() < 6 {
-        panic!(
-            "this kernel serves Landlock ABI {} (< 6): net and scoping need Linux 6.12+",
-            landlock_abi()
-        );
-    }
+    need_landlock(6, "Linux 6.12+ for net and scoping");
     let sshd = Sshd::start().unwrap();
     std::fs::create_dir_all(sshd.home().join("scratch")).unwrap();
     let open = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -133,9 +133,11 @@ async fn run_on(
         let confine = req.confine.clone();
         return match rsb::exec_stream::run_collected(client, req).await {
             Ok(Ok(r)) => {
-                let mut out = exec::reply(&r, a.timeout.unwrap_or(0) as i64);
-                out.confinement = exec::confinement_note(confine.as_ref(), &r);
-                print_json(&out);
+                print_json(&exec::confined_reply(
+                    &r,
+                    a.timeout.unwrap_or(0) as i64,
+                    confine.as_ref(),
+                ));
                 exit_code(&r)
             }
             Ok(Err(e)) => fail(true, &e),

@@ -149,15 +149,18 @@ pub struct GrepArgs {
 }
 
 impl GrepArgs {
-    /// The PATH words (every word after the pattern; every word with -e).
+    /// Where the PATH words start: after the pattern, or at the first word with -e.
+    fn first_path(&self) -> usize {
+        usize::from(self.regexps.is_empty()).min(self.words.len())
+    }
+
     pub fn paths_mut(&mut self) -> &mut [String] {
-        let skip = usize::from(self.regexps.is_empty()).min(self.words.len());
+        let skip = self.first_path();
         &mut self.words[skip..]
     }
 
     pub fn paths(&self) -> &[String] {
-        let skip = usize::from(self.regexps.is_empty()).min(self.words.len());
-        &self.words[skip..]
+        &self.words[self.first_path()..]
     }
 }
 
@@ -227,28 +230,11 @@ fn plan(a: &GrepArgs, terminal: bool) -> Result<Plan, RsbError> {
     Ok(Plan {
         query,
         paths,
-        numbers: if a.line_number {
-            true
-        } else if a.no_line_number {
-            false
-        } else {
-            terminal
-        },
-        heading: if a.heading {
-            true
-        } else if a.no_heading {
-            false
-        } else {
-            terminal
-        },
+        // Each pair overrides the other, so at most one is set; neither: a terminal's default.
+        numbers: !a.no_line_number && (a.line_number || terminal),
+        heading: !a.no_heading && (a.heading || terminal),
         quiet: a.quiet,
-        with_filename: if a.with_filename {
-            Some(true)
-        } else if a.no_filename {
-            Some(false)
-        } else {
-            None
-        },
+        with_filename: (a.with_filename || a.no_filename).then_some(a.with_filename),
     })
 }
 

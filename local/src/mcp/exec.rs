@@ -126,11 +126,7 @@ impl RsbServer {
                 a.bytes = r.as_ref().ok().map(|r| r.stdout.total + r.stderr.total);
                 a.error = r.as_ref().err().map(|e| e.message.clone());
             });
-            reply(r.map(|r| {
-                let mut out = exec::reply(&r, p.timeout_s);
-                out.confinement = exec::confinement_note(confine.as_ref(), &r);
-                out
-            }))
+            reply(r.map(|r| exec::confined_reply(&r, p.timeout_s, confine.as_ref())))
         };
         let line = last.clone();
         with_progress_msg(&ctx, move |secs| line.message("exec_bash", secs), work).await

@@ -105,9 +105,7 @@ pub fn confine_of(sandbox: Option<&SandboxConfig>) -> Option<rsb_protocol::Confi
 pub fn confinement_note(req: Option<&rsb_protocol::Confine>, res: &ExecResult) -> Option<String> {
     let c = req?;
     if let Some(why) = &res.unconfined {
-        return Some(format!(
-            "unconfined: {why}; the command ran without that confinement (confine.require = false)"
-        ));
+        return Some(unconfined_note(why, "the command ran"));
     }
     let failed = res.exit_code != Some(0) && !res.timed_out && !res.cancelled;
     failed.then(|| {
@@ -120,6 +118,23 @@ pub fn confinement_note(req: Option<&rsb_protocol::Confine>, res: &ExecResult) -
             "confined: the command may change files only under {roots} (Landlock); a write elsewhere fails with Permission denied by design"
         )
     })
+}
+
+/// [`reply`] for a request sent with `confine`: with its [`confinement_note`].
+pub fn confined_reply(
+    res: &ExecResult,
+    timeout_s: i64,
+    confine: Option<&rsb_protocol::Confine>,
+) -> ExecReply {
+    let mut out = reply(res, timeout_s);
+    out.confinement = confinement_note(confine, res);
+    out
+}
+
+/// The line a reply carries when what `confine` asks was not (all) applied: why, and that
+/// `require = false` allowed it. `ran`: "the command ran", "the job runs".
+pub fn unconfined_note(why: &str, ran: &str) -> String {
+    format!("unconfined: {why}; {ran} without that confinement (confine.require = false)")
 }
 
 fn is_false(b: &bool) -> bool {

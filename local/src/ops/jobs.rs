@@ -110,11 +110,9 @@ pub async fn start(
         pid: info.pid,
         previous_run,
         note,
-        confinement: info.unconfined.map(|why| {
-            format!(
-                "unconfined: {why}; the job runs without that confinement (confine.require = false)"
-            )
-        }),
+        confinement: info
+            .unconfined
+            .map(|why| crate::ops::exec::unconfined_note(&why, "the job runs")),
         started_ms: info.started_ms,
     })
 }

@@ -103,6 +103,19 @@ fn expand_braces(glob: &str) -> Vec<String> {
     vec![glob.to_string()]
 }
 
+/// The globs of types rg knows by two names.
+const MARKDOWN: &[&str] = &[
+    "*.markdown",
+    "*.md",
+    "*.mdown",
+    "*.mdwn",
+    "*.mkd",
+    "*.mkdn",
+    "*.mdx",
+];
+const PYTHON: &[&str] = &["*.py", "*.pyi"];
+const TYPESCRIPT: &[&str] = &["*.cts", "*.mts", "*.ts", "*.tsx"];
+
 /// ripgrep's file types (`rg -t NAME`) that code and data trees hold, with rg 14's globs.
 pub const TYPES: &[(&str, &[&str])] = &[
     ("asm", &["*.S", "*.asm", "*.s"]),
@@ -155,35 +168,13 @@ pub const TYPES: &[(&str, &[&str])] = &[
             "[Mm]akefile.in",
         ],
     ),
-    (
-        "markdown",
-        &[
-            "*.markdown",
-            "*.md",
-            "*.mdown",
-            "*.mdwn",
-            "*.mkd",
-            "*.mkdn",
-            "*.mdx",
-        ],
-    ),
-    (
-        "md",
-        &[
-            "*.markdown",
-            "*.md",
-            "*.mdown",
-            "*.mdwn",
-            "*.mkd",
-            "*.mkdn",
-            "*.mdx",
-        ],
-    ),
+    ("markdown", MARKDOWN),
+    ("md", MARKDOWN),
     ("nix", &["*.nix"]),
     ("php", &["*.php", "*.php3", "*.php4", "*.php5", "*.phtml"]),
     ("protobuf", &["*.proto"]),
-    ("py", &["*.py", "*.pyi"]),
-    ("python", &["*.py", "*.pyi"]),
+    ("py", PYTHON),
+    ("python", PYTHON),
     ("r", &["*.R", "*.Rmd", "*.Rnw", "*.r"]),
     (
         "ruby",
@@ -215,8 +206,8 @@ pub const TYPES: &[(&str, &[&str])] = &[
         ],
     ),
     ("toml", &["*.toml", "Cargo.lock"]),
-    ("ts", &["*.cts", "*.mts", "*.ts", "*.tsx"]),
-    ("typescript", &["*.cts", "*.mts", "*.ts", "*.tsx"]),
+    ("ts", TYPESCRIPT),
+    ("typescript", TYPESCRIPT),
     ("txt", &["*.txt"]),
     ("vim", &["*.vim", ".vimrc", "vimrc"]),
     (
