@@ -18,6 +18,7 @@
 
 use std::io;
 use std::os::fd::OwnedFd;
+use std::path::Path;
 
 use rsb_protocol::{AgentError, Confine, ErrorCode};
 
@@ -108,18 +109,7 @@ pub fn prepare(c: &Confine) -> Result<Decision, AgentError> {
     let mut roots = Vec::with_capacity(c.write.len() + ALWAYS_WRITABLE.len());
     for w in &c.write {
         let path = expand_home(w);
-        let fd = sys::open_path(&path).map_err(|e| {
-            AgentError::new(
-                if e.kind() == io::ErrorKind::NotFound {
-                    ErrorCode::NotFound
-                } else {
-                    ErrorCode::Io
-                },
-                format!(
-                    "confine: the writable root {w} cannot be opened: {e}; create it or change confine.write"
-                ),
-            )
-        })?;
+        let fd = sys::open_path(&path).map_err(|e| root_error(w, &e))?;
         roots.push(fd);
     }
     for d in ALWAYS_WRITABLE {
@@ -154,6 +144,221 @@ impl Prepared {
         #[cfg(not(target_os = "linux"))]
         let _ = cmd;
     }
+}
+
+/// rsb's own changes to files (write, edit, patch, a sync's apply) under a sandbox's write
+/// roots: they are commands the model asks for too, so they keep to the same trees.
+///
+/// Two layers. The boundary is a descriptor check: the directory a change is made in, held
+/// open, is walked up by `..` to a root's (device, inode), so neither a symlink on the path nor
+/// one swapped in later redirects the change (every step after the check goes through that
+/// descriptor). Beneath it, where Landlock is available, [`own_writes`] runs the change in a
+/// thread of its own that the kernel confines to the roots (a thread's domain is its own and
+/// ends with it), which also covers directories a change creates on its way.
+pub struct Writable(Option<Roots>);
+
+struct Roots {
+    /// (device, inode) of each root, held open (the Landlock rules are built from them).
+    ids: Vec<(u64, u64)>,
+    fds: Vec<OwnedFd>,
+    /// The roots as configured, for messages.
+    shown: String,
+}
+
+/// Most `..` steps a check takes (deeper than any real tree).
+const MAX_DEPTH: usize = 4096;
+
+impl Writable {
+    /// No confinement: every check passes.
+    pub fn any() -> Writable {
+        Writable(None)
+    }
+
+    /// `c`'s write roots, opened (each must exist).
+    pub fn open(c: &Confine) -> Result<Writable, AgentError> {
+        let mut ids = Vec::with_capacity(c.write.len());
+        let mut fds = Vec::with_capacity(c.write.len());
+        for w in &c.write {
+            let fd = sys::open_path(&expand_home(w)).map_err(|e| root_error(w, &e))?;
+            let st = rustix::fs::fstat(&fd).map_err(|e| root_error(w, &e.into()))?;
+            ids.push(dev_ino(&st));
+            fds.push(fd);
+        }
+        let shown = if c.write.is_empty() {
+            "none".to_string()
+        } else {
+            c.write.join(", ")
+        };
+        Ok(Writable(Some(Roots { ids, fds, shown })))
+    }
+
+    fn refused(&self, what: &str, shown: &str) -> AgentError {
+        let roots = self.0.as_ref().map_or("", |r| r.shown.as_str());
+        AgentError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "confine: {what} {shown} is outside this sandbox's writable roots ({roots}); rsb's own writes keep to them, as commands do"
+            ),
+        )
+    }
+
+    /// Before `path` is resolved (and missing directories made): its deepest existing
+    /// ancestor, symlinks followed, is beneath a root, and nothing after it climbs out.
+    pub fn check_path(&self, path: &Path, what: &str) -> Result<(), AgentError> {
+        let Some(roots) = &self.0 else {
+            return Ok(());
+        };
+        let shown = crate::util::path_string(path);
+        for anc in path.ancestors().filter(|a| !a.as_os_str().is_empty()) {
+            let Ok(fd) = open_dir(anc) else {
+                continue;
+            };
+            let rest = path.strip_prefix(anc).unwrap_or(path);
+            let climbs = rest
+                .components()
+                .any(|c| matches!(c, std::path::Component::ParentDir));
+            if !climbs && roots.beneath(&fd) {
+                return Ok(());
+            }
+            return Err(self.refused(what, &shown));
+        }
+        Err(self.refused(what, &shown))
+    }
+
+    /// After resolving: `dir`, the held directory a change is made in, is beneath a root.
+    pub fn check_dir(
+        &self,
+        dir: &impl std::os::fd::AsFd,
+        shown: &str,
+        what: &str,
+    ) -> Result<(), AgentError> {
+        match &self.0 {
+            Some(roots) if !roots.beneath(dir) => Err(self.refused(what, shown)),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn root_error(w: &str, e: &io::Error) -> AgentError {
+    AgentError::new(
+        if e.kind() == io::ErrorKind::NotFound {
+            ErrorCode::NotFound
+        } else {
+            ErrorCode::Io
+        },
+        format!(
+            "confine: the writable root {w} cannot be opened: {e}; create it or change confine.write"
+        ),
+    )
+}
+
+// `st_dev`/`st_ino` are not u64 on every target.
+#[allow(clippy::unnecessary_cast)]
+fn dev_ino(st: &rustix::fs::Stat) -> (u64, u64) {
+    (st.st_dev as u64, st.st_ino as u64)
+}
+
+/// A directory, for walking up from and for `fstat` only.
+fn open_dir(path: &Path) -> rustix::io::Result<OwnedFd> {
+    rustix::fs::open(path, dir_flags(), rustix::fs::Mode::empty())
+}
+
+fn dir_flags() -> rustix::fs::OFlags {
+    use rustix::fs::OFlags;
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    let how = OFlags::PATH;
+    #[cfg(not(any(target_os = "linux", target_os = "android")))]
+    let how = OFlags::RDONLY;
+    how | OFlags::DIRECTORY | OFlags::CLOEXEC
+}
+
+impl Roots {
+    /// `dir` is a root or beneath one: walked up by `..` (what the kernel resolves, mounts
+    /// included) until a root's identity or the top.
+    fn beneath(&self, dir: &impl std::os::fd::AsFd) -> bool {
+        let Ok(mut cur) = rustix::fs::openat(dir, ".", dir_flags(), rustix::fs::Mode::empty())
+        else {
+            return false;
+        };
+        for _ in 0..MAX_DEPTH {
+            let Ok(st) = rustix::fs::fstat(&cur) else {
+                return false;
+            };
+            let id = dev_ino(&st);
+            if self.ids.contains(&id) {
+                return true;
+            }
+            let Ok(up) = rustix::fs::openat(&cur, "..", dir_flags(), rustix::fs::Mode::empty())
+            else {
+                return false;
+            };
+            match rustix::fs::fstat(&up) {
+                Ok(ust) if dev_ino(&ust) != id => cur = up,
+                _ => return false,
+            }
+        }
+        false
+    }
+}
+
+/// Run `f`, rsb's own change to files, under `c`'s write roots: `f` checks what it changes
+/// with the [`Writable`] it is given, and where Landlock is available it runs in a new thread
+/// the kernel confines to the roots (the domain is the thread's own and ends with it; the
+/// agent's other threads are untouched). Without `c`, `f` runs here, unchecked.
+pub fn own_writes<T: Send>(
+    c: Option<&Confine>,
+    f: impl FnOnce(&Writable) -> Result<T, AgentError> + Send,
+) -> Result<T, AgentError> {
+    let Some(c) = c else {
+        return f(&Writable::any());
+    };
+    let w = Writable::open(c)?;
+    let abi = abi();
+    if abi == 0 {
+        return f(&w);
+    }
+    let fds = w.0.as_ref().map_or(&[][..], |r| r.fds.as_slice());
+    let ruleset = sys::ruleset(abi, fds, None, false).map_err(|e| {
+        AgentError::new(
+            ErrorCode::Io,
+            format!("confine: cannot build the Landlock ruleset: {e}"),
+        )
+    })?;
+    let mut f = Some(f);
+    let mut out = None;
+    in_confined_thread(&ruleset, &mut || {
+        if let Some(f) = f.take() {
+            out = Some(f(&w));
+        }
+    })?;
+    out.unwrap_or_else(|| Err(AgentError::new(ErrorCode::Internal, "worker failed")))
+}
+
+/// Run `body` in a new thread confined by `ruleset` and wait for it (not generic: one copy in
+/// the agent, whatever the change).
+fn in_confined_thread(
+    ruleset: &OwnedFd,
+    body: &mut (dyn FnMut() + Send),
+) -> Result<(), AgentError> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            sys::restrict_thread(ruleset).map_err(|e| {
+                AgentError::new(
+                    ErrorCode::Io,
+                    format!("confine: cannot confine this change (landlock_restrict_self: {e}); nothing was changed"),
+                )
+            })?;
+            body();
+            Ok(())
+        })
+        .join()
+        .unwrap_or_else(|_| {
+            Err(AgentError::new(
+                ErrorCode::Internal,
+                "worker failed: a confined change panicked",
+            ))
+        })
+    })
 }
 
 #[cfg(target_os = "linux")]
@@ -352,6 +557,11 @@ mod sys {
         Ok(ruleset)
     }
 
+    /// This thread only: [`restrict_self`] (both calls act on the calling thread).
+    pub fn restrict_thread(ruleset: &OwnedFd) -> io::Result<()> {
+        restrict_self(ruleset.as_raw_fd())
+    }
+
     /// In the child: no new privileges (required to confine without CAP_SYS_ADMIN, and what
     /// keeps a set-id program from running with more rights), then the ruleset.
     pub fn restrict_self(ruleset: RawFd) -> io::Result<()> {
@@ -386,6 +596,13 @@ mod sys {
         Ok(std::fs::File::open(path)?.into())
     }
 
+    pub fn restrict_thread(_ruleset: &OwnedFd) -> io::Result<()> {
+        Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            "Landlock is Linux's",
+        ))
+    }
+
     pub fn ruleset(
         _abi: u32,
         _roots: &[OwnedFd],
@@ -396,5 +613,84 @@ mod sys {
             io::ErrorKind::Unsupported,
             "Landlock is Linux's",
         ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn confine(roots: &[&Path]) -> Confine {
+        Confine {
+            write: roots.iter().map(|p| p.display().to_string()).collect(),
+            net: None,
+            require: true,
+        }
+    }
+
+    /// The descriptor check: a root and what is beneath it pass, by any spelling; a sibling,
+    /// a parent, a `..` out of it and a symlink inside it that points out do not.
+    #[test]
+    fn writable_holds_to_the_roots_by_identity_not_spelling() {
+        let t = tempfile::tempdir().unwrap();
+        let (root, out) = (t.path().join("root"), t.path().join("out"));
+        std::fs::create_dir_all(root.join("a/b")).unwrap();
+        std::fs::create_dir_all(&out).unwrap();
+        std::os::unix::fs::symlink(&out, root.join("link")).unwrap();
+        std::os::unix::fs::symlink(root.join("a"), t.path().join("to-a")).unwrap();
+        let w = Writable::open(&confine(&[&root])).unwrap();
+        for ok in [
+            root.clone(),
+            root.join("a/b/new.txt"),
+            root.join("a/missing/deeper/new.txt"),
+            t.path().join("to-a/b/file"),
+            root.join("a/../a/b"),
+        ] {
+            assert!(w.check_path(&ok, "write").is_ok(), "{}", ok.display());
+        }
+        for bad in [
+            out.join("x"),
+            t.path().to_path_buf(),
+            root.join("../out/x"),
+            root.join("link/x"),
+            root.join("a/missing/../../../out/x"),
+            std::path::PathBuf::from("/x"),
+        ] {
+            let e = w.check_path(&bad, "write").unwrap_err();
+            assert_eq!(e.code, ErrorCode::PermissionDenied, "{}", bad.display());
+            assert!(e.message.contains("writable roots"), "{}", e.message);
+        }
+        let held = |p: &Path| open_dir(p).unwrap();
+        assert!(w.check_dir(&held(&root.join("a/b")), "", "write").is_ok());
+        assert!(w.check_dir(&held(&root.join("link")), "", "write").is_err());
+        assert!(w.check_dir(&held(&out), "", "write").is_err());
+        assert!(Writable::any().check_path(&out, "write").is_ok());
+        let e = Writable::open(&confine(&[&t.path().join("nope")]))
+            .err()
+            .unwrap();
+        assert!(e.message.contains("cannot be opened"), "{}", e.message);
+    }
+
+    /// With Landlock, the change runs in a thread the kernel confines (a write the check
+    /// would not see is refused too), and the calling thread stays free.
+    #[test]
+    fn own_writes_confine_a_thread_of_their_own() {
+        if abi() < 1 {
+            eprintln!("no Landlock here: skipped");
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let (root, out) = (t.path().join("root"), t.path().join("out"));
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::create_dir_all(&out).unwrap();
+        let c = confine(&[&root]);
+        let r = own_writes(Some(&c), |_| {
+            std::fs::write(root.join("in.txt"), "in")
+                .map_err(|e| AgentError::from_io(&e, "w", ""))?;
+            std::fs::write(out.join("x"), "x").map_err(|e| AgentError::from_io(&e, "w", ""))
+        });
+        assert_eq!(r.unwrap_err().code, ErrorCode::PermissionDenied);
+        assert!(root.join("in.txt").exists() && !out.join("x").exists());
+        std::fs::write(out.join("after"), "free").unwrap();
     }
 }

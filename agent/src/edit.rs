@@ -31,6 +31,7 @@ use rsb_protocol::{
     ReadTextRequest, ReadTextResult, Refusal, WriteCondition, WriteRequest,
 };
 
+use crate::confine::{Writable, own_writes};
 use crate::fs::{MAX_READ, open_regular};
 use crate::sync::beneath::file_type;
 use crate::util::{expand_home, path_string};
@@ -43,6 +44,20 @@ pub fn content_hash(data: &[u8]) -> ContentHash {
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect()
+}
+
+/// [`resolve`] for a change under `w`'s roots: the path before it is resolved (so no
+/// directory is made outside them), then the directory it resolved to, held, is beneath one.
+fn resolve_writable(
+    w: &Writable,
+    path: &std::path::Path,
+    opts: Opts,
+    what: &str,
+) -> Result<Target, AgentError> {
+    w.check_path(path, what)?;
+    let t = resolve(path, opts, what)?;
+    w.check_dir(&t.dir, &t.shown(), what)?;
+    Ok(t)
 }
 
 fn count_lines(data: &[u8]) -> u64 {
@@ -864,12 +879,16 @@ fn in_line_endings(text: &str, s: &str) -> String {
 }
 
 pub fn edit(req: &EditRequest) -> Result<EditOutcome, AgentError> {
+    own_writes(req.confine.as_ref(), |w| edit_in(req, w))
+}
+
+fn edit_in(req: &EditRequest, w: &Writable) -> Result<EditOutcome, AgentError> {
     const WHAT: &str = "edit";
     if req.old.is_empty() || req.old == req.new {
         return Ok(EditOutcome::Refused(Refusal::NoChange));
     }
     let path = expand_home(&req.path);
-    let target = resolve(&path, FOLLOW, WHAT)?;
+    let target = resolve_writable(w, &path, FOLLOW, WHAT)?;
     let cur = match lock_current(&target, WHAT)? {
         Ok(Some(c)) => c,
         Ok(None) => {
@@ -932,6 +951,10 @@ pub fn edit(req: &EditRequest) -> Result<EditOutcome, AgentError> {
 }
 
 pub fn write(req: &WriteRequest) -> Result<EditOutcome, AgentError> {
+    own_writes(req.confine.as_ref(), |w| write_in(req, w))
+}
+
+fn write_in(req: &WriteRequest, w: &Writable) -> Result<EditOutcome, AgentError> {
     const WHAT: &str = "write";
     let path = expand_home(&req.path);
     if req.data.len() as u64 > MAX_EDIT_BYTES {
@@ -939,7 +962,8 @@ pub fn write(req: &WriteRequest) -> Result<EditOutcome, AgentError> {
             size: req.data.len() as u64,
         }));
     }
-    let target = resolve(
+    let target = resolve_writable(
+        w,
         &path,
         Opts {
             follow_last: true,
@@ -1201,6 +1225,13 @@ struct Planned {
 }
 
 pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutcome, AgentError> {
+    own_writes(req.confine.as_ref(), |w| patch_in(req, w))
+}
+
+fn patch_in(
+    req: &rsb_protocol::PatchRequest,
+    w: &Writable,
+) -> Result<rsb_protocol::PatchOutcome, AgentError> {
     use rsb_protocol::{PatchOp, PatchOutcome};
     const WHAT: &str = "apply_patch";
     let refused = |path: &str, hunk: u64, refusal: Refusal| {
@@ -1220,7 +1251,8 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
         let path = expand_home(&f.path);
         // A Delete removes what the path names: a symlink itself, never its target.
         let delete = matches!(f.op, PatchOp::Delete);
-        let mut target = resolve(
+        let mut target = resolve_writable(
+            w,
             &path,
             Opts {
                 follow_last: !delete,
@@ -1292,7 +1324,8 @@ pub fn patch(req: &rsb_protocol::PatchRequest) -> Result<rsb_protocol::PatchOutc
                 };
                 let (dest, remove) = match move_to {
                     Some(m) => {
-                        let mut dest = resolve(
+                        let mut dest = resolve_writable(
+                            w,
                             &expand_home(m),
                             Opts {
                                 follow_last: true,
@@ -1784,6 +1817,7 @@ mod tests {
                     op: PatchOp::Delete,
                 },
             ],
+            confine: None,
         };
         FAIL_HIDE.with(|f| f.set(Some(3)));
         let e = match patch(&req) {
@@ -1836,6 +1870,7 @@ mod tests {
             new: new.into(),
             replace_all: false,
             expected_hash: None,
+            confine: None,
         };
         match edit(&req).unwrap() {
             EditOutcome::Done(c) => c,

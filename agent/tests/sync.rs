@@ -183,6 +183,7 @@ impl Agent {
         match self.call(Request::ApplyOpen(ApplyOpenRequest {
             root: root.to_str().unwrap().into(),
             create_root,
+            confine: None,
         })) {
             Reply::ApplyOpened(o) => o,
             other => panic!("expected ApplyOpened, got {other:?}"),
@@ -1232,6 +1233,7 @@ fn apply_open_checks_the_root() {
         match agent.call(Request::ApplyOpen(ApplyOpenRequest {
             root: root.to_str().unwrap().into(),
             create_root: create,
+            confine: None,
         })) {
             Reply::Error(e) => assert_eq!(e.code, code, "{}", e.message),
             other => panic!("{other:?}"),
@@ -1515,6 +1517,7 @@ impl Agent {
             expect,
             ops,
             dir_mtimes,
+            confine: None,
         })) {
             Reply::Applied(r) => Ok(r.applied),
             Reply::Error(e) => Err(e),

@@ -191,6 +191,8 @@ struct Inner {
     next_id: AtomicU64,
     closed: AtomicBool,
     close_reason: Mutex<Option<String>>,
+    /// The sandbox's `confine`, set once by whoever connected it ([`AgentClient::confine_to`]).
+    confine: std::sync::OnceLock<rsb_protocol::Confine>,
     /// Transport resources (SSH handle, child process) that must live as long as the channel.
     _keep: Mutex<Option<Box<dyn Any + Send>>>,
 }
@@ -346,6 +348,7 @@ impl AgentClient {
             next_id: AtomicU64::new(1),
             closed: AtomicBool::new(false),
             close_reason: Mutex::new(None),
+            confine: std::sync::OnceLock::new(),
             _keep: Mutex::new(Some(keep)),
         });
 
@@ -449,6 +452,18 @@ impl AgentClient {
 
     pub fn sandbox(&self) -> &str {
         &self.inner.sandbox
+    }
+
+    /// Confine what is run and changed through this client to `c`: the pool sets it from the
+    /// sandbox's `confine` when it connects (a later call keeps the first).
+    pub fn confine_to(&self, c: rsb_protocol::Confine) {
+        let _ = self.inner.confine.set(c);
+    }
+
+    /// The confinement every request that runs a command or changes files sends (`None`: the
+    /// sandbox is not confined).
+    pub fn confine(&self) -> Option<&rsb_protocol::Confine> {
+        self.inner.confine.get()
     }
 
     pub fn is_alive(&self) -> bool {

@@ -67,6 +67,10 @@ impl RsbError {
     /// Map an agent error to a user-facing one with a hint per code.
     pub fn from_agent(e: AgentError) -> Self {
         let hint = match e.code {
+            // The sandbox's own boundary, not the host's permissions.
+            ErrorCode::PermissionDenied if e.message.starts_with("confine: ") => {
+                "work under the sandbox's confine.write roots, or change its confine in the config (README: Confinement)"
+            }
             ErrorCode::NotFound => {
                 "check the path (remote paths are relative to the remote $HOME; ~ is expanded)"
             }

@@ -42,6 +42,15 @@ struct Slot {
     hint: parking_lot::Mutex<Option<String>>,
 }
 
+impl Slot {
+    /// Give `conn`'s client this sandbox's `confine`, before anyone else sees it.
+    fn confine(&self, conn: &Connection) {
+        if let Some(c) = &self.cfg.confine {
+            conn.client.confine_to(c.request());
+        }
+    }
+}
+
 struct Sample {
     at: Instant,
     /// [`Slot::generation`] of the connection that sent it.
@@ -224,6 +233,7 @@ impl Pool {
         }
         let known = slot.agent_path.lock().clone();
         let conn = connect::connect(&slot.cfg, known.as_deref()).await?;
+        slot.confine(&conn);
         *slot.agent_path.lock() = Some(conn.agent_path.clone());
         let client = conn.client.clone();
         *guard = Some(conn);
@@ -261,6 +271,7 @@ impl Pool {
             return;
         };
         let mut guard = slot.conn.lock().await;
+        slot.confine(&conn);
         *slot.agent_path.lock() = Some(conn.agent_path.clone());
         *guard = Some(conn);
         slot.generation.fetch_add(1, Ordering::SeqCst);

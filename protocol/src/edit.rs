@@ -65,6 +65,10 @@ pub struct EditRequest {
     /// Replace every occurrence; otherwise `old` must occur exactly once.
     pub replace_all: bool,
     pub expected_hash: Option<ContentHash>,
+    /// The sandbox's write roots ([`crate::Confine::write`]): the change is refused, with one
+    /// line naming them, unless the file's directory is beneath one, and the agent makes it in
+    /// a thread the kernel confines to them where Landlock is available.
+    pub confine: Option<crate::Confine>,
 }
 
 /// A file an edit, write or patch changed.
@@ -150,6 +154,8 @@ pub struct WriteRequest {
     pub condition: WriteCondition,
     /// Create missing parent directories (with the umask).
     pub make_dirs: bool,
+    /// As [`EditRequest::confine`].
+    pub confine: Option<crate::Confine>,
 }
 
 /// Codex's `apply_patch`, parsed by the local side: every hunk of every file is checked against
@@ -157,6 +163,8 @@ pub struct WriteRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PatchRequest {
     pub files: Vec<PatchFile>,
+    /// As [`EditRequest::confine`], for every file (and `Move to`) of the patch.
+    pub confine: Option<crate::Confine>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

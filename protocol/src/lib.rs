@@ -62,8 +62,9 @@ pub use sync::{
 /// 19: `SearchRequest::{before, after}` replace `context`; `word`, `invert`, `hidden`, `types`,
 /// `types_not` (rg's -A/-B, -w, -v, --hidden, -t/-T). 20: `ExecRequest::confine` (Landlock),
 /// `ExecResult::unconfined`, `JobStartRequest::confine`, `JobInfo::unconfined`. 21: `Confine::net`.
-/// 22: `Capabilities::landlock_abi`.
-pub const PROTOCOL_VERSION: u32 = 22;
+/// 22: `Capabilities::landlock_abi`. 23: `confine` on `Edit`, `Write`, `Patch`, `ApplyOpen`
+/// and `ApplyOnce` (rsb's own writes keep to the write roots).
+pub const PROTOCOL_VERSION: u32 = 23;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops

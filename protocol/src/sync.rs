@@ -134,6 +134,11 @@ pub struct ApplyOpenRequest {
     pub root: String,
     /// Create the root (and parents) when missing.
     pub create_root: bool,
+    /// The destination sandbox's write roots ([`crate::Confine::write`]): the root must be
+    /// beneath one (checked on the held directory, before anything is created), else the
+    /// session is refused with one line naming them. Every change of the session is made
+    /// beneath the root's descriptor, so that check bounds them all.
+    pub confine: Option<crate::Confine>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -303,6 +308,8 @@ pub struct ApplyOnceRequest {
     pub ops: Vec<ApplyOp>,
     /// As [`ApplyCloseRequest::dir_mtimes`].
     pub dir_mtimes: Vec<(String, i64)>,
+    /// As [`ApplyOpenRequest::confine`].
+    pub confine: Option<crate::Confine>,
 }
 
 #[cfg(test)]

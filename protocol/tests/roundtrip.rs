@@ -85,6 +85,11 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         Request::ApplyOpen(ApplyOpenRequest {
             root: "/dst".into(),
             create_root: true,
+            confine: Some(Confine {
+                write: vec!["/dst".into()],
+                net: None,
+                require: true,
+            }),
         }),
         Request::Apply(ApplyRequest {
             session: 9,
@@ -139,6 +144,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             expect: vec![("a".into(), Some([3; 32])), ("b".into(), None)],
             ops: vec![ApplyOp::Delete { rel: "a".into() }],
             dir_mtimes: vec![(String::new(), 7)],
+            confine: None,
         }),
         Request::ReadFileZ(ReadFileZRequest {
             path: "/f".into(),
@@ -161,12 +167,18 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             new: "é".into(),
             replace_all: true,
             expected_hash: Some("0f".repeat(16)),
+            confine: Some(Confine {
+                write: vec!["~/w".into(), "/tmp".into()],
+                net: Some(vec![]),
+                require: false,
+            }),
         }),
         Request::Write(WriteRequest {
             path: "d/n".into(),
             data: vec![0, 255],
             condition: WriteCondition::CreateOnly,
             make_dirs: true,
+            confine: None,
         }),
         Request::Patch(PatchRequest {
             files: vec![
@@ -191,6 +203,11 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                     },
                 },
             ],
+            confine: Some(Confine {
+                write: vec![],
+                net: None,
+                require: true,
+            }),
         }),
         Request::Search(SearchRequest {
             root: "~/proj".into(),

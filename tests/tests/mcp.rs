@@ -4029,28 +4029,7 @@ async fn exec_bash_is_confined_by_the_kernel_to_its_write_roots() {
     std::fs::create_dir_all(h.join("outside/dir")).unwrap();
     std::fs::write(h.join("outside/keep.txt"), "keep me\n").unwrap();
     std::fs::write(h.join("outside/dir/a.txt"), "a\n").unwrap();
-    let snapshot = |root: &Path| -> Vec<(String, String)> {
-        let mut out = Vec::new();
-        let mut stack = vec![root.to_path_buf()];
-        while let Some(d) = stack.pop() {
-            for e in std::fs::read_dir(&d).unwrap() {
-                let p = e.unwrap().path();
-                let meta = std::fs::symlink_metadata(&p).unwrap();
-                let what = if meta.is_dir() {
-                    stack.push(p.clone());
-                    "dir".to_string()
-                } else {
-                    blake3::hash(&std::fs::read(&p).unwrap_or_default())
-                        .to_hex()
-                        .to_string()
-                };
-                out.push((p.display().to_string(), what));
-            }
-        }
-        out.sort();
-        out
-    };
-    let before = snapshot(&h.join("outside"));
+    let before = tree_state(&h.join("outside"));
     let mut entry = key_entry("box", &sshd);
     entry["confine"] = json!({"write": ["~/scratch"]});
     let mcp = Mcp::start(&list(&[entry])).await;
@@ -4108,7 +4087,7 @@ async fn exec_bash_is_confined_by_the_kernel_to_its_write_roots() {
         "inside\n"
     );
     assert_eq!(
-        snapshot(&h.join("outside")),
+        tree_state(&h.join("outside")),
         before,
         "a file outside the root changed"
     );
@@ -4245,6 +4224,181 @@ async fn a_host_without_landlock_refuses_confined_commands_unless_allowed() {
         "{v}"
     );
     mcp.close().await;
+}
+
+/// Hashes of every file and the names of every directory and link under `root`.
+fn tree_state(root: &Path) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            let meta = std::fs::symlink_metadata(&p).unwrap();
+            let what = if meta.is_dir() {
+                stack.push(p.clone());
+                "dir".to_string()
+            } else if meta.is_symlink() {
+                format!("-> {}", std::fs::read_link(&p).unwrap().display())
+            } else {
+                blake3::hash(&std::fs::read(&p).unwrap())
+                    .to_hex()
+                    .to_string()
+            };
+            out.push((p.display().to_string(), what));
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Issue 48: rsb's own writes keep to the write roots as commands do. write_remote_file,
+/// edit_remote_file, apply_patch and a sync into the sandbox are refused outside them, through
+/// symlinks planted inside them too, with one line naming the roots, and nothing outside
+/// changes; inside, they work as usual. Checked with the kernel (a confined worker thread)
+/// and without it (`RSB_TEST_LANDLOCK_ABI=0`: the agent's descriptor check alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rsb_own_writes_keep_to_the_write_roots() {
+    for abi in [None, Some("0")] {
+        let sshd = Sshd::start_with(rsb_tests::SshdOptions {
+            set_env: abi
+                .map(|a| vec![("RSB_TEST_LANDLOCK_ABI".to_string(), a.to_string())])
+                .unwrap_or_default(),
+            ..Default::default()
+        })
+        .unwrap();
+        let h = sshd.home().to_path_buf();
+        std::fs::create_dir_all(h.join("scratch")).unwrap();
+        std::fs::create_dir_all(h.join("outside")).unwrap();
+        std::fs::write(h.join("outside/keep.txt"), "keep me\n").unwrap();
+        std::fs::write(h.join(".bashrc"), "# mine\n").unwrap();
+        std::os::unix::fs::symlink("../outside", h.join("scratch/dirlink")).unwrap();
+        std::os::unix::fs::symlink("../outside/keep.txt", h.join("scratch/filelink")).unwrap();
+        let watched = |h: &Path| {
+            (
+                tree_state(&h.join("outside")),
+                std::fs::read(h.join(".bashrc")).unwrap(),
+            )
+        };
+        let before = watched(&h);
+        let mut entry = key_entry("box", &sshd);
+        entry["confine"] = json!({"write": ["~/scratch"], "require": false});
+        let mcp = Mcp::start_with(
+            &list(&[entry]),
+            &[("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "1")],
+        )
+        .await;
+        let refused = |r: &Reply, what: &str| {
+            assert!(
+                r.text
+                    .contains("outside this sandbox's writable roots (~/scratch)"),
+                "{what} ({abi:?}): {}",
+                r.text
+            );
+            assert!(
+                r.text.contains("confine.write"),
+                "{what}: the hint: {}",
+                r.text
+            );
+        };
+        for (path, make_dirs) in [
+            ("outside/new.txt", false),
+            ("outside/deep/er/new.txt", true),
+            ("scratch/dirlink/new.txt", false),
+            ("scratch/dirlink/deep/new.txt", true),
+            ("scratch/filelink", false),
+            ("scratch/../outside/keep.txt", false),
+            (".bashrc", false),
+            ("/tmp/rsb-confine-never.txt", false),
+        ] {
+            let r = mcp
+                .err(
+                    "write_remote_file",
+                    json!({"remote_path": path, "content": "x\n", "make_dirs": make_dirs}),
+                )
+                .await;
+            refused(&r, path);
+        }
+        assert!(!Path::new("/tmp/rsb-confine-never.txt").exists());
+        for path in [
+            "outside/keep.txt",
+            "scratch/filelink",
+            "scratch/dirlink/keep.txt",
+        ] {
+            let r = mcp
+                .err(
+                    "edit_remote_file",
+                    json!({"remote_path": path, "old_string": "keep", "new_string": "lost"}),
+                )
+                .await;
+            refused(&r, path);
+        }
+        // Inside the root: as usual.
+        mcp.ok(
+            "write_remote_file",
+            json!({"remote_path": "scratch/a/b.txt", "content": "one\n", "make_dirs": true}),
+        )
+        .await;
+        mcp.ok(
+            "edit_remote_file",
+            json!({"remote_path": "~/scratch/a/b.txt", "old_string": "one", "new_string": "two"}),
+        )
+        .await;
+        // A patch with one file outside changes none; a move out of the root is refused.
+        let r = mcp
+            .err(
+                "apply_patch",
+                json!({"patch": "*** Begin Patch\n*** Add File: scratch/p.txt\n+p\n*** Update File: outside/keep.txt\n@@\n-keep me\n+lost\n*** End Patch"}),
+            )
+            .await;
+        refused(&r, "patch");
+        assert!(!h.join("scratch/p.txt").exists());
+        let r = mcp
+            .err(
+                "apply_patch",
+                json!({"patch": "*** Begin Patch\n*** Update File: scratch/a/b.txt\n*** Move to: outside/moved.txt\n@@\n-two\n+three\n*** End Patch"}),
+            )
+            .await;
+        refused(&r, "move");
+        mcp.ok(
+            "apply_patch",
+            json!({"patch": "*** Begin Patch\n*** Update File: scratch/a/b.txt\n*** Move to: scratch/c.txt\n@@\n-two\n+three\n*** End Patch"}),
+        )
+        .await;
+        assert_eq!(
+            std::fs::read_to_string(h.join("scratch/c.txt")).unwrap(),
+            "three\n"
+        );
+        // Syncs into the sandbox: the destination root must be beneath a write root.
+        let tmp = tempfile::tempdir().unwrap();
+        let proj = tmp.path().join("proj");
+        std::fs::create_dir_all(&proj).unwrap();
+        std::fs::write(proj.join("f.txt"), "f\n").unwrap();
+        for remote in ["outside/up", "scratch/dirlink/up", "~"] {
+            let r = mcp
+                .err(
+                    "sync_local_to_remote",
+                    json!({"local_path": proj.display().to_string(), "remote_path": remote}),
+                )
+                .await;
+            refused(&r, remote);
+        }
+        mcp.ok(
+            "sync_local_to_remote",
+            json!({"local_path": proj.display().to_string(), "remote_path": "scratch/up"}),
+        )
+        .await;
+        assert_eq!(
+            std::fs::read_to_string(h.join("scratch/up/f.txt")).unwrap(),
+            "f\n"
+        );
+        assert_eq!(
+            watched(&h),
+            before,
+            "something outside the root changed ({abi:?})"
+        );
+        assert!(!h.join("f.txt").exists());
+        mcp.close().await;
+    }
 }
 
 /// Issue 48: `net` keeps a confined command to its TCP ports (ABI 4), and scoping (ABI 6)

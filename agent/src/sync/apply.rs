@@ -31,7 +31,7 @@ use std::os::fd::OwnedFd;
 use rustix::fs::{self as rfs, AtFlags, Mode, OFlags};
 use std::io::ErrorKind;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,6 +53,7 @@ use super::blocks::{MAX_BLOCK, MAX_BLOCKS, MIN_BLOCK, hash_blocks};
 use super::cache::{self, Key};
 use super::hash::hash_threads;
 use super::{blocking, cancelled, fs_clock_ns, mtime_ns};
+use crate::confine::Writable;
 use crate::util::{expand_home, path_string};
 
 mod order;
@@ -278,6 +279,11 @@ fn open(req: &ApplyOpenRequest) -> Result<Session, AgentError> {
     }
     let root = expand_home(&req.root);
     let shown = path_string(&root);
+    let writable = match &req.confine {
+        Some(c) => Writable::open(c)?,
+        None => Writable::any(),
+    };
+    writable.check_path(&root, "sync into")?;
     match fs::metadata(&root) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => {
@@ -297,29 +303,34 @@ fn open(req: &ApplyOpenRequest) -> Result<Session, AgentError> {
         }
         Err(e) => return Err(io(&e, "apply root", &shown)),
     }
+    // From here on the root is used only through this descriptor, checked to be beneath the
+    // write roots: every change of the session is made beneath it.
+    let root_fd = rfs::open(
+        &root,
+        OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| io(&e.into(), "open", &shown))?;
+    writable.check_dir(&root_fd, &shown, "sync into")?;
     let stale_cleaned = clean_stale(&root);
     for _ in 0..16 {
         let id = new_id();
-        let staging = root.join(format!("{STAGING_PREFIX}{id}"));
-        match fs::DirBuilder::new().mode(0o700).create(&staging) {
+        let staging_name = format!("{STAGING_PREFIX}{id}");
+        let staging = root.join(&staging_name);
+        match rfs::mkdirat(&root_fd, staging_name.as_str(), Mode::from_raw_mode(0o700)) {
             Ok(()) => {}
-            Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
-            Err(e) => return Err(io(&e, "create staging in", &shown)),
+            Err(rustix::io::Errno::EXIST) => continue,
+            Err(e) => return Err(io(&e.into(), "create staging in", &shown)),
         }
-        // From here on the staging directory is used only through this descriptor (and the
-        // root's): a directory swapped in at its path by someone else is never written to.
-        let staging_fd = rfs::open(
-            &staging,
+        // The staging directory too is used only through its descriptor (and the root's): a
+        // directory swapped in at its name by someone else is never written to.
+        let staging_fd = rfs::openat(
+            &root_fd,
+            staging_name.as_str(),
             OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
             Mode::empty(),
         )
         .map_err(|e| io(&e.into(), "open staging in", &shown))?;
-        let root_fd = rfs::open(
-            &root,
-            OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(|e| io(&e.into(), "open", &shown))?;
         let st = rfs::fstat(&staging_fd).map_err(|e| io(&e.into(), "stat staging in", &shown))?;
         let lock = rfs::openat(
             &staging_fd,
@@ -340,7 +351,7 @@ fn open(req: &ApplyOpenRequest) -> Result<Session, AgentError> {
             stale_cleaned,
             beneath,
             root: root.clone(),
-            staging_name: format!("{STAGING_PREFIX}{id}"),
+            staging_name,
             staging,
             staging_fd,
             root_fd,
@@ -397,6 +408,7 @@ pub async fn apply_once(
         let mut s = open(&ApplyOpenRequest {
             root: req.root,
             create_root: false,
+            confine: req.confine,
         })?;
         let done = s
             .expect_all(&req.expect)

@@ -118,6 +118,7 @@ async fn edit_once(ctx: &Ctx, name: &str, path: &str) -> Result<u8, RsbError> {
             data,
             condition: WriteCondition::Hash(hash.clone()),
             make_dirs: false,
+            confine: client.confine().cloned(),
         })
         .await?;
     match outcome {

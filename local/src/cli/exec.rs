@@ -58,7 +58,7 @@ pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
         Ok(c) => c,
         Err(e) => return fail(ctx.json, &e),
     };
-    req.confine = exec::confine_of(ctx.pool.sandbox_config(client.sandbox()));
+    req.confine = client.confine().cloned();
     let tool = if a.sudo {
         "rsb exec --sudo"
     } else {
@@ -181,7 +181,7 @@ pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u
         Ok(c) => c,
         Err(e) => return fail(false, &e),
     };
-    req.confine = exec::confine_of(ctx.pool.sandbox_config(client.sandbox()));
+    req.confine = client.confine().cloned();
     // A person at a terminal types what they like (audited, not checked: the policy guards
     // an agent's commands). Piped, the shell runs a script nobody saw: under a policy that
     // counts as matching every rule, like `… | rsb exec sb bash`.

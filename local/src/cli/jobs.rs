@@ -221,7 +221,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
                     log.as_deref().unwrap_or(""),
                     cwd.as_deref().unwrap_or(""),
                 ),
-                rsb::ops::exec::confine_of(ctx.pool.sandbox_config(client.sandbox())),
+                client.confine().cloned(),
             )
             .await;
             audit(

@@ -88,8 +88,10 @@ impl RsbServer {
         };
         let r = async {
             let client = self.pool.client(&p.sandbox_name).await?;
+            let mut req = parsed?;
+            req.confine = client.confine().cloned();
             client
-                .call(parsed?)
+                .call(req)
                 .await
                 .map_err(edit::patch_error)
                 .and_then(edit::patch_outcome)
@@ -123,6 +125,10 @@ impl RsbServer {
                 p.expected_hash.as_deref().unwrap_or(""),
             )?;
             let client = self.pool.client(name).await?;
+            let req = rsb_protocol::EditRequest {
+                confine: client.confine().cloned(),
+                ..req
+            };
             let expected = req.expected_hash.clone();
             client
                 .call(req)
@@ -166,6 +172,10 @@ impl RsbServer {
             bytes = Some(req.data.len() as u64);
             let make_dirs = req.make_dirs;
             let client = self.pool.client(&p.sandbox_name).await?;
+            let req = rsb_protocol::WriteRequest {
+                confine: client.confine().cloned(),
+                ..req
+            };
             let expected = match &req.condition {
                 rsb_protocol::WriteCondition::Hash(h) => Some(h.clone()),
                 _ => None,

@@ -96,7 +96,7 @@ impl RsbServer {
                 Ok(c) => c,
                 Err(e) => return fail(&e),
             };
-            req.confine = exec::confine_of(self.pool.sandbox_config(client.sandbox()));
+            req.confine = client.confine().cloned();
             let confine = req.confine.clone();
             let started = crate::audit::start(
                 self.pool.config(),

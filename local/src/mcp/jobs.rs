@@ -532,7 +532,7 @@ impl RsbServer {
             &client,
             &p.command,
             (&p.session_name, &p.log_file, &p.cwd),
-            crate::ops::exec::confine_of(self.pool.sandbox_config(client.sandbox())),
+            client.confine().cloned(),
         )
         .await?;
         let v = serde_json::to_value(&started).unwrap_or_default();

@@ -65,6 +65,7 @@ pub fn edit_request(
         new: new_string.to_string(),
         replace_all,
         expected_hash: parse_hash(expected_hash)?,
+        confine: None,
     })
 }
 
@@ -110,6 +111,7 @@ pub fn write_request(
         data,
         condition,
         make_dirs,
+        confine: None,
     })
 }
 
@@ -401,7 +403,10 @@ pub fn parse_patch(patch: &str) -> Result<rsb_protocol::PatchRequest> {
     if files.is_empty() {
         return Err(bad(1, "the patch names no file"));
     }
-    Ok(rsb_protocol::PatchRequest { files })
+    Ok(rsb_protocol::PatchRequest {
+        files,
+        confine: None,
+    })
 }
 
 /// A file header or the end of the patch (whitespace around it allowed).

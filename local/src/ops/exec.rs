@@ -91,14 +91,6 @@ pub fn build_request_ms(
     Ok(req)
 }
 
-/// The confinement `sandbox` asks for its commands (its `confine`, else the file's
-/// `[confine]`): for the requests that run what a user or model wrote, never rsb's own.
-pub fn confine_of(sandbox: Option<&SandboxConfig>) -> Option<rsb_protocol::Confine> {
-    sandbox
-        .and_then(|s| s.confine.as_ref())
-        .map(|c| c.request())
-}
-
 /// The lines a reply adds about confinement: that it was not applied (and why), or, when a
 /// confined command failed, which roots it may write, so a "Permission denied" reads as the
 /// boundary rather than something to retry.

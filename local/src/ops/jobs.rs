@@ -59,8 +59,8 @@ pub struct Started {
     pub started_ms: u64,
 }
 
-/// Start `command` as a background job, confined as `confine` says (the sandbox's
-/// [`crate::ops::exec::confine_of`]).
+/// Start `command` as a background job, confined as `confine` says (the client's
+/// [`AgentClient::confine`], or what a resumed job was started with).
 pub async fn start(
     client: &AgentClient,
     command: &str,

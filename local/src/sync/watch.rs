@@ -1031,6 +1031,7 @@ async fn fast_sync(
             expect: plan.expect,
             ops: plan.ops,
             dir_mtimes: plan.dir_mtimes,
+            confine: remote.confine().cloned(),
         };
         match remote.call(req).await {
             Ok(r) => report.warnings = r.warnings,

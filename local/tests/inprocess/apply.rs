@@ -27,6 +27,7 @@ async fn open(agent: &Agent, root: &Path) -> u64 {
         .call(ApplyOpenRequest {
             root: root.to_str().unwrap().into(),
             create_root: false,
+            confine: None,
         })
         .await
         .unwrap()
@@ -229,6 +230,7 @@ async fn sessions_belong_to_their_channel_and_end_with_it() {
         .call(ApplyOpenRequest {
             root: t.path().to_str().unwrap().into(),
             create_root: false,
+            confine: None,
         })
         .await
         .unwrap();

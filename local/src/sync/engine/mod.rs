@@ -631,6 +631,7 @@ async fn execute(
     let open = dst.call(ApplyOpenRequest {
         root: roots.dst.clone(),
         create_root: true,
+        confine: dst.confine().cloned(),
     });
     // The link's own delay, for the compression decision, measured beside the open (which
     // costs a round trip anyway): the remote agent's round trip less the local agent's, taken
