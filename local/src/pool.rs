@@ -157,6 +157,17 @@ impl Pool {
         self.sandbox_config(name)?.slurm.clone()
     }
 
+    /// The Landlock ABI `name`'s connected agent serves (no I/O; `None` while it is not
+    /// connected, or connecting right now).
+    pub fn landlock_abi(&self, name: &str) -> Option<u32> {
+        let slot = self.slots.get(name)?;
+        let guard = slot.conn.try_lock().ok()?;
+        let c = guard.as_ref()?;
+        c.client
+            .is_alive()
+            .then(|| c.client.hello().capabilities.landlock_abi)
+    }
+
     pub fn sandbox_config(&self, name: &str) -> Option<&SandboxConfig> {
         self.slots.get(name).map(|s| &s.cfg)
     }

@@ -4397,6 +4397,24 @@ async fn rsb_own_writes_keep_to_the_write_roots() {
             "something outside the root changed ({abi:?})"
         );
         assert!(!h.join("f.txt").exists());
+        // The listing says what is confined and whether this host enforces it.
+        let v = mcp.ok("list_sandboxes", json!({})).await;
+        let row = &v["sandboxes"][0];
+        let line = row["confine"].as_str().unwrap_or_default();
+        assert!(line.contains("only under ~/scratch"), "{row}");
+        let served = if abi.is_some() { 0 } else { landlock_abi() };
+        assert_eq!(row["landlock_abi"], served, "{row}");
+        if served > 0 {
+            assert!(
+                line.contains(&format!("(Landlock ABI {served}: files")),
+                "{row}"
+            );
+        } else {
+            assert!(
+                line.contains("cannot enforce any confinement: commands run without it"),
+                "{row}"
+            );
+        }
         mcp.close().await;
     }
 }

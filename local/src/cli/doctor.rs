@@ -176,24 +176,11 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
 /// confined sandbox on a host that cannot confine it fails (its commands are refused), or
 /// warns when `require = false` lets them run unconfined.
 fn confine_check(name: &str, abi: u32, rules: Option<&rsb::config::ConfineRules>) -> Check {
-    let can = match abi {
-        0 => "no Landlock".to_string(),
-        1 => "Landlock ABI 1 (files; no renames across directories)".to_string(),
-        2 | 3 => format!("Landlock ABI {abi} (files)"),
-        4 | 5 => format!("Landlock ABI {abi} (files, TCP ports)"),
-        _ => format!("Landlock ABI {abi} (files, TCP ports, scoping)"),
-    };
+    let can = rsb::config::landlock_can(abi);
     let Some(rules) = rules else {
         return line(name, "confine", "ok", format!("{can}; not configured"));
     };
-    let wants_net = rules.request().net.is_some();
-    let missing = if abi == 0 {
-        Some("any confinement")
-    } else if wants_net && abi < 4 {
-        Some("confine.net (TCP rules need ABI 4, Linux 6.7)")
-    } else {
-        None
-    };
+    let missing = rules.missing_on(abi);
     let roots = rules.write.join(", ");
     match missing {
         None => line(
@@ -617,7 +604,7 @@ mod tests {
         };
         let cases = [
             (0, None, "ok", "no Landlock; not configured"),
-            (7, None, "ok", "scoping); not configured"),
+            (7, None, "ok", "scoping; not configured"),
             (
                 7,
                 Some(rules(Net::Word("none".into()), true)),
@@ -632,7 +619,7 @@ mod tests {
                 "FAIL",
                 "TCP rules need ABI 4",
             ),
-            (3, Some(rules(Net::Any, true)), "ok", "ABI 3 (files)"),
+            (3, Some(rules(Net::Any, true)), "ok", "ABI 3: files"),
         ];
         for (abi, r, verdict, needle) in cases {
             let c = confine_check("box", abi, r.as_ref());

@@ -81,6 +81,17 @@ fn required() -> bool {
     true
 }
 
+/// What a host serving Landlock `abi` enforces, in words (`rsb doctor`, `list_sandboxes`).
+pub fn landlock_can(abi: u32) -> String {
+    match abi {
+        0 => "no Landlock".to_string(),
+        1 => "Landlock ABI 1: files; no renames across directories".to_string(),
+        2 | 3 => format!("Landlock ABI {abi}: files"),
+        4 | 5 => format!("Landlock ABI {abi}: files, TCP ports"),
+        _ => format!("Landlock ABI {abi}: files, TCP ports, scoping"),
+    }
+}
+
 impl ConfineRules {
     /// Every root is a usable path: `~`, `~/…` or absolute, with no NUL or newline.
     pub(super) fn check(&self, label: &str) -> Result<(), ConfigError> {
@@ -98,6 +109,51 @@ impl ConfineRules {
         Ok(())
     }
 
+    /// What of these rules a host serving Landlock `abi` cannot enforce (`None`: all of it).
+    pub fn missing_on(&self, abi: u32) -> Option<&'static str> {
+        if abi == 0 {
+            Some("any confinement")
+        } else if self.request().net.is_some() && abi < 4 {
+            Some("confine.net (TCP rules need ABI 4, Linux 6.7)")
+        } else {
+            None
+        }
+    }
+
+    /// One line for a listing: what is confined, and whether a host serving Landlock `abi`
+    /// (`None`: not reached) enforces it.
+    pub fn status_on(&self, abi: Option<u32>) -> String {
+        let roots = if self.write.is_empty() {
+            "nowhere".to_string()
+        } else {
+            format!("only under {}", self.write.join(", "))
+        };
+        let net = match self.request().net {
+            None => String::new(),
+            Some(p) if p.is_empty() => "; no TCP".to_string(),
+            Some(p) => {
+                let p: Vec<String> = p.iter().map(u16::to_string).collect();
+                format!("; TCP ports {}", p.join(", "))
+            }
+        };
+        let asked = format!("commands and rsb's writes change files {roots}{net}");
+        let Some(abi) = abi else {
+            return asked;
+        };
+        let can = landlock_can(abi);
+        match self.missing_on(abi) {
+            None => format!("{asked} ({can})"),
+            Some(m) if self.require => {
+                format!(
+                    "{asked}; this host ({can}) cannot enforce {m}, so its commands are refused"
+                )
+            }
+            Some(m) => format!(
+                "{asked}; this host ({can}) cannot enforce {m}: commands run without it (require = false)"
+            ),
+        }
+    }
+
     /// As the agent takes it.
     pub fn request(&self) -> rsb_protocol::Confine {
         rsb_protocol::Confine {
@@ -105,6 +161,58 @@ impl ConfineRules {
             // Checked when the configuration loaded.
             net: self.net.ports("").unwrap_or(Some(Vec::new())),
             require: self.require,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listing's line: the roots and ports, and what a host of each ABI does with them.
+    #[test]
+    fn status_says_what_is_confined_and_whether_the_host_enforces_it() {
+        let rules = |net: Net, require: bool| ConfineRules {
+            write: vec!["~/work".into(), "/tmp".into()],
+            net,
+            require,
+        };
+        let ports = Net::Ports(vec![Port::Text("443".into()), Port::Number(22)]);
+        let cases = [
+            (rules(Net::Any, true), None, "only under ~/work, /tmp", true),
+            (
+                rules(Net::Any, true),
+                Some(7),
+                "only under ~/work, /tmp (Landlock ABI 7: files, TCP ports, scoping)",
+                true,
+            ),
+            (
+                rules(ports.clone(), true),
+                Some(4),
+                "; TCP ports 443, 22 (Landlock ABI 4: files, TCP ports)",
+                true,
+            ),
+            (
+                rules(ports, true),
+                Some(3),
+                "cannot enforce confine.net (TCP rules need ABI 4, Linux 6.7), so its commands are refused",
+                true,
+            ),
+            (
+                rules(Net::Word("none".into()), false),
+                Some(0),
+                "; no TCP; this host (no Landlock) cannot enforce any confinement: commands run without it (require = false)",
+                true,
+            ),
+            (rules(Net::Any, false), Some(2), "refused", false),
+        ];
+        for (r, abi, needle, present) in cases {
+            let line = r.status_on(abi);
+            assert_eq!(line.contains(needle), present, "{abi:?}: {line}");
+            assert!(
+                line.starts_with("commands and rsb's writes change files"),
+                "{line}"
+            );
         }
     }
 }

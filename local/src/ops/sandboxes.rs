@@ -266,6 +266,13 @@ pub struct SandboxStatus {
     pub connection_error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourcesOrError>,
+    /// The Landlock ABI the host's kernel serves (0: none), when it was reached.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub landlock_abi: Option<u32>,
+    /// A confined sandbox's `confine`, and whether this host enforces it
+    /// (`ConfineRules::status_on`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub confine: Option<String>,
     /// A Slurm login node's partitions, GPUs and queue (`crate::ops::slurm::resources`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slurm: Option<Value>,
@@ -304,6 +311,7 @@ pub async fn list(pool: &Arc<Pool>, depth: Listing) -> SandboxList {
         .map(|p| {
             let (host, port, user) = pool.describe(&p.name);
             let this_machine = pool.is_local(&p.name);
+            let landlock_abi = p.alive.then(|| pool.landlock_abi(&p.name)).flatten();
             SandboxStatus {
                 name: p.name.clone(),
                 host,
@@ -325,6 +333,11 @@ pub async fn list(pool: &Arc<Pool>, depth: Listing) -> SandboxList {
                     }
                     Err(e) => ResourcesOrError::Err(e.into()),
                 }),
+                landlock_abi,
+                confine: pool
+                    .sandbox_config(&p.name)
+                    .and_then(|c| c.confine.as_ref())
+                    .map(|c| c.status_on(landlock_abi)),
                 slurm: None,
                 hint: pool.hint(&p.name),
             }
