@@ -1367,6 +1367,58 @@ fn kill_pid(pid: i64) {
     }
 }
 
+/// Issue 48: a watch's checkpoint command is the user's (or the model's), so on a confined
+/// sandbox it is confined as the job is: it reads and writes inside the roots, and a write
+/// outside fails with the reply's confinement line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_command_is_confined_as_its_job() {
+    // SAFETY: a null attribute with size 0 and the version flag only asks for the ABI.
+    let abi = unsafe { libc::syscall(444, std::ptr::null::<u8>(), 0usize, 1u32) };
+    assert!(
+        abi >= 2,
+        "this test needs Landlock ABI 2 or later (this kernel: {abi})"
+    );
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let home = tmp.path().join("home");
+    std::fs::create_dir_all(&home).unwrap();
+    std::fs::create_dir_all(sshd.home().join("scratch")).unwrap();
+    let list = json!([{
+        "name": "s", "host": sshd.host(), "port": sshd.port(), "user": sshd.user(),
+        "key_file": sshd.client_key().display().to_string(),
+        "confine": {"write": ["~/scratch"]},
+    }])
+    .to_string();
+    let mcp = Mcp::start(&home, &tmp.path().join("state"), &list, false).await;
+    let v = mcp
+        .ok(
+            "watch_background_task",
+            json!({"tmux_session": "none", "log_file": "scratch/none.log",
+                   "checkpoint_command": "echo 7 > ~/scratch/cp; touch ~/escaped; cat ~/scratch/cp",
+                   "ensure_watchdog": false, "notify_local": false}),
+        )
+        .await;
+    let id = v["watch_id"].as_i64().unwrap();
+    let r = mcp
+        .ok("read_background_watch_checkpoint", json!({"watch_id": id}))
+        .await;
+    assert_eq!(r["checkpoint"]["raw"], "7\n", "{r}");
+    let cmd = &r["command_result"];
+    assert!(
+        cmd["stderr"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Permission denied"),
+        "{r}"
+    );
+    assert!(
+        !sshd.home().join("escaped").exists(),
+        "the checkpoint command ran unconfined"
+    );
+    assert!(sshd.home().join("scratch/cp").exists());
+    let _ = mcp.svc.cancel().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
     let sshd = Sshd::start().unwrap();

@@ -576,9 +576,11 @@ pub async fn read_checkpoint(c: &AgentClient, w: Watch, max_bytes: i64) -> Resul
     let cmd = w.checkpoint_command_to_run();
     if !cmd.trim().is_empty() {
         let cwd = (!w.cwd.is_empty()).then_some(w.cwd.as_str());
-        let req = exec::build_request(&cmd, cwd, 30, max_bytes.min(exec::MAX_OUTPUT_CHARS))?;
+        let mut req = exec::build_request(&cmd, cwd, 30, max_bytes.min(exec::MAX_OUTPUT_CHARS))?;
+        // The user's (or model's) command, confined as the job is.
+        req.confine = c.confine().cloned();
         let r = c.call(req).await?;
-        let reply = exec::reply(&r, 30);
+        let reply = exec::confined_reply(&r, 30, c.confine());
         let raw = reply.stdout.clone().unwrap_or_default();
         let reply = serde_json::to_value(reply).unwrap_or_default();
         return Ok(CheckpointRead {

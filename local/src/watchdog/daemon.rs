@@ -796,12 +796,9 @@ impl Daemon {
             self.commit(&w, after, &[e]);
             return;
         }
-        // Confined as the session's own commands on that sandbox were (its persisted config).
-        let confine = self
-            .hosts
-            .lock()
-            .get(sandboxes::key(&w.sandbox_fp, &w.sandbox_name))
-            .and_then(|h| h.cfg.confine.as_ref().map(|c| c.request()));
+        // Confined as the session's own commands on that sandbox were: the client comes from a
+        // pool of its persisted config, which gives it that config's confine.
+        let confine = client.confine().cloned();
         let req = JobStartRequest {
             name: session,
             command: w.resume_command_to_run(),
@@ -1012,6 +1009,8 @@ pub async fn read_checkpoint(c: &AgentClient, w: &Watch) -> std::result::Result<
         req.timeout_ms = CHECKPOINT_DEADLINE.as_millis() as u64;
         req.max_stdout = MAX_TEXT_CHARS as u64;
         req.max_stderr = 2_000;
+        // A checkpoint command is the user's (or model's), so it is confined as the job is.
+        req.confine = c.confine().cloned();
         let r = tokio::time::timeout(CHECKPOINT_DEADLINE + Duration::from_secs(5), c.call(req))
             .await
             .map_err(|_| "checkpoint_command timed out".to_string())?
