@@ -164,7 +164,8 @@ pub struct Action {
     pub detail: Option<Value>,
 }
 
-/// A reply's numbers, flags, and its `mode`/`status`/`direction` words, for an audit line:
+/// A reply's numbers, flags, its `mode`/`status`/`direction` words and rsb's `confinement`
+/// line (a confined command that failed, or one run unconfined), for an audit line:
 /// what a sync moved or deleted, which id a forward or watch got. Never its texts, which can
 /// hold file content or remote output.
 pub fn reply_summary(v: &Value) -> Option<Value> {
@@ -175,7 +176,10 @@ pub fn reply_summary(v: &Value) -> Option<Value> {
             v.is_number()
                 || v.is_boolean()
                 || (v.is_string()
-                    && matches!(k.as_str(), "mode" | "status" | "direction" | "local_url"))
+                    && matches!(
+                        k.as_str(),
+                        "mode" | "status" | "direction" | "local_url" | "confinement"
+                    ))
         })
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();

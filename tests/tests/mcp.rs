@@ -4063,6 +4063,23 @@ async fn exec_bash_is_confined_by_the_kernel_to_its_write_roots() {
             "{cmd}: the reply should say the command is confined: {v}"
         );
     }
+    // Each failed confined command is on the audit record with its confinement line.
+    let audit: String = std::fs::read_dir(mcp._tmp.path().join("state/audit"))
+        .unwrap()
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect();
+    let denied = audit
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|v| v["event"] == "end" && v["tool"] == "exec_bash")
+        .filter(|v| {
+            v["detail"]["confinement"]
+                .as_str()
+                .is_some_and(|c| c.contains("only under ~/scratch"))
+        })
+        .count();
+    assert_eq!(denied, attacks.len(), "{audit}");
     // A background job: its command and everything it starts are confined; its wrapper still
     // writes the log (outside the root).
     let job = "rm -rf ~/outside; python3 -c \"import os; os.remove(os.path.expanduser('~/outside/keep.txt'))\"; \
@@ -4397,6 +4414,17 @@ async fn rsb_own_writes_keep_to_the_write_roots() {
             "something outside the root changed ({abi:?})"
         );
         assert!(!h.join("f.txt").exists());
+        // Every refusal is on the audit record with its line.
+        let audit: String = std::fs::read_dir(mcp._tmp.path().join("state/audit"))
+            .unwrap()
+            .flatten()
+            .map(|e| std::fs::read_to_string(e.path()).unwrap())
+            .collect();
+        let refusals = audit
+            .lines()
+            .filter(|l| l.contains("outside this sandbox's writable roots"))
+            .count();
+        assert_eq!(refusals, 8 + 3 + 2 + 3, "{audit}");
         // The listing says what is confined and whether this host enforces it.
         let v = mcp.ok("list_sandboxes", json!({})).await;
         let row = &v["sandboxes"][0];

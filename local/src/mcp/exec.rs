@@ -121,12 +121,22 @@ impl RsbServer {
             } else {
                 client.call(req).await
             };
+            let exit_code = r.as_ref().ok().map(|r| exec::exit_status(r) as i64);
+            let bytes = r.as_ref().ok().map(|r| r.stdout.total + r.stderr.total);
+            let out = r.map(|r| exec::confined_reply(&r, p.timeout_s, confine.as_ref()));
             started.end(|a| {
-                a.exit_code = r.as_ref().ok().map(|r| exec::exit_status(r) as i64);
-                a.bytes = r.as_ref().ok().map(|r| r.stdout.total + r.stderr.total);
-                a.error = r.as_ref().err().map(|e| e.message.clone());
+                a.exit_code = exit_code;
+                a.bytes = bytes;
+                a.error = out.as_ref().err().map(|e| e.message.clone());
+                // A confined command that failed (most often a write the kernel denied), or
+                // one that ran unconfined: the line the reply carries.
+                a.detail = out
+                    .as_ref()
+                    .ok()
+                    .and_then(|o| o.confinement.as_ref())
+                    .map(|c| serde_json::json!({ "confinement": c }));
             });
-            reply(r.map(|r| exec::confined_reply(&r, p.timeout_s, confine.as_ref())))
+            reply(out)
         };
         let line = last.clone();
         with_progress_msg(&ctx, move |secs| line.message("exec_bash", secs), work).await
