@@ -4033,6 +4033,19 @@ async fn exec_bash_is_confined_by_the_kernel_to_its_write_roots() {
     let mut entry = key_entry("box", &sshd);
     entry["confine"] = json!({"write": ["~/scratch"]});
     let mcp = Mcp::start(&list(&[entry])).await;
+    // A build inside the root works as usual (the compiler's temporaries go there too).
+    std::fs::write(
+        h.join("scratch/unl.c"),
+        "#include <stdio.h>\n#include <unistd.h>\nint main(int c, char **v) {\n  for (int i = 1; i < c; i++)\n    if (unlink(v[i]) != 0) { perror(v[i]); return 1; }\n  return 0;\n}\n",
+    )
+    .unwrap();
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "mkdir -p ~/scratch/tmp && TMPDIR=~/scratch/tmp cc -o ~/scratch/unl ~/scratch/unl.c && echo built"}),
+        )
+        .await;
+    assert_eq!(v["stdout"], "built\n", "{v}");
     // Spellings a policy that reads bash misses, and programs that are not bash at all.
     let attacks = [
         "rm -rf ~/outside",
@@ -4051,6 +4064,8 @@ async fn exec_bash_is_confined_by_the_kernel_to_its_write_roots() {
         "perl -e 'unlink \"$ENV{HOME}/outside/keep.txt\" or die \"$!\\n\"'",
         "cd ~/outside && sh -c 'rm dir/a.txt'",
         "touch ~/new-in-home",
+        "~/scratch/unl ~/outside/keep.txt ~/outside/dir/a.txt",
+        "rsync -a --delete ~/scratch/tmp/ ~/outside/",
     ];
     for cmd in attacks {
         let v = mcp.ok("exec_bash", json!({"command": cmd})).await;
@@ -4117,6 +4132,10 @@ async fn exec_bash_is_confined_by_the_kernel_to_its_write_roots() {
     assert_eq!(v["exit_code"], 0, "{v}");
     assert_eq!(v["stdout"], "done\n");
     assert!(v.get("confinement").is_none(), "{v}");
+    // A package installed into the root by pip (offline, from a wheel made there).
+    let pip = r#"cd ~/scratch && python3 -c "import zipfile; z = zipfile.ZipFile('demo-1.0-py3-none-any.whl', 'w'); z.writestr('demo/__init__.py', 'X = 42\n'); z.writestr('demo-1.0.dist-info/METADATA', 'Metadata-Version: 2.1\nName: demo\nVersion: 1.0\n'); z.writestr('demo-1.0.dist-info/WHEEL', 'Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n'); z.writestr('demo-1.0.dist-info/RECORD', ''); z.close()" && TMPDIR=~/scratch/tmp python3 -m pip install -q --no-index --no-cache-dir --disable-pip-version-check --target site demo-1.0-py3-none-any.whl && PYTHONPATH=site python3 -c 'import demo; print(demo.X)'"#;
+    let v = mcp.ok("exec_bash", json!({"command": pip})).await;
+    assert_eq!(v["stdout"], "42\n", "{v}");
     // sudo cannot gain root under no_new_privs: refused, never run unconfined.
     let r = mcp
         .err("exec_bash", json!({"command": "id", "sudo": true}))
