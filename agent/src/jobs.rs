@@ -615,13 +615,17 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     // Confinement is decided here, so a host that cannot give it refuses before anything
     // launches; the wrapper builds the same ruleset again from the spec's absolute roots.
     let mut unconfined = None;
-    let mut confine_roots = None;
+    let mut confined = None;
     if let Some(c) = &req.confine {
         match crate::confine::prepare(c)? {
             crate::confine::Decision::Confine(p, partial) => {
                 unconfined = partial;
                 let roots = c.write.iter().map(|w| crate::util::expand_home(w));
-                confine_roots = Some((roots.collect::<Vec<_>>(), p.net));
+                confined = Some(rsb_protocol::Confine {
+                    write: roots.map(|r| r.to_string_lossy().into_owned()).collect(),
+                    net: p.net,
+                    require: c.require,
+                });
             }
             crate::confine::Decision::Unconfined(why) => unconfined = Some(why),
         }
@@ -652,17 +656,8 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     spec.set("created_ms", now_ms().to_string());
     spec.set("log_start", log_start.to_string());
     // What this host enforces (a net rule it cannot apply, allowed to go, is not written).
-    if let Some((roots, net)) = &confine_roots {
-        spec.set("confine", "1");
-        for r in roots {
-            spec.push("confine_write", r.as_os_str().as_bytes());
-        }
-        if let Some(ports) = net {
-            spec.set("confine_net", "1");
-            for p in ports {
-                spec.push("confine_port", p.to_string());
-            }
-        }
+    if let Some(c) = &confined {
+        record::set_confine(&mut spec, c);
     }
     let mut env: Vec<(OsString, OsString)> = ctx.env.clone();
     for (k, v) in &req.env {

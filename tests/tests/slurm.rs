@@ -570,6 +570,48 @@ async fn slurm_many_jobs_cost_one_squeue_per_tick() {
 
 /// `--time=0:01` (Slurm rounds to one minute and checks the limit about every 30 s): the job
 /// ends as timeout, with the command's own end on record.
+/// Issue 48: on a confined sandbox a Slurm job's command is confined by the agent's wrapper on
+/// the compute node: it changes nothing outside the roots (rm, python), writes inside them,
+/// and the wrapper still writes the log outside them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_a_confined_jobs_command_keeps_to_the_write_roots() {
+    let Some(_bed) = slurm() else { return };
+    // SAFETY: a null attribute with size 0 and the version flag only asks for the ABI.
+    let abi = unsafe { libc::syscall(444, std::ptr::null::<u8>(), 0usize, 1u32) };
+    assert!(
+        abi >= 2,
+        "this test needs Landlock ABI 2 or later (this kernel: {abi})"
+    );
+    let sshd = Sshd::start().unwrap();
+    let h = sshd.home().to_path_buf();
+    std::fs::create_dir_all(h.join("scratch")).unwrap();
+    std::fs::create_dir_all(h.join("outside/dir")).unwrap();
+    std::fs::write(h.join("outside/keep.txt"), "keep me\n").unwrap();
+    let before = std::fs::read(h.join("outside/keep.txt")).unwrap();
+    let mcp = Mcp::start_entry(
+        &sshd,
+        json!({"scheduler": "slurm", "slurm": {}, "confine": {"write": ["~/scratch"]}}),
+    )
+    .await;
+    mcp.submit(
+        "confined",
+        "rm -rf ~/outside; python3 -c \"import os; os.remove(os.path.expanduser('~/outside/keep.txt'))\"; \
+         echo inside > ~/scratch/job.txt; echo job-done",
+        json!({}),
+    )
+    .await;
+    let v = mcp.until("confined", 60, finished).await;
+    let tail = v["log_tail"].as_str().unwrap_or_default();
+    assert!(tail.contains("job-done"), "{v}");
+    assert!(tail.contains("Permission denied"), "{v}");
+    assert_eq!(std::fs::read(h.join("outside/keep.txt")).unwrap(), before);
+    assert!(h.join("outside/dir").is_dir());
+    assert_eq!(
+        std::fs::read_to_string(h.join("scratch/job.txt")).unwrap(),
+        "inside\n"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slurm_time_limit_is_reported_as_timeout() {
     let Some(_bed) = slurm() else { return };

@@ -199,6 +199,39 @@ pub fn create_private_dir(path: &Path) -> std::io::Result<()> {
         .create(path)
 }
 
+/// A job's confinement in its spec, its roots absolute: what `start` decided on this host, or
+/// what a Slurm submit asks of whichever compute node runs the job. The wrapper applies it to
+/// the job's command ([`confine_of`]).
+pub fn set_confine(spec: &mut Record, c: &rsb_protocol::Confine) {
+    spec.set("confine", "1");
+    for r in &c.write {
+        spec.push("confine_write", r);
+    }
+    if let Some(ports) = &c.net {
+        spec.set("confine_net", "1");
+        for p in ports {
+            spec.push("confine_port", p.to_string());
+        }
+    }
+    spec.set("confine_require", if c.require { "1" } else { "0" });
+}
+
+/// The confinement [`set_confine`] wrote (`require` is true unless the spec says otherwise).
+pub fn confine_of(spec: &Record) -> Option<rsb_protocol::Confine> {
+    (spec.get("confine") == Some("1")).then(|| rsb_protocol::Confine {
+        write: spec
+            .get_all("confine_write")
+            .map(|r| String::from_utf8_lossy(r).into_owned())
+            .collect(),
+        net: (spec.get("confine_net") == Some("1")).then(|| {
+            spec.get_all("confine_port")
+                .filter_map(|p| std::str::from_utf8(p).ok()?.parse().ok())
+                .collect()
+        }),
+        require: spec.get("confine_require") != Some("0"),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

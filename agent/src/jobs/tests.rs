@@ -844,6 +844,79 @@ fn job_run_status(f: &Fixture, name: &str, command: &str) -> std::process::ExitS
         .unwrap()
 }
 
+/// A Slurm job's confinement is decided by the wrapper on the node that runs it (its kernel
+/// may differ from the login node's): a node without Landlock refuses a job that requires it
+/// (127, the reason in the log and the record) and runs one that allows it, saying so in the
+/// log; a node with Landlock confines the job's command.
+#[test]
+fn job_run_confines_on_its_node_or_refuses() {
+    let f = Fixture::new();
+    let (inside, outside) = (f.ctx.home.join("inside"), f.ctx.home.join("outside"));
+    std::fs::create_dir_all(&inside).unwrap();
+    std::fs::create_dir_all(&outside).unwrap();
+    let run = |name: &str, require: bool, abi: Option<&str>| {
+        let dir = f.ctx.job_dir(name);
+        record::create_private_dir(&dir).unwrap();
+        let mut spec = Record::new();
+        spec.set("name", name);
+        let (o, i) = (outside.join(name), inside.join(name));
+        spec.set(
+            "command",
+            format!(
+                "touch {} || echo denied; touch {}",
+                o.display(),
+                i.display()
+            ),
+        );
+        spec.set("cwd", f.ctx.home.as_os_str().as_bytes());
+        let log = f.ctx.home.join(format!("{name}.log"));
+        spec.set("log_file", log.as_os_str().as_bytes());
+        spec.set("launch", "l1");
+        let c = rsb_protocol::Confine {
+            write: vec![inside.display().to_string()],
+            net: None,
+            require,
+        };
+        record::set_confine(&mut spec, &c);
+        assert_eq!(record::confine_of(&spec), Some(c));
+        spec.write_atomic(&dir.join("spec")).unwrap();
+        let mut cmd = Command::new(&f.ctx.exe);
+        cmd.args(["job-run", "--root"])
+            .arg(&f.ctx.root)
+            .args(["--name", name, "--launch", "l1"]);
+        if let Some(abi) = abi {
+            cmd.env("RSB_TEST_LANDLOCK_ABI", abi);
+        }
+        let st = cmd.status().unwrap();
+        (
+            st.code(),
+            std::fs::read_to_string(log).unwrap(),
+            o.exists(),
+            i.exists(),
+        )
+    };
+    let (code, log, out, ins) = run("strict", true, Some("0"));
+    assert_eq!(code, Some(127), "{log}");
+    assert!(log.contains("has no Landlock"), "{log}");
+    assert!(!out && !ins, "the refused job ran");
+    let rec = Record::read(&f.ctx.job_dir("strict").join("state")).unwrap();
+    assert!(
+        rec.get("error")
+            .unwrap_or_default()
+            .contains("has no Landlock")
+    );
+    let (code, log, out, ins) = run("lax", false, Some("0"));
+    assert_eq!(code, Some(0), "{log}");
+    assert!(log.contains("rsb-agent: unconfined: "), "{log}");
+    assert!(out && ins);
+    if crate::confine::abi() >= 1 {
+        let (code, log, out, ins) = run("confined", true, None);
+        assert_eq!(code, Some(0), "{log}");
+        assert!(log.contains("denied"), "{log}");
+        assert!(!out && ins, "{log}");
+    }
+}
+
 #[test]
 fn job_run_exits_with_the_commands_status_or_signal() {
     use std::os::unix::process::ExitStatusExt;

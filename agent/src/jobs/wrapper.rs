@@ -288,7 +288,9 @@ fn header(name: &str, started_ms: u64, command: &str) -> String {
     )
 }
 
-fn spawn_job(spec: &Record, cwd: &Path, out: OwnedFd) -> std::io::Result<Child> {
+/// The job's command, started; with what of its confinement this host could not give (allowed
+/// by `require = false`).
+fn spawn_job(spec: &Record, cwd: &Path, out: OwnedFd) -> std::io::Result<(Child, Option<String>)> {
     let command = spec.get("command").unwrap_or_default();
     let env: Vec<(&std::ffi::OsStr, &std::ffi::OsStr)> = spec
         .get_all("env")
@@ -338,35 +340,43 @@ fn spawn_job(spec: &Record, cwd: &Path, out: OwnedFd) -> std::io::Result<Child> 
     proc::new_session(&mut cmd, Some(Signal::TERM));
     // Confined as `start` decided (the roots are absolute in the spec): the job's command and
     // all it starts; this wrapper, which writes the log and the record, stays outside.
-    let _ruleset = if spec.get("confine") == Some("1") {
-        let c = rsb_protocol::Confine {
-            write: spec
-                .get_all("confine_write")
-                .map(|r| String::from_utf8_lossy(r).into_owned())
-                .collect(),
-            net: (spec.get("confine_net") == Some("1")).then(|| {
-                spec.get_all("confine_port")
-                    .filter_map(|p| std::str::from_utf8(p).ok()?.parse().ok())
-                    .collect()
-            }),
-            require: true,
-        };
-        match crate::confine::prepare(&c) {
-            Ok(crate::confine::Decision::Confine(p, _)) => {
+    // A Slurm job's is decided here, on the compute node: it may serve another Landlock ABI
+    // than the login node, or none.
+    let mut unconfined = None;
+    let _ruleset = match super::record::confine_of(spec) {
+        Some(c) => match crate::confine::prepare(&c) {
+            Ok(crate::confine::Decision::Confine(p, partial)) => {
                 p.apply_in_child(&mut cmd);
+                unconfined = partial;
                 Some(p)
             }
-            Ok(crate::confine::Decision::Unconfined(why))
-            | Err(rsb_protocol::AgentError { message: why, .. }) => {
-                return Err(std::io::Error::other(format!(
-                    "not confined as asked: {why}"
-                )));
+            Ok(crate::confine::Decision::Unconfined(why)) => {
+                unconfined = Some(why);
+                None
             }
-        }
-    } else {
-        None
+            Err(e) => return Err(Refused(e.message).into()),
+        },
+        None => None,
     };
-    proc::spawn(&mut cmd)
+    Ok((proc::spawn(&mut cmd)?, unconfined))
+}
+
+/// The job's confinement cannot be given on this host and is required: the job does not run.
+#[derive(Debug)]
+struct Refused(String);
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+impl From<Refused> for std::io::Error {
+    fn from(r: Refused) -> Self {
+        std::io::Error::other(r)
+    }
 }
 
 fn run(opts: &Opts) -> Result<i32, String> {
@@ -433,11 +443,22 @@ fn run(opts: &Opts) -> Result<i32, String> {
 
     let (out_r, out_w) = pipe(false).map_err(|e| format!("cannot create a pipe: {e}"))?;
     let mut child = match spawn_job(&spec, &cwd, out_w) {
-        Ok(c) => c,
+        Ok((c, unconfined)) => {
+            if let Some(why) = unconfined {
+                log.write(
+                    format!("rsb-agent: unconfined: {why}; the job runs without that confinement (confine.require = false)\n")
+                        .as_bytes(),
+                );
+            }
+            c
+        }
         Err(e) => {
             // Recorded as an ended job (127, like a shell that cannot find a command) so the
             // reason is in the log and the record, and `start` reports it as an error.
-            let msg = format!("cannot start bash in {}: {e}", cwd.display());
+            let msg = match e.get_ref().and_then(|i| i.downcast_ref::<Refused>()) {
+                Some(r) => r.0.clone(),
+                None => format!("cannot start bash in {}: {e}", cwd.display()),
+            };
             log.write(format!("rsb-agent: {msg}\n{}127\n", rsb_protocol::LOG_EXIT_CODE).as_bytes());
             state.set("pid", "0");
             state.set("pgid", "0");

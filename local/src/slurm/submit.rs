@@ -189,6 +189,15 @@ pub async fn submit(client: &AgentClient, job: &Job<'_>) -> Result<Submitted> {
     for (k, v) in job.env {
         spec.push("env", format!("{k}={v}"));
     }
+    // The sandbox's confinement, applied by the wrapper on the compute node, which decides
+    // there whether it can (that node's kernel may differ from the login node's).
+    if let Some(c) = client.confine() {
+        let c = rsb_protocol::Confine {
+            write: c.write.iter().map(|w| resolve(&home, &home, w)).collect(),
+            ..c.clone()
+        };
+        rsb_agent::jobs::record::set_confine(&mut spec, &c);
+    }
     let q = rsb_deploy::shell_quote;
     let root = jobs_root(&home);
     // rsb's own values only: the agent path and root are paths it chose, the name matched
