@@ -48,7 +48,8 @@ impl Watch {
         let mut child = env
             .command()
             .args(["--json", "sync", "--watch"])
-            .arg(local)
+            // Its contents (rsync's trailing slash), as the mirror of `remote`.
+            .arg(format!("{}/", local.display()))
             .arg(format!("s:{remote}"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

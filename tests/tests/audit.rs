@@ -251,7 +251,7 @@ fn cli_jobs_and_syncs_are_audited() {
     let src = tmp.path().join("src");
     std::fs::create_dir_all(&src).unwrap();
     std::fs::write(src.join("a.txt"), "a\n").unwrap();
-    let (code, err) = run(&["sync", src.to_str().unwrap(), "s:au-up"]);
+    let (code, err) = run(&["sync", &format!("{}/", src.display()), "s:au-up"]);
     assert_eq!(code, Some(0), "{err}");
     let (code, _) = run(&["sync", "/nonexistent-rsb-src", "s:au-up"]);
     assert_ne!(code, Some(0));

@@ -393,6 +393,8 @@ fn cli_table() {
     std::fs::write(proj.join("sub/b.txt"), "b\n").unwrap();
     std::fs::write(proj.join("sub/run.log"), "log\n").unwrap();
     let proj = proj.display().to_string();
+    // The directory's contents, as rsync reads a trailing slash.
+    let contents = format!("{proj}/");
     let free = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap().port()
@@ -641,31 +643,42 @@ fn cli_table() {
         rsb(&["jobs", "kill", "--grace", "0", "w2"]).out("w2"),
         rsb(&["wait", "w2"]).code(137).err("killed by signal 9"),
         // Sync: quiet by default, -v lists each file sent (rsync-like), --gitignore.
-        rsb(&["sync", &proj, "gpu1:cli-q"])
+        rsb(&["sync", &contents, "gpu1:cli-q"])
             .out("sent 4 files")
             .no_out("a.txt"),
-        rsb(&["sync", "-v", "--gitignore", &proj, "gpu1:cli-v"])
+        rsb(&["sync", "-v", "--gitignore", &contents, "gpu1:cli-v"])
             .out("send    a.txt")
             .out("send    sub/b.txt")
             .out("send    .gitignore")
             .no_out("run.log")
             .out("sent 3 files"),
-        rsb(&["sync", "-v", "--delete", &proj, "gpu1:cli-v"])
+        rsb(&["sync", "-v", "--delete", &contents, "gpu1:cli-v"])
             .out("send    sub/run.log")
             .no_out("a.txt"),
         // What the .gitignore leaves out is never deleted on the destination (as --exclude).
-        rsb(&["sync", "-v", "--delete", "--gitignore", &proj, "gpu1:cli-v"])
+        rsb(&["sync", "-v", "--delete", "--gitignore", &contents, "gpu1:cli-v"])
             .no_out("delete")
             .no_out("send")
             .out("3 unchanged"),
-        rsb(&["sync", "-n", &proj, "gpu1:cli-n"]).out("send    sub/b.txt"),
+        rsb(&["sync", "-n", &contents, "gpu1:cli-n"]).out("send    sub/b.txt"),
         // rsync's habit `-avz` (issue 41, item 9): -z turns compression on, even on loopback,
         // where rsb would not compress by itself.
-        rsb(&["sync", "-avz", &proj, "gpu1:cli-z"])
+        rsb(&["sync", "-avz", &contents, "gpu1:cli-z"])
             .err("-a is implied")
             .out("sent 4 files")
             .out("compressed"),
-        rsb(&["sync", &proj, "gpu1:cli-z2"]).no_out("compressed"),
+        rsb(&["sync", &contents, "gpu1:cli-z2"]).no_out("compressed"),
+        // rsync's trailing-slash rule (issue 41, item 4): without the slash, the directory
+        // itself goes into the destination.
+        rsb(&["sync", &proj, "gpu1:cli-r"]).out("sent 4 files"),
+        rsb(&["exec", "cat ~/cli-r/proj/sub/b.txt"]).out_eq("b\n"),
+        // Its contents straight into the (non-empty) home: asked first, so with no terminal
+        // refused (exit 7) and nothing sent; a dry run changes nothing and is not asked.
+        rsb(&["sync", &contents, "gpu1:"])
+            .code(7)
+            .err("not syncing the contents"),
+        rsb(&["exec", "test -e ~/sub/b.txt || echo clean"]).out_eq("clean\n"),
+        rsb(&["sync", "-n", &contents, "gpu1:"]).out("send    sub/b.txt"),
         // About rsb itself.
         rsb(&["version"])
             .out("rsb ")

@@ -450,7 +450,8 @@ fn sync_conflicts_exit_non_zero() {
     let proj = u.tmp.path().join("proj");
     std::fs::create_dir_all(&proj).unwrap();
     std::fs::write(proj.join("train.py"), "one\n").unwrap();
-    let p = proj.display().to_string();
+    // Its contents (a trailing slash, as rsync reads it) into ~/proj.
+    let p = format!("{}/", proj.display());
     let o = u.run(
         &mut u.cmd(&["sync", &p, "gpu1:proj"]),
         Duration::from_secs(60),
@@ -947,7 +948,8 @@ fn an_upload_with_delete_keeps_a_running_job_s_log() {
     let proj = u.tmp.path().join("proj");
     std::fs::create_dir_all(proj.join(".codex_logs")).unwrap();
     std::fs::write(proj.join("serve.py"), "print('serving')\n").unwrap();
-    let p = proj.display().to_string();
+    // Its contents (a trailing slash, as rsync reads it) into ~/proj.
+    let p = format!("{}/", proj.display());
     let o = u.run(
         &mut u.cmd(&["sync", &p, "gpu1:proj"]),
         Duration::from_secs(60),
@@ -997,7 +999,8 @@ fn an_upload_with_delete_keeps_a_running_job_s_log() {
     );
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     assert!(text(&o.stdout).contains("serving"), "{}", show(&o));
-    // A download brings the log home like any file.
+    // A download brings the log home like any file; `gpu1:proj` without a trailing slash makes
+    // back/proj, as rsync does.
     let back = u.tmp.path().join("back");
     let o = u.run(
         &mut u.cmd(&["sync", "gpu1:proj", &back.display().to_string()]),
@@ -1005,7 +1008,7 @@ fn an_upload_with_delete_keeps_a_running_job_s_log() {
     );
     assert_eq!(o.status.code(), Some(0), "{}", show(&o));
     assert!(
-        std::fs::read_to_string(back.join(".codex_logs/web.log"))
+        std::fs::read_to_string(back.join("proj/.codex_logs/web.log"))
             .unwrap()
             .contains("serving")
     );

@@ -37,7 +37,8 @@ impl RsbWatch {
             .command()
             .args(["--json", "sync", "--watch"])
             .args(extra)
-            .arg(local)
+            // Its contents (rsync's trailing slash), as the mirror of `remote`.
+            .arg(format!("{}/", local.display()))
             .arg(format!("s:{remote}"))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

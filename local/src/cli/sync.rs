@@ -1,5 +1,6 @@
-//! `rsb sync SRC DST`: one exact sync (or `--watch`), with rsync's habits: `-n`, `--delete`,
-//! `--exclude`, `-v` (a line per file sent, deleted or in conflict), `-a` accepted.
+//! `rsb sync SRC DST`: one exact sync (or `--watch`), with rsync's habits: its trailing-slash
+//! rule, `-n`, `--delete`, `--exclude`, `-v` (a line per file sent, deleted or in conflict),
+//! `-a` accepted.
 
 use clap::Args;
 use rsb::{
@@ -13,7 +14,12 @@ use rsb::term::shown;
 
 #[derive(Args)]
 pub struct SyncArgs {
+    /// LOCAL or SANDBOX:PATH. As rsync: a directory named without a trailing slash is copied
+    /// as a directory of that name inside DST (`proj` makes DST/proj); with one (`proj/`), or
+    /// `.`, its contents are copied into DST.
     src: String,
+    /// SANDBOX:PATH or LOCAL; `SANDBOX:` alone is the remote home (contents written straight
+    /// into a non-empty home are asked first).
     dst: String,
     /// Delete destination entries missing from the source (never excluded ones).
     #[arg(long)]
@@ -164,10 +170,13 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
             },
         ))
     })();
-    let (sandbox, spec) = match prep {
+    let (sandbox, mut spec) = match prep {
         Ok(x) => x,
         Err(e) => return fail(json, &e),
     };
+    if let Err(e) = as_rsync(ctx, &sandbox, &mut spec, &a).await {
+        return fail(json, &e);
+    }
     if let Err(e) = approve(ctx, &sandbox, &spec, &a).await {
         return fail(json, &e);
     }
@@ -202,6 +211,135 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
     let code = once(pool, json, &sandbox, &spec, &a).await;
     started.end(|l| l.exit_code = Some(code.into()));
     code
+}
+
+/// A source named as a directory's contents: a trailing slash, `.`/`..`, or a home (`box:`,
+/// `box:~`), as rsync reads it.
+fn names_contents(src: &str) -> bool {
+    let s = src.trim();
+    s.is_empty() || s.ends_with('/') || matches!(s.rsplit('/').next(), Some("." | ".." | "~"))
+}
+
+/// `dst` with rsync's rule applied for a directory source `src`: named without a trailing slash
+/// it is copied as a directory of its own name inside `dst`; named as its contents
+/// ([`names_contents`]) it is copied into `dst` itself.
+fn rsync_dst(src: &str, dst: &str) -> String {
+    if names_contents(src) {
+        return dst.to_string();
+    }
+    let name = src
+        .trim()
+        .trim_end_matches('/')
+        .rsplit('/')
+        .next()
+        .unwrap_or_default();
+    match dst.trim() {
+        "" => name.to_string(),
+        d if d.ends_with('/') => format!("{d}{name}"),
+        d => format!("{d}/{name}"),
+    }
+}
+
+/// The destination is a home: the sandbox's (`box:`, `box:~`, `box:.`) or, downloading, the
+/// user's own.
+fn is_home(spec: &SyncSpec) -> bool {
+    match spec.direction {
+        Direction::Upload => {
+            rsb_rules::path::anchor_home(&spec.remote_path).trim_end_matches('/') == "~"
+        }
+        Direction::Download => {
+            let home = std::env::var_os("HOME").map(std::path::PathBuf::from);
+            let canon = |p: &std::path::Path| std::fs::canonicalize(p).ok();
+            home.is_some_and(|h| canon(&h).is_some() && canon(&h) == canon(&spec.local_path))
+        }
+    }
+}
+
+/// rsync's trailing-slash rule, which the MCP tools (the seed's semantics) do not follow:
+/// `rsb sync proj box:` makes `~/proj`, and `rsb sync proj/ box:` copies proj's contents into
+/// the home; so does a download. Writing a directory's contents straight into a non-empty home
+/// is asked first (`-y` approves it; a dry run changes nothing and is not asked).
+async fn as_rsync(
+    ctx: &Ctx,
+    sandbox: &str,
+    spec: &mut SyncSpec,
+    a: &SyncArgs,
+) -> Result<(), RsbError> {
+    let src_is_dir = match spec.direction {
+        Direction::Upload => spec.local_path.is_dir(),
+        Direction::Download => {
+            let client = ctx.pool.client(sandbox).await?;
+            let req = rsb_protocol::StatRequest {
+                path: rsb_rules::path::anchor_home(&spec.remote_path),
+                follow: true,
+            };
+            match client.call(req).await {
+                Ok(st) => st.kind == rsb_protocol::FileKind::Dir,
+                // A missing source is the sync's own error to report.
+                Err(_) => false,
+            }
+        }
+    };
+    if !src_is_dir {
+        return Ok(());
+    }
+    // The source as typed (a remote one without its `SANDBOX:`).
+    let src = match spec.direction {
+        Direction::Upload => a.src.clone(),
+        Direction::Download => spec.remote_path.clone(),
+    };
+    match spec.direction {
+        Direction::Upload => spec.remote_path = rsync_dst(&src, &spec.remote_path),
+        Direction::Download => {
+            let given = a.dst.clone();
+            spec.local_path = rsb::ops::sync::expand_local(&rsync_dst(&src, &given))?;
+        }
+    }
+    if !names_contents(&src) || spec.dry_run || !is_home(spec) {
+        return Ok(());
+    }
+    let empty = match spec.direction {
+        Direction::Upload => {
+            let client = ctx.pool.client(sandbox).await?;
+            let req = rsb_protocol::ListDirRequest {
+                path: "~".into(),
+                recursive: false,
+                max_entries: 1,
+            };
+            client.call(req).await.is_ok_and(|l| l.entries.is_empty())
+        }
+        Direction::Download => std::fs::read_dir(&spec.local_path)
+            .map(|mut d| d.next().is_none())
+            .unwrap_or(false),
+    };
+    if empty {
+        return Ok(());
+    }
+    let whose = match spec.direction {
+        Direction::Upload => format!("{sandbox}'s home"),
+        Direction::Download => "your home".to_string(),
+    };
+    let question = format!(
+        "rsb sync {} -> {} writes the contents of {} straight into {whose}, which is not empty (rsync's trailing-slash rule; without the slash it makes a directory of that name)",
+        shown(&a.src),
+        shown(&a.dst),
+        shown(a.src.trim_end_matches('/')),
+    );
+    let why = match super::policy::terminal(question, a.yes).await {
+        rsb::policy::Answer::Approved => return Ok(()),
+        rsb::policy::Answer::Declined => "declined".to_string(),
+        rsb::policy::Answer::Cancelled => "cancelled".to_string(),
+        rsb::policy::Answer::CannotAsk(why) => why,
+    };
+    // Refused as an unapproved action is (exit 7).
+    Err(RsbError::new(
+        rsb::error::Kind::Policy,
+        format!(
+            "not syncing the contents of {} into {whose}: {why}",
+            shown(&a.src),
+        ),
+        "drop the trailing slash to make a directory of that name, name one (box:proj), or pass -y",
+    ))
 }
 
 /// The policy's `ask_actions` for `--delete` and `--force`: asked with what the first sync
@@ -311,5 +449,32 @@ async fn once(pool: &Pool, json: bool, sandbox: &str, spec: &SyncSpec, a: &SyncA
             exit::INTERRUPTED
         }
         Err(e) => fail(json, &e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rsync_trailing_slash_rule() {
+        let cases = [
+            ("proj", "", "proj"),
+            ("proj", ".", "./proj"),
+            ("proj", "work", "work/proj"),
+            ("proj", "work/", "work/proj"),
+            ("/abs/path/proj", "~", "~/proj"),
+            ("proj/", "work", "work"),
+            ("proj//", "", ""),
+            (".", "work", "work"),
+            ("../..", "work", "work"),
+            ("a/.", "work", "work"),
+            ("~", "bak", "bak"),
+            ("", "bak", "bak"),
+            ("~/data", "/scratch/", "/scratch/data"),
+        ];
+        for (src, dst, want) in cases {
+            assert_eq!(rsync_dst(src, dst), want, "{src} -> {dst}");
+        }
     }
 }
