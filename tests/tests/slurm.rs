@@ -570,6 +570,72 @@ async fn slurm_many_jobs_cost_one_squeue_per_tick() {
 
 /// `--time=0:01` (Slurm rounds to one minute and checks the limit about every 30 s): the job
 /// ends as timeout, with the command's own end on record.
+/// Issue 43: `rsb jobs start` on a Slurm login node submits through sbatch, as
+/// exec_bash_background does (a Slurm id, with --slurm's options), never tmux on the login
+/// node; `rsb jobs kill` cancels it through scancel, and Slurm says CANCELLED.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_rsb_jobs_start_submits_and_kill_cancels() {
+    let Some(_bed) = slurm() else { return };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let (code, out) = mcp.cli(&[
+        "--json",
+        "jobs",
+        "start",
+        "--name",
+        "clij",
+        "--slurm",
+        r#"{"time": "0:05:00", "job_name_suffix": 1}"#,
+        "--",
+        "sleep 300",
+    ]);
+    assert_eq!(
+        code,
+        Some(1),
+        "an unknown --slurm key is a usage error: {out}"
+    );
+    let (code, out) = mcp.cli(&[
+        "--json",
+        "jobs",
+        "start",
+        "--name",
+        "clij",
+        "--slurm",
+        r#"{"time": "0:05:00"}"#,
+        "--",
+        "sleep 300",
+    ]);
+    assert_eq!(code, Some(0), "{out}");
+    let v: Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["scheduler"], "slurm", "{v}");
+    let id = v["slurm_job_id"].as_str().unwrap().to_string();
+    let running = mcp
+        .until("clij", 60, |v| v["slurm_state"] == "RUNNING")
+        .await;
+    assert_eq!(running["slurm_job_id"], id.as_str(), "{running}");
+    // --slurm's time limit reached sbatch.
+    let time = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": format!("squeue -h -j {id} -o %l")}),
+        )
+        .await;
+    assert_eq!(
+        time["stdout"].as_str().unwrap_or_default().trim(),
+        "5:00",
+        "{time}"
+    );
+    let (code, out) = mcp.cli(&["jobs", "kill", "clij"]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("clij") && out.contains("CANCELLED"), "{out}");
+    let v = mcp.until("clij", 30, finished).await;
+    assert_eq!(v["slurm_state"], "CANCELLED", "{v}");
+    // --slurm on a sandbox that is not a login node is refused.
+    let plain = Mcp::start_entry(&sshd, json!({})).await;
+    let (code, _) = plain.cli(&["jobs", "start", "--slurm", "{}", "--", "true"]);
+    assert_eq!(code, Some(1));
+}
+
 /// Issue 48: on a confined sandbox a Slurm job's command is confined by the agent's wrapper on
 /// the compute node: it changes nothing outside the roots (rm, python), writes inside them,
 /// and the wrapper still writes the log outside them.

@@ -29,6 +29,11 @@ pub enum JobsCmd {
         /// Approve a command the policy's `ask` rules hold for approval, without the question.
         #[arg(long, short = 'y')]
         yes: bool,
+        /// On a Slurm login node, the job's sbatch options over the sandbox's defaults, as
+        /// exec_bash_background's `slurm` (JSON: '{"partition": "gpu", "gpus": 1, "time": "2:00:00"}').
+        /// A job on a Slurm sandbox is always submitted through sbatch.
+        #[arg(long, value_name = "JSON")]
+        slurm: Option<String>,
         /// One argument is a bash command line; several are words, boundaries kept.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
@@ -151,11 +156,21 @@ async fn kill(
             exit::OK
         }
         Ok(k) => {
+            let s = |key: &str| k[key].as_str().unwrap_or_default().to_string();
+            // The job's outcome, and Slurm's state for a Slurm job.
+            let mut outcome = match (k["exit_code"].as_i64(), k["signal"].as_i64()) {
+                (Some(c), _) => c.to_string(),
+                (None, Some(sig)) => format!("signal {sig}"),
+                _ => "-".into(),
+            };
+            if k.get("slurm_state").is_some() {
+                outcome = format!("{outcome} (Slurm {})", s("slurm_state"));
+            }
             println!(
                 "{}  {}  {}",
-                shown(&k.tmux_session),
-                k.state,
-                shown(&outcome(&k))
+                shown(&s("tmux_session")),
+                s("state"),
+                shown(&outcome)
             );
             exit::OK
         }
@@ -168,9 +183,10 @@ async fn kill_audited(
     client: &rsb::client::AgentClient,
     name: &str,
     grace: f64,
-) -> rsb::error::Result<rsb::ops::jobs::JobSummary> {
+) -> rsb::error::Result<serde_json::Value> {
     let t0 = std::time::Instant::now();
-    let r = jobs::kill(client, name, grace).await;
+    let on_slurm = ctx.pool.slurm(client.sandbox()).is_some();
+    let r = rsb::ops::slurm::jobs::kill_any(client, on_slurm, name, grace).await;
     let err = r.as_ref().err();
     audit(
         ctx,
@@ -196,6 +212,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             cwd,
             log,
             yes,
+            slurm,
             command,
         } => {
             let line = super::command_line(&command);
@@ -210,6 +227,48 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             )
             .await
             {
+                return fail(json, &e);
+            }
+            if let Some(defaults) = ctx.pool.slurm(client.sandbox()) {
+                let t0 = std::time::Instant::now();
+                let names = (name.as_deref(), log.as_deref(), cwd.as_deref());
+                let r = start_slurm(ctx, &client, &defaults, slurm.as_deref(), &line, names).await;
+                audit(
+                    ctx,
+                    &client,
+                    "rsb jobs start",
+                    Some(line),
+                    cwd,
+                    t0,
+                    r.as_ref().err(),
+                );
+                return match r {
+                    Ok(v) if json => {
+                        print_json(&v);
+                        exit::OK
+                    }
+                    Ok(v) => {
+                        let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+                        println!("{}", shown(&s("tmux_session")));
+                        eprintln!(
+                            "rsb: submitted to Slurm on {} (job {}); log: {}",
+                            client.sandbox(),
+                            shown(&s("slurm_job_id")),
+                            shown(&s("log_file"))
+                        );
+                        exit::OK
+                    }
+                    Err(e) => fail(json, &e),
+                };
+            }
+            if slurm.is_some() {
+                let e = RsbError::invalid(
+                    format!(
+                        "sandbox '{}' is not a Slurm login node, so --slurm does not apply",
+                        client.sandbox()
+                    ),
+                    "declare it with scheduler = \"slurm\" in the config, or drop --slurm",
+                );
                 return fail(json, &e);
             }
             let t0 = std::time::Instant::now();
@@ -355,6 +414,43 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
         },
         JobsCmd::Prune { older_than } => prune(&client, json, older_than).await,
     }
+}
+
+/// `rsb jobs start` on a Slurm login node: submitted through sbatch by the same op as
+/// `exec_bash_background`, with `--slurm`'s options over the sandbox's defaults.
+async fn start_slurm(
+    ctx: &Ctx,
+    client: &AgentClient,
+    defaults: &rsb::ops::slurm::SlurmOptions,
+    slurm: Option<&str>,
+    line: &str,
+    (name, log, cwd): (Option<&str>, Option<&str>, Option<&str>),
+) -> Result<serde_json::Value, RsbError> {
+    let job: rsb::ops::slurm::SlurmOptions = match slurm {
+        Some(s) => serde_json::from_str(s).map_err(|e| {
+            RsbError::invalid(
+                format!("--slurm is not valid: {e}"),
+                "pass a JSON object such as '{\"partition\": \"gpu\", \"gpus\": 1, \"time\": \"2:00:00\"}'",
+            )
+        })?,
+        None => Default::default(),
+    };
+    let agent = ctx
+        .pool
+        .agent_path(client.sandbox())
+        .ok_or_else(|| RsbError::internal("the agent's path on the login node is not known"))?;
+    rsb::ops::slurm::jobs::start(
+        client,
+        &agent,
+        defaults,
+        &job,
+        line,
+        name.unwrap_or(""),
+        log.unwrap_or(""),
+        cwd.unwrap_or(""),
+        &[],
+    )
+    .await
 }
 
 /// `rsb jobs list` on a Slurm login node: the common columns, then Slurm's.

@@ -411,19 +411,8 @@ impl RsbServer {
         // A deliberate kill is not an interruption: stop watching first, so the watchdog
         // neither alerts nor resumes it.
         let cancelled = self.cancel_watches_of(client.sandbox(), &p.tmux_session);
-        let slurm_id = match self.pool.slurm(client.sandbox()) {
-            Some(_) => slurm::jobs::slurm_id(&client, &p.tmux_session)
-                .await
-                .ok()
-                .flatten(),
-            None => None,
-        };
-        let mut r = match &slurm_id {
-            Some(id) => slurm::jobs::kill(&client, &p.tmux_session, id).await,
-            None => jobs::kill(&client, &p.tmux_session, p.grace_s)
-                .await
-                .map(|k| serde_json::to_value(k).unwrap_or_default()),
-        };
+        let on_slurm = self.pool.slurm(client.sandbox()).is_some();
+        let mut r = slurm::jobs::kill_any(&client, on_slurm, &p.tmux_session, p.grace_s).await;
         if let Ok(v) = &mut r
             && !cancelled.is_empty()
         {

@@ -275,6 +275,28 @@ async fn pending_reply(
     Ok(Value::Object(m))
 }
 
+/// Stop the job `name` on `client`'s sandbox, the one path of `kill_background_task` and
+/// `rsb jobs kill`: on a Slurm login node (`slurm`), a job with a Slurm id on record is
+/// cancelled through scancel (its processes run on a compute node the agent cannot reach);
+/// any other job gets the agent's kill (SIGTERM, then SIGKILL after `grace_s`).
+pub async fn kill_any(
+    client: &AgentClient,
+    slurm: bool,
+    name: &str,
+    grace_s: f64,
+) -> Result<Value> {
+    let id = match slurm {
+        true => slurm_id(client, name).await.ok().flatten(),
+        false => None,
+    };
+    match id {
+        Some(id) => kill(client, name, &id).await,
+        None => ojobs::kill(client, name, grace_s)
+            .await
+            .map(|k| serde_json::to_value(k).unwrap_or_default()),
+    }
+}
+
 /// `kill_background_task`: scancel, then squeue until Slurm reports the end (scancel of an
 /// unknown id returns 0, so its status proves nothing).
 pub async fn kill(client: &AgentClient, name: &str, id: &str) -> Result<Value> {
