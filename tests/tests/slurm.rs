@@ -65,7 +65,9 @@ impl Mcp {
             .env("XDG_DATA_HOME", home.join(".local/share"))
             .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
             .env("RSB_STATE_DIR", tmp.path().join("state"))
-            .env("REMOTE_SANDBOX_LIST", list.to_string());
+            .env("REMOTE_SANDBOX_LIST", list.to_string())
+            // The watchdog's tools (watch_background_task) too.
+            .env("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "1");
         let (transport, _) = TokioChildProcess::builder(cmd).spawn().unwrap();
         let svc = tokio::time::timeout(Duration::from_secs(20), ().serve(transport))
             .await
@@ -630,6 +632,31 @@ async fn slurm_rsb_jobs_start_submits_and_kill_cancels() {
     assert!(out.contains("clij") && out.contains("CANCELLED"), "{out}");
     let v = mcp.until("clij", 30, finished).await;
     assert_eq!(v["slurm_state"], "CANCELLED", "{v}");
+    // exec_bash_background_watch takes the same options.
+    let w = mcp
+        .ok(
+            "exec_bash_background_watch",
+            json!({"command": "sleep 300", "session_name": "wslurm", "slurm": {"time": "0:03:00"},
+                   "ensure_watchdog": false, "notify_local": false}),
+        )
+        .await;
+    let wid = w["slurm_job_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{w}"))
+        .to_string();
+    let limit = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": format!("squeue -h -j {wid} -o %l")}),
+        )
+        .await;
+    assert_eq!(
+        limit["stdout"].as_str().unwrap_or_default().trim(),
+        "3:00",
+        "{limit}"
+    );
+    mcp.ok("kill_background_task", json!({"tmux_session": "wslurm"}))
+        .await;
     // --slurm on a sandbox that is not a login node is refused.
     let plain = Mcp::start_entry(&sshd, json!({})).await;
     let (code, _) = plain.cli(&["jobs", "start", "--slurm", "{}", "--", "true"]);
@@ -775,6 +802,26 @@ async fn slurm_node_down_interrupts_and_resubmits_or_is_requeued_by_slurm_alone(
     let b = mcp
         .submit_watched("nd-rq", "sleep 300", json!({"requeue": true}), true)
         .await;
+    // Issue 43: a job submitted unwatched and watched afterwards (its plan has no options)
+    // is resubmitted with the options it was submitted with, read from its spec.
+    let c = mcp
+        .ok(
+            "exec_bash_background",
+            json!({"command": "sleep 300", "session_name": "nd-late", "watch": false,
+                   "slurm": {"requeue": false, "time": "0:07:00"}}),
+        )
+        .await;
+    let wc = mcp
+        .ok(
+            "watch_background_task",
+            json!({"tmux_session": "nd-late", "log_file": c["log_file"], "interval_s": 1,
+                   "auto_resume": true, "resume_delay_s": 0, "max_resume_attempts": 1,
+                   "resume_command": "sleep 300", "checkpoint_path": "ck.txt",
+                   "ensure_watchdog": false, "notify_local": false}),
+        )
+        .await["watch_id"]
+        .as_i64()
+        .unwrap();
     let (wa, wb) = (
         a["watch_id"].as_i64().unwrap(),
         b["watch_id"].as_i64().unwrap(),
@@ -785,8 +832,9 @@ async fn slurm_node_down_interrupts_and_resubmits_or_is_requeued_by_slurm_alone(
     );
     mcp.until("nd-norq", 60, |v| v["state"] == "running").await;
     mcp.until("nd-rq", 60, |v| v["state"] == "running").await;
-    // The daemon saw both running before the failure.
-    for w in [wa, wb] {
+    mcp.until("nd-late", 60, |v| v["state"] == "running").await;
+    // The daemon saw them running before the failure.
+    for w in [wa, wb, wc] {
         let deadline = Instant::now() + Duration::from_secs(30);
         while mcp.watch(w).last_state != "running" {
             assert!(Instant::now() < deadline, "{:?}", mcp.watch(w));
@@ -822,6 +870,21 @@ async fn slurm_node_down_interrupts_and_resubmits_or_is_requeued_by_slurm_alone(
     eprintln!(
         "node DOWN -> interrupted + resubmitted in {:.1} s",
         took.as_secs_f64()
+    );
+    mcp.until_events(wc, 60, |e| has(e, "resume_started")).await;
+    let v = mcp.check("nd-late").await;
+    let late = v["slurm_job_id"].as_str().unwrap().to_string();
+    assert_ne!(late, c["slurm_job_id"].as_str().unwrap(), "{v}");
+    let limit = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": format!("squeue -h -j {late} -o %l")}),
+        )
+        .await;
+    assert_eq!(
+        limit["stdout"].as_str().unwrap_or_default().trim(),
+        "7:00",
+        "resubmitted with its time limit: {limit}"
     );
 
     // requeue=true: resuming by Slurm's own restart; rsb does not resubmit.

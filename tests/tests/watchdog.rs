@@ -1458,7 +1458,8 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
     ] {
         assert!(tools.iter().any(|x| x.name == t), "{t} missing");
     }
-    // The seed's parameters and defaults (inventory §1.2), plus rsb's stall_after_s.
+    // The seed's parameters and defaults (inventory §1.2), plus rsb's stall_after_s (and
+    // exec_bash_background_watch's slurm, as exec_bash_background's).
     let spec: [(&str, &[&str], Value); 12] = [
         (
             "install_macos_watchdog",
@@ -1488,7 +1489,7 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
                    "auto_resume": false, "max_resume_attempts": 1, "metadata_json": "",
                    "ensure_watchdog": true, "notify_local": true, "alert_after_failures": 2,
                    "resume_delay_s": 300, "codex_wakeup": false, "codex_command": "",
-                   "stall_after_s": 0}),
+                   "stall_after_s": 0, "slurm": null}),
         ),
         ("list_background_watches", &[], json!({"status": ""})),
         ("get_background_watch", &["watch_id"], json!({})),

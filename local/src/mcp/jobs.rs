@@ -20,7 +20,7 @@ use crate::{
 /// doc line) cost 1,000 B of every tools/list, and a typed `properties` map still 560 B, for a
 /// parameter only Slurm sandboxes use; the keys are sbatch's own option names. serde still
 /// refuses unknown keys and wrong types with a message that names them.
-fn slurm_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+pub(super) fn slurm_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
     schemars::json_schema!({
         "type": "object",
         "description": SLURM_KEYS,

@@ -181,6 +181,10 @@ pub struct ExecWatchParams {
     pub codex_command: String,
     #[serde(default)]
     pub stall_after_s: i64,
+    /// As exec_bash_background's `slurm`.
+    #[serde(default)]
+    #[schemars(schema_with = "super::jobs::slurm_schema")]
+    pub slurm: Option<crate::ops::slurm::SlurmOptions>,
 }
 
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -394,7 +398,7 @@ impl RsbServer {
             codex_wakeup: p.codex_wakeup,
             codex_command: p.codex_command,
             stall_after_s: p.stall_after_s,
-            slurm: None,
+            slurm: p.slurm,
         };
         let mut q = q;
         self.pool.pin(&mut q.sandbox_name);

@@ -116,6 +116,13 @@ pub async fn slurm_id(client: &AgentClient, name: &str) -> Result<Option<String>
     read_line(client, format!("{dir}/slurm_job")).await
 }
 
+/// The options job `name` was submitted with (its spec's), when it was submitted by an rsb
+/// that wrote them.
+pub async fn submitted_options(client: &AgentClient, name: &str) -> Option<Value> {
+    let spec = spec(client, name).await.ok()??;
+    serde_json::from_str(spec.get("slurm_options")?).ok()
+}
+
 /// The job's spec as submitted, when there is one.
 pub async fn spec(client: &AgentClient, name: &str) -> Result<Option<Record>> {
     let dir = job_dir(&client.hello().home, name);
@@ -186,6 +193,12 @@ pub async fn submit(client: &AgentClient, job: &Job<'_>) -> Result<Submitted> {
     spec.set("inherit_env", "1");
     spec.set("launch", &launch);
     spec.set("launch_id", job.launch_id.unwrap_or(""));
+    // The options it was submitted with (the sandbox's defaults included), for a resume of a
+    // watch that did not register them.
+    spec.set(
+        "slurm_options",
+        serde_json::to_string(job.options).unwrap_or_default(),
+    );
     for (k, v) in job.env {
         spec.push("env", format!("{k}={v}"));
     }

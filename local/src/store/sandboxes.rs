@@ -72,6 +72,10 @@ pub struct Persisted {
     /// confined as the session's commands were.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub confine: Option<ConfineRules>,
+    /// A Slurm login node's defaults, so the watchdog knows it for one and resubmits a job
+    /// whose options it has nowhere else with them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slurm: Option<crate::config::SlurmDefaults>,
 }
 
 /// How a target or a hop authenticates, without the secret itself.
@@ -220,6 +224,7 @@ impl Persisted {
             known_hosts: Vec::new(),
             connect_timeout_ms: 0,
             confine: s.confine.clone(),
+            slurm: s.slurm.clone(),
         };
         let mut secret = StoredSecret::default();
         if let Transport::Ssh(t) = &s.transport {
@@ -256,7 +261,7 @@ impl Persisted {
             return Ok(SandboxConfig {
                 name: self.name.clone(),
                 transport: Transport::Local,
-                slurm: None,
+                slurm: self.slurm.clone(),
                 sudo: None,
                 policy: Default::default(),
                 confine: self.confine.clone(),
@@ -309,7 +314,7 @@ impl Persisted {
                     self.connect_timeout_ms
                 }),
             }),
-            slurm: None,
+            slurm: self.slurm.clone(),
             sudo: None,
             policy: Default::default(),
             confine: self.confine.clone(),
@@ -556,6 +561,22 @@ mod tests {
         assert_eq!(
             Persisted::from_config(&local).0.to_config(None).unwrap(),
             local
+        );
+        // A Slurm login node keeps its defaults (the watchdog resubmits with them), and a
+        // sandbox without them keeps the fingerprint it had before they were stored.
+        let mut hpc = c.clone();
+        hpc.slurm = Some(crate::config::SlurmDefaults {
+            partition: Some("gpu".into()),
+            gpus: Some(2),
+            ..Default::default()
+        });
+        let (p, _) = Persisted::from_config(&hpc);
+        let back: Persisted = serde_json::from_str(&serde_json::to_string(&p).unwrap()).unwrap();
+        assert_eq!(back.to_config(None).unwrap(), hpc);
+        assert!(
+            !serde_json::to_string(&Persisted::from_config(&c).0)
+                .unwrap()
+                .contains("slurm")
         );
     }
 

@@ -757,16 +757,20 @@ impl Daemon {
             ("RSB_RESUME_ATTEMPT".into(), w.resume_attempts.to_string()),
             ("RSB_WATCH_ID".into(), w.id.to_string()),
         ];
-        // A Slurm job is resubmitted: the plan carries its options (registered with it), and
-        // a job found on record as Slurm's without them is resubmitted with no options (the
-        // daemon does not hold the sandbox's defaults).
+        // A Slurm job is resubmitted with the options it ran with: the plan's (registered with
+        // it), else those its submit recorded in its spec, else the sandbox's defaults (a job
+        // submitted by an rsb that did not record them).
         let slurm = match w.resume_plan.get("slurm") {
             Some(o) => Some(o.clone()),
-            None => submit::slurm_id(&client, &w.tmux_session)
-                .await
-                .ok()
-                .flatten()
-                .map(|_| json!({})),
+            None => match submit::slurm_id(&client, &w.tmux_session).await {
+                Ok(Some(_)) => Some(
+                    match submit::submitted_options(&client, &w.tmux_session).await {
+                        Some(o) => o,
+                        None => serde_json::to_value(self.slurm_defaults(&w)).unwrap_or_default(),
+                    },
+                ),
+                _ => None,
+            },
         };
         if let Some(opts) = slurm {
             let r = match tokio::time::timeout(
@@ -862,6 +866,15 @@ impl Daemon {
                 ..Default::default()
             },
         );
+    }
+
+    /// The Slurm defaults of `w`'s stored sandbox (none when it has none).
+    fn slurm_defaults(&self, w: &Watch) -> SlurmOptions {
+        self.hosts
+            .lock()
+            .get(sandboxes::key(&w.sandbox_fp, &w.sandbox_name))
+            .and_then(|h| h.cfg.slurm.clone())
+            .unwrap_or_default()
     }
 
     /// Resume a Slurm job by submitting it again, with the options it was submitted with
