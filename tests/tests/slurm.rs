@@ -568,10 +568,23 @@ async fn slurm_many_jobs_cost_one_squeue_per_tick() {
         )
         .await;
     }
+    // Issue 43: an ended job's final state is kept, never asked again (as submitit does):
+    // three more ticks of checks of all of them cost no squeue call.
+    let b = std::fs::read_to_string(&count).unwrap().lines().count();
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(2100)).await;
+        let all: Vec<Value> = futures::future::join_all(
+            (0..N).map(|i| mcp.check(Box::leak(format!("p{i}").into_boxed_str()))),
+        )
+        .await;
+        for v in &all {
+            assert_eq!(v["slurm_state"], "CANCELLED", "{v}");
+        }
+    }
+    let a = std::fs::read_to_string(&count).unwrap().lines().count();
+    assert_eq!(a - b, 0, "ended jobs were polled again");
 }
 
-/// `--time=0:01` (Slurm rounds to one minute and checks the limit about every 30 s): the job
-/// ends as timeout, with the command's own end on record.
 /// Issue 43: `rsb jobs start` on a Slurm login node submits through sbatch, as
 /// exec_bash_background does (a Slurm id, with --slurm's options), never tmux on the login
 /// node; `rsb jobs kill` cancels it through scancel, and Slurm says CANCELLED.
@@ -705,6 +718,8 @@ async fn slurm_a_confined_jobs_command_keeps_to_the_write_roots() {
     );
 }
 
+/// `--time=0:01` (Slurm rounds to one minute and checks the limit about every 30 s): the job
+/// ends as timeout, with the command's own end on record.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slurm_time_limit_is_reported_as_timeout() {
     let Some(_bed) = slurm() else { return };

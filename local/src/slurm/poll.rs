@@ -7,6 +7,12 @@
 //! caller gets that answer. A failed poll (controller down: each call blocks 9-18 s) is
 //! retried with exponential backoff; meanwhile callers get [`Seen::Unreachable`] at once.
 //!
+//! An id whose job reached a final state (completed, failed, cancelled, timed out, out of
+//! memory, past its deadline, failed to boot) or that the controller no longer knows is never
+//! asked again: its last answer is kept ([`FINALS_KEPT`] of them) and served at once, as
+//! submitit caches final states. Node failure and preemption are not final (a job that may
+//! be requeued comes back under the same id).
+//!
 //! The poll runs as a task of its own, and a caller waits for it at most [`WAIT`]: a down
 //! controller holds squeue for 9-18 s, and no tool call or watchdog check may wait that long
 //! on it. A caller that gives up gets [`Seen::Unreachable`]; the poll carries on, and its
@@ -30,6 +36,22 @@ const FORGET: Duration = Duration::from_secs(600);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// squeue's `-j` list is kept short, as sites expect.
 const IDS_PER_CALL: usize = 100;
+/// Final answers kept per sandbox (the oldest go first; a forgotten id is asked once more).
+const FINALS_KEPT: usize = 10_000;
+
+/// Slurm states a job never leaves: its id need not be asked again.
+pub fn is_final(state: &str) -> bool {
+    matches!(
+        state,
+        "COMPLETED"
+            | "CANCELLED"
+            | "FAILED"
+            | "TIMEOUT"
+            | "OUT_OF_MEMORY"
+            | "DEADLINE"
+            | "BOOT_FAIL"
+    )
+}
 
 /// One squeue row: id, state, reason, elapsed, limit, node, restarts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -62,6 +84,23 @@ struct Cache {
     next_try: Option<Instant>,
     /// When the poll now in flight started.
     polling: Option<Instant>,
+    /// Ids that ended for good, with their last answer ([`is_final`], or gone), in the order
+    /// they ended.
+    finals: HashMap<String, Seen>,
+    final_order: std::collections::VecDeque<String>,
+}
+
+impl Cache {
+    fn keep_final(&mut self, id: String, seen: Seen) {
+        if self.finals.insert(id.clone(), seen).is_none() {
+            self.final_order.push_back(id);
+        }
+        while self.final_order.len() > FINALS_KEPT {
+            if let Some(old) = self.final_order.pop_front() {
+                self.finals.remove(&old);
+            }
+        }
+    }
 }
 
 pub struct Poller {
@@ -141,7 +180,9 @@ impl Poller {
             let mut done = self.done.subscribe();
             let start = {
                 let mut c = self.cache.lock();
-                let covered = ids.iter().all(|i| c.polled.contains(i));
+                let covered = ids
+                    .iter()
+                    .all(|i| c.polled.contains(i) || c.finals.contains_key(i));
                 let young = c.at.is_some_and(|t| now.duration_since(t) < TICK);
                 let backing_off = c.next_try.is_some_and(|t| now < t);
                 if (young && covered) || backing_off {
@@ -170,6 +211,9 @@ impl Poller {
         let slow = c.polling.filter(|_| timed_out).map(|t| t.elapsed());
         ids.iter()
             .map(|i| {
+                if let Some(f) = c.finals.get(i) {
+                    return (i.clone(), f.clone());
+                }
                 let seen = match (slow, &c.error, c.rows.get(i)) {
                     (Some(d), _, _) => Seen::Unreachable(format!(
                         "squeue has not answered for {} s (is the Slurm controller down?)",
@@ -188,8 +232,9 @@ impl Poller {
     async fn poll_now(&self, client: &AgentClient) {
         let now = Instant::now();
         let all: Vec<String> = {
+            let finals: HashSet<String> = self.cache.lock().finals.keys().cloned().collect();
             let mut k = self.known.lock();
-            k.retain(|_, t| now.duration_since(*t) < FORGET);
+            k.retain(|id, t| now.duration_since(*t) < FORGET && !finals.contains(id));
             k.keys().cloned().collect()
         };
         let r = poll(client, &all).await;
@@ -199,6 +244,15 @@ impl Poller {
             c.polling = None;
             match r {
                 Ok(rows) => {
+                    for id in &all {
+                        match rows.get(id) {
+                            Some(r) if is_final(&r.state) => {
+                                c.keep_final(id.clone(), Seen::Row(r.clone()))
+                            }
+                            Some(_) => {}
+                            None => c.keep_final(id.clone(), Seen::Gone),
+                        }
+                    }
                     c.polled = all.into_iter().collect();
                     c.rows = rows;
                     c.error = None;

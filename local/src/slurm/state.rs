@@ -128,6 +128,43 @@ mod tests {
         })
     }
 
+    /// The poller stops asking about exactly the states that mean the job ended for good:
+    /// an end that may be followed by a requeue (node failure, preemption) is not one.
+    #[test]
+    fn the_poller_s_final_states_are_the_ends_without_a_requeue() {
+        for s in [
+            "PENDING",
+            "REQUEUED",
+            "REQUEUE_HOLD",
+            "REQUEUE_FED",
+            "RUNNING",
+            "CONFIGURING",
+            "COMPLETING",
+            "SIGNALING",
+            "STAGE_OUT",
+            "RESIZING",
+            "SUSPENDED",
+            "STOPPED",
+            "COMPLETED",
+            "FAILED",
+            "BOOT_FAIL",
+            "DEADLINE",
+            "TIMEOUT",
+            "OUT_OF_MEMORY",
+            "CANCELLED",
+            "NODE_FAIL",
+            "PREEMPTED",
+            "SPECIAL_EXIT",
+            "",
+        ] {
+            assert_eq!(
+                super::super::poll::is_final(s),
+                meaning(s).0 == "exited",
+                "{s}"
+            );
+        }
+    }
+
     #[test]
     fn a_requeued_job_is_resuming_and_a_fresh_one_pending() {
         assert_eq!(
