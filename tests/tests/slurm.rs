@@ -489,26 +489,30 @@ async fn slurm_many_jobs_cost_one_squeue_per_tick() {
     let Some(_bed) = slurm() else { return };
     let bin = tempfile::tempdir().unwrap();
     let count = bin.path().join("count");
-    let real = ["/usr/bin/squeue", "/bin/squeue"]
-        .into_iter()
-        .map(PathBuf::from)
-        .find(|p| p.exists())
-        .unwrap();
-    std::fs::write(
-        bin.path().join("squeue"),
-        format!(
-            "#!/bin/sh\necho \"$*\" >> {}\nexec {} \"$@\"\n",
-            count.display(),
-            real.display()
-        ),
-    )
-    .unwrap();
+    let sinfo_count = bin.path().join("sinfo-count");
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(
-        bin.path().join("squeue"),
-        std::fs::Permissions::from_mode(0o755),
-    )
-    .unwrap();
+    // Each call of squeue (and sinfo) is logged, then the real one runs.
+    for (tool, log) in [("squeue", &count), ("sinfo", &sinfo_count)] {
+        let real = [format!("/usr/bin/{tool}"), format!("/bin/{tool}")]
+            .into_iter()
+            .map(PathBuf::from)
+            .find(|p| p.exists())
+            .unwrap();
+        std::fs::write(
+            bin.path().join(tool),
+            format!(
+                "#!/bin/sh\necho \"$*\" >> {}\nexec {} \"$@\"\n",
+                log.display(),
+                real.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(
+            bin.path().join(tool),
+            std::fs::Permissions::from_mode(0o755),
+        )
+        .unwrap();
+    }
     let path = format!(
         "{}:{}",
         bin.path().display(),
@@ -524,6 +528,13 @@ async fn slurm_many_jobs_cost_one_squeue_per_tick() {
     for i in 0..N {
         mcp.submit(&format!("p{i}"), "true", json!({})).await;
     }
+    // Issue 43: the cluster's node list (for the path warning: the bed's home is on a local
+    // file system) is asked once, not per submit.
+    let sinfos = std::fs::read_to_string(&sinfo_count)
+        .unwrap_or_default()
+        .lines()
+        .count();
+    assert_eq!(sinfos, 1, "sinfo calls for {N} submits");
     let before = std::fs::read_to_string(&count)
         .unwrap_or_default()
         .lines()

@@ -150,9 +150,10 @@ afs=$(stat -f -c %T "$RSB_AGENT" 2>/dev/null || echo unknown)
 shared() { case "$1" in *nfs*|*lustre*|*gpfs*|*beegfs*|*cifs*|*smb*|*fuse*|*ceph*|*panfs*|*wekafs*) echo yes;; *) echo no;; esac; }
 fss=$(shared "$fs"); afss=$(shared "$afs")
 # The cluster's node list matters only when the record or the agent is on a local file system
-# (is the login node the only node?): no controller call otherwise.
-nodes=
-[ "$fss$afss" = yesyes ] || nodes=$(sinfo -h -o %n 2>/dev/null | sort -u | tr '\n' ' ')
+# (is the login node the only node?): no controller call otherwise, nor when an earlier submit
+# of this rsb process learned it (RSB_NODES).
+nodes=${RSB_NODES-}
+[ -n "$nodes" ] || [ "$fss$afss" = yesyes ] || nodes=$(sinfo -h -o %n 2>/dev/null | sort -u | tr '\n' ' ')
 # sbatch exports this shell's environment to the job (--export=ALL): rsb's own variables (the
 # spec, the script) are not the job's.
 for v in $(compgen -e); do case $v in RSB_*) unset "$v";; esac; done

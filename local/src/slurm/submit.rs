@@ -20,6 +20,11 @@ use crate::{
 
 pub use rsb_protocol::JOBS_ROOT;
 
+/// Each sandbox's cluster node list, learned by its first submit in this process that needed
+/// it (the path warning's "is the login node the only node?").
+static NODES: std::sync::LazyLock<parking_lot::Mutex<std::collections::HashMap<String, String>>> =
+    std::sync::LazyLock::new(Default::default);
+
 pub fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -242,6 +247,15 @@ pub async fn submit(client: &AgentClient, job: &Job<'_>) -> Result<Submitted> {
         ),
         ("RSB_SCRIPT".into(), script),
         ("RSB_LAUNCH_ID".into(), token.clone()),
+        // The cluster's nodes, once learned: sinfo is not asked again on every submit.
+        (
+            "RSB_NODES".into(),
+            NODES
+                .lock()
+                .get(client.sandbox())
+                .cloned()
+                .unwrap_or_default(),
+        ),
     ];
     let out = match remote::run(client, remote::SUBMIT, &argv, env).await {
         Ok(o) => o,
@@ -305,6 +319,13 @@ pub async fn submit(client: &AgentClient, job: &Job<'_>) -> Result<Submitted> {
             RsbError::internal(format!("sbatch printed no job id: {:?}", out.stdout.trim()))
         })?
         .to_string();
+    if let Some(n) = facts.get("nodes").and_then(Value::as_str)
+        && !n.trim().is_empty()
+    {
+        NODES
+            .lock()
+            .insert(client.sandbox().to_string(), n.to_string());
+    }
     let mut s = done(id, false, false);
     s.facts = facts;
     Ok(s)
