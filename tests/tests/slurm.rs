@@ -11,7 +11,7 @@ use rmcp::{
     transport::TokioChildProcess,
 };
 use rsb_tests::{
-    Sshd, SshdOptions,
+    ChaosProxy, Sshd, SshdOptions,
     slurm::{slurm, slurm_exclusive},
     workspace_root,
 };
@@ -685,6 +685,97 @@ async fn slurm_rsb_jobs_start_submits_and_kill_cancels() {
     let plain = Mcp::start_entry(&sshd, json!({})).await;
     let (code, _) = plain.cli(&["jobs", "start", "--slurm", "{}", "--", "true"]);
     assert_eq!(code, Some(1));
+}
+
+/// Issue 43: a submit whose reply is lost (the connection cut after sbatch submitted the job,
+/// before its answer came back) is looked up by its launch id on a fresh connection: the reply
+/// names the job it found, and nothing is submitted twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_a_submit_whose_reply_is_lost_is_found_on_a_fresh_connection() {
+    let Some(_bed) = slurm() else { return };
+    let bin = tempfile::tempdir().unwrap();
+    let mark = bin.path().join("submitted");
+    let real = ["/usr/bin/sbatch", "/bin/sbatch"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+        .unwrap();
+    // The real sbatch, then a pause before its answer goes back.
+    std::fs::write(
+        bin.path().join("sbatch"),
+        format!(
+            "#!/bin/sh\n{} \"$@\"; rc=$?\ntouch {}\nsleep 5\nexit $rc\n",
+            real.display(),
+            mark.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(
+        bin.path().join("sbatch"),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.path().display(),
+        std::env::var("PATH").unwrap()
+    );
+    let sshd = Sshd::start_with(SshdOptions {
+        set_env: vec![("PATH".into(), path)],
+        ..Default::default()
+    })
+    .unwrap();
+    let proxy = ChaosProxy::start(format!("127.0.0.1:{}", sshd.port()).parse().unwrap()).unwrap();
+    let mcp = Mcp::start_entry(
+        &sshd,
+        json!({"scheduler": "slurm", "slurm": {}, "port": proxy.port()}),
+    )
+    .await;
+    mcp.ok("exec_bash", json!({"command": "true"})).await;
+    let cutter = {
+        let mark = mark.clone();
+        tokio::spawn(async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !mark.exists() && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            proxy.cut();
+            proxy
+        })
+    };
+    let v = mcp
+        .ok(
+            "exec_bash_background",
+            json!({"command": "sleep 60", "session_name": "lost", "watch": false}),
+        )
+        .await;
+    let _proxy = cutter.await.unwrap();
+    assert!(mark.exists(), "sbatch never ran");
+    assert!(
+        v["note"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("reply was lost"),
+        "{v}"
+    );
+    let id = v["slurm_job_id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{v}"))
+        .to_string();
+    let q = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "squeue -h -n rsb-lost -o %i"}),
+        )
+        .await;
+    assert_eq!(
+        q["stdout"].as_str().unwrap_or_default().trim(),
+        id,
+        "one job: {q}"
+    );
+    mcp.ok("kill_background_task", json!({"tmux_session": "lost"}))
+        .await;
 }
 
 /// Issue 48: on a confined sandbox a Slurm job's command is confined by the agent's wrapper on

@@ -440,6 +440,7 @@ async fn start_slurm(
         .agent_path(client.sandbox())
         .ok_or_else(|| RsbError::internal("the agent's path on the login node is not known"))?;
     rsb::ops::slurm::jobs::start(
+        &ctx.pool,
         client,
         &agent,
         defaults,

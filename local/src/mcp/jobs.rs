@@ -611,6 +611,7 @@ impl RsbServer {
             .ok_or_else(|| RsbError::internal("the agent's path on the login node is not known"))?;
         let job = p.slurm.clone().unwrap_or_default();
         let v = slurm::jobs::start(
+            &self.pool,
             client,
             &agent,
             defaults,

@@ -16,6 +16,7 @@ use super::{SlurmOptions, remote};
 use crate::{
     client::AgentClient,
     error::{Kind, Result, RsbError},
+    pool::Pool,
 };
 
 pub use rsb_protocol::JOBS_ROOT;
@@ -136,20 +137,37 @@ pub async fn spec(client: &AgentClient, name: &str) -> Result<Option<Record>> {
         .and_then(|b| Record::parse(&b).ok()))
 }
 
-/// The id of the job named `job_name` whose comment is `comment`, recorded as the job's.
-async fn find(client: &AgentClient, dir: &str, job_name: &str, comment: &str) -> Option<String> {
+/// The id of the job named `job_name` whose comment is `comment`, recorded as the job's;
+/// `Ok(None)` when Slurm lists none, an error when it could not be asked.
+async fn find(
+    client: &AgentClient,
+    dir: &str,
+    job_name: &str,
+    comment: &str,
+) -> Result<Option<String>> {
     let out = remote::run(
         client,
         remote::FIND,
         &[],
         vec![("RSB_JOBNAME".into(), job_name.into())],
     )
-    .await
-    .ok()?;
-    let id = out.stdout.lines().find_map(|l| {
+    .await?;
+    if !out.ok() {
+        return Err(RsbError::new(
+            Kind::Agent(rsb_protocol::ErrorCode::Io),
+            format!(
+                "squeue failed: {}",
+                out.stderr.trim().lines().last().unwrap_or("no message")
+            ),
+            "check `scontrol ping` on the login node",
+        ));
+    }
+    let Some(id) = out.stdout.lines().find_map(|l| {
         let (id, c) = l.trim().split_once('|')?;
         (c == comment).then(|| id.to_string())
-    })?;
+    }) else {
+        return Ok(None);
+    };
     let _ = remote::run(
         client,
         remote::ADOPT,
@@ -157,13 +175,13 @@ async fn find(client: &AgentClient, dir: &str, job_name: &str, comment: &str) ->
         vec![("RSB_D".into(), dir.into()), ("RSB_ID".into(), id.clone())],
     )
     .await;
-    Some(id)
+    Ok(Some(id))
 }
 
 /// Submit `job` (the caller registers the id with its poller). With a launch id already on record for this name: its job when it has one
 /// (`repeated`), the job Slurm lists under that id when its submit was cut (`recovered`),
 /// else a fresh submit.
-pub async fn submit(client: &AgentClient, job: &Job<'_>) -> Result<Submitted> {
+pub async fn submit(pool: &Pool, client: &AgentClient, job: &Job<'_>) -> Result<Submitted> {
     validate_name(job.name)?;
     let home = client.hello().home.clone();
     let dir = job_dir(&home, job.name);
@@ -183,7 +201,7 @@ pub async fn submit(client: &AgentClient, job: &Job<'_>) -> Result<Submitted> {
             if let Some(id) = read_line(client, format!("{dir}/slurm_job")).await? {
                 return Ok(done(id, false, true));
             }
-            if let Some(id) = find(client, &dir, &job_name, &comment).await {
+            if let Ok(Some(id)) = find(client, &dir, &job_name, &comment).await {
                 return Ok(done(id, true, false));
             }
         }
@@ -260,16 +278,29 @@ pub async fn submit(client: &AgentClient, job: &Job<'_>) -> Result<Submitted> {
     let out = match remote::run(client, remote::SUBMIT, &argv, env).await {
         Ok(o) => o,
         Err(e) if matches!(e.kind, Kind::ConnectionLost | Kind::Timeout) => {
-            // The submit may have happened: look, never submit again.
-            return match find(client, &dir, &job_name, &comment).await {
-                Some(id) => Ok(done(id, true, false)),
-                None => Err(RsbError::new(
+            // The submit may have happened: look, on a fresh connection when this one is gone,
+            // and never submit again.
+            let found = match pool.client(client.sandbox()).await {
+                Ok(fresh) => find(&fresh, &dir, &job_name, &comment).await,
+                Err(again) => Err(again),
+            };
+            return match found {
+                Ok(Some(id)) => Ok(done(id, true, false)),
+                Ok(None) => Err(RsbError::new(
                     e.kind,
                     format!(
-                        "{}; no Slurm job named {job_name} with launch {token} was found, so it was not submitted",
+                        "{}; Slurm lists no job named {job_name} with launch {token}, so it was not submitted",
                         e.message
                     ),
                     "run exec_bash_background again",
+                )),
+                Err(look) => Err(RsbError::new(
+                    e.kind,
+                    format!(
+                        "{}; the job may or may not have been submitted: looking for {job_name} with launch {token} failed too ({})",
+                        e.message, look.message
+                    ),
+                    "check_background_task(tmux_session) tells once the sandbox answers; do not submit again before",
                 )),
             };
         }

@@ -916,6 +916,7 @@ impl Daemon {
         let command = w.resume_command_to_run();
         let launch_id = (!w.resume_launch_id.is_empty()).then_some(w.resume_launch_id.as_str());
         let sub = submit::submit(
+            &host.pool,
             client,
             &submit::Job {
                 agent_path: &agent,

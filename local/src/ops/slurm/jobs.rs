@@ -30,6 +30,7 @@ const KILL_VERIFY_S: u64 = 40;
 /// record and sbatch there.
 #[allow(clippy::too_many_arguments)]
 pub async fn start(
+    pool: &crate::pool::Pool,
     client: &AgentClient,
     agent_path: &str,
     defaults: &SlurmOptions,
@@ -81,6 +82,7 @@ pub async fn start(
         resolve(&home, &cwd, log_file)
     };
     let sub = submit::submit(
+        pool,
         client,
         &submit::Job {
             agent_path,
