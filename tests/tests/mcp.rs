@@ -1137,11 +1137,7 @@ async fn cancelled_call_leaves_no_remote_process() {
     assert!(!left.contains("sleep 60"), "{left}");
     // Each cancelled call left its start line on the audit record before it ran, and its
     // end says it did not finish.
-    let audit: String = std::fs::read_dir(mcp._tmp.path().join("state/audit"))
-        .unwrap()
-        .flatten()
-        .map(|e| std::fs::read_to_string(e.path()).unwrap())
-        .collect();
+    let audit = audit_text(&mcp);
     let lines: Vec<Value> = audit
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -4079,11 +4075,7 @@ async fn exec_bash_is_confined_by_the_kernel_to_its_write_roots() {
         );
     }
     // Each failed confined command is on the audit record with its confinement line.
-    let audit: String = std::fs::read_dir(mcp._tmp.path().join("state/audit"))
-        .unwrap()
-        .flatten()
-        .map(|e| std::fs::read_to_string(e.path()).unwrap())
-        .collect();
+    let audit = audit_text(&mcp);
     let denied = audit
         .lines()
         .map(|l| serde_json::from_str::<Value>(l).unwrap())
@@ -4262,6 +4254,15 @@ async fn a_host_without_landlock_refuses_confined_commands_unless_allowed() {
     mcp.close().await;
 }
 
+/// Every line of the server's audit record so far.
+fn audit_text(mcp: &Mcp) -> String {
+    std::fs::read_dir(mcp._tmp.path().join("state/audit"))
+        .unwrap()
+        .flatten()
+        .map(|e| std::fs::read_to_string(e.path()).unwrap())
+        .collect()
+}
+
 /// Hashes of every file and the names of every directory and link under `root`.
 fn tree_state(root: &Path) -> Vec<(String, String)> {
     let mut out = Vec::new();
@@ -4434,11 +4435,7 @@ async fn rsb_own_writes_keep_to_the_write_roots() {
         );
         assert!(!h.join("f.txt").exists());
         // Every refusal is on the audit record with its line.
-        let audit: String = std::fs::read_dir(mcp._tmp.path().join("state/audit"))
-            .unwrap()
-            .flatten()
-            .map(|e| std::fs::read_to_string(e.path()).unwrap())
-            .collect();
+        let audit = audit_text(&mcp);
         let refusals = audit
             .lines()
             .filter(|l| l.contains("outside this sandbox's writable roots"))

@@ -235,6 +235,28 @@ impl Mcp {
     }
 }
 
+/// Put `tool` in `bin` as a shell script running `body(the real tool's path)`.
+fn wrap(bin: &std::path::Path, tool: &str, body: impl Fn(&str) -> String) {
+    use std::os::unix::fs::PermissionsExt;
+    let real = [format!("/usr/bin/{tool}"), format!("/bin/{tool}")]
+        .into_iter()
+        .find(|p| std::path::Path::new(p).exists())
+        .unwrap_or_else(|| panic!("no {tool} on this machine"));
+    let script = bin.join(tool);
+    std::fs::write(&script, format!("#!/bin/sh\n{}\n", body(&real))).unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+/// An sshd whose sessions find `bin`'s wrappers first on PATH.
+fn sshd_with_path(bin: &std::path::Path) -> Sshd {
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap());
+    Sshd::start_with(SshdOptions {
+        set_env: vec![("PATH".into(), path)],
+        ..Default::default()
+    })
+    .unwrap()
+}
+
 fn types(e: &[rsb::watchdog::WatchEvent]) -> Vec<String> {
     e.iter().map(|e| e.event_type.clone()).collect()
 }
@@ -490,39 +512,13 @@ async fn slurm_many_jobs_cost_one_squeue_per_tick() {
     let bin = tempfile::tempdir().unwrap();
     let count = bin.path().join("count");
     let sinfo_count = bin.path().join("sinfo-count");
-    use std::os::unix::fs::PermissionsExt;
     // Each call of squeue (and sinfo) is logged, then the real one runs.
     for (tool, log) in [("squeue", &count), ("sinfo", &sinfo_count)] {
-        let real = [format!("/usr/bin/{tool}"), format!("/bin/{tool}")]
-            .into_iter()
-            .map(PathBuf::from)
-            .find(|p| p.exists())
-            .unwrap();
-        std::fs::write(
-            bin.path().join(tool),
-            format!(
-                "#!/bin/sh\necho \"$*\" >> {}\nexec {} \"$@\"\n",
-                log.display(),
-                real.display()
-            ),
-        )
-        .unwrap();
-        std::fs::set_permissions(
-            bin.path().join(tool),
-            std::fs::Permissions::from_mode(0o755),
-        )
-        .unwrap();
+        wrap(bin.path(), tool, |real| {
+            format!("echo \"$*\" >> {}\nexec {real} \"$@\"", log.display())
+        });
     }
-    let path = format!(
-        "{}:{}",
-        bin.path().display(),
-        std::env::var("PATH").unwrap()
-    );
-    let sshd = Sshd::start_with(SshdOptions {
-        set_env: vec![("PATH".into(), path)],
-        ..Default::default()
-    })
-    .unwrap();
+    let sshd = sshd_with_path(bin.path());
     let mcp = Mcp::start(&sshd, json!({"sbatch_args": ["--hold"]})).await;
     const N: usize = 30;
     for i in 0..N {
@@ -695,37 +691,14 @@ async fn slurm_a_submit_whose_reply_is_lost_is_found_on_a_fresh_connection() {
     let Some(_bed) = slurm() else { return };
     let bin = tempfile::tempdir().unwrap();
     let mark = bin.path().join("submitted");
-    let real = ["/usr/bin/sbatch", "/bin/sbatch"]
-        .into_iter()
-        .map(PathBuf::from)
-        .find(|p| p.exists())
-        .unwrap();
     // The real sbatch, then a pause before its answer goes back.
-    std::fs::write(
-        bin.path().join("sbatch"),
+    wrap(bin.path(), "sbatch", |real| {
         format!(
-            "#!/bin/sh\n{} \"$@\"; rc=$?\ntouch {}\nsleep 5\nexit $rc\n",
-            real.display(),
+            "{real} \"$@\"; rc=$?\ntouch {}\nsleep 5\nexit $rc",
             mark.display()
-        ),
-    )
-    .unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(
-        bin.path().join("sbatch"),
-        std::fs::Permissions::from_mode(0o755),
-    )
-    .unwrap();
-    let path = format!(
-        "{}:{}",
-        bin.path().display(),
-        std::env::var("PATH").unwrap()
-    );
-    let sshd = Sshd::start_with(SshdOptions {
-        set_env: vec![("PATH".into(), path)],
-        ..Default::default()
-    })
-    .unwrap();
+        )
+    });
+    let sshd = sshd_with_path(bin.path());
     let proxy = ChaosProxy::start(format!("127.0.0.1:{}", sshd.port()).parse().unwrap()).unwrap();
     let mcp = Mcp::start_entry(
         &sshd,

@@ -248,9 +248,9 @@ fn is_home(spec: &SyncSpec) -> bool {
             rsb_rules::path::anchor_home(&spec.remote_path).trim_end_matches('/') == "~"
         }
         Direction::Download => {
-            let home = std::env::var_os("HOME").map(std::path::PathBuf::from);
             let canon = |p: &std::path::Path| std::fs::canonicalize(p).ok();
-            home.is_some_and(|h| canon(&h).is_some() && canon(&h) == canon(&spec.local_path))
+            let home = std::env::var_os("HOME").and_then(|h| canon(std::path::Path::new(&h)));
+            home.is_some_and(|h| Some(h) == canon(&spec.local_path))
         }
     }
 }
