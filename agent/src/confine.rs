@@ -8,9 +8,10 @@
 //! everything it starts stay inside it; the agent itself is never confined.
 //!
 //! Raw system calls rather than the `landlock` crate: three calls and three structs, and the
-//! agent's 2 MiB budget has about 40 KB of room left. Only writes are handled (the access
-//! rights that create, change, rename or delete): reading and executing stay allowed
-//! everywhere. Renaming or linking across directories needs ABI 2 (`REFER`); truncation is
+//! agent's 2 MiB budget has about 40 KB of room left. Writes are handled (the access
+//! rights that create, change, rename or delete); reading and executing are handled only when
+//! `read` roots are given, and then stay allowed beneath them, the write roots and the
+//! system's trees ([`rsb_protocol::SYSTEM_READABLE`]). Renaming or linking across directories needs ABI 2 (`REFER`); truncation is
 //! covered from ABI 3; TCP connect and bind rules from ABI 4 (`net`); from ABI 6 the command is
 //! scoped: it cannot signal a process outside its domain (the agent, another command or job,
 //! another user's work) nor connect to an abstract unix socket made outside it. A test may
@@ -106,23 +107,24 @@ pub fn prepare(c: &Confine) -> Result<Decision, AgentError> {
         partial = Some(why);
         net = None;
     }
-    let mut roots = Vec::with_capacity(c.write.len() + ALWAYS_WRITABLE.len());
-    for w in &c.write {
-        let path = expand_home(w);
-        let fd = sys::open_path(&path).map_err(|e| root_error(w, &e))?;
-        roots.push(fd);
-    }
-    for d in ALWAYS_WRITABLE {
-        if let Ok(fd) = sys::open_path(std::path::Path::new(d)) {
-            roots.push(fd);
+    let mut roots = open_roots(&c.write, "writable")?;
+    roots.extend(open_present(ALWAYS_WRITABLE));
+    let reads = match &c.read {
+        Some(r) => {
+            let mut fds = open_roots(r, "readable")?;
+            fds.extend(open_present(rsb_protocol::SYSTEM_READABLE));
+            Some(fds)
         }
-    }
-    let ruleset = sys::ruleset(abi, &roots, net.as_deref(), abi >= SCOPE_ABI).map_err(|e| {
-        AgentError::new(
-            ErrorCode::Io,
-            format!("confine: cannot build the Landlock ruleset: {e}"),
-        )
-    })?;
+        None => None,
+    };
+    let scope = abi >= SCOPE_ABI;
+    let ruleset =
+        sys::ruleset(abi, &roots, reads.as_deref(), net.as_deref(), scope).map_err(|e| {
+            AgentError::new(
+                ErrorCode::Io,
+                format!("confine: cannot build the Landlock ruleset: {e}"),
+            )
+        })?;
     Ok(Decision::Confine(Prepared { ruleset, net }, partial))
 }
 
@@ -179,8 +181,8 @@ impl Writable {
         let mut ids = Vec::with_capacity(c.write.len());
         let mut fds = Vec::with_capacity(c.write.len());
         for w in &c.write {
-            let fd = sys::open_path(&expand_home(w)).map_err(|e| root_error(w, &e))?;
-            let st = rustix::fs::fstat(&fd).map_err(|e| root_error(w, &e.into()))?;
+            let fd = sys::open_path(&expand_home(w)).map_err(|e| root_error("writable", w, &e))?;
+            let st = rustix::fs::fstat(&fd).map_err(|e| root_error("writable", w, &e.into()))?;
             ids.push(dev_ino(&st));
             fds.push(fd);
         }
@@ -239,7 +241,22 @@ impl Writable {
     }
 }
 
-fn root_error(w: &str, e: &io::Error) -> AgentError {
+/// Each of `roots` (`~` expanded), opened; each must exist.
+fn open_roots(roots: &[String], kind: &str) -> Result<Vec<OwnedFd>, AgentError> {
+    roots
+        .iter()
+        .map(|r| sys::open_path(&expand_home(r)).map_err(|e| root_error(kind, r, &e)))
+        .collect()
+}
+
+/// Those of `paths` this host has, opened.
+fn open_present(paths: &[&str]) -> impl Iterator<Item = OwnedFd> {
+    paths
+        .iter()
+        .filter_map(|p| sys::open_path(Path::new(p)).ok())
+}
+
+fn root_error(kind: &str, w: &str, e: &io::Error) -> AgentError {
     AgentError::new(
         if e.kind() == io::ErrorKind::NotFound {
             ErrorCode::NotFound
@@ -247,7 +264,8 @@ fn root_error(w: &str, e: &io::Error) -> AgentError {
             ErrorCode::Io
         },
         format!(
-            "confine: the writable root {w} cannot be opened: {e}; create it or change confine.write"
+            "confine: the {kind} root {w} cannot be opened: {e}; create it or change confine.{}",
+            if kind == "readable" { "read" } else { "write" }
         ),
     )
 }
@@ -318,7 +336,7 @@ pub fn own_writes<T: Send>(
         return f(&w);
     }
     let fds = w.0.as_ref().map_or(&[][..], |r| r.fds.as_slice());
-    let ruleset = sys::ruleset(abi, fds, None, false).map_err(|e| {
+    let ruleset = sys::ruleset(abi, fds, None, None, false).map_err(|e| {
         AgentError::new(
             ErrorCode::Io,
             format!("confine: cannot build the Landlock ruleset: {e}"),
@@ -374,6 +392,12 @@ mod sys {
     const CREATE_RULESET_VERSION: u32 = 1;
     const RULE_PATH_BENEATH: u32 = 1;
 
+    const EXECUTE: u64 = 1 << 0;
+    const READ_FILE: u64 = 1 << 2;
+    const READ_DIR: u64 = 1 << 3;
+    /// The rights that read and execute.
+    const READS: u64 = EXECUTE | READ_FILE | READ_DIR;
+
     const WRITE_FILE: u64 = 1 << 1;
     const REMOVE_DIR: u64 = 1 << 4;
     const REMOVE_FILE: u64 = 1 << 5;
@@ -388,6 +412,8 @@ mod sys {
     const REFER: u64 = 1 << 13;
     /// ABI 3.
     const TRUNCATE: u64 = 1 << 14;
+    /// The rights a rule on a file (not a directory) may carry.
+    const FILE_RIGHTS: u64 = EXECUTE | READ_FILE | WRITE_FILE | TRUNCATE;
 
     /// The rights that change the file system, as far as `abi` knows them.
     fn writes(abi: u32) -> u64 {
@@ -469,16 +495,18 @@ mod sys {
     }
 
     /// A ruleset handling every write right of `abi`, allowing them beneath each of `roots`
-    /// (a file root gets the rights a file can have).
+    /// (a file root gets the rights a file can have). `reads`: reading and executing handled
+    /// too, allowed beneath these and the write roots (`None`: not handled).
     /// `net`: the TCP ports allowed (`None`: TCP not handled). `scope`: signals and abstract
     /// unix sockets stay inside the domain.
     pub fn ruleset(
         abi: u32,
         roots: &[OwnedFd],
+        reads: Option<&[OwnedFd]>,
         net: Option<&[u16]>,
         scope: bool,
     ) -> io::Result<OwnedFd> {
-        let handled = writes(abi);
+        let handled = writes(abi) | reads.map_or(0, |_| READS);
         let attr = RulesetAttr {
             handled_access_fs: handled,
             handled_access_net: if net.is_some() {
@@ -508,17 +536,16 @@ mod sys {
         }
         // SAFETY: a new descriptor owned by nothing else.
         let ruleset = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-        for root in roots {
+        let granted = roots
+            .iter()
+            .map(|r| (r, handled))
+            .chain(reads.unwrap_or_default().iter().map(|r| (r, READS)));
+        for (root, rights) in granted {
             let is_dir = rustix::fs::fstat(root)
                 .map(|st| rustix::fs::FileType::from_raw_mode(st.st_mode).is_dir())
                 .unwrap_or(false);
-            let allowed = if is_dir {
-                handled
-            } else {
-                handled & (WRITE_FILE | TRUNCATE)
-            };
             let rule = PathBeneathAttr {
-                allowed_access: allowed,
+                allowed_access: if is_dir { rights } else { rights & FILE_RIGHTS },
                 parent_fd: root.as_raw_fd(),
             };
             // SAFETY: `rule` is a valid path-beneath attribute; both descriptors are open.
@@ -606,6 +633,7 @@ mod sys {
     pub fn ruleset(
         _abi: u32,
         _roots: &[OwnedFd],
+        _reads: Option<&[OwnedFd]>,
         _net: Option<&[u16]>,
         _scope: bool,
     ) -> io::Result<OwnedFd> {
@@ -623,6 +651,7 @@ mod tests {
     fn confine(roots: &[&Path]) -> Confine {
         Confine {
             write: roots.iter().map(|p| p.display().to_string()).collect(),
+            read: None,
             net: None,
             require: true,
         }
@@ -669,6 +698,68 @@ mod tests {
             .err()
             .unwrap();
         assert!(e.message.contains("cannot be opened"), "{}", e.message);
+    }
+
+    /// With `read` roots, a confined command reads and executes only beneath them, the write
+    /// roots and the system's trees: a secret beside them is out of reach by any path, and
+    /// the shell and its programs still run.
+    #[test]
+    fn read_roots_keep_a_command_to_them() {
+        if abi() < 1 {
+            eprintln!("no Landlock here: skipped");
+            return;
+        }
+        let t = tempfile::tempdir_in(std::env::var_os("HOME").unwrap()).unwrap();
+        let (data, work, secret) = (
+            t.path().join("data"),
+            t.path().join("work"),
+            t.path().join("secret"),
+        );
+        for d in [&data, &work, &secret] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("f"), d.file_name().unwrap().as_encoded_bytes()).unwrap();
+        }
+        std::os::unix::fs::symlink(secret.join("f"), data.join("link")).unwrap();
+        let mut c = confine(&[&work]);
+        c.read = Some(vec![data.display().to_string()]);
+        let Decision::Confine(p, None) = prepare(&c).unwrap() else {
+            panic!("not confined");
+        };
+        let run = |script: &str| {
+            let mut cmd = std::process::Command::new("/bin/sh");
+            cmd.args(["-c", script]).current_dir(t.path());
+            p.apply_in_child(&mut cmd);
+            let out = cmd.output().unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+            )
+        };
+        assert_eq!(
+            run("cat data/f work/f; ls /usr/bin | grep -c '^ls$'"),
+            (Some(0), "datawork1\n".into())
+        );
+        assert_eq!(
+            run("echo new > work/g && cat work/g"),
+            (Some(0), "new\n".into())
+        );
+        for bad in [
+            "cat secret/f",
+            "cat data/link",
+            "ls secret",
+            "cat ../*/secret/f",
+            "cp secret/f work/",
+        ] {
+            assert_ne!(run(bad).0, Some(0), "{bad} read the secret");
+        }
+        let mut missing = c.clone();
+        missing.read = Some(vec![t.path().join("nope").display().to_string()]);
+        let e = prepare(&missing).err().unwrap();
+        assert!(
+            e.message.contains("the readable root") && e.message.contains("confine.read"),
+            "{}",
+            e.message
+        );
     }
 
     /// With Landlock, the change runs in a thread the kernel confines (a write the check

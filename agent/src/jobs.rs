@@ -620,9 +620,13 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
         match crate::confine::prepare(c)? {
             crate::confine::Decision::Confine(p, partial) => {
                 unconfined = partial;
-                let roots = c.write.iter().map(|w| crate::util::expand_home(w));
+                let absolute = |roots: &[String]| {
+                    let roots = roots.iter().map(|w| crate::util::expand_home(w));
+                    roots.map(|r| r.to_string_lossy().into_owned()).collect()
+                };
                 confined = Some(rsb_protocol::Confine {
-                    write: roots.map(|r| r.to_string_lossy().into_owned()).collect(),
+                    write: absolute(&c.write),
+                    read: c.read.as_deref().map(absolute),
                     net: p.net,
                     require: c.require,
                 });

@@ -38,9 +38,13 @@ pub struct ExecRequest {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Confine {
     /// The only trees (or files) in which a command may create, change, rename or delete; a
-    /// leading `~` is the agent's `$HOME`. Everything else stays readable and executable.
-    /// Each must exist.
+    /// leading `~` is the agent's `$HOME`. Each must exist.
     pub write: Vec<String>,
+    /// `None`: everything stays readable and executable. `Some(roots)`: a command may read and
+    /// execute only beneath these, the write roots and the system's own trees
+    /// ([`SYSTEM_READABLE`]), so `~/.ssh` or another project stays out of its reach. Each must
+    /// exist.
+    pub read: Option<Vec<String>>,
     /// TCP the command may use: `None` any; `Some([])` none; else connect and bind only on
     /// these ports (Landlock ABI 4, Linux 6.7). UDP and other protocols are not covered.
     pub net: Option<Vec<u16>>,
@@ -49,6 +53,14 @@ pub struct Confine {
     /// [`ExecResult::unconfined`].
     pub require: bool,
 }
+
+/// The trees a command whose reads are confined ([`Confine::read`]) may still read and execute:
+/// the system's programs, libraries and settings, and the kernel's views. Those missing on a
+/// host are skipped.
+pub const SYSTEM_READABLE: &[&str] = &[
+    "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/nix",
+    "/proc", "/sys", "/dev", "/run",
+];
 
 /// A terminal's size in character cells.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -29,7 +29,9 @@ pub use edit::{
     WriteRequest,
 };
 pub use error::{AgentError, ErrorCode};
-pub use exec::{Captured, Confine, ExecInput, ExecRequest, ExecResult, INPUT_WINDOW, TtySize};
+pub use exec::{
+    Captured, Confine, ExecInput, ExecRequest, ExecResult, INPUT_WINDOW, SYSTEM_READABLE, TtySize,
+};
 pub use fs::{
     DirEntry, FileKind, FileStat, ListDirRequest, ListDirResult, ReadFileRequest, ReadFileResult,
     StatRequest,
@@ -63,8 +65,8 @@ pub use sync::{
 /// `types_not` (rg's -A/-B, -w, -v, --hidden, -t/-T). 20: `ExecRequest::confine` (Landlock),
 /// `ExecResult::unconfined`, `JobStartRequest::confine`, `JobInfo::unconfined`. 21: `Confine::net`.
 /// 22: `Capabilities::landlock_abi`. 23: `confine` on `Edit`, `Write`, `Patch`, `ApplyOpen`
-/// and `ApplyOnce` (rsb's own writes keep to the write roots).
-pub const PROTOCOL_VERSION: u32 = 23;
+/// and `ApplyOnce` (rsb's own writes keep to the write roots). 24: `Confine::read`.
+pub const PROTOCOL_VERSION: u32 = 24;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops
@@ -82,6 +84,9 @@ pub const PROTOCOL_FINGERPRINT: &str = env!("RSB_PROTOCOL_FINGERPRINT");
 pub type RequestId = u64;
 
 /// Frames sent by the local side to the agent.
+// A frame lives only between its decode and its dispatch, one at a time, so the size of its
+// largest variant (a request) costs nothing worth a box on every send.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ToAgent {
     /// Start a request. The agent answers with zero or more [`FromAgent::Chunk`] frames and

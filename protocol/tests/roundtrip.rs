@@ -16,6 +16,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         tty: Some(TtySize { rows: 24, cols: 80 }),
         confine: Some(Confine {
             write: vec!["~/work".into(), "/tmp".into()],
+            read: Some(vec!["~/data".into()]),
             net: Some(vec![443, 22]),
             require: false,
         }),
@@ -50,6 +51,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             launch_id: None,
             confine: Some(Confine {
                 write: vec!["/scratch".into()],
+                read: None,
                 net: Some(vec![]),
                 require: true,
             }),
@@ -87,6 +89,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             create_root: true,
             confine: Some(Confine {
                 write: vec!["/dst".into()],
+                read: None,
                 net: None,
                 require: true,
             }),
@@ -169,6 +172,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             expected_hash: Some("0f".repeat(16)),
             confine: Some(Confine {
                 write: vec!["~/w".into(), "/tmp".into()],
+                read: None,
                 net: Some(vec![]),
                 require: false,
             }),
@@ -205,6 +209,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             ],
             confine: Some(Confine {
                 write: vec![],
+                read: None,
                 net: None,
                 require: true,
             }),

@@ -200,6 +200,7 @@ async fn agent_bench(sshd: &Sshd, state: &std::path::Path) -> Stats {
         let mut r = plain();
         r.confine = Some(rsb_protocol::Confine {
             write: vec!["/tmp".into(), "~".into()],
+            read: None,
             net: Some(vec![443]),
             require: true,
         });

@@ -4147,6 +4147,87 @@ async fn exec_bash_is_confined_by_the_kernel_to_its_write_roots() {
     mcp.close().await;
 }
 
+/// Issue 48: with `confine.read`, a command reads and executes only beneath the read roots,
+/// the write roots and the system's directories: a secret elsewhere in the home (a key, another
+/// project) is out of its reach by any spelling, in `exec_bash` and in a background job, and
+/// programs from the system still run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn confined_reads_keep_commands_from_the_rest_of_the_host() {
+    need_landlock(1, "Linux 5.13+ with landlock enabled");
+    let sshd = Sshd::start().unwrap();
+    let h = sshd.home().to_path_buf();
+    for d in ["scratch", "data", "private"] {
+        std::fs::create_dir_all(h.join(d)).unwrap();
+    }
+    std::fs::write(h.join("data/in.txt"), "data\n").unwrap();
+    std::fs::write(h.join("private/key"), "SECRET\n").unwrap();
+    std::os::unix::fs::symlink(h.join("private/key"), h.join("data/link")).unwrap();
+    let mut entry = key_entry("box", &sshd);
+    entry["confine"] = json!({"write": ["~/scratch"], "read": ["~/data"]});
+    let mcp = Mcp::start(&list(&[entry])).await;
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": "cat ~/data/in.txt && echo w > ~/scratch/w && cat ~/scratch/w && python3 -c 'print(6 * 7)' && ls /usr/bin | grep -c '^ls$'"}),
+        )
+        .await;
+    assert_eq!(v["stdout"], "data\nw\n42\n1\n", "{v}");
+    let attacks = [
+        "cat ~/private/key",
+        "cat ~/data/link",
+        "cd ~/data && cat ../private/key",
+        "ls ~/private",
+        "python3 -c \"print(open(__import__('os').path.expanduser('~/private/key')).read())\"",
+        "cp ~/private/key ~/scratch/stolen",
+        "tar -cf ~/scratch/home.tar -C ~ private",
+    ];
+    for cmd in attacks {
+        let v = mcp.ok("exec_bash", json!({"command": cmd})).await;
+        assert_ne!(v["exit_code"], 0, "{cmd} succeeded: {v}");
+        assert!(
+            !v["stdout"].as_str().unwrap_or_default().contains("SECRET"),
+            "{cmd}: {v}"
+        );
+        let line = v["confinement"].as_str().unwrap_or_default();
+        assert!(
+            line.contains("commands read only under ~/data, the write roots"),
+            "{cmd}: the reply should say reads are confined: {v}"
+        );
+    }
+    mcp.ok(
+        "exec_bash_background",
+        json!({"command": "cat ~/private/key > ~/scratch/job.txt; cat ~/data/in.txt >> ~/scratch/job.txt; echo job-done", "session_name": "reader", "watch": false}),
+    )
+    .await;
+    let v = mcp
+        .ok(
+            "check_background_task",
+            json!({"tmux_session": "reader", "wait_s": 30}),
+        )
+        .await;
+    assert!(
+        v["log_tail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("job-done"),
+        "{v}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(h.join("scratch/job.txt")).unwrap(),
+        "data\n"
+    );
+    assert!(!h.join("scratch/stolen").exists());
+    let tar = std::fs::read(h.join("scratch/home.tar")).unwrap_or_default();
+    assert!(!String::from_utf8_lossy(&tar).contains("SECRET"));
+    let v = mcp.ok("list_sandboxes", json!({})).await;
+    let line = v["sandboxes"][0]["confine"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    assert!(line.contains("commands read only under ~/data"), "{v}");
+    mcp.close().await;
+}
+
 /// A host that cannot confine fails closed; `require = false` runs unconfined and says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_without_landlock_refuses_confined_commands_unless_allowed() {

@@ -752,8 +752,8 @@ async fn slurm_a_submit_whose_reply_is_lost_is_found_on_a_fresh_connection() {
 }
 
 /// Issue 48: on a confined sandbox a Slurm job's command is confined by the agent's wrapper on
-/// the compute node: it changes nothing outside the roots (rm, python), writes inside them,
-/// and the wrapper still writes the log outside them.
+/// the compute node: it changes nothing outside the roots (rm, python), reads nothing outside
+/// the read roots, writes inside them, and the wrapper still writes the log outside them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slurm_a_confined_jobs_command_keeps_to_the_write_roots() {
     let Some(_bed) = slurm() else { return };
@@ -766,17 +766,22 @@ async fn slurm_a_confined_jobs_command_keeps_to_the_write_roots() {
     let sshd = Sshd::start().unwrap();
     let h = sshd.home().to_path_buf();
     std::fs::create_dir_all(h.join("scratch")).unwrap();
+    std::fs::create_dir_all(h.join("data")).unwrap();
     std::fs::create_dir_all(h.join("outside/dir")).unwrap();
     std::fs::write(h.join("outside/keep.txt"), "keep me\n").unwrap();
+    std::fs::write(h.join("data/in.txt"), "data\n").unwrap();
     let before = std::fs::read(h.join("outside/keep.txt")).unwrap();
     let mcp = Mcp::start_entry(
         &sshd,
-        json!({"scheduler": "slurm", "slurm": {}, "confine": {"write": ["~/scratch"]}}),
+        json!({"scheduler": "slurm", "slurm": {},
+               "confine": {"write": ["~/scratch"], "read": ["~/data"]}}),
     )
     .await;
+    // Reads too keep to the roots (and the system's directories, where python3 lives).
     mcp.submit(
         "confined",
         "rm -rf ~/outside; python3 -c \"import os; os.remove(os.path.expanduser('~/outside/keep.txt'))\"; \
+         cat ~/outside/keep.txt > ~/scratch/stolen.txt; cat ~/data/in.txt > ~/scratch/read.txt; \
          echo inside > ~/scratch/job.txt; echo job-done",
         json!({}),
     )
@@ -790,6 +795,14 @@ async fn slurm_a_confined_jobs_command_keeps_to_the_write_roots() {
     assert_eq!(
         std::fs::read_to_string(h.join("scratch/job.txt")).unwrap(),
         "inside\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(h.join("scratch/read.txt")).unwrap(),
+        "data\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(h.join("scratch/stolen.txt")).unwrap(),
+        ""
     );
 }
 

@@ -207,6 +207,12 @@ pub fn set_confine(spec: &mut Record, c: &rsb_protocol::Confine) {
     for r in &c.write {
         spec.push("confine_write", r);
     }
+    if let Some(read) = &c.read {
+        spec.set("confine_reads", "1");
+        for r in read {
+            spec.push("confine_read", r);
+        }
+    }
     if let Some(ports) = &c.net {
         spec.set("confine_net", "1");
         for p in ports {
@@ -216,13 +222,17 @@ pub fn set_confine(spec: &mut Record, c: &rsb_protocol::Confine) {
     spec.set("confine_require", if c.require { "1" } else { "0" });
 }
 
+fn all(spec: &Record, key: &str) -> Vec<String> {
+    spec.get_all(key)
+        .map(|r| String::from_utf8_lossy(r).into_owned())
+        .collect()
+}
+
 /// The confinement [`set_confine`] wrote (`require` is true unless the spec says otherwise).
 pub fn confine_of(spec: &Record) -> Option<rsb_protocol::Confine> {
     (spec.get("confine") == Some("1")).then(|| rsb_protocol::Confine {
-        write: spec
-            .get_all("confine_write")
-            .map(|r| String::from_utf8_lossy(r).into_owned())
-            .collect(),
+        write: all(spec, "confine_write"),
+        read: (spec.get("confine_reads") == Some("1")).then(|| all(spec, "confine_read")),
         net: (spec.get("confine_net") == Some("1")).then(|| {
             spec.get_all("confine_port")
                 .filter_map(|p| std::str::from_utf8(p).ok()?.parse().ok())

@@ -854,6 +854,7 @@ fn job_run_confines_on_its_node_or_refuses() {
     let (inside, outside) = (f.ctx.home.join("inside"), f.ctx.home.join("outside"));
     std::fs::create_dir_all(&inside).unwrap();
     std::fs::create_dir_all(&outside).unwrap();
+    std::fs::create_dir_all(f.ctx.home.join("data")).unwrap();
     let run = |name: &str, require: bool, abi: Option<&str>| {
         let dir = f.ctx.job_dir(name);
         record::create_private_dir(&dir).unwrap();
@@ -874,6 +875,7 @@ fn job_run_confines_on_its_node_or_refuses() {
         spec.set("launch", "l1");
         let c = rsb_protocol::Confine {
             write: vec![inside.display().to_string()],
+            read: Some(vec![f.ctx.home.join("data").display().to_string()]),
             net: None,
             require,
         };

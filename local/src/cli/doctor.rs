@@ -187,7 +187,10 @@ fn confine_check(name: &str, abi: u32, rules: Option<&rsb::config::ConfineRules>
             name,
             "confine",
             "ok",
-            format!("{can}; writes only under {roots}"),
+            format!(
+                "{can}; writes only under {roots}{}",
+                rsb::config::reads_words(rules.read.as_deref())
+            ),
         ),
         Some(m) if rules.require => line(
             name,
@@ -599,6 +602,7 @@ mod tests {
         use rsb::config::{ConfineRules, Net};
         let rules = |net: Net, require: bool| ConfineRules {
             write: vec!["~/work".into()],
+            read: None,
             net,
             require,
         };

@@ -14,6 +14,11 @@ use super::ConfigError;
 #[serde(deny_unknown_fields)]
 pub struct ConfineRules {
     pub write: Vec<String>,
+    /// When given, what a confined command may read and execute besides the write roots and
+    /// the system's own trees (`/usr`, `/etc`, …): the rest of the host, `~/.ssh` included, is
+    /// out of its reach.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read: Option<Vec<String>>,
     /// `"any"` (the default), `"none"`, or the TCP ports a command may connect to and bind
     /// (`["443", "22"]`, numbers or strings).
     #[serde(default, skip_serializing_if = "Net::is_any")]
@@ -77,6 +82,19 @@ impl Net {
     }
 }
 
+/// What confined reads reach, for a line that has said where writes go: empty when reads are
+/// not confined.
+pub fn reads_words(read: Option<&[String]>) -> String {
+    match read {
+        None => String::new(),
+        Some(r) => {
+            let mut all: Vec<&str> = r.iter().map(String::as_str).collect();
+            all.extend(["the write roots", "the system's directories"]);
+            format!("; commands read only under {}", all.join(", "))
+        }
+    }
+}
+
 fn required() -> bool {
     true
 }
@@ -96,12 +114,13 @@ impl ConfineRules {
     /// Every root is a usable path: `~`, `~/…` or absolute, with no NUL or newline.
     pub(super) fn check(&self, label: &str) -> Result<(), ConfigError> {
         self.net.ports(label)?;
-        for w in &self.write {
+        let write = self.write.iter().map(|w| ("write", w));
+        for (key, w) in write.chain(self.read.iter().flatten().map(|r| ("read", r))) {
             let ok = (w == "~" || w.starts_with("~/") || w.starts_with('/'))
                 && !w.contains(['\0', '\n']);
             if !ok {
                 return Err(ConfigError::new(
-                    format!("{label}: confine.write entry {w:?} is not an absolute or ~ path"),
+                    format!("{label}: confine.{key} entry {w:?} is not an absolute or ~ path"),
                     "Write each root as \"~/work\" or \"/scratch/me\"; a relative path has no fixed meaning on the host.",
                 ));
             }
@@ -136,7 +155,8 @@ impl ConfineRules {
                 format!("; TCP ports {}", p.join(", "))
             }
         };
-        let asked = format!("commands and rsb's writes change files {roots}{net}");
+        let reads = reads_words(self.read.as_deref());
+        let asked = format!("commands and rsb's writes change files {roots}{reads}{net}");
         let Some(abi) = abi else {
             return asked;
         };
@@ -158,6 +178,7 @@ impl ConfineRules {
     pub fn request(&self) -> rsb_protocol::Confine {
         rsb_protocol::Confine {
             write: self.write.clone(),
+            read: self.read.clone(),
             // Checked when the configuration loaded.
             net: self.net.ports("").unwrap_or(Some(Vec::new())),
             require: self.require,
@@ -174,6 +195,7 @@ mod tests {
     fn status_says_what_is_confined_and_whether_the_host_enforces_it() {
         let rules = |net: Net, require: bool| ConfineRules {
             write: vec!["~/work".into(), "/tmp".into()],
+            read: None,
             net,
             require,
         };
@@ -214,5 +236,13 @@ mod tests {
                 "{line}"
             );
         }
+        let mut reads = rules(Net::Any, true);
+        reads.read = Some(vec!["~/data".into()]);
+        assert_eq!(
+            reads.status_on(Some(6)),
+            "commands and rsb's writes change files only under ~/work, /tmp; commands read only \
+             under ~/data, the write roots, the system's directories (Landlock ABI 6: files, TCP \
+             ports, scoping)"
+        );
     }
 }

@@ -57,7 +57,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-pub use confine::{ConfineRules, Net, landlock_can};
+pub use confine::{ConfineRules, Net, landlock_can, reads_words};
 pub use hops::{Hop, host_port};
 pub use policy::{
     ASK_ACTIONS_VAR as POLICY_ASK_ACTIONS_VAR, ASK_VAR as POLICY_ASK_VAR, Action as PolicyAction,

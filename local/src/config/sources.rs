@@ -1066,6 +1066,11 @@ local = true
                 "[confine]\nwrite = [\"work\"]\n",
                 "not an absolute or ~ path",
             ),
+            (
+                "[confine]\nwrite = []\nread = [\"/data\", \"data\"]\n",
+                "confine.read entry \"data\" is not an absolute or ~ path",
+            ),
+            ("[confine]\nwrite = []\nread = \"/data\"\n", "read"),
             ("[confine]\nwrite = []\nrequire = 1\n", "require"),
             ("[confine]\nwrites = [\"/x\"]\n", "writes"),
         ] {
@@ -1080,6 +1085,17 @@ local = true
         .unwrap();
         assert_eq!(c.sandboxes[0].confine.as_ref().unwrap().write, ["~"]);
         assert!(c.sandboxes[0].confine.as_ref().unwrap().require);
+        assert_eq!(
+            c.sandboxes[0].confine.as_ref().unwrap().request().read,
+            None
+        );
+        let c = env_only(&[(
+            LIST_VAR,
+            r#"[{"name": "s", "local": true, "confine": {"write": [], "read": ["~/data"]}}]"#,
+        )])
+        .unwrap();
+        let rules = c.sandboxes[0].confine.clone().unwrap();
+        assert_eq!(rules.request().read, Some(vec!["~/data".to_string()]));
         for (net, want) in [
             (r#""none""#, Some(vec![])),
             (r#""any""#, None),

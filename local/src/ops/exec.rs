@@ -106,8 +106,10 @@ pub fn confinement_note(req: Option<&rsb_protocol::Confine>, res: &ExecResult) -
         } else {
             c.write.join(", ")
         };
+        let reads = crate::config::reads_words(c.read.as_deref());
         format!(
-            "confined: the command may change files only under {roots} (Landlock); a write elsewhere fails with Permission denied by design"
+            "confined: the command may change files only under {roots}{reads} (Landlock); a write{} elsewhere fails with Permission denied by design",
+            if reads.is_empty() { "" } else { " or read" }
         )
     })
 }

@@ -230,6 +230,10 @@ pub async fn submit(pool: &Pool, client: &AgentClient, job: &Job<'_>) -> Result<
     if let Some(c) = client.confine() {
         let c = rsb_protocol::Confine {
             write: c.write.iter().map(|w| resolve(&home, &home, w)).collect(),
+            read: c
+                .read
+                .as_ref()
+                .map(|r| r.iter().map(|w| resolve(&home, &home, w)).collect()),
             ..c.clone()
         };
         rsb_agent::jobs::record::set_confine(&mut spec, &c);

@@ -535,6 +535,7 @@ mod tests {
             policy: Default::default(),
             confine: Some(ConfineRules {
                 write: vec!["~/work".into()],
+                read: Some(vec!["~/data".into()]),
                 net: crate::config::Net::Word("none".into()),
                 require: true,
             }),
