@@ -118,8 +118,8 @@ pub fn prepare(c: &Confine) -> Result<Decision, AgentError> {
         None => None,
     };
     let scope = abi >= SCOPE_ABI;
-    let ruleset =
-        sys::ruleset(abi, &roots, reads.as_deref(), net.as_deref(), scope).map_err(|e| {
+    let ruleset = sys::ruleset(abi, Some(&roots), reads.as_deref(), net.as_deref(), scope)
+        .map_err(|e| {
             AgentError::new(
                 ErrorCode::Io,
                 format!("confine: cannot build the Landlock ruleset: {e}"),
@@ -207,24 +207,12 @@ impl Writable {
     /// Before `path` is resolved (and missing directories made): its deepest existing
     /// ancestor, symlinks followed, is beneath a root, and nothing after it climbs out.
     pub fn check_path(&self, path: &Path, what: &str) -> Result<(), AgentError> {
-        let Some(roots) = &self.0 else {
-            return Ok(());
-        };
-        let shown = crate::util::path_string(path);
-        for anc in path.ancestors().filter(|a| !a.as_os_str().is_empty()) {
-            let Ok(fd) = open_dir(anc) else {
-                continue;
-            };
-            let rest = path.strip_prefix(anc).unwrap_or(path);
-            let climbs = rest
-                .components()
-                .any(|c| matches!(c, std::path::Component::ParentDir));
-            if !climbs && roots.beneath(&fd) {
-                return Ok(());
+        match &self.0 {
+            Some(roots) if !roots.holds(path) => {
+                Err(self.refused(what, &crate::util::path_string(path)))
             }
-            return Err(self.refused(what, &shown));
+            _ => Ok(()),
         }
-        Err(self.refused(what, &shown))
     }
 
     /// After resolving: `dir`, the held directory a change is made in, is beneath a root.
@@ -291,6 +279,22 @@ fn dir_flags() -> rustix::fs::OFlags {
 }
 
 impl Roots {
+    /// `path`'s deepest existing ancestor, symlinks followed, is beneath a root, and nothing
+    /// after it climbs out.
+    fn holds(&self, path: &Path) -> bool {
+        for anc in path.ancestors().filter(|a| !a.as_os_str().is_empty()) {
+            let Ok(fd) = open_dir(anc) else {
+                continue;
+            };
+            let rest = path.strip_prefix(anc).unwrap_or(path);
+            let climbs = rest
+                .components()
+                .any(|c| matches!(c, std::path::Component::ParentDir));
+            return !climbs && self.beneath(&fd);
+        }
+        false
+    }
+
     /// `dir` is a root or beneath one: walked up by `..` (what the kernel resolves, mounts
     /// included) until a root's identity or the top.
     fn beneath(&self, dir: &impl std::os::fd::AsFd) -> bool {
@@ -327,43 +331,126 @@ pub fn own_writes<T: Send>(
     c: Option<&Confine>,
     f: impl FnOnce(&Writable) -> Result<T, AgentError> + Send,
 ) -> Result<T, AgentError> {
-    let Some(c) = c else {
-        return f(&Writable::any());
+    let (w, ruleset) = match c {
+        Some(c) => {
+            let w = Writable::open(c)?;
+            let abi = abi();
+            let fds = w.0.as_ref().map_or(&[][..], |r| r.fds.as_slice());
+            let ruleset = (abi > 0)
+                .then(|| sys::ruleset(abi, Some(fds), None, None, false))
+                .transpose()
+                .map_err(ruleset_error)?;
+            (w, ruleset)
+        }
+        None => (Writable::any(), None),
     };
-    let w = Writable::open(c)?;
-    let abi = abi();
-    if abi == 0 {
-        return f(&w);
-    }
-    let fds = w.0.as_ref().map_or(&[][..], |r| r.fds.as_slice());
-    let ruleset = sys::ruleset(abi, fds, None, None, false).map_err(|e| {
-        AgentError::new(
-            ErrorCode::Io,
-            format!("confine: cannot build the Landlock ruleset: {e}"),
-        )
-    })?;
+    run_confined(ruleset.as_ref(), || f(&w))
+}
+
+fn ruleset_error(e: io::Error) -> AgentError {
+    AgentError::new(
+        ErrorCode::Io,
+        format!("confine: cannot build the Landlock ruleset: {e}"),
+    )
+}
+
+/// `f`, run in a new thread confined by `ruleset`, or here without one (called from one
+/// place, so that `f`'s body is not copied into two).
+fn run_confined<T: Send>(
+    ruleset: Option<&OwnedFd>,
+    f: impl FnOnce() -> Result<T, AgentError> + Send,
+) -> Result<T, AgentError> {
     let mut f = Some(f);
     let mut out = None;
-    in_confined_thread(&ruleset, &mut || {
+    run_body(ruleset, &mut || {
         if let Some(f) = f.take() {
-            out = Some(f(&w));
+            out = Some(f());
         }
     })?;
     out.unwrap_or_else(|| Err(AgentError::new(ErrorCode::Internal, "worker failed")))
 }
 
-/// Run `body` in a new thread confined by `ruleset` and wait for it (not generic: one copy in
-/// the agent, whatever the change).
-fn in_confined_thread(
-    ruleset: &OwnedFd,
-    body: &mut (dyn FnMut() + Send),
-) -> Result<(), AgentError> {
+/// Run `f`, rsb's own read of `path` (a file, a listing, a sync's walk, a search), under `c`'s
+/// read roots when it has them: `path`, its symlinks resolved, must be beneath a read root, a
+/// write root, one of the system's directories or rsb's own data (the check that answers by
+/// name, and the only one `stat` meets: Landlock does not govern it); and where Landlock is
+/// available `f` runs in a thread the kernel confines to reading those trees, so a symlink met
+/// inside a tree or swapped in after the check leads nowhere else.
+pub fn own_reads<T: Send>(
+    c: Option<&Confine>,
+    path: &Path,
+    f: impl FnOnce() -> Result<T, AgentError> + Send,
+) -> Result<T, AgentError> {
+    let ruleset = reads_allowed(c, path)?;
+    run_confined(ruleset.as_ref(), f)
+}
+
+/// [`own_reads`]'s check of `path`; the ruleset its read runs under (`None`: reads are not
+/// confined, or this host has no Landlock and the check is all there is).
+fn reads_allowed(c: Option<&Confine>, path: &Path) -> Result<Option<OwnedFd>, AgentError> {
+    let Some((c, read)) = c.and_then(|c| Some((c, c.read.as_ref()?))) else {
+        return Ok(None);
+    };
+    let mut fds = open_roots(read, "readable")?;
+    fds.extend(open_roots(&c.write, "writable")?);
+    fds.extend(open_present(rsb_protocol::SYSTEM_READABLE));
+    // rsb's own data: its jobs' records and logs, and its hash cache.
+    let own = [
+        crate::util::home_dir().map(|h| h.join(rsb_protocol::JOBS_ROOT)),
+        crate::sync::hash_cache_dir(),
+    ];
+    fds.extend(own.iter().flatten().filter_map(|d| sys::open_path(d).ok()));
+    let mut ids = Vec::with_capacity(fds.len());
+    for fd in &fds {
+        ids.push(dev_ino(&rustix::fs::fstat(fd).map_err(|e| {
+            AgentError::new(
+                ErrorCode::Io,
+                format!("confine: a root cannot be read: {e}"),
+            )
+        })?));
+    }
+    let shown: Vec<&str> = read.iter().chain(&c.write).map(String::as_str).collect();
+    let roots = Roots {
+        ids,
+        fds,
+        shown: format!(
+            "{}, the system's directories, rsb's job logs",
+            shown.join(", ")
+        ),
+    };
+    let target = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+    if !roots.holds(&target) {
+        return Err(AgentError::new(
+            ErrorCode::PermissionDenied,
+            format!(
+                "confine: read {} is outside this sandbox's readable roots ({}); rsb's own reads keep to them, as commands do",
+                crate::util::path_string(path),
+                roots.shown
+            ),
+        ));
+    }
+    let abi = abi();
+    if abi == 0 {
+        return Ok(None);
+    }
+    sys::ruleset(abi, None, Some(&roots.fds), None, false)
+        .map(Some)
+        .map_err(ruleset_error)
+}
+
+/// Run `body` in a new thread confined by `ruleset` and wait for it, or here without one (not
+/// generic: one copy in the agent, whatever the change).
+fn run_body(ruleset: Option<&OwnedFd>, body: &mut (dyn FnMut() + Send)) -> Result<(), AgentError> {
+    let Some(ruleset) = ruleset else {
+        body();
+        return Ok(());
+    };
     std::thread::scope(|s| {
         s.spawn(|| {
             sys::restrict_thread(ruleset).map_err(|e| {
                 AgentError::new(
                     ErrorCode::Io,
-                    format!("confine: cannot confine this change (landlock_restrict_self: {e}); nothing was changed"),
+                    format!("confine: cannot confine this call (landlock_restrict_self: {e}); nothing was done"),
                 )
             })?;
             body();
@@ -373,7 +460,7 @@ fn in_confined_thread(
         .unwrap_or_else(|_| {
             Err(AgentError::new(
                 ErrorCode::Internal,
-                "worker failed: a confined change panicked",
+                "worker failed: a confined call panicked",
             ))
         })
     })
@@ -495,18 +582,18 @@ mod sys {
     }
 
     /// A ruleset handling every write right of `abi`, allowing them beneath each of `roots`
-    /// (a file root gets the rights a file can have). `reads`: reading and executing handled
+    /// (a file root gets the rights a file can have; `None`: writes not handled). `reads`: reading and executing handled
     /// too, allowed beneath these and the write roots (`None`: not handled).
     /// `net`: the TCP ports allowed (`None`: TCP not handled). `scope`: signals and abstract
     /// unix sockets stay inside the domain.
     pub fn ruleset(
         abi: u32,
-        roots: &[OwnedFd],
+        roots: Option<&[OwnedFd]>,
         reads: Option<&[OwnedFd]>,
         net: Option<&[u16]>,
         scope: bool,
     ) -> io::Result<OwnedFd> {
-        let handled = writes(abi) | reads.map_or(0, |_| READS);
+        let handled = roots.map_or(0, |_| writes(abi)) | reads.map_or(0, |_| READS);
         let attr = RulesetAttr {
             handled_access_fs: handled,
             handled_access_net: if net.is_some() {
@@ -537,6 +624,7 @@ mod sys {
         // SAFETY: a new descriptor owned by nothing else.
         let ruleset = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
         let granted = roots
+            .unwrap_or_default()
             .iter()
             .map(|r| (r, handled))
             .chain(reads.unwrap_or_default().iter().map(|r| (r, READS)));
@@ -632,7 +720,7 @@ mod sys {
 
     pub fn ruleset(
         _abi: u32,
-        _roots: &[OwnedFd],
+        _roots: Option<&[OwnedFd]>,
         _reads: Option<&[OwnedFd]>,
         _net: Option<&[u16]>,
         _scope: bool,
@@ -647,6 +735,7 @@ mod sys {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     fn confine(roots: &[&Path]) -> Confine {
         Confine {
@@ -760,6 +849,48 @@ mod tests {
             "{}",
             e.message
         );
+    }
+
+    /// rsb's own reads: a path out of the roots is refused by name, a symlink pointing out
+    /// included; a read the check would not see (a swap after it) meets the kernel in the
+    /// confined thread; the system's files stay readable.
+    #[test]
+    fn own_reads_keep_to_the_read_roots() {
+        let t = tempfile::tempdir().unwrap();
+        let (data, work, secret) = (
+            t.path().join("data"),
+            t.path().join("work"),
+            t.path().join("secret"),
+        );
+        for d in [&data, &work, &secret] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("f"), "x").unwrap();
+        }
+        std::os::unix::fs::symlink(secret.join("f"), data.join("link")).unwrap();
+        let mut c = confine(&[&work]);
+        c.read = Some(vec![data.display().to_string()]);
+        let read = |p: &Path| std::fs::read(p).map_err(|e| AgentError::from_io(&e, "read", ""));
+        for ok in [data.join("f"), work.join("f"), PathBuf::from("/etc/passwd")] {
+            assert!(
+                own_reads(Some(&c), &ok, || read(&ok)).is_ok(),
+                "{}",
+                ok.display()
+            );
+        }
+        for bad in [
+            secret.join("f"),
+            data.join("link"),
+            data.join("../secret/f"),
+        ] {
+            let e = own_reads(Some(&c), &bad, || read(&bad)).unwrap_err();
+            assert!(e.message.contains("readable roots"), "{}", e.message);
+        }
+        assert!(own_reads(None, &secret.join("f"), || read(&secret.join("f"))).is_ok());
+        if abi() >= 1 {
+            let e = own_reads(Some(&c), &data.join("f"), || read(&secret.join("f"))).unwrap_err();
+            assert_eq!(e.code, ErrorCode::PermissionDenied, "{}", e.message);
+            std::fs::read(secret.join("f")).unwrap();
+        }
     }
 
     /// With Landlock, the change runs in a thread the kernel confines (a write the check

@@ -132,6 +132,11 @@ fn take_lines(
 
 pub fn read_text(req: &ReadTextRequest) -> Result<ReadTextResult, AgentError> {
     let path = expand_home(&req.path);
+    crate::confine::own_reads(req.confine.as_ref(), &path, || read_text_in(req))
+}
+
+fn read_text_in(req: &ReadTextRequest) -> Result<ReadTextResult, AgentError> {
+    let path = expand_home(&req.path);
     let shown = path_string(&path);
     let io_err = |e: std::io::Error| AgentError::from_io(&e, "read_file", &shown);
     let (file, meta) = open_regular(&path).map_err(io_err)?;

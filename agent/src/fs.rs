@@ -3,6 +3,7 @@
 //! These are blocking functions; `serve` runs them on tokio's blocking pool. Paths are data:
 //! only a leading `~` is expanded, nothing is handed to a shell.
 
+use crate::confine::own_reads;
 use std::fs::{File, Metadata};
 use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::ffi::OsStrExt;
@@ -59,6 +60,12 @@ fn cancelled() -> AgentError {
 }
 
 pub fn stat(req: &StatRequest) -> Result<FileStat, AgentError> {
+    own_reads(req.confine.as_ref(), &expand_home(&req.path), || {
+        stat_in(req)
+    })
+}
+
+fn stat_in(req: &StatRequest) -> Result<FileStat, AgentError> {
     let path = expand_home(&req.path);
     let shown = path_string(&path);
     let lmeta =
@@ -284,6 +291,15 @@ pub fn list_dir(
     req: &ListDirRequest,
     cancel: &CancellationToken,
 ) -> Result<ListDirResult, AgentError> {
+    own_reads(req.confine.as_ref(), &expand_home(&req.path), || {
+        list_dir_in(req, cancel)
+    })
+}
+
+fn list_dir_in(
+    req: &ListDirRequest,
+    cancel: &CancellationToken,
+) -> Result<ListDirResult, AgentError> {
     let root = expand_home(&req.path);
     let shown = path_string(&root);
     // The root itself may be a symlink to a directory (like `ls dir/`); entries below are not followed.
@@ -360,6 +376,12 @@ pub fn open_regular(path: &Path) -> std::io::Result<(File, Metadata)> {
 }
 
 pub fn read_file(req: &ReadFileRequest) -> Result<ReadFileResult, AgentError> {
+    own_reads(req.confine.as_ref(), &expand_home(&req.path), || {
+        read_file_in(req)
+    })
+}
+
+fn read_file_in(req: &ReadFileRequest) -> Result<ReadFileResult, AgentError> {
     let path = expand_home(&req.path);
     let shown = path_string(&path);
     let io_err = |e: std::io::Error| AgentError::from_io(&e, "read_file", &shown);

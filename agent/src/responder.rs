@@ -161,7 +161,7 @@ impl Responder {
     pub async fn stream_blocking<T, B>(
         &mut self,
         cancel: &CancellationToken,
-        job: impl FnOnce(&mut dyn FnMut(B) -> bool) -> Result<T, AgentError> + Send + 'static,
+        job: impl FnOnce(&mut (dyn FnMut(B) -> bool + Send)) -> Result<T, AgentError> + Send + 'static,
         to_chunk: impl Fn(B) -> Chunk,
     ) -> Result<T, AgentError>
     where

@@ -60,6 +60,15 @@ const QUEUE: usize = 64;
 pub fn search(
     req: &SearchRequest,
     cancel: &CancellationToken,
+    emit: &mut (dyn FnMut(Vec<SearchEntry>) -> bool + Send),
+) -> Result<SearchResult, AgentError> {
+    let root = crate::util::expand_home(&req.root);
+    crate::confine::own_reads(req.confine.as_ref(), &root, || search_in(req, cancel, emit))
+}
+
+fn search_in(
+    req: &SearchRequest,
+    cancel: &CancellationToken,
     emit: &mut dyn FnMut(Vec<SearchEntry>) -> bool,
 ) -> Result<SearchResult, AgentError> {
     let flags = matcher::Flags {

@@ -727,6 +727,7 @@ fn list(agent: &mut Agent, path: &str, recursive: bool, max_entries: u64) -> Lis
         path: path.into(),
         recursive,
         max_entries,
+        confine: None,
     })) {
         Reply::ListDir(r) => r,
         other => panic!("{other:?}"),
@@ -746,6 +747,7 @@ fn stat_describes_files_links_and_dirs() {
         agent.call(Request::Stat(StatRequest {
             path: path.into(),
             follow,
+            confine: None,
         }))
     };
 
@@ -833,6 +835,7 @@ fn list_dir_is_sorted_exact_and_does_not_follow_links() {
             path: format!("{root}/nope"),
             recursive: false,
             max_entries: 10,
+            confine: None,
         })),
         ErrorCode::NotFound,
     );
@@ -841,6 +844,7 @@ fn list_dir_is_sorted_exact_and_does_not_follow_links() {
             path: format!("{root}/a.txt"),
             recursive: true,
             max_entries: 10,
+            confine: None,
         })),
         ErrorCode::NotADirectory,
     );
@@ -874,6 +878,7 @@ fn read_file_reads_ranges_and_refuses_what_is_not_a_file() {
             path,
             offset,
             max_bytes,
+            confine: None,
         }))
     };
     let ok = |r: Reply| -> ReadFileResult {
@@ -927,6 +932,7 @@ fn read_file_is_clamped_to_one_frame() {
         path: big.to_str().unwrap().into(),
         offset: 0,
         max_bytes: u64::MAX,
+        confine: None,
     }));
     let Reply::ReadFile(r) = reply else {
         panic!("{reply:?}")
@@ -1015,11 +1021,13 @@ fn unknown_ids_and_parallel_reads_do_not_disturb_each_other() {
                     path: format!("{root}/a.txt"),
                     offset: 0,
                     max_bytes: 5,
+                    confine: None,
                 })
             } else {
                 Request::Stat(StatRequest {
                     path: format!("{root}/z.txt"),
                     follow: false,
+                    confine: None,
                 })
             };
             agent.request(body)
@@ -1061,6 +1069,7 @@ fn a_small_reply_overtakes_queued_bulk_replies() {
             path: big.to_str().unwrap().into(),
             offset: 0,
             max_bytes: 15 << 20,
+            confine: None,
         });
         write_frame(&mut stdin, &encode(&ToAgent::Request { id, body }).unwrap()).unwrap();
     }

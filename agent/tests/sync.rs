@@ -159,6 +159,7 @@ impl Agent {
             hash,
             compress: false,
             expect,
+            confine: None,
         }));
         let (chunks, reply) = self.wait_reply(id);
         let summary = match reply {
@@ -491,6 +492,7 @@ fn a_bad_pattern_is_an_invalid_argument_naming_it() {
         hash: true,
         compress: false,
         expect: None,
+        confine: None,
     }));
     match reply {
         Reply::Error(e) => {
@@ -700,6 +702,7 @@ fn block_hashes_cover_every_block() {
     match agent.call(Request::BlockHashes(BlockHashesRequest {
         path: path.clone(),
         block_size: 4096,
+        confine: None,
     })) {
         Reply::BlockHashes(r) => {
             assert_eq!(r.size, data.len() as u64);
@@ -712,6 +715,7 @@ fn block_hashes_cover_every_block() {
         match agent.call(Request::BlockHashes(BlockHashesRequest {
             path: path.clone(),
             block_size: bad,
+            confine: None,
         })) {
             Reply::Error(e) => assert_eq!(e.code, ErrorCode::InvalidArgument),
             other => panic!("{other:?}"),
@@ -720,6 +724,7 @@ fn block_hashes_cover_every_block() {
     match agent.call(Request::BlockHashes(BlockHashesRequest {
         path: t.path().to_str().unwrap().into(),
         block_size: 4096,
+        confine: None,
     })) {
         Reply::Error(e) => assert_eq!(e.code, ErrorCode::InvalidArgument, "{}", e.message),
         other => panic!("{other:?}"),
@@ -1120,6 +1125,7 @@ fn a_block_delta_rebuilds_the_file() {
     match agent.call(Request::BlockHashes(BlockHashesRequest {
         path: root.join("big.bin").to_str().unwrap().into(),
         block_size: bs as u64,
+        confine: None,
     })) {
         Reply::BlockHashes(r) => assert_eq!(r.hashes, short.chunks(bs).map(b3).collect::<Vec<_>>()),
         other => panic!("{other:?}"),
@@ -1312,6 +1318,7 @@ fn a_manifest_can_be_cancelled() {
         hash: true,
         compress: false,
         expect: None,
+        confine: None,
     }));
     agent.send(&ToAgent::Cancel { id });
     match agent.wait_reply(id).1 {
@@ -1375,6 +1382,7 @@ fn agent_side_timings() {
     agent.call(Request::BlockHashes(BlockHashesRequest {
         path: src.join("big.bin").to_str().unwrap().into(),
         block_size: 1 << 20,
+        confine: None,
     }));
     time("block hashes of 200 MiB, 1 MiB blocks", s);
 
@@ -1960,6 +1968,7 @@ fn a_compressed_manifest_holds_the_same_entries() {
         hash: true,
         compress: true,
         expect: None,
+        confine: None,
     }));
     let (chunks, reply) = agent.wait_reply(id);
     assert!(matches!(reply, Reply::Manifest(_)), "{reply:?}");

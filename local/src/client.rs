@@ -466,6 +466,12 @@ impl AgentClient {
         self.inner.confine.get()
     }
 
+    /// The sandbox's confinement when it confines reads: every one of rsb's own reads through
+    /// this client carries it ([`Request::read_confine`]).
+    pub fn confine_reads(&self) -> Option<&rsb_protocol::Confine> {
+        self.confine().filter(|c| c.read.is_some())
+    }
+
     pub fn is_alive(&self) -> bool {
         !self.inner.closed.load(Ordering::SeqCst) && !self.inner.out.is_closed()
     }
@@ -639,7 +645,12 @@ impl AgentClient {
         };
         let permit = lane.reserve().await.map_err(|_| lost("writer stopped"))?;
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let frame = encode(&ToAgent::Request { id, body: make() }).map_err(|e| {
+        let mut body = make();
+        // rsb's own reads keep to the sandbox's read roots, whoever asks for them.
+        if let (Some(c), Some(slot)) = (self.confine_reads(), body.read_confine()) {
+            slot.get_or_insert_with(|| c.clone());
+        }
+        let frame = encode(&ToAgent::Request { id, body }).map_err(|e| {
             RsbError::invalid(
                 format!("{kind} request too large: {e}"),
                 "send less data per call",

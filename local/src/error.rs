@@ -68,6 +68,9 @@ impl RsbError {
     pub fn from_agent(e: AgentError) -> Self {
         let hint = match e.code {
             // The sandbox's own boundary, not the host's permissions.
+            ErrorCode::PermissionDenied if e.message.starts_with("confine: read ") => {
+                "read under the sandbox's confine.read or confine.write roots, or change its confine in the config (README: Confinement)"
+            }
             ErrorCode::PermissionDenied if e.message.starts_with("confine: ") => {
                 "work under the sandbox's confine.write roots, or change its confine in the config (README: Confinement)"
             }

@@ -26,6 +26,9 @@ pub struct ReadTextRequest {
     /// Cap on `data`. By lines, whole lines are returned while they fit (a first line longer
     /// than the cap is cut).
     pub max_bytes: u64,
+    /// rsb's own read keeps to the sandbox's [`crate::Confine::read`] roots (with its write
+    /// roots and the system's directories); `None`, or a `Confine` without `read`: anywhere.
+    pub confine: Option<crate::Confine>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -20,6 +20,9 @@ pub struct StatRequest {
     pub path: String,
     /// Follow a final symlink (stat) instead of describing the link itself (lstat).
     pub follow: bool,
+    /// rsb's own read keeps to the sandbox's [`crate::Confine::read`] roots (with its write
+    /// roots and the system's directories); `None`, or a `Confine` without `read`: anywhere.
+    pub confine: Option<crate::Confine>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -39,6 +42,9 @@ pub struct ListDirRequest {
     pub recursive: bool,
     /// Exact cap on returned entries; the agent stops walking once it is reached.
     pub max_entries: u64,
+    /// rsb's own read keeps to the sandbox's [`crate::Confine::read`] roots (with its write
+    /// roots and the system's directories); `None`, or a `Confine` without `read`: anywhere.
+    pub confine: Option<crate::Confine>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -67,6 +73,9 @@ pub struct ReadFileRequest {
     pub path: String,
     pub offset: u64,
     pub max_bytes: u64,
+    /// rsb's own read keeps to the sandbox's [`crate::Confine::read`] roots (with its write
+    /// roots and the system's directories); `None`, or a `Confine` without `read`: anywhere.
+    pub confine: Option<crate::Confine>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -65,8 +65,10 @@ pub use sync::{
 /// `types_not` (rg's -A/-B, -w, -v, --hidden, -t/-T). 20: `ExecRequest::confine` (Landlock),
 /// `ExecResult::unconfined`, `JobStartRequest::confine`, `JobInfo::unconfined`. 21: `Confine::net`.
 /// 22: `Capabilities::landlock_abi`. 23: `confine` on `Edit`, `Write`, `Patch`, `ApplyOpen`
-/// and `ApplyOnce` (rsb's own writes keep to the write roots). 24: `Confine::read`.
-pub const PROTOCOL_VERSION: u32 = 24;
+/// and `ApplyOnce` (rsb's own writes keep to the write roots). 24: `Confine::read`. 25:
+/// `confine` on `Stat`, `ListDir`, `ReadFile`, `ReadFileZ`, `BlockHashes`, `Manifest`,
+/// `ReadText` and `Search` (rsb's own reads keep to the read roots).
+pub const PROTOCOL_VERSION: u32 = 25;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops
@@ -237,6 +239,22 @@ pub enum Request {
 }
 
 impl Request {
+    /// The `confine` of a request that is one of rsb's own reads (a file, a listing, a sync's
+    /// walk or hashes, a search), which keeps to a sandbox's read roots; `None` for others.
+    pub fn read_confine(&mut self) -> Option<&mut Option<Confine>> {
+        match self {
+            Request::Stat(r) => Some(&mut r.confine),
+            Request::ListDir(r) => Some(&mut r.confine),
+            Request::ReadFile(r) => Some(&mut r.confine),
+            Request::Manifest(r) => Some(&mut r.confine),
+            Request::BlockHashes(r) => Some(&mut r.confine),
+            Request::ReadFileZ(r) => Some(&mut r.confine),
+            Request::ReadText(r) => Some(&mut r.confine),
+            Request::Search(r) => Some(&mut r.confine),
+            _ => None,
+        }
+    }
+
     /// Every request name, in wire order (for tests that must cover each kind).
     pub const KINDS: &[&str] = &[
         PingRequest::NAME,

@@ -68,6 +68,9 @@ pub struct SearchRequest {
     /// line that matches has the one range `(0, 0)`, which tells it from a context line: the
     /// pattern is not run again on a matching line, and once on a context line.
     pub ranges: bool,
+    /// rsb's own read keeps to the sandbox's [`crate::Confine::read`] roots (with its write
+    /// roots and the system's directories); `None`, or a `Confine` without `read`: anywhere.
+    pub confine: Option<crate::Confine>,
 }
 
 /// One line of a file: a match or a context line.

@@ -60,6 +60,9 @@ pub struct ManifestRequest {
     /// and the summary says [`ManifestSummary::unchanged`]: a no-change sync then costs the
     /// walk and one small reply, not the whole tree's entries across the link.
     pub expect: Option<[u8; 32]>,
+    /// rsb's own read keeps to the sandbox's [`crate::Confine::read`] roots (with its write
+    /// roots and the system's directories); `None`, or a `Confine` without `read`: anywhere.
+    pub confine: Option<crate::Confine>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -102,6 +105,9 @@ pub struct ManifestSummary {
 pub struct BlockHashesRequest {
     pub path: String,
     pub block_size: u64,
+    /// rsb's own read keeps to the sandbox's [`crate::Confine::read`] roots (with its write
+    /// roots and the system's directories); `None`, or a `Confine` without `read`: anywhere.
+    pub confine: Option<crate::Confine>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -256,6 +262,9 @@ pub struct ReadFileZRequest {
     /// one. A small file is read in one request, so this is what keeps a file rewritten in
     /// place mid-read from being committed as a mix of versions.
     pub whole: bool,
+    /// rsb's own read keeps to the sandbox's [`crate::Confine::read`] roots (with its write
+    /// roots and the system's directories); `None`, or a `Confine` without `read`: anywhere.
+    pub confine: Option<crate::Confine>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -29,16 +29,19 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         Request::Stat(StatRequest {
             path: "~/x".into(),
             follow: true,
+            confine: None,
         }),
         Request::ListDir(ListDirRequest {
             path: ".".into(),
             recursive: true,
             max_entries: 5,
+            confine: None,
         }),
         Request::ReadFile(ReadFileRequest {
             path: "f".into(),
             offset: 7,
             max_bytes: 9,
+            confine: None,
         }),
         Request::Resources(ResourcesRequest { max_wait_ms: 300 }),
         Request::JobStart(JobStartRequest {
@@ -79,10 +82,12 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             hash: true,
             compress: true,
             expect: Some([7; 32]),
+            confine: None,
         }),
         Request::BlockHashes(BlockHashesRequest {
             path: "big.bin".into(),
             block_size: 262_144,
+            confine: None,
         }),
         Request::ApplyOpen(ApplyOpenRequest {
             root: "/dst".into(),
@@ -155,6 +160,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             max_bytes: 1 << 20,
             compress: true,
             whole: true,
+            confine: None,
         }),
         Request::ReadText(ReadTextRequest {
             path: "~/a.rs".into(),
@@ -163,6 +169,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                 count: 10,
             }),
             max_bytes: 1000,
+            confine: None,
         }),
         Request::Edit(EditRequest {
             path: "~/a.rs".into(),
@@ -236,6 +243,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             deadline_ms: 30_000,
             stream: true,
             ranges: false,
+            confine: None,
         }),
         Request::JobEvents(JobEventsRequest {
             names: vec!["train".into()],

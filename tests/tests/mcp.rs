@@ -4190,7 +4190,7 @@ async fn confined_reads_keep_commands_from_the_rest_of_the_host() {
         );
         let line = v["confinement"].as_str().unwrap_or_default();
         assert!(
-            line.contains("commands read only under ~/data, the write roots"),
+            line.contains("commands and rsb read only under ~/data, the write roots"),
             "{cmd}: the reply should say reads are confined: {v}"
         );
     }
@@ -4224,8 +4224,163 @@ async fn confined_reads_keep_commands_from_the_rest_of_the_host() {
         .as_str()
         .unwrap_or_default()
         .to_string();
-    assert!(line.contains("commands read only under ~/data"), "{v}");
+    assert!(
+        line.contains("commands and rsb read only under ~/data"),
+        "{v}"
+    );
     mcp.close().await;
+}
+
+/// Issue 48: with `confine.read`, rsb's own reads keep to the read roots as commands do:
+/// `read_remote_file`, `list_remote_files`, `search_remote_files` and a sync down are refused
+/// outside them with one line naming the roots, whatever the path spells (`..`, a symlink in a
+/// root that points out), and work inside them, on the system's files and on rsb's job logs;
+/// with the kernel, and without it (the agent's own check).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rsb_own_reads_keep_to_the_read_roots() {
+    need_landlock(1, "Linux 5.13+ with landlock enabled");
+    for abi in [None, Some("0")] {
+        let sshd = Sshd::start_with(rsb_tests::SshdOptions {
+            set_env: abi
+                .map(|a| vec![("RSB_TEST_LANDLOCK_ABI".to_string(), a.to_string())])
+                .unwrap_or_default(),
+            ..Default::default()
+        })
+        .unwrap();
+        let h = sshd.home().to_path_buf();
+        for d in ["scratch", "data/sub", "private"] {
+            std::fs::create_dir_all(h.join(d)).unwrap();
+        }
+        std::fs::write(h.join("data/in.txt"), "data needle\n").unwrap();
+        std::fs::write(h.join("private/key"), "SECRET needle\n").unwrap();
+        std::fs::write(h.join(".bashrc"), "SECRET rc\n").unwrap();
+        std::os::unix::fs::symlink(h.join("private/key"), h.join("data/link")).unwrap();
+        std::os::unix::fs::symlink(h.join("private"), h.join("data/dirlink")).unwrap();
+        let mut entry = key_entry("box", &sshd);
+        entry["confine"] = json!({"write": ["~/scratch"], "read": ["~/data"], "require": false});
+        let mcp = Mcp::start(&list(&[entry])).await;
+        let refused = |r: &Reply, what: &str| {
+            assert!(
+                r.text.contains("outside this sandbox's readable roots (~/data, ~/scratch, the system's directories"),
+                "{what} ({abi:?}): {}",
+                r.text
+            );
+            assert!(!r.text.contains("SECRET"), "{what}: {}", r.text);
+            assert!(
+                r.text.contains("confine.read"),
+                "{what}: the hint: {}",
+                r.text
+            );
+        };
+        for path in [
+            "~/private/key",
+            "~/data/link",
+            "~/data/../private/key",
+            "~/data/dirlink/key",
+            "~/.bashrc",
+            "/tmp",
+        ] {
+            let r = mcp
+                .err("read_remote_file", json!({"remote_path": path}))
+                .await;
+            refused(&r, path);
+        }
+        for path in ["~/private", "~/data/dirlink", "~"] {
+            let r = mcp
+                .err("list_remote_files", json!({"remote_path": path}))
+                .await;
+            refused(&r, path);
+        }
+        for path in ["~/private", "~/data/dirlink", "~"] {
+            let r = mcp
+                .err(
+                    "search_remote_files",
+                    json!({"pattern": "needle", "remote_path": path}),
+                )
+                .await;
+            refused(&r, path);
+        }
+        let local = tempfile::tempdir().unwrap();
+        let r = mcp
+            .err(
+                "sync_remote_to_local",
+                json!({"remote_path": "~/private", "local_path": local.path().join("p").display().to_string()}),
+            )
+            .await;
+        refused(&r, "sync private");
+        assert!(!local.path().join("p/key").exists());
+        // Inside the roots, and the system's files, all work as usual.
+        let v = mcp
+            .ok("read_remote_file", json!({"remote_path": "~/data/in.txt"}))
+            .await;
+        assert_eq!(v["content"], "data needle\n", "{v}");
+        let v = mcp
+            .ok("read_remote_file", json!({"remote_path": "/etc/passwd"}))
+            .await;
+        assert!(
+            v["content"].as_str().unwrap_or_default().contains("root:"),
+            "{v}"
+        );
+        let v = mcp
+            .ok("list_remote_files", json!({"remote_path": "~/data"}))
+            .await;
+        assert!(v.to_string().contains("in.txt"), "{v}");
+        let v = mcp
+            .ok(
+                "search_remote_files",
+                json!({"pattern": "needle", "remote_path": "~/data"}),
+            )
+            .await;
+        assert!(v.to_string().contains("data needle"), "{v}");
+        assert!(!v.to_string().contains("SECRET"), "{v}");
+        mcp.ok(
+            "sync_remote_to_local",
+            json!({"remote_path": "~/data", "local_path": local.path().join("d").display().to_string()}),
+        )
+        .await;
+        assert_eq!(
+            std::fs::read_to_string(local.path().join("d/in.txt")).unwrap(),
+            "data needle\n"
+        );
+        // The links come down as links, never as what they point at.
+        assert!(
+            local
+                .path()
+                .join("d/link")
+                .symlink_metadata()
+                .unwrap()
+                .is_symlink()
+        );
+        // A job's output reaches the model through check_background_task wherever its log is;
+        // the log file itself, by default under the job's cwd (here the home), is a file
+        // outside the roots like any other.
+        mcp.ok(
+            "exec_bash_background",
+            json!({"command": "echo logged", "session_name": "logger", "watch": false}),
+        )
+        .await;
+        let v = mcp
+            .ok(
+                "check_background_task",
+                json!({"tmux_session": "logger", "wait_s": 30}),
+            )
+            .await;
+        assert!(
+            v["log_tail"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("logged"),
+            "{v}"
+        );
+        let r = mcp
+            .err(
+                "read_remote_file",
+                json!({"remote_path": "~/.codex_logs/logger.log"}),
+            )
+            .await;
+        refused(&r, "the job's log");
+        mcp.close().await;
+    }
 }
 
 /// A host that cannot confine fails closed; `require = false` runs unconfined and says so.

@@ -1,5 +1,6 @@
 //! `BlockHashes`: blake3 of each fixed-size block of a file, for block deltas.
 
+use crate::confine::own_reads;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 
@@ -18,6 +19,14 @@ pub const MAX_BLOCKS: u64 = (MAX_FRAME as u64 - 64 * 1024) / 32;
 const READ: usize = 1024 * 1024;
 
 pub fn block_hashes(
+    req: &BlockHashesRequest,
+    cancel: &CancellationToken,
+) -> Result<BlockHashesResult, AgentError> {
+    let path = expand_home(&req.path);
+    own_reads(req.confine.as_ref(), &path, || block_hashes_in(req, cancel))
+}
+
+fn block_hashes_in(
     req: &BlockHashesRequest,
     cancel: &CancellationToken,
 ) -> Result<BlockHashesResult, AgentError> {

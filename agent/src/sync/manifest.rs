@@ -94,6 +94,15 @@ fn compress_batch(batch: Vec<ManifestEntry>) -> Chunk {
 pub fn scan(
     req: &ManifestRequest,
     cancel: &CancellationToken,
+    emit: &mut (dyn FnMut(Vec<ManifestEntry>) -> bool + Send),
+) -> Result<ManifestSummary, AgentError> {
+    let root = expand_home(&req.root);
+    crate::confine::own_reads(req.confine.as_ref(), &root, || scan_in(req, cancel, emit))
+}
+
+fn scan_in(
+    req: &ManifestRequest,
+    cancel: &CancellationToken,
     emit: &mut dyn FnMut(Vec<ManifestEntry>) -> bool,
 ) -> Result<ManifestSummary, AgentError> {
     if req.root.is_empty() {

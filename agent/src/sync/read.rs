@@ -25,6 +25,11 @@ const IN_FLIGHT: Duration = Duration::from_millis(20);
 /// Read as `ReadFile` does (at most [`MAX_RAW`] bytes); compress the bytes when asked and
 /// they shrink by a tenth; the local side decompresses them, bounded by `raw_len`.
 pub fn read_file_z(req: &ReadFileZRequest) -> Result<ReadFileZResult, AgentError> {
+    let path = crate::util::expand_home(&req.path);
+    crate::confine::own_reads(req.confine.as_ref(), &path, || read_file_z_in(req))
+}
+
+fn read_file_z_in(req: &ReadFileZRequest) -> Result<ReadFileZResult, AgentError> {
     let max = req.max_bytes.min(MAX_RAW as u64);
     let (data, truncated, settled) = if req.whole {
         read_whole(&req.path, req.offset, max)?
@@ -33,6 +38,8 @@ pub fn read_file_z(req: &ReadFileZRequest) -> Result<ReadFileZResult, AgentError
             path: req.path.clone(),
             offset: req.offset,
             max_bytes: max,
+            // Checked (and confined) by `read_file_z` already.
+            confine: None,
         })?;
         (r.data, r.truncated, false)
     };
@@ -130,6 +137,7 @@ mod tests {
             max_bytes: 1 << 20,
             compress: false,
             whole,
+            confine: None,
         }
     }
 

@@ -104,6 +104,7 @@ pub async fn cat(ctx: &Ctx, path: &str, json_max_bytes: i64, lines: Lines) -> u8
                 path: path.to_string(),
                 offset,
                 max_bytes: CAT_CHUNK,
+                confine: None,
             })
             .await;
         let f = match r {

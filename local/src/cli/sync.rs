@@ -272,6 +272,7 @@ async fn as_rsync(
             let req = rsb_protocol::StatRequest {
                 path: rsb_rules::path::anchor_home(&spec.remote_path),
                 follow: true,
+                confine: None,
             };
             match client.call(req).await {
                 Ok(st) => st.kind == rsb_protocol::FileKind::Dir,
@@ -305,6 +306,7 @@ async fn as_rsync(
                 path: "~".into(),
                 recursive: false,
                 max_entries: 1,
+                confine: None,
             };
             client.call(req).await.is_ok_and(|l| l.entries.is_empty())
         }

@@ -90,7 +90,7 @@ pub fn reads_words(read: Option<&[String]>) -> String {
         Some(r) => {
             let mut all: Vec<&str> = r.iter().map(String::as_str).collect();
             all.extend(["the write roots", "the system's directories"]);
-            format!("; commands read only under {}", all.join(", "))
+            format!("; commands and rsb read only under {}", all.join(", "))
         }
     }
 }
@@ -240,7 +240,7 @@ mod tests {
         reads.read = Some(vec!["~/data".into()]);
         assert_eq!(
             reads.status_on(Some(6)),
-            "commands and rsb's writes change files only under ~/work, /tmp; commands read only \
+            "commands and rsb's writes change files only under ~/work, /tmp; commands and rsb read only \
              under ~/data, the write roots, the system's directories (Landlock ABI 6: files, TCP \
              ports, scoping)"
         );

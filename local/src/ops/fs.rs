@@ -46,6 +46,7 @@ pub fn list_request(
         path: remote_path.to_string(),
         recursive,
         max_entries: max_entries as u64,
+        confine: None,
     })
 }
 
@@ -140,6 +141,7 @@ pub fn read_request(
             count: limit as u64,
         }),
         max_bytes: max_bytes as u64,
+        confine: None,
     })
 }
 

@@ -357,6 +357,7 @@ pub fn request(q: &Query) -> Result<SearchRequest> {
         stream: false,
         // The tool's text tells a match from context by its separator only.
         ranges: false,
+        confine: None,
     })
 }
 

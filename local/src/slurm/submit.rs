@@ -100,6 +100,7 @@ async fn read_small(client: &AgentClient, path: String) -> Result<Option<Vec<u8>
             path,
             offset: 0,
             max_bytes: 1 << 20,
+            confine: None,
         })
         .await
     {

@@ -1040,6 +1040,7 @@ pub async fn read_checkpoint(c: &AgentClient, w: &Watch) -> std::result::Result<
         path: w.checkpoint_path.clone(),
         offset: 0,
         max_bytes: MAX_TEXT_CHARS as u64,
+        confine: None,
     };
     let r = tokio::time::timeout(CHECKPOINT_DEADLINE, c.call(req))
         .await

@@ -132,6 +132,7 @@ async fn concurrent_streams_get_only_their_own_chunks() {
         hash: false,
         compress: false,
         expect: None,
+        confine: None,
     };
     let (txa, rxa) = mpsc::channel(4);
     let (txb, rxb) = mpsc::channel(4);

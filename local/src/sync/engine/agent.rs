@@ -42,6 +42,7 @@ pub(super) async fn manifest(
             hash: true,
             compress,
             expect: held.as_ref().map(|h| h.0),
+            confine: None,
         },
         tx,
     );
@@ -96,6 +97,7 @@ pub(super) async fn stat_opt(
     let req = StatRequest {
         path: path.into(),
         follow: true,
+        confine: None,
     };
     match c.call(req).await {
         Ok(s) => Ok(Some(s)),
@@ -198,6 +200,7 @@ pub(super) async fn block_hashes(c: &AgentClient, path: &str) -> Result<Vec<[u8;
     let req = BlockHashesRequest {
         path: path.to_string(),
         block_size: BLOCK_SIZE,
+        confine: None,
     };
     Ok(c.call(req).await?.hashes)
 }
@@ -219,6 +222,7 @@ async fn read_z(
             max_bytes,
             compress: comp.is_some(),
             whole,
+            confine: None,
         })
         .await?;
     if r.raw_len > max_bytes {
@@ -267,6 +271,7 @@ async fn read_range(
                     path: path.to_string(),
                     offset: off,
                     max_bytes: want,
+                    confine: None,
                 })
                 .await?
                 .data

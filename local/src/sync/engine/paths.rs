@@ -89,6 +89,7 @@ pub(super) async fn single_file_gitignored(
         path: join_rel(&dir, ".gitignore"),
         offset: 0,
         max_bytes: 1 << 20,
+        confine: None,
     };
     let text = match src.call(req).await {
         Ok(r) => String::from_utf8_lossy(&r.data).into_owned(),

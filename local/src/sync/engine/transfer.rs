@@ -512,6 +512,7 @@ impl Ctx<'_> {
                 .call(BlockHashesRequest {
                     path: src_path.to_string(),
                     block_size: BLOCK_SIZE,
+                    confine: None,
                 })
                 .await
             {
