@@ -347,6 +347,32 @@ pub fn own_writes<T: Send>(
     run_confined(ruleset.as_ref(), || f(&w))
 }
 
+/// Open a confined job's log for appending, one of rsb's own writes: its directory, held, is
+/// beneath a write root (walked up by identity), and the file is opened through it without
+/// following a final symlink, so a link planted in a root does not send the job's output
+/// elsewhere (`~/.bashrc`).
+pub fn open_log(c: &Confine, path: &Path) -> Result<std::fs::File, AgentError> {
+    use rustix::fs::{Mode, OFlags};
+    let shown = crate::util::path_string(path);
+    let io_err = |e: io::Error| AgentError::from_io(&e, "log file", &shown);
+    let w = Writable::open(c)?;
+    w.check_path(path, "log file")?;
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return Err(w.refused("log file", &shown));
+    };
+    std::fs::create_dir_all(dir).map_err(io_err)?;
+    let dir = rustix::fs::open(dir, OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())
+        .map_err(|e| io_err(e.into()))?;
+    w.check_dir(&dir, &shown, "log file")?;
+    let how = OFlags::WRONLY | OFlags::APPEND | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    match rustix::fs::openat(&dir, name, how, Mode::from_raw_mode(0o644)) {
+        Ok(fd) => Ok(fd.into()),
+        // A symlink as the log: it would lead the output wherever it points.
+        Err(rustix::io::Errno::LOOP) => Err(w.refused("log file", &shown)),
+        Err(e) => Err(io_err(e.into())),
+    }
+}
+
 fn ruleset_error(e: io::Error) -> AgentError {
     AgentError::new(
         ErrorCode::Io,
@@ -891,6 +917,45 @@ mod tests {
             assert_eq!(e.code, ErrorCode::PermissionDenied, "{}", e.message);
             std::fs::read(secret.join("f")).unwrap();
         }
+    }
+
+    /// A confined job's log: beneath a root it opens (directories made), appending; outside
+    /// one, through `..`, or as a symlink planted in a root, it is refused and nothing written.
+    #[test]
+    fn a_confined_jobs_log_keeps_to_the_write_roots() {
+        let t = tempfile::tempdir().unwrap();
+        let (root, rc) = (t.path().join("root"), t.path().join(".bashrc"));
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::write(&rc, "mine\n").unwrap();
+        std::os::unix::fs::symlink(&rc, root.join("rc.log")).unwrap();
+        let c = confine(&[&root]);
+        use std::io::Write;
+        let mut f = open_log(&c, &root.join("logs/a.log")).unwrap();
+        f.write_all(b"one\n").unwrap();
+        open_log(&c, &root.join("logs/a.log"))
+            .unwrap()
+            .write_all(b"two\n")
+            .unwrap();
+        assert_eq!(
+            std::fs::read_to_string(root.join("logs/a.log")).unwrap(),
+            "one\ntwo\n"
+        );
+        for bad in [
+            rc.clone(),
+            root.join("rc.log"),
+            root.join("../.bashrc"),
+            t.path().join("new/x.log"),
+        ] {
+            let e = open_log(&c, &bad).unwrap_err();
+            assert!(
+                e.message.contains("writable roots"),
+                "{}: {}",
+                bad.display(),
+                e.message
+            );
+        }
+        assert_eq!(std::fs::read_to_string(&rc).unwrap(), "mine\n");
+        assert!(!t.path().join("new").exists());
     }
 
     /// With Landlock, the change runs in a thread the kernel confines (a write the check

@@ -576,13 +576,22 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     check_text("launch_id", launch_id)?;
     // Everything that can be wrong with the request is found before anything launches.
     let cwd = resolve_cwd(req.cwd.as_deref(), &ctx.home)?;
-    let log = resolve_log(
-        &req.log_file,
-        &req.name,
-        req.cwd.as_deref(),
-        &cwd,
-        &ctx.home,
-    );
+    let log = match &req.confine {
+        // A confined job's log is one of rsb's own writes: by default in the job's own
+        // directory, else beneath a write root (checked, and opened, as the wrapper will).
+        Some(_) if req.log_file.trim().is_empty() => {
+            ctx.job_dir(&req.name).join(rsb_protocol::CONFINED_LOG)
+        }
+        _ => resolve_log(
+            &req.log_file,
+            &req.name,
+            req.cwd.as_deref(),
+            &cwd,
+            &ctx.home,
+        ),
+    };
+    let own_log = log == ctx.job_dir(&req.name).join(rsb_protocol::CONFINED_LOG);
+    let log_confine = req.confine.as_ref().filter(|_| !own_log);
 
     record::create_private_dir(&ctx.root)
         .map_err(|e| AgentError::from_io(&e, "jobs directory", &ctx.root.display().to_string()))?;
@@ -635,7 +644,10 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
         }
     }
     // Only now touch the filesystem for the new run: a refused duplicate leaves no trace.
-    prepare_log(&log)?;
+    match log_confine {
+        Some(c) => drop(crate::confine::open_log(c, &log)?),
+        None => prepare_log(&log)?,
+    }
     let log_start = std::fs::metadata(&log).map_or(0, |m| m.len());
     let mut previous = None;
     match old {

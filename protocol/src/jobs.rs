@@ -145,6 +145,11 @@ pub struct JobEvent {
 /// holds a job's spec, state and (for Slurm) its batch script.
 pub const JOBS_ROOT: &str = ".cache/rsb/jobs";
 
+/// A confined job's log when none is given: `<JOBS_ROOT>/<name>/<CONFINED_LOG>`, rsb's own
+/// place, since the usual default (`<cwd>/.codex_logs/<name>.log`) may lie outside the write
+/// roots that the job's writes, rsb's included, keep to.
+pub const CONFINED_LOG: &str = "output.log";
+
 /// The header the job runner writes into the log at the start of each run, one line each.
 pub const LOG_HEADER: [&str; 3] = ["== session: ", "== started_at: ", "== command: "];
 /// The line the job runner writes after the run's output: `EXIT_CODE=<n>`.

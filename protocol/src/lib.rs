@@ -38,9 +38,9 @@ pub use fs::{
 };
 pub use hello::{Capabilities, Hello, MAGIC};
 pub use jobs::{
-    JOB_EVENTS_RESCAN_MS, JOBS_ROOT, JobEvent, JobEventKind, JobEventsRequest, JobInfo,
-    JobKillRequest, JobListRequest, JobStartRequest, JobState, JobStatusRequest, JobStatusResult,
-    LOG_EXIT_CODE, LOG_HEADER, job_output,
+    CONFINED_LOG, JOB_EVENTS_RESCAN_MS, JOBS_ROOT, JobEvent, JobEventKind, JobEventsRequest,
+    JobInfo, JobKillRequest, JobListRequest, JobStartRequest, JobState, JobStatusRequest,
+    JobStatusResult, LOG_EXIT_CODE, LOG_HEADER, job_output,
 };
 pub use resources::{
     CpuInfo, DiskInfo, GpuInfo, GpuProcess, GpuReport, GpuSource, MemoryInfo, ResourceSnapshot,

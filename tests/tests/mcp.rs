@@ -4351,9 +4351,8 @@ async fn rsb_own_reads_keep_to_the_read_roots() {
                 .unwrap()
                 .is_symlink()
         );
-        // A job's output reaches the model through check_background_task wherever its log is;
-        // the log file itself, by default under the job's cwd (here the home), is a file
-        // outside the roots like any other.
+        // A confined job's log is by default in rsb's own directory for the job (the usual
+        // `<cwd>/.codex_logs/` may lie outside the write roots), and readable there.
         mcp.ok(
             "exec_bash_background",
             json!({"command": "echo logged", "session_name": "logger", "watch": false}),
@@ -4372,13 +4371,36 @@ async fn rsb_own_reads_keep_to_the_read_roots() {
                 .contains("logged"),
             "{v}"
         );
-        let r = mcp
-            .err(
-                "read_remote_file",
-                json!({"remote_path": "~/.codex_logs/logger.log"}),
-            )
+        let log = v["log_file"].as_str().unwrap_or_default().to_string();
+        assert!(log.ends_with(".cache/rsb/jobs/logger/output.log"), "{v}");
+        let v = mcp
+            .ok("read_remote_file", json!({"remote_path": log}))
             .await;
-        refused(&r, "the job's log");
+        assert!(
+            v["content"].as_str().unwrap_or_default().contains("logged"),
+            "{v}"
+        );
+        // A log asked for outside the write roots is refused before anything runs: the job's
+        // output, which the model writes, would otherwise land in ~/.bashrc.
+        std::os::unix::fs::symlink(h.join(".bashrc"), h.join("scratch/rc.log")).unwrap();
+        for log in ["~/.bashrc", "~/scratch/rc.log", "~/scratch/../.bashrc"] {
+            let r = mcp
+                .err(
+                    "exec_bash_background",
+                    json!({"command": "echo pwned", "session_name": "rc", "log_file": log, "watch": false}),
+                )
+                .await;
+            assert!(
+                r.text
+                    .contains("outside this sandbox's writable roots (~/scratch)"),
+                "{log}: {}",
+                r.text
+            );
+        }
+        assert_eq!(
+            std::fs::read_to_string(h.join(".bashrc")).unwrap(),
+            "SECRET rc\n"
+        );
         mcp.close().await;
     }
 }

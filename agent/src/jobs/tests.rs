@@ -870,7 +870,8 @@ fn job_run_confines_on_its_node_or_refuses() {
             ),
         );
         spec.set("cwd", f.ctx.home.as_os_str().as_bytes());
-        let log = f.ctx.home.join(format!("{name}.log"));
+        // A confined job's log keeps to the write roots too.
+        let log = inside.join(format!("{name}.log"));
         spec.set("log_file", log.as_os_str().as_bytes());
         spec.set("launch", "l1");
         let c = rsb_protocol::Confine {

@@ -407,11 +407,16 @@ fn run(opts: &Opts) -> Result<i32, String> {
     let _ = std::env::set_current_dir("/");
 
     let sig_r = install_signals().map_err(|e| format!("cannot install signal handlers: {e}"))?;
-    let file = std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(&log_path)
-        .map_err(|e| format!("cannot open log {}: {e}", log_path.display()))?;
+    // A confined job's log outside its own directory keeps to the write roots, as at start.
+    let own_log = log_path == opts.root.join(&opts.name).join(rsb_protocol::CONFINED_LOG);
+    let file = match super::record::confine_of(&spec).filter(|_| !own_log) {
+        Some(c) => crate::confine::open_log(&c, &log_path).map_err(|e| e.message)?,
+        None => std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&log_path)
+            .map_err(|e| format!("cannot open log {}: {e}", log_path.display()))?,
+    };
     let log_offset = file.metadata().map(|m| m.len()).unwrap_or(0);
     let mut log = Log {
         file,

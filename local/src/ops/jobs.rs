@@ -78,11 +78,9 @@ pub async fn start(
     } else {
         session_name.to_string()
     };
-    let log = if log_file.trim().is_empty() {
-        format!(".codex_logs/{name}.log")
-    } else {
-        log_file.to_string()
-    };
+    // Empty: the agent's default, `.codex_logs/<name>.log` under the cwd, or for a confined
+    // job its own directory's log (the usual place may lie outside the write roots).
+    let log = log_file.trim().to_string();
     let info = client
         .call(JobStartRequest {
             name: name.clone(),

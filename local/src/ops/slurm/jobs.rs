@@ -76,7 +76,15 @@ pub async fn start(
     } else {
         resolve(&home, &home, cwd)
     };
-    let log = if log_file.trim().is_empty() {
+    let log = if log_file.trim().is_empty() && client.confine().is_some() {
+        // A confined job's log, rsb's own write: in the job's own directory (the agent's
+        // wrapper refuses one outside the write roots).
+        format!(
+            "{}/{}",
+            crate::slurm::submit::job_dir(&home, &name),
+            rsb_protocol::CONFINED_LOG
+        )
+    } else if log_file.trim().is_empty() {
         format!("{cwd}/.codex_logs/{name}.log")
     } else {
         resolve(&home, &cwd, log_file)
