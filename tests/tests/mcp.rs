@@ -54,8 +54,9 @@ const DEFAULT_TOOLS: [&str; 17] = [
 /// The seed's twelve default tools take 9,243 B of compact JSON (name, description,
 /// inputSchema: the part a model reads); rsb's set may grow by 650 B for each default tool
 /// it adds for coding agents (issue 24: edit_remote_file, write_remote_file,
-/// search_remote_files).
-const SCHEMA_BUDGET_BYTES: usize = 9_243 + 650 * 3;
+/// search_remote_files), and by 90 B so that `expected_hash` and `safe` say what they do
+/// (issue 41: "A read's hash; else refuse" and "First sync: diffs conflict" said too little).
+const SCHEMA_BUDGET_BYTES: usize = 9_243 + 650 * 3 + 90;
 
 /// The part of a tools/list a model reads, as compact JSON: each tool's name, description
 /// and inputSchema (annotations are hints for the client).
@@ -303,6 +304,24 @@ fn assert_no_secret(what: &str, text: &str, secrets: &[&str]) {
 /// Is any process of group `pgid` alive (the fixture's sessions run on this machine)?
 fn group_alive(pgid: i32) -> bool {
     unsafe { libc::kill(-pgid, 0) == 0 }
+}
+
+/// `check_background_task` of a job once it has ended: a wait also returns on new output, so
+/// it is asked again (at most 30 s in all) until the job is no longer running. The last reply
+/// carries the whole tail.
+async fn job_end(mcp: &Mcp, name: &str) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let v = mcp
+            .ok(
+                "check_background_task",
+                json!({"tmux_session": name, "wait_s": 10}),
+            )
+            .await;
+        if v["running"] == false || Instant::now() >= deadline {
+            return v;
+        }
+    }
 }
 
 async fn wait_for_file(p: &Path, within: Duration) -> String {
@@ -4096,12 +4115,7 @@ async fn exec_bash_is_confined_by_the_kernel_to_its_write_roots() {
         json!({"command": job, "session_name": "confined-job", "watch": false}),
     )
     .await;
-    let v = mcp
-        .ok(
-            "check_background_task",
-            json!({"tmux_session": "confined-job", "wait_s": 30}),
-        )
-        .await;
+    let v = job_end(&mcp, "confined-job").await;
     assert_eq!(v["running"], false, "{v}");
     let tail = v["log_tail"].as_str().unwrap_or_default();
     assert!(tail.contains("job-done"), "{v}");
@@ -4199,12 +4213,7 @@ async fn confined_reads_keep_commands_from_the_rest_of_the_host() {
         json!({"command": "cat ~/private/key > ~/scratch/job.txt; cat ~/data/in.txt >> ~/scratch/job.txt; echo job-done", "session_name": "reader", "watch": false}),
     )
     .await;
-    let v = mcp
-        .ok(
-            "check_background_task",
-            json!({"tmux_session": "reader", "wait_s": 30}),
-        )
-        .await;
+    let v = job_end(&mcp, "reader").await;
     assert!(
         v["log_tail"]
             .as_str()
@@ -4358,12 +4367,7 @@ async fn rsb_own_reads_keep_to_the_read_roots() {
             json!({"command": "echo logged", "session_name": "logger", "watch": false}),
         )
         .await;
-        let v = mcp
-            .ok(
-                "check_background_task",
-                json!({"tmux_session": "logger", "wait_s": 30}),
-            )
-            .await;
+        let v = job_end(&mcp, "logger").await;
         assert!(
             v["log_tail"]
                 .as_str()

@@ -22,7 +22,7 @@ pub struct EditRemoteFileParams {
     /// Replace every match.
     #[serde(default)]
     pub replace_all: Option<bool>,
-    /// A read's hash; else refuse.
+    /// hash from a read; refuse if the file changed since.
     #[serde(default)]
     pub expected_hash: Option<String>,
     /// ""=active sandbox
@@ -41,7 +41,7 @@ pub struct WriteRemoteFileParams {
     /// Bytes to write, base64.
     #[serde(default)]
     pub content_base64: Option<String>,
-    /// A read's hash; else refuse.
+    /// hash from a read; refuse if the file changed since.
     #[serde(default)]
     pub expected_hash: Option<String>,
     /// Refuse if the path exists.

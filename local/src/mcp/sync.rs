@@ -71,7 +71,7 @@ pub struct SyncUpParams {
     /// Replace conflicts.
     #[serde(default)]
     pub overwrite: bool,
-    /// First sync: diffs conflict.
+    /// No earlier sync: differing files conflict.
     #[serde(default)]
     pub safe: bool,
     /// Confirm risky deletes.
@@ -107,7 +107,7 @@ pub struct SyncDownParams {
     /// Replace conflicts.
     #[serde(default)]
     pub overwrite: bool,
-    /// First sync: diffs conflict.
+    /// No earlier sync: differing files conflict.
     #[serde(default)]
     pub safe: bool,
     /// Apply .gitignore files.
