@@ -815,6 +815,18 @@ mod tests {
         assert!(e.message.contains("cannot be opened"), "{}", e.message);
     }
 
+    /// `data`, `work` and `secret` under `at`, each with a file `f` holding its own name, and
+    /// `data/link` pointing at `secret/f`.
+    fn three_trees(at: &Path) -> (PathBuf, PathBuf, PathBuf) {
+        let trees = (at.join("data"), at.join("work"), at.join("secret"));
+        for d in [&trees.0, &trees.1, &trees.2] {
+            std::fs::create_dir_all(d).unwrap();
+            std::fs::write(d.join("f"), d.file_name().unwrap().as_encoded_bytes()).unwrap();
+        }
+        std::os::unix::fs::symlink(trees.2.join("f"), trees.0.join("link")).unwrap();
+        trees
+    }
+
     /// With `read` roots, a confined command reads and executes only beneath them, the write
     /// roots and the system's trees: a secret beside them is out of reach by any path, and
     /// the shell and its programs still run.
@@ -825,16 +837,7 @@ mod tests {
             return;
         }
         let t = tempfile::tempdir_in(std::env::var_os("HOME").unwrap()).unwrap();
-        let (data, work, secret) = (
-            t.path().join("data"),
-            t.path().join("work"),
-            t.path().join("secret"),
-        );
-        for d in [&data, &work, &secret] {
-            std::fs::create_dir_all(d).unwrap();
-            std::fs::write(d.join("f"), d.file_name().unwrap().as_encoded_bytes()).unwrap();
-        }
-        std::os::unix::fs::symlink(secret.join("f"), data.join("link")).unwrap();
+        let (data, work, _) = three_trees(t.path());
         let mut c = confine(&[&work]);
         c.read = Some(vec![data.display().to_string()]);
         let Decision::Confine(p, None) = prepare(&c).unwrap() else {
@@ -883,16 +886,7 @@ mod tests {
     #[test]
     fn own_reads_keep_to_the_read_roots() {
         let t = tempfile::tempdir().unwrap();
-        let (data, work, secret) = (
-            t.path().join("data"),
-            t.path().join("work"),
-            t.path().join("secret"),
-        );
-        for d in [&data, &work, &secret] {
-            std::fs::create_dir_all(d).unwrap();
-            std::fs::write(d.join("f"), "x").unwrap();
-        }
-        std::os::unix::fs::symlink(secret.join("f"), data.join("link")).unwrap();
+        let (data, work, secret) = three_trees(t.path());
         let mut c = confine(&[&work]);
         c.read = Some(vec![data.display().to_string()]);
         let read = |p: &Path| std::fs::read(p).map_err(|e| AgentError::from_io(&e, "read", ""));

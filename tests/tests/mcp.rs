@@ -4023,6 +4023,17 @@ fn landlock_abi() -> i64 {
     0
 }
 
+/// An sshd whose agents see Landlock ABI `abi` (`None`: the kernel's own).
+fn sshd_serving_abi(abi: Option<&str>) -> Sshd {
+    Sshd::start_with(rsb_tests::SshdOptions {
+        set_env: abi
+            .map(|a| vec![("RSB_TEST_LANDLOCK_ABI".to_string(), a.to_string())])
+            .unwrap_or_default(),
+        ..Default::default()
+    })
+    .unwrap()
+}
+
 /// These tests enforce for real: a kernel without the ABI they need fails them, loudly.
 fn need_landlock(abi: i64, what: &str) {
     let have = landlock_abi();
@@ -4249,13 +4260,7 @@ async fn confined_reads_keep_commands_from_the_rest_of_the_host() {
 async fn rsb_own_reads_keep_to_the_read_roots() {
     need_landlock(1, "Linux 5.13+ with landlock enabled");
     for abi in [None, Some("0")] {
-        let sshd = Sshd::start_with(rsb_tests::SshdOptions {
-            set_env: abi
-                .map(|a| vec![("RSB_TEST_LANDLOCK_ABI".to_string(), a.to_string())])
-                .unwrap_or_default(),
-            ..Default::default()
-        })
-        .unwrap();
+        let sshd = sshd_serving_abi(abi);
         let h = sshd.home().to_path_buf();
         for d in ["scratch", "data/sub", "private"] {
             std::fs::create_dir_all(h.join(d)).unwrap();
@@ -4412,11 +4417,7 @@ async fn rsb_own_reads_keep_to_the_read_roots() {
 /// A host that cannot confine fails closed; `require = false` runs unconfined and says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_without_landlock_refuses_confined_commands_unless_allowed() {
-    let sshd = Sshd::start_with(rsb_tests::SshdOptions {
-        set_env: vec![("RSB_TEST_LANDLOCK_ABI".into(), "0".into())],
-        ..Default::default()
-    })
-    .unwrap();
+    let sshd = sshd_serving_abi(Some("0"));
     let h = sshd.home().to_path_buf();
     std::fs::create_dir_all(h.join("scratch")).unwrap();
     let mut strict = key_entry("strict", &sshd);
@@ -4478,11 +4479,7 @@ async fn a_host_without_landlock_refuses_confined_commands_unless_allowed() {
     if landlock_abi() < 3 {
         return;
     }
-    let sshd = Sshd::start_with(rsb_tests::SshdOptions {
-        set_env: vec![("RSB_TEST_LANDLOCK_ABI".into(), "3".into())],
-        ..Default::default()
-    })
-    .unwrap();
+    let sshd = sshd_serving_abi(Some("3"));
     let h = sshd.home().to_path_buf();
     std::fs::create_dir_all(h.join("scratch")).unwrap();
     let mut strict = key_entry("strict", &sshd);
@@ -4558,13 +4555,7 @@ fn tree_state(root: &Path) -> Vec<(String, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rsb_own_writes_keep_to_the_write_roots() {
     for abi in [None, Some("0")] {
-        let sshd = Sshd::start_with(rsb_tests::SshdOptions {
-            set_env: abi
-                .map(|a| vec![("RSB_TEST_LANDLOCK_ABI".to_string(), a.to_string())])
-                .unwrap_or_default(),
-            ..Default::default()
-        })
-        .unwrap();
+        let sshd = sshd_serving_abi(abi);
         let h = sshd.home().to_path_buf();
         std::fs::create_dir_all(h.join("scratch")).unwrap();
         std::fs::create_dir_all(h.join("outside")).unwrap();
