@@ -592,6 +592,17 @@ async fn slurm_many_jobs_cost_one_squeue_per_tick() {
     assert_eq!(a - b, 0, "ended jobs were polled again");
 }
 
+/// The time limit squeue shows for job `id` (`%l`), as the sandbox's own squeue prints it.
+async fn time_limit(mcp: &Mcp, id: &str) -> String {
+    let v = mcp
+        .ok(
+            "exec_bash",
+            json!({"command": format!("squeue -h -j {id} -o %l")}),
+        )
+        .await;
+    v["stdout"].as_str().unwrap_or_default().trim().to_string()
+}
+
 /// Issue 43: `rsb jobs start` on a Slurm login node submits through sbatch, as
 /// exec_bash_background does (a Slurm id, with --slurm's options), never tmux on the login
 /// node; `rsb jobs kill` cancels it through scancel, and Slurm says CANCELLED.
@@ -636,17 +647,7 @@ async fn slurm_rsb_jobs_start_submits_and_kill_cancels() {
         .await;
     assert_eq!(running["slurm_job_id"], id.as_str(), "{running}");
     // --slurm's time limit reached sbatch.
-    let time = mcp
-        .ok(
-            "exec_bash",
-            json!({"command": format!("squeue -h -j {id} -o %l")}),
-        )
-        .await;
-    assert_eq!(
-        time["stdout"].as_str().unwrap_or_default().trim(),
-        "5:00",
-        "{time}"
-    );
+    assert_eq!(time_limit(&mcp, &id).await, "5:00");
     let (code, out) = mcp.cli(&["jobs", "kill", "clij"]);
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("clij") && out.contains("CANCELLED"), "{out}");
@@ -664,17 +665,7 @@ async fn slurm_rsb_jobs_start_submits_and_kill_cancels() {
         .as_str()
         .unwrap_or_else(|| panic!("{w}"))
         .to_string();
-    let limit = mcp
-        .ok(
-            "exec_bash",
-            json!({"command": format!("squeue -h -j {wid} -o %l")}),
-        )
-        .await;
-    assert_eq!(
-        limit["stdout"].as_str().unwrap_or_default().trim(),
-        "3:00",
-        "{limit}"
-    );
+    assert_eq!(time_limit(&mcp, &wid).await, "3:00");
     mcp.ok("kill_background_task", json!({"tmux_session": "wslurm"}))
         .await;
     // --slurm on a sandbox that is not a login node is refused.

@@ -283,10 +283,7 @@ async fn poll(client: &AgentClient, ids: &[String]) -> Result<HashMap<String, Ro
             if chunk.len() == 1 && out.stderr.contains("Invalid job id") {
                 continue;
             }
-            return Err(format!(
-                "squeue failed: {}",
-                out.stderr.trim().lines().last().unwrap_or("no message")
-            ));
+            return Err(format!("squeue failed: {}", out.last_error()));
         }
         rows.extend(parse_rows(&out.stdout));
     }

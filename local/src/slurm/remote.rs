@@ -31,6 +31,20 @@ impl Out {
     pub fn ok(&self) -> bool {
         self.code == Some(0)
     }
+
+    /// The last line the command wrote on stderr: what Slurm says went wrong.
+    pub fn last_error(&self) -> &str {
+        self.stderr.trim().lines().last().unwrap_or("no message")
+    }
+
+    /// `what` failed on the login node, with Slurm's own words.
+    pub fn failed(&self, what: &str) -> RsbError {
+        RsbError::new(
+            Kind::Agent(rsb_protocol::ErrorCode::Io),
+            format!("{what} failed: {}", self.last_error()),
+            "check `scontrol ping` on the login node",
+        )
+    }
 }
 
 /// The most stdout a Slurm command may reply with (a node list of a large cluster is a few

@@ -154,14 +154,7 @@ async fn find(
     )
     .await?;
     if !out.ok() {
-        return Err(RsbError::new(
-            Kind::Agent(rsb_protocol::ErrorCode::Io),
-            format!(
-                "squeue failed: {}",
-                out.stderr.trim().lines().last().unwrap_or("no message")
-            ),
-            "check `scontrol ping` on the login node",
-        ));
+        return Err(out.failed("squeue"));
     }
     let Some(id) = out.stdout.lines().find_map(|l| {
         let (id, c) = l.trim().split_once('|')?;

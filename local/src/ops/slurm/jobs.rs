@@ -312,14 +312,7 @@ pub async fn kill_any(
 pub async fn kill(client: &AgentClient, name: &str, id: &str) -> Result<Value> {
     let out = remote::run(client, remote::SCANCEL, &[id.to_string()], Vec::new()).await?;
     if !out.ok() {
-        return Err(RsbError::new(
-            Kind::Agent(rsb_protocol::ErrorCode::Io),
-            format!(
-                "scancel {id} failed: {}",
-                out.stderr.trim().lines().last().unwrap_or("no message")
-            ),
-            "check `scontrol ping` on the login node",
-        ));
+        return Err(out.failed(&format!("scancel {id}")));
     }
     let poller = poll::poller(client.sandbox());
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(KILL_VERIFY_S);

@@ -13,10 +13,7 @@ use parking_lot::Mutex;
 use serde::Serialize;
 
 use crate::slurm::remote;
-use crate::{
-    client::AgentClient,
-    error::{Kind, Result, RsbError},
-};
+use crate::{client::AgentClient, error::Result};
 
 /// Sites police controller calls: a resources answer serves a minute.
 pub const CACHE: Duration = Duration::from_secs(60);
@@ -69,14 +66,7 @@ pub async fn get(client: &AgentClient) -> Result<SlurmResources> {
     }
     let out = remote::run(client, remote::SINFO, &[], Vec::new()).await?;
     if !out.ok() {
-        return Err(RsbError::new(
-            Kind::Agent(rsb_protocol::ErrorCode::Io),
-            format!(
-                "sinfo/squeue failed: {}",
-                out.stderr.trim().lines().last().unwrap_or("no message")
-            ),
-            "check `scontrol ping` on the login node",
-        ));
+        return Err(out.failed("sinfo/squeue"));
     }
     let r = parse(&out.stdout);
     CACHED
