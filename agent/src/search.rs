@@ -21,6 +21,7 @@
 
 mod matcher;
 
+use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io::Read;
@@ -76,6 +77,7 @@ fn search_in(
         ignore_case: req.ignore_case,
         word: req.word,
         invert: req.invert,
+        multiline: req.multiline,
     };
     let matcher = Matcher::new(&req.pattern, flags)
         .map_err(|m| AgentError::new(ErrorCode::InvalidArgument, m))?;
@@ -938,6 +940,10 @@ fn search_file(
         }
         !first_only
     });
+    // rg -U -c counts the runs of matches that share lines, not the lines.
+    if matcher.multiline() && req.mode == SearchMode::Count {
+        count = scan.runs;
+    }
     if count == 0 && scan.first_costly.is_none() {
         return None;
     }
@@ -950,7 +956,15 @@ fn search_file(
         stats.kept.fetch_add(bytes as u64, Ordering::Relaxed);
         entries
     });
-    if let Some((at, est)) = scan.first_costly {
+    if let (Some((_, est)), true) = (scan.first_costly, matcher.multiline()) {
+        stats.slow.fetch_add(scan.costly, Ordering::Relaxed);
+        errors.push(format!(
+            "{}: not searched with -U: this pattern would take about {:.1} s on its {} bytes; bound its repetitions (`{{1,30}}`, not `*`) or add a literal",
+            String::from_utf8_lossy(&rel),
+            est.as_secs_f64(),
+            buf.len(),
+        ));
+    } else if let Some((at, est)) = scan.first_costly {
         stats.slow.fetch_add(scan.costly, Ordering::Relaxed);
         let n = memchr::memchr_iter(b'\n', &buf[..at]).count() + 1;
         let len = memchr::memchr(b'\n', &buf[at..]).unwrap_or(buf.len() - at);
@@ -1057,6 +1071,8 @@ struct Entries<'a> {
     exact: bool,
     req: &'a SearchRequest,
     matcher: &'a Matcher,
+    /// With `rg -U`: the lines matches touch, with their ranges ([`Matcher::matched_lines`]).
+    multi: Option<BTreeMap<usize, Vec<(usize, usize)>>>,
 }
 
 impl<'a> Entries<'a> {
@@ -1068,7 +1084,35 @@ impl<'a> Entries<'a> {
             exact: std::str::from_utf8(rel).is_ok(),
             req,
             matcher,
+            multi: matcher.multiline().then(|| matcher.matched_lines(buf)),
         }
+    }
+
+    /// Line `n` (bounds `a..b`) as sent; `hit`: it is the entry's own line.
+    fn line(&self, n: usize, (a, b): (usize, usize), hit: bool) -> SearchLine {
+        let Some(multi) = &self.multi else {
+            return line_of(&self.buf[a..b], n as u64, Some(self.matcher), hit, self.req);
+        };
+        let mut line = line_of(&self.buf[a..b], n as u64, None, false, self.req);
+        // As without -U: a hit carries its ranges, or the one range (0, 0); a line that is
+        // no hit, none.
+        let len = line.text.len();
+        line.matches = match multi.get(&n) {
+            _ if self.matcher.inverted() => Vec::new(),
+            None => Vec::new(),
+            Some(ranges) if self.req.ranges => ranges
+                .iter()
+                .map(|&(s, e)| (s.min(len) as u32, e.min(len) as u32))
+                .filter(|(s, e)| e > s)
+                .take(MAX_RANGES)
+                .collect(),
+            Some(_) => Vec::new(),
+        };
+        let is_hit = multi.contains_key(&n) != self.matcher.inverted();
+        if is_hit && line.matches.is_empty() {
+            line.matches = vec![(0, 0)];
+        }
+        line
     }
 
     /// The entry of each match (byte range in the file), in order.
@@ -1080,20 +1124,20 @@ impl<'a> Entries<'a> {
     }
 
     fn entry(&self, s: usize, e: usize) -> SearchEntry {
-        let (buf, req, matcher) = (self.buf, self.req, Some(self.matcher));
+        let (buf, req) = (self.buf, self.req);
         let n = self.lines.number_at(s);
         let (before, after) = (req.before as usize, req.after as usize);
         // Context lines that match carry their ranges, so a printer can tell them apart.
         let context = |range: std::ops::Range<usize>| -> Vec<SearchLine> {
             range
                 .filter_map(|m| self.lines.line(buf, m).map(|r| (m, r)))
-                .map(|(m, (a, b))| line_of(&buf[a..b], m as u64, matcher, false, req))
+                .map(|(m, r)| self.line(m, r, false))
                 .collect()
         };
         SearchEntry {
             path: self.name.clone(),
             exact_path: self.exact,
-            line: Some(line_of(&buf[s..e], n as u64, matcher, true, req)),
+            line: Some(self.line(n, (s, e), true)),
             before: context(n.saturating_sub(before).max(1)..n),
             after: context(n + 1..n + 1 + after),
             count: 1,
@@ -1127,6 +1171,11 @@ impl LineIndex {
             starts,
             len: buf.len(),
         }
+    }
+
+    /// Lines in the file (a final line break starts none).
+    fn count(&self) -> usize {
+        if self.len == 0 { 0 } else { self.starts.len() }
     }
 
     /// 1-based number of the line holding byte `at`.

@@ -37,6 +37,11 @@ pub struct SearchRequest {
     /// The lines that do not match are the result (`rg -v`); their context lines are those
     /// that do. No match ranges are sent for either.
     pub invert: bool,
+    /// A match may span lines (`rg -U`): the pattern runs over the whole file, `^`/`$` match
+    /// at each line's edges, and every line a match touches is a matching line. A run of
+    /// matches sharing lines is one in count mode, as rg counts. Without it, a pattern that
+    /// can match a line break is refused.
+    pub multiline: bool,
     /// Hidden names (a leading `.`) are searched too (`rg --hidden`); ignore files still apply.
     pub hidden: bool,
     /// File-name globs of the selected file types (`rg -t`): a file that passed the ignore

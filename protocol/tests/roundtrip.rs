@@ -231,6 +231,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             after: 3,
             word: true,
             invert: true,
+            multiline: true,
             hidden: true,
             types: vec!["*.py".into(), "*.pyi".into()],
             types_not: vec!["*.md".into()],

@@ -15,8 +15,12 @@
 
 use std::time::{Duration, Instant};
 
+use std::collections::BTreeMap;
+
 use memchr::memmem;
 use regex_lite::{Regex, RegexBuilder};
+
+use super::LineIndex;
 
 /// Lines longer than this are matched in bounded pieces.
 const LONG: usize = 8 << 10;
@@ -24,6 +28,8 @@ const LONG: usize = 8 << 10;
 const CHECK: usize = 2 << 10;
 /// The longest one uninterruptible match call should take.
 const SLICE: Duration = Duration::from_millis(300);
+/// The longest a whole file's match may take with `rg -U` (it cannot be interrupted).
+const WHOLE: Duration = Duration::from_secs(2);
 /// Spans wider than this are not windowed (each window would be as costly as the line).
 const MAX_SPAN: usize = 16 << 10;
 
@@ -36,6 +42,9 @@ pub struct Scan {
     /// its estimated time.
     pub costly: u64,
     pub first_costly: Option<(usize, Duration)>,
+    /// With `rg -U`: the runs of matches that share lines (inverted: the lines hit), what
+    /// rg counts.
+    pub runs: u64,
 }
 
 /// How a line is tested.
@@ -53,6 +62,8 @@ pub struct Matcher {
     word: bool,
     /// `rg -v`: a line is a hit when the pattern does not match it.
     invert: bool,
+    /// `rg -U`: the pattern runs over the whole file ([`Matcher::lines_multi`]).
+    multiline: bool,
 }
 
 /// How a pattern is matched, beyond its text.
@@ -64,6 +75,8 @@ pub struct Flags {
     pub word: bool,
     /// Lines that do not match are the hits (`rg -v`).
     pub invert: bool,
+    /// A match may span lines (`rg -U`).
+    pub multiline: bool,
 }
 
 impl Matcher {
@@ -73,11 +86,12 @@ impl Matcher {
             ignore_case,
             word,
             invert,
+            multiline,
         } = flags;
         if pattern.is_empty() {
             return Err("the pattern is empty".into());
         }
-        if pattern.contains('\n') || (!literal && has_newline_escape(pattern)) {
+        if !multiline && (pattern.contains('\n') || (!literal && has_newline_escape(pattern))) {
             return Err(
                 "the pattern can match a line break; search matches one line at a time".into(),
             );
@@ -95,8 +109,10 @@ impl Matcher {
         } else {
             source
         };
+        // Over a whole file, `^` and `$` mark each line's edges, as over one line.
         let re = RegexBuilder::new(&source)
             .case_insensitive(ignore_case)
+            .multi_line(multiline)
             .build()
             .map_err(|e| format!("invalid regex: {}", one_line(&e.to_string())))?;
         let needle = if literal {
@@ -121,6 +137,7 @@ impl Matcher {
             span: span(&source).filter(|&n| n <= MAX_SPAN),
             word,
             invert,
+            multiline,
         })
     }
 
@@ -134,6 +151,9 @@ impl Matcher {
         stop: &dyn Fn() -> bool,
         mut hit: impl FnMut(usize, usize) -> bool,
     ) -> Scan {
+        if self.multiline {
+            return self.lines_multi(hay, scratch, stop, hit);
+        }
         let mut scan = Scan::default();
         let mut pace = 0usize;
         let prefilter = self.prefilter.as_ref().filter(|_| !self.invert);
@@ -183,6 +203,141 @@ impl Matcher {
             from = end + 1;
         }
         scan
+    }
+
+    /// [`Matcher::lines`] with `rg -U`: the pattern runs over the whole file, and every line
+    /// a match touches is a hit (inverted: every line none touches). [`Scan::runs`] counts the
+    /// runs of matches that share lines, which rg counts as one each. A file whose match would
+    /// take longer than [`WHOLE`] (a probe on its start says) is not matched and is reported.
+    fn lines_multi(
+        &self,
+        hay: &[u8],
+        scratch: &mut Vec<u8>,
+        stop: &dyn Fn() -> bool,
+        mut hit: impl FnMut(usize, usize) -> bool,
+    ) -> Scan {
+        let mut scan = Scan::default();
+        if let Some(finder) = self.prefilter.as_ref().filter(|_| !self.invert) {
+            let searched: &[u8] = if self.fold {
+                scratch.clear();
+                scratch.extend(hay.iter().map(u8::to_ascii_lowercase));
+                scratch
+            } else {
+                hay
+            };
+            if finder.find(searched).is_none() {
+                return scan;
+            }
+        }
+        if stop() {
+            scan.stopped = true;
+            return scan;
+        }
+        let text = String::from_utf8_lossy(hay);
+        if let Some(est) = self.too_slow(&text) {
+            scan.costly = 1;
+            scan.first_costly = Some((0, est));
+            return scan;
+        }
+        // Lines are numbered alike in the text and the bytes: a `\n` ends an invalid sequence.
+        let runs = self.runs(&text);
+        let lines = LineIndex::new(hay);
+        let bounds = |n: usize| lines.line(hay, n).unwrap_or((hay.len(), hay.len()));
+        if self.invert {
+            let mut runs = runs.iter().peekable();
+            for n in 1..=lines.count() {
+                while runs.next_if(|&&(_, last)| last < n).is_some() {}
+                if runs.peek().is_some_and(|&&(first, _)| first <= n) {
+                    continue;
+                }
+                scan.runs += 1;
+                let (s, e) = bounds(n);
+                if !hit(s, e) {
+                    return scan;
+                }
+            }
+            return scan;
+        }
+        scan.runs = runs.len() as u64;
+        for (first, last) in runs {
+            for n in first..=last {
+                let (s, e) = bounds(n);
+                if !hit(s, e) {
+                    return scan;
+                }
+            }
+        }
+        scan
+    }
+
+    /// The estimated time of matching all of `text` when that is over [`WHOLE`].
+    fn too_slow(&self, text: &str) -> Option<Duration> {
+        if text.len() <= LONG {
+            return None;
+        }
+        let mut cut = CHECK;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let t = Instant::now();
+        let _ = self.spans(&text[..cut], usize::MAX, true).len();
+        let est = t.elapsed().mul_f64(text.len() as f64 / cut.max(1) as f64);
+        (est > WHOLE).then_some(est)
+    }
+
+    /// The lines (1-based, first and last) each run of matches in `text` touches, where a
+    /// run is matches that share a line; an empty match touches the line it stands on.
+    fn runs(&self, text: &str) -> Vec<(usize, usize)> {
+        let lines = LineIndex::new(text.as_bytes());
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for (_, (s, e)) in self.touched(text, &lines) {
+            match runs.last_mut() {
+                Some(r) if s <= r.1 => r.1 = r.1.max(e),
+                _ => runs.push((s, e)),
+            }
+        }
+        runs
+    }
+
+    /// Each match in `text`, in order, with the first and last line (1-based) it touches.
+    /// An empty match after the final line break stands on no line.
+    fn touched(&self, text: &str, lines: &LineIndex) -> Vec<((usize, usize), (usize, usize))> {
+        self.spans(text, usize::MAX, true)
+            .into_iter()
+            .filter(|&(s, _)| s < text.len() || (s > 0 && !text.ends_with('\n')))
+            .map(|(s, e)| {
+                let first = lines.number_at(s);
+                let last = if e > s { lines.number_at(e - 1) } else { first };
+                ((s, e), (first, last))
+            })
+            .collect()
+    }
+
+    /// With `rg -U`: each line (1-based) of `hay` a match touches, with the byte ranges of
+    /// the matches within the line's text (lossily UTF-8, without its `\n`). An inverted
+    /// search's hits are the lines not in it.
+    pub fn matched_lines(&self, hay: &[u8]) -> BTreeMap<usize, Vec<(usize, usize)>> {
+        let text = String::from_utf8_lossy(hay);
+        let lines = LineIndex::new(text.as_bytes());
+        let mut out = BTreeMap::<usize, Vec<(usize, usize)>>::new();
+        for ((s, e), (first, last)) in self.touched(&text, &lines) {
+            for n in first..=last {
+                let Some((a, b)) = lines.line(text.as_bytes(), n) else {
+                    continue;
+                };
+                let ranges = out.entry(n).or_default();
+                let (x, y) = (s.max(a), e.min(b));
+                if y > x {
+                    ranges.push((x - a, y - a));
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether the pattern may span lines (`rg -U`).
+    pub fn multiline(&self) -> bool {
+        self.multiline
     }
 
     /// Whether line `hay[start..end]` matches; `None` when `stop` ended it. A line too costly
@@ -308,13 +463,21 @@ impl Matcher {
 
     /// Byte ranges of the matches in `text` (at most `max`).
     pub fn ranges(&self, text: &str, max: usize) -> Vec<(u32, u32)> {
+        self.spans(text, max, false)
+            .into_iter()
+            .map(|(s, e)| (s as u32, e as u32))
+            .collect()
+    }
+
+    /// Byte ranges of the matches in `text` (at most `max`), empty ones too when `empty`.
+    fn spans(&self, text: &str, max: usize, empty: bool) -> Vec<(usize, usize)> {
         if !self.word {
             return self
                 .re
                 .find_iter(text)
-                .filter(|m| m.end() > m.start())
+                .filter(|m| empty || m.end() > m.start())
                 .take(max)
-                .map(|m| (m.start() as u32, m.end() as u32))
+                .map(|m| (m.start(), m.end()))
                 .collect();
         }
         // Each next search starts where the last word ended, so the character after it can
@@ -325,8 +488,8 @@ impl Matcher {
             let Some(m) = self.re.captures_at(text, at).and_then(|c| c.get(1)) else {
                 break;
             };
-            if m.end() > m.start() {
-                out.push((m.start() as u32, m.end() as u32));
+            if empty || m.end() > m.start() {
+                out.push((m.start(), m.end()));
             }
             at = if m.end() > at {
                 m.end()
@@ -978,5 +1141,120 @@ mod tests {
             );
             assert!(m.hit(b"alpha") && !m.hit(b"a beta"));
         }
+    }
+
+    /// With -U, the lines and counts rg 13 prints (`rg -U PATTERN`, `rg -U -c PATTERN`),
+    /// checked by hand against it on this text.
+    #[test]
+    fn multiline_matches_span_lines_as_rg_does() {
+        let hay = "a\nfoo\nbar\nbaz\nfoo\nbar\nx\ny\nfoo bar\n";
+        let multi = |pattern: &str, f: Flags| {
+            let m = Matcher::new(
+                pattern,
+                Flags {
+                    multiline: true,
+                    ..f
+                },
+            )
+            .unwrap();
+            let (mut lines, mut scratch) = (Vec::new(), Vec::new());
+            let scan = m.lines(hay.as_bytes(), &mut scratch, &|| false, |s, e| {
+                lines.push(hay[s..e].to_string());
+                true
+            });
+            (lines, scan.runs)
+        };
+        let plain = Flags::default();
+        let (lines, runs) = multi("foo\\nbar", plain);
+        assert_eq!(
+            (lines, runs),
+            (
+                vec!["foo", "bar", "foo", "bar"]
+                    .into_iter()
+                    .map(String::from)
+                    .collect::<Vec<_>>(),
+                2
+            )
+        );
+        // Matches on one line are one run; on lines that only touch, separate ones.
+        assert_eq!(multi("o", plain).1, 3);
+        assert_eq!(multi("ba.", plain).1, 4);
+        assert_eq!(multi("r\\nb", plain), (vec!["bar".into(), "baz".into()], 1));
+        let (lines, runs) = multi("(?s)a.*x", plain);
+        assert_eq!((lines.len(), lines[6].as_str(), runs), (7, "x", 1));
+        // `^` marks each line's start (none after the final line break); a match that ends
+        // with the line break stays on its line.
+        assert_eq!(multi("^", plain).0.len(), 9);
+        assert_eq!(multi("a\\n", plain).0, ["a"]);
+        // -v: the lines no match touches; -w and -i as without -U.
+        let inverted = Flags {
+            invert: true,
+            ..plain
+        };
+        assert_eq!(
+            multi("foo\\nbar", inverted).0,
+            ["a", "baz", "x", "y", "foo bar"]
+        );
+        let word = Flags {
+            word: true,
+            ..plain
+        };
+        assert_eq!(multi("foo\\nbar", word).1, 2);
+        assert_eq!(multi("oo\\nbar", word).1, 0);
+        let fold = Flags {
+            ignore_case: true,
+            ..plain
+        };
+        assert_eq!(multi("FOO\\nBAR", fold).1, 2);
+        assert_eq!(multi("nothing\\nhere", fold), (vec![], 0));
+        // Ranges within each line's text.
+        let m = Matcher::new(
+            "o\\nb",
+            Flags {
+                multiline: true,
+                ..plain
+            },
+        )
+        .unwrap();
+        let lines = m.matched_lines(hay.as_bytes());
+        assert_eq!(lines.get(&2), Some(&vec![(2, 3)]));
+        assert_eq!(lines.get(&3), Some(&vec![(0, 1)]));
+        assert_eq!(lines.len(), 4);
+        // Bytes that are not UTF-8: lines keep their bounds in the file.
+        let bytes = b"\xff\xfe\nfoo\nbar\n";
+        let m = Matcher::new(
+            "foo\\nbar",
+            Flags {
+                multiline: true,
+                ..plain
+            },
+        )
+        .unwrap();
+        let mut hits = Vec::new();
+        m.lines(bytes, &mut Vec::new(), &|| false, |s, e| {
+            hits.push((s, e));
+            true
+        });
+        assert_eq!(hits, [(3, 6), (7, 10)]);
+    }
+
+    /// With -U the whole file is one uninterruptible match: a pattern that would take too
+    /// long on it is not run, and the file is reported rather than the search hanging.
+    #[test]
+    fn a_multiline_match_too_slow_for_the_file_is_skipped() {
+        let hay = "a".repeat(1 << 20);
+        let m = Matcher::new(
+            "(?:[a-z]{1,30}){1,30}[0-9]",
+            Flags {
+                multiline: true,
+                ..Flags::default()
+            },
+        )
+        .unwrap();
+        let t = Instant::now();
+        let scan = m.lines(hay.as_bytes(), &mut Vec::new(), &|| false, |_, _| true);
+        assert_eq!(scan.costly, 1);
+        assert!(scan.first_costly.is_some_and(|(_, est)| est > WHOLE));
+        assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     }
 }

@@ -72,6 +72,10 @@ pub struct GrepArgs {
     /// Select the lines that do not match.
     #[arg(short = 'v', long)]
     pub invert_match: bool,
+    /// A match may span lines (`\n` in the pattern matches a line break; `.` still does
+    /// not): every line a match touches prints as a match, and -c counts matches.
+    #[arg(short = 'U', long)]
+    pub multiline: bool,
     /// Include (GLOB) or exclude (!GLOB) files, gitignore syntax with {a,b}; repeatable.
     #[arg(
         short = 'g',
@@ -223,6 +227,7 @@ fn plan(a: &GrepArgs, terminal: bool) -> Result<Plan, RsbError> {
         no_ignore: a.no_ignore || a.unrestricted >= 1,
         word: a.word_regexp,
         invert: a.invert_match,
+        multiline: a.multiline,
         hidden: a.hidden || a.unrestricted >= 2,
         types: search::type_globs(&a.types)?,
         types_not: search::type_globs(&a.types_not)?,
@@ -303,7 +308,10 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
                     *l = l.saturating_sub(found.shown);
                 }
             }
-            Err(e) => {
+            Err(mut e) => {
+                if e.message.contains("can match a line break") {
+                    e.hint = "-U (--multiline) lets a match span lines, as rg's".into();
+                }
                 super::fail(ctx.json, &e);
                 failed = true;
             }

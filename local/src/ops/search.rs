@@ -41,10 +41,11 @@ pub struct Query {
     pub head_limit: i64,
     pub offset: i64,
     pub no_ignore: bool,
-    /// `rg -w`, `-v`, `--hidden`.
+    /// `rg -w`, `-v`, `--hidden`, `-U`.
     pub word: bool,
     pub invert: bool,
     pub hidden: bool,
+    pub multiline: bool,
     /// File-name globs of the file types searched (`rg -t`) and left out (`rg -T`).
     pub types: Vec<String>,
     pub types_not: Vec<String>,
@@ -344,6 +345,7 @@ pub fn request(q: &Query) -> Result<SearchRequest> {
         after: q.after.unwrap_or(q.context) as u32,
         word: q.word,
         invert: q.invert,
+        multiline: q.multiline,
         hidden: q.hidden,
         types: q.types.clone(),
         types_not: q.types_not.clone(),
