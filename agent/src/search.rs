@@ -180,6 +180,7 @@ fn search_in(
                     before: Vec::new(),
                     after: Vec::new(),
                     count: f.count,
+                    file_bytes: f.bytes,
                 };
                 if !out.push(entry) {
                     break;
@@ -269,6 +270,8 @@ impl<'e> Out<'e> {
 struct Found {
     rel: Vec<u8>,
     count: u64,
+    /// The file's size as searched.
+    bytes: u64,
     /// A streamed content search's entries for this file, built by the walk while
     /// [`KEEP_BYTES`] lasts, so that the second pass does not read the file again.
     kept: Option<Vec<SearchEntry>>,
@@ -978,7 +981,12 @@ fn search_file(
             est.as_secs_f64(),
         ));
     }
-    (count > 0).then_some(Found { rel, count, kept })
+    (count > 0).then_some(Found {
+        rel,
+        count,
+        bytes: buf.len() as u64,
+        kept,
+    })
 }
 
 /// The page of a content search: the matching lines `offset..offset+limit` of the sorted
@@ -1091,9 +1099,16 @@ impl<'a> Entries<'a> {
     /// Line `n` (bounds `a..b`) as sent; `hit`: it is the entry's own line.
     fn line(&self, n: usize, (a, b): (usize, usize), hit: bool) -> SearchLine {
         let Some(multi) = &self.multi else {
-            return line_of(&self.buf[a..b], n as u64, Some(self.matcher), hit, self.req);
+            return line_of(
+                self.buf,
+                (a, b),
+                n as u64,
+                Some(self.matcher),
+                hit,
+                self.req,
+            );
         };
-        let mut line = line_of(&self.buf[a..b], n as u64, None, false, self.req);
+        let mut line = line_of(self.buf, (a, b), n as u64, None, false, self.req);
         // As without -U: a hit carries its ranges, or the one range (0, 0); a line that is
         // no hit, none.
         let len = line.text.len();
@@ -1138,6 +1153,7 @@ impl<'a> Entries<'a> {
             path: self.name.clone(),
             exact_path: self.exact,
             line: Some(self.line(n, (s, e), true)),
+            file_bytes: buf.len() as u64,
             before: context(n.saturating_sub(before).max(1)..n),
             after: context(n + 1..n + 1 + after),
             count: 1,
@@ -1196,15 +1212,17 @@ impl LineIndex {
     }
 }
 
-/// One line as sent: its text (cut), its own bytes where they differ, and its match ranges
+/// Line `start..end` of the file `buf` as sent: its offset, its text (cut), its own bytes where they differ, and its match ranges
 /// (`matched`: the caller knows the line matches).
 fn line_of(
-    full: &[u8],
+    buf: &[u8],
+    (start, end): (usize, usize),
     number: u64,
     matcher: Option<&Matcher>,
     matched: bool,
     req: &SearchRequest,
 ) -> SearchLine {
+    let full = &buf[start..end];
     let raw = full.strip_suffix(b"\r").unwrap_or(full);
     let max = req.max_line_bytes as usize;
     let text = String::from_utf8_lossy(raw);
@@ -1234,6 +1252,7 @@ fn line_of(
     };
     SearchLine {
         number,
+        offset: start as u64,
         raw: (exact != text.as_bytes()).then(|| exact.to_vec()),
         text,
         cut,

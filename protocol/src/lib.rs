@@ -68,8 +68,9 @@ pub use sync::{
 /// and `ApplyOnce` (rsb's own writes keep to the write roots). 24: `Confine::read`. 25:
 /// `confine` on `Stat`, `ListDir`, `ReadFile`, `ReadFileZ`, `BlockHashes`, `Manifest`,
 /// `ReadText` and `Search` (rsb's own reads keep to the read roots). 26:
-/// `SearchRequest::multiline` (rg's -U).
-pub const PROTOCOL_VERSION: u32 = 26;
+/// `SearchRequest::multiline` (rg's -U). 27: `SearchLine::offset`, `SearchEntry::file_bytes`
+/// (rg's JSON lines).
+pub const PROTOCOL_VERSION: u32 = 27;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops

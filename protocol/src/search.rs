@@ -83,6 +83,8 @@ pub struct SearchRequest {
 pub struct SearchLine {
     /// 1-based.
     pub number: u64,
+    /// Where the line starts in the file, in bytes (rg's `absolute_offset`).
+    pub offset: u64,
     /// The line without its `\n` (and without a `\r` before it), lossily UTF-8, cut at
     /// [`SearchRequest::max_line_bytes`].
     pub text: String,
@@ -112,6 +114,9 @@ pub struct SearchEntry {
     pub after: Vec<SearchLine>,
     /// Matching lines in the file (count mode; 1 or more in files mode: at least one).
     pub count: u64,
+    /// The file's size as searched: whether a line ends with a line break (it does when it
+    /// ends before this), rg's `bytes_searched`.
+    pub file_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

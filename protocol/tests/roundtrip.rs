@@ -476,6 +476,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                 exact_path: false,
                 line: Some(SearchLine {
                     number: 4,
+                    offset: 1 << 33,
                     text: "fn é()".into(),
                     cut: 9,
                     matches: vec![(0, 5)],
@@ -484,12 +485,14 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                 before: vec![],
                 after: vec![SearchLine {
                     number: 5,
+                    offset: 88,
                     text: String::new(),
                     cut: 0,
                     matches: vec![],
                     raw: None,
                 }],
                 count: 1,
+                file_bytes: 1 << 34,
             }],
             files_searched: 10,
             skipped_binary: 1,
@@ -547,6 +550,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             before: vec![],
             after: vec![],
             count: 3,
+            file_bytes: 12,
         }]),
     });
     from_agent.push(FromAgent::Chunk {

@@ -375,6 +375,24 @@ fn cli_table() {
     )
     .unwrap();
     std::fs::write(rgt.join("build.log"), "foo in log\n").unwrap();
+    // CRLF, Latin-1 and a last line without a line break, for --json's `bytes` and offsets.
+    std::fs::write(
+        rgt.join("docs/mixed.txt"),
+        b"x foo\r\ncaf\xe9 foo foo\nlast foo",
+    )
+    .unwrap();
+    // `rg --json` and `rsb grep --json`, the times taken out (the only fields that differ).
+    let like_rg_json = |args: &str| {
+        let untimed = r#"sed -E 's/"elapsed(_total)?":\{[^}]*\}//g'"#;
+        bash(&format!(
+            "a=$(mktemp) b=$(mktemp); RSB grep --json {args} 2>/dev/null | {untimed} > \"$a\"; ra=${{PIPESTATUS[0]}}; \
+             (cd '{}' && rg --no-config --sort path --json {args}) 2>/dev/null | {untimed} > \"$b\"; rb=${{PIPESTATUS[0]}}; \
+             if [ $ra = $rb ] && cmp -s \"$a\" \"$b\"; then echo same $ra $(wc -l < \"$a\"); \
+             else echo \"rsb exit $ra, rg exit $rb\"; diff \"$a\" \"$b\" | head -20; fi; \
+             rm -f \"$a\" \"$b\"",
+            h.display()
+        ))
+    };
     let like_rg = |args: &str| {
         bash(&format!(
             "a=$(mktemp) b=$(mktemp); RSB grep {args} > \"$a\" 2>/dev/null; ra=$?; \
@@ -476,6 +494,17 @@ fn cli_table() {
         like_rg("'foo\\ngamma' rgt").out_eq("same 2\n"),
         rsb(&["grep", "foo\\ngamma", "rgt"]).code(2).err("-U (--multiline)"),
         like_rg("zzz rgt").out_eq("same 1\n"),
+        // --json is rg's JSON lines: begin, match, context, end, summary, byte for byte but
+        // for the times (`bytes` for Latin-1, CRLF and a last line without a line break).
+        like_rg_json("foo rgt").out_eq("same 0 21\n"),
+        like_rg_json("-C 1 foo rgt/notes.txt").out_eq("same 0 9\n"),
+        like_rg_json("-v foo rgt/notes.txt").out_eq("same 0 7\n"),
+        like_rg_json("-w -i foo rgt/src rgt/docs").out_eq("same 0 18\n"),
+        like_rg_json("foo rgt/docs/mixed.txt").out_eq("same 0 6\n"),
+        like_rg_json("zzz rgt").out_eq("same 1 1\n"),
+        like_rg_json("-q foo rgt").out_eq("same 0 0\n"),
+        like_rg_json("-l foo rgt").out_eq("same 2 0\n"),
+        like_rg_json("-c foo rgt").out_eq("same 2 0\n"),
         like_rg("-v foo rgt/notes.txt rgt/missing").out_eq("same 2\n"),
         like_rg("--no-such-flag foo rgt").out_eq("same 2\n"),
         like_rg("-A x foo rgt").out_eq("same 2\n"),
@@ -487,7 +516,7 @@ fn cli_table() {
         rsb(&["grep", "-t", "nosuchtype", "foo", "rgt"]).code(2).err("known types: asm"),
         rsb(&["grep", "foo", "gpu1:rgt/src", "dead:rgt"]).code(2).err("two sandboxes"),
         rsb(&["grep", "-l", "foo", "gpu1:rgt/src", "gpu1:rgt/docs"])
-            .out_eq("rgt/src/lib.py\nrgt/src/main.rs\nrgt/docs/readme.md\n"),
+            .out_eq("rgt/src/lib.py\nrgt/src/main.rs\nrgt/docs/mixed.txt\nrgt/docs/readme.md\n"),
         // One file searched: no path printed, as rg prints it.
         rsb(&["grep", "--head-limit", "2", "--offset", "3", "needle", "gbig/f00.txt"])
             .out_eq("needle 0 4 xxxx\nneedle 0 6 xxxxxx\n")

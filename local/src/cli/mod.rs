@@ -14,6 +14,7 @@ pub mod meta;
 pub mod policy;
 pub mod sandboxes;
 pub mod search;
+mod search_json;
 pub mod state;
 pub mod sync;
 pub mod transfer;

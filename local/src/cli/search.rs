@@ -3,14 +3,13 @@
 
 use std::io::{IsTerminal, Write};
 
+use super::search_json::Json;
+use super::{Ctx, warn};
 use clap::{Args, ValueEnum};
 use rsb::error::RsbError;
 use rsb::ops::search::{self, Cursor, Printed, Query};
 use rsb::term::shown;
 use rsb_protocol::{Chunk, SearchEntry, SearchLine, SearchMode};
-use serde_json::json;
-
-use super::{Ctx, warn};
 
 /// ripgrep's exit codes.
 pub mod exit {
@@ -180,7 +179,14 @@ struct Plan {
     quiet: bool,
 }
 
-fn plan(a: &GrepArgs, terminal: bool) -> Result<Plan, RsbError> {
+fn plan(a: &GrepArgs, terminal: bool, json: bool) -> Result<Plan, RsbError> {
+    if json && (a.files_with_matches || a.count) {
+        let flag = if a.count { "-c" } else { "-l" };
+        return Err(RsbError::invalid(
+            format!("--json cannot be used with {flag}: rg's JSON lines are lines"),
+            "drop --json (or -l/-c), as with rg",
+        ));
+    }
     let patterns: Vec<String> = if a.regexps.is_empty() {
         match a.words.first() {
             Some(p) => vec![p.clone()],
@@ -253,9 +259,9 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
         return exit::MATCH;
     }
     let terminal = std::io::stdout().is_terminal();
-    let plan = match plan(&a, terminal) {
+    let plan = match plan(&a, terminal, ctx.json) {
         Ok(p) => p,
-        Err(e) => return error(ctx.json, &e),
+        Err(e) => return error(&e),
     };
     let colour = match a.color {
         Color::Always => true,
@@ -271,7 +277,7 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
     };
     let client = match ctx.client().await {
         Ok(c) => c,
-        Err(e) => return error(ctx.json, &e),
+        Err(e) => return error(&e),
     };
     let mut out = std::io::BufWriter::with_capacity(256 * 1024, std::io::stdout().lock());
     let mut printer = Printer {
@@ -280,6 +286,7 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
         last_path: None,
         shown: 0,
         gap: false,
+        json: (ctx.json && !plan.quiet).then(Json::new),
     };
     let (mut matched, mut failed) = (false, false);
     let mut left = if plan.quiet { Some(1) } else { a.head_limit };
@@ -312,13 +319,18 @@ pub async fn run(ctx: &Ctx, a: GrepArgs) -> u8 {
                 if e.message.contains("can match a line break") {
                     e.hint = "-U (--multiline) lets a match span lines, as rg's".into();
                 }
-                super::fail(ctx.json, &e);
+                super::fail(false, &e);
                 failed = true;
             }
         }
         if left == Some(0) || (plan.quiet && matched) {
             break;
         }
+    }
+    if let Some(json) = &mut printer.json {
+        let mut buf = Vec::new();
+        json.finish(&mut buf);
+        written(out.write_all(&buf).and_then(|()| out.flush()));
     }
     if failed {
         exit::ERROR
@@ -368,13 +380,9 @@ async fn one_path(
         let bare = !plan.with_filename.unwrap_or(!one_file);
         let mut buf = Vec::new();
         for p in &lines {
-            if ctx.json {
-                if let Some(v) = json_line(p) {
-                    buf.extend_from_slice(v.to_string().as_bytes());
-                    buf.push(b'\n');
-                }
-            } else {
-                printer.human(p, bare, &mut buf);
+            match &mut printer.json {
+                Some(json) => json.line(p, &mut buf),
+                None => printer.human(p, bare, &mut buf),
             }
         }
         written(out.write_all(&buf).and_then(|()| out.flush()));
@@ -405,12 +413,6 @@ async fn one_path(
     let more = found.total.saturating_sub(req.offset).saturating_sub(shown);
     if plan.quiet {
         // -q: the exit code is the whole answer.
-    } else if ctx.json {
-        let summary = json!({"type": "summary", "path": q.remote_path, "total": found.total,
-            "files_matched": found.files_matched, "more": more, "complete": found.complete,
-            "skipped_binary": found.skipped_binary, "skipped_large": found.skipped_large,
-            "skipped_slow_lines": found.skipped_slow_lines});
-        written(writeln!(out, "{summary}").and_then(|()| out.flush()));
     } else {
         let of = if several {
             format!(" in {}", shown_or_home(&q.remote_path))
@@ -461,8 +463,9 @@ fn written(r: std::io::Result<()>) {
     }
 }
 
-fn error(json: bool, e: &RsbError) -> u8 {
-    super::fail(json, e);
+/// An error, on stderr as rg prints it (with --json too: stdout holds rg's messages only).
+fn error(e: &RsbError) -> u8 {
+    super::fail(false, e);
     exit::ERROR
 }
 
@@ -485,6 +488,8 @@ struct Printer {
     shown: u64,
     /// A `--` waits for the line after it.
     gap: bool,
+    /// `--json`: rg's JSON lines instead.
+    json: Option<Json>,
 }
 
 impl Printer {
@@ -539,6 +544,7 @@ fn human(p: &Printed, look: Look, bare: bool, buf: &mut Vec<u8>) {
             path,
             line,
             is_match,
+            ..
         } => {
             let sep = if *is_match { ':' } else { '-' };
             if !bare {
@@ -587,22 +593,4 @@ fn painted_text(line: &SearchLine, look: Look) -> String {
     }
     out.push_str(&shown(&t[at..]));
     out
-}
-
-/// ripgrep-like JSON lines: the exact text (JSON escapes what a terminal would act on).
-fn json_line(p: &Printed) -> Option<serde_json::Value> {
-    Some(match p {
-        Printed::Line {
-            path,
-            line,
-            is_match,
-        } => json!({
-            "type": if *is_match { "match" } else { "context" },
-            "path": path, "line": line.number, "text": line.text,
-            "cut_bytes": line.cut, "matches": line.matches,
-        }),
-        Printed::Gap => return None,
-        Printed::Path(path) => json!({"type": "file", "path": path}),
-        Printed::Count(path, n) => json!({"type": "count", "path": path, "count": n}),
-    })
 }

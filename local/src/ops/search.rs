@@ -441,6 +441,8 @@ pub enum Printed<'a> {
         path: String,
         line: &'a SearchLine,
         is_match: bool,
+        /// The file's size as searched ([`SearchEntry::file_bytes`]).
+        file_bytes: u64,
     },
     /// `--`: a gap between context groups.
     Gap,
@@ -530,6 +532,7 @@ pub fn printed_after<'a>(
                         path: shown.clone(),
                         line: l,
                         is_match: *is_match,
+                        file_bytes: entries[i].file_bytes,
                     });
                 }
                 i = j;
@@ -545,6 +548,7 @@ fn plain(p: &Printed) -> String {
             path,
             line,
             is_match,
+            ..
         } => {
             let sep = if *is_match { ':' } else { '-' };
             let cut = if line.cut > 0 {
@@ -626,6 +630,7 @@ mod tests {
     fn line(n: u64, text: &str, m: bool) -> SearchLine {
         SearchLine {
             number: n,
+            offset: 0,
             text: text.into(),
             cut: 0,
             matches: if m { vec![(0, 1)] } else { vec![] },
@@ -641,6 +646,7 @@ mod tests {
             before,
             after,
             count: 1,
+            file_bytes: 0,
         }
     }
 
