@@ -1,6 +1,9 @@
-//! The one-node Slurm test bed (`tests/slurm-testbed/`: munged, slurmctld and slurmd from
-//! Debian's `slurm-wlm` on loopback, 4 CPUs, two fake GPUs, partitions `debug`, `gpu`,
-//! `urgent`), started once per test binary and shared by its tests.
+//! The Slurm test bed (`tests/slurm-testbed/`: munged, slurmctld and slurmd from Debian's
+//! `slurm-wlm` on loopback, one node with 4 CPUs, two fake GPUs, partitions `debug`, `gpu`,
+//! `urgent`), started once per test binary and shared by its tests. With
+//! `RSB_SLURM_COMPUTE_HOST` in the environment (CI sets it) the node is another host: slurmd
+//! and its jobs run in their own PID/UTS/mount namespace under that name, and every restart
+//! here keeps it (the variable reaches start.sh).
 //!
 //! `start.sh` needs root. Jobs submitted through an [`crate::Sshd`] fixture run as the user
 //! the fixture logs in as (the current user; slurmd runs as root, so it can start them as

@@ -1302,6 +1302,112 @@ async fn slurm_a_watched_jobs_end_is_seen_within_a_tick_and_two_seconds() {
     );
 }
 
+/// The job's processes as root sees them here: those whose environment names Slurm job `id`
+/// and whose command line holds `word`.
+fn job_processes(id: &str, word: &str) -> Vec<u32> {
+    let want = format!("SLURM_JOB_ID={id}");
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let read = |f: &str| std::fs::read(format!("/proc/{pid}/{f}")).unwrap_or_default();
+            let env = read("environ");
+            let cmd = read("cmdline");
+            env.split(|b| *b == 0).any(|v| v == want.as_bytes())
+                && cmd.split(|b| *b == 0).any(|a| a == word.as_bytes())
+        })
+        .collect()
+}
+
+/// Issue 43, a real cluster's shape: the job's wrapper is SIGKILLed on the compute node
+/// (on the two-host bed, another host: its record says so and nothing on the login node can
+/// see its pid), so it never writes its end. Slurm's word ends the job: the reply and the
+/// watch agree within two ticks, none stays `running`, and `rsb jobs logs -f` and `rsb jobs
+/// rm` return instead of waiting on a record that will never end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_a_wrapper_killed_on_the_compute_node_ends_the_job_and_its_watch() {
+    let Some(bed) = slurm() else { return };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let _daemon = mcp.daemon();
+    let s = mcp
+        .submit_watched(
+            "wrapkill",
+            "echo on-$(hostname); sleep 300",
+            json!({}),
+            false,
+        )
+        .await;
+    let id = s["slurm_job_id"].as_str().unwrap().to_string();
+    let w = s["watch_id"].as_i64().unwrap();
+    let v = mcp
+        .until("wrapkill", 60, |v| {
+            v["state"] == "running" && v["log_tail"].as_str().is_some_and(|t| t.contains("on-"))
+        })
+        .await;
+    let host = bed
+        .env
+        .get("RSB_SLURM_NODE_HOST")
+        .cloned()
+        .unwrap_or_default();
+    if bed.env.get("RSB_SLURM_TWO_HOSTS").map(String::as_str) == Some("1") {
+        // The shape this test is for: the job ran on the compute host, not the login node.
+        let login = rustix::system::uname()
+            .nodename()
+            .to_string_lossy()
+            .into_owned();
+        assert_ne!(host, login);
+        assert!(
+            v["log_tail"]
+                .as_str()
+                .unwrap()
+                .contains(&format!("on-{host}")),
+            "{v}"
+        );
+    }
+    let wrappers = job_processes(&id, "job-run");
+    assert_eq!(wrappers.len(), 1, "the wrapper of job {id}: {wrappers:?}");
+    let killed_at = Instant::now();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(wrappers[0] as i32).unwrap(),
+        rustix::process::Signal::KILL,
+    )
+    .unwrap();
+    let v = mcp.until("wrapkill", 30, finished).await;
+    let reply_lag = killed_at.elapsed();
+    assert_ne!(v["state"], "running", "{v}");
+    assert_eq!(v["slurm_state"], "FAILED", "{v}");
+    let e = mcp
+        .until_events(w, 30, |e| has(e, "failed") || has(e, "interrupted"))
+        .await;
+    let watch_lag = killed_at.elapsed();
+    assert!(!has(&e, "completed"), "{:?}", types(&e));
+    let watch = mcp.watch(w);
+    assert_ne!(watch.last_state, "running", "{watch:?}");
+    eprintln!(
+        "wrapper killed -> check_background_task {:.1} s, -> watch {:.1} s",
+        reply_lag.as_secs_f64(),
+        watch_lag.as_secs_f64()
+    );
+    // Two 2 s poll ticks, and the test's own 0.5 s and 0.25 s polls.
+    assert!(reply_lag < Duration::from_secs(5), "{reply_lag:?}");
+    // The CLI on the same job: both return, and say what they know.
+    let t0 = Instant::now();
+    let (code, out) = mcp.cli(&["jobs", "logs", "-f", "wrapkill"]);
+    assert!(
+        t0.elapsed() < Duration::from_secs(20),
+        "logs -f took {:?}",
+        t0.elapsed()
+    );
+    // No exit code exists (the wrapper died before recording one): 4, as for a lost job.
+    assert_eq!(code, Some(4), "{out}");
+    assert!(out.contains(&format!("on-{host}")), "{out}");
+    let (code, out) = mcp.cli(&["jobs", "rm", "wrapkill"]);
+    assert_eq!(code, Some(0), "{out}");
+    let (_, list) = mcp.cli(&["jobs", "list"]);
+    assert!(!list.contains("wrapkill"), "{list}");
+}
+
 /// First-connect discovery: a sandbox not declared `scheduler = "slurm"` whose host answers
 /// sbatch and sinfo gets the hint (in `list_sandboxes` and the server's log) from a probe
 /// run once, after its first connect and off its path; a declared one gets none.

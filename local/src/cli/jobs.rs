@@ -206,6 +206,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
         Err(e) => return fail(ctx.json, &e),
     };
     let json = ctx.json;
+    let on_slurm = ctx.pool.slurm(client.sandbox()).is_some();
     match cmd {
         JobsCmd::Start {
             name,
@@ -373,7 +374,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
         }
         JobsCmd::Logs {
             name, follow: true, ..
-        } => follow_logs(&client, &name).await,
+        } => follow_logs(&client, on_slurm, &name).await,
         JobsCmd::Logs { name, lines, .. } => {
             let r = match jobs::status_request(&name, "", lines, None, 1) {
                 Ok(req) => client.call(req).await.map_err(|e| job_error(&name, e)),
@@ -401,7 +402,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
                 Err(e) => fail(json, &e),
             }
         }
-        JobsCmd::Rm { name } => match remove(&client, &name).await {
+        JobsCmd::Rm { name } => match remove(&client, on_slurm, &name).await {
             Ok(()) if json => {
                 print_json(&serde_json::json!({"removed": [name]}));
                 exit::OK
@@ -522,13 +523,20 @@ fn outcome(t: &jobs::JobSummary) -> String {
 
 /// Delete an ended job's record on the host. The job name travels as an environment variable,
 /// never spliced into the command line; a running job is refused.
-async fn remove(client: &AgentClient, name: &str) -> Result<(), RsbError> {
+/// `slurm`: the sandbox is a Slurm login node, where a job whose record reads as running may
+/// be over by Slurm's word ([`ended_by_slurm`](rsb::ops::slurm::jobs::ended_by_slurm)).
+async fn remove(client: &AgentClient, slurm: bool, name: &str) -> Result<(), RsbError> {
     let req = jobs::status_request(name, "", 1, None, 1)?;
     let st = client.call(req).await.map_err(|e| job_error(name, e))?;
     let Some(info) = st.info else {
         return Err(no_such_job(name));
     };
-    if info.state == JobState::Running {
+    if info.state == JobState::Running
+        && !(slurm
+            && rsb::ops::slurm::jobs::ended_by_slurm(client, name)
+                .await
+                .is_some())
+    {
         return Err(RsbError::invalid(
             format!("job `{name}` is still running"),
             format!("stop it first with `rsb jobs kill {name}`"),
@@ -571,7 +579,7 @@ async fn prune(client: &AgentClient, json: bool, older_than: Option<Duration>) -
         if now.saturating_sub(ended) < min_age {
             continue;
         }
-        if let Err(e) = remove(client, &j.name).await {
+        if let Err(e) = remove(client, false, &j.name).await {
             return fail(json, &e);
         }
         removed.push(j.name.clone());
@@ -673,9 +681,12 @@ pub async fn wait(ctx: &Ctx, name: &str, timeout: Option<Duration>, lines: i64) 
 }
 
 /// Print the log from the start, then every new byte, until the job ends (polling every
-/// 0.5 s); exit with the job's code, or 128+signal.
-async fn follow_logs(client: &AgentClient, name: &str) -> u8 {
+/// 0.5 s); exit with the job's code, or 128+signal. On a Slurm login node (`slurm`) the job
+/// also ends when Slurm says it is over though its record never will (a wrapper killed on
+/// its compute node): asked every [`SLURM_ASK_EVERY`] polls, from the shared poller.
+async fn follow_logs(client: &AgentClient, slurm: bool, name: &str) -> u8 {
     let mut offset = 0i64;
+    let mut polls = 0u32;
     loop {
         let req = match jobs::status_request(name, "", 1, Some(offset), jobs::MAX_CURSOR_BYTES) {
             Ok(r) => r,
@@ -706,8 +717,23 @@ async fn follow_logs(client: &AgentClient, name: &str) -> u8 {
                 }
             };
         }
+        polls += 1;
+        if slurm
+            && polls.is_multiple_of(SLURM_ASK_EVERY)
+            && !r.log_truncated
+            && let Some(why) = rsb::ops::slurm::jobs::ended_by_slurm(client, name).await
+        {
+            super::warn(&format!(
+                "job `{name}` was ended by Slurm ({why}) before its wrapper recorded an exit"
+            ));
+            return exit::REMOTE;
+        }
         if !r.log_truncated {
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
 }
+
+/// `rsb jobs logs -f` on a Slurm login node asks Slurm every this many polls (2 s, the
+/// poller's tick).
+const SLURM_ASK_EVERY: u32 = 4;

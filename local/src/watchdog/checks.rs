@@ -183,7 +183,25 @@ fn slurm_verdict(
         }),
         _ => match s.reason {
             Some(r @ ("timeout" | "out_of_memory" | "cancelled")) => Some(Verdict::Ended(r)),
-            _ => Some(record_verdict(seen)),
+            _ => Some(match record_verdict(seen) {
+                // Slurm says the job is over, and its word is final: a record that still
+                // reads as running will never end (the wrapper was killed before it wrote
+                // the end; on a cluster it ran on another host, where nothing here can see
+                // that it died).
+                Verdict::Running => Verdict::Interrupted {
+                    reason: format!(
+                        "was ended by Slurm ({}, job {}) before it recorded an exit",
+                        if s.slurm_state.is_empty() {
+                            "purged"
+                        } else {
+                            &s.slurm_state
+                        },
+                        s.job_id
+                    ),
+                    kind: "lost",
+                },
+                v => v,
+            }),
         },
     }
 }
@@ -935,6 +953,33 @@ mod tests {
             error: "squeue has not answered".into(),
         });
         Observed::Job(j)
+    }
+
+    /// Issue 43: Slurm's word is final. A job Slurm ended (FAILED after its wrapper was
+    /// killed, or purged) whose record still reads as running (written on a compute node,
+    /// where nothing on the login node can see the wrapper die) ends its watch, once, and
+    /// never stays running; a record with the exit code still gives it.
+    #[test]
+    fn a_job_slurm_ended_without_a_recorded_exit_is_lost_not_running() {
+        let mut w = watch();
+        w.last_state = "running".into();
+        let running = seen(Some(JobState::Running), None, None);
+        for state in ["exited", "lost"] {
+            let o = decide(&w, &slurm(Some(state), None, running.clone()), 1_000);
+            assert_eq!(types(&o), ["interrupted"], "{state}");
+            assert_eq!(o.after.last_state, "interrupted", "{state}");
+            assert!(
+                o.after.last_summary.contains("job 41"),
+                "{}",
+                o.after.last_summary
+            );
+            let again = decide(&o.after, &slurm(Some(state), None, running.clone()), 2_000);
+            assert!(again.events.is_empty(), "{state}: {:?}", types(&again));
+        }
+        let exited = seen(Some(JobState::Exited), Some(3), None);
+        let o = decide(&w, &slurm(Some("exited"), None, exited), 1_000);
+        assert_eq!(o.after.last_exit_code, Some(3));
+        assert_ne!(o.after.last_state, "running");
     }
 
     /// `requeue=true`: Slurm puts the job back in its queue after a node failure or a

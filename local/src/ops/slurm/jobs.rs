@@ -307,6 +307,25 @@ pub async fn kill_any(
     }
 }
 
+/// Whether Slurm says job `name` is over while its record still reads as running: the
+/// wrapper was killed before it recorded an end, on a compute node where nothing on the login
+/// node can see it die. Slurm's word is final: `Some("FAILED, job 7")` (or `purged, job 7`),
+/// else `None` (still running, no Slurm id on record, or the controller did not answer). For
+/// `rsb jobs logs -f` and `rsb jobs rm`, which would otherwise wait on that record forever.
+pub async fn ended_by_slurm(client: &AgentClient, name: &str) -> Option<String> {
+    let id = slurm_id(client, name).await.ok().flatten()?;
+    let seen = poll::poller(client.sandbox())
+        .states(client, std::slice::from_ref(&id))
+        .await
+        .remove(&id)
+        .unwrap_or(Seen::Gone);
+    let j = judge(&seen, false, true);
+    (j.running == Some(false)).then(|| {
+        let state = j.slurm_state.filter(|s| s != "unknown");
+        format!("{}, job {id}", state.as_deref().unwrap_or("purged"))
+    })
+}
+
 /// `kill_background_task`: scancel, then squeue until Slurm reports the end (scancel of an
 /// unknown id returns 0, so its status proves nothing).
 pub async fn kill(client: &AgentClient, name: &str, id: &str) -> Result<Value> {
