@@ -1302,6 +1302,42 @@ async fn slurm_a_watched_jobs_end_is_seen_within_a_tick_and_two_seconds() {
     );
 }
 
+/// Issue 40's Slurm part: at default settings (no `interval_s`: 300 s) a Slurm job's end
+/// reaches its watch within seconds. The daemon follows job ends on the login node too (the
+/// wrapper's record on the shared home, written on the compute node), and the check it starts
+/// asks Slurm why through the shared poll, again at its tick while Slurm closes the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_a_jobs_end_reaches_its_watch_within_seconds_at_default_settings() {
+    let Some(_bed) = slurm() else { return };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let _daemon = mcp.daemon();
+    let marker = sshd.home().join("ended-at");
+    let m = marker.display().to_string();
+    let s = mcp
+        .ok(
+            "exec_bash_background",
+            json!({"command": format!("sleep 4; date +%s.%N > {m}; exit 6"),
+                   "session_name": "default", "watch": true, "ensure_watchdog": false,
+                   "notify_local": false}),
+        )
+        .await;
+    let w = s["watch_id"].as_i64().unwrap_or_else(|| panic!("{s}"));
+    assert_eq!(mcp.watch(w).interval_s, 300, "the default interval");
+    let e = mcp.until_events(w, 60, |e| has(e, "completed")).await;
+    let c = e.iter().find(|e| e.event_type == "completed").unwrap();
+    assert_eq!(c.payload["exit_code"], 6, "{:?}", c.payload);
+    let ended: f64 = std::fs::read_to_string(&marker)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // created_ts is whole seconds.
+    let lag = c.created_ts as f64 - ended;
+    eprintln!("job end -> watch event {lag:.1} s at interval_s 300");
+    assert!(lag <= 5.0, "the watch saw the end {lag:.1} s late");
+}
+
 /// The job's processes as root sees them here: those whose environment names Slurm job `id`
 /// and whose command line holds `word`.
 fn job_processes(id: &str, word: &str) -> Vec<u32> {

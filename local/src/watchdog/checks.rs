@@ -70,6 +70,10 @@ pub struct SlurmSeen {
     pub error: String,
 }
 
+/// How soon a Slurm job whose end is on record, but which Slurm has not closed, is checked
+/// again: the shared poll's tick.
+const SLURM_COMPLETING_RECHECK_MS: i64 = crate::slurm::poll::TICK.as_millis() as i64;
+
 /// What a check concluded about the job, whichever backend ran it.
 enum Verdict {
     Running,
@@ -292,6 +296,14 @@ pub fn decide(w: &Watch, obs: &Observed, now_ms: i64) -> Outcome {
         Observed::Job(_) if w.resume_intent_ms > 0 => {}
         Observed::Job(seen) => {
             job(w, &mut a, seen, now, &mut events, &mut resume);
+            // The command's end is on record (its job-end event started this check) but
+            // Slurm has not closed the job yet: why it ended comes within seconds, so ask
+            // again at the poll's tick, not at `interval_s`.
+            let completing = seen.slurm.as_ref().and_then(|s| s.state) == Some("completing");
+            if completing && a.last_state == "running" {
+                a.next_check_ms = a.next_check_ms.min(now_ms + SLURM_COMPLETING_RECHECK_MS);
+                a.next_check_ts = a.next_check_ms / 1000;
+            }
             if seen.started_ms > 0 {
                 for e in events
                     .iter_mut()
@@ -953,6 +965,29 @@ mod tests {
             error: "squeue has not answered".into(),
         });
         Observed::Job(j)
+    }
+
+    /// The command's end is on record but Slurm has not closed the job: still running, and
+    /// checked again at the poll's tick rather than at `interval_s` (300 s by default).
+    #[test]
+    fn a_slurm_job_closing_after_its_recorded_end_is_checked_again_at_the_tick() {
+        let mut w = watch();
+        w.last_state = "running".into();
+        w.interval_s = 300;
+        let ended = seen(Some(JobState::Exited), Some(0), None);
+        let o = decide(
+            &w,
+            &slurm(Some("completing"), None, ended.clone()),
+            1_000_000,
+        );
+        assert_eq!(o.after.last_state, "running");
+        assert!(o.events.is_empty(), "{:?}", types(&o));
+        assert_eq!(
+            o.after.next_check_ms,
+            1_000_000 + SLURM_COMPLETING_RECHECK_MS
+        );
+        let o = decide(&w, &slurm(Some("running"), None, ended), 1_000_000);
+        assert_eq!(o.after.next_check_ms, 1_000_000 + 300_000);
     }
 
     /// Issue 43: Slurm's word is final. A job Slurm ended (FAILED after its wrapper was

@@ -471,16 +471,15 @@ impl Daemon {
     /// the check for what a subscription cannot see (the connection down, the host gone).
     /// Every (re)subscription asks for every run that ended (`since_ms` 1): the agent sends
     /// each job's last end at once, so an end missed while the connection was down is checked
-    /// on reconnecting. Slurm login nodes keep their scheduler poll.
+    /// on reconnecting. On a Slurm login node the records are the compute nodes' (the shared
+    /// home, re-read by the agent every `JOB_EVENTS_RESCAN_MS` where inotify cannot see a
+    /// remote write): an end starts the check, which asks the scheduler why through the
+    /// shared poll, and again at its tick while Slurm is closing the job.
     async fn follow(self: Arc<Self>, fp: String, name: String) {
         let mut retry = FOLLOW_RETRY_FIRST;
         loop {
             let resolved = self.db(|c| sandboxes::resolve(c, &self.state_dir, &fp, &name));
             if let Ok(Some(Ok(cfg))) = resolved {
-                if cfg.slurm.is_some() {
-                    // Until the tick ends it: no watch left there.
-                    return std::future::pending().await;
-                }
                 let host = self.host(sandboxes::key(&fp, &name), cfg);
                 match host.client(Instant::now()).await {
                     Ok(client) => {
