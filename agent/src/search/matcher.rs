@@ -175,13 +175,7 @@ impl Matcher {
             }
             return scan;
         };
-        let searched: &[u8] = if self.fold {
-            scratch.clear();
-            scratch.extend(hay.iter().map(u8::to_ascii_lowercase));
-            scratch
-        } else {
-            hay
-        };
+        let searched = self.folded(hay, scratch);
         let mut from = 0;
         while from < hay.len() {
             let Some(at) = finder.find(&searched[from..]) else {
@@ -205,6 +199,17 @@ impl Matcher {
         scan
     }
 
+    /// What the prefilter searches: `hay`, or its ASCII-lowercased copy in `scratch` when
+    /// the search folds case.
+    fn folded<'h>(&self, hay: &'h [u8], scratch: &'h mut Vec<u8>) -> &'h [u8] {
+        if !self.fold {
+            return hay;
+        }
+        scratch.clear();
+        scratch.extend(hay.iter().map(u8::to_ascii_lowercase));
+        scratch
+    }
+
     /// [`Matcher::lines`] with `rg -U`: the pattern runs over the whole file, and every line
     /// a match touches is a hit (inverted: every line none touches). [`Scan::runs`] counts the
     /// runs of matches that share lines, which rg counts as one each. A file whose match would
@@ -217,17 +222,10 @@ impl Matcher {
         mut hit: impl FnMut(usize, usize) -> bool,
     ) -> Scan {
         let mut scan = Scan::default();
-        if let Some(finder) = self.prefilter.as_ref().filter(|_| !self.invert) {
-            let searched: &[u8] = if self.fold {
-                scratch.clear();
-                scratch.extend(hay.iter().map(u8::to_ascii_lowercase));
-                scratch
-            } else {
-                hay
-            };
-            if finder.find(searched).is_none() {
-                return scan;
-            }
+        if let Some(finder) = self.prefilter.as_ref().filter(|_| !self.invert)
+            && finder.find(self.folded(hay, scratch)).is_none()
+        {
+            return scan;
         }
         if stop() {
             scan.stopped = true;
