@@ -1376,6 +1376,11 @@ async fn slurm_a_wrapper_killed_on_the_compute_node_ends_the_job_and_its_watch()
         .await;
     let id = s["slurm_job_id"].as_str().unwrap().to_string();
     let w = s["watch_id"].as_i64().unwrap();
+    // A second, unwatched, for `rsb jobs prune`.
+    let s2 = mcp.submit("wrapkill2", "sleep 300", json!({})).await;
+    let id2 = s2["slurm_job_id"].as_str().unwrap().to_string();
+    mcp.until("wrapkill2", 60, |v| v["state"] == "running")
+        .await;
     let v = mcp
         .until("wrapkill", 60, |v| {
             v["state"] == "running" && v["log_tail"].as_str().is_some_and(|t| t.contains("on-"))
@@ -1401,14 +1406,18 @@ async fn slurm_a_wrapper_killed_on_the_compute_node_ends_the_job_and_its_watch()
             "{v}"
         );
     }
-    let wrappers = job_processes(&id, "job-run");
-    assert_eq!(wrappers.len(), 1, "the wrapper of job {id}: {wrappers:?}");
+    let kill_wrapper = |id: &str| {
+        let wrappers = job_processes(id, "job-run");
+        assert_eq!(wrappers.len(), 1, "the wrapper of job {id}: {wrappers:?}");
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(wrappers[0] as i32).unwrap(),
+            rustix::process::Signal::KILL,
+        )
+        .unwrap();
+    };
+    kill_wrapper(&id2);
     let killed_at = Instant::now();
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(wrappers[0] as i32).unwrap(),
-        rustix::process::Signal::KILL,
-    )
-    .unwrap();
+    kill_wrapper(&id);
     let v = mcp.until("wrapkill", 30, finished).await;
     let reply_lag = killed_at.elapsed();
     assert_ne!(v["state"], "running", "{v}");
@@ -1440,6 +1449,9 @@ async fn slurm_a_wrapper_killed_on_the_compute_node_ends_the_job_and_its_watch()
     assert!(out.contains(&format!("on-{host}")), "{out}");
     let (code, out) = mcp.cli(&["jobs", "rm", "wrapkill"]);
     assert_eq!(code, Some(0), "{out}");
+    mcp.until("wrapkill2", 30, finished).await;
+    let (code, out) = mcp.cli(&["jobs", "prune"]);
+    assert_eq!((code, out.as_str()), (Some(0), "wrapkill2\n"), "{out}");
     let (_, list) = mcp.cli(&["jobs", "list"]);
     assert!(!list.contains("wrapkill"), "{list}");
 }

@@ -413,7 +413,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             }
             Err(e) => fail(json, &e),
         },
-        JobsCmd::Prune { older_than } => prune(&client, json, older_than).await,
+        JobsCmd::Prune { older_than } => prune(&client, on_slurm, json, older_than).await,
     }
 }
 
@@ -563,7 +563,10 @@ async fn remove(client: &AgentClient, slurm: bool, name: &str) -> Result<(), Rsb
     Ok(())
 }
 
-async fn prune(client: &AgentClient, json: bool, older_than: Option<Duration>) -> u8 {
+/// `slurm`: on a Slurm login node a job whose record reads as running but which Slurm says
+/// is over ([`ended_by_slurm`](rsb::ops::slurm::jobs::ended_by_slurm)) is pruned too, as
+/// ended when it started.
+async fn prune(client: &AgentClient, slurm: bool, json: bool, older_than: Option<Duration>) -> u8 {
     let all = match client.call(JobListRequest).await {
         Ok(j) => j,
         Err(e) => return fail(json, &e),
@@ -574,12 +577,20 @@ async fn prune(client: &AgentClient, json: bool, older_than: Option<Duration>) -
         .unwrap_or(0);
     let min_age = older_than.map(|d| d.as_millis() as u64).unwrap_or(0);
     let mut removed = Vec::new();
-    for j in all.iter().filter(|j| j.state != JobState::Running) {
+    for j in &all {
         let ended = j.ended_ms.unwrap_or(j.started_ms);
         if now.saturating_sub(ended) < min_age {
             continue;
         }
-        if let Err(e) = remove(client, false, &j.name).await {
+        let over = j.state != JobState::Running
+            || (slurm
+                && rsb::ops::slurm::jobs::ended_by_slurm(client, &j.name)
+                    .await
+                    .is_some());
+        if !over {
+            continue;
+        }
+        if let Err(e) = remove(client, slurm, &j.name).await {
             return fail(json, &e);
         }
         removed.push(j.name.clone());
