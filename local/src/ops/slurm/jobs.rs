@@ -311,7 +311,7 @@ pub async fn kill_any(
 /// wrapper was killed before it recorded an end, on a compute node where nothing on the login
 /// node can see it die. Slurm's word is final: `Some("FAILED, job 7")` (or `purged, job 7`),
 /// else `None` (still running, no Slurm id on record, or the controller did not answer). For
-/// `rsb jobs logs -f` and `rsb jobs rm`, which would otherwise wait on that record forever.
+/// `rsb jobs logs -f`, `rm` and `prune`, which would otherwise wait on that record forever.
 pub async fn ended_by_slurm(client: &AgentClient, name: &str) -> Option<String> {
     let id = slurm_id(client, name).await.ok().flatten()?;
     let seen = poll::poller(client.sandbox())
