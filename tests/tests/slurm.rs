@@ -265,6 +265,14 @@ fn has(e: &[rsb::watchdog::WatchEvent], t: &str) -> bool {
     e.iter().any(|e| e.event_type == t)
 }
 
+/// The time a job wrote into `marker` with `date +%s.%N` as it ended.
+fn ended_at(marker: &std::path::Path) -> f64 {
+    let text = std::fs::read_to_string(marker).unwrap();
+    text.trim()
+        .parse()
+        .unwrap_or_else(|e| panic!("{}: {text:?}: {e}", marker.display()))
+}
+
 fn finished(v: &Value) -> bool {
     v["running"] == json!(false)
 }
@@ -1283,11 +1291,7 @@ async fn slurm_a_watched_jobs_end_is_seen_within_a_tick_and_two_seconds() {
         .unwrap()
         .as_secs_f64();
     assert_eq!(v["exit_code"], 7, "{v}");
-    let ended: f64 = std::fs::read_to_string(&marker)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let ended = ended_at(&marker);
     let lag = seen_at - ended;
     let e = mcp.until_events(w, 30, |e| has(e, "completed")).await;
     let c = e.iter().find(|e| e.event_type == "completed").unwrap();
@@ -1327,11 +1331,7 @@ async fn slurm_a_jobs_end_reaches_its_watch_within_seconds_at_default_settings()
     let e = mcp.until_events(w, 60, |e| has(e, "completed")).await;
     let c = e.iter().find(|e| e.event_type == "completed").unwrap();
     assert_eq!(c.payload["exit_code"], 6, "{:?}", c.payload);
-    let ended: f64 = std::fs::read_to_string(&marker)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let ended = ended_at(&marker);
     // created_ts is whole seconds.
     let lag = c.created_ts as f64 - ended;
     eprintln!("job end -> watch event {lag:.1} s at interval_s 300");

@@ -542,13 +542,19 @@ async fn remove(client: &AgentClient, slurm: bool, name: &str) -> Result<(), Rsb
             format!("stop it first with `rsb jobs kill {name}`"),
         ));
     }
+    delete_record(client, &info.name).await
+}
+
+/// Delete job `name`'s record on the host, the name in the environment; the caller knows the
+/// job is over.
+async fn delete_record(client: &AgentClient, name: &str) -> Result<(), RsbError> {
     let mut req = exec::build_request_ms(
         r#"rm -rf -- "$HOME/.cache/rsb/jobs/$RSB_JOB_NAME""#,
         None,
         30_000,
         4096,
     )?;
-    req.env.push(("RSB_JOB_NAME".into(), info.name.clone()));
+    req.env.push(("RSB_JOB_NAME".into(), name.to_string()));
     let r = client.call(req).await?;
     if r.exit_code != Some(0) {
         return Err(RsbError::new(
@@ -590,7 +596,7 @@ async fn prune(client: &AgentClient, slurm: bool, json: bool, older_than: Option
         if !over {
             continue;
         }
-        if let Err(e) = remove(client, slurm, &j.name).await {
+        if let Err(e) = delete_record(client, &j.name).await {
             return fail(json, &e);
         }
         removed.push(j.name.clone());
