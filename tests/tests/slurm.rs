@@ -184,11 +184,13 @@ impl Mcp {
 
     /// (isError, parsed JSON or the text as a string)
     async fn call(&self, tool: &str, args: Value) -> (bool, Value) {
+        // 90 s, and the wait a call asks for.
+        let secs = 90 + args["wait_s"].as_u64().unwrap_or(0);
         let Value::Object(args) = args else { panic!() };
         let params = CallToolRequestParams::new(tool.to_string()).with_arguments(args);
-        let r = tokio::time::timeout(Duration::from_secs(90), self.svc.call_tool(params))
+        let r = tokio::time::timeout(Duration::from_secs(secs), self.svc.call_tool(params))
             .await
-            .unwrap_or_else(|_| panic!("{tool} did not answer within 90 s"))
+            .unwrap_or_else(|_| panic!("{tool} did not answer within {secs} s"))
             .unwrap();
         let raw = serde_json::to_value(&r).unwrap();
         let text = raw["content"][0]["text"]
@@ -1589,4 +1591,182 @@ async fn slurm_a_resume_cut_by_a_daemon_kill_is_submitted_once() {
     assert_eq!(ran, "run\n", "the resume command ran once");
     mcp.ok("kill_background_task", json!({"tmux_session": "cutj"}))
         .await;
+}
+
+/// Slurm jobs a test submitted, cancelled with `scancel` when dropped (also on failure).
+struct Cancel(Vec<String>);
+
+impl Drop for Cancel {
+    fn drop(&mut self) {
+        if !self.0.is_empty() {
+            let _ = rsb_tests::output_with_timeout(
+                std::process::Command::new("scancel").args(&self.0),
+                Duration::from_secs(30),
+            );
+        }
+    }
+}
+
+/// The squeue calls a counting wrapper logged: (time, pid of the agent that ran it).
+fn squeue_calls(log: &std::path::Path) -> Vec<(f64, String)> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let (t, who) = l.split_once(' ')?;
+            Some((t.parse().ok()?, who.to_string()))
+        })
+        .collect()
+}
+
+/// Issue 43, polling like submitit: 50 watched jobs at default settings (`interval_s` 300, the
+/// daemon's 1 s loop), quiet for 10 minutes (pending on a begin time an hour away), with a
+/// `check_background_task(wait_s=110)` among them, cost fewer than 60 squeue calls, and each
+/// process (the MCP server, the daemon: one agent each) asks at most once per 2 s tick. Before
+/// the pace, the wait alone cost ~55 calls. `RSB_SLURM_QUIET_S` shortens the 600 s window
+/// while iterating.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_fifty_quiet_watches_cost_under_sixty_squeue_calls_in_ten_minutes() {
+    let Some(_bed) = slurm() else { return };
+    let window = Duration::from_secs(
+        std::env::var("RSB_SLURM_QUIET_S")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(600),
+    );
+    let bin = tempfile::tempdir().unwrap();
+    let log = bin.path().join("calls");
+    // Each squeue call logs its time and the agent that ran it (the first rsb-agent above it).
+    for tool in ["squeue", "sacct"] {
+        wrap(bin.path(), tool, |real| {
+            format!(
+                "p=$PPID; n=0\n\
+                 while [ \"$p\" -gt 1 ] && [ $n -lt 20 ]; do\n\
+                   case \"$(cat /proc/$p/comm)\" in rsb-agent*) break;; esac\n\
+                   p=$(cut -d' ' -f4 /proc/$p/stat); n=$((n+1))\n\
+                 done\n\
+                 echo \"$(date +%s.%N) $p\" >> {}\n\
+                 exec {real} \"$@\"",
+                log.display()
+            )
+        });
+    }
+    let sshd = sshd_with_path(bin.path());
+    let mcp = Mcp::start(&sshd, json!({"sbatch_args": ["--begin=now+1hour"]})).await;
+    const N: usize = 50;
+    let mut cancel = Cancel(Vec::new());
+    for i in 0..N {
+        let s = mcp
+            .ok(
+                "exec_bash_background",
+                json!({"command": "true", "session_name": format!("q{i}"), "watch": true,
+                       "ensure_watchdog": false, "notify_local": false}),
+            )
+            .await;
+        assert!(s["watch_id"].as_i64().is_some(), "{s}");
+        cancel
+            .0
+            .push(s["slurm_job_id"].as_str().unwrap().to_string());
+    }
+    let watches: Vec<i64> = {
+        let c = rsb::store::open(&mcp.state).unwrap();
+        rsb::watchdog::db::list(&c, "")
+            .unwrap()
+            .iter()
+            .map(|w| w.id)
+            .collect()
+    };
+    assert_eq!(watches.len(), N);
+    let t0 = Instant::now();
+    let start = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let _daemon = mcp.daemon();
+    // A minute in, the model waits on one of them.
+    tokio::time::sleep(Duration::from_secs(60).min(window / 4)).await;
+    let epoch = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs_f64()
+    };
+    let (w0, wait_from) = (Instant::now(), epoch());
+    let v = mcp
+        .ok(
+            "check_background_task",
+            json!({"tmux_session": "q0", "wait_s": 110}),
+        )
+        .await;
+    let wait_to = epoch();
+    assert_eq!(v["state"], "pending", "{v}");
+    assert!(w0.elapsed() >= Duration::from_secs(100), "{v}");
+    // The wait asks at the pace: 2, 4, 8, 16, 32, 60 s apart.
+    let during: Vec<f64> = squeue_calls(&log)
+        .into_iter()
+        .map(|(t, _)| t)
+        .filter(|t| (wait_from..=wait_to).contains(t))
+        .collect();
+    eprintln!(
+        "check_background_task(wait_s=110) cost {} squeue calls, at {:?} s",
+        during.len(),
+        during
+            .iter()
+            .map(|t| (t - wait_from).round())
+            .collect::<Vec<_>>()
+    );
+    assert!(
+        during.len() <= 8,
+        "{} squeue calls during a 110 s wait",
+        during.len()
+    );
+    let left = window.saturating_sub(t0.elapsed());
+    tokio::time::sleep(left).await;
+    let calls: Vec<(f64, String)> = squeue_calls(&log)
+        .into_iter()
+        .filter(|(t, _)| *t >= start)
+        .collect();
+    let mut by: std::collections::BTreeMap<&str, Vec<f64>> = Default::default();
+    for (t, who) in &calls {
+        by.entry(who).or_default().push(*t);
+    }
+    let c = rsb::store::open(&mcp.state).unwrap();
+    let checked: Vec<i64> = watches
+        .iter()
+        .map(|id| rsb::watchdog::db::require(&c, *id).unwrap().last_checked_ts)
+        .collect();
+    eprintln!(
+        "{N} quiet watches over {} s: {} squeue calls ({}); watches last checked {:?} s ago",
+        window.as_secs(),
+        calls.len(),
+        by.iter()
+            .map(|(w, t)| format!("agent {w}: {}", t.len()))
+            .collect::<Vec<_>>()
+            .join(", "),
+        checked
+            .iter()
+            .map(|t| start as i64 + t0.elapsed().as_secs() as i64 - t)
+            .collect::<std::collections::BTreeSet<_>>()
+    );
+    // The daemon did check them all, each within its interval, and all still pend.
+    for (id, ts) in watches.iter().zip(&checked) {
+        assert!(*ts >= start as i64, "watch {id} was never checked");
+        let w = rsb::watchdog::db::require(&c, *id).unwrap();
+        assert_eq!(w.status, "active", "{w:?}");
+    }
+    assert!(
+        calls.len() < 60,
+        "{} squeue calls in {} s for {N} quiet watches",
+        calls.len(),
+        window.as_secs()
+    );
+    assert!(by.len() <= 2, "squeue run by more than two agents: {by:?}");
+    for (who, times) in &by {
+        for pair in times.windows(2) {
+            assert!(
+                pair[1] - pair[0] >= 1.9,
+                "agent {who} asked squeue twice within a tick: {times:?}"
+            );
+        }
+    }
 }

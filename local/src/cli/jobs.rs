@@ -3,6 +3,7 @@
 use std::{io::Write, time::Duration};
 
 use clap::Subcommand;
+use rsb::slurm::poll::FRESH;
 use rsb::{
     client::AgentClient,
     error::{Kind, RsbError},
@@ -533,7 +534,7 @@ async fn remove(client: &AgentClient, slurm: bool, name: &str) -> Result<(), Rsb
     };
     if info.state == JobState::Running
         && !(slurm
-            && rsb::ops::slurm::jobs::ended_by_slurm(client, name)
+            && rsb::ops::slurm::jobs::ended_by_slurm(client, name, FRESH)
                 .await
                 .is_some())
     {
@@ -590,7 +591,7 @@ async fn prune(client: &AgentClient, slurm: bool, json: bool, older_than: Option
         }
         let over = j.state != JobState::Running
             || (slurm
-                && rsb::ops::slurm::jobs::ended_by_slurm(client, &j.name)
+                && rsb::ops::slurm::jobs::ended_by_slurm(client, &j.name, FRESH)
                     .await
                     .is_some());
         if !over {
@@ -738,7 +739,8 @@ async fn follow_logs(client: &AgentClient, slurm: bool, name: &str) -> u8 {
         if slurm
             && polls.is_multiple_of(SLURM_ASK_EVERY)
             && !r.log_truncated
-            && let Some(why) = rsb::ops::slurm::jobs::ended_by_slurm(client, name).await
+            && let Some(why) =
+                rsb::ops::slurm::jobs::ended_by_slurm(client, name, Duration::MAX).await
         {
             super::warn(&format!(
                 "job `{name}` was ended by Slurm ({why}) before its wrapper recorded an exit"
@@ -752,5 +754,5 @@ async fn follow_logs(client: &AgentClient, slurm: bool, name: &str) -> u8 {
 }
 
 /// `rsb jobs logs -f` on a Slurm login node asks Slurm every this many polls (2 s, the
-/// poller's tick).
+/// poller's tick; the poller answers from its last poll while nothing changes, at its pace).
 const SLURM_ASK_EVERY: u32 = 4;

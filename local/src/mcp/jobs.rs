@@ -31,8 +31,10 @@ pub(super) fn slurm_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schem
 const SLURM_KEYS: &str = "Slurm only. partition,gres,mem,time,account,qos,constraint: \
     string; gpus,cpus,signal_before_timeout_s: integer; requeue: boolean; sbatch_args: array";
 
-/// `check_background_task(wait_s)` on a Slurm job: re-ask each tick (the shared poll) until
-/// the state or the log size changes, or `wait` passes.
+/// `check_background_task(wait_s)` on a Slurm job: re-ask each tick until the state or the
+/// log size changes, or `wait` passes. The log is read each tick; Slurm is asked through the
+/// shared poller, fresh at first, then at its pace (2 s, doubling while nothing changes: a
+/// 110 s wait costs 6 squeue calls, not 55).
 async fn slurm_wait(
     client: &crate::client::AgentClient,
     id: &str,
@@ -40,13 +42,16 @@ async fn slurm_wait(
     cursor: bool,
     wait: std::time::Duration,
 ) -> Result<serde_json::Value, RsbError> {
-    let first = slurm::jobs::status(client, id, req, cursor).await?;
+    if !wait.is_zero() {
+        slurm::poll::poller(client.sandbox()).hurry();
+    }
+    let first = slurm::jobs::status(client, id, req, cursor, slurm::poll::FRESH).await?;
     let deadline = tokio::time::Instant::now() + wait;
     let key = |v: &serde_json::Value| (v["state"].clone(), v["next_offset"].clone());
     let mut last = first;
     while tokio::time::Instant::now() < deadline && last["running"] == serde_json::json!(true) {
         tokio::time::sleep(slurm::poll::TICK.min(deadline - tokio::time::Instant::now())).await;
-        let next = slurm::jobs::status(client, id, req, cursor).await?;
+        let next = slurm::jobs::status(client, id, req, cursor, std::time::Duration::MAX).await?;
         let changed = key(&next) != key(&last);
         last = next;
         if changed {

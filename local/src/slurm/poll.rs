@@ -1,11 +1,20 @@
 //! One `squeue` per sandbox per tick for all its jobs, shared by every caller in this process.
 //!
 //! Controller calls are what sites police, so callers never run squeue themselves: they ask
-//! the sandbox's [`Poller`], which answers from its last poll while it is younger than
-//! [`TICK`] and covered the ids asked for; otherwise it polls once, for every id it knows (the
-//! jobs submitted or listed through this process, at most 100 per call), and every waiting
-//! caller gets that answer. A failed poll (controller down: each call blocks 9-18 s) is
-//! retried with exponential backoff; meanwhile callers get [`Seen::Unreachable`] at once.
+//! the sandbox's [`Poller`], which answers from its last poll while it is young enough and
+//! covered the ids asked for; otherwise it polls once, for every id it knows (the jobs
+//! submitted or listed through this process, at most 100 per call), and every waiting caller
+//! gets that answer. A failed poll (controller down: each call blocks 9-18 s) is retried with
+//! exponential backoff; meanwhile callers get [`Seen::Unreachable`] at once. Polls start at
+//! least a [`TICK`] apart: a caller whose id the last poll left out waits for the next.
+//!
+//! Young enough is the caller's to say, within the poller's pace, as submitit paces its
+//! watcher: a question a person or the model just asked ([`FRESH`]) is answered from a poll at
+//! most [`TICK`] old; a wait or a watch accepts older answers, up to the pace. The pace starts
+//! at [`TICK`], doubles after each poll that changed nothing (no job's state, reason, node or
+//! restarts), up to the poller's cap ([`PACE_MAX`], [`DAEMON_PACE_MAX`] for the watchdog, whose
+//! watches are checked every `interval_s` anyway), and falls back to [`TICK`] when a poll saw a
+//! change, a job is submitted or listed for the first time, or a wait begins ([`Poller::hurry`]).
 //!
 //! An id whose job reached a final state (completed, failed, cancelled, timed out, out of
 //! memory, past its deadline, failed to boot) or that the controller no longer knows is never
@@ -27,8 +36,15 @@ use parking_lot::Mutex;
 use super::remote;
 use crate::client::AgentClient;
 
-/// How long one poll's answer serves every caller.
+/// How long one poll's answer serves every caller that asks for a fresh one, and the fastest
+/// pace.
 pub const TICK: Duration = Duration::from_secs(2);
+/// What a caller that wants a fresh answer accepts: a poll at most [`TICK`] old.
+pub const FRESH: Duration = TICK;
+/// The slowest pace of an MCP server's or the CLI's poller while nothing changes.
+pub const PACE_MAX: Duration = Duration::from_secs(60);
+/// The slowest pace of the watchdog daemon's pollers.
+pub const DAEMON_PACE_MAX: Duration = Duration::from_secs(300);
 /// The longest a caller waits for a poll in flight (a healthy squeue answers in ~10 ms).
 pub const WAIT: Duration = Duration::from_secs(4);
 /// Ids not asked about for this long are no longer polled.
@@ -84,6 +100,10 @@ struct Cache {
     next_try: Option<Instant>,
     /// When the poll now in flight started.
     polling: Option<Instant>,
+    /// When the last poll started: the next starts a [`TICK`] later at the earliest.
+    started: Option<Instant>,
+    /// How old an answer may be for a caller that accepts any age (0 reads as [`TICK`]).
+    pace: Duration,
     /// Ids that ended for good, with their last answer ([`is_final`], or gone), in the order
     /// they ended.
     finals: HashMap<String, Seen>,
@@ -91,6 +111,10 @@ struct Cache {
 }
 
 impl Cache {
+    fn pace(&self) -> Duration {
+        self.pace.max(TICK)
+    }
+
     fn keep_final(&mut self, id: String, seen: Seen) {
         if self.finals.insert(id.clone(), seen).is_none() {
             self.final_order.push_back(id);
@@ -103,20 +127,28 @@ impl Cache {
     }
 }
 
+/// What a caller does next while its answer is not there yet.
+enum Next {
+    /// Start the poll (none is in flight, and the last started a tick ago or more).
+    Start,
+    /// Wait for the poll in flight.
+    Wait,
+    /// Sleep until the next poll may start.
+    Sleep(Instant),
+}
+
 pub struct Poller {
     known: Mutex<HashMap<String, Instant>>,
     cache: Mutex<Cache>,
     /// Counts finished polls; waiting callers watch it.
     done: tokio::sync::watch::Sender<u64>,
+    /// The slowest pace.
+    pace_max: Duration,
 }
 
 impl Default for Poller {
     fn default() -> Self {
-        Poller {
-            known: Mutex::default(),
-            cache: Mutex::default(),
-            done: tokio::sync::watch::channel(0).0,
-        }
+        Poller::paced_up_to(PACE_MAX)
     }
 }
 
@@ -133,19 +165,48 @@ pub fn poller(sandbox: &str) -> Arc<Poller> {
 }
 
 impl Poller {
-    /// Poll `ids` from now on (a job just submitted, or found by a listing).
-    pub fn register<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
-        let now = Instant::now();
-        let mut k = self.known.lock();
-        for id in ids {
-            k.insert(id.to_string(), now);
+    /// A poller whose pace slows to `max` at most while nothing changes.
+    pub fn paced_up_to(max: Duration) -> Self {
+        Poller {
+            known: Mutex::default(),
+            cache: Mutex::default(),
+            done: tokio::sync::watch::channel(0).0,
+            pace_max: max.max(TICK),
         }
     }
 
+    /// Poll `ids` from now on (a job just submitted, or found by a listing). An id not known
+    /// before sets the pace back to [`TICK`]: a new job is when things change.
+    pub fn register<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
+        let now = Instant::now();
+        let mut new = false;
+        {
+            let mut k = self.known.lock();
+            for id in ids {
+                new |= k.insert(id.to_string(), now).is_none();
+            }
+        }
+        if new {
+            self.hurry();
+        }
+    }
+
+    /// Set the pace back to [`TICK`] (a wait begins, a job was submitted).
+    pub fn hurry(&self) {
+        self.cache.lock().pace = TICK;
+    }
+
+    /// The pace now: how old an answer may be for a caller that accepts any age.
+    pub fn pace(&self) -> Duration {
+        self.cache.lock().pace()
+    }
+
     /// The next [`states`](Self::states) polls afresh (after a scancel: its effect is what
-    /// the caller waits to see).
+    /// the caller waits to see), and the pace is [`TICK`] again.
     pub fn invalidate(&self) {
-        self.cache.lock().at = None;
+        let mut c = self.cache.lock();
+        c.at = None;
+        c.pace = TICK;
     }
 
     /// Why the controller is taken to be down right now (the poll in flight has outlasted
@@ -164,45 +225,65 @@ impl Poller {
         c.error.clone().filter(|_| backing_off)
     }
 
-    /// The state of each id, from a poll at most [`TICK`] old, waiting at most [`WAIT`].
+    /// The state of each id, waiting at most [`WAIT`], from a poll no older than `max_age`
+    /// ([`FRESH`] for a question just asked, [`Duration::MAX`] for any) or the pace, whichever
+    /// is shorter; an answer younger than [`TICK`] always serves.
     pub async fn states(
         self: &Arc<Self>,
         client: &AgentClient,
         ids: &[String],
+        max_age: Duration,
     ) -> HashMap<String, Seen> {
         self.register(ids.iter().map(String::as_str));
         let deadline = tokio::time::Instant::now() + WAIT;
         let mut timed_out = false;
-        // Twice at most: a poll already in flight may have left out an id registered after
-        // it started.
-        for _ in 0..2 {
+        // Bounded by WAIT: each round ends the wait, waits for a poll, or sleeps until the
+        // next may start; four rounds cover a poll in flight that left out an id registered
+        // after it started, the tick's sleep, and the poll after it.
+        for _ in 0..4 {
             let now = Instant::now();
             let mut done = self.done.subscribe();
-            let start = {
+            let next = {
                 let mut c = self.cache.lock();
                 let covered = ids
                     .iter()
                     .all(|i| c.polled.contains(i) || c.finals.contains_key(i));
-                let young = c.at.is_some_and(|t| now.duration_since(t) < TICK);
+                let age = max_age.min(c.pace()).max(TICK);
+                let young = c.at.is_some_and(|t| now.duration_since(t) < age);
                 let backing_off = c.next_try.is_some_and(|t| now < t);
                 if (young && covered) || backing_off {
                     break;
                 }
-                let start = c.polling.is_none();
-                if start {
-                    c.polling = Some(now);
+                match (c.polling, c.started.map(|t| t + TICK)) {
+                    (Some(_), _) => Next::Wait,
+                    // One call per tick: an id the last poll left out waits for the next.
+                    (None, Some(due)) if now < due => Next::Sleep(due),
+                    (None, _) => {
+                        c.polling = Some(now);
+                        c.started = Some(now);
+                        Next::Start
+                    }
                 }
-                start
             };
-            if start {
-                let me = self.clone();
-                let client = client.clone();
-                tokio::spawn(async move { me.poll_now(&client).await });
-            }
-            if tokio::time::timeout_at(deadline, done.changed())
-                .await
-                .is_err()
-            {
+            let waited = match next {
+                Next::Sleep(due) => {
+                    let due = tokio::time::Instant::from_std(due).min(deadline);
+                    tokio::time::sleep_until(due).await;
+                    (due < deadline).then_some(())
+                }
+                Next::Start | Next::Wait => {
+                    if matches!(next, Next::Start) {
+                        let me = self.clone();
+                        let client = client.clone();
+                        tokio::spawn(async move { me.poll_now(&client).await });
+                    }
+                    tokio::time::timeout_at(deadline, done.changed())
+                        .await
+                        .ok()
+                        .map(|_| ())
+                }
+            };
+            if waited.is_none() {
                 timed_out = true;
                 break;
             }
@@ -221,7 +302,11 @@ impl Poller {
                     )),
                     (None, Some(e), _) => Seen::Unreachable(e.clone()),
                     (None, None, Some(r)) => Seen::Row(r.clone()),
-                    (None, None, None) => Seen::Gone,
+                    // Gone only when squeue was asked and did not list it.
+                    (None, None, None) if c.polled.contains(i) => Seen::Gone,
+                    (None, None, None) => Seen::Unreachable(format!(
+                        "squeue has not been asked about job {i} yet (ask again)"
+                    )),
                 };
                 (i.clone(), seen)
             })
@@ -244,6 +329,11 @@ impl Poller {
             c.polling = None;
             match r {
                 Ok(rows) => {
+                    c.pace = if unchanged(&c.polled, &c.rows, &all, &rows) {
+                        (c.pace() * 2).min(self.pace_max)
+                    } else {
+                        TICK
+                    };
                     for id in &all {
                         match rows.get(id) {
                             Some(r) if is_final(&r.state) => {
@@ -269,6 +359,28 @@ impl Poller {
         }
         self.done.send_modify(|n| *n += 1);
     }
+}
+
+/// Whether a poll of `ids` answering `rows` saw nothing move since the last one (`polled`
+/// answering `before`): no job it saw changed state, reason, node or restarts (elapsed time
+/// does not count; a job new to this poll set the pace back when it was registered).
+fn unchanged(
+    polled: &HashSet<String>,
+    before: &HashMap<String, Row>,
+    ids: &[String],
+    rows: &HashMap<String, Row>,
+) -> bool {
+    let key = |r: &Row| {
+        (
+            r.state.clone(),
+            r.reason.clone(),
+            r.node.clone(),
+            r.restarts,
+        )
+    };
+    ids.iter()
+        .filter(|i| polled.contains(*i))
+        .all(|i| before.get(i).map(key) == rows.get(i).map(key))
 }
 
 /// squeue for `ids`, in calls of at most [`IDS_PER_CALL`].
@@ -326,5 +438,28 @@ mod tests {
         assert_eq!((r["12"].restarts, r["13"].restarts), (0, 2));
         assert_eq!(r["13"].reason, "Resources");
         assert_eq!(r["13"].node, "");
+    }
+
+    #[test]
+    fn only_a_move_of_a_job_seen_before_resets_the_pace() {
+        let before =
+            parse_rows("12|RUNNING|None|0:05|1:00|n1|0|\n13|PENDING|Priority|0:00|1:00||0|\n");
+        let polled: HashSet<String> = ["12".into(), "13".into()].into();
+        let ids: Vec<String> = vec!["12".into(), "13".into(), "14".into()];
+        let same = |text: &str| unchanged(&polled, &before, &ids, &parse_rows(text));
+        // Time passing, and a job new to this poll, are no change.
+        assert!(same(
+            "12|RUNNING|None|0:09|1:00|n1|0|\n13|PENDING|Priority|0:00|1:00||0|\n14|PENDING|None|0:00|1:00||0|\n"
+        ));
+        // A new state, reason, node or restart count is; so is a job no longer listed.
+        for moved in [
+            "12|COMPLETING|None|0:09|1:00|n1|0|\n13|PENDING|Priority|0:00|1:00||0|\n",
+            "12|RUNNING|None|0:09|1:00|n1|0|\n13|PENDING|Resources|0:00|1:00||0|\n",
+            "12|RUNNING|None|0:09|1:00|n2|0|\n13|PENDING|Priority|0:00|1:00||0|\n",
+            "12|RUNNING|None|0:09|1:00|n1|1|\n13|PENDING|Priority|0:00|1:00||0|\n",
+            "12|RUNNING|None|0:09|1:00|n1|0|\n",
+        ] {
+            assert!(!same(moved), "{moved}");
+        }
     }
 }

@@ -38,7 +38,7 @@ use crate::{
     pool::Pool,
     slurm::{
         SlurmOptions,
-        poll::{Poller, Seen},
+        poll::{self, Poller, Seen},
         state::judge,
         submit,
     },
@@ -106,7 +106,7 @@ impl Host {
             cfg,
             pool: Arc::new(Pool::new(Arc::new(config))),
             gate: tokio::sync::Mutex::new(None),
-            slurm: Arc::new(Poller::default()),
+            slurm: Arc::new(Poller::paced_up_to(poll::DAEMON_PACE_MAX)),
         }
     }
 
@@ -686,7 +686,10 @@ impl Daemon {
     }
 
     /// Slurm's side of a job it ran (its id is on record): one shared squeue per tick,
-    /// waited for at most [`crate::slurm::poll::WAIT`], judged with the record.
+    /// waited for at most [`crate::slurm::poll::WAIT`], judged with the record. A record
+    /// that reads as ended asks for a fresh answer (Slurm is closing the job: its end is
+    /// due now); otherwise an answer as old as the watch's `interval_s` serves, within the
+    /// poller's pace, so that 50 quiet watches cost one squeue per pace, not per check.
     async fn slurm_seen(
         &self,
         host: &Host,
@@ -709,15 +712,19 @@ impl Daemon {
                     )));
                 }
             };
-        let seen = host
-            .slurm
-            .states(client, std::slice::from_ref(&id))
-            .await
-            .remove(&id)
-            .unwrap_or(Seen::Gone);
         let info = r.info.as_ref();
         let recorded_end = info
             .is_some_and(|i| i.ended_ms.is_some() && i.state != rsb_protocol::JobState::Running);
+        let max_age = match recorded_end {
+            true => poll::FRESH,
+            false => Duration::from_secs(w.interval_s.max(0) as u64),
+        };
+        let seen = host
+            .slurm
+            .states(client, std::slice::from_ref(&id), max_age)
+            .await
+            .remove(&id)
+            .unwrap_or(Seen::Gone);
         let j = judge(&seen, recorded_end, info.is_some());
         Ok(Some(SlurmSeen {
             job_id: id,

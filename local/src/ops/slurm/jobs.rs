@@ -216,12 +216,14 @@ fn overlay(m: &mut Map<String, Value>, id: &str, seen: &Seen, recorded_end: bool
     }
 }
 
-/// `check_background_task` for a Slurm job: the agent's record and log, then Slurm's view.
+/// `check_background_task` for a Slurm job: the agent's record and log, then Slurm's view
+/// from a poll at most `max_age` old (or the pace's: [`poll::Poller::states`]).
 pub async fn status(
     client: &AgentClient,
     id: &str,
     req: &JobStatusRequest,
     cursor: bool,
+    max_age: std::time::Duration,
 ) -> Result<Value> {
     let r = client.call(req.clone()).await?;
     let recorded_end = r
@@ -229,7 +231,7 @@ pub async fn status(
         .as_ref()
         .is_some_and(|i| i.ended_ms.is_some() && i.state != JobState::Running);
     let seen = poll::poller(client.sandbox())
-        .states(client, &[id.to_string()])
+        .states(client, &[id.to_string()], max_age)
         .await
         .remove(id)
         .unwrap_or(Seen::Gone);
@@ -312,10 +314,15 @@ pub async fn kill_any(
 /// node can see it die. Slurm's word is final: `Some("FAILED, job 7")` (or `purged, job 7`),
 /// else `None` (still running, no Slurm id on record, or the controller did not answer). For
 /// `rsb jobs logs -f`, `rm` and `prune`, which would otherwise wait on that record forever.
-pub async fn ended_by_slurm(client: &AgentClient, name: &str) -> Option<String> {
+/// Slurm's answer is at most `max_age` old, or the pace's ([`poll::Poller::states`]).
+pub async fn ended_by_slurm(
+    client: &AgentClient,
+    name: &str,
+    max_age: std::time::Duration,
+) -> Option<String> {
     let id = slurm_id(client, name).await.ok().flatten()?;
     let seen = poll::poller(client.sandbox())
-        .states(client, std::slice::from_ref(&id))
+        .states(client, std::slice::from_ref(&id), max_age)
         .await
         .remove(&id)
         .unwrap_or(Seen::Gone);
@@ -338,7 +345,7 @@ pub async fn kill(client: &AgentClient, name: &str, id: &str) -> Result<Value> {
     let req = ojobs::status_request(name, "", 5, None, 1)?;
     loop {
         poller.invalidate();
-        let v = status(client, id, &req, false).await?;
+        let v = status(client, id, &req, false, poll::FRESH).await?;
         let done = v.get("running") == Some(&json!(false));
         if done || std::time::Instant::now() >= deadline {
             let mut v = v;
@@ -385,7 +392,9 @@ pub async fn list(client: &AgentClient) -> Result<Value> {
     let seen = if idv.is_empty() {
         Default::default()
     } else {
-        poll::poller(client.sandbox()).states(client, &idv).await
+        poll::poller(client.sandbox())
+            .states(client, &idv, poll::FRESH)
+            .await
     };
     let mut tasks: Vec<Value> = Vec::new();
     for t in &base.tasks {
