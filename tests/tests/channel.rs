@@ -6,17 +6,18 @@
 use std::{
     path::PathBuf,
     process::Stdio,
-    sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
 
 use rmcp::{
-    ClientHandler, RoleClient, ServiceExt,
-    model::{CallToolRequestParams, ClientConfig, CustomNotification},
-    service::{NotificationContext, RunningService},
+    RoleClient, ServiceExt, model::CallToolRequestParams, service::RunningService,
     transport::TokioChildProcess,
 };
 use rsb_tests::{Sshd, workspace_root};
+
+#[path = "common/listener.rs"]
+mod listener;
+use listener::Listener;
 use serde_json::{Value, json};
 
 fn rsb_bin() -> PathBuf {
@@ -27,38 +28,6 @@ fn rsb_bin() -> PathBuf {
         p.display()
     );
     p
-}
-
-/// Keeps every custom notification, with when it arrived. `declare`: the client announces
-/// `experimental: {"claude/channel": {}}`, as a client that takes channel notifications does.
-#[derive(Clone, Default)]
-struct Listener {
-    got: Arc<Mutex<Vec<(Instant, String, Value)>>>,
-    declare: bool,
-}
-
-impl ClientHandler for Listener {
-    fn get_info(&self) -> ClientConfig {
-        let mut info = ClientConfig::default();
-        if self.declare {
-            let mut exp = std::collections::BTreeMap::new();
-            exp.insert("claude/channel".to_string(), serde_json::Map::new());
-            info.capabilities.experimental = Some(exp);
-        }
-        info
-    }
-
-    fn on_custom_notification(
-        &self,
-        n: CustomNotification,
-        _context: NotificationContext<RoleClient>,
-    ) -> impl Future<Output = ()> + Send + '_ {
-        self.got
-            .lock()
-            .unwrap()
-            .push((Instant::now(), n.method, n.params.unwrap_or(Value::Null)));
-        std::future::ready(())
-    }
 }
 
 async fn call(svc: &RunningService<RoleClient, Listener>, tool: &str, args: Value) -> Value {

@@ -10,6 +10,10 @@ use rmcp::{
     RoleClient, ServiceExt, model::CallToolRequestParams, service::RunningService,
     transport::TokioChildProcess,
 };
+
+#[path = "common/listener.rs"]
+mod listener;
+use listener::Listener;
 use rsb_tests::{
     ChaosProxy, Sshd, SshdOptions,
     slurm::{slurm, slurm_exclusive},
@@ -18,7 +22,9 @@ use rsb_tests::{
 use serde_json::{Value, json};
 
 struct Mcp {
-    svc: RunningService<RoleClient, ()>,
+    /// A client that takes channel notifications, as Claude Code does.
+    svc: RunningService<RoleClient, Listener>,
+    listener: Listener,
     /// The `REMOTE_SANDBOX_LIST` it runs with, for the CLI beside it.
     list: String,
     home: PathBuf,
@@ -41,8 +47,20 @@ impl Mcp {
         Self::start_entry(sshd, json!({"scheduler": "slurm", "slurm": slurm_defaults})).await
     }
 
+    /// As [`start`](Self::start), for a client that does not take channel notifications:
+    /// the server then follows no job on its own, and asks Slurm only when asked.
+    async fn start_unfollowed(sshd: &Sshd, slurm_defaults: Value) -> Mcp {
+        let extra = json!({"scheduler": "slurm", "slurm": slurm_defaults});
+        Self::start_listening(sshd, extra, false).await
+    }
+
     /// A server whose one sandbox, `cluster`, is the fixture plus `extra` keys.
     async fn start_entry(sshd: &Sshd, extra: Value) -> Mcp {
+        Self::start_listening(sshd, extra, true).await
+    }
+
+    /// `listen`: the client declares the channel.
+    async fn start_listening(sshd: &Sshd, extra: Value, listen: bool) -> Mcp {
         let tmp = tempfile::tempdir().unwrap();
         let home = tmp.path().join("home");
         std::fs::create_dir_all(&home).unwrap();
@@ -69,12 +87,17 @@ impl Mcp {
             // The watchdog's tools (watch_background_task) too.
             .env("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "1");
         let (transport, _) = TokioChildProcess::builder(cmd).spawn().unwrap();
-        let svc = tokio::time::timeout(Duration::from_secs(20), ().serve(transport))
+        let listener = Listener {
+            declare: listen,
+            ..Listener::default()
+        };
+        let svc = tokio::time::timeout(Duration::from_secs(20), listener.clone().serve(transport))
             .await
             .expect("MCP initialize timed out")
             .unwrap();
         Mcp {
             svc,
+            listener,
             list: list.to_string(),
             state: tmp.path().join("state"),
             home,
@@ -122,6 +145,32 @@ impl Mcp {
             out.status.code(),
             String::from_utf8_lossy(&out.stdout).into_owned(),
         )
+    }
+
+    /// The channel pushes about job `name` so far: (when it arrived, its params).
+    fn pushes(&self, name: &str) -> Vec<(Instant, Value)> {
+        self.listener
+            .got
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(_, m, p)| {
+                m == "notifications/claude/channel" && p["meta"]["session_name"] == name
+            })
+            .map(|(t, _, p)| (*t, p.clone()))
+            .collect()
+    }
+
+    /// Wait (bounded) for the first push about job `name`.
+    async fn until_pushed(&self, name: &str, secs: u64) -> (Instant, Value) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(p) = self.pushes(name).into_iter().next() {
+                return p;
+            }
+            assert!(Instant::now() < deadline, "{name}: no push within {secs} s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
     }
 
     fn daemon_log(&self) -> String {
@@ -1107,7 +1156,8 @@ async fn slurm_a_job_purged_before_the_first_poll_gets_its_code_from_the_record(
         "the bed did not take MinJobAge=10"
     );
     let sshd = Sshd::start().unwrap();
-    let mcp = Mcp::start(&sshd, json!({})).await;
+    // A session that follows its jobs' ends would ask Slurm before the purge.
+    let mcp = Mcp::start_unfollowed(&sshd, json!({})).await;
     let s = mcp.submit("purged", "exit 5", json!({})).await;
     let id = s["slurm_job_id"].as_str().unwrap().to_string();
     // Not through rsb: wait until the controller no longer knows the job.
@@ -1769,4 +1819,67 @@ async fn slurm_fifty_quiet_watches_cost_under_sixty_squeue_calls_in_ten_minutes(
             );
         }
     }
+}
+
+/// Issue 40 for Slurm: an unwatched job's end reaches a session that listens on the channel,
+/// once, from the shared poller and the record: a command's exit code within seconds of its
+/// end, and a job cancelled outside rsb while it pended (no record at all: only Slurm knows),
+/// with Slurm's state. No daemon runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slurm_an_unwatched_jobs_end_is_pushed_to_the_session() {
+    let Some(_bed) = slurm() else { return };
+    let sshd = Sshd::start().unwrap();
+    let mcp = Mcp::start(&sshd, json!({})).await;
+    let marker = mcp.home.join("ended");
+    let s = mcp
+        .submit(
+            "pushed",
+            &format!(
+                "sleep 1; echo last-words; date +%s.%N > {}; exit 3",
+                marker.display()
+            ),
+            json!({}),
+        )
+        .await;
+    let held = mcp
+        .submit("held", "echo never", json!({"sbatch_args": ["--hold"]}))
+        .await;
+    let mut cancel = Cancel(vec![
+        s["slurm_job_id"].as_str().unwrap().to_string(),
+        held["slurm_job_id"].as_str().unwrap().to_string(),
+    ]);
+    assert!(s.get("watch_id").is_none(), "{s}");
+    let (at, p) = mcp.until_pushed("pushed", 60).await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let lag = now - at.elapsed().as_secs_f64() - ended_at(&marker);
+    eprintln!("an unwatched Slurm job's end reached the session {lag:.2} s after it ended");
+    let content = p["content"].as_str().unwrap();
+    assert!(content.contains("failed (exit 3)"), "{p}");
+    assert!(content.contains("last line: last-words"), "{p}");
+    assert_eq!(p["meta"]["exit_code"], "3", "{p}");
+    assert_eq!(p["meta"]["event"], "completed", "{p}");
+    assert_eq!(p["meta"]["slurm_job_id"], s["slurm_job_id"], "{p}");
+    // Two poll ticks of the record and Slurm closing the job.
+    assert!(lag < 6.0, "pushed {lag:.2} s after the end: {p}");
+    // Cancelled while it pended, outside rsb: only Slurm can say.
+    let id = cancel.0.pop().unwrap();
+    let out = rsb_tests::output_with_timeout(
+        std::process::Command::new("scancel").arg(&id),
+        Duration::from_secs(30),
+    )
+    .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let (_, p) = mcp.until_pushed("held", 90).await;
+    assert_eq!(p["meta"]["event"], "cancelled", "{p}");
+    assert_eq!(p["meta"]["slurm_state"], "CANCELLED", "{p}");
+    assert!(p["meta"].get("exit_code").is_none(), "{p}");
+    assert!(p["content"].as_str().unwrap().contains("cancelled"), "{p}");
+    // Each end once.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(mcp.pushes("pushed").len(), 1);
+    assert_eq!(mcp.pushes("held").len(), 1);
+    drop(cancel);
 }

@@ -82,6 +82,10 @@ struct State {
     /// its sandbox, name and start (ms, the agent's clock) → its watch id, 0 when unwatched.
     /// The agent's event stream reports their ends ([`super::job_ends`]).
     jobs: BTreeMap<RunKey, i64>,
+    /// Unwatched Slurm jobs this session submitted whose end is not reported yet: (sandbox,
+    /// name) → Slurm job id. Their end is Slurm's word with the record's, from the shared
+    /// poller ([`super::job_ends::follow_slurm`]); a watched one's comes from its watch.
+    slurm: BTreeMap<(String, String), String>,
     /// The runs whose end was reported, oldest first, by whichever source came first: the
     /// agent's stream or a watch's event in the store. The other's report of the same end is
     /// dropped ([`Followed::claim_end`]).
@@ -123,6 +127,40 @@ impl Followed {
             drop(s);
             self.wake.notify_one();
         }
+    }
+
+    /// An unwatched Slurm job this session submitted: its end is pushed once Slurm and the
+    /// record say it is over, as `check_background_task` would answer.
+    pub fn slurm_job(&self, sandbox: &str, name: &str, slurm_id: &str) {
+        if name.is_empty() || slurm_id.is_empty() {
+            return;
+        }
+        let key = (sandbox.to_string(), name.to_string());
+        self.state.lock().slurm.insert(key, slurm_id.to_string());
+        self.wake.notify_one();
+    }
+
+    /// This sandbox's unreported Slurm jobs: (name, Slurm job id).
+    pub(super) fn slurm_jobs(&self, sandbox: &str) -> Vec<(String, String)> {
+        let s = self.state.lock();
+        s.slurm
+            .iter()
+            .filter(|((sb, _), _)| sb == sandbox)
+            .map(|((_, n), id)| (n.clone(), id.clone()))
+            .collect()
+    }
+
+    /// The sandboxes with Slurm jobs whose end is not reported yet.
+    pub(super) fn slurm_sandboxes(&self) -> BTreeSet<String> {
+        let s = self.state.lock();
+        s.slurm.keys().map(|k| k.0.clone()).collect()
+    }
+
+    /// The Slurm job `name` on `sandbox` ended: whether it was still unreported (the caller
+    /// reports it).
+    pub(super) fn take_slurm(&self, sandbox: &str, name: &str) -> bool {
+        let key = (sandbox.to_string(), name.to_string());
+        self.state.lock().slurm.remove(&key).is_some()
     }
 
     /// The earliest start among this sandbox's unreported jobs: a subscription asks the agent
@@ -167,7 +205,7 @@ impl Followed {
 
     fn is_empty(&self) -> bool {
         let s = self.state.lock();
-        s.watches.is_empty() && s.transfers.is_empty() && s.jobs.is_empty()
+        s.watches.is_empty() && s.transfers.is_empty() && s.jobs.is_empty() && s.slurm.is_empty()
     }
 
     fn snapshot(&self) -> (BTreeMap<i64, i64>, BTreeSet<i64>) {
@@ -253,6 +291,7 @@ pub async fn run(
     let mut seen_version: Option<i64> = None;
     let (ends_tx, mut ends) = tokio::sync::mpsc::channel::<Message>(256);
     let mut subscriptions: BTreeMap<String, tokio::task::JoinHandle<()>> = BTreeMap::new();
+    let mut slurm_followers: BTreeMap<String, tokio::task::JoinHandle<()>> = BTreeMap::new();
     let stop = ct.child_token();
     let _stop_subscriptions = stop.clone().drop_guard();
     loop {
@@ -262,6 +301,19 @@ pub async fn run(
         for sandbox in followed.job_sandboxes() {
             if let std::collections::btree_map::Entry::Vacant(e) = subscriptions.entry(sandbox) {
                 let task = super::job_ends::follow(
+                    pool.clone(),
+                    e.key().clone(),
+                    followed.clone(),
+                    ends_tx.clone(),
+                    stop.clone(),
+                );
+                e.insert(tokio::spawn(task));
+            }
+        }
+        slurm_followers.retain(|_, h| !h.is_finished());
+        for sandbox in followed.slurm_sandboxes() {
+            if let std::collections::btree_map::Entry::Vacant(e) = slurm_followers.entry(sandbox) {
+                let task = super::job_ends::follow_slurm(
                     pool.clone(),
                     e.key().clone(),
                     followed.clone(),
@@ -552,6 +604,48 @@ pub(super) fn run_ended(sandbox: &str, e: &rsb_protocol::JobEvent, watch_id: i64
     Message::new(content, meta)
 }
 
+/// The push for an unwatched Slurm job's end ([`super::job_ends::follow_slurm`]), from the
+/// reply `check_background_task` gives for it: Slurm's reason when Slurm ended it (the
+/// watch's event names: timeout, out_of_memory, cancelled), else the recorded exit code, else
+/// how it ended (lost, interrupted), with Slurm's state and job id.
+pub(super) fn slurm_ended(sandbox: &str, name: &str, job_id: &str, v: &Value) -> Message {
+    use crate::watchdog::event;
+    let exit = v["exit_code"].as_i64();
+    let reason = v["reason"]
+        .as_str()
+        .filter(|r| [event::TIMEOUT, event::OUT_OF_MEMORY, event::CANCELLED].contains(r));
+    let (event, outcome) = match (reason, exit) {
+        (Some(r), _) => (r, r.replace('_', " ")),
+        (None, Some(0)) => (event::COMPLETED, "completed (exit 0)".to_string()),
+        (None, Some(c)) => (event::COMPLETED, format!("failed (exit {c})")),
+        (None, None) => (
+            event::INTERRUPTED,
+            v["state"].as_str().unwrap_or("ended").replace('_', " "),
+        ),
+    };
+    let slurm_state = v["slurm_state"]
+        .as_str()
+        .filter(|s| !s.is_empty() && *s != "unknown")
+        .unwrap_or("purged");
+    let mut content =
+        format!("job `{name}` on {sandbox}: {outcome} (Slurm: {slurm_state}, job {job_id})");
+    if let Some(l) = last_line(v["log_tail"].as_str().unwrap_or_default()) {
+        content.push_str(&format!("; last line: {}", clip(&l, MAX_LAST_LINE_CHARS)));
+    }
+    let mut meta = BTreeMap::from([
+        ("kind", "job".to_string()),
+        ("event", event.to_string()),
+        ("sandbox_name", sandbox.to_string()),
+        ("session_name", name.to_string()),
+        ("slurm_job_id", job_id.to_string()),
+        ("slurm_state", slurm_state.to_string()),
+    ]);
+    if let Some(c) = exit {
+        meta.insert("exit_code", c.to_string());
+    }
+    Message::new(content, meta)
+}
+
 struct Transfer {
     id: i64,
     direction: String,
@@ -726,6 +820,36 @@ mod tests {
         );
         // The previous run's output before this run's header is not this run's.
         assert_eq!(last_line(&format!("old run\nEXIT_CODE=1\n{header}")), None);
+    }
+
+    #[test]
+    fn a_slurm_end_says_slurm_s_word_or_the_exit_code_and_its_ids() {
+        let header = "== session: s\n== started_at: 2026-12-07T05:00:00Z\n== command: x\n";
+        let exited = json!({"running": false, "state": "exited", "exit_code": 3,
+            "slurm_state": "FAILED", "log_tail": format!("{header}loss nan\nEXIT_CODE=3\n")});
+        let m = slurm_ended("hpc", "train", "17", &exited);
+        assert_eq!(
+            m.content,
+            "job `train` on hpc: failed (exit 3) (Slurm: FAILED, job 17); last line: loss nan"
+        );
+        assert_eq!(m.meta["event"], "completed");
+        assert_eq!(m.meta["exit_code"], "3");
+        assert_eq!(m.meta["slurm_job_id"], "17");
+        // Cancelled while pending: no record, no output, Slurm's word.
+        let cancelled = json!({"running": false, "state": "exited", "reason": "cancelled",
+            "slurm_state": "CANCELLED", "log_tail": ""});
+        let m = slurm_ended("hpc", "held", "18", &cancelled);
+        assert_eq!(
+            m.content,
+            "job `held` on hpc: cancelled (Slurm: CANCELLED, job 18)"
+        );
+        assert_eq!(m.meta["event"], "cancelled");
+        assert!(!m.meta.contains_key("exit_code"));
+        // Forgotten by Slurm with no end on record.
+        let lost = json!({"running": false, "state": "lost", "slurm_state": "unknown"});
+        let m = slurm_ended("hpc", "gone", "19", &lost);
+        assert_eq!(m.content, "job `gone` on hpc: lost (Slurm: purged, job 19)");
+        assert_eq!(m.meta["event"], "interrupted");
     }
 
     /// Issue 40: the scan read a watch's events, then its status, in two transactions; a

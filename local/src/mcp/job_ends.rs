@@ -8,6 +8,10 @@
 //! came before it connected, or while its connection was down, is reported when it
 //! (re)connects. It ends itself when nothing is left to hear about on its sandbox; the
 //! channel's loop starts another when the session starts a job there again.
+//!
+//! An unwatched Slurm job is followed by [`follow_slurm`] instead: its end is what Slurm and
+//! the record say together, as `check_background_task` judges it (a watched one's end comes
+//! from its watch).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -15,7 +19,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::channel::{Followed, Message, run_ended};
+use super::channel::{Followed, Message, run_ended, slurm_ended};
 use crate::client::JobEnds;
 use crate::pool::Pool;
 
@@ -51,6 +55,76 @@ pub(super) async fn follow(
             }
         }
     }
+}
+
+/// Report the ends of this session's unwatched Slurm jobs on `sandbox` to `out` until none
+/// is left there or `ct` is cancelled. Their processes run on compute nodes, so the agent's
+/// stream cannot see one die that never recorded its end (cancelled while pending, out of
+/// memory, a wrapper killed on its node): each tick reads each job as
+/// `check_background_task` does (its record, and Slurm's row from the shared poller at its
+/// pace, so following costs no squeue of its own) and reports the ones that are over.
+pub(super) async fn follow_slurm(
+    pool: Arc<Pool>,
+    sandbox: String,
+    followed: Arc<Followed>,
+    out: mpsc::Sender<Message>,
+    ct: CancellationToken,
+) {
+    let mut retry = RETRY_FIRST;
+    loop {
+        let jobs = followed.slurm_jobs(&sandbox);
+        if jobs.is_empty() {
+            return;
+        }
+        let wait = match slurm_ends(&pool, &sandbox, &jobs, &followed, &out).await {
+            Ok(Heard::SessionGone) => return,
+            Ok(Heard::Asked) => {
+                retry = RETRY_FIRST;
+                crate::slurm::poll::TICK
+            }
+            Err(e) => {
+                tracing::info!("Slurm job ends on {sandbox}: {e}; asking again");
+                let r = retry;
+                retry = (retry * 2).min(RETRY_MAX);
+                r
+            }
+        };
+        tokio::select! {
+            _ = ct.cancelled() => return,
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+enum Heard {
+    Asked,
+    /// The channel's loop is gone: the session ended.
+    SessionGone,
+}
+
+/// One look at `jobs` (name, Slurm id): each one over is reported once.
+async fn slurm_ends(
+    pool: &Pool,
+    sandbox: &str,
+    jobs: &[(String, String)],
+    followed: &Followed,
+    out: &mpsc::Sender<Message>,
+) -> Result<Heard, String> {
+    let client = pool.client(sandbox).await.map_err(|e| e.message)?;
+    for (name, id) in jobs {
+        let req = crate::ops::jobs::status_request(name, "", 5, None, 16 * 1024)
+            .map_err(|e| e.message)?;
+        let v = crate::ops::slurm::jobs::status(&client, id, &req, false, Duration::MAX)
+            .await
+            .map_err(|e| e.message)?;
+        if v["running"] == serde_json::json!(false)
+            && followed.take_slurm(sandbox, name)
+            && out.send(slurm_ended(sandbox, name, id, &v)).await.is_err()
+        {
+            return Ok(Heard::SessionGone);
+        }
+    }
+    Ok(Heard::Asked)
 }
 
 /// One subscription: `Ok` once nothing is left to hear about on the sandbox (dropping it

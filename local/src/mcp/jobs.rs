@@ -510,9 +510,16 @@ impl RsbServer {
                 v["tmux_session"].as_str().unwrap_or_default().to_string(),
                 v["log_file"].as_str().unwrap_or_default().to_string(),
             );
-            return self
-                .register_watch(v, &p, nw, sandbox, &name, &log, &cwd)
-                .await;
+            let v = self
+                .register_watch(v, &p, nw, sandbox.clone(), &name, &log, &cwd)
+                .await?;
+            // An unwatched job's end is pushed from the shared poller; a watched one's from
+            // its watch, as for every job.
+            if v["watch_id"].as_i64().unwrap_or(0) == 0 {
+                let id = v["slurm_job_id"].as_str().unwrap_or_default();
+                self.followed.slurm_job(&sandbox, &name, id);
+            }
+            return Ok(v);
         }
         if p.slurm.is_some() || prepared.resume_plan.contains_key("slurm") {
             return Err(RsbError::invalid(

@@ -217,7 +217,8 @@ fn overlay(m: &mut Map<String, Value>, id: &str, seen: &Seen, recorded_end: bool
 }
 
 /// `check_background_task` for a Slurm job: the agent's record and log, then Slurm's view
-/// from a poll at most `max_age` old (or the pace's: [`poll::Poller::states`]).
+/// from a poll at most `max_age` old (or the pace's: [`poll::Poller::states`]); a fresh one
+/// when the record reads as ended (Slurm is closing the job: its end is due now).
 pub async fn status(
     client: &AgentClient,
     id: &str,
@@ -230,6 +231,10 @@ pub async fn status(
         .info
         .as_ref()
         .is_some_and(|i| i.ended_ms.is_some() && i.state != JobState::Running);
+    let max_age = match recorded_end {
+        true => poll::FRESH,
+        false => max_age,
+    };
     let seen = poll::poller(client.sandbox())
         .states(client, &[id.to_string()], max_age)
         .await
