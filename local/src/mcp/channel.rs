@@ -295,34 +295,30 @@ pub async fn run(
     let stop = ct.child_token();
     let _stop_subscriptions = stop.clone().drop_guard();
     loop {
-        // A sandbox with an unreported job and no live subscription gets one (again: a
-        // subscription ends itself once nothing is left to hear about there).
-        subscriptions.retain(|_, h| !h.is_finished());
-        for sandbox in followed.job_sandboxes() {
-            if let std::collections::btree_map::Entry::Vacant(e) = subscriptions.entry(sandbox) {
-                let task = super::job_ends::follow(
+        // A sandbox with an unreported job and no live follower gets one (again: a follower
+        // ends itself once nothing is left to hear about there).
+        keep_one_each(&mut subscriptions, followed.job_sandboxes(), |sandbox| {
+            super::job_ends::follow(
+                pool.clone(),
+                sandbox,
+                followed.clone(),
+                ends_tx.clone(),
+                stop.clone(),
+            )
+        });
+        keep_one_each(
+            &mut slurm_followers,
+            followed.slurm_sandboxes(),
+            |sandbox| {
+                super::job_ends::follow_slurm(
                     pool.clone(),
-                    e.key().clone(),
+                    sandbox,
                     followed.clone(),
                     ends_tx.clone(),
                     stop.clone(),
-                );
-                e.insert(tokio::spawn(task));
-            }
-        }
-        slurm_followers.retain(|_, h| !h.is_finished());
-        for sandbox in followed.slurm_sandboxes() {
-            if let std::collections::btree_map::Entry::Vacant(e) = slurm_followers.entry(sandbox) {
-                let task = super::job_ends::follow_slurm(
-                    pool.clone(),
-                    e.key().clone(),
-                    followed.clone(),
-                    ends_tx.clone(),
-                    stop.clone(),
-                );
-                e.insert(tokio::spawn(task));
-            }
-        }
+                )
+            },
+        );
         // With nothing followed, only a wake (something new to follow) or a stream's end.
         let idle = followed.is_empty();
         tokio::select! {
@@ -602,6 +598,21 @@ pub(super) fn run_ended(sandbox: &str, e: &rsb_protocol::JobEvent, watch_id: i64
         meta.insert("watch_id", watch_id.to_string());
     }
     Message::new(content, meta)
+}
+
+/// Keep one live task in `tasks` for each of `sandboxes`, started by `start`.
+fn keep_one_each<F: Future<Output = ()> + Send + 'static>(
+    tasks: &mut BTreeMap<String, tokio::task::JoinHandle<()>>,
+    sandboxes: BTreeSet<String>,
+    start: impl Fn(String) -> F,
+) {
+    tasks.retain(|_, h| !h.is_finished());
+    for sandbox in sandboxes {
+        if let std::collections::btree_map::Entry::Vacant(e) = tasks.entry(sandbox) {
+            let task = start(e.key().clone());
+            e.insert(tokio::spawn(task));
+        }
+    }
 }
 
 /// The push for an unwatched Slurm job's end ([`super::job_ends::follow_slurm`]), from the
