@@ -1142,7 +1142,8 @@ async fn slurm_preemption_is_interrupted_never_completed() {
 }
 
 /// MinJobAge=10: the job is purged before rsb ever polls it, and still gets its exit code,
-/// from the wrapper's record. The bed is restarted with the knob, and back without it.
+/// from the wrapper's record, in the check's reply and in its watch (the daemon starts after
+/// the purge). The bed is restarted with the knob, and back without it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slurm_a_job_purged_before_the_first_poll_gets_its_code_from_the_record() {
     let Some(bed) = slurm_exclusive() else { return };
@@ -1158,7 +1159,10 @@ async fn slurm_a_job_purged_before_the_first_poll_gets_its_code_from_the_record(
     let sshd = Sshd::start().unwrap();
     // A session that follows its jobs' ends would ask Slurm before the purge.
     let mcp = Mcp::start_unfollowed(&sshd, json!({})).await;
-    let s = mcp.submit("purged", "exit 5", json!({})).await;
+    let s = mcp
+        .submit_watched("purged", "exit 5", json!({}), false)
+        .await;
+    let w = s["watch_id"].as_i64().unwrap();
     let id = s["slurm_job_id"].as_str().unwrap().to_string();
     // Not through rsb: wait until the controller no longer knows the job.
     let t0 = Instant::now();
@@ -1188,6 +1192,11 @@ async fn slurm_a_job_purged_before_the_first_poll_gets_its_code_from_the_record(
         v.get("slurm_state").is_none(),
         "Slurm had nothing to say: {v}"
     );
+    let _daemon = mcp.daemon();
+    let e = mcp.until_events(w, 30, |e| has(e, "completed")).await;
+    let c = e.iter().find(|e| e.event_type == "completed").unwrap();
+    assert_eq!(c.payload["exit_code"], 5, "{:?}", c.payload);
+    assert_eq!(mcp.watch(w).status, "completed");
 }
 
 /// The controller stopped while a job ends: `scheduler_unreachable` (in the reply, within
