@@ -124,6 +124,17 @@ struct Env {
     list: String,
 }
 
+/// A script that installs a systemd unit running `bin` for the state dir `$SD`, runs doctor,
+/// and removes the unit. (`\x52` spells R: the row's `RSB` stands for the binary.)
+fn unit_then_doctor(bin: &str) -> String {
+    format!(
+        "u=\"$XDG_CONFIG_HOME/systemd/user\" && mkdir -p \"$u\" && \
+         printf '[Service]\\nExecStart=\"%s\" watchdog run\\nEnvironment=\"\\x52SB_STATE_DIR=%s\"\\n' \
+         '{bin}' \"$SD\" > \"$u/rsb-watchdog.service\"; RSB doctor -s gpu1; c=$?; \
+         rm -f \"$u/rsb-watchdog.service\"; exit $c"
+    )
+}
+
 fn command(env: &Env, row: &Row) -> Command {
     let bin = rsb_bin();
     let mut cmd = if row.shell {
@@ -784,6 +795,20 @@ fn cli_table() {
             .out("warn  dead: config: REMOTE_SANDBOX_LIST[1]: key_file")
             .out("FAIL  dead: keys: key file /nonexistent/rsb-test-key does not exist")
             .out("FAIL  dead: reachable"),
+        // An installed service (issue 44): doctor names the binary it runs, and warns when an
+        // upgrade removed it (a Homebrew Cellar or nix store path), saying how to fix it.
+        bash(&unit_then_doctor("/opt/gone/Cellar/rsb/0.1/bin/rsb"))
+            .env("SD", &env.state.display().to_string())
+            .out("warn  service: the systemd service ")
+            .out("runs /opt/gone/Cellar/rsb/0.1/bin/rsb, which no longer exists")
+            .out("run `rsb watchdog install` again"),
+        bash(&unit_then_doctor(&rsb_bin().display().to_string()))
+            .env("SD", &env.state.display().to_string())
+            .out(&format!(
+                "ok    service: systemd service {}/.config/systemd/user/rsb-watchdog.service runs {}",
+                env.home.display(),
+                rsb_bin().display()
+            )),
         // A changed host key: what changed, where the old key is, the command that fixes it.
         rsb(&["doctor"])
             .env("REMOTE_SANDBOX_LIST", &moved_list)

@@ -360,6 +360,7 @@ fn local_services(ctx: &Ctx) -> Vec<Check> {
             },
         ));
     }
+    out.extend(service_check(&rsb::ops::watchdog::service(state_dir)));
     if forwards.is_empty() {
         out.push(line("", "forwards", "ok", "no detached forwards".into()));
     }
@@ -390,6 +391,45 @@ fn local_services(ctx: &Ctx) -> Vec<Check> {
         out.push(line("", "forward", verdict, detail));
     }
     out
+}
+
+/// The installed watchdog service, when there is one: a unit or plist whose binary is gone
+/// (a Homebrew or nix upgrade removed the versioned path it named) never starts the daemon.
+fn service_check(s: &rsb::watchdog::service::ServiceStatus) -> Option<Check> {
+    if !s.installed {
+        return None;
+    }
+    let bin = s.binary.as_deref().unwrap_or("?");
+    Some(if s.binary_missing {
+        line(
+            "",
+            "service",
+            "warn",
+            format!(
+                "the {} service {} runs {bin}, which no longer exists or is not executable, so it \
+                 cannot start the daemon; run `rsb watchdog install` again with the rsb you use now",
+                s.kind, s.path
+            ),
+        )
+    } else if !s.for_this_state_dir {
+        line(
+            "",
+            "service",
+            "warn",
+            format!(
+                "the {} service {} watches another state dir than this one; run `rsb watchdog \
+                 install` with this RSB_STATE_DIR to serve it",
+                s.kind, s.path
+            ),
+        )
+    } else {
+        line(
+            "",
+            "service",
+            "ok",
+            format!("{} service {} runs {bin}", s.kind, s.path),
+        )
+    })
 }
 
 /// The MCP servers' recorded environments ([`rsb::server_env`]) against this shell's: an MCP

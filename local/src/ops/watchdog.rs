@@ -82,6 +82,12 @@ pub fn status(conn: &Connection, state_dir: &Path) -> Result<Status> {
     })
 }
 
+/// The installed user service (systemd unit or launchd plist), read from its file alone: for
+/// `rsb doctor`, which needs no store for it.
+pub fn service(state_dir: &Path) -> service::ServiceStatus {
+    service::service_status(state_dir)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Registration
 

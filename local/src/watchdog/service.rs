@@ -558,25 +558,66 @@ fn state_dir_in(m: Manager, file: &[u8]) -> Option<PathBuf> {
             Some(PathBuf::from(dir))
         }
         Manager::Systemd => {
-            // Undo [`systemd_quote`] up to the closing quote.
             let text = std::str::from_utf8(file).ok()?;
             let i = text.find("RSB_STATE_DIR=")?;
-            let mut chars = text[i + "RSB_STATE_DIR=".len()..].chars();
-            let mut dir = String::new();
-            while let Some(c) = chars.next() {
-                match c {
-                    '"' | '\n' => break,
-                    '\\' => dir.push(chars.next()?),
-                    '%' | '$' => {
-                        chars.next()?;
-                        dir.push(c);
-                    }
-                    c => dir.push(c),
-                }
-            }
-            Some(PathBuf::from(dir))
+            systemd_unquote(&text[i + "RSB_STATE_DIR=".len()..], true).map(PathBuf::from)
         }
     }
+}
+
+/// The binary an installed unit or plist (its bytes) runs: `ExecStart=`'s first word, or
+/// `ProgramArguments`' first string.
+fn binary_in(m: Manager, file: &[u8]) -> Option<PathBuf> {
+    match m {
+        Manager::Launchd => {
+            let v = plist::Value::from_reader(std::io::Cursor::new(file)).ok()?;
+            let bin = v
+                .as_dictionary()?
+                .get("ProgramArguments")?
+                .as_array()?
+                .first()?
+                .as_string()?;
+            Some(PathBuf::from(bin))
+        }
+        Manager::Systemd => {
+            let text = std::str::from_utf8(file).ok()?;
+            let line = text
+                .lines()
+                .find_map(|l| l.trim_start().strip_prefix("ExecStart="))?;
+            // A hand-edited unit may not quote the path, or prefix it with systemd's `-`/`@`/...
+            let line = line.trim_start_matches(['-', '@', ':', '+', '!']);
+            match line.strip_prefix('"') {
+                Some(quoted) => systemd_unquote(quoted, true),
+                None => systemd_unquote(line.split_ascii_whitespace().next()?, false),
+            }
+            .map(PathBuf::from)
+        }
+    }
+}
+
+/// A regular file (through symlinks) that someone may execute.
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// Undoes [`systemd_quote`]: the text up to the closing quote (when `quoted`), else all of it.
+fn systemd_unquote(s: &str, quoted: bool) -> Option<String> {
+    let mut chars = s.chars();
+    let mut out = String::new();
+    while let Some(c) = chars.next() {
+        match c {
+            '"' if quoted => return Some(out),
+            '\n' => break,
+            '\\' => out.push(chars.next()?),
+            '%' | '$' => {
+                chars.next()?;
+                out.push(c);
+            }
+            c => out.push(c),
+        }
+    }
+    Some(out)
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -587,17 +628,27 @@ pub struct ServiceStatus {
     pub path: String,
     /// The installed service watches this state dir (not another one).
     pub for_this_state_dir: bool,
+    /// The rsb binary the installed service runs.
+    pub binary: Option<String>,
+    /// That binary is no longer there (an upgrade removed a versioned path): the service
+    /// manager fails to start the daemon until `rsb watchdog install` is run again.
+    pub binary_missing: bool,
 }
 
 pub fn service_status(state_dir: &Path) -> ServiceStatus {
     let m = Manager::here();
     let path = m.map(Manager::path).unwrap_or_default();
     let for_dir = installed_for();
+    let binary = m
+        .and_then(|m| binary_in(m, &std::fs::read(m.path()).ok()?))
+        .filter(|b| b.is_absolute());
     ServiceStatus {
         kind: m.map_or("none", Manager::kind),
         installed: path.exists(),
         path: path.display().to_string(),
         for_this_state_dir: for_dir.as_deref() == Some(state_dir),
+        binary_missing: binary.as_deref().is_some_and(|b| !is_executable(b)),
+        binary: binary.map(|b| b.display().to_string()),
     }
 }
 
@@ -961,6 +1012,31 @@ mod tests {
             state_dir_in(Manager::Systemd, t.as_bytes()).as_deref(),
             Some(Path::new(HOSTILE_STATE))
         );
+    }
+
+    /// `rsb doctor` names the binary an installed service runs, and warns when it is gone.
+    #[test]
+    fn the_binary_reads_back_from_the_unit_and_the_plist() {
+        let bin = Path::new("/opt/my %i $x \\ \"rsb\"/bin/rsb");
+        for m in [Manager::Systemd, Manager::Launchd] {
+            for b in [Path::new(HOSTILE_BIN), bin] {
+                let t = m.text(b, Path::new(HOSTILE_STATE), "/bin").unwrap();
+                assert_eq!(binary_in(m, t.as_bytes()).as_deref(), Some(b), "{m:?}");
+            }
+        }
+        // Hand-written units: unquoted, with systemd's prefixes.
+        for line in [
+            "ExecStart=/usr/bin/rsb watchdog run",
+            "ExecStart=-/usr/bin/rsb",
+        ] {
+            let t = format!("[Service]\n{line}\n");
+            assert_eq!(
+                binary_in(Manager::Systemd, t.as_bytes()).as_deref(),
+                Some(Path::new("/usr/bin/rsb"))
+            );
+        }
+        assert_eq!(binary_in(Manager::Systemd, b"[Service]\n"), None);
+        assert_eq!(binary_in(Manager::Launchd, b"not a plist"), None);
     }
 
     fn argvs(steps: &[Step]) -> Vec<(Vec<&str>, bool, u32)> {
