@@ -473,8 +473,9 @@ pub fn new_group(cmd: &mut Command) -> &mut Command {
 
 /// Make the child the leader of a new session, hence of a new process group, with no
 /// controlling terminal: neither a closing SSH connection nor a terminal's job control reaches
-/// it. `parent_death` (Linux only) is sent to the child when the thread that spawned it exits,
-/// so a supervisor killed outright does not leave its work running unsupervised.
+/// it. `parent_death` (Linux only, see [`parent_death_signal`]) is sent to the child when the
+/// thread that spawned it exits, so a supervisor killed outright does not leave its work
+/// running unsupervised.
 ///
 /// On Linux the child is also made a child subreaper (kept across its exec): what it starts
 /// stays its descendant even after leaving the session (`setsid cmd &`) or losing its parent
@@ -482,6 +483,8 @@ pub fn new_group(cmd: &mut Command) -> &mut Command {
 /// descendants, so a stop reaches them. The shell reaps the orphans it is handed as it reaps
 /// its own children.
 pub fn new_session(cmd: &mut Command, parent_death: Option<Signal>) -> &mut Command {
+    // Decided here: the closure below may call nothing that reads the environment.
+    let parent_death = parent_death.filter(|_| parent_death_signal());
     // SAFETY: the closure runs between fork and exec and makes only the setsid and prctl
     // system calls (rustix issues them directly), which are async-signal-safe; it allocates
     // nothing and touches no lock or memory shared with the parent.
@@ -498,6 +501,14 @@ pub fn new_session(cmd: &mut Command, parent_death: Option<Signal>) -> &mut Comm
             Ok(())
         })
     }
+}
+
+/// Whether the kernel sends a child a signal when its parent dies (Linux's
+/// `PR_SET_PDEATHSIG`, see [`new_session`]). macOS has none, and a test build under
+/// `RSB_TEST_NO_PROCFS=1` takes the Mac's path: a supervisor there guards its child with a
+/// reaper instead (`reaper::Guard`).
+pub fn parent_death_signal() -> bool {
+    cfg!(any(target_os = "linux", target_os = "android")) && !procfs_disabled()
 }
 
 /// Make the calling process a child subreaper (see [`new_session`]); for `pre_exec` closures,
@@ -1493,7 +1504,10 @@ mod tests {
                 .as_raw_nonzero()
                 .get()
         );
-        assert!(args(me).unwrap().len() > 1, "{:?}", args(me));
+        let argv: Vec<Vec<u8>> = std::env::args_os()
+            .map(std::os::unix::ffi::OsStringExt::into_vec)
+            .collect();
+        assert_eq!(args(me), Some(argv));
     }
 
     const FAKE_GRACE: Duration = Duration::from_millis(150);

@@ -127,6 +127,71 @@ impl Drop for Registration {
     }
 }
 
+/// A reaper of one group for a process that is not the agent: a job's wrapper on a system
+/// without a parent-death signal (macOS; see [`proc::parent_death_signal`]). The wrapper
+/// starts it before the job, registers the job's group once it runs, and releases it the
+/// moment the job's leader exited. If the wrapper dies first, however it dies, the pipe reads
+/// EOF with the group registered and the reaper stops it (SIGTERM, a grace, SIGKILL), so the
+/// job never runs on without its supervisor.
+pub struct Guard {
+    child: Child,
+    /// The pipe's write end: only this process holds it (close-on-exec).
+    stdin: Option<ChildStdin>,
+    registered: Option<u32>,
+}
+
+impl Guard {
+    /// Start the reaper (this process's own binary, `rsb-agent`).
+    pub fn start() -> std::io::Result<Guard> {
+        let Watcher { child, stdin } = start()?;
+        Ok(Guard {
+            child,
+            stdin: Some(stdin),
+            registered: None,
+        })
+    }
+
+    /// The reaper's pid, for the job's record.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn send(&mut self, line: &str) -> std::io::Result<()> {
+        match &mut self.stdin {
+            Some(w) => w.write_all(line.as_bytes()),
+            None => Err(std::io::ErrorKind::BrokenPipe.into()),
+        }
+    }
+
+    /// Guard `group` from now on.
+    pub fn register(&mut self, group: Group) -> std::io::Result<()> {
+        let start = proc::start_ticks(group.id()).unwrap_or(0);
+        self.send(&format!("+{} {start}\n", group.id()))?;
+        self.registered = Some(group.id());
+        Ok(())
+    }
+
+    /// The job's leader exited: its group is no longer stopped when this process dies (what
+    /// it left running in the background is left alone, as the parent-death signal leaves it).
+    pub fn release(&mut self) {
+        if let Some(id) = self.registered.take() {
+            let _ = self.send(&format!("-{id}\n"));
+        }
+    }
+}
+
+impl Drop for Guard {
+    /// Close the pipe. With nothing registered the reaper exits at once and is reaped here;
+    /// with the group still registered (this process gives up on a running job) it stops the
+    /// group on its own, and is left to do so.
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        if self.registered.is_none() {
+            let _ = proc::wait_deadline(&mut self.child, Instant::now() + Duration::from_secs(1));
+        }
+    }
+}
+
 /// `rsb-agent reaper`: read registrations until EOF, then stop what is still registered.
 pub fn main() -> i32 {
     // The agent's death must not be mistaken for a reason to stop: only EOF decides.

@@ -412,7 +412,19 @@ fn tmux_session_killed_from_outside_is_lost() {
 #[test]
 fn wrapper_killed_outright_is_lost_and_takes_the_job_along() {
     let f = Fixture::new();
-    let info = f.start("orphan", "sleep 30", false).unwrap();
+    // Longer than any wait here: only the wrapper's death may end it. On Linux the kernel's
+    // parent-death signal does; on a Mac (and under RSB_TEST_NO_PROCFS=1) the job's guard.
+    let info = f.start("orphan", "sleep 300", false).unwrap();
+    // A lost job is not the fixture's to stop: this test stops it, also when it fails.
+    struct StopGroup(u32);
+    impl Drop for StopGroup {
+        fn drop(&mut self) {
+            if let Some(g) = crate::proc::Group::new(self.0) {
+                g.signal(crate::proc::Signal::KILL);
+            }
+        }
+    }
+    let _stop = StopGroup(info.pid);
     let wrapper: u32 = f.state("orphan").get_u64("wrapper_pid").unwrap() as u32;
     let pid = rustix::process::Pid::from_raw(wrapper as i32).unwrap();
     rustix::process::kill_process(pid, crate::proc::Signal::KILL).unwrap();
@@ -439,6 +451,22 @@ fn wrapper_killed_outright_is_lost_and_takes_the_job_along() {
     );
     f.start("orphan", "exit 0", false).unwrap();
     assert_eq!(f.wait_done("orphan").exit_code, Some(0));
+}
+
+/// The job's guard (a Mac, or RSB_TEST_NO_PROCFS=1: no parent-death signal) is started with
+/// the job and ends with it; on Linux the kernel's signal does the work and no guard runs.
+#[test]
+fn a_job_s_guard_runs_only_without_a_parent_death_signal_and_ends_with_the_job() {
+    let f = Fixture::new();
+    f.start("guarded", "sleep 1; exit 3", false).unwrap();
+    let guard = f.state("guarded").get_u64("guard_pid").map(|p| p as u32);
+    assert_eq!(f.wait_done("guarded").exit_code, Some(3));
+    if crate::proc::parent_death_signal() {
+        assert_eq!(guard, None, "a guard on Linux");
+        return;
+    }
+    let guard = guard.expect("no guard recorded");
+    wait_until("the guard to exit", || !pid_alive(guard));
 }
 
 #[test]

@@ -446,6 +446,18 @@ fn run(opts: &Opts) -> Result<i32, String> {
             .map_err(|e| format!("cannot write the job state: {e}"))
     };
 
+    // Where the kernel cannot end the job when this wrapper dies (macOS has no parent-death
+    // signal), a reaper started before the job guards its group until its leader exits.
+    let mut guard = None;
+    if !proc::parent_death_signal() {
+        match crate::reaper::Guard::start() {
+            Ok(g) => guard = Some(g),
+            Err(e) => log.write(
+                format!("rsb-agent: cannot start the job's guard ({e}); if this wrapper is killed outright, the job runs on unsupervised\n")
+                    .as_bytes(),
+            ),
+        }
+    }
     let (out_r, out_w) = pipe(false).map_err(|e| format!("cannot create a pipe: {e}"))?;
     let mut child = match spawn_job(&spec, &cwd, out_w) {
         Ok((c, unconfined)) => {
@@ -476,6 +488,12 @@ fn run(opts: &Opts) -> Result<i32, String> {
     };
     let pgid = child.id();
     let group = Group::new(pgid);
+    if let (Some(g), Some(group)) = (&mut guard, group) {
+        match g.register(group) {
+            Ok(()) => state.set("guard_pid", g.pid().to_string()),
+            Err(e) => log.write(format!("rsb-agent: the job's guard is gone ({e}); if this wrapper is killed outright, the job runs on unsupervised\n").as_bytes()),
+        }
+    }
     state.set("pid", pgid.to_string());
     state.set("pgid", pgid.to_string());
     save(&state)?;
@@ -491,6 +509,9 @@ fn run(opts: &Opts) -> Result<i32, String> {
         {
             exited = Some(st);
             drain_until = Some(Instant::now() + DRAIN);
+            if let Some(g) = &mut guard {
+                g.release();
+            }
         }
         if let Some(until) = drain_until
             && (!out_open || Instant::now() >= until)
