@@ -1483,7 +1483,28 @@ mod tests {
     fn the_process_table_comes_from_the_source_the_mode_says() {
         let me = std::process::id();
         let stat = Stat::read(me).unwrap();
-        let from_proc = Stat::parse(&std::fs::read("/proc/self/stat").unwrap()).unwrap();
+        if cfg!(target_vendor = "apple") {
+            assert!(macos_source());
+            assert_eq!(Some(stat), darwin::bsdinfo(me).map(|b| b.stat()));
+        } else {
+            let from_proc = Stat::parse(&std::fs::read("/proc/self/stat").unwrap()).unwrap();
+            linux_mode(stat, from_proc);
+        }
+        assert_eq!(
+            stat.session,
+            rustix::process::getsid(None)
+                .unwrap()
+                .as_raw_nonzero()
+                .get()
+        );
+        let argv: Vec<Vec<u8>> = std::env::args_os()
+            .map(std::os::unix::ffi::OsStringExt::into_vec)
+            .collect();
+        assert_eq!(args(me), Some(argv));
+    }
+
+    fn linux_mode(stat: Stat, from_proc: Stat) {
+        let me = std::process::id();
         if std::env::var_os("RSB_TEST_NO_PROCFS").is_some_and(|v| v == "1") {
             assert!(procfs_disabled() && macos_source());
             assert_eq!(procfs("/proc/self/stat"), None);
@@ -1497,17 +1518,6 @@ mod tests {
             assert!(!macos_source());
             assert_eq!(stat, from_proc);
         }
-        assert_eq!(
-            stat.session,
-            rustix::process::getsid(None)
-                .unwrap()
-                .as_raw_nonzero()
-                .get()
-        );
-        let argv: Vec<Vec<u8>> = std::env::args_os()
-            .map(std::os::unix::ffi::OsStringExt::into_vec)
-            .collect();
-        assert_eq!(args(me), Some(argv));
     }
 
     const FAKE_GRACE: Duration = Duration::from_millis(150);
