@@ -124,13 +124,19 @@ struct Env {
     list: String,
 }
 
-/// A script that installs a systemd unit running `bin` for the state dir `$SD`, runs doctor,
-/// and removes the unit. (`\x52` spells R: the row's `RSB` stands for the binary.)
-fn unit_then_doctor(bin: &str) -> String {
+/// A script that installs a systemd unit running `bin` for the state dir `$SD` (and giving the
+/// daemon the SSH agent at `sock`), runs `doctor -s SANDBOX`, and removes the unit. (`\x52`
+/// spells R: the row's `RSB` stands for the binary.)
+fn unit_then_doctor(bin: &str, sock: Option<&str>, sandbox: &str) -> String {
+    let auth = sock.map_or_else(String::new, |s| {
+        format!(
+            "printf 'Environment=\"SSH_AUTH_SOCK=%s\"\\n' '{s}' >> \"$u/rsb-watchdog.service\"; "
+        )
+    });
     format!(
         "u=\"$XDG_CONFIG_HOME/systemd/user\" && mkdir -p \"$u\" && \
          printf '[Service]\\nExecStart=\"%s\" watchdog run\\nEnvironment=\"\\x52SB_STATE_DIR=%s\"\\n' \
-         '{bin}' \"$SD\" > \"$u/rsb-watchdog.service\"; RSB doctor -s gpu1; c=$?; \
+         '{bin}' \"$SD\" > \"$u/rsb-watchdog.service\"; {auth}RSB doctor -s {sandbox}; c=$?; \
          rm -f \"$u/rsb-watchdog.service\"; exit $c"
     )
 }
@@ -433,6 +439,13 @@ fn cli_table() {
          "key_file": sshd.client_key().display().to_string()},
     ])
     .to_string();
+
+    // An SSH agent's socket (nothing answers on it: doctor only looks at where it is), and a
+    // sandbox that would log in through it.
+    let agent_sock = env.home.join("agent.sock").display().to_string();
+    let _agent = std::os::unix::net::UnixListener::bind(&agent_sock).unwrap();
+    let agent_list =
+        json!([{"name": "agentbox", "host": "127.0.0.1", "port": 9, "user": "nobody"}]).to_string();
 
     let rows: Vec<Row> = vec![
         // exec: argv boundaries, exit codes, no default timeout, --timeout.
@@ -797,17 +810,34 @@ fn cli_table() {
             .out("FAIL  dead: reachable"),
         // An installed service (issue 44): doctor names the binary it runs, and warns when an
         // upgrade removed it (a Homebrew Cellar or nix store path), saying how to fix it.
-        bash(&unit_then_doctor("/opt/gone/Cellar/rsb/0.1/bin/rsb"))
+        bash(&unit_then_doctor("/opt/gone/Cellar/rsb/0.1/bin/rsb", None, "gpu1"))
             .env("SD", &env.state.display().to_string())
             .out("warn  service: the systemd service ")
             .out("runs /opt/gone/Cellar/rsb/0.1/bin/rsb, which no longer exists")
             .out("run `rsb watchdog install` again"),
-        bash(&unit_then_doctor(&rsb_bin().display().to_string()))
+        bash(&unit_then_doctor(&rsb_bin().display().to_string(), None, "gpu1"))
             .env("SD", &env.state.display().to_string())
             .out(&format!(
                 "ok    service: systemd service {}/.config/systemd/user/rsb-watchdog.service runs {}",
                 env.home.display(),
                 rsb_bin().display()
+            )),
+        // The daemon's SSH agent against this shell's, for a sandbox that logs in through it
+        // (issue 44): the socket written into the service, and none (this one, under /tmp, is
+        // made anew at each login, so it cannot be written).
+        bash(&unit_then_doctor(&rsb_bin().display().to_string(), Some(&agent_sock), "agentbox"))
+            .env("SD", &env.state.display().to_string())
+            .env("SSH_AUTH_SOCK", &agent_sock)
+            .env("REMOTE_SANDBOX_LIST", &agent_list)
+            .code(3)
+            .out(&format!("ok    service: the daemon asks your SSH agent at {agent_sock}")),
+        bash(&unit_then_doctor(&rsb_bin().display().to_string(), None, "agentbox"))
+            .env("SD", &env.state.display().to_string())
+            .env("SSH_AUTH_SOCK", &agent_sock)
+            .env("REMOTE_SANDBOX_LIST", &agent_list)
+            .code(3)
+            .out(&format!(
+                "warn  service: the daemon cannot ask your SSH agent for agentbox: your SSH_AUTH_SOCK ({agent_sock}) is made anew"
             )),
         // A changed host key: what changed, where the old key is, the command that fixes it.
         rsb(&["doctor"])

@@ -1178,7 +1178,7 @@ fn the_systemd_unit_and_the_launchd_plist_are_valid() {
     let tmp = tempfile::tempdir().unwrap();
     let bin = rsb_bin();
     let state = tmp.path().join("state dir");
-    let unit = rsb::watchdog::service::unit_text(&bin, &state, "/usr/bin:/bin");
+    let unit = rsb::watchdog::service::unit_text(&bin, &state, "/usr/bin:/bin", None);
     let unit_path = tmp.path().join("rsb-watchdog.service");
     std::fs::write(&unit_path, &unit).unwrap();
     assert!(unit.contains("Restart=on-failure"));
@@ -1210,7 +1210,7 @@ fn the_systemd_unit_and_the_launchd_plist_are_valid() {
         Err(e) => eprintln!("skipping systemd-analyze verify: not available ({e})"),
     }
 
-    let plist = rsb::watchdog::service::plist_text(&bin, &state, "/usr/bin:/bin").unwrap();
+    let plist = rsb::watchdog::service::plist_text(&bin, &state, "/usr/bin:/bin", None).unwrap();
     let doc = roxmltree::Document::parse_with_options(
         &plist,
         roxmltree::ParsingOptions {

@@ -360,7 +360,32 @@ fn local_services(ctx: &Ctx) -> Vec<Check> {
             },
         ));
     }
-    out.extend(service_check(&rsb::ops::watchdog::service(state_dir)));
+    let service = rsb::ops::watchdog::service(state_dir);
+    out.extend(service_check(&service));
+    let config = ctx.pool.config();
+    let agent_users: Vec<&str> = config
+        .sandboxes
+        .iter()
+        .filter(|c| match &c.transport {
+            Transport::Ssh(t) => matches!(
+                &t.auth,
+                Auth::Agent
+                    | Auth::Auto {
+                        agent: rsb::config::AgentSocket::Env,
+                        ..
+                    }
+            ),
+            _ => false,
+        })
+        .map(|c| c.name.as_str())
+        .collect();
+    let tmpdir = std::env::var_os("TMPDIR").map(std::path::PathBuf::from);
+    out.extend(agent_check(
+        &service,
+        rsb::watchdog::service::shell_agent_socket().as_deref(),
+        &agent_users,
+        tmpdir.as_deref(),
+    ));
     if forwards.is_empty() {
         out.push(line("", "forwards", "ok", "no detached forwards".into()));
     }
@@ -430,6 +455,56 @@ fn service_check(s: &rsb::watchdog::service::ServiceStatus) -> Option<Check> {
             format!("{} service {} runs {bin}", s.kind, s.path),
         )
     })
+}
+
+/// Whether the installed daemon can ask the SSH agent this shell (and an MCP server started
+/// from it) asks at `shell_sock`, for the sandboxes (`users`) that log in through
+/// `SSH_AUTH_SOCK`. A service manager gives the daemon its own environment (launchd: a socket
+/// of its own, not 1Password's or Secretive's), so only the socket written into the service
+/// counts. Nothing is said without an installed service, an agent here, or a sandbox that
+/// needs one.
+fn agent_check(
+    s: &rsb::watchdog::service::ServiceStatus,
+    shell_sock: Option<&std::path::Path>,
+    users: &[&str],
+    tmpdir: Option<&std::path::Path>,
+) -> Option<Check> {
+    use rsb::watchdog::service::{stable_agent_socket, unstable_agent_note};
+    let shell = shell_sock?;
+    if !s.installed || users.is_empty() {
+        return None;
+    }
+    let who = users.join(", ");
+    let here = shell.display();
+    let (verdict, detail) = match s.ssh_auth_sock.as_deref() {
+        Some(d) if std::path::Path::new(d) == shell => {
+            ("ok", format!("the daemon asks your SSH agent at {here}"))
+        }
+        Some(d) => (
+            "warn",
+            format!(
+                "the daemon asks the SSH agent at {d}, not this shell's ({here}), for {who}; run \
+                 `rsb watchdog install` again from this shell to give it yours"
+            ),
+        ),
+        None if stable_agent_socket(shell, tmpdir) => (
+            "warn",
+            format!(
+                "the {} service names no SSH_AUTH_SOCK, so the daemon asks whatever agent its \
+                 service manager gives it (under launchd none of yours), not yours at {here}, for \
+                 {who}; run `rsb watchdog install` again to write it into the service",
+                s.kind
+            ),
+        ),
+        None => (
+            "warn",
+            format!(
+                "the daemon cannot ask your SSH agent for {who}: {}",
+                unstable_agent_note(shell)
+            ),
+        ),
+    };
+    Some(line("", "service", verdict, detail))
 }
 
 /// The MCP servers' recorded environments ([`rsb::server_env`]) against this shell's: an MCP
@@ -670,6 +745,56 @@ mod tests {
             assert_eq!(c.verdict, verdict, "ABI {abi}: {}", c.detail);
             assert!(c.detail.contains(needle), "ABI {abi}: {}", c.detail);
         }
+    }
+
+    /// Issue 44: doctor says when the daemon cannot ask the agent this shell asks.
+    #[test]
+    fn the_daemon_s_ssh_agent_against_this_shell_s() {
+        use rsb::watchdog::service::ServiceStatus;
+        use std::path::Path;
+        let status = |installed: bool, sock: Option<&str>| ServiceStatus {
+            kind: "launchd",
+            installed,
+            path: "/Users/a/Library/LaunchAgents/com.rsb.watchdog.plist".into(),
+            for_this_state_dir: true,
+            binary: Some("/opt/homebrew/bin/rsb".into()),
+            binary_missing: false,
+            ssh_auth_sock: sock.map(String::from),
+        };
+        let op = "/Users/a/Library/Group Containers/2BUA8C4S2C.com.1password/t/agent.sock";
+        let launchd = "/private/tmp/com.apple.launchd.x/Listeners";
+        let users = ["gpu1", "gpu2"];
+        let check = |s: &ServiceStatus, shell: Option<&str>, users: &[&str]| {
+            agent_check(s, shell.map(Path::new), users, None).map(|c| (c.verdict, c.detail))
+        };
+        // Nothing to say: no service, no agent here, no sandbox that needs one.
+        assert_eq!(check(&status(false, None), Some(op), &users), None);
+        assert_eq!(check(&status(true, None), None, &users), None);
+        assert_eq!(check(&status(true, None), Some(op), &[]), None);
+        let (v, d) = check(&status(true, Some(op)), Some(op), &users).unwrap();
+        assert_eq!(
+            (v, d.as_str()),
+            ("ok", &*format!("the daemon asks your SSH agent at {op}"))
+        );
+        let (v, d) = check(&status(true, Some("/Users/a/old.sock")), Some(op), &users).unwrap();
+        assert_eq!(v, "warn");
+        assert!(
+            d.contains("asks the SSH agent at /Users/a/old.sock, not this shell's"),
+            "{d}"
+        );
+        assert!(d.contains("for gpu1, gpu2; run `rsb watchdog install` again from this shell"));
+        let (v, d) = check(&status(true, None), Some(op), &users).unwrap();
+        assert_eq!(v, "warn");
+        assert!(
+            d.contains("names no SSH_AUTH_SOCK") && d.contains("write it into"),
+            "{d}"
+        );
+        let (v, d) = check(&status(true, None), Some(launchd), &users).unwrap();
+        assert_eq!(v, "warn");
+        assert!(
+            d.contains("made anew at each login") && d.contains("IdentityAgent"),
+            "{d}"
+        );
     }
 
     #[test]
