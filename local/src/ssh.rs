@@ -257,6 +257,16 @@ const CHANNEL_WAIT: Duration = Duration::from_secs(10);
 /// before connecting by itself; a bridge refused sooner lets it do so at once.
 const BRIDGE_WAIT: Duration = Duration::from_secs(2);
 
+/// What a worker's bridge holds of the agent's output while the worker is slow to read it. The
+/// channel is read at once whatever the worker does, so a worker that stops reading never stalls
+/// the connection its server shares with it; past this much the bridge is closed.
+const BRIDGE_BUFFER: usize = 32 << 20;
+
+/// A worker that has not taken anything from its bridge for this long (stopped, frozen) is cut
+/// off: its agent's channel closes and the worker, seeing its connection end, goes on over a
+/// connection of its own.
+const BRIDGE_STALL: Duration = Duration::from_secs(10);
+
 /// One session channel of a connection, held for as long as the channel is open.
 pub type ChannelSlot = tokio::sync::OwnedSemaphorePermit;
 
@@ -593,38 +603,84 @@ impl SshSession {
         let (mut from_worker, mut to_worker) = stream.into_split();
         let name = sandbox.to_string();
         let session = self.clone();
-        tokio::spawn(async move {
-            let _held = (session, slot);
-            while let Some(msg) = rd.wait().await {
-                match msg {
-                    ChannelMsg::Data { data } if to_worker.write_all(&data).await.is_err() => {
-                        break;
-                    }
-                    ChannelMsg::ExtendedData { data, .. } => {
-                        let text = String::from_utf8_lossy(&data);
-                        for line in text.lines().filter(|l| !l.trim().is_empty()) {
-                            tracing::info!(sandbox = %name, "worker's agent: {line}");
+        let cut = tokio_util::sync::CancellationToken::new();
+        let queued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
+        // The channel's reader never waits for the worker: what it reads is queued (up to
+        // BRIDGE_BUFFER) for the task below, so the connection's other channels keep flowing.
+        {
+            let (cut, queued, name) = (cut.clone(), queued.clone(), name.clone());
+            tokio::spawn(async move {
+                let _held = (session, slot);
+                let mut tx = Some(tx);
+                while let Some(msg) = rd.wait().await {
+                    match msg {
+                        ChannelMsg::Data { data } => {
+                            let Some(q) = &tx else { continue };
+                            let total = queued
+                                .fetch_add(data.len(), std::sync::atomic::Ordering::SeqCst)
+                                + data.len();
+                            if total > BRIDGE_BUFFER || q.send(data.to_vec()).is_err() {
+                                if total > BRIDGE_BUFFER {
+                                    tracing::warn!(sandbox = %name, "a transfer worker fell {total} bytes behind its agent; closing its bridge");
+                                }
+                                // Whatever comes until the channel closes is read and dropped.
+                                tx = None;
+                                cut.cancel();
+                            }
                         }
+                        ChannelMsg::ExtendedData { data, .. } => {
+                            let text = String::from_utf8_lossy(&data);
+                            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                                tracing::info!(sandbox = %name, "worker's agent: {line}");
+                            }
+                        }
+                        _ => {}
                     }
-                    _ => {}
                 }
-            }
-        });
-        tokio::spawn(async move {
-            let mut w = wr.make_writer();
-            let mut buf = vec![0u8; 256 << 10];
-            loop {
-                match from_worker.read(&mut buf).await {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => {
-                        if w.write_all(&buf[..n]).await.is_err() {
+            });
+        }
+        {
+            let (cut, name) = (cut.clone(), name.clone());
+            tokio::spawn(async move {
+                while let Some(data) = tokio::select! {
+                    d = rx.recv() => d,
+                    () = cut.cancelled() => None,
+                } {
+                    match tokio::time::timeout(BRIDGE_STALL, to_worker.write_all(&data)).await {
+                        Ok(Ok(())) => {
+                            queued.fetch_sub(data.len(), std::sync::atomic::Ordering::SeqCst);
+                        }
+                        Ok(Err(_)) => break,
+                        Err(_) => {
+                            tracing::warn!(sandbox = %name, "a transfer worker took nothing from its bridge for {} s; closing it", BRIDGE_STALL.as_secs());
                             break;
                         }
                     }
                 }
+                // The worker reads the end of its connection (and goes on by itself, or is gone).
+                cut.cancel();
+                drop(to_worker);
+            });
+        }
+        tokio::spawn(async move {
+            let mut w = wr.make_writer();
+            let mut buf = vec![0u8; 256 << 10];
+            loop {
+                let n = tokio::select! {
+                    r = from_worker.read(&mut buf) => match r {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    },
+                    () = cut.cancelled() => break,
+                };
+                if w.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
             }
-            // The worker is gone (done, cancelled or killed): the agent reads end of input
-            // and exits.
+            // The worker is gone (done, cancelled, killed) or cut off: the agent reads end of
+            // input and exits.
+            cut.cancel();
             let _ = w.shutdown().await;
             let _ = wr.eof().await;
             let _ = wr.close().await;

@@ -1002,3 +1002,93 @@ async fn two_syncs_of_the_same_roots_take_turns_and_the_baseline_follows_the_com
     );
     mcp.close().await;
 }
+
+/// Issue 46, item 5: a background-sync worker that stops reading (SIGSTOP, a laptop's frozen
+/// process) must not stall its server's SSH connection, which it shares through the server's
+/// bridge. The bridge buffers what the agent sends, so the connection keeps flowing, and closes
+/// once the worker has not drained it for 10 s; the worker then goes on on a connection of its
+/// own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_worker_does_not_stall_its_server_s_connection() {
+    let sshd = Sshd::start().unwrap();
+    let proxy = ChaosProxy::start(sshd.addr()).unwrap();
+    // 25 MB/s over a 200 ms round trip: the download is still running when the worker is
+    // stopped, with its window of reads (several MiB) in flight.
+    proxy.set_rate_mbit(200);
+    proxy.set_latency(Duration::from_millis(100));
+    let env = Env::new(&[entry("s", &sshd, proxy.port())]);
+    // Files of just under 1 MiB travel whole, 32 reads at a time: up to 32 MiB in flight
+    // toward the worker, more than the socket and the SSH library's channel queue hold.
+    let remote = sshd.home().join("frozen");
+    std::fs::create_dir_all(&remote).unwrap();
+    for i in 0..120u64 {
+        std::fs::write(
+            remote.join(format!("f{i:03}.bin")),
+            common::gen_bytes(i, (1 << 20) - 4096),
+        )
+        .unwrap();
+    }
+    let local = env.path().join("frozen");
+    let mcp = env.server().await;
+    let v = mcp
+        .ok(
+            "sync_remote_to_local",
+            json!({"remote_path": "frozen", "local_path": local.display().to_string()}),
+        )
+        .await;
+    assert_eq!(v["mode"], "background", "{v}");
+    let id = v["task_id"].as_i64().unwrap();
+    let pid = v["pid"].as_i64().unwrap() as i32;
+    let log_file = v["log_file"].as_str().unwrap().to_string();
+    mcp.wait_task(id, Duration::from_secs(60), |v| {
+        v["status"] == "running" && v["progress"]["phase"] == "transferring"
+    })
+    .await;
+    /// Lets the worker go on however the test ends.
+    struct Continue(i32);
+    impl Drop for Continue {
+        fn drop(&mut self) {
+            unsafe { libc::kill(self.0, libc::SIGCONT) };
+        }
+    }
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let cont = Continue(pid);
+    let stopped = Instant::now();
+    let mut slowest = Duration::ZERO;
+    let mut calls = 0;
+    while stopped.elapsed() < Duration::from_secs(20) {
+        let t = Instant::now();
+        let v = mcp.ok("exec_bash", json!({"command": "echo alive"})).await;
+        slowest = slowest.max(t.elapsed());
+        calls += 1;
+        assert_eq!(v["stdout"], "alive\n", "{v}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    eprintln!("{calls} exec_bash calls while the worker was stopped, the slowest {slowest:?}");
+    assert!(
+        slowest < Duration::from_secs(3),
+        "exec_bash took {slowest:?} while the worker was stopped"
+    );
+    drop(cont);
+    let v = mcp
+        .wait_task(id, Duration::from_secs(180), |v| {
+            v["status"] != "running" && v["status"] != "queued"
+        })
+        .await;
+    assert_eq!(v["status"], "completed", "{v}");
+    for i in 0..120u64 {
+        let name = format!("f{i:03}.bin");
+        assert!(
+            std::fs::read(local.join(&name)).unwrap() == std::fs::read(remote.join(&name)).unwrap(),
+            "{name} differs"
+        );
+    }
+    // It rode the server's connection until its bridge was closed, then went on on its own.
+    let log = std::fs::read_to_string(&log_file).unwrap();
+    assert!(
+        log.contains("agent started on the server's connection")
+            && log.contains("the server's connection ended; reconnecting and resuming"),
+        "{log}"
+    );
+    mcp.close().await;
+}
