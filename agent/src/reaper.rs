@@ -116,15 +116,25 @@ pub struct Registration {
 
 /// Register a freshly started group whose leader is `group.id()`.
 pub fn register(group: Group) -> Registration {
-    let start = proc::start_ticks(group.id()).unwrap_or(0);
-    send(&format!("+{} {start}\n", group.id()));
+    send(&added(group));
     Registration { group }
 }
 
 impl Drop for Registration {
     fn drop(&mut self) {
-        send(&format!("-{}\n", self.group.id()));
+        send(&removed(self.group.id()));
     }
+}
+
+/// The line that registers `group` with a reaper: `+PGID START`.
+fn added(group: Group) -> String {
+    let start = proc::start_ticks(group.id()).unwrap_or(0);
+    format!("+{} {start}\n", group.id())
+}
+
+/// The line that deregisters group `id`: `-PGID`.
+fn removed(id: u32) -> String {
+    format!("-{id}\n")
 }
 
 /// A reaper of one group for a process that is not the agent: a job's wrapper on a system
@@ -165,8 +175,7 @@ impl Guard {
 
     /// Guard `group` from now on.
     pub fn register(&mut self, group: Group) -> std::io::Result<()> {
-        let start = proc::start_ticks(group.id()).unwrap_or(0);
-        self.send(&format!("+{} {start}\n", group.id()))?;
+        self.send(&added(group))?;
         self.registered = Some(group.id());
         Ok(())
     }
@@ -175,7 +184,7 @@ impl Guard {
     /// it left running in the background is left alone, as the parent-death signal leaves it).
     pub fn release(&mut self) {
         if let Some(id) = self.registered.take() {
-            let _ = self.send(&format!("-{id}\n"));
+            let _ = self.send(&removed(id));
         }
     }
 }
