@@ -582,12 +582,6 @@ pub fn uninstall() -> Result<Removal> {
     })
 }
 
-/// The state dir an installed service watches (from its unit or plist), if one is installed.
-pub fn installed_for() -> Option<PathBuf> {
-    let m = Manager::here()?;
-    state_dir_in(m, &std::fs::read(m.path()).ok()?)
-}
-
 /// The `RSB_STATE_DIR` a unit or plist (its bytes) gives the daemon.
 fn state_dir_in(m: Manager, file: &[u8]) -> Option<PathBuf> {
     env_in(m, file, "RSB_STATE_DIR").map(PathBuf::from)
@@ -723,8 +717,9 @@ pub struct ServiceStatus {
 pub fn service_status(state_dir: &Path) -> ServiceStatus {
     let m = Manager::here();
     let path = m.map(Manager::path).unwrap_or_default();
-    let for_dir = installed_for();
+    // The unit or plist, read once for all it says.
     let file = m.and_then(|m| Some((m, std::fs::read(m.path()).ok()?)));
+    let for_dir = file.as_ref().and_then(|(m, f)| state_dir_in(*m, f));
     let binary = file
         .as_ref()
         .and_then(|(m, f)| binary_in(*m, f))
