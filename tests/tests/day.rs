@@ -1179,3 +1179,67 @@ fn exec_takes_the_sandbox_as_ssh_does() {
     let o = run(&["-s", "gpu1", "exec", "gpu1", "x"]);
     assert_eq!(o.status.code(), Some(127), "{}", show(&o));
 }
+
+/// Issue 46, item 9: a `rsb sync` killed outright (SIGKILL, an OOM kill, a closed laptop)
+/// after it committed v2 of a file left the v1 baseline: a local edit to v3 was then a
+/// conflict, and the sandbox kept v2. Each acknowledged batch is now journaled as it comes,
+/// and the next sync folds the journal into the baseline.
+#[test]
+fn a_sync_killed_outright_keeps_what_it_committed() {
+    let mut u = User::new();
+    let proxy = rsb_tests::ChaosProxy::start(u.sshd.addr()).unwrap();
+    u.list = json!([{"name": "gpu1", "host": u.sshd.host(), "port": proxy.port(),
+        "user": u.sshd.user(), "key_file": u.sshd.client_key().display().to_string()}])
+    .to_string();
+    let proj = u.tmp.path().join("proj");
+    std::fs::create_dir_all(&proj).unwrap();
+    std::fs::write(proj.join("a.txt"), "v1\n").unwrap();
+    let p = format!("{}/", proj.display());
+    let sync = || {
+        u.run(
+            &mut u.cmd(&["sync", &p, "gpu1:proj"]),
+            Duration::from_secs(120),
+        )
+    };
+    let o = sync();
+    assert_eq!(o.status.code(), Some(0), "{}", show(&o));
+
+    // v2, and a large file that keeps the run going (~10 s at 40 Mbit/s) after a.txt's batch
+    // is acknowledged.
+    std::fs::write(proj.join("a.txt"), "v2\n").unwrap();
+    std::fs::write(proj.join("big.bin"), common::gen_bytes(5, 48 << 20)).unwrap();
+    proxy.set_rate_mbit(40);
+    let mut child = u.cmd(&["sync", &p, "gpu1:proj"]);
+    let mut child = child
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let remote_a = u.sshd.home().join("proj/a.txt");
+    let t0 = Instant::now();
+    while std::fs::read(&remote_a).ok().as_deref() != Some(b"v2\n") {
+        if t0.elapsed() > Duration::from_secs(60) || child.try_wait().unwrap().is_some() {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("a.txt v2 never reached the sandbox while the sync ran");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Its acknowledgement crosses the idle direction of the link: well within this.
+    std::thread::sleep(Duration::from_secs(2));
+    let running = child.try_wait().unwrap().is_none();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(running, "the sync must still be running when it is killed");
+    proxy.reset();
+
+    std::fs::write(proj.join("a.txt"), "v3\n").unwrap();
+    let o = sync();
+    assert_eq!(o.status.code(), Some(0), "no conflict: {}", show(&o));
+    assert!(!text(&o.stderr).contains("conflict"), "{}", show(&o));
+    assert_eq!(std::fs::read(&remote_a).unwrap(), b"v3\n");
+    assert_eq!(
+        std::fs::read(u.sshd.home().join("proj/big.bin")).unwrap(),
+        std::fs::read(proj.join("big.bin")).unwrap()
+    );
+}

@@ -91,7 +91,7 @@ pub fn run(cmd: Option<StateCmd>, json: bool, state_dir: &Path) -> u8 {
                 Ok(p) => {
                     println!(
                         "pruned: {} events ({} files), {} watches, {} transfers ({} logs), {} \
-                         baselines ({} sync locks), {} sandbox definitions{}; {} freed",
+                         baselines ({} sync locks, {} journal rows), {} sandbox definitions{}; {} freed",
                         p.events,
                         p.event_files,
                         p.watches,
@@ -99,6 +99,7 @@ pub fn run(cmd: Option<StateCmd>, json: bool, state_dir: &Path) -> u8 {
                         p.transfer_logs,
                         p.baselines,
                         p.sync_locks,
+                        p.journal,
                         p.sandboxes,
                         if p.daemon_log_rotated {
                             ", daemon log rotated"

@@ -247,10 +247,9 @@ async fn sync_for_tool(
         confirm_delete: args.confirm_delete,
         overwrite: args.overwrite,
         safe: args.safe,
-        baseline: None,
         list_actions: false,
-        baseline_sink: None,
-        compress: None,
+        // The baseline, its sink and the journal are the runner's (`run_with`).
+        ..Default::default()
     };
     let exclude_file = args
         .exclude_file

@@ -103,6 +103,11 @@ const TABLES: &[(&str, &str, &str)] = &[
     ),
     ("sync_baselines", "length(entries_json)", "sync baselines"),
     (
+        "sync_journal",
+        "length(entries_json) + 64",
+        "commits of syncs killed before their end",
+    ),
+    (
         "sandbox_defs",
         "length(def_json)",
         "persisted sandbox definitions",
@@ -194,6 +199,8 @@ pub struct Pruned {
     pub transfers: u64,
     pub transfer_logs: u64,
     pub baselines: u64,
+    /// Journal rows of killed syncs whose baseline is gone or past the policy.
+    pub journal: u64,
     /// `sync-locks/` files of roots not synced for as long as a baseline is kept.
     pub sync_locks: u64,
     /// Persisted sandbox definitions nothing refers to any more.
@@ -279,6 +286,17 @@ pub fn prune(state_dir: &Path, conn: &Connection, policy: &Policy, now: i64) -> 
     out.baselines = tx
         .execute(
             "DELETE FROM sync_baselines WHERE updated_ts < ?1",
+            params![now - policy.baselines_days * DAY],
+        )
+        .map_err(db_err)? as u64;
+    // The journal of a killed sync is folded by the next load; one whose baseline is gone
+    // (or that no sync of its roots came back for) would only be dropped by it.
+    out.journal = tx
+        .execute(
+            "DELETE FROM sync_journal WHERE created_ts < ?1 OR NOT EXISTS (
+               SELECT 1 FROM sync_baselines b WHERE b.local_root = sync_journal.local_root
+               AND b.sandbox_name = sync_journal.sandbox_name
+               AND b.remote_root = sync_journal.remote_root)",
             params![now - policy.baselines_days * DAY],
         )
         .map_err(db_err)? as u64;
@@ -402,6 +420,11 @@ mod tests {
              INSERT INTO sync_baselines (local_root, sandbox_name, remote_root, entries_json,
                updated_ts) VALUES ('/a', 's', 'b', '{{}}', {b_old}),
                                   ('/c', 's', 'd', '{{}}', {b_new});
+             INSERT INTO sync_journal (local_root, sandbox_name, remote_root, entries_json,
+               created_ts) VALUES ('/a', 's', 'b', '{{}}', {now}),
+                                  ('/c', 's', 'd', '{{}}', {now}),
+                                  ('/c', 's', 'd', '{{}}', {b_old}),
+                                  ('/e', 's', 'f', '{{}}', {now});
              UPDATE watches SET sandbox_fp = 'fp-watched' WHERE id = 2;
              INSERT INTO sandbox_defs VALUES ('fp-old', 's', '{{}}', {b_old}),
                                              ('fp-watched', 's', '{{}}', {b_old}),
@@ -424,9 +447,10 @@ mod tests {
                 p.watches,
                 p.transfers,
                 p.baselines,
+                p.journal,
                 p.sandboxes
             ),
-            (1, 1, 1, 1, 1, 1),
+            (1, 1, 1, 1, 1, 3, 1),
             "{p:?}"
         );
         assert!(!ev.join("event-1.json").exists() && ev.join("event-2.json").exists());
@@ -440,14 +464,21 @@ mod tests {
                 n("watch_events"),
                 n("transfer_tasks"),
                 n("sync_baselines"),
+                n("sync_journal"),
                 n("sandbox_defs")
             ),
-            (1, 1, 2, 1, 2)
+            (1, 1, 2, 1, 1, 2),
+            "the journal of a kept baseline stays while it is recent"
         );
         // Nothing left past the policy: a second prune removes nothing.
         let again = prune(d.path(), &c, &Policy::default(), now).unwrap();
         assert_eq!(
-            again.events + again.transfers + again.baselines + again.watches + again.sandboxes,
+            again.events
+                + again.transfers
+                + again.baselines
+                + again.journal
+                + again.watches
+                + again.sandboxes,
             0
         );
     }

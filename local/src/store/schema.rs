@@ -164,4 +164,18 @@ pub(crate) const MIGRATIONS: &[&str] = &[
     // file (`PRAGMA data_version`, which a daemon's check or a worker's progress changes).
     // 0 (rows from before) is never taken as current.
     "ALTER TABLE sync_baselines ADD COLUMN generation INTEGER NOT NULL DEFAULT 0;",
+    // 8: what a running sync committed, one row per acknowledged batch (`rel` → blake3, as in
+    // `sync_baselines`), written as the acknowledgements come. A sync that ends saves its
+    // baseline and clears these; one killed outright (SIGKILL, an OOM kill) leaves them, and
+    // the next load of the baseline folds them in, so its own commits are not conflicts.
+    "CREATE TABLE IF NOT EXISTS sync_journal (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        local_root TEXT NOT NULL,
+        sandbox_name TEXT NOT NULL,
+        remote_root TEXT NOT NULL,
+        entries_json TEXT NOT NULL,
+        created_ts INTEGER NOT NULL
+    );
+    CREATE INDEX IF NOT EXISTS idx_sync_journal_key
+        ON sync_journal(local_root, sandbox_name, remote_root, id);",
 ];

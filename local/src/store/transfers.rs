@@ -240,6 +240,7 @@ impl Transfers {
     }
 
     /// [`Transfers::load_baseline`] without a copy, from memory while the store is unchanged.
+    /// A journal left by a sync of these roots that never ended is folded in first.
     pub fn load_baseline_shared(
         &self,
         local: &str,
@@ -250,6 +251,8 @@ impl Transfers {
             let key = (local.to_string(), sandbox.to_string(), remote.to_string());
             let db = self.db.lock();
             use std::sync::atomic::Ordering::Relaxed;
+            // A sync of these roots killed outright left what it committed in the journal.
+            baselines::fold(&db, &key)?;
             let current = baselines::generation(&db, &key)?;
             if let Some(g) = current.filter(|&g| g != 0)
                 && let Some((cached, b)) = self.baselines.lock().get(&key)
@@ -292,6 +295,22 @@ impl Transfers {
         crate::store::blocking(|| {
             let key = (local.to_string(), sandbox.to_string(), remote.to_string());
             baselines::touch(&self.db.lock(), &key, crate::store::now_s())
+        })
+    }
+
+    /// A running sync of (local root, sandbox, remote root) committed `commits`: see
+    /// [`baselines::journal`]. The baseline itself, and so the cache, is unchanged until the
+    /// run saves it or a later load folds the journal in.
+    pub fn journal_commits(
+        &self,
+        local: &str,
+        sandbox: &str,
+        remote: &str,
+        commits: &[(String, [u8; 32])],
+    ) -> Result<()> {
+        crate::store::blocking(|| {
+            let key = (local.to_string(), sandbox.to_string(), remote.to_string());
+            baselines::journal(&self.db.lock(), &key, commits)
         })
     }
 

@@ -117,6 +117,18 @@ pub async fn run_with(
     }
     let sink = std::sync::Arc::new(parking_lot::Mutex::new(None));
     opts.baseline_sink = Some(sink.clone());
+    if let Some(t) = store.clone().filter(|_| !spec.dry_run) {
+        let key = key.clone();
+        opts.journal = Some(std::sync::Arc::new(
+            move |commits: &[(String, [u8; 32])]| {
+                // A commit the journal misses is only known to this run: a kill before its end
+                // makes that file a conflict, as before the journal. Say so, and go on.
+                if let Err(e) = t.journal_commits(&key.0, &key.1, &key.2, commits) {
+                    tracing::warn!("a sync commit was not journaled: {}", e.message);
+                }
+            },
+        ));
+    }
     let mut report = match sync::run_with(&local, &remote, spec, progress, cancel, &opts).await {
         Ok(r) => r,
         Err(e) => {

@@ -141,7 +141,14 @@ pub struct RunOptions {
     pub baseline_sink: Option<BaselineSink>,
     /// Compression asked for by this call (`rsb sync -z`); wins over `RSB_SYNC_COMPRESS`.
     pub compress: Option<Mode>,
+    /// Where each acknowledged batch's commits go as they come (the store's journal), so a
+    /// run killed outright, which saves no baseline, still leaves what it committed. Called
+    /// only when there is a baseline to lay them over (see [`RunOptions::baseline_sink`]).
+    pub journal: Option<CommitJournal>,
 }
+
+/// Records commits acknowledged by the destination: `(rel, blake3)` ([`RunOptions::journal`]).
+pub type CommitJournal = Arc<dyn Fn(&[(String, [u8; 32])]) + Send + Sync>;
 
 /// Where a failed run leaves the baseline of what it committed ([`RunOptions::baseline_sink`]).
 pub type BaselineSink = Arc<Mutex<Option<std::collections::HashMap<String, [u8; 32]>>>>;
@@ -183,7 +190,10 @@ pub async fn run_with(
         rules: spec.effective_rules(),
         ..spec.clone()
     };
-    let tracker = Arc::new(Tracker::new(progress));
+    let tracker = Arc::new(
+        Tracker::new(progress)
+            .with_journal(opts.journal.clone().filter(|_| opts.baseline.is_some())),
+    );
     let local_str = spec.local_path.to_string_lossy().into_owned();
     let remote_str = anchor_home(&spec.remote_path);
     let (src, dst, src_given, dst_given) = match spec.direction {

@@ -11,6 +11,7 @@ use std::{
 
 use parking_lot::Mutex;
 
+use super::CommitJournal;
 use crate::sync::{Phase, Progress, ProgressFn};
 
 /// Progress callbacks at most this often (plus every phase change and the end).
@@ -38,7 +39,10 @@ pub(super) struct Tracker {
     pub(super) base: Mutex<Option<HashMap<String, [u8; 32]>>>,
     /// `rel` → the hash each acknowledged `FileCommit` carried: exactly what the destination
     /// now holds, whatever the manifest said when the run scanned.
-    pub(super) committed: Mutex<HashMap<String, [u8; 32]>>,
+    committed: Mutex<HashMap<String, [u8; 32]>>,
+    /// Where each acknowledged batch's commits are recorded as they come, so a run killed
+    /// outright still leaves them ([`super::RunOptions::journal`]).
+    journal: Option<CommitJournal>,
 }
 
 struct TrackState {
@@ -55,12 +59,19 @@ impl Tracker {
             large: Mutex::new(None),
             base: Mutex::new(None),
             committed: Mutex::new(Default::default()),
+            journal: None,
             state: Mutex::new(TrackState {
                 p: Progress::default(),
                 last_emit: None,
                 xfer_start: None,
             }),
         }
+    }
+
+    /// Record every acknowledged commit in `journal` too.
+    pub(super) fn with_journal(mut self, journal: Option<CommitJournal>) -> Tracker {
+        self.journal = journal;
+        self
     }
 
     pub(super) fn update(&self, force: bool, f: impl FnOnce(&mut Progress)) {
@@ -101,8 +112,23 @@ impl Tracker {
 
     /// A batch acknowledged: its progress, and the hashes its commits carried.
     pub(super) fn batch_acked(&self, b: BatchInfo) {
+        self.committed(&b.commits);
         self.acked(b.files, b.bytes, b.last.as_deref());
         self.committed.lock().extend(b.commits);
+    }
+
+    /// A large file's commit acknowledged.
+    pub(super) fn file_committed(&self, rel: &str, hash: [u8; 32]) {
+        let c = [(rel.to_string(), hash)];
+        self.committed(&c);
+        self.committed.lock().extend(c);
+    }
+
+    /// Journal acknowledged commits (outside every lock: the journal writes to the store).
+    fn committed(&self, commits: &[(String, [u8; 32])]) {
+        if let Some(j) = self.journal.as_ref().filter(|_| !commits.is_empty()) {
+            j(commits);
+        }
     }
 
     /// The baseline after what this run did so far: the planned one with every acknowledged
@@ -240,7 +266,7 @@ mod tests {
             ("b".to_string(), [2; 32]),
         ]));
         t.batch_acked(batch(2, 7, "c", &[("a", 3), ("c", 4)]));
-        t.committed.lock().insert("d".into(), [5; 32]);
+        t.file_committed("d", [5; 32]);
         let b = t.baseline().unwrap();
         assert_eq!(b.len(), 4);
         assert_eq!(b["a"], [3; 32], "the commit's hash, not the planned one");
@@ -249,6 +275,29 @@ mod tests {
         assert_eq!(b["d"], [5; 32]);
         // The planned baseline itself is not changed by reading it.
         assert_eq!(t.base.lock().as_ref().unwrap()["a"], [1; 32]);
+    }
+
+    #[test]
+    fn every_acknowledged_commit_is_journaled_as_it_comes() {
+        type Batches = Vec<Vec<(String, [u8; 32])>>;
+        let got: Arc<Mutex<Batches>> = Default::default();
+        let g = got.clone();
+        let t =
+            Tracker::new(None).with_journal(Some(Arc::new(move |c: &[(String, [u8; 32])]| {
+                g.lock().push(c.to_vec())
+            })));
+        t.batch_acked(batch(2, 7, "c", &[("a", 3), ("c", 4)]));
+        t.batch_acked(batch(1, 1, "x", &[]));
+        t.file_committed("d", [5; 32]);
+        let want: Batches = vec![
+            vec![("a".into(), [3; 32]), ("c".into(), [4; 32])],
+            vec![("d".into(), [5; 32])],
+        ];
+        assert_eq!(
+            *got.lock(),
+            want,
+            "one call per batch, none for a batch without commits"
+        );
     }
 
     #[test]

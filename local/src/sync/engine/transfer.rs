@@ -360,7 +360,7 @@ impl Ctx<'_> {
             }])
             .await?;
         *self.tracker.large.lock() = None;
-        self.tracker.committed.lock().insert(f.rel.clone(), hash);
+        self.tracker.file_committed(&f.rel, hash);
         self.tracker.acked(1, 0, Some(&f.rel));
         Ok(())
     }
