@@ -24,6 +24,9 @@ use crate::{
 /// How often an idle connection is probed, and how many unanswered probes mean "dead".
 /// Together they bound how long a black-holed link goes unnoticed (about 9–12 s).
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(3);
+/// What the server may send on a channel before this side says it took it. russh's default
+/// (2 MiB, OpenSSH's too) caps a download at 2 MiB per round trip: 20 MB/s at 100 ms.
+const CHANNEL_WINDOW: u32 = 8 << 20;
 const KEEPALIVE_MAX: usize = 3;
 /// The session dies after this long without any packet moving either way. russh awaits the
 /// socket flush under this timer only, so without it a black-holed link with a full send
@@ -748,6 +751,7 @@ async fn open_session(
         keepalive_interval: Some(KEEPALIVE_INTERVAL),
         keepalive_max: KEEPALIVE_MAX,
         inactivity_timeout: inactivity,
+        window_size: CHANNEL_WINDOW,
         ..Default::default()
     });
     let verdict = Arc::new(Mutex::new(None));

@@ -319,6 +319,9 @@ fn main() {
         if group("slow") {
             slow_rows(&mut b, &sshd, tmp.path(), &small, reps).await;
         }
+        if group("far") {
+            far_rows(&mut b, &sshd, tmp.path(), &big, reps).await;
+        }
     });
 
     println!();
@@ -385,5 +388,55 @@ async fn slow_rows(b: &mut Bench<'_>, sshd: &Sshd, tmp: &Path, small: &Path, rep
     let rm = median(r);
     b.row("slow: text tree first upload", rm, median(s), "<= 0.3x");
     b.row("slow: text tree vs rsync -az", rm, median(z), "<= 0.8x");
+    pool.shutdown().await;
+}
+
+/// Through the chaos proxy as a long fat link: 50 ms each way (100 ms round trip), no rate
+/// limit, for rsb and rsync alike. What bounds a transfer here is how much either keeps in
+/// flight, not the bandwidth: the proxy itself holds 8 MiB per direction in flight (80 MB/s).
+async fn far_rows(b: &mut Bench<'_>, sshd: &Sshd, tmp: &Path, big: &Path, reps: usize) {
+    let proxy = ChaosProxy::start(sshd.addr()).expect("proxy");
+    proxy.set_latency(Duration::from_millis(50));
+    let port = Some(proxy.port());
+    let pool = common::pool_on(sshd, proxy.port(), &tmp.join("far-state"));
+    pool.client("s").await.expect("connect");
+    pool.local_agent().await.expect("local agent");
+    println!("through the chaos proxy: 100 ms RTT, no rate limit");
+    let big_s = format!("{}/", big.display());
+    let (mut r, mut s) = (Vec::new(), Vec::new());
+    for i in 0..reps {
+        let (d, _) = rsb_sync(&pool, Direction::Upload, big, &format!("far{i}/rsb")).await;
+        assert_same_tree(big, &sshd.home().join(format!("far{i}/rsb")));
+        println!("    rsb upload {:.1} s", d.as_secs_f64());
+        r.push(d);
+        let d = b.rsync_via(&["-a"], port, &big_s, &b.remote(&format!("far{i}/rsync")));
+        println!("    rsync upload {:.1} s", d.as_secs_f64());
+        s.push(d);
+    }
+    b.row("far: 200 MiB first upload", median(r), median(s), "<= 0.5x");
+    let (mut r, mut s) = (Vec::new(), Vec::new());
+    for i in 0..reps {
+        let l = tmp.join(format!("fardown{i}/rsb"));
+        let (d, _) = rsb_sync(&pool, Direction::Download, &l, "far0/rsb").await;
+        assert_same_tree(big, &l);
+        println!("    rsb download {:.1} s", d.as_secs_f64());
+        r.push(d);
+        let l2 = tmp.join(format!("fardown{i}/rsync"));
+        std::fs::create_dir_all(&l2).unwrap();
+        let d = b.rsync_via(
+            &["-a"],
+            port,
+            &b.remote("far0/rsync"),
+            &format!("{}/", l2.display()),
+        );
+        println!("    rsync download {:.1} s", d.as_secs_f64());
+        s.push(d);
+    }
+    b.row(
+        "far: 200 MiB first download",
+        median(r),
+        median(s),
+        "<= 0.5x",
+    );
     pool.shutdown().await;
 }

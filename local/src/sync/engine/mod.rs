@@ -67,7 +67,7 @@ const LARGE_WINDOW: usize = 8;
 /// Concurrent `ReadFile` requests for small files.
 const SMALL_READS: usize = 32;
 /// Concurrent `ReadFile` requests for one large file.
-const LARGE_READS: usize = 8;
+const LARGE_READS: usize = 16;
 /// `FileData` chunks per request for large files (4 × 256 KiB = 1 MiB), at most.
 const CHUNKS_PER_REQUEST: usize = 4;
 /// Ops per request for metadata-only batches (mkdir, delete).
