@@ -15,10 +15,7 @@ mod common;
 mod fwd;
 use common::small_tree;
 
-use std::{
-    process::Command,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use rmcp::{
     RoleClient, ServiceExt, model::CallToolRequestParams, service::RunningService,
@@ -33,17 +30,7 @@ fn median(mut v: Vec<Duration>) -> f64 {
 }
 
 fn rsync(sshd: &Sshd, src: &str, dst: &str) -> Duration {
-    let t = Instant::now();
-    let out = Command::new("rsync")
-        .args(["-a", "-e", &sshd.rsync_ssh_arg(), src, dst])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "rsync: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    t.elapsed()
+    sshd.rsync(&["-a"], None, src, dst)
 }
 
 type Client = RunningService<RoleClient, ()>;

@@ -12,7 +12,6 @@ use common::{gen_bytes, gen_text, small_tree};
 
 use std::{
     path::Path,
-    process::Command,
     time::{Duration, Instant},
 };
 
@@ -78,39 +77,16 @@ struct Bench<'a> {
 
 impl Bench<'_> {
     fn rsync(&self, src: &str, dst: &str) -> Duration {
-        self.rsync_via(&["-a"], None, src, dst)
+        self.sshd.rsync(&["-a"], None, src, dst)
     }
 
     /// rsync with `flags`, through the proxy listening on `port` when given.
     fn rsync_via(&self, flags: &[&str], port: Option<u16>, src: &str, dst: &str) -> Duration {
-        let mut ssh = self.sshd.rsync_ssh_arg();
-        if let Some(p) = port {
-            let direct = format!(" -p {}", self.sshd.port());
-            assert!(ssh.ends_with(&direct), "{ssh}");
-            ssh.truncate(ssh.len() - direct.len());
-            ssh.push_str(&format!(" -p {p}"));
-        }
-        let t = Instant::now();
-        let out = Command::new("rsync")
-            .args(flags)
-            .args(["-e", &ssh, src, dst])
-            .output()
-            .unwrap();
-        let d = t.elapsed();
-        assert!(
-            out.status.success(),
-            "rsync: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        d
+        self.sshd.rsync(flags, port, src, dst)
     }
 
     fn remote(&self, rel: &str) -> String {
-        format!(
-            "{}@127.0.0.1:{}/",
-            self.sshd.user(),
-            self.sshd.home().join(rel).display()
-        )
+        self.sshd.rsync_remote(rel)
     }
 
     fn row(&mut self, name: &str, rsb: f64, rsync: f64, target: &'static str) {

@@ -118,27 +118,12 @@ impl Drop for Watch {
 }
 
 fn rsync(sshd: &Sshd, port: u16, src: &Path, dst: &str) -> Duration {
-    let mut e = vec!["ssh".to_string()];
-    e.extend(sshd.ssh_options().iter().map(|o| format!("'{o}'")));
-    e.push(format!("-p {port}"));
-    let t = Instant::now();
-    let out = Command::new("rsync")
-        .args(["-a", "-e", &e.join(" ")])
-        .arg(format!("{}/", src.display()))
-        .arg(format!(
-            "{}@127.0.0.1:{}/",
-            sshd.user(),
-            sshd.home().join(dst).display()
-        ))
-        .output()
-        .unwrap();
-    let d = t.elapsed();
-    assert!(
-        out.status.success(),
-        "rsync: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    d
+    sshd.rsync(
+        &["-a"],
+        Some(port),
+        &format!("{}/", src.display()),
+        &sshd.rsync_remote(dst),
+    )
 }
 
 fn main() {

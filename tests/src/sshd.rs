@@ -442,11 +442,45 @@ impl Sshd {
     /// The `-e` argument for `rsync -a -e '<...>'`, so tests can compare
     /// rsb's sync against rsync over the very same server.
     pub fn rsync_ssh_arg(&self) -> String {
+        self.rsync_ssh_arg_via(self.port)
+    }
+
+    /// [`Sshd::rsync_ssh_arg`] connecting to `port` (a proxy in front of this server).
+    pub fn rsync_ssh_arg_via(&self, port: u16) -> String {
         let mut parts = vec!["ssh".to_string()];
         parts.extend(self.ssh_options().iter().map(|s| shell_quote(s)));
         parts.push("-p".into());
-        parts.push(self.port.to_string());
+        parts.push(port.to_string());
         parts.join(" ")
+    }
+
+    /// `rsync FLAGS -e <ssh> SRC DST` against this server (through the proxy on `port` when
+    /// given), and how long it took; panics when rsync fails. A remote side is written as
+    /// [`Sshd::rsync_remote`] names it.
+    pub fn rsync(&self, flags: &[&str], port: Option<u16>, src: &str, dst: &str) -> Duration {
+        let ssh = self.rsync_ssh_arg_via(port.unwrap_or(self.port));
+        let t = Instant::now();
+        let out = Command::new("rsync")
+            .args(flags)
+            .args(["-e", &ssh, src, dst])
+            .output()
+            .expect("run rsync");
+        let took = t.elapsed();
+        assert!(
+            out.status.success(),
+            "rsync: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        took
+    }
+
+    /// The directory `rel` under this server's home as rsync names it (`user@host:dir/`).
+    pub fn rsync_remote(&self, rel: &str) -> String {
+        format!(
+            "{}@{LOOPBACK}:{}/",
+            self.user,
+            self.home.join(rel).display()
+        )
     }
 
     /// Replaces the host key and restarts sshd on the same port, so a client

@@ -682,26 +682,6 @@ async fn a_cut_run_saves_the_baseline_of_what_it_committed() {
     );
 }
 
-/// rsync -a through `port` (the proxy), in the way the sshd fixture connects.
-fn rsync_via(sshd: &Sshd, port: u16, src: &str, dst: &str) -> Duration {
-    let mut ssh = sshd.rsync_ssh_arg();
-    let direct = format!(" -p {}", sshd.port());
-    assert!(ssh.ends_with(&direct), "{ssh}");
-    ssh.truncate(ssh.len() - direct.len());
-    ssh.push_str(&format!(" -p {port}"));
-    let t = Instant::now();
-    let out = std::process::Command::new("rsync")
-        .args(["-a", "-e", &ssh, src, dst])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "rsync: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    t.elapsed()
-}
-
 /// Issue 47: a long fat link (100 ms round trip, no rate limit). A large file's upload window
 /// stayed where it started (three 256 KiB requests in flight, 9 MB/s) and a download had at
 /// most 2 MiB in flight (the SSH library's channel window, and 8 reads): rsb took 1.8x and 1.7x
@@ -725,15 +705,11 @@ async fn a_long_link_is_kept_full_both_ways() {
         .await
         .unwrap();
     let up = t.elapsed();
-    let r_up = rsync_via(
-        &sshd,
-        proxy.port(),
+    let r_up = sshd.rsync(
+        &["-a"],
+        Some(proxy.port()),
         &format!("{}/", src.display()),
-        &format!(
-            "{}@127.0.0.1:{}/",
-            sshd.user(),
-            remote(&sshd, "far/rsync").display()
-        ),
+        &sshd.rsync_remote("far/rsync"),
     );
     let want = sha256_local(&file);
     assert_eq!(
@@ -752,14 +728,10 @@ async fn a_long_link_is_kept_full_both_ways() {
     let down = t.elapsed();
     let r_dir = tmp.path().join("down-rsync");
     std::fs::create_dir_all(&r_dir).unwrap();
-    let r_down = rsync_via(
-        &sshd,
-        proxy.port(),
-        &format!(
-            "{}@127.0.0.1:{}/",
-            sshd.user(),
-            remote(&sshd, "far/rsync").display()
-        ),
+    let r_down = sshd.rsync(
+        &["-a"],
+        Some(proxy.port()),
+        &sshd.rsync_remote("far/rsync"),
         &format!("{}/", r_dir.display()),
     );
     assert_eq!(sha256_local(&down_dir.join("model.bin")), want);
