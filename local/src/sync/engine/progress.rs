@@ -112,23 +112,22 @@ impl Tracker {
 
     /// A batch acknowledged: its progress, and the hashes its commits carried.
     pub(super) fn batch_acked(&self, b: BatchInfo) {
-        self.committed(&b.commits);
         self.acked(b.files, b.bytes, b.last.as_deref());
-        self.committed.lock().extend(b.commits);
+        self.commit(b.commits);
     }
 
     /// A large file's commit acknowledged.
     pub(super) fn file_committed(&self, rel: &str, hash: [u8; 32]) {
-        let c = [(rel.to_string(), hash)];
-        self.committed(&c);
-        self.committed.lock().extend(c);
+        self.commit(vec![(rel.to_string(), hash)]);
     }
 
-    /// Journal acknowledged commits (outside every lock: the journal writes to the store).
-    fn committed(&self, commits: &[(String, [u8; 32])]) {
+    /// Acknowledged commits: journaled (outside every lock: the journal writes to the store),
+    /// then laid over the baseline this run leaves.
+    fn commit(&self, commits: Vec<(String, [u8; 32])>) {
         if let Some(j) = self.journal.as_ref().filter(|_| !commits.is_empty()) {
-            j(commits);
+            j(&commits);
         }
+        self.committed.lock().extend(commits);
     }
 
     /// The baseline after what this run did so far: the planned one with every acknowledged
