@@ -53,9 +53,14 @@ impl Key {
     /// this key. File systems with whole-second timestamps (no nanoseconds at all) get a
     /// two-second margin.
     pub fn settled(&self, clock_ns: i64) -> bool {
+        self.settles_at() < clock_ns
+    }
+
+    /// The clock reading past which [`Key::settled`] holds.
+    pub fn settles_at(&self) -> i64 {
         let coarse = self.ctime_ns % 1_000_000_000 == 0 && self.mtime_ns % 1_000_000_000 == 0;
         let margin = if coarse { 2_000_000_000 } else { 0 };
-        self.ctime_ns.saturating_add(margin) < clock_ns
+        self.ctime_ns.saturating_add(margin)
     }
 }
 

@@ -21,6 +21,10 @@ const RETRY_AFTER: Duration = Duration::from_millis(5);
 /// only once its last change is this much older than the read (a 1 MiB write copies in well
 /// under a millisecond; the resume test once committed such a mix).
 const IN_FLIGHT: Duration = Duration::from_millis(20);
+/// How far the coarse clock can trail real time: one tick (10 ms at HZ=100).
+const CLOCK_LAG: Duration = Duration::from_millis(10);
+/// The longest wait for a change to age before the next try.
+const MAX_WAIT: Duration = Duration::from_millis(50);
 
 /// Read as `ReadFile` does (at most [`MAX_RAW`] bytes); compress the bytes when asked and
 /// they shrink by a tenth; the local side decompresses them, bounded by `raw_len`.
@@ -91,9 +95,11 @@ pub fn read_one_version(path: &Path, offset: u64, max: u64) -> std::io::Result<O
                 settled: true,
             });
         }
-        // Changed a moment ago (and not since): read again once the change is old enough.
-        let age = clock.saturating_sub(after.ctime_ns);
-        wait = Duration::from_nanos(in_flight.saturating_sub(age).max(0) as u64);
+        // Changed a moment ago (and not since): read again once the change is old enough by
+        // the coarse clock, which lags real time by up to a tick while a change's ctime can
+        // be fine-grained (multigrain timestamps, Linux 6.13+). A whole-second file system's
+        // two-second margin is not waited out: its read stays unsettled.
+        wait = wait_to_settle(&after, clock);
         last = Some((data, truncated));
     }
     let (data, truncated) = last.expect("at least one attempt");
@@ -102,6 +108,17 @@ pub fn read_one_version(path: &Path, offset: u64, max: u64) -> std::io::Result<O
         truncated,
         settled: false,
     })
+}
+
+/// How long to sleep after reading `key` at coarse `clock` so that a read then begins past
+/// its settle point plus [`IN_FLIGHT`], however far the coarse clock trails (bounded by
+/// [`MAX_WAIT`]).
+fn wait_to_settle(key: &Key, clock: i64) -> Duration {
+    let due = key
+        .settles_at()
+        .saturating_add(IN_FLIGHT.as_nanos() as i64)
+        .saturating_sub(clock);
+    Duration::from_nanos(due.clamp(0, MAX_WAIT.as_nanos() as i64) as u64) + CLOCK_LAG
 }
 
 fn read_whole(path: &str, offset: u64, max: u64) -> Result<(Vec<u8>, bool, bool), AgentError> {
@@ -158,6 +175,43 @@ mod tests {
         assert!(r.compressed && r.raw_len == 100_000);
         // Without `whole` nothing is claimed.
         assert!(!read_file_z(&req(&p, false)).unwrap().settled);
+    }
+
+    #[test]
+    fn the_wait_after_a_young_read_reaches_past_the_settle_point() {
+        let ms = 1_000_000i64;
+        let ctime = 1_700_000_000_123_456_789;
+        let key = Key {
+            ctime_ns: ctime,
+            mtime_ns: ctime,
+            dev: 1,
+            ino: 2,
+            size: 3,
+        };
+        // The coarse clock read before the change's fine-grained ctime, or just after it:
+        // after the wait, a reading that trails real time by a whole tick still settles.
+        for behind in [-9 * ms, -4 * ms, 0, 3 * ms, 19 * ms] {
+            let clock = ctime + behind;
+            let wait = wait_to_settle(&key, clock).as_nanos() as i64;
+            // The coarse clock trails by less than a tick.
+            let worst = clock + wait - CLOCK_LAG.as_nanos() as i64 + 1;
+            assert!(
+                key.settled(worst - IN_FLIGHT.as_nanos() as i64),
+                "clock {behind} ns from the ctime"
+            );
+        }
+        // Long settled: only the lag is waited.
+        assert_eq!(wait_to_settle(&key, ctime + 900 * ms), CLOCK_LAG);
+        // A whole-second file system's margin is not waited out.
+        let coarse = Key {
+            ctime_ns: 1_700_000_000_000_000_000,
+            mtime_ns: 1_700_000_000_000_000_000,
+            ..key
+        };
+        assert_eq!(
+            wait_to_settle(&coarse, coarse.ctime_ns),
+            MAX_WAIT + CLOCK_LAG
+        );
     }
 
     #[test]
