@@ -423,7 +423,7 @@ fn reads_allowed(c: Option<&Confine>, path: &Path) -> Result<Option<OwnedFd>, Ag
     // rsb's own data: its jobs' records and logs, and its hash cache.
     let own = [
         crate::util::home_dir().map(|h| h.join(rsb_protocol::JOBS_ROOT)),
-        crate::sync::hash_cache_dir(),
+        crate::util::hash_cache_dir(),
     ];
     fds.extend(own.iter().flatten().filter_map(|d| sys::open_path(d).ok()));
     let mut ids = Vec::with_capacity(fds.len());

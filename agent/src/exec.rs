@@ -34,7 +34,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::proc::{self, Group, KillOnDrop, Stopped};
-use crate::serve::Responder;
+use crate::responder::Responder;
 use crate::util::{expand_home, path_string};
 
 /// After the main process ends, how long output may keep arriving before the reply goes out.

@@ -22,7 +22,7 @@ use tokio::task::JoinSet;
 use tokio_util::codec::FramedRead;
 use tokio_util::sync::CancellationToken;
 
-pub use crate::responder::Responder;
+use crate::responder::Responder;
 use crate::responder::{OutWindow, Outbox, write_frames};
 use crate::{edit, exec, fs, hello, jobs, reaper, resources, search, stale, sync};
 

@@ -26,7 +26,6 @@ use tokio_util::sync::CancellationToken;
 
 pub use apply::{GAP_WAIT, Sessions, apply, apply_abort, apply_close, apply_once, apply_open};
 pub use blocks::block_hashes;
-pub(crate) use cache::cache_dir as hash_cache_dir;
 pub use manifest::manifest;
 pub use read::{OneVersion, read_file_z, read_one_version};
 

@@ -16,6 +16,17 @@ pub fn home_dir() -> Option<PathBuf> {
     }
 }
 
+/// Where the sync's hash caches live, if anywhere (no `$RSB_CACHE_DIR` and no home: no
+/// cache). rsb's own data, like the jobs' records: the sync writes there and the confinement
+/// keeps it reachable.
+pub fn hash_cache_dir() -> Option<PathBuf> {
+    let base = match std::env::var_os("RSB_CACHE_DIR") {
+        Some(d) if !d.is_empty() => PathBuf::from(d),
+        _ => home_dir()?.join(".cache").join("rsb"),
+    };
+    Some(base.join("hashcache"))
+}
+
 /// [`rsb_rules::path::expand_tilde`] against this user's home, looked up only when the path
 /// needs it; without a known home the path is kept as given.
 pub fn expand_home(path: &str) -> PathBuf {

@@ -422,6 +422,219 @@ pub fn violations(edges: &[Edge]) -> Vec<String> {
     out.into_iter().collect()
 }
 
+/// One crate's files for the file-level graph, each with its module path (the root file,
+/// `lib.rs` or `main.rs`, is the empty path).
+pub struct CrateFiles {
+    pub files: Vec<(PathBuf, Vec<String>)>,
+}
+
+impl CrateFiles {
+    /// The crate whose root is `src/<root>`, with every `.rs` file under `src` except
+    /// those under the top-level modules in `skip` (and the other root file).
+    pub fn scan(src: &Path, root: &str, only: Option<&[&str]>, skip: &[&str]) -> CrateFiles {
+        let mut paths = Vec::new();
+        rust_files(src, &mut paths);
+        paths.sort();
+        let mut files = Vec::new();
+        for f in paths {
+            let rel = f.strip_prefix(src).unwrap_or(&f).to_path_buf();
+            let mut module = module_path(&rel);
+            match module.first().map(String::as_str) {
+                Some(r) if r == root.trim_end_matches(".rs") => module.clear(),
+                Some("lib" | "main") if module.len() == 1 => continue,
+                Some(top) if skip.contains(&top) => continue,
+                Some(top) if only.is_some_and(|o| !o.contains(&top)) => continue,
+                _ => {}
+            }
+            files.push((f, module));
+        }
+        CrateFiles { files }
+    }
+
+    /// Every file-level edge of the crate: from a file's module to the module a path names
+    /// (the longest prefix of the path that is a module of the crate), whether the path
+    /// climbs with `crate::`/`super::`, stays with `self::`, or starts at a child module,
+    /// drawn between the two siblings under their deepest common ancestor (`sync::engine::
+    /// window` using `sync::plan` is `sync::engine -> sync::plan`). So a circle is one among
+    /// the children of one module; a module and its own submodules never are one. A path
+    /// through a sibling's re-export is an edge to that sibling.
+    pub fn edges(&self) -> Vec<Edge> {
+        let known: BTreeSet<Vec<String>> = self.files.iter().map(|(_, m)| m.clone()).collect();
+        let mut edges = Vec::new();
+        for (f, module) in &self.files {
+            let text = std::fs::read_to_string(f).unwrap_or_default();
+            let shown = f.display().to_string();
+            edges.extend(file_edges_of(module, &known, &shown, &text));
+        }
+        edges
+    }
+}
+
+/// The name of a module path in the file-level graph (`crate` for the root).
+fn module_name(m: &[String]) -> String {
+    if m.is_empty() {
+        "crate".into()
+    } else {
+        m.join("::")
+    }
+}
+
+/// The paths a `use` tree or path expression at `i` names, each as its segments with where
+/// its last segment starts: `a::b`, `a::{b, c::d}`, `a::{self, b::*}`. Stops at the first
+/// segment that is not an identifier (a turbofish, a `*`, a call).
+fn path_tree(
+    b: &[char],
+    i: usize,
+    prefix: &[String],
+    out: &mut Vec<(Vec<String>, usize)>,
+) -> usize {
+    let mut path = prefix.to_vec();
+    let mut k = i;
+    loop {
+        while k < b.len() && b[k].is_whitespace() {
+            k += 1;
+        }
+        if b.get(k) == Some(&'{') {
+            k += 1;
+            loop {
+                while k < b.len() && (b[k].is_whitespace() || b[k] == ',') {
+                    k += 1;
+                }
+                match b.get(k) {
+                    None => return k,
+                    Some('}') => return k + 1,
+                    _ => {}
+                }
+                let before = k;
+                k = path_tree(b, k, &path, out);
+                if k == before {
+                    k += 1;
+                }
+            }
+        }
+        let (id, end) = ident_at(b, k);
+        if id.is_empty() {
+            out.push((path, k));
+            return k;
+        }
+        let at = end - id.chars().count();
+        k = end;
+        if id != "self" {
+            path.push(id);
+        }
+        let mut j = k;
+        while j < b.len() && b[j].is_whitespace() {
+            j += 1;
+        }
+        if b[j..].starts_with(&[':', ':']) {
+            k = j + 2;
+        } else {
+            out.push((path, at));
+            return k;
+        }
+    }
+}
+
+/// Whether the code before `i` ends in `::` (so the identifier at `i` is not a path's start).
+fn after_colons(b: &[char], i: usize) -> bool {
+    let mut j = i;
+    while j > 0 && b[j - 1].is_whitespace() {
+        j -= 1;
+    }
+    j >= 2 && b[j - 1] == ':' && b[j - 2] == ':'
+}
+
+/// The file-level edges out of one file of a crate whose modules are `known`.
+pub fn file_edges_of(
+    module: &[String],
+    known: &BTreeSet<Vec<String>>,
+    file: &str,
+    src: &str,
+) -> Vec<Edge> {
+    let code = strip_test_items(&strip_comments_and_strings(src));
+    let b: Vec<char> = code.chars().collect();
+    let mut edges = BTreeSet::new();
+    let mut line = 1;
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == '\n' {
+            line += 1;
+            i += 1;
+            continue;
+        }
+        if ident_char_before(&b, i) || !(b[i].is_alphabetic() || b[i] == '_') || after_colons(&b, i)
+        {
+            i += 1;
+            continue;
+        }
+        let (id, end) = ident_at(&b, i);
+        let mut j = end;
+        while j < b.len() && b[j].is_whitespace() {
+            j += 1;
+        }
+        let is_path = b[j..].starts_with(&[':', ':']);
+        let mut base: Option<Vec<String>> = None;
+        let mut at = j + 2;
+        if is_path {
+            match id.as_str() {
+                "crate" => base = Some(Vec::new()),
+                "self" => base = Some(module.to_vec()),
+                "super" => {
+                    let mut up = module.to_vec();
+                    let mut k = i;
+                    while b[k..].starts_with(&['s', 'u', 'p', 'e', 'r', ':', ':']) {
+                        up.pop();
+                        k += 7;
+                    }
+                    at = k;
+                    base = Some(up);
+                }
+                _ => {
+                    let mut child = module.to_vec();
+                    child.push(id.clone());
+                    if known.contains(&child) {
+                        base = Some(module.to_vec());
+                        at = i;
+                    }
+                }
+            }
+        }
+        let Some(base) = base else {
+            i = end;
+            continue;
+        };
+        let mut paths = Vec::new();
+        let stop = path_tree(&b, at, &base, &mut paths);
+        for (p, at) in paths {
+            let line = line + b[i..at.max(i)].iter().filter(|&&c| c == '\n').count();
+            let target = (0..=p.len())
+                .rev()
+                .map(|n| p[..n].to_vec())
+                .find(|m| known.contains(m) || m.is_empty())
+                .unwrap_or_default();
+            // Project onto the two children of the deepest common ancestor: a module and its
+            // own submodules (a facade and what it contains) are not a circle, siblings are.
+            let common = module
+                .iter()
+                .zip(&target)
+                .take_while(|(a, b)| a == b)
+                .count();
+            if common < module.len() && common < target.len() {
+                edges.insert(Edge {
+                    from: module_name(&module[..=common]),
+                    to: module_name(&target[..=common]),
+                    file: file.to_string(),
+                    line,
+                });
+            }
+        }
+        // Newlines inside a `use` tree still count.
+        line += b[i..stop.max(i)].iter().filter(|&&c| c == '\n').count();
+        i = stop.max(end);
+    }
+    edges.into_iter().collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -456,6 +669,53 @@ mod tests {
     }
 
     #[test]
+    fn no_file_imports_a_module_that_imports_it_back() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+        // (crate, src, root file, only these top-level modules, skip these, fewest edges the
+        // scan must see: a scan that finds nothing proves nothing). The protocol's files only
+        // use the crate root's vocabulary today.
+        let crates = [
+            ("local (library)", "src", "lib.rs", None, &["cli"][..], 50),
+            (
+                "local (binary)",
+                "src",
+                "main.rs",
+                Some(&["cli"][..]),
+                &[][..],
+                5,
+            ),
+            (
+                "agent (library)",
+                "../agent/src",
+                "lib.rs",
+                None,
+                &[][..],
+                20,
+            ),
+            ("protocol", "../protocol/src", "lib.rs", None, &[][..], 0),
+        ];
+        let mut found = Vec::new();
+        for (name, src, root, only, skip, fewest) in crates {
+            let c = CrateFiles::scan(&dir.join(src), root, only, skip);
+            let edges = c.edges();
+            assert!(edges.len() >= fewest, "{name}: only {} edges", edges.len());
+            for circle in circles(&edges) {
+                let lines: Vec<String> = edges
+                    .iter()
+                    .filter(|e| circle.contains(&e.from) && circle.contains(&e.to))
+                    .map(|e| format!("  {}:{}: {} -> {}", e.file, e.line, e.from, e.to))
+                    .collect();
+                found.push(format!("{name}: {circle:?}\n{}", lines.join("\n")));
+            }
+        }
+        assert!(
+            found.is_empty(),
+            "file-level import circles:\n{}",
+            found.join("\n")
+        );
+    }
+
+    #[test]
     fn a_planted_circle_is_found() {
         let mut edges = edges_of(&m("pool.rs"), "pool.rs", "use crate::ops::exec;\n");
         edges.extend(edges_of(
@@ -480,6 +740,92 @@ mod tests {
         let bad = violations(&edges);
         assert_eq!(bad.len(), 1, "{bad:?}");
         assert!(bad[0].starts_with("pool.rs:1: pool uses ops"), "{bad:?}");
+    }
+
+    #[test]
+    fn a_planted_file_level_circle_is_found_and_a_facade_is_not_one() {
+        let known: BTreeSet<Vec<String>> = [
+            "",
+            "config",
+            "config::entry",
+            "config::secrets",
+            "config::fields",
+            "serve",
+            "exec",
+            "responder",
+        ]
+        .iter()
+        .map(|m| {
+            m.split("::")
+                .filter(|s| !s.is_empty())
+                .map(String::from)
+                .collect()
+        })
+        .collect();
+        let files = [
+            // Siblings through `super::` and through `crate::`: a circle.
+            (
+                "config/secrets.rs",
+                "use super::entry::Entry;\nuse super::fields::Text;\n",
+            ),
+            (
+                "config/entry.rs",
+                "fn f() { crate::config::secrets::check(); }\nuse super::Thing;\n",
+            ),
+            // A facade re-exporting its children, which use its items: not a circle.
+            (
+                "config/mod.rs",
+                "mod entry;\npub use entry::Entry;\npub use fields::Text;\n",
+            ),
+            // A path through a sibling's re-export is an edge to that sibling.
+            (
+                "exec.rs",
+                "use crate::{\n    responder::Ok,\n    serve::Responder,\n};\n",
+            ),
+            (
+                "serve.rs",
+                "use crate::exec;\nuse crate::responder::Responder;\n",
+            ),
+        ];
+        let mut edges = Vec::new();
+        for (file, text) in files {
+            edges.extend(file_edges_of(&m(file), &known, file, text));
+        }
+        let shown: Vec<String> = edges
+            .iter()
+            .map(|e| format!("{}:{} {} -> {}", e.file, e.line, e.from, e.to))
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                "config/secrets.rs:1 config::secrets -> config::entry",
+                "config/secrets.rs:2 config::secrets -> config::fields",
+                "config/entry.rs:1 config::entry -> config::secrets",
+                "exec.rs:2 exec -> responder",
+                "exec.rs:3 exec -> serve",
+                "serve.rs:1 serve -> exec",
+                "serve.rs:2 serve -> responder",
+            ]
+        );
+        let c = circles(&edges);
+        let set = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+        assert_eq!(
+            c,
+            vec![
+                set(&["config::entry", "config::secrets"]),
+                set(&["exec", "serve"])
+            ]
+        );
+        // Moved to its own file and named there, the circle is gone.
+        let fixed = file_edges_of(
+            &m("exec.rs"),
+            &known,
+            "exec.rs",
+            "use crate::responder::Responder;",
+        );
+        edges.retain(|e| e.file != "exec.rs" && e.file != "config/entry.rs");
+        edges.extend(fixed);
+        assert!(circles(&edges).is_empty(), "{edges:?}");
     }
 
     #[test]

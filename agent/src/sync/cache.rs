@@ -18,7 +18,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::util::home_dir;
+use crate::util::hash_cache_dir;
 
 const MAGIC: &[u8; 8] = b"RSBHC\x01\0\0";
 const RECORD: usize = 8 * 5 + 32;
@@ -64,21 +64,12 @@ impl Key {
     }
 }
 
-/// Where the hash caches live, if anywhere (no `$RSB_CACHE_DIR` and no home: no cache).
-pub fn cache_dir() -> Option<PathBuf> {
-    let base = match std::env::var_os("RSB_CACHE_DIR") {
-        Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => home_dir()?.join(".cache").join("rsb"),
-    };
-    Some(base.join("hashcache"))
-}
-
 /// The cache file of one root: the root made absolute and, when it exists, canonical, so that
 /// `~/p`, `/home/u/p` and a path through a symlink share one cache.
 pub fn cache_file(root: &Path) -> Option<PathBuf> {
     let canonical = fs::canonicalize(root).unwrap_or_else(|_| super::absolute(root));
     let digest = blake3::hash(canonical.as_os_str().as_bytes());
-    Some(cache_dir()?.join(&digest.to_hex()[..16]))
+    Some(hash_cache_dir()?.join(&digest.to_hex()[..16]))
 }
 
 /// Keys are inode numbers, sizes and times: a multiply-rotate hash is plenty and several

@@ -23,7 +23,7 @@ use rsb_protocol::{
 use rsb_rules::{Layer, Rules};
 use tokio_util::sync::CancellationToken;
 
-use super::cache::{self, HashCache, Key};
+use super::cache::{HashCache, Key};
 use super::hash::hash_files;
 use super::{cancelled, kind_of};
 use crate::responder::Responder;
@@ -216,7 +216,7 @@ impl<'a> Scanner<'a> {
         cancel: &'a CancellationToken,
         emit: &'a mut dyn FnMut(Vec<ManifestEntry>) -> bool,
     ) -> Self {
-        let skip_dir = cache::cache_dir()
+        let skip_dir = crate::util::hash_cache_dir()
             .and_then(|d| fs::metadata(d).ok())
             .map(|m| (m.dev(), m.ino()));
         Scanner {

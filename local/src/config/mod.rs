@@ -43,6 +43,8 @@
 
 mod confine;
 mod entry;
+mod env;
+mod fields;
 mod hops;
 mod policy;
 mod secrets;
@@ -71,9 +73,10 @@ pub use sources::{
 pub use ssh_config::ssh_config_file;
 pub use state_dir::{default_state_dir, ensure_private_dir, state_dir};
 
-use entry::{Entry, Text, build_sandbox};
+use entry::{Entry, build_sandbox};
+use env::{real_env, real_home};
+use fields::Text;
 use sources::{parse_limit, parse_truthy};
-use sources::{real_env, real_home};
 use ssh_config::{local_user, ssh_config_path, ssh_home};
 use state_dir::resolve_state_dir;
 

@@ -8,7 +8,7 @@ use std::path::Path;
 use serde::{Deserialize, Deserializer};
 
 use super::ConfigError;
-use super::entry::{Entry, Loose, Text, Want};
+use super::fields::{Loose, Text, Want};
 
 /// A credential. Never printed (Debug/Display show `***`), never serialized.
 #[derive(Clone, PartialEq, Eq)]
@@ -93,34 +93,6 @@ pub(super) fn readable_by_others(_path: &Path) -> Option<u32> {
     None
 }
 
-/// A password or passphrase written into a file others can read is already exposed: the file
-/// is refused until it is private, or the value moves to the environment.
-pub(super) fn refuse_plaintext_in_open_file(
-    entry: &Entry,
-    label: &str,
-    shown: &str,
-    open_to_others: Option<u32>,
-) -> Result<(), ConfigError> {
-    let literal = [
-        ("password", entry.password.0.is_some()),
-        ("key_passphrase", entry.key_passphrase.0.is_some()),
-    ]
-    .into_iter()
-    .find_map(|(field, set)| set.then_some(field));
-    if let (Some(field), Some(mode)) = (literal, open_to_others) {
-        Err(ConfigError::new(
-            format!(
-                "{label} has a plaintext '{field}' but {shown} is readable by others (mode {mode:04o})"
-            ),
-            format!(
-                "Run `chmod 600 {shown}`, or use {field}_env = \"VAR\" to read it from the environment."
-            ),
-        ))
-    } else {
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use crate::config::Auth;
@@ -155,30 +127,5 @@ mod tests {
             "{}",
             e.message
         );
-    }
-
-    #[cfg(unix)]
-    #[test]
-    fn toml_plaintext_secret_needs_0600() {
-        let home = TempDir::new();
-        let body = format!("[[sandbox]]\nhost = \"h\"\nuser = \"u\"\npassword = \"{SECRET}\"\n");
-        let file = home.write("c.toml", &body);
-        chmod(&file, 0o644);
-        let e = load_with(&home, &[], Some(&file), None).unwrap_err();
-        assert_no_secret_err(&e);
-        assert!(
-            e.message.contains("plaintext 'password'") && e.message.contains("0644"),
-            "{}",
-            e.message
-        );
-        assert!(
-            e.hint.contains("chmod 600") && e.hint.contains("password_env"),
-            "{}",
-            e.hint
-        );
-        chmod(&file, 0o600);
-        let c = load_with(&home, &[], Some(&file), None).unwrap();
-        assert_no_secret_cfg(&c);
-        assert_eq!(ssh(&c, 0).auth, Auth::Password(Secret::new(SECRET)));
     }
 }

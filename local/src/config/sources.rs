@@ -9,30 +9,17 @@ use rsb_rules::path::expand_tilde;
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::entry::{
-    Entry, Policy, Port, Seconds, Text, build_sandbox, check_names, describe_de_error, field_names,
-    key_name, parse_port,
+use super::entry::{Entry, build_sandbox, check_names, refuse_plaintext_in_open_file};
+use super::env::{project_dirs, real_env, real_home};
+use super::fields::{
+    Policy, Port, Seconds, Text, describe_de_error, field_names, key_name, parse_port,
 };
-use super::secrets::{Secret, SecretText, readable_by_others, refuse_plaintext_in_open_file};
+use super::secrets::{Secret, SecretText, readable_by_others};
 use super::{BuildCtx, ConfigError, HostKeyPolicy, SandboxConfig, Transport};
 
 pub(super) const LIST_VAR: &str = "REMOTE_SANDBOX_LIST";
 const TRUTHY: [&str; 4] = ["1", "true", "yes", "on"];
 const FALSY: [&str; 4] = ["0", "false", "no", "off"];
-
-pub(super) fn project_dirs() -> Option<directories::ProjectDirs> {
-    directories::ProjectDirs::from("", "", "rsb")
-}
-
-pub(super) fn real_home() -> Option<PathBuf> {
-    directories::BaseDirs::new()
-        .map(|b| b.home_dir().to_path_buf())
-        .or_else(|| std::env::var_os("HOME").map(PathBuf::from))
-}
-
-pub(super) fn real_env(key: &str) -> Option<String> {
-    std::env::var(key).ok()
-}
 
 /// `RSB_CONFIG`, else `<platform config dir>/rsb/config.toml`.
 pub fn config_file_path() -> PathBuf {

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use rsb_rules::path::expand_tilde;
 
-use super::sources::{real_env, real_home};
+use super::env::{real_env, real_home};
 use super::{BuildCtx, ConfigError, HostKeyPolicy};
 
 /// Default keys for [`Auth::Auto`](super::Auth::Auto) (tried after the agent), in this order.

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use rsb_rules::path::expand_tilde;
 
-use super::sources::{project_dirs, real_env, real_home};
+use super::env::{project_dirs, real_env, real_home};
 
 /// `RSB_STATE_DIR`, else the seed's `REMOTE_SANDBOX_MCP_HOME` (so a user moving from the Python
 /// server keeps one place for state; rsb's files there do not collide with the seed's), else the

@@ -20,18 +20,16 @@ use std::{
     time::Duration,
 };
 
-use rmcp::{
-    Peer, RoleServer,
-    model::{CustomNotification, ServerNotification},
-};
+use rmcp::{Peer, RoleServer};
 use rusqlite::{Connection, OptionalExtension, params};
-use serde_json::{Map, Value, json};
+use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
+use super::followed::{Followed, RunKey};
+use super::push::{Message, duration, last_line};
 use crate::pool::Pool;
 
-/// The notification's method and the capability that announces it.
-pub const METHOD: &str = "notifications/claude/channel";
+/// The capability that announces the push (its method is [`super::push::METHOD`]).
 pub const CAPABILITY: &str = "claude/channel";
 
 /// Whether the client takes channel notifications: it declared the capability
@@ -49,219 +47,6 @@ pub fn listens(client: &rmcp::model::ClientConfig) -> bool {
 /// How often the store's version is compared. A pragma on an open connection costs
 /// microseconds; half a second keeps the push well under the daemon's own check period.
 const TICK: Duration = Duration::from_millis(500);
-/// The longest content line: one line of what, where, the outcome, the duration and the last
-/// log line, never a log.
-const MAX_CONTENT_CHARS: usize = 400;
-const MAX_LAST_LINE_CHARS: usize = 160;
-
-/// What this session started and wants to hear about. Handlers add to it; the pusher drops an
-/// entry once it has reported the end.
-#[derive(Default)]
-pub struct Followed {
-    state: parking_lot::Mutex<State>,
-    wake: tokio::sync::Notify,
-}
-
-impl State {
-    fn remember_end(&mut self, key: RunKey) {
-        if self.ended.len() >= ENDED_KEPT {
-            self.ended.pop_front();
-        }
-        self.ended.push_back(key);
-    }
-}
-
-#[derive(Default)]
-struct State {
-    /// Watch id → the last event id reported for it (0: none yet, so an event written between
-    /// the registration and this entry is still reported).
-    watches: BTreeMap<i64, i64>,
-    /// Background transfer task ids.
-    transfers: BTreeSet<i64>,
-    /// Jobs this session started (watched or not) whose end is not reported yet, each run by
-    /// its sandbox, name and start (ms, the agent's clock) → its watch id, 0 when unwatched.
-    /// The agent's event stream reports their ends ([`super::job_ends`]).
-    jobs: BTreeMap<RunKey, i64>,
-    /// Unwatched Slurm jobs this session submitted whose end is not reported yet: (sandbox,
-    /// name) → Slurm job id. Their end is Slurm's word with the record's, from the shared
-    /// poller ([`super::job_ends::follow_slurm`]); a watched one's comes from its watch.
-    slurm: BTreeMap<(String, String), String>,
-    /// The runs whose end was reported, oldest first, by whichever source came first: the
-    /// agent's stream or a watch's event in the store. The other's report of the same end is
-    /// dropped ([`Followed::claim_end`]).
-    ended: std::collections::VecDeque<RunKey>,
-}
-
-/// One run of a job: its sandbox, name and `started_ms`.
-pub type RunKey = (String, String, u64);
-
-/// How many reported ends are remembered for deduplication: far more than can be reported
-/// twice within the store's and the stream's lag of each other.
-const ENDED_KEPT: usize = 4096;
-
-impl Followed {
-    pub fn watch(&self, id: i64) {
-        if id > 0 {
-            self.state.lock().watches.entry(id).or_insert(0);
-            self.wake.notify_one();
-        }
-    }
-
-    pub fn transfer(&self, id: i64) {
-        if id > 0 {
-            self.state.lock().transfers.insert(id);
-            self.wake.notify_one();
-        }
-    }
-
-    /// A job this session started: its end is pushed from the agent's stream the moment it
-    /// happens, watched or not.
-    pub fn job(&self, sandbox: &str, name: &str, started_ms: u64, watch_id: i64) {
-        if started_ms == 0 || name.is_empty() {
-            return;
-        }
-        let key = (sandbox.to_string(), name.to_string(), started_ms);
-        let mut s = self.state.lock();
-        if !s.ended.contains(&key) {
-            s.jobs.insert(key, watch_id);
-            drop(s);
-            self.wake.notify_one();
-        }
-    }
-
-    /// An unwatched Slurm job this session submitted: its end is pushed once Slurm and the
-    /// record say it is over, as `check_background_task` would answer.
-    pub fn slurm_job(&self, sandbox: &str, name: &str, slurm_id: &str) {
-        if name.is_empty() || slurm_id.is_empty() {
-            return;
-        }
-        let key = (sandbox.to_string(), name.to_string());
-        self.state.lock().slurm.insert(key, slurm_id.to_string());
-        self.wake.notify_one();
-    }
-
-    /// This sandbox's unreported Slurm jobs: (name, Slurm job id).
-    pub(super) fn slurm_jobs(&self, sandbox: &str) -> Vec<(String, String)> {
-        let s = self.state.lock();
-        s.slurm
-            .iter()
-            .filter(|((sb, _), _)| sb == sandbox)
-            .map(|((_, n), id)| (n.clone(), id.clone()))
-            .collect()
-    }
-
-    /// The sandboxes with Slurm jobs whose end is not reported yet.
-    pub(super) fn slurm_sandboxes(&self) -> BTreeSet<String> {
-        let s = self.state.lock();
-        s.slurm.keys().map(|k| k.0.clone()).collect()
-    }
-
-    /// The Slurm job `name` on `sandbox` ended: whether it was still unreported (the caller
-    /// reports it).
-    pub(super) fn take_slurm(&self, sandbox: &str, name: &str) -> bool {
-        let key = (sandbox.to_string(), name.to_string());
-        self.state.lock().slurm.remove(&key).is_some()
-    }
-
-    /// The earliest start among this sandbox's unreported jobs: a subscription asks the agent
-    /// for every end since then, so one that came before it (or while it was down) is heard.
-    /// `None`: nothing left to hear about there.
-    pub(super) fn first_started(&self, sandbox: &str) -> Option<u64> {
-        let s = self.state.lock();
-        s.jobs
-            .keys()
-            .filter(|(sb, _, _)| sb == sandbox)
-            .map(|k| k.2)
-            .min()
-    }
-
-    /// The sandboxes with jobs whose end is not reported yet.
-    pub(super) fn job_sandboxes(&self) -> BTreeSet<String> {
-        let s = self.state.lock();
-        s.jobs.keys().map(|k| k.0.clone()).collect()
-    }
-
-    /// The stream saw this run end: `Some(watch id)` when it is this session's and its end
-    /// was not reported yet (the caller reports it), `None` otherwise.
-    pub(super) fn take_job(&self, key: &RunKey) -> Option<i64> {
-        let mut s = self.state.lock();
-        let watch_id = s.jobs.remove(key)?;
-        s.remember_end(key.clone());
-        Some(watch_id)
-    }
-
-    /// A watch's event in the store ends this run: whether it is the first report of that
-    /// end (send it) or the stream reported it already (drop it). Either way the stream will
-    /// not report it again.
-    pub(super) fn claim_end(&self, key: &RunKey) -> bool {
-        let mut s = self.state.lock();
-        if s.ended.contains(key) {
-            return false;
-        }
-        s.jobs.remove(key);
-        s.remember_end(key.clone());
-        true
-    }
-
-    fn is_empty(&self) -> bool {
-        let s = self.state.lock();
-        s.watches.is_empty() && s.transfers.is_empty() && s.jobs.is_empty() && s.slurm.is_empty()
-    }
-
-    fn snapshot(&self) -> (BTreeMap<i64, i64>, BTreeSet<i64>) {
-        let s = self.state.lock();
-        (s.watches.clone(), s.transfers.clone())
-    }
-
-    fn apply(&self, done: &Scan) {
-        let mut s = self.state.lock();
-        for (id, last) in &done.watch_cursors {
-            if let Some(c) = s.watches.get_mut(id) {
-                *c = (*c).max(*last);
-            }
-        }
-        for id in &done.watches_ended {
-            s.watches.remove(id);
-        }
-        for id in &done.transfers_ended {
-            s.transfers.remove(id);
-        }
-    }
-}
-
-/// One push: the line a model reads, and the ids it needs to follow up (`meta` values are
-/// strings, and keys are identifiers, as Claude Code turns them into tag attributes).
-#[derive(Debug, Clone, PartialEq)]
-pub struct Message {
-    pub content: String,
-    pub meta: BTreeMap<&'static str, String>,
-}
-
-impl Message {
-    /// Every text in a push (a job's or watch's name, a path, a log line, an error) may come
-    /// from the model or the host: made [`for_channel`], content clipped to one line.
-    fn new(content: String, meta: BTreeMap<&'static str, String>) -> Message {
-        Message {
-            content: clip(&for_channel(&content), MAX_CONTENT_CHARS),
-            meta: meta
-                .into_iter()
-                .map(|(k, v)| (k, for_channel(&v)))
-                .collect(),
-        }
-    }
-
-    fn notification(&self) -> ServerNotification {
-        let meta: Map<String, Value> = self
-            .meta
-            .iter()
-            .map(|(k, v)| (k.to_string(), json!(v)))
-            .collect();
-        ServerNotification::CustomNotification(CustomNotification::new(
-            METHOD,
-            Some(json!({"content": self.content, "meta": meta})),
-        ))
-    }
-}
 
 #[derive(Default)]
 struct Scan {
@@ -270,6 +55,16 @@ struct Scan {
     watch_cursors: Vec<(i64, i64)>,
     watches_ended: Vec<i64>,
     transfers_ended: Vec<i64>,
+}
+
+impl Scan {
+    fn apply_to(&self, followed: &Followed) {
+        followed.apply(
+            &self.watch_cursors,
+            &self.watches_ended,
+            &self.transfers_ended,
+        );
+    }
 }
 
 /// Runs until `ct` is cancelled (the session ended) or the client stops taking
@@ -366,7 +161,7 @@ pub async fn run(
                         return;
                     }
                 }
-                followed.apply(&found);
+                found.apply_to(&followed);
             }
             Ok(Err(e)) => tracing::warn!("channel: cannot read the store: {e}"),
             Err(e) => tracing::warn!("channel: store read failed: {e}"),
@@ -545,61 +340,6 @@ impl JobEvent {
     }
 }
 
-/// The push for a run's end as the agent's stream reported it ([`super::job_ends`]): the same
-/// line and meta keys as a watch's `completed` or `interrupted` event.
-pub(super) fn run_ended(sandbox: &str, e: &rsb_protocol::JobEvent, watch_id: i64) -> Message {
-    use rsb_protocol::JobEventKind;
-    let info = &e.info;
-    let (event, outcome) = match (e.kind, info.exit_code, info.signal) {
-        (JobEventKind::Lost, _, _) => (
-            crate::watchdog::event::INTERRUPTED,
-            "lost (it ended without recording an exit code)".to_string(),
-        ),
-        (_, Some(0), _) => (
-            crate::watchdog::event::COMPLETED,
-            "completed (exit 0)".into(),
-        ),
-        (_, Some(c), _) => (
-            crate::watchdog::event::COMPLETED,
-            format!("failed (exit {c})"),
-        ),
-        (_, None, Some(sig)) => (
-            crate::watchdog::event::INTERRUPTED,
-            format!("killed by signal {sig}"),
-        ),
-        _ => (crate::watchdog::event::INTERRUPTED, "ended".into()),
-    };
-    let mut content = format!("job `{}` on {sandbox}: {outcome}", info.name);
-    if let Some(end) = info.ended_ms {
-        let took = (end.saturating_sub(info.started_ms) as i64 + 500) / 1000;
-        content.push_str(&format!(" after {}", duration(took)));
-    }
-    if let Some(l) = e
-        .last_line
-        .as_deref()
-        .map(crate::watchdog::one_line)
-        .filter(|l| !l.is_empty())
-    {
-        content.push_str(&format!("; last line: {}", clip(&l, MAX_LAST_LINE_CHARS)));
-    }
-    let mut meta = BTreeMap::from([
-        ("kind", "job".to_string()),
-        ("event", event.to_string()),
-        ("sandbox_name", sandbox.to_string()),
-        ("session_name", info.name.clone()),
-    ]);
-    if let Some(c) = info.exit_code {
-        meta.insert("exit_code", c.to_string());
-    }
-    if let Some(sig) = info.signal {
-        meta.insert("signal", sig.to_string());
-    }
-    if watch_id > 0 {
-        meta.insert("watch_id", watch_id.to_string());
-    }
-    Message::new(content, meta)
-}
-
 /// Keep one live task in `tasks` for each of `sandboxes`, started by `start`.
 fn keep_one_each<F: Future<Output = ()> + Send + 'static>(
     tasks: &mut BTreeMap<String, tokio::task::JoinHandle<()>>,
@@ -613,48 +353,6 @@ fn keep_one_each<F: Future<Output = ()> + Send + 'static>(
             e.insert(tokio::spawn(task));
         }
     }
-}
-
-/// The push for an unwatched Slurm job's end ([`super::job_ends::follow_slurm`]), from the
-/// reply `check_background_task` gives for it: Slurm's reason when Slurm ended it (the
-/// watch's event names: timeout, out_of_memory, cancelled), else the recorded exit code, else
-/// how it ended (lost, interrupted), with Slurm's state and job id.
-pub(super) fn slurm_ended(sandbox: &str, name: &str, job_id: &str, v: &Value) -> Message {
-    use crate::watchdog::event;
-    let exit = v["exit_code"].as_i64();
-    let reason = v["reason"]
-        .as_str()
-        .filter(|r| [event::TIMEOUT, event::OUT_OF_MEMORY, event::CANCELLED].contains(r));
-    let (event, outcome) = match (reason, exit) {
-        (Some(r), _) => (r, r.replace('_', " ")),
-        (None, Some(0)) => (event::COMPLETED, "completed (exit 0)".to_string()),
-        (None, Some(c)) => (event::COMPLETED, format!("failed (exit {c})")),
-        (None, None) => (
-            event::INTERRUPTED,
-            v["state"].as_str().unwrap_or("ended").replace('_', " "),
-        ),
-    };
-    let slurm_state = v["slurm_state"]
-        .as_str()
-        .filter(|s| !s.is_empty() && *s != "unknown")
-        .unwrap_or("purged");
-    let mut content =
-        format!("job `{name}` on {sandbox}: {outcome} (Slurm: {slurm_state}, job {job_id})");
-    if let Some(l) = last_line(v["log_tail"].as_str().unwrap_or_default()) {
-        content.push_str(&format!("; last line: {}", clip(&l, MAX_LAST_LINE_CHARS)));
-    }
-    let mut meta = BTreeMap::from([
-        ("kind", "job".to_string()),
-        ("event", event.to_string()),
-        ("sandbox_name", sandbox.to_string()),
-        ("session_name", name.to_string()),
-        ("slurm_job_id", job_id.to_string()),
-        ("slurm_state", slurm_state.to_string()),
-    ]);
-    if let Some(c) = exit {
-        meta.insert("exit_code", c.to_string());
-    }
-    Message::new(content, meta)
 }
 
 struct Transfer {
@@ -726,76 +424,11 @@ impl Transfer {
     }
 }
 
-/// The job's last line with text in it, as one line (control characters out, so remote text
-/// can never start a second line or a terminal escape), or none when it printed nothing. The
-/// job runner's own `EXIT_CODE=N` marker is the exit code, which the line already says, and
-/// its header (`== session:`, `== started_at:`, `== command:`) is not the job's output: the
-/// search stops there.
-fn last_line(tail: &str) -> Option<String> {
-    let marker = |l: &str| {
-        l.strip_prefix("EXIT_CODE=")
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-    };
-    let lines: Vec<&str> = tail.lines().collect();
-    let header = |i: usize| {
-        lines[i].starts_with("== command: ")
-            && i >= 2
-            && lines[i - 1].starts_with("== started_at: ")
-            && lines[i - 2].starts_with("== session: ")
-    };
-    (0..lines.len())
-        .rev()
-        .take_while(|&i| !header(i))
-        .map(|i| crate::watchdog::one_line(lines[i]))
-        .find(|l| !l.is_empty() && !marker(l))
-        .map(|l| clip(&l, MAX_LAST_LINE_CHARS))
-}
-
-/// `s` as text a client shows inside a `<channel …>…</channel>` turn: one line, and nothing
-/// that reads as markup or as a second turn. Control characters (C0 with CR, LF and tab, DEL,
-/// C1), the Unicode line and paragraph separators and the bidirectional overrides are written
-/// as visible `\u{..}` escapes; `<` and `>` become `‹` and `›`, so no text opens or closes a
-/// tag; `"` becomes `'`, so a meta value (a tag attribute) cannot end early.
-pub fn for_channel(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '<' => out.push('‹'),
-            '>' => out.push('›'),
-            '"' => out.push('\''),
-            c if c.is_control()
-                || matches!(c, '\u{2028}' | '\u{2029}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}') =>
-            {
-                out.push_str(&format!("\\u{{{:x}}}", c as u32))
-            }
-            c => out.push(c),
-        }
-    }
-    out
-}
-
-fn clip(s: &str, max: usize) -> String {
-    if s.chars().count() <= max {
-        return s.to_string();
-    }
-    let mut out: String = s.chars().take(max - 1).collect();
-    out.push('…');
-    out
-}
-
-/// `2h03m`, `4m05s`, `7s`.
-fn duration(secs: i64) -> String {
-    let s = secs.max(0);
-    match (s / 3600, (s % 3600) / 60, s % 60) {
-        (0, 0, s) => format!("{s}s"),
-        (0, m, s) => format!("{m}m{s:02}s"),
-        (h, m, _) => format!("{h}h{m:02}m"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    use super::super::push::{MAX_CONTENT_CHARS, for_channel};
     use super::*;
+    use serde_json::json;
 
     fn job(event_type: &str, payload: Value) -> JobEvent {
         JobEvent {
@@ -812,55 +445,6 @@ mod tests {
             run_id: "r1".into(),
             watch_status: "completed".into(),
         }
-    }
-
-    #[test]
-    fn the_last_line_is_the_job_s_own_or_none() {
-        let header =
-            "== session: t\n== started_at: 2026-12-06T08:00:00Z\n== command: python train.py\n";
-        assert_eq!(last_line(header), None);
-        assert_eq!(last_line(&format!("{header}EXIT_CODE=1\n")), None);
-        assert_eq!(
-            last_line(&format!("{header}epoch 1\n\nEXIT_CODE=0\n")).as_deref(),
-            Some("epoch 1")
-        );
-        // A job that prints lines like a header is still heard.
-        assert_eq!(
-            last_line("== command: mine\n").as_deref(),
-            Some("== command: mine")
-        );
-        // The previous run's output before this run's header is not this run's.
-        assert_eq!(last_line(&format!("old run\nEXIT_CODE=1\n{header}")), None);
-    }
-
-    #[test]
-    fn a_slurm_end_says_slurm_s_word_or_the_exit_code_and_its_ids() {
-        let header = "== session: s\n== started_at: 2026-12-07T05:00:00Z\n== command: x\n";
-        let exited = json!({"running": false, "state": "exited", "exit_code": 3,
-            "slurm_state": "FAILED", "log_tail": format!("{header}loss nan\nEXIT_CODE=3\n")});
-        let m = slurm_ended("hpc", "train", "17", &exited);
-        assert_eq!(
-            m.content,
-            "job `train` on hpc: failed (exit 3) (Slurm: FAILED, job 17); last line: loss nan"
-        );
-        assert_eq!(m.meta["event"], "completed");
-        assert_eq!(m.meta["exit_code"], "3");
-        assert_eq!(m.meta["slurm_job_id"], "17");
-        // Cancelled while pending: no record, no output, Slurm's word.
-        let cancelled = json!({"running": false, "state": "exited", "reason": "cancelled",
-            "slurm_state": "CANCELLED", "log_tail": ""});
-        let m = slurm_ended("hpc", "held", "18", &cancelled);
-        assert_eq!(
-            m.content,
-            "job `held` on hpc: cancelled (Slurm: CANCELLED, job 18)"
-        );
-        assert_eq!(m.meta["event"], "cancelled");
-        assert!(!m.meta.contains_key("exit_code"));
-        // Forgotten by Slurm with no end on record.
-        let lost = json!({"running": false, "state": "lost", "slurm_state": "unknown"});
-        let m = slurm_ended("hpc", "gone", "19", &lost);
-        assert_eq!(m.content, "job `gone` on hpc: lost (Slurm: purged, job 19)");
-        assert_eq!(m.meta["event"], "interrupted");
     }
 
     /// Issue 40: the scan read a watch's events, then its status, in two transactions; a
@@ -920,7 +504,7 @@ mod tests {
                     "watch {id} ended unheard"
                 );
             }
-            followed.apply(&found);
+            found.apply_to(&followed);
         }
         writer.join().unwrap();
         assert_eq!(heard.len(), N as usize);
@@ -1032,42 +616,5 @@ mod tests {
         assert!(m.content.starts_with("job `x"), "{}", m.content);
         assert!(m.content.contains("failed (exit 1)"), "{}", m.content);
         assert_eq!(for_channel("plain text: ok"), "plain text: ok");
-    }
-
-    /// Issue 40: a run's end is sent once, by whichever of the agent's stream and the store
-    /// reports it first; a resumed run of the same name (another start) is its own end.
-    #[test]
-    fn each_run_s_end_is_claimed_once_by_the_stream_or_the_store() {
-        let f = Followed::default();
-        let run = |n: &str, t: u64| ("gpu1".to_string(), n.to_string(), t);
-        f.job("gpu1", "train", 1_000, 4);
-        f.job("gpu1", "eval", 2_000, 0);
-        f.job("gpu2", "x", 500, 0);
-        assert_eq!(f.first_started("gpu1"), Some(1_000));
-        assert_eq!(f.job_sandboxes().len(), 2);
-        // The stream first: the store's report of the same end is dropped.
-        assert_eq!(f.take_job(&run("train", 1_000)), Some(4));
-        assert!(!f.claim_end(&run("train", 1_000)));
-        assert_eq!(f.take_job(&run("train", 1_000)), None);
-        // The store first: the stream finds nothing left to report.
-        assert!(f.claim_end(&run("eval", 2_000)));
-        assert_eq!(f.take_job(&run("eval", 2_000)), None);
-        assert_eq!(f.first_started("gpu1"), None);
-        // A resumed run: a new start, heard on its own.
-        assert!(f.claim_end(&run("train", 9_000)));
-        // Not this session's job: the stream ignores it; a job whose end was already
-        // reported is not followed again.
-        assert_eq!(f.take_job(&run("other", 1_000)), None);
-        f.job("gpu1", "train", 1_000, 4);
-        assert_eq!(f.first_started("gpu1"), None);
-        assert!(!f.is_empty(), "gpu2's job is still followed");
-    }
-
-    #[test]
-    fn durations_read_as_a_person_writes_them() {
-        assert_eq!(duration(7), "7s");
-        assert_eq!(duration(245), "4m05s");
-        assert_eq!(duration(7380), "2h03m");
-        assert_eq!(duration(-5), "0s");
     }
 }

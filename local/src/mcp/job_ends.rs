@@ -19,7 +19,8 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use super::channel::{Followed, Message, run_ended, slurm_ended};
+use super::followed::Followed;
+use super::push::{Message, run_ended, slurm_ended};
 use crate::client::JobEnds;
 use crate::pool::Pool;
 

@@ -7,11 +7,13 @@
 mod channel;
 mod edit;
 mod exec;
+mod followed;
 mod forward;
 mod fs;
 mod job_ends;
 mod jobs;
 mod policy;
+mod push;
 mod sandboxes;
 mod search;
 mod stdio;
@@ -56,7 +58,7 @@ pub struct RsbServer {
     first_reply_sent: Arc<std::sync::atomic::AtomicBool>,
     /// The watches and background transfers this session started: what the channel pushes
     /// about ([`channel`]).
-    pub(crate) followed: Arc<channel::Followed>,
+    pub(crate) followed: Arc<followed::Followed>,
     /// This server's session, as the audit log names it (random, per `rsb mcp` process).
     session: Arc<str>,
 }

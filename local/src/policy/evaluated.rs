@@ -208,7 +208,7 @@ fn pieces_val(
                 lit.push_str(t);
             }
             WordPiece::SingleQuotedText(t) | WordPiece::EscapeSequence(t) => lit.push_str(t),
-            WordPiece::AnsiCQuotedText(t) => lit.push_str(&super::shell::ansi_c(t)),
+            WordPiece::AnsiCQuotedText(t) => lit.push_str(&super::words::ansi_c(t)),
             WordPiece::DoubleQuotedSequence(inner)
             | WordPiece::GettextDoubleQuotedSequence(inner) => pieces_val(c, inner, true, lit, v),
             WordPiece::TildeExpansion(_) | WordPiece::ArithmeticExpression(_) => {}
@@ -221,7 +221,7 @@ fn pieces_val(
                 }
             }
             WordPiece::BackquotedCommandSubstitution(s) => {
-                if !numeric_output(&super::shell::unbackquote(s), opts) {
+                if !numeric_output(&super::words::unbackquote(s), opts) {
                     v.unsafe_ = true;
                 }
             }

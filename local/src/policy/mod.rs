@@ -17,6 +17,7 @@
 mod evaluated;
 mod glob;
 pub mod shell;
+mod words;
 mod wrappers;
 
 use std::future::Future;
@@ -28,7 +29,7 @@ use crate::{
     config::Config,
     error::{Kind, RsbError},
 };
-use shell::{Arg, Simple};
+use words::{Arg, Simple};
 
 /// One configured rule.
 #[derive(Clone, Debug)]

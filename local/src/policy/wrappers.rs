@@ -6,7 +6,7 @@
 //! table does not know, or a word only known at run time where an option could be, makes
 //! the rest unknown rather than guessed.
 
-use super::shell::{Arg, WordVal};
+use super::words::{Arg, WordVal};
 
 /// What a wrapper runs.
 pub enum Inner {
