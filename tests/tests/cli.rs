@@ -774,6 +774,8 @@ fn cli_table() {
         rsb(&["state"])
             .out("rsb.sqlite3 ")
             .out("the store")
+            .out("audit/ ")
+            .out("the audit log, a file a month")
             .out("rows of sync baselines")
             .out("rows of watched jobs"),
         rsb(&["state", "check"])

@@ -2152,3 +2152,191 @@ fn watch_commands_escape_a_hostile_name() {
     let j: Value = serde_json::from_str(&cli(&["--json", "watch", "list"])).unwrap();
     assert_eq!(j["watches"][0]["name"], hostile);
 }
+
+// ---------------------------------------------------------------------------------------------
+// The state dir's bound (issue 46, item 1)
+
+/// Every file under `dir`, in bytes (what `du --apparent-size` says).
+fn dir_bytes(dir: &Path) -> u64 {
+    let mut n = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => stack.push(e.path()),
+                Ok(m) => n += m.len(),
+                Err(_) => {}
+            }
+        }
+    }
+    n
+}
+
+/// The daemon's heartbeat time (its clock's seconds), once it wrote one.
+fn heartbeat_ts(state: &Path) -> Option<i64> {
+    let c = rsb::store::open(state).ok()?;
+    let (v, _) = db::meta_get(&c, "heartbeat").ok()??;
+    v["ts"].as_i64()
+}
+
+/// A user's busy day, sized by `RSB_SOAK` (`full`: 300 syncs of 100 roots, 200 watched jobs
+/// that each print 80 lines of 200 characters, two hours of daemon ticks; else a fifth of the
+/// syncs and jobs, still two hours): the state dir stays under its documented bound all along,
+/// and 60 days on, `rsb state prune` takes the watches, their events and their files away.
+/// The daemon's clock runs at 240x (`RSB_TEST_CLOCK`, debug builds), so two hours of its ticks
+/// (heartbeats, checks, the hourly retention) take 30 s; `rsb state prune` runs 60 days ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_day_stays_under_the_state_dir_bound_and_prune_brings_it_back() {
+    let full = std::env::var("RSB_SOAK").is_ok_and(|v| v == "full");
+    let (syncs, jobs) = if full { (300, 200) } else { (60, 40) };
+    let roots = syncs / 3;
+    const SIMULATED_S: i64 = 7_200;
+    const RATE: i64 = 240;
+    let sshd = Sshd::start().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("state");
+    let pool = pool_on(&sshd, sshd.port(), &state);
+    let t0 = Instant::now();
+    let daemon = Daemon::start_env(
+        tmp.path(),
+        &state,
+        &[],
+        &[("RSB_TEST_CLOCK", &format!("0*{RATE}"))],
+    );
+    let mut max_du = 0u64;
+    let sample = |max: &mut u64| *max = (*max).max(dir_bytes(&state));
+    let mut ids = Vec::new();
+    for i in 0..jobs {
+        let id = watch_job(
+            &pool,
+            &state,
+            "s",
+            &format!("soak{i}"),
+            "for i in $(seq 80); do printf '%0200d\\n' $i; done",
+            wops::WatchArgs {
+                interval_s: rsb::watchdog::DEFAULT_INTERVAL_S,
+                ..args()
+            },
+        )
+        .await;
+        ids.push(id);
+    }
+    let jobs_s = t0.elapsed().as_secs_f64();
+    // Each root synced three times, a file changed between the runs.
+    let src = tmp.path().join("src");
+    for i in 0..syncs {
+        let root = src.join(format!("r{}", i % roots));
+        if i < roots {
+            std::fs::create_dir_all(&root).unwrap();
+            for f in 0..20 {
+                std::fs::write(
+                    root.join(format!("f{f}.txt")),
+                    format!("{i} {f}\n").repeat(40),
+                )
+                .unwrap();
+            }
+        }
+        std::fs::write(root.join("changing.txt"), format!("run {i}\n")).unwrap();
+        let args = rsb::ops::sync::SyncArgs {
+            local_path: root.display().to_string(),
+            remote_path: format!("soak/r{}", i % roots),
+            ..Default::default()
+        };
+        let r = rsb::ops::sync::sync_local_to_remote(
+            &pool,
+            args,
+            None,
+            &rsb::sync::CancellationToken::new(),
+        )
+        .await;
+        assert!(r.is_ok(), "sync {i}: {r:?}");
+        if i % 20 == 0 {
+            sample(&mut max_du);
+        }
+    }
+    let syncs_s = t0.elapsed().as_secs_f64() - jobs_s;
+    // Every job's end recorded, then the daemon's two hours.
+    for &id in &ids {
+        wait_events(
+            &state,
+            id,
+            Duration::from_secs(60),
+            "completed",
+            has("completed"),
+        )
+        .await;
+    }
+    let first = loop {
+        if let Some(ts) = heartbeat_ts(&state) {
+            break ts;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "no heartbeat");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let started = rsb::store::now_s().min(first);
+    let bound = Duration::from_secs((SIMULATED_S / RATE) as u64 + 60);
+    let ticking = Instant::now();
+    while heartbeat_ts(&state).is_none_or(|ts| ts < started + SIMULATED_S) {
+        assert!(
+            ticking.elapsed() < bound,
+            "the daemon's clock did not reach two hours within {bound:?}:\n{}",
+            daemon.log_text()
+        );
+        sample(&mut max_du);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    sample(&mut max_du);
+    drop(daemon);
+    pool.shutdown().await;
+
+    let rsb_json = |args: &[&str], clock: Option<&str>| -> Value {
+        let mut cmd = Command::new(rsb_bin());
+        cmd.arg("--json").args(args);
+        base_env(&mut cmd, tmp.path(), &state);
+        if let Some(c) = clock {
+            cmd.env("RSB_TEST_CLOCK", c);
+        }
+        let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(60)).unwrap();
+        assert!(
+            out.status.success(),
+            "rsb {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let table = |u: &Value, t: &str| -> u64 {
+        u["usage"]["tables"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["path"] == t)
+            .map_or(0, |e| e["count"].as_u64().unwrap())
+    };
+    let before = rsb_json(&["state"], None);
+    let du_before = dir_bytes(&state);
+    let bound_bytes = rsb::store::retention::STATE_DIR_BOUND_BYTES;
+    println!(
+        "soak ({}): {jobs} watched jobs in {jobs_s:.1} s, {syncs} syncs of {roots} roots in \
+         {syncs_s:.1} s, {SIMULATED_S} s of daemon ticks; state dir at most {max_du} bytes \
+         (bound {bound_bytes}), {du_before} at the end, of which `rsb state` counts {}",
+        if full { "full" } else { "suite" },
+        before["usage"]["total_bytes"]
+    );
+    assert!(max_du < bound_bytes, "{max_du} bytes: {before}");
+    assert_eq!(table(&before, "watches"), jobs as u64, "{before}");
+    assert!(table(&before, "watch_events") >= jobs as u64, "{before}");
+    assert_eq!(table(&before, "sync_baselines"), roots as u64, "{before}");
+
+    // Sixty days on.
+    let pruned = rsb_json(&["state", "prune"], Some(&format!("{}", 60 * 86_400)));
+    let after = rsb_json(&["state"], None);
+    let du_after = dir_bytes(&state);
+    println!("60 days on: pruned {pruned}; state dir {du_before} -> {du_after} bytes");
+    assert_eq!(pruned["watches"], jobs as u64, "{pruned}");
+    assert_eq!(table(&after, "watches"), 0, "{after}");
+    assert_eq!(table(&after, "watch_events"), 0, "{after}");
+    assert!(!state.join("events").exists() || dir_bytes(&state.join("events")) == 0);
+    // Baselines are kept for 90 days of no sync: conflict detection survives a holiday.
+    assert_eq!(table(&after, "sync_baselines"), roots as u64, "{after}");
+    assert!(du_after < du_before, "{du_before} -> {du_after}");
+}

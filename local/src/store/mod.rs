@@ -11,7 +11,7 @@
 use std::{
     io::Write,
     path::{Path, PathBuf},
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::Duration,
 };
 
 use rusqlite::Connection;
@@ -19,6 +19,7 @@ use rusqlite::Connection;
 use crate::error::{Kind, RsbError};
 
 pub mod baselines;
+pub mod clock;
 pub mod forwards;
 pub mod retention;
 pub mod roots_lock;
@@ -39,16 +40,7 @@ pub fn db_path(state_dir: &Path) -> PathBuf {
     state_dir.join(DB_FILE)
 }
 
-pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}
-
-pub fn now_s() -> i64 {
-    now_ms() / 1000
-}
+pub use clock::{now_ms, now_s};
 
 /// Runs store work from async code without holding a runtime thread. A query waits up to
 /// the busy timeout (5 s) while another process holds the database's write lock, and a

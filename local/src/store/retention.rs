@@ -4,13 +4,16 @@
 //! size. A persisted sandbox definition goes when no server has stored it for 90 days and no
 //! watch, task or forward still names it (each config change adds one, [`super::sandboxes`]). The daemon prunes once an hour and `rsb state prune` prunes now.
 //!
+//! Ages are read against [`super::clock`], so a test can run the daemon's hours in seconds and
+//! prune as if months had passed (`a_busy_day_stays_under_the_state_dir_bound_and_prune_brings_it_back`).
+//!
 //! A baseline's `updated_ts` says when its root was last synced (a no-change resync touches it
 //! at most once a day, [`super::baselines::touch`]), so a root that keeps being synced keeps
 //! its conflict detection however long nothing changes.
 
 use std::{
     path::{Path, PathBuf},
-    time::{Duration, SystemTime},
+    time::SystemTime,
 };
 
 use rusqlite::{Connection, params};
@@ -139,6 +142,7 @@ pub fn usage(state_dir: &Path, conn: Option<&Connection>) -> Result<Usage> {
             "watchdog-secrets.json".into(),
             "opted-in secrets (RSB_WATCHDOG_STORE_PASSWORDS)",
         ),
+        ("known_hosts".into(), "host keys rsb learned"),
     ] {
         let p = state_dir.join(&name);
         if p.exists() {
@@ -153,6 +157,8 @@ pub fn usage(state_dir: &Path, conn: Option<&Connection>) -> Result<Usage> {
     for (name, what) in [
         ("events", "watch event files"),
         ("transfers", "transfer logs"),
+        ("audit", "the audit log, a file a month (12 kept)"),
+        (super::roots_lock::DIR, "locks of synced roots"),
     ] {
         let (bytes, count) = dir_usage(&state_dir.join(name));
         if count > 0 {
@@ -320,7 +326,7 @@ pub fn prune(state_dir: &Path, conn: &Connection, policy: &Policy, now: i64) -> 
             out.event_files += 1;
         }
     }
-    out.event_files += remove_older(&events_dir, "event-", policy.events_days);
+    out.event_files += remove_older(&events_dir, "event-", policy.events_days, now);
     let tr_dir = state_dir.join("transfers");
     for log in logs.iter().filter(|l| !l.is_empty()) {
         let p = PathBuf::from(log);
@@ -329,8 +335,8 @@ pub fn prune(state_dir: &Path, conn: &Connection, policy: &Policy, now: i64) -> 
             out.transfer_logs += 1;
         }
     }
-    out.transfer_logs += remove_older(&tr_dir, "transfer-", policy.transfers_days);
-    out.sync_locks = super::roots_lock::prune(state_dir, policy.baselines_days);
+    out.transfer_logs += remove_older(&tr_dir, "transfer-", policy.transfers_days, now);
+    out.sync_locks = super::roots_lock::prune(state_dir, policy.baselines_days, now);
     out.daemon_log_rotated =
         rotate_log(&state_dir.join("watchdog.log"), policy.daemon_log_max_bytes);
     // Give the space back: the WAL to the database, then the database's free pages.
@@ -349,12 +355,20 @@ fn ids(conn: &Connection, sql: &str, arg: i64) -> Result<Vec<i64>> {
         .map_err(db_err)
 }
 
-/// Remove `dir/<prefix>*` files not modified for `days`; how many.
-fn remove_older(dir: &Path, prefix: &str, days: i64) -> u64 {
+/// Whether a file's mtime is before `cut` (Unix seconds).
+pub(crate) fn modified_before(m: &std::fs::Metadata, cut: i64) -> bool {
+    m.modified()
+        .ok()
+        .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
+        .is_some_and(|d| (d.as_secs() as i64) < cut)
+}
+
+/// Remove `dir/<prefix>*` files not modified for `days` before `now`; how many.
+fn remove_older(dir: &Path, prefix: &str, days: i64, now: i64) -> u64 {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return 0;
     };
-    let cut = SystemTime::now() - Duration::from_secs((days.max(0) * DAY) as u64);
+    let cut = now - days.max(0) * DAY;
     let mut n = 0;
     for e in rd.flatten() {
         let name = e.file_name();
@@ -363,7 +377,7 @@ fn remove_older(dir: &Path, prefix: &str, days: i64) -> u64 {
         }
         if let Ok(m) = e.metadata()
             && m.is_file()
-            && m.modified().is_ok_and(|t| t < cut)
+            && modified_before(&m, cut)
             && std::fs::remove_file(e.path()).is_ok()
         {
             n += 1;

@@ -19,7 +19,6 @@ use std::{
     io::{Read, Seek, Write},
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
-    time::{Duration, SystemTime},
 };
 
 use crate::{
@@ -144,18 +143,19 @@ pub fn try_lock(state_dir: &Path, key: &Key) -> Result<Attempt> {
     Ok(Attempt::Busy("a process pruning the state dir".into()))
 }
 
-/// Remove lock files not used for `days`, each only while holding its lock; how many.
-pub fn prune(state_dir: &Path, days: i64) -> u64 {
+/// Remove lock files not used for `days` before `now` (Unix seconds), each only while holding
+/// its lock; how many.
+pub fn prune(state_dir: &Path, days: i64, now: i64) -> u64 {
     let Ok(rd) = std::fs::read_dir(state_dir.join(DIR)) else {
         return 0;
     };
-    let cut = SystemTime::now() - Duration::from_secs((days.max(0) * 86_400) as u64);
+    let cut = now - days.max(0) * 86_400;
     let mut n = 0;
     for e in rd.flatten() {
         let path = e.path();
         let idle = e
             .metadata()
-            .is_ok_and(|m| m.is_file() && m.modified().is_ok_and(|t| t < cut));
+            .is_ok_and(|m| m.is_file() && super::retention::modified_before(&m, cut));
         if !idle || path.extension().is_none_or(|x| x != "lock") {
             continue;
         }
@@ -208,10 +208,11 @@ mod tests {
         let Attempt::Held(held) = try_lock(d.path(), &key("a")).unwrap() else {
             panic!()
         };
-        // Idle for "0 days" is everything; a held lock still stays.
-        assert_eq!(prune(d.path(), 0), 0);
+        // Idle for "0 days" (a second on) is everything; a held lock still stays.
+        let later = crate::store::now_s() + 1;
+        assert_eq!(prune(d.path(), 0, later), 0);
         drop(held);
-        assert_eq!(prune(d.path(), 0), 1);
+        assert_eq!(prune(d.path(), 0, later), 1);
         assert_eq!(
             std::fs::read_dir(d.path().join(DIR)).unwrap().count(),
             0,

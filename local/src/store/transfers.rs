@@ -13,7 +13,7 @@ use std::{
     io::{Read, Seek, SeekFrom, Write},
     path::{Path, PathBuf},
     sync::Arc,
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::Duration,
 };
 
 use parking_lot::Mutex;
@@ -29,10 +29,7 @@ const LOG_TAIL_READ: u64 = 80_000;
 const LOG_TAIL_MAX_CHARS: usize = 20_000;
 
 pub(crate) fn now() -> f64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
+    super::clock::now_f64()
 }
 
 pub(crate) fn db_err(e: impl std::fmt::Display) -> RsbError {
@@ -907,7 +904,7 @@ mod tests {
             "rsb-transfers-test-{}-{}",
             std::process::id(),
             std::time::SystemTime::now()
-                .duration_since(UNIX_EPOCH)
+                .duration_since(std::time::UNIX_EPOCH)
                 .unwrap()
                 .as_nanos()
         ));

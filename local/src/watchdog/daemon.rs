@@ -168,10 +168,11 @@ pub struct Daemon {
     hook_timeout: Duration,
     /// Detached forwards (`forward_port(detach=true)`), served on the hosts' pools.
     forwards: Arc<super::forwards::Served>,
-    /// When the heartbeat was last written ([`super::HEARTBEAT_EVERY`]).
-    last_beat: Mutex<Option<Instant>>,
-    /// When retention last ran ([`PRUNE_EVERY`]).
-    last_prune: Mutex<Option<Instant>>,
+    /// When the heartbeat was last written ([`super::HEARTBEAT_EVERY`]), in the store's clock's
+    /// ms ([`store::clock`]: a test runs it fast).
+    last_beat: Mutex<Option<i64>>,
+    /// When retention last ran ([`PRUNE_EVERY`]), as `last_beat`.
+    last_prune: Mutex<Option<i64>>,
     /// One job-event subscription per sandbox with an active watch, by its key
     /// ([`Daemon::follow`]): a job's end starts its watch's check at once.
     subscriptions: Mutex<HashMap<String, tokio::task::JoinHandle<()>>>,
@@ -349,7 +350,7 @@ impl Daemon {
                 let beat_due = self
                     .last_beat
                     .lock()
-                    .is_none_or(|t| t.elapsed() >= super::HEARTBEAT_EVERY);
+                    .is_none_or(|t| ms - t >= super::HEARTBEAT_EVERY.as_millis() as i64);
                 if beat_due {
                     db::meta_set(
                         c,
@@ -363,15 +364,16 @@ impl Daemon {
                             "mode": opts.mode,
                         }),
                     )?;
-                    *self.last_beat.lock() = Some(Instant::now());
+                    *self.last_beat.lock() = Some(ms);
                 }
                 let prune_due = self
                     .last_prune
                     .lock()
-                    .is_none_or(|t| t.elapsed() >= PRUNE_EVERY);
+                    .is_none_or(|t| ms - t >= PRUNE_EVERY.as_millis() as i64);
                 if prune_due {
-                    *self.last_prune.lock() = Some(Instant::now());
-                    match store::retention::prune_now(&self.state_dir, c, &Default::default()) {
+                    *self.last_prune.lock() = Some(ms);
+                    let policy = Default::default();
+                    match store::retention::prune(&self.state_dir, c, &policy, ms / 1000) {
                         Ok(p) if p.bytes_freed > 0 => {
                             tracing::info!("[watchdog] retention: {p:?}")
                         }
