@@ -217,99 +217,23 @@ fn ident_at(b: &[char], mut i: usize) -> (String, usize) {
     (b[start..i].iter().collect(), i)
 }
 
-/// The top-level modules named right after a crate-root path at `i`: one
-/// for `crate::x`, each of them for `crate::{x, y::z}`.
-fn heads_at(b: &[char], i: usize) -> Vec<String> {
-    let mut j = i;
-    while j < b.len() && b[j].is_whitespace() {
-        j += 1;
-    }
-    if b.get(j) != Some(&'{') {
-        let (id, _) = ident_at(b, j);
-        return if id.is_empty() { vec![] } else { vec![id] };
-    }
-    let mut heads = Vec::new();
-    let mut depth = 0;
-    let mut expect = true;
-    let mut k = j;
-    while k < b.len() {
-        match b[k] {
-            '{' => {
-                depth += 1;
-                expect = depth == 1;
-                k += 1;
-            }
-            '}' => {
-                depth -= 1;
-                k += 1;
-                if depth == 0 {
-                    break;
-                }
-            }
-            ',' => {
-                expect = depth == 1;
-                k += 1;
-            }
-            c if expect && (c.is_alphanumeric() || c == '_') => {
-                let (id, end) = ident_at(b, k);
-                heads.push(id);
-                expect = false;
-                k = end;
-            }
-            _ => k += 1,
-        }
-    }
-    heads
-}
-
 /// The edges out of one file, whose module path under `src/` is `module`
-/// (for `sync/engine/window.rs`, `["sync", "engine", "window"]`).
+/// (for `sync/engine/window.rs`, `["sync", "engine", "window"]`): to each other top-level
+/// module a `crate::` path (or a `super::` path climbing to the root) names.
 pub fn edges_of(module: &[String], file: &str, src: &str) -> Vec<Edge> {
-    let code = strip_test_items(&strip_comments_and_strings(src));
-    let b: Vec<char> = code.chars().collect();
-    let from = module[0].clone();
+    let from = &module[0];
+    let mut seen = BTreeSet::new();
     let mut edges = Vec::new();
-    let mut line = 1;
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == '\n' {
-            line += 1;
-            i += 1;
-            continue;
+    for (target, line) in paths_named(module, None, src) {
+        match target.first() {
+            Some(to) if to != from && seen.insert((to.clone(), line)) => edges.push(Edge {
+                from: from.clone(),
+                to: to.clone(),
+                file: file.to_string(),
+                line,
+            }),
+            _ => {}
         }
-        if ident_char_before(&b, i) {
-            i += 1;
-            continue;
-        }
-        let mut targets = Vec::new();
-        let mut end = i + 1;
-        if b[i..].starts_with(&['c', 'r', 'a', 't', 'e', ':', ':']) {
-            targets = heads_at(&b, i + 7);
-            end = i + 7;
-        } else if b[i..].starts_with(&['s', 'u', 'p', 'e', 'r', ':', ':']) {
-            let mut j = i;
-            let mut ups = 0;
-            while b[j..].starts_with(&['s', 'u', 'p', 'e', 'r', ':', ':']) {
-                ups += 1;
-                j += 7;
-            }
-            end = j;
-            // Only a climb back to the crate root names another top-level module.
-            if ups >= module.len() {
-                targets = heads_at(&b, j);
-            }
-        }
-        for to in targets {
-            if to != from && to != "self" && to != "super" {
-                edges.push(Edge {
-                    from: from.clone(),
-                    to,
-                    file: file.to_string(),
-                    line,
-                });
-            }
-        }
-        i = end;
     }
     edges
 }
@@ -530,6 +454,11 @@ fn path_tree(
             k = j + 2;
         } else {
             out.push((path, at));
+            // `x as y`: the new name is not a path.
+            let (word, after) = ident_at(b, k);
+            if word == "as" {
+                k = ident_at(b, after).1;
+            }
             return k;
         }
     }
@@ -551,9 +480,39 @@ pub fn file_edges_of(
     file: &str,
     src: &str,
 ) -> Vec<Edge> {
+    let mut edges = BTreeSet::new();
+    for (target, line) in paths_named(module, Some(known), src) {
+        // Project onto the two children of the deepest common ancestor: a module and its
+        // own submodules (a facade and what it contains) are not a circle, siblings are.
+        let common = module
+            .iter()
+            .zip(&target)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if common < module.len() && common < target.len() {
+            edges.insert(Edge {
+                from: module_name(&module[..=common]),
+                to: module_name(&target[..=common]),
+                file: file.to_string(),
+                line,
+            });
+        }
+    }
+    edges.into_iter().collect()
+}
+
+/// Every module path one file of module `module` names outside comments, strings and test
+/// items, with its line: `crate::` and `super::` paths, `self::` paths and, when the crate's
+/// modules are `known`, paths that start at a child module; each resolved to the longest of
+/// its prefixes that is a known module (to the whole path without `known`).
+fn paths_named(
+    module: &[String],
+    known: Option<&BTreeSet<Vec<String>>>,
+    src: &str,
+) -> Vec<(Vec<String>, usize)> {
     let code = strip_test_items(&strip_comments_and_strings(src));
     let b: Vec<char> = code.chars().collect();
-    let mut edges = BTreeSet::new();
+    let mut out = Vec::new();
     let mut line = 1;
     let mut i = 0;
     while i < b.len() {
@@ -572,33 +531,29 @@ pub fn file_edges_of(
         while j < b.len() && b[j].is_whitespace() {
             j += 1;
         }
-        let is_path = b[j..].starts_with(&[':', ':']);
-        let mut base: Option<Vec<String>> = None;
         let mut at = j + 2;
-        if is_path {
-            match id.as_str() {
-                "crate" => base = Some(Vec::new()),
-                "self" => base = Some(module.to_vec()),
-                "super" => {
-                    let mut up = module.to_vec();
-                    let mut k = i;
-                    while b[k..].starts_with(&['s', 'u', 'p', 'e', 'r', ':', ':']) {
-                        up.pop();
-                        k += 7;
-                    }
-                    at = k;
-                    base = Some(up);
+        let base = match id.as_str() {
+            _ if !b[j..].starts_with(&[':', ':']) => None,
+            "crate" => Some(Vec::new()),
+            "self" => Some(module.to_vec()),
+            "super" => {
+                let mut up = module.to_vec();
+                at = i;
+                while b[at..].starts_with(&['s', 'u', 'p', 'e', 'r', ':', ':']) {
+                    up.pop();
+                    at += 7;
                 }
-                _ => {
-                    let mut child = module.to_vec();
-                    child.push(id.clone());
-                    if known.contains(&child) {
-                        base = Some(module.to_vec());
-                        at = i;
-                    }
-                }
+                Some(up)
             }
-        }
+            _ => {
+                let mut child = module.to_vec();
+                child.push(id.clone());
+                at = i;
+                known
+                    .is_some_and(|k| k.contains(&child))
+                    .then(|| module.to_vec())
+            }
+        };
         let Some(base) = base else {
             i = end;
             continue;
@@ -607,32 +562,21 @@ pub fn file_edges_of(
         let stop = path_tree(&b, at, &base, &mut paths);
         for (p, at) in paths {
             let line = line + b[i..at.max(i)].iter().filter(|&&c| c == '\n').count();
-            let target = (0..=p.len())
-                .rev()
-                .map(|n| p[..n].to_vec())
-                .find(|m| known.contains(m) || m.is_empty())
-                .unwrap_or_default();
-            // Project onto the two children of the deepest common ancestor: a module and its
-            // own submodules (a facade and what it contains) are not a circle, siblings are.
-            let common = module
-                .iter()
-                .zip(&target)
-                .take_while(|(a, b)| a == b)
-                .count();
-            if common < module.len() && common < target.len() {
-                edges.insert(Edge {
-                    from: module_name(&module[..=common]),
-                    to: module_name(&target[..=common]),
-                    file: file.to_string(),
-                    line,
-                });
-            }
+            let target = match known {
+                Some(k) => (0..=p.len())
+                    .rev()
+                    .map(|n| p[..n].to_vec())
+                    .find(|m| k.contains(m) || m.is_empty())
+                    .unwrap_or_default(),
+                None => p,
+            };
+            out.push((target, line));
         }
         // Newlines inside a `use` tree still count.
         line += b[i..stop.max(i)].iter().filter(|&&c| c == '\n').count();
         i = stop.max(end);
     }
-    edges.into_iter().collect()
+    out
 }
 
 #[cfg(test)]
@@ -780,7 +724,7 @@ mod tests {
             // A path through a sibling's re-export is an edge to that sibling.
             (
                 "exec.rs",
-                "use crate::{\n    responder::Ok,\n    serve::Responder,\n};\n",
+                "use crate::{\n    responder::Ok as Fine,\n    serve::Responder,\n};\n",
             ),
             (
                 "serve.rs",
@@ -837,7 +781,7 @@ const HINT: &str = "run crate::ops::x";
 const RAW: &str = r#"crate::mcp "quoted" "#;
 const C: char = '"';
 fn f<'a>(x: &'a str) -> &'a str { x }
-use crate::{error::Error, term::{human, Style}};
+use crate::{error::Error as E, term::{human, Style}};
 #[cfg(test)]
 mod tests {
     use crate::ops::exec;

@@ -27,6 +27,15 @@ pub fn now_f64() -> f64 {
     now_ms() as f64 / 1000.0
 }
 
+/// Whether a file was last modified before `cut` (Unix seconds, as [`now_s`] reads them): how
+/// retention ages the files it keeps beside the store.
+pub fn modified_before(m: &std::fs::Metadata, cut: i64) -> bool {
+    m.modified()
+        .ok()
+        .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
+        .is_some_and(|d| (d.as_secs() as i64) < cut)
+}
+
 fn real_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)

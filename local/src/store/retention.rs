@@ -11,10 +11,7 @@
 //! at most once a day, [`super::baselines::touch`]), so a root that keeps being synced keeps
 //! its conflict detection however long nothing changes.
 
-use std::{
-    path::{Path, PathBuf},
-    time::SystemTime,
-};
+use std::path::{Path, PathBuf};
 
 use rusqlite::{Connection, params};
 use serde::Serialize;
@@ -355,14 +352,6 @@ fn ids(conn: &Connection, sql: &str, arg: i64) -> Result<Vec<i64>> {
         .map_err(db_err)
 }
 
-/// Whether a file's mtime is before `cut` (Unix seconds).
-pub(crate) fn modified_before(m: &std::fs::Metadata, cut: i64) -> bool {
-    m.modified()
-        .ok()
-        .and_then(|t| t.duration_since(SystemTime::UNIX_EPOCH).ok())
-        .is_some_and(|d| (d.as_secs() as i64) < cut)
-}
-
 /// Remove `dir/<prefix>*` files not modified for `days` before `now`; how many.
 fn remove_older(dir: &Path, prefix: &str, days: i64, now: i64) -> u64 {
     let Ok(rd) = std::fs::read_dir(dir) else {
@@ -377,7 +366,7 @@ fn remove_older(dir: &Path, prefix: &str, days: i64, now: i64) -> u64 {
         }
         if let Ok(m) = e.metadata()
             && m.is_file()
-            && modified_before(&m, cut)
+            && super::clock::modified_before(&m, cut)
             && std::fs::remove_file(e.path()).is_ok()
         {
             n += 1;

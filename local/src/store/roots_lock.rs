@@ -155,7 +155,7 @@ pub fn prune(state_dir: &Path, days: i64, now: i64) -> u64 {
         let path = e.path();
         let idle = e
             .metadata()
-            .is_ok_and(|m| m.is_file() && super::retention::modified_before(&m, cut));
+            .is_ok_and(|m| m.is_file() && super::clock::modified_before(&m, cut));
         if !idle || path.extension().is_none_or(|x| x != "lock") {
             continue;
         }
