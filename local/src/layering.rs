@@ -353,8 +353,9 @@ pub struct CrateFiles {
 }
 
 impl CrateFiles {
-    /// The crate whose root is `src/<root>`, with every `.rs` file under `src` except
-    /// those under the top-level modules in `skip` (and the other root file).
+    /// The crate whose root file is `src/<root>`, with the `.rs` files under `src` of the
+    /// top-level modules in `only` (all when `None`), less those in `skip` and the other root
+    /// file: the library and the binary share `local/src`.
     pub fn scan(src: &Path, root: &str, only: Option<&[&str]>, skip: &[&str]) -> CrateFiles {
         let mut paths = Vec::new();
         rust_files(src, &mut paths);
@@ -364,7 +365,7 @@ impl CrateFiles {
             let rel = f.strip_prefix(src).unwrap_or(&f).to_path_buf();
             let mut module = module_path(&rel);
             match module.first().map(String::as_str) {
-                Some(r) if r == root.trim_end_matches(".rs") => module.clear(),
+                Some(r) if module.len() == 1 && r == root.trim_end_matches(".rs") => module.clear(),
                 Some("lib" | "main") if module.len() == 1 => continue,
                 Some(top) if skip.contains(&top) => continue,
                 Some(top) if only.is_some_and(|o| !o.contains(&top)) => continue,
