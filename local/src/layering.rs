@@ -270,18 +270,12 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
 /// Every edge of the library under `src`. The binary's own modules (`main.rs`
 /// and `cli/`) sit above the library and are left out.
 pub fn crate_edges(src: &Path) -> Vec<Edge> {
-    let mut files = Vec::new();
-    rust_files(src, &mut files);
-    files.sort();
+    let library = CrateFiles::scan(src, "lib.rs", None, &["cli"]);
     let mut edges = Vec::new();
-    for f in files {
-        let rel = f.strip_prefix(src).unwrap_or(&f).to_path_buf();
-        let module = module_path(&rel);
-        if module.is_empty() || matches!(module[0].as_str(), "main" | "lib" | "cli") {
-            continue;
-        }
-        let text = std::fs::read_to_string(&f).unwrap_or_default();
-        edges.extend(edges_of(&module, &rel.to_string_lossy(), &text));
+    for (f, module) in library.files.iter().filter(|(_, m)| !m.is_empty()) {
+        let rel = f.strip_prefix(src).unwrap_or(f).to_string_lossy();
+        let text = std::fs::read_to_string(f).unwrap_or_default();
+        edges.extend(edges_of(module, &rel, &text));
     }
     edges
 }
