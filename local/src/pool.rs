@@ -65,8 +65,10 @@ pub struct Pool {
     active: RwLock<Option<String>>,
     /// rsb's own agent as a child process: the local end of every sync (started lazily).
     local: Mutex<Option<Connection>>,
-    /// Background transfer tasks (opened lazily: SQLite in the state dir).
-    transfers: parking_lot::Mutex<Option<Arc<crate::store::transfers::Transfers>>>,
+    /// The state dir's database, behind its own thread (started on first use).
+    store: parking_lot::Mutex<Option<crate::store::Store>>,
+    /// Background transfer tasks, on `store` (opened lazily).
+    transfers: tokio::sync::OnceCell<Arc<crate::store::transfers::Transfers>>,
     /// Run once per sandbox, in the background, after its first connect (see
     /// [`Pool::on_first_connect`]).
     first_connect: parking_lot::Mutex<Option<FirstConnect>>,
@@ -117,7 +119,8 @@ impl Pool {
             slots,
             active,
             local: Mutex::new(None),
-            transfers: parking_lot::Mutex::new(None),
+            store: parking_lot::Mutex::new(None),
+            transfers: tokio::sync::OnceCell::new(),
             first_connect: parking_lot::Mutex::new(None),
         }
     }
@@ -395,26 +398,30 @@ impl Pool {
         Ok(client)
     }
 
-    /// The background transfer registry (SQLite under the state dir), opened on first use.
-    pub fn transfers(&self) -> Result<Arc<crate::store::transfers::Transfers>> {
-        // Once open it is only a clone, on every sync: no hand-off of the runtime thread.
-        if let Some(g) = self.transfers.try_lock()
-            && let Some(t) = g.as_ref()
-        {
-            return Ok(t.clone());
+    /// The background transfer registry (SQLite under the state dir, behind its own store
+    /// thread), opened on first use. A store that cannot be opened is an error each time it is
+    /// asked for, and opened by the first ask that succeeds.
+    pub async fn transfers(&self) -> Result<Arc<crate::store::transfers::Transfers>> {
+        self.transfers
+            .get_or_try_init(|| async {
+                let store = self.store()?;
+                store.call(|_| Ok(())).await?;
+                Ok(Arc::new(crate::store::transfers::Transfers::on(store)))
+            })
+            .await
+            .cloned()
+    }
+
+    /// The state dir's database: every store call of this process goes through it (its thread
+    /// opens the database on the first call; see [`crate::store::Store`]).
+    pub fn store(&self) -> Result<crate::store::Store> {
+        let mut g = self.store.lock();
+        if let Some(s) = g.as_ref() {
+            return Ok(s.clone());
         }
-        // Opening migrates and checks the database, which waits on another process's lock.
-        crate::store::blocking(|| {
-            let mut g = self.transfers.lock();
-            if let Some(t) = g.as_ref() {
-                return Ok(t.clone());
-            }
-            let t = Arc::new(crate::store::transfers::Transfers::open(
-                &self.config.state_dir,
-            )?);
-            *g = Some(t.clone());
-            Ok(t)
-        })
+        let s = crate::store::Store::new(&self.config.state_dir)?;
+        *g = Some(s.clone());
+        Ok(s)
     }
 
     /// Whether the last connect of `name` uploaded the agent (for tests and diagnostics).
@@ -474,11 +481,10 @@ impl Pool {
         let slot = self.slots.get(name).expect("a configured sandbox");
         let _agent_path = slot.agent_path.lock();
         let _active = self.active.write();
-        let _transfers = self.transfers.lock();
         panic!("injected panic while holding the pool locks of sandbox '{name}'");
     }
 
-    /// Drop every connection (agents see EOF and exit; jobs keep running).
+    /// Drop every connection (agents see EOF and exit; jobs keep running) and close the store.
     ///
     /// A slot whose lock is held past [`SHUTDOWN_WAIT`] is a connect still in flight (a probe
     /// that gave up waiting leaves its connect running, up to `connect_timeout_s`): there is
@@ -495,5 +501,11 @@ impl Pool {
                 }
             });
         futures::future::join_all(closes).await;
+        // The store too, once what was sent to it ran: the database is left whole, without
+        // its write-ahead log (a held lock bounds this wait like a hung connect).
+        let store = self.store.lock().clone();
+        if let Some(s) = store {
+            let _ = tokio::time::timeout(SHUTDOWN_WAIT, s.close()).await;
+        }
     }
 }

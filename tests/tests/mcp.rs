@@ -986,14 +986,24 @@ async fn concurrent_calls_across_two_sandboxes() {
 
 /// A store that another process holds locked never stalls `exec_bash` (issue 20). exec needs
 /// no database; what does (here four small syncs, as many as the runtime has threads and
-/// more, each saving its baseline at its end) waits out the other process's write lock without
-/// holding a runtime thread, so the exec calls made meanwhile run at their usual speed. Before
-/// `store::blocking`, the four syncs held both runtime threads for the whole hold, and an exec
-/// waited for it.
+/// more, each saving its baseline at its end, and the tools that read or write the store
+/// beside: kill_background_task cancels the job's watches, list_forwards, check_background_task
+/// by watch id, check_file_transfer_task) waits out the other process's write lock on the
+/// store's own thread ([`rsb::store::Store`]), so the exec calls made meanwhile run at their
+/// usual speed. Before `store::blocking`, the four syncs held both runtime threads for the
+/// whole hold, and an exec waited for it; until issue 45 the last four touched SQLite on a
+/// runtime thread.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_held_by_another_process_never_stalls_exec_bash() {
     let s = Sshd::start().unwrap();
-    let mcp = Arc::new(Mcp::start(&list(&[key_entry("a", &s)])).await);
+    // The advanced surface: list_forwards is one of the store's readers.
+    let mcp = Arc::new(
+        Mcp::start_with(
+            &list(&[key_entry("a", &s)]),
+            &[("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "1")],
+        )
+        .await,
+    );
     let tmp = tempfile::tempdir().unwrap();
     let trees: Vec<PathBuf> = (0..4)
         .map(|i| {
@@ -1049,6 +1059,21 @@ async fn a_store_held_by_another_process_never_stalls_exec_bash() {
             })
         })
         .collect();
+    let store_tools: Vec<_> = [
+        (
+            "kill_background_task",
+            json!({"tmux_session": "no-such-job", "grace_s": 0}),
+        ),
+        ("list_forwards", json!({})),
+        ("check_background_task", json!({"watch_id": 987_654})),
+        ("check_file_transfer_task", json!({"task_id": 987_654})),
+    ]
+    .into_iter()
+    .map(|(tool, args)| {
+        let mcp = mcp.clone();
+        tokio::spawn(async move { (tool, mcp.call(tool, args).await) })
+    })
+    .collect();
     tokio::time::sleep(Duration::from_millis(200)).await;
     let mut during = Vec::new();
     while locked_at.elapsed() < hold - Duration::from_millis(300) && during.len() < 500 {
@@ -1060,6 +1085,19 @@ async fn a_store_held_by_another_process_never_stalls_exec_bash() {
         let (took, r) = w.await.unwrap();
         assert!(!r.is_error, "{}", r.text);
         waited.push(took);
+    }
+    for t in store_tools {
+        let (tool, r) = t.await.unwrap();
+        println!("{tool} during the hold: {}", r.text);
+        match tool {
+            "list_forwards" => assert!(!r.is_error, "{tool}: {}", r.text),
+            "kill_background_task" => {}
+            _ => assert!(
+                r.is_error && r.text.contains("987654"),
+                "{tool}: {}",
+                r.text
+            ),
+        }
     }
     for i in 0..4 {
         assert_eq!(

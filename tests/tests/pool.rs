@@ -38,7 +38,7 @@ async fn a_panic_while_a_pool_lock_is_held_leaves_the_sandbox_usable() {
         }
     }
     assert_eq!(last.as_deref(), Some("after-panic\n"));
-    pool.transfers().expect("the transfer registry opens");
+    pool.transfers().await.expect("the transfer registry opens");
     pool.shutdown().await;
 }
 

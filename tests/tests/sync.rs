@@ -868,11 +868,11 @@ async fn background_transfer_progress_cancel_and_rerun() {
     assert_eq!(v["auto_switched"], true);
     let id = v["task_id"].as_i64().unwrap();
     assert!(Path::new(v["log_file"].as_str().unwrap()).is_file());
-    let transfers = pool.transfers().unwrap();
+    let transfers = pool.transfers().await.unwrap();
     // Wait until bytes are moving.
     let t0 = Instant::now();
     // The first poll carries the log header; later ones only the lines written since.
-    let first = transfers.check(id, 50).unwrap();
+    let first = transfers.check(id, 50).await.unwrap();
     assert!(
         first["log_tail"]
             .as_str()
@@ -882,7 +882,7 @@ async fn background_transfer_progress_cancel_and_rerun() {
     );
     assert!(first.get("log_new_lines_only").is_none(), "{first}");
     loop {
-        let c = transfers.check(id, 50).unwrap();
+        let c = transfers.check(id, 50).await.unwrap();
         if c["progress"]["bytes_done"].as_u64().unwrap_or(0) > 4 * MIB {
             println!("running: {c}");
             assert_eq!(c["status"], "running");
@@ -906,7 +906,7 @@ async fn background_transfer_progress_cancel_and_rerun() {
     println!("cancel: {c} in {took:?}");
     assert_eq!(c["status"], "cancelled", "{c}");
     assert!(took < Duration::from_secs(1), "cancel took {took:?}");
-    let c = transfers.check(id, 50).unwrap();
+    let c = transfers.check(id, 50).await.unwrap();
     assert_eq!(c["status"], "cancelled");
     assert_eq!(c["progress"]["phase"], "cancelled");
     assert!(c["log_tail"].as_str().unwrap().contains("cancelled"));
@@ -930,7 +930,7 @@ async fn background_transfer_progress_cancel_and_rerun() {
             .as_deref(),
         Some("completed")
     );
-    let c = transfers.check(id2, 5).unwrap();
+    let c = transfers.check(id2, 5).await.unwrap();
     println!("completed: {c}");
     // small.txt may have been committed before the cancel: files already committed stay.
     assert!(c["result"]["uploaded_files"].as_u64().unwrap() >= 1, "{c}");
@@ -948,11 +948,11 @@ async fn background_transfer_progress_cancel_and_rerun() {
     assert!(staging_left(&sshd, remote(&sshd, "bg").to_str().unwrap()).is_empty());
     // Errors with the seed's words.
     assert_eq!(
-        transfers.check(0, 50).unwrap_err().message,
+        transfers.check(0, 50).await.unwrap_err().message,
         "task_id must be positive"
     );
     assert_eq!(
-        transfers.check(9999, 50).unwrap_err().message,
+        transfers.check(9999, 50).await.unwrap_err().message,
         "Unknown transfer task id: 9999"
     );
     assert_eq!(

@@ -300,12 +300,16 @@ fn host_key_changed(message: &str) -> Option<String> {
 
 /// The watchdog daemon (which serves detached forwards and watches long jobs) and the detached
 /// forwards: one line each. Read-only; a state directory that was never used is not created.
-fn local_services(ctx: &Ctx) -> Vec<Check> {
+async fn local_services(ctx: &Ctx) -> Vec<Check> {
     let state_dir = &ctx.pool.config().state_dir;
     let mut out = Vec::new();
-    let forwards = rsb::ops::forward::Forwards::default()
-        .list(state_dir)
-        .map(|l| l.forwards);
+    let forwards = match ctx.pool.store() {
+        Ok(store) => rsb::ops::forward::Forwards::default()
+            .list(&store)
+            .await
+            .map(|l| l.forwards),
+        Err(e) => Err(e),
+    };
     let forwards = match forwards {
         Ok(f) => f,
         Err(e) => {
@@ -684,7 +688,7 @@ pub async fn run(ctx: &Ctx) -> u8 {
             checks.push(line("", "config", "warn", w.clone()));
         }
     }
-    checks.extend(local_services(ctx));
+    checks.extend(local_services(ctx).await);
     checks.extend(server_environments(ctx));
     let names: Vec<String> = if ctx.sandbox.is_empty() {
         ctx.pool.names().to_vec()

@@ -40,10 +40,16 @@ pub struct ForwardArgs {
 /// Exit code: 0 on success (or after Ctrl-C), 2 for bad arguments, 1 when the forward cannot
 /// start or stop.
 pub async fn main(pool: Arc<Pool>, a: ForwardArgs, json: bool) -> u8 {
-    let state_dir = pool.config().state_dir.clone();
+    let store = match pool.store() {
+        Ok(s) => s,
+        Err(e) => {
+            print_error(json, &e);
+            return failure_code(&e);
+        }
+    };
     if a.list {
         let reg = forward::Forwards::default();
-        return match reg.list(&state_dir) {
+        return match reg.list(&store).await {
             Ok(l) if json => {
                 println!("{}", serde_json::to_string(&l).unwrap_or_default());
                 0
@@ -60,7 +66,7 @@ pub async fn main(pool: Arc<Pool>, a: ForwardArgs, json: bool) -> u8 {
     }
     if let Some(id) = a.stop {
         let reg = forward::Forwards::default();
-        return match reg.stop(&state_dir, id).await {
+        return match reg.stop(&store, id).await {
             Ok(info) => {
                 if json {
                     println!("{}", serde_json::to_string(&info).unwrap_or_default());

@@ -19,7 +19,7 @@ pub enum TransferCmd {
 pub async fn transfer(cmd: TransferCmd, state_dir: &std::path::Path) -> u8 {
     match cmd {
         TransferCmd::Run { id, agent_fd } => {
-            let t = match rsb::store::transfers::Transfers::open(state_dir) {
+            let t = match rsb::store::transfers::Transfers::open(state_dir).await {
                 Ok(t) => std::sync::Arc::new(t),
                 Err(e) => {
                     eprintln!("rsb transfer run: {}\n  hint: {}", e.message, e.hint);

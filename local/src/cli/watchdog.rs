@@ -303,6 +303,14 @@ fn event_table(es: &[WatchEvent]) {
     }
 }
 
+/// One watch, read through a store of this command's own, closed before the command ends.
+async fn one_watch(state_dir: &Path, id: i64) -> rsb::error::Result<ops::OneWatch> {
+    let store = rsb::store::Store::new(state_dir)?;
+    let r = ops::get(&store, id).await;
+    store.close().await;
+    r
+}
+
 pub async fn watch(cmd: WatchCmd, json: bool, state_dir: &Path) -> u8 {
     match cmd {
         WatchCmd::List { status } => out(json, ops::list(state_dir, &status), |l| {
@@ -312,7 +320,7 @@ pub async fn watch(cmd: WatchCmd, json: bool, state_dir: &Path) -> u8 {
                 watch_table(&l.watches);
             }
         }),
-        WatchCmd::Show { id } => out(json, ops::get(state_dir, id), |w| {
+        WatchCmd::Show { id } => out(json, one_watch(state_dir, id).await, |w| {
             let w = &w.watch;
             let v = serde_json::to_value(w).unwrap_or_default();
             for (k, val) in v.as_object().into_iter().flatten() {

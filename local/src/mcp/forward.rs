@@ -138,7 +138,11 @@ impl RsbServer {
         description = "List port forwards (this server's and detached ones) with connection and byte counts."
     )]
     async fn list_forwards(&self, Parameters(_): Parameters<ListForwardsParams>) -> ToolResult {
-        match self.forwards.list(&self.pool.config().state_dir) {
+        let listed = match self.pool.store() {
+            Ok(store) => self.forwards.list(&store).await,
+            Err(e) => Err(e),
+        };
+        match listed {
             Ok(l) => json(&l),
             Err(e) => fail(&e),
         }
@@ -151,11 +155,11 @@ impl RsbServer {
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
         let t0 = std::time::Instant::now();
-        let r = self
-            .forwards
-            .stop(&self.pool.config().state_dir, p.forward_id)
-            .await
-            .and_then(|info| to_value(&info));
+        let r = match self.pool.store() {
+            Ok(store) => self.forwards.stop(&store, p.forward_id).await,
+            Err(e) => Err(e),
+        }
+        .and_then(|info| to_value(&info));
         let what = Some(format!("forward {}", p.forward_id));
         audited(self.pool.config(), &ctx, ("stop_forward", "", what), t0, r)
     }

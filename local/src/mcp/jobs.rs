@@ -305,7 +305,11 @@ impl RsbServer {
         let (mut session, mut sandbox) = (p.tmux_session.clone(), p.sandbox_name.clone());
         if p.watch_id > 0 {
             // The watch names the job and its sandbox; explicit arguments override (seed).
-            match wops::get(&self.pool.config().state_dir, p.watch_id) {
+            let got = match self.pool.store() {
+                Ok(store) => wops::get(&store, p.watch_id).await,
+                Err(e) => Err(e),
+            };
+            match got {
                 Ok(w) => {
                     if session.is_empty() {
                         session = w.watch.tmux_session;
@@ -415,7 +419,9 @@ impl RsbServer {
         }
         // A deliberate kill is not an interruption: stop watching first, so the watchdog
         // neither alerts nor resumes it.
-        let cancelled = self.cancel_watches_of(client.sandbox(), &p.tmux_session);
+        let cancelled = self
+            .cancel_watches_of(client.sandbox(), &p.tmux_session)
+            .await;
         let on_slurm = self.pool.slurm(client.sandbox()).is_some();
         let mut r = slurm::jobs::kill_any(&client, on_slurm, &p.tmux_session, p.grace_s).await;
         if let Ok(v) = &mut r
@@ -644,14 +650,12 @@ impl RsbServer {
     }
 
     /// Cancel the active watches of a job, if the store exists; never fails the caller.
-    pub(super) fn cancel_watches_of(&self, sandbox: &str, session: &str) -> Vec<i64> {
-        let state_dir = &self.pool.config().state_dir;
-        if !crate::store::db_path(state_dir).exists() {
-            return Vec::new();
-        }
-        match wops::open(state_dir)
-            .and_then(|c| crate::watchdog::db::cancel_for_job(&c, sandbox, session))
-        {
+    pub(super) async fn cancel_watches_of(&self, sandbox: &str, session: &str) -> Vec<i64> {
+        let cancelled = match self.pool.store() {
+            Ok(store) => wops::cancel_for_job(&store, sandbox, session).await,
+            Err(e) => Err(e),
+        };
+        match cancelled {
             Ok(ids) => ids,
             Err(e) => {
                 tracing::warn!("cannot cancel the watches of {session}: {}", e.message);

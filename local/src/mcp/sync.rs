@@ -363,11 +363,11 @@ impl RsbServer {
         &self,
         Parameters(p): Parameters<CheckTransferParams>,
     ) -> ToolResult {
-        reply(
-            self.pool
-                .transfers()
-                .and_then(|t| t.check(p.task_id, p.last_n_lines)),
-        )
+        let r = match self.pool.transfers().await {
+            Ok(t) => t.check(p.task_id, p.last_n_lines).await,
+            Err(e) => Err(e),
+        };
+        reply(r)
     }
 
     #[tool(
@@ -389,7 +389,7 @@ impl RsbServer {
                 "pass the task_id returned by sync_local_to_remote",
             ));
         }
-        let t = match self.pool.transfers() {
+        let t = match self.pool.transfers().await {
             Ok(t) => t,
             Err(e) => return fail(&e),
         };

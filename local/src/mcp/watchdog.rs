@@ -245,8 +245,7 @@ impl RsbServer {
     }
 
     async fn watch(&self, id: i64) -> Result<crate::watchdog::Watch> {
-        let dir = self.state_dir();
-        blocking(move || wops::get(&dir, id).map(|w| w.watch)).await
+        Ok(wops::get(&self.pool.store()?, id).await?.watch)
     }
 }
 
@@ -422,8 +421,11 @@ impl RsbServer {
 
     #[tool(description = "Fetch one watchdog watch by id.")]
     async fn get_background_watch(&self, Parameters(p): Parameters<WatchIdParams>) -> ToolResult {
-        let dir = self.state_dir();
-        typed(blocking(move || wops::get(&dir, p.watch_id)).await)
+        let got = match self.pool.store() {
+            Ok(store) => wops::get(&store, p.watch_id).await,
+            Err(e) => Err(e),
+        };
+        typed(got)
     }
 
     #[tool(description = "Stored and live progress of one watch: job state, log tail, checkpoint.")]

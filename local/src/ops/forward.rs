@@ -19,6 +19,7 @@ use crate::{
     error::{Result, RsbError},
     forward::{Forward, StatsSnapshot},
     pool::Pool,
+    store::Store,
     watchdog::{daemon, forwards, sandboxes, service, settings},
 };
 
@@ -144,10 +145,10 @@ pub async fn detach(pool: &Arc<Pool>, req: &ForwardRequest) -> Result<ForwardInf
         Some(h) => format!("{} ({h})", report.detail),
         None => report.detail.clone(),
     };
+    let store = pool.store()?;
     let deadline = Instant::now() + DETACH_WAIT;
     loop {
-        let dir = state_dir.clone();
-        let row = blocking(move || forwards::get(&crate::ops::watchdog::open(&dir)?, id)).await?;
+        let row = store.call(move |c| forwards::get(c, id)).await?;
         let Some(row) = row else {
             return Err(RsbError::invalid(
                 format!(
@@ -164,9 +165,7 @@ pub async fn detach(pool: &Arc<Pool>, req: &ForwardRequest) -> Result<ForwardInf
                 return Ok(info);
             }
             forwards::FAILED => {
-                let dir = state_dir.clone();
-                let _ = blocking(move || forwards::delete(&crate::ops::watchdog::open(&dir)?, id))
-                    .await;
+                let _ = store.call(move |c| forwards::delete(c, id)).await;
                 return Err(forwards::start_error(&row));
             }
             _ if Instant::now() >= deadline => {
@@ -190,12 +189,13 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'sta
 
 /// The detached forwards in the store (none when there is no store yet: listing never creates
 /// one).
-fn detached_list(state_dir: &std::path::Path) -> Result<Vec<ForwardInfo>> {
-    if !crate::store::db_path(state_dir).exists() {
+async fn detached_list(store: &Store) -> Result<Vec<ForwardInfo>> {
+    if !crate::store::db_path(store.state_dir()).exists() {
         return Ok(Vec::new());
     }
-    let conn = crate::ops::watchdog::open(state_dir)?;
-    Ok(forwards::list(&conn)?
+    Ok(store
+        .call(|c| forwards::list(c))
+        .await?
         .iter()
         .filter(|r| r.state != forwards::STOPPING)
         .map(ForwardInfo::of_row)
@@ -204,25 +204,22 @@ fn detached_list(state_dir: &std::path::Path) -> Result<Vec<ForwardInfo>> {
 
 /// Stop a detached forward: the daemon frees the port and deletes the row; without a daemon
 /// nothing listens, so the row goes at once.
-async fn stop_detached(
-    state_dir: &std::path::Path,
-    public: u64,
-    row_id: i64,
-) -> Result<ForwardInfo> {
-    let dir = state_dir.to_path_buf();
-    let row = blocking(move || {
-        let conn = crate::ops::watchdog::open(&dir)?;
-        let row = forwards::get(&conn, row_id)?;
-        if row.is_some() {
-            if daemon::lock_holder(&dir).is_some() {
-                forwards::request_stop(&conn, row_id)?;
-            } else {
-                forwards::delete(&conn, row_id)?;
+async fn stop_detached(store: &Store, public: u64, row_id: i64) -> Result<ForwardInfo> {
+    // A lock file's holder: a read of a small file, no wait.
+    let daemon_runs = daemon::lock_holder(store.state_dir()).is_some();
+    let row = store
+        .call(move |c| {
+            let row = forwards::get(c, row_id)?;
+            if row.is_some() {
+                if daemon_runs {
+                    forwards::request_stop(c, row_id)?;
+                } else {
+                    forwards::delete(c, row_id)?;
+                }
             }
-        }
-        Ok(row)
-    })
-    .await?;
+            Ok(row)
+        })
+        .await?;
     let Some(row) = row else {
         return Err(RsbError::invalid(
             format!("no forward with id {public}"),
@@ -231,11 +228,9 @@ async fn stop_detached(
     };
     let deadline = Instant::now() + STOP_WAIT;
     loop {
-        let dir = state_dir.to_path_buf();
-        let gone = blocking(move || {
-            Ok(forwards::get(&crate::ops::watchdog::open(&dir)?, row_id)?.is_none())
-        })
-        .await?;
+        let gone = store
+            .call(move |c| Ok(forwards::get(c, row_id)?.is_none()))
+            .await?;
         if gone {
             let mut info = ForwardInfo::of_row(&row);
             info.running = false;
@@ -272,21 +267,21 @@ impl Forwards {
     }
 
     /// This server's forwards, then the detached ones the watchdog serves.
-    pub fn list(&self, state_dir: &std::path::Path) -> Result<ForwardList> {
+    pub async fn list(&self, store: &Store) -> Result<ForwardList> {
         let mut forwards: Vec<ForwardInfo> = self
             .map
             .lock()
             .iter()
             .map(|(id, f)| ForwardInfo::of(*id, f))
             .collect();
-        forwards.extend(detached_list(state_dir)?);
+        forwards.extend(detached_list(store).await?);
         Ok(ForwardList { forwards })
     }
 
     /// Stop one forward; its port is free when this returns.
-    pub async fn stop(&self, state_dir: &std::path::Path, id: u64) -> Result<ForwardInfo> {
+    pub async fn stop(&self, store: &Store, id: u64) -> Result<ForwardInfo> {
         if let Some(row_id) = forwards::row_id(id) {
-            return stop_detached(state_dir, id, row_id).await;
+            return stop_detached(store, id, row_id).await;
         }
         let f = self.map.lock().remove(&id);
         let Some(f) = f else {

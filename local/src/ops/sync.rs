@@ -259,15 +259,17 @@ async fn sync_for_tool(
         .transpose()?
         .unwrap_or_default();
     let background = async |reason: String| -> Result<Value> {
-        let transfers = pool.transfers()?;
-        let mut v = transfers.start(
-            pool.clone(),
-            sandbox.clone(),
-            spec.clone(),
-            &opts,
-            &args.excludes,
-            &exclude_file,
-        )?;
+        let transfers = pool.transfers().await?;
+        let mut v = transfers
+            .start(
+                pool.clone(),
+                sandbox.clone(),
+                spec.clone(),
+                &opts,
+                &args.excludes,
+                &exclude_file,
+            )
+            .await?;
         v["reason"] = Value::String(reason);
         if let Some(id) = v["task_id"].as_i64()
             && let Some(done) = transfers.hold_reply(id, HOLD_BACKGROUND_REPLY).await

@@ -412,10 +412,25 @@ pub fn list(state_dir: &Path, status_filter: &str) -> Result<WatchList> {
     })
 }
 
-pub fn get(state_dir: &Path, id: i64) -> Result<OneWatch> {
-    Ok(OneWatch {
-        watch: db::require(&open(state_dir)?, id)?,
-    })
+pub async fn get(store: &crate::store::Store, id: i64) -> Result<OneWatch> {
+    let watch = store.call(move |c| db::require(c, id)).await?;
+    Ok(OneWatch { watch })
+}
+
+/// Stop watching `session` on `sandbox` (a deliberate kill is not an interruption); the ids of
+/// the watches cancelled. No store yet means no watches: none is created to say so.
+pub async fn cancel_for_job(
+    store: &crate::store::Store,
+    sandbox: &str,
+    session: &str,
+) -> Result<Vec<i64>> {
+    if !crate::store::db_path(store.state_dir()).exists() {
+        return Ok(Vec::new());
+    }
+    let (sandbox, session) = (sandbox.to_string(), session.to_string());
+    store
+        .call(move |c| db::cancel_for_job(c, &sandbox, &session))
+        .await
 }
 
 pub fn cancel(state_dir: &Path, id: i64) -> Result<Cancelled> {

@@ -21,6 +21,7 @@ use crate::error::{Kind, RsbError};
 pub mod baselines;
 pub mod clock;
 pub mod forwards;
+pub mod handle;
 pub mod retention;
 pub mod roots_lock;
 pub mod sandboxes;
@@ -41,6 +42,7 @@ pub fn db_path(state_dir: &Path) -> PathBuf {
 }
 
 pub use clock::{now_ms, now_s};
+pub use handle::Store;
 
 /// Runs store work from async code without holding a runtime thread. A query waits up to
 /// the busy timeout (5 s) while another process holds the database's write lock, and a

@@ -17,7 +17,7 @@ use std::{
 };
 
 use parking_lot::Mutex;
-use rusqlite::{Connection, OptionalExtension, params};
+use rusqlite::{OptionalExtension, params};
 use serde_json::{Value, json};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -118,6 +118,35 @@ pub fn log_since(path: &Path, from: Option<u64>, n: usize) -> (String, u64) {
     (out, start + whole as u64)
 }
 
+/// How often a held reply reads the task's progress while nothing else wakes it.
+const HOLD_PROGRESS_EVERY: Duration = Duration::from_millis(250);
+
+/// A task log's changes, as a wake-up: a watch on the file (inotify, FSEvents), dropped with
+/// this. `None` where the file cannot be watched (the caller's timer is then all it has).
+struct LogChanges {
+    changed: Arc<tokio::sync::Notify>,
+    _watcher: notify::RecommendedWatcher,
+}
+
+impl LogChanges {
+    fn watch(path: &Path) -> Option<LogChanges> {
+        use notify::Watcher;
+        let changed = Arc::new(tokio::sync::Notify::new());
+        let wake = changed.clone();
+        let mut w = notify::recommended_watcher(move |r: notify::Result<notify::Event>| {
+            if r.is_ok() {
+                wake.notify_one();
+            }
+        })
+        .ok()?;
+        w.watch(path, notify::RecursiveMode::NonRecursive).ok()?;
+        Some(LogChanges {
+            changed,
+            _watcher: w,
+        })
+    }
+}
+
 pub(crate) struct Live {
     pub(crate) cancel: CancellationToken,
     pub(crate) done: watch::Receiver<bool>,
@@ -140,10 +169,11 @@ pub(crate) struct Row {
 
 pub struct Transfers {
     pub(crate) state_dir: PathBuf,
-    db: Mutex<Connection>,
+    db: crate::store::Store,
     pub(crate) live: Mutex<HashMap<i64, Live>>,
     /// Tasks recorded but whose worker is not started yet (not `interrupted` meanwhile).
-    spawning: Mutex<HashSet<i64>>,
+    /// Shared with the store's thread, which marks a task as it records it.
+    spawning: Arc<Mutex<HashSet<i64>>>,
     my_start: String,
     /// How far into each task's log this server has already replied: a poll returns the log
     /// header and tail once, then only the lines written since (a model polling a long
@@ -161,33 +191,41 @@ pub struct Transfers {
 use super::baselines::{self, Baseline, Key as BaselineKey};
 
 impl Transfers {
-    /// Open (creating, 0600) and migrate `<state_dir>/rsb.sqlite3`.
-    pub fn open(state_dir: &Path) -> Result<Transfers> {
-        // The schema, its migrations and the file modes live in the shared store.
-        // Page damage is an error here (`store::open` checks), not a missing task or baseline
-        // later.
-        let conn = crate::store::open(state_dir)?;
-        Ok(Transfers {
-            state_dir: state_dir.to_path_buf(),
-            db: Mutex::new(conn),
+    /// Open (creating, 0600) and migrate `<state_dir>/rsb.sqlite3`, on a store thread of its
+    /// own.
+    pub async fn open(state_dir: &Path) -> Result<Transfers> {
+        Ok(Transfers::on(crate::store::Store::open(state_dir).await?))
+    }
+
+    /// The tasks of `store`'s database. Page damage is an error of `store`'s first call
+    /// (`store::open` checks), not a missing task or baseline later.
+    pub fn on(store: crate::store::Store) -> Transfers {
+        Transfers {
+            state_dir: store.state_dir().to_path_buf(),
+            db: store,
             live: Mutex::new(HashMap::new()),
-            spawning: Mutex::new(HashSet::new()),
+            spawning: Default::default(),
             my_start: process_start(std::process::id()),
             log_seen: Mutex::new(HashMap::new()),
             baselines: Mutex::new(HashMap::new()),
             baseline_hits: Default::default(),
             baseline_misses: Default::default(),
-        })
+        }
+    }
+
+    /// The store this registry writes through (for the other store modules a runner calls).
+    pub fn store(&self) -> &crate::store::Store {
+        &self.db
     }
 
     pub fn db_path(&self) -> PathBuf {
         self.state_dir.join(DB_FILE)
     }
 
-    pub(crate) fn row(&self, id: i64) -> Result<Option<Row>> {
-        crate::store::blocking(|| {
-            let db = self.db.lock();
-            db.query_row(
+    pub(crate) async fn row(&self, id: i64) -> Result<Option<Row>> {
+        self.db
+            .call(move |db| {
+                db.query_row(
                 "SELECT status, pid, owner_start, log_file, last_error, result_json, progress_json,
                     finished_ts, started_ts, in_process FROM transfer_tasks WHERE id = ?1",
                 params![id],
@@ -208,11 +246,18 @@ impl Transfers {
             )
             .optional()
             .map_err(db_err)
-        })
+            })
+            .await
     }
 
-    pub(crate) fn exec(&self, sql: &str, p: impl rusqlite::Params) -> Result<()> {
-        crate::store::blocking(|| self.db.lock().execute(sql, p).map(|_| ()).map_err(db_err))
+    pub(crate) async fn exec(
+        &self,
+        sql: &'static str,
+        p: impl rusqlite::Params + Send + 'static,
+    ) -> Result<()> {
+        self.db
+            .call(move |db| db.execute(sql, p).map(|_| ()).map_err(db_err))
+            .await
     }
 
     pub(crate) fn unknown(id: i64) -> RsbError {
@@ -225,57 +270,68 @@ impl Transfers {
     /// The last-synced content of (local root, sandbox, remote root); `None` only when no
     /// sync of it completed. A store or row that cannot be read is an error (a sync must refuse
     /// rather than run as a first sync and overwrite a remote edit).
-    pub fn load_baseline(
+    pub async fn load_baseline(
         &self,
         local: &str,
         sandbox: &str,
         remote: &str,
     ) -> Result<Option<Baseline>> {
         Ok(self
-            .load_baseline_shared(local, sandbox, remote)?
+            .load_baseline_shared(local, sandbox, remote)
+            .await?
             .map(|b| b.as_ref().clone()))
     }
 
     /// [`Transfers::load_baseline`] without a copy, from memory while the store is unchanged.
     /// A journal left by a sync of these roots that never ended is folded in first.
-    pub fn load_baseline_shared(
+    pub async fn load_baseline_shared(
         &self,
         local: &str,
         sandbox: &str,
         remote: &str,
     ) -> Result<Option<Arc<Baseline>>> {
-        crate::store::blocking(|| {
-            let key = (local.to_string(), sandbox.to_string(), remote.to_string());
-            let db = self.db.lock();
-            use std::sync::atomic::Ordering::Relaxed;
-            // A sync of these roots killed outright left what it committed in the journal.
-            baselines::fold(&db, &key)?;
-            let current = baselines::generation(&db, &key)?;
-            if let Some(g) = current.filter(|&g| g != 0)
-                && let Some((cached, b)) = self.baselines.lock().get(&key)
-                && *cached == g
-            {
-                self.baseline_hits.fetch_add(1, Relaxed);
-                return Ok(Some(b.clone()));
+        use std::sync::atomic::Ordering::Relaxed;
+        let key: BaselineKey = (local.to_string(), sandbox.to_string(), remote.to_string());
+        // A sync of these roots killed outright left what it committed in the journal.
+        let k = key.clone();
+        let current = self
+            .db
+            .call(move |db| {
+                baselines::fold(db, &k)?;
+                baselines::generation(db, &k)
+            })
+            .await?;
+        if let Some(g) = current.filter(|&g| g != 0)
+            && let Some((cached, b)) = self.baselines.lock().get(&key)
+            && *cached == g
+        {
+            self.baseline_hits.fetch_add(1, Relaxed);
+            return Ok(Some(b.clone()));
+        }
+        self.baseline_misses.fetch_add(1, Relaxed);
+        // The row as it is now, with its own generation: another connection may have saved
+        // it since the generation above was read.
+        let loaded = match current {
+            Some(_) => {
+                let k = key.clone();
+                self.db
+                    .call(move |db| baselines::load_with_generation(db, &k))
+                    .await?
             }
-            self.baseline_misses.fetch_add(1, Relaxed);
-            let loaded = match current {
-                Some(_) => baselines::load_with_generation(&db, &key)?,
-                None => None,
-            };
-            let Some((g, b)) = loaded else {
-                self.baselines.lock().remove(&key);
-                return Ok(None);
-            };
-            let b = Arc::new(b);
-            let mut cache = self.baselines.lock();
-            if g != 0 {
-                cache.insert(key, (g, b.clone()));
-            } else {
-                cache.remove(&key);
-            }
-            Ok(Some(b))
-        })
+            None => None,
+        };
+        let Some((g, b)) = loaded else {
+            self.baselines.lock().remove(&key);
+            return Ok(None);
+        };
+        let b = Arc::new(b);
+        let mut cache = self.baselines.lock();
+        if g != 0 {
+            cache.insert(key, (g, b.clone()));
+        } else {
+            cache.remove(&key);
+        }
+        Ok(Some(b))
     }
 
     /// (hits, misses) of the in-memory baseline cache since this store was opened.
@@ -288,52 +344,50 @@ impl Transfers {
     }
 
     /// See [`baselines::touch`]: a root synced without a change keeps its baseline.
-    pub fn touch_baseline(&self, local: &str, sandbox: &str, remote: &str) -> Result<()> {
-        crate::store::blocking(|| {
-            let key = (local.to_string(), sandbox.to_string(), remote.to_string());
-            baselines::touch(&self.db.lock(), &key, crate::store::now_s())
-        })
+    pub async fn touch_baseline(&self, local: &str, sandbox: &str, remote: &str) -> Result<()> {
+        let key = (local.to_string(), sandbox.to_string(), remote.to_string());
+        self.db
+            .call(move |db| baselines::touch(db, &key, crate::store::now_s()))
+            .await
     }
 
     /// A running sync of (local root, sandbox, remote root) committed `commits`: see
     /// [`baselines::journal`]. The baseline itself, and so the cache, is unchanged until the
     /// run saves it or a later load folds the journal in.
-    pub fn journal_commits(
+    pub async fn journal_commits(
         &self,
         local: &str,
         sandbox: &str,
         remote: &str,
-        commits: &[(String, [u8; 32])],
+        commits: Vec<(String, [u8; 32])>,
     ) -> Result<()> {
-        crate::store::blocking(|| {
-            let key = (local.to_string(), sandbox.to_string(), remote.to_string());
-            baselines::journal(&self.db.lock(), &key, commits)
-        })
+        let key = (local.to_string(), sandbox.to_string(), remote.to_string());
+        self.db
+            .call(move |db| baselines::journal(db, &key, &commits))
+            .await
     }
 
-    pub fn save_baseline(
+    pub async fn save_baseline(
         &self,
         local: &str,
         sandbox: &str,
         remote: &str,
-        entries: &HashMap<String, [u8; 32]>,
+        entries: Arc<Baseline>,
     ) -> Result<()> {
-        crate::store::blocking(|| {
-            let key = (local.to_string(), sandbox.to_string(), remote.to_string());
-            let db = self.db.lock();
-            let written = baselines::save(&db, &key, entries);
-            let mut cache = self.baselines.lock();
-            match written {
-                Ok(g) => {
-                    cache.insert(key, (g, Arc::new(entries.clone())));
-                    Ok(())
-                }
-                Err(e) => {
-                    cache.remove(&key);
-                    Err(e)
-                }
+        let key: BaselineKey = (local.to_string(), sandbox.to_string(), remote.to_string());
+        let (k, e) = (key.clone(), entries.clone());
+        let written = self.db.call(move |db| baselines::save(db, &k, &e)).await;
+        let mut cache = self.baselines.lock();
+        match written {
+            Ok(g) => {
+                cache.insert(key, (g, entries));
+                Ok(())
             }
-        })
+            Err(e) => {
+                cache.remove(&key);
+                Err(e)
+            }
+        }
     }
 
     fn is_live(&self, id: i64) -> bool {
@@ -341,7 +395,7 @@ impl Transfers {
     }
 
     /// Mark a queued/running task whose owner is gone as `interrupted`; returns the new status.
-    pub(crate) fn settle(&self, id: i64, row: &mut Row) {
+    pub(crate) async fn settle(&self, id: i64, row: &mut Row) {
         if is_terminal(&row.status) || self.is_live(id) || self.spawning.lock().contains(&id) {
             return;
         }
@@ -363,11 +417,13 @@ impl Transfers {
         let ts = now();
         let mut prog: Value = serde_json::from_str(&row.progress_json).unwrap_or(json!({}));
         prog["phase"] = json!("interrupted");
-        let _ = self.exec(
-            "UPDATE transfer_tasks SET status = 'interrupted', finished_ts = ?1, updated_ts = ?1,
+        let _ = self
+            .exec(
+                "UPDATE transfer_tasks SET status = 'interrupted', finished_ts = ?1, updated_ts = ?1,
                last_error = ?2, progress_json = ?3 WHERE id = ?4 AND status IN ('queued','running')",
-            params![ts, msg, prog.to_string(), id],
-        );
+                (ts, msg.clone(), prog.to_string(), id),
+            )
+            .await;
         append_log(
             Path::new(&row.log_file),
             &format!("[transfer] task={id} interrupted: {msg}"),
@@ -379,7 +435,7 @@ impl Transfers {
     }
 
     /// `check_file_transfer_task`.
-    pub fn check(&self, id: i64, last_n_lines: i64) -> Result<Value> {
+    pub async fn check(&self, id: i64, last_n_lines: i64) -> Result<Value> {
         if id <= 0 {
             return Err(RsbError::invalid(
                 "task_id must be positive",
@@ -392,8 +448,8 @@ impl Transfers {
                 "pass a value >= 1",
             ));
         }
-        let mut row = self.row(id)?.ok_or_else(|| Self::unknown(id))?;
-        self.settle(id, &mut row);
+        let mut row = self.row(id).await?.ok_or_else(|| Self::unknown(id))?;
+        self.settle(id, &mut row).await;
         let mut v = json!({"task_id": id, "status": row.status});
         if row.status == "running" {
             v["running"] = json!(true);
@@ -440,13 +496,20 @@ impl Transfers {
     /// (a model's poll is a whole turn). The transfer itself runs in its detached worker all
     /// the same, so it outlives the server. Gives up early once the worker's progress predicts
     /// an end well past the budget. `Some(check_file_transfer_task's reply)` once it ended.
+    ///
+    /// Woken by the task's end, not by polling its row: a worker records its end and then
+    /// writes it to the task's log, whose change wakes this (inotify, FSEvents); an in-process
+    /// run's end is its own signal. The row is read again at most every
+    /// [`HOLD_PROGRESS_EVERY`] meanwhile, for the progress the prediction goes by.
     pub async fn hold_reply(&self, id: i64, budget: Duration) -> Option<Value> {
         let start = tokio::time::Instant::now();
+        let mut done = self.live.lock().get(&id).map(|l| l.done.clone());
+        let (mut log, mut watched): (Option<LogChanges>, bool) = (None, false);
         loop {
-            let mut row = self.row(id).ok().flatten()?;
-            self.settle(id, &mut row);
+            let mut row = self.row(id).await.ok().flatten()?;
+            self.settle(id, &mut row).await;
             if is_terminal(&row.status) {
-                return self.check(id, 20).ok();
+                return self.check(id, 20).await.ok();
             }
             let elapsed = start.elapsed();
             if elapsed >= budget {
@@ -457,14 +520,31 @@ impl Transfers {
                 Some(t) if t > 0.0 => p[done].as_f64().unwrap_or(0.0) / t,
                 _ => 0.0,
             };
-            let done = part("bytes_done", "bytes_total").max(part("files_done", "files_total"));
+            let share = part("bytes_done", "bytes_total").max(part("files_done", "files_total"));
             if elapsed >= Duration::from_millis(300)
-                && done > 0.0
-                && elapsed.as_secs_f64() / done > budget.as_secs_f64() * 1.25
+                && share > 0.0
+                && elapsed.as_secs_f64() / share > budget.as_secs_f64() * 1.25
             {
                 return None;
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            if !watched && !row.log_file.is_empty() {
+                watched = true;
+                if let Some(l) = LogChanges::watch(Path::new(&row.log_file)) {
+                    // An end written before the watch began is read now, not after a wait.
+                    log = Some(l);
+                    continue;
+                }
+            }
+            let wait = HOLD_PROGRESS_EVERY.min(budget - elapsed);
+            let ended = tokio::select! {
+                _ = tokio::time::sleep(wait) => false,
+                _ = async { log.as_ref()?.changed.notified().await; Some(()) }, if log.is_some() => false,
+                _ = async { done.as_mut()?.wait_for(|d| *d).await.ok() }, if done.is_some() => true,
+            };
+            if ended {
+                // The in-process run ended (its row says how): this signal has nothing more.
+                done = None;
+            }
         }
     }
 
@@ -477,8 +557,8 @@ impl Transfers {
         }
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            let mut row = self.row(id).ok().flatten()?;
-            self.settle(id, &mut row);
+            let mut row = self.row(id).await.ok().flatten()?;
+            self.settle(id, &mut row).await;
             if is_terminal(&row.status) {
                 return Some(row.status);
             }
@@ -524,43 +604,53 @@ pub enum End<'a> {
 /// The task writes the runner makes, each one statement: the table and its states stay this
 /// module's, whoever runs the task.
 impl Transfers {
-    /// The connection, for the other store modules (persisted sandboxes) a runner calls.
-    pub(crate) fn conn(&self) -> parking_lot::MutexGuard<'_, Connection> {
-        self.db.lock()
-    }
-
     /// Record a queued task owned by this process, and hold it as "being started" until
     /// [`Transfers::started`]: a concurrent check must not read it as `interrupted`.
-    pub fn record(&self, t: &NewTask<'_>) -> Result<i64> {
-        crate::store::blocking(|| {
-            let db = self.db.lock();
-            db.execute(
-                "INSERT INTO transfer_tasks (direction, sandbox_name, local_path, remote_path,
+    pub async fn record(&self, t: &NewTask<'_>) -> Result<i64> {
+        let text = [
+            t.direction,
+            t.sandbox,
+            t.local_path,
+            t.remote_path,
+            t.exclude_file,
+            t.spec_json,
+            t.sandbox_fp,
+        ]
+        .map(str::to_string);
+        let excludes = serde_json::to_string(t.excludes).unwrap_or_else(|_| "[]".into());
+        let (delete_extras, created_ts) = (t.delete_extras as i64, t.created_ts);
+        let (owner, spawning) = (self.my_start.clone(), self.spawning.clone());
+        self.db
+            .call(move |db| {
+                let [direction, sandbox, local, remote, exclude_file, spec, fp] = text;
+                db.execute(
+                    "INSERT INTO transfer_tasks (direction, sandbox_name, local_path, remote_path,
                delete_extras, excludes_json, exclude_file, status, pid, owner_start,
                progress_json, created_ts, updated_ts, spec_json, sandbox_fp)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'queued', ?8, ?9, ?10, ?11, ?11, ?12, ?13)",
-                params![
-                    t.direction,
-                    t.sandbox,
-                    t.local_path,
-                    t.remote_path,
-                    t.delete_extras as i64,
-                    serde_json::to_string(t.excludes).unwrap_or_else(|_| "[]".into()),
-                    t.exclude_file,
-                    std::process::id() as i64,
-                    self.my_start,
-                    json!({"phase": "queued"}).to_string(),
-                    t.created_ts,
-                    t.spec_json,
-                    t.sandbox_fp,
-                ],
-            )
-            .map_err(db_err)?;
-            let id = db.last_insert_rowid();
-            // Before the lock goes, for the same reason.
-            self.spawning.lock().insert(id);
-            Ok(id)
-        })
+                    params![
+                        direction,
+                        sandbox,
+                        local,
+                        remote,
+                        delete_extras,
+                        excludes,
+                        exclude_file,
+                        std::process::id() as i64,
+                        owner,
+                        json!({"phase": "queued"}).to_string(),
+                        created_ts,
+                        spec,
+                        fp,
+                    ],
+                )
+                .map_err(db_err)?;
+                let id = db.last_insert_rowid();
+                // On the store's thread, before any later call reads the row.
+                spawning.lock().insert(id);
+                Ok(id)
+            })
+            .await
     }
 
     /// The task has a worker or a live in-process run now (or failed to get one).
@@ -569,68 +659,77 @@ impl Transfers {
     }
 
     /// Create the task's log (0600, in the 0700 `transfers/` dir) and record its path.
-    pub fn create_log(&self, id: i64) -> Result<PathBuf> {
+    pub async fn create_log(&self, id: i64) -> Result<PathBuf> {
         let dir = self.state_dir.join("transfers");
         let _ = super::ensure_private_dir(&dir);
         let log = dir.join(format!("transfer-{id}.log"));
         self.exec(
             "UPDATE transfer_tasks SET log_file = ?1 WHERE id = ?2",
-            params![log.display().to_string(), id],
-        )?;
+            (log.display().to_string(), id),
+        )
+        .await?;
         Ok(log)
     }
 
-    pub fn mark_in_process(&self, id: i64) -> Result<()> {
+    pub async fn mark_in_process(&self, id: i64) -> Result<()> {
         self.exec(
             "UPDATE transfer_tasks SET in_process = 1 WHERE id = ?1",
-            params![id],
+            (id,),
         )
+        .await
     }
 
     /// The worker process that owns the task, by pid and start time.
-    pub fn set_owner(&self, id: i64, pid: u32, start: &str) -> Result<()> {
+    pub async fn set_owner(&self, id: i64, pid: u32, start: &str) -> Result<()> {
         self.exec(
             "UPDATE transfer_tasks SET pid = ?1, owner_start = ?2 WHERE id = ?3",
-            params![pid as i64, start, id],
+            (pid as i64, start.to_string(), id),
         )
+        .await
     }
 
-    pub fn mark_running(&self, id: i64, started_ts: f64) -> Result<()> {
+    pub async fn mark_running(&self, id: i64, started_ts: f64) -> Result<()> {
         self.exec(
             "UPDATE transfer_tasks SET status = 'running', started_ts = ?1, updated_ts = ?1,
                progress_json = ?2 WHERE id = ?3",
-            params![started_ts, json!({"phase": "starting"}).to_string(), id],
+            (started_ts, json!({"phase": "starting"}).to_string(), id),
         )
+        .await
     }
 
-    pub fn write_progress(&self, id: i64, progress: &Value) -> Result<()> {
+    pub async fn write_progress(&self, id: i64, progress: &Value) -> Result<()> {
         self.exec(
             "UPDATE transfer_tasks SET progress_json = ?1, updated_ts = ?2 WHERE id = ?3",
-            params![progress.to_string(), now(), id],
+            (progress.to_string(), now(), id),
         )
+        .await
     }
 
     /// Whether any server asked the task to stop (the flag a worker polls).
-    pub fn cancel_requested(&self, id: i64) -> bool {
+    pub async fn cancel_requested(&self, id: i64) -> bool {
         self.db
-            .lock()
-            .query_row(
-                "SELECT cancel_requested FROM transfer_tasks WHERE id = ?1",
-                params![id],
-                |r| r.get::<_, i64>(0),
-            )
+            .call(move |db| {
+                db.query_row(
+                    "SELECT cancel_requested FROM transfer_tasks WHERE id = ?1",
+                    params![id],
+                    |r| r.get::<_, i64>(0),
+                )
+                .map_err(db_err)
+            })
+            .await
             .is_ok_and(|f| f != 0)
     }
 
-    pub fn request_cancel(&self, id: i64) -> Result<()> {
+    pub async fn request_cancel(&self, id: i64) -> Result<()> {
         self.exec(
             "UPDATE transfer_tasks SET cancel_requested = 1, updated_ts = ?1 WHERE id = ?2",
-            params![now(), id],
+            (now(), id),
         )
+        .await
     }
 
     /// Record the end of a run with its final progress.
-    pub fn finish(&self, id: i64, end: End<'_>, progress: &Value, ts: f64) -> Result<()> {
+    pub async fn finish(&self, id: i64, end: End<'_>, progress: &Value, ts: f64) -> Result<()> {
         let (status, result, error) = match end {
             End::Completed(r) => ("completed", r.to_string(), ""),
             End::Cancelled => ("cancelled", String::new(), ""),
@@ -640,61 +739,74 @@ impl Transfers {
             "UPDATE transfer_tasks SET status = ?1, finished_ts = ?2, updated_ts = ?2,
                result_json = CASE WHEN ?3 = '' THEN result_json ELSE ?3 END,
                progress_json = ?4, last_error = ?5 WHERE id = ?6",
-            params![status, ts, result, progress.to_string(), error, id],
+            (
+                status,
+                ts,
+                result,
+                progress.to_string(),
+                error.to_string(),
+                id,
+            ),
         )
+        .await
     }
 
     /// A task stopped by force (its run aborted, or its worker killed): `cancelled`, unless it
     /// recorded an end of its own first.
-    pub fn mark_cancelled(&self, id: i64) -> Result<()> {
+    pub async fn mark_cancelled(&self, id: i64) -> Result<()> {
         self.exec(
             "UPDATE transfer_tasks SET status = 'cancelled', finished_ts = ?1, updated_ts = ?1,
                progress_json = json_set(progress_json, '$.phase', 'cancelled')
              WHERE id = ?2 AND status IN ('queued','running')",
-            params![now(), id],
+            (now(), id),
         )
+        .await
     }
 
     /// A worker takes its queued task, or gets `None` when the task is unknown or not queued
     /// (another worker took it, or it was cancelled meanwhile).
-    pub fn claim(&self, id: i64) -> Result<Option<Claimed>> {
-        crate::store::blocking(|| {
-            let db = self.db.lock();
-            let claimed = db
-                .execute(
-                    "UPDATE transfer_tasks SET pid = ?1, owner_start = ?2, in_process = 0
+    pub async fn claim(&self, id: i64) -> Result<Option<Claimed>> {
+        let owner = self.my_start.clone();
+        self.db
+            .call(move |db| {
+                let claimed = db
+                    .execute(
+                        "UPDATE transfer_tasks SET pid = ?1, owner_start = ?2, in_process = 0
                  WHERE id = ?3 AND status = 'queued'",
-                    params![std::process::id() as i64, self.my_start, id],
+                        params![std::process::id() as i64, owner, id],
+                    )
+                    .map_err(db_err)?;
+                if claimed == 0 {
+                    return Ok(None);
+                }
+                db.query_row(
+                    "SELECT sandbox_name, sandbox_fp, spec_json, log_file FROM transfer_tasks
+                     WHERE id = ?1",
+                    params![id],
+                    |r| {
+                        Ok(Claimed {
+                            sandbox: r.get(0)?,
+                            sandbox_fp: r.get(1)?,
+                            spec_json: r.get(2)?,
+                            log_file: r.get(3)?,
+                        })
+                    },
                 )
-                .map_err(db_err)?;
-            if claimed == 0 {
-                return Ok(None);
-            }
-            db.query_row(
-            "SELECT sandbox_name, sandbox_fp, spec_json, log_file FROM transfer_tasks WHERE id = ?1",
-            params![id],
-            |r| {
-                Ok(Claimed {
-                    sandbox: r.get(0)?,
-                    sandbox_fp: r.get(1)?,
-                    spec_json: r.get(2)?,
-                    log_file: r.get(3)?,
-                })
-            },
-        )
-        .optional()
-        .map_err(db_err)
-        })
+                .optional()
+                .map_err(db_err)
+            })
+            .await
     }
 
     /// A claimed task that could not run at all.
-    pub fn fail_claimed(&self, id: i64, msg: &str) -> Result<()> {
+    pub async fn fail_claimed(&self, id: i64, msg: &str) -> Result<()> {
         self.exec(
             "UPDATE transfer_tasks SET status = 'failed', finished_ts = ?1, updated_ts = ?1,
                last_error = ?2, progress_json = json_set(progress_json, '$.phase', 'failed')
              WHERE id = ?3",
-            params![now(), msg, id],
+            (now(), msg.to_string(), id),
         )
+        .await
     }
 }
 
@@ -732,45 +844,50 @@ mod tests {
         assert_eq!(utc_stamp(f64::NAN), "1970-01-01T00:00:00Z");
     }
 
-    #[test]
-    fn migrations_are_idempotent_and_file_is_private() {
+    #[tokio::test]
+    async fn migrations_are_idempotent_and_file_is_private() {
         let d = tempfile_dir();
-        let t = Transfers::open(&d).unwrap();
+        let t = Transfers::open(&d).await.unwrap();
         drop(t);
-        let t = Transfers::open(&d).unwrap();
+        let t = Transfers::open(&d).await.unwrap();
         let v: i64 =
-            t.db.lock()
-                .query_row("PRAGMA user_version", [], |r| r.get(0))
-                .unwrap();
+            t.db.call(|c| {
+                c.query_row("PRAGMA user_version", [], |r| r.get(0))
+                    .map_err(db_err)
+            })
+            .await
+            .unwrap();
         assert_eq!(v, crate::store::SCHEMA_VERSION);
         use std::os::unix::fs::PermissionsExt;
         let m = std::fs::metadata(t.db_path()).unwrap().permissions().mode();
         assert_eq!(m & 0o777, 0o600);
         assert!(
             t.check(1, 50)
+                .await
                 .unwrap_err()
                 .message
                 .contains("Unknown transfer task id: 1")
         );
         assert_eq!(
-            t.check(0, 50).unwrap_err().message,
+            t.check(0, 50).await.unwrap_err().message,
             "task_id must be positive"
         );
         let _ = std::fs::remove_dir_all(&d);
     }
 
-    #[test]
-    fn dead_owner_is_interrupted() {
+    #[tokio::test]
+    async fn dead_owner_is_interrupted() {
         let d = tempfile_dir();
-        let t = Transfers::open(&d).unwrap();
+        let t = Transfers::open(&d).await.unwrap();
         t.exec(
             "INSERT INTO transfer_tasks (direction, sandbox_name, local_path, remote_path, status,
                pid, owner_start, created_ts, updated_ts) VALUES ('local_to_remote','s','/a','b',
                'running', 999999999, 'x', 1, 1)",
-            [],
+            (),
         )
+        .await
         .unwrap();
-        let v = t.check(1, 10).unwrap();
+        let v = t.check(1, 10).await.unwrap();
         assert_eq!(v["status"], "interrupted", "{v}");
         assert!(v["hint"].as_str().unwrap().contains("again"));
         let _ = std::fs::remove_dir_all(&d);
@@ -808,29 +925,48 @@ mod tests {
         child.wait().unwrap();
     }
 
-    #[test]
-    fn a_baseline_is_read_from_memory_until_another_connection_saves_it() {
+    #[tokio::test]
+    async fn a_baseline_is_read_from_memory_until_another_connection_saves_it() {
         let d = tempfile_dir();
-        let a = Transfers::open(&d).unwrap();
-        let b = Transfers::open(&d).unwrap();
+        let a = Transfers::open(&d).await.unwrap();
+        let b = Transfers::open(&d).await.unwrap();
         let one: Baseline = [("x".to_string(), [1; 32])].into();
         let two: Baseline = [("x".to_string(), [2; 32])].into();
-        assert!(a.load_baseline_shared("l", "s", "r").unwrap().is_none());
-        a.save_baseline("l", "s", "r", &one).unwrap();
-        let first = a.load_baseline_shared("l", "s", "r").unwrap().unwrap();
+        assert!(
+            a.load_baseline_shared("l", "s", "r")
+                .await
+                .unwrap()
+                .is_none()
+        );
+        a.save_baseline("l", "s", "r", Arc::new(one.clone()))
+            .await
+            .unwrap();
+        let first = a
+            .load_baseline_shared("l", "s", "r")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(*first, one);
         // The row is unchanged: the same copy, no read.
         assert!(Arc::ptr_eq(
             &first,
-            &a.load_baseline_shared("l", "s", "r").unwrap().unwrap()
+            &a.load_baseline_shared("l", "s", "r")
+                .await
+                .unwrap()
+                .unwrap()
         ));
         // Another connection (a worker) writes the row: the next load reads it.
-        b.save_baseline("l", "s", "r", &two).unwrap();
+        b.save_baseline("l", "s", "r", Arc::new(two.clone()))
+            .await
+            .unwrap();
         assert_eq!(
-            *a.load_baseline_shared("l", "s", "r").unwrap().unwrap(),
+            *a.load_baseline_shared("l", "s", "r")
+                .await
+                .unwrap()
+                .unwrap(),
             two
         );
-        assert_eq!(b.load_baseline("l", "s", "r").unwrap().unwrap(), two);
+        assert_eq!(b.load_baseline("l", "s", "r").await.unwrap().unwrap(), two);
         let _ = std::fs::remove_dir_all(&d);
     }
 
@@ -838,14 +974,14 @@ mod tests {
     /// commit (a daemon checking its watches, a worker's progress) emptied it. Now each row's
     /// generation decides: 100 no-change loads while another connection commits to other
     /// tables every 10 ms (far busier than 20 watches checked each second) hit >= 95 %.
-    #[test]
-    fn the_baseline_cache_hits_while_other_tables_take_commits() {
+    #[tokio::test]
+    async fn the_baseline_cache_hits_while_other_tables_take_commits() {
         let d = tempfile_dir();
-        let t = Transfers::open(&d).unwrap();
+        let t = Transfers::open(&d).await.unwrap();
         let b: Baseline = (0..2_000)
             .map(|i| (format!("src/f{i}.rs"), [i as u8; 32]))
             .collect();
-        t.save_baseline("l", "s", "r", &b).unwrap();
+        t.save_baseline("l", "s", "r", Arc::new(b)).await.unwrap();
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let writer = {
             let (d, stop) = (d.clone(), stop.clone());
@@ -869,12 +1005,13 @@ mod tests {
         for _ in 0..100 {
             assert_eq!(
                 t.load_baseline_shared("l", "s", "r")
+                    .await
                     .unwrap()
                     .unwrap()
                     .len(),
                 2_000
             );
-            std::thread::sleep(std::time::Duration::from_millis(5));
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
         let (h1, m1) = t.baseline_cache_stats();
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -884,18 +1021,97 @@ mod tests {
         assert!(commits >= 20, "the writer barely ran: {commits} commits");
         assert!(hits >= 95, "{hits} hits, {misses} misses in 100 loads");
         // A save by another connection is seen at once, and a deleted row is no baseline.
-        let other = Transfers::open(&d).unwrap();
+        let other = Transfers::open(&d).await.unwrap();
         let two: Baseline = [("x".to_string(), [2; 32])].into();
-        other.save_baseline("l", "s", "r", &two).unwrap();
+        other
+            .save_baseline("l", "s", "r", Arc::new(two.clone()))
+            .await
+            .unwrap();
         assert_eq!(
-            *t.load_baseline_shared("l", "s", "r").unwrap().unwrap(),
+            *t.load_baseline_shared("l", "s", "r")
+                .await
+                .unwrap()
+                .unwrap(),
             two
         );
         crate::store::open(&d)
             .unwrap()
             .execute("DELETE FROM sync_baselines", [])
             .unwrap();
-        assert!(t.load_baseline_shared("l", "s", "r").unwrap().is_none());
+        assert!(
+            t.load_baseline_shared("l", "s", "r")
+                .await
+                .unwrap()
+                .is_none()
+        );
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// Issue 45, step 2: a held reply is woken by the worker's end (the line it writes to the
+    /// task's log after recording it), not by the next read of the row: here the end comes
+    /// 150 ms after a row read, which a timer alone would see only 100 ms later.
+    #[tokio::test]
+    async fn a_held_reply_wakes_when_the_worker_writes_its_end() {
+        let d = tempfile_dir();
+        let server = Transfers::open(&d).await.unwrap();
+        // The worker: another connection, and a live process as the task's owner.
+        let worker = Transfers::open(&d).await.unwrap();
+        let mut owner = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let id = server
+            .record(&NewTask {
+                direction: "local_to_remote",
+                sandbox: "s",
+                sandbox_fp: "",
+                local_path: "/a",
+                remote_path: "b",
+                delete_extras: false,
+                excludes: &[],
+                exclude_file: "",
+                spec_json: "{}",
+                created_ts: now(),
+            })
+            .await
+            .unwrap();
+        let log = server.create_log(id).await.unwrap();
+        append_log(&log, "== transfer task");
+        server
+            .set_owner(id, owner.id(), &process_start(owner.id()))
+            .await
+            .unwrap();
+        server.mark_running(id, now()).await.unwrap();
+        server.started(id);
+        let t0 = tokio::time::Instant::now();
+        let ended = tokio::spawn(async move {
+            // Row reads at 0 and 250 ms (plus the first one after the watch starts): the end
+            // lands between two of them.
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            worker
+                .finish(id, End::Completed(&json!({"ok": 1})), &json!({}), now())
+                .await
+                .unwrap();
+            append_log(&log, &format!("[transfer] task={id} completed"));
+            tokio::time::Instant::now()
+        });
+        let r = server.hold_reply(id, Duration::from_secs(5)).await;
+        let replied = tokio::time::Instant::now();
+        let end = ended.await.unwrap();
+        owner.kill().unwrap();
+        owner.wait().unwrap();
+        let r = r.expect("the reply waited for the end");
+        assert_eq!(r["status"], "completed", "{r}");
+        let late = replied - end;
+        println!(
+            "held reply: {:?} after the end ({:?} in all)",
+            late,
+            replied - t0
+        );
+        assert!(
+            late < Duration::from_millis(60),
+            "woken {late:?} after the end"
+        );
         let _ = std::fs::remove_dir_all(&d);
     }
 

@@ -35,7 +35,8 @@ pub async fn hold_roots(
     let mut delay = Duration::from_millis(5);
     let mut shown = String::new();
     loop {
-        match crate::store::blocking(|| roots_lock::try_lock(&state_dir, key))? {
+        // A non-blocking lock of a small file: no wait to keep off the runtime.
+        match roots_lock::try_lock(&state_dir, key)? {
             Attempt::Held(lock) => return Ok(lock),
             Attempt::Busy(who) => {
                 if who != shown {
@@ -104,7 +105,7 @@ pub async fn run_with(
     );
     // The baseline is what tells a remote edit from a conflict: a store that cannot be read
     // refuses the sync (never a first sync that would overwrite the edit).
-    let store = Some(pool.transfers()?);
+    let store = Some(pool.transfers().await?);
     let _held = match spec.dry_run {
         true => None,
         false => Some(hold_roots(pool, &key, progress.as_ref(), cancel).await?),
@@ -113,23 +114,24 @@ pub async fn run_with(
     if opts.baseline.is_none()
         && let Some(t) = &store
     {
-        opts.baseline = t.load_baseline_shared(&key.0, &key.1, &key.2)?;
+        opts.baseline = t.load_baseline_shared(&key.0, &key.1, &key.2).await?;
     }
     let sink = std::sync::Arc::new(parking_lot::Mutex::new(None));
     opts.baseline_sink = Some(sink.clone());
-    if let Some(t) = store.clone().filter(|_| !spec.dry_run) {
-        let key = key.clone();
-        opts.journal = Some(std::sync::Arc::new(
-            move |commits: &[(String, [u8; 32])]| {
-                // A commit the journal misses is only known to this run: a kill before its end
-                // makes that file a conflict, as before the journal. Say so, and go on.
-                if let Err(e) = t.journal_commits(&key.0, &key.1, &key.2, commits) {
-                    tracing::warn!("a sync commit was not journaled: {}", e.message);
-                }
-            },
-        ));
+    let journal = store
+        .clone()
+        .filter(|_| !spec.dry_run)
+        .map(|t| JournalWriter::start(t, key.clone()));
+    if let Some(j) = &journal {
+        opts.journal = Some(j.sink());
     }
-    let mut report = match sync::run_with(&local, &remote, spec, progress, cancel, &opts).await {
+    let ran = sync::run_with(&local, &remote, spec, progress, cancel, &opts).await;
+    // Every journal write lands before the baseline is saved (a later one would lay this
+    // run's commits over the saved baseline).
+    if let Some(j) = journal {
+        j.finish().await;
+    }
+    let mut report = match ran {
         Ok(r) => r,
         Err(e) => {
             // A failed or cancelled run saves what it did commit, so an edit after the cut
@@ -138,7 +140,9 @@ pub async fn run_with(
             if let (Some(t), Some(b)) = (&store, b)
                 && !spec.dry_run
                 && opts.baseline.as_deref() != Some(&b)
-                && let Err(se) = t.save_baseline(&key.0, &key.1, &key.2, &b)
+                && let Err(se) = t
+                    .save_baseline(&key.0, &key.1, &key.2, std::sync::Arc::new(b))
+                    .await
             {
                 tracing::warn!("the sync baseline was not saved: {}", se.message);
             }
@@ -152,9 +156,10 @@ pub async fn run_with(
         // A no-change resync leaves it as it was: no write (a 2,000-file baseline is ~150 KB),
         // only its "last synced" day, which retention goes by.
         let r = if opts.baseline.as_deref() == Some(&b) {
-            t.touch_baseline(&key.0, &key.1, &key.2)
+            t.touch_baseline(&key.0, &key.1, &key.2).await
         } else {
-            t.save_baseline(&key.0, &key.1, &key.2, &b)
+            t.save_baseline(&key.0, &key.1, &key.2, std::sync::Arc::new(b))
+                .await
         };
         if let Err(e) = r {
             report
@@ -163,4 +168,77 @@ pub async fn run_with(
         }
     }
     Ok(report)
+}
+
+/// The journal of a running sync ([`RunOptions::journal`]). The engine hands over each
+/// acknowledged batch's commits without waiting (it calls from its own task, and a store held
+/// by another process must not stall the transfer); one task writes them to the store in the
+/// order they came. Held in memory meanwhile: at most the run's commits, which the engine
+/// holds anyway.
+struct JournalWriter {
+    shared: Arc<JournalShared>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+#[derive(Default)]
+struct JournalShared {
+    pending: parking_lot::Mutex<Vec<(String, [u8; 32])>>,
+    wake: tokio::sync::Notify,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+use std::sync::Arc;
+
+impl JournalWriter {
+    fn start(t: Arc<crate::store::transfers::Transfers>, key: Key) -> JournalWriter {
+        let shared = Arc::new(JournalShared::default());
+        let s = shared.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let batch = std::mem::take(&mut *s.pending.lock());
+                if batch.is_empty() {
+                    if s.closed.load(std::sync::atomic::Ordering::Acquire) {
+                        return;
+                    }
+                    s.wake.notified().await;
+                    continue;
+                }
+                // A commit the journal misses is only known to this run: a kill before its
+                // end makes that file a conflict, as before the journal. Say so, and go on.
+                if let Err(e) = t.journal_commits(&key.0, &key.1, &key.2, batch).await {
+                    tracing::warn!("a sync commit was not journaled: {}", e.message);
+                }
+            }
+        });
+        JournalWriter { shared, task }
+    }
+
+    /// What the engine calls with each batch of commits.
+    fn sink(&self) -> sync::engine::CommitJournal {
+        let s = self.shared.clone();
+        Arc::new(move |commits: &[(String, [u8; 32])]| {
+            s.pending.lock().extend_from_slice(commits);
+            s.wake.notify_one();
+        })
+    }
+
+    /// Every commit handed over is written (or its failure said).
+    async fn finish(mut self) {
+        self.close();
+        let _ = (&mut self.task).await;
+    }
+
+    fn close(&self) {
+        self.shared
+            .closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.shared.wake.notify_one();
+    }
+}
+
+impl Drop for JournalWriter {
+    /// A run dropped midway (its caller cancelled): the task writes what it has and ends.
+    fn drop(&mut self) {
+        self.close();
+    }
 }

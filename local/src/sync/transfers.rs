@@ -133,7 +133,7 @@ impl Transfers {
     /// Record and start a background sync; returns the seed's background reply. The sync runs
     /// in a detached worker process when the sandbox can be persisted without a secret rsb may
     /// not store; otherwise inside this server, and the reply's `note` says so.
-    pub fn start(
+    pub async fn start(
         self: &Arc<Self>,
         pool: Arc<Pool>,
         sandbox: String,
@@ -161,25 +161,29 @@ impl Transfers {
             .sandbox_config(&sandbox)
             .map(crate::store::sandboxes::fingerprint)
             .unwrap_or_default();
-        let id = self.record(&NewTask {
-            direction: spec.direction.as_str(),
-            sandbox: &sandbox,
-            sandbox_fp: &sandbox_fp,
-            local_path: &local,
-            remote_path: &spec.remote_path,
-            delete_extras: spec.delete_extras,
-            excludes,
-            exclude_file,
-            spec_json: &spec_json,
-            created_ts: ts,
-        })?;
-        let r = self.start_recorded(id, ts, pool, sandbox, spec, task.options(), task.agent);
+        let id = self
+            .record(&NewTask {
+                direction: spec.direction.as_str(),
+                sandbox: &sandbox,
+                sandbox_fp: &sandbox_fp,
+                local_path: &local,
+                remote_path: &spec.remote_path,
+                delete_extras: spec.delete_extras,
+                excludes,
+                exclude_file,
+                spec_json: &spec_json,
+                created_ts: ts,
+            })
+            .await?;
+        let r = self
+            .start_recorded(id, ts, pool, sandbox, spec, task.options(), task.agent)
+            .await;
         self.started(id);
         r
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn start_recorded(
+    async fn start_recorded(
         self: &Arc<Self>,
         id: i64,
         ts: f64,
@@ -190,7 +194,7 @@ impl Transfers {
         agent: Option<crate::connect::VerifiedAgent>,
     ) -> Result<Value> {
         let local = spec.local_path.display().to_string();
-        let log = self.create_log(id)?;
+        let log = self.create_log(id).await?;
         let log_s = log.display().to_string();
         for line in [
             format!("== transfer task: {id}"),
@@ -207,7 +211,7 @@ impl Transfers {
         }
 
         let persisted = if WORKERS.load(std::sync::atomic::Ordering::Relaxed) {
-            self.persist_sandbox(&pool, &sandbox)
+            self.persist_sandbox(&pool, &sandbox).await
         } else {
             Err("this process is not the rsb executable, which runs workers".to_string())
         };
@@ -217,6 +221,7 @@ impl Transfers {
             // itself if the server goes first.
             Ok(()) => match self.spawn_worker(id, &log, agent.is_some()) {
                 Ok((pid, bridge)) => {
+                    let _ = self.set_owner(id, pid, &process_start(pid)).await;
                     append_log(&log, &format!("[transfer] task={id} worker pid={pid}"));
                     if let (Some(ours), Some(a)) = (bridge, agent) {
                         let log = log.clone();
@@ -253,7 +258,7 @@ impl Transfers {
             },
             Err(msg) => msg,
         };
-        self.mark_in_process(id)?;
+        self.mark_in_process(id).await?;
         append_log(
             &log,
             &format!("[transfer] task={id} runs inside the server: {why_in_process}"),
@@ -292,25 +297,29 @@ impl Transfers {
 
     /// Store the sandbox's secret-free definition (plus its secret only on the user's opt-in),
     /// or say in one line why a worker could not connect with what is stored.
-    fn persist_sandbox(&self, pool: &Pool, sandbox: &str) -> std::result::Result<(), String> {
+    async fn persist_sandbox(&self, pool: &Pool, sandbox: &str) -> std::result::Result<(), String> {
         use crate::store::sandboxes;
         let cfg = pool
             .sandbox_config(sandbox)
-            .ok_or_else(|| format!("sandbox '{sandbox}' is not configured"))?;
-        crate::store::blocking(|| {
-            let db = self.conn();
-            sandboxes::persist(
-                &db,
-                &self.state_dir,
-                std::slice::from_ref(cfg),
-                sandboxes::store_passwords(),
-            )
+            .ok_or_else(|| format!("sandbox '{sandbox}' is not configured"))?
+            .clone();
+        let (dir, name) = (self.state_dir.clone(), sandbox.to_string());
+        let resolved = self
+            .store()
+            .call(move |db| {
+                sandboxes::persist(
+                    db,
+                    &dir,
+                    std::slice::from_ref(&cfg),
+                    sandboxes::store_passwords(),
+                )?;
+                sandboxes::resolve(db, &dir, &sandboxes::fingerprint(&cfg), &name)
+            })
+            .await
             .map_err(|e| e.message)?;
-            sandboxes::resolve(&db, &self.state_dir, &sandboxes::fingerprint(cfg), sandbox)
-                .map_err(|e| e.message)?
-                .ok_or_else(|| format!("sandbox '{sandbox}' could not be stored"))?
-                .map(|_| ())
-        })
+        resolved
+            .ok_or_else(|| format!("sandbox '{sandbox}' could not be stored"))?
+            .map(|_| ())
     }
 
     /// Start `rsb transfer run <id>` in its own session, stdio to the task log, with the
@@ -378,7 +387,6 @@ impl Transfers {
         // The worker holds its end now; ours is the only one left here.
         let bridge = pair.map(|(ours, _theirs)| ours);
         let pid = child.id();
-        let _ = self.set_owner(id, pid, &process_start(pid));
         // Reaped here while this server lives (a zombie would read as dead anyway); once the
         // server exits, init adopts the worker.
         std::thread::Builder::new()
@@ -402,7 +410,7 @@ impl Transfers {
         bridged: bool,
     ) {
         let started = now();
-        let _ = self.mark_running(id, started);
+        let _ = self.mark_running(id, started).await;
         let shared: Arc<Mutex<(Progress, u64)>> = Arc::new(Mutex::new((Progress::default(), 0)));
         let sh = shared.clone();
         let cb: crate::sync::ProgressFn = Arc::new(move |p: &Progress| {
@@ -427,7 +435,7 @@ impl Transfers {
                     let (p, n) = shared.lock().clone();
                     if n != seen {
                         seen = n;
-                        let _ = this.write_progress(id, &progress_json(&p, ""));
+                        let _ = this.write_progress(id, &progress_json(&p, "")).await;
                         let phase = p.phase.as_str().to_string();
                         if phase != last_phase || last_log.elapsed() >= LOG_PROGRESS_EVERY {
                             append_log(
@@ -445,7 +453,7 @@ impl Transfers {
                             last_log = std::time::Instant::now();
                         }
                     }
-                    let flagged = this.cancel_requested(id);
+                    let flagged = this.cancel_requested(id).await;
                     if flagged {
                         cancel.cancel();
                     }
@@ -517,14 +525,14 @@ impl Transfers {
                 let mut prog = progress_json(&p, report.synced_type);
                 prog["phase"] = json!("complete");
                 prog["duration_s"] = json!((report.duration_s * 1000.0).round() / 1000.0);
-                let _ = self.finish(id, End::Completed(&result), &prog, end);
+                let _ = self.finish(id, End::Completed(&result), &prog, end).await;
                 append_log(&log, &format!("[transfer] task={id} result={result}"));
                 append_log(&log, &format!("[transfer] task={id} completed"));
             }
             Err(e) if cancel.is_cancelled() => {
                 let mut prog = progress_json(&p, "");
                 prog["phase"] = json!("cancelled");
-                let _ = self.finish(id, End::Cancelled, &prog, end);
+                let _ = self.finish(id, End::Cancelled, &prog, end).await;
                 append_log(
                     &log,
                     &format!("[transfer] task={id} cancelled ({})", e.message),
@@ -533,7 +541,7 @@ impl Transfers {
             Err(e) => {
                 let mut prog = progress_json(&p, "");
                 prog["phase"] = json!("failed");
-                let _ = self.finish(id, End::Failed(&e.message), &prog, end);
+                let _ = self.finish(id, End::Failed(&e.message), &prog, end).await;
                 append_log(&log, &format!("[transfer] task={id} failed: {}", e.message));
                 append_log(&log, &format!("[transfer] hint: {}", e.hint));
             }
@@ -556,29 +564,28 @@ impl Transfers {
             log_file,
         } = self
             .claim(id)
+            .await
             .map_err(|e| e.message)?
             .ok_or_else(|| format!("transfer task {id} is unknown or not queued"))?;
         let log = PathBuf::from(log_file);
-        let fail = |this: &Self, msg: String| {
-            let _ = this.fail_claimed(id, &msg);
-            append_log(&log, &format!("[transfer] task={id} failed: {msg}"));
-            msg
-        };
         let spec: TaskSpec = match serde_json::from_str(&spec_json) {
             Ok(s) => s,
-            Err(e) => return Err(fail(self, format!("unreadable task record: {e}"))),
+            Err(e) => {
+                let msg = format!("unreadable task record: {e}");
+                return Err(self.fail_claimed_logged(id, &log, msg).await);
+            }
         };
-        let resolved = crate::store::blocking(|| {
-            sandboxes::resolve(&self.conn(), &self.state_dir, &sandbox_fp, &sandbox)
-        });
+        let (dir, fp, name) = (self.state_dir.clone(), sandbox_fp, sandbox.clone());
+        let resolved = self
+            .store()
+            .call(move |db| sandboxes::resolve(db, &dir, &fp, &name))
+            .await;
         let cfg = match resolved {
             Ok(Some(Ok(c))) => c,
-            Ok(Some(Err(msg))) => return Err(fail(self, msg)),
+            Ok(Some(Err(msg))) => return Err(self.fail_claimed_logged(id, &log, msg).await),
             _ => {
-                return Err(fail(
-                    self,
-                    format!("sandbox '{sandbox}' is not stored in the state dir"),
-                ));
+                let msg = format!("sandbox '{sandbox}' is not stored in the state dir");
+                return Err(self.fail_claimed_logged(id, &log, msg).await);
             }
         };
         if let (crate::config::Transport::Ssh(t), Some(a)) = (&cfg.transport, &spec.agent) {
@@ -624,8 +631,13 @@ impl Transfers {
         let on_term = {
             let cancel = cancel.clone();
             let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .map_err(|e| fail(self, format!("cannot handle SIGTERM: {e}")))?;
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let msg = format!("cannot handle SIGTERM: {e}");
+                        return Err(self.fail_claimed_logged(id, &log, msg).await);
+                    }
+                };
             tokio::spawn(async move {
                 if term.recv().await.is_some() {
                     cancel.cancel();
@@ -648,6 +660,13 @@ impl Transfers {
         Ok(())
     }
 
+    /// A claimed task that cannot run: recorded as failed and said in its log; returns `msg`.
+    async fn fail_claimed_logged(&self, id: i64, log: &Path, msg: String) -> String {
+        let _ = self.fail_claimed(id, &msg).await;
+        append_log(log, &format!("[transfer] task={id} failed: {msg}"));
+        msg
+    }
+
     /// `cancel_file_transfer_task`: stop the task (cooperatively, then by aborting it after
     /// `force_kill_after_s`) and report `cancelled`.
     pub async fn cancel(&self, id: i64, force_kill_after_s: f64) -> Result<Value> {
@@ -666,8 +685,8 @@ impl Transfers {
                 "pass a value >= 0",
             ));
         }
-        let mut row = self.row(id)?.ok_or_else(|| Self::unknown(id))?;
-        self.settle(id, &mut row);
+        let mut row = self.row(id).await?.ok_or_else(|| Self::unknown(id))?;
+        self.settle(id, &mut row).await;
         if is_terminal(&row.status) {
             return Ok(json!({"task_id": id, "status": row.status, "already_finished": true}));
         }
@@ -687,7 +706,7 @@ impl Transfers {
                 abort.abort();
                 force_killed = true;
                 self.live.lock().remove(&id);
-                let _ = self.mark_cancelled(id);
+                let _ = self.mark_cancelled(id).await;
                 append_log(
                     Path::new(&row.log_file),
                     &format!(
@@ -695,7 +714,7 @@ impl Transfers {
                     ),
                 );
             }
-            let row = self.row(id)?.ok_or_else(|| Self::unknown(id))?;
+            let row = self.row(id).await?.ok_or_else(|| Self::unknown(id))?;
             let mut v = json!({"task_id": id, "status": row.status, "terminated": true});
             if row.status != "cancelled" {
                 v["already_finished"] = json!(true);
@@ -707,7 +726,7 @@ impl Transfers {
         }
         // A worker (or another live server's task): raise the flag it polls, signal a worker,
         // and wait for it to record its end.
-        self.request_cancel(id)?;
+        self.request_cancel(id).await?;
         // A pid is signalled only with the start time that names its process: without one
         // (a row from an rsb that could not read it) the flag is all the worker gets.
         let worker =
@@ -717,8 +736,8 @@ impl Transfers {
         }
         let deadline = tokio::time::Instant::now() + grace.max(Duration::from_secs(2));
         loop {
-            let mut r = self.row(id)?.ok_or_else(|| Self::unknown(id))?;
-            self.settle(id, &mut r);
+            let mut r = self.row(id).await?.ok_or_else(|| Self::unknown(id))?;
+            self.settle(id, &mut r).await;
             if is_terminal(&r.status) {
                 let mut v = json!({"task_id": id, "status": r.status, "terminated": true});
                 if r.status != "cancelled" {
@@ -729,7 +748,7 @@ impl Transfers {
             if tokio::time::Instant::now() >= deadline {
                 if worker && pid_alive(r.pid, &r.owner_start) {
                     signal(r.pid, libc::SIGKILL);
-                    let _ = self.mark_cancelled(id);
+                    let _ = self.mark_cancelled(id).await;
                     append_log(
                         Path::new(&r.log_file),
                         &format!(
@@ -795,7 +814,7 @@ mod tests {
     }
 
     /// A running worker task whose owner is `pid` with start `start`.
-    fn worker_task(t: &Transfers, pid: u32, start: &str) -> i64 {
+    async fn worker_task(t: &Transfers, pid: u32, start: &str) -> i64 {
         let id = t
             .record(&NewTask {
                 direction: "local_to_remote",
@@ -809,10 +828,11 @@ mod tests {
                 spec_json: "{}",
                 created_ts: now(),
             })
+            .await
             .unwrap();
-        t.create_log(id).unwrap();
-        t.set_owner(id, pid, start).unwrap();
-        t.mark_running(id, now()).unwrap();
+        t.create_log(id).await.unwrap();
+        t.set_owner(id, pid, start).await.unwrap();
+        t.mark_running(id, now()).await.unwrap();
         t.started(id);
         id
     }
@@ -824,20 +844,20 @@ mod tests {
     #[tokio::test]
     async fn cancel_never_signals_a_reused_pid() {
         let d = state_dir("reused");
-        let t = Transfers::open(&d).unwrap();
+        let t = Transfers::open(&d).await.unwrap();
         // An unrelated process now holds the pid the dead worker had.
         let mut stranger = std::process::Command::new("sleep")
             .arg("30")
             .spawn()
             .unwrap();
         let real: u64 = process_start(stranger.id()).parse().unwrap();
-        let id = worker_task(&t, stranger.id(), &(real + 1).to_string());
+        let id = worker_task(&t, stranger.id(), &(real + 1).to_string()).await;
         let v = t.cancel(id, 0.2).await.unwrap();
         assert_eq!(v["status"], "interrupted", "{v}");
         assert_eq!(v["already_finished"], true, "{v}");
         std::thread::sleep(Duration::from_millis(100));
         assert!(still_runs(&mut stranger), "the stranger was signalled");
-        let row = t.row(id).unwrap().unwrap();
+        let row = t.row(id).await.unwrap().unwrap();
         assert!(
             row.last_error.contains("exited before it finished"),
             "{}",
@@ -845,12 +865,12 @@ mod tests {
         );
 
         // No start time recorded: the pid alone is never enough to signal.
-        let id = worker_task(&t, stranger.id(), "");
+        let id = worker_task(&t, stranger.id(), "").await;
         let v = t.cancel(id, 0.0).await.unwrap();
         assert_eq!(v["cancel_requested"], true, "{v}");
         assert!(still_runs(&mut stranger), "signalled on a bare pid");
         assert!(
-            t.cancel_requested(id),
+            t.cancel_requested(id).await,
             "the flag is raised for a live worker to see"
         );
 
@@ -862,13 +882,13 @@ mod tests {
     #[tokio::test]
     async fn cancel_stops_the_worker_it_recorded() {
         let d = state_dir("real");
-        let t = Transfers::open(&d).unwrap();
+        let t = Transfers::open(&d).await.unwrap();
         // A "worker" that ignores the flag: only the signal stops it.
         let mut worker = std::process::Command::new("sleep")
             .arg("30")
             .spawn()
             .unwrap();
-        let id = worker_task(&t, worker.id(), &process_start(worker.id()));
+        let id = worker_task(&t, worker.id(), &process_start(worker.id())).await;
         let cancelling = t.cancel(id, 0.0);
         let (v, status) = tokio::join!(cancelling, async {
             tokio::task::spawn_blocking(move || worker.wait().unwrap())

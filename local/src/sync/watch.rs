@@ -616,7 +616,7 @@ pub async fn watch(
         anchor_home(&spec.remote_path),
     );
     // Refuse up front: every burst's sync needs the store (see `runner::run_with`).
-    let store = Some(pool.transfers()?);
+    let store = Some(pool.transfers().await?);
     let mut armed = arm(&root, opts)?;
     armed.gitignores = spec.rules.gitignore.then(Gitignores::default);
     on(WatchEvent::Watching {
@@ -643,18 +643,18 @@ pub async fn watch(
             // Under the roots' lock, from the store's baseline: another sync of these roots
             // (a manual one, a background transfer) may have run since the last burst, and
             // the save below must not put back what it replaced.
-            let held = match crate::store::blocking(|| {
-                crate::store::roots_lock::try_lock(&pool.config().state_dir, &key)
-            }) {
+            let held = match crate::store::roots_lock::try_lock(&pool.config().state_dir, &key) {
                 Ok(crate::store::roots_lock::Attempt::Held(l)) => Some(l),
                 _ => None,
             };
-            let fresh = held.as_ref().and_then(|_| {
-                store
-                    .as_ref()
-                    .and_then(|t| t.load_baseline_shared(&key.0, &key.1, &key.2).ok())
-                    .flatten()
-            });
+            let fresh = match (&held, &store) {
+                (Some(_), Some(t)) => t
+                    .load_baseline_shared(&key.0, &key.1, &key.2)
+                    .await
+                    .ok()
+                    .flatten(),
+                _ => None,
+            };
             let r = match fresh {
                 Some(b) => {
                     if *b != k.baseline {
@@ -684,7 +684,14 @@ pub async fn watch(
                     });
                     // After the line: the save is not part of the latency a user sees.
                     if let Some(t) = &store
-                        && let Err(e) = t.save_baseline(&key.0, &key.1, &key.2, &k.baseline)
+                        && let Err(e) = t
+                            .save_baseline(
+                                &key.0,
+                                &key.1,
+                                &key.2,
+                                std::sync::Arc::new(k.baseline.clone()),
+                            )
+                            .await
                     {
                         tracing::warn!("the sync baseline was not saved: {}", e.message);
                         known = None;
@@ -712,14 +719,16 @@ pub async fn watch(
             match r {
                 Ok(report) => {
                     let elapsed = started.elapsed();
-                    known = (report.synced_type == "directory")
-                        .then_some(store.as_ref())
-                        .flatten()
-                        .and_then(|t| t.load_baseline(&key.0, &key.1, &key.2).ok().flatten())
-                        .map(|baseline| Known {
-                            remote_root: report.remote_path.clone(),
-                            baseline,
-                        });
+                    let baseline = match (&store, report.synced_type == "directory") {
+                        (Some(t), true) => {
+                            t.load_baseline(&key.0, &key.1, &key.2).await.ok().flatten()
+                        }
+                        _ => None,
+                    };
+                    known = baseline.map(|baseline| Known {
+                        remote_root: report.remote_path.clone(),
+                        baseline,
+                    });
                     on(WatchEvent::Synced {
                         burst: burst_no,
                         changes: burst.events,

@@ -1074,9 +1074,13 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn an_idle_daemon_leaves_the_baseline_cache_hitting() {
         let d = tempfile::tempdir().unwrap();
-        let t = crate::store::transfers::Transfers::open(d.path()).unwrap();
+        let t = crate::store::transfers::Transfers::open(d.path())
+            .await
+            .unwrap();
         let b: crate::store::baselines::Baseline = [("f".to_string(), [3; 32])].into();
-        t.save_baseline("l", "s", "r", &b).unwrap();
+        t.save_baseline("l", "s", "r", Arc::new(b.clone()))
+            .await
+            .unwrap();
         let mut opts = Options::new(d.path().to_path_buf());
         opts.tick = Duration::from_millis(20);
         opts.mode = "foreground".into();
@@ -1094,7 +1098,13 @@ mod tests {
         // write of identical bytes), so a heartbeat each tick changed the version every second.
         for _ in 0..40 {
             versions.insert(dv(&probe));
-            assert_eq!(*t.load_baseline_shared("l", "s", "r").unwrap().unwrap(), b);
+            assert_eq!(
+                *t.load_baseline_shared("l", "s", "r")
+                    .await
+                    .unwrap()
+                    .unwrap(),
+                b
+            );
             tokio::time::sleep(Duration::from_millis(125)).await;
         }
         let (h1, m1) = t.baseline_cache_stats();
