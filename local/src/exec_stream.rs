@@ -211,28 +211,23 @@ pub async fn run(
     let (out_tx, mut out_rx) = mpsc::channel::<Chunk>(64);
     let stdout_closed = std::sync::Arc::new(tokio::sync::Notify::new());
     let closed = stdout_closed.clone();
-    let printer = tokio::spawn(async move {
+    // On a thread of its own: a write blocks while the terminal or pipe is full, and that
+    // back-pressure is what slows the remote side down, as with ssh. Once the reader is gone,
+    // stdout is dropped while the command is being stopped.
+    let printer = tokio::task::spawn_blocking(move || {
         let mut stdout_open = true;
-        while let Some(c) = out_rx.recv().await {
-            // Writes block only while the terminal or pipe is full: that back-pressure is what
-            // slows the remote side down, as with ssh. Once the reader is gone, stdout is
-            // dropped while the command is being stopped.
+        while let Some(c) = out_rx.blocking_recv() {
             match c {
                 Chunk::Stdout(b) if stdout_open => {
-                    let r = tokio::task::block_in_place(|| {
-                        let mut o = std::io::stdout().lock();
-                        o.write_all(&b).and_then(|()| o.flush())
-                    });
-                    if r.is_err() {
+                    let mut o = std::io::stdout().lock();
+                    if o.write_all(&b).and_then(|()| o.flush()).is_err() {
                         stdout_open = false;
                         closed.notify_one();
                     }
                 }
                 Chunk::Stderr(b) => {
-                    let _ = tokio::task::block_in_place(|| {
-                        let mut o = std::io::stderr().lock();
-                        o.write_all(&b).and_then(|()| o.flush())
-                    });
+                    let mut o = std::io::stderr().lock();
+                    let _ = o.write_all(&b).and_then(|()| o.flush());
                 }
                 _ => {}
             }

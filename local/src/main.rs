@@ -285,7 +285,13 @@ async fn run(cli: Cli) -> u8 {
             return cli::watchdog::watch(cmd, json, &rsb::config::state_dir()).await;
         }
         Cmd::Config { cmd } => return cli::config::run(cmd, json),
-        Cmd::State { cmd } => return cli::state::run(cmd, json, &rsb::config::state_dir()),
+        Cmd::State { cmd } => {
+            // The store's checks and pruning wait on its lock: on the blocking pool.
+            let dir = rsb::config::state_dir();
+            return tokio::task::spawn_blocking(move || cli::state::run(cmd, json, &dir))
+                .await
+                .unwrap_or(1);
+        }
         Cmd::Completions { shell } => return cli::meta::completions(&mut command(), shell),
         Cmd::Man => return cli::meta::man(command()),
         Cmd::Version => return cli::meta::version(json),

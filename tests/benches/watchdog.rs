@@ -81,7 +81,13 @@ async fn watch_job(
     wops::fill_from_job(&mut nw, name, &v.log_file, "");
     nw.sandbox_name = sb.into();
     let cfgs = pool.config().sandboxes.clone();
-    wops::register(state, &cfgs, nw, false).unwrap().watch_id
+    let store = rsb::store::Store::new(state).unwrap();
+    let id = wops::register(&store, &cfgs, nw, false)
+        .await
+        .unwrap()
+        .watch_id;
+    store.close().await;
+    id
 }
 
 /// utime + stime of `pid`, in clock ticks.

@@ -171,7 +171,13 @@ async fn watch_job(
     nw.launch_command = cmd.into();
     nw.sandbox_name = sandbox.into();
     let cfgs = pool.config().sandboxes.clone();
-    wops::register(state, &cfgs, nw, false).unwrap().watch_id
+    let store = rsb::store::Store::new(state).unwrap();
+    let id = wops::register(&store, &cfgs, nw, false)
+        .await
+        .unwrap()
+        .watch_id;
+    store.close().await;
+    id
 }
 
 fn events_of(state: &Path, watch_id: i64) -> Vec<WatchEvent> {
@@ -1093,7 +1099,9 @@ async fn one_daemon_per_state_dir_cli_tables_and_needs_credentials() {
     )
     .unwrap();
     nw.sandbox_name = "pw".into();
-    let reg = wops::register(&state, &pw_cfg, nw, false).unwrap();
+    let store = rsb::store::Store::new(&state).unwrap();
+    let reg = wops::register(&store, &pw_cfg, nw, false).await.unwrap();
+    store.close().await;
     assert!(
         reg.watch_warning
             .as_deref()
@@ -2130,7 +2138,15 @@ fn watch_commands_escape_a_hostile_name() {
     .unwrap();
     wops::fill_from_job(&mut nw, hostile, "/tmp/none.log", "/tmp");
     nw.sandbox_name = "s".into();
-    let id = wops::register(&state, &[], nw, false).unwrap().watch_id;
+    let id = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let store = rsb::store::Store::new(&state).unwrap();
+        let id = wops::register(&store, &[], nw, false)
+            .await
+            .unwrap()
+            .watch_id;
+        store.close().await;
+        id
+    });
     let cli = |a: &[&str]| cli_ok(tmp.path(), &state, a);
     let clean = |t: &str| {
         assert!(

@@ -318,9 +318,10 @@ async fn local_services(ctx: &Ctx) -> Vec<Check> {
         }
     };
     let status = if rsb::store::db_path(state_dir).exists() {
-        rsb::ops::watchdog::open(state_dir)
-            .and_then(|c| rsb::ops::watchdog::status(&c, state_dir))
-            .map(Some)
+        match ctx.pool.store() {
+            Ok(store) => rsb::ops::watchdog::status(&store).await.map(Some),
+            Err(e) => Err(e),
+        }
     } else {
         Ok(None)
     };

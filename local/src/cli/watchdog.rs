@@ -75,6 +75,15 @@ fn print_err(json: bool, e: &RsbError) {
     }
 }
 
+/// Service-manager work (systemctl, launchctl, waiting for the daemon) on the blocking pool.
+async fn off_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> rsb::error::Result<T> + Send + 'static,
+) -> rsb::error::Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| rsb::error::RsbError::internal(format!("the service task failed: {e}")))?
+}
+
 fn out<T: Serialize>(json: bool, r: rsb::error::Result<T>, human: impl FnOnce(&T)) -> u8 {
     match r {
         Ok(v) if json => {
@@ -139,7 +148,7 @@ pub async fn watchdog(cmd: WatchdogCmd, json: bool, state_dir: &Path) -> u8 {
             }
         }
         WatchdogCmd::Install { no_start } => {
-            let r = tokio::task::block_in_place(|| ops::install(state_dir, !no_start, None));
+            let r = with_store(state_dir, async |s| ops::install(s, !no_start, None).await).await;
             out(json, r, |r| {
                 println!(
                     "installed the {} service {} ({}){}",
@@ -154,7 +163,7 @@ pub async fn watchdog(cmd: WatchdogCmd, json: bool, state_dir: &Path) -> u8 {
             })
         }
         WatchdogCmd::Uninstall => {
-            let r = tokio::task::block_in_place(|| ops::uninstall(state_dir));
+            let r = with_store(state_dir, async |s| ops::uninstall(s).await).await;
             out(json, r, |r| {
                 if r.removal.removed {
                     println!("removed {}", r.removal.plist_path);
@@ -164,9 +173,8 @@ pub async fn watchdog(cmd: WatchdogCmd, json: bool, state_dir: &Path) -> u8 {
             })
         }
         WatchdogCmd::Restart => {
-            let r = ops::open(state_dir).and_then(|c| {
-                tokio::task::block_in_place(|| rsb::watchdog::service::restart(&c, state_dir))
-            });
+            let dir = state_dir.to_path_buf();
+            let r = off_runtime(move || rsb::watchdog::service::restart(&dir)).await;
             out(json, r, |r| {
                 println!(
                     "watchdog: {} (pid {})",
@@ -176,7 +184,7 @@ pub async fn watchdog(cmd: WatchdogCmd, json: bool, state_dir: &Path) -> u8 {
             })
         }
         WatchdogCmd::Status => {
-            let r = ops::open(state_dir).and_then(|c| ops::status(&c, state_dir));
+            let r = with_store(state_dir, async |s| ops::status(s).await).await;
             out(json, r, |s| {
                 let d = &s.daemon;
                 if d.running {
@@ -249,8 +257,8 @@ const MULTILINE_FIELDS: &[&str] = &[
 ];
 
 /// `rsb watch cancel`, on the audit record.
-fn cancel_audited(state_dir: &Path, id: i64) -> rsb::error::Result<ops::Cancelled> {
-    let r = ops::cancel(state_dir, id);
+async fn cancel_audited(state_dir: &Path, id: i64) -> rsb::error::Result<ops::Cancelled> {
+    let r = with_store(state_dir, async |s| ops::cancel(s, id).await).await;
     rsb::audit::record_in(
         state_dir,
         r.as_ref()
@@ -303,46 +311,58 @@ fn event_table(es: &[WatchEvent]) {
     }
 }
 
-/// One watch, read through a store of this command's own, closed before the command ends.
-async fn one_watch(state_dir: &Path, id: i64) -> rsb::error::Result<ops::OneWatch> {
+/// `f` with a store of this command's own (its calls wait on the store's thread, not the
+/// command's), closed before the command ends so the database is left whole.
+async fn with_store<T>(
+    state_dir: &Path,
+    f: impl AsyncFnOnce(&rsb::store::Store) -> rsb::error::Result<T>,
+) -> rsb::error::Result<T> {
     let store = rsb::store::Store::new(state_dir)?;
-    let r = ops::get(&store, id).await;
+    let r = f(&store).await;
     store.close().await;
     r
 }
 
 pub async fn watch(cmd: WatchCmd, json: bool, state_dir: &Path) -> u8 {
     match cmd {
-        WatchCmd::List { status } => out(json, ops::list(state_dir, &status), |l| {
-            if l.watches.is_empty() {
-                println!("no watches");
-            } else {
-                watch_table(&l.watches);
-            }
-        }),
-        WatchCmd::Show { id } => out(json, one_watch(state_dir, id).await, |w| {
-            let w = &w.watch;
-            let v = serde_json::to_value(w).unwrap_or_default();
-            for (k, val) in v.as_object().into_iter().flatten() {
-                // Names and summaries are the model's and the host's: escaped. Line breaks
-                // are kept (indented below the key) only where text has lines: a log tail, a
-                // checkpoint, a command; a name, an id or a path is one line whatever it holds.
-                let shown = match val {
-                    serde_json::Value::String(s) if MULTILINE_FIELDS.contains(&k.as_str()) => {
-                        shown_lines(s).into_owned()
-                    }
-                    serde_json::Value::String(s) => shown(s).into_owned(),
-                    other => other.to_string(),
-                };
-                if shown.contains('\n') {
-                    println!("{k}:\n  {}", shown.trim_end().replace('\n', "\n  "));
+        WatchCmd::List { status } => {
+            let r = with_store(state_dir, async |s| ops::list(s, &status).await).await;
+            out(json, r, |l| {
+                if l.watches.is_empty() {
+                    println!("no watches");
                 } else {
-                    println!("{k}: {shown}");
+                    watch_table(&l.watches);
                 }
-            }
-        }),
+            })
+        }
+        WatchCmd::Show { id } => {
+            let r = with_store(state_dir, async |s| ops::get(s, id).await).await;
+            out(json, r, |w| {
+                let w = &w.watch;
+                let v = serde_json::to_value(w).unwrap_or_default();
+                for (k, val) in v.as_object().into_iter().flatten() {
+                    // Names and summaries are the model's and the host's: escaped. Line breaks
+                    // are kept (indented below the key) only where text has lines: a log tail, a
+                    // checkpoint, a command; a name, an id or a path is one line whatever it holds.
+                    let shown = match val {
+                        serde_json::Value::String(s) if MULTILINE_FIELDS.contains(&k.as_str()) => {
+                            shown_lines(s).into_owned()
+                        }
+                        serde_json::Value::String(s) => shown(s).into_owned(),
+                        other => other.to_string(),
+                    };
+                    if shown.contains('\n') {
+                        println!("{k}:\n  {}", shown.trim_end().replace('\n', "\n  "));
+                    } else {
+                        println!("{k}: {shown}");
+                    }
+                }
+            })
+        }
         WatchCmd::Events { id, limit } => {
-            out(json, ops::events(state_dir, id.unwrap_or(0), limit), |e| {
+            let id = id.unwrap_or(0);
+            let r = with_store(state_dir, async |s| ops::events(s, id, limit).await).await;
+            out(json, r, |e| {
                 if e.events.is_empty() {
                     println!("no events");
                 } else {
@@ -350,29 +370,32 @@ pub async fn watch(cmd: WatchCmd, json: bool, state_dir: &Path) -> u8 {
                 }
             })
         }
-        WatchCmd::Cancel { id } => out(json, cancel_audited(state_dir, id), |c| {
-            let w = &c.watch;
-            // Say what was last seen of the job, not that it "keeps running": it may have
-            // ended or been lost long ago.
-            let sandbox = shown(&w.sandbox_name);
-            let job = match w.last_state.as_str() {
-                "running" | "" | "pending" => format!("keeps running on {sandbox}"),
-                "completed" => format!(
-                    "had completed on {sandbox} (exit code {})",
-                    w.last_exit_code
-                        .map(|c| c.to_string())
-                        .unwrap_or_else(|| "?".into())
-                ),
-                other => format!(
-                    "was last seen {} on {sandbox}; it is not running",
-                    shown(other)
-                ),
-            };
-            println!(
-                "watch {} cancelled; job {} {job}",
-                w.id,
-                shown(&w.tmux_session)
-            );
-        }),
+        WatchCmd::Cancel { id } => {
+            let r = cancel_audited(state_dir, id).await;
+            out(json, r, |c| {
+                let w = &c.watch;
+                // Say what was last seen of the job, not that it "keeps running": it may have
+                // ended or been lost long ago.
+                let sandbox = shown(&w.sandbox_name);
+                let job = match w.last_state.as_str() {
+                    "running" | "" | "pending" => format!("keeps running on {sandbox}"),
+                    "completed" => format!(
+                        "had completed on {sandbox} (exit code {})",
+                        w.last_exit_code
+                            .map(|c| c.to_string())
+                            .unwrap_or_else(|| "?".into())
+                    ),
+                    other => format!(
+                        "was last seen {} on {sandbox}; it is not running",
+                        shown(other)
+                    ),
+                };
+                println!(
+                    "watch {} cancelled; job {} {job}",
+                    w.id,
+                    shown(&w.tmux_session)
+                );
+            })
+        }
     }
 }

@@ -586,18 +586,13 @@ impl RsbServer {
         let mut nw = prepared;
         wops::fill_from_job(&mut nw, name, log, cwd);
         nw.sandbox_name = sandbox;
-        let state_dir = self.pool.config().state_dir.clone();
-        let configured = self.pool.config().sandboxes.clone();
-        let ensure = p.ensure_watchdog;
-        let r = tokio::task::spawn_blocking(move || {
-            wops::register(&state_dir, &configured, nw, ensure)
-        })
-        .await
-        .unwrap_or_else(|e| {
-            Err(RsbError::internal(format!(
-                "watch registration failed: {e}"
-            )))
-        });
+        let r = match self.pool.store() {
+            Ok(store) => {
+                let configured = &self.pool.config().sandboxes;
+                wops::register(&store, configured, nw, p.ensure_watchdog).await
+            }
+            Err(e) => Err(e),
+        };
         match r {
             Ok(reg) => {
                 self.followed.watch(reg.watch_id);

@@ -51,12 +51,6 @@ fn typed<T: Serialize>(r: Result<T>) -> ToolResult {
     }
 }
 
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .unwrap_or_else(|e| Err(RsbError::internal(format!("watchdog task failed: {e}"))))
-}
-
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct InstallParams {
@@ -240,10 +234,6 @@ pub struct EventsParams {
 }
 
 impl RsbServer {
-    fn state_dir(&self) -> std::path::PathBuf {
-        self.pool.config().state_dir.clone()
-    }
-
     async fn watch(&self, id: i64) -> Result<crate::watchdog::Watch> {
         Ok(wops::get(&self.pool.store()?, id).await?.watch)
     }
@@ -255,32 +245,33 @@ impl RsbServer {
         description = "Install and start the local watchdog service: a launchd agent on macOS, a systemd --user unit on Linux (the seed's name; it is not macOS-only here)."
     )]
     async fn install_macos_watchdog(&self, Parameters(p): Parameters<InstallParams>) -> ToolResult {
-        let dir = self.state_dir();
-        let sandboxes = self.pool.config().sandboxes.clone();
-        typed(
-            blocking(move || {
-                wops::install(
-                    &dir,
-                    p.start_now,
-                    p.persist_current_sandboxes.then_some(&sandboxes[..]),
-                )
-            })
-            .await,
-        )
+        let sandboxes = &self.pool.config().sandboxes;
+        let persist = p.persist_current_sandboxes.then_some(&sandboxes[..]);
+        let r = match self.pool.store() {
+            Ok(store) => wops::install(&store, p.start_now, persist).await,
+            Err(e) => Err(e),
+        };
+        typed(r)
     }
 
     #[tool(description = "Stop and remove the watchdog service (watches and events stay).")]
     async fn uninstall_macos_watchdog(&self, Parameters(_): Parameters<NoParams>) -> ToolResult {
-        let dir = self.state_dir();
-        typed(blocking(move || wops::uninstall(&dir)).await)
+        let r = match self.pool.store() {
+            Ok(store) => wops::uninstall(&store).await,
+            Err(e) => Err(e),
+        };
+        typed(r)
     }
 
     #[tool(
         description = "Watchdog daemon status: pid, heartbeat age, mode (service/detached), service, watch counts."
     )]
     async fn get_watchdog_status(&self, Parameters(_): Parameters<NoParams>) -> ToolResult {
-        let dir = self.state_dir();
-        typed(blocking(move || wops::open(&dir).and_then(|c| wops::status(&c, &dir))).await)
+        let r = match self.pool.store() {
+            Ok(store) => wops::status(&store).await,
+            Err(e) => Err(e),
+        };
+        typed(r)
     }
 
     #[tool(
@@ -352,9 +343,8 @@ impl RsbServer {
                     (nw.tmux_session.clone(), nw.log_file.clone(), nw.cwd.clone());
                 wops::fill_from_job(&mut nw, &job, &log, &cwd);
             }
-            let dir = self.state_dir();
-            let sandboxes = self.pool.config().sandboxes.clone();
-            let reg = blocking(move || wops::register(&dir, &sandboxes, nw, ensure)).await?;
+            let store = self.pool.store()?;
+            let reg = wops::register(&store, &self.pool.config().sandboxes, nw, ensure).await?;
             self.followed.watch(reg.watch_id);
             Ok(reg)
         }
@@ -415,8 +405,11 @@ impl RsbServer {
         &self,
         Parameters(p): Parameters<ListWatchesParams>,
     ) -> ToolResult {
-        let dir = self.state_dir();
-        typed(blocking(move || wops::list(&dir, &p.status)).await)
+        let r = match self.pool.store() {
+            Ok(store) => wops::list(&store, &p.status).await,
+            Err(e) => Err(e),
+        };
+        typed(r)
     }
 
     #[tool(description = "Fetch one watchdog watch by id.")]
@@ -491,8 +484,10 @@ impl RsbServer {
         ctx: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> ToolResult {
         let t0 = std::time::Instant::now();
-        let dir = self.state_dir();
-        let r = blocking(move || wops::cancel(&dir, p.watch_id)).await;
+        let r = match self.pool.store() {
+            Ok(store) => wops::cancel(&store, p.watch_id).await,
+            Err(e) => Err(e),
+        };
         let sandbox = r
             .as_ref()
             .map(|c| c.watch.sandbox_name.clone())
@@ -507,7 +502,10 @@ impl RsbServer {
         &self,
         Parameters(p): Parameters<EventsParams>,
     ) -> ToolResult {
-        let dir = self.state_dir();
-        typed(blocking(move || wops::events(&dir, p.watch_id, p.limit)).await)
+        let r = match self.pool.store() {
+            Ok(store) => wops::events(&store, p.watch_id, p.limit).await,
+            Err(e) => Err(e),
+        };
+        typed(r)
     }
 }

@@ -20,7 +20,7 @@ use crate::{
     forward::{Forward, StatsSnapshot},
     pool::Pool,
     store::Store,
-    watchdog::{daemon, forwards, sandboxes, service, settings},
+    watchdog::{daemon, forwards, sandboxes, settings},
 };
 
 /// What a forward is and how it is doing; the reply of `forward_port`, one element of
@@ -110,42 +110,40 @@ const STOP_WAIT: Duration = Duration::from_secs(10);
 /// unless the user opted in, so a password-only sandbox is refused here with the opt-in named.
 pub async fn detach(pool: &Arc<Pool>, req: &ForwardRequest) -> Result<ForwardInfo> {
     let sandbox = pool.resolve(&req.sandbox)?;
-    let cfg = pool.config();
-    let state_dir = crate::ops::watchdog::state_dir_of(cfg);
-    let configured = cfg.sandboxes.clone();
+    let store = pool.store()?;
+    let configured = pool.config().sandboxes.clone();
     let req = req.clone();
-    let dir = state_dir.clone();
+    let dir = store.state_dir().to_path_buf();
     let name = sandbox.clone();
-    let (id, report) = blocking(move || {
-        let conn = crate::ops::watchdog::open(&dir)?;
-        sandboxes::persist(&conn, &dir, &configured, settings::store_passwords())?;
-        let fp = configured
-            .iter()
-            .find(|s| s.name == name)
-            .map(sandboxes::fingerprint)
-            .unwrap_or_default();
-        if let Some(Err(msg)) = sandboxes::resolve(&conn, &dir, &fp, &name)? {
-            return Err(RsbError::invalid(
-                format!("cannot detach a forward to '{name}': {msg}"),
-                "use a key or ssh-agent for this sandbox, or set RSB_WATCHDOG_STORE_PASSWORDS=1 \
-                 to let the watchdog store its password (0600); or forward without detach",
-            ));
-        }
-        let id = forwards::insert(&conn, &name, &fp, &req.target, req.bind, req.local_port)?;
-        match service::ensure(&conn, &dir) {
-            Ok(r) => Ok((id, r)),
-            Err(e) => {
-                let _ = forwards::delete(&conn, id);
-                Err(e)
+    let id = store
+        .call(move |c| {
+            sandboxes::persist(c, &dir, &configured, settings::store_passwords())?;
+            let fp = configured
+                .iter()
+                .find(|s| s.name == name)
+                .map(sandboxes::fingerprint)
+                .unwrap_or_default();
+            if let Some(Err(msg)) = sandboxes::resolve(c, &dir, &fp, &name)? {
+                return Err(RsbError::invalid(
+                    format!("cannot detach a forward to '{name}': {msg}"),
+                    "use a key or ssh-agent for this sandbox, or set RSB_WATCHDOG_STORE_PASSWORDS=1 \
+                     to let the watchdog store its password (0600); or forward without detach",
+                ));
             }
+            forwards::insert(c, &name, &fp, &req.target, req.bind, req.local_port)
+        })
+        .await?;
+    let report = match crate::ops::watchdog::ensure(&store).await {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = store.call(move |c| forwards::delete(c, id)).await;
+            return Err(e);
         }
-    })
-    .await?;
+    };
     let note = match &report.install_hint {
         Some(h) => format!("{} ({h})", report.detail),
         None => report.detail.clone(),
     };
-    let store = pool.store()?;
     let deadline = Instant::now() + DETACH_WAIT;
     loop {
         let row = store.call(move |c| forwards::get(c, id)).await?;
@@ -179,12 +177,6 @@ pub async fn detach(pool: &Arc<Pool>, req: &ForwardRequest) -> Result<ForwardInf
             _ => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     }
-}
-
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T> + Send + 'static) -> Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| RsbError::internal(format!("state store task failed: {e}")))?
 }
 
 /// The detached forwards in the store (none when there is no store yet: listing never creates

@@ -3,12 +3,8 @@
 //! and serialise to the seed's reply keys, plus rsb's additions; the MCP tools and the CLI
 //! share them.
 
-use std::{
-    collections::BTreeMap,
-    path::{Path, PathBuf},
-};
+use std::{collections::BTreeMap, path::Path};
 
-use rusqlite::Connection;
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 
@@ -17,6 +13,7 @@ use crate::{
     config::SandboxConfig,
     error::{Result, RsbError},
     ops::{exec, fs, jobs},
+    store::Store,
     watchdog::{
         HEARTBEAT_STALE_S, Watch, WatchEvent, alerts,
         db::{self, NewWatch},
@@ -26,8 +23,29 @@ use crate::{
     },
 };
 
-pub fn open(state_dir: &Path) -> Result<Connection> {
-    crate::store::open(state_dir)
+/// Work that runs the service manager (systemctl, launchctl) or waits for the daemon's lock:
+/// on the blocking pool, never a runtime thread.
+async fn off_runtime<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T> + Send + 'static,
+) -> Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| RsbError::internal(format!("the watchdog service task failed: {e}")))?
+}
+
+/// The daemon of the store's state dir: its heartbeat row, read through the store, and its
+/// lock.
+pub async fn daemon_info(store: &Store) -> Result<DaemonInfo> {
+    let hb = store.call(|c| db::meta_get(c, "heartbeat")).await?;
+    let dir = store.state_dir().to_path_buf();
+    off_runtime(move || Ok(service::daemon_info(hb, &dir))).await
+}
+
+/// [`service::ensure`] for the store's state dir, off the runtime.
+pub async fn ensure(store: &Store) -> Result<EnsureReport> {
+    let info = daemon_info(store).await?;
+    let dir = store.state_dir().to_path_buf();
+    off_runtime(move || service::ensure(info, &dir)).await
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -56,14 +74,27 @@ pub struct Status {
     pub service: ServiceStatus,
 }
 
-pub fn status(conn: &Connection, state_dir: &Path) -> Result<Status> {
-    let hb = db::meta_get(conn, "heartbeat")?;
+/// The store's rows (heartbeat, watch counts) through the store; the service and the daemon's
+/// lock off the runtime.
+pub async fn status(store: &Store) -> Result<Status> {
+    let (hb, counts) = store
+        .call(|c| Ok((db::meta_get(c, "heartbeat")?, db::counts(c)?)))
+        .await?;
+    let state_dir = store.state_dir().to_path_buf();
+    off_runtime(move || Ok(status_of(hb, counts, &state_dir))).await
+}
+
+fn status_of(
+    hb: Option<(Value, i64)>,
+    watch_counts: BTreeMap<String, i64>,
+    state_dir: &Path,
+) -> Status {
     let now = crate::store::now_s();
     let stale = hb
         .as_ref()
         .and_then(|(v, _)| v["ts"].as_i64())
         .is_none_or(|ts| now - ts > HEARTBEAT_STALE_S);
-    Ok(Status {
+    Status {
         paths: Paths {
             config_path: crate::config::config_file_path().display().to_string(),
             db_path: crate::store::db_path(state_dir).display().to_string(),
@@ -72,14 +103,14 @@ pub fn status(conn: &Connection, state_dir: &Path) -> Result<Status> {
             log_file: state_dir.join(service::DAEMON_LOG).display().to_string(),
         },
         launchd: service::launchd_status(),
+        daemon: service::daemon_info(hb.clone(), state_dir),
         heartbeat: hb.map(|(value, updated_ts)| {
             json!({"key": "heartbeat", "value": value, "updated_ts": updated_ts})
         }),
         heartbeat_stale: stale,
-        watch_counts: db::counts(conn)?,
-        daemon: service::daemon_info(conn, state_dir)?,
+        watch_counts,
         service: service::service_status(state_dir),
-    })
+    }
 }
 
 /// The installed user service (systemd unit or launchd plist), read from its file alone: for
@@ -342,39 +373,48 @@ pub struct Registered {
 }
 
 /// Persist the server's sandbox definitions (no secrets unless opted in), insert the watch and
-/// (with `ensure`) make sure a daemon runs. Blocking: run it off the async executor.
-pub fn register(
-    state_dir: &Path,
+/// (with `ensure`) make sure a daemon runs.
+pub async fn register(
+    store: &Store,
     configured: &[SandboxConfig],
     mut w: NewWatch,
-    ensure: bool,
+    ensure_daemon: bool,
 ) -> Result<Registered> {
-    let conn = open(state_dir)?;
-    let count = sandboxes::persist(&conn, state_dir, configured, settings::store_passwords())?;
     w.sandbox_fp = configured
         .iter()
         .find(|s| s.name == w.sandbox_name)
         .map(sandboxes::fingerprint)
         .unwrap_or_default();
-    let warning =
-        sandboxes::resolve(&conn, state_dir, &w.sandbox_fp, &w.sandbox_name)?.and_then(|r| r.err());
-    let watch = db::insert(&conn, &w)?;
-    let setup = ensure.then(|| match service::ensure(&conn, state_dir) {
-        Ok(r) => Setup::Ensured(r),
-        Err(e) => Setup::Failed {
-            warning: format!("{} ({})", e.message, e.hint),
-        },
-    });
+    let (dir, configured) = (store.state_dir().to_path_buf(), configured.to_vec());
+    let (count, warning, watch) = store
+        .call(move |c| {
+            let count = sandboxes::persist(c, &dir, &configured, settings::store_passwords())?;
+            let warning =
+                sandboxes::resolve(c, &dir, &w.sandbox_fp, &w.sandbox_name)?.and_then(|r| r.err());
+            Ok((count, warning, db::insert(c, &w)?))
+        })
+        .await?;
+    let setup = match ensure_daemon {
+        true => Some(match ensure(store).await {
+            Ok(r) => Setup::Ensured(r),
+            Err(e) => Setup::Failed {
+                warning: format!("{} ({})", e.message, e.hint),
+            },
+        }),
+        false => None,
+    };
     Ok(Registered {
         watch_id: watch.id,
         watch_query_id: watch.id,
         watch,
         persisted_sandboxes: PersistedInfo {
-            config_path: crate::store::db_path(state_dir).display().to_string(),
+            config_path: crate::store::db_path(store.state_dir())
+                .display()
+                .to_string(),
             sandbox_count: count,
         },
         watchdog_setup: setup,
-        status: status(&conn, state_dir)?,
+        status: status(store).await?,
         watch_warning: warning,
     })
 }
@@ -404,11 +444,11 @@ pub struct Events {
     pub events: Vec<WatchEvent>,
 }
 
-pub fn list(state_dir: &Path, status_filter: &str) -> Result<WatchList> {
-    let conn = open(state_dir)?;
+pub async fn list(store: &Store, status_filter: &str) -> Result<WatchList> {
+    let filter = status_filter.to_string();
     Ok(WatchList {
-        watches: db::list(&conn, status_filter)?,
-        status: status(&conn, state_dir)?,
+        watches: store.call(move |c| db::list(c, &filter)).await?,
+        status: status(store).await?,
     })
 }
 
@@ -433,23 +473,23 @@ pub async fn cancel_for_job(
         .await
 }
 
-pub fn cancel(state_dir: &Path, id: i64) -> Result<Cancelled> {
-    let conn = open(state_dir)?;
-    let watch = db::cancel(&conn, id)?;
+pub async fn cancel(store: &Store, id: i64) -> Result<Cancelled> {
+    let watch = store.call(move |c| db::cancel(c, id)).await?;
     Ok(Cancelled {
         watch,
-        status: status(&conn, state_dir)?,
+        status: status(store).await?,
     })
 }
 
-pub fn events(state_dir: &Path, watch_id: i64, limit: i64) -> Result<Events> {
+pub async fn events(store: &Store, watch_id: i64, limit: i64) -> Result<Events> {
     if limit <= 0 {
         return Err(RsbError::invalid(
             "limit must be positive",
             "pass a value >= 1",
         ));
     }
-    let mut events = db::events(&open(state_dir)?, watch_id, limit.min(MAX_LISTED_EVENTS))?;
+    let limit = limit.min(MAX_LISTED_EVENTS);
+    let mut events = store.call(move |c| db::events(c, watch_id, limit)).await?;
     for e in &mut events {
         compact_payload(&mut e.payload);
     }
@@ -506,33 +546,40 @@ pub struct UninstallReply {
 
 /// Install (and start) the platform service; the sandboxes are persisted only after the
 /// platform check passed (the seed wrote credentials first, then failed).
-pub fn install(
-    state_dir: &Path,
+pub async fn install(
+    store: &Store,
     start: bool,
     persist: Option<&[SandboxConfig]>,
 ) -> Result<InstallReply> {
-    let install = service::install(state_dir, start)?;
-    let conn = open(state_dir)?;
+    let dir = store.state_dir().to_path_buf();
+    let install = off_runtime(move || service::install(&dir, start)).await?;
     let persisted = match persist {
-        Some(s) => Some(PersistedInfo {
-            config_path: crate::store::db_path(state_dir).display().to_string(),
-            sandbox_count: sandboxes::persist(&conn, state_dir, s, settings::store_passwords())?,
-        }),
+        Some(s) => {
+            let (dir, s) = (store.state_dir().to_path_buf(), s.to_vec());
+            let count = store
+                .call(move |c| sandboxes::persist(c, &dir, &s, settings::store_passwords()))
+                .await?;
+            Some(PersistedInfo {
+                config_path: crate::store::db_path(store.state_dir())
+                    .display()
+                    .to_string(),
+                sandbox_count: count,
+            })
+        }
         None => None,
     };
     Ok(InstallReply {
         install,
         persisted_sandboxes: persisted,
-        status: status(&conn, state_dir)?,
+        status: status(store).await?,
     })
 }
 
-pub fn uninstall(state_dir: &Path) -> Result<UninstallReply> {
-    let removal = service::uninstall()?;
-    let conn = open(state_dir)?;
+pub async fn uninstall(store: &Store) -> Result<UninstallReply> {
+    let removal = off_runtime(service::uninstall).await?;
     Ok(UninstallReply {
         removal,
-        status: status(&conn, state_dir)?,
+        status: status(store).await?,
     })
 }
 
@@ -720,11 +767,6 @@ pub async fn progress(
 pub struct LogRead {
     pub watch: Watch,
     pub log: Value,
-}
-
-/// Where the state dir lives for a server configuration.
-pub fn state_dir_of(cfg: &crate::config::Config) -> PathBuf {
-    cfg.state_dir.clone()
 }
 
 #[cfg(test)]

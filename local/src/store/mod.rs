@@ -44,20 +44,6 @@ pub fn db_path(state_dir: &Path) -> PathBuf {
 pub use clock::{now_ms, now_s};
 pub use handle::Store;
 
-/// Runs store work from async code without holding a runtime thread. A query waits up to
-/// the busy timeout (5 s) while another process holds the database's write lock, and a
-/// runtime thread that waits stalls every task queued on it: an `exec_bash` on an unrelated
-/// sandbox included. On a multi-thread runtime the worker hands its other tasks to a fresh
-/// thread for the duration ([`tokio::task::block_in_place`]); anywhere else (a current-thread
-/// runtime, a plain thread, a blocking-pool thread) the work simply runs.
-pub fn blocking<T>(f: impl FnOnce() -> T) -> T {
-    use tokio::runtime::{Handle, RuntimeFlavor};
-    match Handle::try_current() {
-        Ok(h) if h.runtime_flavor() == RuntimeFlavor::MultiThread => tokio::task::block_in_place(f),
-        _ => f(),
-    }
-}
-
 /// What to do about a store that cannot be used (the hint of every such error).
 pub const UNUSABLE_HINT: &str = "run `rsb state check`; to start afresh, move rsb.sqlite3 out of \
      the state dir (RSB_STATE_DIR): the next sync of each root is then a first sync";

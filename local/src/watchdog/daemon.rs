@@ -158,7 +158,9 @@ impl Host {
 
 pub struct Daemon {
     state_dir: PathBuf,
-    conn: Mutex<Connection>,
+    /// The store, on its own thread: no check, tick or forward waits on a runtime thread for
+    /// another process's write lock.
+    store: store::Store,
     hosts: Mutex<HashMap<String, Arc<Host>>>,
     inflight: Mutex<HashSet<i64>>,
     /// The config file's hooks, reloaded when the file changes ([`Daemon::reload_settings`]).
@@ -192,37 +194,31 @@ const PRUNE_EVERY: Duration = Duration::from_secs(3600);
 /// Run until SIGTERM/SIGINT, the state dir vanishing, or (detached) a long idle spell.
 pub async fn run(opts: Options) -> Result<()> {
     let _lock = acquire_lock(&opts.state_dir)?;
-    let conn = store::open(&opts.state_dir)?;
+    let store = store::Store::open(&opts.state_dir).await?;
     let settings_stamp = config_stamp();
     let settings = load_settings();
     let d = Arc::new(Daemon {
         state_dir: opts.state_dir.clone(),
-        conn: Mutex::new(conn),
+        forwards: Arc::new(super::forwards::Served::new(store.clone())),
+        store,
         hosts: Mutex::new(HashMap::new()),
         inflight: Mutex::new(HashSet::new()),
         settings: Mutex::new(settings),
         settings_stamp: Mutex::new(settings_stamp),
         hook_timeout: opts.hook_timeout,
-        forwards: Arc::new(super::forwards::Served::new(&opts.state_dir)),
         last_beat: Mutex::new(None),
         last_prune: Mutex::new(None),
         subscriptions: Mutex::new(HashMap::new()),
         recheck: Mutex::new(HashSet::new()),
     });
-    let started = store::now_s();
-    d.db(|c| {
-        db::meta_set(
-            c,
-            "daemon",
-            &json!({
-                "pid": std::process::id(),
-                "mode": opts.mode,
-                "started_ts": started,
-                "version": env!("CARGO_PKG_VERSION"),
-                "state_dir": opts.state_dir.display().to_string(),
-            }),
-        )
-    })?;
+    let started = json!({
+        "pid": std::process::id(),
+        "mode": opts.mode,
+        "started_ts": store::now_s(),
+        "version": env!("CARGO_PKG_VERSION"),
+        "state_dir": opts.state_dir.display().to_string(),
+    });
+    d.db(move |c| db::meta_set(c, "daemon", &started)).await?;
     tracing::info!(
         state_dir = %opts.state_dir.display(),
         mode = %opts.mode,
@@ -241,7 +237,7 @@ pub async fn run(opts: Options) -> Result<()> {
             break;
         }
         d.reload_settings();
-        let active = d.tick(&opts).unwrap_or_else(|e| {
+        let active = d.tick(&opts).await.unwrap_or_else(|e| {
             tracing::warn!("[watchdog] tick failed: {}", e.message);
             1
         });
@@ -264,7 +260,7 @@ pub async fn run(opts: Options) -> Result<()> {
     }
     // Gone means gone: no reader may take a heartbeat younger than 30 s for a live daemon
     // (liveness is the lock holder's anyway, see `service::daemon_info`).
-    if let Err(e) = d.db(|c| db::meta_delete(c, "heartbeat")) {
+    if let Err(e) = d.db(|c| db::meta_delete(c, "heartbeat")).await {
         tracing::warn!("[watchdog] cannot clear the heartbeat: {}", e.message);
     }
     for (_, h) in d.subscriptions.lock().drain() {
@@ -275,6 +271,7 @@ pub async fn run(opts: Options) -> Result<()> {
     for h in hosts {
         h.pool.shutdown().await;
     }
+    d.store.close().await;
     Ok(())
 }
 
@@ -332,48 +329,49 @@ where
 }
 
 impl Daemon {
-    /// Store work, off the runtime's scheduling: a query may wait out another process's write
-    /// lock (the busy timeout), and so may a task waiting for this connection's mutex meanwhile;
-    /// on a runtime thread either would stall the forwards this daemon serves and every other
-    /// check ([`store::blocking`]).
-    fn db<T>(&self, f: impl FnOnce(&mut Connection) -> T) -> T {
-        store::blocking(|| f(&mut self.conn.lock()))
+    /// Store work, on the store's thread: a query may wait out another process's write lock
+    /// (the busy timeout) there, while the forwards this daemon serves and every other check
+    /// go on ([`store::Store`]).
+    async fn db<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Connection) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        self.store.call(f).await
     }
 
     /// One tick: heartbeat, then a check task for every due watch. Returns the number of
     /// active watches.
-    fn tick(self: &Arc<Self>, opts: &Options) -> Result<i64> {
+    async fn tick(self: &Arc<Self>, opts: &Options) -> Result<i64> {
         let ms = now_ms();
-        let (due, active) = self
-            .db(|c| -> Result<_> {
+        let beat_due = self
+            .last_beat
+            .lock()
+            .is_none_or(|t| ms - t >= super::HEARTBEAT_EVERY.as_millis() as i64);
+        let prune_due = self
+            .last_prune
+            .lock()
+            .is_none_or(|t| ms - t >= PRUNE_EVERY.as_millis() as i64);
+        if prune_due {
+            *self.last_prune.lock() = Some(ms);
+        }
+        let heartbeat = json!({
+            "ts": ms / 1000,
+            "stale_after_s": super::HEARTBEAT_STALE_S,
+            "db_path": store::db_path(&self.state_dir).display().to_string(),
+            "config_path": crate::config::config_file_path().display().to_string(),
+            "pid": std::process::id(),
+            "mode": opts.mode,
+        });
+        let state_dir = self.state_dir.clone();
+        let (due, active, followed) = self
+            .db(move |c| {
                 let c = &*c;
-                let beat_due = self
-                    .last_beat
-                    .lock()
-                    .is_none_or(|t| ms - t >= super::HEARTBEAT_EVERY.as_millis() as i64);
                 if beat_due {
-                    db::meta_set(
-                        c,
-                        "heartbeat",
-                        &json!({
-                            "ts": ms / 1000,
-                            "stale_after_s": super::HEARTBEAT_STALE_S,
-                            "db_path": store::db_path(&self.state_dir).display().to_string(),
-                            "config_path": crate::config::config_file_path().display().to_string(),
-                            "pid": std::process::id(),
-                            "mode": opts.mode,
-                        }),
-                    )?;
-                    *self.last_beat.lock() = Some(ms);
+                    db::meta_set(c, "heartbeat", &heartbeat)?;
                 }
-                let prune_due = self
-                    .last_prune
-                    .lock()
-                    .is_none_or(|t| ms - t >= PRUNE_EVERY.as_millis() as i64);
                 if prune_due {
-                    *self.last_prune.lock() = Some(ms);
                     let policy = Default::default();
-                    match store::retention::prune(&self.state_dir, c, &policy, ms / 1000) {
+                    match store::retention::prune(&state_dir, c, &policy, ms / 1000) {
                         Ok(p) if p.bytes_freed > 0 => {
                             tracing::info!("[watchdog] retention: {p:?}")
                         }
@@ -383,17 +381,20 @@ impl Daemon {
                 }
                 let due = db::due(c, ms, MAX_STARTS_PER_TICK)?;
                 let active = db::counts(c)?.get("active").copied().unwrap_or(0);
-                let forwards = self
-                    .forwards
-                    .tick(c, |c, fp, name| self.pool_for(c, fp, name))
-                    as i64;
                 let followed = db::active_sandboxes(c)?;
-                Ok((due, active + forwards, followed))
+                Ok((due, active, followed))
             })
-            .map(|(due, active, followed)| {
-                self.follow_sandboxes(followed);
-                (due, active)
-            })?;
+            .await?;
+        if beat_due {
+            *self.last_beat.lock() = Some(ms);
+        }
+        let d = self.clone();
+        let pool_for: super::forwards::PoolFor = Arc::new(move |fp, name| {
+            let d = d.clone();
+            Box::pin(async move { d.pool_for(&fp, &name).await })
+        });
+        let forwards = self.forwards.tick(&pool_for).await as i64;
+        self.follow_sandboxes(followed);
         let mut started = 0;
         for id in due {
             if self.start_check(id, false) {
@@ -401,15 +402,10 @@ impl Daemon {
             }
         }
         if started > 0 {
-            let _ = self.db(|c| {
-                db::meta_set(
-                    c,
-                    "last_scan",
-                    &json!({"ts": ms / 1000, "due_watch_count": started}),
-                )
-            });
+            let scan = json!({"ts": ms / 1000, "due_watch_count": started});
+            let _ = self.db(move |c| db::meta_set(c, "last_scan", &scan)).await;
         }
-        Ok(active)
+        Ok(active + forwards)
     }
 
     /// Start a check of watch `id` unless one is running; `again` (a job's end was just heard):
@@ -427,14 +423,16 @@ impl Daemon {
             let d2 = d.clone();
             if let Err(msg) = supervise(async move { d2.check(id).await }).await {
                 tracing::error!(watch = id, "[watchdog] {msg}");
-                d.db(|c| {
-                    let interval = db::get(c, id)
-                        .ok()
-                        .flatten()
-                        .map(|w| w.interval_s)
-                        .unwrap_or(60);
-                    let _ = db::record_failed_check(c, id, &msg, interval);
-                });
+                let _ = d
+                    .db(move |c| {
+                        let interval = db::get(c, id)
+                            .ok()
+                            .flatten()
+                            .map(|w| w.interval_s)
+                            .unwrap_or(60);
+                        db::record_failed_check(c, id, &msg, interval)
+                    })
+                    .await;
             }
             d.inflight.lock().remove(&id);
             if d.recheck.lock().remove(&id) {
@@ -480,7 +478,7 @@ impl Daemon {
     async fn follow(self: Arc<Self>, fp: String, name: String) {
         let mut retry = FOLLOW_RETRY_FIRST;
         loop {
-            let resolved = self.db(|c| sandboxes::resolve(c, &self.state_dir, &fp, &name));
+            let resolved = self.resolve(&fp, &name).await;
             if let Ok(Some(Ok(cfg))) = resolved {
                 let host = self.host(sandboxes::key(&fp, &name), cfg);
                 match host.client(Instant::now()).await {
@@ -490,7 +488,7 @@ impl Daemon {
                             match ends.next().await {
                                 Ok(e) => {
                                     retry = FOLLOW_RETRY_FIRST;
-                                    self.job_ended(&fp, &name, &e.info.name);
+                                    self.job_ended(&fp, &name, &e.info.name).await;
                                 }
                                 Err(e) => {
                                     tracing::info!(
@@ -511,8 +509,9 @@ impl Daemon {
     }
 
     /// A run of job `job` ended on the sandbox: check its active watches now.
-    fn job_ended(self: &Arc<Self>, fp: &str, sandbox: &str, job: &str) {
-        match self.db(|c| db::active_on(c, fp, sandbox, job)) {
+    async fn job_ended(self: &Arc<Self>, fp: &str, sandbox: &str, job: &str) {
+        let (f, s, j) = (fp.to_string(), sandbox.to_string(), job.to_string());
+        match self.db(move |c| db::active_on(c, &f, &s, &j)).await {
             Ok(ids) => {
                 for id in ids {
                     self.start_check(id, true);
@@ -522,15 +521,23 @@ impl Daemon {
         }
     }
 
-    /// The pool of a persisted sandbox, for a detached forward (`conn` is the store, already
-    /// locked by the tick).
-    fn pool_for(
+    /// A persisted sandbox's definition, as a watch or a forward connects with it: `None` when
+    /// it is not stored, `Some(Err)` when it lacks a credential rsb may not store.
+    async fn resolve(
         &self,
-        conn: &Connection,
         fp: &str,
         name: &str,
-    ) -> std::result::Result<Arc<Pool>, String> {
-        let cfg = sandboxes::resolve(conn, &self.state_dir, fp, name)
+    ) -> Result<Option<std::result::Result<SandboxConfig, String>>> {
+        let (dir, fp, name) = (self.state_dir.clone(), fp.to_string(), name.to_string());
+        self.db(move |c| sandboxes::resolve(c, &dir, &fp, &name))
+            .await
+    }
+
+    /// The pool of a persisted sandbox, for a detached forward.
+    async fn pool_for(&self, fp: &str, name: &str) -> std::result::Result<Arc<Pool>, String> {
+        let cfg = self
+            .resolve(fp, name)
+            .await
             .map_err(|e| e.message)?
             .ok_or_else(|| format!("sandbox '{name}' is not in the watchdog's store"))??;
         Ok(self.host(sandboxes::key(fp, name), cfg).pool.clone())
@@ -554,7 +561,7 @@ impl Daemon {
     }
 
     async fn check(self: Arc<Self>, id: i64) {
-        let w = match self.db(|c| db::get(c, id)) {
+        let w = match self.db(move |c| db::get(c, id)).await {
             Ok(Some(w)) if w.status == "active" => w,
             Ok(_) => return,
             Err(e) => {
@@ -587,7 +594,7 @@ impl Daemon {
             seen.log_tail = Some(tail);
             out = checks::decide(&w, &Observed::Job(seen), now_ms());
         }
-        let Some(after) = self.commit(&w, out.after, &out.events) else {
+        let Some(after) = self.commit(&w, out.after, &out.events).await else {
             return;
         };
         if out.resume
@@ -598,13 +605,16 @@ impl Daemon {
     }
 
     /// Commit and deliver; the new row (with its revision) or `None` if the watch changed.
-    fn commit(
+    async fn commit(
         &self,
         before: &Watch,
         mut after: Watch,
         events: &[super::NewEvent],
     ) -> Option<Watch> {
-        let r = self.db(|c| db::commit(c, before.rev, &after, events, super::checks::payload));
+        let (rev, row, events) = (before.rev, after.clone(), events.to_vec());
+        let r = self
+            .db(move |c| db::commit(c, rev, &row, &events, super::checks::payload))
+            .await;
         match r {
             Ok(Some(evs)) => {
                 after.rev = before.rev + 1;
@@ -627,8 +637,7 @@ impl Daemon {
 
     /// Gather what the watch's sandbox says about the job (never parsing its log).
     async fn observe(&self, w: &Watch, since: Instant) -> (Observed, Option<AgentClient>) {
-        let resolved =
-            self.db(|c| sandboxes::resolve(c, &self.state_dir, &w.sandbox_fp, &w.sandbox_name));
+        let resolved = self.resolve(&w.sandbox_fp, &w.sandbox_name).await;
         let cfg = match resolved {
             Ok(Some(Ok(c))) => c,
             Ok(Some(Err(msg))) => return (Observed::NeedsCredentials(msg), None),
@@ -743,7 +752,7 @@ impl Daemon {
     async fn resume(&self, w: Watch, client: AgentClient) {
         let launch_id = format!("w{}-{}-{}", w.id, w.resume_attempts + 1, now_ms());
         let intent = checks::resume_intent(&w, &launch_id, now_ms());
-        let Some(w) = self.commit(&w, intent, &[]) else {
+        let Some(w) = self.commit(&w, intent, &[]).await else {
             return;
         };
         self.launch_resume(w, client).await;
@@ -805,7 +814,7 @@ impl Daemon {
                 &checkpoint,
                 now_ms(),
             );
-            self.commit(&w, after, &[e]);
+            self.commit(&w, after, &[e]).await;
             return;
         }
         // Confined as the session's own commands on that sandbox were: the client comes from a
@@ -845,7 +854,7 @@ impl Daemon {
             &checkpoint,
             now_ms(),
         );
-        self.commit(&w, after, &[e]);
+        self.commit(&w, after, &[e]).await;
     }
 
     /// A resume or resubmit the daemon ran, on the audit record as the user's own are.
@@ -944,17 +953,16 @@ impl Daemon {
 
     /// Event file, then alerts (off the loop), then `delivered`.
     fn deliver(&self, w: Watch, e: WatchEvent) {
-        let state_dir = self.state_dir.clone();
+        let store = self.store.clone();
         let targets = alerts::Targets::for_watch(&w, &self.settings.lock(), self.hook_timeout);
-        let db_path = state_dir.clone();
         tokio::spawn(async move {
-            deliver_one(&state_dir, &db_path, &targets, &e, true).await;
+            deliver_one(&store, &targets, &e, true).await;
         });
     }
 
     /// Finish deliveries a previous daemon committed but did not complete.
     async fn redeliver(&self) {
-        let pending = match self.db(|c| db::undelivered(c)) {
+        let pending = match self.db(|c| db::undelivered(c)).await {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!("[watchdog] cannot read undelivered events: {}", e.message);
@@ -962,22 +970,18 @@ impl Daemon {
             }
         };
         for (e, created_ms) in pending {
-            let w = self.db(|c| db::get(c, e.watch_id)).ok().flatten();
+            let watch_id = e.watch_id;
+            let w = self.db(move |c| db::get(c, watch_id)).await.ok().flatten();
             let Some(w) = w else { continue };
             let targets = alerts::Targets::for_watch(&w, &self.settings.lock(), self.hook_timeout);
             let alert = now_ms() - created_ms < REPLAY_ALERTS_WITHIN_MS;
-            deliver_one(&self.state_dir, &self.state_dir, &targets, &e, alert).await;
+            deliver_one(&self.store, &targets, &e, alert).await;
         }
     }
 }
 
-async fn deliver_one(
-    state_dir: &Path,
-    db_dir: &Path,
-    targets: &alerts::Targets,
-    e: &WatchEvent,
-    alert: bool,
-) {
+async fn deliver_one(store: &store::Store, targets: &alerts::Targets, e: &WatchEvent, alert: bool) {
+    let state_dir = store.state_dir();
     let file = match db::write_event_file(state_dir, e) {
         Ok(f) => f,
         Err(err) => {
@@ -998,12 +1002,23 @@ async fn deliver_one(
     for err in &errors {
         tracing::warn!(watch = e.watch_id, event = e.id, "[watchdog] {err}");
     }
-    // A fresh connection: delivery runs off the loop and must not wait on the daemon's.
-    if let Ok(c) = store::open(db_dir) {
-        if !targets.webhooks.is_empty() || !targets.commands.is_empty() {
-            let _ = db::record_error(&c, e.watch_id, "last_alert_error", &errors.join("; "));
-        }
-        let _ = db::mark_delivered(&c, e.id);
+    let alerted = !targets.webhooks.is_empty() || !targets.commands.is_empty();
+    let (watch_id, event_id, errors) = (e.watch_id, e.id, errors.join("; "));
+    let recorded = store
+        .call(move |c| {
+            if alerted {
+                // The alert's outcome is a note on the watch; the delivery is done either way.
+                let _ = db::record_error(c, watch_id, "last_alert_error", &errors);
+            }
+            db::mark_delivered(c, event_id)
+        })
+        .await;
+    if let Err(err) = recorded {
+        tracing::warn!(
+            event = event_id,
+            "[watchdog] cannot record the delivery: {}",
+            err.message
+        );
     }
 }
 

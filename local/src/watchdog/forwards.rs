@@ -9,13 +9,11 @@
 use std::{
     collections::{HashMap, HashSet},
     net::SocketAddr,
-    path::{Path, PathBuf},
     sync::Arc,
     time::{Duration, Instant},
 };
 
 use parking_lot::Mutex;
-use rusqlite::Connection;
 
 use crate::{
     error::{Result, RsbError},
@@ -53,9 +51,19 @@ fn request_of(row: &Row) -> Result<ForwardRequest> {
     })
 }
 
+/// How the daemon finds the pool of a persisted sandbox (fingerprint, name) for a forward.
+pub type PoolFor = Arc<
+    dyn Fn(
+            String,
+            String,
+        ) -> futures::future::BoxFuture<'static, std::result::Result<Arc<Pool>, String>>
+        + Send
+        + Sync,
+>;
+
 /// The daemon's side: the forwards it serves, reconciled with the store every tick.
 pub struct Served {
-    state_dir: PathBuf,
+    store: store::Store,
     running: Mutex<HashMap<i64, Arc<Forward>>>,
     /// Rows with a start or stop in flight.
     busy: Mutex<HashSet<i64>>,
@@ -63,23 +71,20 @@ pub struct Served {
 }
 
 impl Served {
-    pub fn new(state_dir: &Path) -> Served {
+    pub fn new(store: store::Store) -> Served {
         Served {
-            state_dir: state_dir.to_path_buf(),
+            store,
             running: Mutex::new(HashMap::new()),
             busy: Mutex::new(HashSet::new()),
             retry_at: Mutex::new(HashMap::new()),
         }
     }
 
-    /// One reconcile pass. `pool_for(fingerprint, sandbox)` resolves a sandbox the way watches do (the
-    /// persisted definition and any opted-in secret). Returns how many forwards the store wants
-    /// served, which keeps a detached daemon from exiting idle.
-    pub fn tick<F>(self: &Arc<Self>, conn: &Connection, pool_for: F) -> usize
-    where
-        F: Fn(&Connection, &str, &str) -> std::result::Result<Arc<Pool>, String>,
-    {
-        let rows = match list(conn) {
+    /// One reconcile pass. `pool_for(fingerprint, sandbox)` resolves a sandbox the way watches
+    /// do (the persisted definition and any opted-in secret). Returns how many forwards the
+    /// store wants served, which keeps a detached daemon from exiting idle.
+    pub async fn tick(self: &Arc<Self>, pool_for: &PoolFor) -> usize {
+        let rows = match self.store.call(|c| list(c)).await {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!("[watchdog] cannot read forwards: {}", e.message);
@@ -88,6 +93,7 @@ impl Served {
         };
         let mut wanted = 0;
         let ids: HashSet<i64> = rows.iter().map(|r| r.id).collect();
+        let mut stats = Vec::new();
         for row in rows {
             match row.state.as_str() {
                 STOPPING => self.stop(row.id),
@@ -95,13 +101,25 @@ impl Served {
                     wanted += 1;
                     let running = self.running.lock().get(&row.id).cloned();
                     if let Some(f) = running {
-                        let _ = set_stats(conn, row.id, &f.stats());
+                        stats.push((row.id, f.stats()));
                     } else {
-                        self.start(conn, row, &pool_for);
+                        self.start(row, pool_for).await;
                     }
                 }
                 _ => {}
             }
+        }
+        if !stats.is_empty() {
+            // One call for every served forward's counters.
+            let _ = self
+                .store
+                .call(move |c| {
+                    for (id, s) in &stats {
+                        let _ = set_stats(c, *id, s);
+                    }
+                    Ok(())
+                })
+                .await;
         }
         // A row deleted by hand (or by `stop` without a daemon) stops its forward too.
         let orphans: Vec<i64> = self
@@ -117,10 +135,7 @@ impl Served {
         wanted
     }
 
-    fn start<F>(self: &Arc<Self>, conn: &Connection, row: Row, pool_for: &F)
-    where
-        F: Fn(&Connection, &str, &str) -> std::result::Result<Arc<Pool>, String>,
-    {
+    async fn start(self: &Arc<Self>, row: Row, pool_for: &PoolFor) {
         if let Some(at) = self.retry_at.lock().get(&row.id)
             && Instant::now() < *at
         {
@@ -129,13 +144,16 @@ impl Served {
         if !self.busy.lock().insert(row.id) {
             return;
         }
-        let prepared = request_of(&row)
-            .map_err(|e| e.message)
-            .and_then(|req| pool_for(conn, &row.sandbox_fp, &row.sandbox_name).map(|p| (req, p)));
+        let prepared = match request_of(&row) {
+            Ok(req) => pool_for(row.sandbox_fp.clone(), row.sandbox_name.clone())
+                .await
+                .map(|p| (req, p)),
+            Err(e) => Err(e.message),
+        };
         let (req, pool) = match prepared {
             Ok(x) => x,
             Err(msg) => {
-                self.failed(conn, &row, &msg);
+                self.failed(&row, &msg).await;
                 self.busy.lock().remove(&row.id);
                 return;
             }
@@ -152,40 +170,42 @@ impl Served {
                     START_DEADLINE.as_secs()
                 )),
             };
-            match (store::open(&me.state_dir), r) {
-                (Ok(c), Ok(f)) => {
-                    if let Err(e) = set_listening(&c, row.id, f.local_addr) {
-                        tracing::warn!(
-                            "[watchdog] cannot record forward {}: {}",
-                            row.id,
-                            e.message
-                        );
+            match r {
+                Ok(f) => {
+                    let (id, addr) = (row.id, f.local_addr);
+                    match me.store.call(move |c| set_listening(c, id, addr)).await {
+                        Ok(()) => {
+                            tracing::info!(
+                                "[watchdog] forward {} listening on {} -> {}:{}",
+                                row.public_id(),
+                                f.local_addr,
+                                row.sandbox_name,
+                                row.target
+                            );
+                            me.retry_at.lock().remove(&row.id);
+                            me.running.lock().insert(row.id, f);
+                        }
+                        Err(e) => {
+                            // Not on record: not served (the next tick tries again).
+                            tracing::warn!(
+                                "[watchdog] cannot record forward {}: {}",
+                                row.id,
+                                e.message
+                            );
+                            f.stop().await;
+                        }
                     }
-                    tracing::info!(
-                        "[watchdog] forward {} listening on {} -> {}:{}",
-                        row.public_id(),
-                        f.local_addr,
-                        row.sandbox_name,
-                        row.target
-                    );
-                    me.retry_at.lock().remove(&row.id);
-                    me.running.lock().insert(row.id, f);
                 }
-                (Ok(c), Err(msg)) => me.failed(&c, &row, &msg),
-                (Err(e), r) => {
-                    tracing::warn!("[watchdog] forward {}: {}", row.id, e.message);
-                    if let Ok(f) = r {
-                        f.stop().await;
-                    }
-                }
+                Err(msg) => me.failed(&row, &msg).await,
             }
             me.busy.lock().remove(&row.id);
         });
     }
 
-    fn failed(&self, conn: &Connection, row: &Row, msg: &str) {
+    async fn failed(&self, row: &Row, msg: &str) {
         tracing::warn!("[watchdog] forward {}: {msg}", row.public_id());
-        let _ = set_error(conn, row.id, msg);
+        let (id, m) = (row.id, msg.to_string());
+        let _ = self.store.call(move |c| set_error(c, id, &m)).await;
         self.retry_at
             .lock()
             .insert(row.id, Instant::now() + RETRY_AFTER);
@@ -203,11 +223,8 @@ impl Served {
                 f.stop().await;
                 tracing::info!("[watchdog] forward {} stopped", ID_OFFSET + id as u64);
             }
-            match store::open(&me.state_dir) {
-                Ok(c) => {
-                    let _ = delete(&c, id);
-                }
-                Err(e) => tracing::warn!("[watchdog] forward {id}: {}", e.message),
+            if let Err(e) = me.store.call(move |c| delete(c, id)).await {
+                tracing::warn!("[watchdog] forward {id}: {}", e.message);
             }
             me.retry_at.lock().remove(&id);
             me.busy.lock().remove(&id);

@@ -15,11 +15,10 @@ use std::{
     time::{Duration, Instant},
 };
 
-use rusqlite::Connection;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::{daemon, db};
+use super::daemon;
 use crate::error::{Kind, Result, RsbError};
 
 pub const UNIT_NAME: &str = "rsb-watchdog.service";
@@ -767,26 +766,28 @@ pub struct DaemonInfo {
     pub lock_held: bool,
 }
 
-pub fn daemon_info(conn: &Connection, state_dir: &Path) -> Result<DaemonInfo> {
+/// The daemon of `state_dir`, from its lock and `heartbeat` (the store's `heartbeat` row, read
+/// by the caller: [`db::meta_get`]).
+pub fn daemon_info(heartbeat: Option<(Value, i64)>, state_dir: &Path) -> DaemonInfo {
     // Running means: something holds the daemon's flock (released by the kernel however the
     // process died) and the pid it wrote is a live `rsb watchdog run`. A heartbeat row alone
     // proves nothing: a daemon SIGKILLed, SIGTERMed or idle-exited a moment ago left a fresh
     // one, and a watch registered then would never be checked.
     let holder = daemon::running_daemon(state_dir).map(|h| h.pid);
-    let hb = db::meta_get(conn, "heartbeat")?;
+    let hb = heartbeat;
     let now = crate::store::now_s();
     let age = hb
         .as_ref()
         .and_then(|(v, _)| v["ts"].as_i64())
         .map(|ts| (now - ts).max(0));
     let meta = hb.map(|(v, _)| v).unwrap_or(Value::Null);
-    Ok(DaemonInfo {
+    DaemonInfo {
         running: holder.is_some(),
         pid: holder,
         mode: meta["mode"].as_str().map(str::to_string),
         heartbeat_age_s: age,
         lock_held: holder.is_some(),
-    })
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -815,10 +816,11 @@ fn wait_for_lock(state_dir: &Path, within: Duration) -> Option<i64> {
 
 const INSTALL_HINT: &str = "run `rsb watchdog install` to keep the watchdog running across reboots (systemd --user / launchd)";
 
-/// Make sure a daemon serves `state_dir`: nothing if one is alive; else start the installed
-/// service (if it serves this state dir); else spawn a detached `rsb watchdog run`.
-pub fn ensure(conn: &Connection, state_dir: &Path) -> Result<EnsureReport> {
-    let info = daemon_info(conn, state_dir)?;
+/// Make sure a daemon serves `state_dir`: nothing if one is alive (`info`, as
+/// [`daemon_info`] read it); else start the installed service (if it serves this state dir);
+/// else spawn a detached `rsb watchdog run`. Blocking: it runs the service manager and waits
+/// for the daemon's lock.
+pub fn ensure(info: DaemonInfo, state_dir: &Path) -> Result<EnsureReport> {
     if info.running {
         return Ok(EnsureReport {
             action: "already_running",
@@ -866,7 +868,7 @@ pub fn ensure(conn: &Connection, state_dir: &Path) -> Result<EnsureReport> {
 /// `rsb watchdog restart`: stop the running daemon (SIGTERM; SIGKILL if it still holds the
 /// lock 10 s later) and start one as [`ensure`] does (the installed service, else detached),
 /// so it runs the current binary with the current config.
-pub fn restart(conn: &Connection, state_dir: &Path) -> Result<EnsureReport> {
+pub fn restart(state_dir: &Path) -> Result<EnsureReport> {
     if let Some(daemon) = daemon::running_daemon(state_dir) {
         let pid = daemon.pid;
         let stopped = |within: Duration| {
@@ -893,7 +895,8 @@ pub fn restart(conn: &Connection, state_dir: &Path) -> Result<EnsureReport> {
             }
         }
     }
-    ensure(conn, state_dir)
+    // Stopped: the lock decides (a heartbeat says nothing of a daemon that is gone).
+    ensure(daemon_info(None, state_dir), state_dir)
 }
 
 /// Spawn `rsb watchdog run --mode detached` in its own session, logging to the state dir, with
