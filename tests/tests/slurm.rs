@@ -1351,7 +1351,15 @@ async fn slurm_a_watched_jobs_end_is_seen_within_a_tick_and_two_seconds() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs_f64();
-    assert_eq!(v["exit_code"], 7, "{v}");
+    assert_eq!(
+        v["exit_code"],
+        7,
+        "{v}; the watch's events: {:?}",
+        mcp.events(w)
+            .iter()
+            .map(|e| format!("{}: {}", e.event_type, e.summary))
+            .collect::<Vec<_>>()
+    );
     let ended = ended_at(&marker);
     let lag = seen_at - ended;
     let e = mcp.until_events(w, 30, |e| has(e, "completed")).await;

@@ -75,15 +75,6 @@ fn print_err(json: bool, e: &RsbError) {
     }
 }
 
-/// Service-manager work (systemctl, launchctl, waiting for the daemon) on the blocking pool.
-async fn off_runtime<T: Send + 'static>(
-    f: impl FnOnce() -> rsb::error::Result<T> + Send + 'static,
-) -> rsb::error::Result<T> {
-    tokio::task::spawn_blocking(f)
-        .await
-        .map_err(|e| rsb::error::RsbError::internal(format!("the service task failed: {e}")))?
-}
-
 fn out<T: Serialize>(json: bool, r: rsb::error::Result<T>, human: impl FnOnce(&T)) -> u8 {
     match r {
         Ok(v) if json => {
@@ -173,8 +164,7 @@ pub async fn watchdog(cmd: WatchdogCmd, json: bool, state_dir: &Path) -> u8 {
             })
         }
         WatchdogCmd::Restart => {
-            let dir = state_dir.to_path_buf();
-            let r = off_runtime(move || rsb::watchdog::service::restart(&dir)).await;
+            let r = ops::restart(state_dir).await;
             out(json, r, |r| {
                 println!(
                     "watchdog: {} (pid {})",

@@ -48,6 +48,12 @@ pub async fn ensure(store: &Store) -> Result<EnsureReport> {
     off_runtime(move || service::ensure(info, &dir)).await
 }
 
+/// [`service::restart`] (`rsb watchdog restart`), off the runtime.
+pub async fn restart(state_dir: &Path) -> Result<EnsureReport> {
+    let dir = state_dir.to_path_buf();
+    off_runtime(move || service::restart(&dir)).await
+}
+
 // ---------------------------------------------------------------------------------------------
 // Status
 

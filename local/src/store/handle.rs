@@ -164,6 +164,15 @@ mod tests {
     use super::*;
     use std::time::{Duration, Instant};
 
+    async fn meta_rows(s: &Store) -> i64 {
+        s.call(|c| {
+            c.query_row("SELECT COUNT(*) FROM daemon_meta", [], |r| r.get(0))
+                .map_err(super::super::db_err)
+        })
+        .await
+        .unwrap()
+    }
+
     #[tokio::test]
     async fn calls_run_in_order_on_one_connection() {
         let d = tempfile::tempdir().unwrap();
@@ -186,13 +195,7 @@ mod tests {
         for h in sent {
             h.await.unwrap().unwrap();
         }
-        let n: i64 = s
-            .call(|c| {
-                c.query_row("SELECT COUNT(*) FROM daemon_meta", [], |r| r.get(0))
-                    .map_err(super::super::db_err)
-            })
-            .await
-            .unwrap();
+        let n = meta_rows(&s).await;
         assert_eq!(n, 100);
     }
 
@@ -213,13 +216,7 @@ mod tests {
         assert!(wal.exists(), "WAL mode keeps a log while open");
         s.close().await;
         assert!(!wal.exists(), "the log is folded in and removed on close");
-        let n: i64 = s
-            .call(|c| {
-                c.query_row("SELECT COUNT(*) FROM daemon_meta", [], |r| r.get(0))
-                    .map_err(super::super::db_err)
-            })
-            .await
-            .unwrap();
+        let n = meta_rows(&s).await;
         assert_eq!(n, 1);
     }
 

@@ -586,6 +586,25 @@ pub struct NewTask<'a> {
     pub created_ts: f64,
 }
 
+#[cfg(test)]
+impl NewTask<'static> {
+    /// An upload task of sandbox `s`, for tests.
+    pub(crate) fn for_test() -> NewTask<'static> {
+        NewTask {
+            direction: "local_to_remote",
+            sandbox: "s",
+            sandbox_fp: "",
+            local_path: "/a",
+            remote_path: "b",
+            delete_extras: false,
+            excludes: &[],
+            exclude_file: "",
+            spec_json: "{}",
+            created_ts: now(),
+        }
+    }
+}
+
 /// What a worker needs of the task it claimed.
 pub struct Claimed {
     pub sandbox: String,
@@ -1060,21 +1079,7 @@ mod tests {
             .arg("30")
             .spawn()
             .unwrap();
-        let id = server
-            .record(&NewTask {
-                direction: "local_to_remote",
-                sandbox: "s",
-                sandbox_fp: "",
-                local_path: "/a",
-                remote_path: "b",
-                delete_extras: false,
-                excludes: &[],
-                exclude_file: "",
-                spec_json: "{}",
-                created_ts: now(),
-            })
-            .await
-            .unwrap();
+        let id = server.record(&NewTask::for_test()).await.unwrap();
         let log = server.create_log(id).await.unwrap();
         append_log(&log, "== transfer task");
         server

@@ -4,7 +4,10 @@
 //! back, which is what tells a remote edit from a conflict. One sync of a pair of roots runs
 //! at a time: the others wait for its lock ([`crate::store::roots_lock`]).
 
-use std::time::{Duration, Instant};
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use tokio_util::sync::CancellationToken;
 
@@ -116,7 +119,7 @@ pub async fn run_with(
     {
         opts.baseline = t.load_baseline_shared(&key.0, &key.1, &key.2).await?;
     }
-    let sink = std::sync::Arc::new(parking_lot::Mutex::new(None));
+    let sink = Arc::new(parking_lot::Mutex::new(None));
     opts.baseline_sink = Some(sink.clone());
     let journal = store
         .clone()
@@ -140,9 +143,7 @@ pub async fn run_with(
             if let (Some(t), Some(b)) = (&store, b)
                 && !spec.dry_run
                 && opts.baseline.as_deref() != Some(&b)
-                && let Err(se) = t
-                    .save_baseline(&key.0, &key.1, &key.2, std::sync::Arc::new(b))
-                    .await
+                && let Err(se) = t.save_baseline(&key.0, &key.1, &key.2, Arc::new(b)).await
             {
                 tracing::warn!("the sync baseline was not saved: {}", se.message);
             }
@@ -158,8 +159,7 @@ pub async fn run_with(
         let r = if opts.baseline.as_deref() == Some(&b) {
             t.touch_baseline(&key.0, &key.1, &key.2).await
         } else {
-            t.save_baseline(&key.0, &key.1, &key.2, std::sync::Arc::new(b))
-                .await
+            t.save_baseline(&key.0, &key.1, &key.2, Arc::new(b)).await
         };
         if let Err(e) = r {
             report
@@ -174,7 +174,9 @@ pub async fn run_with(
 /// acknowledged batch's commits without waiting (it calls from its own task, and a store held
 /// by another process must not stall the transfer); one task writes them to the store in the
 /// order they came. Held in memory meanwhile: at most the run's commits, which the engine
-/// holds anyway.
+/// holds anyway. A kill of the process can land between an acknowledgement and its journal
+/// write (one store call, well under a millisecond unless the store is held): such a file is
+/// then a conflict on the next sync, as a commit the journal missed always was.
 struct JournalWriter {
     shared: Arc<JournalShared>,
     task: tokio::task::JoinHandle<()>,
@@ -186,8 +188,6 @@ struct JournalShared {
     wake: tokio::sync::Notify,
     closed: std::sync::atomic::AtomicBool,
 }
-
-use std::sync::Arc;
 
 impl JournalWriter {
     fn start(t: Arc<crate::store::transfers::Transfers>, key: Key) -> JournalWriter {

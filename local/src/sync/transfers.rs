@@ -815,21 +815,7 @@ mod tests {
 
     /// A running worker task whose owner is `pid` with start `start`.
     async fn worker_task(t: &Transfers, pid: u32, start: &str) -> i64 {
-        let id = t
-            .record(&NewTask {
-                direction: "local_to_remote",
-                sandbox: "gpu",
-                sandbox_fp: "",
-                local_path: "/tmp/a",
-                remote_path: "/tmp/b",
-                delete_extras: false,
-                excludes: &[],
-                exclude_file: "",
-                spec_json: "{}",
-                created_ts: now(),
-            })
-            .await
-            .unwrap();
+        let id = t.record(&NewTask::for_test()).await.unwrap();
         t.create_log(id).await.unwrap();
         t.set_owner(id, pid, start).await.unwrap();
         t.mark_running(id, now()).await.unwrap();
