@@ -404,7 +404,7 @@ impl Pool {
     pub async fn transfers(&self) -> Result<Arc<crate::store::transfers::Transfers>> {
         self.transfers
             .get_or_try_init(|| async {
-                let store = self.store()?;
+                let store = self.store();
                 store.call(|_| Ok(())).await?;
                 Ok(Arc::new(crate::store::transfers::Transfers::on(store)))
             })
@@ -414,14 +414,11 @@ impl Pool {
 
     /// The state dir's database: every store call of this process goes through it (its thread
     /// opens the database on the first call; see [`crate::store::Store`]).
-    pub fn store(&self) -> Result<crate::store::Store> {
-        let mut g = self.store.lock();
-        if let Some(s) = g.as_ref() {
-            return Ok(s.clone());
-        }
-        let s = crate::store::Store::new(&self.config.state_dir)?;
-        *g = Some(s.clone());
-        Ok(s)
+    pub fn store(&self) -> crate::store::Store {
+        self.store
+            .lock()
+            .get_or_insert_with(|| crate::store::Store::new(&self.config.state_dir))
+            .clone()
     }
 
     /// Whether the last connect of `name` uploaded the agent (for tests and diagnostics).

@@ -81,7 +81,7 @@ async fn watch_job(
     wops::fill_from_job(&mut nw, name, &v.log_file, "");
     nw.sandbox_name = sb.into();
     let cfgs = pool.config().sandboxes.clone();
-    let store = rsb::store::Store::new(state).unwrap();
+    let store = rsb::store::Store::new(state);
     let id = wops::register(&store, &cfgs, nw, false)
         .await
         .unwrap()

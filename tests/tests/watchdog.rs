@@ -171,7 +171,7 @@ async fn watch_job(
     nw.launch_command = cmd.into();
     nw.sandbox_name = sandbox.into();
     let cfgs = pool.config().sandboxes.clone();
-    let store = rsb::store::Store::new(state).unwrap();
+    let store = rsb::store::Store::new(state);
     let id = wops::register(&store, &cfgs, nw, false)
         .await
         .unwrap()
@@ -1099,7 +1099,7 @@ async fn one_daemon_per_state_dir_cli_tables_and_needs_credentials() {
     )
     .unwrap();
     nw.sandbox_name = "pw".into();
-    let store = rsb::store::Store::new(&state).unwrap();
+    let store = rsb::store::Store::new(&state);
     let reg = wops::register(&store, &pw_cfg, nw, false).await.unwrap();
     store.close().await;
     assert!(
@@ -2139,7 +2139,7 @@ fn watch_commands_escape_a_hostile_name() {
     wops::fill_from_job(&mut nw, hostile, "/tmp/none.log", "/tmp");
     nw.sandbox_name = "s".into();
     let id = tokio::runtime::Runtime::new().unwrap().block_on(async {
-        let store = rsb::store::Store::new(&state).unwrap();
+        let store = rsb::store::Store::new(&state);
         let id = wops::register(&store, &[], nw, false)
             .await
             .unwrap()

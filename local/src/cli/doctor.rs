@@ -303,13 +303,10 @@ fn host_key_changed(message: &str) -> Option<String> {
 async fn local_services(ctx: &Ctx) -> Vec<Check> {
     let state_dir = &ctx.pool.config().state_dir;
     let mut out = Vec::new();
-    let forwards = match ctx.pool.store() {
-        Ok(store) => rsb::ops::forward::Forwards::default()
-            .list(&store)
-            .await
-            .map(|l| l.forwards),
-        Err(e) => Err(e),
-    };
+    let forwards = rsb::ops::forward::Forwards::default()
+        .list(&ctx.pool.store())
+        .await
+        .map(|l| l.forwards);
     let forwards = match forwards {
         Ok(f) => f,
         Err(e) => {
@@ -318,10 +315,9 @@ async fn local_services(ctx: &Ctx) -> Vec<Check> {
         }
     };
     let status = if rsb::store::db_path(state_dir).exists() {
-        match ctx.pool.store() {
-            Ok(store) => rsb::ops::watchdog::status(&store).await.map(Some),
-            Err(e) => Err(e),
-        }
+        rsb::ops::watchdog::status(&ctx.pool.store())
+            .await
+            .map(Some)
     } else {
         Ok(None)
     };

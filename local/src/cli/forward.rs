@@ -40,13 +40,7 @@ pub struct ForwardArgs {
 /// Exit code: 0 on success (or after Ctrl-C), 2 for bad arguments, 1 when the forward cannot
 /// start or stop.
 pub async fn main(pool: Arc<Pool>, a: ForwardArgs, json: bool) -> u8 {
-    let store = match pool.store() {
-        Ok(s) => s,
-        Err(e) => {
-            print_error(json, &e);
-            return failure_code(&e);
-        }
-    };
+    let store = pool.store();
     if a.list {
         let reg = forward::Forwards::default();
         return match reg.list(&store).await {

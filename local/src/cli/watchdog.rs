@@ -307,7 +307,7 @@ async fn with_store<T>(
     state_dir: &Path,
     f: impl AsyncFnOnce(&rsb::store::Store) -> rsb::error::Result<T>,
 ) -> rsb::error::Result<T> {
-    let store = rsb::store::Store::new(state_dir)?;
+    let store = rsb::store::Store::new(state_dir);
     let r = f(&store).await;
     store.close().await;
     r

@@ -138,10 +138,7 @@ impl RsbServer {
         description = "List port forwards (this server's and detached ones) with connection and byte counts."
     )]
     async fn list_forwards(&self, Parameters(_): Parameters<ListForwardsParams>) -> ToolResult {
-        let listed = match self.pool.store() {
-            Ok(store) => self.forwards.list(&store).await,
-            Err(e) => Err(e),
-        };
+        let listed = self.forwards.list(&self.pool.store()).await;
         match listed {
             Ok(l) => json(&l),
             Err(e) => fail(&e),
@@ -155,11 +152,11 @@ impl RsbServer {
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
         let t0 = std::time::Instant::now();
-        let r = match self.pool.store() {
-            Ok(store) => self.forwards.stop(&store, p.forward_id).await,
-            Err(e) => Err(e),
-        }
-        .and_then(|info| to_value(&info));
+        let r = self
+            .forwards
+            .stop(&self.pool.store(), p.forward_id)
+            .await
+            .and_then(|info| to_value(&info));
         let what = Some(format!("forward {}", p.forward_id));
         audited(self.pool.config(), &ctx, ("stop_forward", "", what), t0, r)
     }

@@ -305,10 +305,7 @@ impl RsbServer {
         let (mut session, mut sandbox) = (p.tmux_session.clone(), p.sandbox_name.clone());
         if p.watch_id > 0 {
             // The watch names the job and its sandbox; explicit arguments override (seed).
-            let got = match self.pool.store() {
-                Ok(store) => wops::get(&store, p.watch_id).await,
-                Err(e) => Err(e),
-            };
+            let got = wops::get(&self.pool.store(), p.watch_id).await;
             match got {
                 Ok(w) => {
                     if session.is_empty() {
@@ -586,13 +583,8 @@ impl RsbServer {
         let mut nw = prepared;
         wops::fill_from_job(&mut nw, name, log, cwd);
         nw.sandbox_name = sandbox;
-        let r = match self.pool.store() {
-            Ok(store) => {
-                let configured = &self.pool.config().sandboxes;
-                wops::register(&store, configured, nw, p.ensure_watchdog).await
-            }
-            Err(e) => Err(e),
-        };
+        let configured = &self.pool.config().sandboxes;
+        let r = wops::register(&self.pool.store(), configured, nw, p.ensure_watchdog).await;
         match r {
             Ok(reg) => {
                 self.followed.watch(reg.watch_id);
@@ -646,11 +638,7 @@ impl RsbServer {
 
     /// Cancel the active watches of a job, if the store exists; never fails the caller.
     pub(super) async fn cancel_watches_of(&self, sandbox: &str, session: &str) -> Vec<i64> {
-        let cancelled = match self.pool.store() {
-            Ok(store) => wops::cancel_for_job(&store, sandbox, session).await,
-            Err(e) => Err(e),
-        };
-        match cancelled {
+        match wops::cancel_for_job(&self.pool.store(), sandbox, session).await {
             Ok(ids) => ids,
             Err(e) => {
                 tracing::warn!("cannot cancel the watches of {session}: {}", e.message);

@@ -235,7 +235,7 @@ pub struct EventsParams {
 
 impl RsbServer {
     async fn watch(&self, id: i64) -> Result<crate::watchdog::Watch> {
-        Ok(wops::get(&self.pool.store()?, id).await?.watch)
+        Ok(wops::get(&self.pool.store(), id).await?.watch)
     }
 }
 
@@ -247,31 +247,19 @@ impl RsbServer {
     async fn install_macos_watchdog(&self, Parameters(p): Parameters<InstallParams>) -> ToolResult {
         let sandboxes = &self.pool.config().sandboxes;
         let persist = p.persist_current_sandboxes.then_some(&sandboxes[..]);
-        let r = match self.pool.store() {
-            Ok(store) => wops::install(&store, p.start_now, persist).await,
-            Err(e) => Err(e),
-        };
-        typed(r)
+        typed(wops::install(&self.pool.store(), p.start_now, persist).await)
     }
 
     #[tool(description = "Stop and remove the watchdog service (watches and events stay).")]
     async fn uninstall_macos_watchdog(&self, Parameters(_): Parameters<NoParams>) -> ToolResult {
-        let r = match self.pool.store() {
-            Ok(store) => wops::uninstall(&store).await,
-            Err(e) => Err(e),
-        };
-        typed(r)
+        typed(wops::uninstall(&self.pool.store()).await)
     }
 
     #[tool(
         description = "Watchdog daemon status: pid, heartbeat age, mode (service/detached), service, watch counts."
     )]
     async fn get_watchdog_status(&self, Parameters(_): Parameters<NoParams>) -> ToolResult {
-        let r = match self.pool.store() {
-            Ok(store) => wops::status(&store).await,
-            Err(e) => Err(e),
-        };
-        typed(r)
+        typed(wops::status(&self.pool.store()).await)
     }
 
     #[tool(
@@ -343,7 +331,7 @@ impl RsbServer {
                     (nw.tmux_session.clone(), nw.log_file.clone(), nw.cwd.clone());
                 wops::fill_from_job(&mut nw, &job, &log, &cwd);
             }
-            let store = self.pool.store()?;
+            let store = self.pool.store();
             let reg = wops::register(&store, &self.pool.config().sandboxes, nw, ensure).await?;
             self.followed.watch(reg.watch_id);
             Ok(reg)
@@ -405,20 +393,12 @@ impl RsbServer {
         &self,
         Parameters(p): Parameters<ListWatchesParams>,
     ) -> ToolResult {
-        let r = match self.pool.store() {
-            Ok(store) => wops::list(&store, &p.status).await,
-            Err(e) => Err(e),
-        };
-        typed(r)
+        typed(wops::list(&self.pool.store(), &p.status).await)
     }
 
     #[tool(description = "Fetch one watchdog watch by id.")]
     async fn get_background_watch(&self, Parameters(p): Parameters<WatchIdParams>) -> ToolResult {
-        let got = match self.pool.store() {
-            Ok(store) => wops::get(&store, p.watch_id).await,
-            Err(e) => Err(e),
-        };
-        typed(got)
+        typed(wops::get(&self.pool.store(), p.watch_id).await)
     }
 
     #[tool(description = "Stored and live progress of one watch: job state, log tail, checkpoint.")]
@@ -484,10 +464,7 @@ impl RsbServer {
         ctx: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> ToolResult {
         let t0 = std::time::Instant::now();
-        let r = match self.pool.store() {
-            Ok(store) => wops::cancel(&store, p.watch_id).await,
-            Err(e) => Err(e),
-        };
+        let r = wops::cancel(&self.pool.store(), p.watch_id).await;
         let sandbox = r
             .as_ref()
             .map(|c| c.watch.sandbox_name.clone())
@@ -502,10 +479,6 @@ impl RsbServer {
         &self,
         Parameters(p): Parameters<EventsParams>,
     ) -> ToolResult {
-        let r = match self.pool.store() {
-            Ok(store) => wops::events(&store, p.watch_id, p.limit).await,
-            Err(e) => Err(e),
-        };
-        typed(r)
+        typed(wops::events(&self.pool.store(), p.watch_id, p.limit).await)
     }
 }

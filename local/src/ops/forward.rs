@@ -110,7 +110,7 @@ const STOP_WAIT: Duration = Duration::from_secs(10);
 /// unless the user opted in, so a password-only sandbox is refused here with the opt-in named.
 pub async fn detach(pool: &Arc<Pool>, req: &ForwardRequest) -> Result<ForwardInfo> {
     let sandbox = pool.resolve(&req.sandbox)?;
-    let store = pool.store()?;
+    let store = pool.store();
     let configured = pool.config().sandboxes.clone();
     let req = req.clone();
     let dir = store.state_dir().to_path_buf();

@@ -46,6 +46,8 @@ pub struct Store {
 struct Inner {
     tx: mpsc::Sender<Msg>,
     state_dir: PathBuf,
+    /// Why the thread could not be started (then every call says so).
+    not_started: Option<String>,
 }
 
 impl std::fmt::Debug for Store {
@@ -57,32 +59,28 @@ impl std::fmt::Debug for Store {
 }
 
 impl Store {
-    /// The store of `state_dir`, opened by its first call. Fails only when no thread can be
-    /// started.
-    pub fn new(state_dir: &Path) -> Result<Store, RsbError> {
+    /// The store of `state_dir`, opened by its first call. A thread that cannot be started
+    /// (the process is out of threads) is each call's error, as an unusable store is.
+    pub fn new(state_dir: &Path) -> Store {
         let (tx, rx) = mpsc::channel(QUEUE);
         let dir = state_dir.to_path_buf();
-        std::thread::Builder::new()
+        let not_started = std::thread::Builder::new()
             .name("rsb-store".into())
             .spawn(move || serve(&dir, rx))
-            .map_err(|e| {
-                RsbError::new(
-                    Kind::Internal,
-                    format!("the state database's thread cannot be started: {e}"),
-                    "the process is out of threads or memory; retry",
-                )
-            })?;
-        Ok(Store {
+            .err()
+            .map(|e| e.to_string());
+        Store {
             inner: Arc::new(Inner {
                 tx,
                 state_dir: state_dir.to_path_buf(),
+                not_started,
             }),
-        })
+        }
     }
 
     /// [`Store::new`], then opened: an error here is the store's (damaged, newer, unwritable).
     pub async fn open(state_dir: &Path) -> Result<Store, RsbError> {
-        let s = Store::new(state_dir)?;
+        let s = Store::new(state_dir);
         s.call(|_| Ok(())).await?;
         Ok(s)
     }
@@ -106,8 +104,24 @@ impl Store {
             .tx
             .send(Msg::Call(job))
             .await
-            .map_err(|_| stopped())?;
-        rx.await.map_err(|_| stopped())?
+            .map_err(|_| self.gone())?;
+        rx.await.map_err(|_| self.gone())?
+    }
+
+    /// Why a call got no answer: the thread never started, or the call panicked on it.
+    fn gone(&self) -> RsbError {
+        match &self.inner.not_started {
+            Some(why) => RsbError::new(
+                Kind::Internal,
+                format!("the state database's thread cannot be started: {why}"),
+                "the process is out of threads or memory; retry",
+            ),
+            None => RsbError::new(
+                Kind::Internal,
+                "the state database's thread stopped (a store call panicked)",
+                "retry; if it persists, report this as an rsb bug",
+            ),
+        }
     }
 
     /// Closes the connection once the calls sent before have run, and returns when it is
@@ -119,14 +133,6 @@ impl Store {
             let _ = rx.await;
         }
     }
-}
-
-fn stopped() -> RsbError {
-    RsbError::new(
-        Kind::Internal,
-        "the state database's thread stopped (a store call panicked)",
-        "retry; if it persists, report this as an rsb bug",
-    )
 }
 
 /// The store's thread: the connection, opened on first use, and each call in turn.
@@ -236,7 +242,7 @@ mod tests {
     async fn a_store_that_cannot_open_says_why_on_each_call() {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join(super::super::DB_FILE), vec![7u8; 4096]).unwrap();
-        let s = Store::new(d.path()).unwrap();
+        let s = Store::new(d.path());
         for _ in 0..2 {
             let e = s.call(|_| Ok(())).await.unwrap_err();
             assert!(e.message.contains("unusable"), "{}", e.message);
@@ -260,7 +266,7 @@ mod tests {
             .unwrap();
         let dir = d.path().to_path_buf();
         let (late, waited) = rt.block_on(async move {
-            let s = Store::new(&dir).unwrap();
+            let s = Store::new(&dir);
             let t0 = Instant::now();
             let call = tokio::spawn(async move {
                 s.call(|c| {
