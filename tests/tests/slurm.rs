@@ -195,14 +195,14 @@ impl Mcp {
         s
     }
 
-    fn watch(&self, id: i64) -> rsb::watchdog::Watch {
+    fn watch(&self, id: i64) -> rsb::store::watch_model::Watch {
         let c = rsb::store::open(&self.state).unwrap();
-        rsb::watchdog::db::require(&c, id).unwrap()
+        rsb::store::watches::require(&c, id).unwrap()
     }
 
-    fn events(&self, id: i64) -> Vec<rsb::watchdog::WatchEvent> {
+    fn events(&self, id: i64) -> Vec<rsb::store::events::WatchEvent> {
         let c = rsb::store::open(&self.state).unwrap();
-        let mut e = rsb::watchdog::db::events(&c, id, 100).unwrap();
+        let mut e = rsb::store::events::list(&c, id, 100).unwrap();
         e.sort_by_key(|e| e.id);
         e
     }
@@ -212,8 +212,8 @@ impl Mcp {
         &self,
         id: i64,
         secs: u64,
-        pred: impl Fn(&[rsb::watchdog::WatchEvent]) -> bool,
-    ) -> Vec<rsb::watchdog::WatchEvent> {
+        pred: impl Fn(&[rsb::store::events::WatchEvent]) -> bool,
+    ) -> Vec<rsb::store::events::WatchEvent> {
         let deadline = Instant::now() + Duration::from_secs(secs);
         loop {
             let e = self.events(id);
@@ -308,11 +308,11 @@ fn sshd_with_path(bin: &std::path::Path) -> Sshd {
     .unwrap()
 }
 
-fn types(e: &[rsb::watchdog::WatchEvent]) -> Vec<String> {
+fn types(e: &[rsb::store::events::WatchEvent]) -> Vec<String> {
     e.iter().map(|e| e.event_type.clone()).collect()
 }
 
-fn has(e: &[rsb::watchdog::WatchEvent], t: &str) -> bool {
+fn has(e: &[rsb::store::events::WatchEvent], t: &str) -> bool {
     e.iter().any(|e| e.event_type == t)
 }
 
@@ -1737,7 +1737,7 @@ async fn slurm_fifty_quiet_watches_cost_under_sixty_squeue_calls_in_ten_minutes(
     }
     let watches: Vec<i64> = {
         let c = rsb::store::open(&mcp.state).unwrap();
-        rsb::watchdog::db::list(&c, "")
+        rsb::store::watches::list(&c, "")
             .unwrap()
             .iter()
             .map(|w| w.id)
@@ -1800,7 +1800,11 @@ async fn slurm_fifty_quiet_watches_cost_under_sixty_squeue_calls_in_ten_minutes(
     let c = rsb::store::open(&mcp.state).unwrap();
     let checked: Vec<i64> = watches
         .iter()
-        .map(|id| rsb::watchdog::db::require(&c, *id).unwrap().last_checked_ts)
+        .map(|id| {
+            rsb::store::watches::require(&c, *id)
+                .unwrap()
+                .last_checked_ts
+        })
         .collect();
     eprintln!(
         "{N} quiet watches over {} s: {} squeue calls ({}); watches last checked {:?} s ago",
@@ -1818,7 +1822,7 @@ async fn slurm_fifty_quiet_watches_cost_under_sixty_squeue_calls_in_ten_minutes(
     // The daemon did check them all, each within its interval, and all still pend.
     for (id, ts) in watches.iter().zip(&checked) {
         assert!(*ts >= start as i64, "watch {id} was never checked");
-        let w = rsb::watchdog::db::require(&c, *id).unwrap();
+        let w = rsb::store::watches::require(&c, *id).unwrap();
         assert_eq!(w.status, "active", "{w:?}");
     }
     assert!(

@@ -19,7 +19,10 @@ use rmcp::{ServiceExt, model::CallToolRequestParams, transport::TokioChildProces
 use rsb::{
     ops::{jobs, watchdog as wops},
     pool::Pool,
-    watchdog::{WatchEvent, db},
+    store::{
+        events::{self, WatchEvent},
+        watches,
+    },
 };
 use rsb_tests::{Sshd, workspace_root};
 use serde_json::{Value, json};
@@ -182,7 +185,7 @@ async fn watch_job(
 
 fn events_of(state: &Path, watch_id: i64) -> Vec<WatchEvent> {
     let c = rsb::store::open(state).unwrap();
-    let mut e = db::events(&c, watch_id, 1000).unwrap();
+    let mut e = events::list(&c, watch_id, 1000).unwrap();
     e.reverse();
     e
 }
@@ -191,8 +194,8 @@ fn types(es: &[WatchEvent]) -> Vec<String> {
     es.iter().map(|e| e.event_type.clone()).collect()
 }
 
-fn watch(state: &Path, id: i64) -> rsb::watchdog::Watch {
-    db::require(&rsb::store::open(state).unwrap(), id).unwrap()
+fn watch(state: &Path, id: i64) -> rsb::store::watch_model::Watch {
+    watches::require(&rsb::store::open(state).unwrap(), id).unwrap()
 }
 
 /// Poll (bounded) until `pred` holds for the watch's events; returns them.
@@ -2191,7 +2194,7 @@ fn dir_bytes(dir: &Path) -> u64 {
 /// The daemon's heartbeat time (its clock's seconds), once it wrote one.
 fn heartbeat_ts(state: &Path) -> Option<i64> {
     let c = rsb::store::open(state).ok()?;
-    let (v, _) = db::meta_get(&c, "heartbeat").ok()??;
+    let (v, _) = watches::meta_get(&c, "heartbeat").ok()??;
     v["ts"].as_i64()
 }
 

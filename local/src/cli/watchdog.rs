@@ -9,8 +9,9 @@ use serde::Serialize;
 use rsb::{
     error::RsbError,
     ops::watchdog as ops,
+    store::{events::WatchEvent, watch_model::Watch},
     term::{shown, shown_lines},
-    watchdog::{Watch, WatchEvent, daemon},
+    watchdog::daemon,
 };
 
 #[derive(Debug, Subcommand)]

@@ -290,10 +290,10 @@ struct JobEvent {
 
 impl JobEvent {
     /// The run this event reports the end of: the daemon records the run's start with every
-    /// event that ends one ([`crate::watchdog::event::ENDS_RUN`]).
+    /// event that ends one ([`crate::store::events::ENDS_RUN`]).
     fn run(&self) -> Option<RunKey> {
         let started = self.payload["started_ms"].as_u64().filter(|&s| s > 0)?;
-        crate::watchdog::event::ENDS_RUN
+        crate::store::events::ENDS_RUN
             .contains(&self.event_type.as_str())
             .then(|| (self.sandbox.clone(), self.session.clone(), started))
     }
@@ -317,9 +317,9 @@ impl JobEvent {
         );
         match last_line(self.payload["log_tail"].as_str().unwrap_or_default()) {
             Some(l) => content.push_str(&format!("; last line: {l}")),
-            None if !self.summary.is_empty() && self.event_type != "completed" => {
-                content.push_str(&format!("; {}", crate::watchdog::one_line(&self.summary)))
-            }
+            None if !self.summary.is_empty() && self.event_type != "completed" => content.push_str(
+                &format!("; {}", crate::store::watch_model::one_line(&self.summary)),
+            ),
             None => {}
         }
         let mut meta = BTreeMap::from([
@@ -407,7 +407,7 @@ impl Transfer {
         } else if !self.last_error.is_empty() {
             content.push_str(&format!(
                 ": {}",
-                crate::watchdog::one_line(&self.last_error)
+                crate::store::watch_model::one_line(&self.last_error)
             ));
         }
         content.push_str(&format!(", after {took}"));

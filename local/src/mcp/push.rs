@@ -55,22 +55,19 @@ pub(super) fn run_ended(sandbox: &str, e: &rsb_protocol::JobEvent, watch_id: i64
     let info = &e.info;
     let (event, outcome) = match (e.kind, info.exit_code, info.signal) {
         (JobEventKind::Lost, _, _) => (
-            crate::watchdog::event::INTERRUPTED,
+            crate::store::events::INTERRUPTED,
             "lost (it ended without recording an exit code)".to_string(),
         ),
-        (_, Some(0), _) => (
-            crate::watchdog::event::COMPLETED,
-            "completed (exit 0)".into(),
-        ),
+        (_, Some(0), _) => (crate::store::events::COMPLETED, "completed (exit 0)".into()),
         (_, Some(c), _) => (
-            crate::watchdog::event::COMPLETED,
+            crate::store::events::COMPLETED,
             format!("failed (exit {c})"),
         ),
         (_, None, Some(sig)) => (
-            crate::watchdog::event::INTERRUPTED,
+            crate::store::events::INTERRUPTED,
             format!("killed by signal {sig}"),
         ),
-        _ => (crate::watchdog::event::INTERRUPTED, "ended".into()),
+        _ => (crate::store::events::INTERRUPTED, "ended".into()),
     };
     let mut content = format!("job `{}` on {sandbox}: {outcome}", info.name);
     if let Some(end) = info.ended_ms {
@@ -80,7 +77,7 @@ pub(super) fn run_ended(sandbox: &str, e: &rsb_protocol::JobEvent, watch_id: i64
     if let Some(l) = e
         .last_line
         .as_deref()
-        .map(crate::watchdog::one_line)
+        .map(crate::store::watch_model::one_line)
         .filter(|l| !l.is_empty())
     {
         content.push_str(&format!("; last line: {}", clip(&l, MAX_LAST_LINE_CHARS)));
@@ -108,17 +105,17 @@ pub(super) fn run_ended(sandbox: &str, e: &rsb_protocol::JobEvent, watch_id: i64
 /// watch's event names: timeout, out_of_memory, cancelled), else the recorded exit code, else
 /// how it ended (lost, interrupted), with Slurm's state and job id.
 pub(super) fn slurm_ended(sandbox: &str, name: &str, job_id: &str, v: &Value) -> Message {
-    use crate::watchdog::event;
+    use crate::store::events;
     let exit = v["exit_code"].as_i64();
     let reason = v["reason"]
         .as_str()
-        .filter(|r| [event::TIMEOUT, event::OUT_OF_MEMORY, event::CANCELLED].contains(r));
+        .filter(|r| [events::TIMEOUT, events::OUT_OF_MEMORY, events::CANCELLED].contains(r));
     let (event, outcome) = match (reason, exit) {
         (Some(r), _) => (r, r.replace('_', " ")),
-        (None, Some(0)) => (event::COMPLETED, "completed (exit 0)".to_string()),
-        (None, Some(c)) => (event::COMPLETED, format!("failed (exit {c})")),
+        (None, Some(0)) => (events::COMPLETED, "completed (exit 0)".to_string()),
+        (None, Some(c)) => (events::COMPLETED, format!("failed (exit {c})")),
         (None, None) => (
-            event::INTERRUPTED,
+            events::INTERRUPTED,
             v["state"].as_str().unwrap_or("ended").replace('_', " "),
         ),
     };
@@ -165,7 +162,7 @@ pub(super) fn last_line(tail: &str) -> Option<String> {
     (0..lines.len())
         .rev()
         .take_while(|&i| !header(i))
-        .map(|i| crate::watchdog::one_line(lines[i]))
+        .map(|i| crate::store::watch_model::one_line(lines[i]))
         .find(|l| !l.is_empty() && !marker(l))
         .map(|l| clip(&l, MAX_LAST_LINE_CHARS))
 }

@@ -234,7 +234,7 @@ pub struct EventsParams {
 }
 
 impl RsbServer {
-    async fn watch(&self, id: i64) -> Result<crate::watchdog::Watch> {
+    async fn watch(&self, id: i64) -> Result<crate::store::watch_model::Watch> {
         Ok(wops::get(&self.pool.store(), id).await?.watch)
     }
 }

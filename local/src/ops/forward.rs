@@ -19,8 +19,8 @@ use crate::{
     error::{Result, RsbError},
     forward::{Forward, StatsSnapshot},
     pool::Pool,
-    store::Store,
-    watchdog::{daemon, forwards, sandboxes, settings},
+    store::{Store, sandboxes},
+    watchdog::{daemon, forwards, settings},
 };
 
 /// What a forward is and how it is doing; the reply of `forward_port`, one element of

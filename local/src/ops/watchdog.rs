@@ -13,11 +13,15 @@ use crate::{
     config::SandboxConfig,
     error::{Result, RsbError},
     ops::{exec, fs, jobs},
-    store::Store,
-    watchdog::{
-        HEARTBEAT_STALE_S, Watch, WatchEvent, alerts,
-        db::{self, NewWatch},
+    store::{
+        Store,
+        events::{self, WatchEvent},
         sandboxes,
+        watch_model::Watch,
+        watches::{self, NewWatch},
+    },
+    watchdog::{
+        HEARTBEAT_STALE_S, alerts,
         service::{self, DaemonInfo, EnsureReport, InstallInfo, Removal, ServiceStatus},
         settings,
     },
@@ -36,7 +40,7 @@ async fn off_runtime<T: Send + 'static>(
 /// The daemon of the store's state dir: its heartbeat row, read through the store, and its
 /// lock.
 pub async fn daemon_info(store: &Store) -> Result<DaemonInfo> {
-    let hb = store.call(|c| db::meta_get(c, "heartbeat")).await?;
+    let hb = store.call(|c| watches::meta_get(c, "heartbeat")).await?;
     let dir = store.state_dir().to_path_buf();
     off_runtime(move || Ok(service::daemon_info(hb, &dir))).await
 }
@@ -84,7 +88,7 @@ pub struct Status {
 /// lock off the runtime.
 pub async fn status(store: &Store) -> Result<Status> {
     let (hb, counts) = store
-        .call(|c| Ok((db::meta_get(c, "heartbeat")?, db::counts(c)?)))
+        .call(|c| Ok((watches::meta_get(c, "heartbeat")?, watches::counts(c)?)))
         .await?;
     let state_dir = store.state_dir().to_path_buf();
     off_runtime(move || Ok(status_of(hb, counts, &state_dir))).await
@@ -105,7 +109,7 @@ fn status_of(
             config_path: crate::config::config_file_path().display().to_string(),
             db_path: crate::store::db_path(state_dir).display().to_string(),
             state_dir: state_dir.display().to_string(),
-            events_dir: state_dir.join("events").display().to_string(),
+            events_dir: events::dir(state_dir).display().to_string(),
             log_file: state_dir.join(service::DAEMON_LOG).display().to_string(),
         },
         launchd: service::launchd_status(),
@@ -397,7 +401,7 @@ pub async fn register(
             let count = sandboxes::persist(c, &dir, &configured, settings::store_passwords())?;
             let warning =
                 sandboxes::resolve(c, &dir, &w.sandbox_fp, &w.sandbox_name)?.and_then(|r| r.err());
-            Ok((count, warning, db::insert(c, &w)?))
+            Ok((count, warning, watches::insert(c, &w)?))
         })
         .await?;
     let setup = match ensure_daemon {
@@ -453,13 +457,13 @@ pub struct Events {
 pub async fn list(store: &Store, status_filter: &str) -> Result<WatchList> {
     let filter = status_filter.to_string();
     Ok(WatchList {
-        watches: store.call(move |c| db::list(c, &filter)).await?,
+        watches: store.call(move |c| watches::list(c, &filter)).await?,
         status: status(store).await?,
     })
 }
 
 pub async fn get(store: &crate::store::Store, id: i64) -> Result<OneWatch> {
-    let watch = store.call(move |c| db::require(c, id)).await?;
+    let watch = store.call(move |c| watches::require(c, id)).await?;
     Ok(OneWatch { watch })
 }
 
@@ -475,12 +479,12 @@ pub async fn cancel_for_job(
     }
     let (sandbox, session) = (sandbox.to_string(), session.to_string());
     store
-        .call(move |c| db::cancel_for_job(c, &sandbox, &session))
+        .call(move |c| watches::cancel_for_job(c, &sandbox, &session))
         .await
 }
 
 pub async fn cancel(store: &Store, id: i64) -> Result<Cancelled> {
-    let watch = store.call(move |c| db::cancel(c, id)).await?;
+    let watch = store.call(move |c| watches::cancel(c, id)).await?;
     Ok(Cancelled {
         watch,
         status: status(store).await?,
@@ -495,7 +499,9 @@ pub async fn events(store: &Store, watch_id: i64, limit: i64) -> Result<Events> 
         ));
     }
     let limit = limit.min(MAX_LISTED_EVENTS);
-    let mut events = store.call(move |c| db::events(c, watch_id, limit)).await?;
+    let mut events = store
+        .call(move |c| events::list(c, watch_id, limit))
+        .await?;
     for e in &mut events {
         compact_payload(&mut e.payload);
     }

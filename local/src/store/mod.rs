@@ -20,6 +20,7 @@ use crate::error::{Kind, RsbError};
 
 pub mod baselines;
 pub mod clock;
+pub mod events;
 pub mod forwards;
 pub mod handle;
 pub mod retention;

@@ -18,7 +18,7 @@ use serde::Serialize;
 
 use crate::{
     error::Result,
-    store::{DB_FILE, db_err, now_s},
+    store::{DB_FILE, db_err, events, now_s},
 };
 
 const DAY: i64 = 86_400;
@@ -152,7 +152,7 @@ pub fn usage(state_dir: &Path, conn: Option<&Connection>) -> Result<Usage> {
         }
     }
     for (name, what) in [
-        ("events", "watch event files"),
+        (events::DIR, "watch event files"),
         ("transfers", "transfer logs"),
         ("audit", "the audit log, a file a month (12 kept)"),
         (super::roots_lock::DIR, "locks of synced roots"),
@@ -317,13 +317,17 @@ pub fn prune(state_dir: &Path, conn: &Connection, policy: &Policy, now: i64) -> 
 
     // Files only after the rows are gone: a reader never finds a row whose file was removed
     // first. Event files of deleted rows, and any older than the policy (orphans).
-    let events_dir = state_dir.join("events");
     for id in &gone {
-        if std::fs::remove_file(events_dir.join(format!("event-{id}.json"))).is_ok() {
+        if std::fs::remove_file(events::file_path(state_dir, *id)).is_ok() {
             out.event_files += 1;
         }
     }
-    out.event_files += remove_older(&events_dir, "event-", policy.events_days, now);
+    out.event_files += remove_older(
+        &events::dir(state_dir),
+        events::FILE_PREFIX,
+        policy.events_days,
+        now,
+    );
     let tr_dir = state_dir.join("transfers");
     for log in logs.iter().filter(|l| !l.is_empty()) {
         let p = PathBuf::from(log);

@@ -1,4 +1,4 @@
-//! A watch and an event, as stored and as replied. The reply keys are the seed's (every column
+//! A watch, as stored and as replied (its events are [`super::events`]). The reply keys are the seed's (every column
 //! of `watches`, with `metadata_json`/`resume_plan_json` decoded into `metadata`/`resume_plan`
 //! objects and the flags as booleans), plus rsb's additions after them.
 
@@ -224,40 +224,6 @@ impl Watch {
             .unwrap_or(&self.cwd)
             .to_string()
     }
-}
-
-/// One event row; `events/event-<id>.json` holds exactly this, indented (the seed's file).
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct WatchEvent {
-    pub id: i64,
-    pub watch_id: i64,
-    pub event_type: String,
-    pub summary: String,
-    pub created_ts: i64,
-    pub payload: Value,
-}
-
-impl WatchEvent {
-    pub fn from_row(r: &Row<'_>) -> rusqlite::Result<WatchEvent> {
-        Ok(WatchEvent {
-            id: r.get("id")?,
-            watch_id: r.get("watch_id")?,
-            event_type: r.get("event_type")?,
-            summary: r.get("summary")?,
-            created_ts: r.get("created_ts")?,
-            payload: serde_json::from_str(&r.get::<_, String>("payload_json")?)
-                .unwrap_or(Value::Null),
-        })
-    }
-}
-
-/// An event a check decided on, before the store gives it an id and its payload.
-#[derive(Debug, Clone, PartialEq)]
-pub struct NewEvent {
-    pub event_type: &'static str,
-    pub summary: String,
-    /// Keys added to the payload after the seed's common ones.
-    pub extra: Map<String, Value>,
 }
 
 /// One line: newlines and other control characters become spaces (summaries, errors).

@@ -1,16 +1,18 @@
-//! Watches and events in the store: registration, queries, cancel, and [`commit`], the one
-//! transaction that writes a check's outcome together with its events.
+//! Watches in the store: registration, queries, cancel, and [`commit`], the one transaction
+//! that writes a check's outcome together with its events ([`super::events`]).
 
-use std::{collections::BTreeMap, path::Path};
+use std::collections::BTreeMap;
 
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 use crate::{
     error::{Result, RsbError},
     store::{
-        db_err, now_ms,
-        watch_model::{NewEvent, Watch, WatchEvent, one_line},
+        db_err,
+        events::{self, NewEvent, WatchEvent},
+        now_ms,
+        watch_model::{Watch, one_line},
     },
 };
 
@@ -158,20 +160,6 @@ pub fn cancel_for_job(conn: &Connection, sandbox: &str, session: &str) -> Result
         cancel(conn, *id)?;
     }
     Ok(ids)
-}
-
-/// Newest first; `watch_id` 0 = all watches.
-pub fn events(conn: &Connection, watch_id: i64, limit: i64) -> Result<Vec<WatchEvent>> {
-    let mut st = conn
-        .prepare(
-            "SELECT * FROM watch_events WHERE (?1 <= 0 OR watch_id = ?1) ORDER BY id DESC
-             LIMIT ?2",
-        )
-        .map_err(db_err)?;
-    let rows = st
-        .query_map(params![watch_id, limit], WatchEvent::from_row)
-        .map_err(db_err)?;
-    rows.collect::<rusqlite::Result<Vec<_>>>().map_err(db_err)
 }
 
 /// Watches per status; `active`, `completed` and `cancelled` are always present.
@@ -348,21 +336,7 @@ pub fn commit(
     snapshot.last_event_ts = last_event_ts;
     let mut out = Vec::with_capacity(events.len());
     for e in events {
-        let p = payload(&snapshot, e);
-        tx.execute(
-            "INSERT INTO watch_events (watch_id, event_type, summary, payload_json, created_ts,
-               created_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![after.id, e.event_type, e.summary, p.to_string(), ts, ms],
-        )
-        .map_err(db_err)?;
-        out.push(WatchEvent {
-            id: tx.last_insert_rowid(),
-            watch_id: after.id,
-            event_type: e.event_type.to_string(),
-            summary: e.summary.clone(),
-            created_ts: ts,
-            payload: p,
-        });
+        out.push(events::insert(&tx, after.id, e, payload(&snapshot, e), ms)?);
     }
     tx.commit().map_err(db_err)?;
     Ok(Some(out))
@@ -393,37 +367,6 @@ pub fn record_failed_check(conn: &Connection, id: i64, msg: &str, interval_s: i6
     )
     .map(|_| ())
     .map_err(db_err)
-}
-
-/// Events whose file or alerts may not have gone out (the daemon stopped right after their
-/// commit).
-pub fn undelivered(conn: &Connection) -> Result<Vec<(WatchEvent, i64)>> {
-    let mut st = conn
-        .prepare("SELECT * FROM watch_events WHERE delivered = 0 ORDER BY id")
-        .map_err(db_err)?;
-    let rows = st
-        .query_map([], |r| Ok((WatchEvent::from_row(r)?, r.get("created_ms")?)))
-        .map_err(db_err)?;
-    rows.collect::<rusqlite::Result<Vec<_>>>().map_err(db_err)
-}
-
-pub fn mark_delivered(conn: &Connection, event_id: i64) -> Result<()> {
-    conn.execute(
-        "UPDATE watch_events SET delivered = 1 WHERE id = ?1",
-        params![event_id],
-    )
-    .map(|_| ())
-    .map_err(db_err)
-}
-
-/// `<state_dir>/events/event-<id>.json`: the event row, indented (the seed's file), 0600.
-pub fn write_event_file(state_dir: &Path, e: &WatchEvent) -> std::io::Result<std::path::PathBuf> {
-    let dir = state_dir.join("events");
-    crate::store::ensure_private_dir(&dir)?;
-    let path = dir.join(format!("event-{}.json", e.id));
-    let body = serde_json::to_string_pretty(&json!(e)).unwrap_or_default();
-    crate::store::write_private(&path, body.as_bytes())?;
-    Ok(path)
 }
 
 #[cfg(test)]
@@ -482,11 +425,12 @@ mod tests {
             .unwrap()
             .is_none()
         );
-        let all = events(&c, 0, 20).unwrap();
+        let all = events::list(&c, 0, 20).unwrap();
         assert_eq!(all.len(), 1);
         assert_eq!(all[0].payload["exit_code"], 3);
         assert_eq!(all[0].payload["watch"]["status"], "completed");
-        let f = write_event_file(d.path(), &all[0]).unwrap();
+        let f = events::write_file(d.path(), &all[0]).unwrap();
+        assert_eq!(f, events::file_path(d.path(), all[0].id));
         let v: Value = serde_json::from_str(&std::fs::read_to_string(f).unwrap()).unwrap();
         assert_eq!(v["event_type"], "completed");
         assert_eq!(counts(&c).unwrap()["completed"], 1);

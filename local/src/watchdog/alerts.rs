@@ -12,9 +12,10 @@ use std::{path::Path, process::Stdio, time::Duration};
 
 use serde_json::json;
 
-use super::{
-    Watch, WatchEvent, event,
-    settings::{FileSettings, WebhookFormat},
+use super::settings::{FileSettings, WebhookFormat};
+use crate::store::{
+    events::{self, WatchEvent},
+    watch_model::{Watch, one_line},
 };
 
 const NOTIFY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -96,7 +97,7 @@ pub async fn dispatch(t: &Targets, e: &WatchEvent, event_file: &Path) -> Vec<Str
 }
 
 fn notify_worthy(t: &str) -> bool {
-    !matches!(t, event::RUNNING_RESTORED | event::RESUME_STARTED)
+    !matches!(t, events::RUNNING_RESTORED | events::RESUME_STARTED)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -449,7 +450,7 @@ pub async fn run_event_command(
                     .code()
                     .map(|c| c.to_string())
                     .unwrap_or_else(|| "by signal".into()),
-                super::one_line(&super::clip_tail(&text, 300))
+                one_line(&super::clip_tail(&text, 300))
             ))
         }
         Ok(Err(err)) => Err(err.to_string()),
@@ -526,7 +527,7 @@ async fn notify(e: &WatchEvent) -> Result<(), String> {
         .chars()
         .take(120)
         .collect();
-    let msg: String = super::one_line(&format!("{}: {}", e.event_type, e.summary))
+    let msg: String = one_line(&format!("{}: {}", e.event_type, e.summary))
         .chars()
         .take(240)
         .collect();
@@ -550,7 +551,7 @@ async fn notify(e: &WatchEvent) -> Result<(), String> {
     let child = c.spawn().map_err(|e| e.to_string())?;
     match tokio::time::timeout(NOTIFY_TIMEOUT, child.wait_with_output()).await {
         Ok(Ok(o)) if o.status.success() => Ok(()),
-        Ok(Ok(o)) => Err(super::one_line(&String::from_utf8_lossy(&o.stderr))),
+        Ok(Ok(o)) => Err(one_line(&String::from_utf8_lossy(&o.stderr))),
         Ok(Err(e)) => Err(e.to_string()),
         Err(_) => Err("timed out".into()),
     }

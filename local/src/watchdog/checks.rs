@@ -22,7 +22,11 @@
 use rsb_protocol::JobState;
 use serde_json::{Map, Value, json};
 
-use super::{MAX_TEXT_CHARS, NewEvent, Watch, clip_tail, event, one_line};
+use super::{MAX_TEXT_CHARS, clip_tail};
+use crate::store::{
+    events::{self, NewEvent},
+    watch_model::{Watch, one_line},
+};
 
 /// What one check found out.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,7 +144,7 @@ fn slurm_verdict(
             a.last_error = a.last_summary.clone();
             if prev != "scheduler_unreachable" {
                 events.push(ev(
-                    event::SCHEDULER_UNREACHABLE,
+                    events::SCHEDULER_UNREACHABLE,
                     &a.last_summary,
                     json!({"slurm_job_id": s.job_id}),
                 ));
@@ -172,7 +176,7 @@ fn slurm_verdict(
             );
             if prev != "resuming" {
                 events.push(ev(
-                    event::REQUEUED,
+                    events::REQUEUED,
                     &a.last_summary,
                     json!({"slurm_job_id": s.job_id, "restarts": s.restarts,
                            "pending_reason": s.pending_reason}),
@@ -253,7 +257,7 @@ pub fn decide(w: &Watch, obs: &Observed, now_ms: i64) -> Outcome {
             );
             a.last_error = "persisted sandbox config missing".into();
             if prev != "config_missing" {
-                events.push(ev(event::CONFIG_MISSING, &a.last_summary, json!({})));
+                events.push(ev(events::CONFIG_MISSING, &a.last_summary, json!({})));
             }
         }
         Observed::NeedsCredentials(msg) => {
@@ -261,7 +265,7 @@ pub fn decide(w: &Watch, obs: &Observed, now_ms: i64) -> Outcome {
             a.last_summary = one_line(msg);
             a.last_error = a.last_summary.clone();
             if prev != "needs_credentials" {
-                events.push(ev(event::NEEDS_CREDENTIALS, &a.last_summary, json!({})));
+                events.push(ev(events::NEEDS_CREDENTIALS, &a.last_summary, json!({})));
             }
         }
         Observed::Unreachable(msg) => {
@@ -280,7 +284,7 @@ pub fn decide(w: &Watch, obs: &Observed, now_ms: i64) -> Outcome {
             a.last_error = a.last_summary.clone();
             if alert {
                 events.push(ev(
-                    event::SSH_UNREACHABLE,
+                    events::SSH_UNREACHABLE,
                     &a.last_summary,
                     json!({"consecutive_failures": n}),
                 ));
@@ -307,7 +311,7 @@ pub fn decide(w: &Watch, obs: &Observed, now_ms: i64) -> Outcome {
             if seen.started_ms > 0 {
                 for e in events
                     .iter_mut()
-                    .filter(|e| event::ENDS_RUN.contains(&e.event_type))
+                    .filter(|e| events::ENDS_RUN.contains(&e.event_type))
                 {
                     e.extra.insert("started_ms".into(), json!(seen.started_ms));
                 }
@@ -390,7 +394,7 @@ fn job(
                 a.stall_alert_sent = true;
                 a.last_summary = format!("The log has not grown for {stalled_for}s");
                 events.push(ev(
-                    event::STALLED,
+                    events::STALLED,
                     &a.last_summary,
                     json!({"stalled_for_s": stalled_for, "log_size": seen.log_size}),
                 ));
@@ -399,7 +403,7 @@ fn job(
             }
             if restored {
                 events.push(ev(
-                    event::RUNNING_RESTORED,
+                    events::RUNNING_RESTORED,
                     "Background task is running again",
                     json!({"previous_state": prev}),
                 ));
@@ -418,7 +422,7 @@ fn job(
             a.next_check_ts = 0;
             let mut extra = json!({"exit_code": code});
             slurm_extra(&mut extra);
-            events.push(ev(event::COMPLETED, &a.last_summary, extra));
+            events.push(ev(events::COMPLETED, &a.last_summary, extra));
         }
         Verdict::Ended(reason) => {
             let sl = seen.slurm.clone().unwrap_or_default();
@@ -440,9 +444,9 @@ fn job(
             let mut extra = json!({"exit_code": seen.exit_code, "signal": seen.signal});
             slurm_extra(&mut extra);
             let kind = match reason {
-                "timeout" => event::TIMEOUT,
-                "out_of_memory" => event::OUT_OF_MEMORY,
-                _ => event::CANCELLED,
+                "timeout" => events::TIMEOUT,
+                "out_of_memory" => events::OUT_OF_MEMORY,
+                _ => events::CANCELLED,
             };
             events.push(ev(kind, &a.last_summary, extra));
         }
@@ -475,7 +479,7 @@ fn job(
                     extra["signal"] = json!(sig);
                 }
                 slurm_extra(&mut extra);
-                events.push(ev(event::INTERRUPTED, &a.last_summary, extra));
+                events.push(ev(events::INTERRUPTED, &a.last_summary, extra));
             }
             *resume = can_resume && now >= a.resume_due_ts;
             // Resuming was asked for, and every attempt is spent: nothing will ever change
@@ -491,7 +495,7 @@ fn job(
                 a.next_check_ms = 0;
                 a.next_check_ts = 0;
                 events.push(ev(
-                    event::GAVE_UP,
+                    events::GAVE_UP,
                     &a.last_summary,
                     json!({"resume_attempts": w.resume_attempts,
                            "max_resume_attempts": w.max_resume_attempts}),
@@ -543,7 +547,7 @@ pub fn resume_result(
             a.next_check_ms = now_ms + w.interval_s.max(1) * 1000;
             a.next_check_ts = a.next_check_ms / 1000;
             let e = ev(
-                event::RESUME_STARTED,
+                events::RESUME_STARTED,
                 &a.last_summary,
                 json!({"resume_attempt": n, "tmux_session": session, "checkpoint": checkpoint}),
             );
@@ -555,7 +559,7 @@ pub fn resume_result(
             a.last_error = one_line(err);
             a.resume_due_ts = now + w.interval_s.max(w.resume_delay_s);
             let e = ev(
-                event::RESUME_FAILED,
+                events::RESUME_FAILED,
                 &a.last_summary,
                 json!({"resume_attempt": n, "error": one_line(err)}),
             );
@@ -620,7 +624,7 @@ fn data_block(title: &str, text: &str) -> String {
 pub fn payload(w: &Watch, e: &NewEvent) -> Value {
     let no_tail = matches!(
         e.event_type,
-        event::SSH_UNREACHABLE | event::CONFIG_MISSING | event::NEEDS_CREDENTIALS
+        events::SSH_UNREACHABLE | events::CONFIG_MISSING | events::NEEDS_CREDENTIALS
     );
     let mut m = Map::new();
     m.insert("watch".into(), w.payload_snapshot());
@@ -1123,7 +1127,7 @@ mod tests {
     #[test]
     fn payload_has_the_seed_keys() {
         let w = watch();
-        let e = ev(event::COMPLETED, "done", json!({"exit_code": 0}));
+        let e = ev(events::COMPLETED, "done", json!({"exit_code": 0}));
         let p = payload(&w, &e);
         for k in [
             "watch",

@@ -26,9 +26,8 @@ use serde_json::json;
 
 pub use super::lock::{Holder, LOCK_FILE, Lock, acquire_lock, lock_holder, running_daemon};
 use super::{
-    MAX_TEXT_CHARS, Watch, WatchEvent, alerts,
+    MAX_TEXT_CHARS, alerts,
     checks::{self, JobSeen, Observed, SlurmSeen},
-    db, sandboxes,
     settings::{DEFAULT_HOOK_TIMEOUT, FileSettings},
 };
 use crate::{
@@ -42,7 +41,13 @@ use crate::{
         state::judge,
         submit,
     },
-    store::{self, now_ms},
+    store::{
+        self,
+        events::{self, NewEvent, WatchEvent},
+        now_ms, sandboxes,
+        watch_model::Watch,
+        watches,
+    },
 };
 
 const STATUS_DEADLINE: Duration = Duration::from_secs(10);
@@ -218,7 +223,8 @@ pub async fn run(opts: Options) -> Result<()> {
         "version": env!("CARGO_PKG_VERSION"),
         "state_dir": opts.state_dir.display().to_string(),
     });
-    d.db(move |c| db::meta_set(c, "daemon", &started)).await?;
+    d.db(move |c| watches::meta_set(c, "daemon", &started))
+        .await?;
     tracing::info!(
         state_dir = %opts.state_dir.display(),
         mode = %opts.mode,
@@ -260,7 +266,7 @@ pub async fn run(opts: Options) -> Result<()> {
     }
     // Gone means gone: no reader may take a heartbeat younger than 30 s for a live daemon
     // (liveness is the lock holder's anyway, see `service::daemon_info`).
-    if let Err(e) = d.db(|c| db::meta_delete(c, "heartbeat")).await {
+    if let Err(e) = d.db(|c| watches::meta_delete(c, "heartbeat")).await {
         tracing::warn!("[watchdog] cannot clear the heartbeat: {}", e.message);
     }
     for (_, h) in d.subscriptions.lock().drain() {
@@ -367,7 +373,7 @@ impl Daemon {
             .db(move |c| {
                 let c = &*c;
                 if beat_due {
-                    db::meta_set(c, "heartbeat", &heartbeat)?;
+                    watches::meta_set(c, "heartbeat", &heartbeat)?;
                 }
                 if prune_due {
                     let policy = Default::default();
@@ -379,9 +385,9 @@ impl Daemon {
                         Err(e) => tracing::warn!("[watchdog] retention failed: {}", e.message),
                     }
                 }
-                let due = db::due(c, ms, MAX_STARTS_PER_TICK)?;
-                let active = db::counts(c)?.get("active").copied().unwrap_or(0);
-                let followed = db::active_sandboxes(c)?;
+                let due = watches::due(c, ms, MAX_STARTS_PER_TICK)?;
+                let active = watches::counts(c)?.get("active").copied().unwrap_or(0);
+                let followed = watches::active_sandboxes(c)?;
                 Ok((due, active, followed))
             })
             .await?;
@@ -403,7 +409,9 @@ impl Daemon {
         }
         if started > 0 {
             let scan = json!({"ts": ms / 1000, "due_watch_count": started});
-            let _ = self.db(move |c| db::meta_set(c, "last_scan", &scan)).await;
+            let _ = self
+                .db(move |c| watches::meta_set(c, "last_scan", &scan))
+                .await;
         }
         Ok(active + forwards)
     }
@@ -425,12 +433,12 @@ impl Daemon {
                 tracing::error!(watch = id, "[watchdog] {msg}");
                 let _ = d
                     .db(move |c| {
-                        let interval = db::get(c, id)
+                        let interval = watches::get(c, id)
                             .ok()
                             .flatten()
                             .map(|w| w.interval_s)
                             .unwrap_or(60);
-                        db::record_failed_check(c, id, &msg, interval)
+                        watches::record_failed_check(c, id, &msg, interval)
                     })
                     .await;
             }
@@ -511,7 +519,7 @@ impl Daemon {
     /// A run of job `job` ended on the sandbox: check its active watches now.
     async fn job_ended(self: &Arc<Self>, fp: &str, sandbox: &str, job: &str) {
         let (f, s, j) = (fp.to_string(), sandbox.to_string(), job.to_string());
-        match self.db(move |c| db::active_on(c, &f, &s, &j)).await {
+        match self.db(move |c| watches::active_on(c, &f, &s, &j)).await {
             Ok(ids) => {
                 for id in ids {
                     self.start_check(id, true);
@@ -561,7 +569,7 @@ impl Daemon {
     }
 
     async fn check(self: Arc<Self>, id: i64) {
-        let w = match self.db(move |c| db::get(c, id)).await {
+        let w = match self.db(move |c| watches::get(c, id)).await {
             Ok(Some(w)) if w.status == "active" => w,
             Ok(_) => return,
             Err(e) => {
@@ -605,15 +613,10 @@ impl Daemon {
     }
 
     /// Commit and deliver; the new row (with its revision) or `None` if the watch changed.
-    async fn commit(
-        &self,
-        before: &Watch,
-        mut after: Watch,
-        events: &[super::NewEvent],
-    ) -> Option<Watch> {
+    async fn commit(&self, before: &Watch, mut after: Watch, events: &[NewEvent]) -> Option<Watch> {
         let (rev, row, events) = (before.rev, after.clone(), events.to_vec());
         let r = self
-            .db(move |c| db::commit(c, rev, &row, &events, super::checks::payload))
+            .db(move |c| watches::commit(c, rev, &row, &events, super::checks::payload))
             .await;
         match r {
             Ok(Some(evs)) => {
@@ -962,7 +965,7 @@ impl Daemon {
 
     /// Finish deliveries a previous daemon committed but did not complete.
     async fn redeliver(&self) {
-        let pending = match self.db(|c| db::undelivered(c)).await {
+        let pending = match self.db(|c| events::undelivered(c)).await {
             Ok(p) => p,
             Err(e) => {
                 tracing::warn!("[watchdog] cannot read undelivered events: {}", e.message);
@@ -971,7 +974,11 @@ impl Daemon {
         };
         for (e, created_ms) in pending {
             let watch_id = e.watch_id;
-            let w = self.db(move |c| db::get(c, watch_id)).await.ok().flatten();
+            let w = self
+                .db(move |c| watches::get(c, watch_id))
+                .await
+                .ok()
+                .flatten();
             let Some(w) = w else { continue };
             let targets = alerts::Targets::for_watch(&w, &self.settings.lock(), self.hook_timeout);
             let alert = now_ms() - created_ms < REPLAY_ALERTS_WITHIN_MS;
@@ -982,7 +989,7 @@ impl Daemon {
 
 async fn deliver_one(store: &store::Store, targets: &alerts::Targets, e: &WatchEvent, alert: bool) {
     let state_dir = store.state_dir();
-    let file = match db::write_event_file(state_dir, e) {
+    let file = match events::write_file(state_dir, e) {
         Ok(f) => f,
         Err(err) => {
             tracing::warn!(
@@ -1008,9 +1015,9 @@ async fn deliver_one(store: &store::Store, targets: &alerts::Targets, e: &WatchE
         .call(move |c| {
             if alerted {
                 // The alert's outcome is a note on the watch; the delivery is done either way.
-                let _ = db::record_error(c, watch_id, "last_alert_error", &errors);
+                let _ = watches::record_error(c, watch_id, "last_alert_error", &errors);
             }
-            db::mark_delivered(c, event_id)
+            events::mark_delivered(c, event_id)
         })
         .await;
     if let Err(err) = recorded {

@@ -2,10 +2,12 @@
 //! session has ended, records what happens to them as events, alerts, and resumes interrupted
 //! jobs from their checkpoints.
 //!
-//! - [`model`]: a watch and an event as stored and as replied (the seed's keys plus rsb's).
-//! - [`db`]: registration, queries and the one transaction that records a check's outcome and
-//!   its events together (so a daemon killed at any instant neither loses nor repeats one).
-//! - [`sandboxes`]: the secret-free sandbox definitions the daemon connects with.
+//! Its rows are the store's: a watch ([`crate::store::watch_model`]), registration, queries and
+//! the one transaction that records a check's outcome and its events together, so a daemon
+//! killed at any instant neither loses nor repeats one ([`crate::store::watches`]), the events,
+//! their types and files ([`crate::store::events`]), and the secret-free sandbox definitions
+//! the daemon connects with ([`crate::store::sandboxes`]).
+//!
 //! - [`checks`]: the state machine, a pure function from (watch, what the agent said) to
 //!   (updates, events, resume).
 //! - [`lock`]: one daemon per state dir, and who holds it.
@@ -26,13 +28,6 @@ pub mod lock;
 pub mod service;
 pub mod settings;
 
-/// The watch tables and the persisted sandboxes live in the store layer; these names keep
-/// `watchdog::db` and `watchdog::sandboxes` paths working for callers.
-pub use crate::store::{sandboxes, watches as db};
-
-/// The watch model is the store's; watchdog code names it from here.
-pub use crate::store::watch_model::{self as model, NewEvent, Watch, WatchEvent, one_line};
-
 /// The seed's defaults (`DEFAULT_WATCH_INTERVAL_S`, `DEFAULT_MAX_LOG_LINES`, …).
 pub const DEFAULT_INTERVAL_S: i64 = 300;
 pub const DEFAULT_MAX_LOG_LINES: i64 = 80;
@@ -48,38 +43,6 @@ pub const HEARTBEAT_STALE_S: i64 = 30;
 pub const HEARTBEAT_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
 /// Checkpoint text and log tails kept per watch (the seed's 20,000 characters).
 pub const MAX_TEXT_CHARS: usize = 20_000;
-
-/// The event types: the seed's, plus `stalled`, `needs_credentials` and `gave_up`, and the
-/// Slurm ones: `requeued`, `timeout`, `out_of_memory`, `cancelled`, `scheduler_unreachable`.
-pub mod event {
-    pub const COMPLETED: &str = "completed";
-    pub const INTERRUPTED: &str = "interrupted";
-    pub const RESUME_STARTED: &str = "resume_started";
-    pub const RESUME_FAILED: &str = "resume_failed";
-    pub const SSH_UNREACHABLE: &str = "ssh_unreachable";
-    pub const RUNNING_RESTORED: &str = "running_restored";
-    pub const CONFIG_MISSING: &str = "config_missing";
-    pub const STALLED: &str = "stalled";
-    pub const NEEDS_CREDENTIALS: &str = "needs_credentials";
-    /// The job is interrupted and every resume attempt is used up: the watch ends (status
-    /// `gave_up`) instead of polling a dead job forever.
-    pub const GAVE_UP: &str = "gave_up";
-    /// Slurm put the job back in its queue (node failure or preemption with `requeue`): it
-    /// will run again by itself, so rsb does not resubmit it.
-    pub const REQUEUED: &str = "requeued";
-    /// Slurm ended the job at its time limit.
-    pub const TIMEOUT: &str = "timeout";
-    /// Slurm ended the job over its memory limit.
-    pub const OUT_OF_MEMORY: &str = "out_of_memory";
-    /// The job was cancelled outside rsb (`scancel`); `kill_background_task` ends the watch
-    /// before it kills, so it never raises this.
-    pub const CANCELLED: &str = "cancelled";
-    /// The Slurm controller did not answer: the job's state is unknown (never "lost").
-    pub const SCHEDULER_UNREACHABLE: &str = "scheduler_unreachable";
-    /// The events that report a run's end: each carries the run's `started_ms`, so a session
-    /// that heard the same end from the agent's stream tells it from a resumed run's.
-    pub const ENDS_RUN: [&str; 5] = [COMPLETED, INTERRUPTED, TIMEOUT, OUT_OF_MEMORY, CANCELLED];
-}
 
 /// Keeps the last `max` characters (the end of a log or checkpoint is what matters).
 pub(crate) fn clip_tail(s: &str, max: usize) -> String {

@@ -389,7 +389,7 @@ fn run(cmd: &mut Command, timeout: Duration) -> std::result::Result<String, Stri
         }
     }
     let out = child.wait_with_output().map_err(|e| e.to_string())?;
-    let text = |b: &[u8]| super::one_line(&String::from_utf8_lossy(b));
+    let text = |b: &[u8]| crate::store::watch_model::one_line(&String::from_utf8_lossy(b));
     if out.status.success() {
         Ok(text(&out.stdout))
     } else {
@@ -767,7 +767,7 @@ pub struct DaemonInfo {
 }
 
 /// The daemon of `state_dir`, from its lock and `heartbeat` (the store's `heartbeat` row, read
-/// by the caller: [`db::meta_get`]).
+/// by the caller: [`crate::store::watches::meta_get`]).
 pub fn daemon_info(heartbeat: Option<(Value, i64)>, state_dir: &Path) -> DaemonInfo {
     // Running means: something holds the daemon's flock (released by the kernel however the
     // process died) and the pid it wrote is a live `rsb watchdog run`. A heartbeat row alone
