@@ -199,7 +199,7 @@ struct Line<'a> {
 }
 
 pub fn dir(state_dir: &Path) -> PathBuf {
-    state_dir.join("audit")
+    state_dir.join(crate::store::layout::AUDIT)
 }
 
 /// Append `action` on `sandbox` to this month's file. Never fails the caller: a log that cannot

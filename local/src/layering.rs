@@ -28,6 +28,7 @@ pub const LAYERS: &[&[&str]] = &[
     &["store"],
     &["server_env"],
     &["pool"],
+    &["app"],
     &["audit"],
     &["policy"],
     &["sync"],

@@ -3,6 +3,7 @@
 //! Request flow: MCP tool / CLI → [`pool::Pool`] (one connection per sandbox) →
 //! [`client::AgentClient`] (framed, multiplexed) → `rsb-agent serve` on the host.
 
+pub mod app;
 pub mod audit;
 pub mod client;
 pub mod config;

@@ -489,7 +489,7 @@ async fn run(cli: Cli) -> u8 {
         Cmd::Forward(a) => {
             ctx.warnings_for(&[]);
             // forward/cli.rs says 2 for a bad argument and 1 when it cannot start.
-            match cli::forward::main(ctx.pool.clone(), a, json).await {
+            match cli::forward::main(ctx.app.clone(), a, json).await {
                 2 => exit::USAGE,
                 1 => exit::CONNECTION,
                 c => c,
@@ -497,6 +497,6 @@ async fn run(cli: Cli) -> u8 {
         }
         Cmd::Sync(a) => cli::sync::run(&ctx, a).await,
     };
-    ctx.pool.shutdown().await;
+    ctx.app.shutdown().await;
     code
 }

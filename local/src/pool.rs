@@ -21,7 +21,7 @@ use crate::{
 };
 
 /// How long [`Pool::shutdown`] waits for a slot's lock before leaving it to the process exit.
-const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_millis(300);
+pub(crate) const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_millis(300);
 
 struct Slot {
     cfg: SandboxConfig,
@@ -65,10 +65,6 @@ pub struct Pool {
     active: RwLock<Option<String>>,
     /// rsb's own agent as a child process: the local end of every sync (started lazily).
     local: Mutex<Option<Connection>>,
-    /// The state dir's database, behind its own thread (started on first use).
-    store: parking_lot::Mutex<Option<crate::store::Store>>,
-    /// Background transfer tasks, on `store` (opened lazily).
-    transfers: tokio::sync::OnceCell<Arc<crate::store::transfers::Transfers>>,
     /// Run once per sandbox, in the background, after its first connect (see
     /// [`Pool::on_first_connect`]).
     first_connect: parking_lot::Mutex<Option<FirstConnect>>,
@@ -119,8 +115,6 @@ impl Pool {
             slots,
             active,
             local: Mutex::new(None),
-            store: parking_lot::Mutex::new(None),
-            transfers: tokio::sync::OnceCell::new(),
             first_connect: parking_lot::Mutex::new(None),
         }
     }
@@ -398,29 +392,6 @@ impl Pool {
         Ok(client)
     }
 
-    /// The background transfer registry (SQLite under the state dir, behind its own store
-    /// thread), opened on first use. A store that cannot be opened is an error each time it is
-    /// asked for, and opened by the first ask that succeeds.
-    pub async fn transfers(&self) -> Result<Arc<crate::store::transfers::Transfers>> {
-        self.transfers
-            .get_or_try_init(|| async {
-                let store = self.store();
-                store.call(|_| Ok(())).await?;
-                Ok(Arc::new(crate::store::transfers::Transfers::on(store)))
-            })
-            .await
-            .cloned()
-    }
-
-    /// The state dir's database: every store call of this process goes through it (its thread
-    /// opens the database on the first call; see [`crate::store::Store`]).
-    pub fn store(&self) -> crate::store::Store {
-        self.store
-            .lock()
-            .get_or_insert_with(|| crate::store::Store::new(&self.config.state_dir))
-            .clone()
-    }
-
     /// Whether the last connect of `name` uploaded the agent (for tests and diagnostics).
     pub async fn last_connect_deployed(&self, name: &str) -> Option<bool> {
         let slot = self.slots.get(name)?;
@@ -498,11 +469,5 @@ impl Pool {
                 }
             });
         futures::future::join_all(closes).await;
-        // The store too, once what was sent to it ran: the database is left whole, without
-        // its write-ahead log (a held lock bounds this wait like a hung connect).
-        let store = self.store.lock().clone();
-        if let Some(s) = store {
-            let _ = tokio::time::timeout(SHUTDOWN_WAIT, s.close()).await;
-        }
     }
 }

@@ -21,8 +21,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
 
-/// The file, in a state dir.
-pub const FILE: &str = "mcp-env.json";
 /// Distinct server environments remembered (Claude Code's and Codex's servers, say).
 pub const KEEP: usize = 8;
 
@@ -111,7 +109,7 @@ fn parent_name() -> Option<String> {
 
 /// The records in `dir`, newest first; an absent or unreadable file is none.
 pub fn read(dir: &Path) -> Vec<ServerEnv> {
-    std::fs::read(dir.join(FILE))
+    std::fs::read(dir.join(crate::store::layout::MCP_ENV))
         .ok()
         .and_then(|b| serde_json::from_slice(&b).ok())
         .unwrap_or_default()
@@ -126,7 +124,7 @@ pub fn record_in(dir: &Path, me: &ServerEnv) -> std::io::Result<()> {
     all.insert(0, me.clone());
     all.truncate(KEEP);
     let bytes = serde_json::to_vec_pretty(&all).map_err(std::io::Error::other)?;
-    crate::store::write_private(&dir.join(FILE), &bytes)
+    crate::store::write_private(&dir.join(crate::store::layout::MCP_ENV), &bytes)
 }
 
 /// Where `rsb mcp` records and `rsb doctor` looks: the state dir, and the default one.

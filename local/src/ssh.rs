@@ -140,11 +140,10 @@ impl client::Handler for Checker {
                 Err(HandlerError::HostKey(msg))
             }
             _ => {
-                let own = self
-                    .files
-                    .last()
-                    .cloned()
-                    .unwrap_or_else(|| crate::config::state_dir().join("known_hosts"));
+                let own =
+                    self.files.last().cloned().unwrap_or_else(|| {
+                        crate::config::state_dir().join(crate::config::KNOWN_HOSTS)
+                    });
                 private_file(&own);
                 if let Err(e) =
                     known_hosts::learn_known_hosts_path(&self.host, self.port, key, &own)

@@ -25,9 +25,9 @@ use std::{
 };
 
 use rsb::{
+    app::App,
     config::Config,
     ops::sync::{self as ops, SyncArgs},
-    pool::Pool,
     sync::CancellationToken,
 };
 use rsb_protocol::ExecRequest;
@@ -56,14 +56,14 @@ fn median(v: &mut [f64]) -> f64 {
     v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
-fn pool_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<Pool> {
+fn app_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<App> {
     let t = common::target(
         sshd,
         port,
         common::key_auth(sshd),
         &state.join("known_hosts"),
     );
-    Arc::new(Pool::new(Arc::new(Config {
+    App::new(Arc::new(Config {
         sandboxes: vec![common::sandbox("s", t)],
         expose_advanced_tools: false,
         inline_sync_max_files: 100_000,
@@ -72,12 +72,12 @@ fn pool_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<Pool> {
         state_dir: state.to_path_buf(),
         source: "bench".into(),
         warnings: vec![],
-    })))
+    }))
 }
 
 /// Uploads `src` again and again (each time to a fresh remote directory, removed afterwards)
 /// until `stop`.
-async fn saturate(pool: Arc<Pool>, sshd_home: PathBuf, src: PathBuf, stop: Arc<AtomicBool>) {
+async fn saturate(pool: Arc<App>, sshd_home: PathBuf, src: PathBuf, stop: Arc<AtomicBool>) {
     let mut i = 0u32;
     while !stop.load(Ordering::SeqCst) {
         let rel = format!("sat/{i}");
@@ -97,12 +97,12 @@ async fn saturate(pool: Arc<Pool>, sshd_home: PathBuf, src: PathBuf, stop: Arc<A
 async fn exec_under_upload(
     sshd: &Sshd,
     proxy: &ChaosProxy,
-    pool: &Arc<Pool>,
+    pool: &Arc<App>,
     src: &Path,
     samples: usize,
     spacing: Duration,
 ) -> (Vec<Duration>, Vec<Duration>) {
-    let c = pool.client("s").await.expect("connect");
+    let c = pool.pool().client("s").await.expect("connect");
     let mut idle = Vec::new();
     for _ in 0..samples.min(100) {
         let t = Instant::now();
@@ -141,8 +141,8 @@ async fn exec_under_upload(
 async fn detection_once(sshd: &Sshd, src: &Path, state: &Path) -> (f64, f64) {
     let proxy = ChaosProxy::start(sshd.addr()).unwrap();
     proxy.set_rate_mbit(10);
-    let pool = pool_on(sshd, proxy.port(), state);
-    let c = pool.client("s").await.expect("connect");
+    let pool = app_on(sshd, proxy.port(), state);
+    let c = pool.pool().client("s").await.expect("connect");
     let args = SyncArgs {
         local_path: src.display().to_string(),
         remote_path: "detect".into(),
@@ -215,7 +215,7 @@ fn main() {
                 proxy.set_rate_mbit(m);
             }
             let state = dir.path().join(format!("state-{}", mbit.unwrap_or(0)));
-            let pool = pool_on(&sshd, proxy.port(), &state);
+            let pool = app_on(&sshd, proxy.port(), &state);
             let n = if mbit.is_some() {
                 samples.min(100)
             } else {

@@ -16,7 +16,7 @@ use std::{
 };
 
 use rsb::{
-    pool::Pool,
+    app::App,
     sync::{CancellationToken, Direction, SyncSpec},
 };
 use rsb_tests::{ChaosProxy, Sshd};
@@ -100,13 +100,13 @@ impl Bench<'_> {
     }
 }
 
-async fn rsb_sync(pool: &Pool, dir: Direction, local: &Path, remote: &str) -> (Duration, u64) {
+async fn rsb_sync(pool: &App, dir: Direction, local: &Path, remote: &str) -> (Duration, u64) {
     let (d, r) = rsb_report(pool, dir, local, remote).await;
     (d, r.bytes_sent)
 }
 
 async fn rsb_report(
-    pool: &Pool,
+    pool: &App,
     dir: Direction,
     local: &Path,
     remote: &str,
@@ -163,10 +163,10 @@ fn main() {
     let big_s = format!("{}/", big.display());
 
     rt.block_on(async {
-        let pool = common::key_pool(&sshd, tmp.path());
+        let pool = common::key_app(&sshd, tmp.path());
         // Warm: connect (and deploy) once, start the local agent, as a running server has.
-        pool.client("s").await.expect("connect");
-        pool.local_agent().await.expect("local agent");
+        pool.pool().client("s").await.expect("connect");
+        pool.pool().local_agent().await.expect("local agent");
         println!("rsb sync vs rsync -a -e ssh (median of {reps}; same sshd, same run)");
 
         if group("small") {
@@ -217,7 +217,7 @@ fn main() {
             // Cold: a fresh pool (SSH connect + agent start) for a no-change resync.
             let mut rc = Vec::new();
             for _ in 0..reps {
-                let p = common::key_pool(&sshd, tmp.path());
+                let p = common::key_app(&sshd, tmp.path());
                 let t = Instant::now();
                 rsb_sync(&p, Direction::Upload, &small, "s0/rsb").await;
                 rc.push(t.elapsed());
@@ -321,9 +321,9 @@ async fn slow_rows(b: &mut Bench<'_>, sshd: &Sshd, tmp: &Path, small: &Path, rep
     proxy.set_latency(Duration::from_millis(10));
     proxy.set_rate_mbit(50);
     let port = Some(proxy.port());
-    let pool = common::pool_on(sshd, proxy.port(), &tmp.join("slow-state"));
-    pool.client("s").await.expect("connect");
-    pool.local_agent().await.expect("local agent");
+    let pool = common::app_on(sshd, proxy.port(), &tmp.join("slow-state"));
+    pool.pool().client("s").await.expect("connect");
+    pool.pool().local_agent().await.expect("local agent");
     println!("through the chaos proxy: 20 ms RTT, 50 Mbit/s");
 
     // 2,000 small files, no change (the first upload puts them there).
@@ -374,9 +374,9 @@ async fn far_rows(b: &mut Bench<'_>, sshd: &Sshd, tmp: &Path, big: &Path, reps: 
     let proxy = ChaosProxy::start(sshd.addr()).expect("proxy");
     proxy.set_latency(Duration::from_millis(50));
     let port = Some(proxy.port());
-    let pool = common::pool_on(sshd, proxy.port(), &tmp.join("far-state"));
-    pool.client("s").await.expect("connect");
-    pool.local_agent().await.expect("local agent");
+    let pool = common::app_on(sshd, proxy.port(), &tmp.join("far-state"));
+    pool.pool().client("s").await.expect("connect");
+    pool.pool().local_agent().await.expect("local agent");
     println!("through the chaos proxy: 100 ms RTT, no rate limit");
     let big_s = format!("{}/", big.display());
     let (mut r, mut s) = (Vec::new(), Vec::new());

@@ -11,12 +11,12 @@ use std::{path::Path, time::Duration};
 
 use common::*;
 use rsb::{
-    pool::Pool,
+    app::App,
     sync::{CancellationToken, Direction, SyncReport, SyncSpec},
 };
 use rsb_tests::{ChaosProxy, Sshd};
 
-async fn sync(pool: &Pool, dir: Direction, local: &Path, remote: &str) -> SyncReport {
+async fn sync(pool: &App, dir: Direction, local: &Path, remote: &str) -> SyncReport {
     let spec = SyncSpec {
         direction: dir,
         local_path: local.to_path_buf(),
@@ -85,8 +85,8 @@ async fn slow_link_sends_compressed_and_everything_arrives_exact() {
     proxy.set_rate_mbit(50);
     let src = dir.path().join("src");
     let raw = tree(&src);
-    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
-    pool.client("s").await.expect("connect");
+    let pool = app_on(&sshd, proxy.port(), &dir.path().join("state"));
+    pool.pool().client("s").await.expect("connect");
 
     let before = proxy.bytes_forwarded().0;
     let r = sync(&pool, Direction::Upload, &src, "up").await;
@@ -137,7 +137,7 @@ async fn loopback_leaves_compression_off() {
     let dir = tempfile::tempdir().unwrap();
     let src = dir.path().join("src");
     let raw = tree(&src);
-    let pool = key_pool(&sshd, dir.path());
+    let pool = key_app(&sshd, dir.path());
     let r = sync(&pool, Direction::Upload, &src, "up").await;
     assert_eq!(r.bytes_sent, raw);
     assert_eq!(r.bytes_wire, None, "auto compressed on loopback");

@@ -18,6 +18,7 @@ use std::{
 
 use common::*;
 use rsb::{
+    app::App,
     error::RsbError,
     ops::sync::{self as ops, SyncArgs},
     pool::Pool,
@@ -219,9 +220,9 @@ async fn link_fault_mid_upload(link: Link, fault: Fault) {
         ..Default::default()
     };
     let run = tokio::spawn({
-        let pool = pool.clone();
+        let app = App::on(pool.clone());
         let args = args.clone();
-        async move { ops::sync_local_to_remote(&pool, args, None, &CancellationToken::new()).await }
+        async move { ops::sync_local_to_remote(&app, args, None, &CancellationToken::new()).await }
     });
     let base = proxy.bytes_forwarded().0;
     wait_until("upload bytes", Duration::from_secs(30), || {
@@ -255,9 +256,14 @@ async fn link_fault_mid_upload(link: Link, fault: Fault) {
     next_call_works(&pool).await;
     // The next sync (over a direct link, to stay within the row's time) completes.
     let direct = pool_on(&sshd, sshd.port(), &dir.path().join("state2"));
-    ops::sync_local_to_remote(&direct, args, None, &CancellationToken::new())
-        .await
-        .unwrap();
+    ops::sync_local_to_remote(
+        &App::on(direct.clone()),
+        args,
+        None,
+        &CancellationToken::new(),
+    )
+    .await
+    .unwrap();
     assert_eq!(
         sha256_remote(&sshd, rfile.to_str().unwrap()),
         sha256_local(&file)
@@ -316,9 +322,9 @@ async fn link_fault_mid_download(link: Link, fault: Fault) {
         ..Default::default()
     };
     let run = tokio::spawn({
-        let pool = pool.clone();
+        let app = App::on(pool.clone());
         let args = args.clone();
-        async move { ops::sync_remote_to_local(&pool, args, None, &CancellationToken::new()).await }
+        async move { ops::sync_remote_to_local(&app, args, None, &CancellationToken::new()).await }
     });
     let base = proxy.bytes_forwarded().1;
     let t0 = Instant::now();
@@ -349,9 +355,14 @@ async fn link_fault_mid_download(link: Link, fault: Fault) {
     );
     next_call_works(&pool).await;
     let direct = pool_on(&sshd, sshd.port(), &dir.path().join("state2"));
-    ops::sync_remote_to_local(&direct, args, None, &CancellationToken::new())
-        .await
-        .unwrap();
+    ops::sync_remote_to_local(
+        &App::on(direct.clone()),
+        args,
+        None,
+        &CancellationToken::new(),
+    )
+    .await
+    .unwrap();
     assert_eq!(sha256_local(&dst.join("big.bin")), want);
     assert_eq!(visible_files_local(&dst), vec!["./big.bin"]);
     direct.shutdown().await;
@@ -610,9 +621,9 @@ async fn remote_disk_full_during_upload() {
         ..Default::default()
     };
     let run = tokio::spawn({
-        let pool = pool.clone();
+        let app = App::on(pool.clone());
         let args = args.clone();
-        async move { ops::sync_local_to_remote(&pool, args, None, &CancellationToken::new()).await }
+        async move { ops::sync_local_to_remote(&app, args, None, &CancellationToken::new()).await }
     });
     let (e, _) = fails_within(run, Duration::from_secs(30), "disk full upload").await;
     let m = e.message.to_lowercase();
@@ -797,9 +808,14 @@ async fn rsb_mcp_sigkilled_mid_transfer() {
         remote_path: "dst".into(),
         ..Default::default()
     };
-    ops::sync_local_to_remote(&direct, args, None, &CancellationToken::new())
-        .await
-        .unwrap();
+    ops::sync_local_to_remote(
+        &App::on(direct.clone()),
+        args,
+        None,
+        &CancellationToken::new(),
+    )
+    .await
+    .unwrap();
     assert_eq!(
         sha256_remote(&sshd, rfile.to_str().unwrap()),
         sha256_local(&file)

@@ -959,8 +959,8 @@ async fn sync_while_swapped(
 ) -> Vec<Option<String>> {
     let sshd = Sshd::start().unwrap();
     let state = tempfile::tempdir().unwrap();
-    let pool = pool_on(&sshd, sshd.port(), state.path());
-    pool.client("s").await.expect("connect");
+    let pool = app_on(&sshd, sshd.port(), state.path());
+    pool.pool().client("s").await.expect("connect");
     let script = area.join("swap.py");
     std::fs::write(&script, SWAPPER).unwrap();
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o644)).unwrap();

@@ -19,7 +19,7 @@ async fn a_panic_while_a_pool_lock_is_held_leaves_the_sandbox_usable() {
     assert!(hook.is_err(), "the hook panics");
 
     // Every path that takes those locks still works: the active sandbox, the reconnect path
-    // (which reads the remembered agent path), and the transfer registry.
+    // (which reads the remembered agent path), and the transfer registry of an app on it.
     assert_eq!(pool.active().as_deref(), Some("s"));
     pool.select("s").unwrap();
     sshd.kill_sessions();
@@ -38,8 +38,9 @@ async fn a_panic_while_a_pool_lock_is_held_leaves_the_sandbox_usable() {
         }
     }
     assert_eq!(last.as_deref(), Some("after-panic\n"));
-    pool.transfers().await.expect("the transfer registry opens");
-    pool.shutdown().await;
+    let app = rsb::app::App::on(pool.clone());
+    app.transfers().await.expect("the transfer registry opens");
+    app.shutdown().await;
 }
 
 /// Issue 14 scale: `list_sandboxes(check_resources=true)` over 100 sandboxes, 97 on one sshd

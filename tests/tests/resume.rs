@@ -15,8 +15,8 @@ use std::{
 
 use common::*;
 use rsb::{
+    app::App,
     error::Result,
-    pool::Pool,
     sync::{CancellationToken, Direction, SyncReport, SyncSpec},
 };
 use rsb_tests::{ChaosProxy, Sshd};
@@ -24,7 +24,7 @@ use rsb_tests::{ChaosProxy, Sshd};
 const MIB: u64 = 1024 * 1024;
 const SIZE: u64 = 200 * MIB;
 
-async fn upload(pool: &Pool, src: &Path, cancel: &CancellationToken) -> Result<SyncReport> {
+async fn upload(pool: &App, src: &Path, cancel: &CancellationToken) -> Result<SyncReport> {
     let spec = SyncSpec {
         direction: Direction::Upload,
         local_path: src.to_path_buf(),
@@ -38,9 +38,9 @@ async fn upload(pool: &Pool, src: &Path, cancel: &CancellationToken) -> Result<S
 
 /// Start an upload of `src` through `proxy` (rate-limited) and cut the link once about half of
 /// the file has gone through; the sync must fail.
-async fn cut_at_half(pool: &Arc<Pool>, proxy: &ChaosProxy, src: &Path) {
+async fn cut_at_half(pool: &Arc<App>, proxy: &ChaosProxy, src: &Path) {
     proxy.set_rate_mbit(400);
-    pool.client("s").await.expect("connect");
+    pool.pool().client("s").await.expect("connect");
     let before = proxy.bytes_forwarded().0;
     let task = tokio::spawn({
         let pool = pool.clone();
@@ -126,7 +126,7 @@ async fn cut_upload_resumes_from_kept_bytes() {
     std::fs::create_dir_all(&src).unwrap();
     let file = src.join("big.bin");
     std::fs::write(&file, gen_bytes(21, SIZE as usize)).unwrap();
-    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
+    let pool = app_on(&sshd, proxy.port(), &dir.path().join("state"));
 
     cut_at_half(&pool, &proxy, &src).await;
     wait_released(&sshd);
@@ -161,7 +161,7 @@ async fn changed_source_never_reuses_stale_kept_bytes() {
     let file = src.join("big.bin");
     let mut data = gen_bytes(22, SIZE as usize);
     std::fs::write(&file, &data).unwrap();
-    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
+    let pool = app_on(&sshd, proxy.port(), &dir.path().join("state"));
 
     cut_at_half(&pool, &proxy, &src).await;
     wait_released(&sshd);
@@ -195,8 +195,8 @@ async fn cancel_says_what_was_kept() {
     std::fs::create_dir_all(&src).unwrap();
     let file = src.join("big.bin");
     std::fs::write(&file, gen_bytes(23, (64 * MIB) as usize)).unwrap();
-    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
-    pool.client("s").await.expect("connect");
+    let pool = app_on(&sshd, proxy.port(), &dir.path().join("state"));
+    pool.pool().client("s").await.expect("connect");
     let cancel = CancellationToken::new();
     let before = proxy.bytes_forwarded().0;
     let task = tokio::spawn({
@@ -248,7 +248,7 @@ struct MidUpload {
     file: std::path::PathBuf,
     sshd: Sshd,
     proxy: ChaosProxy,
-    pool: Arc<Pool>,
+    pool: Arc<App>,
     _dir: tempfile::TempDir,
 }
 
@@ -260,8 +260,8 @@ async fn upload_until(first: &[u8], mbit: u64, after: u64) -> MidUpload {
     std::fs::create_dir_all(&src).unwrap();
     let file = src.join("big.bin");
     std::fs::write(&file, first).unwrap();
-    let pool = pool_on(&sshd, proxy.port(), &dir.path().join("state"));
-    pool.client("s").await.expect("connect");
+    let pool = app_on(&sshd, proxy.port(), &dir.path().join("state"));
+    pool.pool().client("s").await.expect("connect");
     proxy.set_rate_mbit(mbit);
     let before = proxy.bytes_forwarded().0;
     let task = tokio::spawn({
@@ -409,7 +409,7 @@ async fn a_small_file_rewritten_during_its_read_is_never_committed_torn() {
     std::fs::create_dir_all(&src).unwrap();
     let file = src.join("hot.bin");
     std::fs::write(&file, vec![b'a'; LEN]).unwrap();
-    let pool = pool_on(&sshd, sshd.port(), &dir.path().join("state"));
+    let pool = app_on(&sshd, sshd.port(), &dir.path().join("state"));
     let r = upload(&pool, &src, &CancellationToken::new())
         .await
         .unwrap();

@@ -15,8 +15,8 @@ use std::{
 
 use common::*;
 use rsb::{
+    app::App,
     ops::sync::{self as ops, SyncArgs},
-    pool::Pool,
     sync::{CancellationToken, Direction, SyncSpec},
 };
 use rsb_tests::Sshd;
@@ -46,11 +46,11 @@ fn args(local: &Path, remote: &str, excludes: &[&str]) -> SyncArgs {
     }
 }
 
-async fn upload(pool: &Arc<Pool>, a: SyncArgs) -> rsb::error::Result<Value> {
+async fn upload(pool: &Arc<App>, a: SyncArgs) -> rsb::error::Result<Value> {
     ops::sync_local_to_remote(pool, a, None, &CancellationToken::new()).await
 }
 
-async fn download(pool: &Arc<Pool>, a: SyncArgs) -> rsb::error::Result<Value> {
+async fn download(pool: &Arc<App>, a: SyncArgs) -> rsb::error::Result<Value> {
     ops::sync_remote_to_local(pool, a, None, &CancellationToken::new()).await
 }
 
@@ -64,8 +64,8 @@ fn single_skipped(reply: &Value, moved_key: &str) -> bool {
     skipped == 1
 }
 
-fn pool(sshd: &Sshd, dir: &Path) -> Arc<Pool> {
-    key_pool(sshd, dir)
+fn pool(sshd: &Sshd, dir: &Path) -> Arc<App> {
+    key_app(sshd, dir)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,8 +11,8 @@ use std::{
 
 use common::*;
 use rsb::{
+    app::App,
     ops::sync as ops,
-    pool::Pool,
     store,
     sync::{CancellationToken, Direction, SyncSpec},
 };
@@ -29,7 +29,7 @@ fn up(local: &Path, remote: &str) -> SyncSpec {
     }
 }
 
-async fn sync(pool: &Pool, s: &SyncSpec) -> rsb::error::Result<rsb::sync::SyncReport> {
+async fn sync(pool: &App, s: &SyncSpec) -> rsb::error::Result<rsb::sync::SyncReport> {
     ops::run(pool, "s", s, None, &CancellationToken::new()).await
 }
 
@@ -96,7 +96,7 @@ async fn an_unusable_store_refuses_the_sync_and_keeps_the_remote_edit() {
         let rel = format!("store-{how:?}");
         let s = up(&src, &rel);
         {
-            let pool: Arc<Pool> = pool_on(&sshd, sshd.port(), &state);
+            let pool: Arc<App> = app_on(&sshd, sshd.port(), &state);
             sync(&pool, &s).await.unwrap();
             pool.shutdown().await;
         }
@@ -109,7 +109,7 @@ async fn an_unusable_store_refuses_the_sync_and_keeps_the_remote_edit() {
         }
         damage(&db, how);
 
-        let pool = pool_on(&sshd, sshd.port(), &state);
+        let pool = app_on(&sshd, sshd.port(), &state);
         let r = sync(&pool, &s).await;
         let e = match r {
             Ok(r) => panic!(

@@ -17,9 +17,9 @@ use std::{
 
 use common::*;
 use rsb::{
+    app::App,
     config::{Config, SandboxConfig},
     ops::sync::{self as ops, SyncArgs},
-    pool::Pool,
     sync::{CancellationToken, Direction, SyncReport, SyncSpec},
 };
 use rsb_tests::{ChaosProxy, Sshd};
@@ -137,7 +137,7 @@ fn spec(dir: Direction, local: &Path, remote: &str, delete: bool, lines: &[&str]
     }
 }
 
-async fn sync(pool: &Pool, s: &SyncSpec) -> rsb::error::Result<SyncReport> {
+async fn sync(pool: &App, s: &SyncSpec) -> rsb::error::Result<SyncReport> {
     let r = ops::run(pool, "s", s, None, &CancellationToken::new()).await;
     if let Ok(r) = &r {
         println!(
@@ -153,7 +153,7 @@ async fn sync(pool: &Pool, s: &SyncSpec) -> rsb::error::Result<SyncReport> {
 
 /// Run a sync through `proxy` and cut the link once `after` bytes were acknowledged; the sync
 /// must fail.
-async fn sync_and_cut(pool: &Arc<Pool>, s: &SyncSpec, proxy: &ChaosProxy, after: u64) -> String {
+async fn sync_and_cut(pool: &Arc<App>, s: &SyncSpec, proxy: &ChaosProxy, after: u64) -> String {
     let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let d2 = done.clone();
     let cb: rsb::sync::ProgressFn = Arc::new(move |p: &rsb::sync::Progress| {
@@ -184,10 +184,10 @@ async fn sync_and_cut(pool: &Arc<Pool>, s: &SyncSpec, proxy: &ChaosProxy, after:
     e.message
 }
 
-fn pool_with(sshd: &Sshd, port: u16, state: &Path, max_files: u64, max_bytes: u64) -> Arc<Pool> {
+fn pool_with(sshd: &Sshd, port: u16, state: &Path, max_files: u64, max_bytes: u64) -> Arc<App> {
     let t = target(sshd, port, key_auth(sshd), &state.join("known_hosts"));
     let sandboxes: Vec<SandboxConfig> = vec![sandbox("s", t)];
-    Arc::new(Pool::new(Arc::new(Config {
+    App::new(Arc::new(Config {
         sandboxes,
         expose_advanced_tools: false,
         inline_sync_max_files: max_files,
@@ -196,7 +196,7 @@ fn pool_with(sshd: &Sshd, port: u16, state: &Path, max_files: u64, max_bytes: u6
         state_dir: state.to_path_buf(),
         source: "test".into(),
         warnings: vec![],
-    })))
+    }))
 }
 
 fn remote(sshd: &Sshd, rel: &str) -> PathBuf {
@@ -697,8 +697,8 @@ async fn a_long_link_is_kept_full_both_ways() {
     let file = src.join("model.bin");
     write(&file, &gen_bytes(11, (64 * MIB) as usize));
     let pool = pool_with(&sshd, proxy.port(), &tmp.path().join("state"), 100, 1 << 40);
-    pool.client("s").await.unwrap();
-    pool.local_agent().await.unwrap();
+    pool.pool().client("s").await.unwrap();
+    pool.pool().local_agent().await.unwrap();
 
     let t = Instant::now();
     sync(&pool, &spec(Direction::Upload, &src, "far/rsb", false, &[]))
@@ -1302,7 +1302,7 @@ async fn a_root_owned_by_someone_else_gets_a_warning_not_a_failure() {
         &tmp.path().join("known_hosts"),
     );
     t.user = user;
-    let pool = pool_of(vec![sandbox("s", t)], &tmp.path().join("state"));
+    let pool = app_of(vec![sandbox("s", t)], &tmp.path().join("state"));
     let sp = spec(
         Direction::Upload,
         &src,

@@ -2176,6 +2176,22 @@ fn watch_commands_escape_a_hostile_name() {
 // The state dir's bound (issue 46, item 1)
 
 /// Every file under `dir`, in bytes (what `du --apparent-size` says).
+/// Files under `dir`, at any depth.
+fn files_under(dir: &Path) -> usize {
+    let mut n = 0;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => stack.push(e.path()),
+                Ok(_) => n += 1,
+                Err(_) => {}
+            }
+        }
+    }
+    n
+}
+
 fn dir_bytes(dir: &Path) -> u64 {
     let mut n = 0;
     let mut stack = vec![dir.to_path_buf()];
@@ -2215,6 +2231,7 @@ async fn a_busy_day_stays_under_the_state_dir_bound_and_prune_brings_it_back() {
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("state");
     let pool = pool_on(&sshd, sshd.port(), &state);
+    let app = rsb::app::App::on(pool.clone());
     let t0 = Instant::now();
     let daemon = Daemon::start_env(
         tmp.path(),
@@ -2262,7 +2279,7 @@ async fn a_busy_day_stays_under_the_state_dir_bound_and_prune_brings_it_back() {
             ..Default::default()
         };
         let r = rsb::ops::sync::sync_local_to_remote(
-            &pool,
+            &app,
             args,
             None,
             &rsb::sync::CancellationToken::new(),
@@ -2306,7 +2323,7 @@ async fn a_busy_day_stays_under_the_state_dir_bound_and_prune_brings_it_back() {
     }
     sample(&mut max_du);
     drop(daemon);
-    pool.shutdown().await;
+    app.shutdown().await;
 
     let rsb_json = |args: &[&str], clock: Option<&str>| -> Value {
         let mut cmd = Command::new(rsb_bin());
@@ -2342,6 +2359,27 @@ async fn a_busy_day_stays_under_the_state_dir_bound_and_prune_brings_it_back() {
         before["usage"]["total_bytes"]
     );
     assert!(max_du < bound_bytes, "{max_du} bytes: {before}");
+    // `rsb state` accounts for everything the day left in the state dir.
+    let listed: Vec<&str> = before["usage"]["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["path"].as_str().unwrap())
+        .collect();
+    for entry in std::fs::read_dir(&state).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let is_dir = entry.file_type().unwrap().is_dir();
+        let files = files_under(&entry.path());
+        if is_dir && files == 0 {
+            continue;
+        }
+        let shown = if is_dir { format!("{name}/") } else { name };
+        assert!(
+            listed.contains(&shown.as_str()),
+            "{shown} is in the state dir but not in `rsb state`: {listed:?}"
+        );
+    }
     assert_eq!(table(&before, "watches"), jobs as u64, "{before}");
     assert!(table(&before, "watch_events") >= jobs as u64, "{before}");
     assert_eq!(table(&before, "sync_baselines"), roots as u64, "{before}");

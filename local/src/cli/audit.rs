@@ -29,12 +29,8 @@ pub fn run(ctx: &Ctx, since: Option<&str>, grep: Option<&str>) -> u8 {
         },
     };
     let sandbox = (!ctx.sandbox.is_empty()).then_some(ctx.sandbox.as_str());
-    let lines = match rsb::audit::read(
-        &ctx.pool.config().state_dir,
-        sandbox,
-        since.as_deref(),
-        grep,
-    ) {
+    let lines = match rsb::audit::read(&ctx.app.config().state_dir, sandbox, since.as_deref(), grep)
+    {
         Ok(l) => l,
         Err(e) => {
             return fail(
@@ -73,7 +69,7 @@ pub fn run(ctx: &Ctx, since: Option<&str>, grep: Option<&str>) -> u8 {
 
 /// `rsb audit verify`: where the hash chain breaks, if it does.
 pub fn verify(ctx: &Ctx) -> u8 {
-    let v = match rsb::audit::verify(&ctx.pool.config().state_dir) {
+    let v = match rsb::audit::verify(&ctx.app.config().state_dir) {
         Ok(v) => v,
         Err(e) => {
             return fail(

@@ -55,7 +55,7 @@ const MAX_SKEW_S: f64 = 2.0;
 
 async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
     let mut out = Vec::new();
-    let config = ctx.pool.config();
+    let config = ctx.app.config();
     let own: Vec<&String> = config
         .warnings
         .iter()
@@ -67,17 +67,18 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
     for w in own {
         out.push(line(name, "config", "warn", w.clone()));
     }
-    let ssh = match ctx.pool.sandbox_config(name).map(|c| &c.transport) {
+    let ssh = match ctx.app.pool().sandbox_config(name).map(|c| &c.transport) {
         Some(Transport::Ssh(t)) => Some(t.clone()),
         _ => None,
     };
     if let Some(t) = &ssh {
         out.push(keys(name, &t.auth));
     }
-    let deadline = sandboxes::connect_deadline(&ctx.pool, name) + sandboxes::ROUND_TRIP_DEADLINE;
+    let deadline =
+        sandboxes::connect_deadline(ctx.app.pool(), name) + sandboxes::ROUND_TRIP_DEADLINE;
     // The stages of a connection, in order: a failure names its stage, the ones before passed.
     const STAGES: [&str; 4] = ["reachable", "host key", "auth", "agent"];
-    let client = match tokio::time::timeout(deadline, ctx.pool.client(name)).await {
+    let client = match tokio::time::timeout(deadline, ctx.app.pool().client(name)).await {
         Ok(Ok(c)) => c,
         Ok(Err(e)) => {
             let failed = match e.kind {
@@ -159,13 +160,15 @@ async fn check_sandbox(ctx: &Ctx, name: &str) -> Vec<Check> {
     out.push(confine_check(
         name,
         h.capabilities.landlock_abi,
-        ctx.pool
+        ctx.app
+            .pool()
             .sandbox_config(name)
             .and_then(|c| c.confine.as_ref()),
     ));
     out.push(clock(name, &client).await);
     let slurm = ctx
-        .pool
+        .app
+        .pool()
         .sandbox_config(name)
         .is_some_and(|c| c.slurm.is_some());
     out.extend(host_tools(name, &client, slurm).await);
@@ -301,10 +304,10 @@ fn host_key_changed(message: &str) -> Option<String> {
 /// The watchdog daemon (which serves detached forwards and watches long jobs) and the detached
 /// forwards: one line each. Read-only; a state directory that was never used is not created.
 async fn local_services(ctx: &Ctx) -> Vec<Check> {
-    let state_dir = &ctx.pool.config().state_dir;
+    let state_dir = &ctx.app.config().state_dir;
     let mut out = Vec::new();
     let forwards = rsb::ops::forward::Forwards::default()
-        .list(&ctx.pool.store())
+        .list(&ctx.app.store())
         .await
         .map(|l| l.forwards);
     let forwards = match forwards {
@@ -315,9 +318,7 @@ async fn local_services(ctx: &Ctx) -> Vec<Check> {
         }
     };
     let status = if rsb::store::db_path(state_dir).exists() {
-        rsb::ops::watchdog::status(&ctx.pool.store())
-            .await
-            .map(Some)
+        rsb::ops::watchdog::status(&ctx.app.store()).await.map(Some)
     } else {
         Ok(None)
     };
@@ -363,7 +364,7 @@ async fn local_services(ctx: &Ctx) -> Vec<Check> {
     }
     let service = rsb::ops::watchdog::service(state_dir);
     out.extend(service_check(&service));
-    let config = ctx.pool.config();
+    let config = ctx.app.config();
     let agent_users: Vec<&str> = config
         .sandboxes
         .iter()
@@ -513,7 +514,7 @@ fn agent_check(
 /// fails (or lands in another store) there. Names and paths only; one line per environment.
 fn server_environments(ctx: &Ctx) -> Vec<Check> {
     use rsb::server_env;
-    let config = ctx.pool.config();
+    let config = ctx.app.config();
     let me = server_env::current(server_env::env_pairs(), &config.state_dir, &config.source);
     let recorded = server_env::read_all(&config.state_dir);
     if recorded.is_empty() {
@@ -669,7 +670,7 @@ async fn clock(name: &str, client: &rsb::client::AgentClient) -> Check {
 
 pub async fn run(ctx: &Ctx) -> u8 {
     let mut checks = Vec::new();
-    let config = ctx.pool.config();
+    let config = ctx.app.config();
     checks.push(line(
         "",
         "config",
@@ -688,7 +689,7 @@ pub async fn run(ctx: &Ctx) -> u8 {
     checks.extend(local_services(ctx).await);
     checks.extend(server_environments(ctx));
     let names: Vec<String> = if ctx.sandbox.is_empty() {
-        ctx.pool.names().to_vec()
+        ctx.app.pool().names().to_vec()
     } else {
         match ctx.resolve() {
             Ok(n) => vec![n],

@@ -9,7 +9,7 @@ use rsb_protocol::{EditOutcome, Refusal, WriteCondition, WriteRequest};
 use super::{Ctx, exit, fail};
 
 pub async fn run(ctx: &Ctx, target: &str) -> u8 {
-    let (name, path) = match super::sync::split_remote(&ctx.pool, target) {
+    let (name, path) = match super::sync::split_remote(ctx.app.pool(), target) {
         Some((n, p)) if !p.is_empty() => (n, p),
         _ => {
             return fail(
@@ -30,7 +30,7 @@ pub async fn run(ctx: &Ctx, target: &str) -> u8 {
     };
     // The path only: what was written is file content, which the audit never holds.
     rsb::audit::record(
-        ctx.pool.config(),
+        ctx.app.config(),
         &sandbox,
         &rsb::audit::Action {
             origin: "cli".into(),
@@ -54,7 +54,7 @@ async fn edit_once(ctx: &Ctx, name: &str, path: &str) -> Result<u8, RsbError> {
     } else {
         name.to_string()
     };
-    let client = ctx.pool.client(&name).await?;
+    let client = ctx.app.pool().client(&name).await?;
     let remote = edit::home_relative(path);
     let req = fs::read_request(&remote, fs::MAX_READ_BYTES, 0, 0)?;
     let got = client.call(req).await?;

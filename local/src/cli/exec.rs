@@ -86,7 +86,7 @@ pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
         return fail(ctx.json, &e);
     }
     let started = rsb::audit::start(
-        ctx.pool.config(),
+        ctx.app.config(),
         client.sandbox(),
         rsb::audit::Action {
             origin: "cli".into(),
@@ -108,7 +108,7 @@ async fn run_on(
     a: &ExecArgs,
 ) -> u8 {
     if a.sudo {
-        let Some(sb) = ctx.pool.sandbox_config(client.sandbox()) else {
+        let Some(sb) = ctx.app.pool().sandbox_config(client.sandbox()) else {
             return fail(
                 ctx.json,
                 &rsb::error::RsbError::internal("the sandbox has no config"),
@@ -164,12 +164,12 @@ pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u
         Err(e) => return fail(false, &e),
     };
     let client = match sandbox {
-        Some(name) if !ctx.pool.names().contains(&name) => {
-            return fail(false, &super::unknown_sandbox(&ctx.pool, &name));
+        Some(name) if !ctx.app.pool().names().contains(&name) => {
+            return fail(false, &super::unknown_sandbox(ctx.app.pool(), &name));
         }
         Some(name) => {
             ctx.warnings_for(&[name.as_str()]);
-            ctx.pool.client(&name).await
+            ctx.app.pool().client(&name).await
         }
         None => ctx.client().await,
     };
@@ -200,7 +200,7 @@ pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u
         return fail(false, &e);
     }
     let started = rsb::audit::start(
-        ctx.pool.config(),
+        ctx.app.config(),
         client.sandbox(),
         rsb::audit::Action {
             origin: "cli".into(),

@@ -5,6 +5,7 @@
 use std::{io::Write, sync::Arc};
 
 use rsb::{
+    app::App,
     error::RsbError,
     forward::{Event, EventSink},
     ops::forward::{self, ForwardInfo},
@@ -39,8 +40,8 @@ pub struct ForwardArgs {
 
 /// Exit code: 0 on success (or after Ctrl-C), 2 for bad arguments, 1 when the forward cannot
 /// start or stop.
-pub async fn main(pool: Arc<Pool>, a: ForwardArgs, json: bool) -> u8 {
-    let store = pool.store();
+pub async fn main(app: Arc<App>, a: ForwardArgs, json: bool) -> u8 {
+    let store = app.store();
     if a.list {
         let reg = forward::Forwards::default();
         return match reg.list(&store).await {
@@ -79,22 +80,27 @@ pub async fn main(pool: Arc<Pool>, a: ForwardArgs, json: bool) -> u8 {
         };
     }
     let spec = a.target.unwrap_or_default();
-    let req =
-        match forward::cli_request(pool.names(), &spec, a.local_port, &a.bind, a.allow_external) {
-            Ok(r) => r,
-            Err(e) => {
-                print_error(json, &e);
-                return 2;
-            }
-        };
+    let req = match forward::cli_request(
+        app.pool().names(),
+        &spec,
+        a.local_port,
+        &a.bind,
+        a.allow_external,
+    ) {
+        Ok(r) => r,
+        Err(e) => {
+            print_error(json, &e);
+            return 2;
+        }
+    };
     if a.detach {
-        return detach(pool, &req, json).await;
+        return detach(app, &req, json).await;
     }
-    run(pool, &req, json).await
+    run(app.pool().clone(), &req, json).await
 }
 
-async fn detach(pool: Arc<Pool>, req: &forward::ForwardRequest, json: bool) -> u8 {
-    match forward::detach(&pool, req).await {
+async fn detach(app: Arc<App>, req: &forward::ForwardRequest, json: bool) -> u8 {
+    match forward::detach(&app, req).await {
         Ok(info) if json => {
             println!("{}", serde_json::to_string(&info).unwrap_or_default());
             0

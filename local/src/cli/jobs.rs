@@ -129,7 +129,7 @@ fn audit(
     err: Option<&rsb::error::RsbError>,
 ) {
     rsb::audit::record(
-        ctx.pool.config(),
+        ctx.app.config(),
         client.sandbox(),
         &rsb::audit::Action {
             origin: "cli".into(),
@@ -186,7 +186,7 @@ async fn kill_audited(
     grace: f64,
 ) -> rsb::error::Result<serde_json::Value> {
     let t0 = std::time::Instant::now();
-    let on_slurm = ctx.pool.slurm(client.sandbox()).is_some();
+    let on_slurm = ctx.app.pool().slurm(client.sandbox()).is_some();
     let r = rsb::ops::slurm::jobs::kill_any(client, on_slurm, name, grace).await;
     let err = r.as_ref().err();
     audit(
@@ -207,7 +207,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
         Err(e) => return fail(ctx.json, &e),
     };
     let json = ctx.json;
-    let on_slurm = ctx.pool.slurm(client.sandbox()).is_some();
+    let on_slurm = ctx.app.pool().slurm(client.sandbox()).is_some();
     match cmd {
         JobsCmd::Start {
             name,
@@ -231,7 +231,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             {
                 return fail(json, &e);
             }
-            if let Some(defaults) = ctx.pool.slurm(client.sandbox()) {
+            if let Some(defaults) = ctx.app.pool().slurm(client.sandbox()) {
                 let t0 = std::time::Instant::now();
                 let names = (name.as_deref(), log.as_deref(), cwd.as_deref());
                 let r = start_slurm(ctx, &client, &defaults, slurm.as_deref(), &line, names).await;
@@ -316,7 +316,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
                 Err(e) => fail(json, &e),
             }
         }
-        JobsCmd::List if ctx.pool.slurm(client.sandbox()).is_some() => {
+        JobsCmd::List if ctx.app.pool().slurm(client.sandbox()).is_some() => {
             match rsb::ops::slurm::jobs::list(&client).await {
                 Ok(l) if json => {
                     print_json(&l);
@@ -438,11 +438,12 @@ async fn start_slurm(
         None => Default::default(),
     };
     let agent = ctx
-        .pool
+        .app
+        .pool()
         .agent_path(client.sandbox())
         .ok_or_else(|| RsbError::internal("the agent's path on the login node is not known"))?;
     rsb::ops::slurm::jobs::start(
-        &ctx.pool,
+        ctx.app.pool(),
         client,
         &agent,
         defaults,

@@ -25,6 +25,7 @@ use std::sync::Arc;
 use rsb::term::{shown, shown_lines};
 
 use rsb::{
+    app::App,
     config::Config,
     error::{Kind, RsbError},
     pool::Pool,
@@ -259,7 +260,8 @@ pub fn sandbox_path(config: &Config, arg: &str) -> Option<(String, String)> {
 
 /// What every sandbox-using command shares: the pool, `--json`, and the `-s` choice.
 pub struct Ctx {
-    pub pool: Arc<Pool>,
+    /// The pool and the store this command works with.
+    pub app: Arc<App>,
     pub json: bool,
     /// `-s`/`RSB_SANDBOX`; `""` = the first configured sandbox.
     pub sandbox: String,
@@ -268,7 +270,7 @@ pub struct Ctx {
 impl Ctx {
     pub fn new(config: Config, json: bool, sandbox: Option<String>) -> Ctx {
         Ctx {
-            pool: Arc::new(Pool::new(Arc::new(config))),
+            app: App::new(Arc::new(config)),
             json,
             sandbox: sandbox.unwrap_or_default(),
         }
@@ -278,11 +280,11 @@ impl Ctx {
     /// printing the configuration warnings that concern it.
     pub fn resolve(&self) -> Result<String, RsbError> {
         let name = if self.sandbox.is_empty() {
-            self.pool.resolve("")?
-        } else if self.pool.names().contains(&self.sandbox) {
+            self.app.pool().resolve("")?
+        } else if self.app.pool().names().contains(&self.sandbox) {
             self.sandbox.clone()
         } else {
-            return Err(unknown_sandbox(&self.pool, &self.sandbox));
+            return Err(unknown_sandbox(self.app.pool(), &self.sandbox));
         };
         self.warnings_for(&[name.as_str()]);
         Ok(name)
@@ -291,7 +293,7 @@ impl Ctx {
     /// Print the configuration warnings about these sandboxes, and those about no sandbox in
     /// particular, as `rsb: warning: …` lines.
     pub fn warnings_for(&self, used: &[&str]) {
-        let config = self.pool.config();
+        let config = self.app.pool().config();
         for w in &config.warnings {
             match warning_subject(config, w) {
                 Some(n) if !used.contains(&n) => {}
@@ -302,7 +304,7 @@ impl Ctx {
 
     pub async fn client(&self) -> Result<rsb::client::AgentClient, RsbError> {
         let name = self.resolve()?;
-        self.pool.client(&name).await
+        self.app.pool().client(&name).await
     }
 }
 

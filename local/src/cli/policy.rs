@@ -29,7 +29,7 @@ pub async fn gate(
         cwd,
         stdin_forwarded,
     };
-    policy::gate(ctx.pool.config(), &req, |question| terminal(question, yes)).await
+    policy::gate(ctx.app.config(), &req, |question| terminal(question, yes)).await
 }
 
 /// One of rsb's own destructive actions through the policy's `ask_actions`; `Ok`: do it.
@@ -48,7 +48,7 @@ pub async fn approve_action(
         action,
         what,
     };
-    policy::gate_action(ctx.pool.config(), &req, |question| terminal(question, yes)).await
+    policy::gate_action(ctx.app.config(), &req, |question| terminal(question, yes)).await
 }
 
 /// The answer from the terminal, or `--yes`.

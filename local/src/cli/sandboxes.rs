@@ -6,7 +6,7 @@ use rsb::ops::sandboxes::{self, ResourcesOrError};
 use super::{Ctx, exit, print_json, print_table};
 
 pub async fn run(ctx: &Ctx, resources: bool) -> u8 {
-    let names: Vec<&str> = ctx.pool.names().iter().map(String::as_str).collect();
+    let names: Vec<&str> = ctx.app.pool().names().iter().map(String::as_str).collect();
     ctx.warnings_for(&names);
     // A CLI process has no pool history to report: it always probes.
     let depth = if resources {
@@ -14,7 +14,7 @@ pub async fn run(ctx: &Ctx, resources: bool) -> u8 {
     } else {
         sandboxes::Listing::Probe
     };
-    let list = sandboxes::list(&ctx.pool, depth).await;
+    let list = sandboxes::list(ctx.app.pool(), depth).await;
     let down: Vec<&str> = list
         .sandboxes
         .iter()

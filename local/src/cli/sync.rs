@@ -4,6 +4,7 @@
 
 use clap::Args;
 use rsb::{
+    app::App,
     error::RsbError,
     pool::Pool,
     sync::{Direction, SyncSpec},
@@ -112,7 +113,7 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
         .filter_map(|x| x.split_once(':').map(|(n, _)| n))
         .collect();
     ctx.warnings_for(&used);
-    let pool = &ctx.pool;
+    let pool = ctx.app.pool();
     let json = ctx.json;
     let (direction, sandbox, remote, local) = match (
         split_remote(pool, &a.src),
@@ -140,7 +141,7 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
         sandbox
     };
     let prep = (|| {
-        let sandbox = if ctx.pool.names().iter().any(|n| n == sandbox) || sandbox.is_empty() {
+        let sandbox = if pool.names().iter().any(|n| n == sandbox) || sandbox.is_empty() {
             pool.resolve(sandbox)?
         } else {
             return Err(super::unknown_sandbox(pool, sandbox));
@@ -190,7 +191,7 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
             compress: a.compress_mode(),
             ..Default::default()
         };
-        return rsb::sync::watch::run_cli(pool, &sandbox, &spec, json, opts).await;
+        return rsb::sync::watch::run_cli(&ctx.app, &sandbox, &spec, json, opts).await;
     }
     let started = rsb::audit::start(
         pool.config(),
@@ -208,7 +209,7 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
             ..Default::default()
         },
     );
-    let code = once(pool, json, &sandbox, &spec, &a).await;
+    let code = once(&ctx.app, json, &sandbox, &spec, &a).await;
     started.end(|l| l.exit_code = Some(code.into()));
     code
 }
@@ -268,7 +269,7 @@ async fn as_rsync(
     let src_is_dir = match spec.direction {
         Direction::Upload => spec.local_path.is_dir(),
         Direction::Download => {
-            let client = ctx.pool.client(sandbox).await?;
+            let client = ctx.app.pool().client(sandbox).await?;
             let req = rsb_protocol::StatRequest {
                 path: rsb_rules::path::anchor_home(&spec.remote_path),
                 follow: true,
@@ -301,7 +302,7 @@ async fn as_rsync(
     }
     let empty = match spec.direction {
         Direction::Upload => {
-            let client = ctx.pool.client(sandbox).await?;
+            let client = ctx.app.pool().client(sandbox).await?;
             let req = rsb_protocol::ListDirRequest {
                 path: "~".into(),
                 recursive: false,
@@ -348,7 +349,7 @@ async fn as_rsync(
 /// would destroy; with `--watch`, a `--delete` is asked about up front, since every later
 /// burst deletes what goes from the local tree.
 async fn approve(ctx: &Ctx, sandbox: &str, spec: &SyncSpec, a: &SyncArgs) -> Result<(), RsbError> {
-    let cfg = ctx.pool.config();
+    let cfg = ctx.app.config();
     if a.watch
         && spec.delete_extras
         && rsb::policy::asks(cfg, sandbox, rsb::policy::Action::DeleteExtras)
@@ -375,7 +376,7 @@ async fn approve(ctx: &Ctx, sandbox: &str, spec: &SyncSpec, a: &SyncArgs) -> Res
     };
     let cancel = rsb::sync::CancellationToken::new();
     rsb::ops::sync::approve_spec(
-        &ctx.pool,
+        &ctx.app,
         sandbox,
         spec,
         &a.safety.options(),
@@ -397,7 +398,7 @@ fn conflict_code(rep: &rsb::sync::SyncReport) -> u8 {
     }
 }
 
-async fn once(pool: &Pool, json: bool, sandbox: &str, spec: &SyncSpec, a: &SyncArgs) -> u8 {
+async fn once(app: &App, json: bool, sandbox: &str, spec: &SyncSpec, a: &SyncArgs) -> u8 {
     use std::io::IsTerminal;
     let (bar, progress) = if !json && !a.dry_run && std::io::stderr().is_terminal() {
         let (b, f) = rsb::sync::cli::progress_bar();
@@ -415,7 +416,7 @@ async fn once(pool: &Pool, json: bool, sandbox: &str, spec: &SyncSpec, a: &SyncA
     let mut opts = a.safety.options();
     opts.list_actions = a.verbose && !json;
     opts.compress = a.compress_mode();
-    let r = rsb::ops::sync::run_with(pool, sandbox, spec, &opts, progress, &cancel).await;
+    let r = rsb::ops::sync::run_with(app, sandbox, spec, &opts, progress, &cancel).await;
     ctrl_c.abort();
     if let Some(b) = bar {
         b.finish_and_clear();

@@ -71,7 +71,7 @@ pub use sources::{
     BUILTIN_LOCAL, check_unconfigured_env, check_unknown_vars, config_file_path, env_truthy,
 };
 pub use ssh_config::ssh_config_file;
-pub use state_dir::{default_state_dir, ensure_private_dir, state_dir};
+pub use state_dir::{KNOWN_HOSTS, default_state_dir, ensure_private_dir, state_dir};
 
 use entry::{Entry, build_sandbox};
 use env::{real_env, real_home};

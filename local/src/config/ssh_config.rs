@@ -51,7 +51,7 @@ impl BuildCtx<'_> {
     pub(super) fn known_hosts(&self) -> Vec<PathBuf> {
         vec![
             self.ssh_home.join(".ssh").join("known_hosts"),
-            self.state_dir.join("known_hosts"),
+            self.state_dir.join(super::KNOWN_HOSTS),
         ]
     }
 
@@ -140,7 +140,7 @@ pub(super) fn host_key_settings(
                 .filter(|f| !f.eq_ignore_ascii_case("none"))
                 .map(|f| expand_tilde(f, ctx.ssh_home))
                 .collect();
-            files.push(ctx.state_dir.join("known_hosts"));
+            files.push(ctx.state_dir.join(super::KNOWN_HOSTS));
             files
         });
     (policy, files)

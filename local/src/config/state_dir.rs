@@ -7,6 +7,10 @@ use rsb_rules::path::expand_tilde;
 
 use super::env::{project_dirs, real_env, real_home};
 
+/// rsb's own known_hosts in the state dir (after `~/.ssh/known_hosts`): the host keys it
+/// learned under `accept-new`. Named here, below the store, because the SSH side reads it.
+pub const KNOWN_HOSTS: &str = "known_hosts";
+
 /// `RSB_STATE_DIR`, else the seed's `REMOTE_SANDBOX_MCP_HOME` (so a user moving from the Python
 /// server keeps one place for state; rsb's files there do not collide with the seed's), else the
 /// platform data dir for "rsb", else `~/.local/share/rsb`. Pure.

@@ -87,7 +87,7 @@ impl RsbServer {
             Err(_) => "(unparsable patch)".into(),
         };
         let r = async {
-            let client = self.pool.client(&p.sandbox_name).await?;
+            let client = self.app.pool().client(&p.sandbox_name).await?;
             let mut req = parsed?;
             req.confine = client.confine().cloned();
             client
@@ -97,9 +97,9 @@ impl RsbServer {
                 .and_then(edit::patch_outcome)
         }
         .await;
-        let sandbox = self.pool.resolve(&p.sandbox_name).unwrap_or_default();
+        let sandbox = self.app.pool().resolve(&p.sandbox_name).unwrap_or_default();
         let tool = ("apply_patch", sandbox.as_str(), Some(what));
-        audited(self.pool.config(), &ctx, tool, t0, r)
+        audited(self.app.config(), &ctx, tool, t0, r)
     }
 }
 
@@ -124,7 +124,7 @@ impl RsbServer {
                 p.replace_all.unwrap_or(false),
                 p.expected_hash.as_deref().unwrap_or(""),
             )?;
-            let client = self.pool.client(name).await?;
+            let client = self.app.pool().client(name).await?;
             let req = rsb_protocol::EditRequest {
                 confine: client.confine().cloned(),
                 ..req
@@ -136,13 +136,13 @@ impl RsbServer {
                 .and_then(|o| edit::outcome(&p.remote_path, expected.as_deref(), o))
         }
         .await;
-        let sandbox = self.pool.resolve(name).unwrap_or_default();
+        let sandbox = self.app.pool().resolve(name).unwrap_or_default();
         let tool = (
             "edit_remote_file",
             sandbox.as_str(),
             Some(p.remote_path.clone()),
         );
-        audited(self.pool.config(), &ctx, tool, t0, r)
+        audited(self.app.config(), &ctx, tool, t0, r)
     }
 
     #[tool(
@@ -171,7 +171,7 @@ impl RsbServer {
             )?;
             bytes = Some(req.data.len() as u64);
             let make_dirs = req.make_dirs;
-            let client = self.pool.client(&p.sandbox_name).await?;
+            let client = self.app.pool().client(&p.sandbox_name).await?;
             let req = rsb_protocol::WriteRequest {
                 confine: client.confine().cloned(),
                 ..req
@@ -187,9 +187,9 @@ impl RsbServer {
                 .and_then(|o| edit::outcome(&p.remote_path, expected.as_deref(), o))
         }
         .await;
-        let sandbox = self.pool.resolve(&p.sandbox_name).unwrap_or_default();
+        let sandbox = self.app.pool().resolve(&p.sandbox_name).unwrap_or_default();
         super::audited_bytes(
-            self.pool.config(),
+            self.app.config(),
             &ctx,
             (
                 "write_remote_file",

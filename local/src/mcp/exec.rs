@@ -71,7 +71,7 @@ impl RsbServer {
             };
             // One sandbox for the whole call: the one the policy asks about is the one that
             // runs it, whatever select_sandbox does while the user decides.
-            let sandbox = match self.pool.resolve(&p.sandbox_name) {
+            let sandbox = match self.app.pool().resolve(&p.sandbox_name) {
                 Ok(s) => s,
                 Err(e) => return fail(&e),
             };
@@ -92,14 +92,14 @@ impl RsbServer {
             {
                 return fail(&e);
             }
-            let client = match self.pool.client(&sandbox).await {
+            let client = match self.app.pool().client(&sandbox).await {
                 Ok(c) => c,
                 Err(e) => return fail(&e),
             };
             req.confine = client.confine().cloned();
             let confine = req.confine.clone();
             let started = crate::audit::start(
-                self.pool.config(),
+                self.app.config(),
                 client.sandbox(),
                 crate::audit::Action {
                     origin: super::origin(&ctx),
@@ -110,7 +110,7 @@ impl RsbServer {
                 },
             );
             let r = if p.sudo {
-                match self.pool.sandbox_config(client.sandbox()) {
+                match self.app.pool().sandbox_config(client.sandbox()) {
                     Some(sb) => exec::run_sudo(&client, sb, req).await,
                     None => Err(crate::error::RsbError::internal(
                         "the sandbox has no config",

@@ -116,17 +116,17 @@ impl RsbServer {
         let r = async {
             let req = p.request()?;
             if p.detach {
-                return forward::detach(&self.pool, &req)
+                return forward::detach(&self.app, &req)
                     .await
                     .and_then(|info| to_value(&info));
             }
-            let f = forward::start(&self.pool, &req, None).await?;
+            let f = forward::start(self.app.pool(), &req, None).await?;
             to_value(&self.forwards.add(f))
         }
         .await;
-        let sandbox = self.pool.resolve(&p.sandbox_name).unwrap_or_default();
+        let sandbox = self.app.pool().resolve(&p.sandbox_name).unwrap_or_default();
         audited(
-            self.pool.config(),
+            self.app.config(),
             &ctx,
             ("forward_port", sandbox.as_str(), Some(what)),
             t0,
@@ -138,7 +138,7 @@ impl RsbServer {
         description = "List port forwards (this server's and detached ones) with connection and byte counts."
     )]
     async fn list_forwards(&self, Parameters(_): Parameters<ListForwardsParams>) -> ToolResult {
-        let listed = self.forwards.list(&self.pool.store()).await;
+        let listed = self.forwards.list(&self.app.store()).await;
         match listed {
             Ok(l) => json(&l),
             Err(e) => fail(&e),
@@ -154,10 +154,10 @@ impl RsbServer {
         let t0 = std::time::Instant::now();
         let r = self
             .forwards
-            .stop(&self.pool.store(), p.forward_id)
+            .stop(&self.app.store(), p.forward_id)
             .await
             .and_then(|info| to_value(&info));
         let what = Some(format!("forward {}", p.forward_id));
-        audited(self.pool.config(), &ctx, ("stop_forward", "", what), t0, r)
+        audited(self.app.config(), &ctx, ("stop_forward", "", what), t0, r)
     }
 }

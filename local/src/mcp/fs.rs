@@ -71,7 +71,7 @@ impl RsbServer {
             Ok(r) => r,
             Err(e) => return fail(&e),
         };
-        let client = match self.pool.client(&p.sandbox_name).await {
+        let client = match self.app.pool().client(&p.sandbox_name).await {
             Ok(c) => c,
             Err(e) => return fail(&e),
         };
@@ -100,7 +100,7 @@ impl RsbServer {
             Ok(r) => r,
             Err(e) => return fail(&e),
         };
-        let client = match self.pool.client(&p.sandbox_name).await {
+        let client = match self.app.pool().client(&p.sandbox_name).await {
             Ok(c) => c,
             Err(e) => return fail(&e),
         };

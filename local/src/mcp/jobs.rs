@@ -270,7 +270,7 @@ impl RsbServer {
         Parameters(mut p): Parameters<ExecBackgroundParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let sandbox = self.pool.pin(&mut p.sandbox_name);
+        let sandbox = self.app.pool().pin(&mut p.sandbox_name);
         let mut action = crate::audit::Action {
             origin: super::origin(&ctx),
             tool: "exec_bash_background".into(),
@@ -285,7 +285,7 @@ impl RsbServer {
         if let Err(e) = &r {
             action.error = Some(e.message.clone());
         }
-        crate::audit::record(self.pool.config(), &sandbox, &action);
+        crate::audit::record(self.app.config(), &sandbox, &action);
         reply(r)
     }
 
@@ -305,7 +305,7 @@ impl RsbServer {
         let (mut session, mut sandbox) = (p.tmux_session.clone(), p.sandbox_name.clone());
         if p.watch_id > 0 {
             // The watch names the job and its sandbox; explicit arguments override (seed).
-            let got = wops::get(&self.pool.store(), p.watch_id).await;
+            let got = wops::get(&self.app.store(), p.watch_id).await;
             match got {
                 Ok(w) => {
                     if session.is_empty() {
@@ -328,12 +328,12 @@ impl RsbServer {
             Ok(r) => r,
             Err(e) => return fail(&e),
         };
-        let client = match self.pool.client(&sandbox).await {
+        let client = match self.app.pool().client(&sandbox).await {
             Ok(c) => c,
             Err(e) => return fail(&e),
         };
         let cursor = p.offset.is_some();
-        if self.pool.slurm(client.sandbox()).is_some() {
+        if self.app.pool().slurm(client.sandbox()).is_some() {
             match slurm::jobs::slurm_id(&client, &req.name).await {
                 Ok(Some(id)) => {
                     let mut r = slurm_wait(&client, &id, &req, cursor, wait).await;
@@ -394,7 +394,7 @@ impl RsbServer {
         Parameters(p): Parameters<KillBackgroundParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let client = match self.pool.client(&p.sandbox_name).await {
+        let client = match self.app.pool().client(&p.sandbox_name).await {
             Ok(c) => c,
             Err(e) => return fail(&e),
         };
@@ -419,7 +419,7 @@ impl RsbServer {
         let cancelled = self
             .cancel_watches_of(client.sandbox(), &p.tmux_session)
             .await;
-        let on_slurm = self.pool.slurm(client.sandbox()).is_some();
+        let on_slurm = self.app.pool().slurm(client.sandbox()).is_some();
         let mut r = slurm::jobs::kill_any(&client, on_slurm, &p.tmux_session, p.grace_s).await;
         if let Ok(v) = &mut r
             && !cancelled.is_empty()
@@ -427,7 +427,7 @@ impl RsbServer {
             v["cancelled_watches"] = serde_json::json!(cancelled);
         }
         crate::audit::record(
-            self.pool.config(),
+            self.app.config(),
             client.sandbox(),
             &crate::audit::Action {
                 origin: super::origin(&ctx),
@@ -448,11 +448,11 @@ impl RsbServer {
         &self,
         Parameters(p): Parameters<ListBackgroundParams>,
     ) -> ToolResult {
-        let client = match self.pool.client(&p.sandbox_name).await {
+        let client = match self.app.pool().client(&p.sandbox_name).await {
             Ok(c) => c,
             Err(e) => return fail(&e),
         };
-        if self.pool.slurm(client.sandbox()).is_some() {
+        if self.app.pool().slurm(client.sandbox()).is_some() {
             return reply(slurm::jobs::list(&client).await);
         }
         reply(jobs::list(&client).await)
@@ -470,7 +470,7 @@ impl RsbServer {
         p: &ExecBackgroundParams,
         tool: &str,
     ) -> Result<(), RsbError> {
-        let Ok(sandbox) = self.pool.resolve(&p.sandbox_name) else {
+        let Ok(sandbox) = self.app.pool().resolve(&p.sandbox_name) else {
             // start_background reports the unknown sandbox.
             return Ok(());
         };
@@ -500,9 +500,9 @@ impl RsbServer {
     ) -> Result<serde_json::Value, RsbError> {
         let hooks = !p.watch || settings::hooks_allowed();
         let prepared = wops::prepare(&p.watch_args(), hooks, true)?;
-        let sandbox = self.pool.resolve(&p.sandbox_name)?;
-        let client = self.pool.client(&sandbox).await?;
-        if let Some(defaults) = self.pool.slurm(&sandbox) {
+        let sandbox = self.app.pool().resolve(&p.sandbox_name)?;
+        let client = self.app.pool().client(&sandbox).await?;
+        if let Some(defaults) = self.app.pool().slurm(&sandbox) {
             let (v, cwd, options) = self.start_slurm(&client, &defaults, &p).await?;
             let mut nw = prepared;
             // The resume resubmits with the same options (the plan's own, when it has them).
@@ -583,8 +583,8 @@ impl RsbServer {
         let mut nw = prepared;
         wops::fill_from_job(&mut nw, name, log, cwd);
         nw.sandbox_name = sandbox;
-        let configured = &self.pool.config().sandboxes;
-        let r = wops::register(&self.pool.store(), configured, nw, p.ensure_watchdog).await;
+        let configured = &self.app.config().sandboxes;
+        let r = wops::register(&self.app.store(), configured, nw, p.ensure_watchdog).await;
         match r {
             Ok(reg) => {
                 self.followed.watch(reg.watch_id);
@@ -611,12 +611,13 @@ impl RsbServer {
         p: &ExecBackgroundParams,
     ) -> Result<(serde_json::Value, String, slurm::SlurmOptions), RsbError> {
         let agent = self
-            .pool
+            .app
+            .pool()
             .agent_path(client.sandbox())
             .ok_or_else(|| RsbError::internal("the agent's path on the login node is not known"))?;
         let job = p.slurm.clone().unwrap_or_default();
         let v = slurm::jobs::start(
-            &self.pool,
+            self.app.pool(),
             client,
             &agent,
             defaults,
@@ -638,7 +639,7 @@ impl RsbServer {
 
     /// Cancel the active watches of a job, if the store exists; never fails the caller.
     pub(super) async fn cancel_watches_of(&self, sandbox: &str, session: &str) -> Vec<i64> {
-        match wops::cancel_for_job(&self.pool.store(), sandbox, session).await {
+        match wops::cancel_for_job(&self.app.store(), sandbox, session).await {
             Ok(ids) => ids,
             Err(e) => {
                 tracing::warn!("cannot cancel the watches of {session}: {}", e.message);

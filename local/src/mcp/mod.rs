@@ -36,6 +36,7 @@ use rmcp::{
 use serde_json::{Value, json};
 
 use crate::{
+    app::App,
     config::{Config, ConfigError},
     error::RsbError,
     pool::Pool,
@@ -43,7 +44,8 @@ use crate::{
 
 #[derive(Clone)]
 pub struct RsbServer {
-    pub(crate) pool: Arc<Pool>,
+    /// The pool and the store this server works with (one per `rsb mcp` process).
+    pub(crate) app: Arc<App>,
     /// Port forwards started by `forward_port`; stopped when the server ends.
     pub(crate) forwards: Arc<crate::ops::forward::Forwards>,
     tool_router: ToolRouter<RsbServer>,
@@ -89,7 +91,7 @@ impl RsbServer {
         let full_schemas = Arc::new(compact_schemas(&mut tool_router));
         Self::list_sync_compact(&mut tool_router);
         RsbServer {
-            pool,
+            app: App::on(pool),
             forwards: Default::default(),
             tool_router,
             full_schemas,
@@ -489,7 +491,7 @@ impl ServerHandler for RsbServer {
         if !self
             .first_reply_sent
             .swap(true, std::sync::atomic::Ordering::Relaxed)
-            && let Some(notice) = local_notice(&self.pool)
+            && let Some(notice) = local_notice(self.app.pool())
             && let rmcp::model::CallToolResponse::Complete(r) = &mut reply
         {
             add_notice(r, &notice);
@@ -511,7 +513,7 @@ impl ServerHandler for RsbServer {
                 "remote-sandbox",
                 env!("CARGO_PKG_VERSION"),
             ))
-            .with_instructions(instructions(&self.pool))
+            .with_instructions(instructions(self.app.pool()))
     }
 }
 
@@ -582,7 +584,7 @@ pub async fn serve_config_error(err: ConfigError) -> anyhow::Result<()> {
 }
 
 async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
-    let pool = server.pool.clone();
+    let app = server.app.clone();
     let forwards = server.forwards.clone();
     let followed = server.followed.clone();
     let (transport, writer) = stdio::transport(
@@ -602,7 +604,7 @@ async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
             let pusher = listens.then(|| {
                 tokio::spawn(channel::run(
                     running.peer().clone(),
-                    pool.clone(),
+                    app.pool().clone(),
                     followed,
                     ct.clone(),
                 ))
@@ -617,7 +619,7 @@ async fn serve_server(server: RsbServer) -> anyhow::Result<()> {
         Err(e) => tracing::info!("MCP session ended before initialization: {e}"),
     }
     forwards.stop_all().await;
-    pool.shutdown().await;
+    app.shutdown().await;
     // The transport is gone with the service; what it queued (a last error reply) is flushed
     // before the process exits. Bounded, since a client that stopped reading blocks the write.
     let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;

@@ -36,7 +36,7 @@ pub(super) async fn gate(
         cwd,
         stdin_forwarded: false,
     };
-    policy::gate(server.pool.config(), &req, |question| ask(ctx, question)).await
+    policy::gate(server.app.config(), &req, |question| ask(ctx, question)).await
 }
 
 /// A sync call's `delete_extras` / `overwrite` through the policy's `ask_actions`
@@ -53,7 +53,7 @@ pub(super) async fn approve_sync(
         tool,
     };
     crate::ops::sync::approve(
-        &server.pool,
+        &server.app,
         args,
         direction,
         &who,
@@ -79,7 +79,7 @@ pub(super) async fn approve_action(
         action,
         what,
     };
-    policy::gate_action(server.pool.config(), &req, |question| ask(ctx, question)).await
+    policy::gate_action(server.app.config(), &req, |question| ask(ctx, question)).await
 }
 
 /// The commands among `fields` (parameter name, value; empty ones dropped) and those a

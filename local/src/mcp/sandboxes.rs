@@ -40,7 +40,7 @@ impl RsbServer {
             // The seed's contract: connection_alive is each sandbox's health, probed now.
             sandboxes::Listing::Probe
         };
-        ok(sandboxes::list(&self.pool, depth).await)
+        ok(sandboxes::list(self.app.pool(), depth).await)
     }
 
     #[tool(
@@ -52,12 +52,12 @@ impl RsbServer {
         description = "Set the active sandbox."
     )]
     async fn select_sandbox(&self, Parameters(p): Parameters<SelectSandboxParams>) -> ToolResult {
-        match sandboxes::select(&self.pool, &p.sandbox_name).await {
+        match sandboxes::select(self.app.pool(), &p.sandbox_name).await {
             Ok(v) => ok(v),
             Err(e) if e.kind == crate::error::Kind::UnknownSandbox => {
                 let v = serde_json::json!({
                     "error": format!("Unknown sandbox: '{}'", p.sandbox_name),
-                    "available": self.pool.names(),
+                    "available": self.app.pool().names(),
                     "hint": e.hint,
                 });
                 Ok(rmcp::model::CallToolResult::error(vec![
@@ -73,6 +73,6 @@ impl RsbServer {
         description = "Active sandbox and its health."
     )]
     async fn get_active_sandbox(&self, Parameters(_p): Parameters<NoParams>) -> ToolResult {
-        ok(sandboxes::get_active(&self.pool).await)
+        ok(sandboxes::get_active(self.app.pool()).await)
     }
 }

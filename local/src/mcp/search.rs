@@ -79,7 +79,7 @@ impl RsbServer {
             Err(e) => return fail(&e),
         };
         let work = async {
-            let client = match self.pool.client(&p.sandbox_name).await {
+            let client = match self.app.pool().client(&p.sandbox_name).await {
                 Ok(c) => c,
                 Err(e) => return fail(&e),
             };

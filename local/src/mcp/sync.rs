@@ -256,7 +256,7 @@ impl RsbServer {
             Ok(a) => a,
             Err(e) => return fail(&e),
         };
-        let sandbox = self.pool.pin(&mut args.sandbox);
+        let sandbox = self.app.pool().pin(&mut args.sandbox);
         let what = format!(
             "{} -> {sandbox}:{}{}",
             args.local_path,
@@ -279,14 +279,14 @@ impl RsbServer {
             return fail(&e);
         }
         let started = super::starting(
-            self.pool.config(),
+            self.app.config(),
             &ctx,
             ("sync_local_to_remote", sandbox.as_str(), Some(what)),
         );
-        let pool = self.pool.clone();
+        let app = self.app.clone();
         let cancel = ctx.ct.clone();
         let r = with_sync_progress(&ctx, |cb| async move {
-            ops::sync_local_to_remote(&pool, args, cb, &cancel).await
+            ops::sync_local_to_remote(&app, args, cb, &cancel).await
         })
         .await;
         if let Ok(v) = &r
@@ -323,7 +323,7 @@ impl RsbServer {
             confirm_delete: false,
             gitignore: p.gitignore,
         };
-        let sandbox = self.pool.pin(&mut args.sandbox);
+        let sandbox = self.app.pool().pin(&mut args.sandbox);
         let what = format!("{sandbox}:{} -> {}", args.remote_path, args.local_path);
         if let Err(e) = super::policy::approve_sync(
             self,
@@ -337,14 +337,14 @@ impl RsbServer {
             return fail(&e);
         }
         let started = super::starting(
-            self.pool.config(),
+            self.app.config(),
             &ctx,
             ("sync_remote_to_local", sandbox.as_str(), Some(what)),
         );
-        let pool = self.pool.clone();
+        let app = self.app.clone();
         let cancel = ctx.ct.clone();
         let r = with_sync_progress(&ctx, |cb| async move {
-            ops::sync_remote_to_local(&pool, args, cb, &cancel).await
+            ops::sync_remote_to_local(&app, args, cb, &cancel).await
         })
         .await;
         if let Ok(v) = &r
@@ -363,7 +363,7 @@ impl RsbServer {
         &self,
         Parameters(p): Parameters<CheckTransferParams>,
     ) -> ToolResult {
-        let r = match self.pool.transfers().await {
+        let r = match self.app.transfers().await {
             Ok(t) => t.check(p.task_id, p.last_n_lines).await,
             Err(e) => Err(e),
         };
@@ -389,7 +389,7 @@ impl RsbServer {
                 "pass the task_id returned by sync_local_to_remote",
             ));
         }
-        let t = match self.pool.transfers().await {
+        let t = match self.app.transfers().await {
             Ok(t) => t,
             Err(e) => return fail(&e),
         };
@@ -397,7 +397,7 @@ impl RsbServer {
         let r = t.cancel(p.task_id, p.force_kill_after_s).await;
         let what = Some(format!("task {}", p.task_id));
         super::audited(
-            self.pool.config(),
+            self.app.config(),
             &ctx,
             ("cancel_file_transfer_task", "", what),
             t0,

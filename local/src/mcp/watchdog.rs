@@ -235,7 +235,7 @@ pub struct EventsParams {
 
 impl RsbServer {
     async fn watch(&self, id: i64) -> Result<crate::store::watch_model::Watch> {
-        Ok(wops::get(&self.pool.store(), id).await?.watch)
+        Ok(wops::get(&self.app.store(), id).await?.watch)
     }
 }
 
@@ -245,21 +245,21 @@ impl RsbServer {
         description = "Install and start the local watchdog service: a launchd agent on macOS, a systemd --user unit on Linux (the seed's name; it is not macOS-only here)."
     )]
     async fn install_macos_watchdog(&self, Parameters(p): Parameters<InstallParams>) -> ToolResult {
-        let sandboxes = &self.pool.config().sandboxes;
+        let sandboxes = &self.app.config().sandboxes;
         let persist = p.persist_current_sandboxes.then_some(&sandboxes[..]);
-        typed(wops::install(&self.pool.store(), p.start_now, persist).await)
+        typed(wops::install(&self.app.store(), p.start_now, persist).await)
     }
 
     #[tool(description = "Stop and remove the watchdog service (watches and events stay).")]
     async fn uninstall_macos_watchdog(&self, Parameters(_): Parameters<NoParams>) -> ToolResult {
-        typed(wops::uninstall(&self.pool.store()).await)
+        typed(wops::uninstall(&self.app.store()).await)
     }
 
     #[tool(
         description = "Watchdog daemon status: pid, heartbeat age, mode (service/detached), service, watch counts."
     )]
     async fn get_watchdog_status(&self, Parameters(_): Parameters<NoParams>) -> ToolResult {
-        typed(wops::status(&self.pool.store()).await)
+        typed(wops::status(&self.app.store()).await)
     }
 
     #[tool(
@@ -299,7 +299,7 @@ impl RsbServer {
             codex_command: String::new(),
             stall_after_s: p.stall_after_s,
         };
-        let sandbox = self.pool.pin(&mut args.sandbox_name);
+        let sandbox = self.app.pool().pin(&mut args.sandbox_name);
         let ensure = p.ensure_watchdog;
         if !sandbox.is_empty() {
             let commands = super::policy::commands_of(
@@ -325,20 +325,20 @@ impl RsbServer {
         }
         let r = async {
             let mut nw = wops::prepare(&args, settings::hooks_allowed(), false)?;
-            nw.sandbox_name = self.pool.resolve(&args.sandbox_name)?;
+            nw.sandbox_name = self.app.pool().resolve(&args.sandbox_name)?;
             if !nw.cwd.is_empty() {
                 let (job, log, cwd) =
                     (nw.tmux_session.clone(), nw.log_file.clone(), nw.cwd.clone());
                 wops::fill_from_job(&mut nw, &job, &log, &cwd);
             }
-            let store = self.pool.store();
-            let reg = wops::register(&store, &self.pool.config().sandboxes, nw, ensure).await?;
+            let store = self.app.store();
+            let reg = wops::register(&store, &self.app.config().sandboxes, nw, ensure).await?;
             self.followed.watch(reg.watch_id);
             Ok(reg)
         }
         .await;
         let tool = ("watch_background_task", sandbox.as_str(), what);
-        super::audited(self.pool.config(), &ctx, tool, t0, r)
+        super::audited(self.app.config(), &ctx, tool, t0, r)
     }
 
     #[tool(description = "Alias of exec_bash_background with watch=true.")]
@@ -378,7 +378,7 @@ impl RsbServer {
             slurm: p.slurm,
         };
         let mut q = q;
-        self.pool.pin(&mut q.sandbox_name);
+        self.app.pool().pin(&mut q.sandbox_name);
         if let Err(e) = self
             .gate_background(&ctx, &q, "exec_bash_background_watch")
             .await
@@ -393,12 +393,12 @@ impl RsbServer {
         &self,
         Parameters(p): Parameters<ListWatchesParams>,
     ) -> ToolResult {
-        typed(wops::list(&self.pool.store(), &p.status).await)
+        typed(wops::list(&self.app.store(), &p.status).await)
     }
 
     #[tool(description = "Fetch one watchdog watch by id.")]
     async fn get_background_watch(&self, Parameters(p): Parameters<WatchIdParams>) -> ToolResult {
-        typed(wops::get(&self.pool.store(), p.watch_id).await)
+        typed(wops::get(&self.app.store(), p.watch_id).await)
     }
 
     #[tool(description = "Stored and live progress of one watch: job state, log tail, checkpoint.")]
@@ -410,7 +410,7 @@ impl RsbServer {
             Ok(w) => w,
             Err(e) => return fail(&e),
         };
-        let client = self.pool.client(&w.sandbox_name).await;
+        let client = self.app.pool().client(&w.sandbox_name).await;
         typed(
             wops::progress(
                 client,
@@ -427,7 +427,7 @@ impl RsbServer {
     async fn read_background_watch_log(&self, Parameters(p): Parameters<LogParams>) -> ToolResult {
         let r = async {
             let w = self.watch(p.watch_id).await?;
-            let c = self.pool.client(&w.sandbox_name).await?;
+            let c = self.app.pool().client(&w.sandbox_name).await?;
             let mut log = wops::check_task(&c, &w.tmux_session, "", p.last_n_lines).await?;
             log["watch_id"] = serde_json::json!(w.id);
             Ok(wops::LogRead { watch: w, log })
@@ -450,7 +450,7 @@ impl RsbServer {
             {
                 return Err(wops::no_checkpoint(w.id));
             }
-            let c = self.pool.client(&w.sandbox_name).await?;
+            let c = self.app.pool().client(&w.sandbox_name).await?;
             wops::read_checkpoint(&c, w, p.max_bytes).await
         }
         .await;
@@ -464,14 +464,14 @@ impl RsbServer {
         ctx: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> ToolResult {
         let t0 = std::time::Instant::now();
-        let r = wops::cancel(&self.pool.store(), p.watch_id).await;
+        let r = wops::cancel(&self.app.store(), p.watch_id).await;
         let sandbox = r
             .as_ref()
             .map(|c| c.watch.sandbox_name.clone())
             .unwrap_or_default();
         let what = Some(format!("watch {}", p.watch_id));
         let tool = ("cancel_background_watch", sandbox.as_str(), what);
-        super::audited(self.pool.config(), &ctx, tool, t0, r)
+        super::audited(self.app.config(), &ctx, tool, t0, r)
     }
 
     #[tool(description = "Watchdog events, newest first, of one watch or all (watch_id=0).")]
@@ -479,6 +479,6 @@ impl RsbServer {
         &self,
         Parameters(p): Parameters<EventsParams>,
     ) -> ToolResult {
-        typed(wops::events(&self.pool.store(), p.watch_id, p.limit).await)
+        typed(wops::events(&self.app.store(), p.watch_id, p.limit).await)
     }
 }

@@ -16,9 +16,9 @@ use serde::Serialize;
 
 pub use crate::forward::request::*;
 use crate::{
+    app::App,
     error::{Result, RsbError},
     forward::{Forward, StatsSnapshot},
-    pool::Pool,
     store::{Store, sandboxes},
     watchdog::{daemon, forwards, settings},
 };
@@ -108,10 +108,10 @@ const STOP_WAIT: Duration = Duration::from_secs(10);
 /// Hand a forward to the watchdog daemon (starting one if none runs) and wait until it listens
 /// or says why it cannot. The sandbox definitions are persisted as for a watch: without secrets
 /// unless the user opted in, so a password-only sandbox is refused here with the opt-in named.
-pub async fn detach(pool: &Arc<Pool>, req: &ForwardRequest) -> Result<ForwardInfo> {
-    let sandbox = pool.resolve(&req.sandbox)?;
-    let store = pool.store();
-    let configured = pool.config().sandboxes.clone();
+pub async fn detach(app: &App, req: &ForwardRequest) -> Result<ForwardInfo> {
+    let sandbox = app.pool().resolve(&req.sandbox)?;
+    let store = app.store();
+    let configured = app.config().sandboxes.clone();
     let req = req.clone();
     let dir = store.state_dir().to_path_buf();
     let name = sandbox.clone();

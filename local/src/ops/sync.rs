@@ -12,6 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 pub use crate::sync::runner::{run, run_with};
 use crate::{
+    app::App,
     error::{Result, RsbError},
     policy::{self, Action},
     pool::Pool,
@@ -229,14 +230,14 @@ const HOLD_BACKGROUND_REPLY: std::time::Duration = std::time::Duration::from_sec
 /// [`HANDOFF_AFTER`] is stopped (whole files already committed stay) and handed to a worker,
 /// which skips what is already there.
 async fn sync_for_tool(
-    pool: &Arc<Pool>,
+    app: &Arc<App>,
     sandbox: String,
     spec: SyncSpec,
     args: &SyncArgs,
     progress: Option<ProgressFn>,
     cancel: &CancellationToken,
 ) -> Result<Value> {
-    let cfg = pool.config();
+    let cfg = app.config();
     let (max_files, max_bytes) = (cfg.inline_sync_max_files, cfg.inline_sync_max_bytes);
     let gate: sync::PlanGate = Arc::new(move |p: &sync::PlanSize| {
         // Deleting is cheap per entry compared to sending a file.
@@ -259,10 +260,10 @@ async fn sync_for_tool(
         .transpose()?
         .unwrap_or_default();
     let background = async |reason: String| -> Result<Value> {
-        let transfers = pool.transfers().await?;
+        let transfers = app.transfers().await?;
         let mut v = transfers
             .start(
-                pool.clone(),
+                app.clone(),
                 sandbox.clone(),
                 spec.clone(),
                 &opts,
@@ -296,7 +297,7 @@ async fn sync_for_tool(
         }))
     };
     let inline_cancel = cancel.child_token();
-    let work = run_with(pool, &sandbox, &spec, &opts, progress, &inline_cancel);
+    let work = run_with(app, &sandbox, &spec, &opts, progress, &inline_cancel);
     tokio::pin!(work);
     let limit = handoff_after();
     let report = tokio::select! {
@@ -328,25 +329,25 @@ async fn sync_for_tool(
 
 /// `sync_local_to_remote`: inline when the plan is small, else a background task.
 pub async fn sync_local_to_remote(
-    pool: &Arc<Pool>,
+    app: &Arc<App>,
     args: SyncArgs,
     progress: Option<ProgressFn>,
     cancel: &CancellationToken,
 ) -> Result<Value> {
-    let (sandbox, spec) = spec_for(pool, &args, Direction::Upload)?;
-    sync_for_tool(pool, sandbox, spec, &args, progress, cancel).await
+    let (sandbox, spec) = spec_for(app.pool(), &args, Direction::Upload)?;
+    sync_for_tool(app, sandbox, spec, &args, progress, cancel).await
 }
 
 /// `sync_remote_to_local`: inline when the plan is small (as the seed, always with progress),
 /// else a background task.
 pub async fn sync_remote_to_local(
-    pool: &Arc<Pool>,
+    app: &Arc<App>,
     args: SyncArgs,
     progress: Option<ProgressFn>,
     cancel: &CancellationToken,
 ) -> Result<Value> {
-    let (sandbox, spec) = spec_for(pool, &args, Direction::Download)?;
-    sync_for_tool(pool, sandbox, spec, &args, progress, cancel).await
+    let (sandbox, spec) = spec_for(app.pool(), &args, Direction::Download)?;
+    sync_for_tool(app, sandbox, spec, &args, progress, cancel).await
 }
 
 /// The sandbox and the engine's spec of a sync tool's call, with the seed's checks and
@@ -390,7 +391,7 @@ pub struct Requester<'a> {
 
 /// A sync tool's call through the policy's `ask_actions`: see [`approve_spec`].
 pub async fn approve<F, Fut>(
-    pool: &Pool,
+    app: &App,
     args: &SyncArgs,
     direction: Direction,
     who: &Requester<'_>,
@@ -404,14 +405,14 @@ where
     if args.dry_run || !(args.delete_extras || args.overwrite) {
         return Ok(());
     }
-    let (sandbox, spec) = spec_for(pool, args, direction)?;
+    let (sandbox, spec) = spec_for(app.pool(), args, direction)?;
     let opts = RunOptions {
         overwrite: args.overwrite,
         safe: args.safe,
         confirm_delete: args.confirm_delete,
         ..Default::default()
     };
-    approve_spec(pool, &sandbox, &spec, &opts, who, ask, cancel).await
+    approve_spec(app, &sandbox, &spec, &opts, who, ask, cancel).await
 }
 
 /// Before a sync that deletes destination entries (`delete_extras`) or replaces edits made
@@ -421,7 +422,7 @@ where
 /// every sync. `Ok`: run it. What appears between the dry run and the sync itself is
 /// handled as the approved option says.
 pub async fn approve_spec<F, Fut>(
-    pool: &Pool,
+    app: &App,
     sandbox: &str,
     spec: &SyncSpec,
     opts: &RunOptions,
@@ -433,7 +434,7 @@ where
     F: FnMut(String) -> Fut,
     Fut: std::future::Future<Output = policy::Answer>,
 {
-    let cfg = pool.config();
+    let cfg = app.config();
     let delete = spec.delete_extras && policy::asks(cfg, sandbox, Action::DeleteExtras);
     let overwrite = opts.overwrite && policy::asks(cfg, sandbox, Action::Overwrite);
     if spec.dry_run || !(delete || overwrite) {
@@ -448,7 +449,7 @@ where
         confirm_delete: opts.confirm_delete,
         ..Default::default()
     };
-    let rep = run_with(pool, sandbox, &preview, &plan_opts, None, cancel).await?;
+    let rep = run_with(app, sandbox, &preview, &plan_opts, None, cancel).await?;
     let (from, to) = match spec.direction {
         Direction::Upload => (
             rep.local_path.clone(),

@@ -110,7 +110,7 @@ fn status_of(
             db_path: crate::store::db_path(state_dir).display().to_string(),
             state_dir: state_dir.display().to_string(),
             events_dir: events::dir(state_dir).display().to_string(),
-            log_file: state_dir.join(service::DAEMON_LOG).display().to_string(),
+            log_file: state_dir.join(crate::store::layout::DAEMON_LOG).display().to_string(),
         },
         launchd: service::launchd_status(),
         daemon: service::daemon_info(hb.clone(), state_dir),

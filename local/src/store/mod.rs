@@ -23,6 +23,7 @@ pub mod clock;
 pub mod events;
 pub mod forwards;
 pub mod handle;
+pub mod layout;
 pub mod retention;
 pub mod roots_lock;
 pub mod sandboxes;

@@ -18,7 +18,7 @@ use serde::Serialize;
 
 use crate::{
     error::Result,
-    store::{DB_FILE, db_err, events, now_s},
+    store::{DB_FILE, db_err, events, layout, now_s},
 };
 
 const DAY: i64 = 86_400;
@@ -133,13 +133,6 @@ pub fn usage(state_dir: &Path, conn: Option<&Connection>) -> Result<Usage> {
         (DB_FILE.to_string(), "the store"),
         (format!("{DB_FILE}-wal"), "the store's write-ahead log"),
         (format!("{DB_FILE}-shm"), "the store's shared memory index"),
-        ("watchdog.log".into(), "the daemon's log"),
-        ("watchdog.log.1".into(), "the daemon's previous log"),
-        (
-            "watchdog-secrets.json".into(),
-            "opted-in secrets (RSB_WATCHDOG_STORE_PASSWORDS)",
-        ),
-        ("known_hosts".into(), "host keys rsb learned"),
     ] {
         let p = state_dir.join(&name);
         if p.exists() {
@@ -151,13 +144,20 @@ pub fn usage(state_dir: &Path, conn: Option<&Connection>) -> Result<Usage> {
             });
         }
     }
-    for (name, what) in [
-        (events::DIR, "watch event files"),
-        ("transfers", "transfer logs"),
-        ("audit", "the audit log, a file a month (12 kept)"),
-        (super::roots_lock::DIR, "locks of synced roots"),
-    ] {
-        let (bytes, count) = dir_usage(&state_dir.join(name));
+    for &(name, is_dir, what) in layout::ENTRIES {
+        let p = state_dir.join(name);
+        if !is_dir {
+            if p.exists() {
+                files.push(Entry {
+                    path: name.to_string(),
+                    bytes: file_size(&p),
+                    count: 1,
+                    what,
+                });
+            }
+            continue;
+        }
+        let (bytes, count) = dir_usage(&p);
         if count > 0 {
             files.push(Entry {
                 path: format!("{name}/"),
@@ -328,7 +328,7 @@ pub fn prune(state_dir: &Path, conn: &Connection, policy: &Policy, now: i64) -> 
         policy.events_days,
         now,
     );
-    let tr_dir = state_dir.join("transfers");
+    let tr_dir = state_dir.join(layout::TRANSFER_LOGS);
     for log in logs.iter().filter(|l| !l.is_empty()) {
         let p = PathBuf::from(log);
         // Only a log inside this state dir's transfers/ (a row is data, not a path to trust).
@@ -338,8 +338,10 @@ pub fn prune(state_dir: &Path, conn: &Connection, policy: &Policy, now: i64) -> 
     }
     out.transfer_logs += remove_older(&tr_dir, "transfer-", policy.transfers_days, now);
     out.sync_locks = super::roots_lock::prune(state_dir, policy.baselines_days, now);
-    out.daemon_log_rotated =
-        rotate_log(&state_dir.join("watchdog.log"), policy.daemon_log_max_bytes);
+    out.daemon_log_rotated = rotate_log(
+        &state_dir.join(layout::DAEMON_LOG),
+        policy.daemon_log_max_bytes,
+    );
     // Give the space back: the WAL to the database, then the database's free pages.
     let _ = conn.execute_batch("PRAGMA wal_checkpoint(TRUNCATE);");
     if out != Pruned::default() {

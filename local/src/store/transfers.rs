@@ -679,7 +679,7 @@ impl Transfers {
 
     /// Create the task's log (0600, in the 0700 `transfers/` dir) and record its path.
     pub async fn create_log(&self, id: i64) -> Result<PathBuf> {
-        let dir = self.state_dir.join("transfers");
+        let dir = self.state_dir.join(super::layout::TRANSFER_LOGS);
         let _ = super::ensure_private_dir(&dir);
         let log = dir.join(format!("transfer-{id}.log"));
         self.exec(

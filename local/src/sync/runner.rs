@@ -12,6 +12,7 @@ use std::{
 use tokio_util::sync::CancellationToken;
 
 use crate::{
+    app::App,
     error::Result,
     pool::Pool,
     store::{
@@ -71,21 +72,13 @@ pub async fn hold_roots(
 
 /// Connect both ends and run the engine.
 pub async fn run(
-    pool: &Pool,
+    app: &App,
     sandbox: &str,
     spec: &SyncSpec,
     progress: Option<ProgressFn>,
     cancel: &CancellationToken,
 ) -> Result<SyncReport> {
-    run_with(
-        pool,
-        sandbox,
-        spec,
-        &RunOptions::default(),
-        progress,
-        cancel,
-    )
-    .await
+    run_with(app, sandbox, spec, &RunOptions::default(), progress, cancel).await
 }
 
 /// [`run`] with options, and the last-synced baseline of this pair of roots: loaded from the
@@ -93,13 +86,14 @@ pub async fn run(
 /// or was cancelled for what it did commit. The roots' lock is held from that load to that
 /// save (a dry run, which saves nothing, takes none).
 pub async fn run_with(
-    pool: &Pool,
+    app: &App,
     sandbox: &str,
     spec: &SyncSpec,
     opts: &RunOptions,
     progress: Option<ProgressFn>,
     cancel: &CancellationToken,
 ) -> Result<SyncReport> {
+    let pool = app.pool();
     let (remote, local) = tokio::try_join!(pool.client(sandbox), pool.local_agent())?;
     let key = (
         spec.local_path.display().to_string(),
@@ -108,7 +102,7 @@ pub async fn run_with(
     );
     // The baseline is what tells a remote edit from a conflict: a store that cannot be read
     // refuses the sync (never a first sync that would overwrite the edit).
-    let store = Some(pool.transfers().await?);
+    let store = Some(app.transfers().await?);
     let _held = match spec.dry_run {
         true => None,
         false => Some(hold_roots(pool, &key, progress.as_ref(), cancel).await?),

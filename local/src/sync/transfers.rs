@@ -25,6 +25,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::{
+    app::App,
     error::{Kind, Result, RsbError},
     pool::Pool,
     store::transfers::{
@@ -135,7 +136,7 @@ impl Transfers {
     /// not store; otherwise inside this server, and the reply's `note` says so.
     pub async fn start(
         self: &Arc<Self>,
-        pool: Arc<Pool>,
+        app: Arc<App>,
         sandbox: String,
         spec: SyncSpec,
         opts: &RunOptions,
@@ -146,7 +147,7 @@ impl Transfers {
         let local = spec.local_path.display().to_string();
         let mut task = TaskSpec::from_spec(&spec, opts);
         if let Some(crate::config::Transport::Ssh(t)) =
-            pool.sandbox_config(&sandbox).map(|c| &c.transport)
+            app.pool().sandbox_config(&sandbox).map(|c| &c.transport)
         {
             task.agent = crate::connect::verified_agent(t);
         }
@@ -157,7 +158,8 @@ impl Transfers {
                 "report this as an rsb bug",
             )
         })?;
-        let sandbox_fp = pool
+        let sandbox_fp = app
+            .pool()
             .sandbox_config(&sandbox)
             .map(crate::store::sandboxes::fingerprint)
             .unwrap_or_default();
@@ -176,7 +178,7 @@ impl Transfers {
             })
             .await?;
         let r = self
-            .start_recorded(id, ts, pool, sandbox, spec, task.options(), task.agent)
+            .start_recorded(id, ts, app, sandbox, spec, task.options(), task.agent)
             .await;
         self.started(id);
         r
@@ -187,7 +189,7 @@ impl Transfers {
         self: &Arc<Self>,
         id: i64,
         ts: f64,
-        pool: Arc<Pool>,
+        app: Arc<App>,
         sandbox: String,
         spec: SyncSpec,
         opts: RunOptions,
@@ -211,7 +213,7 @@ impl Transfers {
         }
 
         let persisted = if WORKERS.load(std::sync::atomic::Ordering::Relaxed) {
-            self.persist_sandbox(&pool, &sandbox).await
+            self.persist_sandbox(app.pool(), &sandbox).await
         } else {
             Err("this process is not the rsb executable, which runs workers".to_string())
         };
@@ -224,7 +226,7 @@ impl Transfers {
                     let _ = self.set_owner(id, pid, &process_start(pid)).await;
                     append_log(&log, &format!("[transfer] task={id} worker pid={pid}"));
                     if let (Some(ours), Some(a)) = (bridge, agent) {
-                        let log = log.clone();
+                        let (log, pool) = (log.clone(), app.pool().clone());
                         tokio::spawn(async move {
                             let carried = match pool.live_session(&sandbox).await {
                                 Some(ssh) => match tokio::net::UnixStream::from_std(ours) {
@@ -269,7 +271,7 @@ impl Transfers {
         let this = self.clone();
         let token = cancel.clone();
         let handle = tokio::spawn(async move {
-            this.run_task(id, pool, sandbox, spec, opts, token, log, false)
+            this.run_task(id, app, sandbox, spec, opts, token, log, false)
                 .await;
             this.live.lock().remove(&id);
             let _ = done_tx.send(true);
@@ -401,7 +403,7 @@ impl Transfers {
     async fn run_task(
         self: &Arc<Self>,
         id: i64,
-        pool: Arc<Pool>,
+        app: Arc<App>,
         sandbox: String,
         spec: SyncSpec,
         opts: RunOptions,
@@ -461,7 +463,7 @@ impl Transfers {
             })
         };
         let mut res =
-            super::runner::run_with(&pool, &sandbox, &spec, &opts, Some(cb.clone()), &cancel).await;
+            super::runner::run_with(&app, &sandbox, &spec, &opts, Some(cb.clone()), &cancel).await;
         // The server whose connection carried the agent went away: connect directly and run
         // the same sync again, which skips what already arrived (staged large files resume).
         if bridged
@@ -475,7 +477,7 @@ impl Transfers {
                 ),
             );
             let before = shared.lock().0.clone();
-            res = super::runner::run_with(&pool, &sandbox, &spec, &opts, Some(cb), &cancel).await;
+            res = super::runner::run_with(&app, &sandbox, &spec, &opts, Some(cb), &cancel).await;
             // The task's report covers both runs: the files the rerun found in place beyond
             // those the first run's plan already found unchanged are the first run's (counted
             // so, not by its acknowledgements, which the cut may have lost).
@@ -498,7 +500,7 @@ impl Transfers {
         // The result is on the audit record, written by whoever ran it (this server or the
         // detached worker): what moved, or why not.
         crate::audit::record(
-            pool.config(),
+            app.config(),
             &sandbox,
             &crate::audit::Action {
                 origin: "transfer".into(),
@@ -601,7 +603,9 @@ impl Transfers {
             source: "transfer worker".into(),
             warnings: Vec::new(),
         };
-        let pool = Arc::new(Pool::new(Arc::new(config)));
+        // This worker's one store connection is the one it claimed the task with.
+        let app = App::with_transfers(Arc::new(Pool::new(Arc::new(config))), self.clone());
+        let pool = app.pool();
         let mut bridged = false;
         if let (Some(fd), Some(a)) = (agent_fd, &spec.agent) {
             match bridged_stream(fd) {
@@ -646,7 +650,7 @@ impl Transfers {
         };
         self.run_task(
             id,
-            pool.clone(),
+            app.clone(),
             sandbox,
             spec.to_spec(),
             spec.options(),
@@ -656,7 +660,7 @@ impl Transfers {
         )
         .await;
         on_term.abort();
-        pool.shutdown().await;
+        app.shutdown().await;
         Ok(())
     }
 

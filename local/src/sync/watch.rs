@@ -41,6 +41,10 @@ use std::{
     collections::{BTreeSet, HashMap},
     os::unix::fs::MetadataExt,
     path::{Path, PathBuf},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
 
@@ -53,6 +57,7 @@ use rsb_protocol::{ApplyOnceRequest, ApplyOp};
 
 use super::{Direction, SyncReport, SyncSpec, engine::anchor_home};
 use crate::{
+    app::App,
     client::AgentClient,
     error::{Kind, Result, RsbError},
     pool::Pool,
@@ -271,6 +276,54 @@ enum Change {
     Rescan,
 }
 
+/// How many events may wait between the watcher's thread and the burst loop (a path each:
+/// a few MB at most). A full queue drops events and the loop's next read is a rescan, as an
+/// overflow of the kernel's own queue is.
+const CHANGE_QUEUE: usize = 16_384;
+
+/// The watcher's end of the event queue: never waits (it runs on notify's thread).
+#[derive(Clone)]
+struct ChangeTx {
+    tx: mpsc::Sender<Change>,
+    lost: Arc<AtomicBool>,
+}
+
+impl ChangeTx {
+    fn send(&self, c: Change) {
+        if let Err(mpsc::error::TrySendError::Full(_)) = self.tx.try_send(c) {
+            self.lost.store(true, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The loop's end: a rescan first whenever events were dropped.
+struct ChangeRx {
+    rx: mpsc::Receiver<Change>,
+    lost: Arc<AtomicBool>,
+}
+
+impl ChangeRx {
+    async fn recv(&mut self) -> Option<Change> {
+        // Set only while the queue is full, so never while this waits on an empty one.
+        if self.lost.swap(false, Ordering::SeqCst) {
+            return Some(Change::Rescan);
+        }
+        self.rx.recv().await
+    }
+}
+
+fn change_queue(capacity: usize) -> (ChangeTx, ChangeRx) {
+    let (tx, rx) = mpsc::channel(capacity);
+    let lost = Arc::new(AtomicBool::new(false));
+    (
+        ChangeTx {
+            tx,
+            lost: lost.clone(),
+        },
+        ChangeRx { rx, lost },
+    )
+}
+
 impl Writer {
     fn of(kind: &EventKind) -> Writer {
         use notify::event::{AccessMode, CreateKind, ModifyKind};
@@ -343,7 +396,7 @@ impl Writers {
 /// The watcher and the receiving end of its events. Dropping it stops the watcher.
 struct Armed {
     _watcher: Box<dyn Watcher + Send>,
-    rx: mpsc::UnboundedReceiver<Change>,
+    rx: ChangeRx,
     backend: &'static str,
     writers: Writers,
     /// With `--gitignore`: the tree's `.gitignore` files, so what they ignore starts no burst.
@@ -377,11 +430,11 @@ impl Armed {
 }
 
 fn arm(root: &Path, opts: &WatchOptions) -> Result<Armed> {
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = change_queue(CHANGE_QUEUE);
     let handler = move |res: notify::Result<notify::Event>| match res {
         Ok(ev) => {
             if ev.need_rescan() {
-                let _ = tx.send(Change::Rescan);
+                tx.send(Change::Rescan);
                 return;
             }
             // Reads (including the local agent's own reads for a sync) are not changes.
@@ -395,7 +448,7 @@ fn arm(root: &Path, opts: &WatchOptions) -> Result<Armed> {
             )) = ev.kind
                 && let [from, to] = &ev.paths[..]
             {
-                let _ = tx.send(Change::Renamed {
+                tx.send(Change::Renamed {
                     from: from.clone(),
                     to: to.clone(),
                 });
@@ -403,11 +456,11 @@ fn arm(root: &Path, opts: &WatchOptions) -> Result<Armed> {
             }
             let writer = Writer::of(&ev.kind);
             for p in ev.paths {
-                let _ = tx.send(Change::Path(p, writer));
+                tx.send(Change::Path(p, writer));
             }
         }
         Err(_) => {
-            let _ = tx.send(Change::Rescan);
+            tx.send(Change::Rescan);
         }
     };
     // A single file is watched through its directory: editors save by writing a new file
@@ -583,7 +636,7 @@ impl Burst {
 /// sync (the whole tree) happens before any burst. Returns `Err` only when the watcher cannot
 /// start or the initial sync fails for a reason a retry would not fix.
 pub async fn watch(
-    pool: &Pool,
+    app: &App,
     sandbox: &str,
     spec: &SyncSpec,
     opts: &WatchOptions,
@@ -616,7 +669,8 @@ pub async fn watch(
         anchor_home(&spec.remote_path),
     );
     // Refuse up front: every burst's sync needs the store (see `runner::run_with`).
-    let store = Some(pool.transfers().await?);
+    let store = Some(app.transfers().await?);
+    let pool = app.pool();
     let mut armed = arm(&root, opts)?;
     armed.gitignores = spec.rules.gitignore.then(Gitignores::default);
     on(WatchEvent::Watching {
@@ -713,7 +767,7 @@ pub async fn watch(
             let started = Instant::now();
             let run_opts = options(opts);
             let r = tokio::select! {
-                r = super::runner::run_with(pool, sandbox, spec, &run_opts, None, cancel) => r,
+                r = super::runner::run_with(app, sandbox, spec, &run_opts, None, cancel) => r,
                 _ = cancel.cancelled() => return Ok(()),
             };
             match r {
@@ -1072,7 +1126,7 @@ fn options(opts: &WatchOptions) -> crate::sync::RunOptions {
 }
 
 pub async fn run_cli(
-    pool: &Pool,
+    app: &App,
     sandbox: &str,
     spec: &SyncSpec,
     json: bool,
@@ -1091,7 +1145,7 @@ pub async fn run_cli(
         sandbox,
         spec.remote_path
     );
-    let r = watch(pool, sandbox, spec, &opts, &cancel, |ev| {
+    let r = watch(app, sandbox, spec, &opts, &cancel, |ev| {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
         let _ = if json {
@@ -1133,6 +1187,27 @@ pub async fn run_cli(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The watcher's thread never waits and the queue never grows past its bound: events that
+    /// do not fit are dropped, and the loop reads a rescan before what is left.
+    #[tokio::test]
+    async fn a_full_event_queue_drops_events_and_the_loop_rescans() {
+        let (tx, mut rx) = change_queue(4);
+        for i in 0..10 {
+            tx.send(Change::Path(PathBuf::from(format!("/t/{i}")), Writer::None));
+        }
+        assert!(matches!(rx.recv().await, Some(Change::Rescan)));
+        let mut kept = Vec::new();
+        while let Ok(c) = rx.rx.try_recv() {
+            if let Change::Path(p, _) = c {
+                kept.push(p);
+            }
+        }
+        assert_eq!(kept.len(), 4, "{kept:?}");
+        // Once the loss was reported, reads go on from the queue: no second rescan.
+        tx.send(Change::Path(PathBuf::from("/t/next"), Writer::None));
+        assert!(matches!(rx.recv().await, Some(Change::Path(..))));
+    }
 
     #[test]
     fn a_burst_settles_only_when_every_written_file_is_closed() {

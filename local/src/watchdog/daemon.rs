@@ -24,7 +24,7 @@ use rsb_protocol::{ExecRequest, JobStartRequest, JobStatusRequest, ReadFileReque
 use rusqlite::Connection;
 use serde_json::json;
 
-pub use super::lock::{Holder, LOCK_FILE, Lock, acquire_lock, lock_holder, running_daemon};
+pub use super::lock::{Holder, Lock, acquire_lock, lock_holder, running_daemon};
 use super::{
     MAX_TEXT_CHARS, alerts,
     checks::{self, JobSeen, Observed, SlurmSeen},

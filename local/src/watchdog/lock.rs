@@ -14,16 +14,14 @@ use std::{
 
 use crate::{
     error::{Kind, Result, RsbError},
-    store,
+    store::{self, layout::DAEMON_LOCK},
 };
-
-pub const LOCK_FILE: &str = "watchdog.lock";
 
 /// The held lock; released when dropped (or when the process dies, however it dies).
 pub struct Lock(#[allow(dead_code)] File);
 
 fn open_lock_file(state_dir: &Path) -> std::io::Result<File> {
-    store::roots_lock::open_lock_file(&state_dir.join(LOCK_FILE))
+    store::roots_lock::open_lock_file(&state_dir.join(DAEMON_LOCK))
 }
 
 /// What the lock file says of the daemon holding it: its pid and, since the pid alone can be
@@ -146,7 +144,7 @@ pub fn lock_holder(state_dir: &Path) -> Option<i64> {
 pub fn holder(state_dir: &Path) -> Option<Holder> {
     let mut f = std::fs::OpenOptions::new()
         .read(true)
-        .open(state_dir.join(LOCK_FILE))
+        .open(state_dir.join(DAEMON_LOCK))
         .ok()?;
     match f.try_lock_shared() {
         Ok(()) => {
@@ -183,7 +181,7 @@ mod tests {
         assert_eq!(lock_holder(d.path()), None);
         // A released lock is taken again, and the pid is rewritten, not appended.
         let again = acquire_lock(d.path()).unwrap();
-        let text = std::fs::read_to_string(d.path().join(LOCK_FILE)).unwrap();
+        let text = std::fs::read_to_string(d.path().join(DAEMON_LOCK)).unwrap();
         assert_eq!(Holder::parse(&text), Some(Holder::me()));
         drop(again);
     }
@@ -230,7 +228,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let held = acquire_lock(d.path()).unwrap();
         let me = std::process::id();
-        let text = std::fs::read_to_string(d.path().join(LOCK_FILE)).unwrap();
+        let text = std::fs::read_to_string(d.path().join(DAEMON_LOCK)).unwrap();
         let start = rsb_agent::proc::start_ticks(me).unwrap();
         assert_eq!(text, format!("{me} {start}"));
         assert_eq!(

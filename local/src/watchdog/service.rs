@@ -20,12 +20,12 @@ use serde_json::Value;
 
 use super::daemon;
 use crate::error::{Kind, Result, RsbError};
+use crate::store::layout::DAEMON_LOG;
 
 pub const UNIT_NAME: &str = "rsb-watchdog.service";
 pub const LAUNCHD_LABEL: &str = "com.rsb.watchdog";
 /// The PATH a service gets when the installing shell has none (the seed's launchd default).
 const DEFAULT_PATH: &str = "/opt/homebrew/bin:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin";
-pub const DAEMON_LOG: &str = "watchdog.log";
 /// A failed daemon is restarted after this long (systemd `RestartSec`, launchd
 /// `ThrottleInterval`), so one that keeps failing (an unreadable state dir) does not spin.
 pub const RESTART_AFTER_S: u64 = 10;

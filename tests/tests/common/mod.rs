@@ -4,6 +4,7 @@
 use std::{path::Path, sync::Arc, time::Duration};
 
 use rsb::{
+    app::App,
     config::{Auth, Config, Hop, HostKeyPolicy, SandboxConfig, Secret, SshTarget, Transport},
     pool::Pool,
 };
@@ -86,6 +87,21 @@ pub fn pool_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<Pool> {
 pub fn key_pool(sshd: &Sshd, dir: &Path) -> Arc<Pool> {
     let t = target(sshd, sshd.port(), key_auth(sshd), &dir.join("known_hosts"));
     pool_of(vec![sandbox("s", t)], dir)
+}
+
+/// [`pool_of`] with the store: what a sync needs (its baseline, a background transfer).
+pub fn app_of(sandboxes: Vec<SandboxConfig>, state: &Path) -> Arc<App> {
+    App::on(pool_of(sandboxes, state))
+}
+
+/// [`pool_on`] with the store.
+pub fn app_on(sshd: &Sshd, port: u16, state: &Path) -> Arc<App> {
+    App::on(pool_on(sshd, port, state))
+}
+
+/// [`key_pool`] with the store.
+pub fn key_app(sshd: &Sshd, dir: &Path) -> Arc<App> {
+    App::on(key_pool(sshd, dir))
 }
 
 pub fn secret(s: &str) -> Secret {
