@@ -1059,3 +1059,94 @@ async fn sudo_calls_meet_rules_that_name_sudo() {
     );
     assert!(!marker.exists());
 }
+
+/// The audit lines under `state/audit`, in order, without what differs by front end or by run
+/// (origin, tool, times, ids, duration, host key data).
+fn audit_shape(state: &Path) -> Vec<Value> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(state.join("audit"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .collect();
+    files.sort();
+    let mut out = Vec::new();
+    for f in files {
+        for l in std::fs::read_to_string(f).unwrap().lines() {
+            let v: Value = serde_json::from_str(l).unwrap();
+            out.push(json!({
+                "sandbox": v["sandbox"], "event": v["event"], "command": v["command"],
+                "cwd": v["cwd"], "exit_code": v["exit_code"], "bytes": v["bytes"],
+                "error": v["error"], "detail": v["detail"],
+            }));
+        }
+    }
+    out
+}
+
+/// Issue 45 step 4: one action path. The same requests through `exec_bash` (a real MCP
+/// client that approves when asked) and `rsb exec --yes` get the same policy decisions and
+/// leave the same audit lines (start, end, exit code, bytes, the decision and its rule).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_bash_and_rsb_exec_decide_and_audit_a_request_alike() {
+    let sshd = Sshd::start().unwrap();
+    let home = sshd.home().to_path_buf();
+    let policy = json!({"ask": ["touch *"], "deny": ["rm -rf /*"]});
+    let victim = home.join("victim-pair");
+    std::fs::create_dir_all(&victim).unwrap();
+    let mcp = Mcp::start(&sshd, policy.clone(), true).await;
+    *mcp.client.answer.lock().unwrap() = ElicitationAction::Accept;
+    let cli_tmp = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(cli_tmp.path().join("home")).unwrap();
+    let list = sandbox_list(&sshd, &policy);
+    let requests: [(String, Option<&str>); 4] = [
+        ("echo same".into(), None),
+        (
+            format!("touch {}", home.join("pair-touched").display()),
+            None,
+        ),
+        (format!("bash -c 'rm -rf {}'", victim.display()), None),
+        ("printf 12345; exit 3".into(), Some("/tmp")),
+    ];
+    for (command, cwd) in &requests {
+        let mut args = json!({"command": command, "timeout_s": 10});
+        if let Some(c) = cwd {
+            args["cwd"] = json!(c);
+        }
+        let r = mcp.call("exec_bash", args).await;
+        let mut cli_args = vec!["exec", "-s", "s", "--yes"];
+        if let Some(c) = cwd {
+            cli_args.extend(["--cwd", c]);
+        }
+        cli_args.push(command);
+        let out = cli(cli_tmp.path(), &list, &[], &cli_args);
+        println!(
+            "{command}: mcp {} / cli exit {:?}",
+            r.text,
+            out.status.code()
+        );
+    }
+    assert!(victim.exists(), "the denied command ran");
+    let from_mcp = audit_shape(&mcp.tmp.path().join("state"));
+    let from_cli = audit_shape(&cli_tmp.path().join("state"));
+    assert_eq!(
+        from_mcp,
+        from_cli,
+        "mcp:\n{}\ncli:\n{}",
+        serde_json::to_string_pretty(&from_mcp).unwrap(),
+        serde_json::to_string_pretty(&from_cli).unwrap()
+    );
+    let policy_words: Vec<&Value> = from_mcp.iter().map(|l| &l["detail"]["policy"]).collect();
+    assert_eq!(
+        policy_words.iter().filter(|w| w.is_string()).count(),
+        2,
+        "one approval and one denial: {from_mcp:?}"
+    );
+    // Three commands ran: a start and an end line each, the last with its code and bytes.
+    let ends: Vec<&Value> = from_mcp.iter().filter(|l| l["event"] == "end").collect();
+    assert_eq!(ends.len(), 3, "{from_mcp:?}");
+    assert_eq!(ends[2]["exit_code"], 3);
+    assert_eq!(ends[2]["bytes"], 5);
+    assert_eq!(ends[2]["cwd"], "/tmp");
+    let _ = mcp.svc.cancel().await;
+}

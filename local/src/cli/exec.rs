@@ -49,102 +49,76 @@ pub fn exit_code(r: &ExecResult) -> u8 {
 pub async fn run(ctx: &Ctx, a: ExecArgs) -> u8 {
     let timeout_ms = a.timeout.unwrap_or(0).saturating_mul(1000);
     let command = super::command_line(&a.command);
-    let mut req =
-        match exec::build_request_ms(&command, a.cwd.as_deref(), timeout_ms, JSON_MAX_OUTPUT) {
-            Ok(r) => r,
-            Err(e) => return fail(ctx.json, &e),
-        };
-    let client = match ctx.client().await {
-        Ok(c) => c,
+    let req = match exec::build_request_ms(&command, a.cwd.as_deref(), timeout_ms, JSON_MAX_OUTPUT)
+    {
+        Ok(r) => r,
         Err(e) => return fail(ctx.json, &e),
     };
-    req.confine = client.confine().cloned();
-    let tool = if a.sudo {
-        "rsb exec --sudo"
-    } else {
-        "rsb exec"
+    let sandbox = match ctx.resolve() {
+        Ok(s) => s,
+        Err(e) => return fail(ctx.json, &e),
     };
     let checked = if a.sudo {
         rsb::policy::as_sudo(&command)
     } else {
         command.clone()
     };
-    // Piped stdin is forwarded (not under --sudo): a shell reading it runs what the policy
-    // never saw (`echo 'rm -rf /' | rsb exec sb bash`). A terminal is a person typing.
-    let forwarded = !a.sudo && !std::io::IsTerminal::is_terminal(&std::io::stdin());
-    if let Err(e) = super::policy::gate(
-        ctx,
-        client.sandbox(),
-        tool,
-        vec![("command", &checked)],
-        a.cwd.as_deref(),
-        a.yes,
-        forwarded,
-    )
-    .await
-    {
-        return fail(ctx.json, &e);
-    }
-    let started = rsb::audit::start(
-        ctx.app.config(),
-        client.sandbox(),
-        rsb::audit::Action {
-            origin: "cli".into(),
-            tool: "rsb exec".into(),
-            command: Some(command),
-            cwd: a.cwd.clone(),
-            ..Default::default()
+    let cmd = exec::Command {
+        sandbox: &sandbox,
+        tool: if a.sudo {
+            "rsb exec --sudo"
+        } else {
+            "rsb exec"
         },
-    );
-    let code = run_on(ctx, &client, req, &a).await;
-    started.end(|l| l.exit_code = Some(code.into()));
-    code
+        command,
+        checked: Some(vec![("command", checked)]),
+        cwd: a.cwd.as_deref(),
+        // Piped stdin is forwarded (not under --sudo): a shell reading it runs what the
+        // policy never saw (`echo 'rm -rf /' | rsb exec sb bash`). A terminal is a person
+        // typing.
+        stdin_forwarded: !a.sudo && !std::io::IsTerminal::is_terminal(&std::io::stdin()),
+    };
+    let caller = super::policy::caller(a.yes);
+    let r = exec::run_command(ctx.app.pool(), &caller, cmd, req, async |client, req| {
+        run_on(ctx, &client, req, &a).await
+    })
+    .await;
+    r.unwrap_or_else(|e| fail(ctx.json, &e))
 }
 
+/// Run and render `req`: through sudo, collected for `--json`, or streamed to the terminal;
+/// rsb's exit code and how the command ended.
 async fn run_on(
     ctx: &Ctx,
     client: &rsb::client::AgentClient,
     req: ExecRequest,
     a: &ExecArgs,
-) -> u8 {
+) -> Result<(u8, exec::Ran), rsb::error::RsbError> {
+    let confine = req.confine.clone();
+    let timeout_s = a.timeout.unwrap_or(0) as i64;
     if a.sudo {
         let Some(sb) = ctx.app.pool().sandbox_config(client.sandbox()) else {
-            return fail(
-                ctx.json,
-                &rsb::error::RsbError::internal("the sandbox has no config"),
-            );
+            return Err(rsb::error::RsbError::internal("the sandbox has no config"));
         };
-        return match exec::run_sudo(client, sb, req).await {
-            Ok(r) if ctx.json => {
-                print_json(&exec::reply(&r, a.timeout.unwrap_or(0) as i64));
-                exit_code(&r)
-            }
-            Ok(r) => {
-                use std::io::Write;
-                let _ = std::io::stdout().write_all(&rsb::ops::output::raw(&r.stdout));
-                let _ = std::io::stderr().write_all(&rsb::ops::output::raw(&r.stderr));
-                exit_code(&r)
-            }
-            Err(e) => fail(ctx.json, &e),
-        };
+        let r = exec::run_sudo(client, sb, req).await?;
+        if ctx.json {
+            print_json(&exec::reply(&r, timeout_s));
+        } else {
+            use std::io::Write;
+            let _ = std::io::stdout().write_all(&rsb::ops::output::raw(&r.stdout));
+            let _ = std::io::stderr().write_all(&rsb::ops::output::raw(&r.stderr));
+        }
+        return Ok((exit_code(&r), exec::Ran::of(&r, confine.as_ref())));
     }
     if ctx.json {
         // stdin is forwarded here too: `… | rsb --json exec -- wc -l` counts the input.
-        let confine = req.confine.clone();
         return match rsb::exec_stream::run_collected(client, req).await {
-            Ok(Ok(r)) => {
-                print_json(&exec::confined_reply(
-                    &r,
-                    a.timeout.unwrap_or(0) as i64,
-                    confine.as_ref(),
-                ));
-                exit_code(&r)
+            Ok(r) => {
+                let r = r?;
+                print_json(&exec::confined_reply(&r, timeout_s, confine.as_ref()));
+                Ok((exit_code(&r), exec::Ran::of(&r, confine.as_ref())))
             }
-            Ok(Err(e)) => fail(true, &e),
-            Err(rsb::exec_stream::Interrupted::Signal(sig)) => match sig {
-                2 => exit::INTERRUPTED,
-                s => (128 + s).clamp(0, 255) as u8,
-            },
+            Err(rsb::exec_stream::Interrupted::Signal(sig)) => Ok(interrupted(sig, false)),
         };
     }
     stream(client, req, a.tty, a.timeout.unwrap_or(0)).await
@@ -154,7 +128,7 @@ async fn run_on(
 /// terminal.
 pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u8 {
     // rsb's own string: the remote login shell, as a login shell (argv0 `-bash`).
-    let mut req = match exec::build_request_ms(
+    let req = match exec::build_request_ms(
         "exec -l \"${SHELL:-bash}\"",
         cwd.as_deref(),
         0,
@@ -163,60 +137,62 @@ pub async fn shell(ctx: &Ctx, sandbox: Option<String>, cwd: Option<String>) -> u
         Ok(r) => r,
         Err(e) => return fail(false, &e),
     };
-    let client = match sandbox {
+    let sandbox = match sandbox {
         Some(name) if !ctx.app.pool().names().contains(&name) => {
             return fail(false, &super::unknown_sandbox(ctx.app.pool(), &name));
         }
         Some(name) => {
             ctx.warnings_for(&[name.as_str()]);
-            ctx.app.pool().client(&name).await
+            name
         }
-        None => ctx.client().await,
+        None => match ctx.resolve() {
+            Ok(s) => s,
+            Err(e) => return fail(false, &e),
+        },
     };
     // As `ssh HOST`: a pty only when stdin is a terminal; otherwise the login shell reads its
     // commands from stdin (`rsb shell gpu1 <<< 'nvidia-smi'`), prints, and exits with its status
     // at EOF, instead of waiting on a pty for input that never comes.
     let tty = std::io::IsTerminal::is_terminal(&std::io::stdin());
-    let client = match client {
-        Ok(c) => c,
-        Err(e) => return fail(false, &e),
-    };
-    req.confine = client.confine().cloned();
-    // A person at a terminal types what they like (audited, not checked: the policy guards
-    // an agent's commands). Piped, the shell runs a script nobody saw: under a policy that
-    // counts as matching every rule, like `… | rsb exec sb bash`.
-    if !tty
-        && let Err(e) = super::policy::gate(
-            ctx,
-            client.sandbox(),
-            "rsb shell",
-            vec![("rsb shell", "bash -l")],
-            cwd.as_deref(),
-            false,
-            true,
-        )
-        .await
-    {
-        return fail(false, &e);
-    }
-    let started = rsb::audit::start(
-        ctx.app.config(),
-        client.sandbox(),
-        rsb::audit::Action {
-            origin: "cli".into(),
-            tool: "rsb shell".into(),
-            command: Some(if tty {
-                "(interactive login shell)".into()
-            } else {
-                "(login shell reading stdin)".into()
-            }),
-            cwd,
-            ..Default::default()
+    let cmd = exec::Command {
+        sandbox: &sandbox,
+        tool: "rsb shell",
+        command: if tty {
+            "(interactive login shell)".into()
+        } else {
+            "(login shell reading stdin)".into()
         },
-    );
-    let code = stream(&client, req, tty, 0).await;
-    started.end(|l| l.exit_code = Some(code.into()));
-    code
+        // A person at a terminal types what they like (audited, not checked: the policy
+        // guards an agent's commands). Piped, the shell runs a script nobody saw: under a
+        // policy that counts as matching every rule, like `… | rsb exec sb bash`.
+        checked: (!tty).then(|| vec![("rsb shell", "bash -l".to_string())]),
+        cwd: cwd.as_deref(),
+        stdin_forwarded: true,
+    };
+    let caller = super::policy::caller(false);
+    let r = exec::run_command(ctx.app.pool(), &caller, cmd, req, async |client, req| {
+        stream(&client, req, tty, 0).await
+    })
+    .await;
+    r.unwrap_or_else(|e| fail(false, &e))
+}
+
+/// rsb's exit code after the local side stopped the command on signal `sig` (its audit
+/// line's code too).
+fn interrupted(sig: i32, say: bool) -> (u8, exec::Ran) {
+    if say && sig != libc::SIGPIPE {
+        eprintln!("\r\nrsb: interrupted; the remote command was stopped");
+    }
+    // SIGINT (^C) is the table's 130; others are 128+N, as a shell reports them.
+    let code = match sig {
+        2 => exit::INTERRUPTED,
+        s => (128 + s).clamp(0, 255) as u8,
+    };
+    let ran = exec::Ran {
+        exit_code: Some(code.into()),
+        ..Default::default()
+    };
+    (code, ran)
 }
 
 /// Local stdin forwarded, output written live (on a pty with `tty`), the remote code returned.
@@ -225,7 +201,7 @@ async fn stream(
     req: ExecRequest,
     tty: bool,
     timeout_s: u64,
-) -> u8 {
+) -> Result<(u8, exec::Ran), rsb::error::RsbError> {
     let confine = req.confine.clone();
     match rsb::exec_stream::run(client, req, tty).await {
         Ok(Ok(r)) => {
@@ -247,18 +223,9 @@ async fn stream(
                         .join(", ")
                 );
             }
-            exit_code(&r)
+            Ok((exit_code(&r), exec::Ran::of(&r, confine.as_ref())))
         }
-        Ok(Err(e)) => fail(false, &e),
-        Err(rsb::exec_stream::Interrupted::Signal(sig)) => {
-            if sig != libc::SIGPIPE {
-                eprintln!("\r\nrsb: interrupted; the remote command was stopped");
-            }
-            // SIGINT (^C) is the table's 130; others are 128+N, as a shell reports them.
-            match sig {
-                2 => exit::INTERRUPTED,
-                s => (128 + s).clamp(0, 255) as u8,
-            }
-        }
+        Ok(Err(e)) => Err(e),
+        Err(rsb::exec_stream::Interrupted::Signal(sig)) => Ok(interrupted(sig, true)),
     }
 }

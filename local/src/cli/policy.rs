@@ -1,14 +1,27 @@
 //! The policy's `ask` on the command line: a y/N question on the terminal, `--yes` to
 //! approve without one, and a refusal where nobody can answer (no terminal).
 
-use std::io::{BufRead, IsTerminal, Write};
+use std::{
+    io::{BufRead, IsTerminal, Write},
+    sync::Arc,
+};
 
 use rsb::{
     error::RsbError,
+    ops::action::Caller,
     policy::{self, Answer},
 };
 
 use super::Ctx;
+
+/// The command line's side of an action ([`rsb::ops::action`]): origin `cli`, and the user
+/// asked on the terminal (or `--yes`).
+pub fn caller(yes: bool) -> Caller {
+    Caller::new(
+        "cli",
+        Arc::new(move |question| Box::pin(terminal(question, yes))),
+    )
+}
 
 /// Check `commands` of `tool` on `sandbox` against the policy; `Ok`: run them.
 /// `stdin_forwarded`: rsb's own stdin reaches the command (`rsb exec`, `rsb shell`, piped).

@@ -69,73 +69,46 @@ impl RsbServer {
             } else {
                 "exec_bash"
             };
-            // One sandbox for the whole call: the one the policy asks about is the one that
-            // runs it, whatever select_sandbox does while the user decides.
-            let sandbox = match self.app.pool().resolve(&p.sandbox_name) {
-                Ok(s) => s,
-                Err(e) => return fail(&e),
-            };
             let checked = if p.sudo {
                 crate::policy::as_sudo(&p.command)
             } else {
                 p.command.clone()
             };
-            if let Err(e) = super::policy::gate(
-                self,
-                &ctx,
-                &sandbox,
+            let cmd = exec::Command {
+                sandbox: &p.sandbox_name,
                 tool,
-                vec![("command", &checked)],
-                p.cwd.as_deref(),
-            )
-            .await
-            {
-                return fail(&e);
-            }
-            let client = match self.app.pool().client(&sandbox).await {
-                Ok(c) => c,
-                Err(e) => return fail(&e),
+                command: p.command.clone(),
+                checked: Some(vec![("command", checked)]),
+                cwd: p.cwd.as_deref(),
+                stdin_forwarded: false,
             };
-            req.confine = client.confine().cloned();
-            let confine = req.confine.clone();
-            let started = crate::audit::start(
-                self.app.config(),
-                client.sandbox(),
-                crate::audit::Action {
-                    origin: super::origin(&ctx),
-                    tool: tool.into(),
-                    command: Some(p.command.clone()),
-                    cwd: p.cwd.clone(),
-                    ..Default::default()
+            let pool = self.app.pool();
+            let out = exec::run_command(
+                pool,
+                &super::policy::caller(&ctx),
+                cmd,
+                req,
+                async |client, req| {
+                    let confine = req.confine.clone();
+                    let r = if p.sudo {
+                        match pool.sandbox_config(client.sandbox()) {
+                            Some(sb) => exec::run_sudo(&client, sb, req).await,
+                            None => Err(crate::error::RsbError::internal(
+                                "the sandbox has no config",
+                            )),
+                        }
+                    } else if streamed {
+                        client.call_streaming(req, wait::track(last.clone())).await
+                    } else {
+                        client.call(req).await
+                    }?;
+                    Ok((
+                        exec::confined_reply(&r, p.timeout_s, confine.as_ref()),
+                        exec::Ran::of(&r, confine.as_ref()),
+                    ))
                 },
-            );
-            let r = if p.sudo {
-                match self.app.pool().sandbox_config(client.sandbox()) {
-                    Some(sb) => exec::run_sudo(&client, sb, req).await,
-                    None => Err(crate::error::RsbError::internal(
-                        "the sandbox has no config",
-                    )),
-                }
-            } else if streamed {
-                client.call_streaming(req, wait::track(last.clone())).await
-            } else {
-                client.call(req).await
-            };
-            let exit_code = r.as_ref().ok().map(|r| exec::exit_status(r) as i64);
-            let bytes = r.as_ref().ok().map(|r| r.stdout.total + r.stderr.total);
-            let out = r.map(|r| exec::confined_reply(&r, p.timeout_s, confine.as_ref()));
-            started.end(|a| {
-                a.exit_code = exit_code;
-                a.bytes = bytes;
-                a.error = out.as_ref().err().map(|e| e.message.clone());
-                // A confined command that failed (most often a write the kernel denied), or
-                // one that ran unconfined: the line the reply carries.
-                a.detail = out
-                    .as_ref()
-                    .ok()
-                    .and_then(|o| o.confinement.as_ref())
-                    .map(|c| serde_json::json!({ "confinement": c }));
-            });
+            )
+            .await;
             reply(out)
         };
         let line = last.clone();

@@ -2,21 +2,35 @@
 //! accepts or declines. A client that did not declare elicitation cannot be asked, and the
 //! call is refused with a reply that says how to allow the command instead.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use rmcp::{
     RoleServer,
     model::{ElicitRequestParams, ElicitationAction, ElicitationSchema},
-    service::{ElicitationMode, RequestContext},
+    service::{ElicitationMode, Peer, RequestContext},
 };
 
 use crate::{
     error::RsbError,
+    ops::action::Caller,
     policy::{self, Answer},
 };
 
 /// How long a question may wait for the user; past it the command does not run.
 const ASK_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// This call's side of an action ([`crate::ops::action`]): its client as the origin, and the
+/// user asked through the client's elicitation.
+pub(super) fn caller(ctx: &RequestContext<RoleServer>) -> Caller {
+    let peer = ctx.peer.clone();
+    Caller::new(
+        super::origin(ctx),
+        Arc::new(move |question| {
+            let peer = peer.clone();
+            Box::pin(async move { ask(&peer, question).await })
+        }),
+    )
+}
 
 /// Check `commands` of a call to `tool` on `sandbox` against the policy, asking the user
 /// when a rule says so; `Ok`: run it.
@@ -36,7 +50,10 @@ pub(super) async fn gate(
         cwd,
         stdin_forwarded: false,
     };
-    policy::gate(server.app.config(), &req, |question| ask(ctx, question)).await
+    policy::gate(server.app.config(), &req, |question| {
+        ask(&ctx.peer, question)
+    })
+    .await
 }
 
 /// A sync call's `delete_extras` / `overwrite` through the policy's `ask_actions`
@@ -57,7 +74,7 @@ pub(super) async fn approve_sync(
         args,
         direction,
         &who,
-        |question| ask(ctx, question),
+        |question| ask(&ctx.peer, question),
         &ctx.ct,
     )
     .await
@@ -79,7 +96,10 @@ pub(super) async fn approve_action(
         action,
         what,
     };
-    policy::gate_action(server.app.config(), &req, |question| ask(ctx, question)).await
+    policy::gate_action(server.app.config(), &req, |question| {
+        ask(&ctx.peer, question)
+    })
+    .await
 }
 
 /// The commands among `fields` (parameter name, value; empty ones dropped) and those a
@@ -109,9 +129,8 @@ pub(super) fn commands_of(
     out
 }
 
-async fn ask(ctx: &RequestContext<RoleServer>, question: String) -> Answer {
-    if !ctx
-        .peer
+async fn ask(peer: &Peer<RoleServer>, question: String) -> Answer {
+    if !peer
         .supported_elicitation_modes()
         .contains(&ElicitationMode::Form)
     {
@@ -125,8 +144,7 @@ async fn ask(ctx: &RequestContext<RoleServer>, question: String) -> Answer {
         message: question,
         requested_schema: ElicitationSchema::new(Default::default()),
     };
-    match ctx
-        .peer
+    match peer
         .create_elicitation_with_timeout(params, Some(ASK_TIMEOUT))
         .await
     {

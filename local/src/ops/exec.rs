@@ -8,7 +8,8 @@ use crate::{
     client::AgentClient,
     config::SandboxConfig,
     error::{Kind, Result, RsbError},
-    ops::output::render,
+    ops::{action::Caller, output::render},
+    pool::Pool,
 };
 
 pub const DEFAULT_TIMEOUT_S: i64 = 120;
@@ -372,4 +373,89 @@ mod sudo_tests {
         assert!(SUDO_SCRIPT.starts_with("exec sudo -S -p '' -- "));
         assert!(SUDO_SCRIPT.contains("</dev/null"));
     }
+}
+
+/// A command on a sandbox as a front end asks for it (`exec_bash`, `rsb exec`, `rsb shell`).
+pub struct Command<'a> {
+    /// The sandbox as named (`""`: the active one); resolved once, so the sandbox the policy
+    /// asks about is the one that runs it, whatever `select_sandbox` does meanwhile.
+    pub sandbox: &'a str,
+    /// The tool or command, as the policy's questions and the audit name it.
+    pub tool: &'a str,
+    /// What runs, as the audit records it.
+    pub command: String,
+    /// What the policy checks, each with the parameter it came in; `None`: nothing to check
+    /// (a person typing at a terminal: audited, not gated).
+    pub checked: Option<Vec<(&'static str, String)>>,
+    pub cwd: Option<&'a str>,
+    /// The caller's stdin reaches the command (see [`crate::policy::Request`]).
+    pub stdin_forwarded: bool,
+}
+
+/// How a run ended, for its audit line.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Ran {
+    pub exit_code: Option<i64>,
+    pub bytes: Option<u64>,
+    /// rsb's confinement line (a confined command that failed, or one run unconfined).
+    pub detail: Option<serde_json::Value>,
+}
+
+impl Ran {
+    /// A finished command: its exit status (124 for a timeout, as the reply says), the bytes
+    /// it wrote, and the confinement line its reply carries.
+    pub fn of(r: &ExecResult, confine: Option<&rsb_protocol::Confine>) -> Ran {
+        Ran {
+            exit_code: Some(if r.timed_out { 124 } else { exit_status(r) }.into()),
+            bytes: Some(r.stdout.total + r.stderr.total),
+            detail: confinement_note(confine, r).map(|c| serde_json::json!({ "confinement": c })),
+        }
+    }
+}
+
+/// The one path of a command on a sandbox, for every front end: the sandbox resolved once,
+/// the policy's gate (its decision an audit line), the connection, the request confined as
+/// the sandbox says, the start line, `run` (which the front end shapes: captured, streamed to
+/// a terminal, through sudo), and the end line with how it ran or why it failed.
+pub async fn run_command<T>(
+    pool: &Pool,
+    caller: &Caller,
+    cmd: Command<'_>,
+    mut req: ExecRequest,
+    run: impl AsyncFnOnce(AgentClient, ExecRequest) -> Result<(T, Ran)>,
+) -> Result<T> {
+    let sandbox = pool.resolve(cmd.sandbox)?;
+    let config = pool.config();
+    if let Some(checked) = &cmd.checked {
+        let commands = checked.iter().map(|(k, c)| (*k, c.as_str())).collect();
+        caller
+            .gate(
+                config,
+                &sandbox,
+                cmd.tool,
+                commands,
+                cmd.cwd,
+                cmd.stdin_forwarded,
+            )
+            .await?;
+    }
+    let client = pool.client(&sandbox).await?;
+    req.confine = client.confine().cloned();
+    let started = caller.start(
+        config,
+        &sandbox,
+        cmd.tool,
+        Some(cmd.command),
+        cmd.cwd.map(str::to_string),
+    );
+    let r = run(client, req).await;
+    started.end(|a| match &r {
+        Ok((_, ran)) => {
+            a.exit_code = ran.exit_code;
+            a.bytes = ran.bytes;
+            a.detail = ran.detail.clone();
+        }
+        Err(e) => a.error = Some(e.message.clone()),
+    });
+    r.map(|(t, _)| t)
 }

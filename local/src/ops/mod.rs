@@ -1,6 +1,7 @@
 //! What each capability means to a user, independent of how it is asked for: the MCP tools and
 //! the CLI both call these, so validation, defaults and reply shapes exist once.
 
+pub mod action;
 pub mod edit;
 pub mod exec;
 pub mod forward;

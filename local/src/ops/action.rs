@@ -1,0 +1,101 @@
+//! What every front end's action shares: who asks (its origin) and how the user is asked (MCP
+//! elicitation, the terminal's y/N) come from the front end as a [`Caller`]; the policy's gate
+//! and the audit's lines are taken here, once, so `exec_bash` and `rsb exec` decide and record
+//! the same request the same way.
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+
+use crate::{
+    audit,
+    config::Config,
+    error::Result,
+    policy::{self, Answer},
+};
+
+/// Puts a policy question to the user and waits for the answer.
+pub type Ask = Arc<dyn Fn(String) -> BoxFuture<'static, Answer> + Send + Sync>;
+
+/// The front end's part of an action.
+#[derive(Clone)]
+pub struct Caller {
+    /// `mcp:<client>` or `cli`, as the audit and the policy's questions name it.
+    pub origin: String,
+    pub ask: Ask,
+}
+
+impl Caller {
+    pub fn new(origin: impl Into<String>, ask: Ask) -> Caller {
+        Caller {
+            origin: origin.into(),
+            ask,
+        }
+    }
+
+    /// Check `commands` of `tool` on `sandbox` against its policy, asking the user when a
+    /// rule says so (the decision is an audit line); `Ok`: run them.
+    pub async fn gate(
+        &self,
+        config: &Config,
+        sandbox: &str,
+        tool: &str,
+        commands: Vec<(&str, &str)>,
+        cwd: Option<&str>,
+        stdin_forwarded: bool,
+    ) -> Result<()> {
+        let req = policy::Request {
+            sandbox,
+            origin: self.origin.clone(),
+            tool,
+            commands,
+            cwd,
+            stdin_forwarded,
+        };
+        let ask = self.ask.clone();
+        policy::gate(config, &req, move |q| ask(q)).await
+    }
+
+    /// One of rsb's own destructive actions through the policy's `ask_actions`; `Ok`: do it.
+    pub async fn approve(
+        &self,
+        config: &Config,
+        sandbox: &str,
+        tool: &str,
+        action: policy::Action,
+        what: String,
+    ) -> Result<()> {
+        let req = policy::ActionRequest {
+            sandbox,
+            origin: self.origin.clone(),
+            tool,
+            action,
+            what,
+        };
+        let ask = self.ask.clone();
+        policy::gate_action(config, &req, move |q| ask(q)).await
+    }
+
+    /// The start line of an action that runs a while; its end line is written by
+    /// [`audit::Started::end`] (a start dropped unended writes one that says so).
+    pub fn start<'a>(
+        &self,
+        config: &'a Config,
+        sandbox: &str,
+        tool: &str,
+        command: Option<String>,
+        cwd: Option<String>,
+    ) -> audit::Started<'a> {
+        audit::start(
+            config,
+            sandbox,
+            audit::Action {
+                origin: self.origin.clone(),
+                tool: tool.into(),
+                command,
+                cwd,
+                ..Default::default()
+            },
+        )
+    }
+}
