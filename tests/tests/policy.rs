@@ -1061,7 +1061,7 @@ async fn sudo_calls_meet_rules_that_name_sudo() {
 }
 
 /// The audit lines under `state/audit`, in order, without what differs by front end or by run
-/// (origin, tool, times, ids, duration, host key data).
+/// (origin, tool, times, ids, duration, host data, a started job's pid).
 fn audit_shape(state: &Path) -> Vec<Value> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(state.join("audit"))
         .into_iter()
@@ -1073,7 +1073,10 @@ fn audit_shape(state: &Path) -> Vec<Value> {
     let mut out = Vec::new();
     for f in files {
         for l in std::fs::read_to_string(f).unwrap().lines() {
-            let v: Value = serde_json::from_str(l).unwrap();
+            let mut v: Value = serde_json::from_str(l).unwrap();
+            if let Some(d) = v["detail"].as_object_mut() {
+                d.remove("pid");
+            }
             out.push(json!({
                 "sandbox": v["sandbox"], "event": v["event"], "command": v["command"],
                 "cwd": v["cwd"], "exit_code": v["exit_code"], "bytes": v["bytes"],
@@ -1148,5 +1151,73 @@ async fn exec_bash_and_rsb_exec_decide_and_audit_a_request_alike() {
     assert_eq!(ends[2]["exit_code"], 3);
     assert_eq!(ends[2]["bytes"], 5);
     assert_eq!(ends[2]["cwd"], "/tmp");
+    let _ = mcp.svc.cancel().await;
+}
+
+/// Issue 45 step 4, the job tools: `exec_bash_background` and `rsb jobs start --yes` decide
+/// and audit the same requests alike (one line each: the command, the policy's word, the
+/// reply's numbers or the error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exec_bash_background_and_rsb_jobs_start_decide_and_audit_alike() {
+    let sshd = Sshd::start().unwrap();
+    let home = sshd.home().to_path_buf();
+    let policy = json!({"ask": ["touch *"], "deny": ["rm -rf /*"]});
+    let victim = home.join("victim-jobs");
+    std::fs::create_dir_all(&victim).unwrap();
+    let mcp = Mcp::start(&sshd, policy.clone(), true).await;
+    *mcp.client.answer.lock().unwrap() = ElicitationAction::Accept;
+    let cli_tmp = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(cli_tmp.path().join("home")).unwrap();
+    let list = sandbox_list(&sshd, &policy);
+    let requests: [(String, Option<&str>); 3] = [
+        ("sleep 0.1".into(), Some("/tmp")),
+        (
+            format!("touch {}", home.join("jobs-touched").display()),
+            None,
+        ),
+        (format!("rm -rf {}", victim.display()), None),
+    ];
+    for (command, cwd) in &requests {
+        // `rsb jobs start` registers no watch; the tool does unless told not to.
+        let mut args = json!({"command": command, "watch": false});
+        if let Some(c) = cwd {
+            args["cwd"] = json!(c);
+        }
+        let r = mcp.call("exec_bash_background", args).await;
+        let mut cli_args = vec!["jobs", "start", "-s", "s", "--yes"];
+        if let Some(c) = cwd {
+            cli_args.extend(["--cwd", c]);
+        }
+        cli_args.push(command);
+        let out = cli(cli_tmp.path(), &list, &[], &cli_args);
+        println!(
+            "{command}: mcp {} / cli exit {:?} {}",
+            r.text,
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert!(victim.exists(), "the denied job ran");
+    let from_mcp = audit_shape(&mcp.tmp.path().join("state"));
+    let from_cli = audit_shape(&cli_tmp.path().join("state"));
+    assert_eq!(
+        from_mcp,
+        from_cli,
+        "mcp:\n{}\ncli:\n{}",
+        serde_json::to_string_pretty(&from_mcp).unwrap(),
+        serde_json::to_string_pretty(&from_cli).unwrap()
+    );
+    // An approval and a denial, and two started jobs with their line each.
+    let words: Vec<&str> = from_mcp
+        .iter()
+        .filter_map(|l| l["detail"]["policy"].as_str())
+        .collect();
+    assert_eq!(words, ["approved", "deny"], "{from_mcp:?}");
+    let started: Vec<&Value> = from_mcp
+        .iter()
+        .filter(|l| l["detail"]["status"].is_string())
+        .collect();
+    assert_eq!(started.len(), 2, "{from_mcp:?}");
+    assert_eq!(started[0]["cwd"], "/tmp");
     let _ = mcp.svc.cancel().await;
 }

@@ -7,7 +7,7 @@ use rsb::slurm::poll::FRESH;
 use rsb::{
     client::AgentClient,
     error::{Kind, RsbError},
-    ops::{exec, jobs},
+    ops::{action::Act, exec, jobs},
 };
 use rsb_protocol::{ErrorCode, JobEventsRequest, JobListRequest, JobState};
 
@@ -202,120 +202,26 @@ async fn kill_audited(
 }
 
 pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
+    let json = ctx.json;
+    // A start is checked against the policy before anything connects.
+    if let JobsCmd::Start {
+        name,
+        cwd,
+        log,
+        yes,
+        slurm,
+        command,
+    } = cmd
+    {
+        return start(ctx, name, cwd, log, yes, slurm, command).await;
+    }
     let client = match ctx.client().await {
         Ok(c) => c,
         Err(e) => return fail(ctx.json, &e),
     };
-    let json = ctx.json;
     let on_slurm = ctx.app.pool().slurm(client.sandbox()).is_some();
     match cmd {
-        JobsCmd::Start {
-            name,
-            cwd,
-            log,
-            yes,
-            slurm,
-            command,
-        } => {
-            let line = super::command_line(&command);
-            if let Err(e) = super::policy::gate(
-                ctx,
-                client.sandbox(),
-                "rsb jobs start",
-                vec![("command", &line)],
-                cwd.as_deref(),
-                yes,
-                false,
-            )
-            .await
-            {
-                return fail(json, &e);
-            }
-            if let Some(defaults) = ctx.app.pool().slurm(client.sandbox()) {
-                let t0 = std::time::Instant::now();
-                let names = (name.as_deref(), log.as_deref(), cwd.as_deref());
-                let r = start_slurm(ctx, &client, &defaults, slurm.as_deref(), &line, names).await;
-                audit(
-                    ctx,
-                    &client,
-                    "rsb jobs start",
-                    Some(line),
-                    cwd,
-                    t0,
-                    r.as_ref().err(),
-                );
-                return match r {
-                    Ok(v) if json => {
-                        print_json(&v);
-                        exit::OK
-                    }
-                    Ok(v) => {
-                        let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
-                        println!("{}", shown(&s("tmux_session")));
-                        eprintln!(
-                            "rsb: submitted to Slurm on {} (job {}); log: {}",
-                            client.sandbox(),
-                            shown(&s("slurm_job_id")),
-                            shown(&s("log_file"))
-                        );
-                        exit::OK
-                    }
-                    Err(e) => fail(json, &e),
-                };
-            }
-            if slurm.is_some() {
-                let e = RsbError::invalid(
-                    format!(
-                        "sandbox '{}' is not a Slurm login node, so --slurm does not apply",
-                        client.sandbox()
-                    ),
-                    "declare it with scheduler = \"slurm\" in the config, or drop --slurm",
-                );
-                return fail(json, &e);
-            }
-            let t0 = std::time::Instant::now();
-            let r = jobs::start(
-                &client,
-                &line,
-                (
-                    name.as_deref().unwrap_or(""),
-                    log.as_deref().unwrap_or(""),
-                    cwd.as_deref().unwrap_or(""),
-                ),
-                client.confine().cloned(),
-            )
-            .await;
-            audit(
-                ctx,
-                &client,
-                "rsb jobs start",
-                Some(line),
-                cwd,
-                t0,
-                r.as_ref().err(),
-            );
-            match r {
-                Ok(s) if json => {
-                    print_json(&s);
-                    exit::OK
-                }
-                Ok(s) => {
-                    println!("{}", shown(&s.tmux_session));
-                    eprintln!(
-                        "rsb: started on {} ({}, pid {}); log: {}",
-                        s.sandbox,
-                        s.runner,
-                        s.pid,
-                        shown(&s.log_file)
-                    );
-                    if let Some(note) = &s.note {
-                        eprintln!("rsb: {note}");
-                    }
-                    exit::OK
-                }
-                Err(e) => fail(json, &e),
-            }
-        }
+        JobsCmd::Start { .. } => unreachable!("started above"),
         JobsCmd::List if ctx.app.pool().slurm(client.sandbox()).is_some() => {
             match rsb::ops::slurm::jobs::list(&client).await {
                 Ok(l) if json => {
@@ -420,41 +326,88 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
 
 /// `rsb jobs start` on a Slurm login node: submitted through sbatch by the same op as
 /// `exec_bash_background`, with `--slurm`'s options over the sandbox's defaults.
-async fn start_slurm(
+/// `rsb jobs start`: one [`Act`] (the sandbox resolved once, the policy, one audit line) around
+/// the job tools' launch ([`rsb::ops::slurm::jobs::start_any`]), then the job's name on
+/// stdout and where it runs on stderr.
+async fn start(
     ctx: &Ctx,
-    client: &AgentClient,
-    defaults: &rsb::ops::slurm::SlurmOptions,
-    slurm: Option<&str>,
-    line: &str,
-    (name, log, cwd): (Option<&str>, Option<&str>, Option<&str>),
-) -> Result<serde_json::Value, RsbError> {
-    let job: rsb::ops::slurm::SlurmOptions = match slurm {
-        Some(s) => serde_json::from_str(s).map_err(|e| {
-            RsbError::invalid(
+    name: Option<String>,
+    cwd: Option<String>,
+    log: Option<String>,
+    yes: bool,
+    slurm: Option<String>,
+    command: Vec<String>,
+) -> u8 {
+    let json = ctx.json;
+    let job: Option<rsb::ops::slurm::SlurmOptions> = match slurm
+        .as_deref()
+        .map(serde_json::from_str)
+    {
+        None => None,
+        Some(Ok(o)) => Some(o),
+        Some(Err(e)) => {
+            let e = RsbError::invalid(
                 format!("--slurm is not valid: {e}"),
                 "pass a JSON object such as '{\"partition\": \"gpu\", \"gpus\": 1, \"time\": \"2:00:00\"}'",
-            )
-        })?,
-        None => Default::default(),
+            );
+            return fail(json, &e);
+        }
     };
-    let agent = ctx
-        .app
-        .pool()
-        .agent_path(client.sandbox())
-        .ok_or_else(|| RsbError::internal("the agent's path on the login node is not known"))?;
-    rsb::ops::slurm::jobs::start(
-        ctx.app.pool(),
-        client,
-        &agent,
-        defaults,
-        &job,
-        line,
-        name.unwrap_or(""),
-        log.unwrap_or(""),
-        cwd.unwrap_or(""),
-        &[],
-    )
-    .await
+    let sandbox = match ctx.resolve() {
+        Ok(s) => s,
+        Err(e) => return fail(json, &e),
+    };
+    let line = super::command_line(&command);
+    let act = Act {
+        sandbox: &sandbox,
+        tool: "rsb jobs start",
+        command: Some(line.clone()),
+        cwd: cwd.clone(),
+        checked: vec![("command", line.clone())],
+    };
+    let pool = ctx.app.pool();
+    let names = (
+        name.as_deref().unwrap_or(""),
+        log.as_deref().unwrap_or(""),
+        cwd.as_deref().unwrap_or(""),
+    );
+    let r = super::policy::caller(yes)
+        .act(pool, act, async |sandbox| {
+            let client = pool.client(&sandbox).await?;
+            rsb::ops::slurm::jobs::start_any(pool, &client, job.as_ref(), false, &line, names)
+                .await
+                .map(|l| l.reply)
+        })
+        .await;
+    let v = match r {
+        Ok(v) => v,
+        Err(e) => return fail(json, &e),
+    };
+    if json {
+        print_json(&v);
+        return exit::OK;
+    }
+    let s = |k: &str| v[k].as_str().unwrap_or_default().to_string();
+    println!("{}", shown(&s("tmux_session")));
+    if v.get("slurm_job_id").is_some() {
+        eprintln!(
+            "rsb: submitted to Slurm on {sandbox} (job {}); log: {}",
+            shown(&s("slurm_job_id")),
+            shown(&s("log_file"))
+        );
+    } else {
+        eprintln!(
+            "rsb: started on {} ({}, pid {}); log: {}",
+            s("sandbox"),
+            s("runner"),
+            v["pid"],
+            shown(&s("log_file"))
+        );
+        if !s("note").is_empty() {
+            eprintln!("rsb: {}", s("note"));
+        }
+    }
+    exit::OK
 }
 
 /// `rsb jobs list` on a Slurm login node: the common columns, then Slurm's.

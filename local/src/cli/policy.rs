@@ -23,28 +23,6 @@ pub fn caller(yes: bool) -> Caller {
     )
 }
 
-/// Check `commands` of `tool` on `sandbox` against the policy; `Ok`: run them.
-/// `stdin_forwarded`: rsb's own stdin reaches the command (`rsb exec`, `rsb shell`, piped).
-pub async fn gate(
-    ctx: &Ctx,
-    sandbox: &str,
-    tool: &str,
-    commands: Vec<(&str, &str)>,
-    cwd: Option<&str>,
-    yes: bool,
-    stdin_forwarded: bool,
-) -> Result<(), RsbError> {
-    let req = policy::Request {
-        sandbox,
-        origin: "cli".into(),
-        tool,
-        commands,
-        cwd,
-        stdin_forwarded,
-    };
-    policy::gate(ctx.app.config(), &req, |question| terminal(question, yes)).await
-}
-
 /// One of rsb's own destructive actions through the policy's `ask_actions`; `Ok`: do it.
 pub async fn approve_action(
     ctx: &Ctx,

@@ -11,7 +11,7 @@ use serde::Deserialize;
 use super::{RsbServer, ToolResult, fail, reply, wait, with_progress_msg};
 use crate::{
     error::RsbError,
-    ops::{jobs, slurm, watchdog as wops},
+    ops::{action::Act, jobs, slurm, watchdog as wops},
     watchdog::settings,
 };
 
@@ -267,26 +267,10 @@ impl RsbServer {
     )]
     async fn exec_bash_background(
         &self,
-        Parameters(mut p): Parameters<ExecBackgroundParams>,
+        Parameters(p): Parameters<ExecBackgroundParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let sandbox = self.app.pool().pin(&mut p.sandbox_name);
-        let mut action = crate::audit::Action {
-            origin: super::origin(&ctx),
-            tool: "exec_bash_background".into(),
-            command: Some(p.command.clone()),
-            cwd: (!p.cwd.is_empty()).then(|| p.cwd.clone()),
-            ..Default::default()
-        };
-        if let Err(e) = self.gate_background(&ctx, &p, "exec_bash_background").await {
-            return fail(&e);
-        }
-        let r = self.start_background(p).await;
-        if let Err(e) = &r {
-            action.error = Some(e.message.clone());
-        }
-        crate::audit::record(self.app.config(), &sandbox, &action);
-        reply(r)
+        reply(self.background(&ctx, p, "exec_bash_background").await)
     }
 
     #[tool(
@@ -460,21 +444,17 @@ impl RsbServer {
 }
 
 impl RsbServer {
-    /// Start a background job and, with `watch`, register its watch: validation first (nothing
-    /// starts on a bad call), then the launch, then the registration.
-    /// The policy over every command a background call would have the sandbox run: the
-    /// job's, its resume and checkpoint commands (the plan's too).
-    pub(super) async fn gate_background(
+    /// `exec_bash_background` and `exec_bash_background_watch`: one [`Act`] (the sandbox
+    /// resolved once; the policy over every command the call would have the sandbox run: the
+    /// job's, its resume and checkpoint commands, the plan's too; one audit line), then
+    /// [`RsbServer::start_background`].
+    pub(super) async fn background(
         &self,
         ctx: &RequestContext<RoleServer>,
-        p: &ExecBackgroundParams,
+        p: ExecBackgroundParams,
         tool: &str,
-    ) -> Result<(), RsbError> {
-        let Ok(sandbox) = self.app.pool().resolve(&p.sandbox_name) else {
-            // start_background reports the unknown sandbox.
-            return Ok(());
-        };
-        let commands = super::policy::commands_of(
+    ) -> Result<serde_json::Value, RsbError> {
+        let checked = super::policy::commands_of(
             &[
                 ("command", &p.command),
                 ("resume_command", &p.resume_command),
@@ -482,37 +462,56 @@ impl RsbServer {
             ],
             &p.resume_plan_json,
         );
-        let cwd = (!p.cwd.is_empty()).then_some(p.cwd.as_str());
-        super::policy::gate(
-            self,
-            ctx,
-            &sandbox,
+        let named = p.sandbox_name.clone();
+        let act = Act {
+            sandbox: &named,
             tool,
-            commands.iter().map(|(k, c)| (*k, c.as_str())).collect(),
-            cwd,
-        )
-        .await
+            command: Some(p.command.clone()),
+            cwd: (!p.cwd.is_empty()).then(|| p.cwd.clone()),
+            checked,
+        };
+        super::policy::caller(ctx)
+            .act(self.app.pool(), act, async |sandbox| {
+                self.start_background(p, sandbox).await
+            })
+            .await
     }
 
-    pub(super) async fn start_background(
+    /// Start a background job on `sandbox` and, with `watch`, register its watch: validation
+    /// first (nothing starts on a bad call), then the launch, then the registration.
+    async fn start_background(
         &self,
         p: ExecBackgroundParams,
+        sandbox: String,
     ) -> Result<serde_json::Value, RsbError> {
         let hooks = !p.watch || settings::hooks_allowed();
         let prepared = wops::prepare(&p.watch_args(), hooks, true)?;
-        let sandbox = self.app.pool().resolve(&p.sandbox_name)?;
-        let client = self.app.pool().client(&sandbox).await?;
-        if let Some(defaults) = self.app.pool().slurm(&sandbox) {
-            let (v, cwd, options) = self.start_slurm(&client, &defaults, &p).await?;
-            let mut nw = prepared;
+        let pool = self.app.pool();
+        let client = pool.client(&sandbox).await?;
+        let launched = slurm::jobs::start_any(
+            pool,
+            &client,
+            p.slurm.as_ref(),
+            prepared.resume_plan.contains_key("slurm"),
+            &p.command,
+            (&p.session_name, &p.log_file, &p.cwd),
+        )
+        .await?;
+        let v = launched.reply;
+        let (name, log) = (
+            v["tmux_session"].as_str().unwrap_or_default().to_string(),
+            v["log_file"].as_str().unwrap_or_default().to_string(),
+        );
+        let mut nw = prepared;
+        if let Some(options) = launched.slurm {
             // The resume resubmits with the same options (the plan's own, when it has them).
             nw.resume_plan
                 .entry("slurm")
                 .or_insert_with(|| serde_json::to_value(options).unwrap_or_default());
-            let (name, log) = (
-                v["tmux_session"].as_str().unwrap_or_default().to_string(),
-                v["log_file"].as_str().unwrap_or_default().to_string(),
-            );
+            let cwd = match p.watch {
+                true => slurm::jobs::cwd_of(&client, &name).await,
+                false => String::new(),
+            };
             let v = self
                 .register_watch(v, &p, nw, sandbox.clone(), &name, &log, &cwd)
                 .await?;
@@ -524,23 +523,6 @@ impl RsbServer {
             }
             return Ok(v);
         }
-        if p.slurm.is_some() || prepared.resume_plan.contains_key("slurm") {
-            return Err(RsbError::invalid(
-                format!(
-                    "sandbox '{sandbox}' is not a Slurm login node, so 'slurm' options (or a resume plan's) do not apply"
-                ),
-                "declare it with scheduler = \"slurm\" in the config, or drop the slurm parameter",
-            ));
-        }
-        let started = jobs::start(
-            &client,
-            &p.command,
-            (&p.session_name, &p.log_file, &p.cwd),
-            client.confine().cloned(),
-        )
-        .await?;
-        let v = serde_json::to_value(&started).unwrap_or_default();
-        let (name, log, started_ms) = (started.tmux_session, started.log_file, started.started_ms);
         // The job's resolved cwd (where a relative checkpoint_path lives).
         let cwd = if !p.watch {
             String::new()
@@ -557,10 +539,11 @@ impl RsbServer {
             }
         };
         let v = self
-            .register_watch(v, &p, prepared, sandbox.clone(), &name, &log, &cwd)
+            .register_watch(v, &p, nw, sandbox.clone(), &name, &log, &cwd)
             .await?;
         // Its end is pushed from the agent's stream, watched or not.
         let watch_id = v["watch_id"].as_i64().unwrap_or(0);
+        let started_ms = launched.started_ms.unwrap_or_default();
         self.followed.job(&sandbox, &name, started_ms, watch_id);
         Ok(v)
     }
@@ -600,41 +583,6 @@ impl RsbServer {
             Err(e) => v["watch_error"] = serde_json::json!(format!("{} ({})", e.message, e.hint)),
         }
         Ok(v)
-    }
-
-    /// `exec_bash_background` on a Slurm login node: submitted through sbatch. Returns the
-    /// reply, the job's resolved cwd and its options over the sandbox's defaults.
-    async fn start_slurm(
-        &self,
-        client: &crate::client::AgentClient,
-        defaults: &slurm::SlurmDefaults,
-        p: &ExecBackgroundParams,
-    ) -> Result<(serde_json::Value, String, slurm::SlurmOptions), RsbError> {
-        let agent = self
-            .app
-            .pool()
-            .agent_path(client.sandbox())
-            .ok_or_else(|| RsbError::internal("the agent's path on the login node is not known"))?;
-        let job = p.slurm.clone().unwrap_or_default();
-        let v = slurm::jobs::start(
-            self.app.pool(),
-            client,
-            &agent,
-            defaults,
-            &job,
-            &p.command,
-            &p.session_name,
-            &p.log_file,
-            &p.cwd,
-            &[],
-        )
-        .await?;
-        let name = v["tmux_session"].as_str().unwrap_or_default();
-        let cwd = match p.watch {
-            true => slurm::jobs::cwd_of(client, name).await,
-            false => String::new(),
-        };
-        Ok((v, cwd, job.over(defaults)))
     }
 
     /// Cancel the active watches of a job, if the store exists; never fails the caller.

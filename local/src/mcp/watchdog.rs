@@ -377,15 +377,7 @@ impl RsbServer {
             stall_after_s: p.stall_after_s,
             slurm: p.slurm,
         };
-        let mut q = q;
-        self.app.pool().pin(&mut q.sandbox_name);
-        if let Err(e) = self
-            .gate_background(&ctx, &q, "exec_bash_background_watch")
-            .await
-        {
-            return fail(&e);
-        }
-        reply(self.start_background(q).await)
+        reply(self.background(&ctx, q, "exec_bash_background_watch").await)
     }
 
     #[tool(description = "List registered watchdog watches, newest first.")]

@@ -12,10 +12,25 @@ use crate::{
     config::Config,
     error::Result,
     policy::{self, Answer},
+    pool::Pool,
 };
 
 /// Puts a policy question to the user and waits for the answer.
 pub type Ask = Arc<dyn Fn(String) -> BoxFuture<'static, Answer> + Send + Sync>;
+
+/// An action that is one audit line (a job started, a job killed), as a front end asks for it.
+pub struct Act<'a> {
+    /// The sandbox as named (`""`: the active one); resolved once, for the gate, the action
+    /// and its line alike.
+    pub sandbox: &'a str,
+    /// The tool or command, as the policy's questions and the audit name it.
+    pub tool: &'a str,
+    /// What the audit records as the command.
+    pub command: Option<String>,
+    pub cwd: Option<String>,
+    /// What the policy checks, each with the parameter it came in (none: nothing to check).
+    pub checked: Vec<(&'static str, String)>,
+}
 
 /// The front end's part of an action.
 #[derive(Clone)]
@@ -74,6 +89,51 @@ impl Caller {
         };
         let ask = self.ask.clone();
         policy::gate_action(config, &req, move |q| ask(q)).await
+    }
+
+    /// The one path of an [`Act`]: its sandbox resolved once, the gate, `run` on that sandbox,
+    /// and one audit line with the duration and the reply's numbers or the error.
+    pub async fn act<T: serde::Serialize>(
+        &self,
+        pool: &Pool,
+        act: Act<'_>,
+        run: impl AsyncFnOnce(String) -> Result<T>,
+    ) -> Result<T> {
+        let sandbox = pool.resolve(act.sandbox)?;
+        let config = pool.config();
+        if !act.checked.is_empty() {
+            let commands = act.checked.iter().map(|(k, c)| (*k, c.as_str())).collect();
+            self.gate(
+                config,
+                &sandbox,
+                act.tool,
+                commands,
+                act.cwd.as_deref(),
+                false,
+            )
+            .await?;
+        }
+        let t0 = std::time::Instant::now();
+        let r = run(sandbox.clone()).await;
+        audit::record(
+            config,
+            &sandbox,
+            &audit::Action {
+                origin: self.origin.clone(),
+                tool: act.tool.into(),
+                command: act.command,
+                cwd: act.cwd,
+                duration_ms: Some(t0.elapsed().as_millis() as u64),
+                error: r.as_ref().err().map(|e| e.message.clone()),
+                detail: r
+                    .as_ref()
+                    .ok()
+                    .and_then(|v| serde_json::to_value(v).ok())
+                    .and_then(|v| audit::reply_summary(&v)),
+                ..Default::default()
+            },
+        );
+        r
     }
 
     /// The start line of an action that runs a while; its end line is written by

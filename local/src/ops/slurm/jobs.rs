@@ -292,6 +292,72 @@ async fn pending_reply(
     Ok(Value::Object(m))
 }
 
+/// What [`start_any`] started.
+#[derive(Debug, Clone)]
+pub struct Launched {
+    /// The tools' reply (the job's name, log, runner; `slurm_job_id` for a Slurm job).
+    pub reply: Value,
+    /// Submitted to Slurm: the options it went with (the job's over the sandbox's defaults),
+    /// which a resume resubmits with.
+    pub slurm: Option<SlurmOptions>,
+    /// Started by the agent: when the run began (ms, the host's clock), which tells its end
+    /// from another run's of the same name.
+    pub started_ms: Option<u64>,
+}
+
+/// Start `command` as a background job on `client`'s sandbox, the one path of
+/// `exec_bash_background` and `rsb jobs start`: through sbatch on a Slurm login node (the
+/// sandbox's defaults under the job's `job` options), else the agent's wrapper, confined as
+/// the sandbox says. `job` (or `slurm_asked`, a resume plan's own options) on a sandbox that is
+/// not a login node is an error before anything starts.
+pub async fn start_any(
+    pool: &crate::pool::Pool,
+    client: &AgentClient,
+    job: Option<&SlurmOptions>,
+    slurm_asked: bool,
+    command: &str,
+    (name, log, cwd): (&str, &str, &str),
+) -> Result<Launched> {
+    let sandbox = client.sandbox();
+    if let Some(defaults) = pool.slurm(sandbox) {
+        let agent = pool
+            .agent_path(sandbox)
+            .ok_or_else(|| RsbError::internal("the agent's path on the login node is not known"))?;
+        let job = job.cloned().unwrap_or_default();
+        let reply = start(
+            pool,
+            client,
+            &agent,
+            &defaults,
+            &job,
+            command,
+            name,
+            log,
+            cwd,
+            &[],
+        )
+        .await?;
+        return Ok(Launched {
+            reply,
+            slurm: Some(job.over(&defaults)),
+            started_ms: None,
+        });
+    }
+    if job.is_some() || slurm_asked {
+        return Err(RsbError::invalid(
+            format!("sandbox '{sandbox}' is not a Slurm login node, so Slurm options do not apply"),
+            "declare it with scheduler = \"slurm\" in the config, or drop the Slurm options",
+        ));
+    }
+    let started =
+        ojobs::start(client, command, (name, log, cwd), client.confine().cloned()).await?;
+    Ok(Launched {
+        reply: serde_json::to_value(&started).unwrap_or_default(),
+        slurm: None,
+        started_ms: Some(started.started_ms),
+    })
+}
+
 /// Stop the job `name` on `client`'s sandbox, the one path of `kill_background_task` and
 /// `rsb jobs kill`: on a Slurm login node (`slurm`), a job with a Slurm id on record is
 /// cancelled through scancel (its processes run on a compute node the agent cannot reach);
