@@ -1061,7 +1061,7 @@ async fn sudo_calls_meet_rules_that_name_sudo() {
 }
 
 /// The audit lines under `state/audit`, in order, without what differs by front end or by run
-/// (origin, tool, times, ids, duration, host data, a started job's pid).
+/// (origin, tool, times, ids, durations, host data, a started job's pid).
 fn audit_shape(state: &Path) -> Vec<Value> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(state.join("audit"))
         .into_iter()
@@ -1076,6 +1076,7 @@ fn audit_shape(state: &Path) -> Vec<Value> {
             let mut v: Value = serde_json::from_str(l).unwrap();
             if let Some(d) = v["detail"].as_object_mut() {
                 d.remove("pid");
+                d.remove("duration_s");
             }
             out.push(json!({
                 "sandbox": v["sandbox"], "event": v["event"], "command": v["command"],
@@ -1154,14 +1155,15 @@ async fn exec_bash_and_rsb_exec_decide_and_audit_a_request_alike() {
     let _ = mcp.svc.cancel().await;
 }
 
-/// Issue 45 step 4, the job tools: `exec_bash_background` and `rsb jobs start --yes` decide
-/// and audit the same requests alike (one line each: the command, the policy's word, the
-/// reply's numbers or the error).
+/// Issue 45 step 4, the job tools: `exec_bash_background` and `rsb jobs start --yes`, and
+/// `kill_background_task` and `rsb jobs kill --yes` under `ask_actions`, decide and audit the
+/// same requests alike (one line each: the command, the policy's word, the reply's numbers or
+/// the error).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_bash_background_and_rsb_jobs_start_decide_and_audit_alike() {
     let sshd = Sshd::start().unwrap();
     let home = sshd.home().to_path_buf();
-    let policy = json!({"ask": ["touch *"], "deny": ["rm -rf /*"]});
+    let policy = json!({"ask": ["touch *"], "deny": ["rm -rf /*"], "ask_actions": ["kill"]});
     let victim = home.join("victim-jobs");
     std::fs::create_dir_all(&victim).unwrap();
     let mcp = Mcp::start(&sshd, policy.clone(), true).await;
@@ -1198,6 +1200,48 @@ async fn exec_bash_background_and_rsb_jobs_start_decide_and_audit_alike() {
         );
     }
     assert!(victim.exists(), "the denied job ran");
+    // A kill under ask_actions, approved: the MCP client's job first, then the CLI's, under
+    // one name (the audit records the name).
+    let r = mcp
+        .call(
+            "exec_bash_background",
+            json!({"command": "sleep 60", "session_name": "pairjob", "watch": false}),
+        )
+        .await;
+    assert!(!r.is_error, "{}", r.text);
+    let r = mcp
+        .call(
+            "kill_background_task",
+            json!({"tmux_session": "pairjob", "grace_s": 1}),
+        )
+        .await;
+    assert!(!r.is_error, "{}", r.text);
+    let out = cli(
+        cli_tmp.path(),
+        &list,
+        &[],
+        &["jobs", "start", "-s", "s", "--name", "pairjob", "sleep 60"],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cli(
+        cli_tmp.path(),
+        &list,
+        &[],
+        &[
+            "jobs", "kill", "-s", "s", "--yes", "--grace", "1", "pairjob",
+        ],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let from_mcp = audit_shape(&mcp.tmp.path().join("state"));
     let from_cli = audit_shape(&cli_tmp.path().join("state"));
     assert_eq!(
@@ -1212,12 +1256,15 @@ async fn exec_bash_background_and_rsb_jobs_start_decide_and_audit_alike() {
         .iter()
         .filter_map(|l| l["detail"]["policy"].as_str())
         .collect();
-    assert_eq!(words, ["approved", "deny"], "{from_mcp:?}");
+    assert_eq!(words, ["approved", "deny", "approved"], "{from_mcp:?}");
     let started: Vec<&Value> = from_mcp
         .iter()
         .filter(|l| l["detail"]["status"].is_string())
         .collect();
-    assert_eq!(started.len(), 2, "{from_mcp:?}");
+    assert_eq!(started.len(), 3, "{from_mcp:?}");
+    let killed = from_mcp.last().unwrap();
+    assert_eq!(killed["command"], "pairjob", "{from_mcp:?}");
+    assert!(killed["error"].is_null(), "{from_mcp:?}");
     assert_eq!(started[0]["cwd"], "/tmp");
     let _ = mcp.svc.cancel().await;
 }

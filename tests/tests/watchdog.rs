@@ -1740,6 +1740,38 @@ async fn mcp_hooks_need_the_opt_in_and_the_advanced_tools_work() {
             .ok("list_background_watches", json!({"status": "cancelled"}))
             .await;
         assert_eq!(l["watches"][0]["id"], vid);
+
+        // `rsb jobs kill` is the same action: the watch goes first (it used to be left
+        // active, and the daemon took the kill for an interruption and resumed the job).
+        let v = mcp
+            .ok(
+                "exec_bash_background_watch",
+                json!({"command": "sleep 300", "session_name": "victim2", "interval_s": 1,
+                       "notify_local": false, "checkpoint_path": "ck.txt"}),
+            )
+            .await;
+        let vid2 = v["watch_id"].as_i64().unwrap();
+        let mut cmd = Command::new(rsb_bin());
+        cmd.args(["--json", "jobs", "kill", "victim2", "--grace", "1"])
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", &home)
+            .env("XDG_CONFIG_HOME", home.join(".config"))
+            .env("RSB_STATE_DIR", &state)
+            .env("REMOTE_SANDBOX_LIST", &list);
+        let out = rsb_tests::output_with_timeout(&mut cmd, Duration::from_secs(30)).unwrap();
+        let k: Value = serde_json::from_slice(&out.stdout)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stderr)));
+        assert_eq!(k["cancelled_watches"], json!([vid2]), "{k}");
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let ev = mcp
+            .ok("list_background_watch_events", json!({"watch_id": vid2}))
+            .await;
+        assert_eq!(
+            ev["events"],
+            json!([]),
+            "no interrupted/resume after rsb jobs kill"
+        );
     };
     // Whatever happens, the detached daemon goes.
     let r = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(result)).await;

@@ -118,40 +118,33 @@ fn job_error(name: &str, e: RsbError) -> RsbError {
     }
 }
 
-/// The audit line of a job started or killed from the CLI, as the MCP job tools write theirs.
-fn audit(
-    ctx: &Ctx,
-    client: &rsb::client::AgentClient,
-    tool: &str,
-    command: Option<String>,
-    cwd: Option<String>,
-    t0: std::time::Instant,
-    err: Option<&rsb::error::RsbError>,
-) {
-    rsb::audit::record(
-        ctx.app.config(),
-        client.sandbox(),
-        &rsb::audit::Action {
-            origin: "cli".into(),
-            tool: tool.into(),
-            command,
-            cwd,
-            duration_ms: Some(t0.elapsed().as_millis() as u64),
-            error: err.map(|e| e.message.clone()),
-            ..Default::default()
-        },
-    );
-}
-
-/// `rsb jobs kill`, once approved: the job's line, or its error.
-async fn kill(
-    ctx: &Ctx,
-    client: &rsb::client::AgentClient,
-    name: &str,
-    grace: f64,
-    json: bool,
-) -> u8 {
-    match kill_audited(ctx, client, name, grace).await {
+/// `rsb jobs kill`: one [`Act`] (the sandbox resolved once, the policy's `ask_actions`, one
+/// audit line) around the job tools' kill ([`rsb::ops::slurm::jobs::kill_watched`]: its
+/// watches cancelled first, scancel for a Slurm job); the job's line, or its error.
+async fn kill(ctx: &Ctx, name: &str, grace: f64, yes: bool, json: bool) -> u8 {
+    let sandbox = match ctx.resolve() {
+        Ok(s) => s,
+        Err(e) => return fail(json, &e),
+    };
+    let act = Act {
+        sandbox: &sandbox,
+        tool: "rsb jobs kill",
+        command: Some(name.into()),
+        cwd: None,
+        checked: Vec::new(),
+        approval: Some((
+            rsb::policy::Action::Kill,
+            rsb::ops::slurm::jobs::kill_what(name),
+        )),
+    };
+    let app = &ctx.app;
+    let r = super::policy::caller(yes)
+        .act(app.pool(), act, async |sandbox| {
+            let client = app.pool().client(&sandbox).await?;
+            rsb::ops::slurm::jobs::kill_watched(app, &client, name, grace).await
+        })
+        .await;
+    match r {
         Ok(k) if json => {
             print_json(&k);
             exit::OK
@@ -179,28 +172,6 @@ async fn kill(
     }
 }
 
-async fn kill_audited(
-    ctx: &Ctx,
-    client: &rsb::client::AgentClient,
-    name: &str,
-    grace: f64,
-) -> rsb::error::Result<serde_json::Value> {
-    let t0 = std::time::Instant::now();
-    let on_slurm = ctx.app.pool().slurm(client.sandbox()).is_some();
-    let r = rsb::ops::slurm::jobs::kill_any(client, on_slurm, name, grace).await;
-    let err = r.as_ref().err();
-    audit(
-        ctx,
-        client,
-        "rsb jobs kill",
-        Some(name.into()),
-        None,
-        t0,
-        err,
-    );
-    r
-}
-
 pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
     let json = ctx.json;
     // A start is checked against the policy before anything connects.
@@ -214,6 +185,9 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
     } = cmd
     {
         return start(ctx, name, cwd, log, yes, slurm, command).await;
+    }
+    if let JobsCmd::Kill { name, grace, yes } = cmd {
+        return kill(ctx, &name, grace, yes, json).await;
     }
     let client = match ctx.client().await {
         Ok(c) => c,
@@ -259,26 +233,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             }
             Err(e) => fail(json, &e),
         },
-        JobsCmd::Kill { name, grace, yes } => {
-            let what = format!(
-                "rsb jobs kill would stop the job '{}' on sandbox '{}'",
-                shown(&name),
-                client.sandbox()
-            );
-            let approved = super::policy::approve_action(
-                ctx,
-                client.sandbox(),
-                "rsb jobs kill",
-                rsb::policy::Action::Kill,
-                what,
-                yes,
-            )
-            .await;
-            if let Err(e) = approved {
-                return fail(json, &e);
-            }
-            kill(ctx, &client, &name, grace, json).await
-        }
+        JobsCmd::Kill { .. } => unreachable!("killed above"),
         JobsCmd::Logs {
             name, follow: true, ..
         } => follow_logs(&client, on_slurm, &name).await,
@@ -364,6 +319,7 @@ async fn start(
         command: Some(line.clone()),
         cwd: cwd.clone(),
         checked: vec![("command", line.clone())],
+        approval: None,
     };
     let pool = ctx.app.pool();
     let names = (

@@ -378,49 +378,24 @@ impl RsbServer {
         Parameters(p): Parameters<KillBackgroundParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let client = match self.app.pool().client(&p.sandbox_name).await {
-            Ok(c) => c,
-            Err(e) => return fail(&e),
+        let act = Act {
+            sandbox: &p.sandbox_name,
+            tool: "kill_background_task",
+            command: Some(p.tmux_session.clone()),
+            cwd: None,
+            checked: Vec::new(),
+            approval: Some((
+                crate::policy::Action::Kill,
+                slurm::jobs::kill_what(&p.tmux_session),
+            )),
         };
-        if let Err(e) = super::policy::approve_action(
-            self,
-            &ctx,
-            client.sandbox(),
-            "kill_background_task",
-            crate::policy::Action::Kill,
-            format!(
-                "kill_background_task would stop the background task '{}' on sandbox '{}'",
-                crate::term::shown(&p.tmux_session),
-                client.sandbox()
-            ),
-        )
-        .await
-        {
-            return fail(&e);
-        }
-        // A deliberate kill is not an interruption: stop watching first, so the watchdog
-        // neither alerts nor resumes it.
-        let cancelled = self
-            .cancel_watches_of(client.sandbox(), &p.tmux_session)
+        let app = &self.app;
+        let r = super::policy::caller(&ctx)
+            .act(app.pool(), act, async |sandbox| {
+                let client = app.pool().client(&sandbox).await?;
+                slurm::jobs::kill_watched(app, &client, &p.tmux_session, p.grace_s).await
+            })
             .await;
-        let on_slurm = self.app.pool().slurm(client.sandbox()).is_some();
-        let mut r = slurm::jobs::kill_any(&client, on_slurm, &p.tmux_session, p.grace_s).await;
-        if let Ok(v) = &mut r
-            && !cancelled.is_empty()
-        {
-            v["cancelled_watches"] = serde_json::json!(cancelled);
-        }
-        crate::audit::record(
-            self.app.config(),
-            client.sandbox(),
-            &crate::audit::Action {
-                origin: super::origin(&ctx),
-                tool: "kill_background_task".into(),
-                command: Some(p.tmux_session.clone()),
-                error: r.as_ref().err().map(|e| e.message.clone()),
-                ..Default::default()
-            },
-        );
         reply(r)
     }
 
@@ -469,6 +444,7 @@ impl RsbServer {
             command: Some(p.command.clone()),
             cwd: (!p.cwd.is_empty()).then(|| p.cwd.clone()),
             checked,
+            approval: None,
         };
         super::policy::caller(ctx)
             .act(self.app.pool(), act, async |sandbox| {
@@ -583,17 +559,6 @@ impl RsbServer {
             Err(e) => v["watch_error"] = serde_json::json!(format!("{} ({})", e.message, e.hint)),
         }
         Ok(v)
-    }
-
-    /// Cancel the active watches of a job, if the store exists; never fails the caller.
-    pub(super) async fn cancel_watches_of(&self, sandbox: &str, session: &str) -> Vec<i64> {
-        match wops::cancel_for_job(&self.app.store(), sandbox, session).await {
-            Ok(ids) => ids,
-            Err(e) => {
-                tracing::warn!("cannot cancel the watches of {session}: {}", e.message);
-                Vec::new()
-            }
-        }
     }
 }
 

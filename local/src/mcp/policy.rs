@@ -10,11 +10,7 @@ use rmcp::{
     service::{ElicitationMode, Peer, RequestContext},
 };
 
-use crate::{
-    error::RsbError,
-    ops::action::Caller,
-    policy::{self, Answer},
-};
+use crate::{error::RsbError, ops::action::Caller, policy::Answer};
 
 /// How long a question may wait for the user; past it the command does not run.
 const ASK_TIMEOUT: Duration = Duration::from_secs(600);
@@ -30,30 +26,6 @@ pub(super) fn caller(ctx: &RequestContext<RoleServer>) -> Caller {
             Box::pin(async move { ask(&peer, question).await })
         }),
     )
-}
-
-/// Check `commands` of a call to `tool` on `sandbox` against the policy, asking the user
-/// when a rule says so; `Ok`: run it.
-pub(super) async fn gate(
-    server: &super::RsbServer,
-    ctx: &RequestContext<RoleServer>,
-    sandbox: &str,
-    tool: &str,
-    commands: Vec<(&str, &str)>,
-    cwd: Option<&str>,
-) -> Result<(), RsbError> {
-    let req = policy::Request {
-        sandbox,
-        origin: super::origin(ctx),
-        tool,
-        commands,
-        cwd,
-        stdin_forwarded: false,
-    };
-    policy::gate(server.app.config(), &req, |question| {
-        ask(&ctx.peer, question)
-    })
-    .await
 }
 
 /// A sync call's `delete_extras` / `overwrite` through the policy's `ask_actions`
@@ -77,28 +49,6 @@ pub(super) async fn approve_sync(
         |question| ask(&ctx.peer, question),
         &ctx.ct,
     )
-    .await
-}
-
-/// One of rsb's own destructive actions through the policy's `ask_actions`; `Ok`: do it.
-pub(super) async fn approve_action(
-    server: &super::RsbServer,
-    ctx: &RequestContext<RoleServer>,
-    sandbox: &str,
-    tool: &str,
-    action: policy::Action,
-    what: String,
-) -> Result<(), RsbError> {
-    let req = policy::ActionRequest {
-        sandbox,
-        origin: super::origin(ctx),
-        tool,
-        action,
-        what,
-    };
-    policy::gate_action(server.app.config(), &req, |question| {
-        ask(&ctx.peer, question)
-    })
     .await
 }
 

@@ -10,7 +10,7 @@ use serde::{Deserialize, Serialize};
 use super::{RsbServer, ToolResult, fail, jobs::ExecBackgroundParams, ok, reply};
 use crate::{
     error::{Result, RsbError},
-    ops::watchdog as wops,
+    ops::{action::Act, watchdog as wops},
     watchdog::settings,
 };
 
@@ -270,9 +270,7 @@ impl RsbServer {
         Parameters(p): Parameters<WatchTaskParams>,
         ctx: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> ToolResult {
-        let t0 = std::time::Instant::now();
-        let what = Some(format!("watch {}", p.tmux_session));
-        let mut args = wops::WatchArgs {
+        let args = wops::WatchArgs {
             tmux_session: p.tmux_session,
             log_file: p.log_file,
             sandbox_name: p.sandbox_name,
@@ -299,46 +297,42 @@ impl RsbServer {
             codex_command: String::new(),
             stall_after_s: p.stall_after_s,
         };
-        let sandbox = self.app.pool().pin(&mut args.sandbox_name);
         let ensure = p.ensure_watchdog;
-        if !sandbox.is_empty() {
-            let commands = super::policy::commands_of(
-                &[
-                    ("launch_command", &args.launch_command),
-                    ("resume_command", &args.resume_command),
-                    ("checkpoint_command", &args.checkpoint_command),
-                ],
-                &args.resume_plan_json,
-            );
-            if let Err(e) = super::policy::gate(
-                self,
-                &ctx,
-                &sandbox,
-                "watch_background_task",
-                commands.iter().map(|(k, c)| (*k, c.as_str())).collect(),
-                (!args.cwd.is_empty()).then_some(args.cwd.as_str()),
-            )
-            .await
-            {
-                return fail(&e);
-            }
-        }
-        let r = async {
-            let mut nw = wops::prepare(&args, settings::hooks_allowed(), false)?;
-            nw.sandbox_name = self.app.pool().resolve(&args.sandbox_name)?;
-            if !nw.cwd.is_empty() {
-                let (job, log, cwd) =
-                    (nw.tmux_session.clone(), nw.log_file.clone(), nw.cwd.clone());
-                wops::fill_from_job(&mut nw, &job, &log, &cwd);
-            }
-            let store = self.app.store();
-            let reg = wops::register(&store, &self.app.config().sandboxes, nw, ensure).await?;
-            self.followed.watch(reg.watch_id);
-            Ok(reg)
-        }
-        .await;
-        let tool = ("watch_background_task", sandbox.as_str(), what);
-        super::audited(self.app.config(), &ctx, tool, t0, r)
+        // One Act: the sandbox resolved once, the policy over every command the watch would
+        // have the sandbox run (launch, resume, checkpoint, the plan's), one audit line.
+        let checked = super::policy::commands_of(
+            &[
+                ("launch_command", &args.launch_command),
+                ("resume_command", &args.resume_command),
+                ("checkpoint_command", &args.checkpoint_command),
+            ],
+            &args.resume_plan_json,
+        );
+        let named = args.sandbox_name.clone();
+        let act = Act {
+            sandbox: &named,
+            tool: "watch_background_task",
+            command: Some(format!("watch {}", args.tmux_session)),
+            cwd: (!args.cwd.is_empty()).then(|| args.cwd.clone()),
+            checked,
+            approval: None,
+        };
+        let r = super::policy::caller(&ctx)
+            .act(self.app.pool(), act, async |sandbox| {
+                let mut nw = wops::prepare(&args, settings::hooks_allowed(), false)?;
+                nw.sandbox_name = sandbox;
+                if !nw.cwd.is_empty() {
+                    let (job, log, cwd) =
+                        (nw.tmux_session.clone(), nw.log_file.clone(), nw.cwd.clone());
+                    wops::fill_from_job(&mut nw, &job, &log, &cwd);
+                }
+                let store = self.app.store();
+                let reg = wops::register(&store, &self.app.config().sandboxes, nw, ensure).await?;
+                self.followed.watch(reg.watch_id);
+                Ok(reg)
+            })
+            .await;
+        reply(r)
     }
 
     #[tool(description = "Alias of exec_bash_background with watch=true.")]

@@ -30,6 +30,10 @@ pub struct Act<'a> {
     pub cwd: Option<String>,
     /// What the policy checks, each with the parameter it came in (none: nothing to check).
     pub checked: Vec<(&'static str, String)>,
+    /// One of rsb's own destructive actions, for the policy's `ask_actions`, and what it does
+    /// in the same words from every front end ("stopping the background task 'x'"; the
+    /// sandbox is added).
+    pub approval: Option<(policy::Action, String)>,
 }
 
 /// The front end's part of an action.
@@ -91,8 +95,9 @@ impl Caller {
         policy::gate_action(config, &req, move |q| ask(q)).await
     }
 
-    /// The one path of an [`Act`]: its sandbox resolved once, the gate, `run` on that sandbox,
-    /// and one audit line with the duration and the reply's numbers or the error.
+    /// The one path of an [`Act`]: its sandbox resolved once, the gate (its commands, its
+    /// destructive action), `run` on that sandbox, and one audit line with the duration and
+    /// the reply's numbers or the error.
     pub async fn act<T: serde::Serialize>(
         &self,
         pool: &Pool,
@@ -112,6 +117,11 @@ impl Caller {
                 false,
             )
             .await?;
+        }
+        if let Some((action, what)) = act.approval {
+            let what = format!("{what} on sandbox '{sandbox}'");
+            self.approve(config, &sandbox, act.tool, action, what)
+                .await?;
         }
         let t0 = std::time::Instant::now();
         let r = run(sandbox.clone()).await;

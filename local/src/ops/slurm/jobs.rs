@@ -380,6 +380,41 @@ pub async fn kill_any(
     }
 }
 
+/// What a kill of job `name` does, for the policy's question and its audit line (the same
+/// words from every front end; the sandbox is added by [`crate::ops::action::Caller::act`]).
+pub fn kill_what(name: &str) -> String {
+    format!(
+        "stopping the background task '{}'",
+        crate::term::shown(name)
+    )
+}
+
+/// `kill_background_task` and `rsb jobs kill`: the job's watches are cancelled first (a
+/// deliberate kill is not an interruption: the watchdog neither alerts nor resumes it), then
+/// [`kill_any`]; the reply names the watches it cancelled. A store that cannot be read does not
+/// stop the kill (it is said in rsb's log).
+pub async fn kill_watched(
+    app: &crate::app::App,
+    client: &AgentClient,
+    name: &str,
+    grace_s: f64,
+) -> Result<Value> {
+    let cancelled =
+        match crate::ops::watchdog::cancel_for_job(&app.store(), client.sandbox(), name).await {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!("cannot cancel the watches of {name}: {}", e.message);
+                Vec::new()
+            }
+        };
+    let on_slurm = app.pool().slurm(client.sandbox()).is_some();
+    let mut v = kill_any(client, on_slurm, name, grace_s).await?;
+    if !cancelled.is_empty() {
+        v["cancelled_watches"] = json!(cancelled);
+    }
+    Ok(v)
+}
+
 /// Whether Slurm says job `name` is over while its record still reads as running: the
 /// wrapper was killed before it recorded an end, on a compute node where nothing on the login
 /// node can see it die. Slurm's word is final: `Some("FAILED, job 7")` (or `purged, job 7`),
