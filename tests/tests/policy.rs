@@ -1088,21 +1088,59 @@ fn audit_shape(state: &Path) -> Vec<Value> {
     out
 }
 
+/// One sshd, the same policy behind a real MCP client that approves when asked and behind
+/// the CLI (each with its own state dir), for the pair tests of issue 45 step 4.
+struct Pair {
+    sshd: Sshd,
+    mcp: Mcp,
+    cli_tmp: tempfile::TempDir,
+    list: String,
+}
+
+impl Pair {
+    async fn start(policy: Value) -> Pair {
+        let sshd = Sshd::start().unwrap();
+        let mcp = Mcp::start(&sshd, policy.clone(), true).await;
+        *mcp.client.answer.lock().unwrap() = ElicitationAction::Accept;
+        let cli_tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(cli_tmp.path().join("home")).unwrap();
+        let list = sandbox_list(&sshd, &policy);
+        Pair {
+            sshd,
+            mcp,
+            cli_tmp,
+            list,
+        }
+    }
+
+    fn cli(&self, args: &[&str]) -> std::process::Output {
+        cli(self.cli_tmp.path(), &self.list, &[], args)
+    }
+
+    /// The two audit logs, which must match line for line ([`audit_shape`]); one of them.
+    fn same_audit(&self) -> Vec<Value> {
+        let from_mcp = audit_shape(&self.mcp.tmp.path().join("state"));
+        let from_cli = audit_shape(&self.cli_tmp.path().join("state"));
+        assert_eq!(
+            from_mcp,
+            from_cli,
+            "mcp:\n{}\ncli:\n{}",
+            serde_json::to_string_pretty(&from_mcp).unwrap(),
+            serde_json::to_string_pretty(&from_cli).unwrap()
+        );
+        from_mcp
+    }
+}
+
 /// Issue 45 step 4: one action path. The same requests through `exec_bash` (a real MCP
 /// client that approves when asked) and `rsb exec --yes` get the same policy decisions and
 /// leave the same audit lines (start, end, exit code, bytes, the decision and its rule).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_bash_and_rsb_exec_decide_and_audit_a_request_alike() {
-    let sshd = Sshd::start().unwrap();
-    let home = sshd.home().to_path_buf();
-    let policy = json!({"ask": ["touch *"], "deny": ["rm -rf /*"]});
+    let pair = Pair::start(json!({"ask": ["touch *"], "deny": ["rm -rf /*"]})).await;
+    let home = pair.sshd.home().to_path_buf();
     let victim = home.join("victim-pair");
     std::fs::create_dir_all(&victim).unwrap();
-    let mcp = Mcp::start(&sshd, policy.clone(), true).await;
-    *mcp.client.answer.lock().unwrap() = ElicitationAction::Accept;
-    let cli_tmp = tempfile::tempdir().unwrap();
-    std::fs::create_dir_all(cli_tmp.path().join("home")).unwrap();
-    let list = sandbox_list(&sshd, &policy);
     let requests: [(String, Option<&str>); 4] = [
         ("echo same".into(), None),
         (
@@ -1117,13 +1155,13 @@ async fn exec_bash_and_rsb_exec_decide_and_audit_a_request_alike() {
         if let Some(c) = cwd {
             args["cwd"] = json!(c);
         }
-        let r = mcp.call("exec_bash", args).await;
+        let r = pair.mcp.call("exec_bash", args).await;
         let mut cli_args = vec!["exec", "-s", "s", "--yes"];
         if let Some(c) = cwd {
             cli_args.extend(["--cwd", c]);
         }
         cli_args.push(command);
-        let out = cli(cli_tmp.path(), &list, &[], &cli_args);
+        let out = pair.cli(&cli_args);
         println!(
             "{command}: mcp {} / cli exit {:?}",
             r.text,
@@ -1131,28 +1169,20 @@ async fn exec_bash_and_rsb_exec_decide_and_audit_a_request_alike() {
         );
     }
     assert!(victim.exists(), "the denied command ran");
-    let from_mcp = audit_shape(&mcp.tmp.path().join("state"));
-    let from_cli = audit_shape(&cli_tmp.path().join("state"));
+    let lines = pair.same_audit();
+    let policy_words = lines.iter().filter(|l| l["detail"]["policy"].is_string());
     assert_eq!(
-        from_mcp,
-        from_cli,
-        "mcp:\n{}\ncli:\n{}",
-        serde_json::to_string_pretty(&from_mcp).unwrap(),
-        serde_json::to_string_pretty(&from_cli).unwrap()
-    );
-    let policy_words: Vec<&Value> = from_mcp.iter().map(|l| &l["detail"]["policy"]).collect();
-    assert_eq!(
-        policy_words.iter().filter(|w| w.is_string()).count(),
+        policy_words.count(),
         2,
-        "one approval and one denial: {from_mcp:?}"
+        "one approval and one denial: {lines:?}"
     );
     // Three commands ran: a start and an end line each, the last with its code and bytes.
-    let ends: Vec<&Value> = from_mcp.iter().filter(|l| l["event"] == "end").collect();
-    assert_eq!(ends.len(), 3, "{from_mcp:?}");
+    let ends: Vec<&Value> = lines.iter().filter(|l| l["event"] == "end").collect();
+    assert_eq!(ends.len(), 3, "{lines:?}");
     assert_eq!(ends[2]["exit_code"], 3);
     assert_eq!(ends[2]["bytes"], 5);
     assert_eq!(ends[2]["cwd"], "/tmp");
-    let _ = mcp.svc.cancel().await;
+    let _ = pair.mcp.svc.cancel().await;
 }
 
 /// Issue 45 step 4, the job tools: `exec_bash_background` and `rsb jobs start --yes`, and
@@ -1161,16 +1191,11 @@ async fn exec_bash_and_rsb_exec_decide_and_audit_a_request_alike() {
 /// the error).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_bash_background_and_rsb_jobs_start_decide_and_audit_alike() {
-    let sshd = Sshd::start().unwrap();
-    let home = sshd.home().to_path_buf();
     let policy = json!({"ask": ["touch *"], "deny": ["rm -rf /*"], "ask_actions": ["kill"]});
+    let pair = Pair::start(policy).await;
+    let home = pair.sshd.home().to_path_buf();
     let victim = home.join("victim-jobs");
     std::fs::create_dir_all(&victim).unwrap();
-    let mcp = Mcp::start(&sshd, policy.clone(), true).await;
-    *mcp.client.answer.lock().unwrap() = ElicitationAction::Accept;
-    let cli_tmp = tempfile::tempdir().unwrap();
-    std::fs::create_dir_all(cli_tmp.path().join("home")).unwrap();
-    let list = sandbox_list(&sshd, &policy);
     let requests: [(String, Option<&str>); 3] = [
         ("sleep 0.1".into(), Some("/tmp")),
         (
@@ -1185,13 +1210,13 @@ async fn exec_bash_background_and_rsb_jobs_start_decide_and_audit_alike() {
         if let Some(c) = cwd {
             args["cwd"] = json!(c);
         }
-        let r = mcp.call("exec_bash_background", args).await;
+        let r = pair.mcp.call("exec_bash_background", args).await;
         let mut cli_args = vec!["jobs", "start", "-s", "s", "--yes"];
         if let Some(c) = cwd {
             cli_args.extend(["--cwd", c]);
         }
         cli_args.push(command);
-        let out = cli(cli_tmp.path(), &list, &[], &cli_args);
+        let out = pair.cli(&cli_args);
         println!(
             "{command}: mcp {} / cli exit {:?} {}",
             r.text,
@@ -1202,69 +1227,47 @@ async fn exec_bash_background_and_rsb_jobs_start_decide_and_audit_alike() {
     assert!(victim.exists(), "the denied job ran");
     // A kill under ask_actions, approved: the MCP client's job first, then the CLI's, under
     // one name (the audit records the name).
-    let r = mcp
+    let r = pair
+        .mcp
         .call(
             "exec_bash_background",
             json!({"command": "sleep 60", "session_name": "pairjob", "watch": false}),
         )
         .await;
     assert!(!r.is_error, "{}", r.text);
-    let r = mcp
+    let r = pair
+        .mcp
         .call(
             "kill_background_task",
             json!({"tmux_session": "pairjob", "grace_s": 1}),
         )
         .await;
     assert!(!r.is_error, "{}", r.text);
-    let out = cli(
-        cli_tmp.path(),
-        &list,
-        &[],
-        &["jobs", "start", "-s", "s", "--name", "pairjob", "sleep 60"],
-    );
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let out = cli(
-        cli_tmp.path(),
-        &list,
-        &[],
+    for args in [
+        &["jobs", "start", "-s", "s", "--name", "pairjob", "sleep 60"][..],
         &[
             "jobs", "kill", "-s", "s", "--yes", "--grace", "1", "pairjob",
         ],
-    );
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let from_mcp = audit_shape(&mcp.tmp.path().join("state"));
-    let from_cli = audit_shape(&cli_tmp.path().join("state"));
-    assert_eq!(
-        from_mcp,
-        from_cli,
-        "mcp:\n{}\ncli:\n{}",
-        serde_json::to_string_pretty(&from_mcp).unwrap(),
-        serde_json::to_string_pretty(&from_cli).unwrap()
-    );
-    // An approval and a denial, and two started jobs with their line each.
-    let words: Vec<&str> = from_mcp
+    ] {
+        let out = pair.cli(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {err}");
+    }
+    let lines = pair.same_audit();
+    // Two approvals (a command, the kill) and a denial; three jobs started, a line each.
+    let words: Vec<&str> = lines
         .iter()
         .filter_map(|l| l["detail"]["policy"].as_str())
         .collect();
-    assert_eq!(words, ["approved", "deny", "approved"], "{from_mcp:?}");
-    let started: Vec<&Value> = from_mcp
+    assert_eq!(words, ["approved", "deny", "approved"], "{lines:?}");
+    let started: Vec<&Value> = lines
         .iter()
         .filter(|l| l["detail"]["status"].is_string())
         .collect();
-    assert_eq!(started.len(), 3, "{from_mcp:?}");
-    let killed = from_mcp.last().unwrap();
-    assert_eq!(killed["command"], "pairjob", "{from_mcp:?}");
-    assert!(killed["error"].is_null(), "{from_mcp:?}");
+    assert_eq!(started.len(), 3, "{lines:?}");
     assert_eq!(started[0]["cwd"], "/tmp");
-    let _ = mcp.svc.cancel().await;
+    let killed = lines.last().unwrap();
+    assert_eq!(killed["command"], "pairjob", "{lines:?}");
+    assert!(killed["error"].is_null(), "{lines:?}");
+    let _ = pair.mcp.svc.cancel().await;
 }
