@@ -97,10 +97,7 @@ async fn run_on(
     let confine = req.confine.clone();
     let timeout_s = a.timeout.unwrap_or(0) as i64;
     if a.sudo {
-        let Some(sb) = ctx.app.pool().sandbox_config(client.sandbox()) else {
-            return Err(rsb::error::RsbError::internal("the sandbox has no config"));
-        };
-        let r = exec::run_sudo(client, sb, req).await?;
+        let r = exec::sudo(ctx.app.pool(), client, req).await?;
         if ctx.json {
             print_json(&exec::reply(&r, timeout_s));
         } else {

@@ -195,7 +195,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
     };
     let on_slurm = ctx.app.pool().slurm(client.sandbox()).is_some();
     match cmd {
-        JobsCmd::Start { .. } => unreachable!("started above"),
+        JobsCmd::Start { .. } | JobsCmd::Kill { .. } => unreachable!("handled above"),
         JobsCmd::List if ctx.app.pool().slurm(client.sandbox()).is_some() => {
             match rsb::ops::slurm::jobs::list(&client).await {
                 Ok(l) if json => {
@@ -233,7 +233,6 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
             }
             Err(e) => fail(json, &e),
         },
-        JobsCmd::Kill { .. } => unreachable!("killed above"),
         JobsCmd::Logs {
             name, follow: true, ..
         } => follow_logs(&client, on_slurm, &name).await,

@@ -91,12 +91,7 @@ impl RsbServer {
                 async |client, req| {
                     let confine = req.confine.clone();
                     let r = if p.sudo {
-                        match pool.sandbox_config(client.sandbox()) {
-                            Some(sb) => exec::run_sudo(&client, sb, req).await,
-                            None => Err(crate::error::RsbError::internal(
-                                "the sandbox has no config",
-                            )),
-                        }
+                        exec::sudo(pool, &client, req).await
                     } else if streamed {
                         client.call_streaming(req, wait::track(last.clone())).await
                     } else {

@@ -479,31 +479,17 @@ impl RsbServer {
             v["log_file"].as_str().unwrap_or_default().to_string(),
         );
         let mut nw = prepared;
-        if let Some(options) = launched.slurm {
+        if let Some(options) = &launched.slurm {
             // The resume resubmits with the same options (the plan's own, when it has them).
             nw.resume_plan
                 .entry("slurm")
                 .or_insert_with(|| serde_json::to_value(options).unwrap_or_default());
-            let cwd = match p.watch {
-                true => slurm::jobs::cwd_of(&client, &name).await,
-                false => String::new(),
-            };
-            let v = self
-                .register_watch(v, &p, nw, sandbox.clone(), &name, &log, &cwd)
-                .await?;
-            // An unwatched job's end is pushed from the shared poller; a watched one's from
-            // its watch, as for every job.
-            if v["watch_id"].as_i64().unwrap_or(0) == 0 {
-                let id = v["slurm_job_id"].as_str().unwrap_or_default();
-                self.followed.slurm_job(&sandbox, &name, id);
-            }
-            return Ok(v);
         }
         // The job's resolved cwd (where a relative checkpoint_path lives).
-        let cwd = if !p.watch {
-            String::new()
-        } else {
-            match jobs::status_request(&name, "", 1, None, 1) {
+        let cwd = match (p.watch, &launched.slurm) {
+            (false, _) => String::new(),
+            (true, Some(_)) => slurm::jobs::cwd_of(&client, &name).await,
+            (true, None) => match jobs::status_request(&name, "", 1, None, 1) {
                 Ok(req) => client
                     .call(req)
                     .await
@@ -512,15 +498,23 @@ impl RsbServer {
                     .map(|i| i.cwd)
                     .unwrap_or_default(),
                 Err(_) => String::new(),
-            }
+            },
         };
         let v = self
             .register_watch(v, &p, nw, sandbox.clone(), &name, &log, &cwd)
             .await?;
-        // Its end is pushed from the agent's stream, watched or not.
         let watch_id = v["watch_id"].as_i64().unwrap_or(0);
-        let started_ms = launched.started_ms.unwrap_or_default();
-        self.followed.job(&sandbox, &name, started_ms, watch_id);
+        match launched.started_ms {
+            // Its end is pushed from the agent's stream, watched or not.
+            Some(started_ms) => self.followed.job(&sandbox, &name, started_ms, watch_id),
+            // A Slurm job: an unwatched one's end is pushed from the shared poller, a watched
+            // one's from its watch.
+            None if watch_id == 0 => {
+                let id = v["slurm_job_id"].as_str().unwrap_or_default();
+                self.followed.slurm_job(&sandbox, &name, id);
+            }
+            None => {}
+        }
         Ok(v)
     }
 

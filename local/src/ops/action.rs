@@ -52,22 +52,26 @@ impl Caller {
         }
     }
 
-    /// Check `commands` of `tool` on `sandbox` against its policy, asking the user when a
-    /// rule says so (the decision is an audit line); `Ok`: run them.
+    /// Check `commands` (each with the parameter it came in) of `tool` on `sandbox` against its
+    /// policy, asking the user when a rule says so (the decision is an audit line); `Ok`: run
+    /// them. Nothing to check is `Ok` at once.
     pub async fn gate(
         &self,
         config: &Config,
         sandbox: &str,
         tool: &str,
-        commands: Vec<(&str, &str)>,
+        commands: &[(&'static str, String)],
         cwd: Option<&str>,
         stdin_forwarded: bool,
     ) -> Result<()> {
+        if commands.is_empty() {
+            return Ok(());
+        }
         let req = policy::Request {
             sandbox,
             origin: self.origin.clone(),
             tool,
-            commands,
+            commands: commands.iter().map(|(k, c)| (*k, c.as_str())).collect(),
             cwd,
             stdin_forwarded,
         };
@@ -106,18 +110,15 @@ impl Caller {
     ) -> Result<T> {
         let sandbox = pool.resolve(act.sandbox)?;
         let config = pool.config();
-        if !act.checked.is_empty() {
-            let commands = act.checked.iter().map(|(k, c)| (*k, c.as_str())).collect();
-            self.gate(
-                config,
-                &sandbox,
-                act.tool,
-                commands,
-                act.cwd.as_deref(),
-                false,
-            )
-            .await?;
-        }
+        self.gate(
+            config,
+            &sandbox,
+            act.tool,
+            &act.checked,
+            act.cwd.as_deref(),
+            false,
+        )
+        .await?;
         if let Some((action, what)) = act.approval {
             let what = format!("{what} on sandbox '{sandbox}'");
             self.approve(config, &sandbox, act.tool, action, what)

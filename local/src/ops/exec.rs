@@ -227,6 +227,15 @@ pub const SUDO_SCRIPT: &str = r#"exec sudo -S -p '' -- bash -c 'printf "\036" >&
 const SUDO_COMMAND_VAR: &str = "RSB_SUDO_COMMAND";
 const SUDO_MARK: u8 = 0x1e;
 
+/// [`run_sudo`] on `client`'s sandbox as `pool` has it configured (`exec_bash(sudo)`,
+/// `rsb exec --sudo`).
+pub async fn sudo(pool: &Pool, client: &AgentClient, req: ExecRequest) -> Result<ExecResult> {
+    let sandbox = pool
+        .sandbox_config(client.sandbox())
+        .ok_or_else(|| RsbError::internal("the sandbox has no config"))?;
+    run_sudo(client, sandbox, req).await
+}
+
 /// Run `req` through sudo on `sandbox`, its password fed to sudo through the agent's stdin
 /// channel: it is in no argv, environment or file, on either machine.
 pub async fn run_sudo(
@@ -427,13 +436,12 @@ pub async fn run_command<T>(
     let sandbox = pool.resolve(cmd.sandbox)?;
     let config = pool.config();
     if let Some(checked) = &cmd.checked {
-        let commands = checked.iter().map(|(k, c)| (*k, c.as_str())).collect();
         caller
             .gate(
                 config,
                 &sandbox,
                 cmd.tool,
-                commands,
+                checked,
                 cmd.cwd,
                 cmd.stdin_forwarded,
             )
