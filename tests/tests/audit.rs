@@ -225,7 +225,7 @@ fn concurrent_appends_stay_whole_lines_and_nothing_forges_or_leaks() {
 }
 
 /// The CLI's changes are on the record as the MCP tools' are: a job started and killed, a
-/// sync (paths as given, its exit code), and a refused sync with its error.
+/// sync (its paths, the reply's numbers), and a refused sync with its error.
 #[test]
 fn cli_jobs_and_syncs_are_audited() {
     let sshd = Sshd::start().unwrap();
@@ -289,12 +289,11 @@ fn cli_jobs_and_syncs_are_audited() {
     assert_eq!(syncs[1]["event"], "end");
     assert_eq!(syncs[0]["action_id"], syncs[1]["action_id"]);
     let syncs = &syncs[1..];
-    assert_eq!(syncs[0]["exit_code"], 0);
-    assert!(
-        syncs[0]["command"]
-            .as_str()
-            .unwrap()
-            .ends_with("-> s:au-up"),
+    assert!(syncs[0]["error"].is_null(), "{text}");
+    assert_eq!(syncs[0]["detail"]["uploaded_files"], 1, "{text}");
+    assert_eq!(
+        syncs[0]["command"],
+        format!("{}/ -> s:au-up", src.display()),
         "{text}"
     );
 }

@@ -1271,3 +1271,94 @@ async fn exec_bash_background_and_rsb_jobs_start_decide_and_audit_alike() {
     assert!(killed["error"].is_null(), "{lines:?}");
     let _ = pair.mcp.svc.cancel().await;
 }
+
+/// Issue 45 step 4, the sync tools: `sync_local_to_remote`/`sync_remote_to_local` and
+/// `rsb sync --yes` run the same day on a fresh destination (a first upload, a `delete_extras`
+/// under `ask_actions` that deletes an extra, a dry run, a download, a download of a missing
+/// path) and leave the same lines: the approval with what it destroys, a start and an end per
+/// sync with the same command and the reply's numbers or the error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_tools_and_rsb_sync_decide_and_audit_alike() {
+    let pair = Pair::start(json!({"ask_actions": ["delete_extras", "overwrite"]})).await;
+    let remote = pair.sshd.home().join("pair-sync");
+    let work = tempfile::tempdir().unwrap();
+    let src = format!("{}/", work.path().join("src").display());
+    let down = work.path().join("down").display().to_string();
+    std::fs::create_dir_all(work.path().join("src/sub")).unwrap();
+    std::fs::write(work.path().join("src/a.txt"), "a1").unwrap();
+    std::fs::write(work.path().join("src/sub/b.txt"), "b22").unwrap();
+    for front in ["mcp", "cli"] {
+        let _ = std::fs::remove_dir_all(&remote);
+        let _ = std::fs::remove_dir_all(&down);
+        for step in 0..5 {
+            if step == 1 {
+                std::fs::write(remote.join("extra.txt"), "extra").unwrap();
+            }
+            let (tool, args, cli_args): (&str, Value, Vec<&str>) = match step {
+                0 => (
+                    "sync_local_to_remote",
+                    json!({"local_path": src, "remote_path": "pair-sync"}),
+                    vec![&src, "s:pair-sync"],
+                ),
+                1 => (
+                    "sync_local_to_remote",
+                    json!({"local_path": src, "remote_path": "pair-sync", "delete_extras": true}),
+                    vec!["--delete", &src, "s:pair-sync"],
+                ),
+                2 => (
+                    "sync_local_to_remote",
+                    json!({"local_path": src, "remote_path": "pair-sync", "dry_run": true}),
+                    vec!["-n", &src, "s:pair-sync"],
+                ),
+                3 => (
+                    "sync_remote_to_local",
+                    json!({"remote_path": "pair-sync/", "local_path": down}),
+                    vec!["s:pair-sync/", &down],
+                ),
+                _ => (
+                    "sync_remote_to_local",
+                    json!({"remote_path": "pair-missing/", "local_path": down}),
+                    vec!["s:pair-missing/", &down],
+                ),
+            };
+            let ok = if front == "mcp" {
+                let r = pair.mcp.call(tool, args).await;
+                println!("{step} mcp: {}", r.text);
+                !r.is_error
+            } else {
+                let mut full = vec!["sync", "--yes"];
+                full.extend(cli_args);
+                let out = pair.cli(&full);
+                println!(
+                    "{step} cli: {} {}",
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+                out.status.success()
+            };
+            assert_eq!(ok, step < 4, "{front} step {step}");
+        }
+        assert!(
+            !remote.join("extra.txt").exists(),
+            "{front}: approved delete"
+        );
+        assert_eq!(
+            std::fs::read_to_string(Path::new(&down).join("sub/b.txt")).unwrap(),
+            "b22"
+        );
+    }
+    let lines = pair.same_audit();
+    let words: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| l["detail"]["policy"].as_str())
+        .collect();
+    assert_eq!(words, ["approved"], "{lines:#?}");
+    let ends: Vec<&Value> = lines.iter().filter(|l| l["event"] == "end").collect();
+    assert_eq!(ends.len(), 5, "{lines:#?}");
+    assert_eq!(ends[0]["detail"]["uploaded_files"], 2, "{lines:#?}");
+    assert_eq!(ends[1]["detail"]["deleted_files"], 1, "{lines:#?}");
+    assert_eq!(ends[2]["detail"]["dry_run"], true, "{lines:#?}");
+    assert_eq!(ends[3]["detail"]["downloaded_files"], 2, "{lines:#?}");
+    assert!(ends[4]["error"].is_string(), "{lines:#?}");
+    let _ = pair.mcp.svc.cancel().await;
+}

@@ -136,6 +136,7 @@ async fn kill(ctx: &Ctx, name: &str, grace: f64, yes: bool, json: bool) -> u8 {
             rsb::policy::Action::Kill,
             rsb::ops::slurm::jobs::kill_what(name),
         )),
+        long: false,
     };
     let app = &ctx.app;
     let r = super::policy::caller(yes)
@@ -319,6 +320,7 @@ async fn start(
         cwd: cwd.clone(),
         checked: vec![("command", line.clone())],
         approval: None,
+        long: false,
     };
     let pool = ctx.app.pool();
     let names = (

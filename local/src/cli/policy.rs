@@ -6,13 +6,7 @@ use std::{
     sync::Arc,
 };
 
-use rsb::{
-    error::RsbError,
-    ops::action::Caller,
-    policy::{self, Answer},
-};
-
-use super::Ctx;
+use rsb::{ops::action::Caller, policy::Answer};
 
 /// The command line's side of an action ([`rsb::ops::action`]): origin `cli`, and the user
 /// asked on the terminal (or `--yes`).
@@ -21,25 +15,6 @@ pub fn caller(yes: bool) -> Caller {
         "cli",
         Arc::new(move |question| Box::pin(terminal(question, yes))),
     )
-}
-
-/// One of rsb's own destructive actions through the policy's `ask_actions`; `Ok`: do it.
-pub async fn approve_action(
-    ctx: &Ctx,
-    sandbox: &str,
-    tool: &str,
-    action: policy::Action,
-    what: String,
-    yes: bool,
-) -> Result<(), RsbError> {
-    let req = policy::ActionRequest {
-        sandbox,
-        origin: "cli".into(),
-        tool,
-        action,
-        what,
-    };
-    policy::gate_action(ctx.app.config(), &req, |question| terminal(question, yes)).await
 }
 
 /// The answer from the terminal, or `--yes`.

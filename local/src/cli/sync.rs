@@ -6,6 +6,7 @@ use clap::Args;
 use rsb::{
     app::App,
     error::RsbError,
+    ops::action::{Act, Caller},
     pool::Pool,
     sync::{Direction, SyncSpec},
 };
@@ -178,9 +179,19 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
     if let Err(e) = as_rsync(ctx, &sandbox, &mut spec, &a).await {
         return fail(json, &e);
     }
-    if let Err(e) = approve(ctx, &sandbox, &spec, &a).await {
+    let caller = super::policy::caller(a.yes);
+    if let Err(e) = approve(ctx, &caller, &sandbox, &spec, &a).await {
         return fail(json, &e);
     }
+    let act = Act {
+        sandbox: &sandbox,
+        tool: "rsb sync",
+        command: Some(rsb::ops::sync::described(&sandbox, &spec)),
+        cwd: None,
+        checked: Vec::new(),
+        approval: None,
+        long: true,
+    };
     if a.watch {
         let opts = rsb::sync::watch::WatchOptions {
             poll: a.poll.then_some(std::time::Duration::from_millis(500)),
@@ -191,27 +202,17 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
             compress: a.compress_mode(),
             ..Default::default()
         };
-        return rsb::sync::watch::run_cli(&ctx.app, &sandbox, &spec, json, opts).await;
+        let r = caller
+            .act(pool, act, async |sandbox| {
+                rsb::sync::watch::run_cli(&ctx.app, &sandbox, &spec, json, opts).await
+            })
+            .await;
+        return match r {
+            Ok(()) => exit::OK,
+            Err(e) => fail(json, &e),
+        };
     }
-    let started = rsb::audit::start(
-        pool.config(),
-        &sandbox,
-        rsb::audit::Action {
-            origin: "cli".into(),
-            tool: "rsb sync".into(),
-            command: Some(format!(
-                "{} -> {}{}{}",
-                a.src,
-                a.dst,
-                if a.delete { " (delete extras)" } else { "" },
-                if a.dry_run { " (dry run)" } else { "" }
-            )),
-            ..Default::default()
-        },
-    );
-    let code = once(&ctx.app, json, &sandbox, &spec, &a).await;
-    started.end(|l| l.exit_code = Some(code.into()));
-    code
+    once(&ctx.app, &caller, act, json, &spec, &a).await
 }
 
 /// A source named as a directory's contents: a trailing slash, `.`/`..`, or a home (`box:`,
@@ -348,7 +349,13 @@ async fn as_rsync(
 /// The policy's `ask_actions` for `--delete` and `--force`: asked with what the first sync
 /// would destroy; with `--watch`, a `--delete` is asked about up front, since every later
 /// burst deletes what goes from the local tree.
-async fn approve(ctx: &Ctx, sandbox: &str, spec: &SyncSpec, a: &SyncArgs) -> Result<(), RsbError> {
+async fn approve(
+    ctx: &Ctx,
+    caller: &Caller,
+    sandbox: &str,
+    spec: &SyncSpec,
+    a: &SyncArgs,
+) -> Result<(), RsbError> {
     let cfg = ctx.app.config();
     if a.watch
         && spec.delete_extras
@@ -360,28 +367,24 @@ async fn approve(ctx: &Ctx, sandbox: &str, spec: &SyncSpec, a: &SyncArgs) -> Res
             shown(&a.src),
             shown(&a.dst)
         );
-        return super::policy::approve_action(
-            ctx,
-            sandbox,
-            "rsb sync",
-            rsb::policy::Action::DeleteExtras,
-            what,
-            a.yes,
-        )
-        .await;
+        return caller
+            .approve(
+                cfg,
+                sandbox,
+                "rsb sync",
+                rsb::policy::Action::DeleteExtras,
+                what,
+            )
+            .await;
     }
-    let who = rsb::ops::sync::Requester {
-        origin: "cli".into(),
-        tool: "rsb sync",
-    };
     let cancel = rsb::sync::CancellationToken::new();
     rsb::ops::sync::approve_spec(
         &ctx.app,
+        caller,
+        "rsb sync",
         sandbox,
         spec,
         &a.safety.options(),
-        &who,
-        |question| super::policy::terminal(question, a.yes),
         &cancel,
     )
     .await
@@ -398,7 +401,16 @@ fn conflict_code(rep: &rsb::sync::SyncReport) -> u8 {
     }
 }
 
-async fn once(app: &App, json: bool, sandbox: &str, spec: &SyncSpec, a: &SyncArgs) -> u8 {
+/// One sync (`act`, its audit lines around it), rendered: the actions with `-n`/`-v`, the
+/// conflicts, the summary line.
+async fn once(
+    app: &App,
+    caller: &Caller,
+    act: Act<'_>,
+    json: bool,
+    spec: &SyncSpec,
+    a: &SyncArgs,
+) -> u8 {
     use std::io::IsTerminal;
     let (bar, progress) = if !json && !a.dry_run && std::io::stderr().is_terminal() {
         let (b, f) = rsb::sync::cli::progress_bar();
@@ -416,7 +428,11 @@ async fn once(app: &App, json: bool, sandbox: &str, spec: &SyncSpec, a: &SyncArg
     let mut opts = a.safety.options();
     opts.list_actions = a.verbose && !json;
     opts.compress = a.compress_mode();
-    let r = rsb::ops::sync::run_with(app, sandbox, spec, &opts, progress, &cancel).await;
+    let r = caller
+        .act(app.pool(), act, async |sandbox| {
+            rsb::ops::sync::run_with(app, &sandbox, spec, &opts, progress, &cancel).await
+        })
+        .await;
     ctrl_c.abort();
     if let Some(b) = bar {
         b.finish_and_clear();

@@ -388,6 +388,7 @@ impl RsbServer {
                 crate::policy::Action::Kill,
                 slurm::jobs::kill_what(&p.tmux_session),
             )),
+            long: false,
         };
         let app = &self.app;
         let r = super::policy::caller(&ctx)
@@ -445,6 +446,7 @@ impl RsbServer {
             cwd: (!p.cwd.is_empty()).then(|| p.cwd.clone()),
             checked,
             approval: None,
+            long: false,
         };
         super::policy::caller(ctx)
             .act(self.app.pool(), act, async |sandbox| {

@@ -354,7 +354,6 @@ fn check_args(
     Ok(())
 }
 
-/// The audit log's origin of a call: `mcp:<client name>`.
 /// Reply with `r`, after appending its audit line: `tool` on `sandbox` with `command` as given,
 /// the reply's numbers ([`crate::audit::reply_summary`]) or its error.
 pub(crate) fn audited<T: serde::Serialize>(
@@ -399,38 +398,7 @@ fn encoded<T: serde::Serialize>(v: T) -> crate::error::Result<Value> {
     serde_json::to_value(v).map_err(|e| RsbError::internal(format!("cannot encode the reply: {e}")))
 }
 
-/// The start line of an action that runs a while (a sync): `tool` on `sandbox` with
-/// `command`; [`ended`] writes its end and replies.
-pub(crate) fn starting<'a>(
-    config: &'a Config,
-    ctx: &RequestContext<RoleServer>,
-    (tool, sandbox, command): (&str, &str, Option<String>),
-) -> crate::audit::Started<'a> {
-    crate::audit::start(
-        config,
-        sandbox,
-        crate::audit::Action {
-            origin: origin(ctx),
-            tool: tool.into(),
-            command,
-            ..Default::default()
-        },
-    )
-}
-
-/// Reply with `r` after writing the end line of `started`: the reply's numbers or its error.
-pub(crate) fn ended<T: serde::Serialize>(
-    started: crate::audit::Started<'_>,
-    r: crate::error::Result<T>,
-) -> ToolResult {
-    let r = r.and_then(encoded);
-    started.end(|a| {
-        a.error = r.as_ref().err().map(|e| e.message.clone());
-        a.detail = r.as_ref().ok().and_then(crate::audit::reply_summary);
-    });
-    reply(r)
-}
-
+/// The audit log's origin of a call: `mcp:<client name>`.
 pub(crate) fn origin(ctx: &RequestContext<RoleServer>) -> String {
     match ctx.peer.peer_info() {
         Some(i) => format!("mcp:{}", i.client_info.name),

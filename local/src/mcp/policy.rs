@@ -10,7 +10,7 @@ use rmcp::{
     service::{ElicitationMode, Peer, RequestContext},
 };
 
-use crate::{error::RsbError, ops::action::Caller, policy::Answer};
+use crate::{ops::action::Caller, policy::Answer};
 
 /// How long a question may wait for the user; past it the command does not run.
 const ASK_TIMEOUT: Duration = Duration::from_secs(600);
@@ -26,30 +26,6 @@ pub(super) fn caller(ctx: &RequestContext<RoleServer>) -> Caller {
             Box::pin(async move { ask(&peer, question).await })
         }),
     )
-}
-
-/// A sync call's `delete_extras` / `overwrite` through the policy's `ask_actions`
-/// (`ops::sync::approve`); `Ok`: run it.
-pub(super) async fn approve_sync(
-    server: &super::RsbServer,
-    ctx: &RequestContext<RoleServer>,
-    args: &crate::ops::sync::SyncArgs,
-    direction: crate::sync::Direction,
-    tool: &str,
-) -> Result<(), RsbError> {
-    let who = crate::ops::sync::Requester {
-        origin: super::origin(ctx),
-        tool,
-    };
-    crate::ops::sync::approve(
-        &server.app,
-        args,
-        direction,
-        &who,
-        |question| ask(&ctx.peer, question),
-        &ctx.ct,
-    )
-    .await
 }
 
 /// The commands among `fields` (parameter name, value; empty ones dropped) and those a

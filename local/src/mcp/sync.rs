@@ -18,7 +18,7 @@ use super::{RsbServer, ToolResult, fail, reply};
 use crate::{
     error::RsbError,
     ops::sync::{self as ops, SyncArgs},
-    sync::{Progress, ProgressFn},
+    sync::{Direction, Progress, ProgressFn},
 };
 
 fn d_dot() -> String {
@@ -237,6 +237,31 @@ impl RsbServer {
     }
 }
 
+impl RsbServer {
+    /// A sync tool's call ([`ops::act`]), with progress notifications while it runs; a
+    /// transfer that went to the background is followed for the session's push.
+    async fn sync(
+        &self,
+        ctx: &RequestContext<RoleServer>,
+        tool: &str,
+        args: SyncArgs,
+        direction: Direction,
+    ) -> ToolResult {
+        let (app, cancel) = (self.app.clone(), ctx.ct.clone());
+        let caller = super::policy::caller(ctx);
+        let r = with_sync_progress(ctx, |cb| async move {
+            ops::act(&app, &caller, tool, args, direction, cb, &cancel).await
+        })
+        .await;
+        if let Ok(v) = &r
+            && let Some(id) = v["task_id"].as_i64()
+        {
+            self.followed.transfer(id);
+        }
+        reply(r)
+    }
+}
+
 #[tool_router(router = sync_router, vis = "pub(super)")]
 impl RsbServer {
     #[tool(
@@ -252,49 +277,12 @@ impl RsbServer {
         Parameters(p): Parameters<SyncUpParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let mut args = match args_up(p) {
+        let args = match args_up(p) {
             Ok(a) => a,
             Err(e) => return fail(&e),
         };
-        let sandbox = self.app.pool().pin(&mut args.sandbox);
-        let what = format!(
-            "{} -> {sandbox}:{}{}",
-            args.local_path,
-            args.remote_path,
-            if args.delete_extras {
-                " (delete extras)"
-            } else {
-                ""
-            }
-        );
-        if let Err(e) = super::policy::approve_sync(
-            self,
-            &ctx,
-            &args,
-            crate::sync::Direction::Upload,
-            "sync_local_to_remote",
-        )
-        .await
-        {
-            return fail(&e);
-        }
-        let started = super::starting(
-            self.app.config(),
-            &ctx,
-            ("sync_local_to_remote", sandbox.as_str(), Some(what)),
-        );
-        let app = self.app.clone();
-        let cancel = ctx.ct.clone();
-        let r = with_sync_progress(&ctx, |cb| async move {
-            ops::sync_local_to_remote(&app, args, cb, &cancel).await
-        })
-        .await;
-        if let Ok(v) = &r
-            && let Some(id) = v["task_id"].as_i64()
-        {
-            self.followed.transfer(id);
-        }
-        super::ended(started, r)
+        self.sync(&ctx, "sync_local_to_remote", args, Direction::Upload)
+            .await
     }
 
     #[tool(
@@ -310,7 +298,7 @@ impl RsbServer {
             Ok(e) => e,
             Err(e) => return fail(&e),
         };
-        let mut args = SyncArgs {
+        let args = SyncArgs {
             local_path: p.local_path,
             remote_path: p.remote_path,
             delete_extras: false,
@@ -323,36 +311,8 @@ impl RsbServer {
             confirm_delete: false,
             gitignore: p.gitignore,
         };
-        let sandbox = self.app.pool().pin(&mut args.sandbox);
-        let what = format!("{sandbox}:{} -> {}", args.remote_path, args.local_path);
-        if let Err(e) = super::policy::approve_sync(
-            self,
-            &ctx,
-            &args,
-            crate::sync::Direction::Download,
-            "sync_remote_to_local",
-        )
-        .await
-        {
-            return fail(&e);
-        }
-        let started = super::starting(
-            self.app.config(),
-            &ctx,
-            ("sync_remote_to_local", sandbox.as_str(), Some(what)),
-        );
-        let app = self.app.clone();
-        let cancel = ctx.ct.clone();
-        let r = with_sync_progress(&ctx, |cb| async move {
-            ops::sync_remote_to_local(&app, args, cb, &cancel).await
-        })
-        .await;
-        if let Ok(v) = &r
-            && let Some(id) = v["task_id"].as_i64()
-        {
-            self.followed.transfer(id);
-        }
-        super::ended(started, r)
+        self.sync(&ctx, "sync_remote_to_local", args, Direction::Download)
+            .await
     }
 
     #[tool(

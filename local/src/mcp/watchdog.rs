@@ -316,6 +316,7 @@ impl RsbServer {
             cwd: (!args.cwd.is_empty()).then(|| args.cwd.clone()),
             checked,
             approval: None,
+            long: false,
         };
         let r = super::policy::caller(&ctx)
             .act(self.app.pool(), act, async |sandbox| {

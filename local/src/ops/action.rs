@@ -34,6 +34,9 @@ pub struct Act<'a> {
     /// in the same words from every front end ("stopping the background task 'x'"; the
     /// sandbox is added).
     pub approval: Option<(policy::Action, String)>,
+    /// An action that runs a while (a sync): a start line before it and an end line after,
+    /// so the log shows it running and an action cut short says so; else one line at its end.
+    pub long: bool,
 }
 
 /// The front end's part of an action.
@@ -124,26 +127,24 @@ impl Caller {
             self.approve(config, &sandbox, act.tool, action, what)
                 .await?;
         }
+        if act.long {
+            let started = self.start(config, &sandbox, act.tool, act.command, act.cwd);
+            let r = run(sandbox).await;
+            started.end(|a| outcome(a, &r));
+            return r;
+        }
         let t0 = std::time::Instant::now();
         let r = run(sandbox.clone()).await;
-        audit::record(
-            config,
-            &sandbox,
-            &audit::Action {
-                origin: self.origin.clone(),
-                tool: act.tool.into(),
-                command: act.command,
-                cwd: act.cwd,
-                duration_ms: Some(t0.elapsed().as_millis() as u64),
-                error: r.as_ref().err().map(|e| e.message.clone()),
-                detail: r
-                    .as_ref()
-                    .ok()
-                    .and_then(|v| serde_json::to_value(v).ok())
-                    .and_then(|v| audit::reply_summary(&v)),
-                ..Default::default()
-            },
-        );
+        let mut line = audit::Action {
+            origin: self.origin.clone(),
+            tool: act.tool.into(),
+            command: act.command,
+            cwd: act.cwd,
+            duration_ms: Some(t0.elapsed().as_millis() as u64),
+            ..Default::default()
+        };
+        outcome(&mut line, &r);
+        audit::record(config, &sandbox, &line);
         r
     }
 
@@ -168,5 +169,17 @@ impl Caller {
                 ..Default::default()
             },
         )
+    }
+}
+
+/// What an action's (end) line says of its result: the reply's numbers, or the error.
+fn outcome<T: serde::Serialize>(line: &mut audit::Action, r: &Result<T>) {
+    match r {
+        Ok(v) => {
+            line.detail = serde_json::to_value(v)
+                .ok()
+                .and_then(|v| audit::reply_summary(&v))
+        }
+        Err(e) => line.error = Some(e.message.clone()),
     }
 }

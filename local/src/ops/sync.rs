@@ -14,6 +14,7 @@ pub use crate::sync::runner::{run, run_with};
 use crate::{
     app::App,
     error::{Result, RsbError},
+    ops::action::{Act, Caller},
     policy::{self, Action},
     pool::Pool,
     sync::{self, Direction, ProgressFn, RunOptions, SyncRules, SyncSpec},
@@ -382,37 +383,61 @@ fn spec_for(pool: &Pool, args: &SyncArgs, direction: Direction) -> Result<(Strin
     Ok((sandbox, spec))
 }
 
-/// Who asks for a sync, for the approval's question and its audit line.
-pub struct Requester<'a> {
-    /// `mcp:<client>` or `cli`.
-    pub origin: String,
-    pub tool: &'a str,
-}
-
-/// A sync tool's call through the policy's `ask_actions`: see [`approve_spec`].
-pub async fn approve<F, Fut>(
-    app: &App,
-    args: &SyncArgs,
+/// A sync tool's call as a front end makes it (`sync_local_to_remote`, `sync_remote_to_local`):
+/// the sandbox resolved once, its `delete_extras`/`overwrite` through the policy's
+/// `ask_actions` ([`approve_spec`]), then the sync between a start and an end audit line
+/// ([`described`]).
+pub async fn act(
+    app: &Arc<App>,
+    caller: &Caller,
+    tool: &str,
+    args: SyncArgs,
     direction: Direction,
-    who: &Requester<'_>,
-    ask: F,
+    progress: Option<ProgressFn>,
     cancel: &CancellationToken,
-) -> Result<()>
-where
-    F: FnMut(String) -> Fut,
-    Fut: std::future::Future<Output = policy::Answer>,
-{
-    if args.dry_run || !(args.delete_extras || args.overwrite) {
-        return Ok(());
-    }
-    let (sandbox, spec) = spec_for(app.pool(), args, direction)?;
+) -> Result<Value> {
+    let (sandbox, spec) = spec_for(app.pool(), &args, direction)?;
     let opts = RunOptions {
         overwrite: args.overwrite,
         safe: args.safe,
         confirm_delete: args.confirm_delete,
         ..Default::default()
     };
-    approve_spec(app, &sandbox, &spec, &opts, who, ask, cancel).await
+    approve_spec(app, caller, tool, &sandbox, &spec, &opts, cancel).await?;
+    let act = Act {
+        sandbox: &sandbox,
+        tool,
+        command: Some(described(&sandbox, &spec)),
+        cwd: None,
+        checked: Vec::new(),
+        approval: None,
+        long: true,
+    };
+    caller
+        .act(app.pool(), act, async |sandbox| {
+            sync_for_tool(app, sandbox, spec, &args, progress, cancel).await
+        })
+        .await
+}
+
+/// A sync as its audit line names it, the same from every front end:
+/// `/home/me/proj -> gpu:proj (delete extras)`.
+pub fn described(sandbox: &str, spec: &SyncSpec) -> String {
+    let local = spec.local_path.display();
+    let remote = format!("{sandbox}:{}", spec.remote_path);
+    let (from, to) = match spec.direction {
+        Direction::Upload => (local.to_string(), remote),
+        Direction::Download => (remote, local.to_string()),
+    };
+    format!(
+        "{from} -> {to}{}{}",
+        if spec.delete_extras {
+            " (delete extras)"
+        } else {
+            ""
+        },
+        if spec.dry_run { " (dry run)" } else { "" }
+    )
 }
 
 /// Before a sync that deletes destination entries (`delete_extras`) or replaces edits made
@@ -421,19 +446,15 @@ where
 /// destroy, nothing asked, so an agent that always passes `delete_extras` is not asked on
 /// every sync. `Ok`: run it. What appears between the dry run and the sync itself is
 /// handled as the approved option says.
-pub async fn approve_spec<F, Fut>(
+pub async fn approve_spec(
     app: &App,
+    caller: &Caller,
+    tool: &str,
     sandbox: &str,
     spec: &SyncSpec,
     opts: &RunOptions,
-    who: &Requester<'_>,
-    mut ask: F,
     cancel: &CancellationToken,
-) -> Result<()>
-where
-    F: FnMut(String) -> Fut,
-    Fut: std::future::Future<Output = policy::Answer>,
-{
+) -> Result<()> {
     let cfg = app.config();
     let delete = spec.delete_extras && policy::asks(cfg, sandbox, Action::DeleteExtras);
     let overwrite = opts.overwrite && policy::asks(cfg, sandbox, Action::Overwrite);
@@ -493,19 +514,12 @@ where
             continue;
         }
         let noun = if paths.len() == 1 { one } else { many };
-        let req = policy::ActionRequest {
-            sandbox,
-            origin: who.origin.clone(),
-            tool: who.tool,
-            action,
-            what: format!(
-                "{} {from} -> {to} would {verb} {} destination {noun} {what} {from}:\n{}",
-                who.tool,
-                paths.len(),
-                listed(paths, 20)
-            ),
-        };
-        policy::gate_action(cfg, &req, &mut ask).await?;
+        let what = format!(
+            "{from} -> {to} would {verb} {} destination {noun} {what} {from}:\n{}",
+            paths.len(),
+            listed(paths, 20)
+        );
+        caller.approve(cfg, sandbox, tool, action, what).await?;
     }
     Ok(())
 }

@@ -208,6 +208,14 @@ pub struct SyncReport {
     pub bytes_wire: Option<u64>,
 }
 
+/// A report serializes as its reply ([`SyncReport::to_json`]), so an audit line takes its
+/// numbers as from the tool's reply.
+impl serde::Serialize for SyncReport {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.to_json().serialize(s)
+    }
+}
+
 impl SyncReport {
     /// The seed's reply keys for this direction, plus rsb's extras.
     pub fn to_json(&self) -> Value {

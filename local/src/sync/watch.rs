@@ -1111,8 +1111,6 @@ async fn fast_sync(
     Ok(Fast::Done(Box::new(report)))
 }
 
-/// `rsb sync --watch`: run [`watch`] until Ctrl-C, one line per event (JSON with `--json`).
-/// Exit status: 0 after Ctrl-C, 1 when the initial sync fails, 2 for bad arguments.
 /// Every burst meets every delete guard ($HOME, `/`, the share of the destination), as the
 /// initial sync does: a burst that deletes most of the mirror is as likely an accident (`rm
 /// -rf` in the wrong terminal) as a `git checkout`, and only the user can tell
@@ -1125,13 +1123,16 @@ fn options(opts: &WatchOptions) -> crate::sync::RunOptions {
     }
 }
 
+/// `rsb sync --watch`: run [`watch`] until Ctrl-C, one line per event (JSON with `--json`);
+/// `Ok` after Ctrl-C, else the error that stopped it (the initial sync's, a bad argument's),
+/// which the caller reports.
 pub async fn run_cli(
     app: &App,
     sandbox: &str,
     spec: &SyncSpec,
     json: bool,
     opts: WatchOptions,
-) -> u8 {
+) -> Result<()> {
     let cancel = CancellationToken::new();
     let c2 = cancel.clone();
     let ctrl_c = tokio::spawn(async move {
@@ -1167,21 +1168,7 @@ pub async fn run_cli(
     })
     .await;
     ctrl_c.abort();
-    match r {
-        Ok(()) => 0,
-        Err(e) => {
-            if json {
-                println!("{}", json!({"error": e.message, "hint": e.hint}));
-            } else {
-                eprintln!("rsb: {}\n  hint: {}", e.message, e.hint);
-            }
-            if e.kind == Kind::InvalidArgument {
-                2
-            } else {
-                1
-            }
-        }
-    }
+    r
 }
 
 #[cfg(test)]
