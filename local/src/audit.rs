@@ -232,6 +232,35 @@ pub fn record_in(state_dir: &Path, sandbox: &str, action: &Action) {
     );
 }
 
+/// Where an action's line goes: a loaded configuration's log (its hosts, users and secrets), or
+/// a bare state dir's ([`record_in`]).
+#[derive(Clone, Copy)]
+pub enum Log<'a> {
+    Configured(&'a Config),
+    Bare(&'a Path),
+}
+
+impl<'a> From<&'a Config> for Log<'a> {
+    fn from(c: &'a Config) -> Log<'a> {
+        Log::Configured(c)
+    }
+}
+
+impl<'a> From<&'a Path> for Log<'a> {
+    fn from(dir: &'a Path) -> Log<'a> {
+        Log::Bare(dir)
+    }
+}
+
+impl Log<'_> {
+    pub fn record(self, sandbox: &str, action: &Action) {
+        match self {
+            Log::Configured(c) => record(c, sandbox, action),
+            Log::Bare(dir) => record_in(dir, sandbox, action),
+        }
+    }
+}
+
 fn write(
     state_dir: &Path,
     sandbox: &str,

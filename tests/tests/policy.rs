@@ -166,7 +166,9 @@ impl Mcp {
             .env("XDG_CONFIG_HOME", home.join(".config"))
             .env("RSB_SSH_CONFIG", home.join(".ssh/config"))
             .env("RSB_STATE_DIR", tmp.path().join("state"))
-            .env("REMOTE_SANDBOX_LIST", list);
+            .env("REMOTE_SANDBOX_LIST", list)
+            // Every tool, forwards included, for the pair tests.
+            .env("REMOTE_SANDBOX_EXPOSE_ADVANCED_TOOLS", "1");
         let (transport, _) = TokioChildProcess::builder(cmd)
             .stderr(stderr)
             .spawn()
@@ -1074,9 +1076,11 @@ fn audit_shape(state: &Path) -> Vec<Value> {
     for f in files {
         for l in std::fs::read_to_string(f).unwrap().lines() {
             let mut v: Value = serde_json::from_str(l).unwrap();
+            // The run's own values: a job's pid, a sync's time, a forward's start and port.
             if let Some(d) = v["detail"].as_object_mut() {
-                d.remove("pid");
-                d.remove("duration_s");
+                for k in ["pid", "duration_s", "started_at", "local_url"] {
+                    d.remove(k);
+                }
             }
             out.push(json!({
                 "sandbox": v["sandbox"], "event": v["event"], "command": v["command"],
@@ -1360,5 +1364,121 @@ async fn sync_tools_and_rsb_sync_decide_and_audit_alike() {
     assert_eq!(ends[2]["detail"]["dry_run"], true, "{lines:#?}");
     assert_eq!(ends[3]["detail"]["downloaded_files"], 2, "{lines:#?}");
     assert!(ends[4]["error"].is_string(), "{lines:#?}");
+    let _ = pair.mcp.svc.cancel().await;
+}
+
+/// Issue 45 step 4, forwards and edits: `forward_port` and `rsb forward` leave the same start
+/// line (the target, the reply's numbers), `stop_forward` and `rsb forward --stop` the same
+/// refusal of an unknown id, and `write_remote_file` and `rsb edit` each one line naming the
+/// path and what was written, never the content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwards_and_edits_decide_and_audit_alike() {
+    let pair = Pair::start(json!({})).await;
+    let r = pair
+        .mcp
+        .call("forward_port", json!({"remote_port": 9}))
+        .await;
+    assert!(!r.is_error, "{}", r.text);
+    let cli_tmp = pair.cli_tmp.path().to_path_buf();
+    let mut child = cli_command(&cli_tmp, &pair.list, &[], &["forward", "--json", "s:9"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        let mut line = String::new();
+        let _ = std::io::BufReader::new(stdout).read_line(&mut line);
+        let _ = tx.send(line);
+    });
+    let first = rx.recv_timeout(Duration::from_secs(30));
+    let _ = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let first = first.expect("rsb forward printed nothing in 30 s");
+    assert!(first.contains("\"listening\""), "{first}");
+    // An id nobody has: both refuse it, and say so on the record.
+    let r = pair
+        .mcp
+        .call("stop_forward", json!({"forward_id": 1_234_567}))
+        .await;
+    assert!(r.is_error, "{}", r.text);
+    let out = pair.cli(&["forward", "--stop", "1234567"]);
+    assert_ne!(out.status.code(), Some(0));
+    let lines = pair.same_audit();
+    assert_eq!(lines.len(), 2, "{lines:#?}");
+    assert_eq!(lines[0]["command"], "localhost:9", "{lines:#?}");
+    assert_eq!(lines[0]["detail"]["forward_id"], 1, "{lines:#?}");
+    assert!(lines[0]["error"].is_null(), "{lines:#?}");
+    assert_eq!(lines[1]["command"], "forward 1234567", "{lines:#?}");
+    assert!(lines[1]["error"].is_string(), "{lines:#?}");
+
+    // A write and an edit: the path, the bytes written, never the content.
+    let body = "pair-written-5Tq\n";
+    let r = pair
+        .mcp
+        .call(
+            "write_remote_file",
+            json!({"remote_path": "pair-edit.txt", "content": body}),
+        )
+        .await;
+    assert!(!r.is_error, "{}", r.text);
+    let script = cli_tmp.join("editor.sh");
+    std::fs::write(&script, "#!/bin/sh\nprintf 'pair-edited-8Wz\\n' > \"$1\"\n").unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let editor = script.display().to_string();
+    let out = cli(
+        &cli_tmp,
+        &pair.list,
+        &[("VISUAL", editor.as_str())],
+        &["edit", "s:pair-edit.txt"],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(pair.sshd.home().join("pair-edit.txt")).unwrap(),
+        "pair-edited-8Wz\n"
+    );
+    for (state, tool, bytes) in [
+        (pair.mcp.tmp.path().join("state"), "write_remote_file", None),
+        (cli_tmp.join("state"), "rsb edit", Some(16)),
+    ] {
+        let text: String = std::fs::read_dir(state.join("audit"))
+            .unwrap()
+            .flatten()
+            .map(|f| std::fs::read_to_string(f.path()).unwrap())
+            .collect();
+        assert!(
+            !text.contains("pair-written") && !text.contains("pair-edited"),
+            "{text}"
+        );
+        let line: Value = text
+            .lines()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .find(|l| l["tool"] == tool)
+            .unwrap_or_else(|| panic!("no {tool} line: {text}"));
+        assert_eq!(line["command"], "pair-edit.txt", "{line}");
+        assert!(line["error"].is_null(), "{line}");
+        match bytes {
+            None => assert_eq!(line["bytes"], body.len(), "{line}"),
+            Some(n) => {
+                assert_eq!(line["detail"]["written"], true, "{line}");
+                assert_eq!(line["detail"]["bytes_written"], n, "{line}");
+            }
+        }
+    }
     let _ = pair.mcp.svc.cancel().await;
 }

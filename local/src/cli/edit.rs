@@ -3,7 +3,10 @@
 
 use std::os::unix::fs::DirBuilderExt;
 
-use rsb::{error::RsbError, ops::edit, ops::fs};
+use rsb::{
+    error::RsbError,
+    ops::{action::Act, edit, fs},
+};
 use rsb_protocol::{EditOutcome, Refusal, WriteCondition, WriteRequest};
 
 use super::{Ctx, exit, fail};
@@ -21,40 +24,53 @@ pub async fn run(ctx: &Ctx, target: &str) -> u8 {
             );
         }
     };
-    let t0 = std::time::Instant::now();
-    let r = edit_once(ctx, name, path).await;
-    let sandbox = if name.is_empty() {
-        ctx.resolve().unwrap_or_default()
-    } else {
-        name.to_string()
-    };
     // The path only: what was written is file content, which the audit never holds.
-    rsb::audit::record(
-        ctx.app.config(),
-        &sandbox,
-        &rsb::audit::Action {
-            origin: "cli".into(),
-            tool: "rsb edit".into(),
-            command: Some(path.to_string()),
-            exit_code: r.as_ref().ok().map(|c| i64::from(*c)),
-            duration_ms: Some(t0.elapsed().as_millis() as u64),
-            error: r.as_ref().err().map(|e| e.message.clone()),
-            ..Default::default()
+    let sandbox = match name {
+        "" => match ctx.resolve() {
+            Ok(s) => s,
+            Err(e) => return fail(false, &e),
         },
-    );
+        n => n.to_string(),
+    };
+    let act = Act {
+        sandbox: &sandbox,
+        tool: "rsb edit",
+        command: Some(path.to_string()),
+        ..Default::default()
+    };
+    let r = super::policy::caller(false)
+        .act(ctx.app.pool(), act, async |sandbox| {
+            edit_once(ctx, &sandbox, path).await
+        })
+        .await;
     match r {
-        Ok(code) => code,
+        Ok(e) => e.code,
         Err(e) => fail(false, &e),
     }
 }
 
-async fn edit_once(ctx: &Ctx, name: &str, path: &str) -> Result<u8, RsbError> {
-    let name = if name.is_empty() {
-        ctx.resolve()?
-    } else {
-        name.to_string()
-    };
-    let client = ctx.app.pool().client(&name).await?;
+/// How an edit ended: its exit code, and for its audit line whether it wrote and how much.
+#[derive(serde::Serialize)]
+struct Edited {
+    #[serde(skip)]
+    code: u8,
+    written: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes_written: Option<u64>,
+}
+
+impl Edited {
+    fn nothing(code: u8) -> Edited {
+        Edited {
+            code,
+            written: false,
+            bytes_written: None,
+        }
+    }
+}
+
+async fn edit_once(ctx: &Ctx, name: &str, path: &str) -> Result<Edited, RsbError> {
+    let client = ctx.app.pool().client(name).await?;
     let remote = edit::home_relative(path);
     let req = fs::read_request(&remote, fs::MAX_READ_BYTES, 0, 0)?;
     let got = client.call(req).await?;
@@ -104,14 +120,15 @@ async fn edit_once(ctx: &Ctx, name: &str, path: &str) -> Result<u8, RsbError> {
             "rsb: the editor exited with {status}; nothing was written; your copy: {}",
             local.display()
         );
-        return Ok(exit::REMOTE);
+        return Ok(Edited::nothing(exit::REMOTE));
     }
     let data = std::fs::read(&local).map_err(io)?;
     if data == got.data {
         eprintln!("rsb: {path}: no changes");
         let _ = std::fs::remove_dir_all(&dir);
-        return Ok(exit::OK);
+        return Ok(Edited::nothing(exit::OK));
     }
+    let len = data.len() as u64;
     let outcome = client
         .call(WriteRequest {
             path: remote,
@@ -127,7 +144,7 @@ async fn edit_once(ctx: &Ctx, name: &str, path: &str) -> Result<u8, RsbError> {
                 "rsb: {name}:{path} changed since it was opened; nothing was written; your copy: {}",
                 local.display()
             );
-            Ok(exit::REMOTE)
+            Ok(Edited::nothing(exit::REMOTE))
         }
         o => {
             let r = edit::outcome(path, Some(&hash), o);
@@ -138,7 +155,11 @@ async fn edit_once(ctx: &Ctx, name: &str, path: &str) -> Result<u8, RsbError> {
             }
             let r = r?;
             eprintln!("rsb: wrote {name}:{} ({})", r.path, r.hash);
-            Ok(exit::OK)
+            Ok(Edited {
+                code: exit::OK,
+                written: true,
+                bytes_written: Some(len),
+            })
         }
     }
 }

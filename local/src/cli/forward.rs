@@ -10,7 +10,6 @@ use rsb::{
     forward::{Event, EventSink},
     ops::forward::{self, ForwardInfo},
     ops::output::human_bytes,
-    pool::Pool,
 };
 
 /// `rsb forward`'s arguments (kept here so the command's whole surface lives in one file).
@@ -61,7 +60,16 @@ pub async fn main(app: Arc<App>, a: ForwardArgs, json: bool) -> u8 {
     }
     if let Some(id) = a.stop {
         let reg = forward::Forwards::default();
-        return match reg.stop(&store, id).await {
+        let stopped = super::policy::caller(false)
+            .act_on(
+                app.config(),
+                "rsb forward --stop",
+                format!("forward {id}"),
+                async || reg.stop(&store, id).await,
+                |info| info.sandbox.clone(),
+            )
+            .await;
+        return match stopped {
             Ok(info) => {
                 if json {
                     println!("{}", serde_json::to_string(&info).unwrap_or_default());
@@ -94,13 +102,22 @@ pub async fn main(app: Arc<App>, a: ForwardArgs, json: bool) -> u8 {
         }
     };
     if a.detach {
-        return detach(app, &req, json).await;
+        return detach(&app, &req, json).await;
     }
-    run(app.pool().clone(), &req, json).await
+    run(&app, &req, json).await
 }
 
-async fn detach(app: Arc<App>, req: &forward::ForwardRequest, json: bool) -> u8 {
-    match forward::detach(&app, req).await {
+/// `--detach`: the watchdog daemon serves the forward; audited as its start
+/// ([`forward::act`]), as `forward_port` is.
+async fn detach(app: &App, req: &forward::ForwardRequest, json: bool) -> u8 {
+    let r = super::policy::caller(false)
+        .act(
+            app.pool(),
+            forward::act("rsb forward", req),
+            async |sandbox| forward::detach(app, &req.on(sandbox)).await,
+        )
+        .await;
+    match r {
         Ok(info) if json => {
             println!("{}", serde_json::to_string(&info).unwrap_or_default());
             0
@@ -171,30 +188,31 @@ fn print_table(list: &[ForwardInfo]) {
 
 /// Exit code: 0 after Ctrl-C, 2 for bad arguments (a taken port too), 1 when the forward cannot
 /// start.
-async fn run(pool: Arc<Pool>, req: &forward::ForwardRequest, json: bool) -> u8 {
+async fn run(app: &App, req: &forward::ForwardRequest, json: bool) -> u8 {
+    /// A started forward: its line's numbers are its reply's, as `forward_port`'s.
+    #[derive(serde::Serialize)]
+    struct Listening {
+        #[serde(flatten)]
+        info: ForwardInfo,
+        #[serde(skip)]
+        fwd: Arc<rsb::forward::Forward>,
+    }
     let sink: EventSink = Arc::new(move |e: &Event| print_event(json, e));
-    let t0 = std::time::Instant::now();
-    let started = forward::start(&pool, req, Some(sink)).await;
-    rsb::audit::record(
-        pool.config(),
-        &pool.resolve(&req.sandbox).unwrap_or_default(),
-        &rsb::audit::Action {
-            origin: "cli".into(),
-            tool: "rsb forward".into(),
-            command: Some(req.target.to_string()),
-            duration_ms: Some(t0.elapsed().as_millis() as u64),
-            error: started.as_ref().err().map(|e| e.message.clone()),
-            ..Default::default()
-        },
-    );
-    let fwd = match started {
-        Ok(f) => f,
+    let pool = app.pool();
+    let started = super::policy::caller(false)
+        .act(pool, forward::act("rsb forward", req), async |sandbox| {
+            let fwd = forward::start(pool, &req.on(sandbox), Some(sink)).await?;
+            let info = ForwardInfo::of(1, &fwd);
+            Ok(Listening { info, fwd })
+        })
+        .await;
+    let Listening { info, fwd } = match started {
+        Ok(l) => l,
         Err(e) => {
             print_error(json, &e);
             return failure_code(&e);
         }
     };
-    let info = ForwardInfo::of(1, &fwd);
     if json {
         let mut v = serde_json::to_value(&info).unwrap_or_default();
         v["event"] = "listening".into();

@@ -130,13 +130,11 @@ async fn kill(ctx: &Ctx, name: &str, grace: f64, yes: bool, json: bool) -> u8 {
         sandbox: &sandbox,
         tool: "rsb jobs kill",
         command: Some(name.into()),
-        cwd: None,
-        checked: Vec::new(),
         approval: Some((
             rsb::policy::Action::Kill,
             rsb::ops::slurm::jobs::kill_what(name),
         )),
-        long: false,
+        ..Default::default()
     };
     let app = &ctx.app;
     let r = super::policy::caller(yes)
@@ -319,8 +317,7 @@ async fn start(
         command: Some(line.clone()),
         cwd: cwd.clone(),
         checked: vec![("command", line.clone())],
-        approval: None,
-        long: false,
+        ..Default::default()
     };
     let pool = ctx.app.pool();
     let names = (

@@ -187,10 +187,8 @@ pub async fn run(ctx: &Ctx, a: SyncArgs) -> u8 {
         sandbox: &sandbox,
         tool: "rsb sync",
         command: Some(rsb::ops::sync::described(&sandbox, &spec)),
-        cwd: None,
-        checked: Vec::new(),
-        approval: None,
         long: true,
+        ..Default::default()
     };
     if a.watch {
         let opts = rsb::sync::watch::WatchOptions {

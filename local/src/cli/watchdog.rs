@@ -247,23 +247,17 @@ const MULTILINE_FIELDS: &[&str] = &[
     "last_alert_error",
 ];
 
-/// `rsb watch cancel`, on the audit record.
+/// `rsb watch cancel`, on the audit record as `cancel_background_watch` is.
 async fn cancel_audited(state_dir: &Path, id: i64) -> rsb::error::Result<ops::Cancelled> {
-    let r = with_store(state_dir, async |s| ops::cancel(s, id).await).await;
-    rsb::audit::record_in(
-        state_dir,
-        r.as_ref()
-            .map(|c| c.watch.sandbox_name.as_str())
-            .unwrap_or(""),
-        &rsb::audit::Action {
-            origin: "cli".into(),
-            tool: "rsb watch cancel".into(),
-            command: Some(format!("watch {id}")),
-            error: r.as_ref().err().map(|e| e.message.clone()),
-            ..Default::default()
-        },
-    );
-    r
+    super::policy::caller(false)
+        .act_on(
+            state_dir,
+            "rsb watch cancel",
+            format!("watch {id}"),
+            async || with_store(state_dir, async |s| ops::cancel(s, id).await).await,
+            |c| c.watch.sandbox_name.clone(),
+        )
+        .await
 }
 
 fn watch_table(ws: &[Watch]) {

@@ -7,8 +7,8 @@ use rmcp::{
 };
 use serde::Deserialize;
 
-use super::{RsbServer, ToolResult, audited};
-use crate::ops::edit;
+use super::{RsbServer, ToolResult, fail, policy::caller, reply};
+use crate::ops::{action::Act, edit};
 
 #[derive(Debug, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -76,30 +76,23 @@ impl RsbServer {
         Parameters(p): Parameters<ApplyPatchParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let t0 = std::time::Instant::now();
-        let parsed = edit::parse_patch(&p.patch);
-        // The audit line names the files, never the patch's text (file content).
-        let what = match &parsed {
-            Ok(req) => {
-                let paths: Vec<&str> = req.files.iter().map(|f| f.path.as_str()).collect();
-                paths.join(", ")
-            }
-            Err(_) => "(unparsable patch)".into(),
+        let req = match edit::parse_patch(&p.patch) {
+            Ok(r) => r,
+            Err(e) => return fail(&e),
         };
-        let r = async {
-            let client = self.app.pool().client(&p.sandbox_name).await?;
-            let mut req = parsed?;
-            req.confine = client.confine().cloned();
-            client
-                .call(req)
-                .await
-                .map_err(edit::patch_error)
-                .and_then(edit::patch_outcome)
-        }
-        .await;
-        let sandbox = self.app.pool().resolve(&p.sandbox_name).unwrap_or_default();
-        let tool = ("apply_patch", sandbox.as_str(), Some(what));
-        audited(self.app.config(), &ctx, tool, t0, r)
+        let act = Act {
+            sandbox: &p.sandbox_name,
+            tool: "apply_patch",
+            command: Some(edit::patch_paths(&req)),
+            ..Default::default()
+        };
+        let pool = self.app.pool();
+        let r = caller(&ctx)
+            .act(pool, act, async |sandbox| {
+                edit::patch(&pool.client(&sandbox).await?, req).await
+            })
+            .await;
+        reply(r)
     }
 }
 
@@ -114,35 +107,29 @@ impl RsbServer {
         Parameters(p): Parameters<EditRemoteFileParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let t0 = std::time::Instant::now();
-        let name = p.sandbox_name.as_deref().unwrap_or("");
-        let r = async {
-            let req = edit::edit_request(
-                &p.remote_path,
-                &p.old_string,
-                &p.new_string,
-                p.replace_all.unwrap_or(false),
-                p.expected_hash.as_deref().unwrap_or(""),
-            )?;
-            let client = self.app.pool().client(name).await?;
-            let req = rsb_protocol::EditRequest {
-                confine: client.confine().cloned(),
-                ..req
-            };
-            let expected = req.expected_hash.clone();
-            client
-                .call(req)
-                .await
-                .and_then(|o| edit::outcome(&p.remote_path, expected.as_deref(), o))
-        }
-        .await;
-        let sandbox = self.app.pool().resolve(name).unwrap_or_default();
-        let tool = (
-            "edit_remote_file",
-            sandbox.as_str(),
-            Some(p.remote_path.clone()),
-        );
-        audited(self.app.config(), &ctx, tool, t0, r)
+        let req = match edit::edit_request(
+            &p.remote_path,
+            &p.old_string,
+            &p.new_string,
+            p.replace_all.unwrap_or(false),
+            p.expected_hash.as_deref().unwrap_or(""),
+        ) {
+            Ok(r) => r,
+            Err(e) => return fail(&e),
+        };
+        let act = Act {
+            sandbox: p.sandbox_name.as_deref().unwrap_or(""),
+            tool: "edit_remote_file",
+            command: Some(p.remote_path.clone()),
+            ..Default::default()
+        };
+        let pool = self.app.pool();
+        let r = caller(&ctx)
+            .act(pool, act, async |sandbox| {
+                edit::edit(&pool.client(&sandbox).await?, req, &p.remote_path).await
+            })
+            .await;
+        reply(r)
     }
 
     #[tool(
@@ -158,47 +145,30 @@ impl RsbServer {
         Parameters(p): Parameters<WriteRemoteFileParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let t0 = std::time::Instant::now();
-        let mut bytes = None;
-        let r = async {
-            let req = edit::write_request(
-                &p.remote_path,
-                p.content.as_deref(),
-                p.content_base64.as_deref(),
-                p.expected_hash.as_deref().unwrap_or(""),
-                p.create_only.unwrap_or(false),
-                p.make_dirs.unwrap_or(false),
-            )?;
-            bytes = Some(req.data.len() as u64);
-            let make_dirs = req.make_dirs;
-            let client = self.app.pool().client(&p.sandbox_name).await?;
-            let req = rsb_protocol::WriteRequest {
-                confine: client.confine().cloned(),
-                ..req
-            };
-            let expected = match &req.condition {
-                rsb_protocol::WriteCondition::Hash(h) => Some(h.clone()),
-                _ => None,
-            };
-            client
-                .call(req)
-                .await
-                .map_err(|e| edit::write_failed(e, make_dirs))
-                .and_then(|o| edit::outcome(&p.remote_path, expected.as_deref(), o))
-        }
-        .await;
-        let sandbox = self.app.pool().resolve(&p.sandbox_name).unwrap_or_default();
-        super::audited_bytes(
-            self.app.config(),
-            &ctx,
-            (
-                "write_remote_file",
-                sandbox.as_str(),
-                Some(p.remote_path.clone()),
-            ),
-            t0,
-            bytes,
-            r,
-        )
+        let req = match edit::write_request(
+            &p.remote_path,
+            p.content.as_deref(),
+            p.content_base64.as_deref(),
+            p.expected_hash.as_deref().unwrap_or(""),
+            p.create_only.unwrap_or(false),
+            p.make_dirs.unwrap_or(false),
+        ) {
+            Ok(r) => r,
+            Err(e) => return fail(&e),
+        };
+        let act = Act {
+            sandbox: &p.sandbox_name,
+            tool: "write_remote_file",
+            command: Some(p.remote_path.clone()),
+            bytes: Some(req.data.len() as u64),
+            ..Default::default()
+        };
+        let pool = self.app.pool();
+        let r = caller(&ctx)
+            .act(pool, act, async |sandbox| {
+                edit::write(&pool.client(&sandbox).await?, req, &p.remote_path).await
+            })
+            .await;
+        reply(r)
     }
 }

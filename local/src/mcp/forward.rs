@@ -8,7 +8,7 @@ use rmcp::{
 };
 use serde::Deserialize;
 
-use super::{RsbServer, ToolResult, audited, fail, ok};
+use super::{RsbServer, ToolResult, fail, ok, reply};
 use crate::{
     error::RsbError,
     ops::forward::{self, DEFAULT_REMOTE_HOST, ForwardRequest},
@@ -107,31 +107,24 @@ impl RsbServer {
         Parameters(p): Parameters<ForwardPortParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let t0 = std::time::Instant::now();
-        let what = match (&p.socket_path, p.remote_port) {
-            (s, _) if !s.is_empty() => format!("unix:{s}"),
-            (_, Some(port)) => format!("{}:{port}", p.remote_host),
-            _ => String::new(),
+        let req = match p.request() {
+            Ok(r) => r,
+            Err(e) => return fail(&e),
         };
-        let r = async {
-            let req = p.request()?;
-            if p.detach {
-                return forward::detach(&self.app, &req)
-                    .await
-                    .and_then(|info| to_value(&info));
-            }
-            let f = forward::start(self.app.pool(), &req, None).await?;
-            to_value(&self.forwards.add(f))
-        }
-        .await;
-        let sandbox = self.app.pool().resolve(&p.sandbox_name).unwrap_or_default();
-        audited(
-            self.app.config(),
-            &ctx,
-            ("forward_port", sandbox.as_str(), Some(what)),
-            t0,
-            r,
-        )
+        let act = forward::act("forward_port", &req);
+        let r = super::policy::caller(&ctx)
+            .act(self.app.pool(), act, async |sandbox| {
+                let req = req.on(sandbox);
+                if p.detach {
+                    return forward::detach(&self.app, &req)
+                        .await
+                        .and_then(|info| to_value(&info));
+                }
+                let f = forward::start(self.app.pool(), &req, None).await?;
+                to_value(&self.forwards.add(f))
+            })
+            .await;
+        reply(r)
     }
 
     #[tool(
@@ -151,13 +144,15 @@ impl RsbServer {
         Parameters(p): Parameters<StopForwardParams>,
         ctx: RequestContext<RoleServer>,
     ) -> ToolResult {
-        let t0 = std::time::Instant::now();
-        let r = self
-            .forwards
-            .stop(&self.app.store(), p.forward_id)
-            .await
-            .and_then(|info| to_value(&info));
-        let what = Some(format!("forward {}", p.forward_id));
-        audited(self.app.config(), &ctx, ("stop_forward", "", what), t0, r)
+        let r = super::policy::caller(&ctx)
+            .act_on(
+                self.app.config(),
+                "stop_forward",
+                format!("forward {}", p.forward_id),
+                async || self.forwards.stop(&self.app.store(), p.forward_id).await,
+                |info| info.sandbox.clone(),
+            )
+            .await;
+        reply(r)
     }
 }

@@ -382,13 +382,11 @@ impl RsbServer {
             sandbox: &p.sandbox_name,
             tool: "kill_background_task",
             command: Some(p.tmux_session.clone()),
-            cwd: None,
-            checked: Vec::new(),
             approval: Some((
                 crate::policy::Action::Kill,
                 slurm::jobs::kill_what(&p.tmux_session),
             )),
-            long: false,
+            ..Default::default()
         };
         let app = &self.app;
         let r = super::policy::caller(&ctx)
@@ -445,8 +443,7 @@ impl RsbServer {
             command: Some(p.command.clone()),
             cwd: (!p.cwd.is_empty()).then(|| p.cwd.clone()),
             checked,
-            approval: None,
-            long: false,
+            ..Default::default()
         };
         super::policy::caller(ctx)
             .act(self.app.pool(), act, async |sandbox| {

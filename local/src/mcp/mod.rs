@@ -354,50 +354,6 @@ fn check_args(
     Ok(())
 }
 
-/// Reply with `r`, after appending its audit line: `tool` on `sandbox` with `command` as given,
-/// the reply's numbers ([`crate::audit::reply_summary`]) or its error.
-pub(crate) fn audited<T: serde::Serialize>(
-    config: &Config,
-    ctx: &RequestContext<RoleServer>,
-    what: (&str, &str, Option<String>),
-    t0: std::time::Instant,
-    r: crate::error::Result<T>,
-) -> ToolResult {
-    audited_bytes(config, ctx, what, t0, None, r)
-}
-
-/// [`audited`] with the number of bytes the action wrote (a file write's length).
-pub(crate) fn audited_bytes<T: serde::Serialize>(
-    config: &Config,
-    ctx: &RequestContext<RoleServer>,
-    (tool, sandbox, command): (&str, &str, Option<String>),
-    t0: std::time::Instant,
-    bytes: Option<u64>,
-    r: crate::error::Result<T>,
-) -> ToolResult {
-    let r = r.and_then(encoded);
-    crate::audit::record(
-        config,
-        sandbox,
-        &crate::audit::Action {
-            origin: origin(ctx),
-            tool: tool.into(),
-            command,
-            duration_ms: Some(t0.elapsed().as_millis() as u64),
-            bytes,
-            error: r.as_ref().err().map(|e| e.message.clone()),
-            detail: r.as_ref().ok().and_then(crate::audit::reply_summary),
-            ..Default::default()
-        },
-    );
-    reply(r)
-}
-
-/// A reply as JSON, for its audit line's numbers.
-fn encoded<T: serde::Serialize>(v: T) -> crate::error::Result<Value> {
-    serde_json::to_value(v).map_err(|e| RsbError::internal(format!("cannot encode the reply: {e}")))
-}
-
 /// The audit log's origin of a call: `mcp:<client name>`.
 pub(crate) fn origin(ctx: &RequestContext<RoleServer>) -> String {
     match ctx.peer.peer_info() {

@@ -353,15 +353,16 @@ impl RsbServer {
             Ok(t) => t,
             Err(e) => return fail(&e),
         };
-        let t0 = std::time::Instant::now();
-        let r = t.cancel(p.task_id, p.force_kill_after_s).await;
-        let what = Some(format!("task {}", p.task_id));
-        super::audited(
-            self.app.config(),
-            &ctx,
-            ("cancel_file_transfer_task", "", what),
-            t0,
-            r,
-        )
+        let r = super::policy::caller(&ctx)
+            .act_on(
+                self.app.config(),
+                "cancel_file_transfer_task",
+                format!("task {}", p.task_id),
+                async || t.cancel(p.task_id, p.force_kill_after_s).await,
+                // The reply does not name the transfer's sandbox.
+                |_| String::new(),
+            )
+            .await;
+        reply(r)
     }
 }

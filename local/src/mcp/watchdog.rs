@@ -315,8 +315,7 @@ impl RsbServer {
             command: Some(format!("watch {}", args.tmux_session)),
             cwd: (!args.cwd.is_empty()).then(|| args.cwd.clone()),
             checked,
-            approval: None,
-            long: false,
+            ..Default::default()
         };
         let r = super::policy::caller(&ctx)
             .act(self.app.pool(), act, async |sandbox| {
@@ -450,15 +449,16 @@ impl RsbServer {
         Parameters(p): Parameters<WatchIdParams>,
         ctx: rmcp::service::RequestContext<rmcp::RoleServer>,
     ) -> ToolResult {
-        let t0 = std::time::Instant::now();
-        let r = wops::cancel(&self.app.store(), p.watch_id).await;
-        let sandbox = r
-            .as_ref()
-            .map(|c| c.watch.sandbox_name.clone())
-            .unwrap_or_default();
-        let what = Some(format!("watch {}", p.watch_id));
-        let tool = ("cancel_background_watch", sandbox.as_str(), what);
-        super::audited(self.app.config(), &ctx, tool, t0, r)
+        let r = super::policy::caller(&ctx)
+            .act_on(
+                self.app.config(),
+                "cancel_background_watch",
+                format!("watch {}", p.watch_id),
+                async || wops::cancel(&self.app.store(), p.watch_id).await,
+                |c| c.watch.sandbox_name.clone(),
+            )
+            .await;
+        typed(r)
     }
 
     #[tool(description = "Watchdog events, newest first, of one watch or all (watch_id=0).")]

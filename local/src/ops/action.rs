@@ -18,7 +18,9 @@ use crate::{
 /// Puts a policy question to the user and waits for the answer.
 pub type Ask = Arc<dyn Fn(String) -> BoxFuture<'static, Answer> + Send + Sync>;
 
-/// An action that is one audit line (a job started, a job killed), as a front end asks for it.
+/// An action as a front end asks for it: one audit line (a job started, a job killed, a file
+/// written), or a start and an end line ([`Act::long`]: a sync).
+#[derive(Default)]
 pub struct Act<'a> {
     /// The sandbox as named (`""`: the active one); resolved once, for the gate, the action
     /// and its line alike.
@@ -37,6 +39,8 @@ pub struct Act<'a> {
     /// An action that runs a while (a sync): a start line before it and an end line after,
     /// so the log shows it running and an action cut short says so; else one line at its end.
     pub long: bool,
+    /// What the action writes, in bytes, when the request says (a file write's length).
+    pub bytes: Option<u64>,
 }
 
 /// The front end's part of an action.
@@ -130,7 +134,10 @@ impl Caller {
         if act.long {
             let started = self.start(config, &sandbox, act.tool, act.command, act.cwd);
             let r = run(sandbox).await;
-            started.end(|a| outcome(a, &r));
+            started.end(|a| {
+                a.bytes = act.bytes;
+                outcome(a, &r)
+            });
             return r;
         }
         let t0 = std::time::Instant::now();
@@ -141,10 +148,38 @@ impl Caller {
             command: act.command,
             cwd: act.cwd,
             duration_ms: Some(t0.elapsed().as_millis() as u64),
+            bytes: act.bytes,
             ..Default::default()
         };
         outcome(&mut line, &r);
         audit::record(config, &sandbox, &line);
+        r
+    }
+
+    /// An action on something rsb already runs, named by its id (stopping a forward,
+    /// cancelling a transfer or a watch): nothing to resolve or check, and one audit line on
+    /// the sandbox the thing runs on, read from the result by `sandbox_of` (`""` when it
+    /// failed).
+    pub async fn act_on<'l, T: serde::Serialize>(
+        &self,
+        log: impl Into<audit::Log<'l>>,
+        tool: &str,
+        command: String,
+        run: impl AsyncFnOnce() -> Result<T>,
+        sandbox_of: impl FnOnce(&T) -> String,
+    ) -> Result<T> {
+        let t0 = std::time::Instant::now();
+        let r = run().await;
+        let mut line = audit::Action {
+            origin: self.origin.clone(),
+            tool: tool.into(),
+            command: Some(command),
+            duration_ms: Some(t0.elapsed().as_millis() as u64),
+            ..Default::default()
+        };
+        outcome(&mut line, &r);
+        let sandbox = r.as_ref().map(sandbox_of).unwrap_or_default();
+        log.into().record(&sandbox, &line);
         r
     }
 

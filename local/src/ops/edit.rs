@@ -9,7 +9,10 @@ use rsb_protocol::{
 };
 use serde::Serialize;
 
-use crate::error::{Kind, Result, RsbError};
+use crate::{
+    client::AgentClient,
+    error::{Kind, Result, RsbError},
+};
 
 fn check_path(p: &str) -> Result<()> {
     if p.trim().is_empty() || p.contains('\0') {
@@ -437,6 +440,57 @@ fn hunk_header(l: &str) -> Option<&str> {
     // `@@ fn main() @@` (git's form) carries its context between the markers.
     let rest = rest.trim();
     Some(rest.strip_suffix("@@").map(str::trim_end).unwrap_or(rest))
+}
+
+/// `edit_remote_file`: `req` ([`edit_request`]) on `client`, confined as its sandbox is;
+/// `shown` is the path as the caller named it, for the refusal's words.
+pub async fn edit(client: &AgentClient, req: EditRequest, shown: &str) -> Result<EditReply> {
+    let req = EditRequest {
+        confine: client.confine().cloned(),
+        ..req
+    };
+    let expected = req.expected_hash.clone();
+    client
+        .call(req)
+        .await
+        .and_then(|o| outcome(shown, expected.as_deref(), o))
+}
+
+/// `write_remote_file`: `req` ([`write_request`]) on `client`, confined as its sandbox is.
+pub async fn write(client: &AgentClient, req: WriteRequest, shown: &str) -> Result<EditReply> {
+    let make_dirs = req.make_dirs;
+    let req = WriteRequest {
+        confine: client.confine().cloned(),
+        ..req
+    };
+    let expected = match &req.condition {
+        WriteCondition::Hash(h) => Some(h.clone()),
+        _ => None,
+    };
+    client
+        .call(req)
+        .await
+        .map_err(|e| write_failed(e, make_dirs))
+        .and_then(|o| outcome(shown, expected.as_deref(), o))
+}
+
+/// `apply_patch`: `req` ([`parse_patch`]) on `client`, confined as its sandbox is.
+pub async fn patch(client: &AgentClient, req: rsb_protocol::PatchRequest) -> Result<PatchReply> {
+    let req = rsb_protocol::PatchRequest {
+        confine: client.confine().cloned(),
+        ..req
+    };
+    client
+        .call(req)
+        .await
+        .map_err(patch_error)
+        .and_then(patch_outcome)
+}
+
+/// The files a patch names, for its audit line (never its text, which is file content).
+pub fn patch_paths(req: &rsb_protocol::PatchRequest) -> String {
+    let paths: Vec<&str> = req.files.iter().map(|f| f.path.as_str()).collect();
+    paths.join(", ")
 }
 
 /// A relative path is relative to `$HOME`, as every remote path of rsb's tools (the agent's

@@ -19,6 +19,7 @@ use crate::{
     app::App,
     error::{Result, RsbError},
     forward::{Forward, StatsSnapshot},
+    ops::action::Act,
     store::{Store, sandboxes},
     watchdog::{daemon, forwards, settings},
 };
@@ -104,6 +105,28 @@ pub struct ForwardList {
 const DETACH_WAIT: Duration = Duration::from_secs(45);
 /// How long `stop` waits for the daemon to free a detached forward's port.
 const STOP_WAIT: Duration = Duration::from_secs(10);
+
+/// A forward's start as every front end asks for it ([`crate::ops::action::Caller::act`]):
+/// one audit line naming its target (`localhost:8888`, a socket's path); the closure gets the
+/// sandbox resolved once ([`ForwardRequest::on`]).
+pub fn act<'a>(tool: &'a str, req: &'a ForwardRequest) -> Act<'a> {
+    Act {
+        sandbox: &req.sandbox,
+        tool,
+        command: Some(req.target.to_string()),
+        ..Default::default()
+    }
+}
+
+impl ForwardRequest {
+    /// This request on `sandbox`, the name its action resolved.
+    pub fn on(&self, sandbox: String) -> ForwardRequest {
+        ForwardRequest {
+            sandbox,
+            ..self.clone()
+        }
+    }
+}
 
 /// Hand a forward to the watchdog daemon (starting one if none runs) and wait until it listens
 /// or says why it cannot. The sandbox definitions are persisted as for a watch: without secrets

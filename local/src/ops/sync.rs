@@ -408,10 +408,8 @@ pub async fn act(
         sandbox: &sandbox,
         tool,
         command: Some(described(&sandbox, &spec)),
-        cwd: None,
-        checked: Vec::new(),
-        approval: None,
         long: true,
+        ..Default::default()
     };
     caller
         .act(app.pool(), act, async |sandbox| {
