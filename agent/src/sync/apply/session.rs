@@ -285,10 +285,14 @@ impl Session {
                     chmod_fd(&fd, now).map_err(|e| io(&e, "chmod", rel))?;
                 }
             }
+            // The plan makes or keeps a directory here only where its scan saw one or
+            // nothing (a file in the way is the plan's refusal), so anything else came since.
             Some(_) => {
                 return Err(err(
                     ErrorCode::NotADirectory,
-                    format!("{rel} exists and is not a directory"),
+                    format!(
+                        "{rel} exists and is not a directory: the destination changed since the sync looked (tampered with?); nothing was written through it"
+                    ),
                 ));
             }
             None => {
