@@ -86,10 +86,6 @@ pub struct StopForwardParams {
     pub forward_id: u64,
 }
 
-fn to_value<T: serde::Serialize>(v: &T) -> Result<serde_json::Value, RsbError> {
-    serde_json::to_value(v).map_err(|e| RsbError::internal(format!("cannot encode reply: {e}")))
-}
-
 fn json<T: serde::Serialize>(v: &T) -> ToolResult {
     match serde_json::to_value(v) {
         Ok(v) => ok(v),
@@ -116,12 +112,10 @@ impl RsbServer {
             .act(self.app.pool(), act, async |sandbox| {
                 let req = req.on(sandbox);
                 if p.detach {
-                    return forward::detach(&self.app, &req)
-                        .await
-                        .and_then(|info| to_value(&info));
+                    return forward::detach(&self.app, &req).await;
                 }
                 let f = forward::start(self.app.pool(), &req, None).await?;
-                to_value(&self.forwards.add(f))
+                Ok(self.forwards.add(f))
             })
             .await;
         reply(r)

@@ -142,16 +142,11 @@ impl Caller {
         }
         let t0 = std::time::Instant::now();
         let r = run(sandbox.clone()).await;
-        let mut line = audit::Action {
-            origin: self.origin.clone(),
-            tool: act.tool.into(),
-            command: act.command,
+        let line = audit::Action {
             cwd: act.cwd,
-            duration_ms: Some(t0.elapsed().as_millis() as u64),
             bytes: act.bytes,
-            ..Default::default()
+            ..self.line(act.tool, act.command, t0, &r)
         };
-        outcome(&mut line, &r);
         audit::record(config, &sandbox, &line);
         r
     }
@@ -170,17 +165,29 @@ impl Caller {
     ) -> Result<T> {
         let t0 = std::time::Instant::now();
         let r = run().await;
-        let mut line = audit::Action {
-            origin: self.origin.clone(),
-            tool: tool.into(),
-            command: Some(command),
-            duration_ms: Some(t0.elapsed().as_millis() as u64),
-            ..Default::default()
-        };
-        outcome(&mut line, &r);
+        let line = self.line(tool, Some(command), t0, &r);
         let sandbox = r.as_ref().map(sandbox_of).unwrap_or_default();
         log.into().record(&sandbox, &line);
         r
+    }
+
+    /// The one line of an action that began at `t0` and ended with `r`.
+    fn line<T: serde::Serialize>(
+        &self,
+        tool: &str,
+        command: Option<String>,
+        t0: std::time::Instant,
+        r: &Result<T>,
+    ) -> audit::Action {
+        let mut line = audit::Action {
+            origin: self.origin.clone(),
+            tool: tool.into(),
+            command,
+            duration_ms: Some(t0.elapsed().as_millis() as u64),
+            ..Default::default()
+        };
+        outcome(&mut line, r);
+        line
     }
 
     /// The start line of an action that runs a while; its end line is written by
