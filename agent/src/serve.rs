@@ -187,6 +187,9 @@ async fn handle(
         Request::ApplyOnce(req) => sync::apply_once(req, &cancel)
             .await
             .map(ApplyOnceRequest::into_reply),
+        Request::StagedWrite(req) => sync::staged_write(req, &cancel)
+            .await
+            .map(rsb_protocol::StagedWriteRequest::into_reply),
         Request::ReadFileZ(req) => blocking(&cancel, move || sync::read_file_z(&req))
             .await
             .map(rsb_protocol::ReadFileZRequest::into_reply),

@@ -24,7 +24,9 @@ use std::path::{Path, PathBuf};
 use rsb_protocol::{AgentError, ErrorCode};
 use tokio_util::sync::CancellationToken;
 
-pub use apply::{GAP_WAIT, Sessions, apply, apply_abort, apply_close, apply_once, apply_open};
+pub use apply::{
+    GAP_WAIT, Sessions, apply, apply_abort, apply_close, apply_once, apply_open, staged_write,
+};
 pub use blocks::block_hashes;
 pub use manifest::manifest;
 pub use read::{OneVersion, read_file_z, read_one_version};

@@ -17,7 +17,7 @@ use rsb_protocol::sync::{DEFAULT_EXCLUDES, STAGING_PREFIX};
 use rsb_protocol::{
     AgentError, ApplyCloseRequest, ApplyOp, ApplyOpenRequest, ApplyOpened, ApplyRequest,
     BlockHashesRequest, Chunk, ErrorCode, FileKind, FromAgent, ManifestEntry, ManifestRequest,
-    ManifestSummary, Reply, Request, SyncRules, ToAgent, decode, encode,
+    ManifestSummary, Reply, Request, StagedWriteRequest, SyncRules, ToAgent, decode, encode,
 };
 
 fn agent_bin() -> String {
@@ -852,6 +852,169 @@ fn received_files_land_with_exact_bytes_modes_and_mtimes() {
     let e = agent.apply(opened.session, vec![]).unwrap_err();
     assert_eq!(e.code, ErrorCode::NotFound);
     fs::set_permissions(root.join("ro"), fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+fn staged_write(
+    agent: &mut Agent,
+    root: &Path,
+    staging: &str,
+    name: &str,
+    offset: u64,
+    data: &[u8],
+    compress: bool,
+) -> Result<(), AgentError> {
+    let (raw_len, data) = match compress.then(|| rsb_protocol::compress::compress(data)) {
+        Some(Some(z)) => (Some(data.len() as u64), z),
+        _ => (None, data.to_vec()),
+    };
+    match agent.call(Request::StagedWrite(StagedWriteRequest {
+        root: root.to_str().unwrap().into(),
+        staging: staging.into(),
+        name: name.into(),
+        offset,
+        raw_len,
+        data,
+        confine: None,
+    })) {
+        Reply::Done => Ok(()),
+        Reply::Error(e) => Err(e),
+        other => panic!("expected Done, got {other:?}"),
+    }
+}
+
+/// Issue 47, lanes: a session opens a large file's staged copy to other channels; a second
+/// agent process writes its halves out of order (one compressed), and the commit, which
+/// trusts none of it, hashes the whole file: a wrong byte is a hash mismatch, the right bytes
+/// land exactly. Names that climb out, a staging directory that is not this user's private
+/// one, a link or a file the session never staged: refused, nothing created or written.
+#[test]
+fn a_shared_staged_file_takes_another_agent_s_writes_and_its_commit_checks_them() {
+    let t = tempfile::tempdir().unwrap();
+    let root = t.path();
+    let data: Vec<u8> = (0..(3 << 20) as u32).map(|i| (i % 251) as u8).collect();
+    let half = data.len() / 2;
+    let mut a = Agent::start();
+    let mut b = Agent::start();
+    let opened = a.open(root, false);
+    let s = opened.session;
+    let seq = a.next_seq(s);
+    let shared = match a.call(Request::Apply(ApplyRequest {
+        session: s,
+        seq,
+        ops: vec![ApplyOp::FileShare {
+            rel: "big.bin".into(),
+        }],
+    })) {
+        Reply::Applied(r) => r.shared,
+        other => panic!("expected Applied, got {other:?}"),
+    };
+    assert_eq!(shared.len(), 1, "{shared:?}");
+    let (staging, name) = (opened.staging.as_str(), shared[0].as_str());
+    assert!(staging.starts_with(STAGING_PREFIX), "{staging}");
+    // The second half first, compressed; then the first half with a wrong byte.
+    staged_write(
+        &mut b,
+        root,
+        staging,
+        name,
+        half as u64,
+        &data[half..],
+        true,
+    )
+    .unwrap();
+    let mut bad = data[..half].to_vec();
+    bad[7] ^= 1;
+    staged_write(&mut b, root, staging, name, 0, &bad, false).unwrap();
+    let commit = || ApplyOp::FileCommit {
+        rel: "big.bin".into(),
+        size: data.len() as u64,
+        mode: 0o644,
+        mtime_ns: 1_000_000_000,
+        hash: b3(&data),
+    };
+    expect_err(
+        a.apply(s, vec![commit()]),
+        ErrorCode::InvalidArgument,
+        "hash mismatch",
+    );
+    assert!(!root.join("big.bin").exists(), "nothing committed");
+
+    // Refused: names that are not a staged file's, another staging directory, a link.
+    let refused = |r: Result<(), AgentError>, code: ErrorCode| {
+        let e = r.expect_err("refused");
+        assert_eq!(e.code, code, "{e:?}");
+    };
+    for (st, n) in [
+        (staging, "../../etc"),
+        (staging, ".."),
+        (staging, ""),
+        ("..", name),
+        ("not-staging", name),
+        (staging, "a/b"),
+    ] {
+        refused(
+            staged_write(&mut b, root, st, n, 0, b"x", false),
+            ErrorCode::InvalidArgument,
+        );
+    }
+    let outside = root.join("outside.txt");
+    fs::write(&outside, "mine").unwrap();
+    std::os::unix::fs::symlink(&outside, root.join(staging).join("link")).unwrap();
+    assert!(staged_write(&mut b, root, staging, "link", 0, b"x", false).is_err());
+    assert_eq!(fs::read_to_string(&outside).unwrap(), "mine");
+    assert!(staged_write(&mut b, root, staging, "f99-never", 0, b"x", false).is_err());
+    assert!(
+        !root.join(staging).join("f99-never").exists(),
+        "never created"
+    );
+    let open_dir = root.join(format!("{STAGING_PREFIX}open"));
+    fs::create_dir(&open_dir).unwrap();
+    fs::write(open_dir.join("f1-x"), "").unwrap();
+    fs::set_permissions(&open_dir, fs::Permissions::from_mode(0o755)).unwrap();
+    refused(
+        staged_write(
+            &mut b,
+            root,
+            &format!("{STAGING_PREFIX}open"),
+            "f1-x",
+            0,
+            b"x",
+            false,
+        ),
+        ErrorCode::PermissionDenied,
+    );
+    assert_eq!(fs::read(open_dir.join("f1-x")).unwrap(), b"");
+    fs::remove_dir_all(&open_dir).unwrap();
+    fs::remove_file(root.join(staging).join("link")).unwrap();
+
+    // The mismatch dropped the staged copy: shared again, the right bytes commit exactly.
+    let seq = a.next_seq(s);
+    let shared = match a.call(Request::Apply(ApplyRequest {
+        session: s,
+        seq,
+        ops: vec![ApplyOp::FileShare {
+            rel: "big.bin".into(),
+        }],
+    })) {
+        Reply::Applied(r) => r.shared,
+        other => panic!("expected Applied, got {other:?}"),
+    };
+    assert_ne!(shared[0], name, "a fresh staged copy");
+    staged_write(
+        &mut b,
+        root,
+        staging,
+        &shared[0],
+        half as u64,
+        &data[half..],
+        false,
+    )
+    .unwrap();
+    staged_write(&mut b, root, staging, &shared[0], 0, &data[..half], true).unwrap();
+    assert_eq!(a.apply(s, vec![commit()]), Ok(1));
+    a.close(s, vec![]).unwrap();
+    assert_eq!(fs::read(root.join("big.bin")).unwrap(), data);
+    assert!(staging_dirs(root).is_empty());
 }
 
 #[test]

@@ -193,6 +193,9 @@ struct Inner {
     close_reason: Mutex<Option<String>>,
     /// The sandbox's `confine`, set once by whoever connected it ([`AgentClient::confine_to`]).
     confine: std::sync::OnceLock<rsb_protocol::Confine>,
+    /// How to start another agent on the same host over a channel of its own
+    /// ([`AgentClient::sibling`]), set by the transport that can (an SSH session).
+    siblings: std::sync::OnceLock<Siblings>,
     /// Transport resources (SSH handle, child process) that must live as long as the channel.
     _keep: Mutex<Option<Box<dyn Any + Send>>>,
 }
@@ -220,6 +223,15 @@ impl Inner {
         }
     }
 }
+
+/// Starts another agent on a client's host, on a channel of its own (see
+/// [`AgentClient::sibling`]); `None` when the transport has no channel to spare.
+pub type Siblings = Arc<
+    dyn Fn()
+            -> futures::future::BoxFuture<'static, Option<std::result::Result<AgentClient, String>>>
+        + Send
+        + Sync,
+>;
 
 /// Why the handshake failed; the deploy logic reinstalls on [`StartError::NoHello`].
 #[derive(Debug)]
@@ -349,6 +361,7 @@ impl AgentClient {
             closed: AtomicBool::new(false),
             close_reason: Mutex::new(None),
             confine: std::sync::OnceLock::new(),
+            siblings: std::sync::OnceLock::new(),
             _keep: Mutex::new(Some(keep)),
         });
 
@@ -470,6 +483,40 @@ impl AgentClient {
     /// this client carries it ([`Request::read_confine`]).
     pub fn confine_reads(&self) -> Option<&rsb_protocol::Confine> {
         self.confine().filter(|c| c.read.is_some())
+    }
+
+    /// Let [`AgentClient::sibling`] start agents through `open` (a later call keeps the first).
+    pub fn allow_siblings(&self, open: Siblings) {
+        let _ = self.inner.siblings.set(open);
+    }
+
+    /// Another agent on this client's host, on a channel of its own (so with its own SSH
+    /// flow-control window), the same agent binary and confined alike: a large transfer spreads
+    /// over a few of these on a long link. `None` when the transport cannot open one now (a
+    /// local agent, a worker's bridged agent, no channel to spare).
+    pub async fn sibling(&self) -> Option<Result<AgentClient>> {
+        let open = self.inner.siblings.get()?.clone();
+        let c = match open().await? {
+            Ok(c) => c,
+            Err(m) => {
+                return Some(Err(RsbError::new(
+                    Kind::Connect,
+                    format!("{}: another channel to the agent: {m}", self.sandbox()),
+                    "the transfer goes on over one channel",
+                )));
+            }
+        };
+        if c.hello().agent_hash != self.hello().agent_hash {
+            c.close("another agent binary");
+            return Some(Err(RsbError::internal(format!(
+                "{}: a second channel reached another agent binary",
+                self.sandbox()
+            ))));
+        }
+        if let Some(conf) = self.confine() {
+            c.confine_to(conf.clone());
+        }
+        Some(Ok(c))
     }
 
     pub fn is_alive(&self) -> bool {

@@ -197,10 +197,13 @@ pub async fn bridge_agent(
 const BRIDGE_HELLO_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// The worker's end of [`bridge_agent`]: the agent's Hello read through `stream`, checked to
-/// be the verified agent `a`. `None` (the worker then connects by itself) when the server did
-/// not start one or it is not `a`.
+/// be the verified agent `a` on `t`'s host. `None` (the worker then connects by itself) when
+/// the server did not start one or it is not `a`. Its siblings (a large upload's lanes on a
+/// long link) run on an SSH connection of the worker's own, opened at the first one: the
+/// server's connection carries one channel per worker.
 pub async fn adopt_bridged(
     sandbox: &str,
+    t: &SshTarget,
     stream: tokio::net::UnixStream,
     a: &VerifiedAgent,
 ) -> Option<Connection> {
@@ -212,6 +215,25 @@ pub async fn adopt_bridged(
         client.close("agent hash mismatch");
         return None;
     }
+    let own = Arc::new(tokio::sync::OnceCell::<Option<Arc<SshSession>>>::new());
+    let (name, target) = (sandbox.to_string(), t.clone());
+    let command = rsb_deploy::start_command_expecting(&a.path, &a.id);
+    client.allow_siblings(Arc::new(move || {
+        let (own, name, target, command) =
+            (own.clone(), name.clone(), target.clone(), command.clone());
+        Box::pin(async move {
+            let ssh = own
+                .get_or_init(|| async {
+                    SshSession::connect_for_forward(&name, &target)
+                        .await
+                        .map_err(|e| tracing::info!(sandbox = %name, "lanes: {}", e.message))
+                        .ok()
+                })
+                .await
+                .clone()?;
+            (ssh.siblings(&name, command))().await
+        })
+    }));
     Some(Connection {
         client,
         ssh: None,

@@ -503,12 +503,45 @@ impl SshSession {
             .channel_slot(CHANNEL_WAIT, 0)
             .await
             .map_err(StartError::NoHello)?;
+        self.start_agent_on(sandbox, command, slot).await
+    }
+
+    /// Starts more agents like the one `command` started, each on a channel of its own, for
+    /// [`AgentClient::sibling`]: never waiting for a channel, and leaving one free for whoever
+    /// needs it next (an exec, a deploy).
+    pub(crate) fn siblings(
+        self: &Arc<Self>,
+        sandbox: &str,
+        command: String,
+    ) -> crate::client::Siblings {
+        let (session, sandbox) = (Arc::downgrade(self), sandbox.to_string());
+        Arc::new(move || {
+            let (session, sandbox, command) = (session.clone(), sandbox.clone(), command.clone());
+            Box::pin(async move {
+                let s = session.upgrade()?;
+                let slot = s.channel_slot(Duration::ZERO, 1).await.ok()?;
+                Some(
+                    s.start_agent_on(&sandbox, command, slot)
+                        .await
+                        .map_err(|e| e.to_string()),
+                )
+            })
+        })
+    }
+
+    /// [`SshSession::start_agent_with`] on the channel `slot` holds.
+    async fn start_agent_on(
+        self: &Arc<Self>,
+        sandbox: &str,
+        command: String,
+        slot: ChannelSlot,
+    ) -> std::result::Result<AgentClient, StartError> {
         let ch = self
             .handle
             .channel_open_session()
             .await
             .map_err(|e| StartError::NoHello(format!("cannot open channel: {e}")))?;
-        ch.exec(true, command)
+        ch.exec(true, command.clone())
             .await
             .map_err(|e| StartError::NoHello(format!("exec failed: {e}")))?;
         let (mut rd, wr) = ch.split();
@@ -570,7 +603,10 @@ impl SshSession {
         )
         .await
         {
-            Ok(c) => Ok(c),
+            Ok(c) => {
+                c.allow_siblings(self.siblings(sandbox, command));
+                Ok(c)
+            }
             Err(StartError::NoHello(m)) => {
                 // Give the stderr pump a moment to capture why (e.g. "No such file").
                 tokio::time::sleep(Duration::from_millis(50)).await;

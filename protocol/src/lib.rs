@@ -50,7 +50,8 @@ pub use search::{SearchEntry, SearchLine, SearchMode, SearchRequest, SearchResul
 pub use sync::{
     ApplyAbortRequest, ApplyCloseRequest, ApplyOnceRequest, ApplyOp, ApplyOpenRequest, ApplyOpened,
     ApplyRequest, ApplyResult, BlockHashesRequest, BlockHashesResult, ManifestEntry,
-    ManifestRequest, ManifestSummary, ReadFileZRequest, ReadFileZResult, SyncRules,
+    ManifestRequest, ManifestSummary, ReadFileZRequest, ReadFileZResult, StagedWriteRequest,
+    SyncRules,
 };
 
 /// Bumped whenever a message changes shape; both ends refuse a peer with another value.
@@ -69,8 +70,9 @@ pub use sync::{
 /// `confine` on `Stat`, `ListDir`, `ReadFile`, `ReadFileZ`, `BlockHashes`, `Manifest`,
 /// `ReadText` and `Search` (rsb's own reads keep to the read roots). 26:
 /// `SearchRequest::multiline` (rg's -U). 27: `SearchLine::offset`, `SearchEntry::file_bytes`
-/// (rg's JSON lines).
-pub const PROTOCOL_VERSION: u32 = 27;
+/// (rg's JSON lines). 28: `ApplyOp::FileShare`, `ApplyResult::shared`, `ApplyOpened::staging`
+/// and `StagedWrite` (a large upload over several channels).
+pub const PROTOCOL_VERSION: u32 = 28;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops
@@ -203,6 +205,7 @@ call!(WriteRequest, Write, "write" => Edited(EditOutcome));
 call!(PatchRequest, Patch, "patch" => Patched(PatchOutcome));
 call!(SearchRequest, Search, "search" => Searched(SearchResult));
 call!(JobEventsRequest, JobEvents, "job_events" => JobList(Vec<JobInfo>));
+call!(StagedWriteRequest, StagedWrite, "staged_write" => Done);
 
 /// Echoed back unchanged: a round trip through the agent's loop (liveness, latency).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -238,6 +241,7 @@ pub enum Request {
     Patch(PatchRequest),
     Search(SearchRequest),
     JobEvents(JobEventsRequest),
+    StagedWrite(StagedWriteRequest),
 }
 
 impl Request {
@@ -283,6 +287,7 @@ impl Request {
         PatchRequest::NAME,
         SearchRequest::NAME,
         JobEventsRequest::NAME,
+        StagedWriteRequest::NAME,
     ];
 
     /// Short name for logs and error messages.
@@ -312,6 +317,7 @@ impl Request {
             Request::Patch(_) => PatchRequest::NAME,
             Request::Search(_) => SearchRequest::NAME,
             Request::JobEvents(_) => JobEventsRequest::NAME,
+            Request::StagedWrite(_) => StagedWriteRequest::NAME,
         }
     }
 }

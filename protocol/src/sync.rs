@@ -154,6 +154,8 @@ pub struct ApplyOpened {
     pub root: String,
     /// Leftover staging directories of killed syncs that were removed.
     pub stale_cleaned: u32,
+    /// The session's staging directory: its name inside `root` (for [`StagedWriteRequest`]).
+    pub staging: String,
 }
 
 /// One change on the destination. `rel` is validated by the agent: no `..`, no absolute paths,
@@ -222,6 +224,14 @@ pub enum ApplyOp {
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
     },
+    /// Open `rel`'s staged copy to other channels: created empty when it has none (a
+    /// `FileBase` or `FileResume` before it keeps what they staged), its name inside the
+    /// staging directory answered in [`ApplyResult::shared`], so that agents on other channels
+    /// of the same host write its bytes ([`StagedWriteRequest`]) in parallel, out of `seq`
+    /// order. Its commit then hashes the whole staged file again.
+    FileShare {
+        rel: String,
+    },
 }
 
 /// One batch of changes. The batches of a session are numbered: the orchestrator pipelines
@@ -237,7 +247,7 @@ pub struct ApplyRequest {
     pub ops: Vec<ApplyOp>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct ApplyResult {
     pub applied: u32,
     /// Problems that did not fail the request (from `ApplyClose`: the mtime of a directory
@@ -245,6 +255,33 @@ pub struct ApplyResult {
     pub warnings: Vec<String>,
     /// Block hashes of the kept bytes a [`ApplyOp::FileResume`] in this request took over.
     pub resumed: Vec<[u8; 32]>,
+    /// The staged names of the files an [`ApplyOp::FileShare`] in this request opened, in op
+    /// order.
+    pub shared: Vec<String>,
+}
+
+/// Write bytes into a staged file that its session opened to other channels
+/// ([`ApplyOp::FileShare`]): how a large upload spreads over several SSH channels, each with
+/// its own flow-control window, to fill a long fat link. Any agent of the same user on the
+/// host may serve it. The staging directory is taken only if it is a directory (not a link)
+/// owned by this user with mode 0700, beneath the write roots, and the file only if it is a
+/// regular file of this user there: nothing is created, and the session's commit verifies the
+/// whole file's hash, so a write that lands wrong is caught there, never committed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StagedWriteRequest {
+    /// [`ApplyOpened::root`].
+    pub root: String,
+    /// [`ApplyOpened::staging`].
+    pub staging: String,
+    /// A name from [`ApplyResult::shared`].
+    pub name: String,
+    pub offset: u64,
+    /// `Some(n)`: `data` is one zstd frame of `n` bytes ([`crate::compress`]).
+    pub raw_len: Option<u64>,
+    #[serde(with = "serde_bytes")]
+    pub data: Vec<u8>,
+    /// As [`ApplyOpenRequest::confine`].
+    pub confine: Option<crate::Confine>,
 }
 
 /// `ReadFile` for a sync's source: with `compress`, the agent compresses what it read

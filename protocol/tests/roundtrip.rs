@@ -139,6 +139,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                     raw_len: 200,
                     data: vec![3, 4, 5],
                 },
+                ApplyOp::FileShare { rel: "big".into() },
             ],
         }),
         Request::ApplyClose(ApplyCloseRequest {
@@ -251,6 +252,15 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             since_ms: 1_700_000_000_000,
             until_ended: true,
             output_after: Some(4096),
+        }),
+        Request::StagedWrite(StagedWriteRequest {
+            root: "/r".into(),
+            staging: ".rsb-staging-9".into(),
+            name: "f1-big".into(),
+            offset: 1 << 20,
+            raw_len: Some(9),
+            data: vec![1, 2, 3],
+            confine: None,
         }),
     ];
     let mut to_agent: Vec<ToAgent> = requests
@@ -419,11 +429,13 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
             session: 1,
             root: "/r".into(),
             stale_cleaned: 2,
+            staging: ".rsb-staging-1".into(),
         }),
         Reply::Applied(ApplyResult {
             applied: 7,
             warnings: vec!["w".into()],
             resumed: vec![[2; 32]],
+            shared: vec!["f1-x".into()],
         }),
         Reply::Done,
         Reply::Error(AgentError::new(ErrorCode::NotFound, "nope")),
@@ -783,21 +795,13 @@ fn each_call_unwraps_only_its_own_reply() {
                 ApplyOpenRequest::from_reply(reply("apply_opened")).unwrap(),
             ),
             Request::Apply(q) => check(q, ApplyRequest::from_reply(reply("applied")).unwrap()),
-            Request::ApplyClose(q) => check(
-                q,
-                ApplyResult {
-                    applied: 0,
-                    warnings: vec![],
-                    resumed: vec![],
-                },
-            ),
+            Request::ApplyClose(q) => check(q, ApplyResult::default()),
             Request::ApplyAbort(q) => check(q, ()),
             Request::ApplyOnce(q) => check(
                 q,
                 ApplyResult {
                     applied: 1,
-                    warnings: vec![],
-                    resumed: vec![],
+                    ..ApplyResult::default()
                 },
             ),
             Request::ReadFileZ(q) => check(
@@ -814,6 +818,7 @@ fn each_call_unwraps_only_its_own_reply() {
             Request::JobEvents(q) => {
                 check(q, JobEventsRequest::from_reply(reply("job_list")).unwrap())
             }
+            Request::StagedWrite(q) => check(q, ()),
         }
     }
     assert_eq!(checked, Request::KINDS.len());

@@ -58,11 +58,13 @@ use crate::util::{expand_home, path_string};
 
 mod order;
 mod session;
+mod shared;
 mod staging;
 
 pub use order::Sessions;
 use order::*;
 use session::*;
+pub use shared::staged_write;
 pub(crate) use staging::clean_stale;
 use staging::*;
 
@@ -119,6 +121,7 @@ pub async fn apply_open(
         session: session.id,
         root: path_string(&session.root),
         stale_cleaned: session.stale_cleaned,
+        staging: session.staging_name.clone(),
     };
     let (order, _) = watch::channel(Order::default());
     let entry = Entry {
@@ -366,6 +369,7 @@ fn open(req: &ApplyOpenRequest) -> Result<Session, AgentError> {
             committed: Vec::new(),
             resumed: Vec::new(),
             stream: None,
+            shared: Vec::new(),
         });
     }
     Err(err(
@@ -419,7 +423,7 @@ pub async fn apply_once(
                 Ok(ApplyResult {
                     applied: r.applied,
                     warnings: closed.warnings,
-                    resumed: Vec::new(),
+                    ..ApplyResult::default()
                 })
             }
             Err(e) => {

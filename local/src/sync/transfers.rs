@@ -357,10 +357,12 @@ impl Transfers {
         cmd.env_clear()
             .envs(crate::connect::child_env())
             .env("RSB_STATE_DIR", &self.state_dir)
-            // The user's compression override (withheld from other children as an RSB_ var).
+            // The user's compression and lanes overrides (withheld from other children as
+            // RSB_ vars).
             .envs(
-                std::env::var_os(crate::sync::compress::ENV)
-                    .map(|v| (crate::sync::compress::ENV, v)),
+                [crate::sync::compress::ENV, crate::sync::engine::lanes::ENV]
+                    .into_iter()
+                    .filter_map(|k| std::env::var_os(k).map(|v| (k, v))),
             )
             .stdin(std::process::Stdio::null())
             .stdout(out.try_clone()?)
@@ -593,6 +595,7 @@ impl Transfers {
         if let (crate::config::Transport::Ssh(t), Some(a)) = (&cfg.transport, &spec.agent) {
             crate::connect::trust_verified_agent(t, a);
         }
+        let cfg_transport = cfg.transport.clone();
         let config = crate::config::Config {
             sandboxes: vec![cfg],
             expose_advanced_tools: false,
@@ -607,9 +610,13 @@ impl Transfers {
         let app = App::with_transfers(Arc::new(Pool::new(Arc::new(config))), self.clone());
         let pool = app.pool();
         let mut bridged = false;
-        if let (Some(fd), Some(a)) = (agent_fd, &spec.agent) {
+        let target = match &cfg_transport {
+            crate::config::Transport::Ssh(t) => Some(t.clone()),
+            crate::config::Transport::Local => None,
+        };
+        if let (Some(fd), Some(a), Some(t)) = (agent_fd, &spec.agent, &target) {
             match bridged_stream(fd) {
-                Some(s) => match crate::connect::adopt_bridged(&sandbox, s, a).await {
+                Some(s) => match crate::connect::adopt_bridged(&sandbox, t, s, a).await {
                     Some(conn) => {
                         pool.adopt(&sandbox, conn).await;
                         bridged = true;

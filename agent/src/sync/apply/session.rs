@@ -75,6 +75,8 @@ pub(super) struct Session {
     pub(super) resumed: Vec<[u8; 32]>,
     /// The decoder of the session's upload stream, from its first [`ApplyOp::Stream`] piece.
     pub(super) stream: Option<rsb_protocol::compress::StreamDecoder>,
+    /// Staged names opened to other channels by the running request, for its reply.
+    pub(super) shared: Vec<String>,
 }
 
 impl Session {
@@ -143,6 +145,7 @@ impl Session {
                 ApplyOp::FileData { .. } => false,
                 ApplyOp::FileCommit { rel, .. }
                 | ApplyOp::FileResume { rel, .. }
+                | ApplyOp::FileShare { rel }
                 | ApplyOp::Mkdir { rel, .. }
                 | ApplyOp::Symlink { rel, .. } => self.pending.iter().any(|c| &c.rel == rel),
                 ApplyOp::FileBase { .. } | ApplyOp::SetAttr { .. } | ApplyOp::Delete { .. } => {
@@ -168,6 +171,7 @@ impl Session {
             applied: n as u32,
             warnings: Vec::new(),
             resumed: std::mem::take(&mut self.resumed),
+            shared: std::mem::take(&mut self.shared),
         })
     }
 
@@ -191,6 +195,7 @@ impl Session {
             } => self.set_attr(&rel, mode, mtime_ns),
             ApplyOp::Delete { rel } => self.delete(&rel),
             ApplyOp::FileResume { rel, block_size } => self.file_resume(&rel, block_size),
+            ApplyOp::FileShare { rel } => self.file_share(&rel),
             ApplyOp::Stream { .. } => Err(err(
                 ErrorCode::Internal,
                 "a stream piece reached the op runner undecoded",
@@ -508,6 +513,17 @@ impl Session {
             self.open_files += 1;
         }
         Ok(self.staged.get_mut(rel).expect("inserted above"))
+    }
+
+    /// Open `rel`'s staged copy to other channels ([`ApplyOp::FileShare`]): their writes come
+    /// in any order, so the commit hashes the file again.
+    pub(super) fn file_share(&mut self, rel: &str) -> Result<(), AgentError> {
+        check_syntax(rel, false)?;
+        let s = self.staged_file(rel).map_err(|e| io(&e, "stage", rel))?;
+        s.seq = None;
+        let name = s.name.clone();
+        self.shared.push(name);
+        Ok(())
     }
 
     pub(super) fn drop_staged(&mut self, rel: &str) {
@@ -850,9 +866,8 @@ impl Session {
         cache::record(&self.root, &std::mem::take(&mut self.committed));
         match errors.len() {
             0 => Ok(ApplyResult {
-                applied: 0,
                 warnings,
-                resumed: Vec::new(),
+                ..ApplyResult::default()
             }),
             1 => Err(err(ErrorCode::Io, errors.remove(0))),
             k => Err(err(

@@ -22,6 +22,7 @@
 //! resolves roots and single-file rules.
 
 mod agent;
+pub mod lanes;
 mod paths;
 mod progress;
 mod session;
@@ -685,7 +686,7 @@ async fn execute(
         session: opened.session,
         armed: true,
     };
-    let session = Session::new(dst, opened.session, comp.clone())?;
+    let session = Session::new(dst, &opened, comp.clone())?;
     tmark(tracker, "opened");
     // A destination root that did not exist was only known as given (`~/x`): show it expanded.
     if !roots.single {
@@ -705,6 +706,7 @@ async fn execute(
         bytes_sent: Mutex::new(0),
         comp: comp.clone(),
         changed: Mutex::new(Vec::new()),
+        lanes: lanes::Lanes::new(spec.direction == Direction::Upload && rtt >= lanes::LANES_RTT),
     };
     let res = tokio::select! {
         r = ctx.transfer(&plan, report) => r,

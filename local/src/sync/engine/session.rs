@@ -13,7 +13,7 @@ use std::{
 };
 
 use rsb_protocol::{
-    ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyRequest,
+    ApplyAbortRequest, ApplyCloseRequest, ApplyOp, ApplyOpened, ApplyRequest,
     compress::{MAX_RAW, SAVE_DIV, StreamEncoder},
 };
 
@@ -32,6 +32,9 @@ use crate::{
 pub(super) struct Session {
     pub(super) dst: AgentClient,
     pub(super) id: u64,
+    /// The destination root and the session's staging directory in it, as the agent said.
+    pub(super) root: String,
+    pub(super) staging: String,
     next_seq: AtomicU64,
     comp: Arc<Compress>,
     /// The session's upload stream, when this process compresses. Its lock is held from
@@ -41,7 +44,11 @@ pub(super) struct Session {
 }
 
 impl Session {
-    pub(super) fn new(dst: &AgentClient, id: u64, comp: Arc<Compress>) -> Result<Session> {
+    pub(super) fn new(
+        dst: &AgentClient,
+        opened: &ApplyOpened,
+        comp: Arc<Compress>,
+    ) -> Result<Session> {
         let stream = if comp.here() {
             let enc = StreamEncoder::new()
                 .map_err(|e| RsbError::internal(format!("starting the upload stream: {e}")))?;
@@ -51,7 +58,9 @@ impl Session {
         };
         Ok(Session {
             dst: dst.clone(),
-            id,
+            id: opened.session,
+            root: opened.root.clone(),
+            staging: opened.staging.clone(),
             next_seq: AtomicU64::new(0),
             comp,
             stream,
@@ -82,6 +91,22 @@ impl Session {
             }],
         };
         Ok(self.dst.call_with(req).await?.resumed)
+    }
+
+    /// Open `rel`'s staged copy to other channels ([`ApplyOp::FileShare`]): its name in the
+    /// staging directory.
+    pub(super) async fn share(&self, rel: &str) -> Result<String> {
+        let req = || ApplyRequest {
+            session: self.id,
+            seq: self.seq(),
+            ops: vec![ApplyOp::FileShare {
+                rel: rel.to_string(),
+            }],
+        };
+        let mut r = self.dst.call_with(req).await?;
+        r.shared.pop().ok_or_else(|| {
+            RsbError::internal(format!("the agent did not say where {rel} is staged"))
+        })
     }
 
     /// Apply `ops` as the next piece of the upload stream when this process compresses

@@ -14,6 +14,7 @@ use super::{
     BATCH_BYTES, BATCH_OPS, LARGE_READS, LARGE_WINDOW, META_OPS, SMALL_MAX, SMALL_READS,
     SMALL_WINDOW,
     agent::{SmallFile, block_hashes, data_op, read_block, read_small},
+    lanes::{LANE_BYTES, LANES_MIN_BYTES, Lanes, Shared},
     paths::Roots,
     progress::{BatchInfo, Tracker, tmark},
     session::{AbortOnDrop, Session},
@@ -51,6 +52,8 @@ pub(super) struct Ctx<'a> {
     pub(super) comp: Arc<Compress>,
     /// Files that kept changing while they were sent, not committed (one line each).
     pub(super) changed: Mutex<Vec<String>>,
+    /// Extra channels for large files on a long link.
+    pub(super) lanes: Lanes,
 }
 
 impl Ctx<'_> {
@@ -326,8 +329,37 @@ impl Ctx<'_> {
                 .await?;
             first_awaited = true;
         }
+        // A file large enough on a long link goes over the lanes (its staged copy opened to
+        // them first).
+        let to_send: u64 = blocks.iter().map(|b| b.1).sum();
+        let lanes = if to_send >= LANES_MIN_BYTES {
+            self.lanes.get(&self.session.dst).await
+        } else {
+            &[]
+        };
+        let shared = if lanes.is_empty() {
+            None
+        } else {
+            let name = self.session.share(&f.rel).await?;
+            first_awaited = true;
+            Some(Shared {
+                root: &self.session.root,
+                staging: &self.session.staging,
+                name,
+                lanes,
+            })
+        };
         let pass = self
-            .send_blocks(f, &src_path, f.size, blocks, whole, first_awaited, None)
+            .send_blocks(
+                f,
+                &src_path,
+                f.size,
+                blocks,
+                whole,
+                first_awaited,
+                None,
+                shared.as_ref(),
+            )
             .await?;
         let (size, hash) = match pass.whole {
             // The bytes sent are the version the scan hashed (in one pass, its identity
@@ -335,7 +367,7 @@ impl Ctx<'_> {
             Some(got) if got == (f.size, f.hash) => got,
             // The source changed between its scan and this read, maybe in the middle of it:
             // what is staged may be a mix of versions. Send it again against a fresh hash.
-            Some(_) => match self.resend_settled(f, &src_path).await? {
+            Some(_) => match self.resend_settled(f, &src_path, shared.as_ref()).await? {
                 Some(v) => v,
                 None => {
                     *self.tracker.large.lock() = None;
@@ -368,7 +400,8 @@ impl Ctx<'_> {
     /// Read `blocks` of the source and stream them into the staged copy, under the byte
     /// window. `whole`: the blocks are the whole file (of `size` bytes) in order, hashed as
     /// read (the file may shrink under the read: it stops there). `expect`: the source's block
-    /// hashes this pass must reproduce.
+    /// hashes this pass must reproduce. `shared`: the blocks go over its lanes, the window
+    /// widened for them.
     #[allow(clippy::too_many_arguments)]
     async fn send_blocks(
         &self,
@@ -379,6 +412,7 @@ impl Ctx<'_> {
         whole: bool,
         mut first_awaited: bool,
         expect: Option<&[[u8; 32]]>,
+        shared: Option<&Shared<'_>>,
     ) -> Result<Pass> {
         let held = |b: u64| {
             if let Some(l) = self.tracker.large.lock().as_mut() {
@@ -403,7 +437,11 @@ impl Ctx<'_> {
         let mut pending_bytes = 0u64;
         let mut pending_wire = 0u64;
         let mut eof = false;
-        let mut window = Window::new();
+        let lanes = shared.map_or(1, |s| s.lanes.len());
+        let mut window = Window::new(lanes);
+        // Wire bytes in flight on each lane: a request goes to the least loaded one, and waits
+        // while even that one holds a full SSH window.
+        let mut load = vec![0u64; lanes];
         loop {
             let next = if eof { None } else { reads.next().await };
             let last = next.is_none();
@@ -462,21 +500,29 @@ impl Ctx<'_> {
                     first_awaited = true;
                 } else {
                     // The window counts bytes on the wire: it bounds the link's queue.
-                    while inflight.len() >= LARGE_WINDOW
-                        || (!inflight.is_empty() && window.full(wire))
+                    let lane_full = |load: &[u64]| {
+                        shared.is_some() && load.iter().min().is_some_and(|l| l + wire > LANE_BYTES)
+                    };
+                    while inflight.len() >= LARGE_WINDOW * lanes
+                        || (!inflight.is_empty() && (window.full(wire) || lane_full(&load)))
                     {
-                        let ((b, w), at) = inflight.next().await.expect("non-empty")?;
+                        let ((b, w), at, k) = inflight.next().await.expect("non-empty")?;
                         window.acked(w, at);
+                        load[k] -= w;
                         self.tracker.acked(0, b, Some(&f.rel));
                         held(b);
                     }
                     window.sent(wire);
-                    inflight.push(self.session.apply_timed(ops, (bytes, wire), skip.clone()));
+                    let k = (0..lanes).min_by_key(|k| load[*k]).unwrap_or(0);
+                    load[k] += wire;
+                    let lane = shared.map(|s| (s, k));
+                    inflight.push(self.put(lane, ops, (bytes, wire), skip.clone()));
                     // Poll now: the new request takes its place in the channel at once (its
                     // send time is its first poll), and acknowledgements that came are counted.
                     while let Some(Some(r)) = futures::FutureExt::now_or_never(inflight.next()) {
-                        let ((b, w), at) = r?;
+                        let ((b, w), at, k) = r?;
                         window.acked(w, at);
+                        load[k] -= w;
                         self.tracker.acked(0, b, Some(&f.rel));
                         held(b);
                     }
@@ -487,7 +533,7 @@ impl Ctx<'_> {
             }
         }
         while let Some(r) = inflight.next().await {
-            let ((b, _), _) = r?;
+            let ((b, _), _, _) = r?;
             self.tracker.acked(0, b, Some(&f.rel));
             held(b);
         }
@@ -495,6 +541,25 @@ impl Ctx<'_> {
             whole: hasher.map(|h| (total, *h.finalize().as_bytes())),
             matched,
         })
+    }
+
+    /// Send one request of a large file's data: through the session, or through lane `k` of
+    /// `lane` into the shared staged copy. Answers as [`Session::apply_timed`], plus the lane
+    /// (0 without lanes).
+    async fn put(
+        &self,
+        lane: Option<(&Shared<'_>, usize)>,
+        ops: Vec<ApplyOp>,
+        bytes: (u64, u64),
+        skip: Arc<std::sync::atomic::AtomicBool>,
+    ) -> Result<((u64, u64), std::time::Instant, usize)> {
+        let Some((shared, k)) = lane else {
+            let (b, at) = self.session.apply_timed(ops, bytes, skip).await?;
+            return Ok((b, at, 0));
+        };
+        let at = std::time::Instant::now();
+        shared.write(k, ops, &self.comp, &skip).await?;
+        Ok((bytes, at, k))
     }
 
     /// A large file that changed since its scan, sent again until what is staged is one
@@ -505,6 +570,7 @@ impl Ctx<'_> {
         &self,
         f: &FileXfer,
         src_path: &str,
+        shared: Option<&Shared<'_>>,
     ) -> Result<Option<(u64, [u8; 32])>> {
         for _ in 0..RESEND_TRIES {
             let fresh = match self
@@ -537,7 +603,16 @@ impl Ctx<'_> {
             };
             self.tracker.update(false, |p| p.bytes_total += size);
             let pass = self
-                .send_blocks(f, src_path, size, blocks, true, true, Some(&fresh.hashes))
+                .send_blocks(
+                    f,
+                    src_path,
+                    size,
+                    blocks,
+                    true,
+                    true,
+                    Some(&fresh.hashes),
+                    shared,
+                )
                 .await?;
             match pass.whole {
                 Some((got, hash)) if pass.matched && got == size => return Ok(Some((got, hash))),

@@ -58,10 +58,14 @@ pub(super) struct Window {
     min_bytes: u64,
     /// The highest rate acknowledgements arrived at (bytes per second).
     max_rate: f64,
+    /// The most the window may grow to: [`LARGE_MAX_BYTES`] per channel the file's bytes
+    /// travel over.
+    max: u64,
 }
 
 impl Window {
-    pub(super) fn new() -> Window {
+    /// The window of a file whose bytes travel over `channels` channels.
+    pub(super) fn new(channels: usize) -> Window {
         Window {
             in_flight: 0,
             acked: 0,
@@ -72,6 +76,7 @@ impl Window {
             waits: VecDeque::new(),
             min_bytes: 0,
             max_rate: 0.0,
+            max: LARGE_MAX_BYTES * channels.max(1) as u64,
         }
     }
 
@@ -132,7 +137,7 @@ impl Window {
         } else {
             target
         };
-        self.limit = want.clamp(LARGE_MIN_BYTES, LARGE_MAX_BYTES);
+        self.limit = want.clamp(LARGE_MIN_BYTES, self.max);
     }
 
     /// Chunks per request: two requests fit the window, so one is written while the other is
@@ -174,7 +179,7 @@ mod tests {
 
     #[test]
     fn a_new_window_holds_the_start_burst() {
-        let mut w = Window::new();
+        let mut w = Window::new(1);
         assert_eq!(w.limit, LARGE_START_BYTES);
         assert!(!w.full(LARGE_START_BYTES), "the start burst fits");
         assert!(w.full(LARGE_START_BYTES + 1));
@@ -186,7 +191,7 @@ mod tests {
 
     #[test]
     fn acknowledged_bytes_leave_the_flight_and_never_underflow() {
-        let mut w = Window::new();
+        let mut w = Window::new(1);
         let t = Instant::now();
         w.sent(300 * KIB);
         w.acked_at(100 * KIB, t, t + Duration::from_millis(1));
@@ -199,19 +204,19 @@ mod tests {
 
     #[test]
     fn three_acknowledgements_are_not_yet_a_rate() {
-        let mut w = Window::new();
+        let mut w = Window::new(1);
         let ms = Duration::from_millis;
         feed(&mut w, Instant::now(), 3, MIB, ms(10), ms(1));
         assert_eq!(w.limit, LARGE_START_BYTES);
         // The fourth is: the limit moves.
-        let mut w = Window::new();
+        let mut w = Window::new(1);
         feed(&mut w, Instant::now(), 4, MIB, ms(10), ms(1));
         assert_ne!(w.limit, LARGE_START_BYTES);
     }
 
     #[test]
     fn acknowledgements_inside_5_ms_are_not_a_rate() {
-        let mut w = Window::new();
+        let mut w = Window::new(1);
         let ms = Duration::from_millis;
         // Six acknowledgements 0.5 ms apart span 2.5 ms: a burst of the reader, not the
         // link's rate, which would read as 2 GB/s.
@@ -228,7 +233,7 @@ mod tests {
 
     #[test]
     fn a_queueing_link_gets_the_rate_times_the_quickest_delay_plus_queue_time() {
-        let mut w = Window::new();
+        let mut w = Window::new(1);
         let ms = Duration::from_millis;
         // 1 MiB every 10 ms (100 MiB/s over the last seven intervals); the first took 2 ms,
         // the others 40 ms: a queue every request of the last round met.
@@ -246,7 +251,7 @@ mod tests {
 
     #[test]
     fn a_slow_link_is_floored_at_512_kib() {
-        let mut w = Window::new();
+        let mut w = Window::new(1);
         let ms = Duration::from_millis;
         // 64 KiB every 100 ms, 50 ms delay then 300 (queued): 640 KiB/s × 60 ms = 38 KiB.
         let t = feed(&mut w, Instant::now(), 1, 64 * KIB, ms(100), ms(50));
@@ -257,7 +262,7 @@ mod tests {
 
     #[test]
     fn a_fast_link_is_capped_at_eight_full_requests() {
-        let mut w = Window::new();
+        let mut w = Window::new(1);
         let ms = Duration::from_millis;
         // 8 MiB every 5 ms with 20 ms of delay would want 50 MB in flight.
         feed(&mut w, Instant::now(), 8, 8 * MIB, ms(5), ms(20));
@@ -272,10 +277,10 @@ mod tests {
         let ms = Duration::from_millis;
         let t0 = Instant::now();
         // Same rate; one window saw a 1 ms acknowledgement first, the other only 30 ms ones.
-        let mut quick = Window::new();
+        let mut quick = Window::new(1);
         let t = feed(&mut quick, t0, 1, MIB, ms(10), ms(1));
         feed(&mut quick, t, 6, MIB, ms(10), ms(30));
-        let mut slow = Window::new();
+        let mut slow = Window::new(1);
         feed(&mut slow, t0, 7, MIB, ms(10), ms(30));
         assert_eq!(quick.min_delay, Some(ms(1)));
         assert_eq!(slow.min_delay, Some(ms(30)));
@@ -288,7 +293,7 @@ mod tests {
     #[test]
     fn slower_acknowledgements_shrink_the_window_within_eight() {
         let ms = Duration::from_millis;
-        let mut w = Window::new();
+        let mut w = Window::new(1);
         // Fast: 1 MiB per 5 ms (200 MiB/s) × 11 ms ≈ 2.2 MiB, queueing (30 ms after 1 ms).
         let t = feed(&mut w, Instant::now(), 1, MIB, ms(5), ms(1));
         let t = feed(&mut w, t, 7, MIB, ms(5), ms(30));
@@ -306,7 +311,7 @@ mod tests {
     #[test]
     fn without_a_queue_the_window_grows_by_what_was_acknowledged() {
         let ms = Duration::from_millis;
-        let mut w = Window::new();
+        let mut w = Window::new(1);
         // 1 MiB every 100 ms, each 100 ms after its send: a long link carrying all it is given.
         // The rate (10 MiB/s × 110 ms = 1.1 MiB) alone would keep the window where it started.
         let t = feed(&mut w, Instant::now(), 4, MIB, ms(100), ms(100));
@@ -328,7 +333,7 @@ mod tests {
     /// room, at most [`LARGE_WINDOW`] in flight): bytes acknowledged per second, and the
     /// longest any request waited in the link's queue after the first second.
     fn simulate(rate: f64, rtt: Duration, secs: f64) -> (f64, Duration) {
-        let mut w = Window::new();
+        let mut w = Window::new(1);
         let t0 = Instant::now();
         let end = t0 + Duration::from_secs_f64(secs);
         let mut now = t0;
@@ -394,7 +399,7 @@ mod tests {
 
     #[test]
     fn chunks_keep_two_requests_inside_the_window() {
-        let mut w = Window::new();
+        let mut w = Window::new(1);
         for (limit, chunks) in [
             (LARGE_MIN_BYTES, 1),
             (MIB, 2),
