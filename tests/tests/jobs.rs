@@ -235,3 +235,63 @@ async fn cursor_reads_return_each_byte_exactly_once() {
     assert_eq!(String::from_utf8(got).unwrap(), whole);
     pool.shutdown().await;
 }
+
+/// Issue 49: a job that ends non-zero says why, from evidence: the framework's CUDA
+/// out-of-memory message (a Python exception named as PyTorch names it), a write into a full
+/// filesystem (a 64 KiB tmpfs in a mount namespace, or /dev/full where namespaces are off:
+/// both ENOSPC from the kernel), a segfault, an uncaught Python exception; a plain `exit 1`
+/// stays unknown and a success has no reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_job_says_why_from_evidence() {
+    let sshd = Sshd::start().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let pool = key_pool(&sshd, dir.path());
+    let c = pool.client("s").await.unwrap();
+    let cuda = "python3 - <<'PY'\nprint('epoch 1 loss 0.9', flush=True)\nclass OutOfMemoryError(RuntimeError): pass\nOutOfMemoryError.__module__ = 'torch.cuda'\nraise OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB (GPU 0; 79.15 GiB total capacity)')\nPY";
+    let disk = "d=$(mktemp -d); if unshare -rm true 2>/dev/null; then unshare -rm sh -c \"mount -t tmpfs -o size=64k none $d && dd if=/dev/zero of=$d/ckpt bs=4k count=100\"; else dd if=/dev/zero of=/dev/full bs=4k count=1; fi";
+    let cases = [
+        (
+            "cuda",
+            cuda,
+            Some("cuda_oom"),
+            Some("torch.cuda.OutOfMemoryError: CUDA out of memory"),
+        ),
+        (
+            "disk",
+            disk,
+            Some("disk_full"),
+            Some("No space left on device"),
+        ),
+        (
+            "segv",
+            "python3 -c 'import ctypes; ctypes.string_at(0)'",
+            Some("signal"),
+            Some("(SIGSEGV)"),
+        ),
+        (
+            "exc",
+            "python3 -c \"raise ValueError('bad lr')\"",
+            Some("python_exception"),
+            Some("ValueError: bad lr"),
+        ),
+        ("plain", "echo step; exit 1", Some("unknown"), None),
+        ("fine", "echo done", None, None),
+    ];
+    for (name, cmd, _, _) in &cases {
+        c.call(start_req(name, cmd)).await.unwrap();
+    }
+    for (name, _, reason, detail) in &cases {
+        let r = wait_done(&c, name, Duration::from_secs(30)).await;
+        let v = jobs::status_reply(name, false, &r).unwrap();
+        println!("{name}: {} {}", v["failure_reason"], v["failure_detail"]);
+        assert_eq!(v["failure_reason"].as_str(), *reason, "{name}: {v}");
+        match detail {
+            Some(d) => assert!(
+                v["failure_detail"].as_str().unwrap_or_default().contains(d),
+                "{name}: {v}"
+            ),
+            None => assert!(v.get("failure_detail").is_none(), "{name}: {v}"),
+        }
+    }
+    pool.shutdown().await;
+}

@@ -869,6 +869,8 @@ async fn slurm_time_limit_is_reported_as_timeout() {
     assert_eq!(v["reason"], "timeout", "{v}");
     assert_eq!(v["slurm_state"], "TIMEOUT", "{v}");
     assert_eq!(v["state"], "exited", "{v}");
+    // Issue 49: why it failed, in Slurm's word.
+    assert_eq!(v["failure_reason"], "time_limit", "{v}");
 }
 
 /// Discovery (issue 22): `rsb doctor` on a host where sbatch and sinfo answer tells a sandbox
@@ -964,6 +966,15 @@ async fn slurm_node_down_interrupts_and_resubmits_or_is_requeued_by_slurm_alone(
                    "slurm": {"requeue": false, "time": "0:07:00"}}),
         )
         .await;
+    // Issue 49: an unwatched job on the node that goes down says why it failed.
+    let p = mcp
+        .ok(
+            "exec_bash_background",
+            json!({"command": "sleep 300", "session_name": "nd-plain", "watch": false,
+                   "slurm": {"requeue": false}}),
+        )
+        .await;
+    assert_eq!(p["status"], "started", "{p}");
     let wc = mcp
         .ok(
             "watch_background_task",
@@ -986,6 +997,7 @@ async fn slurm_node_down_interrupts_and_resubmits_or_is_requeued_by_slurm_alone(
     mcp.until("nd-norq", 60, |v| v["state"] == "running").await;
     mcp.until("nd-rq", 60, |v| v["state"] == "running").await;
     mcp.until("nd-late", 60, |v| v["state"] == "running").await;
+    mcp.until("nd-plain", 60, |v| v["state"] == "running").await;
     // The daemon saw them running before the failure.
     for w in [wa, wb, wc] {
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -1017,6 +1029,11 @@ async fn slurm_node_down_interrupts_and_resubmits_or_is_requeued_by_slurm_alone(
     assert_eq!(i.payload["job_state"], "node_fail", "{:?}", i.payload);
     assert_eq!(i.payload["slurm_state"], "NODE_FAIL", "{:?}", i.payload);
     assert_eq!(i.payload["slurm_job_id"], ida.as_str());
+    let v = mcp
+        .until("nd-plain", 60, |v| v["slurm_state"] == "NODE_FAIL")
+        .await;
+    assert_eq!(v["state"], "interrupted", "{v}");
+    assert_eq!(v["failure_reason"], "node_fail", "{v}");
     let v = mcp.check("nd-norq").await;
     let resubmitted = v["slurm_job_id"].as_str().unwrap().to_string();
     assert_ne!(resubmitted, ida, "resumed by a new Slurm job: {v}");

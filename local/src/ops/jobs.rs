@@ -202,6 +202,15 @@ fn info_fields(m: &mut Map<String, Value>, i: &JobInfo) {
     }
 }
 
+/// How the run `i` ended, for [`super::failure::judge`] (`slurm_state`: Slurm's word on it).
+pub fn ended<'a>(i: &JobInfo, slurm_state: Option<&'a str>) -> super::failure::Ended<'a> {
+    super::failure::Ended {
+        exit_code: i.exit_code,
+        signal: i.signal,
+        slurm_state,
+    }
+}
+
 /// Exit code from the last `EXIT_CODE=` line, for logs of jobs rsb has no record of.
 fn parse_exit_code(tail: &str) -> Option<i32> {
     tail.lines()
@@ -291,6 +300,10 @@ pub fn status_reply(name: &str, cursor: bool, r: &JobStatusResult) -> Result<Val
             );
         }
     } else if r.log_found {
+        if let Some(i) = &r.info {
+            let output = String::from_utf8_lossy(rsb_protocol::job_output(&r.log));
+            super::failure::put(&mut m, ended(i, None), &output);
+        }
         m.insert("log_tail".into(), json!(text));
     } else {
         m.insert("log_tail".into(), json!("[log file not found]"));

@@ -4,6 +4,7 @@
 pub mod action;
 pub mod edit;
 pub mod exec;
+pub mod failure;
 pub mod forward;
 pub mod fs;
 pub mod jobs;

@@ -251,6 +251,15 @@ pub async fn status(
         }
         overlay(m, id, &seen, recorded_end);
         m.remove("started_ms");
+        // Slurm's word on how it ended comes first (preempted, node_fail, out of memory).
+        if let (Some(i), false, true) = (&r.info, cursor, r.log_found) {
+            let state = m
+                .get("slurm_state")
+                .and_then(Value::as_str)
+                .map(str::to_owned);
+            let output = String::from_utf8_lossy(rsb_protocol::job_output(&r.log));
+            crate::ops::failure::put(m, ojobs::ended(i, state.as_deref()), &output);
+        }
     }
     Ok(v)
 }
