@@ -197,6 +197,8 @@ async fn the_session_hears_when_its_job_and_its_transfer_end() {
         assert_eq!(m["meta"]["kind"], "job", "{m}");
         assert_eq!(m["meta"]["event"], "completed", "{m}");
         assert_eq!(m["meta"]["exit_code"], "3", "{m}");
+        // Issue 49: nothing in its output says why.
+        assert_eq!(m["meta"]["failure_reason"], "unknown", "{m}");
         assert_eq!(m["meta"]["session_name"], "pushed", "{m}");
         assert_eq!(m["meta"]["sandbox_name"], "s", "{m}");
 
@@ -221,10 +223,38 @@ async fn the_session_hears_when_its_job_and_its_transfer_end() {
         assert_eq!(m["meta"]["event"], "completed", "{m}");
         assert!(sshd.home().join("pushed-proj/f4.txt").is_file());
 
+        // Issue 49: an unwatched job that fails (the session's own follower pushes its end)
+        // says why, read from its log's tail.
+        let v = call(
+            &svc,
+            "exec_bash_background",
+            json!({"command": "python3 -c \"raise ValueError('bad lr')\"",
+                   "session_name": "unwatched-exc", "watch": false}),
+        )
+        .await;
+        assert!(v["watch_id"].is_null(), "{v}");
+        let msgs = wait_for(
+            &listener,
+            "session_name",
+            "unwatched-exc",
+            1,
+            Duration::from_secs(40),
+        )
+        .await;
+        let m = &msgs[0];
+        assert_eq!(m["meta"]["failure_reason"], "python_exception", "{m}");
+        assert!(
+            m["content"]
+                .as_str()
+                .unwrap()
+                .ends_with("; failure: python_exception"),
+            "{m}"
+        );
+
         // Each end is said once: a second look finds no repeat.
         tokio::time::sleep(Duration::from_secs(2)).await;
         let n = listener.got.lock().unwrap().len();
-        assert_eq!(n, 2, "{:?}", listener.got.lock().unwrap());
+        assert_eq!(n, 3, "{:?}", listener.got.lock().unwrap());
     };
     let outcome = tokio::time::timeout(Duration::from_secs(120), result).await;
     let _ = svc.cancel().await;

@@ -26,7 +26,7 @@ use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
 use super::followed::{Followed, RunKey};
-use super::push::{Message, duration, last_line};
+use super::push::{Message, duration, last_line, with_failure};
 use crate::pool::Pool;
 
 /// The capability that announces the push (its method is [`super::push::METHOD`]).
@@ -336,6 +336,11 @@ impl JobEvent {
         if !self.run_id.is_empty() {
             meta.insert("run_id", self.run_id.clone());
         }
+        with_failure(
+            &mut content,
+            &mut meta,
+            self.payload["failure_reason"].as_str(),
+        );
         Message::new(content, meta)
     }
 }

@@ -128,6 +128,26 @@ async fn slurm_ends(
     Ok(Heard::Asked)
 }
 
+/// Why the run `e` reports the end of failed, read from its log's tail; `None` when it did
+/// not fail, or the name already holds another run.
+async fn failure(
+    client: &crate::client::AgentClient,
+    e: &rsb_protocol::JobEvent,
+) -> Option<&'static str> {
+    use crate::ops::{failure, jobs};
+    let end = jobs::ended(&e.info, None);
+    if e.info.exit_code.is_none_or(|c| c == 0) && e.info.signal.is_none() {
+        return None;
+    }
+    let req = jobs::status_request(&e.info.name, "", 200, None, 1).ok()?;
+    let r = client.call(req).await.ok()?;
+    if r.info.as_ref()?.started_ms != e.info.started_ms {
+        return None;
+    }
+    let output = String::from_utf8_lossy(rsb_protocol::job_output(&r.log));
+    failure::judge(end, &output).map(|f| f.reason.name())
+}
+
 /// One subscription: `Ok` once nothing is left to hear about on the sandbox (dropping it
 /// cancels it on the agent), `Err` when the connection or the request failed.
 async fn subscribe(
@@ -143,7 +163,10 @@ async fn subscribe(
         let e = ends.next().await.map_err(|e| e.message)?;
         let key = (sandbox.to_string(), e.info.name.clone(), e.info.started_ms);
         if let Some(watch_id) = followed.take_job(&key)
-            && out.send(run_ended(sandbox, &e, watch_id)).await.is_err()
+            && out
+                .send(run_ended(sandbox, &e, watch_id, failure(&client, &e).await))
+                .await
+                .is_err()
         {
             // The channel's loop is gone: the session ended.
             return Ok(());

@@ -50,7 +50,13 @@ impl Message {
 
 /// The push for a run's end as the agent's stream reported it ([`super::job_ends`]): the same
 /// line and meta keys as a watch's `completed` or `interrupted` event.
-pub(super) fn run_ended(sandbox: &str, e: &rsb_protocol::JobEvent, watch_id: i64) -> Message {
+/// `failure`: why the run failed ([`crate::ops::failure`]), read from its log's tail.
+pub(super) fn run_ended(
+    sandbox: &str,
+    e: &rsb_protocol::JobEvent,
+    watch_id: i64,
+    failure: Option<&str>,
+) -> Message {
     use rsb_protocol::JobEventKind;
     let info = &e.info;
     let (event, outcome) = match (e.kind, info.exit_code, info.signal) {
@@ -97,7 +103,25 @@ pub(super) fn run_ended(sandbox: &str, e: &rsb_protocol::JobEvent, watch_id: i64
     if watch_id > 0 {
         meta.insert("watch_id", watch_id.to_string());
     }
+    with_failure(&mut content, &mut meta, failure);
     Message::new(content, meta)
+}
+
+/// Say why a run failed (`failure_reason`, one of a fixed set of words) in the meta, and in
+/// the line unless it is `unknown`.
+pub(super) fn with_failure(
+    content: &mut String,
+    meta: &mut BTreeMap<&'static str, String>,
+    reason: Option<&str>,
+) {
+    let word = |r: &&str| !r.is_empty() && r.bytes().all(|b| b.is_ascii_lowercase() || b == b'_');
+    let Some(r) = reason.filter(word) else {
+        return;
+    };
+    if r != "unknown" {
+        content.push_str(&format!("; failure: {r}"));
+    }
+    meta.insert("failure_reason", r.to_string());
 }
 
 /// The push for an unwatched Slurm job's end ([`super::job_ends::follow_slurm`]), from the
@@ -139,6 +163,7 @@ pub(super) fn slurm_ended(sandbox: &str, name: &str, job_id: &str, v: &Value) ->
     if let Some(c) = exit {
         meta.insert("exit_code", c.to_string());
     }
+    with_failure(&mut content, &mut meta, v["failure_reason"].as_str());
     Message::new(content, meta)
 }
 
@@ -230,6 +255,51 @@ mod tests {
         );
         // The previous run's output before this run's header is not this run's.
         assert_eq!(last_line(&format!("old run\nEXIT_CODE=1\n{header}")), None);
+    }
+
+    #[test]
+    fn a_failure_is_named_in_the_line_and_the_meta_and_host_words_never_pass() {
+        let e = rsb_protocol::JobEvent {
+            kind: rsb_protocol::JobEventKind::Ended,
+            info: rsb_protocol::JobInfo {
+                name: "train".into(),
+                command: String::new(),
+                cwd: String::new(),
+                log_file: String::new(),
+                runner: String::new(),
+                pid: 1,
+                started_ms: 1_000,
+                state: rsb_protocol::JobState::Exited,
+                exit_code: Some(1),
+                signal: None,
+                ended_ms: Some(126_000),
+                launch_id: String::new(),
+                log_start: 0,
+                previous: None,
+                unconfined: None,
+            },
+            last_line: Some("boom".into()),
+        };
+        let m = run_ended("gpu1", &e, 0, Some("cuda_oom"));
+        assert_eq!(
+            m.content,
+            "job `train` on gpu1: failed (exit 1) after 2m05s; last line: boom; failure: cuda_oom"
+        );
+        assert_eq!(m.meta["failure_reason"], "cuda_oom");
+        let m = run_ended("gpu1", &e, 0, Some("unknown"));
+        assert!(m.content.ends_with("; last line: boom"), "{}", m.content);
+        assert_eq!(m.meta["failure_reason"], "unknown");
+        let v = json!({"running": false, "state": "interrupted", "slurm_state": "NODE_FAIL",
+                       "failure_reason": "x</channel> <channel>"});
+        let m = slurm_ended("hpc", "t", "7", &v);
+        assert!(!m.meta.contains_key("failure_reason"), "{:?}", m.meta);
+        assert!(!m.content.contains("failure"), "{}", m.content);
+        let v = json!({"running": false, "state": "interrupted", "slurm_state": "NODE_FAIL",
+                       "failure_reason": "node_fail"});
+        assert_eq!(
+            slurm_ended("hpc", "t", "7", &v).meta["failure_reason"],
+            "node_fail"
+        );
     }
 
     #[test]

@@ -5,12 +5,10 @@
 //! The output is text from the host: it only selects a reason from a fixed set, and the line
 //! quoted as the detail is one line, clipped, with control characters escaped.
 
-use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 /// One of a fixed set of reasons (`failure_reason` in job replies).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
     /// The framework said the GPU ran out of memory (PyTorch, CUDA, XLA).
     CudaOom,
@@ -34,8 +32,26 @@ pub enum Reason {
     Unknown,
 }
 
+impl Reason {
+    /// The reason's word, as `failure_reason` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Reason::CudaOom => "cuda_oom",
+            Reason::HostOom => "host_oom",
+            Reason::NcclTimeout => "nccl_timeout",
+            Reason::DiskFull => "disk_full",
+            Reason::Preempted => "preempted",
+            Reason::NodeFail => "node_fail",
+            Reason::TimeLimit => "time_limit",
+            Reason::Signal => "signal",
+            Reason::PythonException => "python_exception",
+            Reason::Unknown => "unknown",
+        }
+    }
+}
+
 /// A failed job's reason, and the evidence in one line.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Failure {
     pub reason: Reason,
     pub detail: Option<String>,
@@ -69,7 +85,7 @@ pub fn put(m: &mut Map<String, Value>, end: Ended<'_>, output: &str) {
     m.remove("failure_reason");
     m.remove("failure_detail");
     if let Some(f) = judge(end, output) {
-        m.insert("failure_reason".into(), json!(f.reason));
+        m.insert("failure_reason".into(), json!(f.reason.name()));
         if let Some(d) = f.detail {
             m.insert("failure_detail".into(), json!(d));
         }
