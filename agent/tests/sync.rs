@@ -897,17 +897,20 @@ fn a_shared_staged_file_takes_another_agent_s_writes_and_its_commit_checks_them(
     let mut b = Agent::start();
     let opened = a.open(root, false);
     let s = opened.session;
-    let seq = a.next_seq(s);
-    let shared = match a.call(Request::Apply(ApplyRequest {
-        session: s,
-        seq,
-        ops: vec![ApplyOp::FileShare {
-            rel: "big.bin".into(),
-        }],
-    })) {
-        Reply::Applied(r) => r.shared,
-        other => panic!("expected Applied, got {other:?}"),
+    let share = |a: &mut Agent| {
+        let seq = a.next_seq(s);
+        match a.call(Request::Apply(ApplyRequest {
+            session: s,
+            seq,
+            ops: vec![ApplyOp::FileShare {
+                rel: "big.bin".into(),
+            }],
+        })) {
+            Reply::Applied(r) => r.shared,
+            other => panic!("expected Applied, got {other:?}"),
+        }
     };
+    let shared = share(&mut a);
     assert_eq!(shared.len(), 1, "{shared:?}");
     let (staging, name) = (opened.staging.as_str(), shared[0].as_str());
     assert!(staging.starts_with(STAGING_PREFIX), "{staging}");
@@ -988,17 +991,7 @@ fn a_shared_staged_file_takes_another_agent_s_writes_and_its_commit_checks_them(
     fs::remove_file(root.join(staging).join("link")).unwrap();
 
     // The mismatch dropped the staged copy: shared again, the right bytes commit exactly.
-    let seq = a.next_seq(s);
-    let shared = match a.call(Request::Apply(ApplyRequest {
-        session: s,
-        seq,
-        ops: vec![ApplyOp::FileShare {
-            rel: "big.bin".into(),
-        }],
-    })) {
-        Reply::Applied(r) => r.shared,
-        other => panic!("expected Applied, got {other:?}"),
-    };
+    let shared = share(&mut a);
     assert_ne!(shared[0], name, "a fresh staged copy");
     staged_write(
         &mut b,

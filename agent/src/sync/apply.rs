@@ -280,13 +280,7 @@ fn open(req: &ApplyOpenRequest) -> Result<Session, AgentError> {
             "apply_open: empty root path",
         ));
     }
-    let root = expand_home(&req.root);
-    let shown = path_string(&root);
-    let writable = match &req.confine {
-        Some(c) => Writable::open(c)?,
-        None => Writable::any(),
-    };
-    writable.check_path(&root, "sync into")?;
+    let (root, shown, writable) = writable_root(&req.root, req.confine.as_ref())?;
     match fs::metadata(&root) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => {
@@ -376,6 +370,22 @@ fn open(req: &ApplyOpenRequest) -> Result<Session, AgentError> {
         ErrorCode::Internal,
         format!("cannot create a staging directory in {shown}"),
     ))
+}
+
+/// A session's root (`~` expanded), as shown in messages, and the write roots it must be
+/// beneath (checked on its path here; on its held descriptor once opened).
+fn writable_root(
+    root: &str,
+    confine: Option<&rsb_protocol::Confine>,
+) -> Result<(PathBuf, String, Writable), AgentError> {
+    let root = expand_home(root);
+    let shown = path_string(&root);
+    let writable = match confine {
+        Some(c) => Writable::open(c)?,
+        None => Writable::any(),
+    };
+    writable.check_path(&root, "sync into")?;
+    Ok((root, shown, writable))
 }
 
 fn new_id() -> u64 {

@@ -28,13 +28,7 @@ fn write(req: &StagedWriteRequest) -> Result<(), AgentError> {
             ),
         ));
     }
-    let root = expand_home(&req.root);
-    let shown = path_string(&root);
-    let writable = match &req.confine {
-        Some(c) => Writable::open(c)?,
-        None => Writable::any(),
-    };
-    writable.check_path(&root, "sync into")?;
+    let (root, shown, writable) = writable_root(&req.root, req.confine.as_ref())?;
     let root_fd = rfs::open(
         &root,
         OFlags::DIRECTORY | OFlags::RDONLY | OFlags::CLOEXEC,
