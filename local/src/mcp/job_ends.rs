@@ -136,7 +136,7 @@ async fn failure(
 ) -> Option<&'static str> {
     use crate::ops::{failure, jobs};
     let end = jobs::ended(&e.info, None);
-    if e.info.exit_code.is_none_or(|c| c == 0) && e.info.signal.is_none() {
+    if !end.failed() {
         return None;
     }
     let req = jobs::status_request(&e.info.name, "", 200, None, 1).ok()?;

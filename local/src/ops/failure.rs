@@ -69,7 +69,7 @@ pub struct Ended<'a> {
 impl Ended<'_> {
     /// Whether this end is a failure: non-zero, a signal, or a final Slurm state other than
     /// success. A cancelled job is not one (its reply says `cancelled`), nor one still running.
-    fn failed(&self) -> bool {
+    pub fn failed(&self) -> bool {
         match self.slurm_state {
             Some("CANCELLED") => false,
             Some(s) if !crate::slurm::state::meaning(s).1 => false,
