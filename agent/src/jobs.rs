@@ -93,7 +93,7 @@ impl Ctx {
             .filter(|h| Path::new(h).is_absolute())
             .map(PathBuf::from)
             .ok_or_else(|| internal("$HOME is not set to an absolute path"))?;
-        let exe = std::env::current_exe()
+        let exe = crate::util::own_exe()
             .map_err(|e| internal(format!("cannot find the agent binary: {e}")))?;
         Ok(Ctx {
             root: home.join(rsb_protocol::JOBS_ROOT),
@@ -401,6 +401,11 @@ impl Job {
             log_start: self.spec.get_u64("log_start").unwrap_or(0),
             previous: None,
             unconfined: None,
+            gpus: text(st, "gpus")
+                .split(',')
+                .filter(|u| !u.is_empty())
+                .map(str::to_string)
+                .collect(),
         })
     }
 
@@ -574,6 +579,25 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     check_text("log_file", &req.log_file)?;
     let launch_id = req.launch_id.as_deref().unwrap_or("");
     check_text("launch_id", launch_id)?;
+    if let Some(ask) = &req.gpus {
+        if ask.count == 0 || ask.candidates.len() > 64 {
+            return Err(invalid("gpus: ask for 1 or more, of at most 64 candidates"));
+        }
+        if let Some(bad) = ask.candidates.iter().find(|u| !crate::lease::valid_uuid(u)) {
+            return Err(invalid(format!("'{bad}' is not a GPU UUID")));
+        }
+        if ask.candidates.len() < ask.count as usize {
+            return Err(AgentError::new(
+                ErrorCode::Busy,
+                format!(
+                    "{}{} asked, {} offered",
+                    crate::lease::BUSY,
+                    ask.count,
+                    ask.candidates.len()
+                ),
+            ));
+        }
+    }
     // Everything that can be wrong with the request is found before anything launches.
     let cwd = resolve_cwd(req.cwd.as_deref(), &ctx.home)?;
     let log = match &req.confine {
@@ -674,6 +698,12 @@ pub(crate) fn start_in(ctx: &Ctx, req: JobStartRequest) -> Result<JobInfo, Agent
     // What this host enforces (a net rule it cannot apply, allowed to go, is not written).
     if let Some(c) = &confined {
         record::set_confine(&mut spec, c);
+    }
+    if let Some(ask) = &req.gpus {
+        spec.set("gpu_count", ask.count.to_string());
+        for uuid in &ask.candidates {
+            spec.push("gpu", uuid);
+        }
     }
     let mut env: Vec<(OsString, OsString)> = ctx.env.clone();
     for (k, v) in &req.env {
@@ -915,7 +945,12 @@ fn finish_start(dir: &Path, name: &str, id: &str) -> Result<JobInfo, AgentError>
         if let Some(line) = wlog.lines().find(|l| l.contains(&marker)) {
             let msg = line.split_once(&marker).map(|(_, m)| m).unwrap_or(line);
             let _ = std::fs::remove_file(dir.join("spec"));
-            return Err(internal(format!("job '{name}' could not start: {msg}")));
+            let code = match msg.starts_with(crate::lease::BUSY) {
+                true => ErrorCode::Busy,
+                false => ErrorCode::Internal,
+            };
+            let msg = format!("job '{name}' could not start: {msg}");
+            return Err(AgentError::new(code, msg));
         }
         if Instant::now() >= deadline {
             // Remove the spec so a wrapper that comes up late finds nothing to run.

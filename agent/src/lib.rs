@@ -8,6 +8,7 @@ pub mod exec;
 pub mod fs;
 pub mod hello;
 pub mod jobs;
+pub mod lease;
 pub mod proc;
 pub mod reaper;
 pub mod resources;

@@ -49,7 +49,7 @@ pub fn enable() {
 }
 
 fn start() -> std::io::Result<Watcher> {
-    let exe = std::env::current_exe()?;
+    let exe = crate::util::own_exe()?;
     let mut cmd = Command::new(exe);
     cmd.arg("reaper")
         .stdin(Stdio::piped())

@@ -387,6 +387,8 @@ fn assemble(st: &State) -> ResourceSnapshot {
             }
         }
     };
+    let mut gpu = gpu;
+    annotate(&mut gpu);
     ResourceSnapshot {
         hostname: host.hostname,
         cpu: host.cpu,
@@ -394,6 +396,23 @@ fn assemble(st: &State) -> ResourceSnapshot {
         disk: host.disk,
         uptime_s: host.uptime_s,
         gpu,
+    }
+}
+
+/// Leases and process owners are read at each report, not with the (older) GPU sample: a
+/// placement right after another must see its lease.
+fn annotate(g: &mut GpuReport) {
+    if g.gpus.is_empty() {
+        return;
+    }
+    let uuids: Vec<&str> = g.gpus.iter().map(|x| x.uuid.as_str()).collect();
+    let leases = crate::lease::holders(&uuids);
+    for (gpu, lease) in g.gpus.iter_mut().zip(leases) {
+        gpu.lease = lease;
+    }
+    for p in &mut g.processes {
+        let who = crate::lease::who(p.pid);
+        (p.uid, p.job) = (who.uid, who.job);
     }
 }
 
@@ -549,11 +568,14 @@ fn table(s: &ResourceSnapshot) -> String {
             opt(gpu.power_w.map(|v| format!("{v:.1} W"))),
             gpu.uuid
         );
+        if let Some(l) = &gpu.lease {
+            let _ = writeln!(t, "      leased by {}", holder(l.pid, l.uid, &l.job));
+        }
         for p in g.processes.iter().filter(|p| p.gpu_uuid == gpu.uuid) {
             let _ = writeln!(
                 t,
-                "      pid {}  {}",
-                p.pid,
+                "      {}  {}",
+                holder(p.pid, p.uid, &p.job),
                 opt(p.used_mem_mib.map(|v| format!("{v} MiB")))
             );
         }
@@ -568,6 +590,17 @@ fn table(s: &ResourceSnapshot) -> String {
     }
     if let Some(note) = &g.note {
         let _ = writeln!(t, "gpu note  {note}");
+    }
+    t
+}
+
+fn holder(pid: u32, uid: Option<u32>, job: &Option<String>) -> String {
+    let mut t = format!("pid {pid}");
+    if let Some(u) = uid {
+        t.push_str(&format!(" uid {u}"));
+    }
+    if let Some(j) = job {
+        t.push_str(&format!(" job {j}"));
     }
     t
 }

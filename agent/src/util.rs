@@ -29,6 +29,21 @@ pub fn hash_cache_dir() -> Option<PathBuf> {
 
 /// [`rsb_rules::path::expand_tilde`] against this user's home, looked up only when the path
 /// needs it; without a known home the path is kept as given.
+/// This agent's binary, to start a wrapper or a reaper from. Linux names a replaced binary
+/// `PATH (deleted)`: another rsb deploying to the host at the same moment renames its copy over
+/// ours. The install path is content-addressed (`<version>-<hash12>`, in a directory only this
+/// user can write), so what is there now is the same agent, and it is used.
+pub fn own_exe() -> io::Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let Some(live) = exe.to_str().and_then(|s| s.strip_suffix(" (deleted)")) else {
+        return Ok(exe);
+    };
+    match Path::new(live).is_file() {
+        true => Ok(PathBuf::from(live)),
+        false => Err(io::Error::other(format!("{} was deleted", exe.display()))),
+    }
+}
+
 pub fn expand_home(path: &str) -> PathBuf {
     let home = rsb_rules::path::starts_with_tilde(path)
         .then(home_dir)

@@ -233,7 +233,11 @@ struct Serve {
 
 impl Serve {
     fn start(home: &Path, path: &str) -> Serve {
-        let mut child = Command::new(AGENT)
+        Serve::start_exe(Path::new(AGENT), home, path)
+    }
+
+    fn start_exe(exe: &Path, home: &Path, path: &str) -> Serve {
+        let mut child = Command::new(exe)
             .arg("serve")
             .env_clear()
             .env("HOME", home)
@@ -377,6 +381,7 @@ fn job_outlives_the_agent_that_started_it(with_tmux: bool) {
         prefer_tmux: true,
         launch_id: None,
         confine: None,
+        gpus: None,
     });
     assert_eq!(info.state, JobState::Running);
     assert_eq!(info.runner, if with_tmux { "tmux" } else { "setsid" });
@@ -416,6 +421,7 @@ fn job_outlives_the_agent_that_started_it(with_tmux: bool) {
         prefer_tmux: true,
         launch_id: None,
         confine: None,
+        gpus: None,
     });
     let deadline = Instant::now() + PATIENCE;
     let mut got = Vec::new();
@@ -470,6 +476,7 @@ fn serve_reports_job_errors_as_data() {
         prefer_tmux: false,
         launch_id: None,
         confine: None,
+        gpus: None,
     };
     match serve.call(Request::JobStart(bad("a.b"))) {
         Reply::Error(e) => {
@@ -486,5 +493,42 @@ fn serve_reports_job_errors_as_data() {
     })) {
         Reply::Error(e) => assert_eq!(e.code, rsb_protocol::ErrorCode::NotFound),
         other => panic!("{other:?}"),
+    }
+}
+
+/// Two rsb servers deploying to one host at once: the second renames its (identical,
+/// content-addressed) copy over the binary the first agent runs from, which Linux then names
+/// `PATH (deleted)`. The first agent still starts jobs under both runners (it once handed tmux
+/// that name, and every start timed out).
+#[test]
+fn an_agent_whose_binary_was_replaced_by_an_identical_copy_still_starts_jobs() {
+    let home = tempfile::tempdir().unwrap();
+    std::fs::create_dir(home.path().join("tmux")).unwrap();
+    let bin = home.path().join("agent");
+    std::fs::create_dir(&bin).unwrap();
+    let exe = bin.join("rsb-agent");
+    std::fs::copy(AGENT, &exe).unwrap();
+    let mut serve = Serve::start_exe(&exe, home.path(), &private_path(home.path(), true));
+    std::fs::copy(AGENT, bin.join("rsb-agent.tmp")).unwrap();
+    std::fs::rename(bin.join("rsb-agent.tmp"), &exe).unwrap();
+    let pid = serve.child.id();
+    let link = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap();
+    assert!(link.to_string_lossy().ends_with(" (deleted)"), "{link:?}");
+    for (name, tmux) in [("replaced-t", true), ("replaced-s", false)] {
+        let info = serve.start_job(JobStartRequest {
+            name: name.into(),
+            command: "echo ran".into(),
+            cwd: None,
+            log_file: String::new(),
+            env: Vec::new(),
+            prefer_tmux: tmux,
+            launch_id: None,
+            confine: None,
+            gpus: None,
+        });
+        assert_eq!(info.runner, if tmux { "tmux" } else { "setsid" });
+        let st = serve.wait_done(name);
+        assert_eq!(st.info.unwrap().exit_code, Some(0));
+        assert!(String::from_utf8_lossy(&st.log).contains("ran\n"));
     }
 }

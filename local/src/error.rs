@@ -87,6 +87,7 @@ impl RsbError {
             ErrorCode::NoSpace => "free space on the remote file system, then retry",
             ErrorCode::Unsupported => "this host or agent does not support the operation",
             ErrorCode::Cancelled => "the request was cancelled",
+            ErrorCode::Busy => "wait for what holds it to end, or ask another sandbox",
             ErrorCode::Io | ErrorCode::Internal => "retry; if it persists, check the remote host",
         };
         Self::new(Kind::Agent(e.code), e.message, hint)

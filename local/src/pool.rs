@@ -344,6 +344,14 @@ impl Pool {
         }
     }
 
+    /// Drop `name`'s remembered sample: what it says is no longer so (a job just leased GPUs
+    /// there), and the next listing asks the agent.
+    pub fn forget_sample(&self, name: &str) {
+        if let Some(slot) = self.slots.get(name) {
+            *slot.sample.lock() = None;
+        }
+    }
+
     /// The pooled SSH session of `name` (`""` = active), connecting or reconnecting exactly as
     /// [`Pool::client`] does, so forwarded channels share the agent's connection and its
     /// ProxyJump chain. `None` for a sandbox without SSH (`local`); nothing is started for it.

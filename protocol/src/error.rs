@@ -14,6 +14,9 @@ pub enum ErrorCode {
     NoSpace,
     Unsupported,
     Cancelled,
+    /// What was asked for is held by someone else now (GPUs leased or in use): try later or
+    /// elsewhere.
+    Busy,
     Io,
     Internal,
 }

@@ -22,7 +22,25 @@ pub struct JobStartRequest {
     /// Confine the job's command (and everything it starts) with Landlock, as an exec's
     /// [`crate::Confine`]; the wrapper that supervises it and writes its log stays unconfined.
     pub confine: Option<crate::Confine>,
+    /// Run on this many of these GPUs, leased for the job's life (see [`GpuAsk`]).
+    pub gpus: Option<GpuAsk>,
 }
+
+/// GPUs for a job: the wrapper leases the first `count` of `candidates` (GPU UUIDs, in the
+/// caller's order of preference) that no other rsb job holds, and starts the job with
+/// `CUDA_VISIBLE_DEVICES` set to their UUIDs and `CUDA_DEVICE_ORDER=PCI_BUS_ID`. A lease is an
+/// exclusive `flock` on `<GPU_LEASE_DIR>/<uuid>`, shared by every user's agents on the host and
+/// held by the job's wrapper, so the kernel ends it with the wrapper, however that ends. Fewer
+/// free than `count`: the start fails with [`ErrorCode::Busy`](crate::ErrorCode::Busy).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GpuAsk {
+    pub count: u32,
+    pub candidates: Vec<String>,
+}
+
+/// Where GPU leases live on a host (one lock file per GPU UUID, a sticky world-writable
+/// directory that every user's rsb agents share).
+pub const GPU_LEASE_DIR: &str = "/tmp/rsb-gpu-leases";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum JobState {
@@ -57,6 +75,8 @@ pub struct JobInfo {
     /// In a start's reply only: the start asked for confinement with `require: false` and the
     /// host could not give it: why (the job runs unconfined).
     pub unconfined: Option<String>,
+    /// The UUIDs of the GPUs this run leased (empty: none asked).
+    pub gpus: Vec<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

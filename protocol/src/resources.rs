@@ -66,6 +66,18 @@ pub struct GpuInfo {
     pub mem_total_mib: Option<u64>,
     pub temperature_c: Option<f32>,
     pub power_w: Option<f32>,
+    /// The rsb job that holds this GPU's lease (see [`crate::GpuAsk`]), at the time of the report.
+    pub lease: Option<GpuHolder>,
+}
+
+/// A process on the host as rsb sees it: its user and, when it is (or runs under) an rsb job's
+/// wrapper, the job's name. Read from `/proc`, so any local user can fake a job name: it is a
+/// label for the report, never an authority.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GpuHolder {
+    pub pid: u32,
+    pub uid: Option<u32>,
+    pub job: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -73,6 +85,9 @@ pub struct GpuProcess {
     pub pid: u32,
     pub gpu_uuid: String,
     pub used_mem_mib: Option<u64>,
+    /// Its user and rsb job, where `/proc` shows them.
+    pub uid: Option<u32>,
+    pub job: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]

@@ -58,6 +58,10 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                 net: Some(vec![]),
                 require: true,
             }),
+            gpus: Some(GpuAsk {
+                count: 2,
+                candidates: vec!["GPU-a".into(), "MIG-b".into()],
+            }),
         }),
         Request::JobStatus(JobStatusRequest {
             name: "j".into(),
@@ -303,11 +307,13 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         log_start: 0,
         previous: None,
         unconfined: None,
+        gpus: vec![],
     };
     let again = JobInfo {
         log_start: 31,
         previous: Some(Box::new(job.clone())),
         unconfined: Some("no Landlock".into()),
+        gpus: vec!["GPU-a".into()],
         ..job.clone()
     };
     let replies = vec![
@@ -388,11 +394,18 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
                     mem_total_mib: Some(2),
                     temperature_c: Some(40.0),
                     power_w: None,
+                    lease: Some(GpuHolder {
+                        pid: 3,
+                        uid: Some(1000),
+                        job: Some("train".into()),
+                    }),
                 }],
                 processes: vec![GpuProcess {
                     pid: 1,
                     gpu_uuid: "GPU-1".into(),
                     used_mem_mib: Some(5),
+                    uid: Some(0),
+                    job: None,
                 }],
                 note: Some("n".into()),
                 age_ms: 3,

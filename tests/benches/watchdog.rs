@@ -77,7 +77,9 @@ async fn watch_job(
 ) -> i64 {
     let mut nw = wops::prepare(&args(interval_s), true, true).unwrap();
     let c = pool.client(sb).await.unwrap();
-    let v = jobs::start(&c, cmd, (name, "", ""), None).await.unwrap();
+    let v = jobs::start(&c, cmd, (name, "", ""), None, None)
+        .await
+        .unwrap();
     wops::fill_from_job(&mut nw, name, &v.log_file, "");
     nw.sandbox_name = sb.into();
     let cfgs = pool.config().sandboxes.clone();

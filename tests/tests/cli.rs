@@ -687,6 +687,19 @@ fn cli_table() {
         rsb(&["jobs", "prune", "--older-than", "5x"])
             .code(1)
             .err("unknown unit"),
+        // GPU placement: a host without GPUs says so; `-s auto` names every sandbox.
+        rsb(&["jobs", "start", "--gpus", "1", "--name", "g1", "true"])
+            .code(4)
+            .err("no 1 free GPU(s): gpu1 has no NVIDIA GPUs"),
+        rsb(&["-s", "auto", "jobs", "start", "--gpus", "2", "true"])
+            .code(4)
+            .err("gpu1 has no NVIDIA GPUs; dead: "),
+        rsb(&["jobs", "start", "--gpus", "65", "true"])
+            .code(1)
+            .err("gpus must be 0 to 64"),
+        rsb(&["jobs", "start", "--min-gpu-free-mem-gb", "8", "true"])
+            .code(1)
+            .err("needs gpus"),
         // wait: the end at once (the agent pushes it), the last lines, the job's exit code.
         bash("RSB jobs start --name w1 -- 'sleep 1; echo bye; exit 5' >/dev/null && RSB wait w1")
             .code(5)

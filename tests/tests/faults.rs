@@ -685,6 +685,7 @@ async fn tmux_server_killed_while_a_job_runs() {
         prefer_tmux: true,
         launch_id: None,
         confine: None,
+        gpus: None,
     };
     let status = |name: &str| JobStatusRequest {
         name: name.into(),

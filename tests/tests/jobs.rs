@@ -20,6 +20,7 @@ fn start_req(name: &str, cmd: &str) -> JobStartRequest {
         prefer_tmux: true,
         launch_id: None,
         confine: None,
+        gpus: None,
     }
 }
 

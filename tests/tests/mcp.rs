@@ -55,8 +55,10 @@ const DEFAULT_TOOLS: [&str; 17] = [
 /// inputSchema: the part a model reads); rsb's set may grow by 650 B for each default tool
 /// it adds for coding agents (issue 24: edit_remote_file, write_remote_file,
 /// search_remote_files), and by 90 B so that `expected_hash` and `safe` say what they do
-/// (issue 41: "A read's hash; else refuse" and "First sync: diffs conflict" said too little).
-const SCHEMA_BUDGET_BYTES: usize = 9_243 + 650 * 3 + 90;
+/// (issue 41: "A read's hash; else refuse" and "First sync: diffs conflict" said too little),
+/// and by 200 B for GPU placement (issue 49 allows 300: exec_bash_background's `gpus`,
+/// `min_gpu_free_mem_gb` and `sandbox_name: "auto"`).
+const SCHEMA_BUDGET_BYTES: usize = 9_243 + 650 * 3 + 90 + 200;
 
 /// The part of a tools/list a model reads, as compact JSON: each tool's name, description
 /// and inputSchema (annotations are hints for the client).
@@ -4843,4 +4845,188 @@ async fn confined_commands_keep_to_their_ports_and_cannot_signal_outside() {
     .await;
     drop((open, other));
     mcp.close().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// GPU placement (issue 49): two hosts with fake nvidia-smi, two `rsb mcp` servers
+// ---------------------------------------------------------------------------------------------
+
+/// A fake `nvidia-smi` with `gpus` as `(uuid, used MiB, util %)` of 80 GiB each, and one
+/// compute process (a pid that does not exist) on each GPU listed in `busy`.
+fn fake_smi(gpus: &[(&str, u64, u32)], busy: &[&str]) -> String {
+    let mut s = String::from("#!/bin/sh\ncase \"$*\" in\n*--query-gpu=*)\n");
+    for (i, (uuid, used, util)) in gpus.iter().enumerate() {
+        s.push_str(&format!(
+            "echo '{i}, NVIDIA Fake H100, {uuid}, {util}, {used}, 81920, 40, 100.0'\n"
+        ));
+    }
+    s.push_str(";;\n*--query-compute-apps=*)\n");
+    for (i, uuid) in busy.iter().enumerate() {
+        s.push_str(&format!("echo '{}, {uuid}, 60000'\n", 3_999_900 + i));
+    }
+    s.push_str(";;\n*) exit 2 ;;\nesac\n");
+    s
+}
+
+/// An sshd whose sessions find `script` as `nvidia-smi` first on PATH.
+fn gpu_host(script: &str) -> (Sshd, tempfile::TempDir) {
+    use std::os::unix::fs::PermissionsExt;
+    let bin = tempfile::Builder::new()
+        .prefix("rsb-gpus-")
+        .tempdir()
+        .unwrap();
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let smi = bin.path().join("nvidia-smi");
+    std::fs::write(&smi, script).unwrap();
+    std::fs::set_permissions(&smi, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!("{}:/usr/bin:/bin", bin.path().display());
+    let sshd = Sshd::start_with(rsb_tests::SshdOptions {
+        set_env: vec![("PATH".into(), path)],
+        ..Default::default()
+    })
+    .unwrap();
+    (sshd, bin)
+}
+
+/// The wrapper (the lease's holder) of the job whose process group is `pgid`: its parent.
+fn parent_of(pid: u64) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = stat.rsplit_once(')').unwrap().1;
+    after.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// `exec_bash_background(gpus=2, sandbox_name="auto")` from two `rsb mcp` servers at once: host
+/// `a` (4 GPUs, two busy) is the only one with two free, so exactly one start lands there, on
+/// exactly those two (freest first, their UUIDs in CUDA_VISIBLE_DEVICES), and the other gets a
+/// clear error saying what is free where. A lease whose holder is SIGKILLed ends, and the GPUs
+/// are placed again; `gpus=1` lands on `b`'s one free GPU; leases show in list_sandboxes.
+#[tokio::test(flavor = "multi_thread")]
+async fn gpus_are_placed_on_the_freest_host_and_never_twice() {
+    let tag = unique("g");
+    let a: Vec<String> = (0..4).map(|i| format!("GPU-a{i}-{tag}")).collect();
+    let b: Vec<String> = (0..2).map(|i| format!("GPU-b{i}-{tag}")).collect();
+    struct Leases(Vec<String>);
+    impl Drop for Leases {
+        fn drop(&mut self) {
+            for u in &self.0 {
+                let _ = std::fs::remove_file(Path::new(rsb_protocol::GPU_LEASE_DIR).join(u));
+            }
+        }
+    }
+    let _leases = Leases(a.iter().chain(&b).cloned().collect());
+    // a: GPU 1 has 1,000 MiB used, GPU 3 none: GPU 3 is offered first.
+    let (host_a, _bin_a) = gpu_host(&fake_smi(
+        &[
+            (&a[0], 70_000, 90),
+            (&a[1], 1_000, 0),
+            (&a[2], 60_000, 95),
+            (&a[3], 0, 0),
+        ],
+        &[&a[0], &a[2]],
+    ));
+    let (host_b, _bin_b) = gpu_host(&fake_smi(&[(&b[0], 0, 0), (&b[1], 50_000, 80)], &[&b[1]]));
+    let entries = list(&[key_entry("a", &host_a), key_entry("b", &host_b)]);
+    let (one, two) = tokio::join!(Mcp::start(&entries), Mcp::start(&entries));
+    let start = |name: &'static str, gpus: u32| {
+        json!({
+            "command": "echo \"CVD=$CUDA_VISIBLE_DEVICES ORDER=$CUDA_DEVICE_ORDER\"; sleep 60",
+            "session_name": name, "sandbox_name": "auto", "gpus": gpus, "watch": false,
+        })
+    };
+    let (r1, r2) = tokio::join!(
+        one.call("exec_bash_background", start("train1", 2)),
+        two.call("exec_bash_background", start("train2", 2))
+    );
+    eprintln!("one: {}\ntwo: {}", r1.text, r2.text);
+    assert!(
+        r1.is_error != r2.is_error,
+        "exactly one placement: {r1:?} {r2:?}"
+    );
+    let (won, lost, winner, loser, job) = match r1.is_error {
+        false => (r1, r2, &one, &two, "train1"),
+        true => (r2, r1, &two, &one, "train2"),
+    };
+    assert_eq!(won.s("sandbox"), "a", "{}", won.text);
+    assert_eq!(
+        won.v["gpus"],
+        json!([a[3], a[1]]),
+        "freest first: {}",
+        won.text
+    );
+    let msg = lost.v["error"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("free") && (msg.contains("a has 0 of 4 free") || msg.contains("GPUs busy")),
+        "the refusal says what is free where: {}",
+        lost.text
+    );
+    assert!(!lost.v["hint"].as_str().unwrap_or_default().is_empty());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let log = loop {
+        let log = std::fs::read_to_string(won.s("log_file")).unwrap_or_default();
+        if log.contains("CVD=") || Instant::now() > deadline {
+            break log;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let line = format!("CVD={},{} ORDER=PCI_BUS_ID", a[3], a[1]);
+    assert!(log.contains(&line), "the job sees exactly its GPUs: {log}");
+
+    // The other server sees the lease, named by job (a listing may answer with a sample
+    // up to 1 s old: sample_age_ms).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let row = loop {
+        let v = loser
+            .ok("list_sandboxes", json!({"check_resources": true}))
+            .await;
+        let rows = v["sandboxes"].as_array().unwrap();
+        let row = rows.iter().find(|s| s["name"] == "a").unwrap().clone();
+        if row["resources"]["gpu"][3].get("leased_by").is_some() || Instant::now() > deadline {
+            break row;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let gpus = row["resources"]["gpu"].as_array().unwrap();
+    assert_eq!(gpus[3]["leased_by"]["job"], job, "{row}");
+    assert_eq!(gpus[1]["leased_by"]["job"], job, "{row}");
+    assert!(gpus[0].get("leased_by").is_none(), "{row}");
+
+    // One GPU: only b has one free now.
+    let v = loser.ok("exec_bash_background", start("small", 1)).await;
+    assert_eq!(
+        (v["sandbox"].as_str(), &v["gpus"]),
+        (Some("b"), &json!([b[0]])),
+        "{v}"
+    );
+
+    // SIGKILL the winner's wrapper: its lease ends with it, and the GPUs are placed again.
+    let wrapper = parent_of(won.v["pid"].as_u64().unwrap());
+    assert_eq!(unsafe { libc::kill(wrapper, libc::SIGKILL) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let again = loop {
+        let r = loser.call("exec_bash_background", start("again", 2)).await;
+        if !r.is_error || Instant::now() > deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        !again.is_error,
+        "placed again after its holder died: {}",
+        again.text
+    );
+    assert_eq!(again.v["gpus"], json!([a[3], a[1]]), "{}", again.text);
+    for (mcp, name, sandbox) in [
+        (loser, "again", "a"),
+        (loser, "small", "b"),
+        (winner, job, "a"),
+    ] {
+        let _ = mcp
+            .call(
+                "kill_background_task",
+                json!({"tmux_session": name, "sandbox_name": sandbox, "grace_s": 0}),
+            )
+            .await;
+    }
+    one.close().await;
+    two.close().await;
 }

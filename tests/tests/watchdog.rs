@@ -167,7 +167,9 @@ async fn watch_job(
 ) -> i64 {
     let mut nw = wops::prepare(&a, true, true).unwrap();
     let c = pool.client(sandbox).await.unwrap();
-    let v = jobs::start(&c, cmd, (name, "", ""), None).await.unwrap();
+    let v = jobs::start(&c, cmd, (name, "", ""), None, None)
+        .await
+        .unwrap();
     let req = jobs::status_request(name, "", 1, None, 1).unwrap();
     let cwd = c.call(req).await.unwrap().info.unwrap().cwd;
     wops::fill_from_job(&mut nw, name, &v.log_file, &cwd);
@@ -1936,6 +1938,7 @@ async fn a_resume_cut_by_a_daemon_kill_runs_once_whatever_the_clocks_say() {
             prefer_tmux: true,
             launch_id: Some("LA".into()),
             confine: None,
+            gpus: None,
         })
         .await
         .unwrap();

@@ -129,6 +129,7 @@ fn req(name: &str, command: &str, tmux: bool) -> JobStartRequest {
         prefer_tmux: tmux,
         launch_id: None,
         confine: None,
+        gpus: None,
     }
 }
 
@@ -1138,6 +1139,7 @@ fn a_start_repeated_with_its_launch_id_runs_once() {
     let with_id = |id: &str| JobStartRequest {
         launch_id: Some(id.into()),
         confine: None,
+        gpus: None,
         ..req("idem", &cmd, false)
     };
     let first = start_in(&f.ctx, with_id("L1")).unwrap();
@@ -1474,4 +1476,119 @@ fn a_job_ending_while_its_record_is_read_is_never_lost() {
     for j in list_in(&f.ctx).unwrap() {
         assert_eq!((j.state, j.exit_code), (JobState::Exited, Some(0)), "{j:?}");
     }
+}
+
+/// GPU leases: two jobs asking for 2 of the same 4 GPUs get different ones, a third finds none
+/// free (Busy, no trace left), a report names each lease's job, and a lease ends with its
+/// holder: a wrapper killed outright (SIGKILL) or a job that ended.
+#[test]
+fn gpu_leases_keep_jobs_apart_and_end_with_their_holder() {
+    let f = Fixture::new();
+    let tag = format!("{}-{}", std::process::id(), now_ms());
+    let uuids: Vec<String> = (0..4).map(|i| format!("GPU-t{i}-{tag}")).collect();
+    // A planted link in the shared directory is refused, never followed.
+    let planted = format!("GPU-link-{tag}");
+    let dir = Path::new(rsb_protocol::GPU_LEASE_DIR);
+    let target = f.tmp.path().join("private");
+    std::fs::write(&target, "x").unwrap();
+    std::os::unix::fs::symlink(&target, crate::lease::lease_path(&planted).unwrap()).unwrap();
+    let mut offered = vec![planted.clone()];
+    offered.extend(uuids.iter().cloned());
+    struct Cleanup(Vec<PathBuf>);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            for p in &self.0 {
+                let _ = std::fs::remove_file(p);
+            }
+        }
+    }
+    let _cleanup = Cleanup(offered.iter().map(|u| dir.join(u)).collect());
+    let mode = std::fs::symlink_metadata(dir).unwrap().permissions().mode();
+    assert_eq!(mode & 0o7777, 0o1777, "shared by every user, like /tmp");
+    let ask = |name: &str, count: u32, tmux: bool| {
+        let mut r = req(
+            name,
+            "echo \"$CUDA_VISIBLE_DEVICES|$CUDA_DEVICE_ORDER\"; sleep 60",
+            tmux,
+        );
+        r.gpus = Some(rsb_protocol::GpuAsk {
+            count,
+            candidates: offered.clone(),
+        });
+        start_in(&f.ctx, r)
+    };
+    let a = ask("a", 2, false).unwrap();
+    assert_eq!(a.gpus, uuids[..2], "in the caller's order, past the link");
+    let b = ask("b", 2, true).unwrap();
+    assert_eq!(b.gpus, uuids[2..]);
+    wait_until("a's line", || {
+        f.log("a")
+            .contains(&format!("\n{},{}|PCI_BUS_ID\n", uuids[0], uuids[1]))
+    });
+    wait_until("b's line", || {
+        f.log("b")
+            .contains(&format!("\n{},{}|PCI_BUS_ID\n", uuids[2], uuids[3]))
+    });
+    let e = ask("c", 1, true).unwrap_err();
+    assert_eq!(e.code, ErrorCode::Busy, "{e}");
+    assert!(
+        e.message
+            .contains("1 asked, 0 of the 5 offered free (4 leased by other rsb jobs)")
+            && e.message.contains(&format!("cannot lease {planted}: ")),
+        "{e}"
+    );
+    assert_eq!(f.status("c").info, None, "a refused start leaves no run");
+
+    let refs: Vec<&str> = uuids.iter().map(String::as_str).collect();
+    let held = crate::lease::holders(&refs);
+    let wrapper = |n: &str| f.state(n).get_u64("wrapper_pid").unwrap() as u32;
+    let me = Some(rustix::process::getuid().as_raw());
+    for (i, h) in held.iter().enumerate() {
+        let (job, pid) = if i < 2 {
+            ("a", wrapper("a"))
+        } else {
+            ("b", wrapper("b"))
+        };
+        let h = h
+            .as_ref()
+            .unwrap_or_else(|| panic!("GPU {i} shows no lease"));
+        assert_eq!((h.pid, h.uid, h.job.as_deref()), (pid, me, Some(job)));
+    }
+    // The job itself (a child of its wrapper) is named the same way.
+    assert_eq!(crate::lease::who(a.pid).job.as_deref(), Some("a"));
+    assert_eq!(crate::lease::who(std::process::id()).job, None);
+
+    // SIGKILL a's wrapper: its lease ends with it.
+    let pid = rustix::process::Pid::from_raw(wrapper("a") as i32).unwrap();
+    rustix::process::kill_process(pid, crate::proc::Signal::KILL).unwrap();
+    wait_until("a's wrapper to die", || !pid_alive(wrapper("a")));
+    assert_eq!(crate::lease::holders(&refs[..1]), vec![None]);
+    let d = ask("d", 2, false).unwrap();
+    assert_eq!(d.gpus, uuids[..2]);
+    // b ends: its GPUs are free again.
+    kill_in(
+        &f.ctx,
+        &JobKillRequest {
+            name: "b".into(),
+            grace_ms: 0,
+        },
+    )
+    .unwrap();
+    let e = ask("e", 2, false).unwrap();
+    assert_eq!(e.gpus, uuids[2..]);
+
+    let bad = |candidates: Vec<String>, count| {
+        let mut r = req("x", "true", false);
+        r.gpus = Some(rsb_protocol::GpuAsk { count, candidates });
+        start_in(&f.ctx, r).unwrap_err()
+    };
+    assert_eq!(
+        bad(vec!["../etc".into()], 1).code,
+        ErrorCode::InvalidArgument
+    );
+    assert_eq!(
+        bad(vec![uuids[0].clone()], 0).code,
+        ErrorCode::InvalidArgument
+    );
+    assert_eq!(bad(vec![uuids[0].clone()], 2).code, ErrorCode::Busy);
 }

@@ -381,7 +381,7 @@ impl From<Refused> for std::io::Error {
 
 fn run(opts: &Opts) -> Result<i32, String> {
     let dir = opts.root.join(&opts.name);
-    let spec =
+    let mut spec =
         Record::read(&dir.join("spec")).map_err(|e| format!("cannot read the job spec: {e}"))?;
     if spec.get("launch") != Some(opts.launch.as_str()) {
         // Superseded by a newer launch (or abandoned by a `start` that gave up): do nothing.
@@ -405,6 +405,23 @@ fn run(opts: &Opts) -> Result<i32, String> {
         .to_string();
     // Hold no directory busy (an unmount of the caller's cwd must not be blocked by us).
     let _ = std::env::set_current_dir("/");
+    // GPUs first, so a start that finds none free leaves no log behind. The leases are this
+    // process's open files: they end when it does.
+    let mut gpus = Vec::new();
+    let _leases = match spec.get_u64("gpu_count") {
+        Some(count) => {
+            let ask: Vec<String> = spec
+                .get_all("gpu")
+                .map(|u| String::from_utf8_lossy(u).into())
+                .collect();
+            let (uuids, files) = crate::lease::take(&ask, count as usize)?;
+            spec.push("env", format!("CUDA_VISIBLE_DEVICES={}", uuids.join(",")));
+            spec.push("env", "CUDA_DEVICE_ORDER=PCI_BUS_ID");
+            gpus = uuids;
+            files
+        }
+        None => Vec::new(),
+    };
 
     let sig_r = install_signals().map_err(|e| format!("cannot install signal handlers: {e}"))?;
     // A confined job's log outside its own directory keeps to the write roots, as at start.
@@ -440,6 +457,9 @@ fn run(opts: &Opts) -> Result<i32, String> {
     }
     state.set("started_ms", started_ms.to_string());
     state.set("log_offset", log_offset.to_string());
+    if !gpus.is_empty() {
+        state.set("gpus", gpus.join(","));
+    }
     let state_path = dir.join("state");
     let save = |st: &Record| {
         st.write_atomic(&state_path)

@@ -168,6 +168,7 @@ pub(crate) fn parse_gpus(text: &str) -> (Vec<GpuInfo>, usize) {
             mem_total_mib: field_mib(f[n - 3]),
             temperature_c: field_f32(f[n - 2]),
             power_w: field_f32(f[n - 1]),
+            lease: None,
         });
     }
     (gpus, bad)
@@ -186,6 +187,7 @@ pub(crate) fn parse_processes(text: &str) -> Vec<GpuProcess> {
                 pid: field::<u32>(f[0])?,
                 gpu_uuid: f[1].trim().to_string(),
                 used_mem_mib: field_mib(f[2]),
+                ..GpuProcess::default()
             })
         })
         .collect()
@@ -217,6 +219,7 @@ mod tests {
                 mem_total_mib: Some(143771),
                 temperature_c: Some(41.0),
                 power_w: Some(123.45),
+                lease: None,
             }
         );
         assert_eq!(gpus[1].util_pct, None);
@@ -239,12 +242,14 @@ mod tests {
                 GpuProcess {
                     pid: 1234,
                     gpu_uuid: "GPU-aaaa".into(),
-                    used_mem_mib: Some(500)
+                    used_mem_mib: Some(500),
+                    ..GpuProcess::default()
                 },
                 GpuProcess {
                     pid: 77,
                     gpu_uuid: "GPU-bbbb".into(),
-                    used_mem_mib: None
+                    used_mem_mib: None,
+                    ..GpuProcess::default()
                 },
             ]
         );

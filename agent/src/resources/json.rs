@@ -71,15 +71,31 @@ fn gpu(g: &GpuInfo) -> String {
         ("mem_total_mib", u64_opt(g.mem_total_mib)),
         ("temperature_c", f32_opt(g.temperature_c)),
         ("power_w", f32_opt(g.power_w)),
+        (
+            "lease",
+            g.lease
+                .as_ref()
+                .map_or_else(|| "null".into(), |h| holder(h.pid, h.uid, &h.job, vec![])),
+        ),
     ])
 }
 
+fn holder(pid: u32, uid: Option<u32>, job: &Option<String>, mut f: Vec<(&str, String)>) -> String {
+    f.push(("pid", pid.to_string()));
+    f.push(("uid", uid.map_or_else(|| "null".into(), |u| u.to_string())));
+    f.push((
+        "job",
+        job.as_deref().map_or_else(|| "null".into(), json_string),
+    ));
+    obj(&f)
+}
+
 fn process(p: &GpuProcess) -> String {
-    obj(&[
-        ("pid", p.pid.to_string()),
+    let f = vec![
         ("gpu_uuid", json_string(&p.gpu_uuid)),
         ("used_mem_mib", u64_opt(p.used_mem_mib)),
-    ])
+    ];
+    holder(p.pid, p.uid, &p.job, f)
 }
 
 fn obj(fields: &[(&str, String)]) -> String {
@@ -164,11 +180,18 @@ mod tests {
                     mem_total_mib: None,
                     temperature_c: Some(-0.5),
                     power_w: Some(700.25),
+                    lease: Some(rsb_protocol::GpuHolder {
+                        pid: 9,
+                        uid: Some(1000),
+                        job: Some("train \"x\"".into()),
+                    }),
                 }],
                 processes: vec![GpuProcess {
                     pid: 4,
                     gpu_uuid: "GPU-1".into(),
                     used_mem_mib: None,
+                    uid: None,
+                    job: Some("j".into()),
                 }],
                 note: Some("tab\there".into()),
                 age_ms: 7,

@@ -35,6 +35,13 @@ pub enum JobsCmd {
         /// A job on a Slurm sandbox is always submitted through sbatch.
         #[arg(long, value_name = "JSON")]
         slurm: Option<String>,
+        /// Lease this many free GPUs (the freest; the job gets their UUIDs in
+        /// CUDA_VISIBLE_DEVICES). With `-s auto`, on the sandbox that fits best.
+        #[arg(long, default_value_t = 0)]
+        gpus: i64,
+        /// Each leased GPU has at least this much memory free (GiB).
+        #[arg(long, value_name = "GIB", default_value_t = 0.0)]
+        min_gpu_free_mem_gb: f64,
         /// One argument is a bash command line; several are words, boundaries kept.
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
@@ -180,10 +187,16 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
         log,
         yes,
         slurm,
+        gpus,
+        min_gpu_free_mem_gb,
         command,
     } = cmd
     {
-        return start(ctx, name, cwd, log, yes, slurm, command).await;
+        let need = match rsb::ops::gpus::Need::parse(gpus, min_gpu_free_mem_gb) {
+            Ok(n) => n,
+            Err(e) => return fail(json, &e),
+        };
+        return start(ctx, (name, cwd, log), yes, slurm, need, command).await;
     }
     if let JobsCmd::Kill { name, grace, yes } = cmd {
         return kill(ctx, &name, grace, yes, json).await;
@@ -284,11 +297,10 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
 /// stdout and where it runs on stderr.
 async fn start(
     ctx: &Ctx,
-    name: Option<String>,
-    cwd: Option<String>,
-    log: Option<String>,
+    (name, cwd, log): (Option<String>, Option<String>, Option<String>),
     yes: bool,
     slurm: Option<String>,
+    need: Option<rsb::ops::gpus::Need>,
     command: Vec<String>,
 ) -> u8 {
     let json = ctx.json;
@@ -306,34 +318,52 @@ async fn start(
             return fail(json, &e);
         }
     };
-    let sandbox = match ctx.resolve() {
-        Ok(s) => s,
-        Err(e) => return fail(json, &e),
+    // `-s auto` is placed by `place`; any other name must be configured.
+    let requested = match ctx.sandbox.as_str() {
+        "auto" => ctx.sandbox.clone(),
+        _ => match ctx.resolve() {
+            Ok(s) => s,
+            Err(e) => return fail(json, &e),
+        },
     };
     let line = super::command_line(&command);
-    let act = Act {
-        sandbox: &sandbox,
-        tool: "rsb jobs start",
-        command: Some(line.clone()),
-        cwd: cwd.clone(),
-        checked: vec![("command", line.clone())],
-        ..Default::default()
-    };
     let pool = ctx.app.pool();
     let names = (
         name.as_deref().unwrap_or(""),
         log.as_deref().unwrap_or(""),
         cwd.as_deref().unwrap_or(""),
     );
-    let r = super::policy::caller(yes)
-        .act(pool, act, async |sandbox| {
-            let client = pool.client(&sandbox).await?;
-            rsb::ops::slurm::jobs::start_any(pool, &client, job.as_ref(), false, &line, names)
-                .await
-                .map(|l| l.reply)
-        })
-        .await;
-    let v = match r {
+    let mut placing = match rsb::ops::sandboxes::targets(pool, &requested, need.as_ref()).await {
+        Ok(p) => p,
+        Err(e) => return fail(json, &e),
+    };
+    let mut outcome = None;
+    let mut sandbox = requested;
+    for host in placing.hosts.clone() {
+        sandbox = host;
+        let act = Act {
+            sandbox: &sandbox,
+            tool: "rsb jobs start",
+            command: Some(line.clone()),
+            cwd: cwd.clone(),
+            checked: vec![("command", line.clone())],
+            ..Default::default()
+        };
+        let r = super::policy::caller(yes)
+            .act(pool, act, async |sandbox| {
+                let client = pool.client(&sandbox).await?;
+                let (j, n) = (job.as_ref(), need.as_ref());
+                rsb::ops::slurm::jobs::start_any(pool, &client, j, false, &line, names, n)
+                    .await
+                    .map(|l| l.reply)
+            })
+            .await;
+        if !placing.refused(&sandbox, &r) {
+            outcome = Some(r);
+            break;
+        }
+    }
+    let v = match outcome.unwrap_or_else(|| Err(placing.none_placed())) {
         Ok(v) => v,
         Err(e) => return fail(json, &e),
     };

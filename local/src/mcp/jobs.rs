@@ -11,7 +11,7 @@ use serde::Deserialize;
 use super::{RsbServer, ToolResult, fail, reply, wait, with_progress_msg};
 use crate::{
     error::RsbError,
-    ops::{action::Act, jobs, slurm, watchdog as wops},
+    ops::{action::Act, gpus, jobs, sandboxes, slurm, watchdog as wops},
     watchdog::settings,
 };
 
@@ -89,7 +89,7 @@ fn d_grace() -> f64 {
     5.0
 }
 
-#[derive(Debug, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ExecBackgroundParams {
     /// Run by bash -c.
@@ -103,9 +103,15 @@ pub struct ExecBackgroundParams {
     /// ~ ok; ""=$HOME.
     #[serde(default)]
     pub cwd: String,
-    /// ""=active sandbox
+    /// ""=active sandbox; auto=best fit
     #[serde(default)]
     pub sandbox_name: String,
+    /// Lease N free GPUs.
+    #[serde(default)]
+    pub gpus: i64,
+    /// GiB free per GPU.
+    #[serde(default)]
+    pub min_gpu_free_mem_gb: f64,
     /// Register a watch.
     #[serde(default = "d_true")]
     pub watch: bool,
@@ -421,11 +427,36 @@ impl RsbServer {
     /// `exec_bash_background` and `exec_bash_background_watch`: one [`Act`] (the sandbox
     /// resolved once; the policy over every command the call would have the sandbox run: the
     /// job's, its resume and checkpoint commands, the plan's too; one audit line), then
-    /// [`RsbServer::start_background`].
+    /// [`RsbServer::start_background`]; for `sandbox_name: "auto"`, on the sandbox
+    /// [`sandboxes::targets`] picks (another one after a Busy answer, with its own act).
     pub(super) async fn background(
         &self,
         ctx: &RequestContext<RoleServer>,
         p: ExecBackgroundParams,
+        tool: &str,
+    ) -> Result<serde_json::Value, RsbError> {
+        let need = gpus::Need::parse(p.gpus, p.min_gpu_free_mem_gb)?;
+        let mut placing =
+            sandboxes::targets(self.app.pool(), &p.sandbox_name, need.as_ref()).await?;
+        for host in placing.hosts.clone() {
+            let on = ExecBackgroundParams {
+                sandbox_name: host.clone(),
+                ..p.clone()
+            };
+            let r = self.background_on(ctx, on, need, tool).await;
+            if !placing.refused(&host, &r) {
+                return r;
+            }
+        }
+        Err(placing.none_placed())
+    }
+
+    /// [`RsbServer::background`] on the sandbox `p` names.
+    async fn background_on(
+        &self,
+        ctx: &RequestContext<RoleServer>,
+        p: ExecBackgroundParams,
+        need: Option<gpus::Need>,
         tool: &str,
     ) -> Result<serde_json::Value, RsbError> {
         let checked = super::policy::commands_of(
@@ -447,7 +478,7 @@ impl RsbServer {
         };
         super::policy::caller(ctx)
             .act(self.app.pool(), act, async |sandbox| {
-                self.start_background(p, sandbox).await
+                self.start_background(p, need, sandbox).await
             })
             .await
     }
@@ -457,6 +488,7 @@ impl RsbServer {
     async fn start_background(
         &self,
         p: ExecBackgroundParams,
+        need: Option<gpus::Need>,
         sandbox: String,
     ) -> Result<serde_json::Value, RsbError> {
         let hooks = !p.watch || settings::hooks_allowed();
@@ -470,6 +502,7 @@ impl RsbServer {
             prepared.resume_plan.contains_key("slurm"),
             &p.command,
             (&p.session_name, &p.log_file, &p.cwd),
+            need.as_ref(),
         )
         .await?;
         let v = launched.reply;

@@ -277,6 +277,7 @@ mod tests {
                 log_start: 0,
                 previous: None,
                 unconfined: None,
+                gpus: vec![],
             },
             last_line: Some("boom".into()),
         };

@@ -347,6 +347,8 @@ impl RsbServer {
             log_file: p.log_file,
             cwd: p.cwd,
             sandbox_name: p.sandbox_name,
+            gpus: 0,
+            min_gpu_free_mem_gb: 0.0,
             watch: true,
             ensure_watchdog: p.ensure_watchdog,
             run_id: p.run_id,

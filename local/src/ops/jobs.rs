@@ -53,6 +53,9 @@ pub struct Started {
     /// on a host without Landlock): why.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub confinement: Option<String>,
+    /// The UUIDs of the GPUs the job leased (its `CUDA_VISIBLE_DEVICES`), when it asked.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub gpus: Vec<String>,
     /// When the run began (ms, the host's clock): with the name, what tells this run's end
     /// from another's. Not in the tool's reply.
     #[serde(skip)]
@@ -60,12 +63,14 @@ pub struct Started {
 }
 
 /// Start `command` as a background job, confined as `confine` says (the client's
-/// [`AgentClient::confine`], or what a resumed job was started with).
+/// [`AgentClient::confine`], or what a resumed job was started with), on the GPUs `gpus`
+/// offers ([`crate::ops::gpus::ask`]).
 pub async fn start(
     client: &AgentClient,
     command: &str,
     (session_name, log_file, cwd): (&str, &str, &str),
     confine: Option<rsb_protocol::Confine>,
+    gpus: Option<rsb_protocol::GpuAsk>,
 ) -> Result<Started> {
     if command.trim().is_empty() {
         return Err(RsbError::invalid(
@@ -91,6 +96,7 @@ pub async fn start(
             prefer_tmux: true,
             launch_id: None,
             confine,
+            gpus,
         })
         .await?;
     let note = info.previous.as_deref().map(|p| previous_note(&info, p));
@@ -111,6 +117,7 @@ pub async fn start(
         confinement: info
             .unconfined
             .map(|why| crate::ops::exec::unconfined_note(&why, "the job runs")),
+        gpus: info.gpus,
         started_ms: info.started_ms,
     })
 }

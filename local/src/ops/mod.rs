@@ -7,6 +7,7 @@ pub mod exec;
 pub mod failure;
 pub mod forward;
 pub mod fs;
+pub mod gpus;
 pub mod jobs;
 pub mod output;
 pub mod resources;

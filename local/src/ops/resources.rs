@@ -100,6 +100,10 @@ pub struct Disk {
 pub struct Gpu {
     pub index: u32,
     pub name: String,
+    pub uuid: String,
+    /// The rsb job whose lease holds this GPU (placement skips it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leased_by: Option<Holder>,
     pub util_pct: Option<f64>,
     pub mem_used_mb: Option<u64>,
     pub mem_total_mb: Option<u64>,
@@ -113,6 +117,20 @@ pub struct Gpu {
 pub struct GpuProcess {
     pub pid: u32,
     pub mem_used_mb: Option<u64>,
+    #[serde(flatten)]
+    pub who: Holder,
+}
+
+/// A process's user and, when it runs under an rsb job, the job's name (from the host's
+/// `/proc`: a label, not an authority).
+#[derive(Debug, Clone, Serialize)]
+pub struct Holder {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
 }
 
 pub fn resources(s: &ResourceSnapshot) -> Resources {
@@ -125,6 +143,12 @@ pub fn resources(s: &ResourceSnapshot) -> Resources {
         .map(|g| Gpu {
             index: g.index,
             name: g.name.clone(),
+            uuid: g.uuid.clone(),
+            leased_by: g.lease.as_ref().map(|l| Holder {
+                pid: Some(l.pid),
+                uid: l.uid,
+                job: l.job.clone(),
+            }),
             util_pct: g.util_pct.map(|v| round1(v as f64)),
             mem_used_mb: g.mem_used_mib,
             mem_total_mb: g.mem_total_mib,
@@ -142,6 +166,11 @@ pub fn resources(s: &ResourceSnapshot) -> Resources {
                 .map(|p| GpuProcess {
                     pid: p.pid,
                     mem_used_mb: p.used_mem_mib,
+                    who: Holder {
+                        pid: None,
+                        uid: p.uid,
+                        job: p.job.clone(),
+                    },
                 })
                 .collect(),
         })

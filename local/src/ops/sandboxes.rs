@@ -12,6 +12,7 @@ use serde_json::{Map, Value, json};
 
 use crate::{
     error::{Kind, Result, RsbError},
+    ops::gpus,
     ops::resources::{Resources, idle_score, resources},
     pool::Pool,
 };
@@ -368,45 +369,53 @@ async fn slurm_resources(
     crate::ops::slurm::resources::get(&c).await
 }
 
+/// The idlest reachable sandbox and its idle score (a Slurm login node scores as its
+/// cluster's free GPUs and CPUs), with the others as `name score` or why they are not
+/// candidates.
+pub async fn idlest(pool: &Arc<Pool>) -> Result<(String, f64, Vec<String>)> {
+    let probes = probe_all(pool, true).await;
+    let mut scored: Vec<(String, f64)> = Vec::new();
+    let mut others: Vec<String> = Vec::new();
+    for p in &probes {
+        if p.alive
+            && pool.slurm(&p.name).is_some()
+            && let Ok(r) = slurm_resources(pool, &p.name).await
+        {
+            // A cluster is as idle as its free GPUs and CPUs, not as its login node.
+            scored.push((p.name.clone(), r.idle_score));
+            continue;
+        }
+        match &p.resources {
+            Some(Ok(s)) => scored.push((p.name.clone(), idle_score(s))),
+            // Reachable, but its agent could not sample: not a candidate, and not "down".
+            Some(Err(e)) if p.alive => {
+                others.push(format!("{} has no resource data ({})", p.name, e.message))
+            }
+            _ => others.push(format!("{} unreachable", p.name)),
+        }
+    }
+    scored.sort_by(|a, b| b.1.total_cmp(&a.1));
+    let Some((best, score)) = scored.first().cloned() else {
+        return Err(RsbError::new(
+            Kind::Connect,
+            "sandbox \"auto\": no sandbox is reachable",
+            "list_sandboxes shows each sandbox's connection error",
+        ));
+    };
+    let mut rest: Vec<String> = scored
+        .iter()
+        .skip(1)
+        .map(|(n, s)| format!("{n} {s}"))
+        .collect();
+    rest.extend(others);
+    Ok((best, score, rest))
+}
+
 /// `"auto"` picks the idlest reachable sandbox (unless a sandbox is literally named `auto`).
 pub async fn select(pool: &Arc<Pool>, name: &str) -> Result<Value> {
     if name == "auto" && pool.sandbox_config("auto").is_none() {
-        let probes = probe_all(pool, true).await;
-        let mut scored: Vec<(String, f64)> = Vec::new();
-        let mut others: Vec<String> = Vec::new();
-        for p in &probes {
-            if p.alive
-                && pool.slurm(&p.name).is_some()
-                && let Ok(r) = slurm_resources(pool, &p.name).await
-            {
-                // A cluster is as idle as its free GPUs and CPUs, not as its login node.
-                scored.push((p.name.clone(), r.idle_score));
-                continue;
-            }
-            match &p.resources {
-                Some(Ok(s)) => scored.push((p.name.clone(), idle_score(s))),
-                // Reachable, but its agent could not sample: not a candidate, and not "down".
-                Some(Err(e)) if p.alive => {
-                    others.push(format!("{} has no resource data ({})", p.name, e.message))
-                }
-                _ => others.push(format!("{} unreachable", p.name)),
-            }
-        }
-        scored.sort_by(|a, b| b.1.total_cmp(&a.1));
-        let Some((best, score)) = scored.first().cloned() else {
-            return Err(RsbError::new(
-                Kind::Connect,
-                "select_sandbox(\"auto\"): no sandbox is reachable",
-                "list_sandboxes shows each sandbox's connection error",
-            ));
-        };
+        let (best, score, rest) = idlest(pool).await?;
         pool.select(&best)?;
-        let mut rest: Vec<String> = scored
-            .iter()
-            .skip(1)
-            .map(|(n, s)| format!("{n} {s}"))
-            .collect();
-        rest.extend(others);
         return Ok(json!({
             "active_sandbox": best,
             "status": "selected",
@@ -441,4 +450,75 @@ pub async fn get_active(pool: &Arc<Pool>) -> Value {
         m.insert("connection_error".into(), json!(e.message));
     }
     Value::Object(m)
+}
+
+/// `sandbox_name: "auto"` with GPUs: every reachable sandbox that is not a Slurm login node
+/// (Slurm places its own jobs) with at least `need.count` candidates, best first: most free
+/// memory over its best `count` GPUs, then the idlest. Too few anywhere: a Busy error that
+/// says what is free where.
+pub async fn gpu_hosts(pool: &Arc<Pool>, need: &gpus::Need) -> Result<Vec<String>> {
+    let probes = probe_all(pool, true).await;
+    let mut fit: Vec<(String, u64, f64)> = Vec::new();
+    let mut seen = Vec::new();
+    for p in probes {
+        if pool.slurm(&p.name).is_some() {
+            seen.push(format!(
+                "{} is a Slurm login node (name it to submit)",
+                p.name
+            ));
+            continue;
+        }
+        let r = match p.resources {
+            Some(Ok(r)) => r,
+            Some(Err(e)) => {
+                seen.push(format!("{}: {}", p.name, e.message));
+                continue;
+            }
+            None => continue,
+        };
+        let c = gpus::candidates(&r.gpu, need);
+        if c.len() >= need.count as usize {
+            let free = c[..need.count as usize]
+                .iter()
+                .filter_map(|g| gpus::free_mib(g))
+                .sum();
+            fit.push((p.name.clone(), free, idle_score(&r)));
+        } else {
+            seen.push(format!("{} has {}", p.name, gpus::describe(&r.gpu, need)));
+        }
+    }
+    if fit.is_empty() {
+        let where_ = match seen.is_empty() {
+            true => "no sandbox is configured".to_string(),
+            false => seen.join("; "),
+        };
+        return Err(gpus::too_few(need, &where_));
+    }
+    fit.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.total_cmp(&a.2)).then(a.0.cmp(&b.0)));
+    Ok(fit.into_iter().map(|(name, ..)| name).collect())
+}
+
+/// Where to try a start on the sandbox `name`: that sandbox, or for `"auto"` (unless a
+/// sandbox is named so) every fitting one, best first: with `need`, those [`gpu_hosts`] ranks;
+/// without, the idlest. A caller tries them in order while [`gpus::Placing::refused`] says to go on:
+/// the one path of `exec_bash_background` and `rsb jobs start`.
+pub async fn targets(
+    pool: &Arc<Pool>,
+    name: &str,
+    need: Option<&gpus::Need>,
+) -> Result<gpus::Placing> {
+    if name != "auto" || pool.sandbox_config("auto").is_some() {
+        return Ok(gpus::Placing {
+            hosts: vec![name.to_string()],
+            refusals: Vec::new(),
+        });
+    }
+    let hosts = match need {
+        Some(need) => gpu_hosts(pool, need).await?,
+        None => vec![idlest(pool).await?.0],
+    };
+    Ok(gpus::Placing {
+        hosts,
+        refusals: Vec::new(),
+    })
 }

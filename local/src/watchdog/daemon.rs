@@ -833,6 +833,7 @@ impl Daemon {
             // An intent from an rsb before launch ids has none: it is launched afresh.
             launch_id: (!w.resume_launch_id.is_empty()).then(|| w.resume_launch_id.clone()),
             confine,
+            gpus: None,
         };
         let r = match tokio::time::timeout(RESUME_DEADLINE, client.call(req)).await {
             Ok(Ok(info)) => Ok(info.name),

@@ -326,13 +326,24 @@ pub async fn start_any(
     slurm_asked: bool,
     command: &str,
     (name, log, cwd): (&str, &str, &str),
+    gpus: Option<&crate::ops::gpus::Need>,
 ) -> Result<Launched> {
     let sandbox = client.sandbox();
     if let Some(defaults) = pool.slurm(sandbox) {
         let agent = pool
             .agent_path(sandbox)
             .ok_or_else(|| RsbError::internal("the agent's path on the login node is not known"))?;
-        let job = job.cloned().unwrap_or_default();
+        let mut job = job.cloned().unwrap_or_default();
+        // Slurm places GPUs itself (and sets CUDA_VISIBLE_DEVICES): `gpus` is its --gpus.
+        if let Some(need) = gpus {
+            if need.min_free_mib.is_some() {
+                return Err(RsbError::invalid(
+                    "min_gpu_free_mem_gb does not apply on a Slurm login node: Slurm picks the GPUs",
+                    "drop it, and ask Slurm for the GPU model with slurm.gres or slurm.constraint",
+                ));
+            }
+            job.gpus = job.gpus.or(Some(need.count));
+        }
         let reply = start(
             pool,
             client,
@@ -358,8 +369,17 @@ pub async fn start_any(
             "declare it with scheduler = \"slurm\" in the config, or drop the Slurm options",
         ));
     }
-    let started =
-        ojobs::start(client, command, (name, log, cwd), client.confine().cloned()).await?;
+    let ask = match gpus {
+        Some(need) => Some(crate::ops::gpus::ask(client, need).await?),
+        None => None,
+    };
+    let confine = client.confine().cloned();
+    let leased = ask.is_some();
+    let started = ojobs::start(client, command, (name, log, cwd), confine, ask).await;
+    if leased {
+        pool.forget_sample(sandbox);
+    }
+    let started = started?;
     Ok(Launched {
         reply: serde_json::to_value(&started).unwrap_or_default(),
         slurm: None,
