@@ -25,6 +25,7 @@
 
 mod events;
 mod logread;
+mod oom;
 pub mod record;
 mod wrapper;
 
@@ -396,6 +397,7 @@ impl Job {
             state,
             exit_code: st.get_i32("exit_code"),
             signal: st.get_i32("signal"),
+            oom_kill: st.get("oom_kill").and_then(oom::from_word),
             ended_ms,
             launch_id: text(&self.spec, "launch_id"),
             log_start: self.spec.get_u64("log_start").unwrap_or(0),

@@ -63,6 +63,10 @@ pub struct JobInfo {
     pub state: JobState,
     pub exit_code: Option<i32>,
     pub signal: Option<i32>,
+    /// The kernel's OOM killer ended the run: it died by SIGKILL (itself, or the command its
+    /// shell waited for) one or two seconds after an OOM kill was counted, in its memory cgroup
+    /// or on the host.
+    pub oom_kill: Option<OomKill>,
     pub ended_ms: Option<u64>,
     /// The [`JobStartRequest::launch_id`] this run was started with (empty without one).
     pub launch_id: String,
@@ -77,6 +81,15 @@ pub struct JobInfo {
     pub unconfined: Option<String>,
     /// The UUIDs of the GPUs this run leased (empty: none asked).
     pub gpus: Vec<String>,
+}
+
+/// Where an OOM kill that ended a run was counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum OomKill {
+    /// The run's memory cgroup (`memory.events` or v1's `memory.oom_control`): its limit.
+    Cgroup,
+    /// The host (`/proc/vmstat`): the machine ran out of memory.
+    Host,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

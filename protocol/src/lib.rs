@@ -40,7 +40,7 @@ pub use hello::{Capabilities, Hello, MAGIC};
 pub use jobs::{
     CONFINED_LOG, GPU_LEASE_DIR, GpuAsk, JOB_EVENTS_RESCAN_MS, JOBS_ROOT, JobEvent, JobEventKind,
     JobEventsRequest, JobInfo, JobKillRequest, JobListRequest, JobStartRequest, JobState,
-    JobStatusRequest, JobStatusResult, LOG_EXIT_CODE, LOG_HEADER, job_output,
+    JobStatusRequest, JobStatusResult, LOG_EXIT_CODE, LOG_HEADER, OomKill, job_output,
 };
 pub use resources::{
     CpuInfo, DiskInfo, GpuHolder, GpuInfo, GpuProcess, GpuReport, GpuSource, MemoryInfo,
@@ -72,7 +72,7 @@ pub use sync::{
 /// `SearchRequest::multiline` (rg's -U). 27: `SearchLine::offset`, `SearchEntry::file_bytes`
 /// (rg's JSON lines). 28: `ApplyOp::FileShare`, `ApplyResult::shared`, `ApplyOpened::staging`
 /// and `StagedWrite` (a large upload over several channels).
-pub const PROTOCOL_VERSION: u32 = 29;
+pub const PROTOCOL_VERSION: u32 = 30;
 
 /// Most bytes of chunk frames one request may have sent and not yet had credited back by
 /// [`ToAgent::Credit`]. Each streaming request has its own window, so a caller that stops

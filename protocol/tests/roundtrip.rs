@@ -302,6 +302,7 @@ fn samples() -> (Vec<ToAgent>, Vec<FromAgent>) {
         state: JobState::Exited,
         exit_code: Some(7),
         signal: None,
+        oom_kill: Some(OomKill::Cgroup),
         ended_ms: Some(2),
         launch_id: "L".into(),
         log_start: 0,

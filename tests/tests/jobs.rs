@@ -54,6 +54,91 @@ async fn wait_done(
     }
 }
 
+/// A memory cgroup this test made (root only): its directory and how to write its limit.
+struct MemCgroup(std::path::PathBuf);
+
+impl MemCgroup {
+    /// v1's memory hierarchy, else v2's, with a limit of `bytes`; `None` when this machine does
+    /// not let the test make one (not root, no writable memory controller).
+    fn new(bytes: u64) -> Option<MemCgroup> {
+        let name = format!("rsb-oom-{}", std::process::id());
+        let (dir, limit) = if std::path::Path::new("/sys/fs/cgroup/memory").is_dir() {
+            ("/sys/fs/cgroup/memory", "memory.limit_in_bytes")
+        } else {
+            ("/sys/fs/cgroup", "memory.max")
+        };
+        let cg = std::path::Path::new(dir).join(name);
+        std::fs::create_dir(&cg).ok()?;
+        let cg = MemCgroup(cg);
+        std::fs::write(cg.0.join(limit), bytes.to_string()).ok()?;
+        Some(cg)
+    }
+
+    fn add(&self, pid: u32) {
+        std::fs::write(self.0.join("cgroup.procs"), pid.to_string()).unwrap();
+    }
+}
+
+impl Drop for MemCgroup {
+    /// Kill what is left in it (bounded), then remove it.
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            let procs = std::fs::read_to_string(self.0.join("cgroup.procs")).unwrap_or_default();
+            if procs.trim().is_empty() {
+                break;
+            }
+            for pid in procs.lines().filter_map(|p| p.trim().parse::<i32>().ok()) {
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// A job in a memory cgroup that allocates past the cgroup's limit is killed by the kernel's
+/// OOM killer; the agent saw the SIGKILL and the cgroup's OOM kill counter grow, so
+/// `failure_reason` is `host_oom`. A job of the same cgroup killed later by a plain SIGKILL is
+/// `signal`: the counter's growth just before the end, not the signal, is the evidence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_killed_by_its_cgroup_memory_limit_is_host_oom() {
+    let Some(cg) = MemCgroup::new(160 << 20) else {
+        eprintln!("note: cannot make a memory cgroup here (needs root and cgroup memory); skipped");
+        return;
+    };
+    let sshd = Sshd::start().unwrap();
+    // The sshd and everything it starts from now on (the agent, the job's wrapper and the job)
+    // run under the limit, as a job under systemd-run or Slurm's cgroup does.
+    cg.add(sshd.pid().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let pool = key_pool(&sshd, dir.path());
+    let c = pool.client("s").await.unwrap();
+    let hog = "echo allocating; python3 -c \"b = b'x' * (1 << 30); print(len(b))\"";
+    c.call(start_req("hog", hog)).await.unwrap();
+    let info = c.call(start_req("victim", "sleep 60")).await.unwrap();
+    let r = wait_done(&c, "hog", Duration::from_secs(60)).await;
+    let v = jobs::status_reply("hog", false, &r).unwrap();
+    println!("hog: {v}");
+    assert_eq!(v["failure_reason"], "host_oom", "{v}");
+    assert!(
+        v["failure_detail"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("memory cgroup reached its limit"),
+        "{v}"
+    );
+    // Past the window (two of the wrapper's one-second ticks), the hog's kill is not the
+    // victim's.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    unsafe { libc::kill(info.pid as i32, libc::SIGKILL) };
+    let r = wait_done(&c, "victim", Duration::from_secs(30)).await;
+    let v = jobs::status_reply("victim", false, &r).unwrap();
+    assert_eq!(v["failure_reason"], "signal", "{v}");
+    pool.shutdown().await;
+    drop(sshd);
+    drop(cg);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exit_codes_are_never_lost() {
     let sshd = Sshd::start().unwrap();

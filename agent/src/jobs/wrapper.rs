@@ -479,6 +479,10 @@ fn run(opts: &Opts) -> Result<i32, String> {
         }
     }
     let (out_r, out_w) = pipe(false).map_err(|e| format!("cannot create a pipe: {e}"))?;
+    // The kernel's OOM counters as of the last two ticks (a second apart while the job runs):
+    // only a kill counted in the last one to two seconds of the job's life can be its own.
+    let mut oom = [super::oom::counts(); 2];
+    let mut oom_at = Instant::now();
     let mut child = match spawn_job(&spec, &cwd, out_w) {
         Ok((c, unconfined)) => {
             if let Some(why) = unconfined {
@@ -538,14 +542,19 @@ fn run(opts: &Opts) -> Result<i32, String> {
         {
             break;
         }
-        let timeout = drain_until.map(|until| {
-            let left = until
+        if exited.is_none() && oom_at.elapsed() >= super::oom::TICK {
+            oom = [oom[1], super::oom::counts()];
+            oom_at = Instant::now();
+        }
+        let wait = match drain_until {
+            Some(until) => until
                 .saturating_duration_since(Instant::now())
-                .max(Duration::from_millis(1));
-            Timespec::try_from(left).unwrap_or(Timespec {
-                tv_sec: 1,
-                tv_nsec: 0,
-            })
+                .max(Duration::from_millis(1)),
+            None => super::oom::TICK,
+        };
+        let timeout = Timespec::try_from(wait).unwrap_or(Timespec {
+            tv_sec: 1,
+            tv_nsec: 0,
         });
         let mut fds = [
             PollFd::new(&sig_r, PollFlags::IN),
@@ -553,7 +562,7 @@ fn run(opts: &Opts) -> Result<i32, String> {
         ];
         // A closed output pipe is left out of the set.
         let watched = if out_open { 2 } else { 1 };
-        match rustix::event::poll(&mut fds[..watched], timeout.as_ref()) {
+        match rustix::event::poll(&mut fds[..watched], Some(&timeout)) {
             Ok(_) => {}
             Err(Errno::INTR) => continue,
             Err(e) => return Err(format!("poll failed: {e}")),
@@ -609,6 +618,13 @@ fn run(opts: &Opts) -> Result<i32, String> {
     match signal {
         Some(s) => state.set("signal", s.to_string()),
         None => state.set("exit_code", code.to_string()),
+    }
+    // SIGKILL, the job's own or its shell's report of its command's (137), just after the
+    // kernel counted an OOM kill: the OOM killer's work.
+    if (signal == Some(libc::SIGKILL) || code == 128 + libc::SIGKILL)
+        && let Some(k) = super::oom::since(oom[0])
+    {
+        state.set("oom_kill", super::oom::word(k));
     }
     if hangup {
         state.set("hangup", "1");

@@ -272,6 +272,7 @@ mod tests {
                 state: rsb_protocol::JobState::Exited,
                 exit_code: Some(1),
                 signal: None,
+                oom_kill: None,
                 ended_ms: Some(126_000),
                 launch_id: String::new(),
                 log_start: 0,

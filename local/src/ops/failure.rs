@@ -64,6 +64,8 @@ pub struct Ended<'a> {
     pub signal: Option<i32>,
     /// Slurm's state for the job, when it went through Slurm.
     pub slurm_state: Option<&'a str>,
+    /// The agent's evidence of an OOM kill (a SIGKILL while the kernel counted one).
+    pub oom_kill: Option<rsb_protocol::OomKill>,
 }
 
 impl Ended<'_> {
@@ -115,6 +117,16 @@ pub fn judge(end: Ended<'_>, output: &str) -> Option<Failure> {
         Some("OUT_OF_MEMORY") => return found(Reason::HostOom, None),
         Some("TIMEOUT") => return found(Reason::TimeLimit, None),
         _ => {}
+    }
+    if let Some(k) = end.oom_kill {
+        let why = match k {
+            rsb_protocol::OomKill::Cgroup => "its memory cgroup reached its limit",
+            rsb_protocol::OomKill::Host => "the host ran out of memory",
+        };
+        return Some(Failure {
+            reason: Reason::HostOom,
+            detail: Some(format!("killed by the kernel's OOM killer: {why}")),
+        });
     }
     if let Some(l) = last_line_with(tail, CUDA_OOM) {
         return found(Reason::CudaOom, Some(l));
@@ -279,6 +291,25 @@ mod tests {
             ),
             None
         );
+    }
+
+    #[test]
+    fn an_oom_kill_the_agent_saw_is_host_oom_and_a_bare_sigkill_is_a_signal() {
+        let killed = |oom_kill| Ended {
+            signal: Some(9),
+            oom_kill,
+            ..Ended::default()
+        };
+        let f = judge(killed(Some(rsb_protocol::OomKill::Cgroup)), "step 1\n").unwrap();
+        assert_eq!(f.reason, Reason::HostOom);
+        assert!(
+            f.detail
+                .unwrap()
+                .contains("memory cgroup reached its limit")
+        );
+        let f = judge(killed(Some(rsb_protocol::OomKill::Host)), "").unwrap();
+        assert!(f.detail.unwrap().contains("host ran out of memory"));
+        assert_eq!(reason(killed(None), ""), Some(Reason::Signal));
     }
 
     #[test]

@@ -215,6 +215,7 @@ pub fn ended<'a>(i: &JobInfo, slurm_state: Option<&'a str>) -> super::failure::E
         exit_code: i.exit_code,
         signal: i.signal,
         slurm_state,
+        oom_kill: i.oom_kill,
     }
 }
 
