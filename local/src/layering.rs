@@ -22,6 +22,7 @@ pub const LAYERS: &[&[&str]] = &[
     &["term"],
     &["config"],
     &["client"],
+    &["gpus"],
     &["exec_stream"],
     &["ssh"],
     &["connect"],

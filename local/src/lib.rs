@@ -11,6 +11,7 @@ pub mod connect;
 pub mod error;
 pub mod exec_stream;
 pub mod forward;
+pub mod gpus;
 #[cfg(test)]
 mod layering;
 pub mod mcp;

@@ -392,6 +392,126 @@ async fn exits_complete_interruptions_resume_with_their_checkpoint() {
     pool.shutdown().await;
 }
 
+/// A watched GPU job whose run was interrupted is resumed on GPUs leased again (its resume
+/// plan keeps what it asked: `gpus`), not on every GPU of the host: the resume sees one GPU's
+/// UUID in CUDA_VISIBLE_DEVICES. A fake nvidia-smi serves two idle GPUs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_interrupted_gpu_job_is_resumed_on_leased_gpus() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let tag = unique_n();
+    let uuids = [format!("GPU-w0-{tag}"), format!("GPU-w1-{tag}")];
+    struct Leases(Vec<String>);
+    impl Drop for Leases {
+        fn drop(&mut self) {
+            for u in &self.0 {
+                let _ = std::fs::remove_file(Path::new(rsb_protocol::GPU_LEASE_DIR).join(u));
+            }
+        }
+    }
+    let _leases = Leases(uuids.to_vec());
+    let bin = tmp.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let smi = format!(
+        "#!/bin/sh\ncase \"$*\" in\n*--query-gpu=*)\n\
+         echo '0, Fake, {}, 0, 0, 81920, 30, 60'\necho '1, Fake, {}, 0, 0, 81920, 30, 60'\n;;\n\
+         *--query-compute-apps=*) : ;;\nesac\n",
+        uuids[0], uuids[1]
+    );
+    std::fs::write(bin.join("nvidia-smi"), smi).unwrap();
+    std::fs::set_permissions(
+        bin.join("nvidia-smi"),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .unwrap();
+    let sshd = Sshd::start_with(rsb_tests::SshdOptions {
+        set_env: vec![("PATH".into(), format!("{}:/usr/bin:/bin", bin.display()))],
+        ..Default::default()
+    })
+    .unwrap();
+    let state = tmp.path().join("state");
+    let pool = key_pool(&sshd, tmp.path());
+    let c = pool.client("s").await.unwrap();
+
+    // As exec_bash_background(gpus=1, watch=true, auto_resume=true) starts and registers it.
+    let need = rsb::gpus::Need {
+        count: 1,
+        min_free_mib: None,
+    };
+    let ask = rsb::gpus::ask(&c, &need).await.unwrap();
+    let cmd = "echo \"FIRST CVD=$CUDA_VISIBLE_DEVICES\"; sleep 120";
+    let v = jobs::start(&c, cmd, ("gpujob", "", ""), None, Some(ask))
+        .await
+        .unwrap();
+    assert_eq!(v.gpus.len(), 1, "{v:?}");
+    let a = wops::WatchArgs {
+        auto_resume: true,
+        resume_command: "echo \"RESUMED CVD=$CUDA_VISIBLE_DEVICES\"; sleep 120".into(),
+        checkpoint_path: "ck.txt".into(),
+        ..args()
+    };
+    std::fs::write(sshd.home().join("ck.txt"), "step 1").unwrap();
+    let mut nw = wops::prepare(&a, true, true).unwrap();
+    let req = jobs::status_request("gpujob", "", 1, None, 1).unwrap();
+    let cwd = c.call(req).await.unwrap().info.unwrap().cwd;
+    wops::fill_from_job(&mut nw, "gpujob", &v.log_file, &cwd);
+    nw.launch_command = cmd.into();
+    nw.sandbox_name = "s".into();
+    nw.resume_plan
+        .insert(rsb::gpus::PLAN_KEY.into(), json!(need));
+    let store = rsb::store::Store::new(&state);
+    let cfgs = pool.config().sandboxes.clone();
+    let id = wops::register(&store, &cfgs, nw, false)
+        .await
+        .unwrap()
+        .watch_id;
+    store.close().await;
+
+    let daemon = Daemon::start(tmp.path(), &state, &[]);
+    wait_events(&state, id, Duration::from_secs(20), "first check", |_| {
+        watch(&state, id).last_state == "running"
+    })
+    .await;
+    sshd.ssh_run("tmux kill-session -t =gpujob").unwrap();
+    let e = wait_events(
+        &state,
+        id,
+        Duration::from_secs(30),
+        "resume_started",
+        has("resume_started"),
+    )
+    .await;
+    assert_eq!(types(&e), ["interrupted", "resume_started"], "{e:#?}");
+    let log_path = Path::new(&v.log_file).to_path_buf();
+    let t0 = Instant::now();
+    let log = loop {
+        let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+        if log.contains("RESUMED CVD=") || t0.elapsed() > Duration::from_secs(20) {
+            break log;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let resumed = log
+        .lines()
+        .find_map(|l| l.strip_prefix("RESUMED CVD="))
+        .unwrap_or_else(|| panic!("no resumed line: {log}"));
+    assert!(
+        uuids.iter().any(|u| u == resumed),
+        "one leased GPU, not all: {log}"
+    );
+    let info = c
+        .call(jobs::status_request("gpujob", "", 1, None, 1).unwrap())
+        .await
+        .unwrap()
+        .info
+        .unwrap();
+    assert_eq!(info.gpus, [resumed.to_string()], "{info:?}");
+    let _ = jobs::kill(&c, "gpujob", 0.0).await;
+    drop(daemon);
+    pool.shutdown().await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // 2. An outage: one ssh_unreachable, then running_restored; dead hosts do not delay live ones
 

@@ -192,7 +192,7 @@ pub async fn run(ctx: &Ctx, cmd: JobsCmd) -> u8 {
         command,
     } = cmd
     {
-        let need = match rsb::ops::gpus::Need::parse(gpus, min_gpu_free_mem_gb) {
+        let need = match rsb::gpus::Need::parse(gpus, min_gpu_free_mem_gb) {
             Ok(n) => n,
             Err(e) => return fail(json, &e),
         };
@@ -300,7 +300,7 @@ async fn start(
     (name, cwd, log): (Option<String>, Option<String>, Option<String>),
     yes: bool,
     slurm: Option<String>,
-    need: Option<rsb::ops::gpus::Need>,
+    need: Option<rsb::gpus::Need>,
     command: Vec<String>,
 ) -> u8 {
     let json = ctx.json;

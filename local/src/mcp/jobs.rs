@@ -11,7 +11,8 @@ use serde::Deserialize;
 use super::{RsbServer, ToolResult, fail, reply, wait, with_progress_msg};
 use crate::{
     error::RsbError,
-    ops::{action::Act, gpus, jobs, sandboxes, slurm, watchdog as wops},
+    gpus,
+    ops::{action::Act, jobs, sandboxes, slurm, watchdog as wops},
     watchdog::settings,
 };
 
@@ -516,6 +517,11 @@ impl RsbServer {
             nw.resume_plan
                 .entry("slurm")
                 .or_insert_with(|| serde_json::to_value(options).unwrap_or_default());
+        } else if let Some(need) = &need {
+            // The resume leases as many GPUs as this run did (its own, when they are free).
+            nw.resume_plan
+                .entry(gpus::PLAN_KEY)
+                .or_insert_with(|| serde_json::to_value(need).unwrap_or_default());
         }
         // The job's resolved cwd (where a relative checkpoint_path lives).
         let cwd = match (p.watch, &launched.slurm) {

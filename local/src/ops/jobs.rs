@@ -64,7 +64,7 @@ pub struct Started {
 
 /// Start `command` as a background job, confined as `confine` says (the client's
 /// [`AgentClient::confine`], or what a resumed job was started with), on the GPUs `gpus`
-/// offers ([`crate::ops::gpus::ask`]).
+/// offers ([`crate::gpus::ask`]).
 pub async fn start(
     client: &AgentClient,
     command: &str,

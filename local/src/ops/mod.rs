@@ -7,7 +7,6 @@ pub mod exec;
 pub mod failure;
 pub mod forward;
 pub mod fs;
-pub mod gpus;
 pub mod jobs;
 pub mod output;
 pub mod resources;

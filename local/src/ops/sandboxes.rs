@@ -12,7 +12,7 @@ use serde_json::{Map, Value, json};
 
 use crate::{
     error::{Kind, Result, RsbError},
-    ops::gpus,
+    gpus,
     ops::resources::{Resources, idle_score, resources},
     pool::Pool,
 };

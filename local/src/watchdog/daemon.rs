@@ -810,16 +810,30 @@ impl Daemon {
                 Err(_) => return,
                 Ok(Err(e)) => Err(e.message),
             };
-            self.audit_resume(&w, "slurm resubmit", &r);
-            let (after, e) = checks::resume_result(
-                &w,
-                r.as_deref().map_err(String::as_str),
-                &checkpoint,
-                now_ms(),
-            );
-            self.commit(&w, after, &[e]).await;
-            return;
+            return self.resumed(&w, "slurm resubmit", r, &checkpoint).await;
         }
+        // A GPU job is placed again as it was first (its own GPUs when they are free): no
+        // GPUs free now is this resume's failure, with what is free in its message.
+        let gpus = match w.resume_plan.get(crate::gpus::PLAN_KEY).map(|v| {
+            serde_json::from_value::<crate::gpus::Need>(v.clone())
+                .map_err(|e| format!("resume_plan.gpus is not valid: {e}"))
+        }) {
+            None => None,
+            Some(Err(why)) => return self.resumed(&w, "resume", Err(why), &checkpoint).await,
+            Some(Ok(need)) => match crate::gpus::ask(&client, &need).await {
+                Ok(ask) => Some(ask),
+                Err(e)
+                    if matches!(e.kind, Kind::ConnectionLost | Kind::Connect | Kind::Timeout) =>
+                {
+                    return;
+                }
+                Err(e) => {
+                    return self
+                        .resumed(&w, "resume", Err(e.message), &checkpoint)
+                        .await;
+                }
+            },
+        };
         // Confined as the session's own commands on that sandbox were: the client comes from a
         // pool of its persisted config, which gives it that config's confine.
         let confine = client.confine().cloned();
@@ -833,7 +847,7 @@ impl Daemon {
             // An intent from an rsb before launch ids has none: it is launched afresh.
             launch_id: (!w.resume_launch_id.is_empty()).then(|| w.resume_launch_id.clone()),
             confine,
-            gpus: None,
+            gpus,
         };
         let r = match tokio::time::timeout(RESUME_DEADLINE, client.call(req)).await {
             Ok(Ok(info)) => Ok(info.name),
@@ -851,14 +865,22 @@ impl Daemon {
             }
             Ok(Err(e)) => Err(e.message),
         };
-        self.audit_resume(&w, "resume", &r);
-        let (after, e) = checks::resume_result(
-            &w,
-            r.as_deref().map_err(String::as_str),
-            &checkpoint,
-            now_ms(),
-        );
-        self.commit(&w, after, &[e]).await;
+        self.resumed(&w, "resume", r, &checkpoint).await;
+    }
+
+    /// A resume's outcome (the job's name, or why it did not start): audited, and the watch and
+    /// its event committed.
+    async fn resumed(
+        &self,
+        w: &Watch,
+        tool: &str,
+        r: std::result::Result<String, String>,
+        checkpoint: &str,
+    ) {
+        self.audit_resume(w, tool, &r);
+        let r = r.as_deref().map_err(String::as_str);
+        let (after, e) = checks::resume_result(w, r, checkpoint, now_ms());
+        self.commit(w, after, &[e]).await;
     }
 
     /// A resume or resubmit the daemon ran, on the audit record as the user's own are.

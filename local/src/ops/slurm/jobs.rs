@@ -326,7 +326,7 @@ pub async fn start_any(
     slurm_asked: bool,
     command: &str,
     (name, log, cwd): (&str, &str, &str),
-    gpus: Option<&crate::ops::gpus::Need>,
+    gpus: Option<&crate::gpus::Need>,
 ) -> Result<Launched> {
     let sandbox = client.sandbox();
     if let Some(defaults) = pool.slurm(sandbox) {
@@ -370,7 +370,7 @@ pub async fn start_any(
         ));
     }
     let ask = match gpus {
-        Some(need) => Some(crate::ops::gpus::ask(client, need).await?),
+        Some(need) => Some(crate::gpus::ask(client, need).await?),
         None => None,
     };
     let confine = client.confine().cloned();

@@ -1,8 +1,9 @@
-//! GPU placement (`exec_bash_background(gpus=N)`, `rsb jobs start --gpus N`): which of a
-//! host's GPUs a job may have, freest first, and which host has them for
-//! `sandbox_name: "auto"`. What makes a choice exclusive is the lease the job's wrapper takes
-//! on the host ([`rsb_protocol::GpuAsk`]): this layer only offers candidates in order, so two
-//! placements racing for the same GPUs get different ones or a Busy error, never the same.
+//! GPU placement (`exec_bash_background(gpus=N)`, `rsb jobs start --gpus N`, a watched GPU
+//! job's resume): which of a host's GPUs a job may have, freest first (`ops::sandboxes` picks
+//! the host for `sandbox_name: "auto"` from these). Below the watchdog, which places a resume.
+//! What makes a choice exclusive is the lease the job's wrapper takes on the host
+//! ([`rsb_protocol::GpuAsk`]): this layer only offers candidates in order, so two placements
+//! racing for the same GPUs get different ones or a Busy error, never the same.
 
 use rsb_protocol::{ErrorCode, GpuAsk, GpuInfo, GpuReport, ResourceSnapshot, ResourcesRequest};
 
@@ -14,13 +15,19 @@ use crate::{
 /// At most this many GPUs for one job (the agent's limit on candidates).
 pub const MAX_GPUS: u32 = 64;
 
-/// What a job asks of a host's GPUs.
-#[derive(Debug, Clone, Copy, PartialEq)]
+/// What a job asks of a host's GPUs; a watch keeps it as its resume plan's `gpus`, so a
+/// resume is placed as the run it replaces was.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Need {
     pub count: u32,
     /// Each GPU must have at least this much memory free (MiB).
+    #[serde(default)]
     pub min_free_mib: Option<u64>,
 }
+
+/// The resume plan's key for a job's [`Need`].
+pub const PLAN_KEY: &str = "gpus";
 
 impl Need {
     /// From the tools' `gpus` and `min_gpu_free_mem_gb` (0 = no GPUs / no minimum).
