@@ -169,10 +169,18 @@ pub async fn ask(client: &AgentClient, need: &Need) -> Result<GpuAsk> {
 /// The sandboxes a start may go to, and the Busy answers of those tried.
 pub struct Placing {
     pub hosts: Vec<String>,
-    pub refusals: Vec<String>,
+    refusals: Vec<String>,
 }
 
 impl Placing {
+    /// A start to try on `hosts`, in order.
+    pub fn new(hosts: Vec<String>) -> Placing {
+        Placing {
+            hosts,
+            refusals: Vec::new(),
+        }
+    }
+
     /// Whether `host`'s answer `r` sends the start on to the next sandbox: a Busy answer
     /// (another placement leased its GPUs since the probe) when there is one.
     pub fn refused<T>(&mut self, host: &str, r: &Result<T>) -> bool {

@@ -318,7 +318,7 @@ async fn start(
             return fail(json, &e);
         }
     };
-    // `-s auto` is placed by `place`; any other name must be configured.
+    // `-s auto` is resolved by `targets`; any other name must be configured.
     let requested = match ctx.sandbox.as_str() {
         "auto" => ctx.sandbox.clone(),
         _ => match ctx.resolve() {

@@ -508,17 +508,11 @@ pub async fn targets(
     need: Option<&gpus::Need>,
 ) -> Result<gpus::Placing> {
     if name != "auto" || pool.sandbox_config("auto").is_some() {
-        return Ok(gpus::Placing {
-            hosts: vec![name.to_string()],
-            refusals: Vec::new(),
-        });
+        return Ok(gpus::Placing::new(vec![name.to_string()]));
     }
     let hosts = match need {
         Some(need) => gpu_hosts(pool, need).await?,
         None => vec![idlest(pool).await?.0],
     };
-    Ok(gpus::Placing {
-        hosts,
-        refusals: Vec::new(),
-    })
+    Ok(gpus::Placing::new(hosts))
 }
