@@ -148,24 +148,20 @@ pub(crate) fn who(pid: u32) -> GpuHolder {
     let mut at = pid;
     let mut job = None;
     for _ in 0..32 {
-        let Ok(argv) = std::fs::read(format!("/proc/{at}/cmdline")) else {
+        let Some(argv) = crate::proc::args(at) else {
             break;
         };
-        let mut args = argv.split(|&b| b == 0).skip(1);
-        if args.next() == Some(b"job-run") {
+        let mut args = argv.iter().skip(1);
+        if args.next().is_some_and(|a| a == b"job-run") {
             job = args
-                .skip_while(|a| *a != b"--name")
+                .skip_while(|a| a.as_slice() != b"--name")
                 .nth(1)
                 .map(|n| String::from_utf8_lossy(n).into_owned())
                 .filter(|n| rsb_protocol::jobs::valid_job_name(n));
             break;
         }
-        let stat = std::fs::read_to_string(format!("/proc/{at}/stat")).unwrap_or_default();
-        match stat
-            .rsplit_once(')')
-            .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse().ok())
-        {
-            Some(parent) if parent > 1 => at = parent,
+        match crate::proc::Stat::read(at) {
+            Some(st) if st.ppid > 1 => at = st.ppid,
             _ => break,
         }
     }

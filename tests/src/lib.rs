@@ -10,6 +10,7 @@
 
 pub mod agent;
 pub mod chaos;
+pub mod gpu;
 pub mod slurm;
 pub mod sshd;
 

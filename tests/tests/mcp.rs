@@ -21,6 +21,7 @@ use rmcp::{
     service::{NotificationContext, PeerRequestOptions, RunningService},
     transport::TokioChildProcess,
 };
+use rsb_tests::gpu::{fake_smi, gpu_host};
 use rsb_tests::{Sshd, workspace_root};
 use serde_json::{Value, json};
 
@@ -4851,43 +4852,6 @@ async fn confined_commands_keep_to_their_ports_and_cannot_signal_outside() {
 // GPU placement (issue 49): two hosts with fake nvidia-smi, two `rsb mcp` servers
 // ---------------------------------------------------------------------------------------------
 
-/// A fake `nvidia-smi` with `gpus` as `(uuid, used MiB, util %)` of 80 GiB each, and one
-/// compute process (a pid that does not exist) on each GPU listed in `busy`.
-fn fake_smi(gpus: &[(&str, u64, u32)], busy: &[&str]) -> String {
-    let mut s = String::from("#!/bin/sh\ncase \"$*\" in\n*--query-gpu=*)\n");
-    for (i, (uuid, used, util)) in gpus.iter().enumerate() {
-        s.push_str(&format!(
-            "echo '{i}, NVIDIA Fake H100, {uuid}, {util}, {used}, 81920, 40, 100.0'\n"
-        ));
-    }
-    s.push_str(";;\n*--query-compute-apps=*)\n");
-    for (i, uuid) in busy.iter().enumerate() {
-        s.push_str(&format!("echo '{}, {uuid}, 60000'\n", 3_999_900 + i));
-    }
-    s.push_str(";;\n*) exit 2 ;;\nesac\n");
-    s
-}
-
-/// An sshd whose sessions find `script` as `nvidia-smi` first on PATH.
-fn gpu_host(script: &str) -> (Sshd, tempfile::TempDir) {
-    use std::os::unix::fs::PermissionsExt;
-    let bin = tempfile::Builder::new()
-        .prefix("rsb-gpus-")
-        .tempdir()
-        .unwrap();
-    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let smi = bin.path().join("nvidia-smi");
-    std::fs::write(&smi, script).unwrap();
-    std::fs::set_permissions(&smi, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let path = format!("{}:/usr/bin:/bin", bin.path().display());
-    let sshd = Sshd::start_with(rsb_tests::SshdOptions {
-        set_env: vec![("PATH".into(), path)],
-        ..Default::default()
-    })
-    .unwrap();
-    (sshd, bin)
-}
-
 /// The wrapper (the lease's holder) of the job whose process group is `pgid`: its parent.
 fn parent_of(pid: u64) -> i32 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
@@ -4905,15 +4869,7 @@ async fn gpus_are_placed_on_the_freest_host_and_never_twice() {
     let tag = unique("g");
     let a: Vec<String> = (0..4).map(|i| format!("GPU-a{i}-{tag}")).collect();
     let b: Vec<String> = (0..2).map(|i| format!("GPU-b{i}-{tag}")).collect();
-    struct Leases(Vec<String>);
-    impl Drop for Leases {
-        fn drop(&mut self) {
-            for u in &self.0 {
-                let _ = std::fs::remove_file(Path::new(rsb_protocol::GPU_LEASE_DIR).join(u));
-            }
-        }
-    }
-    let _leases = Leases(a.iter().chain(&b).cloned().collect());
+    let _leases = rsb_tests::gpu::Leases(a.iter().chain(&b).cloned().collect());
     // a: GPU 1 has 1,000 MiB used, GPU 3 none: GPU 3 is offered first.
     let (host_a, _bin_a) = gpu_host(&fake_smi(
         &[

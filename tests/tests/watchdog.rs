@@ -397,39 +397,12 @@ async fn exits_complete_interruptions_resume_with_their_checkpoint() {
 /// UUID in CUDA_VISIBLE_DEVICES. A fake nvidia-smi serves two idle GPUs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_gpu_job_is_resumed_on_leased_gpus() {
-    use std::os::unix::fs::PermissionsExt;
     let tmp = tempfile::tempdir().unwrap();
     let tag = unique_n();
     let uuids = [format!("GPU-w0-{tag}"), format!("GPU-w1-{tag}")];
-    struct Leases(Vec<String>);
-    impl Drop for Leases {
-        fn drop(&mut self) {
-            for u in &self.0 {
-                let _ = std::fs::remove_file(Path::new(rsb_protocol::GPU_LEASE_DIR).join(u));
-            }
-        }
-    }
-    let _leases = Leases(uuids.to_vec());
-    let bin = tmp.path().join("bin");
-    std::fs::create_dir(&bin).unwrap();
-    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let smi = format!(
-        "#!/bin/sh\ncase \"$*\" in\n*--query-gpu=*)\n\
-         echo '0, Fake, {}, 0, 0, 81920, 30, 60'\necho '1, Fake, {}, 0, 0, 81920, 30, 60'\n;;\n\
-         *--query-compute-apps=*) : ;;\nesac\n",
-        uuids[0], uuids[1]
-    );
-    std::fs::write(bin.join("nvidia-smi"), smi).unwrap();
-    std::fs::set_permissions(
-        bin.join("nvidia-smi"),
-        std::fs::Permissions::from_mode(0o755),
-    )
-    .unwrap();
-    let sshd = Sshd::start_with(rsb_tests::SshdOptions {
-        set_env: vec![("PATH".into(), format!("{}:/usr/bin:/bin", bin.display()))],
-        ..Default::default()
-    })
-    .unwrap();
+    let _leases = rsb_tests::gpu::Leases(uuids.to_vec());
+    let smi = rsb_tests::gpu::fake_smi(&[(&uuids[0], 0, 0), (&uuids[1], 0, 0)], &[]);
+    let (sshd, _bin) = rsb_tests::gpu::gpu_host(&smi);
     let state = tmp.path().join("state");
     let pool = key_pool(&sshd, tmp.path());
     let c = pool.client("s").await.unwrap();
